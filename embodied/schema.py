@@ -1,0 +1,264 @@
+"""The observation/action contract shared by every simulator, robot and policy.
+
+Every tensor is batched, batch first, on the environment's device. Time-major buffers are
+``[T, B, ...]``. Actions are in physical units (``ActionSpec.low``/``high``). The validators
+``check_env`` and ``check_policy`` live in ``embodied.contract`` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+
+ACTION_SPACES = ("ee_delta_pose", "ee_pose", "joint_pos", "joint_delta")
+
+
+@dataclass
+class Observation:
+    """One batched observation.
+
+    images: camera name -> uint8 [B, H, W, 3] RGB, channel-last.
+    state: float32 [B, S] proprioception; columns named by ``ObsSpec.state_names``.
+    instruction: list[str] of length B, the task in natural language.
+    privileged: key -> float32 [B, ...] simulator-only ground truth (object/goal state).
+    """
+
+    state: torch.Tensor
+    instruction: list[str]
+    images: dict[str, torch.Tensor] = field(default_factory=dict)
+    privileged: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.state.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Flat ``group/key`` view of every tensor (state, images/*, privileged/*)."""
+        out = {"state": self.state}
+        out.update({f"images/{k}": v for k, v in self.images.items()})
+        out.update({f"privileged/{k}": v for k, v in self.privileged.items()})
+        return out
+
+    def map(self, fn) -> Observation:
+        """Apply ``fn`` to every tensor (e.g. ``.to(device)``, indexing); instructions follow
+        indexing only when ``fn`` keeps the batch dimension aligned, so they are re-derived."""
+        return Observation(
+            state=fn(self.state),
+            instruction=list(self.instruction),
+            images={k: fn(v) for k, v in self.images.items()},
+            privileged={k: fn(v) for k, v in self.privileged.items()},
+        )
+
+    def index(self, idx: torch.Tensor | slice) -> Observation:
+        """Rows ``idx`` of the batch (instructions included)."""
+        rows = range(self.batch_size)[idx] if isinstance(idx, slice) else idx.tolist()
+        obs = self.map(lambda t: t[idx])
+        obs.instruction = [self.instruction[i] for i in rows]
+        return obs
+
+    def where(self, mask: torch.Tensor, other: Observation) -> Observation:
+        """Rows of ``self`` where ``mask`` (bool [B]) is true, else rows of ``other``."""
+
+        def pick(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            m = mask.view(-1, *([1] * (a.dim() - 1)))
+            return torch.where(m, a, b)
+
+        return Observation(
+            state=pick(self.state, other.state),
+            instruction=[a if m else b for a, b, m in zip(self.instruction, other.instruction, mask.tolist())],
+            images={k: pick(v, other.images[k]) for k, v in self.images.items()},
+            privileged={k: pick(v, other.privileged[k]) for k, v in self.privileged.items()},
+        )
+
+    @staticmethod
+    def cat(obs: Sequence[Observation]) -> Observation:
+        """Concatenate along the batch dimension."""
+        first = obs[0]
+        return Observation(
+            state=torch.cat([o.state for o in obs]),
+            instruction=[s for o in obs for s in o.instruction],
+            images={k: torch.cat([o.images[k] for o in obs]) for k in first.images},
+            privileged={k: torch.cat([o.privileged[k] for o in obs]) for k in first.privileged},
+        )
+
+
+@dataclass(frozen=True)
+class CameraSpec:
+    name: str
+    height: int
+    width: int
+
+
+@dataclass(frozen=True)
+class ObsSpec:
+    """What an environment observes: cameras, named state columns, privileged keys and shapes."""
+
+    cameras: tuple[CameraSpec, ...] = ()
+    state_names: tuple[str, ...] = ()
+    privileged: dict[str, tuple[int, ...]] = field(default_factory=dict)  # key -> per-env shape
+
+    @property
+    def state_dim(self) -> int:
+        return len(self.state_names)
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """Per-step action in physical units: float32 [B, A] within [low, high]."""
+
+    space: str  # one of ACTION_SPACES
+    names: tuple[str, ...]
+    low: tuple[float, ...]
+    high: tuple[float, ...]
+    gripper: int | None = None  # index of the gripper dimension, if any
+    control_hz: float = 20.0
+
+    def __post_init__(self):
+        if self.space not in ACTION_SPACES:
+            raise ValueError(f"ActionSpec.space must be one of {ACTION_SPACES}, got {self.space!r}")
+        if not (len(self.names) == len(self.low) == len(self.high)):
+            raise ValueError("ActionSpec names, low and high must have the same length")
+        if any(lo >= hi for lo, hi in zip(self.low, self.high)):
+            raise ValueError("ActionSpec requires low < high in every dimension")
+
+    @property
+    def dim(self) -> int:
+        return len(self.names)
+
+    def bounds(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """(low, high), each float32 [A] on ``device``."""
+        low = torch.tensor(self.low, dtype=torch.float32, device=device)
+        high = torch.tensor(self.high, dtype=torch.float32, device=device)
+        return low, high
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    obs: ObsSpec
+    action: ActionSpec
+    max_episode_steps: int
+    instructions: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {
+            "obs": {
+                "cameras": [vars(c) for c in self.obs.cameras],
+                "state_names": list(self.obs.state_names),
+                "privileged": {k: list(v) for k, v in self.obs.privileged.items()},
+            },
+            "action": {f.name: getattr(self.action, f.name) for f in fields(self.action)},
+            "max_episode_steps": self.max_episode_steps,
+            "instructions": list(self.instructions),
+        }
+
+    @staticmethod
+    def from_dict(d: dict) -> EnvSpec:
+        a = d["action"]
+        return EnvSpec(
+            obs=ObsSpec(
+                cameras=tuple(CameraSpec(**c) for c in d["obs"]["cameras"]),
+                state_names=tuple(d["obs"]["state_names"]),
+                privileged={k: tuple(v) for k, v in d["obs"]["privileged"].items()},
+            ),
+            action=replace(
+                ActionSpec(space=a["space"], names=tuple(a["names"]), low=tuple(a["low"]), high=tuple(a["high"])),
+                gripper=a["gripper"],
+                control_hz=a["control_hz"],
+            ),
+            max_episode_steps=d["max_episode_steps"],
+            instructions=tuple(d["instructions"]),
+        )
+
+
+@dataclass
+class StepOutput:
+    """What ``VecEnv.step`` returns.
+
+    obs: the next observation (already reset for environments whose episode ended).
+    reward: float32 [B]; terminated, truncated, success: bool [B].
+    final_obs: full-batch Observation whose rows for ended episodes hold the last observation
+        before the automatic reset (other rows equal ``obs``); None when no episode ended.
+    """
+
+    obs: Observation
+    reward: torch.Tensor
+    terminated: torch.Tensor
+    truncated: torch.Tensor
+    success: torch.Tensor
+    final_obs: Observation | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class VecEnv(Protocol):
+    num_envs: int
+    device: torch.device
+    spec: EnvSpec
+
+    def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
+        """Reset all environments, or only ``env_ids`` (long [N]); returns the full batch.
+        An int seeds environment i with seed + i; a list gives each reset environment its seed."""
+
+    def step(self, actions: torch.Tensor) -> StepOutput:
+        """actions: float32 [B, A] in physical units. Finished environments reset automatically."""
+
+    def render(self) -> torch.Tensor | None:
+        """uint8 [B, H, W, 3], or None when the environment cannot render."""
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class PolicyOutput:
+    """actions: float32 [B, K, A] physical units; logprob: float32 [B] of the whole chunk;
+    value: float32 [B] or None; extras: what ``evaluate`` needs again (e.g. raw samples)."""
+
+    actions: torch.Tensor
+    logprob: torch.Tensor
+    value: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput: ...
+
+    def evaluate(self, obs: Observation, output: PolicyOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(logprob [B], entropy [B], value [B] or None) of ``output`` under the current weights."""
+
+
+@dataclass
+class NormStats:
+    """Per-key statistics computed from data (mean/std, or q01/q99 quantiles), float32 [D]."""
+
+    mean: torch.Tensor | None = None
+    std: torch.Tensor | None = None
+    q01: torch.Tensor | None = None
+    q99: torch.Tensor | None = None
+    count: float = 0.0
+
+
+from embodied.contract import ContractError, check_env, check_policy  # noqa: E402  (re-export)
+
+__all__ = [
+    "ACTION_SPACES",
+    "ActionSpec",
+    "CameraSpec",
+    "ContractError",
+    "EnvSpec",
+    "NormStats",
+    "ObsSpec",
+    "Observation",
+    "Policy",
+    "PolicyOutput",
+    "StepOutput",
+    "VecEnv",
+    "check_env",
+    "check_policy",
+]

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Idempotent set-up for embodied on Debian/Ubuntu with Python 3.11.
+#   scripts/setup.sh [EXTRAS]     EXTRAS defaults to "maniskill,dev"
+# 1. System: ManiSkill (SAPIEN) needs a Vulkan device even for state observations. Without an
+#    NVIDIA GPU that is Mesa's lavapipe, and only Mesa >= 24.3 works (Debian 12 ships 22.3), so
+#    Mesa comes from bookworm-backports there.
+# 2. Python: a virtual environment in .venv with the CPU build of torch installed *first*
+#    (an unpinned torch pulls several GB of CUDA packages), then this package and its extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${1:-maniskill,dev}"
+VENV="${EMBODIED_VENV:-.venv}"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+
+log() { printf '[setup] %s\n' "$*"; }
+
+mesa_ok() {  # true when lavapipe from Mesa >= 24.3 is installed
+  local v
+  v=$(dpkg-query -W -f='${Version}' mesa-vulkan-drivers 2>/dev/null) || return 1
+  dpkg --compare-versions "$v" ge 24.3 && dpkg-query -W libvulkan1 >/dev/null 2>&1
+}
+
+install_mesa() {
+  if command -v nvidia-smi >/dev/null 2>&1; then log "NVIDIA GPU found: using its Vulkan driver"; return; fi
+  if ! command -v apt-get >/dev/null 2>&1; then
+    log "no apt-get: install Mesa >= 24.3 (lavapipe) and libvulkan1 yourself"; return
+  fi
+  if mesa_ok; then log "Mesa lavapipe $(dpkg-query -W -f='${Version}' mesa-vulkan-drivers) present"; return; fi
+  local codename; codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
+  if [ "$codename" = bookworm ]; then
+    local src=/etc/apt/sources.list.d/embodied-backports.sources
+    if [ ! -f "$src" ]; then
+      # Copy the machine's own Debian entry (same mirror and keyring) with the backports suite.
+      local uris keyring
+      uris=$(awk '/^URIs:/ && /debian\/?$/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+      keyring=$(awk '/^Signed-By:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+      uris=${uris:-http://deb.debian.org/debian}
+      keyring=${keyring:-/usr/share/keyrings/debian-archive-keyring.gpg}
+      log "adding $src ($uris bookworm-backports)"
+      printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: %s\n' \
+        "$uris" "$keyring" | $SUDO tee "$src" >/dev/null
+    fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq -t bookworm-backports \
+      mesa-vulkan-drivers libvulkan1 >/dev/null
+  else
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >/dev/null
+  fi
+  mesa_ok || { log "Mesa >= 24.3 could not be installed; ManiSkill will not find a Vulkan device"; exit 1; }
+  log "Mesa lavapipe $(dpkg-query -W -f='${Version}' mesa-vulkan-drivers) installed"
+}
+
+install_python() {
+  [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
+  local pip="$VENV/bin/python -m pip"
+  if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+    log "installing torch==2.13.0 (CPU build where no GPU)"
+    $pip install -q "torch==2.13.0"
+  fi
+  # Re-install only when pyproject.toml changed since the last successful install.
+  local stamp="$VENV/.embodied-$(echo "$EXTRAS" | tr ',' '-')-$(sha1sum pyproject.toml | cut -c1-12)"
+  if [ ! -f "$stamp" ]; then
+    log "installing embodied[$EXTRAS]"
+    $pip install -q -e ".[$EXTRAS]"
+    touch "$stamp"
+  fi
+  log "python ready: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
+}
+
+case ",$EXTRAS," in *,maniskill,*) install_mesa ;; esac
+install_python

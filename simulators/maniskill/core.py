@@ -1,0 +1,210 @@
+"""One ManiSkill3 environment (any number of sub-environments) seen through the contract.
+
+``ManiSkillCore`` wraps the *unwrapped* ManiSkill env and owns: physical-unit actions, the
+observation mapping, the time limit, automatic partial reset and ``final_obs``. It works on
+torch tensors on the simulator's device, so the GPU backend never leaves the device; the CPU
+backend runs one core per environment inside subprocess workers (``workers.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, Observation, ObsSpec
+
+# Natural-language instructions per task; other tasks get their name split into words.
+INSTRUCTIONS = {
+    "PushCube-v1": "push the cube to the red and white target",
+    "PullCube-v1": "pull the cube back to the red and white target",
+    "PickCube-v1": "pick up the cube and move it to the green goal",
+    "StackCube-v1": "stack the red cube on top of the green cube",
+    "PokeCube-v1": "use the peg to poke the cube to the goal",
+    "PushT-v1": "push the T-shaped block onto the target",
+    "PlaceSphere-v1": "place the sphere into the bin",
+    "RollBall-v1": "roll the ball to the goal region",
+    "LiftPegUpright-v1": "lift the peg so that it stands upright",
+    "PegInsertionSide-v1": "insert the peg into the hole from the side",
+    "PickCubeSO100-v1": "pick up the cube",
+}
+
+# Proprioception: robot joint state and the end-effector pose (a real arm has these through FK).
+STATE_KEYS = (("agent", "qpos"), ("agent", "qvel"), ("extra", "tcp_pose"))
+
+
+class MissingAssetError(RuntimeError):
+    pass
+
+
+def instruction_for(task: str) -> str:
+    if task in INSTRUCTIONS:
+        return INSTRUCTIONS[task]
+    name = task.rsplit("-v", 1)[0]
+    return "".join(" " + c.lower() if c.isupper() else c for c in name).strip()
+
+
+def _refuse_prompt(message: str) -> bool:
+    raise MissingAssetError(f"{message.strip()} -- not downloading interactively; fetch them with "
+                            "`python -m mani_skill.utils.download_asset <asset-id>` (needs internet)")
+
+
+def check_assets(task: str) -> None:
+    """Raise MissingAssetError naming every asset the task needs that is not on disk, and make
+    ManiSkill's own interactive download prompt raise instead of waiting for stdin."""
+    import mani_skill.envs  # noqa: F401  (registers the tasks)
+    from mani_skill.utils import assets, download_asset
+    from mani_skill.utils.registration import REGISTERED_ENVS
+
+    download_asset.prompt_yes_no = _refuse_prompt
+    if task not in REGISTERED_ENVS:
+        raise ValueError(f"unknown ManiSkill task {task!r}; registered: {', '.join(sorted(REGISTERED_ENVS)[:12])}, ...")
+    missing = []
+    for asset_id in REGISTERED_ENVS[task].asset_download_ids or []:
+        ids = assets.expand_data_group_into_individual_data_source_ids(asset_id) if asset_id in assets.DATA_GROUPS else [asset_id]
+        for source_id in ids:
+            if not assets.is_data_source_downloaded(source_id):
+                src = assets.DATA_SOURCES[source_id]
+                missing.append(f"{source_id} (expected at {src.output_dir / src.target_path})")
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise MissingAssetError(
+            f"ManiSkill task {task} needs assets that are not installed: {shown}. "
+            f"Get them with `python -m mani_skill.utils.download_asset {task}` on a machine with internet, "
+            "or set MS_ASSET_DIR to where they are.")
+
+
+@dataclass
+class CoreOptions:
+    task: str
+    num_envs: int = 1
+    obs_mode: str = "state"  # "state" or "rgb"
+    control_mode: str | None = None  # None: the task's default
+    reward_mode: str = "normalized_dense"
+    image_size: int = 128
+    max_episode_steps: int | None = None  # None: the task's registered limit
+    sim_backend: str = "physx_cpu"
+    render_size: int = 256
+    camera_names: Sequence[str] | None = field(default=None)
+
+
+def _flatten(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0], -1).float()  # float32 [B, D]
+
+
+class ManiSkillCore:
+    def __init__(self, opts: CoreOptions):
+        check_assets(opts.task)
+        import gymnasium as gym
+        from mani_skill.utils.registration import REGISTERED_ENVS
+
+        self.opts = opts
+        kwargs = dict(num_envs=opts.num_envs, obs_mode="state_dict" if opts.obs_mode == "state" else "rgb",
+                      reward_mode=opts.reward_mode, sim_backend=opts.sim_backend, render_mode="rgb_array",
+                      human_render_camera_configs=dict(width=opts.render_size, height=opts.render_size))
+        if opts.control_mode:
+            kwargs["control_mode"] = opts.control_mode
+        if opts.obs_mode == "rgb":
+            kwargs["sensor_configs"] = dict(width=opts.image_size, height=opts.image_size)
+        self.env = gym.make(opts.task, **kwargs).unwrapped  # time limit and auto-reset are ours
+        self.device = self.env.device
+        self.max_episode_steps = opts.max_episode_steps or REGISTERED_ENVS[opts.task].max_episode_steps
+        self.instruction = instruction_for(opts.task)
+        self.action_spec, self._scale, self._offset = self._action_spec()
+        self.elapsed = torch.zeros(opts.num_envs, dtype=torch.long, device=self.device)
+        raw, _ = self.env.reset(seed=0)
+        self.spec = EnvSpec(obs=self._obs_spec(raw), action=self.action_spec,
+                            max_episode_steps=self.max_episode_steps, instructions=(self.instruction,))
+
+    # --- spec -------------------------------------------------------------------------
+    def _action_spec(self):
+        """Physical bounds per dimension from each sub-controller; where ManiSkill expects
+        normalized [-1, 1] actions, ``env_action = scale * physical + offset``."""
+        ctrl = self.env.agent.controller
+        subs = ctrl.controllers if hasattr(ctrl, "controllers") else {"arm": ctrl}
+        names, low, high, scale, offset, gripper = [], [], [], [], [], None
+        for sub_name, c in subs.items():
+            space = getattr(c, "_original_single_action_space", c.single_action_space)
+            lo, hi = space.low.tolist(), space.high.tolist()
+            if "gripper" in sub_name:
+                gripper = len(names)
+            names += [f"{sub_name}_{i}" for i in range(len(lo))] if len(lo) > 1 else [sub_name]
+            for a, b in zip(lo, hi):
+                low.append(a), high.append(b)
+                if getattr(c, "_normalize_action", False):
+                    scale.append(2.0 / (b - a)), offset.append(-(a + b) / (b - a))
+                else:
+                    scale.append(1.0), offset.append(0.0)
+        mode = self.env.control_mode
+        space = ("ee_delta_pose" if "ee_delta" in mode else "ee_pose" if "ee" in mode
+                 else "joint_delta" if "delta" in mode else "joint_pos")
+        spec = ActionSpec(space=space, names=tuple(names), low=tuple(low), high=tuple(high), gripper=gripper,
+                          control_hz=float(self.env.control_freq))
+        to = dict(dtype=torch.float32, device=self.device)
+        return spec, torch.tensor(scale, **to), torch.tensor(offset, **to)
+
+    def _obs_spec(self, raw) -> ObsSpec:
+        state_names = []
+        for group, key in STATE_KEYS:
+            if key in raw.get(group, {}):
+                state_names += [f"{key}_{i}" for i in range(_flatten(raw[group][key]).shape[1])]
+        state_keys = {k for _, k in STATE_KEYS}
+        priv = {k: tuple(_flatten(v).shape[1:]) for k, v in raw.get("extra", {}).items() if k not in state_keys}
+        self._priv_keys = tuple(priv)  # object/goal state: simulator-only ground truth
+        cams = tuple(CameraSpec(name, *v["rgb"].shape[1:3]) for name, v in raw.get("sensor_data", {}).items())
+        return ObsSpec(cameras=cams, state_names=tuple(state_names), privileged=priv)
+
+    # --- conversion -----------------------------------------------------------------------
+    def observation(self, raw) -> Observation:
+        state = torch.cat([_flatten(raw[g][k]) for g, k in STATE_KEYS if k in raw.get(g, {})], dim=1)  # f32 [B, S]
+        priv = {k: _flatten(raw["extra"][k]) for k in self._priv_keys}
+        images = {name: v["rgb"] for name, v in raw.get("sensor_data", {}).items()}  # uint8 [B, H, W, 3]
+        return Observation(state=state, instruction=[self.instruction] * state.shape[0], images=images, privileged=priv)
+
+    # --- environment API ------------------------------------------------------------------
+    def reset(self, seed=None, env_ids: torch.Tensor | None = None) -> Observation:
+        """Reset all (or ``env_ids``) sub-environments; ``seed`` is an int (env i gets seed + i) or
+        one seed per reset environment. Returns the full batch."""
+        n = self.opts.num_envs if env_ids is None else len(env_ids)
+        if isinstance(seed, int):
+            seed = [seed + i for i in range(n)]
+        options = {} if env_ids is None else {"env_idx": env_ids.to(self.device)}
+        if seed is not None and len(set(seed)) > 1 and self.opts.num_envs > 1:
+            # ManiSkill seeds a batch with one seed; reset one at a time for per-env seeds.
+            ids = torch.arange(self.opts.num_envs, device=self.device) if env_ids is None else env_ids
+            for i, s in zip(ids.tolist(), seed):
+                raw, _ = self.env.reset(seed=int(s), options={"env_idx": torch.tensor([i], device=self.device)})
+        else:
+            raw, _ = self.env.reset(seed=None if seed is None else int(seed[0]), options=options)
+        if env_ids is None:
+            self.elapsed.zero_()
+        else:
+            self.elapsed[env_ids.to(self.device)] = 0
+        self.last_obs = self.observation(raw)
+        return self.last_obs
+
+    def step(self, actions: torch.Tensor):
+        """actions: float32 [B, A] physical units -> (obs, reward, terminated, truncated, success, final_obs)."""
+        low, high = self.action_spec.bounds(self.device)
+        a = torch.clamp(actions.to(self.device), low, high) * self._scale + self._offset
+        raw, reward, terminated, _, info = self.env.step(a)
+        self.elapsed += 1
+        obs = self.observation(raw)
+        success = info["success"].to(torch.bool) if "success" in info else torch.zeros_like(terminated, dtype=torch.bool)
+        terminated = terminated.to(torch.bool)
+        truncated = (self.elapsed >= self.max_episode_steps) & ~terminated
+        done = terminated | truncated
+        final_obs = None
+        if bool(done.any()):  # one host sync per step decides whether to reset
+            final_obs = obs
+            obs = self.reset(env_ids=done.nonzero().squeeze(1))  # full batch, ended rows reset
+        self.last_obs = obs
+        return obs, reward.float(), terminated, truncated, success, final_obs
+
+    def render(self) -> torch.Tensor:
+        return self.env.render()  # uint8 [B, H, W, 3]
+
+    def close(self) -> None:
+        self.env.close()
+

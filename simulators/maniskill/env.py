@@ -1,0 +1,215 @@
+"""``ManiSkillEnv``: a VecEnv over ManiSkill3 with two backends.
+
+- ``gpu``: physx_cuda batches all environments in this process; tensors stay on the GPU.
+- ``cpu``: physx_cpu allows one environment per ManiSkill instance, so environments live in
+  subprocess workers (several per worker), stepped in lockstep; arrays cross as numpy.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from embodied.schema import Observation, StepOutput
+from embodied.simulators.maniskill.core import CoreOptions, ManiSkillCore, check_assets
+
+
+@dataclass
+class ManiSkillConfig:
+    """Which ManiSkill3 task to run and how."""
+
+    simulator: str = "maniskill"
+    task: str = "PushCube-v1"  # any ManiSkill3 task id whose assets are installed
+    num_envs: int = 8  # environments stepped in lockstep
+    backend: str = "cpu"  # "cpu": physx_cpu in subprocess workers; "gpu": physx_cuda, batched
+    num_workers: int = 2  # cpu backend: subprocesses sharing the environments
+    obs_mode: str = "state"  # "state" (proprioception + privileged) or "rgb" (cameras + proprioception)
+    control_mode: str | None = None  # None: the task's default controller
+    reward_mode: str = "normalized_dense"
+    image_size: int = 128  # camera height = width for obs_mode=rgb
+    max_episode_steps: int | None = None  # None: the task's registered limit
+    render_size: int = 256  # evaluation video frame size
+
+    def validate(self) -> None:
+        if self.backend not in ("cpu", "gpu"):
+            raise ValueError(f"backend: must be 'cpu' or 'gpu', got {self.backend!r}")
+        if self.obs_mode not in ("state", "rgb"):
+            raise ValueError(f"obs_mode: must be 'state' or 'rgb', got {self.obs_mode!r}")
+        for name in ("num_envs", "num_workers", "image_size", "render_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+def _core_options(cfg: ManiSkillConfig, num_envs: int, sim_backend: str) -> CoreOptions:
+    return CoreOptions(task=cfg.task, num_envs=num_envs, obs_mode=cfg.obs_mode, control_mode=cfg.control_mode,
+                       reward_mode=cfg.reward_mode, image_size=cfg.image_size, max_episode_steps=cfg.max_episode_steps,
+                       sim_backend=sim_backend, render_size=cfg.render_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU worker: several single-environment cores, stepped one after the other.
+def _pack(obs: Observation) -> dict:
+    return {"state": obs.state.numpy(), "images": {k: v.numpy() for k, v in obs.images.items()},
+            "privileged": {k: v.numpy() for k, v in obs.privileged.items()}}
+
+
+def _cat(packs: list[dict]) -> dict:
+    return {"state": np.concatenate([p["state"] for p in packs]),
+            "images": {k: np.concatenate([p["images"][k] for p in packs]) for k in packs[0]["images"]},
+            "privileged": {k: np.concatenate([p["privileged"][k] for p in packs]) for k in packs[0]["privileged"]}}
+
+
+def _worker(conn, opts: CoreOptions, count: int) -> None:
+    torch.set_num_threads(1)
+    try:
+        cores = [ManiSkillCore(opts) for _ in range(count)]
+        conn.send(("ok", cores[0].spec))
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "step":
+                outs = [c.step(torch.from_numpy(a[None])) for c, a in zip(cores, arg)]
+                obs = _cat([_pack(o[0]) for o in outs])
+                ended = any(o[5] is not None for o in outs)
+                final = _cat([_pack(o[5] if o[5] is not None else o[0]) for o in outs]) if ended else None
+                scalars = np.stack([torch.cat([o[1].float(), o[2].float(), o[3].float(), o[4].float()]).numpy() for o in outs])
+                conn.send(("ok", (obs, scalars, final)))  # scalars: f32 [m, 4] reward/term/trunc/success
+            elif cmd == "reset":
+                ids, seeds = arg  # local env indices, one seed (or None) each
+                obs = [None] * count
+                for i, s in zip(ids, seeds):
+                    obs[i] = cores[i].reset(seed=None if s is None else [s])
+                for i in range(count):  # unchanged environments report their current observation
+                    if obs[i] is None:
+                        obs[i] = cores[i].last_obs
+                conn.send(("ok", _cat([_pack(o) for o in obs])))
+            elif cmd == "render":
+                conn.send(("ok", np.concatenate([c.render().numpy() for c in cores])))
+            elif cmd == "close":
+                for c in cores:
+                    c.close()
+                conn.send(("ok", None))
+                return
+    except (KeyboardInterrupt, EOFError):
+        return
+    except Exception:  # report to the parent instead of dying silently
+        conn.send(("error", traceback.format_exc()))
+
+
+class ManiSkillEnv:
+    """VecEnv over a ManiSkill3 task (see module docstring for the backends)."""
+
+    def __init__(self, cfg: ManiSkillConfig):
+        cfg.validate()
+        check_assets(cfg.task)  # fail here, before any worker starts
+        self.cfg, self.num_envs = cfg, cfg.num_envs
+        if cfg.backend == "gpu":
+            if not torch.cuda.is_available():
+                raise RuntimeError("env.backend=gpu needs a CUDA GPU; use env.backend=cpu on this machine")
+            self._core = ManiSkillCore(_core_options(cfg, cfg.num_envs, "physx_cuda"))
+            self.device, self.spec = torch.device(self._core.device), self._core.spec
+            return
+        self._core, self.device = None, torch.device("cpu")
+        n_workers = min(cfg.num_workers, cfg.num_envs)
+        self._counts = [len(a) for a in np.array_split(np.arange(cfg.num_envs), n_workers)]
+        self._starts = np.cumsum([0] + self._counts)
+        ctx = mp.get_context("spawn")  # fork after SAPIEN/Vulkan start-up is unsafe
+        self._conns, self._procs = [], []
+        for count in self._counts:
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(child, _core_options(cfg, 1, "physx_cpu"), count), daemon=True)
+            p.start()
+            self._conns.append(parent), self._procs.append(p)
+        self.spec = [self._recv(c) for c in self._conns][0]
+
+    # --- transport ----------------------------------------------------------------------
+    def _recv(self, conn):
+        try:
+            status, payload = conn.recv()
+        except EOFError:
+            raise RuntimeError("a ManiSkill worker process died (see its output above)") from None
+        if status == "error":
+            raise RuntimeError(f"ManiSkill worker failed:\n{payload}")
+        return payload
+
+    def _obs(self, packed: dict) -> Observation:
+        return Observation(
+            state=torch.from_numpy(packed["state"]),  # f32 [B, S]
+            instruction=[self.spec.instructions[0]] * self.num_envs,
+            images={k: torch.from_numpy(v) for k, v in packed["images"].items()},  # uint8 [B, H, W, 3]
+            privileged={k: torch.from_numpy(v) for k, v in packed["privileged"].items()},
+        )
+
+    # --- VecEnv ---------------------------------------------------------------------------
+    def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
+        ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids.tolist()]
+        if seed is None:
+            seeds = [None] * len(ids)
+        elif isinstance(seed, int):
+            seeds = [seed + i for i in ids]
+        else:
+            seeds = [int(s) for s in seed]
+            if len(seeds) != len(ids):
+                raise ValueError(f"reset: {len(seeds)} seeds for {len(ids)} environments")
+        if self._core is not None:
+            return self._core.reset(seed=None if seed is None else seeds,
+                                    env_ids=None if env_ids is None else env_ids.to(self.device))
+        for w, conn in enumerate(self._conns):
+            lo, hi = self._starts[w], self._starts[w + 1]
+            mine = [(i - lo, s) for i, s in zip(ids, seeds) if lo <= i < hi]
+            conn.send(("reset", ([i for i, _ in mine], [s for _, s in mine])))
+        return self._obs(_cat([self._recv(c) for c in self._conns]))
+
+    def step(self, actions: torch.Tensor) -> StepOutput:
+        """actions: float32 [B, A] physical units."""
+        if self._core is not None:
+            obs, reward, term, trunc, success, final = self._core.step(actions)
+            return StepOutput(obs=obs, reward=reward, terminated=term, truncated=trunc, success=success, final_obs=final)
+        a = actions.detach().to("cpu", torch.float32).numpy()
+        for w, conn in enumerate(self._conns):
+            conn.send(("step", a[self._starts[w]:self._starts[w + 1]]))
+        results = [self._recv(c) for c in self._conns]
+        scalars = torch.from_numpy(np.concatenate([r[1] for r in results]))  # f32 [B, 4]
+        obs = self._obs(_cat([r[0] for r in results]))
+        final = None
+        if any(r[2] is not None for r in results):
+            final = self._obs(_cat([r[2] if r[2] is not None else r[0] for r in results]))
+        return StepOutput(obs=obs, reward=scalars[:, 0].contiguous(), terminated=scalars[:, 1] > 0,
+                          truncated=scalars[:, 2] > 0, success=scalars[:, 3] > 0, final_obs=final)
+
+    def render(self) -> torch.Tensor:
+        """uint8 [B, H, W, 3] frames of the task's render camera."""
+        if self._core is not None:
+            return self._core.render()
+        for conn in self._conns:
+            conn.send(("render", None))
+        return torch.from_numpy(np.concatenate([self._recv(c) for c in self._conns]))
+
+    def close(self) -> None:
+        if self._core is not None:
+            self._core.close()
+            return
+        for conn, proc in zip(self._conns, self._procs):
+            try:
+                conn.send(("close", None))
+                conn.recv()
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+        self._conns, self._procs = [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def make_env(cfg: ManiSkillConfig, **overrides) -> ManiSkillEnv:
+    return ManiSkillEnv(replace(cfg, **overrides) if overrides else cfg)

@@ -1,0 +1,51 @@
+"""PPO losses against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from embodied.algorithms import approx_kl, entropy, ppo_policy_loss, value_loss
+
+
+def test_ppo_policy_loss_symmetric_clip():
+    logprob = torch.tensor([0.0, 0.5, -0.5])
+    old = torch.zeros(3)
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    loss, m = ppo_policy_loss(logprob=logprob, old_logprob=old, advantages=adv, clip_low=0.2)
+    # per-sample max(-A r, -A clip(r)): [-1, -1.2, 0.8]  (r = 1, e^0.5, e^-0.5)
+    assert loss.item() == pytest.approx((-1.0 - 1.2 + 0.8) / 3, abs=1e-6)
+    assert m["policy/clipfrac"] == pytest.approx(2 / 3)
+    r = torch.tensor([1.0, math.exp(0.5), math.exp(-0.5)])
+    assert m["policy/approx_kl"] == pytest.approx(((r - 1) - r.log()).mean().item(), abs=1e-6)
+
+
+def test_ppo_policy_loss_asymmetric_clip_higher():
+    logprob = torch.tensor([0.0, 0.5, -0.5])
+    loss, _ = ppo_policy_loss(logprob=logprob, old_logprob=torch.zeros(3), advantages=torch.tensor([1.0, 1.0, -1.0]),
+                              clip_low=0.2, clip_high=0.28)
+    assert loss.item() == pytest.approx((-1.0 - 1.28 + 0.8) / 3, abs=1e-6)
+
+
+def test_ppo_policy_loss_gradient_is_zero_when_clipped():
+    logprob = torch.tensor([0.5], requires_grad=True)
+    loss, _ = ppo_policy_loss(logprob=logprob, old_logprob=torch.zeros(1), advantages=torch.ones(1), clip_low=0.2)
+    loss.backward()
+    assert logprob.grad.item() == 0.0
+
+
+def test_value_loss_plain_and_clipped():
+    loss, m = value_loss(values=torch.tensor([1.0, 2.0]), returns=torch.tensor([0.0, 2.0]))
+    assert loss.item() == pytest.approx(0.25)
+    # clipped: V_old + clip(0.2 - 0, -0.1, 0.1) = 0.1 -> (0.1 - 1)^2 = 0.81 > (0.2 - 1)^2 = 0.64
+    loss, _ = value_loss(values=torch.tensor([0.2]), returns=torch.tensor([1.0]), old_values=torch.tensor([0.0]), clip=0.1)
+    assert loss.item() == pytest.approx(0.5 * 0.81)
+    with pytest.raises(ValueError):
+        value_loss(values=torch.zeros(1), returns=torch.zeros(1), clip=0.1)
+
+
+def test_entropy_and_approx_kl():
+    loss, m = entropy(entropies=torch.tensor([1.0, 3.0]))
+    assert loss.item() == 2.0 and m["policy/entropy"] == 2.0
+    assert approx_kl(log_ratio=torch.zeros(5)) == 0.0
+    assert approx_kl(log_ratio=torch.tensor([math.log(2.0)])) == pytest.approx(1 - math.log(2.0))
