@@ -1,0 +1,90 @@
+"""``embodied`` command line: train, eval."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _error(msg: str) -> int:
+    print(f"embodied: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_train(args) -> int:
+    from embodied.config import ConfigError, load_config
+    from embodied.trainer import TrainConfig, train
+
+    try:
+        cfg, _ = load_config(TrainConfig, args.config, args.overrides)
+    except ConfigError as e:
+        return _error(str(e))
+    train(cfg)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from embodied.checkpoint import load_checkpoint
+    from embodied.evaluate import evaluate
+    from embodied.models import build_policy
+    from embodied.simulators.maniskill import make_env
+    from embodied.trainer import TrainConfig
+    from omegaconf import OmegaConf
+    import torch
+
+    try:
+        ckpt = load_checkpoint(args.checkpoint, with_trainer_state=False)
+    except FileNotFoundError as e:
+        return _error(str(e))
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), ckpt["meta"]["config"]))
+    if args.num_envs:
+        cfg.env.num_envs = args.num_envs
+    torch.set_num_threads(cfg.runner.torch_threads)
+    env = make_env(cfg.env)
+    try:
+        policy = build_policy(env.spec, cfg.policy).to(env.device)
+        policy.load_state_dict(ckpt["model"])
+        policy.eval()
+        video = ckpt["path"] / f"eval_{args.episodes}.mp4" if args.video else None
+        result = evaluate(env, policy, episodes=args.episodes, seed=args.seed, video_path=video)
+    finally:
+        env.close()
+    out = ckpt["path"] / "eval.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="embodied", description="Fine-tune robot policies with RL in vectorized simulators.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    t = sub.add_parser("train", help="train a policy from a YAML config",
+                       description="Train from CONFIG; override any key with key.sub=value (e.g. env.num_envs=16).")
+    t.add_argument("config", help="YAML config, e.g. configs/maniskill/pushcube_ppo.yaml")
+    t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    t.set_defaults(func=cmd_train)
+    e = sub.add_parser("eval", help="evaluate a checkpoint", description="Evaluate CHECKPOINT with deterministic actions.")
+    e.add_argument("checkpoint", help="a checkpoint directory, a run directory or RUN/last")
+    e.add_argument("--episodes", type=int, default=50, help="number of evaluation episodes (default 50)")
+    e.add_argument("--video", action="store_true", help="write an mp4 of the first round of episodes")
+    e.add_argument("--seed", type=int, default=0, help="evaluation seed (default 0)")
+    e.add_argument("--num-envs", type=int, default=None, help="environments in parallel (default: as trained)")
+    e.set_defaults(func=cmd_eval)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach for a model hub
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted; the last checkpoint is in the run directory", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

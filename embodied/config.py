@@ -1,0 +1,132 @@
+"""Configuration: YAML files composed with ``defaults:`` lists, strictly validated against the
+dataclass schemas that live next to the code they configure, plus ``key.sub=value`` overrides.
+
+A bad config raises ``ConfigError`` with one line naming the key path and the file it came from;
+the CLI prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+COMMAND_LINE = "the command line"
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; ``str()`` is a single line for the user."""
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
+    """(source name, mapping) for ``path`` and, first, everything its ``defaults:`` list names."""
+    if not path.is_file():
+        where = f" (listed in defaults of {chain[-1]})" if chain else ""
+        raise ConfigError(f"config file not found: {path}{where}")
+    if path.resolve() in [p.resolve() for p in chain]:
+        raise ConfigError(f"{path}: defaults form a cycle through {' -> '.join(map(str, chain))}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{line}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    defaults = data.pop("defaults", []) or []
+    if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
+        raise ConfigError(f"{path}: 'defaults' must be a list of file paths relative to this file")
+    sources: list[tuple[str, dict]] = []
+    for d in defaults:
+        sources += _read_yaml((path.parent / d), chain + (path,))
+    return sources + [(str(path), data)]
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["a.b=1", "c=[1,2]"]`` -> nested dict; values are parsed as YAML scalars/lists."""
+    out: dict = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key or any(not p for p in key.split(".")):
+            raise ConfigError(f"override {item!r} on {COMMAND_LINE}: expected key.sub=value")
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} on {COMMAND_LINE}: {p} is set twice")
+        try:
+            node[leaf] = yaml.safe_load(value) if value != "" else None
+        except yaml.YAMLError:
+            node[leaf] = value
+    return out
+
+
+def _leaf_paths(d: dict, prefix: str = "") -> list[str]:
+    paths = []
+    for k, v in d.items():
+        p = f"{prefix}{k}"
+        paths += _leaf_paths(v, p + ".") if isinstance(v, dict) and v else [p]
+    return paths
+
+
+def _source_of(key: str, sources: list[tuple[str, dict]]) -> str:
+    """The last source that set ``key`` or one of its parents/children."""
+    for name, data in reversed(sources):
+        for p in _leaf_paths(data):
+            if p == key or p.startswith(key + ".") or key.startswith(p + "."):
+                return name
+    return sources[-1][0] if sources else COMMAND_LINE
+
+
+def _validate_tree(obj: Any, path: str, sources) -> None:
+    """Call ``validate()`` on every dataclass in the tree, prefixing errors with their key path."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    if hasattr(obj, "validate"):
+        try:
+            obj.validate()
+        except ValueError as e:
+            field_name = str(e).split(":", 1)[0]
+            key = f"{path}{field_name}"
+            raise ConfigError(f"{key}: {str(e).split(':', 1)[-1].strip()} (in {_source_of(key, sources)})") from None
+    for f in dataclasses.fields(obj):
+        _validate_tree(getattr(obj, f.name), f"{path}{f.name}.", sources)
+
+
+def load_config(schema: type, path: str | Path, overrides: list[str] | None = None):
+    """Compose ``path`` (and its defaults) with ``overrides`` into an instance of ``schema``.
+    Returns ``(config, sources)`` where sources lists (file, mapping) in merge order."""
+    sources = _read_yaml(Path(path), ())
+    if overrides:
+        sources.append((COMMAND_LINE, parse_overrides(overrides)))
+    cfg = OmegaConf.structured(schema)
+    for name, data in sources:
+        try:
+            cfg = OmegaConf.merge(cfg, data)
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None) or "?"
+            msg = str(e).splitlines()[0]
+            if "not in" in msg:
+                msg = f"unknown key (not a field of {type(e).__name__ and msg.split('not in')[-1].strip()})"
+            raise ConfigError(f"{key}: {msg} (in {name})") from None
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError(f"{key}: {str(e).splitlines()[0]} (in {_source_of(key, sources)})") from None
+    _validate_tree(obj, "", sources)
+    return obj, sources
+
+
+def to_dict(cfg) -> dict:
+    """A dataclass config as plain containers (for saving the resolved config)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def save_config(cfg, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

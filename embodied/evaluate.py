@@ -1,0 +1,73 @@
+"""Evaluation: N seeded episodes with deterministic actions; success rate with its episode count."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embodied.video import tile, write_mp4
+
+EVAL_SEED_OFFSET = 1_000_000  # evaluation seeds never coincide with training seeds
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@torch.no_grad()
+def evaluate(env, policy, *, episodes: int, seed: int, deterministic: bool = True,
+             video_path: Path | None = None, progress=None) -> dict:
+    """Run ``episodes`` episodes (episode i reset with seed ``EVAL_SEED_OFFSET + seed + i``), the
+    first episode of each environment per round counted. Returns success rate, returns, lengths."""
+    B = env.num_envs
+    results: list[dict] = []
+    frames: list[np.ndarray] = []
+    while len(results) < episodes:
+        n = min(B, episodes - len(results))
+        base = EVAL_SEED_OFFSET + seed + len(results)
+        obs = env.reset(seed=[base + i for i in range(B)])
+        active = torch.zeros(B, dtype=torch.bool)
+        active[:n] = True
+        ret, length, success = torch.zeros(B), torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
+        record = video_path is not None and not frames
+        if record:
+            frames.append(tile(env.render()))
+        while bool(active.any()):
+            out = policy.act(obs, deterministic=deterministic)
+            for k in range(out.actions.shape[1]):
+                step = env.step(out.actions[:, k].to(env.device))
+                r, s = step.reward.cpu(), step.success.cpu()
+                done = (step.terminated | step.truncated).cpu()
+                ret += r * active
+                length += active.long()
+                success |= s & active
+                if record:
+                    frames.append(tile(env.render()))
+                for i in (done & active).nonzero().squeeze(1).tolist():
+                    results.append({"seed": base + i, "success": bool(success[i]), "return": float(ret[i]),
+                                    "length": int(length[i])})
+                    if progress is not None:
+                        progress.update(1)
+                active &= ~done
+                obs = step.obs
+                if not bool(active.any()):
+                    break
+    results = sorted(results, key=lambda e: e["seed"])[:episodes]
+    wins = sum(e["success"] for e in results)
+    lo, hi = wilson_interval(wins, len(results))
+    summary = {"eval/success_rate": wins / len(results), "eval/episodes": len(results), "eval/success_ci95": [lo, hi],
+               "eval/return": float(np.mean([e["return"] for e in results])),
+               "eval/length": float(np.mean([e["length"] for e in results]))}
+    if video_path is not None and frames:
+        write_mp4(video_path, frames, fps=env.spec.action.control_hz)
+        summary["eval/video"] = str(video_path)
+    return summary

@@ -1,0 +1,30 @@
+"""Run logging: TensorBoard scalars and one JSON line per logged step (``metrics.jsonl``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, enabled_tb: bool = True):
+        self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a")
+        self.tb = None
+        if enabled_tb:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+
+    def log(self, metrics: dict, step: int, **extra) -> None:
+        """Write the numeric ``group/name`` entries at ``step`` (env steps)."""
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        self.jsonl.write(json.dumps({"env_steps": step, **extra, **scalars}) + "\n")
+        self.jsonl.flush()
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,133 @@
+"""Rollout collection: the policy and the environment workers in lockstep.
+
+Each rollout step the policy acts on a batch of observations and returns a chunk of K actions;
+the environment executes the K steps. Per chunk we keep the observation, the sampled output, its
+log-probability and value; rewards are summed within the chunk with discount (``sum_k gamma^k r_k``)
+and an episode that ends inside a chunk ends the chunk for that environment (the remaining actions
+of the chunk run on the freshly reset episode and are not credited to either). ``next_values``
+holds V(s_{t+1}), or V(final_obs) where an episode ended, so truncations bootstrap correctly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from embodied.schema import Observation, PolicyOutput
+
+
+@dataclass
+class Rollout:
+    """Time-major buffers, T chunks by B environments."""
+
+    obs: Observation  # every tensor [T, B, ...]; instruction: the first step's list
+    actions: torch.Tensor  # f32 [T, B, K, A]
+    extras: dict[str, torch.Tensor]  # e.g. raw_actions f32 [T, B, K, A]
+    logprobs: torch.Tensor  # f32 [T, B]
+    values: torch.Tensor  # f32 [T, B]
+    next_values: torch.Tensor  # f32 [T, B]
+    rewards: torch.Tensor  # f32 [T, B], discounted sum over the chunk
+    terminated: torch.Tensor  # bool [T, B]
+    truncated: torch.Tensor  # bool [T, B]
+
+    def flat(self, idx: torch.Tensor) -> tuple[Observation, PolicyOutput]:
+        """Samples ``idx`` (long [N]) of the flattened T*B batch, for a minibatch update."""
+        def f(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1, *t.shape[2:])[idx]
+
+        obs = self.obs.map(f)
+        obs.instruction = [self.obs.instruction[i % len(self.obs.instruction)] for i in idx.tolist()]
+        out = PolicyOutput(actions=f(self.actions), logprob=f(self.logprobs), value=f(self.values),
+                           extras={k: f(v) for k, v in self.extras.items()})
+        return obs, out
+
+
+@dataclass
+class EpisodeStats:
+    """Running per-environment episode accumulators and the episodes finished so far."""
+
+    returns: torch.Tensor
+    lengths: torch.Tensor
+    success: torch.Tensor
+    finished: list[dict] = field(default_factory=list)
+
+    @staticmethod
+    def zeros(num_envs: int, device) -> EpisodeStats:
+        return EpisodeStats(torch.zeros(num_envs, device=device), torch.zeros(num_envs, dtype=torch.long, device=device),
+                            torch.zeros(num_envs, dtype=torch.bool, device=device))
+
+    def record(self, reward: torch.Tensor, success: torch.Tensor, done: torch.Tensor) -> None:
+        self.returns += reward
+        self.lengths += 1
+        self.success |= success
+        if bool(done.any()):
+            for i in done.nonzero().squeeze(1).tolist():
+                self.finished.append({"return": float(self.returns[i]), "length": int(self.lengths[i]),
+                                      "success": bool(self.success[i])})
+            self.returns[done], self.lengths[done], self.success[done] = 0.0, 0, False
+
+    def summary(self) -> dict[str, float]:
+        if not self.finished:
+            return {}
+        n = len(self.finished)
+        return {"episode/return": sum(e["return"] for e in self.finished) / n,
+                "episode/length": sum(e["length"] for e in self.finished) / n,
+                "episode/success_once": sum(e["success"] for e in self.finished) / n, "episode/count": n}
+
+
+def execute_chunk(env, actions: torch.Tensor, gamma: float, stats: EpisodeStats | None = None):
+    """Run a chunk (f32 [B, K, A]) -> (next obs, reward [B], terminated [B], truncated [B], final_obs)."""
+    B, K = actions.shape[:2]
+    reward = torch.zeros(B, device=env.device)
+    terminated = torch.zeros(B, dtype=torch.bool, device=env.device)
+    truncated = torch.zeros_like(terminated)
+    alive = torch.ones_like(terminated)
+    final_obs = None
+    for k in range(K):
+        out = env.step(actions[:, k])
+        reward += (gamma ** k) * out.reward * alive
+        ended = (out.terminated | out.truncated) & alive
+        if stats is not None:
+            stats.record(out.reward * alive, out.success & alive, ended)
+        if out.final_obs is not None and bool(ended.any()):
+            final_obs = out.final_obs if final_obs is None else out.final_obs.where(ended, final_obs)
+        terminated |= out.terminated & alive
+        truncated |= out.truncated & alive
+        alive &= ~ended
+        obs = out.obs
+    return obs, reward, terminated, truncated, final_obs
+
+
+def _alloc_like(t: torch.Tensor, T: int) -> torch.Tensor:
+    return torch.empty((T, *t.shape), dtype=t.dtype, device=t.device)
+
+
+@torch.no_grad()
+def collect(env, policy, obs: Observation, *, num_steps: int, gamma: float, stats: EpisodeStats):
+    """Collect ``num_steps`` chunks from ``obs``. Returns (Rollout, the observation after it)."""
+    T = num_steps
+    buf: Rollout | None = None
+    for t in range(T):
+        out = policy.act(obs)
+        if buf is None:  # preallocate [T, B, ...] from the first step's shapes
+            buf = Rollout(obs=obs.map(lambda x: _alloc_like(x, T)), actions=_alloc_like(out.actions, T),
+                          extras={k: _alloc_like(v, T) for k, v in out.extras.items()},
+                          logprobs=_alloc_like(out.logprob, T), values=_alloc_like(out.value, T),
+                          next_values=_alloc_like(out.value, T), rewards=_alloc_like(out.value, T),
+                          terminated=torch.empty((T, env.num_envs), dtype=torch.bool, device=env.device),
+                          truncated=torch.empty((T, env.num_envs), dtype=torch.bool, device=env.device))
+        for key, dst in buf.obs.tensors().items():
+            dst[t] = obs.tensors()[key]
+        buf.actions[t], buf.logprobs[t], buf.values[t] = out.actions, out.logprob, out.value
+        for k, v in out.extras.items():
+            buf.extras[k][t] = v
+        obs, reward, term, trunc, final_obs = execute_chunk(env, out.actions.to(env.device), gamma, stats)
+        buf.rewards[t], buf.terminated[t], buf.truncated[t] = reward, term, trunc
+        if t > 0:
+            buf.next_values[t - 1] = torch.where(buf.terminated[t - 1] | buf.truncated[t - 1], buf.next_values[t - 1], out.value)
+        # V(final_obs) where an episode ended; V(s_{t+1}) is filled in at the next step
+        buf.next_values[t] = policy.value(final_obs) if final_obs is not None else 0.0
+    last = policy.value(obs)
+    buf.next_values[T - 1] = torch.where(buf.terminated[T - 1] | buf.truncated[T - 1], buf.next_values[T - 1], last)
+    return buf, obs

@@ -1,0 +1,110 @@
+"""Gaussian actor-critic on state/privileged vectors and (optionally) camera images.
+
+Action bounds: the Gaussian lives in a normalized space where [-1, 1] spans [low, high] of the
+ActionSpec. A sample ``u`` (kept in ``extras['raw_actions']`` so ``evaluate`` scores exactly what
+was sampled) is clipped to [-1, 1] and mapped affinely to physical units. The log-probability is
+that of the unclipped Gaussian sample, as in CleanRL/ManiSkill PPO.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from embodied.schema import EnvSpec, Observation, PolicyOutput
+from embodied.models.encoders import CNNEncoder, StateEncoder
+
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU}
+
+
+@dataclass
+class ActorCriticConfig:
+    """A Gaussian MLP actor-critic (with a CNN per camera when the observation has images)."""
+
+    name: str = "actor_critic"
+    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256, 256])  # per MLP layer
+    activation: str = "tanh"  # tanh | relu | elu | gelu
+    init_log_std: float = -0.5  # initial log standard deviation in normalized action units
+    chunk_size: int = 1  # K: actions per policy call
+    use_privileged: bool = True  # feed simulator-only state (object/goal poses) to actor and critic
+    use_images: bool = True  # encode the spec's cameras with a CNN (if it has any)
+    normalize_obs: bool = True  # running mean/std normalization of the state vector
+    image_features: int = 256  # CNN output size per camera
+
+    def validate(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation: must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size: must be >= 1, got {self.chunk_size}")
+        if not self.hidden_sizes or min(self.hidden_sizes) < 1:
+            raise ValueError("hidden_sizes: must be a non-empty list of positive sizes")
+
+
+def _mlp(sizes: list[int], activation: str, out_std: float) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        lin = nn.Linear(a, b)
+        last = i == len(sizes) - 2
+        nn.init.orthogonal_(lin.weight, out_std if last else math.sqrt(2))
+        nn.init.zeros_(lin.bias)
+        layers += [lin] if last else [lin, ACTIVATIONS[activation]()]
+    return nn.Sequential(*layers)
+
+
+class ActorCritic(nn.Module):
+    def __init__(self, spec: EnvSpec, cfg: ActorCriticConfig):
+        super().__init__()
+        cfg.validate()
+        self.spec, self.cfg = spec, cfg
+        self.K, self.A = cfg.chunk_size, spec.action.dim
+        self.state_encoder = StateEncoder(spec, cfg.use_privileged, cfg.normalize_obs)
+        cams = spec.obs.cameras if cfg.use_images else ()
+        self.cnns = nn.ModuleDict({c.name: CNNEncoder(c.height, c.width, cfg.image_features) for c in cams})
+        feat = self.state_encoder.dim + cfg.image_features * len(cams)
+        self.actor = _mlp([feat, *cfg.hidden_sizes, self.K * self.A], cfg.activation, out_std=0.01 * math.sqrt(2))
+        self.critic = _mlp([feat, *cfg.hidden_sizes, 1], cfg.activation, out_std=1.0)
+        self.log_std = nn.Parameter(torch.full((self.K * self.A,), cfg.init_log_std))
+        low, high = spec.action.bounds()
+        self.register_buffer("action_low", low)  # f32 [A]
+        self.register_buffer("action_high", high)  # f32 [A]
+
+    # --- features -------------------------------------------------------------------------
+    def features(self, obs: Observation) -> torch.Tensor:
+        parts = [self.state_encoder(obs)] + [cnn(obs.images[name]) for name, cnn in self.cnns.items()]
+        return torch.cat(parts, dim=-1)  # f32 [B, F]
+
+    @torch.no_grad()
+    def update_normalizer(self, obs: Observation) -> None:
+        """Fold a batch of (possibly time-major [T, B, ...]) observations into the running stats."""
+        if self.state_encoder.norm is not None:
+            self.state_encoder.norm.update(self.state_encoder.raw(obs))
+
+    def to_physical(self, u: torch.Tensor) -> torch.Tensor:
+        """Normalized sample u (f32 [B, K, A]) -> physical actions within [low, high]."""
+        return self.action_low + (u.clamp(-1.0, 1.0) + 1.0) * 0.5 * (self.action_high - self.action_low)
+
+    def _dist(self, feats: torch.Tensor) -> torch.distributions.Normal:
+        mean = self.actor(feats)  # f32 [B, K*A]
+        return torch.distributions.Normal(mean, self.log_std.exp().expand_as(mean))
+
+    # --- Policy ---------------------------------------------------------------------------
+    def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
+        feats = self.features(obs)
+        dist = self._dist(feats)
+        u = dist.mean if deterministic else dist.sample()  # f32 [B, K*A]
+        raw = u.view(-1, self.K, self.A)  # f32 [B, K, A]
+        return PolicyOutput(actions=self.to_physical(raw), logprob=dist.log_prob(u).sum(-1),
+                            value=self.critic(feats).squeeze(-1), extras={"raw_actions": raw})
+
+    def evaluate(self, obs: Observation, output: PolicyOutput):
+        feats = self.features(obs)
+        dist = self._dist(feats)
+        u = output.extras["raw_actions"].reshape(feats.shape[0], -1)
+        return dist.log_prob(u).sum(-1), dist.entropy().sum(-1), self.critic(feats).squeeze(-1)
+
+    def value(self, obs: Observation) -> torch.Tensor:
+        """V(obs): f32 [B]."""
+        return self.critic(self.features(obs)).squeeze(-1)
