@@ -8,6 +8,7 @@ backend runs one core per environment inside subprocess workers (``workers.py``)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -96,6 +97,8 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
 class ManiSkillCore:
     def __init__(self, opts: CoreOptions):
         check_assets(opts.task)
+        # one warning per environment about the missing CUDA renderer drowns the progress output
+        logging.getLogger("mani_skill").setLevel(logging.ERROR)
         import gymnasium as gym
         from mani_skill.utils.registration import REGISTERED_ENVS
 

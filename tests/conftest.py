@@ -1,0 +1,15 @@
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in the tests may reach for a model hub
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

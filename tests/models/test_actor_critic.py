@@ -1,0 +1,59 @@
+"""The actor-critic passes the policy contract; normalization statistics are exact and saved."""
+
+import pytest
+import torch
+
+from embodied.contract import random_observation
+from embodied.models import ActorCritic, ActorCriticConfig, RunningNorm
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, check_policy
+
+STATE_SPEC = EnvSpec(obs=ObsSpec(state_names=("q0", "q1", "q2"), privileged={"goal": (3,), "pose": (7,)}),
+                     action=ActionSpec("joint_delta", ("a0", "a1", "g"), (-0.1, -0.1, -0.01), (0.1, 0.1, 0.04), gripper=2),
+                     max_episode_steps=10, instructions=("push the cube",))
+RGB_SPEC = EnvSpec(obs=ObsSpec(cameras=(CameraSpec("base_camera", 64, 64),), state_names=("q0", "q1")),
+                   action=STATE_SPEC.action, max_episode_steps=10, instructions=("pick the cube",))
+
+
+@pytest.mark.parametrize("spec", [STATE_SPEC, RGB_SPEC], ids=["state", "rgb"])
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_check_policy(spec, chunk):
+    torch.manual_seed(0)
+    policy = ActorCritic(spec, ActorCriticConfig(hidden_sizes=[32, 32], chunk_size=chunk))
+    report = check_policy(policy, spec, batch_size=4)
+    assert report["chunk"] == chunk
+
+
+def test_actions_within_physical_bounds_and_mapped_affinely():
+    policy = ActorCritic(STATE_SPEC, ActorCriticConfig(hidden_sizes=[16], init_log_std=2.0))  # wide: many clipped
+    out = policy.act(random_observation(STATE_SPEC, 256))
+    low, high = STATE_SPEC.action.bounds()
+    assert bool((out.actions >= low).all() and (out.actions <= high).all())
+    u = out.extras["raw_actions"]
+    expected = low + (u.clamp(-1, 1) + 1) / 2 * (high - low)
+    torch.testing.assert_close(out.actions, expected)
+    # u = 0 maps to the middle of the range, u = +-1 to the bounds
+    torch.testing.assert_close(policy.to_physical(torch.tensor([[[-1.0, 0.0, 1.0]]])), torch.tensor([[[-0.1, 0.0, 0.04]]]))
+
+
+def test_running_norm_matches_batch_statistics():
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(n, 5, generator=g) * 3 + 2 for n in (7, 100, 1, 40)]
+    norm = RunningNorm(5)
+    for c in chunks:
+        norm.update(c)
+    data = torch.cat(chunks)
+    torch.testing.assert_close(norm.mean, data.mean(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(norm.var, data.var(0, unbiased=False), rtol=1e-4, atol=1e-4)
+    assert float(norm.count) == 148
+    # the statistics are part of the state dict, hence of every checkpoint
+    fresh = RunningNorm(5)
+    fresh.load_state_dict(norm.state_dict())
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(fresh(x), norm(x))
+
+
+def test_normalizer_update_accepts_time_major_observations():
+    policy = ActorCritic(STATE_SPEC, ActorCriticConfig(hidden_sizes=[8]))
+    obs = random_observation(STATE_SPEC, 6).map(lambda t: t.view(2, 3, *t.shape[1:]))  # [T=2, B=3, ...]
+    policy.update_normalizer(obs)
+    assert float(policy.state_encoder.norm.count) == 6

@@ -1,0 +1,77 @@
+"""Config loading: defaults lists, overrides, and one-line errors naming the key path and file."""
+
+import textwrap
+
+import pytest
+
+from embodied.cli import main
+from embodied.config import ConfigError, load_config
+from embodied.trainer import TrainConfig
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_defaults_list_and_overrides_compose(tmp_path):
+    write(tmp_path, "base.yaml", """
+        env: {task: PickCube-v1, num_envs: 4}
+        algorithm: {gamma: 0.9}
+    """)
+    cfg_file = write(tmp_path, "exp.yaml", """
+        defaults: [base.yaml]
+        env: {num_envs: 6}
+    """)
+    cfg, sources = load_config(TrainConfig, cfg_file, ["algorithm.gamma=0.5", "policy.hidden_sizes=[32,32]"])
+    assert cfg.env.task == "PickCube-v1"  # from the default
+    assert cfg.env.num_envs == 6  # the file overrides its default
+    assert cfg.algorithm.gamma == 0.5 and cfg.policy.hidden_sizes == [32, 32]  # command line wins
+    assert cfg.algorithm.learning_rate == TrainConfig().algorithm.learning_rate  # schema default
+    assert [s for s, _ in sources] == [str(tmp_path / "base.yaml"), str(cfg_file), "the command line"]
+
+
+@pytest.mark.parametrize("text, overrides, key, source", [
+    ("env: {num_envz: 4}", [], "env.num_envz", "exp.yaml"),
+    ("env: {num_envs: many}", [], "env.num_envs", "exp.yaml"),
+    ("algorithm: {gamma: 0.9}", ["algorithm.clip_coeff=0.1"], "algorithm.clip_coeff", "the command line"),
+    ("env: {backend: tpu}", [], "env.backend", "exp.yaml"),
+    ("runner: {total_env_steps: 0}", [], "runner.total_env_steps", "exp.yaml"),
+])
+def test_bad_keys_and_values_name_key_and_file(tmp_path, text, overrides, key, source):
+    cfg_file = write(tmp_path, "exp.yaml", text)
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, cfg_file, overrides)
+    msg = str(err.value)
+    assert key in msg and source in msg and "\n" not in msg
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config(TrainConfig, tmp_path / "nope.yaml")
+    cfg_file = write(tmp_path, "exp.yaml", "defaults: [missing_base.yaml]\n")
+    with pytest.raises(ConfigError, match=r"missing_base.yaml \(listed in defaults of .*exp.yaml\)"):
+        load_config(TrainConfig, cfg_file)
+
+
+def test_malformed_override_and_yaml(tmp_path):
+    cfg_file = write(tmp_path, "exp.yaml", "seed: 1\n")
+    with pytest.raises(ConfigError, match="expected key.sub=value"):
+        load_config(TrainConfig, cfg_file, ["seed"])
+    bad = write(tmp_path, "bad.yaml", "env: {task: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml line .*invalid YAML"):
+        load_config(TrainConfig, bad)
+
+
+def test_cli_config_error_exits_2_with_one_line_and_no_traceback(tmp_path, capsys):
+    cfg_file = write(tmp_path, "exp.yaml", "env: {num_envz: 4}\n")
+    assert main(["train", str(cfg_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "env.num_envz" in err and "exp.yaml" in err and "Traceback" not in err
+
+
+def test_shipped_configs_load():
+    for name in ("pushcube_ppo", "pickcube_ppo", "pickcube_rgb_ppo"):
+        cfg, _ = load_config(TrainConfig, f"configs/maniskill/{name}.yaml")
+        assert cfg.env.simulator == "maniskill" and cfg.runner.name == name
