@@ -70,6 +70,8 @@ def check_env(env, *, seed: int = 0, deterministic: bool = True, max_steps: int 
             _require(torch.allclose(obs.privileged[k], again.privileged[k]), f"reset(seed=s) twice: privileged[{k!r}] differs")
         # one seed per environment: equal seeds give equal initial states (GRPO groups rely on it)
         same = env.reset(seed=[seed + 1] * B)
+        _require(torch.allclose(same.state, same.state[:1].expand_as(same.state), atol=1e-5),
+                 "reset(seed=[s]*B): state differs across envs")
         for k, v in same.privileged.items():
             _require(torch.allclose(v, v[:1].expand_as(v), atol=1e-5), f"reset(seed=[s]*B): privileged[{k!r}] differs across envs")
         obs = env.reset(seed=seed)
