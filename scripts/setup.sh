@@ -15,6 +15,8 @@ command -v "$PY" >/dev/null || PY=python3
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 
 log() { printf '[setup] %s\n' "$*"; }
+# pip warns once per package about this machine's file:// extra indexes; keep real errors only
+quiet_pip() { "$VENV/bin/python" -m pip "$@" 2> >(grep -v "neither a file nor a directory" >&2); }
 
 mesa_ok() {  # true when lavapipe from Mesa >= 24.3 is installed
   local v
@@ -55,16 +57,15 @@ install_mesa() {
 
 install_python() {
   [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
-  local pip="$VENV/bin/python -m pip"
   if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     log "installing torch==2.13.0 (CPU build where no GPU)"
-    $pip install -q "torch==2.13.0"
+    quiet_pip install -q "torch==2.13.0"
   fi
   # Re-install only when pyproject.toml changed since the last successful install.
   local stamp="$VENV/.embodied-$(echo "$EXTRAS" | tr ',' '-')-$(sha1sum pyproject.toml | cut -c1-12)"
   if [ ! -f "$stamp" ]; then
     log "installing embodied[$EXTRAS]"
-    $pip install -q -e ".[$EXTRAS]"
+    quiet_pip install -q -e ".[$EXTRAS]"
     touch "$stamp"
   fi
   log "python ready: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
