@@ -244,7 +244,14 @@ class NormStats:
     count: float = 0.0
 
 
-from embodied.contract import ContractError, check_env, check_policy  # noqa: E402  (re-export)
+def __getattr__(name: str):
+    # the validators live in embodied.contract (which imports this module): re-export lazily
+    if name in ("ContractError", "check_env", "check_policy"):
+        from embodied import contract
+
+        return getattr(contract, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ACTION_SPACES",
