@@ -115,6 +115,7 @@ class ManiSkillCore:
         self.max_episode_steps = opts.max_episode_steps or REGISTERED_ENVS[opts.task].max_episode_steps
         self.instruction = instruction_for(opts.task)
         self.action_spec, self._scale, self._offset = self._action_spec()
+        self._low, self._high = self.action_spec.bounds(self.device)  # cached: no per-step host->device copy
         self.elapsed = torch.zeros(opts.num_envs, dtype=torch.long, device=self.device)
         raw, _ = self.env.reset(seed=0)
         self.spec = EnvSpec(obs=self._obs_spec(raw), action=self.action_spec,
@@ -189,8 +190,7 @@ class ManiSkillCore:
 
     def step(self, actions: torch.Tensor):
         """actions: float32 [B, A] physical units -> (obs, reward, terminated, truncated, success, final_obs)."""
-        low, high = self.action_spec.bounds(self.device)
-        a = torch.clamp(actions.to(self.device), low, high) * self._scale + self._offset
+        a = torch.clamp(actions.to(self.device), self._low, self._high) * self._scale + self._offset
         raw, reward, terminated, _, info = self.env.step(a)
         self.elapsed += 1
         obs = self.observation(raw)
