@@ -62,9 +62,9 @@ class EpisodeStats:
         self.lengths += 1
         self.success |= success
         if bool(done.any()):
-            for i in done.nonzero().squeeze(1).tolist():
-                self.finished.append({"return": float(self.returns[i]), "length": int(self.lengths[i]),
-                                      "success": bool(self.success[i])})
+            # gather on the device, one transfer per field (no per-element host syncs)
+            rets, lens, wins = self.returns[done].tolist(), self.lengths[done].tolist(), self.success[done].tolist()
+            self.finished += [{"return": r, "length": n, "success": w} for r, n, w in zip(rets, lens, wins)]
             self.returns[done], self.lengths[done], self.success[done] = 0.0, 0, False
 
     def summary(self) -> dict[str, float]:
@@ -117,8 +117,8 @@ def collect(env, policy, obs: Observation, *, num_steps: int, gamma: float, stat
                           next_values=_alloc_like(out.value, T), rewards=_alloc_like(out.value, T),
                           terminated=torch.empty((T, env.num_envs), dtype=torch.bool, device=env.device),
                           truncated=torch.empty((T, env.num_envs), dtype=torch.bool, device=env.device))
-        for key, dst in buf.obs.tensors().items():
-            dst[t] = obs.tensors()[key]
+        for dst, src in zip(buf.obs.tensors().values(), obs.tensors().values()):
+            dst[t] = src
         buf.actions[t], buf.logprobs[t], buf.values[t] = out.actions, out.logprob, out.value
         for k, v in out.extras.items():
             buf.extras[k][t] = v
