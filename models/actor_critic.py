@@ -1,11 +1,13 @@
 """Gaussian actor-critic on state/privileged vectors and (optionally) camera images.
 
-Action bounds: the Gaussian lives in a normalized space where [-1, 1] spans [low, high] of the
-ActionSpec. Its mean is ``tanh`` of the actor's output, so the deterministic action is always a
-point inside the bounds (an unbounded mean drifted far outside them and the policy came to rely on
-clipping: stochastic success 0.35, deterministic 0.0 on PushCube). A sample ``u`` (kept in
-``extras['raw_actions']`` so ``evaluate`` scores exactly what was sampled) is clipped to [-1, 1]
-and mapped affinely to physical units; the log-probability is that of the unclipped sample.
+Action bounds: a squashed Gaussian. The network's Gaussian over ``u`` lives in a normalized space;
+the action is ``tanh(u)`` mapped affinely from [-1, 1] onto [low, high] of the ActionSpec, so
+every action is within bounds and the deterministic action ``tanh(mean)`` is what the stochastic
+policy does on average (clipping an unbounded sample instead let the mean drift far outside the
+bounds: stochastic success 0.35, deterministic 0.0 on PushCube). ``u`` is kept in
+``extras['raw_actions']`` so ``evaluate`` scores exactly what was sampled; the log-probability
+includes the tanh Jacobian (it cancels in PPO's ratio). The entropy reported is that of the
+Gaussian over ``u`` (the squashed distribution has no closed form).
 """
 
 from __future__ import annotations
@@ -85,11 +87,16 @@ class ActorCritic(nn.Module):
             self.state_encoder.norm.update(self.state_encoder.raw(obs))
 
     def to_physical(self, u: torch.Tensor) -> torch.Tensor:
-        """Normalized sample u (f32 [B, K, A]) -> physical actions within [low, high]."""
-        return self.action_low + (u.clamp(-1.0, 1.0) + 1.0) * 0.5 * (self.action_high - self.action_low)
+        """Gaussian sample u (f32 [B, K, A]) -> physical actions within [low, high]."""
+        return self.action_low + (torch.tanh(u) + 1.0) * 0.5 * (self.action_high - self.action_low)
+
+    def _logprob(self, dist: torch.distributions.Normal, u: torch.Tensor) -> torch.Tensor:
+        """log pi(tanh(u)) in normalized units: Gaussian log-density minus log|d tanh/du|. f32 [B]."""
+        log_det = 2.0 * (math.log(2.0) - u - torch.nn.functional.softplus(-2.0 * u))  # log(1 - tanh(u)^2), stable
+        return (dist.log_prob(u) - log_det).sum(-1)
 
     def _dist(self, feats: torch.Tensor) -> torch.distributions.Normal:
-        mean = torch.tanh(self.actor(feats))  # f32 [B, K*A], within the normalized bounds
+        mean = self.actor(feats)  # f32 [B, K*A], pre-squash
         return torch.distributions.Normal(mean, self.log_std.exp().expand_as(mean))
 
     # --- Policy ---------------------------------------------------------------------------
@@ -98,14 +105,14 @@ class ActorCritic(nn.Module):
         dist = self._dist(feats)
         u = dist.mean if deterministic else dist.sample()  # f32 [B, K*A]
         raw = u.view(-1, self.K, self.A)  # f32 [B, K, A]
-        return PolicyOutput(actions=self.to_physical(raw), logprob=dist.log_prob(u).sum(-1),
+        return PolicyOutput(actions=self.to_physical(raw), logprob=self._logprob(dist, u),
                             value=self.critic(feats).squeeze(-1), extras={"raw_actions": raw})
 
     def evaluate(self, obs: Observation, output: PolicyOutput):
         feats = self.features(obs)
         dist = self._dist(feats)
         u = output.extras["raw_actions"].reshape(feats.shape[0], -1)
-        return dist.log_prob(u).sum(-1), dist.entropy().sum(-1), self.critic(feats).squeeze(-1)
+        return self._logprob(dist, u), dist.entropy().sum(-1), self.critic(feats).squeeze(-1)
 
     def value(self, obs: Observation) -> torch.Tensor:
         """V(obs): f32 [B]."""

@@ -23,16 +23,28 @@ def test_check_policy(spec, chunk):
     assert report["chunk"] == chunk
 
 
-def test_actions_within_physical_bounds_and_mapped_affinely():
-    policy = ActorCritic(STATE_SPEC, ActorCriticConfig(hidden_sizes=[16], init_log_std=2.0))  # wide: many clipped
+def test_actions_are_squashed_into_physical_bounds():
+    policy = ActorCritic(STATE_SPEC, ActorCriticConfig(hidden_sizes=[16], init_log_std=2.0))  # wide: many saturate
     out = policy.act(random_observation(STATE_SPEC, 256))
     low, high = STATE_SPEC.action.bounds()
     assert bool((out.actions >= low).all() and (out.actions <= high).all())
     u = out.extras["raw_actions"]
-    expected = low + (u.clamp(-1, 1) + 1) / 2 * (high - low)
-    torch.testing.assert_close(out.actions, expected)
-    # u = 0 maps to the middle of the range, u = +-1 to the bounds
-    torch.testing.assert_close(policy.to_physical(torch.tensor([[[-1.0, 0.0, 1.0]]])), torch.tensor([[[-0.1, 0.0, 0.04]]]))
+    torch.testing.assert_close(out.actions, low + (torch.tanh(u) + 1) / 2 * (high - low))
+    # u = 0 maps to the middle of the range, large |u| to the bounds
+    torch.testing.assert_close(policy.to_physical(torch.tensor([[[-50.0, 0.0, 50.0]]])), torch.tensor([[[-0.1, 0.0, 0.04]]]))
+
+
+def test_squashed_logprob_matches_change_of_variables():
+    torch.manual_seed(1)
+    policy = ActorCritic(STATE_SPEC, ActorCriticConfig(hidden_sizes=[16], chunk_size=2))
+    obs = random_observation(STATE_SPEC, 5)
+    out = policy.act(obs)
+    feats = policy.features(obs)
+    mean, std = policy.actor(feats), policy.log_std.exp()
+    u = out.extras["raw_actions"].reshape(5, -1).double()
+    gauss = torch.distributions.Normal(mean.double(), std.double()).log_prob(u)
+    expected = (gauss - torch.log1p(-torch.tanh(u) ** 2)).sum(-1)  # log p(a) = log p(u) - log|da/du|
+    torch.testing.assert_close(out.logprob.double(), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_running_norm_matches_batch_statistics():
