@@ -11,13 +11,14 @@ from pathlib import Path
 def main(run_dir: str) -> None:
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     minutes = {}
-    print("| env steps | minutes | eval success | episodes |\n|---:|---:|---:|---:|")
+    print("| env steps | minutes | success (once) | success at end | episodes |\n|---:|---:|---:|---:|---:|")
     for r in rows:
         if "time/minutes" in r:
             minutes[r["env_steps"]] = r["time/minutes"]
         if "eval/success_rate" in r:
             m = r.get("minutes", minutes.get(r["env_steps"], float("nan")))
-            print(f"| {int(r['env_steps'])} | {m:.1f} | {r['eval/success_rate']:.2f} | {int(r['eval/episodes'])} |")
+            at_end = r.get("eval/success_at_end", float("nan"))
+            print(f"| {int(r['env_steps'])} | {m:.1f} | {r['eval/success_rate']:.2f} | {at_end:.2f} | {int(r['eval/episodes'])} |")
 
 
 if __name__ == "__main__":

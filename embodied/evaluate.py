@@ -53,8 +53,8 @@ def evaluate(env, policy, *, episodes: int, seed: int, deterministic: bool = Tru
                 if record:
                     frames.append(tile(env.render()))
                 for i in (done & active).nonzero().squeeze(1).tolist():
-                    results.append({"seed": base + i, "success": bool(success[i]), "return": float(ret[i]),
-                                    "length": int(length[i])})
+                    results.append({"seed": base + i, "success": bool(success[i]), "success_at_end": bool(s[i]),
+                                    "return": float(ret[i]), "length": int(length[i])})
                     if progress is not None:
                         progress.update(1)
                 active &= ~done
@@ -64,7 +64,9 @@ def evaluate(env, policy, *, episodes: int, seed: int, deterministic: bool = Tru
     results = sorted(results, key=lambda e: e["seed"])[:episodes]
     wins = sum(e["success"] for e in results)
     lo, hi = wilson_interval(wins, len(results))
+    # success_rate: the task was achieved at some step of the episode (ManiSkill's success_once)
     summary = {"eval/success_rate": wins / len(results), "eval/episodes": len(results), "eval/success_ci95": [lo, hi],
+               "eval/success_at_end": sum(e["success_at_end"] for e in results) / len(results),
                "eval/return": float(np.mean([e["return"] for e in results])),
                "eval/length": float(np.mean([e["length"] for e in results]))}
     if video_path is not None and frames:

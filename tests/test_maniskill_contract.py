@@ -74,3 +74,19 @@ def test_missing_asset_fails_fast_with_a_named_asset_and_no_prompt():
 def test_unknown_task_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown ManiSkill task 'PushCubez-v1'"):
         check_assets("PushCubez-v1")
+
+
+def test_ignore_terminations_runs_every_episode_to_the_time_limit():
+    env = ManiSkillEnv(ManiSkillConfig(task="PushCube-v1", num_envs=2, num_workers=1, ignore_terminations=True,
+                                       control_mode="pd_joint_delta_pos", max_episode_steps=12))
+    try:
+        env.reset(seed=0)
+        zero = torch.zeros(2, env.spec.action.dim)
+        for t in range(1, 25):
+            out = env.step(zero)
+            assert not out.terminated.any()
+            assert out.truncated.tolist() == [t % 12 == 0] * 2  # exactly at the time limit, then reset
+            assert out.success.dtype == torch.bool  # still reported every step
+            assert (out.final_obs is not None) == (t % 12 == 0)
+    finally:
+        env.close()

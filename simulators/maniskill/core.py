@@ -87,6 +87,7 @@ class CoreOptions:
     max_episode_steps: int | None = None  # None: the task's registered limit
     sim_backend: str = "physx_cpu"
     render_size: int = 256
+    ignore_terminations: bool = False  # episodes end only at the time limit; success is still reported
     camera_names: Sequence[str] | None = field(default=None)
 
 
@@ -195,7 +196,7 @@ class ManiSkillCore:
         self.elapsed += 1
         obs = self.observation(raw)
         success = info["success"].to(torch.bool) if "success" in info else torch.zeros_like(terminated, dtype=torch.bool)
-        terminated = terminated.to(torch.bool)
+        terminated = torch.zeros_like(success) if self.opts.ignore_terminations else terminated.to(torch.bool)
         truncated = (self.elapsed >= self.max_episode_steps) & ~terminated
         done = terminated | truncated
         final_obs = None

@@ -34,6 +34,10 @@ class ManiSkillConfig:
     image_size: int = 128  # camera height = width for obs_mode=rgb
     max_episode_steps: int | None = None  # None: the task's registered limit
     render_size: int = 256  # evaluation video frame size
+    # Success does not end the episode: it runs to the time limit and the dense reward keeps paying
+    # for staying successful (as ManiSkill's PPO baseline trains). With terminations on, reaching
+    # the goal ends the reward stream, and a policy can earn more by hovering just short of it.
+    ignore_terminations: bool = False
 
     def validate(self) -> None:
         if self.backend not in ("cpu", "gpu"):
@@ -48,7 +52,7 @@ class ManiSkillConfig:
 def _core_options(cfg: ManiSkillConfig, num_envs: int, sim_backend: str) -> CoreOptions:
     return CoreOptions(task=cfg.task, num_envs=num_envs, obs_mode=cfg.obs_mode, control_mode=cfg.control_mode,
                        reward_mode=cfg.reward_mode, image_size=cfg.image_size, max_episode_steps=cfg.max_episode_steps,
-                       sim_backend=sim_backend, render_size=cfg.render_size)
+                       sim_backend=sim_backend, render_size=cfg.render_size, ignore_terminations=cfg.ignore_terminations)
 
 
 # ---------------------------------------------------------------------------------------------
