@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import embodied.trainer
 from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
 from embodied.config import load_config
@@ -30,12 +31,26 @@ def iteration_rows(run_dir):
     return {r["iteration"]: r for r in rows if "policy/loss" in r}
 
 
+class InterruptingLogger(embodied.trainer.RunLogger):
+    """Logs as usual, then interrupts the run (as Ctrl-C would) once iteration 2 is logged."""
+
+    def log(self, metrics, step, **extra):
+        super().log(metrics, step, **extra)
+        if extra.get("iteration") == 2:
+            raise KeyboardInterrupt
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
     full = train(tiny_config(tmp, "full", 3))
-    train(tiny_config(tmp, "split", 2, ["runner.video=false"]))
-    resumed = train(tiny_config(tmp, "ignored", 3, [f"runner.resume={tmp / 'split'}"]))
+    # the same config, interrupted after iteration 2 (before its periodic checkpoint), then resumed
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(embodied.trainer, "RunLogger", InterruptingLogger)
+        with pytest.raises(KeyboardInterrupt):
+            train(tiny_config(tmp, "split", 3, ["runner.save_every=0"]))
+    assert load_checkpoint(tmp / "split")["counters"]["iteration"] == 2  # saved on the interrupt
+    resumed = train(tiny_config(tmp, "ignored", 3, ["runner.save_every=0", f"runner.resume={tmp / 'split'}"]))
     return tmp, full, resumed
 
 
