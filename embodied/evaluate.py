@@ -11,6 +11,7 @@ import torch
 from embodied.video import tile, write_mp4
 
 EVAL_SEED_OFFSET = 1_000_000  # evaluation seeds never coincide with training seeds
+VIDEO_TILES = 4  # environments shown side by side in the evaluation video
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -38,9 +39,10 @@ def evaluate(env, policy, *, episodes: int, seed: int, deterministic: bool = Tru
         active = torch.zeros(B, dtype=torch.bool)
         active[:n] = True
         ret, length, success = torch.zeros(B), torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
-        record = video_path is not None and not frames
+        record = video_path is not None and not frames  # the first round only
         if record:
-            frames.append(tile(env.render()))
+            shown = env.render()[:VIDEO_TILES]  # uint8 [<=4, H, W, 3]
+            frames.append(tile(shown))
         while bool(active.any()):
             out = policy.act(obs, deterministic=deterministic)
             for k in range(out.actions.shape[1]):
@@ -50,8 +52,11 @@ def evaluate(env, policy, *, episodes: int, seed: int, deterministic: bool = Tru
                 ret += r * active
                 length += active.long()
                 success |= s & active
-                if record:
-                    frames.append(tile(env.render()))
+                if record and bool(active[:VIDEO_TILES].any()):
+                    # an ended episode's tile keeps its last frame instead of showing the reset
+                    live = (active & ~done)[:VIDEO_TILES].to(shown.device).view(-1, 1, 1, 1)
+                    shown = torch.where(live, env.render()[:VIDEO_TILES], shown)
+                    frames.append(tile(shown))
                 for i in (done & active).nonzero().squeeze(1).tolist():
                     results.append({"seed": base + i, "success": bool(success[i]), "success_at_end": bool(s[i]),
                                     "return": float(ret[i]), "length": int(length[i])})

@@ -79,6 +79,11 @@ class EpisodeStats:
 def execute_chunk(env, actions: torch.Tensor, gamma: float, stats: EpisodeStats | None = None):
     """Run a chunk (f32 [B, K, A]) -> (next obs, reward [B], terminated [B], truncated [B], final_obs)."""
     B, K = actions.shape[:2]
+    if K == 1:  # the common case, without the chunk bookkeeping
+        out = env.step(actions[:, 0])
+        if stats is not None:
+            stats.record(out.reward, out.success, out.terminated | out.truncated)
+        return out.obs, out.reward, out.terminated, out.truncated, out.final_obs
     reward = torch.zeros(B, device=env.device)
     terminated = torch.zeros(B, dtype=torch.bool, device=env.device)
     truncated = torch.zeros_like(terminated)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,7 +169,8 @@ def _train(cfg: TrainConfig, env, run_dir: Path, resume: dict | None) -> dict:
     logger = RunLogger(run_dir, enabled_tb=True)
     meta = run_meta(cfg, env.spec)
     bar = tqdm(total=num_iterations * steps_per_iter, initial=counters["env_steps"], unit="step", unit_scale=True,
-               dynamic_ncols=True, disable=not run.progress, desc=run.name)
+               dynamic_ncols=True, disable=not run.progress, desc=run.name,
+               mininterval=0.1 if sys.stderr.isatty() else 30.0)  # a log file gets a line every 30 s
     start_wall = time.time() - counters["train_seconds"]
     ckpt_iteration = counters["iteration"]
     try:

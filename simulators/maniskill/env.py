@@ -68,6 +68,7 @@ def _cat(packs: list[dict]) -> dict:
             "privileged": {k: np.concatenate([p["privileged"][k] for p in packs]) for k in packs[0]["privileged"]}}
 
 
+@torch.no_grad()  # no autograd bookkeeping for the simulator's many small tensor ops
 def _worker(conn, opts: CoreOptions, count: int) -> None:
     torch.set_num_threads(1)
     try:
