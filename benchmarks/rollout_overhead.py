@@ -20,7 +20,7 @@ import time
 import torch
 
 
-def _raw_worker(task: str, count: int, steps: int, control_mode: str, queue) -> None:
+def _raw_worker(task: str, count: int, steps: int, control_mode: str, queue, go) -> None:
     import logging
 
     import gymnasium as gym
@@ -33,7 +33,7 @@ def _raw_worker(task: str, count: int, steps: int, control_mode: str, queue) -> 
     for i, e in enumerate(envs):
         e.reset(seed=i)
     queue.put("ready")
-    queue.get()  # start together
+    go.wait()  # all workers start together
     t0 = time.perf_counter()
     for t in range(steps):
         for e in envs:
@@ -46,14 +46,13 @@ def _raw_worker(task: str, count: int, steps: int, control_mode: str, queue) -> 
 def bench_raw(task: str, num_envs: int, workers: int, steps: int, control_mode: str) -> float:
     ctx = mp.get_context("spawn")
     counts = [num_envs // workers + (i < num_envs % workers) for i in range(workers)]
-    queues = [ctx.Queue() for _ in counts]
-    procs = [ctx.Process(target=_raw_worker, args=(task, c, steps, control_mode, q)) for c, q in zip(counts, queues)]
+    queues, go = [ctx.Queue() for _ in counts], ctx.Event()
+    procs = [ctx.Process(target=_raw_worker, args=(task, c, steps, control_mode, q, go)) for c, q in zip(counts, queues)]
     for p in procs:
         p.start()
     for q in queues:
         assert q.get() == "ready"
-    for q in queues:
-        q.put("go")
+    go.set()
     elapsed = max(q.get() for q in queues)
     for p in procs:
         p.join()
