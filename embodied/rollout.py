@@ -57,10 +57,19 @@ class EpisodeStats:
         return EpisodeStats(torch.zeros(num_envs, device=device), torch.zeros(num_envs, dtype=torch.long, device=device),
                             torch.zeros(num_envs, dtype=torch.bool, device=device))
 
-    def record(self, reward: torch.Tensor, success: torch.Tensor, done: torch.Tensor) -> None:
-        self.returns += reward
-        self.lengths += 1
-        self.success |= success
+    def record(self, reward: torch.Tensor, success: torch.Tensor, done: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+        """One environment step of all environments, or of ``ids`` (long [N]) only."""
+        if ids is not None:
+            done_all = torch.zeros_like(self.success)
+            done_all[ids] = done
+            self.returns[ids] += reward
+            self.lengths[ids] += 1
+            self.success[ids] |= success
+            done = done_all
+        else:
+            self.returns += reward
+            self.lengths += 1
+            self.success |= success
         if bool(done.any()):
             # gather on the device, one transfer per field (no per-element host syncs)
             rets, lens, wins = self.returns[done].tolist(), self.lengths[done].tolist(), self.success[done].tolist()
@@ -104,24 +113,34 @@ def execute_chunk(env, actions: torch.Tensor, gamma: float, stats: EpisodeStats 
     return obs, reward, terminated, truncated, final_obs
 
 
-def _alloc_like(t: torch.Tensor, T: int) -> torch.Tensor:
-    return torch.empty((T, *t.shape), dtype=t.dtype, device=t.device)
+def _alloc_like(t: torch.Tensor, T: int, B: int | None = None) -> torch.Tensor:
+    return torch.empty((T, B or t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+
+
+def _alloc(obs: Observation, out: PolicyOutput, T: int, B: int, device) -> Rollout:
+    """Preallocate [T, B, ...] buffers from one step's shapes (which may cover fewer than B envs)."""
+    return Rollout(obs=obs.map(lambda x: _alloc_like(x, T, B)), actions=_alloc_like(out.actions, T, B),
+                   extras={k: _alloc_like(v, T, B) for k, v in out.extras.items()},
+                   logprobs=_alloc_like(out.logprob, T, B), values=_alloc_like(out.value, T, B),
+                   next_values=_alloc_like(out.value, T, B), rewards=_alloc_like(out.value, T, B),
+                   terminated=torch.empty((T, B), dtype=torch.bool, device=device),
+                   truncated=torch.empty((T, B), dtype=torch.bool, device=device))
 
 
 @torch.no_grad()
-def collect(env, policy, obs: Observation, *, num_steps: int, gamma: float, stats: EpisodeStats):
-    """Collect ``num_steps`` chunks from ``obs``. Returns (Rollout, the observation after it)."""
+def collect(env, policy, obs: Observation, *, num_steps: int, gamma: float, stats: EpisodeStats, stages: int = 1):
+    """Collect ``num_steps`` chunks from ``obs``. Returns (Rollout, the observation after it).
+    ``stages`` > 1 pipelines: the environments are split into that many groups and the policy
+    acts for one group while the workers simulate the others (environments with ``step_async``,
+    chunks of one action)."""
+    if stages > 1 and hasattr(env, "step_async"):
+        return _collect_pipelined(env, policy, obs, num_steps=num_steps, stats=stats, stages=stages)
     T = num_steps
     buf: Rollout | None = None
     for t in range(T):
         out = policy.act(obs)
         if buf is None:  # preallocate [T, B, ...] from the first step's shapes
-            buf = Rollout(obs=obs.map(lambda x: _alloc_like(x, T)), actions=_alloc_like(out.actions, T),
-                          extras={k: _alloc_like(v, T) for k, v in out.extras.items()},
-                          logprobs=_alloc_like(out.logprob, T), values=_alloc_like(out.value, T),
-                          next_values=_alloc_like(out.value, T), rewards=_alloc_like(out.value, T),
-                          terminated=torch.empty((T, env.num_envs), dtype=torch.bool, device=env.device),
-                          truncated=torch.empty((T, env.num_envs), dtype=torch.bool, device=env.device))
+            buf = _alloc(obs, out, T, env.num_envs, env.device)
         for dst, src in zip(buf.obs.tensors().values(), obs.tensors().values()):
             dst[t] = src
         buf.actions[t], buf.logprobs[t], buf.values[t] = out.actions, out.logprob, out.value
@@ -136,3 +155,46 @@ def collect(env, policy, obs: Observation, *, num_steps: int, gamma: float, stat
     last = policy.value(obs)
     buf.next_values[T - 1] = torch.where(buf.terminated[T - 1] | buf.truncated[T - 1], buf.next_values[T - 1], last)
     return buf, obs
+
+
+def _collect_pipelined(env, policy, obs: Observation, *, num_steps: int, stats: EpisodeStats, stages: int):
+    """``collect`` with the environments split into ``stages`` groups: while the workers step
+    group g, the main process runs the policy for the group that just returned (K = 1)."""
+    T, B = num_steps, env.num_envs
+    groups = [g for g in torch.arange(B, device=env.device).chunk(stages) if len(g)]
+    buf: Rollout | None = None
+    outs: list[PolicyOutput] = []
+    last_obs: list[Observation] = []
+
+    def act_and_send(t: int, ids: torch.Tensor, o: Observation) -> PolicyOutput:
+        nonlocal buf
+        out = policy.act(o)
+        if out.actions.shape[1] != 1:
+            raise ValueError("pipelined collection executes chunks of one action; use stages=1 for K > 1")
+        env.step_async(out.actions[:, 0].to(env.device), ids)
+        if buf is None:
+            buf = _alloc(o, out, T, B, env.device)
+        for dst, src in zip(buf.obs.tensors().values(), o.tensors().values()):
+            dst[t, ids] = src
+        buf.actions[t, ids], buf.logprobs[t, ids], buf.values[t, ids] = out.actions, out.logprob, out.value
+        for k, v in out.extras.items():
+            buf.extras[k][t, ids] = v
+        return out
+
+    for ids in groups:  # fill the pipeline
+        outs.append(act_and_send(0, ids, obs.index(ids)))
+    for t in range(T):
+        for g, ids in enumerate(groups):
+            step = env.step_wait(ids)
+            done = step.terminated | step.truncated
+            stats.record(step.reward, step.success, done, ids)
+            buf.rewards[t, ids], buf.terminated[t, ids], buf.truncated[t, ids] = step.reward, step.terminated, step.truncated
+            final_v = policy.value(step.final_obs) if step.final_obs is not None else None
+            if t + 1 < T:
+                nxt = act_and_send(t + 1, ids, step.obs).value  # V(s_{t+1}) comes with the next action
+            else:
+                nxt = policy.value(step.obs)
+                last_obs.append(step.obs)
+            # V(final_obs) where an episode ended, V(s_{t+1}) elsewhere
+            buf.next_values[t, ids] = torch.where(done, final_v, nxt) if final_v is not None else nxt
+    return buf, Observation.cat(last_obs)

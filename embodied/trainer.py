@@ -78,11 +78,14 @@ class RunnerConfig:
     resume: str | None = None  # a run directory (or checkpoint) to continue from
     device: str = "auto"  # "auto": the environment's device
     torch_threads: int = 1  # intra-op threads for the policy (the simulators use the other cores)
+    pipeline_stages: int = 1  # > 1: the policy acts for one group of envs while the others simulate
     progress: bool = True  # show a progress bar
 
     def validate(self) -> None:
         if self.total_env_steps < 1:
             raise ValueError(f"total_env_steps: must be >= 1, got {self.total_env_steps}")
+        if self.pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages: must be >= 1, got {self.pipeline_stages}")
         if self.eval_episodes < 1 or self.final_eval_episodes < 1:
             raise ValueError("eval_episodes: eval_episodes and final_eval_episodes must be >= 1")
 
@@ -181,7 +184,8 @@ def _train(cfg: TrainConfig, env, run_dir: Path, resume: dict | None) -> dict:
             t0 = time.time()
             stats = EpisodeStats.zeros(B, env.device)
             obs = env.reset(seed=cfg.seed + iteration * B).map(lambda x: x.to(device))
-            rollout, _ = collect(env, policy, obs, num_steps=T, gamma=alg.gamma, stats=stats)
+            rollout, _ = collect(env, policy, obs, num_steps=T, gamma=alg.gamma, stats=stats,
+                                 stages=run.pipeline_stages if K == 1 else 1)
             rollout_time = time.time() - t0
             # 2. advantages (chunk-level: one GAE step spans K environment steps)
             advantages, returns = gae(rewards=rollout.rewards * alg.reward_scale, values=rollout.values,

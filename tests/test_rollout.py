@@ -92,3 +92,48 @@ def test_collect_with_action_chunks():
     assert rollout.actions.shape == (3, 2, 2, 1) and rollout.logprobs.shape == (3, 2)
     torch.testing.assert_close(rollout.rewards, torch.full((3, 2), 2.0))  # two steps per chunk
     assert rollout.truncated[:, 0].tolist() == [False, True, False]  # 4 steps = the end of chunk 2
+
+
+class PipelinedScriptedEnv(ScriptedEnv):
+    """ScriptedEnv that can step a subset of its environments (the pipelining interface)."""
+
+    def step_async(self, actions, env_ids):
+        assert actions.shape == (len(env_ids), 1)
+        self.__dict__.setdefault("pending", []).append(env_ids)  # several requests may be in flight
+
+    def step_wait(self, env_ids):
+        assert torch.equal(env_ids, self.pending.pop(0))  # answered in the order they were sent
+        t = self.t[env_ids] + 1
+        term_at = self.term_at[env_ids]
+        terminated = (term_at > 0) & (t == term_at)
+        truncated = (t >= self.spec.max_episode_steps) & ~terminated
+        done = terminated | truncated
+        obs = lambda x: Observation(state=x.clone().unsqueeze(1), instruction=["count"] * len(env_ids))  # noqa: E731
+        final = obs(t) if done.any() else None
+        t[done] = 0
+        self.t[env_ids] = t
+        return StepOutput(obs=obs(t), reward=torch.ones(len(env_ids)), terminated=terminated, truncated=truncated,
+                          success=terminated.clone(), final_obs=final)
+
+
+def test_pipelined_collect_matches_lockstep():
+    torch.manual_seed(0)
+    policy = ActorCritic(ScriptedEnv([3, 0, 2]).spec, ActorCriticConfig(hidden_sizes=[8], normalize_obs=False))
+    results = {}
+    for stages in (1, 2, 3):
+        env = PipelinedScriptedEnv([3, 0, 2], max_episode_steps=4)
+        stats = EpisodeStats.zeros(3, "cpu")
+        results[stages] = (*collect(env, policy, env.reset(), num_steps=7, gamma=0.9, stats=stats, stages=stages), stats)
+    ref, ref_last, ref_stats = results[1]
+    for stages in (2, 3):
+        got, last, stats = results[stages]
+        torch.testing.assert_close(got.obs.state, ref.obs.state)
+        for name in ("rewards", "terminated", "truncated", "values", "next_values"):
+            torch.testing.assert_close(getattr(got, name), getattr(ref, name), msg=f"{name}, {stages} stages")
+        torch.testing.assert_close(last.state, ref_last.state)
+        assert sorted(map(str, stats.finished)) == sorted(map(str, ref_stats.finished))
+    # the log-probabilities belong to the actions actually sampled in each run
+    got = results[2][0]
+    obs, out = got.flat(torch.arange(21))
+    logprob, _, _ = policy.evaluate(obs, out)
+    torch.testing.assert_close(logprob, got.logprobs.reshape(-1))

@@ -77,7 +77,8 @@ def _worker(conn, opts: CoreOptions, count: int) -> None:
         while True:
             cmd, arg = conn.recv()
             if cmd == "step":
-                outs = [c.step(torch.from_numpy(a[None])) for c, a in zip(cores, arg)]
+                ids, actions = arg  # local environment indices and their actions f32 [n, A]
+                outs = [cores[i].step(torch.from_numpy(a[None])) for i, a in zip(ids, actions)]
                 obs = _cat([_pack(o[0]) for o in outs])
                 ended = any(o[5] is not None for o in outs)
                 final = _cat([_pack(o[5] if o[5] is not None else o[0]) for o in outs]) if ended else None
@@ -141,10 +142,10 @@ class ManiSkillEnv:
             raise RuntimeError(f"ManiSkill worker failed:\n{payload}")
         return payload
 
-    def _obs(self, packed: dict) -> Observation:
+    def _obs(self, packed: dict, n: int | None = None) -> Observation:
         return Observation(
             state=torch.from_numpy(packed["state"]),  # f32 [B, S]
-            instruction=[self.spec.instructions[0]] * self.num_envs,
+            instruction=[self.spec.instructions[0]] * (n or self.num_envs),
             images={k: torch.from_numpy(v) for k, v in packed["images"].items()},  # uint8 [B, H, W, 3]
             privileged={k: torch.from_numpy(v) for k, v in packed["privileged"].items()},
         )
@@ -174,15 +175,40 @@ class ManiSkillEnv:
         if self._core is not None:
             obs, reward, term, trunc, success, final = self._core.step(actions)
             return StepOutput(obs=obs, reward=reward, terminated=term, truncated=trunc, success=success, final_obs=final)
+        everyone = torch.arange(self.num_envs)
+        self.step_async(actions, everyone)
+        return self.step_wait(everyone)
+
+    # --- pipelining (cpu backend): step a subset while the caller works on another ------------
+    def _split(self, env_ids: torch.Tensor) -> list[tuple[int, list[int], list[int]]]:
+        """(worker, local ids, positions in env_ids) for each worker that holds some of env_ids."""
+        ids = env_ids.tolist()
+        out = []
+        for w in range(len(self._conns)):
+            lo, hi = self._starts[w], self._starts[w + 1]
+            pos = [j for j, i in enumerate(ids) if lo <= i < hi]
+            if pos:
+                out.append((w, [ids[j] - lo for j in pos], pos))
+        return out
+
+    def step_async(self, actions: torch.Tensor, env_ids: torch.Tensor) -> None:
+        """Start stepping environments ``env_ids`` (long [N], ascending) with actions f32 [N, A];
+        workers queue requests in order, so several subsets may be in flight."""
+        if self._core is not None:
+            raise NotImplementedError("the gpu backend steps all environments at once; use step()")
         a = actions.detach().to("cpu", torch.float32).numpy()
-        for w, conn in enumerate(self._conns):
-            conn.send(("step", a[self._starts[w]:self._starts[w + 1]]))
-        results = [self._recv(c) for c in self._conns]
-        scalars = torch.from_numpy(np.concatenate([r[1] for r in results]))  # f32 [B, 4]
-        obs = self._obs(_cat([r[0] for r in results]))
+        for w, local, pos in self._split(env_ids):
+            self._conns[w].send(("step", (local, a[pos])))
+
+    def step_wait(self, env_ids: torch.Tensor) -> StepOutput:
+        """Finish the ``step_async`` of ``env_ids``; every tensor has N = len(env_ids) rows."""
+        results = [self._recv(self._conns[w]) for w, _, _ in self._split(env_ids)]
+        n = len(env_ids)
+        scalars = torch.from_numpy(np.concatenate([r[1] for r in results]))  # f32 [N, 4]
+        obs = self._obs(_cat([r[0] for r in results]), n)
         final = None
         if any(r[2] is not None for r in results):
-            final = self._obs(_cat([r[2] if r[2] is not None else r[0] for r in results]))
+            final = self._obs(_cat([r[2] if r[2] is not None else r[0] for r in results]), n)
         return StepOutput(obs=obs, reward=scalars[:, 0].contiguous(), terminated=scalars[:, 1] > 0,
                           truncated=scalars[:, 2] > 0, success=scalars[:, 3] > 0, final_obs=final)
 
