@@ -203,7 +203,8 @@ class VecEnv(Protocol):
 
     def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
         """Reset all environments, or only ``env_ids`` (long [N]); returns the full batch.
-        An int seeds environment i with seed + i; a list gives each reset environment its seed."""
+        An int seeds the reset deterministically (CPU workers: environment i gets seed + i); a list
+        gives each reset environment its own seed, and equal seeds give equal initial states."""
 
     def step(self, actions: torch.Tensor) -> StepOutput:
         """actions: float32 [B, A] in physical units. Finished environments reset automatically."""

@@ -9,8 +9,7 @@ backend runs one core per environment inside subprocess workers (``workers.py``)
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -88,7 +87,6 @@ class CoreOptions:
     sim_backend: str = "physx_cpu"
     render_size: int = 256
     ignore_terminations: bool = False  # episodes end only at the time limit; success is still reported
-    camera_names: Sequence[str] | None = field(default=None)
 
 
 def _flatten(x: torch.Tensor) -> torch.Tensor:
@@ -169,19 +167,21 @@ class ManiSkillCore:
 
     # --- environment API ------------------------------------------------------------------
     def reset(self, seed=None, env_ids: torch.Tensor | None = None) -> Observation:
-        """Reset all (or ``env_ids``) sub-environments; ``seed`` is an int (env i gets seed + i) or
-        one seed per reset environment. Returns the full batch."""
-        n = self.opts.num_envs if env_ids is None else len(env_ids)
-        if isinstance(seed, int):
-            seed = [seed + i for i in range(n)]
+        """Reset all (or ``env_ids``) sub-environments; ``seed`` is an int, or one seed per reset
+        environment (equal seeds give equal episodes). Returns the full batch."""
         options = {} if env_ids is None else {"env_idx": env_ids.to(self.device)}
-        if seed is not None and len(set(seed)) > 1 and self.opts.num_envs > 1:
-            # ManiSkill seeds a batch with one seed; reset one at a time for per-env seeds.
-            ids = torch.arange(self.opts.num_envs, device=self.device) if env_ids is None else env_ids
-            for i, s in zip(ids.tolist(), seed):
-                raw, _ = self.env.reset(seed=int(s), options={"env_idx": torch.tensor([i], device=self.device)})
+        if seed is None or self.opts.num_envs == 1 or (isinstance(seed, int) and env_ids is None):
+            # one call; with several sub-environments ManiSkill derives a deterministic seed for
+            # each from the int
+            first = seed if seed is None or isinstance(seed, int) else int(seed[0])
+            raw, _ = self.env.reset(seed=first, options=options)
         else:
-            raw, _ = self.env.reset(seed=None if seed is None else int(seed[0]), options=options)
+            # explicit per-environment seeds on a batch: reset one at a time so that equal seeds
+            # give equal episodes (GRPO groups rely on it)
+            ids = torch.arange(self.opts.num_envs, device=self.device) if env_ids is None else env_ids
+            seeds = [seed + i for i in range(len(ids))] if isinstance(seed, int) else list(seed)
+            for i, s in zip(ids.tolist(), seeds):
+                raw, _ = self.env.reset(seed=int(s), options={"env_idx": torch.tensor([i], device=self.device)})
         if env_ids is None:
             self.elapsed.zero_()
         else:

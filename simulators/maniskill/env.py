@@ -161,8 +161,8 @@ class ManiSkillEnv:
             seeds = [int(s) for s in seed]
             if len(seeds) != len(ids):
                 raise ValueError(f"reset: {len(seeds)} seeds for {len(ids)} environments")
-        if self._core is not None:
-            return self._core.reset(seed=None if seed is None else seeds,
+        if self._core is not None:  # an int seeds the whole batch in one call (see ManiSkillCore.reset)
+            return self._core.reset(seed=seed if isinstance(seed, int) or seed is None else seeds,
                                     env_ids=None if env_ids is None else env_ids.to(self.device))
         for w, conn in enumerate(self._conns):
             lo, hi = self._starts[w], self._starts[w + 1]
