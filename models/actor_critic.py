@@ -21,6 +21,7 @@ from torch import nn
 from embodied.schema import EnvSpec, Observation, PolicyOutput
 from embodied.models.encoders import CNNEncoder, StateEncoder
 
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU}
 
 
@@ -90,29 +91,31 @@ class ActorCritic(nn.Module):
         """Gaussian sample u (f32 [B, K, A]) -> physical actions within [low, high]."""
         return self.action_low + (torch.tanh(u) + 1.0) * 0.5 * (self.action_high - self.action_low)
 
-    def _logprob(self, dist: torch.distributions.Normal, u: torch.Tensor) -> torch.Tensor:
-        """log pi(tanh(u)) in normalized units: Gaussian log-density minus log|d tanh/du|. f32 [B]."""
+    def _logprob(self, mean: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """log pi(tanh(u)) in normalized units: Gaussian log-density minus log|d tanh/du|. f32 [B].
+        Written out rather than through torch.distributions: this runs once per rollout step."""
+        z = (u - mean) * torch.exp(-self.log_std)
+        gauss = -0.5 * z * z - self.log_std - _HALF_LOG_2PI
         log_det = 2.0 * (math.log(2.0) - u - torch.nn.functional.softplus(-2.0 * u))  # log(1 - tanh(u)^2), stable
-        return (dist.log_prob(u) - log_det).sum(-1)
+        return (gauss - log_det).sum(-1)
 
-    def _dist(self, feats: torch.Tensor) -> torch.distributions.Normal:
-        mean = self.actor(feats)  # f32 [B, K*A], pre-squash
-        return torch.distributions.Normal(mean, self.log_std.exp().expand_as(mean))
+    def _entropy(self, batch: int) -> torch.Tensor:
+        """Entropy of the Gaussian over u (state-independent std), f32 [B]."""
+        return (0.5 + _HALF_LOG_2PI + self.log_std).sum().expand(batch)
 
     # --- Policy ---------------------------------------------------------------------------
     def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
         feats = self.features(obs)
-        dist = self._dist(feats)
-        u = dist.mean if deterministic else dist.sample()  # f32 [B, K*A]
+        mean = self.actor(feats)  # f32 [B, K*A], pre-squash
+        u = mean if deterministic else mean + self.log_std.exp() * torch.randn_like(mean)  # f32 [B, K*A]
         raw = u.view(-1, self.K, self.A)  # f32 [B, K, A]
-        return PolicyOutput(actions=self.to_physical(raw), logprob=self._logprob(dist, u),
+        return PolicyOutput(actions=self.to_physical(raw), logprob=self._logprob(mean, u),
                             value=self.critic(feats).squeeze(-1), extras={"raw_actions": raw})
 
     def evaluate(self, obs: Observation, output: PolicyOutput):
         feats = self.features(obs)
-        dist = self._dist(feats)
         u = output.extras["raw_actions"].reshape(feats.shape[0], -1)
-        return self._logprob(dist, u), dist.entropy().sum(-1), self.critic(feats).squeeze(-1)
+        return self._logprob(self.actor(feats), u), self._entropy(feats.shape[0]), self.critic(feats).squeeze(-1)
 
     def value(self, obs: Observation) -> torch.Tensor:
         """V(obs): f32 [B]."""

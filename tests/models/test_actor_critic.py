@@ -69,3 +69,11 @@ def test_normalizer_update_accepts_time_major_observations():
     obs = random_observation(STATE_SPEC, 6).map(lambda t: t.view(2, 3, *t.shape[1:]))  # [T=2, B=3, ...]
     policy.update_normalizer(obs)
     assert float(policy.state_encoder.norm.count) == 6
+
+
+def test_entropy_is_the_gaussian_entropy_of_u():
+    policy = ActorCritic(STATE_SPEC, ActorCriticConfig(hidden_sizes=[8], chunk_size=2, init_log_std=-0.7))
+    obs = random_observation(STATE_SPEC, 3)
+    _, ent, _ = policy.evaluate(obs, policy.act(obs))
+    expected = torch.distributions.Normal(torch.zeros(6), torch.full((6,), -0.7).exp()).entropy().sum()
+    torch.testing.assert_close(ent, expected.expand(3))
