@@ -31,6 +31,14 @@ class Rollout:
     terminated: torch.Tensor  # bool [T, B]
     truncated: torch.Tensor  # bool [T, B]
 
+    def store(self, t: int, obs: Observation, out: PolicyOutput, ids: torch.Tensor | slice = slice(None)) -> None:
+        """Write step t's observation and policy output into rows ``ids`` (all by default)."""
+        for dst, src in zip(self.obs.tensors().values(), obs.tensors().values()):
+            dst[t, ids] = src
+        self.actions[t, ids], self.logprobs[t, ids], self.values[t, ids] = out.actions, out.logprob, out.value
+        for k, v in out.extras.items():
+            self.extras[k][t, ids] = v
+
     def flat(self, idx: torch.Tensor) -> tuple[Observation, PolicyOutput]:
         """Samples ``idx`` (long [N]) of the flattened T*B batch, for a minibatch update."""
         def f(t: torch.Tensor) -> torch.Tensor:
@@ -141,11 +149,7 @@ def collect(env, policy, obs: Observation, *, num_steps: int, gamma: float, stat
         out = policy.act(obs)
         if buf is None:  # preallocate [T, B, ...] from the first step's shapes
             buf = _alloc(obs, out, T, env.num_envs, env.device)
-        for dst, src in zip(buf.obs.tensors().values(), obs.tensors().values()):
-            dst[t] = src
-        buf.actions[t], buf.logprobs[t], buf.values[t] = out.actions, out.logprob, out.value
-        for k, v in out.extras.items():
-            buf.extras[k][t] = v
+        buf.store(t, obs, out)
         obs, reward, term, trunc, final_obs = execute_chunk(env, out.actions.to(env.device), gamma, stats)
         buf.rewards[t], buf.terminated[t], buf.truncated[t] = reward, term, trunc
         if t > 0:
@@ -174,11 +178,7 @@ def _collect_pipelined(env, policy, obs: Observation, *, num_steps: int, stats: 
         env.step_async(out.actions[:, 0].to(env.device), ids)
         if buf is None:
             buf = _alloc(o, out, T, B, env.device)
-        for dst, src in zip(buf.obs.tensors().values(), o.tensors().values()):
-            dst[t, ids] = src
-        buf.actions[t, ids], buf.logprobs[t, ids], buf.values[t, ids] = out.actions, out.logprob, out.value
-        for k, v in out.extras.items():
-            buf.extras[k][t, ids] = v
+        buf.store(t, o, out, ids)
         return out
 
     for ids in groups:  # fill the pipeline

@@ -131,6 +131,7 @@ class ManiSkillEnv:
             p.start()
             self._conns.append(parent), self._procs.append(p)
         self.spec = [self._recv(c) for c in self._conns][0]
+        self._everyone, self._splits = torch.arange(cfg.num_envs), {}
 
     # --- transport ----------------------------------------------------------------------
     def _recv(self, conn):
@@ -175,14 +176,20 @@ class ManiSkillEnv:
         if self._core is not None:
             obs, reward, term, trunc, success, final = self._core.step(actions)
             return StepOutput(obs=obs, reward=reward, terminated=term, truncated=trunc, success=success, final_obs=final)
-        everyone = torch.arange(self.num_envs)
-        self.step_async(actions, everyone)
-        return self.step_wait(everyone)
+        self.step_async(actions, self._everyone)
+        return self.step_wait(self._everyone)
 
     # --- pipelining (cpu backend): step a subset while the caller works on another ------------
     def _split(self, env_ids: torch.Tensor) -> list[tuple[int, list[int], list[int]]]:
-        """(worker, local ids, positions in env_ids) for each worker that holds some of env_ids."""
+        """(worker, local ids, positions in env_ids) for each worker that holds some of env_ids.
+        Cached per id set: a rollout steps the same sets (all, or its pipeline groups) every step."""
         ids = env_ids.tolist()
+        key = tuple(ids)
+        if key not in self._splits:
+            self._splits[key] = self._split_uncached(ids)
+        return self._splits[key]
+
+    def _split_uncached(self, ids: list[int]) -> list[tuple[int, list[int], list[int]]]:
         out = []
         for w in range(len(self._conns)):
             lo, hi = self._starts[w], self._starts[w + 1]
