@@ -6,22 +6,26 @@ Side by side in one run, same task, same number of environments and worker proce
   vecenv     our ManiSkillEnv (subprocess workers, lockstep) with random actions
   rollout    our full rollout loop (`embodied.rollout.collect`) with the MLP actor-critic
   pipelined  the same loop with 2 pipeline stages (policy for one half while the other simulates)
-Prints a table and the ratios to raw.
+The machine's speed drifts (shared VM), so the loops alternate and each repeat's ratio is taken to
+the raw run of the same repeat; the median over repeats is the headline. CPU time per env step
+(all processes: ours = main + workers) is printed too: it is far less sensitive to other tenants.
 
-    python benchmarks/rollout_overhead.py [--task PushCube-v1] [--num-envs 16] [--workers 2] [--steps 400]
+    python benchmarks/rollout_overhead.py [--task PushCube-v1] [--num-envs 16] [--workers 2] [--steps 150] [--repeats 10]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import platform
+import statistics
 import time
 
 import torch
 
 
-def _raw_worker(task: str, count: int, steps: int, control_mode: str, queue, go) -> None:
+def _raw_worker(task: str, count: int, control_mode: str, commands, results) -> None:
     import logging
 
     import gymnasium as gym
@@ -33,52 +37,82 @@ def _raw_worker(task: str, count: int, steps: int, control_mode: str, queue, go)
                      sim_backend="physx_cpu").unwrapped for _ in range(count)]
     for i, e in enumerate(envs):
         e.reset(seed=i)
-    queue.put("ready")
-    go.wait()  # all workers start together
-    t0 = time.perf_counter()
-    for t in range(steps):
-        for e in envs:
-            e.step(torch.rand(1, e.action_space.shape[-1]) * 2 - 1)
-            if t % 50 == 49:
-                e.reset()
-    queue.put(time.perf_counter() - t0)
+    results.put("ready")
+    while (steps := commands.get()) is not None:
+        t0, c0 = time.perf_counter(), time.process_time()
+        with torch.no_grad():  # as our workers run
+            for t in range(steps):
+                for e in envs:
+                    e.step(torch.rand(1, e.action_space.shape[-1]) * 2 - 1)
+                    if t % 50 == 49:
+                        e.reset()
+        results.put((time.perf_counter() - t0, time.process_time() - c0))
 
 
-def bench_raw(task: str, num_envs: int, workers: int, steps: int, control_mode: str) -> float:
-    ctx = mp.get_context("spawn")
-    counts = [num_envs // workers + (i < num_envs % workers) for i in range(workers)]
-    queues, go = [ctx.Queue() for _ in counts], ctx.Event()
-    procs = [ctx.Process(target=_raw_worker, args=(task, c, steps, control_mode, q, go)) for c, q in zip(counts, queues)]
-    for p in procs:
-        p.start()
-    for q in queues:
-        assert q.get() == "ready"
-    go.set()
-    elapsed = max(q.get() for q in queues)
-    for p in procs:
-        p.join()
-    return num_envs * steps / elapsed
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a live process (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_vecenv(env, steps: int) -> float:
+class RawLoop:
+    """W plain ManiSkill processes, kept alive between measurements (so that raw and ours can
+    alternate quickly), each stepping its share of the environments when told to."""
+
+    def __init__(self, task: str, num_envs: int, workers: int, control_mode: str):
+        ctx = mp.get_context("spawn")
+        self.counts = [num_envs // workers + (i < num_envs % workers) for i in range(workers)]
+        self.commands, self.results = [ctx.Queue() for _ in self.counts], [ctx.Queue() for _ in self.counts]
+        self.procs = [ctx.Process(target=_raw_worker, args=(task, c, control_mode, cq, rq), daemon=True)
+                      for c, cq, rq in zip(self.counts, self.commands, self.results)]
+        for p in self.procs:
+            p.start()
+        for q in self.results:
+            assert q.get() == "ready"
+
+    def run(self, steps: int) -> tuple[float, float]:
+        """-> (env steps/s, CPU ms per env step)."""
+        for q in self.commands:
+            q.put(steps)
+        results = [q.get() for q in self.results]
+        n = sum(self.counts) * steps
+        return n / max(r[0] for r in results), sum(r[1] for r in results) / n * 1e3
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        for p in self.procs:
+            p.join()
+
+
+def _measured(env, steps: int, fn) -> tuple[float, float]:
+    """Run ``fn`` -> (env steps/s, CPU ms per env step of this process and the env's workers)."""
+    pids = [p.pid for p in env._procs]
+    w0, c0, t0 = [_cpu_seconds(p) for p in pids], time.process_time(), time.perf_counter()
+    fn()
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0 + sum(_cpu_seconds(p) - w for p, w in zip(pids, w0))
+    return env.num_envs * steps / wall, cpu / (env.num_envs * steps) * 1e3
+
+
+def bench_vecenv(env, steps: int) -> tuple[float, float]:
     low, high = env.spec.action.bounds()
     env.reset(seed=0)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        env.step(low + torch.rand(env.num_envs, env.spec.action.dim) * (high - low))
-    return env.num_envs * steps / (time.perf_counter() - t0)
+
+    def run():
+        for _ in range(steps):
+            env.step(low + torch.rand(env.num_envs, env.spec.action.dim) * (high - low))
+    return _measured(env, steps, run)
 
 
-def bench_rollout(env, steps: int, stages: int = 1) -> float:
+def bench_rollout(env, steps: int, stages: int = 1) -> tuple[float, float]:
     from embodied.models import ActorCritic, ActorCriticConfig
     from embodied.rollout import EpisodeStats, collect
 
     policy = ActorCritic(env.spec, ActorCriticConfig())
     obs = env.reset(seed=0)
     stats = EpisodeStats.zeros(env.num_envs, env.device)
-    t0 = time.perf_counter()
-    collect(env, policy, obs, num_steps=steps, gamma=0.8, stats=stats, stages=stages)
-    return env.num_envs * steps / (time.perf_counter() - t0)
+    return _measured(env, steps, lambda: collect(env, policy, obs, num_steps=steps, gamma=0.8, stats=stats, stages=stages))
 
 
 def main() -> None:
@@ -88,31 +122,36 @@ def main() -> None:
     ap.add_argument("--task", default="PushCube-v1")
     ap.add_argument("--num-envs", type=int, default=16)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=400, help="steps per environment per measurement")
+    ap.add_argument("--steps", type=int, default=150, help="steps per environment per measurement")
     ap.add_argument("--control-mode", default="pd_joint_delta_pos")
-    ap.add_argument("--repeats", type=int, default=2, help="alternating repeats; the best of each is reported")
+    ap.add_argument("--repeats", type=int, default=10, help="alternating repeats")
     args = ap.parse_args()
     torch.set_num_threads(1)
     env = ManiSkillEnv(ManiSkillConfig(task=args.task, num_envs=args.num_envs, num_workers=args.workers,
                                        control_mode=args.control_mode))
-    results = {"raw": [], "vecenv": [], "rollout": [], "pipelined": []}
+    loops = ("raw", "vecenv", "rollout", "pipelined")
+    sps, cpu = {k: [] for k in loops}, {k: [] for k in loops}
+    raw = RawLoop(args.task, args.num_envs, args.workers, args.control_mode)
     try:
-        for _ in range(args.repeats):  # alternate so that machine noise hits all three alike
-            results["raw"].append(bench_raw(args.task, args.num_envs, args.workers, args.steps, args.control_mode))
-            results["vecenv"].append(bench_vecenv(env, args.steps))
-            results["rollout"].append(bench_rollout(env, args.steps))
-            results["pipelined"].append(bench_rollout(env, args.steps, stages=2))
+        for r in range(args.repeats):  # alternate so that machine drift hits every loop alike
+            for k, fn in (("raw", lambda: raw.run(args.steps)),
+                          ("vecenv", lambda: bench_vecenv(env, args.steps)), ("rollout", lambda: bench_rollout(env, args.steps)),
+                          ("pipelined", lambda: bench_rollout(env, args.steps, stages=2))):
+                s, c = fn()
+                sps[k].append(s), cpu[k].append(c)
+            print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k} {sps[k][-1]:.0f}" for k in loops), flush=True)
     finally:
         env.close()
-    best = {k: max(v) for k, v in results.items()}
-    print(f"{args.task} state, {args.num_envs} envs, {args.workers} workers, {args.steps} steps/env, "
-          f"{mp.cpu_count()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}")
-    print(f"{'loop':<10}{'env steps/s':>14}{'runs':>40}")
-    for k, v in results.items():
-        print(f"{k:<10}{best[k]:>14.0f}{str([round(x) for x in v]):>40}")
-    print(f"ratio vecenv/raw  = {best['vecenv'] / best['raw']:.3f}")
-    print(f"ratio rollout/raw = {best['rollout'] / best['raw']:.3f}")
-    print(f"ratio pipelined/raw = {best['pipelined'] / best['raw']:.3f}  (goal >= 0.9)")
+        raw.close()
+    print(f"\n{args.task} state, {args.num_envs} envs, {args.workers} workers, {args.steps} steps/env x {args.repeats} "
+          f"repeats, {mp.cpu_count()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}")
+    print(f"{'loop':<10}{'median steps/s':>15}{'median ratio':>14}{'CPU ms/step':>13}{'CPU ratio':>11}   steps/s per repeat")
+    for k in loops:
+        ratio = statistics.median(a / b for a, b in zip(sps[k], sps["raw"]))
+        cpu_ratio = statistics.median(cpu[k]) / statistics.median(cpu["raw"])
+        print(f"{k:<10}{statistics.median(sps[k]):>15.0f}{ratio:>14.3f}{statistics.median(cpu[k]):>13.3f}{cpu_ratio:>11.3f}   "
+              f"{[round(x) for x in sps[k]]}")
+    print("ratio = steps/s over the same repeat's raw steps/s (goal >= 0.9); CPU ratio = CPU per env step over raw's")
 
 
 if __name__ == "__main__":

@@ -163,9 +163,12 @@ def collect(env, policy, obs: Observation, *, num_steps: int, gamma: float, stat
 
 def _collect_pipelined(env, policy, obs: Observation, *, num_steps: int, stats: EpisodeStats, stages: int):
     """``collect`` with the environments split into ``stages`` groups: while the workers step
-    group g, the main process runs the policy for the group that just returned (K = 1)."""
+    group g, the main process runs the policy for the group that just returned (K = 1).
+    Groups interleave (env i is in group i % stages), so every worker holds some of each group
+    and always has the next group's request queued when it finishes one: no worker waits for
+    the policy."""
     T, B = num_steps, env.num_envs
-    groups = [g for g in torch.arange(B, device=env.device).chunk(stages) if len(g)]
+    groups = [g for g in (torch.arange(s, B, stages, device=env.device) for s in range(stages)) if len(g)]
     buf: Rollout | None = None
     outs: list[PolicyOutput] = []
     last_obs: list[Observation] = []
@@ -197,4 +200,5 @@ def _collect_pipelined(env, policy, obs: Observation, *, num_steps: int, stats: 
                 last_obs.append(step.obs)
             # V(final_obs) where an episode ended, V(s_{t+1}) elsewhere
             buf.next_values[t, ids] = torch.where(done, final_v, nxt) if final_v is not None else nxt
-    return buf, Observation.cat(last_obs)
+    last = Observation.cat(last_obs)  # rows in group order -> environment order
+    return buf, last.index(torch.cat(groups).argsort())

@@ -2,8 +2,10 @@
 
 ``ManiSkillCore`` wraps the *unwrapped* ManiSkill env and owns: physical-unit actions, the
 observation mapping, the time limit, automatic partial reset and ``final_obs``. It works on
-torch tensors on the simulator's device, so the GPU backend never leaves the device; the CPU
-backend runs one core per environment inside subprocess workers (``workers.py``).
+torch tensors on the simulator's device, so the GPU backend never leaves the device. physx_cpu
+simulates one environment per instance, so with ``sim_backend="physx_cpu"`` the core drives a
+``SerialEnvs`` of single-environment instances (inside one subprocess worker) through the same
+batched code path.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from embodied.schema import ActionSpec, CameraSpec, EnvSpec, Observation, ObsSpec
+from embodied.simulators.maniskill.serial import SerialEnvs
 
 # Natural-language instructions per task; other tasks get their name split into words.
 INSTRUCTIONS = {
@@ -109,7 +112,11 @@ class ManiSkillCore:
             kwargs["control_mode"] = opts.control_mode
         if opts.obs_mode == "rgb":
             kwargs["sensor_configs"] = dict(width=opts.image_size, height=opts.image_size)
-        self.env = gym.make(opts.task, **kwargs).unwrapped  # time limit and auto-reset are ours
+        if opts.sim_backend == "physx_cpu":
+            kwargs["num_envs"] = 1
+            self.env = SerialEnvs([gym.make(opts.task, **kwargs).unwrapped for _ in range(opts.num_envs)])
+        else:
+            self.env = gym.make(opts.task, **kwargs).unwrapped  # time limit and auto-reset are ours
         self.device = self.env.device
         self.max_episode_steps = opts.max_episode_steps or REGISTERED_ENVS[opts.task].max_episode_steps
         self.instruction = instruction_for(opts.task)
@@ -186,24 +193,30 @@ class ManiSkillCore:
             self.elapsed.zero_()
         else:
             self.elapsed[env_ids.to(self.device)] = 0
-        self.last_obs = self.observation(raw)
-        return self.last_obs
+        return self.observation(raw)
 
-    def step(self, actions: torch.Tensor):
-        """actions: float32 [B, A] physical units -> (obs, reward, terminated, truncated, success, final_obs)."""
+    def step(self, actions: torch.Tensor, env_ids: torch.Tensor | None = None):
+        """actions: float32 [n, A] physical units for all environments, or for ``env_ids`` (long [n],
+        SerialEnvs only) -> (obs, reward, terminated, truncated, success, final_obs), n rows each."""
         a = torch.clamp(actions.to(self.device), self._low, self._high) * self._scale + self._offset
-        raw, reward, terminated, _, info = self.env.step(a)
-        self.elapsed += 1
+        if env_ids is None:
+            raw, reward, terminated, _, info = self.env.step(a)
+            rows = slice(None)
+        else:
+            raw, reward, terminated, _, info = self.env.step(a, env_ids.tolist())
+            rows = env_ids
+        self.elapsed[rows] += 1
         obs = self.observation(raw)
         success = info["success"].to(torch.bool) if "success" in info else torch.zeros_like(terminated, dtype=torch.bool)
         terminated = torch.zeros_like(success) if self.opts.ignore_terminations else terminated.to(torch.bool)
-        truncated = (self.elapsed >= self.max_episode_steps) & ~terminated
+        truncated = (self.elapsed[rows] >= self.max_episode_steps) & ~terminated
         done = terminated | truncated
         final_obs = None
         if bool(done.any()):  # one host sync per step decides whether to reset
             final_obs = obs
-            obs = self.reset(env_ids=done.nonzero().squeeze(1))  # full batch, ended rows reset
-        self.last_obs = obs
+            ended = done.nonzero().squeeze(1)
+            full = self.reset(env_ids=ended if env_ids is None else env_ids[ended])  # full batch, ended rows reset
+            obs = full if env_ids is None else full.index(env_ids)
         return obs, reward.float(), terminated, truncated, success, final_obs
 
     def render(self) -> torch.Tensor:

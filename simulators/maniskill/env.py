@@ -56,48 +56,44 @@ def _core_options(cfg: ManiSkillConfig, num_envs: int, sim_backend: str) -> Core
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU worker: several single-environment cores, stepped one after the other.
+# CPU worker: one ManiSkillCore over a SerialEnvs of single-environment instances.
 def _pack(obs: Observation) -> dict:
     return {"state": obs.state.numpy(), "images": {k: v.numpy() for k, v in obs.images.items()},
             "privileged": {k: v.numpy() for k, v in obs.privileged.items()}}
 
 
 def _cat(packs: list[dict]) -> dict:
+    if len(packs) == 1:
+        return packs[0]
     return {"state": np.concatenate([p["state"] for p in packs]),
             "images": {k: np.concatenate([p["images"][k] for p in packs]) for k in packs[0]["images"]},
             "privileged": {k: np.concatenate([p["privileged"][k] for p in packs]) for k in packs[0]["privileged"]}}
 
 
 @torch.no_grad()  # no autograd bookkeeping for the simulator's many small tensor ops
-def _worker(conn, opts: CoreOptions, count: int) -> None:
+def _worker(conn, opts: CoreOptions) -> None:
     torch.set_num_threads(1)
     try:
-        cores = [ManiSkillCore(opts) for _ in range(count)]
-        conn.send(("ok", cores[0].spec))
+        core = ManiSkillCore(opts)
+        everyone = list(range(opts.num_envs))
+        conn.send(("ok", core.spec))
         while True:
             cmd, arg = conn.recv()
             if cmd == "step":
                 ids, actions = arg  # local environment indices and their actions f32 [n, A]
-                outs = [cores[i].step(torch.from_numpy(a[None])) for i, a in zip(ids, actions)]
-                obs = _cat([_pack(o[0]) for o in outs])
-                ended = any(o[5] is not None for o in outs)
-                final = _cat([_pack(o[5] if o[5] is not None else o[0]) for o in outs]) if ended else None
-                scalars = np.stack([torch.cat([o[1].float(), o[2].float(), o[3].float(), o[4].float()]).numpy() for o in outs])
-                conn.send(("ok", (obs, scalars, final)))  # scalars: f32 [m, 4] reward/term/trunc/success
+                obs, reward, term, trunc, success, final = core.step(
+                    torch.from_numpy(actions), None if ids == everyone else torch.tensor(ids))
+                scalars = torch.stack([reward, term.float(), trunc.float(), success.float()], 1).numpy()
+                conn.send(("ok", (_pack(obs), scalars, None if final is None else _pack(final))))  # scalars: f32 [n, 4]
             elif cmd == "reset":
-                ids, seeds = arg  # local env indices, one seed (or None) each
-                obs = [None] * count
-                for i, s in zip(ids, seeds):
-                    obs[i] = cores[i].reset(seed=None if s is None else [s])
-                for i in range(count):  # unchanged environments report their current observation
-                    if obs[i] is None:
-                        obs[i] = cores[i].last_obs
-                conn.send(("ok", _cat([_pack(o) for o in obs])))
+                ids, seeds = arg  # local env indices, one seed (or None) each; all None or all set
+                env_ids = torch.tensor(ids, dtype=torch.long)
+                obs = core.reset(env_ids=env_ids) if None in seeds or not seeds else core.reset(seed=seeds, env_ids=env_ids)
+                conn.send(("ok", _pack(obs)))
             elif cmd == "render":
-                conn.send(("ok", np.concatenate([c.render().numpy() for c in cores])))
+                conn.send(("ok", core.render().numpy()))
             elif cmd == "close":
-                for c in cores:
-                    c.close()
+                core.close()
                 conn.send(("ok", None))
                 return
     except (KeyboardInterrupt, EOFError):
@@ -127,7 +123,7 @@ class ManiSkillEnv:
         self._conns, self._procs = [], []
         for count in self._counts:
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(child, _core_options(cfg, 1, "physx_cpu"), count), daemon=True)
+            p = ctx.Process(target=_worker, args=(child, _core_options(cfg, count, "physx_cpu")), daemon=True)
             p.start()
             self._conns.append(parent), self._procs.append(p)
         self.spec = [self._recv(c) for c in self._conns][0]
