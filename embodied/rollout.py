@@ -140,8 +140,8 @@ def collect(env, policy, obs: Observation, *, num_steps: int, gamma: float, stat
     """Collect ``num_steps`` chunks from ``obs``. Returns (Rollout, the observation after it).
     ``stages`` > 1 pipelines: the environments are split into that many groups and the policy
     acts for one group while the workers simulate the others (environments with ``step_async``,
-    chunks of one action)."""
-    if stages > 1 and hasattr(env, "step_async"):
+    chunks of one action); environments that cannot step a subset fall back to lockstep."""
+    if stages > 1 and hasattr(env, "step_async") and getattr(env, "can_step_subsets", True):
         return _collect_pipelined(env, policy, obs, num_steps=num_steps, stats=stats, stages=stages)
     T = num_steps
     buf: Rollout | None = None

@@ -109,6 +109,7 @@ class ManiSkillEnv:
         cfg.validate()
         check_assets(cfg.task)  # fail here, before any worker starts
         self.cfg, self.num_envs = cfg, cfg.num_envs
+        self.can_step_subsets = cfg.backend == "cpu"  # step_async/step_wait (pipelined collection)
         if cfg.backend == "gpu":
             if not torch.cuda.is_available():
                 raise RuntimeError("env.backend=gpu needs a CUDA GPU; use env.backend=cpu on this machine")
