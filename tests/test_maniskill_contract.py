@@ -90,3 +90,17 @@ def test_ignore_terminations_runs_every_episode_to_the_time_limit():
             assert (out.final_obs is not None) == (t % 12 == 0)
     finally:
         env.close()
+
+
+def test_rgb_plus_state_gives_cameras_and_the_state_modes_inputs():
+    """A state-based expert acts on rgb+state observations exactly as on state ones (demos)."""
+    common = dict(task="PickCube-v1", num_envs=2, num_workers=1, control_mode="pd_joint_delta_pos", render_size=64)
+    with ManiSkillEnv(ManiSkillConfig(obs_mode="rgb+state", image_size=64, **common)) as both, \
+            ManiSkillEnv(ManiSkillConfig(obs_mode="state", **common)) as state:
+        assert [c.name for c in both.spec.obs.cameras] == ["base_camera"]
+        assert both.spec.obs.privileged == state.spec.obs.privileged and "obj_pose" in both.spec.obs.privileged
+        a, b = both.reset(seed=[5, 6]), state.reset(seed=[5, 6])
+        assert a.images["base_camera"].shape == (2, 64, 64, 3)
+        torch.testing.assert_close(a.state, b.state)
+        for k in b.privileged:
+            torch.testing.assert_close(a.privileged[k], b.privileged[k])

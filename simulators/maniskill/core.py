@@ -82,7 +82,7 @@ def check_assets(task: str) -> None:
 class CoreOptions:
     task: str
     num_envs: int = 1
-    obs_mode: str = "state"  # "state" or "rgb"
+    obs_mode: str = "state"  # "state", "rgb", or "rgb+state" (cameras and the full privileged state)
     control_mode: str | None = None  # None: the task's default
     reward_mode: str = "normalized_dense"
     image_size: int = 128
@@ -105,12 +105,13 @@ class ManiSkillCore:
         from mani_skill.utils.registration import REGISTERED_ENVS
 
         self.opts = opts
-        kwargs = dict(num_envs=opts.num_envs, obs_mode="state_dict" if opts.obs_mode == "state" else "rgb",
+        ms_obs_mode = {"state": "state_dict", "rgb": "rgb", "rgb+state": "rgb+state_dict"}[opts.obs_mode]
+        kwargs = dict(num_envs=opts.num_envs, obs_mode=ms_obs_mode,
                       reward_mode=opts.reward_mode, sim_backend=opts.sim_backend, render_mode="rgb_array",
                       human_render_camera_configs=dict(width=opts.render_size, height=opts.render_size))
         if opts.control_mode:
             kwargs["control_mode"] = opts.control_mode
-        if opts.obs_mode == "rgb":
+        if "rgb" in opts.obs_mode:
             kwargs["sensor_configs"] = dict(width=opts.image_size, height=opts.image_size)
         if opts.sim_backend == "physx_cpu":
             kwargs["num_envs"] = 1

@@ -28,7 +28,10 @@ class ManiSkillConfig:
     num_envs: int = 8  # environments stepped in lockstep
     backend: str = "cpu"  # "cpu": physx_cpu in subprocess workers; "gpu": physx_cuda, batched
     num_workers: int = 2  # cpu backend: subprocesses sharing the environments
-    obs_mode: str = "state"  # "state" (proprioception + privileged) or "rgb" (cameras + proprioception)
+    # "state" (proprioception + privileged), "rgb" (cameras + proprioception; privileged holds only
+    # what ManiSkill gives image-based agents, e.g. goal_pos), or "rgb+state" (cameras and the full
+    # privileged state: a state-based expert can act while the cameras record, for demonstrations)
+    obs_mode: str = "state"
     control_mode: str | None = None  # None: the task's default controller
     reward_mode: str = "normalized_dense"
     image_size: int = 128  # camera height = width for obs_mode=rgb
@@ -42,8 +45,8 @@ class ManiSkillConfig:
     def validate(self) -> None:
         if self.backend not in ("cpu", "gpu"):
             raise ValueError(f"backend: must be 'cpu' or 'gpu', got {self.backend!r}")
-        if self.obs_mode not in ("state", "rgb"):
-            raise ValueError(f"obs_mode: must be 'state' or 'rgb', got {self.obs_mode!r}")
+        if self.obs_mode not in ("state", "rgb", "rgb+state"):
+            raise ValueError(f"obs_mode: must be 'state', 'rgb' or 'rgb+state', got {self.obs_mode!r}")
         for name in ("num_envs", "num_workers", "image_size", "render_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

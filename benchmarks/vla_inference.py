@@ -1,0 +1,87 @@
+"""VLA inference: latency and throughput of ``act()`` per action head and batch size, and peak memory.
+
+Each (head, batch size) runs in a fresh process so that its peak memory is its own: on CPU the
+peak resident set size (ru_maxrss) while acting, minus the resident size after the model was
+built; on a GPU ``torch.cuda.max_memory_allocated``. Pretrained backbones (EfficientNet-Lite0 +
+all-MiniLM-L6-v2), one 128x128 camera, chunk K=4, the 8-dim Panda joint-delta action space.
+
+    python benchmarks/vla_inference.py [--heads gaussian discrete flow] [--batch 1 8 32] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import platform
+import resource
+import statistics
+import time
+
+import torch
+
+
+def _spec(image_size: int):
+    from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec
+
+    return EnvSpec(obs=ObsSpec(cameras=(CameraSpec("base_camera", image_size, image_size),),
+                               state_names=tuple(f"q{i}" for i in range(25))),
+                   action=ActionSpec("joint_delta", tuple(f"a{i}" for i in range(8)), (-0.1,) * 7 + (-0.01,),
+                                     (0.1,) * 7 + (0.04,), gripper=7),
+                   max_episode_steps=50, instructions=("push the cube to the red and white target",))
+
+
+def _run(head: str, batch: int, device: str, image_size: int, repeats: int, threads: int, queue) -> None:
+    torch.set_num_threads(threads)
+    from embodied.contract import random_observation
+    from embodied.models import VLA, VLAConfig
+
+    spec = _spec(image_size)
+    policy = VLA(spec, VLAConfig(head=head, chunk_size=4)).to(device).eval()
+    obs = random_observation(spec, batch, device)
+    with torch.no_grad():
+        policy.act(obs)  # warm-up (caches the instruction embedding)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            policy.act(obs)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda"
+            else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
+    params = sum(p.numel() for p in policy.parameters()) / 1e6
+    queue.put((statistics.median(times), peak, params))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", nargs="+", default=["gaussian", "discrete", "flow"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--image-size", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    hw = torch.cuda.get_device_name() if args.device == "cuda" else f"{mp.cpu_count()} cores {platform.machine()}"
+    print(f"VLA act(): {hw}, torch {torch.__version__}, {args.threads} threads, {args.image_size}px, K=4, "
+          f"median of {args.repeats}")
+    mem = "peak GPU MiB" if args.device == "cuda" else "peak RSS +MiB"
+    print(f"{'head':<10}{'batch':>6}{'params M':>10}{'latency ms':>12}{'chunks/s':>10}{'actions/s':>11}{mem:>15}")
+    for head in args.heads:
+        for b in args.batch:
+            q = ctx.Queue()
+            p = ctx.Process(target=_run, args=(head, b, args.device, args.image_size, args.repeats, args.threads, q))
+            p.start()
+            latency, peak, params = q.get()
+            p.join()
+            print(f"{head:<10}{b:>6}{params:>10.1f}{latency * 1e3:>12.1f}{b / latency:>10.1f}{4 * b / latency:>11.1f}"
+                  f"{peak:>15.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""``VLA``: vision encoder + language encoder + fusion transformer + action head (+ value head),
+one ``Policy``.
+
+Tokens: each camera's EfficientNet feature grid (projected, with position and camera
+embeddings), one instruction embedding (MiniLM), one proprioception token, K learned action
+queries and a value query. A pre-norm transformer encoder fuses them; the head reads the K query
+outputs (one per chunk step), the value MLP reads the value query.
+
+Normalization lives in the module's buffers (so in every checkpoint): proprioception is
+standardized with (mean, std) and actions are mapped between physical units and [-1, 1] with
+the data's 1st/99th percentiles (clipped to the ActionSpec bounds), as OpenVLA does. Until
+``set_norm_stats`` is called they are (0, 1) and the ActionSpec bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from embodied.schema import EnvSpec, NormStats, Observation, PolicyOutput
+from embodied.models.vla.backbones import EfficientNetLite0, MiniLMText
+from embodied.models.vla.heads import HEADS, DiscreteTokenHead, FlowMatchingHead, GaussianChunkHead
+
+LEVELS = ("chunk", "action", "token")
+
+
+@dataclass
+class VLAConfig:
+    """A vision-language-action policy; sizes default to what trains on a 2-core CPU."""
+
+    name: str = "vla"
+    head: str = "gaussian"  # gaussian (continuous chunk) | discrete (256-bin tokens) | flow (flow matching)
+    chunk_size: int = 4  # K actions per policy call
+    d_model: int = 256  # fusion transformer width
+    layers: int = 2  # fusion transformer depth
+    heads: int = 4  # attention heads
+    value_head: bool = True  # PPO needs it; GRPO does not
+    use_state: bool = True  # proprioception token
+    # simulator-only keys to feed (e.g. [goal_pos] where the goal is invisible to the cameras, as in
+    # PickCube); a real robot has none, so a deployable policy uses goal inputs it can be given
+    privileged_keys: list[str] = field(default_factory=list)
+    vision_pretrained: bool = True  # ImageNet EfficientNet-Lite0 weights from its package
+    vision_width: float = 1.0  # < 1 with vision_pretrained=false builds a small random encoder (tests)
+    vision_depth: float = 1.0
+    freeze_vision: bool = False  # no gradients into the image encoder (faster updates on CPU)
+    text_pretrained: bool = True  # all-MiniLM-L6-v2 from its package
+    text_hidden: int = 384  # random text encoder size when text_pretrained=false (tests)
+    text_layers: int = 6
+    freeze_text: bool = True  # frozen: embeddings cached per instruction
+    init_log_std: float = -1.0  # gaussian head
+    bins: int = 256  # discrete head
+    flow_steps: int = 5  # flow head: denoising steps
+    flow_noise_std: float = 0.1  # flow head: initial std of the noise injected per step
+
+    def validate(self) -> None:
+        if self.head not in HEADS:
+            raise ValueError(f"head: must be one of {sorted(HEADS)}, got {self.head!r}")
+        if self.chunk_size < 1 or self.d_model < 1 or self.layers < 0 or self.heads < 1:
+            raise ValueError("chunk_size, d_model, heads must be >= 1 and layers >= 0")
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
+
+
+class VLA(nn.Module):
+    def __init__(self, spec: EnvSpec, cfg: VLAConfig):
+        super().__init__()
+        cfg.validate()
+        self.spec, self.cfg = spec, cfg
+        self.K, self.A, d = cfg.chunk_size, spec.action.dim, cfg.d_model
+        cams = spec.obs.cameras
+        if not cams:
+            raise ValueError("a VLA needs camera images: use an obs_mode with cameras (e.g. env.obs_mode=rgb)")
+        if len({(c.height, c.width) for c in cams}) > 1:
+            raise ValueError("all cameras must have the same size (one shared image encoder)")
+        self.camera_names = tuple(c.name for c in cams)
+        self.vision = EfficientNetLite0((cams[0].height, cams[0].width), pretrained=cfg.vision_pretrained,
+                                        width=cfg.vision_width, depth=cfg.vision_depth)
+        self.vision.requires_grad_(not cfg.freeze_vision)
+        with torch.no_grad():
+            n_patch = self.vision(torch.zeros(1, cams[0].height, cams[0].width, 3, dtype=torch.uint8)).shape[1]
+        self.text = MiniLMText(pretrained=cfg.text_pretrained, hidden=cfg.text_hidden, layers=cfg.text_layers)
+        self.text.requires_grad_(not cfg.freeze_text)
+
+        self.vision_proj = nn.Linear(self.vision.out_dim, d)
+        self.patch_pos = nn.Parameter(torch.randn(n_patch, d) * 0.02)
+        self.camera_emb = nn.Parameter(torch.randn(len(cams), d) * 0.02)
+        self.text_proj = nn.Linear(self.text.out_dim, d)
+        unknown = sorted(set(cfg.privileged_keys) - set(spec.obs.privileged))
+        if unknown:
+            raise ValueError(f"privileged_keys: {unknown} not in the environment's privileged keys "
+                             f"{sorted(spec.obs.privileged)}")
+        self.priv_keys = tuple(sorted(cfg.privileged_keys))
+        priv_dim = sum(math.prod(spec.obs.privileged[k]) for k in self.priv_keys)
+        self.state_dim = (spec.obs.state_dim if cfg.use_state else 0) + priv_dim
+        self.state_proj = nn.Linear(self.state_dim, d) if self.state_dim else None
+        self.queries = nn.Parameter(torch.randn(self.K + 1, d) * 0.02)  # K action queries + 1 value query
+        layer = nn.TransformerEncoderLayer(d, cfg.heads, 4 * d, dropout=0.0, activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.fusion = nn.TransformerEncoder(layer, cfg.layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        if cfg.head == "gaussian":
+            self.head = GaussianChunkHead(d, self.A, cfg.init_log_std)
+        elif cfg.head == "discrete":
+            self.head = DiscreteTokenHead(d, self.A, cfg.bins)
+        else:
+            self.head = FlowMatchingHead(d, self.A, steps=cfg.flow_steps, init_noise_std=cfg.flow_noise_std)
+        self.value_mlp = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1)) if cfg.value_head else None
+
+        low, high = spec.action.bounds()
+        self.register_buffer("action_low", low)  # f32 [A] physical bounds
+        self.register_buffer("action_high", high)
+        self.register_buffer("action_q01", low.clone())  # f32 [A]: maps to -1
+        self.register_buffer("action_q99", high.clone())  # f32 [A]: maps to +1
+        self.register_buffer("state_mean", torch.zeros(self.state_dim))  # f32 [S']
+        self.register_buffer("state_std", torch.ones(self.state_dim))
+
+    # --- normalization ------------------------------------------------------------------------
+    def state_vector(self, obs: Observation) -> torch.Tensor:
+        """Raw proprioception (+ privileged) f32 [B, S'] as the policy sees it before normalization."""
+        parts = [obs.state] if self.cfg.use_state else []
+        parts += [obs.privileged[k].reshape(obs.batch_size, -1) for k in self.priv_keys]
+        return torch.cat(parts, dim=-1)
+
+    @torch.no_grad()
+    def set_norm_stats(self, *, state: NormStats | None = None, action: NormStats | None = None) -> None:
+        """Install statistics computed from data (state: mean/std; action: q01/q99)."""
+        if state is not None and self.state_dim:
+            self.state_mean.copy_(state.mean)
+            self.state_std.copy_(state.std.clamp(min=1e-6))
+        if action is not None:
+            q01 = torch.maximum(action.q01.to(self.action_low), self.action_low)
+            q99 = torch.minimum(action.q99.to(self.action_high), self.action_high)
+            same = (q99 - q01) < 1e-6  # a constant dimension: keep a non-empty range around it
+            self.action_q01.copy_(torch.where(same, q01 - 1e-3, q01))
+            self.action_q99.copy_(torch.where(same, q99 + 1e-3, q99))
+
+    def to_physical(self, a: torch.Tensor) -> torch.Tensor:
+        """Normalized f32 [..., A] in [-1, 1] -> physical units, within the ActionSpec bounds."""
+        phys = self.action_q01 + (a + 1.0) * 0.5 * (self.action_q99 - self.action_q01)
+        return torch.maximum(torch.minimum(phys, self.action_high), self.action_low)
+
+    def to_normalized(self, actions: torch.Tensor) -> torch.Tensor:
+        """Physical f32 [..., A] -> [-1, 1] (clipped)."""
+        return (2.0 * (actions - self.action_q01) / (self.action_q99 - self.action_q01) - 1.0).clamp(-1.0, 1.0)
+
+    # --- fusion ---------------------------------------------------------------------------------
+    def context(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (action-query outputs f32 [B, K, d], value-query output f32 [B, d])."""
+        B = obs.batch_size
+        images = torch.cat([obs.images[n] for n in self.camera_names])  # uint8 [C*B, H, W, 3]
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_vision):
+            feats = self.vision(images)  # f32 [C*B, P, 1280]
+        vis = self.vision_proj(feats) + self.patch_pos  # f32 [C*B, P, d]
+        vis = vis.view(len(self.camera_names), B, *vis.shape[1:]) + self.camera_emb[:, None, None]
+        tokens = [vis.transpose(0, 1).reshape(B, -1, vis.shape[-1]), self.text_proj(self.text(obs.instruction))[:, None]]
+        if self.state_proj is not None:
+            state = (self.state_vector(obs) - self.state_mean) / self.state_std
+            tokens.append(self.state_proj(state)[:, None])
+        tokens.append(self.queries.expand(B, -1, -1))
+        out = self.norm(self.fusion(torch.cat(tokens, dim=1)))  # f32 [B, N, d]
+        return out[:, -self.K - 1:-1], out[:, -1]
+
+    def _value(self, v_token: torch.Tensor) -> torch.Tensor | None:
+        return self.value_mlp(v_token).squeeze(-1) if self.value_mlp is not None else None
+
+    # --- Policy -----------------------------------------------------------------------------------
+    def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
+        ctx, v = self.context(obs)
+        a, logp, extras = self.head.sample(ctx, deterministic)  # a f32 [B, K, A] in [-1, 1]
+        extras["logp_token"] = logp  # f32 [B, K, A]: finer log-probability levels for the update
+        return PolicyOutput(actions=self.to_physical(a), logprob=logp.sum((1, 2)), value=self._value(v), extras=extras)
+
+    def evaluate(self, obs: Observation, output: PolicyOutput, *, level: str = "chunk"):
+        """(logprob, entropy [B], value [B] or None); logprob is f32 [B] (chunk), [B, K] (action)
+        or [B, K, A] (token: one per action dimension)."""
+        if level not in LEVELS:
+            raise ValueError(f"level: must be one of {LEVELS}, got {level!r}")
+        ctx, v = self.context(obs)
+        logp, entropy = self.head.log_prob(ctx, output.extras)
+        logp = logp.sum((1, 2)) if level == "chunk" else logp.sum(2) if level == "action" else logp
+        return logp, entropy, self._value(v)
+
+    def value(self, obs: Observation) -> torch.Tensor:
+        """V(obs) f32 [B]; zeros without a value head (GRPO does not bootstrap)."""
+        if self.value_mlp is None:
+            return torch.zeros(obs.batch_size, device=obs.device)
+        return self._value(self.context(obs)[1])
+
+    def update_normalizer(self, obs: Observation) -> None:
+        """Statistics come from the demonstrations (``set_norm_stats``), not from rollouts."""
+
+    def bc_loss(self, obs: Observation, actions: torch.Tensor, mask: torch.Tensor | None = None):
+        """Supervised loss on demonstrated chunks: actions f32 [B, K, A] physical, mask f32 [B, K]
+        (0 where the chunk runs past the episode's end). -> (loss, metrics)."""
+        ctx, _ = self.context(obs)
+        mask = torch.ones(actions.shape[:2], device=actions.device) if mask is None else mask
+        return self.head.bc_loss(ctx, self.to_normalized(actions), mask)

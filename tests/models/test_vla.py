@@ -1,0 +1,181 @@
+"""The VLA with each action head passes the policy contract; log-probabilities are consistent and
+match independent computations; normalization lives in the checkpoint; pretrained backbones load
+offline."""
+
+import math
+
+import pytest
+import torch
+
+from embodied.checkpoint import load_checkpoint, save_checkpoint
+from embodied.contract import random_observation
+from embodied.models import VLA, VLAConfig, build_policy
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, NormStats, ObsSpec, check_policy
+
+SPEC = EnvSpec(obs=ObsSpec(cameras=(CameraSpec("base_camera", 64, 64), CameraSpec("hand_camera", 64, 64)),
+                           state_names=tuple(f"q{i}" for i in range(5)), privileged={"goal_pos": (3,)}),
+               action=ActionSpec("joint_delta", ("j0", "j1", "j2", "gripper"), (-0.1, -0.1, -0.1, -0.01),
+                                 (0.1, 0.1, 0.1, 0.04), gripper=3),
+               max_episode_steps=20, instructions=("push the cube to the target", "pick up the cube"))
+HEADS = ["gaussian", "discrete", "flow"]
+
+
+def tiny(head: str, **kw) -> VLAConfig:
+    """Random, small backbones of the real architectures (EfficientNet-Lite0, BERT/MiniLM)."""
+    base = dict(head=head, chunk_size=3, d_model=32, layers=1, heads=2, vision_pretrained=False, vision_width=0.25,
+                vision_depth=0.25, text_pretrained=False, text_hidden=32, text_layers=1, bins=16, flow_steps=4,
+                privileged_keys=["goal_pos"])
+    return VLAConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_check_policy(head):
+    torch.manual_seed(0)
+    policy = build_policy(SPEC, tiny(head))
+    report = check_policy(policy, SPEC, batch_size=4)  # includes evaluate() == act() log-prob to 1e-5
+    assert report["chunk"] == 3
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_logprob_levels_are_consistent(head):
+    torch.manual_seed(1)
+    policy = VLA(SPEC, tiny(head))
+    obs = random_observation(SPEC, 5)
+    with torch.no_grad():
+        out = policy.act(obs)
+        token, _, _ = policy.evaluate(obs, out, level="token")
+        action, _, _ = policy.evaluate(obs, out, level="action")
+        chunk, entropy, value = policy.evaluate(obs, out, level="chunk")
+    assert token.shape == (5, 3, 4) and action.shape == (5, 3) and chunk.shape == (5,)
+    torch.testing.assert_close(token, out.extras["logp_token"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(action, token.sum(-1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunk, out.logprob, atol=1e-5, rtol=0)
+    assert value.shape == (5,) and entropy.shape == (5,)
+
+
+def test_gaussian_logprob_is_the_squashed_density():
+    torch.manual_seed(2)
+    policy = VLA(SPEC, tiny("gaussian"))
+    obs = random_observation(SPEC, 3)
+    with torch.no_grad():
+        out = policy.act(obs)
+        ctx, _ = policy.context(obs)
+        mean = policy.head.mean(ctx)
+    u = out.extras["raw_actions"]
+    ref = torch.distributions.Normal(mean, policy.head.log_std.exp()).log_prob(u) - torch.log(1 - torch.tanh(u) ** 2)
+    torch.testing.assert_close(out.extras["logp_token"], ref, atol=1e-4, rtol=1e-5)
+
+
+def test_discrete_tokens_and_their_logprob():
+    torch.manual_seed(3)
+    policy = VLA(SPEC, tiny("discrete", bins=8))
+    obs = random_observation(SPEC, 4)
+    with torch.no_grad():
+        out = policy.act(obs)
+        ctx, _ = policy.context(obs)
+        logits = policy.head.logits(ctx).view(4, 3, 4, 8)
+    tokens = out.extras["tokens"]
+    ref = torch.distributions.Categorical(logits=logits).log_prob(tokens)
+    torch.testing.assert_close(out.extras["logp_token"], ref, atol=1e-5, rtol=0)
+    # the action is the bin centre of the sampled token, mapped onto the physical range
+    centers = -1 + (2 * tokens.float() + 1) / 8
+    torch.testing.assert_close(out.actions, policy.to_physical(centers))
+    # tokenizing a bin centre gives the bin back
+    assert torch.equal(policy.head.tokenize(centers), tokens)
+
+
+def test_flow_logprob_matches_an_independent_reference():
+    """Recompute log p(chain) transition by transition with torch.distributions."""
+    torch.manual_seed(4)
+    policy = VLA(SPEC, tiny("flow", flow_steps=5, flow_noise_std=0.3))
+    obs = random_observation(SPEC, 3)
+    with torch.no_grad():
+        out = policy.act(obs)
+        ctx, _ = policy.context(obs)
+        chain = out.extras["flow_chain"]  # [B, N+1, K, A]
+        assert chain.shape == (3, 6, 3, 4)
+        ref = torch.zeros(3)
+        sigma = policy.head.log_sigma.exp()
+        for i in range(5):
+            x = chain[:, i]
+            v = policy.head.velocity(x, torch.full((3,), i / 5), ctx)
+            ref += torch.distributions.Normal(x + v / 5, sigma).log_prob(chain[:, i + 1]).sum((1, 2))
+        # the executed action is the chain's end, clipped to [-1, 1], in physical units
+        torch.testing.assert_close(out.actions, policy.to_physical(chain[:, -1].clamp(-1, 1)))
+    torch.testing.assert_close(out.logprob, ref, atol=1e-4, rtol=1e-6)
+    # the log-probability depends on the learned noise scale: a gradient reaches log_sigma
+    logp, _, _ = policy.evaluate(obs, out)
+    (g,) = torch.autograd.grad(logp.sum(), [policy.head.log_sigma])
+    assert g.abs().sum() > 0
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_behaviour_cloning_fits_a_fixed_batch(head):
+    torch.manual_seed(5)
+    policy = VLA(SPEC, tiny(head, freeze_vision=True))  # the heads and the fusion learn; fast on CPU
+    obs = random_observation(SPEC, 6)
+    low, high = SPEC.action.bounds()
+    target = low + torch.rand(6, 3, 4) * (high - low)  # physical chunks
+    opt = torch.optim.Adam(policy.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(150):
+        loss, _ = policy.bc_loss(obs, target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    # the flow loss samples noise and time: compare averages
+    assert sum(losses[-10:]) < 0.3 * sum(losses[:10]), losses[::10]
+    with torch.no_grad():  # deterministic actions approach the targets
+        err = (policy.act(obs, deterministic=True).actions - target).abs() / (high - low)
+    assert err.mean() < 0.1
+
+
+def test_checkpoint_round_trip_keeps_normalization(tmp_path):
+    torch.manual_seed(6)
+    cfg = tiny("gaussian")
+    policy = VLA(SPEC, cfg)
+    q01, q99 = torch.tensor([-0.05, -0.02, 0.0, 0.0]), torch.tensor([0.05, 0.02, 0.1, 0.04])
+    policy.set_norm_stats(state=NormStats(mean=torch.full((8,), 2.0), std=torch.full((8,), 3.0)),
+                          action=NormStats(q01=q01, q99=q99))
+    obs = random_observation(SPEC, 4)
+    with torch.no_grad():
+        before = policy.act(obs, deterministic=True).actions
+    assert bool(((before >= q01) & (before <= q99)).all())  # [-1, 1] maps onto the data's range
+    ckpt = save_checkpoint(tmp_path, 1, model=policy, optimizer=None, counters={}, meta={"policy": vars(cfg)})
+    loaded = load_checkpoint(ckpt, with_trainer_state=False)
+    fresh = VLA(SPEC, VLAConfig(**loaded["meta"]["policy"]))
+    fresh.load_state_dict(loaded["model"])
+    torch.testing.assert_close(fresh.state_mean, torch.full((8,), 2.0))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.act(obs, deterministic=True).actions, before)
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(ValueError, match="head"):
+        VLA(SPEC, tiny("diffusion"))
+    no_camera = EnvSpec(obs=ObsSpec(state_names=("q",)), action=SPEC.action, max_episode_steps=5)
+    with pytest.raises(ValueError, match="camera"):
+        VLA(no_camera, tiny("gaussian"))
+    with pytest.raises(ValueError, match="obj_pose"):
+        VLA(SPEC, tiny("gaussian", privileged_keys=["obj_pose"]))
+
+
+def test_pretrained_backbones_load_offline():
+    """EfficientNet-Lite0 and all-MiniLM-L6-v2 come from their wheels, with no hub access."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    from embodied.models.vla.backbones import EfficientNetLite0, MiniLMText, minilm_path
+
+    vision = EfficientNetLite0((64, 64), pretrained=True)
+    n = sum(p.numel() for p in vision.parameters())
+    assert 3.3e6 < n < 3.5e6, n  # 4.65M with the 1000-class classifier, which is dropped
+    tokens = vision(torch.full((1, 64, 64, 3), 127, dtype=torch.uint8))
+    assert tokens.shape == (1, 4, 1280) and torch.isfinite(tokens).all()
+
+    text = MiniLMText(pretrained=True)
+    sentences = ["push the cube to the red and white target", "pick up the cube"]
+    ours = text(sentences)
+    reference = sentence_transformers.SentenceTransformer(str(minilm_path()), device="cpu").encode(
+        sentences, convert_to_tensor=True)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
+    assert math.isclose(float(ours[0].detach() @ ours[0].detach()), 1.0, rel_tol=1e-5)
