@@ -1,4 +1,4 @@
-"""``embodied`` command line: train, eval."""
+"""``embodied`` command line: train, eval, demos."""
 
 from __future__ import annotations
 
@@ -58,6 +58,24 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_demos(args) -> int:
+    from embodied.config import ConfigError, load_config
+    from embodied.demos import DemosConfig, record_demos
+
+    try:
+        cfg, _ = load_config(DemosConfig, args.config, args.overrides)
+    except ConfigError as e:
+        return _error(str(e))
+    if Path(cfg.output, "meta", "info.json").exists():
+        return _error(f"output: {cfg.output} already holds a dataset; choose another output directory")
+    try:
+        summary = record_demos(cfg)
+    except (FileNotFoundError, RuntimeError) as e:
+        return _error(str(e))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="embodied", description="Fine-tune robot policies with RL in vectorized simulators.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -73,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0, help="evaluation seed (default 0)")
     e.add_argument("--num-envs", type=int, default=None, help="environments in parallel (default: as trained)")
     e.set_defaults(func=cmd_eval)
+    d = sub.add_parser("demos", help="record demonstrations with an expert into a LeRobot dataset",
+                       description="Record demonstrations as CONFIG says (expert checkpoint, task, episodes, output); "
+                                   "override any key with key.sub=value.")
+    d.add_argument("config", help="YAML config, e.g. configs/maniskill/demos_pushcube.yaml")
+    d.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    d.set_defaults(func=cmd_demos)
     return p
 
 

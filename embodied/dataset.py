@@ -37,6 +37,10 @@ def image_key(camera: str) -> str:
     return f"observation.images.{camera}"
 
 
+def privileged_key(key: str) -> str:
+    return f"observation.privileged.{key}"
+
+
 def _hf_features(features: dict):
     import datasets
 
@@ -71,7 +75,7 @@ class LeRobotWriter:
     a directory without ``meta/info.json``, which ``DemoDataset`` refuses to read."""
 
     def __init__(self, root: str | Path, *, fps: float, cameras: dict[str, tuple[int, int]], state_names: list[str],
-                 action_names: list[str], robot_type: str | None = None):
+                 action_names: list[str], privileged: dict[str, int] | None = None, robot_type: str | None = None):
         self.root = Path(root)
         if (self.root / "meta" / "info.json").exists():
             raise FileExistsError(f"{self.root} already holds a dataset; choose another output directory")
@@ -79,6 +83,9 @@ class LeRobotWriter:
         self.features = {image_key(c): {"dtype": "image", "shape": [h, w, 3], "names": ["height", "width", "channels"]}
                          for c, (h, w) in cameras.items()}
         self.features["observation.state"] = {"dtype": "float32", "shape": [len(state_names)], "names": list(state_names)}
+        self.privileged = dict(privileged or {})  # simulator-only keys stored per frame -> size
+        self.features.update({privileged_key(k): {"dtype": "float32", "shape": [d], "names": None}
+                              for k, d in self.privileged.items()})
         self.features["action"] = {"dtype": "float32", "shape": [len(action_names)], "names": list(action_names)}
         self.features["next.reward"] = {"dtype": "float32", "shape": [1], "names": None}
         self.features["next.success"] = {"dtype": "bool", "shape": [1], "names": None}
@@ -88,14 +95,20 @@ class LeRobotWriter:
         self.episodes: list[dict] = []
         self._buffer: list[dict] = []  # episodes not yet in a data file
         self._buffer_bytes, self._file_index, self._frames = 0, 0, 0
-        self._all: dict[str, list[np.ndarray]] = {"observation.state": [], "action": []}
+        self._all: dict[str, list[np.ndarray]] = {"observation.state": [], "action": [],
+                                                  **{privileged_key(k): [] for k in self.privileged}}
         self._images: dict[str, list[np.ndarray]] = {c: [] for c in cameras}
 
     def add_episode(self, *, images: dict[str, np.ndarray], state: np.ndarray, actions: np.ndarray,
-                    rewards: np.ndarray, success: np.ndarray, task: str, extra: dict | None = None) -> int:
+                    rewards: np.ndarray, success: np.ndarray, task: str, privileged: dict[str, np.ndarray] | None = None,
+                    extra: dict | None = None) -> int:
         """images: camera -> uint8 [T, H, W, 3]; state f32 [T, S]; actions f32 [T, A] (the action
-        taken at each frame); rewards f32 [T]; success bool [T] after each action. -> episode index."""
+        taken at each frame); rewards f32 [T]; success bool [T] after each action; privileged:
+        key -> f32 [T, D] for the keys given at construction; extra: more episode metadata. -> index."""
         T = len(actions)
+        privileged = privileged or {}
+        if set(privileged) != set(self.privileged):
+            raise ValueError(f"add_episode: privileged keys {sorted(privileged)}, expected {sorted(self.privileged)}")
         if not (len(state) == len(rewards) == len(success) == T) or any(len(v) != T for v in images.values()):
             raise ValueError("add_episode: every per-frame array must have the same length")
         ep = len(self.episodes)
@@ -106,6 +119,7 @@ class LeRobotWriter:
                        "timestamp": (np.arange(T) / self.fps).astype(np.float32).tolist(), "frame_index": list(range(T)),
                        "episode_index": [ep] * T, "index": list(range(self._frames, self._frames + T)),
                        "task_index": [task_index] * T})
+        frames.update({privileged_key(k): v.reshape(T, -1).astype(np.float32).tolist() for k, v in privileged.items()})
         stats = {"observation.state": _stats(state), "action": _stats(actions)}
         stats.update({image_key(c): _image_stats(images[c]) for c in self.cameras})
         meta = {"episode_index": ep, "tasks": [task], "length": T, "data/chunk_index": 0,
@@ -117,6 +131,8 @@ class LeRobotWriter:
         self._buffer.append(frames)
         self._all["observation.state"].append(state)
         self._all["action"].append(actions)
+        for k, v in privileged.items():
+            self._all[privileged_key(k)].append(v.reshape(T, -1))
         for c in self.cameras:
             self._images[c].append(images[c][:: max(1, T // 10)])
         self._frames += T
@@ -124,6 +140,10 @@ class LeRobotWriter:
         if self._buffer_bytes > FILE_SIZE_MB * 2**20:
             self._flush()
         return ep
+
+    @property
+    def total_frames(self) -> int:
+        return self._frames
 
     def _flush(self) -> None:
         import datasets
@@ -167,12 +187,13 @@ class LeRobotWriter:
 class DemoDataset:
     """A LeRobot v3.0 dataset in memory as tensors: frames N, cameras C.
 
-    images: camera -> uint8 [N, H, W, 3]; state f32 [N, S]; actions f32 [N, A];
+    images: camera -> uint8 [N, H, W, 3]; privileged: key -> f32 [N, D]; state f32 [N, S]; actions f32 [N, A];
     episode, frame, task: long [N] (episode index, frame within it, task index); tasks: the strings;
     starts/ends long [E]: each episode's frame range; info, stats: the metadata JSON.
     """
 
     images: dict[str, torch.Tensor]
+    privileged: dict[str, torch.Tensor]
     state: torch.Tensor
     actions: torch.Tensor
     episode: torch.Tensor
@@ -211,7 +232,9 @@ class DemoDataset:
         change = torch.nonzero(episode[1:] != episode[:-1]).squeeze(1) + 1
         starts = torch.cat([torch.zeros(1, dtype=torch.long), change])
         ends = torch.cat([change, torch.tensor([len(episode)])])
-        return DemoDataset(images=images, state=torch.tensor(cols["observation.state"], dtype=torch.float32),
+        prefix = privileged_key("")
+        privileged = {k.removeprefix(prefix): torch.tensor(v, dtype=torch.float32) for k, v in cols.items() if k.startswith(prefix)}
+        return DemoDataset(images=images, privileged=privileged, state=torch.tensor(cols["observation.state"], dtype=torch.float32),
                            actions=torch.tensor(cols["action"], dtype=torch.float32), episode=episode,
                            frame=torch.tensor(cols["frame_index"], dtype=torch.long),
                            task=torch.tensor(cols["task_index"], dtype=torch.long), tasks=tasks, starts=starts, ends=ends,

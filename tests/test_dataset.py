@@ -19,9 +19,10 @@ def test_round_trip_and_metadata(tmp_path):
     rng = np.random.default_rng(0)
     eps = [_episode(rng, 7, "push the cube"), _episode(rng, 4, "pick up the cube"), _episode(rng, 5, "push the cube")]
     w = LeRobotWriter(tmp_path / "ds", fps=20, cameras={"base_camera": (16, 24)}, state_names=[f"q{i}" for i in range(5)],
-                      action_names=["a", "b", "g"], robot_type="panda")
-    for e in eps:
-        w.add_episode(**e)
+                      action_names=["a", "b", "g"], privileged={"goal_pos": 3}, robot_type="panda")
+    goals = [rng.normal(size=(len(e["actions"]), 3)).astype(np.float32) for e in eps]
+    for e, g in zip(eps, goals):
+        w.add_episode(**e, privileged={"goal_pos": g})
     root = w.close()
 
     info = json.loads((root / "meta" / "info.json").read_text())
@@ -35,6 +36,8 @@ def test_round_trip_and_metadata(tmp_path):
     assert ds.task.tolist() == [0] * 7 + [1] * 4 + [0] * 5 and ds.frame[7:11].tolist() == [0, 1, 2, 3]
     torch.testing.assert_close(ds.state, torch.from_numpy(np.concatenate([e["state"] for e in eps])))
     torch.testing.assert_close(ds.actions, torch.from_numpy(np.concatenate([e["actions"] for e in eps])))
+    torch.testing.assert_close(ds.privileged["goal_pos"], torch.from_numpy(np.concatenate(goals)))
+    assert "observation.privileged.goal_pos" in ds.stats
     assert torch.equal(ds.images["base_camera"], torch.from_numpy(np.concatenate([e["images"]["base_camera"] for e in eps])))
     all_actions = np.concatenate([e["actions"] for e in eps])
     np.testing.assert_allclose(ds.stats["action"]["mean"], all_actions.mean(0), rtol=1e-6)
