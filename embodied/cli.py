@@ -1,4 +1,4 @@
-"""``embodied`` command line: train, eval, demos."""
+"""``embodied`` command line: train, eval, demos, sft."""
 
 from __future__ import annotations
 
@@ -28,18 +28,18 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
     from embodied.checkpoint import load_checkpoint
+    from embodied.config import compose
     from embodied.evaluate import evaluate
     from embodied.models import build_policy
     from embodied.simulators.maniskill import make_env
     from embodied.trainer import TrainConfig
-    from omegaconf import OmegaConf
     import torch
 
     try:
         ckpt = load_checkpoint(args.checkpoint, with_trainer_state=False)
     except FileNotFoundError as e:
         return _error(str(e))
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), ckpt["meta"]["config"]))
+    cfg = compose(TrainConfig, [(str(ckpt["path"]), ckpt["meta"]["config"])])
     if args.num_envs:
         cfg.env.num_envs = args.num_envs
     torch.set_num_threads(cfg.runner.torch_threads)
@@ -76,6 +76,21 @@ def cmd_demos(args) -> int:
     return 0
 
 
+def cmd_sft(args) -> int:
+    from embodied.config import ConfigError, load_config
+    from embodied.sft import SFTConfig, sft
+
+    try:
+        cfg, _ = load_config(SFTConfig, args.config, args.overrides)
+    except ConfigError as e:
+        return _error(str(e))
+    try:
+        sft(cfg)
+    except (FileNotFoundError, ValueError) as e:
+        return _error(str(e))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="embodied", description="Fine-tune robot policies with RL in vectorized simulators.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -97,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("config", help="YAML config, e.g. configs/maniskill/demos_pushcube.yaml")
     d.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     d.set_defaults(func=cmd_demos)
+    s = sub.add_parser("sft", help="supervised fine-tuning (behaviour cloning) on LeRobot datasets",
+                       description="Train the policy in CONFIG on its datasets, evaluate per task, save a checkpoint.")
+    s.add_argument("config", help="YAML config, e.g. configs/maniskill/multitask_vla_sft.yaml")
+    s.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    s.set_defaults(func=cmd_sft)
     return p
 
 

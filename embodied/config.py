@@ -98,13 +98,29 @@ def _validate_tree(obj: Any, path: str, sources) -> None:
         _validate_tree(getattr(obj, f.name), f"{path}{f.name}.", sources)
 
 
-def load_config(schema: type, path: str | Path, overrides: list[str] | None = None):
-    """Compose ``path`` (and its defaults) with ``overrides`` into an instance of ``schema``.
-    Returns ``(config, sources)`` where sources lists (file, mapping) in merge order."""
-    sources = _read_yaml(Path(path), ())
-    if overrides:
-        sources.append((COMMAND_LINE, parse_overrides(overrides)))
+def _base(schema: type, sources: list[tuple[str, dict]]):
+    """The structured config to merge into. A schema may declare ``CHOICES = {field: registry}``
+    (registry: name -> dataclass): the last ``field.name`` given in the sources picks the
+    dataclass that validates that field (e.g. ``policy.name: vla`` -> ``VLAConfig``)."""
     cfg = OmegaConf.structured(schema)
+    for field_name, registry in getattr(schema, "CHOICES", {}).items():
+        chosen, where = None, None
+        for src, data in sources:
+            node = data.get(field_name) if isinstance(data, dict) else None
+            if isinstance(node, dict) and "name" in node:
+                chosen, where = node["name"], src
+        if chosen is None:
+            continue
+        if chosen not in registry:
+            raise ConfigError(f"{field_name}.name: unknown {field_name} {chosen!r}; known: {sorted(registry)} (in {where})")
+        cfg[field_name] = OmegaConf.structured(registry[chosen])
+    return cfg
+
+
+def compose(schema: type, sources: list[tuple[str, dict]]):
+    """Merge (source name, mapping) pairs in order into an instance of ``schema`` (ConfigError on
+    a bad key or value), without running the ``validate()`` methods."""
+    cfg = _base(schema, sources)
     for name, data in sources:
         try:
             cfg = OmegaConf.merge(cfg, data)
@@ -115,10 +131,19 @@ def load_config(schema: type, path: str | Path, overrides: list[str] | None = No
                 msg = f"unknown key (not a field of {type(e).__name__ and msg.split('not in')[-1].strip()})"
             raise ConfigError(f"{key}: {msg} (in {name})") from None
     try:
-        obj = OmegaConf.to_object(cfg)
+        return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         raise ConfigError(f"{key}: {str(e).splitlines()[0]} (in {_source_of(key, sources)})") from None
+
+
+def load_config(schema: type, path: str | Path, overrides: list[str] | None = None):
+    """Compose ``path`` (and its defaults) with ``overrides`` into an instance of ``schema``.
+    Returns ``(config, sources)`` where sources lists (file, mapping) in merge order."""
+    sources = _read_yaml(Path(path), ())
+    if overrides:
+        sources.append((COMMAND_LINE, parse_overrides(overrides)))
+    obj = compose(schema, sources)
     _validate_tree(obj, "", sources)
     return obj, sources
 

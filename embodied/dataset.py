@@ -75,7 +75,8 @@ class LeRobotWriter:
     a directory without ``meta/info.json``, which ``DemoDataset`` refuses to read."""
 
     def __init__(self, root: str | Path, *, fps: float, cameras: dict[str, tuple[int, int]], state_names: list[str],
-                 action_names: list[str], privileged: dict[str, int] | None = None, robot_type: str | None = None):
+                 action_names: list[str], privileged: dict[str, int] | None = None, robot_type: str | None = None,
+                 source: dict | None = None):
         self.root = Path(root)
         if (self.root / "meta" / "info.json").exists():
             raise FileExistsError(f"{self.root} already holds a dataset; choose another output directory")
@@ -91,6 +92,7 @@ class LeRobotWriter:
         self.features["next.success"] = {"dtype": "bool", "shape": [1], "names": None}
         self.features.update(DEFAULT_FEATURES)
         self.fps, self.robot_type, self.cameras = fps, robot_type, list(cameras)
+        self.source = source or {}  # where the data came from (simulator, task, expert), kept in info.json
         self.tasks: dict[str, int] = {}
         self.episodes: list[dict] = []
         self._buffer: list[dict] = []  # episodes not yet in a data file
@@ -178,7 +180,7 @@ class LeRobotWriter:
                 "total_frames": self._frames, "total_tasks": len(self.tasks), "chunks_size": 1000,
                 "data_files_size_in_mb": FILE_SIZE_MB, "video_files_size_in_mb": 200, "fps": self.fps,
                 "splits": {"train": f"0:{len(self.episodes)}"}, "data_path": DATA_PATH,
-                "video_path": None, "features": self.features}
+                "video_path": None, "features": self.features, "embodied": self.source}
         (meta / "info.json").write_text(json.dumps(info, indent=2))  # written last: marks the dataset complete
         return self.root
 

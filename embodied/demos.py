@@ -47,15 +47,14 @@ class DemosConfig:
 
 def load_policy(checkpoint: str | Path, device="cpu"):
     """A trained policy rebuilt on the spec it was trained with -> (policy in eval mode, train config)."""
-    from omegaconf import OmegaConf
-
     from embodied.checkpoint import load_checkpoint
+    from embodied.config import compose
     from embodied.models import build_policy
     from embodied.schema import EnvSpec
     from embodied.trainer import TrainConfig
 
     ckpt = load_checkpoint(checkpoint, with_trainer_state=False)
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), ckpt["meta"]["config"]))
+    cfg = compose(TrainConfig, [(str(ckpt["path"]), ckpt["meta"]["config"])])
     policy = build_policy(EnvSpec.from_dict(ckpt["meta"]["spec"]), cfg.policy).to(device)
     policy.load_state_dict(ckpt["model"])
     return policy.eval(), cfg
@@ -80,7 +79,9 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
                            cameras={c.name: (c.height, c.width) for c in spec.obs.cameras},
                            state_names=list(spec.obs.state_names), action_names=list(spec.action.names),
                            privileged={k: int(np.prod(spec.obs.privileged[k])) for k in cfg.privileged_keys},
-                           robot_type=cfg.env.task)
+                           robot_type=None,  # the task decides the robot; see info.json["embodied"]
+                           source={"simulator": cfg.env.simulator, "task": cfg.env.task, "control_mode": cfg.env.control_mode,
+                                   "expert": str(cfg.expert), "seed": cfg.seed})
     B, attempts, kept, wins_total, t0 = env.num_envs, 0, 0, 0, time.time()
     bar = tqdm(total=cfg.episodes, desc=f"demos {cfg.env.task}", disable=not progress, unit="ep")
     try:

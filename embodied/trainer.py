@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from tqdm import tqdm
@@ -23,7 +24,7 @@ from embodied.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from embodied.config import save_config, to_dict
 from embodied.evaluate import evaluate
 from embodied.logger import RunLogger
-from embodied.models import ActorCriticConfig, build_policy
+from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig, build_policy
 from embodied.rollout import EpisodeStats, collect
 from embodied.simulators.maniskill import ManiSkillConfig, make_env
 
@@ -92,9 +93,10 @@ class RunnerConfig:
 
 @dataclass
 class TrainConfig:
+    CHOICES: ClassVar[dict] = {"policy": POLICY_CONFIGS}  # policy.name selects the policy's config schema
     seed: int = 0
     env: ManiSkillConfig = field(default_factory=ManiSkillConfig)
-    policy: ActorCriticConfig = field(default_factory=ActorCriticConfig)
+    policy: PolicyConfig = field(default_factory=ActorCriticConfig)  # policy.name picks the schema
     algorithm: PPOConfig = field(default_factory=PPOConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
 

@@ -2,6 +2,7 @@
 
 from embodied.schema import EnvSpec
 from embodied.models.actor_critic import ActorCritic, ActorCriticConfig
+from embodied.models.config import PolicyConfig
 from embodied.models.normalization import RunningNorm
 from embodied.models.vla import VLA, VLAConfig
 
@@ -15,4 +16,6 @@ def build_policy(spec: EnvSpec, cfg):
     return POLICIES[cfg.name][1](spec, cfg)
 
 
-__all__ = ["ActorCritic", "ActorCriticConfig", "POLICIES", "RunningNorm", "VLA", "VLAConfig", "build_policy"]
+POLICY_CONFIGS = {name: config for name, (config, _) in POLICIES.items()}
+
+__all__ = ["ActorCritic", "ActorCriticConfig", "POLICIES", "POLICY_CONFIGS", "PolicyConfig", "RunningNorm", "VLA", "VLAConfig", "build_policy"]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from embodied.schema import EnvSpec, Observation, PolicyOutput
+from embodied.models.config import PolicyConfig
 from embodied.models.encoders import CNNEncoder, StateEncoder
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
@@ -26,7 +27,7 @@ ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU}
 
 
 @dataclass
-class ActorCriticConfig:
+class ActorCriticConfig(PolicyConfig):
     """A Gaussian MLP actor-critic (with a CNN per camera when the observation has images)."""
 
     name: str = "actor_critic"

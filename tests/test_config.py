@@ -75,3 +75,22 @@ def test_shipped_configs_load():
     for name in ("pushcube_ppo", "pickcube_ppo", "pickcube_rgb_ppo"):
         cfg, _ = load_config(TrainConfig, f"configs/maniskill/{name}.yaml")
         assert cfg.env.simulator == "maniskill" and cfg.runner.name == name
+
+
+def test_policy_name_selects_the_policy_schema(tmp_path):
+    from embodied.models import ActorCriticConfig, VLAConfig
+
+    cfg_file = write(tmp_path, "vla.yaml", """
+        policy: {name: vla, head: flow, chunk_size: 8}
+    """)
+    cfg, _ = load_config(TrainConfig, cfg_file, ["policy.d_model=128"])
+    assert isinstance(cfg.policy, VLAConfig) and cfg.policy.head == "flow" and cfg.policy.chunk_size == 8
+    assert cfg.policy.d_model == 128
+    assert isinstance(load_config(TrainConfig, write(tmp_path, "ac.yaml", "seed: 1"))[0].policy, ActorCriticConfig)
+    # the command line can switch the policy; every key is then checked against that schema
+    with pytest.raises(ConfigError, match=r"^policy.head: .*\(in .*vla.yaml\)$"):
+        load_config(TrainConfig, cfg_file, ["policy.name=actor_critic"])  # head is not an actor-critic key
+    with pytest.raises(ConfigError, match=r"policy.name: unknown policy 'transformer'; known: \['actor_critic', 'vla'\]"):
+        load_config(TrainConfig, cfg_file, ["policy.name=transformer"])
+    with pytest.raises(ConfigError, match=r"policy.head: must be one of"):
+        load_config(TrainConfig, cfg_file, ["policy.head=diffusion"])

@@ -54,6 +54,7 @@ class EfficientNetLite0(nn.Module):
         # EfficientNet-Lite's input normalization (TF-Lite models: (x - 127) / 128)
         self.register_buffer("pixel_mean", torch.tensor(127.0), persistent=False)
         self.register_buffer("pixel_scale", torch.tensor(1.0 / 128.0), persistent=False)
+        self.train()  # BatchNorm in eval mode from the start (see train())
 
     def train(self, mode: bool = True):
         super().train(mode)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from embodied.schema import EnvSpec, NormStats, Observation, PolicyOutput
+from embodied.models.config import PolicyConfig
 from embodied.models.vla.backbones import EfficientNetLite0, MiniLMText
 from embodied.models.vla.heads import HEADS, DiscreteTokenHead, FlowMatchingHead, GaussianChunkHead
 
@@ -28,7 +29,7 @@ LEVELS = ("chunk", "action", "token")
 
 
 @dataclass
-class VLAConfig:
+class VLAConfig(PolicyConfig):
     """A vision-language-action policy; sizes default to what trains on a 2-core CPU."""
 
     name: str = "vla"
@@ -147,12 +148,18 @@ class VLA(nn.Module):
         return (2.0 * (actions - self.action_q01) / (self.action_q99 - self.action_q01) - 1.0).clamp(-1.0, 1.0)
 
     # --- fusion ---------------------------------------------------------------------------------
-    def context(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (action-query outputs f32 [B, K, d], value-query output f32 [B, d])."""
-        B = obs.batch_size
+    def image_features(self, obs: Observation) -> torch.Tensor:
+        """The image encoder's tokens for every camera: f32 [C*B, P, 1280] (cameras outermost).
+        Deterministic, so with a frozen encoder they can be computed once and passed to ``context``."""
         images = torch.cat([obs.images[n] for n in self.camera_names])  # uint8 [C*B, H, W, 3]
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_vision):
-            feats = self.vision(images)  # f32 [C*B, P, 1280]
+            return self.vision(images)
+
+    def context(self, obs: Observation, features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (action-query outputs f32 [B, K, d], value-query output f32 [B, d]). ``features``:
+        precomputed ``image_features(obs)`` (frozen encoder only)."""
+        B = obs.batch_size
+        feats = self.image_features(obs) if features is None else features  # f32 [C*B, P, 1280]
         vis = self.vision_proj(feats) + self.patch_pos  # f32 [C*B, P, d]
         vis = vis.view(len(self.camera_names), B, *vis.shape[1:]) + self.camera_emb[:, None, None]
         tokens = [vis.transpose(0, 1).reshape(B, -1, vis.shape[-1]), self.text_proj(self.text(obs.instruction))[:, None]]
@@ -192,9 +199,10 @@ class VLA(nn.Module):
     def update_normalizer(self, obs: Observation) -> None:
         """Statistics come from the demonstrations (``set_norm_stats``), not from rollouts."""
 
-    def bc_loss(self, obs: Observation, actions: torch.Tensor, mask: torch.Tensor | None = None):
+    def bc_loss(self, obs: Observation, actions: torch.Tensor, mask: torch.Tensor | None = None,
+                features: torch.Tensor | None = None):
         """Supervised loss on demonstrated chunks: actions f32 [B, K, A] physical, mask f32 [B, K]
         (0 where the chunk runs past the episode's end). -> (loss, metrics)."""
-        ctx, _ = self.context(obs)
+        ctx, _ = self.context(obs, features)
         mask = torch.ones(actions.shape[:2], device=actions.device) if mask is None else mask
         return self.head.bc_loss(ctx, self.to_normalized(actions), mask)
