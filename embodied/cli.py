@@ -31,7 +31,7 @@ def cmd_eval(args) -> int:
     from embodied.config import compose
     from embodied.evaluate import evaluate
     from embodied.models import build_policy
-    from embodied.simulators.maniskill import make_env
+    from embodied.multitask import make_env
     from embodied.trainer import TrainConfig
     import torch
 

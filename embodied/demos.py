@@ -65,7 +65,7 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from embodied.dataset import LeRobotWriter
-    from embodied.simulators.maniskill import make_env
+    from embodied.multitask import make_env
 
     cfg.validate()
     expert, expert_cfg = load_policy(cfg.expert)

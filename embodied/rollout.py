@@ -81,7 +81,8 @@ class EpisodeStats:
         if bool(done.any()):
             # gather on the device, one transfer per field (no per-element host syncs)
             rets, lens, wins = self.returns[done].tolist(), self.lengths[done].tolist(), self.success[done].tolist()
-            self.finished += [{"return": r, "length": n, "success": w} for r, n, w in zip(rets, lens, wins)]
+            envs = done.nonzero().squeeze(1).tolist()
+            self.finished += [{"return": r, "length": n, "success": w, "env": e} for r, n, w, e in zip(rets, lens, wins, envs)]
             self.returns[done], self.lengths[done], self.success[done] = 0.0, 0, False
 
     def summary(self) -> dict[str, float]:
@@ -121,6 +122,13 @@ def execute_chunk(env, actions: torch.Tensor, gamma: float, stats: EpisodeStats 
     return obs, reward, terminated, truncated, final_obs
 
 
+def _with_value(out: PolicyOutput) -> PolicyOutput:
+    """Policies without a critic (GRPO) report value None; the buffers hold zeros instead."""
+    if out.value is None:
+        out.value = torch.zeros_like(out.logprob)
+    return out
+
+
 def _alloc_like(t: torch.Tensor, T: int, B: int | None = None) -> torch.Tensor:
     return torch.empty((T, B or t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
 
@@ -146,7 +154,7 @@ def collect(env, policy, obs: Observation, *, num_steps: int, gamma: float, stat
     T = num_steps
     buf: Rollout | None = None
     for t in range(T):
-        out = policy.act(obs)
+        out = _with_value(policy.act(obs))
         if buf is None:  # preallocate [T, B, ...] from the first step's shapes
             buf = _alloc(obs, out, T, env.num_envs, env.device)
         buf.store(t, obs, out)
@@ -175,7 +183,7 @@ def _collect_pipelined(env, policy, obs: Observation, *, num_steps: int, stats: 
 
     def act_and_send(t: int, ids: torch.Tensor, o: Observation) -> PolicyOutput:
         nonlocal buf
-        out = policy.act(o)
+        out = _with_value(policy.act(o))
         if out.actions.shape[1] != 1:
             raise ValueError("pipelined collection executes chunks of one action; use stages=1 for K > 1")
         env.step_async(out.actions[:, 0].to(env.device), ids)

@@ -28,7 +28,8 @@ from embodied.evaluate import evaluate
 from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
 from embodied.schema import NormStats, Observation
-from embodied.simulators.maniskill import ManiSkillConfig, make_env
+from embodied.multitask import make_env
+from embodied.simulators.maniskill import ManiSkillConfig
 
 
 @dataclass

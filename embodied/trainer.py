@@ -26,11 +26,17 @@ from embodied.evaluate import evaluate
 from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig, build_policy
 from embodied.rollout import EpisodeStats, collect
-from embodied.simulators.maniskill import ManiSkillConfig, make_env
+from embodied.multitask import make_env
+from embodied.simulators.maniskill import ManiSkillConfig
 
 
 @dataclass
-class PPOConfig:
+class AlgorithmConfig:
+    name: str = ""  # selects the schema: ppo | grpo
+
+
+@dataclass
+class PPOConfig(AlgorithmConfig):
     """PPO hyper-parameters (names as in CleanRL / ManiSkill's PPO baseline)."""
 
     name: str = "ppo"
@@ -52,8 +58,6 @@ class PPOConfig:
     reward_scale: float = 1.0
 
     def validate(self) -> None:
-        if self.name != "ppo":
-            raise ValueError(f"name: only 'ppo' is implemented, got {self.name!r}")
         for key in ("num_steps", "update_epochs", "num_minibatches"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
@@ -61,6 +65,39 @@ class PPOConfig:
             raise ValueError("gamma: gamma must be in (0, 1] and gae_lambda in [0, 1]")
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")
+
+
+@dataclass
+class GRPOConfig(AlgorithmConfig):
+    """GRPO with outcome rewards (episode success) for chunked policies, DAPO-style dynamic
+    sampling and clip-higher, optional KL to the initial policy. No critic."""
+
+    name: str = "grpo"
+    group_size: int = 8  # M episodes per group, all reset with the same seed
+    groups_per_batch: int = 2  # informative groups wanted per update
+    max_rounds: int = 4  # collection rounds per update while too few groups are informative
+    dynamic_sampling: bool = True  # drop groups whose members all succeeded or all failed
+    scale_by_std: bool = True  # False: Dr. GRPO (no division by the group's std)
+    logprob_level: str = "chunk"  # chunk | action | token: where the PPO ratio is taken
+    learning_rate: float = 1e-4
+    update_epochs: int = 2
+    num_minibatches: int = 2
+    clip_coef: float = 0.2
+    clip_coef_high: float | None = 0.28  # DAPO clip-higher
+    kl_coef: float = 0.0  # > 0: penalty KL(pi || initial policy), k3 estimator
+    max_grad_norm: float = 1.0
+
+    def validate(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"group_size: must be >= 2, got {self.group_size}")
+        if self.logprob_level not in ("chunk", "action", "token"):
+            raise ValueError(f"logprob_level: must be chunk, action or token, got {self.logprob_level!r}")
+        for key in ("groups_per_batch", "max_rounds", "update_epochs", "num_minibatches"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
+
+
+ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
 
 
 @dataclass
@@ -77,6 +114,7 @@ class RunnerConfig:
     save_every: int = 10  # iterations between checkpoints (always at the end)
     video: bool = True  # record the final evaluation as mp4
     resume: str | None = None  # a run directory (or checkpoint) to continue from
+    init_from: str | None = None  # start from these policy weights (e.g. an SFT checkpoint), fresh optimizer
     device: str = "auto"  # "auto": the environment's device
     torch_threads: int = 1  # intra-op threads for the policy (the simulators use the other cores)
     pipeline_stages: int = 1  # > 1: the policy acts for one group of envs while the others simulate
@@ -93,11 +131,12 @@ class RunnerConfig:
 
 @dataclass
 class TrainConfig:
-    CHOICES: ClassVar[dict] = {"policy": POLICY_CONFIGS}  # policy.name selects the policy's config schema
+    # policy.name / algorithm.name select the config schema of the policy / the algorithm
+    CHOICES: ClassVar[dict] = {"policy": POLICY_CONFIGS, "algorithm": ALGORITHMS}
     seed: int = 0
     env: ManiSkillConfig = field(default_factory=ManiSkillConfig)
     policy: PolicyConfig = field(default_factory=ActorCriticConfig)  # policy.name picks the schema
-    algorithm: PPOConfig = field(default_factory=PPOConfig)
+    algorithm: AlgorithmConfig = field(default_factory=PPOConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
 
 
@@ -151,15 +190,27 @@ def train(cfg: TrainConfig) -> dict:
 
     env = make_env(cfg.env)
     try:
+        if cfg.algorithm.name == "grpo":
+            from embodied.grpo_trainer import train_grpo
+
+            return train_grpo(cfg, env, run_dir, resume)
         return _train(cfg, env, run_dir, resume)
     finally:
         env.close()
 
 
+def init_policy(cfg: TrainConfig, env, device):
+    """The policy for ``env``, with weights (and normalization) from ``runner.init_from`` if set."""
+    policy = build_policy(env.spec, cfg.policy).to(device)
+    if cfg.runner.init_from:
+        policy.load_state_dict(load_checkpoint(cfg.runner.init_from, with_trainer_state=False)["model"])
+    return policy
+
+
 def _train(cfg: TrainConfig, env, run_dir: Path, resume: dict | None) -> dict:
     alg, run = cfg.algorithm, cfg.runner
     device = env.device if run.device == "auto" else torch.device(run.device)
-    policy = build_policy(env.spec, cfg.policy).to(device)
+    policy = init_policy(cfg, env, device)
     optimizer = torch.optim.Adam(policy.parameters(), lr=alg.learning_rate, eps=1e-5)
     B, K, T = env.num_envs, cfg.policy.chunk_size, alg.num_steps
     steps_per_iter = B * K * T

@@ -61,7 +61,7 @@ def test_chunk_reward_is_discounted_and_stops_at_the_episode_end():
     assert term.tolist() == [True, False] and trunc.tolist() == [False, False]
     assert final.state[0, 0] == 2  # the last observation of the ended episode
     assert obs.state[:, 0].tolist() == [1.0, 3.0]  # env 0 reset, then ran the chunk's last action
-    assert stats.finished == [{"return": 2.0, "length": 2, "success": True}]
+    assert stats.finished == [{"return": 2.0, "length": 2, "success": True, "env": 0}]
 
 
 def test_collect_bootstraps_from_final_obs_and_next_obs():

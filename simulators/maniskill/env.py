@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -25,6 +25,9 @@ class ManiSkillConfig:
 
     simulator: str = "maniskill"
     task: str = "PushCube-v1"  # any ManiSkill3 task id whose assets are installed
+    # several tasks at once (multi-task training): num_envs is split evenly between them, in order,
+    # and `task` is ignored; the framework composes one env per task (embodied.multitask)
+    tasks: list[str] = field(default_factory=list)
     num_envs: int = 8  # environments stepped in lockstep
     backend: str = "cpu"  # "cpu": physx_cpu in subprocess workers; "gpu": physx_cuda, batched
     num_workers: int = 2  # cpu backend: subprocesses sharing the environments
@@ -47,6 +50,8 @@ class ManiSkillConfig:
             raise ValueError(f"backend: must be 'cpu' or 'gpu', got {self.backend!r}")
         if self.obs_mode not in ("state", "rgb", "rgb+state"):
             raise ValueError(f"obs_mode: must be 'state', 'rgb' or 'rgb+state', got {self.obs_mode!r}")
+        if self.tasks and self.num_envs % len(self.tasks):
+            raise ValueError(f"num_envs: {self.num_envs} environments do not split evenly between {len(self.tasks)} tasks")
         for name in ("num_envs", "num_workers", "image_size", "render_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -1,0 +1,121 @@
+"""``MultiTaskEnv``: several VecEnvs (one per task) seen as one, environments concatenated in order.
+
+The tasks must share cameras, proprioception and action space (e.g. ManiSkill tabletop tasks with
+the same robot and controller); each environment's observation carries its own task's
+instruction. Privileged keys are those every task has. Sub-environments that can step
+asynchronously (CPU workers) are all started before any is waited for, so their workers run at
+the same time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+
+from embodied.schema import Observation, StepOutput
+
+
+def _compatible(specs) -> None:
+    first = specs[0]
+    for s in specs[1:]:
+        if s.obs.cameras != first.obs.cameras or s.obs.state_names != first.obs.state_names:
+            raise ValueError("MultiTaskEnv: tasks must share cameras and proprioception")
+        if (s.action.names, s.action.low, s.action.high) != (first.action.names, first.action.low, first.action.high):
+            raise ValueError("MultiTaskEnv: tasks must share the action space and its bounds")
+        if s.max_episode_steps != first.max_episode_steps:
+            raise ValueError("MultiTaskEnv: tasks must share max_episode_steps (set env.max_episode_steps)")
+
+
+class MultiTaskEnv:
+    def __init__(self, envs: list, names: list[str]):
+        if not envs:
+            raise ValueError("MultiTaskEnv needs at least one environment")
+        _compatible([e.spec for e in envs])
+        self.envs, self.names = envs, list(names)
+        self.num_envs = sum(e.num_envs for e in envs)
+        self.device = envs[0].device
+        keys = set.intersection(*[set(e.spec.obs.privileged) for e in envs])
+        first = envs[0].spec
+        self._keys = sorted(keys)
+        self.spec = replace(first, obs=replace(first.obs, privileged={k: first.obs.privileged[k] for k in self._keys}),
+                            instructions=tuple(i for e in envs for i in e.spec.instructions))
+        bounds = torch.tensor([0] + [e.num_envs for e in envs]).cumsum(0).tolist()
+        self._ranges = list(zip(bounds[:-1], bounds[1:]))  # env rows of each task
+        self.task_of_env = [name for name, e in zip(self.names, envs) for _ in range(e.num_envs)]
+
+    def _join(self, parts: list[Observation]) -> Observation:
+        for p in parts:
+            p.privileged = {k: p.privileged[k] for k in self._keys}
+        return Observation.cat(parts)
+
+    def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
+        ids = torch.arange(self.num_envs) if env_ids is None else env_ids.cpu()
+        seeds = None if seed is None else ([seed + int(i) for i in ids] if isinstance(seed, int) else [int(s) for s in seed])
+        if seeds is not None and len(seeds) != len(ids):
+            raise ValueError(f"reset: {len(seeds)} seeds for {len(ids)} environments")
+        parts = []
+        for (lo, hi), env in zip(self._ranges, self.envs):
+            mine = ((ids >= lo) & (ids < hi)).nonzero().squeeze(1)
+            if len(mine) == 0 and env_ids is not None:
+                parts.append(None)
+                continue
+            local = ids[mine] - lo
+            sub_seed = None if seeds is None else [seeds[j] for j in mine.tolist()]
+            parts.append(env.reset(seed=sub_seed, env_ids=None if env_ids is None else local.to(env.device)))
+        if any(p is None for p in parts):  # untouched tasks report their current observation
+            self._last = [p if p is not None else last for p, last in zip(parts, self._last)]
+        else:
+            self._last = parts
+        return self._join(list(self._last))
+
+    def step(self, actions: torch.Tensor) -> StepOutput:
+        """actions: f32 [B, A] physical units, rows in task order."""
+        rows = [actions[lo:hi] for lo, hi in self._ranges]
+        asynchronous = all(getattr(e, "can_step_subsets", False) for e in self.envs)
+        if asynchronous:
+            everyone = [torch.arange(e.num_envs) for e in self.envs]
+            for e, a, ids in zip(self.envs, rows, everyone):
+                e.step_async(a, ids)
+            outs = [e.step_wait(ids) for e, ids in zip(self.envs, everyone)]
+        else:
+            outs = [e.step(a) for e, a in zip(self.envs, rows)]
+        self._last = [o.obs for o in outs]
+        final = None
+        if any(o.final_obs is not None for o in outs):
+            final = self._join([o.final_obs if o.final_obs is not None else o.obs for o in outs])
+        return StepOutput(obs=self._join([o.obs for o in outs]), reward=torch.cat([o.reward for o in outs]),
+                          terminated=torch.cat([o.terminated for o in outs]), truncated=torch.cat([o.truncated for o in outs]),
+                          success=torch.cat([o.success for o in outs]), final_obs=final)
+
+    def render(self) -> torch.Tensor:
+        return torch.cat([e.render() for e in self.envs])
+
+    def close(self) -> None:
+        for e in self.envs:
+            e.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def make_env(cfg):
+    """The environment a ``ManiSkillConfig`` describes: one task, or a MultiTaskEnv over ``cfg.tasks``."""
+    from embodied.simulators.maniskill import make_env as make_maniskill
+
+    if not cfg.tasks:
+        return make_maniskill(cfg)
+    n = cfg.num_envs // len(cfg.tasks)
+    envs = []
+    try:
+        for task in cfg.tasks:
+            envs.append(make_maniskill(cfg, task=task, tasks=[], num_envs=n, num_workers=max(1, cfg.num_workers // len(cfg.tasks))))
+    except BaseException:
+        for e in envs:
+            e.close()
+        raise
+    return MultiTaskEnv(envs, list(cfg.tasks))
