@@ -203,7 +203,13 @@ def init_policy(cfg: TrainConfig, env, device):
     """The policy for ``env``, with weights (and normalization) from ``runner.init_from`` if set."""
     policy = build_policy(env.spec, cfg.policy).to(device)
     if cfg.runner.init_from:
-        policy.load_state_dict(load_checkpoint(cfg.runner.init_from, with_trainer_state=False)["model"])
+        state = load_checkpoint(cfg.runner.init_from, with_trainer_state=False)["model"]
+        missing, unexpected = policy.load_state_dict(state, strict=False)
+        # a critic may be added (PPO after SFT: fresh value head) or dropped (GRPO); nothing else may differ
+        bad = [k for k in missing + unexpected if not k.startswith("value_mlp.")]
+        if bad:
+            raise ValueError(f"runner.init_from: {cfg.runner.init_from} does not fit policy {cfg.policy.name!r} "
+                             f"(mismatched weights: {bad[:5]})")
     return policy
 
 
