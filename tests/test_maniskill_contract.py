@@ -104,3 +104,13 @@ def test_rgb_plus_state_gives_cameras_and_the_state_modes_inputs():
         torch.testing.assert_close(a.state, b.state)
         for k in b.privileged:
             torch.testing.assert_close(a.privileged[k], b.privileged[k])
+
+
+def test_a_worker_that_dies_at_start_is_an_error_not_a_hang(tmp_path):
+    """A script without a __main__ guard makes spawned workers die while starting: fail at once."""
+    script = tmp_path / "noguard.py"
+    script.write_text("from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv\n"
+                      "ManiSkillEnv(ManiSkillConfig(num_envs=1, num_workers=1))\n")
+    res = subprocess.run([sys.executable, str(script)], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode != 0 and "worker process died" in res.stderr and "__main__" in res.stderr

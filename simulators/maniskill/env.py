@@ -57,6 +57,9 @@ class ManiSkillConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
 
+WORKER_START_TIMEOUT_S = 300.0  # building a task (and its renderer) takes seconds; minutes means something is wrong
+
+
 def _core_options(cfg: ManiSkillConfig, num_envs: int, sim_backend: str) -> CoreOptions:
     return CoreOptions(task=cfg.task, num_envs=num_envs, obs_mode=cfg.obs_mode, control_mode=cfg.control_mode,
                        reward_mode=cfg.reward_mode, image_size=cfg.image_size, max_episode_steps=cfg.max_episode_steps,
@@ -134,16 +137,25 @@ class ManiSkillEnv:
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, args=(child, _core_options(cfg, count, "physx_cpu")), daemon=True)
             p.start()
+            child.close()  # only the worker holds its end: if it dies, recv() here ends with EOFError
             self._conns.append(parent), self._procs.append(p)
-        self.spec = [self._recv(c) for c in self._conns][0]
+        try:
+            self.spec = [self._recv(c, timeout=WORKER_START_TIMEOUT_S) for c in self._conns][0]
+        except BaseException:
+            self.close()
+            raise
         self._everyone, self._splits = torch.arange(cfg.num_envs), {}
 
     # --- transport ----------------------------------------------------------------------
-    def _recv(self, conn):
+    def _recv(self, conn, timeout: float | None = None):
+        if timeout is not None and not conn.poll(timeout):
+            raise RuntimeError(f"a ManiSkill worker did not start within {timeout:.0f} s. Workers are spawned: a script "
+                               "that creates environments must guard its top level with `if __name__ == '__main__':`")
         try:
             status, payload = conn.recv()
         except EOFError:
-            raise RuntimeError("a ManiSkill worker process died (see its output above)") from None
+            raise RuntimeError("a ManiSkill worker process died (see its output above; a script that creates "
+                               "environments must guard its top level with `if __name__ == '__main__':`)") from None
         if status == "error":
             raise RuntimeError(f"ManiSkill worker failed:\n{payload}")
         return payload
@@ -239,7 +251,8 @@ class ManiSkillEnv:
         for conn, proc in zip(self._conns, self._procs):
             try:
                 conn.send(("close", None))
-                conn.recv()
+                if conn.poll(10):
+                    conn.recv()
             except (BrokenPipeError, EOFError, OSError):
                 pass
             proc.join(timeout=5)
