@@ -14,14 +14,22 @@ def _error(msg: str) -> int:
     return 2
 
 
-def cmd_train(args) -> int:
+def _load(schema, args):
+    """The config of a CONFIG [overrides] command, or None after printing its one-line error."""
     from embodied.config import ConfigError, load_config
-    from embodied.trainer import TrainConfig, train
 
     try:
-        cfg, _ = load_config(TrainConfig, args.config, args.overrides)
+        return load_config(schema, args.config, args.overrides)[0]
     except ConfigError as e:
-        return _error(str(e))
+        _error(str(e))
+        return None
+
+
+def cmd_train(args) -> int:
+    from embodied.trainer import TrainConfig, train
+
+    if (cfg := _load(TrainConfig, args)) is None:
+        return 2
     train(cfg)
     return 0
 
@@ -59,13 +67,10 @@ def cmd_eval(args) -> int:
 
 
 def cmd_demos(args) -> int:
-    from embodied.config import ConfigError, load_config
     from embodied.demos import DemosConfig, record_demos
 
-    try:
-        cfg, _ = load_config(DemosConfig, args.config, args.overrides)
-    except ConfigError as e:
-        return _error(str(e))
+    if (cfg := _load(DemosConfig, args)) is None:
+        return 2
     if Path(cfg.output, "meta", "info.json").exists():
         return _error(f"output: {cfg.output} already holds a dataset; choose another output directory")
     try:
@@ -77,13 +82,10 @@ def cmd_demos(args) -> int:
 
 
 def cmd_sft(args) -> int:
-    from embodied.config import ConfigError, load_config
     from embodied.sft import SFTConfig, sft
 
-    try:
-        cfg, _ = load_config(SFTConfig, args.config, args.overrides)
-    except ConfigError as e:
-        return _error(str(e))
+    if (cfg := _load(SFTConfig, args)) is None:
+        return 2
     try:
         sft(cfg)
     except (FileNotFoundError, ValueError) as e:

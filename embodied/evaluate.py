@@ -78,3 +78,8 @@ def evaluate(env, policy, *, episodes: int, seed: int, deterministic: bool = Tru
         write_mp4(video_path, frames, fps=env.spec.action.control_hz)
         summary["eval/video"] = str(video_path)
     return summary
+
+
+def per_task(task: str, summary: dict) -> dict:
+    """An ``evaluate()`` summary with its keys moved under the task: eval/x -> eval/<task>/x."""
+    return {f"eval/{task}/{k.split('/', 1)[1]}": v for k, v in summary.items()}

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from embodied.algorithms import grpo_advantages, informative_groups, kl_penalty, ppo_policy_loss
 from embodied.checkpoint import save_checkpoint, set_rng_state
-from embodied.evaluate import evaluate
+from embodied.evaluate import evaluate, per_task
 from embodied.logger import RunLogger
 from embodied.rollout import EpisodeStats, collect
 from embodied.schema import Observation, PolicyOutput
@@ -63,7 +63,7 @@ def _evaluate_tasks(env, policy, episodes: int, seed: int) -> dict[str, dict]:
 
 def _log_eval(logger, results: dict, step: int, bar, label: str) -> None:
     for task, r in results.items():
-        logger.log({f"eval/{task}/{k.split('/', 1)[1]}": v for k, v in r.items()}, step=step)
+        logger.log(per_task(task, r), step=step)
         bar.write(f"{label} {task}: success {r['eval/success_rate']:.2f} over {r['eval/episodes']} episodes")
 
 

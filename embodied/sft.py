@@ -24,7 +24,7 @@ from tqdm import tqdm
 from embodied.checkpoint import save_checkpoint
 from embodied.config import save_config, to_dict
 from embodied.dataset import DemoDataset
-from embodied.evaluate import evaluate
+from embodied.evaluate import evaluate, per_task
 from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
 from embodied.schema import NormStats, Observation
@@ -206,5 +206,5 @@ def evaluate_tasks(policy, env_cfgs: dict[str, ManiSkillConfig], episodes: int, 
             out[task] = evaluate(env, policy, episodes=episodes, seed=seed, video_path=video)
         finally:
             env.close()
-        logger.log({f"eval/{task}/{k.split('/', 1)[1]}": v for k, v in out[task].items()}, step=step)
+        logger.log(per_task(task, out[task]), step=step)
     return out
