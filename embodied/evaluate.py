@@ -29,15 +29,36 @@ def evaluate(env, policy, *, episodes: int, seed: int, deterministic: bool = Tru
              video_path: Path | None = None, progress=None) -> dict:
     """Run ``episodes`` episodes (episode i reset with seed ``EVAL_SEED_OFFSET + seed + i``), the
     first episode of each environment per round counted. Returns success rate, returns, lengths."""
+    return _run(env, policy, [(0, env.num_envs)], episodes, seed, deterministic, video_path, progress)[0]
+
+
+@torch.no_grad()
+def evaluate_by_task(env, policy, *, episodes: int, seed: int, deterministic: bool = True, progress=None) -> dict[str, dict]:
+    """``evaluate()`` per task of a MultiTaskEnv, all tasks stepping at once (their workers run in
+    parallel): {task: summary}, each over ``episodes`` episodes with the seeds ``evaluate()`` would
+    give that task's environment alone. A single-task env is reported as one task, "all"."""
+    ranges = getattr(env, "task_ranges", [(0, env.num_envs)])
+    names = getattr(env, "names", ["all"])
+    return dict(zip(names, _run(env, policy, ranges, episodes, seed, deterministic, None, progress)))
+
+
+def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, deterministic: bool,
+         video_path: Path | None, progress) -> list[dict]:
+    """Evaluate each row range [lo, hi) of ``env`` as its own population of ``episodes`` episodes."""
     B = env.num_envs
-    results: list[dict] = []
+    results: list[list[dict]] = [[] for _ in ranges]
     frames: list[np.ndarray] = []
-    while len(results) < episodes:
-        n = min(B, episodes - len(results))
-        base = EVAL_SEED_OFFSET + seed + len(results)
-        obs = env.reset(seed=[base + i for i in range(B)])
-        active = torch.zeros(B, dtype=torch.bool)
-        active[:n] = True
+    while any(len(r) < episodes for r in results):
+        seeds, active = [0] * B, torch.zeros(B, dtype=torch.bool)
+        for (lo, hi), res in zip(ranges, results):
+            n = min(hi - lo, episodes - len(res))
+            base = EVAL_SEED_OFFSET + seed + len(res)
+            seeds[lo:hi] = [base + i for i in range(hi - lo)]
+            active[lo:lo + n] = True
+        group = torch.zeros(B, dtype=torch.long)  # row -> index of its range
+        for g, (lo, hi) in enumerate(ranges):
+            group[lo:hi] = g
+        obs = env.reset(seed=seeds)
         ret, length, success = torch.zeros(B), torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
         record = video_path is not None and not frames  # the first round only
         if record:
@@ -58,26 +79,29 @@ def evaluate(env, policy, *, episodes: int, seed: int, deterministic: bool = Tru
                     shown = torch.where(live, env.render()[:VIDEO_TILES], shown)
                     frames.append(tile(shown))
                 for i in (done & active).nonzero().squeeze(1).tolist():
-                    results.append({"seed": base + i, "success": bool(success[i]), "success_at_end": bool(s[i]),
-                                    "return": float(ret[i]), "length": int(length[i])})
+                    results[int(group[i])].append({"seed": seeds[i], "success": bool(success[i]), "success_at_end": bool(s[i]),
+                                              "return": float(ret[i]), "length": int(length[i])})
                     if progress is not None:
                         progress.update(1)
                 active &= ~done
                 obs = step.obs
                 if not bool(active.any()):
                     break
-    results = sorted(results, key=lambda e: e["seed"])[:episodes]
+    summaries = [_summary(sorted(res, key=lambda e: e["seed"])[:episodes]) for res in results]
+    if video_path is not None and frames:
+        write_mp4(video_path, frames, fps=env.spec.action.control_hz)
+        summaries[0]["eval/video"] = str(video_path)
+    return summaries
+
+
+def _summary(results: list[dict]) -> dict:
     wins = sum(e["success"] for e in results)
     lo, hi = wilson_interval(wins, len(results))
     # success_rate: the task was achieved at some step of the episode (ManiSkill's success_once)
-    summary = {"eval/success_rate": wins / len(results), "eval/episodes": len(results), "eval/success_ci95": [lo, hi],
-               "eval/success_at_end": sum(e["success_at_end"] for e in results) / len(results),
-               "eval/return": float(np.mean([e["return"] for e in results])),
-               "eval/length": float(np.mean([e["length"] for e in results]))}
-    if video_path is not None and frames:
-        write_mp4(video_path, frames, fps=env.spec.action.control_hz)
-        summary["eval/video"] = str(video_path)
-    return summary
+    return {"eval/success_rate": wins / len(results), "eval/episodes": len(results), "eval/success_ci95": [lo, hi],
+            "eval/success_at_end": sum(e["success_at_end"] for e in results) / len(results),
+            "eval/return": float(np.mean([e["return"] for e in results])),
+            "eval/length": float(np.mean([e["length"] for e in results]))}
 
 
 def per_task(task: str, summary: dict) -> dict:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from embodied.algorithms import grpo_advantages, informative_groups, kl_penalty, ppo_policy_loss
 from embodied.checkpoint import save_checkpoint, set_rng_state
-from embodied.evaluate import evaluate, per_task
+from embodied.evaluate import evaluate_by_task, per_task
 from embodied.logger import RunLogger
 from embodied.rollout import EpisodeStats, collect
 from embodied.schema import Observation, PolicyOutput
@@ -56,11 +56,6 @@ def _round(env, policy, seeds: list[int], T: int):
     return rollout, success, valid
 
 
-def _evaluate_tasks(env, policy, episodes: int, seed: int) -> dict[str, dict]:
-    subs = dict(zip(env.names, env.envs)) if hasattr(env, "envs") else {"all": env}
-    return {task: evaluate(sub, policy, episodes=episodes, seed=seed) for task, sub in subs.items()}
-
-
 def _log_eval(logger, results: dict, step: int, bar, label: str) -> None:
     for task, r in results.items():
         logger.log(per_task(task, r), step=step)
@@ -77,6 +72,11 @@ def train_grpo(cfg, env, run_dir: Path, resume: dict | None) -> dict:
     G = B // M
     device = env.device if run.device == "auto" else torch.device(run.device)
     policy = init_policy(cfg, env, device)
+    if alg.exploration_log_std is not None:
+        if not hasattr(getattr(policy, "head", None), "log_std"):
+            raise ValueError("algorithm.exploration_log_std: the policy has no Gaussian head with a log_std")
+        with torch.no_grad():
+            policy.head.log_std.fill_(alg.exploration_log_std)
     K = cfg.policy.chunk_size
     T = math.ceil(env.spec.max_episode_steps / K)  # chunks per episode
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -94,7 +94,7 @@ def train_grpo(cfg, env, run_dir: Path, resume: dict | None) -> dict:
     bar = tqdm(total=num_iterations, initial=counters["iteration"], unit="it", desc=run.name, disable=not run.progress,
                dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30.0)
     if counters["iteration"] == 0:  # success before RL, on the evaluation seeds
-        before = _evaluate_tasks(env, policy, run.eval_episodes, cfg.seed)
+        before = evaluate_by_task(env, policy, episodes=run.eval_episodes, seed=cfg.seed)
         counters["evals"].append({"iteration": 0, "env_steps": 0, "minutes": 0.0, "tasks": before})
         _log_eval(logger, before, 0, bar, "before RL")
     start = time.time() - counters["train_seconds"]
@@ -131,7 +131,7 @@ def train_grpo(cfg, env, run_dir: Path, resume: dict | None) -> dict:
         out_of_time = run.max_minutes is not None and counters["train_seconds"] >= run.max_minutes * 60
         last = iteration == num_iterations or out_of_time
         if run.eval_every and iteration % run.eval_every == 0 and not last:
-            results = _evaluate_tasks(env, policy, run.eval_episodes, cfg.seed)
+            results = evaluate_by_task(env, policy, episodes=run.eval_episodes, seed=cfg.seed)
             counters["evals"].append({"iteration": iteration, "env_steps": counters["env_steps"],
                                       "minutes": counters["train_seconds"] / 60, "tasks": results})
             _log_eval(logger, results, counters["env_steps"], bar, f"iter {iteration}")
@@ -141,7 +141,7 @@ def train_grpo(cfg, env, run_dir: Path, resume: dict | None) -> dict:
             bar.write(f"stopping after {counters['train_seconds'] / 60:.1f} min (runner.max_minutes={run.max_minutes})")
             break
     bar.close()
-    final = _evaluate_tasks(env, policy, run.final_eval_episodes, cfg.seed)
+    final = evaluate_by_task(env, policy, episodes=run.final_eval_episodes, seed=cfg.seed)
     _log_eval(logger, final, counters["env_steps"], bar, "after RL")
     summary = {"run_dir": str(run_dir), "before": counters["evals"][0]["tasks"] if counters["evals"] else None,
                "final": final, "evals": counters["evals"], "env_steps": counters["env_steps"],

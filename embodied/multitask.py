@@ -42,7 +42,7 @@ class MultiTaskEnv:
         self.spec = replace(first, obs=replace(first.obs, privileged={k: first.obs.privileged[k] for k in self._keys}),
                             instructions=tuple(i for e in envs for i in e.spec.instructions))
         bounds = torch.tensor([0] + [e.num_envs for e in envs]).cumsum(0).tolist()
-        self._ranges = list(zip(bounds[:-1], bounds[1:]))  # env rows of each task
+        self.task_ranges = list(zip(bounds[:-1], bounds[1:]))  # env rows of each task
         self.task_of_env = [name for name, e in zip(self.names, envs) for _ in range(e.num_envs)]
 
     def _join(self, parts: list[Observation]) -> Observation:
@@ -56,7 +56,7 @@ class MultiTaskEnv:
         if seeds is not None and len(seeds) != len(ids):
             raise ValueError(f"reset: {len(seeds)} seeds for {len(ids)} environments")
         parts = []
-        for (lo, hi), env in zip(self._ranges, self.envs):
+        for (lo, hi), env in zip(self.task_ranges, self.envs):
             mine = ((ids >= lo) & (ids < hi)).nonzero().squeeze(1)
             if len(mine) == 0 and env_ids is not None:
                 parts.append(None)
@@ -72,7 +72,7 @@ class MultiTaskEnv:
 
     def step(self, actions: torch.Tensor) -> StepOutput:
         """actions: f32 [B, A] physical units, rows in task order."""
-        rows = [actions[lo:hi] for lo, hi in self._ranges]
+        rows = [actions[lo:hi] for lo, hi in self.task_ranges]
         asynchronous = all(getattr(e, "can_step_subsets", False) for e in self.envs)
         if asynchronous:
             everyone = [torch.arange(e.num_envs) for e in self.envs]

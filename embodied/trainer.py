@@ -78,8 +78,13 @@ class GRPOConfig(AlgorithmConfig):
     max_rounds: int = 4  # collection rounds per update while too few groups are informative
     dynamic_sampling: bool = True  # drop groups whose members all succeeded or all failed
     scale_by_std: bool = True  # False: Dr. GRPO (no division by the group's std)
-    logprob_level: str = "chunk"  # chunk | action | token: where the PPO ratio is taken
-    learning_rate: float = 1e-4
+    # where the PPO ratio is taken: chunk (one ratio over K*A dimensions: clips at the smallest
+    # change) | action | token
+    logprob_level: str = "action"
+    # the Gaussian head's log std after runner.init_from: SFT fits only the mean, and sampling at
+    # the SFT's untrained std can fail most episodes the deterministic policy solves
+    exploration_log_std: float | None = None
+    learning_rate: float = 2e-5
     update_epochs: int = 2
     num_minibatches: int = 2
     clip_coef: float = 0.2

@@ -6,8 +6,10 @@ import json
 import torch
 
 from embodied.config import compose
+from embodied.evaluate import evaluate, evaluate_by_task, wilson_interval
 from embodied.grpo_trainer import _round, train_grpo
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, Observation, StepOutput, check_env
+from embodied.multitask import MultiTaskEnv
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, Observation, PolicyOutput, StepOutput, check_env
 from embodied.trainer import TrainConfig
 
 
@@ -15,8 +17,8 @@ class PushRightEnv:
     """Episodes of 3 steps; success once the first action dimension exceeds 0.5. The image is
     noise drawn from the reset seed, so equal seeds give equal first observations."""
 
-    def __init__(self, num_envs: int):
-        self.num_envs, self.device = num_envs, torch.device("cpu")
+    def __init__(self, num_envs: int, threshold: float = 0.5):
+        self.num_envs, self.device, self.threshold = num_envs, torch.device("cpu"), threshold
         self.spec = EnvSpec(obs=ObsSpec(cameras=(CameraSpec("cam", 32, 32),), state_names=("t",)),
                             action=ActionSpec("joint_delta", ("x", "y"), (-1.0, -1.0), (1.0, 1.0)),
                             max_episode_steps=3, instructions=("push right",))
@@ -37,7 +39,7 @@ class PushRightEnv:
 
     def step(self, actions):
         self.t += 1
-        success = actions[:, 0] > 0.5
+        success = actions[:, 0] > self.threshold
         truncated = self.t >= 3
         final = self._obs() if truncated.any() else None
         if truncated.any():
@@ -95,3 +97,26 @@ def test_grpo_raises_success(tmp_path):
     assert before < 0.5 and after == 1.0  # deterministic (mean) actions, 16 evaluation episodes
     assert any("grpo/kept_groups" in r and r["grpo/kept_groups"] >= 1 for r in rows)
     assert (tmp_path / "grpo" / "last" / "model.safetensors").exists()
+
+
+class PixelPolicy:
+    """Deterministic: pushes right by the first pixel's red value, so success depends on the seed."""
+
+    def act(self, obs, *, deterministic=True):
+        x = obs.images["cam"][:, 0, 0, 0].float() / 127.5 - 1.0  # f32 [B]
+        actions = torch.stack([x, torch.zeros_like(x)], -1)[:, None]  # f32 [B, 1, 2]
+        return PolicyOutput(actions=actions, logprob=torch.zeros(len(x)))
+
+
+def test_evaluation_by_task_equals_each_task_alone():
+    env = MultiTaskEnv([PushRightEnv(4), PushRightEnv(3, threshold=0.0)], ["a", "b"])
+    together = evaluate_by_task(env, PixelPolicy(), episodes=10, seed=3)  # 3 rounds, the last one partial
+    for name, sub in zip(env.names, env.envs):
+        alone = evaluate(sub, PixelPolicy(), episodes=10, seed=3)
+        assert together[name] == alone and alone["eval/episodes"] == 10
+    assert 0 < together["a"]["eval/success_rate"] < together["b"]["eval/success_rate"] < 1
+
+
+def test_wilson_interval_golden():
+    lo, hi = wilson_interval(92, 100)
+    assert abs(lo - 0.8501) < 1e-3 and abs(hi - 0.9589) < 1e-3
