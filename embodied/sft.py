@@ -151,7 +151,7 @@ def sft(cfg: SFTConfig) -> dict:
     bar = tqdm(total=cfg.steps, desc=cfg.runner.name, disable=not cfg.runner.progress, dynamic_ncols=True,
                mininterval=0.1 if sys.stderr.isatty() else 30.0)
     evals = []
-    features = _cached_features(policy, frames) if getattr(cfg.policy, "freeze_vision", False) else None
+    features = _cached_features(policy, frames) if getattr(policy, "caches_image_features", False) else None
     policy.train()
     for step in range(1, cfg.steps + 1):
         idx = torch.randint(N, (cfg.batch_size,))

@@ -6,6 +6,10 @@ embeddings), one instruction embedding (MiniLM), one proprioception token, K lea
 queries and a value query. A pre-norm transformer encoder fuses them; the head reads the K query
 outputs (one per chunk step), the value MLP reads the value query.
 
+With ``vlm_path`` set, a Hugging Face vision-language model from that local directory replaces
+both encoders: its last hidden states over (image tokens, instruction) are projected into the
+fusion transformer in place of the image and instruction tokens (models/vla/hf_vlm.py).
+
 Normalization lives in the module's buffers (so in every checkpoint): proprioception is
 standardized with (mean, std) and actions are mapped between physical units and [-1, 1] with
 the data's 1st/99th percentiles (clipped to the ActionSpec bounds), as OpenVLA does. Until
@@ -23,6 +27,7 @@ from torch import nn
 from embodied.schema import EnvSpec, NormStats, Observation, PolicyOutput
 from embodied.models.config import PolicyConfig
 from embodied.models.vla.backbones import EfficientNetLite0, MiniLMText
+from embodied.models.vla.hf_vlm import HFVisionLanguage
 from embodied.models.vla.heads import HEADS, DiscreteTokenHead, FlowMatchingHead, GaussianChunkHead
 
 LEVELS = ("chunk", "action", "token")
@@ -51,6 +56,9 @@ class VLAConfig(PolicyConfig):
     text_hidden: int = 384  # random text encoder size when text_pretrained=false (tests)
     text_layers: int = 6
     freeze_text: bool = True  # frozen: embeddings cached per instruction
+    # a local Hugging Face VLM directory (PaliGemma, Qwen2.5-VL, ...): replaces both encoders above
+    vlm_path: str = ""
+    freeze_vlm: bool = True
     init_log_std: float = -1.0  # gaussian head
     bins: int = 256  # discrete head
     flow_steps: int = 5  # flow head: denoising steps
@@ -77,18 +85,22 @@ class VLA(nn.Module):
         if len({(c.height, c.width) for c in cams}) > 1:
             raise ValueError("all cameras must have the same size (one shared image encoder)")
         self.camera_names = tuple(c.name for c in cams)
-        self.vision = EfficientNetLite0((cams[0].height, cams[0].width), pretrained=cfg.vision_pretrained,
-                                        width=cfg.vision_width, depth=cfg.vision_depth)
-        self.vision.requires_grad_(not cfg.freeze_vision)
-        with torch.no_grad():
-            n_patch = self.vision(torch.zeros(1, cams[0].height, cams[0].width, 3, dtype=torch.uint8)).shape[1]
-        self.text = MiniLMText(pretrained=cfg.text_pretrained, hidden=cfg.text_hidden, layers=cfg.text_layers)
-        self.text.requires_grad_(not cfg.freeze_text)
-
-        self.vision_proj = nn.Linear(self.vision.out_dim, d)
-        self.patch_pos = nn.Parameter(torch.randn(n_patch, d) * 0.02)
-        self.camera_emb = nn.Parameter(torch.randn(len(cams), d) * 0.02)
-        self.text_proj = nn.Linear(self.text.out_dim, d)
+        if cfg.vlm_path:
+            self.vlm = HFVisionLanguage(cfg.vlm_path, freeze=cfg.freeze_vlm)
+            self.vlm_proj = nn.Linear(self.vlm.out_dim, d)
+        else:
+            self.vlm = None
+            self.vision = EfficientNetLite0((cams[0].height, cams[0].width), pretrained=cfg.vision_pretrained,
+                                            width=cfg.vision_width, depth=cfg.vision_depth)
+            self.vision.requires_grad_(not cfg.freeze_vision)
+            with torch.no_grad():
+                n_patch = self.vision(torch.zeros(1, cams[0].height, cams[0].width, 3, dtype=torch.uint8)).shape[1]
+            self.text = MiniLMText(pretrained=cfg.text_pretrained, hidden=cfg.text_hidden, layers=cfg.text_layers)
+            self.text.requires_grad_(not cfg.freeze_text)
+            self.vision_proj = nn.Linear(self.vision.out_dim, d)
+            self.patch_pos = nn.Parameter(torch.randn(n_patch, d) * 0.02)
+            self.camera_emb = nn.Parameter(torch.randn(len(cams), d) * 0.02)
+            self.text_proj = nn.Linear(self.text.out_dim, d)
         unknown = sorted(set(cfg.privileged_keys) - set(spec.obs.privileged))
         if unknown:
             raise ValueError(f"privileged_keys: {unknown} not in the environment's privileged keys "
@@ -148,6 +160,11 @@ class VLA(nn.Module):
         return (2.0 * (actions - self.action_q01) / (self.action_q99 - self.action_q01) - 1.0).clamp(-1.0, 1.0)
 
     # --- fusion ---------------------------------------------------------------------------------
+    @property
+    def caches_image_features(self) -> bool:
+        """True when ``image_features`` is a frozen function of the images alone (SFT caches it)."""
+        return self.vlm is None and self.cfg.freeze_vision
+
     def image_features(self, obs: Observation) -> torch.Tensor:
         """The image encoder's tokens for every camera: f32 [C*B, P, 1280] (cameras outermost).
         Deterministic, so with a frozen encoder they can be computed once and passed to ``context``."""
@@ -159,15 +176,24 @@ class VLA(nn.Module):
         """-> (action-query outputs f32 [B, K, d], value-query output f32 [B, d]). ``features``:
         precomputed ``image_features(obs)`` (frozen encoder only)."""
         B = obs.batch_size
-        feats = self.image_features(obs) if features is None else features  # f32 [C*B, P, 1280]
-        vis = self.vision_proj(feats) + self.patch_pos  # f32 [C*B, P, d]
-        vis = vis.view(len(self.camera_names), B, *vis.shape[1:]) + self.camera_emb[:, None, None]
-        tokens = [vis.transpose(0, 1).reshape(B, -1, vis.shape[-1]), self.text_proj(self.text(obs.instruction))[:, None]]
+        pad = None  # bool [B, N]: True where a token is padding (VLM prompts of different lengths)
+        if self.vlm is not None:
+            hidden, mask = self.vlm([obs.images[n] for n in self.camera_names], list(obs.instruction))  # [B, L, D]
+            tokens = [self.vlm_proj(hidden)]
+            pad = ~mask
+        else:
+            feats = self.image_features(obs) if features is None else features  # f32 [C*B, P, 1280]
+            vis = self.vision_proj(feats) + self.patch_pos  # f32 [C*B, P, d]
+            vis = vis.view(len(self.camera_names), B, *vis.shape[1:]) + self.camera_emb[:, None, None]
+            tokens = [vis.transpose(0, 1).reshape(B, -1, vis.shape[-1]), self.text_proj(self.text(obs.instruction))[:, None]]
         if self.state_proj is not None:
             state = (self.state_vector(obs) - self.state_mean) / self.state_std
             tokens.append(self.state_proj(state)[:, None])
         tokens.append(self.queries.expand(B, -1, -1))
-        out = self.norm(self.fusion(torch.cat(tokens, dim=1)))  # f32 [B, N, d]
+        x = torch.cat(tokens, dim=1)
+        if pad is not None:
+            pad = torch.cat([pad, torch.zeros(B, x.shape[1] - pad.shape[1], dtype=torch.bool, device=pad.device)], 1)
+        out = self.norm(self.fusion(x, src_key_padding_mask=pad))  # f32 [B, N, d]
         return out[:, -self.K - 1:-1], out[:, -1]
 
     def _value(self, v_token: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,110 @@
+"""A Hugging Face vision-language model from a local directory as the VLA's image + instruction
+encoder (PaliGemma, Qwen2.5-VL and other image-text-to-text families, through transformers' Auto
+classes).
+
+The camera images and the instruction go through the model's own processor and backbone (vision
+tower, projector, language model; the LM head is dropped); the language model's last hidden
+states, with their attention mask, become fusion tokens. Nothing is fetched: the directory holds
+config.json, the weights and the processor files, as ``save_pretrained`` writes them.
+
+Without torchvision (the CPU install) transformers cannot build the video half of some processors
+(Qwen2.5-VL's); images need no torchvision, so such a processor is replaced by its tokenizer and
+image processor and the image placeholders are expanded here, the way the family's processor
+does it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class ImagesOnlyProcessor:
+    """Tokenizer + image processor of a VLM directory: ``__call__(text, images)`` expands each
+    image placeholder in ``text`` into the number of tokens the model expects for that image."""
+
+    def __init__(self, path: Path):
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        extra = json.loads((path / "processor_config.json").read_text()) if (path / "processor_config.json").exists() else {}
+        self.image_token = getattr(self.tokenizer, "image_token", None) or extra.get("image_token")
+        if self.image_token is None:
+            for candidate in ("<|image_pad|>", "<image>"):
+                if self.tokenizer.convert_tokens_to_ids(candidate) != self.tokenizer.unk_token_id:
+                    self.image_token = candidate
+                    break
+        if self.image_token is None:
+            raise ValueError(f"{path}: cannot tell this model's image placeholder token; install its full processor")
+        self.image_seq_length = getattr(self.image_processor, "image_seq_length", None) or extra.get("image_seq_len")
+
+    def _tokens_per_image(self, image_inputs, n_images: int) -> list[int]:
+        if "image_grid_thw" in image_inputs:  # Qwen2-VL family: one token per merged patch
+            merge = getattr(self.image_processor, "merge_size", 2)
+            return (image_inputs["image_grid_thw"].prod(-1) // (merge * merge)).tolist()
+        if self.image_seq_length:
+            return [int(self.image_seq_length)] * n_images
+        raise ValueError("cannot tell how many tokens an image takes for this model; install its full processor")
+
+    def __call__(self, *, text: list[str], images: list[list[np.ndarray]], return_tensors: str = "pt", padding=True):
+        flat = [im for sample in images for im in sample]
+        image_inputs = self.image_processor(images=flat, return_tensors=return_tensors)
+        counts = iter(self._tokens_per_image(image_inputs, len(flat)))
+        expanded = []
+        for prompt in text:
+            parts = prompt.split(self.image_token)
+            expanded.append(parts[0] + "".join(self.image_token * next(counts) + p for p in parts[1:]))
+        text_inputs = self.tokenizer(expanded, return_tensors=return_tensors, padding=padding)
+        return {**text_inputs, **image_inputs}
+
+
+def load_processor(path: Path):
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path, local_files_only=True)
+    except (ImportError, AttributeError):  # a video processor that needs torchvision
+        return ImagesOnlyProcessor(path)
+
+
+class HFVisionLanguage(nn.Module):
+    """(camera images, instruction) -> the VLM's last hidden states f32 [B, L, D] + mask bool [B, L]."""
+
+    def __init__(self, path: str | Path, *, freeze: bool = True):
+        super().__init__()
+        from transformers import AutoModelForImageTextToText
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"policy.vlm_path: {path} is not a model directory (config.json, weights and "
+                                    "processor files, as save_pretrained writes them)")
+        self.processor = load_processor(path)
+        full = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        self.model = full.model  # without the LM head: hidden states only
+        self.out_dim = full.config.get_text_config().hidden_size
+        self.image_token = self.processor.image_token
+        self.freeze = freeze
+        self.requires_grad_(not freeze)
+        self.model.eval()
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.model.eval()  # no dropout: act() and evaluate() must agree
+        return self
+
+    def forward(self, images: list[torch.Tensor], instructions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """images: one uint8 [B, H, W, 3] per camera; instructions: B strings."""
+        device = images[0].device
+        frames = [cam.cpu().numpy() for cam in images]  # the processors take host images
+        prompts = [self.image_token * len(images) + text for text in instructions]
+        per_sample = [[f[b] for f in frames] for b in range(len(instructions))]
+        inputs = self.processor(text=prompts, images=per_sample, return_tensors="pt", padding=True)
+        inputs = {k: v.to(device) for k, v in dict(inputs).items() if k != "labels" and isinstance(v, torch.Tensor)}
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze):
+            hidden = self.model(**inputs).last_hidden_state  # [B, L, D]
+        return hidden.float(), inputs["attention_mask"].bool()
