@@ -1,6 +1,6 @@
 """A Hugging Face vision-language model from a local directory as the VLA's image + instruction
-encoder (PaliGemma, Qwen2.5-VL and other image-text-to-text families, through transformers' Auto
-classes).
+encoder (PaliGemma, Qwen2.5-VL, SmolVLM2 and other image-text-to-text families, through
+transformers' Auto classes).
 
 The camera images and the instruction go through the model's own processor and backbone (vision
 tower, projector, language model; the LM head is dropped); the language model's last hidden
@@ -8,9 +8,9 @@ states, with their attention mask, become fusion tokens. Nothing is fetched: the
 config.json, the weights and the processor files, as ``save_pretrained`` writes them.
 
 Without torchvision (the CPU install) transformers cannot build the video half of some processors
-(Qwen2.5-VL's); images need no torchvision, so such a processor is replaced by its tokenizer and
+(Qwen2.5-VL's, SmolVLM's); images need no torchvision, so such a processor is replaced by its tokenizer and
 image processor and the image placeholders are expanded here, the way the family's processor
-does it.
+does it (without SmolVLM's decorative wrapper tokens around an image).
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ class ImagesOnlyProcessor:
 
     def __call__(self, *, text: list[str], images: list[list[np.ndarray]], return_tensors: str = "pt", padding=True):
         flat = [im for sample in images for im in sample]
-        image_inputs = self.image_processor(images=flat, return_tensors=return_tensors)
+        # one global image per camera (SmolVLM would tile large images into crops with their own tokens)
+        options = {"do_image_splitting": False} if hasattr(self.image_processor, "do_image_splitting") else {}
+        image_inputs = self.image_processor(images=flat, return_tensors=return_tensors, **options)
         counts = iter(self._tokens_per_image(image_inputs, len(flat)))
         expanded = []
         for prompt in text:

@@ -56,7 +56,7 @@ class VLAConfig(PolicyConfig):
     text_hidden: int = 384  # random text encoder size when text_pretrained=false (tests)
     text_layers: int = 6
     freeze_text: bool = True  # frozen: embeddings cached per instruction
-    # a local Hugging Face VLM directory (PaliGemma, Qwen2.5-VL, ...): replaces both encoders above
+    # a local Hugging Face VLM directory (PaliGemma, Qwen2.5-VL, SmolVLM2, ...): replaces both encoders above
     vlm_path: str = ""
     freeze_vlm: bool = True
     init_log_std: float = -1.0  # gaussian head

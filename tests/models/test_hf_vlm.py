@@ -1,5 +1,5 @@
 """A VLA whose image + instruction encoder is a Hugging Face VLM loaded from a local directory:
-tiny random PaliGemma and Qwen2.5-VL models (built and saved here, no hub) pass the policy
+tiny random PaliGemma, Qwen2.5-VL and SmolVLM2 models (built and saved here, no hub) pass the policy
 contract with every head; prompt padding does not change a sample's actions; the VLM can be
 fine-tuned."""
 

@@ -72,4 +72,24 @@ def qwen2_5_vl(path: Path) -> Path:
     return path
 
 
-FAMILIES = {"paligemma": paligemma, "qwen2_5_vl": qwen2_5_vl}
+def smolvlm(path: Path) -> Path:
+    import json
+
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil
+
+    tok = _tokenizer(["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"])
+    image = SmolVLMImageProcessorPil(do_image_splitting=False, size={"longest_edge": IMAGE},
+                                     max_image_size={"longest_edge": IMAGE})
+    scale = 2
+    cfg = SmolVLMConfig(vision_config=_vision(image_size=IMAGE, patch_size=8), text_config=_text(len(tok), model_type="llama"),
+                        scale_factor=scale, image_token_id=tok.convert_tokens_to_ids("<image>"))
+    SmolVLMForConditionalGeneration(cfg).save_pretrained(path)
+    # SmolVLMProcessor needs torchvision (video) and num2words: save its parts and its settings
+    tok.save_pretrained(path)
+    image.save_pretrained(path)
+    seq = (IMAGE // 8) ** 2 // scale ** 2
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "SmolVLMProcessor", "image_seq_len": seq}))
+    return path
+
+
+FAMILIES = {"paligemma": paligemma, "qwen2_5_vl": qwen2_5_vl, "smolvlm": smolvlm}
