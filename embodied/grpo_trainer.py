@@ -56,6 +56,36 @@ def _round(env, policy, seeds: list[int], T: int):
     return rollout, success, valid
 
 
+def _evaluate(env, policy, episodes: int, run, seed: int) -> dict[str, dict]:
+    names = getattr(env, "names", ["all"])
+    with tqdm(total=episodes * len(names), desc="evaluating", unit="ep", leave=False, disable=not run.progress,
+              mininterval=0.1 if sys.stderr.isatty() else 30.0) as progress:
+        return evaluate_by_task(env, policy, episodes=episodes, seed=seed, progress=progress)
+
+
+def _collect(env, policy, cfg, iteration: int, counters: dict, G: int, T: int):
+    """Rounds of grouped episodes until enough informative groups (or max_rounds).
+    -> (batches [(rollout, valid, kept groups)], outcomes per kept episode, kept groups, rounds, success of all)."""
+    alg = cfg.algorithm
+    B, M = env.num_envs, alg.group_size
+    batches, outcomes, kept_groups, rounds, all_success = [], [], 0, 0, []
+    while kept_groups < alg.groups_per_batch and rounds < alg.max_rounds:
+        base = cfg.seed + ((iteration - 1) * alg.max_rounds + rounds) * G  # fresh initial states every round
+        seeds = [base + g for g in range(G) for _ in range(M)]
+        with torch.no_grad():
+            rollout, success, valid = _round(env, policy, seeds, T)
+        rounds += 1
+        counters["env_steps"] += B * T * cfg.policy.chunk_size
+        counters["episodes"] += B
+        all_success.append(success)
+        keep = informative_groups(rewards=success.float(), group_size=M) if alg.dynamic_sampling else torch.ones(G, dtype=torch.bool)
+        if bool(keep.any()):
+            batches.append((rollout, valid, keep))
+            outcomes.append(success.float().view(G, M)[keep].reshape(-1))
+            kept_groups += int(keep.sum())
+    return batches, outcomes, kept_groups, rounds, torch.cat(all_success)
+
+
 def _log_eval(logger, results: dict, step: int, bar, label: str) -> None:
     for task, r in results.items():
         logger.log(per_task(task, r), step=step)
@@ -94,54 +124,48 @@ def train_grpo(cfg, env, run_dir: Path, resume: dict | None) -> dict:
     bar = tqdm(total=num_iterations, initial=counters["iteration"], unit="it", desc=run.name, disable=not run.progress,
                dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30.0)
     if counters["iteration"] == 0:  # success before RL, on the evaluation seeds
-        before = evaluate_by_task(env, policy, episodes=run.eval_episodes, seed=cfg.seed)
+        before = _evaluate(env, policy, run.eval_episodes, run, cfg.seed)
         counters["evals"].append({"iteration": 0, "env_steps": 0, "minutes": 0.0, "tasks": before})
         _log_eval(logger, before, 0, bar, "before RL")
     start = time.time() - counters["train_seconds"]
-    for iteration in range(counters["iteration"] + 1, num_iterations + 1):
-        t0 = time.time()
-        batches, outcomes, kept_groups, rounds = [], [], 0, 0
-        all_success = []
-        while kept_groups < alg.groups_per_batch and rounds < alg.max_rounds:
-            base = cfg.seed + ((iteration - 1) * alg.max_rounds + rounds) * G  # fresh initial states every round
-            seeds = [base + g for g in range(G) for _ in range(M)]
-            with torch.no_grad():
-                rollout, success, valid = _round(env, policy, seeds, T)
-            rounds += 1
-            counters["env_steps"] += B * T * K
-            counters["episodes"] += B
-            all_success.append(success)
-            keep = informative_groups(rewards=success.float(), group_size=M) if alg.dynamic_sampling else torch.ones(G, dtype=torch.bool)
-            if bool(keep.any()):
-                batches.append((rollout, valid, keep))
-                outcomes.append(success.float().view(G, M)[keep].reshape(-1))
-                kept_groups += int(keep.sum())
-        rollout_time = time.time() - t0
-        metrics = {"grpo/rounds": rounds, "grpo/kept_groups": kept_groups,
-                   "episode/success_once": torch.cat(all_success).float().mean().item()}
-        if batches:
-            metrics.update(_update(policy, reference, optimizer, batches, outcomes, alg, M, G))
-        counters["iteration"] = iteration
-        counters["train_seconds"] = time.time() - start
-        metrics.update({"time/rollout_s": rollout_time, "time/update_s": time.time() - t0 - rollout_time,
-                        "time/minutes": counters["train_seconds"] / 60})
-        logger.log(metrics, step=counters["env_steps"], iteration=iteration)
-        bar.update(1)
-        bar.set_postfix(succ=f"{metrics['episode/success_once']:.2f}", kept=kept_groups, rounds=rounds)
-        out_of_time = run.max_minutes is not None and counters["train_seconds"] >= run.max_minutes * 60
-        last = iteration == num_iterations or out_of_time
-        if run.eval_every and iteration % run.eval_every == 0 and not last:
-            results = evaluate_by_task(env, policy, episodes=run.eval_episodes, seed=cfg.seed)
-            counters["evals"].append({"iteration": iteration, "env_steps": counters["env_steps"],
-                                      "minutes": counters["train_seconds"] / 60, "tasks": results})
-            _log_eval(logger, results, counters["env_steps"], bar, f"iter {iteration}")
-        if last or (run.save_every and iteration % run.save_every == 0):
-            save_checkpoint(run_dir, iteration, model=policy, optimizer=optimizer, counters=counters, meta=meta)
-        if out_of_time:
-            bar.write(f"stopping after {counters['train_seconds'] / 60:.1f} min (runner.max_minutes={run.max_minutes})")
-            break
+    saved = counters["iteration"]
+    try:
+        for iteration in range(counters["iteration"] + 1, num_iterations + 1):
+            t0 = time.time()
+            batches, outcomes, kept_groups, rounds, all_success = _collect(env, policy, cfg, iteration, counters, G, T)
+            rollout_time = time.time() - t0
+            metrics = {"grpo/rounds": rounds, "grpo/kept_groups": kept_groups,
+                       "episode/success_once": all_success.float().mean().item()}
+            if batches:
+                metrics.update(_update(policy, reference, optimizer, batches, outcomes, alg, M, G))
+            counters["iteration"] = iteration
+            counters["train_seconds"] = time.time() - start
+            metrics.update({"time/rollout_s": rollout_time, "time/update_s": time.time() - t0 - rollout_time,
+                            "time/minutes": counters["train_seconds"] / 60})
+            logger.log(metrics, step=counters["env_steps"], iteration=iteration)
+            bar.update(1)
+            bar.set_postfix(succ=f"{metrics['episode/success_once']:.2f}", kept=kept_groups, rounds=rounds)
+            out_of_time = run.max_minutes is not None and counters["train_seconds"] >= run.max_minutes * 60
+            last = iteration == num_iterations or out_of_time
+            if run.eval_every and iteration % run.eval_every == 0 and not last:
+                results = _evaluate(env, policy, run.eval_episodes, run, cfg.seed)
+                counters["evals"].append({"iteration": iteration, "env_steps": counters["env_steps"],
+                                          "minutes": counters["train_seconds"] / 60, "tasks": results})
+                _log_eval(logger, results, counters["env_steps"], bar, f"iter {iteration}")
+            if last or (run.save_every and iteration % run.save_every == 0):
+                save_checkpoint(run_dir, iteration, model=policy, optimizer=optimizer, counters=counters, meta=meta)
+                saved = iteration
+            if out_of_time:
+                bar.write(f"stopping after {counters['train_seconds'] / 60:.1f} min (runner.max_minutes={run.max_minutes})")
+                break
+    except KeyboardInterrupt:  # keep what was learned since the last checkpoint
+        if counters["iteration"] > saved:
+            save_checkpoint(run_dir, counters["iteration"], model=policy, optimizer=optimizer, counters=counters, meta=meta)
+        bar.close()
+        logger.close()
+        raise
     bar.close()
-    final = evaluate_by_task(env, policy, episodes=run.final_eval_episodes, seed=cfg.seed)
+    final = _evaluate(env, policy, run.final_eval_episodes, run, cfg.seed)
     _log_eval(logger, final, counters["env_steps"], bar, "after RL")
     summary = {"run_dir": str(run_dir), "before": counters["evals"][0]["tasks"] if counters["evals"] else None,
                "final": final, "evals": counters["evals"], "env_steps": counters["env_steps"],
