@@ -245,6 +245,21 @@ class DemoDataset:
     def __len__(self) -> int:
         return len(self.actions)
 
+    @property
+    def num_episodes(self) -> int:
+        return len(self.starts)
+
+    def head(self, episodes: int) -> DemoDataset:
+        """The first ``episodes`` episodes (all of them if there are fewer); stats stay the file's."""
+        if episodes >= self.num_episodes:
+            return self
+        n = int(self.ends[episodes - 1])  # frames kept
+        return DemoDataset(images={k: v[:n] for k, v in self.images.items()},
+                           privileged={k: v[:n] for k, v in self.privileged.items()}, state=self.state[:n],
+                           actions=self.actions[:n], episode=self.episode[:n], frame=self.frame[:n], task=self.task[:n],
+                           tasks=self.tasks, starts=self.starts[:episodes], ends=self.ends[:episodes], info=self.info,
+                           stats=self.stats)
+
     def action_chunks(self, idx: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For frames idx (long [N]): the next K actions f32 [N, K, A] and a mask f32 [N, K] that is 0
         past the episode's end (those steps repeat the episode's last action)."""

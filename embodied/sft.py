@@ -48,6 +48,7 @@ class SFTConfig:
     CHOICES: ClassVar[dict] = {"policy": POLICY_CONFIGS}
     seed: int = 0
     datasets: list[str] = field(default_factory=list)  # LeRobot v3.0 dataset directories
+    episodes_per_dataset: int = 0  # > 0: train on each dataset's first N episodes only (few-shot SFT)
     # evaluation environment; its task is replaced by each dataset's task (info.json "embodied.task")
     env: ManiSkillConfig = field(default_factory=lambda: ManiSkillConfig(obs_mode="rgb"))
     policy: PolicyConfig = field(default_factory=VLAConfig)
@@ -64,6 +65,8 @@ class SFTConfig:
             raise ValueError("datasets: at least one dataset directory is required")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
+        if self.episodes_per_dataset < 0:
+            raise ValueError(f"episodes_per_dataset: must be >= 0, got {self.episodes_per_dataset}")
 
 
 @dataclass
@@ -75,8 +78,9 @@ class _Frames:
     tasks: list[str]  # simulator task id per dataset, in order
 
 
-def _load(paths: list[str]) -> _Frames:
+def _load(paths: list[str], episodes: int = 0) -> _Frames:
     parts = [DemoDataset.load(p) for p in paths]
+    parts = [p.head(episodes) for p in parts] if episodes > 0 else parts
     sets = [set(p.images) for p in parts]
     if any(s != sets[0] for s in sets):
         raise ValueError(f"datasets: cameras differ between datasets: {sets}")
@@ -130,7 +134,7 @@ def sft(cfg: SFTConfig) -> dict:
     run_dir = Path(cfg.runner.output_dir) / cfg.runner.name
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
-    frames = _load(cfg.datasets)
+    frames = _load(cfg.datasets, cfg.episodes_per_dataset)
     tasks = [t or cfg.env.task for t in frames.tasks]
     env_cfgs = {t: ManiSkillConfig(**{**to_dict(cfg.env), "task": t}) for t in dict.fromkeys(tasks)}
     first = make_env(env_cfgs[tasks[0]])

@@ -48,6 +48,12 @@ def test_round_trip_and_metadata(tmp_path):
     assert episodes["length"].tolist() == [7, 4, 5] and episodes["dataset_from_index"].tolist() == [0, 7, 11]
     assert episodes["success"].tolist() == [True, True, True]
 
+    two = ds.head(2)  # few-shot SFT: the first episodes only
+    assert len(two) == 11 and two.num_episodes == 2 and two.ends.tolist() == [7, 11]
+    assert torch.equal(two.images["base_camera"], ds.images["base_camera"][:11])
+    torch.testing.assert_close(two.privileged["goal_pos"], ds.privileged["goal_pos"][:11])
+    assert ds.head(5) is ds
+
 
 def test_action_chunks_stop_at_episode_ends(tmp_path):
     rng = np.random.default_rng(1)

@@ -66,3 +66,11 @@ def test_sft_config_errors(tmp_path, capsys):
     assert "datasets" in capsys.readouterr().err
     assert main(["sft", str(cfg), "datasets=[/nonexistent]"]) == 2
     assert "not a complete LeRobot dataset" in capsys.readouterr().err
+
+
+def test_few_shot_sft_keeps_the_first_episodes(dataset):
+    from embodied.sft import _load
+
+    assert len(_load([str(dataset)]).data) == 18
+    frames = _load([str(dataset), str(dataset)], episodes=2)  # two datasets, 2 episodes of 6 frames each
+    assert len(frames.data) == 24 and frames.data.ends.tolist() == [6, 12, 18, 24] and len(frames.instructions) == 24
