@@ -44,6 +44,7 @@ class MultiTaskEnv:
         bounds = torch.tensor([0] + [e.num_envs for e in envs]).cumsum(0).tolist()
         self.task_ranges = list(zip(bounds[:-1], bounds[1:]))  # env rows of each task
         self.task_of_env = [name for name, e in zip(self.names, envs) for _ in range(e.num_envs)]
+        self._last: list[Observation] | None = None  # each task's latest observation
 
     def _join(self, parts: list[Observation]) -> Observation:
         for p in parts:
@@ -51,6 +52,8 @@ class MultiTaskEnv:
         return Observation.cat(parts)
 
     def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
+        if env_ids is not None and self._last is None:
+            raise RuntimeError("MultiTaskEnv: reset all environments once before resetting some (env_ids)")
         ids = torch.arange(self.num_envs) if env_ids is None else env_ids.cpu()
         seeds = None if seed is None else ([seed + int(i) for i in ids] if isinstance(seed, int) else [int(s) for s in seed])
         if seeds is not None and len(seeds) != len(ids):

@@ -26,6 +26,14 @@ def test_two_tasks_pass_the_contract_with_their_instructions():
         assert step.reward.shape == (4,) and step.obs.instruction == obs.instruction
 
 
+def test_partial_reset_before_any_reset_is_an_error():
+    import pytest
+
+    cfg = ManiSkillConfig(**{**CFG.__dict__, "obs_mode": "state"})
+    with make_env(cfg) as env, pytest.raises(RuntimeError, match="reset all environments once"):
+        env.reset(seed=[1], env_ids=torch.tensor([0]))
+
+
 def test_uneven_split_is_a_config_error():
     import pytest
 
