@@ -207,7 +207,9 @@ def evaluate_tasks(policy, env_cfgs: dict[str, ManiSkillConfig], episodes: int, 
         env = make_env(env_cfg)
         try:
             video = video_dir / f"{task}.mp4" if video_dir is not None else None
-            out[task] = evaluate(env, policy, episodes=episodes, seed=seed, video_path=video)
+            with tqdm(total=episodes, desc=f"evaluating {task}", unit="ep", leave=False,
+                      mininterval=0.1 if sys.stderr.isatty() else 30.0) as progress:
+                out[task] = evaluate(env, policy, episodes=episodes, seed=seed, video_path=video, progress=progress)
         finally:
             env.close()
         logger.log(per_task(task, out[task]), step=step)
