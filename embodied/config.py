@@ -103,16 +103,17 @@ def _base(schema: type, sources: list[tuple[str, dict]]):
     (registry: name -> dataclass): the last ``field.name`` given in the sources picks the
     dataclass that validates that field (e.g. ``policy.name: vla`` -> ``VLAConfig``)."""
     cfg = OmegaConf.structured(schema)
+    keys = getattr(schema, "CHOICE_KEYS", {})  # field -> the key that names the choice ("name" unless given)
     for field_name, registry in getattr(schema, "CHOICES", {}).items():
-        chosen, where = None, None
+        chosen, where, key = None, None, keys.get(field_name, "name")
         for src, data in sources:
             node = data.get(field_name) if isinstance(data, dict) else None
-            if isinstance(node, dict) and "name" in node:
-                chosen, where = node["name"], src
+            if isinstance(node, dict) and key in node:
+                chosen, where = node[key], src
         if chosen is None:
             continue
         if chosen not in registry:
-            raise ConfigError(f"{field_name}.name: unknown {field_name} {chosen!r}; known: {sorted(registry)} (in {where})")
+            raise ConfigError(f"{field_name}.{key}: unknown {field_name} {chosen!r}; known: {sorted(registry)} (in {where})")
         cfg[field_name] = OmegaConf.structured(registry[chosen])
     return cfg
 

@@ -106,8 +106,16 @@ class MultiTaskEnv:
         self.close()
 
 
+SIMULATOR_CONFIGS: dict[str, type] = {}  # simulator name -> config dataclass, filled below
+
+
 def make_env(cfg):
-    """The environment a ``ManiSkillConfig`` describes: one task, or a MultiTaskEnv over ``cfg.tasks``."""
+    """The environment a simulator config describes: one task, or (ManiSkill) a MultiTaskEnv over
+    ``cfg.tasks``."""
+    if cfg.simulator == "mujoco":
+        from embodied.simulators.mujoco import MuJoCoEnv
+
+        return MuJoCoEnv(cfg)
     from embodied.simulators.maniskill import make_env as make_maniskill
 
     if not cfg.tasks:
@@ -122,3 +130,13 @@ def make_env(cfg):
             e.close()
         raise
     return MultiTaskEnv(envs, list(cfg.tasks))
+
+
+def _register() -> None:
+    from embodied.simulators.maniskill import ManiSkillConfig
+    from embodied.simulators.mujoco import MuJoCoConfig
+
+    SIMULATOR_CONFIGS.update(maniskill=ManiSkillConfig, mujoco=MuJoCoConfig)
+
+
+_register()

@@ -177,6 +177,14 @@ class EnvSpec:
 
 
 @dataclass
+class SimulatorConfig:
+    """Base of every simulator's config dataclass; ``simulator`` names which one (and so which
+    schema validates an ``env:`` section)."""
+
+    simulator: str = ""
+
+
+@dataclass
 class StepOutput:
     """What ``VecEnv.step`` returns.
 
@@ -265,6 +273,7 @@ __all__ = [
     "Observation",
     "Policy",
     "PolicyOutput",
+    "SimulatorConfig",
     "StepOutput",
     "VecEnv",
     "check_env",

@@ -26,7 +26,8 @@ from embodied.evaluate import evaluate
 from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig, build_policy
 from embodied.rollout import EpisodeStats, collect
-from embodied.multitask import make_env
+from embodied.multitask import SIMULATOR_CONFIGS, make_env
+from embodied.schema import SimulatorConfig
 from embodied.simulators.maniskill import ManiSkillConfig
 
 
@@ -136,10 +137,11 @@ class RunnerConfig:
 
 @dataclass
 class TrainConfig:
-    # policy.name / algorithm.name select the config schema of the policy / the algorithm
-    CHOICES: ClassVar[dict] = {"policy": POLICY_CONFIGS, "algorithm": ALGORITHMS}
+    # policy.name / algorithm.name / env.simulator select the config schema of that section
+    CHOICES: ClassVar[dict] = {"policy": POLICY_CONFIGS, "algorithm": ALGORITHMS, "env": SIMULATOR_CONFIGS}
+    CHOICE_KEYS: ClassVar[dict] = {"env": "simulator"}
     seed: int = 0
-    env: ManiSkillConfig = field(default_factory=ManiSkillConfig)
+    env: SimulatorConfig = field(default_factory=ManiSkillConfig)  # env.simulator picks the schema
     policy: PolicyConfig = field(default_factory=ActorCriticConfig)  # policy.name picks the schema
     algorithm: AlgorithmConfig = field(default_factory=PPOConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)

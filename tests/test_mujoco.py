@@ -70,3 +70,25 @@ def test_push_success_is_the_cube_on_the_target():
 def test_unknown_task_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown MuJoCo task 'stack'"):
         MuJoCoConfig(task="stack").validate()
+
+
+def test_train_from_yaml_on_mujoco(tmp_path):
+    import json
+
+    from embodied.cli import main
+
+    rc = main(["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={tmp_path}", "env.num_envs=4",
+               "algorithm.num_steps=8", "runner.total_env_steps=64", "runner.eval_episodes=4",
+               "runner.final_eval_episodes=4", "runner.progress=false", "env.render_size=32"])
+    assert rc == 0
+    run = tmp_path / "mujoco_reach_ppo"
+    summary = json.loads((run / "metrics.json").read_text())
+    assert summary["final"]["eval/episodes"] == 4 and (run / "last" / "model.safetensors").exists()
+    assert "simulator: mujoco" in (run / "config.yaml").read_text()
+
+
+def test_an_unknown_simulator_is_a_config_error(capsys):
+    from embodied.cli import main
+
+    assert main(["train", "configs/mujoco/reach_ppo.yaml", "env.simulator=isaac"]) == 2
+    assert "env.simulator: unknown env 'isaac'" in capsys.readouterr().err

@@ -15,12 +15,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from embodied.schema import Observation, StepOutput
+from embodied.schema import Observation, SimulatorConfig, StepOutput
 from embodied.simulators.maniskill.core import CoreOptions, ManiSkillCore, check_assets
 
 
 @dataclass
-class ManiSkillConfig:
+class ManiSkillConfig(SimulatorConfig):
     """Which ManiSkill3 task to run and how."""
 
     simulator: str = "maniskill"
