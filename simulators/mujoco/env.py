@@ -54,6 +54,8 @@ class MuJoCoEnv:
         self._slices = {self.model.sensor(i).name: slice(self.model.sensor_adr[i], self.model.sensor_adr[i] + self.model.sensor_dim[i])
                         for i in range(self.model.nsensor)}
         self._joint_qpos = [self.model.jnt_qposadr[self.model.joint(j).id] for j in JOINTS]
+        names = [f"{j}.pos" for j in JOINTS] + [f"{j}.vel" for j in JOINTS]
+        self._state_cols = np.concatenate([np.arange(self._slices[n].start, self._slices[n].stop) for n in names])
         self._renderers: dict[int, mujoco.Renderer] = {}
         self._low = np.array([RANGES[j][0] for j in JOINTS])
         self._high = np.array([RANGES[j][1] for j in JOINTS])
@@ -71,7 +73,7 @@ class MuJoCoEnv:
         return self._sensors[rows, self._slices[name]]
 
     def _obs(self) -> Observation:
-        state = np.concatenate([self._read(f"{j}.pos") for j in JOINTS] + [self._read(f"{j}.vel") for j in JOINTS], 1)
+        state = self._sensors[:, self._state_cols]  # f64 [B, 12]: one gather
         priv = {k: torch.from_numpy(self._read(k).astype(np.float32)) for k in self.spec.obs.privileged}
         images = {"base_camera": self._render_all(self.cfg.image_size)} if self.spec.obs.cameras else {}
         return Observation(state=torch.from_numpy(state.astype(np.float32)), instruction=[self.task.instruction] * self.num_envs,
