@@ -55,6 +55,13 @@ install_mesa() {
   log "Mesa lavapipe $(dpkg-query -W -f='${Version}' mesa-vulkan-drivers) installed"
 }
 
+install_egl() {  # MuJoCo renders offscreen through EGL (Mesa's llvmpipe on a CPU machine)
+  if dpkg-query -W libegl1 libegl-mesa0 >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then return; fi
+  log "installing libegl1 libegl-mesa0 (MuJoCo offscreen rendering)"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libegl1 libegl-mesa0 >/dev/null
+}
+
 install_python() {
   [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
   if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
@@ -72,4 +79,5 @@ install_python() {
 }
 
 case ",$EXTRAS," in *,maniskill,*) install_mesa ;; esac
+case ",$EXTRAS," in *,mujoco,*) install_egl ;; esac
 install_python
