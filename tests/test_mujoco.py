@@ -85,6 +85,7 @@ def test_train_from_yaml_on_mujoco(tmp_path):
     summary = json.loads((run / "metrics.json").read_text())
     assert summary["final"]["eval/episodes"] == 4 and (run / "last" / "model.safetensors").exists()
     assert "simulator: mujoco" in (run / "config.yaml").read_text()
+    assert main(["eval", str(run / "last"), "--episodes", "2"]) == 0  # rebuilds the MuJoCo env from the run
 
 
 def test_an_unknown_simulator_is_a_config_error(capsys):
