@@ -48,6 +48,9 @@ def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, d
     B = env.num_envs
     results: list[list[dict]] = [[] for _ in ranges]
     frames: list[np.ndarray] = []
+    group = torch.zeros(B, dtype=torch.long)  # row -> index of its range
+    for g, (lo, hi) in enumerate(ranges):
+        group[lo:hi] = g
     while any(len(r) < episodes for r in results):
         seeds, active = [0] * B, torch.zeros(B, dtype=torch.bool)
         for (lo, hi), res in zip(ranges, results):
@@ -55,9 +58,6 @@ def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, d
             base = EVAL_SEED_OFFSET + seed + len(res)
             seeds[lo:hi] = [base + i for i in range(hi - lo)]
             active[lo:lo + n] = True
-        group = torch.zeros(B, dtype=torch.long)  # row -> index of its range
-        for g, (lo, hi) in enumerate(ranges):
-            group[lo:hi] = g
         obs = env.reset(seed=seeds)
         ret, length, success = torch.zeros(B), torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
         record = video_path is not None and not frames  # the first round only

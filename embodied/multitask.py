@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from embodied.schema import Observation, StepOutput
+from embodied.schema import Observation, StepOutput, reset_seeds
 
 
 def _compatible(specs) -> None:
@@ -55,9 +55,7 @@ class MultiTaskEnv:
         if env_ids is not None and self._last is None:
             raise RuntimeError("MultiTaskEnv: reset all environments once before resetting some (env_ids)")
         ids = torch.arange(self.num_envs) if env_ids is None else env_ids.cpu()
-        seeds = None if seed is None else ([seed + int(i) for i in ids] if isinstance(seed, int) else [int(s) for s in seed])
-        if seeds is not None and len(seeds) != len(ids):
-            raise ValueError(f"reset: {len(seeds)} seeds for {len(ids)} environments")
+        seeds = None if seed is None else reset_seeds(seed, ids.tolist())
         parts = []
         for (lo, hi), env in zip(self.task_ranges, self.envs):
             mine = ((ids >= lo) & (ids < hi)).nonzero().squeeze(1)

@@ -223,6 +223,19 @@ class VecEnv(Protocol):
     def close(self) -> None: ...
 
 
+def reset_seeds(seed: int | Sequence[int] | None, ids: Sequence[int]) -> list[int | None]:
+    """The per-environment seeds of ``VecEnv.reset`` for environments ``ids``: an int gives
+    environment i the seed ``seed + i``, a list is one seed per reset environment, None is unseeded."""
+    if seed is None:
+        return [None] * len(ids)
+    if isinstance(seed, int):
+        return [seed + int(i) for i in ids]
+    seeds = [int(s) for s in seed]
+    if len(seeds) != len(ids):
+        raise ValueError(f"reset: {len(seeds)} seeds for {len(ids)} environments")
+    return seeds
+
+
 @dataclass
 class PolicyOutput:
     """actions: float32 [B, K, A] physical units; logprob: float32 [B] of the whole chunk;
@@ -278,4 +291,5 @@ __all__ = [
     "VecEnv",
     "check_env",
     "check_policy",
+    "reset_seeds",
 ]

@@ -39,3 +39,14 @@ def test_uneven_split_is_a_config_error():
 
     with pytest.raises(ValueError, match="split evenly"):
         ManiSkillConfig(tasks=["PushCube-v1", "PullCube-v1"], num_envs=3).validate()
+
+
+def test_reset_seeds_golden():
+    import pytest
+
+    from embodied.schema import reset_seeds
+
+    assert reset_seeds(10, [0, 3]) == [10, 13] and reset_seeds([7, 8], [2, 5]) == [7, 8]
+    assert reset_seeds(None, [1, 2]) == [None, None]
+    with pytest.raises(ValueError, match="1 seeds for 2 environments"):
+        reset_seeds([1], [0, 1])

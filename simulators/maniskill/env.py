@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from embodied.schema import Observation, SimulatorConfig, StepOutput
+from embodied.schema import Observation, SimulatorConfig, StepOutput, reset_seeds
 from embodied.simulators.maniskill.core import CoreOptions, ManiSkillCore, check_assets
 
 
@@ -171,14 +171,7 @@ class ManiSkillEnv:
     # --- VecEnv ---------------------------------------------------------------------------
     def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
         ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids.tolist()]
-        if seed is None:
-            seeds = [None] * len(ids)
-        elif isinstance(seed, int):
-            seeds = [seed + i for i in ids]
-        else:
-            seeds = [int(s) for s in seed]
-            if len(seeds) != len(ids):
-                raise ValueError(f"reset: {len(seeds)} seeds for {len(ids)} environments")
+        seeds = reset_seeds(seed, ids)
         if self._core is not None:  # an int seeds the whole batch in one call (see ManiSkillCore.reset)
             return self._core.reset(seed=seed if isinstance(seed, int) or seed is None else seeds,
                                     env_ids=None if env_ids is None else env_ids.to(self.device))

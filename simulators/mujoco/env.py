@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mujoco import rollout  # noqa: E402
 
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, Observation, StepOutput  # noqa: E402
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, Observation, StepOutput, reset_seeds  # noqa: E402
 from embodied.simulators.mujoco.arm import HOME, JOINTS, RANGES, scene  # noqa: E402
 from embodied.simulators.mujoco.config import MuJoCoConfig  # noqa: E402
 from embodied.simulators.mujoco.tasks import TASKS  # noqa: E402
@@ -69,8 +69,8 @@ class MuJoCoEnv:
             instructions=(self.task.instruction,))
 
     # --- observations -------------------------------------------------------------------------
-    def _read(self, name: str, rows=slice(None)) -> np.ndarray:
-        return self._sensors[rows, self._slices[name]]
+    def _read(self, name: str) -> np.ndarray:
+        return self._sensors[:, self._slices[name]]
 
     def _obs(self) -> Observation:
         state = self._sensors[:, self._state_cols]  # f64 [B, 12]: one gather
@@ -107,15 +107,7 @@ class MuJoCoEnv:
 
     def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
         ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids]
-        if seed is None:
-            seeds = [None] * len(ids)
-        elif isinstance(seed, int):
-            seeds = [seed + i for i in ids]
-        else:
-            seeds = [int(s) for s in seed]
-            if len(seeds) != len(ids):
-                raise ValueError(f"reset: {len(seeds)} seeds for {len(ids)} environments")
-        self._reset_rows(ids, seeds)
+        self._reset_rows(ids, reset_seeds(seed, ids))
         return self._obs()
 
     def step(self, actions: torch.Tensor) -> StepOutput:
