@@ -33,13 +33,15 @@ def evaluate(env, policy, *, episodes: int, seed: int, deterministic: bool = Tru
 
 
 @torch.no_grad()
-def evaluate_by_task(env, policy, *, episodes: int, seed: int, deterministic: bool = True, progress=None) -> dict[str, dict]:
+def evaluate_by_task(env, policy, *, episodes: int, seed: int, deterministic: bool = True,
+                     video_path: Path | None = None, progress=None) -> dict[str, dict]:
     """``evaluate()`` per task of a MultiTaskEnv, all tasks stepping at once (their workers run in
     parallel): {task: summary}, each over ``episodes`` episodes with the seeds ``evaluate()`` would
-    give that task's environment alone. A single-task env is reported as one task, "all"."""
+    give that task's environment alone. A single-task env is reported as one task, "all". The
+    video shows the first environment of each task (up to four tasks)."""
     ranges = getattr(env, "task_ranges", [(0, env.num_envs)])
     names = getattr(env, "names", ["all"])
-    return dict(zip(names, _run(env, policy, ranges, episodes, seed, deterministic, None, progress)))
+    return dict(zip(names, _run(env, policy, ranges, episodes, seed, deterministic, video_path, progress)))
 
 
 def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, deterministic: bool,
@@ -51,6 +53,8 @@ def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, d
     group = torch.zeros(B, dtype=torch.long)  # row -> index of its range
     for g, (lo, hi) in enumerate(ranges):
         group[lo:hi] = g
+    # rows shown in the video: the first VIDEO_TILES environments, or the first of each task
+    shown_rows = torch.arange(min(B, VIDEO_TILES)) if len(ranges) == 1 else torch.tensor([lo for lo, _ in ranges[:VIDEO_TILES]])
     while any(len(r) < episodes for r in results):
         seeds, active = [0] * B, torch.zeros(B, dtype=torch.bool)
         for (lo, hi), res in zip(ranges, results):
@@ -62,7 +66,7 @@ def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, d
         ret, length, success = torch.zeros(B), torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
         record = video_path is not None and not frames  # the first round only
         if record:
-            shown = env.render()[:VIDEO_TILES]  # uint8 [<=4, H, W, 3]
+            shown = env.render()[shown_rows.to(env.device)]  # uint8 [<=4, H, W, 3]
             frames.append(tile(shown))
         while bool(active.any()):
             out = policy.act(obs, deterministic=deterministic)
@@ -73,10 +77,10 @@ def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, d
                 ret += r * active
                 length += active.long()
                 success |= s & active
-                if record and bool(active[:VIDEO_TILES].any()):
+                if record and bool(active[shown_rows].any()):
                     # an ended episode's tile keeps its last frame instead of showing the reset
-                    live = (active & ~done)[:VIDEO_TILES].to(shown.device).view(-1, 1, 1, 1)
-                    shown = torch.where(live, env.render()[:VIDEO_TILES], shown)
+                    live = (active & ~done)[shown_rows].to(shown.device).view(-1, 1, 1, 1)
+                    shown = torch.where(live, env.render()[shown_rows.to(env.device)], shown)
                     frames.append(tile(shown))
                 for i in (done & active).nonzero().squeeze(1).tolist():
                     results[int(group[i])].append({"seed": seeds[i], "success": bool(success[i]), "success_at_end": bool(s[i]),
@@ -90,7 +94,8 @@ def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, d
     summaries = [_summary(sorted(res, key=lambda e: e["seed"])[:episodes]) for res in results]
     if video_path is not None and frames:
         write_mp4(video_path, frames, fps=env.spec.action.control_hz)
-        summaries[0]["eval/video"] = str(video_path)
+        for summary in summaries:
+            summary["eval/video"] = str(video_path)
     return summaries
 
 

@@ -14,7 +14,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -24,7 +24,7 @@ from tqdm import tqdm
 from embodied.checkpoint import save_checkpoint
 from embodied.config import save_config, to_dict
 from embodied.dataset import DemoDataset
-from embodied.evaluate import evaluate, per_task
+from embodied.evaluate import evaluate_by_task, per_task
 from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
 from embodied.schema import NormStats, Observation
@@ -137,9 +137,8 @@ def sft(cfg: SFTConfig) -> dict:
     frames = _load(cfg.datasets, cfg.episodes_per_dataset)
     tasks = [t or cfg.env.task for t in frames.tasks]
     env_cfgs = {t: ManiSkillConfig(**{**to_dict(cfg.env), "task": t}) for t in dict.fromkeys(tasks)}
-    first = make_env(env_cfgs[tasks[0]])
-    spec = first.spec
-    first.close()
+    with make_env(_eval_env_config(env_cfgs)) as env:  # the spec all tasks share (privileged: common keys)
+        spec = env.spec
     policy = build_policy(spec, cfg.policy)
     _norm_stats(policy, frames)
     K = cfg.policy.chunk_size
@@ -200,17 +199,28 @@ def sft(cfg: SFTConfig) -> dict:
 @torch.no_grad()
 def evaluate_tasks(policy, env_cfgs: dict[str, ManiSkillConfig], episodes: int, seed: int, step: int, logger,
                    video_dir: Path | None = None) -> dict:
-    """Deterministic evaluation of ``policy`` on each task -> {task: evaluate() summary}."""
+    """Deterministic evaluation of ``policy`` on each task, all tasks at once in one MultiTaskEnv
+    (``env.num_envs`` environments per task) -> {task: evaluate() summary}."""
     policy.eval()
-    out = {}
-    for task, env_cfg in env_cfgs.items():
-        env = make_env(env_cfg)
-        try:
-            video = video_dir / f"{task}.mp4" if video_dir is not None else None
-            with tqdm(total=episodes, desc=f"evaluating {task}", unit="ep", leave=False,
-                      mininterval=0.1 if sys.stderr.isatty() else 30.0) as progress:
-                out[task] = evaluate(env, policy, episodes=episodes, seed=seed, video_path=video, progress=progress)
-        finally:
-            env.close()
-        logger.log(per_task(task, out[task]), step=step)
+    env = make_env(_eval_env_config(env_cfgs))
+    try:
+        video = video_dir / "eval.mp4" if video_dir is not None else None
+        with tqdm(total=episodes * len(env_cfgs), desc="evaluating", unit="ep", leave=False,
+                  mininterval=0.1 if sys.stderr.isatty() else 30.0) as progress:
+            out = evaluate_by_task(env, policy, episodes=episodes, seed=seed, video_path=video, progress=progress)
+    finally:
+        env.close()
+    if len(env_cfgs) == 1:
+        out = {next(iter(env_cfgs)): out["all"]}
+    for task, summary in out.items():
+        logger.log(per_task(task, summary), step=step)
     return out
+
+
+def _eval_env_config(env_cfgs: dict[str, ManiSkillConfig]) -> ManiSkillConfig:
+    """One task's config, or a multi-task one with each task's ``num_envs`` and a worker per task at least."""
+    first = next(iter(env_cfgs.values()))
+    if len(env_cfgs) == 1:
+        return first
+    n = len(env_cfgs)
+    return replace(first, tasks=list(env_cfgs), num_envs=n * first.num_envs, num_workers=max(n, first.num_workers))
