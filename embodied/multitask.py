@@ -114,6 +114,16 @@ def make_env(cfg):
         from embodied.simulators.mujoco import MuJoCoEnv
 
         return MuJoCoEnv(cfg)
+    if cfg.simulator == "libero":
+        from functools import partial
+
+        from embodied.simulators.libero import LiberoCore
+        from embodied.simulators.libero.paths import prepare
+        from embodied.workers import WorkerVecEnv
+
+        cfg.validate()
+        prepare()  # a missing asset fails here, before any worker starts
+        return WorkerVecEnv(partial(LiberoCore, cfg), cfg.num_envs, cfg.num_workers, name="LIBERO")
     from embodied.simulators.maniskill import make_env as make_maniskill
 
     if not cfg.tasks:
@@ -131,10 +141,11 @@ def make_env(cfg):
 
 
 def _register() -> None:
+    from embodied.simulators.libero import LiberoConfig
     from embodied.simulators.maniskill import ManiSkillConfig
     from embodied.simulators.mujoco import MuJoCoConfig
 
-    SIMULATOR_CONFIGS.update(maniskill=ManiSkillConfig, mujoco=MuJoCoConfig)
+    SIMULATOR_CONFIGS.update(maniskill=ManiSkillConfig, mujoco=MuJoCoConfig, libero=LiberoConfig)
 
 
 _register()

@@ -1,0 +1,175 @@
+"""``WorkerVecEnv``: a VecEnv whose environments live in subprocess workers, stepped in lockstep.
+
+Each worker builds one *core* (``make_core(n)``: n environments of a CPU simulator in that
+process) and serves it over a pipe. A core speaks numpy (pickled cheaply, no torch in transit):
+
+- ``spec`` (EnvSpec); ``reset(ids, seeds) -> packed obs of all its environments``
+- ``step(ids, actions f32 [n, A]) -> (packed obs of ids, f32 [n, 4] reward/terminated/truncated/
+  success, packed final obs of ids or None)`` with automatic reset of ended episodes
+- ``render() -> uint8 [n, H, W, 3]``, ``close()``
+
+where a packed obs is ``{"state", "images", "privileged", "instruction"}`` of numpy arrays (and a
+list of strings). Workers are spawned (never forked: simulators and renderers hold threads and
+GPU/GL contexts). Stepping a subset (``step_async``/``step_wait``) lets a rollout pipeline groups.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from embodied.schema import Observation, StepOutput, reset_seeds
+
+START_TIMEOUT_S = 300.0  # building a simulator (and its renderer) takes seconds; minutes means something is wrong
+
+
+def _serve(conn, make_core: Callable, count: int) -> None:
+    torch.set_num_threads(1)
+    try:
+        core = make_core(count)
+        conn.send(("ok", core.spec))
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "step":
+                conn.send(("ok", core.step(*arg)))
+            elif cmd == "reset":
+                conn.send(("ok", core.reset(*arg)))
+            elif cmd == "render":
+                conn.send(("ok", core.render()))
+            elif cmd == "close":
+                core.close()
+                conn.send(("ok", None))
+                return
+    except (KeyboardInterrupt, EOFError):
+        return
+    except Exception:  # report to the parent instead of dying silently
+        conn.send(("error", traceback.format_exc()))
+
+
+def _cat(packs: list[dict]) -> dict:
+    if len(packs) == 1:
+        return packs[0]
+    return {"state": np.concatenate([p["state"] for p in packs]),
+            "images": {k: np.concatenate([p["images"][k] for p in packs]) for k in packs[0]["images"]},
+            "privileged": {k: np.concatenate([p["privileged"][k] for p in packs]) for k in packs[0]["privileged"]},
+            "instruction": [s for p in packs for s in p["instruction"]]}
+
+
+def to_observation(packed: dict) -> Observation:
+    return Observation(state=torch.from_numpy(packed["state"]),  # f32 [B, S]
+                       instruction=list(packed["instruction"]),
+                       images={k: torch.from_numpy(v) for k, v in packed["images"].items()},  # uint8 [B, H, W, 3]
+                       privileged={k: torch.from_numpy(v) for k, v in packed["privileged"].items()})
+
+
+class WorkerVecEnv:
+    """``num_envs`` environments split as evenly as possible between ``num_workers`` processes."""
+
+    def __init__(self, make_core: Callable[[int], object], num_envs: int, num_workers: int, name: str = "simulator"):
+        self.num_envs, self.name, self.device = num_envs, name, torch.device("cpu")
+        self.can_step_subsets = True
+        n_workers = max(1, min(num_workers, num_envs))
+        counts = [len(a) for a in np.array_split(np.arange(num_envs), n_workers)]
+        self._starts = np.cumsum([0] + counts)
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        for count in counts:
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(child, make_core, count), daemon=True)
+            p.start()
+            child.close()  # only the worker holds its end: if it dies, recv() here ends with EOFError
+            self._conns.append(parent), self._procs.append(p)
+        try:
+            self.spec = [self._recv(c, timeout=START_TIMEOUT_S) for c in self._conns][0]
+        except BaseException:
+            self.close()
+            raise
+        self._everyone, self._splits = torch.arange(num_envs), {}
+
+    def _recv(self, conn, timeout: float | None = None):
+        if timeout is not None and not conn.poll(timeout):
+            raise RuntimeError(f"a {self.name} worker did not start within {timeout:.0f} s. Workers are spawned: a script "
+                               "that creates environments must guard its top level with `if __name__ == '__main__':`")
+        try:
+            status, payload = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"a {self.name} worker process died (see its output above; a script that creates "
+                               "environments must guard its top level with `if __name__ == '__main__':`)") from None
+        if status == "error":
+            raise RuntimeError(f"{self.name} worker failed:\n{payload}")
+        return payload
+
+    def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
+        ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids.tolist()]
+        seeds = reset_seeds(seed, ids)
+        for w, conn in enumerate(self._conns):
+            lo, hi = self._starts[w], self._starts[w + 1]
+            mine = [(i - lo, s) for i, s in zip(ids, seeds) if lo <= i < hi]
+            conn.send(("reset", ([i for i, _ in mine], [s for _, s in mine])))
+        return to_observation(_cat([self._recv(c) for c in self._conns]))
+
+    def step(self, actions: torch.Tensor) -> StepOutput:
+        """actions: f32 [B, A] physical units."""
+        self.step_async(actions, self._everyone)
+        return self.step_wait(self._everyone)
+
+    def _split(self, env_ids: torch.Tensor) -> list[tuple[int, list[int], list[int]]]:
+        """(worker, local ids, positions in env_ids) per worker holding some of env_ids; cached
+        per id set (a rollout steps the same sets every step)."""
+        key = tuple(env_ids.tolist())
+        if key not in self._splits:
+            out = []
+            for w in range(len(self._conns)):
+                lo, hi = self._starts[w], self._starts[w + 1]
+                pos = [j for j, i in enumerate(key) if lo <= i < hi]
+                if pos:
+                    out.append((w, [key[j] - lo for j in pos], pos))
+            self._splits[key] = out
+        return self._splits[key]
+
+    def step_async(self, actions: torch.Tensor, env_ids: torch.Tensor) -> None:
+        """Start stepping environments ``env_ids`` (long [N], ascending) with actions f32 [N, A];
+        workers queue requests in order, so several subsets may be in flight."""
+        a = actions.detach().to("cpu", torch.float32).numpy()
+        for w, local, pos in self._split(env_ids):
+            self._conns[w].send(("step", (local, a[pos])))
+
+    def step_wait(self, env_ids: torch.Tensor) -> StepOutput:
+        """Finish the ``step_async`` of ``env_ids``; every tensor has N = len(env_ids) rows."""
+        results = [self._recv(self._conns[w]) for w, _, _ in self._split(env_ids)]
+        scalars = torch.from_numpy(np.concatenate([r[1] for r in results]))  # f32 [N, 4]
+        obs = to_observation(_cat([r[0] for r in results]))
+        final = None
+        if any(r[2] is not None for r in results):
+            final = to_observation(_cat([r[2] if r[2] is not None else r[0] for r in results]))
+        return StepOutput(obs=obs, reward=scalars[:, 0].contiguous(), terminated=scalars[:, 1] > 0,
+                          truncated=scalars[:, 2] > 0, success=scalars[:, 3] > 0, final_obs=final)
+
+    def render(self) -> torch.Tensor:
+        """uint8 [B, H, W, 3]"""
+        for conn in self._conns:
+            conn.send(("render", None))
+        return torch.from_numpy(np.concatenate([self._recv(c) for c in self._conns]))
+
+    def close(self) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            try:
+                conn.send(("close", None))
+                if conn.poll(10):
+                    conn.recv()
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+        self._conns, self._procs = [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,49 @@
+"""``LiberoConfig``: importable without LIBERO installed (config validation, the CLI)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from embodied.schema import SimulatorConfig
+
+# suite -> (number of tasks, the published evaluation's step limit per episode)
+SUITES: dict[str, tuple[int, int]] = {
+    "libero_spatial": (10, 220),
+    "libero_object": (10, 280),
+    "libero_goal": (10, 300),
+    "libero_10": (10, 520),
+    "libero_90": (90, 400),
+}
+
+
+@dataclass
+class LiberoConfig(SimulatorConfig):
+    """One LIBERO task (a suite and a task index in it) with a Franka Panda under operational-space
+    control. ``reset(seed=s)`` starts an episode from the suite's fixed initial state ``s % 50``
+    (the published evaluation protocol: every task x its 50 initial states)."""
+
+    simulator: str = "libero"
+    suite: str = "libero_spatial"  # libero_spatial | libero_object | libero_goal | libero_10 | libero_90
+    task_id: int = 0  # index of the task in the suite
+    num_envs: int = 2
+    num_workers: int = 2  # subprocesses sharing the environments
+    image_size: int = 128  # agent-view and wrist cameras, height = width
+    max_episode_steps: int | None = None  # None: the published limit of the suite (SUITES)
+    settle_steps: int = 10  # no-op steps after each reset while objects settle (not counted)
+    ignore_terminations: bool = False  # True: success does not end the episode
+
+    def validate(self) -> None:
+        if self.suite not in SUITES:
+            raise ValueError(f"suite: unknown LIBERO suite {self.suite!r}; available: {sorted(SUITES)}")
+        n_tasks = SUITES[self.suite][0]
+        if not 0 <= self.task_id < n_tasks:
+            raise ValueError(f"task_id: {self.suite} has tasks 0..{n_tasks - 1}, got {self.task_id}")
+        for name in ("num_envs", "num_workers", "image_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.settle_steps < 0:
+            raise ValueError(f"settle_steps: must be >= 0, got {self.settle_steps}")
+
+    @property
+    def episode_steps(self) -> int:
+        return self.max_episode_steps or SUITES[self.suite][1]
