@@ -1,4 +1,4 @@
-"""``embodied`` command line: train, eval, demos, sft."""
+"""``embodied`` command line: train, eval, demos, sft, bench."""
 
 from __future__ import annotations
 
@@ -93,6 +93,22 @@ def cmd_sft(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from embodied.bench import BenchConfig, run_bench
+    from embodied.config import ConfigError, load_config
+
+    if args.checkpoint and args.policy:
+        return _error("give either --policy or --checkpoint, not both")
+    try:
+        cfg, _ = load_config(BenchConfig, args.config, args.overrides)
+        run_bench(cfg, args.config, policy=args.policy or "random", checkpoint=args.checkpoint, out=args.out)
+    except ConfigError as e:
+        return _error(str(e))
+    except (FileNotFoundError, ValueError) as e:
+        return _error(str(e))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="embodied", description="Fine-tune robot policies with RL in vectorized simulators.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -119,6 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("config", help="YAML config, e.g. configs/maniskill/multitask_vla_sft.yaml")
     s.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     s.set_defaults(func=cmd_sft)
+    b = sub.add_parser("bench", help="evaluate a policy on a suite of tasks across simulators",
+                       description="Evaluate a baseline (--policy) or a checkpoint on every task of SUITE; writes "
+                                   "report.md, results.json, success.png and videos, and resumes a killed run.")
+    b.add_argument("config", metavar="SUITE", help="suite YAML, e.g. configs/bench/smoke.yaml")
+    b.add_argument("overrides", nargs="*", help="key.sub=value overrides (e.g. episodes=20)")
+    b.add_argument("--policy", choices=["random", "zero"], help="a baseline policy (default: random)")
+    b.add_argument("--checkpoint", help="a checkpoint directory or RUN/last")
+    b.add_argument("--out", help="report directory (default: output_dir/NAME/POLICY)")
+    b.set_defaults(func=cmd_bench)
     return p
 
 

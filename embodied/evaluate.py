@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,7 @@ def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, d
         group[lo:hi] = g
     # rows shown in the video: the first VIDEO_TILES environments, or the first of each task
     shown_rows = torch.arange(min(B, VIDEO_TILES)) if len(ranges) == 1 else torch.tensor([lo for lo, _ in ranges[:VIDEO_TILES]])
+    policy_s, env_s, policy_calls, env_steps = 0.0, 0.0, 0, 0  # timing: policy latency, simulator throughput
     while any(len(r) < episodes for r in results):
         seeds, active = [0] * B, torch.zeros(B, dtype=torch.bool)
         for (lo, hi), res in zip(ranges, results):
@@ -69,10 +71,16 @@ def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, d
             shown = env.render()[shown_rows.to(env.device)]  # uint8 [<=4, H, W, 3]
             frames.append(tile(shown))
         while bool(active.any()):
+            t0 = time.perf_counter()
             out = policy.act(obs, deterministic=deterministic)
-            for k in range(out.actions.shape[1]):
-                step = env.step(out.actions[:, k].to(env.device))
-                r, s = step.reward.cpu(), step.success.cpu()
+            actions = out.actions.to(env.device)
+            t1 = time.perf_counter()
+            policy_s, policy_calls = policy_s + t1 - t0, policy_calls + 1
+            for k in range(actions.shape[1]):
+                t0 = time.perf_counter()
+                step = env.step(actions[:, k])
+                r, s = step.reward.cpu(), step.success.cpu()  # (.cpu() waits for a GPU simulator)
+                env_s, env_steps = env_s + time.perf_counter() - t0, env_steps + B
                 done = (step.terminated | step.truncated).cpu()
                 ret += r * active
                 length += active.long()
@@ -92,6 +100,9 @@ def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, d
                 if not bool(active.any()):
                     break
     summaries = [_summary(sorted(res, key=lambda e: e["seed"])[:episodes]) for res in results]
+    for summary in summaries:  # shared by the tasks of a MultiTaskEnv: they step together
+        summary.update({"eval/policy_ms": 1000 * policy_s / max(1, policy_calls),
+                        "eval/env_steps_per_s": env_steps / max(env_s, 1e-9)})
     if video_path is not None and frames:
         write_mp4(video_path, frames, fps=env.spec.action.control_hz)
         for summary in summaries:

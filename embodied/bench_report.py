@@ -1,0 +1,66 @@
+"""The bench report: results.json, report.md (a markdown table) and success.png (success per task
+with its 95% Wilson interval, and the simulator's speed), rewritten after every finished task."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+COLUMNS = ("task", "episodes", "success", "95% CI", "mean length", "env steps/s", "policy ms", "video")
+
+
+def write_report(out_dir: Path, meta: dict, results: list[dict]) -> dict:
+    report = {**meta, "written": time.strftime("%Y-%m-%d %H:%M:%S"), "tasks": results}
+    atomic_write(out_dir / "results.json", json.dumps(report, indent=2))
+    atomic_write(out_dir / "report.md", markdown(report))
+    if results:
+        plot(out_dir / "success.png", results, title=f"{meta['suite']}: {meta['policy']}")
+    return report
+
+
+def markdown(report: dict) -> str:
+    hw = report["hardware"]
+    lines = [f"# Bench `{report['suite']}`: policy `{report['policy']}`", "",
+             f"Seed {report['seed']}; {hw['cpus']} CPUs ({hw['processor']}), GPU: {hw['gpu'] or 'none'}; "
+             f"torch {hw['torch']}, Python {hw['python']}; written {report['written']}.", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in report["tasks"]:
+        lo, hi = r["success_ci95"]
+        video = f"[mp4]({r['video']})" if r.get("video") else ""
+        lines.append(f"| {r['task']} | {r['episodes']} | {r['success_rate']:.2f} ({r['successes']}/{r['episodes']}) | "
+                     f"{lo:.2f}-{hi:.2f} | {r['mean_length']:.1f} | {r['env_steps_per_s']:.1f} | {r['policy_ms']:.2f} | {video} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, results: list[dict], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    names = [r["task"] for r in results]
+    rate = [r["success_rate"] for r in results]
+    err = [[r["success_rate"] - r["success_ci95"][0] for r in results], [r["success_ci95"][1] - r["success_rate"] for r in results]]
+    fig, (ax, speed) = plt.subplots(1, 2, figsize=(11, 0.5 * len(names) + 1.8), sharey=True)
+    y = list(range(len(names)))
+    ax.barh(y, rate, xerr=err, color="tab:blue", capsize=3)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("success rate (95% Wilson interval)")
+    ax.set_yticks(y, names)
+    ax.invert_yaxis()
+    speed.barh(y, [r["env_steps_per_s"] for r in results], color="tab:gray")
+    speed.set_xscale("log")
+    speed.set_xlabel("env steps/s (all environments)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

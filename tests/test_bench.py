@@ -1,0 +1,127 @@
+"""``embodied bench``: report contents for a fixed policy on a deterministic MuJoCo task,
+reproducibility from the seed, resume of a killed run, baseline policies through the policy
+contract, and clear errors for a bad suite."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("mujoco")
+
+from embodied.bench import BenchConfig, run_bench  # noqa: E402
+from embodied.cli import main  # noqa: E402
+from embodied.config import ConfigError, load_config  # noqa: E402
+from embodied.contract import random_observation  # noqa: E402
+from embodied.evaluate import evaluate, wilson_interval  # noqa: E402
+from embodied.models.baselines import RandomPolicy, ZeroPolicy  # noqa: E402
+from embodied.schema import check_policy  # noqa: E402
+from embodied.simulators.mujoco import MuJoCoConfig, MuJoCoEnv  # noqa: E402
+
+REACH = {"simulator": "mujoco", "task": "reach", "num_envs": 2, "render_size": 32}
+
+
+def suite(tmp_path: Path, tasks: list[dict], **top) -> Path:
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", "seed": 0, "episodes": 4, "output_dir": str(tmp_path / "out"), **top,
+                                    "tasks": tasks}))
+    return path
+
+
+def bench(path: Path, **kw) -> dict:
+    cfg, _ = load_config(BenchConfig, path)
+    return run_bench(cfg, str(path), progress=False, **kw)
+
+
+def test_report_of_the_zero_policy_on_reach(tmp_path):
+    report = bench(suite(tmp_path, [{"env": REACH}]), policy="zero")
+    out = tmp_path / "out" / "t" / "zero"
+    (r,) = report["tasks"]
+    assert (r["task"], r["episodes"], r["successes"]) == ("mujoco/reach", 4, 0)  # the arm stays home: no goal is reached
+    assert r["mean_length"] == 50.0 and r["success_ci95"] == pytest.approx(list(wilson_interval(0, 4)))
+    assert r["env_steps_per_s"] > 0 and r["policy_ms"] > 0
+    # the same episodes evaluated directly give the same return: the bench adds nothing to them
+    with MuJoCoEnv(MuJoCoConfig(task="reach", num_envs=2, render_size=32)) as env:
+        direct = evaluate(env, ZeroPolicy(env.spec), episodes=4, seed=0)
+    assert r["mean_return"] == pytest.approx(direct["eval/return"], rel=1e-6)
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["tasks"][0]["mean_return"] == r["mean_return"] and saved["policy"] == "zero"
+    table = (out / "report.md").read_text()
+    assert "| mujoco/reach | 4 | 0.00 (0/4) | 0.00-0.49 | 50.0 |" in table
+    assert (out / "success.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / r["video"]).stat().st_size > 1000
+
+
+def test_same_seed_same_results(tmp_path):
+    path = suite(tmp_path, [{"env": REACH}], videos=False)
+    first = bench(path, out=str(tmp_path / "a"))["tasks"][0]
+    second = bench(path, out=str(tmp_path / "b"))["tasks"][0]
+    for key in ("successes", "mean_return", "mean_length", "success_at_end"):
+        assert first[key] == second[key]
+    other = bench(suite(tmp_path, [{"env": REACH}], videos=False, seed=1), out=str(tmp_path / "c"))["tasks"][0]
+    assert other["mean_return"] != first["mean_return"]  # another seed: other goals, other random actions
+
+
+def test_sweep_and_names(tmp_path):
+    report = bench(suite(tmp_path, [{"env": {**REACH, "max_episode_steps": 5}, "sweep": {"task": ["reach", "push"]}}],
+                         episodes=2, videos=False), policy="zero")
+    assert [r["task"] for r in report["tasks"]] == ["mujoco/reach", "mujoco/push"]
+    assert [r["mean_length"] for r in report["tasks"]] == [5.0, 5.0]
+
+
+def test_killed_run_resumes_without_redoing_finished_tasks(tmp_path):
+    slow = {**REACH, "task": "push", "obs_mode": "rgb", "image_size": 32}  # rendering: seconds, time to be killed
+    path = suite(tmp_path, [{"env": REACH}, {"env": slow, "episodes": 2}], videos=False)
+    out = tmp_path / "out" / "t" / "random"
+    first = out / "tasks" / "mujoco_reach.json"
+    cmd = [sys.executable, "-m", "embodied.cli", "bench", str(path), "--policy", "random"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not first.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert first.exists(), proc.stdout.read().decode()[-2000:]
+        os.killpg(proc.pid, signal.SIGKILL)  # killed in the middle of the second task
+    finally:
+        proc.wait()
+    assert not (out / "tasks" / "mujoco_push.json").exists()
+    stamp = first.stat().st_mtime_ns
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "mujoco/reach: finished in an earlier run, kept" in done.stdout
+    assert first.stat().st_mtime_ns == stamp  # not redone
+    report = json.loads((out / "results.json").read_text())
+    assert [r["task"] for r in report["tasks"]] == ["mujoco/reach", "mujoco/push"]
+
+
+@pytest.mark.parametrize("cls", [RandomPolicy, ZeroPolicy])
+def test_baselines_pass_the_policy_contract(cls):
+    with MuJoCoEnv(MuJoCoConfig(task="reach", num_envs=1)) as env:
+        spec = env.spec
+    policy = cls(spec)
+    check_policy(policy, spec)
+    out = policy.act(random_observation(spec, 64, "cpu"))
+    low, high = spec.action.bounds()
+    if cls is RandomPolicy:  # uniform over the bounds: spread over most of each range
+        span = (out.actions.amax((0, 1)) - out.actions.amin((0, 1))) / (high - low)
+        assert bool((span > 0.8).all())
+    else:
+        assert torch.equal(out.actions, torch.zeros_like(out.actions))
+
+
+def test_bad_suites_are_clear_errors(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"tasks\[0\]\.env\.simulator: unknown simulator 'gazebo'"):
+        bench(suite(tmp_path, [{"env": {"simulator": "gazebo"}}]))
+    with pytest.raises(ConfigError, match=r"tasks\[0\]\.env\.task_id"):
+        bench(suite(tmp_path, [{"env": {**REACH, "task_id": 3}}]))
+    with pytest.raises(ConfigError, match=r"tasks\[0\]\.env\.task: unknown MuJoCo task 'fly'"):
+        bench(suite(tmp_path, [{"env": {**REACH, "task": "fly"}}]))
+    assert main(["bench", str(tmp_path / "missing.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
