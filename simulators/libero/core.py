@@ -51,15 +51,18 @@ class LiberoCore:
 
         # ignore_done: episodes end here (time limit, success); hard_reset off: the model is built once
         # and every reset loads a full initial state, so rebuilding it would change nothing but the time
+        cameras = cfg.obs_mode == "rgb"
         self.envs = [OffScreenRenderEnv(bddl_file_name=bddl, camera_heights=cfg.image_size, camera_widths=cfg.image_size,
+                                        use_camera_obs=cameras, has_offscreen_renderer=cameras,
                                         ignore_done=True, hard_reset=False) for _ in range(num_envs)]
+        self._cameras = CAMERAS if cameras else {}
         controller = self.envs[0].robots[0].controller
         self._scale = np.asarray(controller.output_max, dtype=np.float32)  # f32 [6]: physical = normalized * scale
         self.instruction = task.language
         n_obj = int(self.envs[0].env._get_observations()["object-state"].shape[0])
         hw = cfg.image_size
         self.spec = EnvSpec(
-            obs=ObsSpec(cameras=tuple(CameraSpec(c, hw, hw) for c in CAMERAS), state_names=STATE_NAMES,
+            obs=ObsSpec(cameras=tuple(CameraSpec(c, hw, hw) for c in self._cameras), state_names=STATE_NAMES,
                         privileged={"object_state": (n_obj,)}),
             action=ActionSpec("ee_delta_pose", ("dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper"),
                               tuple((-self._scale).tolist()) + (-1.0,), tuple(self._scale.tolist()) + (1.0,),
@@ -78,7 +81,7 @@ class LiberoCore:
         raws = [self._raw[i] for i in ids]
         state = np.stack([np.concatenate([r["robot0_joint_pos"], r["robot0_eef_pos"], r["robot0_eef_quat"],
                                           r["robot0_gripper_qpos"]]) for r in raws]).astype(np.float32)  # f32 [n, 16]
-        images = {c: np.stack([r[key][::-1, ::-1] for r in raws]) for c, key in CAMERAS.items()}  # uint8 [n, H, W, 3]
+        images = {c: np.stack([r[key][::-1, ::-1] for r in raws]) for c, key in self._cameras.items()}  # uint8 [n, H, W, 3]
         priv = {"object_state": np.stack([r["object-state"] for r in raws]).astype(np.float32)}  # f32 [n, D]
         return {"state": state, "images": images, "privileged": priv, "instruction": [self.instruction] * len(raws)}
 
@@ -135,8 +138,12 @@ class LiberoCore:
         return self._pack(ids), scalars, final
 
     def render(self) -> np.ndarray:
-        """uint8 [n, H, W, 3]: the agent-view frames of the latest observations."""
-        return np.stack([r[CAMERAS["agentview"]][::-1, ::-1] for r in self._raw])
+        """uint8 [n, H, W, 3]: the agent-view frames of the latest observations (rendered here
+        when the observations have no cameras)."""
+        if self._cameras:
+            return np.stack([r[CAMERAS["agentview"]][::-1, ::-1] for r in self._raw])
+        size = self.cfg.image_size
+        return np.stack([e.sim.render(camera_name="agentview", width=size, height=size)[::-1, ::-1] for e in self.envs])
 
     def close(self) -> None:
         for env in self.envs:
