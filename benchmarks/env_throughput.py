@@ -1,15 +1,20 @@
 """Environment throughput: raw simulator steps/s vs the same steps through our adapter, side by side.
 
-MuJoCo (this version; ManiSkill's side is benchmarks/rollout_overhead.py, LIBERO is to come):
+MuJoCo (all environments in this process):
   raw      the desktop-arm model stepped with ``mujoco.rollout`` for all environments (same
            substeps per control step), random servo targets, sensors read; rgb adds one offscreen
            render per environment per step, as the adapter does
   adapter  ``MuJoCoEnv.step`` with random actions: the same physics plus the contract's work
            (action clipping, observation tensors, reward/success, time limits, auto-reset)
-Both run in this process, alternating, several repeats; the median of per-repeat ratios is the
+LIBERO and ManiSkill (CPU simulators in subprocess workers):
+  raw      the simulator's own envs stepped one after the other in this process with random
+           actions (LIBERO: ``OffScreenRenderEnv``; ManiSkill: physx_cpu gym envs, reset every 50)
+  adapter  our VecEnv with the same environments in 1 worker (the adapter's and the pipe's
+           overhead: ratio <= 1) and in 2 workers (what parallel workers buy on this machine)
+All variants of a row run alternately, several repeats; the median of per-repeat ratios is the
 headline (the machine's speed drifts).
 
-    python benchmarks/env_throughput.py [--num-envs 16] [--steps 200] [--repeats 5] [--modes state rgb]
+    python benchmarks/env_throughput.py [--simulators mujoco libero maniskill] [--modes state rgb] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -68,32 +73,137 @@ def _adapter(env, steps: int) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    from embodied.simulators.mujoco import MuJoCoConfig, MuJoCoEnv
+class _LiberoRaw:
+    """n plain LIBERO envs in this process (as LIBERO's own evaluation scripts step them)."""
 
+    def __init__(self, n: int, rgb: bool, size: int):
+        from embodied.simulators.libero.core import load_task
+
+        _, bddl, init = load_task("libero_spatial", 0)
+        from libero.libero.envs import OffScreenRenderEnv
+
+        self.envs = [OffScreenRenderEnv(bddl_file_name=bddl, camera_heights=size, camera_widths=size, use_camera_obs=rgb,
+                                        has_offscreen_renderer=rgb, ignore_done=True, hard_reset=False) for _ in range(n)]
+        for i, e in enumerate(self.envs):
+            e.seed(i), e.reset(), e.set_init_state(init[i])
+        self.rng = np.random.default_rng(0)
+
+    def run(self, steps: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for e in self.envs:
+                e.step(self.rng.uniform(-1, 1, 7))
+        return time.perf_counter() - t0
+
+    def close(self):
+        for e in self.envs:
+            e.close()
+
+
+class _ManiSkillRaw:
+    """n plain physx_cpu ManiSkill envs in this process, reset every 50 steps (the time limit)."""
+
+    def __init__(self, task: str, n: int, rgb: bool, size: int):
+        import gymnasium as gym
+        import mani_skill.envs  # noqa: F401
+
+        kwargs = dict(num_envs=1, obs_mode="rgb" if rgb else "state_dict", control_mode="pd_joint_delta_pos",
+                      reward_mode="normalized_dense", sim_backend="physx_cpu")
+        if rgb:
+            kwargs["sensor_configs"] = dict(width=size, height=size)
+        self.envs = [gym.make(task, **kwargs).unwrapped for _ in range(n)]
+        for i, e in enumerate(self.envs):
+            e.reset(seed=i)
+        self.t = 0
+
+    @torch.no_grad()
+    def run(self, steps: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.t += 1
+            for e in self.envs:
+                e.step(torch.rand(1, e.action_space.shape[-1]) * 2 - 1)
+                if self.t % 50 == 0:
+                    e.reset()
+        return time.perf_counter() - t0
+
+    def close(self):
+        for e in self.envs:
+            e.close()
+
+
+def _worker_rows(name: str, task: str, mode: str, n: int, steps: int, repeats: int, raw, make_env) -> None:
+    """Raw vs our VecEnv with 1 and 2 workers, alternating; one table row per worker count."""
+    envs = {w: make_env(w) for w in (1, 2)}
+    try:
+        raw.run(2), [_adapter(e, 2) for e in envs.values()]  # warm-up
+        rates = {k: [] for k in ("raw", 1, 2)}
+        for _ in range(repeats):
+            rates["raw"].append(steps * n / raw.run(steps))
+            for w, e in envs.items():
+                rates[w].append(steps * n / _adapter(e, steps))
+        r = statistics.median(rates["raw"])
+        for w in (1, 2):
+            ratio = statistics.median([a / b for a, b in zip(rates[w], rates["raw"])])
+            print(f"| {name} | {task} | {mode} | {n} | {w} | {r:.1f} | {statistics.median(rates[w]):.1f} | {ratio:.3f} |", flush=True)
+    finally:
+        raw.close()
+        for e in envs.values():
+            e.close()
+
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--num-envs", type=int, default=16)
+    ap.add_argument("--simulators", nargs="+", default=["mujoco", "libero", "maniskill"])
+    ap.add_argument("--num-envs", type=int, default=16, help="MuJoCo (in process)")
+    ap.add_argument("--worker-envs", type=int, default=4, help="LIBERO and ManiSkill (in workers)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", nargs="+", default=["state", "rgb"])
-    ap.add_argument("--task", default="push")
+    ap.add_argument("--task", default="push", help="MuJoCo task")
+    ap.add_argument("--image-size", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
-    print("| simulator | task | obs | envs | raw steps/s | adapter steps/s | ratio (median) |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("| simulator | task | obs | envs | workers | raw steps/s (1 process) | adapter steps/s | ratio (median) |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for mode in args.modes:
-        steps = args.steps if mode == "state" else max(10, args.steps // 10)
-        with MuJoCoEnv(MuJoCoConfig(task=args.task, num_envs=args.num_envs, obs_mode=mode)) as env:
-            env.reset(seed=0)
-            _adapter(env, 5), _raw(env, 5, mode == "rgb")  # warm-up (renderer contexts, caches)
-            raw, ours, ratios = [], [], []
-            for _ in range(args.repeats):
-                r = steps * args.num_envs / _raw(env, steps, mode == "rgb")
-                a = steps * args.num_envs / _adapter(env, steps)
-                raw.append(r), ours.append(a), ratios.append(a / r)
-            print(f"| mujoco | {args.task} | {mode} | {args.num_envs} | {statistics.median(raw):.0f} | "
-                  f"{statistics.median(ours):.0f} | {statistics.median(ratios):.3f} |", flush=True)
+        rgb = mode == "rgb"
+        if "mujoco" in args.simulators:
+            _mujoco_row(args, mode)
+        if "libero" in args.simulators:
+            from embodied.multitask import make_env
+            from embodied.simulators.libero import LiberoConfig
+
+            n, steps = args.worker_envs, max(5, args.steps // (40 if rgb else 4))
+            cfg = dict(suite="libero_spatial", task_id=0, obs_mode=mode, image_size=args.image_size, num_envs=n,
+                       max_episode_steps=10**6)  # no resets inside the measurement (the raw loop has none)
+            _worker_rows("libero", "spatial/0", mode, n, steps, args.repeats, _LiberoRaw(n, rgb, args.image_size),
+                         lambda w: make_env(LiberoConfig(**cfg, num_workers=w)))
+        if "maniskill" in args.simulators:
+            from embodied.multitask import make_env
+            from embodied.simulators.maniskill import ManiSkillConfig
+
+            n, steps = args.worker_envs, args.steps if not rgb else max(10, args.steps // 4)
+            cfg = dict(task="PushCube-v1", obs_mode=mode, control_mode="pd_joint_delta_pos", image_size=args.image_size, num_envs=n)
+            _worker_rows("maniskill", "PushCube-v1", mode, n, steps, args.repeats, _ManiSkillRaw("PushCube-v1", n, rgb, args.image_size),
+                         lambda w: make_env(ManiSkillConfig(**cfg, num_workers=w)))
+
+
+def _mujoco_row(args, mode: str) -> None:
+    from embodied.simulators.mujoco import MuJoCoConfig, MuJoCoEnv
+
+    steps = args.steps if mode == "state" else max(10, args.steps // 10)
+    with MuJoCoEnv(MuJoCoConfig(task=args.task, num_envs=args.num_envs, obs_mode=mode)) as env:
+        env.reset(seed=0)
+        _adapter(env, 5), _raw(env, 5, mode == "rgb")  # warm-up (renderer contexts, caches)
+        raw, ours, ratios = [], [], []
+        for _ in range(args.repeats):
+            r = steps * args.num_envs / _raw(env, steps, mode == "rgb")
+            a = steps * args.num_envs / _adapter(env, steps)
+            raw.append(r), ours.append(a), ratios.append(a / r)
+        print(f"| mujoco | {args.task} | {mode} | {args.num_envs} | in process | {statistics.median(raw):.0f} | "
+              f"{statistics.median(ours):.0f} | {statistics.median(ratios):.3f} |", flush=True)
 
 
 if __name__ == "__main__":
