@@ -32,6 +32,10 @@ from embodied.multitask import SIMULATOR_CONFIGS, make_env
 POLICIES = ("random", "zero")  # baselines; any other policy comes from --checkpoint
 
 
+class SpecMismatch(ValueError):
+    """The checkpoint's policy cannot act in this task (other actions, cameras or state)."""
+
+
 @dataclass
 class BenchTask:
     env: dict[str, Any] = field(default_factory=dict)  # a simulator config: `simulator:` and its keys
@@ -160,8 +164,11 @@ class _PolicySource:
             problems.append(f"cameras {spec.obs.cameras} (trained on {self.spec.obs.cameras})")
         if self.spec.obs.state_names != spec.obs.state_names:
             problems.append("proprioception columns differ from training")
+        missing = {k: v for k, v in self.spec.obs.privileged.items() if tuple(spec.obs.privileged.get(k, ())) != tuple(v)}
+        if missing:
+            problems.append(f"privileged state {sorted(missing)} missing or of another shape")
         if problems:
-            raise ValueError("the checkpoint does not fit this task: " + "; ".join(problems))
+            raise SpecMismatch("the checkpoint does not fit this task: " + "; ".join(problems))
         return self.loaded
 
 
@@ -176,6 +183,7 @@ def run_bench(cfg: BenchConfig, source: str, *, policy: str | None = "random", c
     (out_dir / "tasks").mkdir(parents=True, exist_ok=True)
     meta = {"suite": cfg.name, "suite_file": source, "policy": policies.key, "seed": cfg.seed, "hardware": hardware()}
     done: list[dict] = []
+    meta["skipped"] = []  # tasks the checkpoint cannot act in, with the reason
     for n, item in enumerate(items, 1):
         key = hashlib.sha1(json.dumps({"env": to_dict(item.env), "episodes": item.episodes, "seed": cfg.seed,
                                        "policy": policies.key}, sort_keys=True).encode()).hexdigest()
@@ -184,7 +192,12 @@ def run_bench(cfg: BenchConfig, source: str, *, policy: str | None = "random", c
             done += json.loads(path.read_text())["results"]
             print(f"[{n}/{len(items)}] {item.name}: finished in an earlier run, kept ({path})", flush=True)
             continue
-        results = _run_task(item, policies, cfg, out_dir, progress)
+        try:
+            results = _run_task(item, policies, cfg, out_dir, progress)
+        except SpecMismatch as e:
+            print(f"[{n}/{len(items)}] {item.name}: skipped, {e}", flush=True)
+            meta["skipped"].append({"task": item.name, "reason": str(e)})
+            continue
         for r in results:
             r["key"] = key
         atomic_write(path, json.dumps({"key": key, "results": results}, indent=2))

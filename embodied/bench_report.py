@@ -30,6 +30,8 @@ def markdown(report: dict) -> str:
         video = f"[mp4]({r['video']})" if r.get("video") else ""
         lines.append(f"| {r['task']} | {r['episodes']} | {r['success_rate']:.2f} ({r['successes']}/{r['episodes']}) | "
                      f"{lo:.2f}-{hi:.2f} | {r['mean_length']:.1f} | {r['env_steps_per_s']:.1f} | {r['policy_ms']:.2f} | {video} |")
+    for skipped in report.get("skipped", []):
+        lines.append(f"\nSkipped `{skipped['task']}`: {skipped['reason']}.")
     return "\n".join(lines) + "\n"
 
 

@@ -125,3 +125,33 @@ def test_bad_suites_are_clear_errors(tmp_path, capsys):
         bench(suite(tmp_path, [{"env": {**REACH, "task": "fly"}}]))
     assert main(["bench", str(tmp_path / "missing.yaml")]) == 2
     assert "config file not found" in capsys.readouterr().err
+
+
+def test_smoke_suite_covers_three_simulators(tmp_path):
+    pytest.importorskip("mani_skill")
+    pytest.importorskip("libero")
+    rc = main(["bench", "configs/bench/smoke.yaml", "--policy", "zero", "--out", str(tmp_path), "episodes=1"])
+    assert rc == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert [r["simulator"] for r in report["tasks"]] == ["maniskill", "mujoco", "libero"]
+    assert all(r["episodes"] >= 1 and r["env_steps_per_s"] > 0 for r in report["tasks"])
+    assert report["tasks"][2]["instruction"].startswith("pick up the black bowl")
+    for name in ("report.md", "success.png"):
+        assert (tmp_path / name).stat().st_size > 100
+    assert len(list((tmp_path / "videos").glob("*.mp4"))) == 3
+
+
+def test_checkpoint_policy_and_a_task_it_cannot_act_in(tmp_path):
+    pytest.importorskip("mani_skill")
+    assert main(["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={tmp_path}", "env.num_envs=4",
+                 "algorithm.num_steps=8", "runner.total_env_steps=32", "runner.eval_episodes=2",
+                 "runner.final_eval_episodes=2", "runner.progress=false", "env.render_size=32"]) == 0
+    ckpt = tmp_path / "mujoco_reach_ppo" / "last"
+    cube = {"simulator": "maniskill", "task": "PushCube-v1", "obs_mode": "state", "num_envs": 2, "num_workers": 1}
+    path = suite(tmp_path, [{"env": REACH}, {"env": cube}], episodes=2, videos=False)
+    report = bench(path, checkpoint=str(ckpt))
+    assert [r["task"] for r in report["tasks"]] == ["mujoco/reach"] and report["policy"].startswith("checkpoint:")
+    (skipped,) = report["skipped"]
+    assert skipped["task"] == "maniskill/PushCube-v1" and "actions" in skipped["reason"]
+    out = tmp_path / "out" / "t" / f"mujoco_reach_ppo_{ckpt.resolve().name}"
+    assert "Skipped `maniskill/PushCube-v1`" in (out / "report.md").read_text()
