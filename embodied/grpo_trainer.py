@@ -93,7 +93,7 @@ def _log_eval(logger, results: dict, step: int, bar, label: str) -> None:
 
 
 def train_grpo(cfg, env, run_dir: Path, resume: dict | None) -> dict:
-    from embodied.trainer import init_policy, run_meta
+    from embodied.trainer import init_policy, run_meta, time_left
 
     alg, run = cfg.algorithm, cfg.runner
     B, M = env.num_envs, alg.group_size
@@ -144,7 +144,7 @@ def train_grpo(cfg, env, run_dir: Path, resume: dict | None) -> dict:
                             "time/minutes": counters["train_seconds"] / 60})
             logger.log(metrics, step=counters["env_steps"], iteration=iteration)
             bar.update(1)
-            bar.set_postfix(succ=f"{metrics['episode/success_once']:.2f}", kept=kept_groups, rounds=rounds)
+            bar.set_postfix(succ=f"{metrics['episode/success_once']:.2f}", kept=kept_groups, rounds=rounds, **time_left(run, counters))
             out_of_time = run.max_minutes is not None and counters["train_seconds"] >= run.max_minutes * 60
             last = iteration == num_iterations or out_of_time
             if run.eval_every and iteration % run.eval_every == 0 and not last:

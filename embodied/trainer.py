@@ -186,6 +186,14 @@ def run_meta(cfg: TrainConfig, spec) -> dict:
     return {"config": to_dict(cfg), "spec": spec.to_dict(), "format": "embodied-checkpoint-v1"}
 
 
+def time_left(run, counters: dict) -> dict:
+    """Progress-bar field for runs stopped by runner.max_minutes (the bar's own ETA assumes the
+    step budget is reached)."""
+    if run.max_minutes is None:
+        return {}
+    return {"min_left": f"{max(0.0, run.max_minutes - counters['train_seconds'] / 60):.1f}"}
+
+
 def train(cfg: TrainConfig) -> dict:
     torch.set_num_threads(cfg.runner.torch_threads)
     resume = load_checkpoint(cfg.runner.resume) if cfg.runner.resume else None
@@ -273,7 +281,7 @@ def _train(cfg: TrainConfig, env, run_dir: Path, resume: dict | None) -> dict:
             bar.update(steps_per_iter)
             bar.set_postfix({"sps": f"{steps_per_iter / (rollout_time + update_time):.0f}",
                              "ret": f"{metrics.get('episode/return', float('nan')):.2f}",
-                             "succ": f"{metrics.get('episode/success_once', float('nan')):.2f}"})
+                             "succ": f"{metrics.get('episode/success_once', float('nan')):.2f}", **time_left(run, counters)})
             out_of_time = run.max_minutes is not None and counters["train_seconds"] >= run.max_minutes * 60
             last = iteration == num_iterations or out_of_time
             # 5. evaluate

@@ -114,7 +114,9 @@ def test_evaluation_by_task_equals_each_task_alone():
     together = evaluate_by_task(env, PixelPolicy(), episodes=10, seed=3)  # 3 rounds, the last one partial
     for name, sub in zip(env.names, env.envs):
         alone = evaluate(sub, PixelPolicy(), episodes=10, seed=3)
-        assert together[name] == alone and alone["eval/episodes"] == 10
+        timing = ("eval/env_steps_per_s", "eval/policy_ms")  # measured, not reproducible
+        assert {k: v for k, v in together[name].items() if k not in timing} == {k: v for k, v in alone.items() if k not in timing}
+        assert alone["eval/episodes"] == 10 and all(together[name][k] > 0 for k in timing)
     assert 0 < together["a"]["eval/success_rate"] < together["b"]["eval/success_rate"] < 1
 
 
