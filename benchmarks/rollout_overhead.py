@@ -87,7 +87,7 @@ class RawLoop:
 
 def _measured(env, steps: int, fn) -> tuple[float, float]:
     """Run ``fn`` -> (env steps/s, CPU ms per env step of this process and the env's workers)."""
-    pids = [p.pid for p in env._procs]
+    pids = [p.pid for p in env._pool._procs]
     w0, c0, t0 = [_cpu_seconds(p) for p in pids], time.process_time(), time.perf_counter()
     fn()
     wall = time.perf_counter() - t0

@@ -119,7 +119,7 @@ def make_env(cfg):
 
         from embodied.simulators.libero import LiberoCore
         from embodied.simulators.libero.paths import prepare
-        from embodied.workers import WorkerVecEnv
+        from embodied.simulators.workers import WorkerVecEnv
 
         cfg.validate()
         prepare()  # a missing asset fails here, before any worker starts

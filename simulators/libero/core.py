@@ -1,5 +1,5 @@
 """``LiberoCore``: n LIBERO environments of one task in this process, speaking the packed numpy
-protocol of ``embodied.workers`` (a worker subprocess holds one core).
+protocol of ``embodied.simulators.workers`` (a worker subprocess holds one core).
 
 Observations: the agent-view and wrist cameras (rotated 180 degrees, as the LeRobot and OpenVLA
 LIBERO datasets store them: robosuite renders bottom row first), proprioception (joint positions,

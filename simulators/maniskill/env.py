@@ -7,9 +7,8 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import traceback
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Sequence
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 
 from embodied.schema import Observation, SimulatorConfig, StepOutput, reset_seeds
 from embodied.simulators.maniskill.core import CoreOptions, ManiSkillCore, check_assets
+from embodied.simulators.workers import WorkerVecEnv
 
 
 @dataclass
@@ -57,9 +57,6 @@ class ManiSkillConfig(SimulatorConfig):
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
 
-WORKER_START_TIMEOUT_S = 300.0  # building a task (and its renderer) takes seconds; minutes means something is wrong
-
-
 def _core_options(cfg: ManiSkillConfig, num_envs: int, sim_backend: str) -> CoreOptions:
     return CoreOptions(task=cfg.task, num_envs=num_envs, obs_mode=cfg.obs_mode, control_mode=cfg.control_mode,
                        reward_mode=cfg.reward_mode, image_size=cfg.image_size, max_episode_steps=cfg.max_episode_steps,
@@ -67,50 +64,40 @@ def _core_options(cfg: ManiSkillConfig, num_envs: int, sim_backend: str) -> Core
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU worker: one ManiSkillCore over a SerialEnvs of single-environment instances.
-def _pack(obs: Observation) -> dict:
-    return {"state": obs.state.numpy(), "images": {k: v.numpy() for k, v in obs.images.items()},
-            "privileged": {k: v.numpy() for k, v in obs.privileged.items()}}
+# CPU backend: each worker (embodied.simulators.workers) holds one ManiSkillCore over a SerialEnvs
+# of single-environment instances, behind the workers' numpy protocol.
+class _WorkerCore:
+    """A ManiSkillCore of n physx_cpu environments speaking the workers' protocol."""
 
+    def __init__(self, opts: CoreOptions, num_envs: int):
+        self.core = ManiSkillCore(replace(opts, num_envs=num_envs))
+        self.spec, self._everyone = self.core.spec, list(range(num_envs))
 
-def _cat(packs: list[dict]) -> dict:
-    if len(packs) == 1:
-        return packs[0]
-    return {"state": np.concatenate([p["state"] for p in packs]),
-            "images": {k: np.concatenate([p["images"][k] for p in packs]) for k in packs[0]["images"]},
-            "privileged": {k: np.concatenate([p["privileged"][k] for p in packs]) for k in packs[0]["privileged"]}}
+    def _pack(self, obs: Observation) -> dict:
+        return {"state": obs.state.numpy(), "images": {k: v.numpy() for k, v in obs.images.items()},
+                "privileged": {k: v.numpy() for k, v in obs.privileged.items()},
+                "instruction": [self.spec.instructions[0]] * obs.state.shape[0]}
 
+    @torch.no_grad()  # no autograd bookkeeping for the simulator's many small tensor ops
+    def reset(self, ids: list[int], seeds: list) -> dict:
+        """ids: local env indices, one seed (or None) each; all None or all set."""
+        env_ids = torch.tensor(ids, dtype=torch.long)
+        obs = self.core.reset(env_ids=env_ids) if None in seeds or not seeds else self.core.reset(seed=seeds, env_ids=env_ids)
+        return self._pack(obs)
 
-@torch.no_grad()  # no autograd bookkeeping for the simulator's many small tensor ops
-def _worker(conn, opts: CoreOptions) -> None:
-    torch.set_num_threads(1)
-    try:
-        core = ManiSkillCore(opts)
-        everyone = list(range(opts.num_envs))
-        conn.send(("ok", core.spec))
-        while True:
-            cmd, arg = conn.recv()
-            if cmd == "step":
-                ids, actions = arg  # local environment indices and their actions f32 [n, A]
-                obs, reward, term, trunc, success, final = core.step(
-                    torch.from_numpy(actions), None if ids == everyone else torch.tensor(ids))
-                scalars = torch.stack([reward, term.float(), trunc.float(), success.float()], 1).numpy()
-                conn.send(("ok", (_pack(obs), scalars, None if final is None else _pack(final))))  # scalars: f32 [n, 4]
-            elif cmd == "reset":
-                ids, seeds = arg  # local env indices, one seed (or None) each; all None or all set
-                env_ids = torch.tensor(ids, dtype=torch.long)
-                obs = core.reset(env_ids=env_ids) if None in seeds or not seeds else core.reset(seed=seeds, env_ids=env_ids)
-                conn.send(("ok", _pack(obs)))
-            elif cmd == "render":
-                conn.send(("ok", core.render().numpy()))
-            elif cmd == "close":
-                core.close()
-                conn.send(("ok", None))
-                return
-    except (KeyboardInterrupt, EOFError):
-        return
-    except Exception:  # report to the parent instead of dying silently
-        conn.send(("error", traceback.format_exc()))
+    @torch.no_grad()
+    def step(self, ids: list[int], actions: np.ndarray):
+        obs, reward, term, trunc, success, final = self.core.step(
+            torch.from_numpy(actions), None if ids == self._everyone else torch.tensor(ids))
+        scalars = torch.stack([reward, term.float(), trunc.float(), success.float()], 1).numpy()  # f32 [n, 4]
+        return self._pack(obs), scalars, None if final is None else self._pack(final)
+
+    @torch.no_grad()
+    def render(self) -> np.ndarray:
+        return self.core.render().numpy()
+
+    def close(self) -> None:
+        self.core.close()
 
 
 class ManiSkillEnv:
@@ -121,137 +108,47 @@ class ManiSkillEnv:
         check_assets(cfg.task)  # fail here, before any worker starts
         self.cfg, self.num_envs = cfg, cfg.num_envs
         self.can_step_subsets = cfg.backend == "cpu"  # step_async/step_wait (pipelined collection)
+        self._core = self._pool = None
         if cfg.backend == "gpu":
             if not torch.cuda.is_available():
                 raise RuntimeError("env.backend=gpu needs a CUDA GPU; use env.backend=cpu on this machine")
             self._core = ManiSkillCore(_core_options(cfg, cfg.num_envs, "physx_cuda"))
             self.device, self.spec = torch.device(self._core.device), self._core.spec
             return
-        self._core, self.device = None, torch.device("cpu")
-        n_workers = min(cfg.num_workers, cfg.num_envs)
-        self._counts = [len(a) for a in np.array_split(np.arange(cfg.num_envs), n_workers)]
-        self._starts = np.cumsum([0] + self._counts)
-        ctx = mp.get_context("spawn")  # fork after SAPIEN/Vulkan start-up is unsafe
-        self._conns, self._procs = [], []
-        for count in self._counts:
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(child, _core_options(cfg, count, "physx_cpu")), daemon=True)
-            p.start()
-            child.close()  # only the worker holds its end: if it dies, recv() here ends with EOFError
-            self._conns.append(parent), self._procs.append(p)
-        try:
-            self.spec = [self._recv(c, timeout=WORKER_START_TIMEOUT_S) for c in self._conns][0]
-        except BaseException:
-            self.close()
-            raise
-        self._everyone, self._splits = torch.arange(cfg.num_envs), {}
+        self._pool = WorkerVecEnv(partial(_WorkerCore, _core_options(cfg, cfg.num_envs, "physx_cpu")), cfg.num_envs,
+                                  cfg.num_workers, name="ManiSkill")
+        self.device, self.spec = self._pool.device, self._pool.spec
 
-    # --- transport ----------------------------------------------------------------------
-    def _recv(self, conn, timeout: float | None = None):
-        if timeout is not None and not conn.poll(timeout):
-            raise RuntimeError(f"a ManiSkill worker did not start within {timeout:.0f} s. Workers are spawned: a script "
-                               "that creates environments must guard its top level with `if __name__ == '__main__':`")
-        try:
-            status, payload = conn.recv()
-        except EOFError:
-            raise RuntimeError("a ManiSkill worker process died (see its output above; a script that creates "
-                               "environments must guard its top level with `if __name__ == '__main__':`)") from None
-        if status == "error":
-            raise RuntimeError(f"ManiSkill worker failed:\n{payload}")
-        return payload
-
-    def _obs(self, packed: dict, n: int | None = None) -> Observation:
-        return Observation(
-            state=torch.from_numpy(packed["state"]),  # f32 [B, S]
-            instruction=[self.spec.instructions[0]] * (n or self.num_envs),
-            images={k: torch.from_numpy(v) for k, v in packed["images"].items()},  # uint8 [B, H, W, 3]
-            privileged={k: torch.from_numpy(v) for k, v in packed["privileged"].items()},
-        )
-
-    # --- VecEnv ---------------------------------------------------------------------------
     def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
-        ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids.tolist()]
-        seeds = reset_seeds(seed, ids)
-        if self._core is not None:  # an int seeds the whole batch in one call (see ManiSkillCore.reset)
-            return self._core.reset(seed=seed if isinstance(seed, int) or seed is None else seeds,
-                                    env_ids=None if env_ids is None else env_ids.to(self.device))
-        for w, conn in enumerate(self._conns):
-            lo, hi = self._starts[w], self._starts[w + 1]
-            mine = [(i - lo, s) for i, s in zip(ids, seeds) if lo <= i < hi]
-            conn.send(("reset", ([i for i, _ in mine], [s for _, s in mine])))
-        return self._obs(_cat([self._recv(c) for c in self._conns]))
+        if self._pool is not None:
+            return self._pool.reset(seed=seed, env_ids=env_ids)
+        if seed is not None and not isinstance(seed, int):  # an int seeds the whole batch in one call (see ManiSkillCore.reset)
+            ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids.tolist()]
+            seed = reset_seeds(seed, ids)
+        return self._core.reset(seed=seed, env_ids=None if env_ids is None else env_ids.to(self.device))
 
     def step(self, actions: torch.Tensor) -> StepOutput:
         """actions: float32 [B, A] physical units."""
-        if self._core is not None:
-            obs, reward, term, trunc, success, final = self._core.step(actions)
-            return StepOutput(obs=obs, reward=reward, terminated=term, truncated=trunc, success=success, final_obs=final)
-        self.step_async(actions, self._everyone)
-        return self.step_wait(self._everyone)
+        if self._pool is not None:
+            return self._pool.step(actions)
+        obs, reward, term, trunc, success, final = self._core.step(actions)
+        return StepOutput(obs=obs, reward=reward, terminated=term, truncated=trunc, success=success, final_obs=final)
 
     # --- pipelining (cpu backend): step a subset while the caller works on another ------------
-    def _split(self, env_ids: torch.Tensor) -> list[tuple[int, list[int], list[int]]]:
-        """(worker, local ids, positions in env_ids) for each worker that holds some of env_ids.
-        Cached per id set: a rollout steps the same sets (all, or its pipeline groups) every step."""
-        ids = env_ids.tolist()
-        key = tuple(ids)
-        if key not in self._splits:
-            self._splits[key] = self._split_uncached(ids)
-        return self._splits[key]
-
-    def _split_uncached(self, ids: list[int]) -> list[tuple[int, list[int], list[int]]]:
-        out = []
-        for w in range(len(self._conns)):
-            lo, hi = self._starts[w], self._starts[w + 1]
-            pos = [j for j, i in enumerate(ids) if lo <= i < hi]
-            if pos:
-                out.append((w, [ids[j] - lo for j in pos], pos))
-        return out
-
     def step_async(self, actions: torch.Tensor, env_ids: torch.Tensor) -> None:
-        """Start stepping environments ``env_ids`` (long [N], ascending) with actions f32 [N, A];
-        workers queue requests in order, so several subsets may be in flight."""
-        if self._core is not None:
+        if self._pool is None:
             raise NotImplementedError("the gpu backend steps all environments at once; use step()")
-        a = actions.detach().to("cpu", torch.float32).numpy()
-        for w, local, pos in self._split(env_ids):
-            self._conns[w].send(("step", (local, a[pos])))
+        self._pool.step_async(actions, env_ids)
 
     def step_wait(self, env_ids: torch.Tensor) -> StepOutput:
-        """Finish the ``step_async`` of ``env_ids``; every tensor has N = len(env_ids) rows."""
-        results = [self._recv(self._conns[w]) for w, _, _ in self._split(env_ids)]
-        n = len(env_ids)
-        scalars = torch.from_numpy(np.concatenate([r[1] for r in results]))  # f32 [N, 4]
-        obs = self._obs(_cat([r[0] for r in results]), n)
-        final = None
-        if any(r[2] is not None for r in results):
-            final = self._obs(_cat([r[2] if r[2] is not None else r[0] for r in results]), n)
-        return StepOutput(obs=obs, reward=scalars[:, 0].contiguous(), terminated=scalars[:, 1] > 0,
-                          truncated=scalars[:, 2] > 0, success=scalars[:, 3] > 0, final_obs=final)
+        return self._pool.step_wait(env_ids)
 
     def render(self) -> torch.Tensor:
         """uint8 [B, H, W, 3] frames of the task's render camera."""
-        if self._core is not None:
-            return self._core.render()
-        for conn in self._conns:
-            conn.send(("render", None))
-        return torch.from_numpy(np.concatenate([self._recv(c) for c in self._conns]))
+        return self._pool.render() if self._pool is not None else self._core.render()
 
     def close(self) -> None:
-        if self._core is not None:
-            self._core.close()
-            return
-        for conn, proc in zip(self._conns, self._procs):
-            try:
-                conn.send(("close", None))
-                if conn.poll(10):
-                    conn.recv()
-            except (BrokenPipeError, EOFError, OSError):
-                pass
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
-        self._conns, self._procs = [], []
+        (self._pool or self._core).close()
 
     def __enter__(self):
         return self
