@@ -15,6 +15,7 @@ All variants of a row run alternately, several repeats; the median of per-repeat
 headline (the machine's speed drifts).
 
     python benchmarks/env_throughput.py [--simulators mujoco libero maniskill] [--modes state rgb] [--repeats 3]
+        [--worker-envs 4 16] [--round-trip]
 """
 
 from __future__ import annotations
@@ -152,42 +153,85 @@ def _worker_rows(name: str, task: str, mode: str, n: int, steps: int, repeats: i
             e.close()
 
 
+def _busy_server(conn) -> None:
+    """Answer each message after busy-working for the number of milliseconds it names."""
+    while (ms := conn.recv()) is not None:
+        t = time.perf_counter()
+        while time.perf_counter() - t < ms / 1e3:
+            pass
+        conn.send(b"ok")
+
+
+def _round_trip_rows(work_ms=(0.0, 2.0, 8.0), trips: int = 200, repeats: int = 3) -> None:
+    """What one request/answer between two processes costs on this machine beyond the worker's own
+    work, with no simulator and a 2-byte payload: the floor under any subprocess VecEnv's step."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_busy_server, args=(there,), daemon=True)
+    proc.start()
+    here.send(0.0), here.recv()
+    excess = {ms: [] for ms in work_ms}
+    for _ in range(repeats):
+        for ms in work_ms:
+            t = time.perf_counter()
+            for _ in range(trips):
+                here.send(ms), here.recv()
+            excess[ms].append((time.perf_counter() - t) / trips * 1e3 - ms)
+    here.send(None), proc.join()
+    print("\n| worker's work per request (ms) | round trip beyond the work (ms, median) |\n|---:|---:|")
+    for ms, v in excess.items():
+        print(f"| {ms:.0f} | {statistics.median(v):.3f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--simulators", nargs="+", default=["mujoco", "libero", "maniskill"])
     ap.add_argument("--num-envs", type=int, default=16, help="MuJoCo (in process)")
-    ap.add_argument("--worker-envs", type=int, default=4, help="LIBERO and ManiSkill (in workers)")
+    ap.add_argument("--worker-envs", type=int, nargs="+", default=[4],
+                    help="LIBERO and ManiSkill (in workers): one row per count; a worker's round trip costs about "
+                         "the same whatever it carries, so its share falls as environments per worker rise")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", nargs="+", default=["state", "rgb"])
     ap.add_argument("--task", default="push", help="MuJoCo task")
     ap.add_argument("--image-size", type=int, default=128)
+    ap.add_argument("--round-trip", action="store_true", help="also measure a bare pipe round trip between two processes")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
     print("| simulator | task | obs | envs | workers | raw steps/s (1 process) | adapter steps/s | ratio (median) |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for mode in args.modes:
-        rgb = mode == "rgb"
         if "mujoco" in args.simulators:
             _mujoco_row(args, mode)
-        if "libero" in args.simulators:
-            from embodied.multitask import make_env
-            from embodied.simulators.libero import LiberoConfig
+        for n in args.worker_envs:
+            _worker_simulators(args, mode, n)
+    if args.round_trip:
+        _round_trip_rows()
 
-            n, steps = args.worker_envs, max(5, args.steps // (40 if rgb else 4))
-            cfg = dict(suite="libero_spatial", task_id=0, obs_mode=mode, image_size=args.image_size, num_envs=n,
-                       max_episode_steps=10**6)  # no resets inside the measurement (the raw loop has none)
-            _worker_rows("libero", "spatial/0", mode, n, steps, args.repeats, _LiberoRaw(n, rgb, args.image_size),
-                         lambda w: make_env(LiberoConfig(**cfg, num_workers=w)))
-        if "maniskill" in args.simulators:
-            from embodied.multitask import make_env
-            from embodied.simulators.maniskill import ManiSkillConfig
 
-            n, steps = args.worker_envs, args.steps if not rgb else max(10, args.steps // 4)
-            cfg = dict(task="PushCube-v1", obs_mode=mode, control_mode="pd_joint_delta_pos", image_size=args.image_size, num_envs=n)
-            _worker_rows("maniskill", "PushCube-v1", mode, n, steps, args.repeats, _ManiSkillRaw("PushCube-v1", n, rgb, args.image_size),
-                         lambda w: make_env(ManiSkillConfig(**cfg, num_workers=w)))
+def _worker_simulators(args, mode: str, n: int) -> None:
+    """LIBERO and ManiSkill rows for n environments (in 1 and in 2 workers)."""
+    rgb = mode == "rgb"
+    if "libero" in args.simulators:
+        from embodied.multitask import make_env
+        from embodied.simulators.libero import LiberoConfig
+
+        steps = max(5, args.steps // (40 if rgb else 4))
+        cfg = dict(suite="libero_spatial", task_id=0, obs_mode=mode, image_size=args.image_size, num_envs=n,
+                   max_episode_steps=10**6)  # no resets inside the measurement (the raw loop has none)
+        _worker_rows("libero", "spatial/0", mode, n, steps, args.repeats, _LiberoRaw(n, rgb, args.image_size),
+                     lambda w: make_env(LiberoConfig(**cfg, num_workers=w)))
+    if "maniskill" in args.simulators:
+        from embodied.multitask import make_env
+        from embodied.simulators.maniskill import ManiSkillConfig
+
+        steps = args.steps if not rgb else max(10, args.steps // 4)
+        cfg = dict(task="PushCube-v1", obs_mode=mode, control_mode="pd_joint_delta_pos", image_size=args.image_size, num_envs=n)
+        _worker_rows("maniskill", "PushCube-v1", mode, n, steps, args.repeats, _ManiSkillRaw("PushCube-v1", n, rgb, args.image_size),
+                     lambda w: make_env(ManiSkillConfig(**cfg, num_workers=w)))
 
 
 def _mujoco_row(args, mode: str) -> None:
