@@ -9,8 +9,9 @@ MuJoCo (all environments in this process):
 LIBERO and ManiSkill (CPU simulators in subprocess workers):
   raw      the simulator's own envs stepped one after the other in this process with random
            actions (LIBERO: ``OffScreenRenderEnv``; ManiSkill: physx_cpu gym envs, reset every 50)
-  adapter  our VecEnv with the same environments in 1 worker (the adapter's and the pipe's
-           overhead: ratio <= 1) and in 2 workers (what parallel workers buy on this machine)
+  adapter  our VecEnv with the same environments in this process (``num_workers=0``: the
+           adapter's own overhead), in 1 worker (plus a round trip between processes per step) and
+           in 2 workers (what parallel workers buy on this machine)
 All variants of a row run alternately, several repeats; the median of per-repeat ratios is the
 headline (the machine's speed drifts).
 
@@ -134,19 +135,20 @@ class _ManiSkillRaw:
 
 
 def _worker_rows(name: str, task: str, mode: str, n: int, steps: int, repeats: int, raw, make_env) -> None:
-    """Raw vs our VecEnv with 1 and 2 workers, alternating; one table row per worker count."""
-    envs = {w: make_env(w) for w in (1, 2)}
+    """Raw vs our VecEnv in this process (0 workers) and in 1 and 2 workers, alternating; one table
+    row per worker count."""
+    envs = {w: make_env(w) for w in (0, 1, 2)}
     try:
         raw.run(2), [_adapter(e, 2) for e in envs.values()]  # warm-up
-        rates = {k: [] for k in ("raw", 1, 2)}
+        rates = {k: [] for k in ("raw", *envs)}
         for _ in range(repeats):
             rates["raw"].append(steps * n / raw.run(steps))
             for w, e in envs.items():
                 rates[w].append(steps * n / _adapter(e, steps))
         r = statistics.median(rates["raw"])
-        for w in (1, 2):
+        for w in envs:
             ratio = statistics.median([a / b for a, b in zip(rates[w], rates["raw"])])
-            print(f"| {name} | {task} | {mode} | {n} | {w} | {r:.1f} | {statistics.median(rates[w]):.1f} | {ratio:.3f} |", flush=True)
+            print(f"| {name} | {task} | {mode} | {n} | {w or '0 (in process)'} | {r:.1f} | {statistics.median(rates[w]):.1f} | {ratio:.3f} |", flush=True)
     finally:
         raw.close()
         for e in envs.values():

@@ -132,7 +132,7 @@ def make_env(cfg):
     envs = []
     try:
         for task in cfg.tasks:
-            envs.append(make_maniskill(cfg, task=task, tasks=[], num_envs=n, num_workers=max(1, cfg.num_workers // len(cfg.tasks))))
+            envs.append(make_maniskill(cfg, task=task, tasks=[], num_envs=n, num_workers=min(cfg.num_workers, max(1, cfg.num_workers // len(cfg.tasks)))))
     except BaseException:
         for e in envs:
             e.close()

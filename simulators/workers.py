@@ -11,10 +11,15 @@ process) and serves it over a pipe. A core speaks numpy (pickled cheaply, no tor
 where a packed obs is ``{"state", "images", "privileged", "instruction"}`` of numpy arrays (and a
 list of strings). Workers are spawned (never forked: simulators and renderers hold threads and
 GPU/GL contexts). Stepping a subset (``step_async``/``step_wait``) lets a rollout pipeline groups.
+
+``num_workers=0`` runs the one core in this process instead, behind the same protocol: no
+parallelism, but no round trip between processes either, which on a machine with one or two cores
+costs more than parallel workers win back (docs/benchmarks.md, environment throughput).
 """
 
 from __future__ import annotations
 
+import collections
 import multiprocessing as mp
 import traceback
 from typing import Callable, Sequence
@@ -50,6 +55,27 @@ def _serve(conn, make_core: Callable, count: int) -> None:
         conn.send(("error", traceback.format_exc()))
 
 
+class _InProcess:
+    """A core in this process behind the two calls of a worker's pipe: ``send`` runs the command
+    at once and ``recv`` returns its answers in order (several steps may be in flight)."""
+
+    def __init__(self, core):
+        self.core, self._answers = core, collections.deque()
+
+    def send(self, message) -> None:
+        cmd, arg = message
+        if cmd == "close":
+            self._answers.append(("ok", self.core.close()))
+        else:
+            self._answers.append(("ok", getattr(self.core, cmd)(*([] if arg is None else arg))))
+
+    def recv(self):
+        return self._answers.popleft()
+
+    def poll(self, timeout=None) -> bool:
+        return bool(self._answers)
+
+
 def _cat(packs: list[dict]) -> dict:
     if len(packs) == 1:
         return packs[0]
@@ -67,11 +93,18 @@ def to_observation(packed: dict) -> Observation:
 
 
 class WorkerVecEnv:
-    """``num_envs`` environments split as evenly as possible between ``num_workers`` processes."""
+    """``num_envs`` environments split as evenly as possible between ``num_workers`` processes
+    (0: one core in this process)."""
 
     def __init__(self, make_core: Callable[[int], object], num_envs: int, num_workers: int, name: str = "simulator"):
         self.num_envs, self.name, self.device = num_envs, name, torch.device("cpu")
         self.can_step_subsets = True
+        self._everyone, self._splits = torch.arange(num_envs), {}
+        if num_workers == 0:
+            self._starts, self._procs = np.array([0, num_envs]), []
+            core = make_core(num_envs)
+            self._conns, self.spec = [_InProcess(core)], core.spec
+            return
         n_workers = max(1, min(num_workers, num_envs))
         counts = [len(a) for a in np.array_split(np.arange(num_envs), n_workers)]
         self._starts = np.cumsum([0] + counts)
@@ -88,7 +121,6 @@ class WorkerVecEnv:
         except BaseException:
             self.close()
             raise
-        self._everyone, self._splits = torch.arange(num_envs), {}
 
     def _recv(self, conn, timeout: float | None = None):
         if timeout is not None and not conn.poll(timeout):
@@ -156,6 +188,8 @@ class WorkerVecEnv:
         return torch.from_numpy(np.concatenate([self._recv(c) for c in self._conns]))
 
     def close(self) -> None:
+        if self._conns and not self._procs:  # in process
+            self._conns[0].send(("close", None))
         for conn, proc in zip(self._conns, self._procs):
             try:
                 conn.send(("close", None))

@@ -114,3 +114,30 @@ def test_a_worker_that_dies_at_start_is_an_error_not_a_hang(tmp_path):
     res = subprocess.run([sys.executable, str(script)], stdin=subprocess.DEVNULL, capture_output=True, text=True,
                          timeout=240)
     assert res.returncode != 0 and "worker process died" in res.stderr and "__main__" in res.stderr
+
+
+def test_in_process_backend_passes_the_contract_and_matches_the_workers_step_for_step():
+    # num_workers=0 runs the same core in this process: same numbers as a worker, no round trip
+    common = dict(task="PushCube-v1", num_envs=3, control_mode="pd_joint_delta_pos", max_episode_steps=6)
+    local, pooled = ManiSkillEnv(ManiSkillConfig(**common, num_workers=0)), ManiSkillEnv(ManiSkillConfig(**common, num_workers=1))
+    try:
+        assert not local._pool._procs and len(pooled._pool._procs) == 1
+        check_env(local, seed=1)
+        torch.testing.assert_close(local.reset(seed=[5, 6, 7]).state, pooled.reset(seed=[5, 6, 7]).state, rtol=0, atol=0)
+        g = torch.Generator().manual_seed(0)
+        low, high = local.spec.action.bounds()
+        for t in range(8):  # crosses the 6-step time limit: auto-reset and final_obs on both
+            a = low + (high - low) * torch.rand(3, local.spec.action.dim, generator=g)
+            x, y = local.step(a), pooled.step(a)
+            torch.testing.assert_close(x.obs.state, y.obs.state, rtol=0, atol=0)
+            # the cube after an automatic (unseeded) reset too: it comes from the env's seeded RNG,
+            # not from the process's global one (enhanced_determinism)
+            torch.testing.assert_close(x.obs.privileged["obj_pose"], y.obs.privileged["obj_pose"], rtol=0, atol=0)
+            torch.testing.assert_close(x.reward, y.reward, rtol=0, atol=0)
+            assert torch.equal(x.truncated, y.truncated) and bool(x.truncated.all()) == (t == 5)
+        # two subsets in flight at once, answered in order
+        local.step_async(a[:1], torch.tensor([0])), local.step_async(a[1:], torch.tensor([1, 2]))
+        assert local.step_wait(torch.tensor([0])).reward.shape == (1,)
+        assert local.step_wait(torch.tensor([1, 2])).reward.shape == (2,)
+    finally:
+        local.close(), pooled.close()

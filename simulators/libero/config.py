@@ -26,7 +26,7 @@ class LiberoConfig(SimulatorConfig):
     suite: str = "libero_spatial"  # libero_spatial | libero_object | libero_goal | libero_10 | libero_90
     task_id: int = 0  # index of the task in the suite
     num_envs: int = 2
-    num_workers: int = 2  # subprocesses sharing the environments
+    num_workers: int = 2  # subprocesses sharing the environments; 0: all in this process
     obs_mode: str = "rgb"  # rgb: agent-view and wrist cameras + state; state: no cameras (~10x faster)
     image_size: int = 128  # agent-view and wrist cameras, height = width
     max_episode_steps: int | None = None  # None: the published limit of the suite (SUITES)
@@ -41,7 +41,9 @@ class LiberoConfig(SimulatorConfig):
         n_tasks = SUITES[self.suite][0]
         if not 0 <= self.task_id < n_tasks:
             raise ValueError(f"task_id: {self.suite} has tasks 0..{n_tasks - 1}, got {self.task_id}")
-        for name in ("num_envs", "num_workers", "image_size"):
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers: must be >= 0 (0: in this process), got {self.num_workers}")
+        for name in ("num_envs", "image_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.settle_steps < 0:

@@ -106,9 +106,13 @@ class ManiSkillCore:
 
         self.opts = opts
         ms_obs_mode = {"state": "state_dict", "rgb": "rgb", "rgb+state": "rgb+state_dict"}[opts.obs_mode]
+        # enhanced_determinism: an unseeded (automatic) reset draws its episode from the env's own
+        # RNG, seeded by the last seeded reset; without it ManiSkill uses the process's global torch
+        # RNG, which differs between runs and between worker layouts
         kwargs = dict(num_envs=opts.num_envs, obs_mode=ms_obs_mode,
                       reward_mode=opts.reward_mode, sim_backend=opts.sim_backend, render_mode="rgb_array",
-                      human_render_camera_configs=dict(width=opts.render_size, height=opts.render_size))
+                      human_render_camera_configs=dict(width=opts.render_size, height=opts.render_size),
+                      enhanced_determinism=True)
         if opts.control_mode:
             kwargs["control_mode"] = opts.control_mode
         if "rgb" in opts.obs_mode:

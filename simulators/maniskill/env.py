@@ -30,7 +30,7 @@ class ManiSkillConfig(SimulatorConfig):
     tasks: list[str] = field(default_factory=list)
     num_envs: int = 8  # environments stepped in lockstep
     backend: str = "cpu"  # "cpu": physx_cpu in subprocess workers; "gpu": physx_cuda, batched
-    num_workers: int = 2  # cpu backend: subprocesses sharing the environments
+    num_workers: int = 2  # cpu backend: subprocesses sharing the environments; 0: all in this process
     # "state" (proprioception + privileged), "rgb" (cameras + proprioception; privileged holds only
     # what ManiSkill gives image-based agents, e.g. goal_pos), or "rgb+state" (cameras and the full
     # privileged state: a state-based expert can act while the cameras record, for demonstrations)
@@ -52,7 +52,9 @@ class ManiSkillConfig(SimulatorConfig):
             raise ValueError(f"obs_mode: must be 'state', 'rgb' or 'rgb+state', got {self.obs_mode!r}")
         if self.tasks and self.num_envs % len(self.tasks):
             raise ValueError(f"num_envs: {self.num_envs} environments do not split evenly between {len(self.tasks)} tasks")
-        for name in ("num_envs", "num_workers", "image_size", "render_size"):
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers: must be >= 0 (0: in this process), got {self.num_workers}")
+        for name in ("num_envs", "image_size", "render_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
