@@ -47,6 +47,7 @@ def arm_body() -> str:
             {_joint("wrist_roll", "1 0 0")}
             <geom name="fixed_jaw" type="box" size="0.04 0.006 0.015" pos="0.04 0.012 0" {_LINK} mass="0.03"/>
             <site name="tcp" pos="{WRIST_TO_TCP - 0.04} 0 0" size="0.005" rgba="1 0 0 0.5"/>
+            <camera name="wrist_camera" pos="0.0 0 0.04" xyaxes="0 -1 0 0.5 0 0.87" fovy="70"/>
             <body name="moving_jaw" pos="0.0 -0.012 0">
               {_joint("gripper", "0 0 1")}
               <geom type="box" size="0.04 0.006 0.015" pos="0.04 0 0" {_LINK} mass="0.02"/>

@@ -1,0 +1,184 @@
+"""The digital twin: LeRobot's own SO-100/SO-101 driver driving the MuJoCo desktop arm.
+
+``make_twin_robot`` builds the real ``SOFollower`` (LeRobot's class, its Feetech bus, its
+calibration code) and plugs a software serial port (robots/feetech_port.py) where /dev/ttyACM0
+would be. Goal positions written on that port become the targets of the MuJoCo arm's position
+servos (simulators/mujoco/arm.py); present positions read from it are the simulated joints. The
+physics runs in wall-clock time, advanced whenever the driver reads, so a control loop sees the
+arm lag and move as a real one does. Cameras render the same scene ("front": the table camera,
+"wrist": on the hand). Nothing above the serial port knows it is not hardware.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import mujoco  # noqa: E402
+import numpy as np  # noqa: E402
+
+from embodied.robots.arm import JOINTS, ArmConfig, make_robot  # noqa: E402
+from embodied.robots.lerobot_import import import_lerobot_processor  # noqa: E402
+from embodied.robots.feetech_port import FeetechPort, attach, rad_to_ticks, ticks_to_rad  # noqa: E402
+from embodied.simulators.mujoco.arm import HOME, RANGES, scene  # noqa: E402
+from embodied.simulators.mujoco.tasks import TASKS  # noqa: E402
+
+SERVO_IDS = {j: i + 1 for i, j in enumerate(JOINTS)}  # LeRobot's SO follower: ids 1..6 in this order
+TWIN_CAMERAS = {"front": "base_camera", "wrist": "wrist_camera"}
+MAX_CATCH_UP_S = 1.0  # simulate at most this much at once after a long pause (a debugger, a stall)
+
+
+class ArmTwin:
+    """MuJoCo arm whose servos take goals in encoder ticks (``ServoPhysics`` of the fake port)."""
+
+    def __init__(self, task: str = "push", start: dict[str, float] | None = None):
+        self.model = mujoco.MjModel.from_xml_string(scene(TASKS[task].bodies, TASKS[task].sensors))
+        self.data = mujoco.MjData(self.model)
+        self._qpos = [self.model.jnt_qposadr[self.model.joint(j).id] for j in JOINTS]
+        self._act = [self.model.actuator(j).id for j in JOINTS]
+        self._kp = self.model.actuator_gainprm[self._act, 0].copy()
+        pose = {**HOME, **(start or {})}
+        for j, a, q in zip(JOINTS, self._act, self._qpos):
+            self.data.qpos[q] = self.data.ctrl[a] = pose[j]
+        mujoco.mj_forward(self.model, self.data)
+        self.torque = {j: True for j in JOINTS}  # it starts holding its start pose, as if resting there
+        self._set_gains()
+        self._lock, self._t, self.frozen = threading.Lock(), time.monotonic(), False
+        self._renderers: dict[tuple[int, int], mujoco.Renderer] = {}
+
+    def _set_gains(self) -> None:
+        """A servo without torque applies none: gain and position feedback both zero."""
+        for j, a in zip(JOINTS, self._act):
+            on = self.torque[j]
+            self.model.actuator_gainprm[a, 0] = self._kp[JOINTS.index(j)] if on else 0.0
+            self.model.actuator_biasprm[a, 1] = -self._kp[JOINTS.index(j)] if on else 0.0
+
+    def advance(self) -> None:
+        """Simulate up to now (wall clock); a frozen twin stands still (exact comparisons in tests)."""
+        now = time.monotonic()
+        if self.frozen:
+            self._t = now
+            return
+        n = int(min(now - self._t, MAX_CATCH_UP_S) / self.model.opt.timestep)
+        if n > 0:
+            mujoco.mj_step(self.model, self.data, nstep=n)
+            self._t += n * self.model.opt.timestep if now - self._t <= MAX_CATCH_UP_S else now - self._t
+
+    # --- ServoPhysics -------------------------------------------------------------------------
+    def command(self, goals: dict[int, int], torque: dict[int, bool]) -> None:
+        with self._lock:
+            self.advance()
+            for j in JOINTS:
+                lo, hi = RANGES[j]
+                self.data.ctrl[self._act[JOINTS.index(j)]] = np.clip(ticks_to_rad(goals[SERVO_IDS[j]]), lo, hi)
+                self.torque[j] = torque[SERVO_IDS[j]]
+            self._set_gains()
+
+    def positions(self) -> dict[int, int]:
+        with self._lock:
+            self.advance()
+            return {SERVO_IDS[j]: rad_to_ticks(self.data.qpos[q]) for j, q in zip(JOINTS, self._qpos)}
+
+    # --- what tests look at ---------------------------------------------------------------
+    def joints(self) -> np.ndarray:
+        """float64 [6] simulated joint angles (radians)."""
+        with self._lock:
+            self.advance()
+            return np.array([self.data.qpos[q] for q in self._qpos])
+
+    def render(self, camera: str, height: int, width: int) -> np.ndarray:
+        """uint8 [H, W, 3] from a named MuJoCo camera."""
+        with self._lock:
+            key = (height, width)
+            if key not in self._renderers:
+                self.model.vis.global_.offwidth = max(self.model.vis.global_.offwidth, width)
+                self.model.vis.global_.offheight = max(self.model.vis.global_.offheight, height)
+                self._renderers[key] = mujoco.Renderer(self.model, height, width)
+            r = self._renderers[key]
+            r.update_scene(self.data, camera=camera)
+            return r.render().copy()
+
+    def close(self) -> None:
+        for r in self._renderers.values():
+            r.close()
+        self._renderers = {}
+
+
+def _twin_camera_class():
+    import_lerobot_processor()
+    from lerobot.cameras import Camera, CameraConfig
+
+    class TwinCamera(Camera):
+        """A LeRobot camera whose frames the twin renders."""
+
+        def __init__(self, twin: ArmTwin, camera: str, width: int, height: int, fps: int):
+            cfg = CameraConfig.__new__(CameraConfig)
+            cfg.fps, cfg.width, cfg.height = fps, width, height
+            super().__init__(cfg)
+            self.twin, self.camera, self._connected = twin, camera, False
+
+        @property
+        def is_connected(self) -> bool:
+            return self._connected
+
+        @staticmethod
+        def find_cameras() -> list:
+            return []
+
+        def connect(self, warmup: bool = True) -> None:
+            self._connected = True
+
+        def read(self) -> np.ndarray:
+            return self.twin.render(self.camera, self.height, self.width)
+
+        def async_read(self, timeout_ms: float = 200) -> np.ndarray:
+            return self.read()
+
+        def read_latest(self, max_age_ms: int = 500) -> np.ndarray:
+            return self.read()
+
+        def disconnect(self) -> None:
+            self._connected = False
+
+    return TwinCamera
+
+
+def twin_calibration() -> dict[str, dict]:
+    """LeRobot calibration of the twin: each servo's range is its MuJoCo joint's range, the gripper
+    from closed (0 rad) to open; homing offset 0 (the simulated encoders read 2048 at 0 rad)."""
+    out = {}
+    for j in JOINTS:
+        lo, hi = RANGES[j]
+        out[j] = {"id": SERVO_IDS[j], "drive_mode": 0, "homing_offset": 0, "range_min": rad_to_ticks(lo), "range_max": rad_to_ticks(hi)}
+    return out
+
+
+def make_twin_robot(cfg: ArmConfig, task: str = "push", start: dict[str, float] | None = None):
+    """(LeRobot SOFollower wired to the twin, the twin, its serial port). ``cfg.cameras`` names
+    twin cameras ("front", "wrist"); their values are ignored."""
+    unknown = set(cfg.cameras) - set(TWIN_CAMERAS)
+    if unknown:
+        raise ValueError(f"camera: the twin has cameras {sorted(TWIN_CAMERAS)}, not {sorted(unknown)}")
+    if tuple(cfg.gripper_range) != RANGES["gripper"]:
+        raise ValueError(f"robot.gripper_range: the twin's gripper spans {RANGES['gripper']} rad, got {cfg.gripper_range}")
+    cal_dir = Path(cfg.calibration_dir) if cfg.calibration_dir else Path(tempfile.mkdtemp(prefix="embodied-twin-"))
+    cal_dir.mkdir(parents=True, exist_ok=True)
+    (cal_dir / f"{cfg.id}.json").write_text(json.dumps(twin_calibration(), indent=2))
+    real_cfg = replace(cfg, robot=cfg.robot.removesuffix("-sim"), port="twin", cameras={}, calibration_dir=str(cal_dir))
+    robot = make_robot(real_cfg)
+    twin = ArmTwin(task, start)
+    ranges = {SERVO_IDS[j]: (c["range_min"], c["range_max"]) for j, c in twin_calibration().items()}
+    port = FeetechPort(ranges, physics=twin)
+    attach(robot.bus, port)
+    TwinCamera = _twin_camera_class()
+    robot.cameras = {name: TwinCamera(twin, TWIN_CAMERAS[name], cfg.camera_width, cfg.camera_height, cfg.camera_fps)
+                     for name in cfg.cameras}
+    return robot, twin, port
+

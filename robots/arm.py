@@ -1,0 +1,216 @@
+"""LeRobot arms behind the contract.
+
+``make_robot`` builds LeRobot's own driver class (SO-100/SO-101 follower on Feetech servos, Koch
+follower on Dynamixels) with OpenCV cameras; ``connect`` uses the calibration LeRobot saved for
+that arm (``lerobot-calibrate``) and refuses to run without one rather than prompting.
+``RobotEnv`` is a ``VecEnv`` with B = 1 over a connected robot: LeRobot's joint readings
+(degrees, gripper 0-100) become radians in ``Observation.state``, camera frames become
+``images``, and every command passes the safety layer before it reaches the driver.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embodied.robots.lerobot_import import import_lerobot_processor
+from embodied.robots.safety import SafetyConfig, SafetyLayer
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, Observation, StepOutput
+
+JOINTS = ("shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll", "gripper")
+GRIPPER = JOINTS.index("gripper")
+ROBOTS = ("so100", "so101", "koch")  # "-sim" of an SO arm: the digital twin (embodied/twin.py)
+
+
+class RobotError(RuntimeError):
+    pass
+
+
+@dataclass
+class ArmConfig:
+    """Which arm, how to reach it, and what the policy sees of it."""
+
+    robot: str = "so101"  # so100 | so101 | koch, or so100-sim | so101-sim (the MuJoCo twin)
+    port: str = ""  # the motor bus, e.g. /dev/ttyACM0 (unused by the twin)
+    id: str = "embodied"  # LeRobot's calibration id (lerobot-calibrate --robot.id=...)
+    calibration_dir: str | None = None  # None: LeRobot's default (~/.cache/huggingface/lerobot/calibration)
+    cameras: dict[str, str] = field(default_factory=dict)  # name -> OpenCV index or device path
+    camera_width: int = 640
+    camera_height: int = 480
+    camera_fps: int = 30
+    image_size: int = 128  # frames are resized to image_size x image_size for the policy
+    gripper_range: tuple[float, float] = (0.0, 1.7)  # radians that LeRobot's gripper 0..100 maps to
+    control_hz: float = 30.0
+    max_episode_steps: int = 900  # 30 s at 30 Hz
+    instruction: str = ""
+    joint_margin: float = 0.05  # radians kept clear of each calibrated end of travel
+    max_step: float = 0.05  # radians per control step (safety rate limit)
+
+    def validate(self) -> None:
+        base = self.robot.removesuffix("-sim")
+        if base not in ROBOTS or (self.robot.endswith("-sim") and base == "koch"):
+            raise ValueError(f"robot: one of {', '.join(ROBOTS)}, so100-sim, so101-sim; got {self.robot!r}")
+        if not self.robot.endswith("-sim") and not self.port:
+            raise ValueError("robot.port: the arm's serial port is needed (e.g. /dev/ttyACM0; `lerobot-find-port` finds it)")
+        if self.control_hz <= 0 or self.image_size < 1 or self.max_episode_steps < 1:
+            raise ValueError("robot: control_hz, image_size and max_episode_steps must be positive")
+
+
+def lerobot_config(cfg: ArmConfig):
+    """LeRobot's config object for the arm (torque stays on at disconnect: our shutdown decides)."""
+    import_lerobot_processor()
+    from lerobot.cameras.opencv import OpenCVCameraConfig
+
+    cams = {name: OpenCVCameraConfig(index_or_path=int(src) if str(src).isdigit() else src, fps=cfg.camera_fps,
+                                     width=cfg.camera_width, height=cfg.camera_height)
+            for name, src in cfg.cameras.items()}
+    common = dict(port=cfg.port or "twin", id=cfg.id, cameras=cams, disable_torque_on_disconnect=False,
+                  calibration_dir=None if cfg.calibration_dir is None else Path(cfg.calibration_dir))
+    if cfg.robot.startswith("koch"):
+        from lerobot.robots.koch_follower import KochFollowerConfig
+
+        return KochFollowerConfig(**common)
+    from lerobot.robots.so_follower import SOFollowerRobotConfig
+
+    return SOFollowerRobotConfig(**common, use_degrees=True)
+
+
+def make_robot(cfg: ArmConfig):
+    """LeRobot's driver object for the arm, not connected yet."""
+    cfg.validate()
+    import_lerobot_processor()
+    if cfg.robot.startswith("koch"):
+        from lerobot.robots.koch_follower import KochFollower
+
+        return KochFollower(lerobot_config(cfg))
+    from lerobot.robots.so_follower import SOFollower
+
+    return SOFollower(lerobot_config(cfg))
+
+
+def connect(robot, cfg: ArmConfig) -> None:
+    """Connect with the calibration LeRobot stored for this arm; never start an interactive one."""
+    robot.connect(calibrate=False)
+    if not robot.is_calibrated:
+        robot.disconnect()
+        kind = "koch_follower" if cfg.robot.startswith("koch") else f"{cfg.robot.removesuffix('-sim')}_follower"
+        raise RobotError(f"{cfg.robot} on {cfg.port}: no matching calibration for id {cfg.id!r} (looked in "
+                         f"{robot.calibration_fpath}). Calibrate it once with LeRobot: `lerobot-calibrate "
+                         f"--robot.type={kind} --robot.port={cfg.port} --robot.id={cfg.id}`")
+
+
+def to_radians(values: dict[str, float], gripper_range: tuple[float, float]) -> np.ndarray:
+    """LeRobot joint values {"<joint>.pos": degrees, gripper 0..100} -> float64 [6] radians."""
+    q = np.array([values[f"{j}.pos"] for j in JOINTS], dtype=np.float64)
+    q[:GRIPPER] = np.deg2rad(q[:GRIPPER])
+    lo, hi = gripper_range
+    q[GRIPPER] = lo + q[GRIPPER] / 100.0 * (hi - lo)
+    return q
+
+
+def from_radians(q: np.ndarray, gripper_range: tuple[float, float]) -> dict[str, float]:
+    lo, hi = gripper_range
+    out = {f"{j}.pos": float(math.degrees(v)) for j, v in zip(JOINTS[:GRIPPER], q[:GRIPPER])}
+    out["gripper.pos"] = float((q[GRIPPER] - lo) / (hi - lo) * 100.0)
+    return out
+
+
+def calibrated_limits(robot, cfg: ArmConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Joint limits in radians from the arm's own calibration (its recorded range of motion), each
+    end moved in by ``joint_margin``."""
+    bus, lo, hi = robot.bus, {}, {}
+    for j in JOINTS:
+        cal = bus.calibration[j]
+        ends = bus._normalize({bus.motors[j].id: cal.range_min}), bus._normalize({bus.motors[j].id: cal.range_max})
+        lo[f"{j}.pos"], hi[f"{j}.pos"] = (next(iter(e.values())) for e in ends)
+    low, high = to_radians(lo, cfg.gripper_range), to_radians(hi, cfg.gripper_range)
+    low, high = np.minimum(low, high) + cfg.joint_margin, np.maximum(low, high) - cfg.joint_margin
+    return low, high
+
+
+def default_safety(robot, cfg: ArmConfig, **overrides) -> SafetyConfig:
+    low, high = calibrated_limits(robot, cfg)
+    safe = np.clip(np.array([0.0, -1.5, 1.5, 0.8, 0.0, cfg.gripper_range[0]]), low, high)  # folded, resting
+    return SafetyConfig(**{"joint_low": tuple(low), "joint_high": tuple(high), "max_step": cfg.max_step,
+                           "safe_pose": tuple(safe), **overrides})
+
+
+class RobotEnv:
+    """A connected arm as a VecEnv with B = 1. Actions: float32 [1, 6] joint positions (radians,
+    gripper included). A real scene cannot be reset by software: ``reset`` starts a new episode
+    from wherever the arm is (the deploy loop first drives it to a start pose)."""
+
+    num_envs = 1
+    device = torch.device("cpu")
+
+    def __init__(self, robot, cfg: ArmConfig, safety: SafetyLayer):
+        self.robot, self.cfg, self.safety = robot, cfg, safety
+        cams = tuple(CameraSpec(name, cfg.image_size, cfg.image_size) for name in robot.cameras)
+        low, high = safety.low, safety.high
+        self.spec = EnvSpec(obs=ObsSpec(cameras=cams, state_names=tuple(f"{j}.pos" for j in JOINTS) + tuple(f"{j}.vel" for j in JOINTS)),
+                            action=ActionSpec("joint_pos", JOINTS, tuple(low), tuple(high), gripper=GRIPPER, control_hz=cfg.control_hz),
+                            max_episode_steps=cfg.max_episode_steps, instructions=(cfg.instruction,))
+        self.elapsed, self.present = 0, None
+        self._last_q, self._last_t = None, None
+        self.interventions: list[str] = []  # this step's
+
+    def observe(self) -> Observation:
+        """Read the arm and cameras (present joint positions in ``self.present``, radians)."""
+        raw = self.robot.get_observation()
+        t = time.monotonic()
+        q = to_radians(raw, self.cfg.gripper_range)
+        vel = np.zeros_like(q) if self._last_q is None else (q - self._last_q) / max(t - self._last_t, 1e-3)
+        self._last_q, self._last_t, self.present = q, t, q
+        state = torch.from_numpy(np.concatenate([q, vel]).astype(np.float32))[None]  # f32 [1, 12]
+        images = {}
+        for name in self.robot.cameras:
+            frame = torch.from_numpy(np.ascontiguousarray(raw[name]))  # uint8 [H, W, 3]
+            if frame.shape[:2] != (self.cfg.image_size, self.cfg.image_size):
+                frame = torch.nn.functional.interpolate(frame.permute(2, 0, 1)[None].float(), size=(self.cfg.image_size,) * 2,
+                                                        mode="bilinear", antialias=True)[0].permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8)
+            images[name] = frame[None]  # uint8 [1, S, S, 3]
+        return Observation(state=state, instruction=[self.cfg.instruction], images=images)
+
+    def reset(self, *, seed=None, env_ids=None) -> Observation:
+        obs = self.observe()
+        self.safety.start(self.present)
+        self.elapsed = 0
+        return obs
+
+    def send(self, command: np.ndarray) -> np.ndarray:
+        """Pass one joint command (radians [6]) through the safety layer to the driver; returns
+        what was sent."""
+        safe, self.interventions = self.safety.filter(command)
+        self.robot.send_action(from_radians(safe, self.cfg.gripper_range))
+        return safe
+
+    def hold(self, pose: np.ndarray | None = None) -> np.ndarray:
+        """Hold the last command, or take one rate-limited step toward ``pose``."""
+        safe = self.safety.last.copy() if pose is None else self.safety.toward(pose)
+        self.robot.send_action(from_radians(safe, self.cfg.gripper_range))
+        return safe
+
+    def step(self, actions: torch.Tensor) -> StepOutput:
+        """actions: float32 [1, 6] joint positions, radians."""
+        sent = self.send(actions.detach().to("cpu", torch.float64).numpy().reshape(-1))
+        obs = self.observe()
+        self.elapsed += 1
+        truncated = self.elapsed >= self.cfg.max_episode_steps
+        false = torch.zeros(1, dtype=torch.bool)
+        out = StepOutput(obs=obs, reward=torch.zeros(1), terminated=false, truncated=torch.tensor([truncated]), success=false,
+                         final_obs=obs if truncated else None, info={"sent": sent, "interventions": list(self.interventions)})
+        if truncated:
+            self.elapsed = 0
+        return out
+
+    def render(self) -> torch.Tensor | None:
+        return None
+
+    def close(self) -> None:
+        if self.robot.is_connected:
+            self.robot.disconnect()

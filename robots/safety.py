@@ -1,0 +1,109 @@
+"""The safety layer: every joint command on its way to an arm passes ``SafetyLayer.filter``,
+whatever the policy, the server or the network does.
+
+In order, for one command (radians, one value per joint):
+1. a command with a NaN or an infinity is rejected whole: the arm holds its last command;
+2. each joint is clipped to its position limits;
+3. each joint moves at most ``max_step`` from the last command sent (a rate limit per step);
+4. the tool point (forward kinematics) must stay inside the workspace box: a command that would
+   leave it is cut back along the way from the last command to the furthest point inside.
+Each intervention is logged and counted by kind. The watchdog, emergency stop and the shutdown
+to a safe pose use the same filter (robots/control.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from embodied.robots.kinematics import ArmGeometry, tool_point
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SafetyConfig:
+    """Per-robot limits, in radians and metres (robots/arm.py has the defaults of each arm)."""
+
+    joint_low: tuple[float, ...]
+    joint_high: tuple[float, ...]
+    max_step: float | tuple[float, ...] = 0.05  # radians per control step (1.5 rad/s at 30 Hz)
+    workspace_low: tuple[float, float, float] = (-0.35, -0.35, 0.01)  # tool point box, base frame
+    workspace_high: tuple[float, float, float] = (0.35, 0.35, 0.40)
+    safe_pose: tuple[float, ...] = ()  # where torque may be switched off (the arm rests folded)
+    geometry: ArmGeometry = field(default_factory=ArmGeometry)
+    hold_after_s: float = 0.25  # watchdog: no fresh action for this long -> hold position
+    stop_after_s: float = 1.0  # still none -> move to the safe pose and stop
+
+    def validate(self) -> None:
+        n = len(self.joint_low)
+        if len(self.joint_high) != n or (self.safe_pose and len(self.safe_pose) != n):
+            raise ValueError("safety: joint_low, joint_high and safe_pose need one value per joint")
+        if any(lo >= hi for lo, hi in zip(self.joint_low, self.joint_high)):
+            raise ValueError("safety: joint_low must be below joint_high for every joint")
+        if not 0 < self.hold_after_s < self.stop_after_s:
+            raise ValueError("safety: need 0 < hold_after_s < stop_after_s")
+
+
+class SafetyLayer:
+    def __init__(self, cfg: SafetyConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.low, self.high = np.asarray(cfg.joint_low, float), np.asarray(cfg.joint_high, float)
+        self.max_step = np.broadcast_to(np.asarray(cfg.max_step, float), self.low.shape).copy()
+        self.box = (np.asarray(cfg.workspace_low, float), np.asarray(cfg.workspace_high, float))
+        self.counts: Counter[str] = Counter()
+        self.last: np.ndarray | None = None  # the last command sent (radians)
+
+    def start(self, present: np.ndarray) -> None:
+        """Begin from the arm's measured position (the reference of the first rate limit)."""
+        self.last = np.clip(np.asarray(present, float), self.low, self.high)
+
+    def inside(self, joints: np.ndarray) -> bool:
+        p = tool_point(joints, self.cfg.geometry)
+        return bool(np.all(p >= self.box[0]) and np.all(p <= self.box[1]))
+
+    def _intervene(self, kind: str, detail: str) -> None:
+        self.counts[kind] += 1
+        (log.info if kind == "rate_limit" else log.warning)("safety: %s (%s)", kind, detail)
+
+    def filter(self, command: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """command: float [A] radians -> (the command to send, float64 [A]; interventions made)."""
+        if self.last is None:
+            raise RuntimeError("SafetyLayer.start(present) must be called before the first command")
+        q = np.asarray(command, float)
+        kinds = []
+        if q.shape != self.low.shape or not np.all(np.isfinite(q)):
+            self._intervene("nonfinite", f"rejected {q.tolist()}")
+            return self.last.copy(), ["nonfinite"]
+        clipped = np.clip(q, self.low, self.high)
+        if not np.array_equal(clipped, q):
+            kinds.append("joint_limit")
+            self._intervene("joint_limit", f"joints {np.flatnonzero(clipped != q).tolist()}")
+        step = np.clip(clipped - self.last, -self.max_step, self.max_step)
+        if not np.array_equal(step, clipped - self.last):
+            kinds.append("rate_limit")
+            self._intervene("rate_limit", f"max |step| {np.abs(clipped - self.last).max():.3f} rad")
+        target = self.last + step
+        if not self.inside(target):
+            # the furthest point inside the box on the way there (bisection on the fraction)
+            lo, hi = 0.0, 1.0
+            if not self.inside(self.last):
+                lo = hi = 0.0  # already outside (started there): hold, never move further out
+            for _ in range(20):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if self.inside(self.last + mid * step) else (lo, mid)
+            target = self.last + lo * step
+            kinds.append("workspace")
+            self._intervene("workspace", f"tool point {tool_point(self.last + step, self.cfg.geometry).round(3).tolist()}")
+        self.last = target
+        return target.copy(), kinds
+
+    def toward(self, pose: np.ndarray) -> np.ndarray:
+        """One rate-limited step from the last command toward ``pose`` (watchdog, shutdown): the
+        rate limit is the plan here, not an intervention; the workspace box still applies."""
+        goal = np.clip(np.asarray(pose, float), self.low, self.high)
+        return self.filter(self.last + np.clip(goal - self.last, -self.max_step, self.max_step))[0]

@@ -1,0 +1,161 @@
+"""The real-arm path on the digital twin: LeRobot's SOFollower and Feetech bus code, a software
+serial port, the MuJoCo arm. Assertions read the goal positions that reached the "motors"."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+from embodied.robots.arm import JOINTS, ArmConfig, RobotEnv, RobotError, connect, default_safety, from_radians, make_robot  # noqa: E402
+from embodied.robots.feetech_port import FeetechPort, attach, rad_to_ticks, ticks_to_rad  # noqa: E402
+from embodied.robots.kinematics import tool_point  # noqa: E402
+from embodied.robots.safety import SafetyLayer  # noqa: E402
+from embodied.schema import check_env  # noqa: E402
+
+TICK = 2 * math.pi / 4096  # one encoder tick in radians
+BUS = 2 * TICK  # LeRobot's degrees <-> ticks (360/4095 per tick, truncating) is within 2 ticks of exact
+
+
+def twin_env(tmp_path, **overrides):
+    from embodied.twin import make_twin_robot
+
+    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"), instruction="pick up the cube", **overrides)
+    robot, twin, port = make_twin_robot(cfg)
+    connect(robot, cfg)
+    return RobotEnv(robot, cfg, SafetyLayer(default_safety(robot, cfg))), twin, port
+
+
+def sent_radians(port: FeetechPort) -> np.ndarray:
+    """The last goal positions written on the bus, radians, in joint order."""
+    goals = port.goal_writes()[-1]
+    return np.array([ticks_to_rad(goals[i + 1]) for i in range(len(JOINTS))])
+
+
+def test_forward_kinematics_matches_the_mujoco_arm():
+    import mujoco
+
+    from embodied.simulators.mujoco.arm import RANGES, scene
+
+    model = mujoco.MjModel.from_xml_string(scene(""))
+    data = mujoco.MjData(model)
+    rng = np.random.default_rng(0)
+    adr = [model.jnt_qposadr[model.joint(j).id] for j in JOINTS]
+    for _ in range(20):
+        q = np.array([rng.uniform(*RANGES[j]) for j in JOINTS])
+        data.qpos[adr] = q
+        mujoco.mj_kinematics(model, data)
+        np.testing.assert_allclose(tool_point(q), data.site("tcp").xpos, atol=1e-9)
+
+
+def test_lerobot_bus_reads_and_writes_through_the_software_port():
+    # LeRobot's FeetechMotorsBus, unchanged, against ideal servos: ping/model/firmware handshake,
+    # register writes, sync write of goals and sync read of positions, raw ticks both ways
+    from embodied.robots.lerobot_import import import_lerobot_processor
+
+    import_lerobot_processor()
+    from lerobot.motors import Motor, MotorNormMode
+    from lerobot.motors.feetech import FeetechMotorsBus
+
+    bus = FeetechMotorsBus("fake", {"a": Motor(1, "sts3215", MotorNormMode.DEGREES), "b": Motor(2, "sts3215", MotorNormMode.DEGREES)})
+    port = FeetechPort({1: (1000, 3000), 2: (500, 3500)})
+    attach(bus, port)
+    bus.connect()
+    assert bus.read_calibration()["b"].range_max == 3500
+    bus.enable_torque()
+    assert port.torque() == {1: True, 2: True}
+    bus.sync_write("Goal_Position", {"a": 1234, "b": 3210}, normalize=False)
+    assert port.goal_writes()[-1] == {1: 1234, 2: 3210}
+    assert bus.sync_read("Present_Position", normalize=False) == {"a": 1234, "b": 3210}
+    port.unplugged = True  # a cut cable: the driver's own error, not a hang
+    with pytest.raises(ConnectionError):
+        bus.sync_read("Present_Position", normalize=False)
+
+
+def test_twin_connects_with_lerobots_calibration_and_passes_the_contract(tmp_path):
+    env, twin, port = twin_env(tmp_path, cameras={"front": "", "wrist": ""}, image_size=48, max_episode_steps=4)
+    try:
+        twin.frozen = True  # the simulated arm stands still while we compare
+        obs = env.reset()
+        assert obs.images["front"].shape == (1, 48, 48, 3) and obs.images["wrist"].dtype == torch.uint8
+        np.testing.assert_allclose(obs.state[0, :6].numpy(), twin.joints(), atol=2 * TICK)  # radians, via degrees and ticks
+        twin.frozen = False
+        assert env.spec.action.space == "joint_pos" and env.spec.obs.privileged == {}
+        check_env(env, seed=0, deterministic=False)  # a physical scene cannot be reset to a seed
+    finally:
+        env.close()
+
+
+def test_each_safety_limit_reaches_the_bus_clipped_never_raw(tmp_path):
+    env, twin, port = twin_env(tmp_path)
+    try:
+        env.reset()
+        safety = env.safety
+        start = safety.last.copy()
+        # joint limit + rate limit: a far target beyond the pan limit moves one step, clipped
+        far = start.copy()
+        far[0] = 10.0
+        env.step(torch.tensor(far, dtype=torch.float32)[None])
+        np.testing.assert_allclose(sent_radians(port)[0], start[0] + safety.max_step[0], atol=BUS)
+        assert env.interventions == ["joint_limit", "rate_limit"]
+        np.testing.assert_allclose(sent_radians(port)[1:], start[1:], atol=BUS)  # nothing else moved
+        # walking to the limit never passes it
+        for _ in range(80):
+            env.step(torch.tensor(far, dtype=torch.float32)[None])
+        assert abs(sent_radians(port)[0] - safety.high[0]) <= BUS
+        # NaN: rejected whole, the arm keeps the last command
+        before = sent_radians(port)
+        bad = far.copy()
+        bad[2] = float("nan")
+        env.step(torch.tensor(bad, dtype=torch.float32)[None])
+        assert env.interventions == ["nonfinite"] and safety.counts["nonfinite"] == 1
+        np.testing.assert_allclose(sent_radians(port), before, atol=BUS)
+        inf = far.copy()
+        inf[1] = float("inf")
+        env.step(torch.tensor(inf, dtype=torch.float32)[None])
+        assert safety.counts["nonfinite"] == 2
+    finally:
+        env.close()
+
+
+def test_workspace_box_stops_the_tool_short_of_the_table(tmp_path):
+    env, twin, port = twin_env(tmp_path)
+    try:
+        env.reset()
+        # lean forward and down: shoulder lift toward the table until the tool point would go below 1 cm
+        target = env.safety.last.copy()
+        target[1], target[2], target[3] = 1.0, 0.3, 0.5
+        for _ in range(120):
+            env.step(torch.tensor(target, dtype=torch.float32)[None])
+        sent = sent_radians(port)
+        assert env.safety.counts["workspace"] > 0
+        z = tool_point(sent)[2]
+        assert env.safety.cfg.workspace_low[2] - 0.002 <= z < 0.03  # at the floor of the box, not through it
+        assert tool_point(target)[2] < 0  # what was asked would have hit the table
+    finally:
+        env.close()
+
+
+def test_an_uncalibrated_arm_is_refused_with_the_calibration_command(tmp_path):
+    cfg = ArmConfig(robot="so101", port="/dev/ttyFAKE0", id="nobody", calibration_dir=str(tmp_path))
+    robot = make_robot(cfg)
+    attach(robot.bus, FeetechPort({i: (0, 4095) for i in range(1, 7)}))
+    with pytest.raises(RobotError, match="lerobot-calibrate --robot.type=so101_follower --robot.port=/dev/ttyFAKE0 --robot.id=nobody"):
+        connect(robot, cfg)  # would prompt on stdin if it tried LeRobot's interactive calibration
+
+
+def test_bad_robot_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="robot: one of"):
+        ArmConfig(robot="ur5").validate()
+    with pytest.raises(ValueError, match="serial port"):
+        ArmConfig(robot="so101").validate()
+
+
+def test_unit_conversions_round_trip():
+    q = np.array([0.1, -0.2, 0.3, -0.4, 0.5, 0.85])
+    values = from_radians(q, (0.0, 1.7))
+    assert values["gripper.pos"] == pytest.approx(50.0) and values["shoulder_pan.pos"] == pytest.approx(math.degrees(0.1))
+    assert rad_to_ticks(0.0) == 2048 and abs(ticks_to_rad(rad_to_ticks(1.0)) - 1.0) <= TICK / 2
