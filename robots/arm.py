@@ -135,7 +135,7 @@ def calibrated_limits(robot, cfg: ArmConfig) -> tuple[np.ndarray, np.ndarray]:
 
 def default_safety(robot, cfg: ArmConfig, **overrides) -> SafetyConfig:
     low, high = calibrated_limits(robot, cfg)
-    safe = np.clip(np.array([0.0, -1.5, 1.5, 0.8, 0.0, cfg.gripper_range[0]]), low, high)  # folded, resting
+    safe = np.clip(np.array([0.0, -1.3, 1.2, 0.6, 0.0, cfg.gripper_range[0]]), low, high)  # folded back, low, gripper shut
     return SafetyConfig(**{"joint_low": tuple(low), "joint_high": tuple(high), "max_step": cfg.max_step,
                            "safe_pose": tuple(safe), **overrides})
 

@@ -1,0 +1,228 @@
+"""The control loop: a fixed rate, action chunks executed one step at a time with the next chunk
+inferred in the background, the watchdog, the emergency stop and the shutdown to a safe pose.
+
+Timing: ``RateTimer`` keeps absolute deadlines (no drift) and records how late each tick was.
+Chunks: ``ChunkExecutor`` asks for the next chunk when ``request_when_left`` actions of the current
+one remain, so inference overlaps execution; a chunk inferred from the observation of step s
+covers steps s, s+1, ...: the steps that passed while it was computed are dropped, and the first
+``blend_steps`` of the rest are blended linearly with what the old chunk planned for them instead
+of jumping at the seam.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class RateTimer:
+    """Ticks at ``hz`` on absolute deadlines; ``lateness`` holds seconds past each deadline."""
+
+    def __init__(self, hz: float):
+        self.period = 1.0 / hz
+        self.deadline = time.monotonic()
+        self.lateness: list[float] = []
+
+    def wait(self) -> None:
+        self.deadline += self.period
+        delay = self.deadline - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        late = time.monotonic() - self.deadline
+        self.lateness.append(late)
+        if late > self.period:  # missed a whole tick: start over rather than rush to catch up
+            self.deadline = time.monotonic()
+
+    def stats(self) -> dict:
+        """Achieved rate and jitter (milliseconds past the deadline, p50/p99/max)."""
+        if not self.lateness:
+            return {}
+        late = np.asarray(self.lateness) * 1e3
+        return {"ticks": len(late), "jitter_p50_ms": float(np.percentile(late, 50)),
+                "jitter_p99_ms": float(np.percentile(late, 99)), "jitter_max_ms": float(late.max())}
+
+
+class ChunkExecutor:
+    """``infer(obs) -> float [K, A]`` (joint targets) runs on a background thread; ``action(step,
+    obs)`` returns the action for this control step, or None when none is ready (the watchdog's
+    business). ``infer`` may raise: the error is logged and counted, and the chunk never comes."""
+
+    def __init__(self, infer: Callable, *, request_when_left: int = 2, blend_steps: int = 2):
+        self.infer, self.request_when_left, self.blend_steps = infer, request_when_left, blend_steps
+        self.plan: list[np.ndarray] = []  # actions for steps self.plan_step, self.plan_step + 1, ...
+        self.plan_step = 0
+        self.pending = False
+        self.latencies: list[float] = []
+        self.errors = 0
+        self._requests: queue.Queue = queue.Queue(maxsize=1)
+        self._results: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (item := self._requests.get()) is not None:
+            step, obs = item
+            t0 = time.monotonic()
+            try:
+                chunk = np.asarray(self.infer(obs), dtype=np.float64)
+            except Exception as e:  # a server gone, a timeout: the loop goes on, the watchdog decides
+                log.warning("inference failed: %s", e)
+                self._results.put((step, None, time.monotonic() - t0))
+                continue
+            self._results.put((step, chunk, time.monotonic() - t0))
+
+    def _merge(self, inferred_at: int, chunk: np.ndarray, step: int) -> None:
+        """``chunk[i]`` is for step ``inferred_at + i``; the plan (``plan[0]`` for ``step``) becomes
+        the chunk from ``step`` on, its first ``blend_steps`` blended with the old plan."""
+        new = list(chunk[max(0, step - inferred_at):])  # steps that passed while it was computed are gone
+        for i in range(min(self.blend_steps, len(self.plan), len(new))):
+            w = (i + 1) / (self.blend_steps + 1)
+            new[i] = (1 - w) * self.plan[i] + w * new[i]
+        self.plan = new
+
+    def action(self, step: int, obs) -> np.ndarray | None:
+        """The joint targets for control step ``step`` (observation ``obs``), or None."""
+        while self.plan and self.plan_step < step:  # keep plan[0] aligned with this step
+            self.plan.pop(0)
+            self.plan_step += 1
+        self.plan_step = step
+        while not self._results.empty():
+            inferred_at, chunk, latency = self._results.get()
+            self.pending = False
+            self.latencies.append(latency)
+            if chunk is None:
+                self.errors += 1
+            else:
+                self._merge(inferred_at, chunk, step)
+        if not self.pending and len(self.plan) <= self.request_when_left:
+            self._requests.put((step, obs))
+            self.pending = True
+        if not self.plan:
+            return None
+        self.plan_step = step + 1
+        return self.plan.pop(0)
+
+    def close(self) -> None:
+        try:
+            self._requests.put_nowait(None)
+        except queue.Full:
+            self._requests.get_nowait()
+            self._requests.put_nowait(None)
+
+
+class EmergencyStop:
+    """Set by SIGINT, SIGTERM or SIGUSR1, by a line typed on the terminal (Enter), or by code."""
+
+    def __init__(self, keyboard: bool | None = None):
+        self.event = threading.Event()
+        self.reason = ""
+        self._old = {}
+        self.keyboard = sys.stdin.isatty() if keyboard is None else keyboard
+
+    def trigger(self, reason: str) -> None:
+        if not self.event.is_set():
+            self.reason = reason
+            log.warning("emergency stop: %s", reason)
+        self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+                self._old[sig] = signal.signal(sig, lambda s, f: self.trigger(signal.Signals(s).name))
+        if self.keyboard:
+            threading.Thread(target=self._keys, daemon=True).start()
+        return self
+
+    def _keys(self) -> None:
+        for _ in sys.stdin:
+            self.trigger("key")
+            return
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old = {}
+
+
+@dataclass
+class EpisodeResult:
+    steps: int
+    reason: str  # "done" | "estop" | "watchdog"
+    frames: list[dict] = field(default_factory=list)  # per step: t, state, action sent, interventions
+    watchdog: Counter = field(default_factory=Counter)  # "hold" and "stop" events
+    timing: dict = field(default_factory=dict)
+
+
+def run_episode(env, executor: ChunkExecutor, estop: EmergencyStop, *, hz: float, max_steps: int,
+                on_step: Callable | None = None) -> EpisodeResult:
+    """Drive ``env`` (a RobotEnv) at ``hz`` for up to ``max_steps`` steps. Without a fresh action
+    for ``hold_after_s`` the arm holds its last command; after ``stop_after_s`` the episode ends
+    with reason "watchdog" (the caller then shuts down to the safe pose)."""
+    cfg = env.safety.cfg
+    obs = env.reset()
+    timer, result = RateTimer(hz), EpisodeResult(0, "done")
+    last_fresh, holding = time.monotonic(), False
+    for step in range(max_steps):
+        if estop.is_set():
+            result.reason = "estop"
+            break
+        action = executor.action(step, obs)
+        now = time.monotonic()
+        if action is not None:
+            last_fresh, holding = now, False
+            out = env.step(torch.from_numpy(np.asarray(action, np.float32))[None])  # f32 [1, 6]
+            obs, sent, kinds = out.obs, out.info["sent"], out.info["interventions"]
+        else:
+            stale = now - last_fresh
+            if stale > cfg.stop_after_s:
+                result.watchdog["stop"] += 1
+                result.reason = "watchdog"
+                log.warning("watchdog: no action for %.2f s: stopping", stale)
+                break
+            if stale > cfg.hold_after_s and not holding:
+                result.watchdog["hold"] += 1
+                holding = True
+                log.warning("watchdog: no action for %.2f s: holding position", stale)
+            sent, kinds = env.hold(), ["watchdog_hold"] if holding else []
+            obs = env.observe()
+        result.frames.append({"t": now, "obs": obs, "sent": sent, "interventions": kinds})
+        if on_step is not None:
+            on_step(step, obs, sent, kinds)
+        result.steps = step + 1
+        timer.wait()
+    result.timing = {**timer.stats(), "inference_ms_p50": float(np.median(executor.latencies) * 1e3) if executor.latencies else None}
+    return result
+
+
+def safe_shutdown(env, *, hz: float, timeout_s: float = 10.0, tolerance: float = 0.05) -> bool:
+    """Move to the safe pose (rate-limited, inside the workspace) and switch torque off there.
+    If the pose is not reached in ``timeout_s`` the torque stays on, holding: never drop the arm.
+    Returns whether torque was switched off."""
+    safe = np.asarray(env.safety.cfg.safe_pose, float)
+    timer, t_end = RateTimer(hz), time.monotonic() + timeout_s
+    while time.monotonic() < t_end:
+        env.hold(safe)
+        env.observe()
+        if np.all(np.abs(env.present - safe) < tolerance):
+            env.robot.bus.disable_torque()
+            log.info("at the safe pose: torque off")
+            return True
+        timer.wait()
+    log.error("the safe pose was not reached within %.0f s: torque stays on, holding position", timeout_s)
+    env.hold()
+    return False
