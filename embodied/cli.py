@@ -1,4 +1,4 @@
-"""``embodied`` command line: train, eval, demos, sft, bench."""
+"""``embodied`` command line: train, eval, demos, sft, bench, serve, deploy."""
 
 from __future__ import annotations
 
@@ -109,6 +109,52 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _cameras(values: list[str]) -> dict[str, str]:
+    out = {}
+    for v in values or []:
+        name, sep, source = v.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--camera {v!r}: expected NAME=SOURCE (an OpenCV index or device; the twin: front or wrist)")
+        out[name] = source
+    return out
+
+
+def cmd_serve(args) -> int:
+    import time
+
+    from embodied.deploy import serve
+
+    try:
+        server = serve(args.checkpoint, host=args.host, port=args.port, queue_size=args.queue)
+    except FileNotFoundError as e:
+        return _error(str(e))
+    print(f"serving {args.checkpoint} on ws://{args.host}:{server.port} (health: http://{args.host}:{server.port}/health)")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.stop()
+    return 0
+
+
+def cmd_deploy(args) -> int:
+    import logging
+
+    from embodied.deploy import DeployError, run_deploy
+    from embodied.robots.arm import ArmConfig, RobotError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        arm = ArmConfig(robot=args.robot, port=args.robot_port or "", id=args.robot_id, cameras=_cameras(args.camera),
+                        control_hz=args.hz, instruction=args.instruction,
+                        max_episode_steps=max(1, round(args.episode_seconds * args.hz)))
+        summary = run_deploy(args.checkpoint, arm, server=args.server, episodes=args.episodes, record=args.record)
+    except (DeployError, RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
+        return _error(str(e))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="embodied", description="Fine-tune robot policies with RL in vectorized simulators.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -144,6 +190,30 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--checkpoint", help="a checkpoint directory or RUN/last")
     b.add_argument("--out", help="report directory (default: output_dir/NAME/POLICY)")
     b.set_defaults(func=cmd_bench)
+    v = sub.add_parser("serve", help="serve a checkpoint's policy over a websocket",
+                       description="Serve CHECKPOINT's policy (msgpack over websocket) to `embodied deploy --server`.")
+    v.add_argument("checkpoint", help="a checkpoint directory or RUN/last")
+    v.add_argument("--host", default="0.0.0.0")
+    v.add_argument("--port", type=int, default=8765)
+    v.add_argument("--queue", type=int, default=8, help="requests waiting at most; more get a 'busy' reply")
+    v.set_defaults(func=cmd_serve)
+    y = sub.add_parser("deploy", help="drive a robot arm (or its digital twin) with a checkpoint",
+                       description="Run CHECKPOINT on an SO-100/SO-101/Koch arm through LeRobot's drivers (or "
+                                   "so101-sim, the MuJoCo twin), every command through the safety layer. Enter, "
+                                   "Ctrl-C or SIGTERM stops; the arm then goes to its safe pose and torque is "
+                                   "switched off there.")
+    y.add_argument("checkpoint", help="a checkpoint directory or RUN/last")
+    y.add_argument("--robot", default="so101", help="so100 | so101 | koch | so100-sim | so101-sim")
+    y.add_argument("--robot.port", dest="robot_port", help="the arm's serial port, e.g. /dev/ttyACM0")
+    y.add_argument("--robot.id", dest="robot_id", default="embodied", help="LeRobot calibration id")
+    y.add_argument("--camera", action="append", help="NAME=SOURCE, once per camera the policy uses")
+    y.add_argument("--server", help="ws://HOST:PORT of `embodied serve` (default: infer in this process)")
+    y.add_argument("--instruction", default="", help="the task in words (for language-conditioned policies)")
+    y.add_argument("--hz", type=float, default=30.0, help="control rate (default 30)")
+    y.add_argument("--episodes", type=int, default=1)
+    y.add_argument("--episode-seconds", type=float, default=30.0)
+    y.add_argument("--record", help="directory for one LeRobot dataset per episode")
+    y.set_defaults(func=cmd_deploy)
     return p
 
 

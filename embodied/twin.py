@@ -161,11 +161,14 @@ def twin_calibration() -> dict[str, dict]:
 
 
 def make_twin_robot(cfg: ArmConfig, task: str = "push", start: dict[str, float] | None = None):
-    """(LeRobot SOFollower wired to the twin, the twin, its serial port). ``cfg.cameras`` names
-    twin cameras ("front", "wrist"); their values are ignored."""
-    unknown = set(cfg.cameras) - set(TWIN_CAMERAS)
+    """(LeRobot SOFollower wired to the twin, the twin, its serial port). ``cfg.cameras`` maps the
+    policy's camera names to twin cameras ("front", "wrist")."""
+    # NAME=SOURCE: the policy's camera NAME shows the twin camera SOURCE ("front" or "wrist"), or
+    # the twin camera called NAME when SOURCE is not one of them
+    views = {name: src if src in TWIN_CAMERAS else name for name, src in cfg.cameras.items()}
+    unknown = sorted(v for v in views.values() if v not in TWIN_CAMERAS)
     if unknown:
-        raise ValueError(f"camera: the twin has cameras {sorted(TWIN_CAMERAS)}, not {sorted(unknown)}")
+        raise ValueError(f"camera: the twin has cameras {sorted(TWIN_CAMERAS)}, not {unknown} (give NAME=front or NAME=wrist)")
     if tuple(cfg.gripper_range) != RANGES["gripper"]:
         raise ValueError(f"robot.gripper_range: the twin's gripper spans {RANGES['gripper']} rad, got {cfg.gripper_range}")
     cal_dir = Path(cfg.calibration_dir) if cfg.calibration_dir else Path(tempfile.mkdtemp(prefix="embodied-twin-"))
@@ -178,7 +181,7 @@ def make_twin_robot(cfg: ArmConfig, task: str = "push", start: dict[str, float] 
     port = FeetechPort(ranges, physics=twin)
     attach(robot.bus, port)
     TwinCamera = _twin_camera_class()
-    robot.cameras = {name: TwinCamera(twin, TWIN_CAMERAS[name], cfg.camera_width, cfg.camera_height, cfg.camera_fps)
-                     for name in cfg.cameras}
+    robot.cameras = {name: TwinCamera(twin, TWIN_CAMERAS[view], cfg.camera_width, cfg.camera_height, cfg.camera_fps)
+                     for name, view in views.items()}
     return robot, twin, port
 

@@ -77,6 +77,11 @@ class ActorCritic(nn.Module):
         self.register_buffer("action_low", low)  # f32 [A]
         self.register_buffer("action_high", high)  # f32 [A]
 
+    @property
+    def privileged_inputs(self) -> tuple[str, ...]:
+        """The privileged (simulator-only) keys the policy reads: none means it can run on a robot."""
+        return self.state_encoder.keys
+
     # --- features -------------------------------------------------------------------------
     def features(self, obs: Observation) -> torch.Tensor:
         parts = [self.state_encoder(obs)] + [cnn(obs.images[name]) for name, cnn in self.cnns.items()]

@@ -214,6 +214,8 @@ def safe_shutdown(env, *, hz: float, timeout_s: float = 10.0, tolerance: float =
     If the pose is not reached in ``timeout_s`` the torque stays on, holding: never drop the arm.
     Returns whether torque was switched off."""
     safe = np.asarray(env.safety.cfg.safe_pose, float)
+    if env.safety.last is None:  # stopped before the first episode began: start from where the arm is
+        env.reset()
     timer, t_end = RateTimer(hz), time.monotonic() + timeout_s
     while time.monotonic() < t_end:
         env.hold(safe)

@@ -130,6 +130,11 @@ class VLA(nn.Module):
         self.register_buffer("state_mean", torch.zeros(self.state_dim))  # f32 [S']
         self.register_buffer("state_std", torch.ones(self.state_dim))
 
+    @property
+    def privileged_inputs(self) -> tuple[str, ...]:
+        """The privileged (simulator-only) keys the policy reads: none means it can run on a robot."""
+        return self.priv_keys
+
     # --- normalization ------------------------------------------------------------------------
     def state_vector(self, obs: Observation) -> torch.Tensor:
         """Raw proprioception (+ privileged) f32 [B, S'] as the policy sees it before normalization."""

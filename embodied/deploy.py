@@ -1,0 +1,223 @@
+"""``embodied serve`` and ``embodied deploy``: a trained checkpoint driving a real arm or its twin.
+
+deploy: LeRobot's driver (or the MuJoCo twin for ``--robot so101-sim``) -> ``RobotEnv`` -> the
+control loop at ``--hz`` with chunks inferred in the background, in this process or on a policy
+server (``--server ws://...``); every command through the safety layer; each episode recorded as
+its own LeRobot dataset under ``--record`` (finished episodes survive a crash); on any exit the
+arm goes to its safe pose and only there is torque switched off.
+serve: the checkpoint's policy behind the websocket server (robots/server.py); a client must
+present the same contract (action spec, observation columns, cameras, checkpoint weights).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embodied.schema import EnvSpec, Observation
+
+log = logging.getLogger(__name__)
+
+
+class DeployError(ValueError):
+    pass
+
+
+def load_deployable(checkpoint: str | Path):
+    """(policy in eval mode, its EnvSpec, contract dict) of a checkpoint."""
+    from embodied.checkpoint import resolve_checkpoint
+    from embodied.demos import load_policy
+
+    path = resolve_checkpoint(checkpoint)
+    policy, _ = load_policy(path)
+    spec = EnvSpec.from_dict(json.loads((path / "meta.json").read_text())["spec"])
+    return policy, spec, contract(spec, path)
+
+
+def contract(spec: EnvSpec, path: Path) -> dict:
+    """What client and server must agree on. Normalization statistics live in the weights file, so
+    its digest versions them."""
+    weights = hashlib.sha1((path / "model.safetensors").read_bytes()).hexdigest()[:16]
+    agreed = {"action": spec.to_dict()["action"], "state_names": list(spec.obs.state_names),
+              "cameras": [[c.name, c.height, c.width] for c in spec.obs.cameras], "weights": weights}
+    return json.loads(json.dumps(agreed))  # lists, not tuples: as it arrives through msgpack
+
+
+def check_fits(policy, spec: EnvSpec, robot_spec: EnvSpec) -> None:
+    """Refuse a checkpoint that cannot act on this arm, naming every reason."""
+    problems = []
+    if tuple(spec.action.names) != tuple(robot_spec.action.names):
+        problems.append(f"actions {spec.action.names}, the arm has {robot_spec.action.names}")
+    if spec.action.space not in ("joint_pos", "joint_delta"):
+        problems.append(f"action space {spec.action.space!r} (the arm takes joint_pos or joint_delta)")
+    missing = [n for n in spec.obs.state_names if n not in robot_spec.obs.state_names]
+    if missing:
+        problems.append(f"state columns {missing} that the arm does not measure")
+    need = getattr(policy, "privileged_inputs", tuple(spec.obs.privileged))
+    if need:
+        problems.append(f"simulator-only inputs {sorted(need)} (train with policy.use_privileged=false)")
+    have = {c.name for c in robot_spec.obs.cameras}
+    lacking = [c.name for c in spec.obs.cameras if c.name not in have]
+    if lacking:
+        problems.append(f"cameras {lacking} (give --camera NAME=SOURCE for each)")
+    if problems:
+        raise DeployError("the checkpoint cannot drive this arm: " + "; ".join(problems))
+
+
+def obs_to_wire(obs: Observation) -> dict:
+    return {"state": obs.state[0].numpy(), "images": {k: v[0].numpy() for k, v in obs.images.items()},
+            "instruction": obs.instruction[0]}
+
+
+def wire_to_obs(msg: dict, spec: EnvSpec) -> Observation:
+    """A client's observation as a batch of one in the policy's column order."""
+    # np.array copies: arrays decoded from msgpack are read-only views of the message
+    state = torch.from_numpy(np.array(msg["state"], np.float32))[None]  # f32 [1, S]
+    images = {k: torch.from_numpy(np.array(v, np.uint8))[None] for k, v in (msg.get("images") or {}).items()}
+    if state.shape[1] != spec.obs.state_dim or set(images) != {c.name for c in spec.obs.cameras}:
+        raise ValueError(f"observation has {state.shape[1]} state columns and cameras {sorted(images)}; the policy "
+                         f"needs {spec.obs.state_dim} and {[c.name for c in spec.obs.cameras]}")
+    return Observation(state=state, instruction=[str(msg.get("instruction", ""))], images=images)
+
+
+def policy_chunk(policy, obs: Observation) -> np.ndarray:
+    """float32 [K, A] in the policy's own action space."""
+    with torch.no_grad():
+        return policy.act(obs, deterministic=True).actions[0].float().numpy()
+
+
+def _select_columns(obs: Observation, spec: EnvSpec, robot_spec: EnvSpec) -> Observation:
+    cols = [robot_spec.obs.state_names.index(n) for n in spec.obs.state_names]
+    return Observation(state=obs.state[:, cols], instruction=obs.instruction,
+                       images={c.name: obs.images[c.name] for c in spec.obs.cameras})
+
+
+def robot_infer(chunk_of, spec: EnvSpec, env):
+    """obs -> float64 [K, 6] joint targets (radians) for the control loop: the policy's chunk, with
+    deltas (joint_delta) accumulated from the last command the arm was sent."""
+    def infer(obs: Observation) -> np.ndarray:
+        base = env.safety.last.copy()  # read before inference: the chunk starts from here
+        chunk = np.asarray(chunk_of(_select_columns(obs, spec, env.spec)), np.float64)
+        return base + np.cumsum(chunk, 0) if spec.action.space == "joint_delta" else chunk
+    return infer
+
+
+@dataclass
+class EpisodeRecorder:
+    """Each episode written as a complete LeRobot dataset (``episode_NNNN/``) plus an mp4 per
+    camera, as soon as it ends: a crash loses at most the episode in progress."""
+
+    root: Path
+    fps: float
+    spec: EnvSpec
+    robot_type: str
+    count: int = 0
+    frames: list = field(default_factory=list)
+
+    def add(self, step: int, obs: Observation, sent: np.ndarray, kinds: list[str]) -> None:
+        self.frames.append((time.monotonic(), obs, np.asarray(sent, np.float32), list(kinds)))
+
+    def finish(self, reason: str, timing: dict) -> Path | None:
+        from embodied.dataset import LeRobotWriter
+        from embodied.video import write_mp4
+
+        frames, self.frames = self.frames, []
+        if not frames:
+            return None
+        out = self.root / f"episode_{self.count:04d}"
+        self.count += 1
+        cams = {c.name: (c.height, c.width) for c in self.spec.obs.cameras}
+        writer = LeRobotWriter(out, fps=self.fps, cameras=cams, state_names=list(self.spec.obs.state_names),
+                               action_names=list(self.spec.action.names), robot_type=self.robot_type,
+                               source={"deploy": True})
+        T = len(frames)
+        images = {c: np.stack([f[1].images[c][0].numpy() for f in frames]) for c in cams}
+        t0 = frames[0][0]
+        writer.add_episode(images=images, state=np.stack([f[1].state[0].numpy() for f in frames]),
+                           actions=np.stack([f[2] for f in frames]), rewards=np.zeros(T, np.float32),
+                           success=np.zeros(T, bool), task=frames[0][1].instruction[0],
+                           extra={"end": reason, "wall_time_s": [round(f[0] - t0, 4) for f in frames],
+                                  "interventions": [",".join(f[3]) for f in frames],
+                                  "jitter_p99_ms": timing.get("jitter_p99_ms")})
+        writer.close()
+        for c, video in images.items():
+            write_mp4(out / f"{c}.mp4", list(video), self.fps)
+        return out
+
+
+def serve(checkpoint: str, *, host: str = "0.0.0.0", port: int = 8765, queue_size: int = 8):
+    """A started PolicyServer for the checkpoint (``.stop()`` ends it)."""
+    from embodied.robots.server import PolicyServer
+
+    policy, spec, agreed = load_deployable(checkpoint)
+    return PolicyServer(lambda msg: policy_chunk(policy, wire_to_obs(msg, spec)), agreed, host=host, port=port,
+                        queue_size=queue_size).start()
+
+
+def run_deploy(checkpoint: str, arm, *, server: str | None = None, episodes: int = 1, record: str | None = None,
+               request_when_left: int = 2, blend_steps: int = 2, keyboard: bool | None = None,
+               twin_task: str = "push") -> dict:
+    """Deploy ``checkpoint`` on the arm of ``arm`` (ArmConfig) for ``episodes`` episodes."""
+    from embodied.robots.arm import RobotEnv, connect, default_safety, make_robot
+    from embodied.robots.control import ChunkExecutor, EmergencyStop, run_episode, safe_shutdown
+    from embodied.robots.safety import SafetyLayer
+
+    policy, spec, agreed = load_deployable(checkpoint)
+    sizes = {(c.height, c.width) for c in spec.obs.cameras}
+    if len(sizes) > 1 or any(h != w for h, w in sizes):
+        raise DeployError(f"the policy's cameras {spec.obs.cameras} are not one square size")
+    if sizes:
+        arm.image_size = next(iter(sizes))[0]
+    arm.validate()
+    if arm.robot.endswith("-sim"):
+        from embodied.twin import make_twin_robot
+
+        robot, twin, _ = make_twin_robot(arm, task=twin_task)
+    else:
+        robot, twin = make_robot(arm), None
+    connect(robot, arm)
+    env = RobotEnv(robot, arm, SafetyLayer(default_safety(robot, arm)))
+    client = None
+    summary = {"episodes": [], "robot": arm.robot, "hz": arm.control_hz}
+    try:
+        check_fits(policy, spec, env.spec)
+        if server:
+            from embodied.robots.server import PolicyClient
+
+            client = PolicyClient(server, agreed)
+            chunk_of = lambda obs: client.infer(obs_to_wire(obs))  # noqa: E731
+        else:
+            chunk_of = lambda obs: policy_chunk(policy, obs)  # noqa: E731
+        infer = robot_infer(chunk_of, spec, env)
+        recorder = EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot) if record else None
+        with EmergencyStop(keyboard=keyboard) as stop:
+            for ep in range(episodes):
+                executor = ChunkExecutor(infer, request_when_left=request_when_left, blend_steps=blend_steps)
+                try:
+                    result = run_episode(env, executor, stop, hz=arm.control_hz, max_steps=arm.max_episode_steps,
+                                         on_step=recorder.add if recorder else None)
+                finally:
+                    executor.close()
+                saved = recorder.finish(result.reason, result.timing) if recorder else None
+                summary["episodes"].append({"steps": result.steps, "end": result.reason, **result.timing,
+                                            "watchdog": dict(result.watchdog), "inference_errors": executor.errors,
+                                            "recording": str(saved) if saved else None})
+                log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
+                if result.reason != "done":
+                    break
+    finally:
+        summary["interventions"] = dict(env.safety.counts)
+        summary["torque_off_at_safe_pose"] = safe_shutdown(env, hz=arm.control_hz)
+        if client is not None:
+            client.close()
+        env.close()
+        if twin is not None:
+            twin.close()
+    return summary

@@ -1,0 +1,104 @@
+"""`embodied deploy` and `embodied serve` end to end on the digital twin."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+from embodied.cli import main  # noqa: E402
+from embodied.dataset import DemoDataset  # noqa: E402
+
+TINY = ["env.num_envs=4", "algorithm.num_steps=8", "runner.total_env_steps=32", "runner.eval_episodes=2",
+        "runner.final_eval_episodes=2", "runner.progress=false", "env.render_size=32", "policy.hidden_sizes=[32]"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A reach policy on joint state only (deployable) and one that reads the goal (not)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for name, privileged in (("state_only", "false"), ("with_goal", "true")):
+        assert main(["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={root}", f"runner.name={name}",
+                     f"policy.use_privileged={privileged}", *TINY]) == 0
+        out[name] = str(root / name / "last")
+    return out
+
+
+def deploy(args, capsys):
+    rc = main(["deploy", *args])
+    captured = capsys.readouterr()
+    return rc, (json.loads(captured.out[captured.out.index("{"):]) if rc == 0 else captured.err)
+
+
+def test_deploy_on_the_twin_records_each_episode_and_ends_at_the_safe_pose(checkpoints, tmp_path, capsys):
+    rc, summary = deploy([checkpoints["state_only"], "--robot", "so101-sim", "--hz", "30", "--episodes", "2",
+                          "--episode-seconds", "0.5", "--record", str(tmp_path / "rec")], capsys)
+    assert rc == 0, summary
+    assert [e["steps"] for e in summary["episodes"]] == [15, 15] and all(e["end"] == "done" for e in summary["episodes"])
+    assert summary["torque_off_at_safe_pose"] is True
+    for i in range(2):
+        data = DemoDataset.load(tmp_path / "rec" / f"episode_{i:04d}")
+        assert len(data) == 15 and data.actions.shape == (15, 6)  # the commands sent, radians
+
+
+def test_deploy_through_the_server_and_the_watchdog_when_it_stops(checkpoints, capsys):
+    from embodied.deploy import serve
+
+    server = serve(checkpoints["state_only"], host="127.0.0.1", port=0)
+
+    def stop_mid_run():  # the server goes away once it has answered 10 requests
+        deadline = time.monotonic() + 120
+        while server.stats["requests"] < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.stop()
+
+    threading.Thread(target=stop_mid_run, daemon=True).start()
+    rc, summary = deploy([checkpoints["state_only"], "--robot", "so101-sim", "--episode-seconds", "20",
+                          "--server", f"ws://127.0.0.1:{server.port}"], capsys)
+    assert rc == 0, summary
+    (episode,) = summary["episodes"]
+    assert episode["end"] == "watchdog" and episode["watchdog"] == {"hold": 1, "stop": 1}
+    assert 10 < episode["steps"] < 600 and episode["inference_errors"] >= 1
+    assert summary["torque_off_at_safe_pose"] is True
+
+
+def test_a_checkpoint_that_reads_simulator_state_is_refused(checkpoints, capsys):
+    rc, err = deploy([checkpoints["with_goal"], "--robot", "so101-sim", "--episode-seconds", "0.2"], capsys)
+    assert rc == 2 and "simulator-only inputs ['goal_pos', 'tcp_pos']" in err
+
+
+def test_a_mismatched_server_is_refused(checkpoints, capsys):
+    from embodied.deploy import serve
+
+    server = serve(checkpoints["with_goal"], host="127.0.0.1", port=0)
+    try:
+        rc, err = deploy([checkpoints["state_only"], "--robot", "so101-sim", "--episode-seconds", "0.2",
+                          "--server", f"ws://127.0.0.1:{server.port}"], capsys)
+    finally:
+        server.stop()
+    assert rc == 2 and "contract mismatch" in err
+
+
+def test_recordings_survive_a_crash_of_the_deploy_process(checkpoints, tmp_path):
+    rec = tmp_path / "rec"
+    proc = subprocess.Popen([sys.executable, "-m", "embodied.cli", "deploy", checkpoints["state_only"], "--robot",
+                             "so101-sim", "--episodes", "50", "--episode-seconds", "0.5", "--record", str(rec)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (rec / "episode_0001" / "meta" / "info.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)  # no clean-up of any kind
+    finally:
+        proc.wait(30)
+    done = sorted(p.name for p in rec.iterdir() if (p / "meta" / "info.json").exists())
+    assert done[:2] == ["episode_0000", "episode_0001"]
+    for name in done:
+        assert len(DemoDataset.load(rec / name)) == 15
