@@ -158,3 +158,13 @@ def test_rate_timer_reports_its_ticks():
         timer.wait()
     stats = timer.stats()
     assert stats["ticks"] == 20 and stats["jitter_p50_ms"] <= stats["jitter_p99_ms"] <= stats["jitter_max_ms"]
+
+
+def test_emergency_stop_by_key(monkeypatch):
+    read_end, write_end = os.pipe()
+    monkeypatch.setattr("sys.stdin", os.fdopen(read_end))
+    with EmergencyStop(keyboard=True) as stop:
+        assert not stop.is_set()
+        os.write(write_end, b"\n")  # Enter
+        assert stop.event.wait(5) and stop.reason == "key"
+    os.close(write_end)
