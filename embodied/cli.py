@@ -146,9 +146,9 @@ def cmd_deploy(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         arm = ArmConfig(robot=args.robot, port=args.robot_port or "", id=args.robot_id, cameras=_cameras(args.camera),
-                        control_hz=args.hz, instruction=args.instruction,
-                        max_episode_steps=max(1, round(args.episode_seconds * args.hz)))
-        summary = run_deploy(args.checkpoint, arm, server=args.server, episodes=args.episodes, record=args.record)
+                        instruction=args.instruction)
+        summary = run_deploy(args.checkpoint, arm, hz=args.hz, episode_seconds=args.episode_seconds, server=args.server,
+                             episodes=args.episodes, record=args.record)
     except (DeployError, RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
         return _error(str(e))
     print(json.dumps(summary, indent=2))
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--camera", action="append", help="NAME=SOURCE, once per camera the policy uses")
     y.add_argument("--server", help="ws://HOST:PORT of `embodied serve` (default: infer in this process)")
     y.add_argument("--instruction", default="", help="the task in words (for language-conditioned policies)")
-    y.add_argument("--hz", type=float, default=30.0, help="control rate (default 30)")
+    y.add_argument("--hz", type=float, help="control rate (default: the rate the policy was trained at)")
     y.add_argument("--episodes", type=int, default=1)
     y.add_argument("--episode-seconds", type=float, default=30.0)
     y.add_argument("--record", help="directory for one LeRobot dataset per episode")

@@ -161,15 +161,22 @@ def serve(checkpoint: str, *, host: str = "0.0.0.0", port: int = 8765, queue_siz
                         queue_size=queue_size).start()
 
 
-def run_deploy(checkpoint: str, arm, *, server: str | None = None, episodes: int = 1, record: str | None = None,
-               request_when_left: int = 2, blend_steps: int = 2, keyboard: bool | None = None,
-               twin_task: str = "push") -> dict:
-    """Deploy ``checkpoint`` on the arm of ``arm`` (ArmConfig) for ``episodes`` episodes."""
+def run_deploy(checkpoint: str, arm, *, hz: float | None = None, episode_seconds: float = 30.0, server: str | None = None,
+               episodes: int = 1, record: str | None = None, request_when_left: int = 2, blend_steps: int = 2,
+               keyboard: bool | None = None, twin_task: str = "push") -> dict:
+    """Deploy ``checkpoint`` on the arm of ``arm`` (ArmConfig) for ``episodes`` episodes of
+    ``episode_seconds``, at ``hz`` (None: the rate the policy was trained at)."""
     from embodied.robots.arm import RobotEnv, connect, default_safety, make_robot
     from embodied.robots.control import ChunkExecutor, EmergencyStop, run_episode, safe_shutdown
     from embodied.robots.safety import SafetyLayer
 
     policy, spec, agreed = load_deployable(checkpoint)
+    trained_hz = spec.action.control_hz
+    if hz is not None and spec.action.space == "joint_delta" and abs(hz - trained_hz) > 1e-6:
+        raise DeployError(f"--hz {hz:g}: the policy was trained at {trained_hz:g} Hz and acts in joint deltas per step, "
+                          f"so another rate changes how fast it moves; leave --hz out to run at {trained_hz:g} Hz")
+    arm.control_hz = hz or trained_hz
+    arm.max_episode_steps = max(1, round(episode_seconds * arm.control_hz))
     sizes = {(c.height, c.width) for c in spec.obs.cameras}
     if len(sizes) > 1 or any(h != w for h, w in sizes):
         raise DeployError(f"the policy's cameras {spec.obs.cameras} are not one square size")

@@ -38,9 +38,10 @@ def deploy(args, capsys):
 
 
 def test_deploy_on_the_twin_records_each_episode_and_ends_at_the_safe_pose(checkpoints, tmp_path, capsys):
-    rc, summary = deploy([checkpoints["state_only"], "--robot", "so101-sim", "--hz", "30", "--episodes", "2",
-                          "--episode-seconds", "0.5", "--record", str(tmp_path / "rec")], capsys)
+    rc, summary = deploy([checkpoints["state_only"], "--robot", "so101-sim", "--episodes", "2",
+                          "--episode-seconds", "0.75", "--record", str(tmp_path / "rec")], capsys)
     assert rc == 0, summary
+    assert summary["hz"] == 20.0  # the MuJoCo arm's control rate, which the policy was trained at
     assert [e["steps"] for e in summary["episodes"]] == [15, 15] and all(e["end"] == "done" for e in summary["episodes"])
     assert summary["torque_off_at_safe_pose"] is True
     for i in range(2):
@@ -69,6 +70,11 @@ def test_deploy_through_the_server_and_the_watchdog_when_it_stops(checkpoints, c
     assert summary["torque_off_at_safe_pose"] is True
 
 
+def test_a_delta_policy_at_another_rate_is_refused(checkpoints, capsys):
+    rc, err = deploy([checkpoints["state_only"], "--robot", "so101-sim", "--hz", "50", "--episode-seconds", "0.2"], capsys)
+    assert rc == 2 and "trained at 20 Hz" in err
+
+
 def test_a_checkpoint_that_reads_simulator_state_is_refused(checkpoints, capsys):
     rc, err = deploy([checkpoints["with_goal"], "--robot", "so101-sim", "--episode-seconds", "0.2"], capsys)
     assert rc == 2 and "simulator-only inputs ['goal_pos', 'tcp_pos']" in err
@@ -89,7 +95,7 @@ def test_a_mismatched_server_is_refused(checkpoints, capsys):
 def test_recordings_survive_a_crash_of_the_deploy_process(checkpoints, tmp_path):
     rec = tmp_path / "rec"
     proc = subprocess.Popen([sys.executable, "-m", "embodied.cli", "deploy", checkpoints["state_only"], "--robot",
-                             "so101-sim", "--episodes", "50", "--episode-seconds", "0.5", "--record", str(rec)],
+                             "so101-sim", "--episodes", "50", "--episode-seconds", "0.75", "--record", str(rec)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
