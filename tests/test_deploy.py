@@ -108,3 +108,19 @@ def test_recordings_survive_a_crash_of_the_deploy_process(checkpoints, tmp_path)
     assert done[:2] == ["episode_0000", "episode_0001"]
     for name in done:
         assert len(DemoDataset.load(rec / name)) == 15
+
+
+def test_a_pickcube_so100_policy_trained_in_maniskill_deploys_to_the_twin_unchanged(tmp_path, capsys):
+    # ManiSkill's SO-100 has LeRobot's joints: its columns and actions are named after them, and a
+    # policy on joint state only (no tool pose, no privileged) deploys as it is
+    pytest.importorskip("mani_skill")
+    assert main(["train", "configs/maniskill/pickcube_ppo.yaml", "env.task=PickCubeSO100-v1", f"runner.output_dir={tmp_path}",
+                 "runner.name=so100", "env.proprioception=[qpos,qvel]", "env.num_workers=0", "policy.use_privileged=false",
+                 "env.control_mode=pd_joint_delta_pos", *[a for a in TINY if not a.startswith("env.render")]]) == 0
+    from embodied.deploy import load_deployable
+
+    _, spec, _ = load_deployable(tmp_path / "so100" / "last")
+    assert spec.obs.state_names[:2] == ("shoulder_pan.pos", "shoulder_lift.pos") and spec.action.names[-1] == "gripper"
+    rc, summary = deploy([str(tmp_path / "so100" / "last"), "--robot", "so101-sim", "--episode-seconds", "0.5"], capsys)
+    assert rc == 0, summary
+    assert summary["episodes"][0]["end"] == "done" and summary["hz"] == spec.action.control_hz

@@ -35,6 +35,10 @@ INSTRUCTIONS = {
 
 # Proprioception: robot joint state and the end-effector pose (a real arm has these through FK).
 STATE_KEYS = (("agent", "qpos"), ("agent", "qvel"), ("extra", "tcp_pose"))
+# Robots that LeRobot drives with the same joints: their state columns and actions are named after
+# the joints ("shoulder_pan.pos", ...), as embodied.robots names a real arm's, so that a policy
+# trained here deploys to the arm (or its twin) as it is. Other robots keep qpos_i / arm_i names.
+JOINT_NAMED_ROBOTS = ("so100",)
 
 
 class MissingAssetError(RuntimeError):
@@ -90,6 +94,7 @@ class CoreOptions:
     sim_backend: str = "physx_cpu"
     render_size: int = 256
     ignore_terminations: bool = False  # episodes end only at the time limit; success is still reported
+    proprioception: tuple[str, ...] = ("qpos", "qvel", "tcp_pose")  # which of STATE_KEYS form the state
 
 
 def _flatten(x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +130,10 @@ class ManiSkillCore:
         self.device = self.env.device
         self.max_episode_steps = opts.max_episode_steps or REGISTERED_ENVS[opts.task].max_episode_steps
         self.instruction = instruction_for(opts.task)
+        self._state_keys = tuple((g, k) for g, k in STATE_KEYS if k in opts.proprioception)
+        agent = self.env.agent
+        self._joints = ([j.name for j in agent.robot.get_active_joints()]
+                        if getattr(agent, "uid", None) in JOINT_NAMED_ROBOTS else None)
         self.action_spec, self._scale, self._offset = self._action_spec()
         self._low, self._high = self.action_spec.bounds(self.device)  # cached: no per-step host->device copy
         self.elapsed = torch.zeros(opts.num_envs, dtype=torch.long, device=self.device)
@@ -152,6 +161,8 @@ class ManiSkillCore:
                 else:
                     scale.append(1.0), offset.append(0.0)
         mode = self.env.control_mode
+        if self._joints is not None and "joint" in mode and len(names) == len(self._joints):
+            names = list(self._joints)  # one action per joint, in joint order
         space = ("ee_delta_pose" if "ee_delta" in mode else "ee_pose" if "ee" in mode
                  else "joint_delta" if "delta" in mode else "joint_pos")
         spec = ActionSpec(space=space, names=tuple(names), low=tuple(low), high=tuple(high), gripper=gripper,
@@ -161,9 +172,14 @@ class ManiSkillCore:
 
     def _obs_spec(self, raw) -> ObsSpec:
         state_names = []
-        for group, key in STATE_KEYS:
+        suffix = {"qpos": "pos", "qvel": "vel"}
+        for group, key in self._state_keys:
             if key in raw.get(group, {}):
-                state_names += [f"{key}_{i}" for i in range(_flatten(raw[group][key]).shape[1])]
+                n = _flatten(raw[group][key]).shape[1]
+                if self._joints is not None and key in suffix and n == len(self._joints):
+                    state_names += [f"{j}.{suffix[key]}" for j in self._joints]
+                else:
+                    state_names += [f"{key}_{i}" for i in range(n)]
         state_keys = {k for _, k in STATE_KEYS}
         priv = {k: tuple(_flatten(v).shape[1:]) for k, v in raw.get("extra", {}).items() if k not in state_keys}
         self._priv_keys = tuple(priv)  # object/goal state: simulator-only ground truth
@@ -172,7 +188,7 @@ class ManiSkillCore:
 
     # --- conversion -----------------------------------------------------------------------
     def observation(self, raw) -> Observation:
-        state = torch.cat([_flatten(raw[g][k]) for g, k in STATE_KEYS if k in raw.get(g, {})], dim=1)  # f32 [B, S]
+        state = torch.cat([_flatten(raw[g][k]) for g, k in self._state_keys if k in raw.get(g, {})], dim=1)  # f32 [B, S]
         priv = {k: _flatten(raw["extra"][k]) for k in self._priv_keys}
         images = {name: v["rgb"] for name, v in raw.get("sensor_data", {}).items()}  # uint8 [B, H, W, 3]
         return Observation(state=state, instruction=[self.instruction] * state.shape[0], images=images, privileged=priv)

@@ -44,6 +44,9 @@ class ManiSkillConfig(SimulatorConfig):
     # for staying successful (as ManiSkill's PPO baseline trains). With terminations on, reaching
     # the goal ends the reward stream, and a policy can earn more by hovering just short of it.
     ignore_terminations: bool = False
+    # which proprioceptive groups form the state: a policy to deploy on a real arm leaves out
+    # tcp_pose (an arm measures joints; its tool pose would need the arm's exact kinematics)
+    proprioception: list[str] = field(default_factory=lambda: ["qpos", "qvel", "tcp_pose"])
 
     def validate(self) -> None:
         if self.backend not in ("cpu", "gpu"):
@@ -54,6 +57,9 @@ class ManiSkillConfig(SimulatorConfig):
             raise ValueError(f"num_envs: {self.num_envs} environments do not split evenly between {len(self.tasks)} tasks")
         if self.num_workers < 0:
             raise ValueError(f"num_workers: must be >= 0 (0: in this process), got {self.num_workers}")
+        unknown = sorted(set(self.proprioception) - {"qpos", "qvel", "tcp_pose"})
+        if unknown or not self.proprioception:
+            raise ValueError(f"proprioception: a non-empty subset of ['qpos', 'qvel', 'tcp_pose'], got {self.proprioception}")
         for name in ("num_envs", "image_size", "render_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -62,7 +68,8 @@ class ManiSkillConfig(SimulatorConfig):
 def _core_options(cfg: ManiSkillConfig, num_envs: int, sim_backend: str) -> CoreOptions:
     return CoreOptions(task=cfg.task, num_envs=num_envs, obs_mode=cfg.obs_mode, control_mode=cfg.control_mode,
                        reward_mode=cfg.reward_mode, image_size=cfg.image_size, max_episode_steps=cfg.max_episode_steps,
-                       sim_backend=sim_backend, render_size=cfg.render_size, ignore_terminations=cfg.ignore_terminations)
+                       sim_backend=sim_backend, render_size=cfg.render_size, ignore_terminations=cfg.ignore_terminations,
+                       proprioception=tuple(cfg.proprioception))
 
 
 # ---------------------------------------------------------------------------------------------
