@@ -119,6 +119,15 @@ def _cameras(values: list[str]) -> dict[str, str]:
     return out
 
 
+def _floats(text: str | None, default: float) -> tuple[float, ...]:
+    if not text:
+        return (default,) * 6
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{text!r}: expected 6 comma-separated numbers") from None
+
+
 def cmd_serve(args) -> int:
     import time
 
@@ -146,7 +155,8 @@ def cmd_deploy(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         arm = ArmConfig(robot=args.robot, port=args.robot_port or "", id=args.robot_id, cameras=_cameras(args.camera),
-                        instruction=args.instruction)
+                        instruction=args.instruction, joint_signs=_floats(args.joint_signs, 1.0),
+                        joint_offsets=_floats(args.joint_offsets, 0.0))
         summary = run_deploy(args.checkpoint, arm, hz=args.hz, episode_seconds=args.episode_seconds, server=args.server,
                              episodes=args.episodes, record=args.record)
     except (DeployError, RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
@@ -213,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--episodes", type=int, default=1)
     y.add_argument("--episode-seconds", type=float, default=30.0)
     y.add_argument("--record", help="directory for one LeRobot dataset per episode")
+    y.add_argument("--robot.joint-signs", dest="joint_signs", help="policy = sign * arm + offset per joint, e.g. -1,1,1,1,1,1 "
+                   "(a policy trained with another simulator's joint conventions)")
+    y.add_argument("--robot.joint-offsets", dest="joint_offsets", help="radians, 6 comma-separated values")
     y.set_defaults(func=cmd_deploy)
     return p
 

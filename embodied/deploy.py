@@ -100,10 +100,10 @@ def _select_columns(obs: Observation, spec: EnvSpec, robot_spec: EnvSpec) -> Obs
 
 
 def robot_infer(chunk_of, spec: EnvSpec, env):
-    """obs -> float64 [K, 6] joint targets (radians) for the control loop: the policy's chunk, with
-    deltas (joint_delta) accumulated from the last command the arm was sent."""
+    """obs -> float64 [K, 6] joint targets (radians, the policy's frame) for the control loop: the
+    policy's chunk, with deltas (joint_delta) accumulated from the last command the arm was sent."""
     def infer(obs: Observation) -> np.ndarray:
-        base = env.safety.last.copy()  # read before inference: the chunk starts from here
+        base = env.to_policy(env.safety.last)  # read before inference: the chunk starts from here
         chunk = np.asarray(chunk_of(_select_columns(obs, spec, env.spec)), np.float64)
         return base + np.cumsum(chunk, 0) if spec.action.space == "joint_delta" else chunk
     return infer

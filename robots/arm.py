@@ -50,6 +50,10 @@ class ArmConfig:
     instruction: str = ""
     joint_margin: float = 0.05  # radians kept clear of each calibrated end of travel
     max_step: float = 0.05  # radians per control step (safety rate limit)
+    # The policy's joint frame, where it differs from the arm's (another simulator's conventions):
+    # policy = sign * arm + offset, per joint. Safety works in the arm's frame.
+    joint_signs: tuple[float, ...] = (1.0,) * 6
+    joint_offsets: tuple[float, ...] = (0.0,) * 6
 
     def validate(self) -> None:
         base = self.robot.removesuffix("-sim")
@@ -59,6 +63,8 @@ class ArmConfig:
             raise ValueError("robot.port: the arm's serial port is needed (e.g. /dev/ttyACM0; `lerobot-find-port` finds it)")
         if self.control_hz <= 0 or self.image_size < 1 or self.max_episode_steps < 1:
             raise ValueError("robot: control_hz, image_size and max_episode_steps must be positive")
+        if len(self.joint_signs) != len(JOINTS) or any(v not in (1, -1) for v in self.joint_signs) or len(self.joint_offsets) != len(JOINTS):
+            raise ValueError(f"robot.joint_signs / joint_offsets: {len(JOINTS)} values each, signs +1 or -1")
 
 
 def lerobot_config(cfg: ArmConfig):
@@ -150,14 +156,23 @@ class RobotEnv:
 
     def __init__(self, robot, cfg: ArmConfig, safety: SafetyLayer):
         self.robot, self.cfg, self.safety = robot, cfg, safety
+        self.signs, self.offsets = np.asarray(cfg.joint_signs, float), np.asarray(cfg.joint_offsets, float)
         cams = tuple(CameraSpec(name, cfg.image_size, cfg.image_size) for name in robot.cameras)
-        low, high = safety.low, safety.high
+        ends = np.stack([self.to_policy(safety.low), self.to_policy(safety.high)])
+        low, high = ends.min(0), ends.max(0)
         self.spec = EnvSpec(obs=ObsSpec(cameras=cams, state_names=tuple(f"{j}.pos" for j in JOINTS) + tuple(f"{j}.vel" for j in JOINTS)),
                             action=ActionSpec("joint_pos", JOINTS, tuple(low), tuple(high), gripper=GRIPPER, control_hz=cfg.control_hz),
                             max_episode_steps=cfg.max_episode_steps, instructions=(cfg.instruction,))
-        self.elapsed, self.present = 0, None
+        self.elapsed, self.present = 0, None  # present: arm-frame radians
         self._last_q, self._last_t = None, None
         self.interventions: list[str] = []  # this step's
+
+    def to_policy(self, q: np.ndarray) -> np.ndarray:
+        """Arm-frame joint radians -> the policy's frame."""
+        return self.signs * np.asarray(q, float) + self.offsets
+
+    def to_arm(self, q: np.ndarray) -> np.ndarray:
+        return (np.asarray(q, float) - self.offsets) * self.signs
 
     def observe(self) -> Observation:
         """Read the arm and cameras (present joint positions in ``self.present``, radians)."""
@@ -166,7 +181,7 @@ class RobotEnv:
         q = to_radians(raw, self.cfg.gripper_range)
         vel = np.zeros_like(q) if self._last_q is None else (q - self._last_q) / max(t - self._last_t, 1e-3)
         self._last_q, self._last_t, self.present = q, t, q
-        state = torch.from_numpy(np.concatenate([q, vel]).astype(np.float32))[None]  # f32 [1, 12]
+        state = torch.from_numpy(np.concatenate([self.to_policy(q), self.signs * vel]).astype(np.float32))[None]  # f32 [1, 12]
         images = {}
         for name in self.robot.cameras:
             frame = torch.from_numpy(np.ascontiguousarray(raw[name]))  # uint8 [H, W, 3]
@@ -196,14 +211,15 @@ class RobotEnv:
         return safe
 
     def step(self, actions: torch.Tensor) -> StepOutput:
-        """actions: float32 [1, 6] joint positions, radians."""
-        sent = self.send(actions.detach().to("cpu", torch.float64).numpy().reshape(-1))
+        """actions: float32 [1, 6] joint positions, radians, in the policy's frame."""
+        sent = self.send(self.to_arm(actions.detach().to("cpu", torch.float64).numpy().reshape(-1)))
         obs = self.observe()
         self.elapsed += 1
         truncated = self.elapsed >= self.cfg.max_episode_steps
         false = torch.zeros(1, dtype=torch.bool)
         out = StepOutput(obs=obs, reward=torch.zeros(1), terminated=false, truncated=torch.tensor([truncated]), success=false,
-                         final_obs=obs if truncated else None, info={"sent": sent, "interventions": list(self.interventions)})
+                         final_obs=obs if truncated else None,
+                         info={"sent": self.to_policy(sent), "interventions": list(self.interventions)})  # policy frame
         if truncated:
             self.elapsed = 0
         return out

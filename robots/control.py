@@ -198,7 +198,7 @@ def run_episode(env, executor: ChunkExecutor, estop: EmergencyStop, *, hz: float
                 result.watchdog["hold"] += 1
                 holding = True
                 log.warning("watchdog: no action for %.2f s: holding position", stale)
-            sent, kinds = env.hold(), ["watchdog_hold"] if holding else []
+            sent, kinds = env.to_policy(env.hold()), ["watchdog_hold"] if holding else []
             obs = env.observe()
         result.frames.append({"t": now, "obs": obs, "sent": sent, "interventions": kinds})
         if on_step is not None:

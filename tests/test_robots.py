@@ -139,6 +139,25 @@ def test_workspace_box_stops_the_tool_short_of_the_table(tmp_path):
         env.close()
 
 
+def test_a_policy_frame_with_a_mirrored_pan_and_an_offset_elbow(tmp_path):
+    # policy = sign * arm + offset: another simulator's conventions, mapped at the policy boundary only
+    env, twin, port = twin_env(tmp_path, joint_signs=(-1, 1, 1, 1, 1, 1), joint_offsets=(0, 0, 0.25, 0, 0, 0))
+    try:
+        twin.frozen = True
+        obs = env.reset()
+        arm = twin.joints()
+        assert obs.state[0, 0].item() == pytest.approx(-arm[0], abs=BUS) and obs.state[0, 2].item() == pytest.approx(arm[2] + 0.25, abs=BUS)
+        twin.frozen = False
+        target = obs.state[0, :6].numpy().astype(np.float64)
+        target[0] += 0.04  # +pan in the policy's frame ...
+        env.step(torch.tensor(target, dtype=torch.float32)[None])
+        assert sent_radians(port)[0] == pytest.approx(arm[0] - 0.04, abs=BUS)  # ... is -pan on the arm
+        low, high = env.spec.action.bounds()
+        assert low[0].item() == pytest.approx(-env.safety.high[0]) and high[2].item() == pytest.approx(env.safety.high[2] + 0.25)
+    finally:
+        env.close()
+
+
 def test_an_uncalibrated_arm_is_refused_with_the_calibration_command(tmp_path):
     cfg = ArmConfig(robot="so101", port="/dev/ttyFAKE0", id="nobody", calibration_dir=str(tmp_path))
     robot = make_robot(cfg)
