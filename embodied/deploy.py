@@ -206,14 +206,15 @@ def run_deploy(checkpoint: str, arm, *, hz: float | None = None, episode_seconds
         recorder = EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot) if record else None
         with EmergencyStop(keyboard=keyboard) as stop:
             for ep in range(episodes):
-                executor = ChunkExecutor(infer, request_when_left=request_when_left, blend_steps=blend_steps)
+                executor = ChunkExecutor(infer, request_when_left=request_when_left, blend_steps=blend_steps,
+                                         wait_s=0.5 / arm.control_hz)  # up to half a period for a late chunk
                 try:
                     result = run_episode(env, executor, stop, hz=arm.control_hz, max_steps=arm.max_episode_steps,
                                          on_step=recorder.add if recorder else None)
                 finally:
                     executor.close()
                 saved = recorder.finish(result.reason, result.timing) if recorder else None
-                summary["episodes"].append({"steps": result.steps, "end": result.reason, **result.timing,
+                summary["episodes"].append({"steps": result.steps, "acted": result.acted, "end": result.reason, **result.timing,
                                             "watchdog": dict(result.watchdog), "inference_errors": executor.errors,
                                             "recording": str(saved) if saved else None})
                 log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)

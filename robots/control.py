@@ -59,8 +59,9 @@ class ChunkExecutor:
     obs)`` returns the action for this control step, or None when none is ready (the watchdog's
     business). ``infer`` may raise: the error is logged and counted, and the chunk never comes."""
 
-    def __init__(self, infer: Callable, *, request_when_left: int = 2, blend_steps: int = 2):
+    def __init__(self, infer: Callable, *, request_when_left: int = 2, blend_steps: int = 2, wait_s: float = 0.0):
         self.infer, self.request_when_left, self.blend_steps = infer, request_when_left, blend_steps
+        self.wait_s = wait_s  # with nothing planned, wait this long for the chunk in flight before giving up the step
         self.plan: list[np.ndarray] = []  # actions for steps self.plan_step, self.plan_step + 1, ...
         self.plan_step = 0
         self.pending = False
@@ -86,11 +87,21 @@ class ChunkExecutor:
     def _merge(self, inferred_at: int, chunk: np.ndarray, step: int) -> None:
         """``chunk[i]`` is for step ``inferred_at + i``; the plan (``plan[0]`` for ``step``) becomes
         the chunk from ``step`` on, its first ``blend_steps`` blended with the old plan."""
-        new = list(chunk[max(0, step - inferred_at):])  # steps that passed while it was computed are gone
+        # steps that passed while it was computed are gone, but never the last one: a one-action
+        # chunk that comes a step late is still the freshest plan there is
+        new = list(chunk[min(max(0, step - inferred_at), len(chunk) - 1):])
         for i in range(min(self.blend_steps, len(self.plan), len(new))):
             w = (i + 1) / (self.blend_steps + 1)
             new[i] = (1 - w) * self.plan[i] + w * new[i]
         self.plan = new
+
+    def _take(self, inferred_at: int, chunk: np.ndarray | None, latency: float, step: int) -> None:
+        self.pending = False
+        self.latencies.append(latency)
+        if chunk is None:
+            self.errors += 1
+        else:
+            self._merge(inferred_at, chunk, step)
 
     def action(self, step: int, obs) -> np.ndarray | None:
         """The joint targets for control step ``step`` (observation ``obs``), or None."""
@@ -99,16 +110,15 @@ class ChunkExecutor:
             self.plan_step += 1
         self.plan_step = step
         while not self._results.empty():
-            inferred_at, chunk, latency = self._results.get()
-            self.pending = False
-            self.latencies.append(latency)
-            if chunk is None:
-                self.errors += 1
-            else:
-                self._merge(inferred_at, chunk, step)
+            self._take(*self._results.get(), step)
         if not self.pending and len(self.plan) <= self.request_when_left:
             self._requests.put((step, obs))
             self.pending = True
+        if not self.plan and self.pending and self.wait_s > 0:
+            try:  # a fast policy answers within the step: use it now rather than a step late
+                self._take(*self._results.get(timeout=self.wait_s), step)
+            except queue.Empty:
+                pass
         if not self.plan:
             return None
         self.plan_step = step + 1
@@ -165,6 +175,7 @@ class EpisodeResult:
     reason: str  # "done" | "estop" | "watchdog"
     frames: list[dict] = field(default_factory=list)  # per step: t, state, action sent, interventions
     watchdog: Counter = field(default_factory=Counter)  # "hold" and "stop" events
+    acted: int = 0  # steps that executed a policy action (the others held)
     timing: dict = field(default_factory=dict)
 
 
@@ -185,6 +196,7 @@ def run_episode(env, executor: ChunkExecutor, estop: EmergencyStop, *, hz: float
         now = time.monotonic()
         if action is not None:
             last_fresh, holding = now, False
+            result.acted += 1
             out = env.step(torch.from_numpy(np.asarray(action, np.float32))[None])  # f32 [1, 6]
             obs, sent, kinds = out.obs, out.info["sent"], out.info["interventions"]
         else:

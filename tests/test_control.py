@@ -78,6 +78,21 @@ def test_second_seam_weight_and_a_failed_inference_is_counted():
         ex.close()
 
 
+def test_one_action_chunks_are_used_within_their_step_or_a_step_late():
+    ex = ChunkExecutor(lambda step: np.array([[float(step)]]), request_when_left=0, wait_s=1.0)
+    try:
+        assert [ex.action(t, t)[0] for t in range(5)] == [0.0, 1.0, 2.0, 3.0, 4.0]  # waited for: fresh each step
+    finally:
+        ex.close()
+    late = ChunkExecutor(lambda step: np.array([[float(step)]]), request_when_left=0)
+    try:
+        assert late.action(0, 0) is None
+        _wait(late)
+        assert late.action(1, 1)[0] == 0.0  # the step-0 action, a step late, rather than nothing
+    finally:
+        late.close()
+
+
 def test_watchdog_holds_then_stops_and_the_arm_reaches_the_safe_pose_before_torque_off(tmp_path):
     env, twin, port = twin_env(tmp_path, hold_after_s=0.15, stop_after_s=0.6)
     served = threading.Event()

@@ -43,6 +43,8 @@ def test_deploy_on_the_twin_records_each_episode_and_ends_at_the_safe_pose(check
     assert rc == 0, summary
     assert summary["hz"] == 20.0  # the MuJoCo arm's control rate, which the policy was trained at
     assert [e["steps"] for e in summary["episodes"]] == [15, 15] and all(e["end"] == "done" for e in summary["episodes"])
+    # the policy acted: one-action chunks (K = 1) inferred in the background, each used within its step
+    assert all(e["acted"] >= 14 and e["watchdog"] == {} for e in summary["episodes"])
     assert summary["torque_off_at_safe_pose"] is True
     for i in range(2):
         data = DemoDataset.load(tmp_path / "rec" / f"episode_{i:04d}")
@@ -66,7 +68,7 @@ def test_deploy_through_the_server_and_the_watchdog_when_it_stops(checkpoints, c
     assert rc == 0, summary
     (episode,) = summary["episodes"]
     assert episode["end"] == "watchdog" and episode["watchdog"] == {"hold": 1, "stop": 1}
-    assert 10 < episode["steps"] < 600 and episode["inference_errors"] >= 1
+    assert 10 < episode["steps"] < 600 and episode["inference_errors"] >= 1 and episode["acted"] >= 9  # it ran, then lost the server
     assert summary["torque_off_at_safe_pose"] is True
 
 
@@ -124,3 +126,4 @@ def test_a_pickcube_so100_policy_trained_in_maniskill_deploys_to_the_twin_unchan
     rc, summary = deploy([str(tmp_path / "so100" / "last"), "--robot", "so101-sim", "--episode-seconds", "0.5"], capsys)
     assert rc == 0, summary
     assert summary["episodes"][0]["end"] == "done" and summary["hz"] == spec.action.control_hz
+    assert summary["episodes"][0]["acted"] >= summary["episodes"][0]["steps"] - 1
