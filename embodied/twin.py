@@ -1,7 +1,7 @@
 """The digital twin: LeRobot's own SO-100/SO-101 driver driving the MuJoCo desktop arm.
 
 ``make_twin_robot`` builds the real ``SOFollower`` (LeRobot's class, its Feetech bus, its
-calibration code) and plugs a software serial port (robots/feetech_port.py) where /dev/ttyACM0
+calibration code) and plugs a software serial port (robots/servo_port.py) where /dev/ttyACM0
 would be. Goal positions written on that port become the targets of the MuJoCo arm's position
 servos (simulators/mujoco/arm.py); present positions read from it are the simulated joints. The
 physics runs in wall-clock time, advanced whenever the driver reads, so a control loop sees the
@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from embodied.robots.arm import JOINTS, ArmConfig, make_robot  # noqa: E402
 from embodied.robots.lerobot_import import import_lerobot_processor  # noqa: E402
-from embodied.robots.feetech_port import FeetechPort, attach, rad_to_ticks, ticks_to_rad  # noqa: E402
+from embodied.robots.servo_port import FeetechPort, attach, rad_to_ticks, ticks_to_rad  # noqa: E402
 from embodied.simulators.mujoco.arm import HOME, RANGES, scene  # noqa: E402
 from embodied.simulators.mujoco.tasks import TASKS  # noqa: E402
 

@@ -80,7 +80,7 @@ def lerobot_config(cfg: ArmConfig):
     if cfg.robot.startswith("koch"):
         from lerobot.robots.koch_follower import KochFollowerConfig
 
-        return KochFollowerConfig(**common)
+        return KochFollowerConfig(**common, use_degrees=True)  # its default is -100..100, not degrees
     from lerobot.robots.so_follower import SOFollowerRobotConfig
 
     return SOFollowerRobotConfig(**common, use_degrees=True)

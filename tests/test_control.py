@@ -12,7 +12,9 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 from embodied.robots.arm import ArmConfig, RobotEnv, connect, default_safety  # noqa: E402
 from embodied.robots.control import ChunkExecutor, EmergencyStop, RateTimer, run_episode, safe_shutdown  # noqa: E402
-from embodied.robots.feetech_port import TORQUE_ENABLE, ticks_to_rad  # noqa: E402
+from embodied.robots.servo_port import FEETECH_STS, ticks_to_rad  # noqa: E402
+
+TORQUE_ENABLE = FEETECH_STS.torque[0]
 from embodied.robots.safety import SafetyLayer  # noqa: E402
 
 HZ = 30.0

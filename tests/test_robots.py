@@ -11,7 +11,7 @@ import torch
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 from embodied.robots.arm import JOINTS, ArmConfig, RobotEnv, RobotError, connect, default_safety, from_radians, make_robot  # noqa: E402
-from embodied.robots.feetech_port import FeetechPort, attach, rad_to_ticks, ticks_to_rad  # noqa: E402
+from embodied.robots.servo_port import DynamixelPort, FeetechPort, attach, rad_to_ticks, ticks_to_rad  # noqa: E402
 from embodied.robots.kinematics import tool_point  # noqa: E402
 from embodied.robots.safety import SafetyLayer  # noqa: E402
 from embodied.schema import check_env  # noqa: E402
@@ -164,6 +164,36 @@ def test_an_uncalibrated_arm_is_refused_with_the_calibration_command(tmp_path):
     attach(robot.bus, FeetechPort({i: (0, 4095) for i in range(1, 7)}))
     with pytest.raises(RobotError, match="lerobot-calibrate --robot.type=so101_follower --robot.port=/dev/ttyFAKE0 --robot.id=nobody"):
         connect(robot, cfg)  # would prompt on stdin if it tried LeRobot's interactive calibration
+
+
+def test_koch_arm_on_dynamixel_servos_passes_the_contract_with_its_limits(tmp_path):
+    # LeRobot's KochFollower and DynamixelMotorsBus (protocol 2.0, CRC, byte stuffing) on a
+    # software port with ideal servos, with a calibration as lerobot-calibrate would save it
+    import json
+
+    ranges = {i: (2048 - 900, 2048 + 900) for i in range(1, 7)}
+    cal = {j: {"id": i + 1, "drive_mode": 0, "homing_offset": 0, "range_min": ranges[i + 1][0], "range_max": ranges[i + 1][1]}
+           for i, j in enumerate(JOINTS)}
+    (tmp_path / "koch.json").write_text(json.dumps(cal))
+    cfg = ArmConfig(robot="koch", port="/dev/ttyFAKE1", id="koch", calibration_dir=str(tmp_path), max_episode_steps=3)
+    robot = make_robot(cfg)
+    models = {1: 1060, 2: 1060, 3: 1200, 4: 1200, 5: 1200, 6: 1200}  # XL430-W250 x2, XL330-M288 x4
+    port = DynamixelPort(ranges, model_numbers=models)
+    attach(robot.bus, port)
+    connect(robot, cfg)
+    env = RobotEnv(robot, cfg, SafetyLayer(default_safety(robot, cfg)))
+    try:
+        check_env(env, seed=0, deterministic=False)
+        env.reset()
+        far = env.safety.last.copy()
+        far[1] = -10.0
+        env.step(torch.tensor(far, dtype=torch.float32)[None])
+        goal = ticks_to_rad(port.goal_writes()[-1][2])
+        assert goal == pytest.approx(env.safety.last[1], abs=BUS) and env.interventions == ["joint_limit", "rate_limit"]
+        # the calibrated range of motion (900 ticks each way) less the margin, in radians
+        assert env.safety.high[0] == pytest.approx(900 * 2 * math.pi / 4095 - cfg.joint_margin, abs=1e-6)
+    finally:
+        env.close()
 
 
 def test_bad_robot_config_is_a_clear_error():
