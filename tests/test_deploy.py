@@ -38,7 +38,7 @@ def deploy(args, capsys):
 
 
 def test_deploy_on_the_twin_records_each_episode_and_ends_at_the_safe_pose(checkpoints, tmp_path, capsys):
-    rc, summary = deploy([checkpoints["state_only"], "--robot", "so101-sim", "--episodes", "2",
+    rc, summary = deploy([checkpoints["state_only"], "--robot", "so101-sim", "--episodes", "2", "--camera", "wrist=wrist",
                           "--episode-seconds", "0.75", "--record", str(tmp_path / "rec")], capsys)
     assert rc == 0, summary
     assert summary["hz"] == 20.0  # the MuJoCo arm's control rate, which the policy was trained at
@@ -49,6 +49,7 @@ def test_deploy_on_the_twin_records_each_episode_and_ends_at_the_safe_pose(check
     for i in range(2):
         data = DemoDataset.load(tmp_path / "rec" / f"episode_{i:04d}")
         assert len(data) == 15 and data.actions.shape == (15, 6)  # the commands sent, radians
+        assert data.images["wrist"].shape[0] == 15 and (tmp_path / "rec" / f"episode_{i:04d}" / "wrist.mp4").stat().st_size > 0
 
 
 def test_deploy_through_the_server_and_the_watchdog_when_it_stops(checkpoints, capsys):
