@@ -79,7 +79,6 @@ def run(hz: float, remote: bool, seconds: float, camera: bool) -> dict:
         if server is not None:
             server.stop()
         env.close()
-        twin.close()
 
 
 def main() -> None:

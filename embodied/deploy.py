@@ -14,8 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -119,16 +118,13 @@ class EpisodeRecorder:
     spec: EnvSpec
     robot_type: str
     count: int = 0
-    frames: list = field(default_factory=list)
 
-    def add(self, step: int, obs: Observation, sent: np.ndarray, kinds: list[str]) -> None:
-        self.frames.append((time.monotonic(), obs, np.asarray(sent, np.float32), list(kinds)))
-
-    def finish(self, reason: str, timing: dict) -> Path | None:
+    def finish(self, result) -> Path | None:
+        """Write the frames of an ended episode (robots.control.EpisodeResult)."""
         from embodied.dataset import LeRobotWriter
         from embodied.video import write_mp4
 
-        frames, self.frames = self.frames, []
+        frames = result.frames
         if not frames:
             return None
         out = self.root / f"episode_{self.count:04d}"
@@ -138,14 +134,14 @@ class EpisodeRecorder:
                                action_names=list(self.spec.action.names), robot_type=self.robot_type,
                                source={"deploy": True})
         T = len(frames)
-        images = {c: np.stack([f[1].images[c][0].numpy() for f in frames]) for c in cams}
-        t0 = frames[0][0]
-        writer.add_episode(images=images, state=np.stack([f[1].state[0].numpy() for f in frames]),
-                           actions=np.stack([f[2] for f in frames]), rewards=np.zeros(T, np.float32),
-                           success=np.zeros(T, bool), task=frames[0][1].instruction[0],
-                           extra={"end": reason, "wall_time_s": [round(f[0] - t0, 4) for f in frames],
-                                  "interventions": [",".join(f[3]) for f in frames],
-                                  "jitter_p99_ms": timing.get("jitter_p99_ms")})
+        images = {c: np.stack([f["obs"].images[c][0].numpy() for f in frames]) for c in cams}
+        t0 = frames[0]["t"]
+        writer.add_episode(images=images, state=np.stack([f["obs"].state[0].numpy() for f in frames]),
+                           actions=np.stack([np.asarray(f["sent"], np.float32) for f in frames]),
+                           rewards=np.zeros(T, np.float32), success=np.zeros(T, bool), task=frames[0]["obs"].instruction[0],
+                           extra={"end": result.reason, "wall_time_s": [round(f["t"] - t0, 4) for f in frames],
+                                  "interventions": [",".join(f["interventions"]) for f in frames],
+                                  "jitter_p99_ms": result.timing.get("jitter_p99_ms")})
         writer.close()
         for c, video in images.items():
             write_mp4(out / f"{c}.mp4", list(video), self.fps)
@@ -186,9 +182,9 @@ def run_deploy(checkpoint: str, arm, *, hz: float | None = None, episode_seconds
     if arm.robot.endswith("-sim"):
         from embodied.twin import make_twin_robot
 
-        robot, twin, _ = make_twin_robot(arm, task=twin_task)
+        robot, _, _ = make_twin_robot(arm, task=twin_task)
     else:
-        robot, twin = make_robot(arm), None
+        robot = make_robot(arm)
     connect(robot, arm)
     env = RobotEnv(robot, arm, SafetyLayer(default_safety(robot, arm)))
     client = None
@@ -209,11 +205,10 @@ def run_deploy(checkpoint: str, arm, *, hz: float | None = None, episode_seconds
                 executor = ChunkExecutor(infer, request_when_left=request_when_left, blend_steps=blend_steps,
                                          wait_s=0.5 / arm.control_hz)  # up to half a period for a late chunk
                 try:
-                    result = run_episode(env, executor, stop, hz=arm.control_hz, max_steps=arm.max_episode_steps,
-                                         on_step=recorder.add if recorder else None)
+                    result = run_episode(env, executor, stop, hz=arm.control_hz, max_steps=arm.max_episode_steps)
                 finally:
                     executor.close()
-                saved = recorder.finish(result.reason, result.timing) if recorder else None
+                saved = recorder.finish(result) if recorder else None
                 summary["episodes"].append({"steps": result.steps, "acted": result.acted, "end": result.reason, **result.timing,
                                             "watchdog": dict(result.watchdog), "inference_errors": executor.errors,
                                             "recording": str(saved) if saved else None})
@@ -225,7 +220,5 @@ def run_deploy(checkpoint: str, arm, *, hz: float | None = None, episode_seconds
         summary["torque_off_at_safe_pose"] = safe_shutdown(env, hz=arm.control_hz)
         if client is not None:
             client.close()
-        env.close()
-        if twin is not None:
-            twin.close()
+        env.close()  # the twin's cameras close their renderers with the robot
     return summary

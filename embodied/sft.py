@@ -223,5 +223,5 @@ def _eval_env_config(env_cfgs: dict[str, ManiSkillConfig]) -> ManiSkillConfig:
     if len(env_cfgs) == 1:
         return first
     n = len(env_cfgs)
-    return replace(first, tasks=list(env_cfgs), num_envs=n * first.num_envs, 
+    return replace(first, tasks=list(env_cfgs), num_envs=n * first.num_envs,
                    num_workers=max(n, first.num_workers) if first.num_workers else 0)  # 0: in process

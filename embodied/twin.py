@@ -51,7 +51,6 @@ class ArmTwin:
         self.torque = {j: True for j in JOINTS}  # it starts holding its start pose, as if resting there
         self._set_gains()
         self._lock, self._t, self.frozen = threading.Lock(), time.monotonic(), False
-        self._renderers: dict[tuple[int, int], mujoco.Renderer] = {}
 
     def _set_gains(self) -> None:
         """A servo without torque applies none: gain and position feedback both zero."""
@@ -93,22 +92,6 @@ class ArmTwin:
             self.advance()
             return np.array([self.data.qpos[q] for q in self._qpos])
 
-    def render(self, camera: str, height: int, width: int) -> np.ndarray:
-        """uint8 [H, W, 3] from a named MuJoCo camera."""
-        with self._lock:
-            key = (height, width)
-            if key not in self._renderers:
-                self.model.vis.global_.offwidth = max(self.model.vis.global_.offwidth, width)
-                self.model.vis.global_.offheight = max(self.model.vis.global_.offheight, height)
-                self._renderers[key] = mujoco.Renderer(self.model, height, width)
-            r = self._renderers[key]
-            r.update_scene(self.data, camera=camera)
-            return r.render().copy()
-
-    def close(self) -> None:
-        for r in self._renderers.values():
-            r.close()
-        self._renderers = {}
 
 
 def _twin_camera_class():

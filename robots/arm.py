@@ -164,7 +164,7 @@ class RobotEnv:
                             action=ActionSpec("joint_pos", JOINTS, tuple(low), tuple(high), gripper=GRIPPER, control_hz=cfg.control_hz),
                             max_episode_steps=cfg.max_episode_steps, instructions=(cfg.instruction,))
         self.elapsed, self.present = 0, None  # present: arm-frame radians
-        self._last_q, self._last_t = None, None
+        self._last_t = None  # when self.present was read
         self.interventions: list[str] = []  # this step's
 
     def to_policy(self, q: np.ndarray) -> np.ndarray:
@@ -179,8 +179,8 @@ class RobotEnv:
         raw = self.robot.get_observation()
         t = time.monotonic()
         q = to_radians(raw, self.cfg.gripper_range)
-        vel = np.zeros_like(q) if self._last_q is None else (q - self._last_q) / max(t - self._last_t, 1e-3)
-        self._last_q, self._last_t, self.present = q, t, q
+        vel = np.zeros_like(q) if self.present is None else (q - self.present) / max(t - self._last_t, 1e-3)
+        self._last_t, self.present = t, q
         state = torch.from_numpy(np.concatenate([self.to_policy(q), self.signs * vel]).astype(np.float32))[None]  # f32 [1, 12]
         images = {}
         for name in self.robot.cameras:

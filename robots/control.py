@@ -179,8 +179,7 @@ class EpisodeResult:
     timing: dict = field(default_factory=dict)
 
 
-def run_episode(env, executor: ChunkExecutor, estop: EmergencyStop, *, hz: float, max_steps: int,
-                on_step: Callable | None = None) -> EpisodeResult:
+def run_episode(env, executor: ChunkExecutor, estop: EmergencyStop, *, hz: float, max_steps: int) -> EpisodeResult:
     """Drive ``env`` (a RobotEnv) at ``hz`` for up to ``max_steps`` steps. Without a fresh action
     for ``hold_after_s`` the arm holds its last command; after ``stop_after_s`` the episode ends
     with reason "watchdog" (the caller then shuts down to the safe pose)."""
@@ -213,8 +212,6 @@ def run_episode(env, executor: ChunkExecutor, estop: EmergencyStop, *, hz: float
             sent, kinds = env.to_policy(env.hold()), ["watchdog_hold"] if holding else []
             obs = env.observe()
         result.frames.append({"t": now, "obs": obs, "sent": sent, "interventions": kinds})
-        if on_step is not None:
-            on_step(step, obs, sent, kinds)
         result.steps = step + 1
         timer.wait()
     result.timing = {**timer.stats(), "inference_ms_p50": float(np.median(executor.latencies) * 1e3) if executor.latencies else None}

@@ -29,6 +29,11 @@ def twin_env(tmp_path, **overrides):
     return RobotEnv(robot, cfg, SafetyLayer(default_safety(robot, cfg))), twin, port
 
 
+def command(env, joints: np.ndarray):
+    """One step of the arm toward ``joints`` (radians [6], the policy's frame)."""
+    return env.step(torch.tensor(joints, dtype=torch.float32)[None])  # f32 [1, 6]
+
+
 def sent_radians(port: FeetechPort) -> np.ndarray:
     """The last goal positions written on the bus, radians, in joint order."""
     goals = port.goal_writes()[-1]
@@ -98,24 +103,24 @@ def test_each_safety_limit_reaches_the_bus_clipped_never_raw(tmp_path):
         # joint limit + rate limit: a far target beyond the pan limit moves one step, clipped
         far = start.copy()
         far[0] = 10.0
-        env.step(torch.tensor(far, dtype=torch.float32)[None])
+        command(env, far)
         np.testing.assert_allclose(sent_radians(port)[0], start[0] + safety.max_step[0], atol=BUS)
         assert env.interventions == ["joint_limit", "rate_limit"]
         np.testing.assert_allclose(sent_radians(port)[1:], start[1:], atol=BUS)  # nothing else moved
         # walking to the limit never passes it
         for _ in range(80):
-            env.step(torch.tensor(far, dtype=torch.float32)[None])
+            command(env, far)
         assert abs(sent_radians(port)[0] - safety.high[0]) <= BUS
         # NaN: rejected whole, the arm keeps the last command
         before = sent_radians(port)
         bad = far.copy()
         bad[2] = float("nan")
-        env.step(torch.tensor(bad, dtype=torch.float32)[None])
+        command(env, bad)
         assert env.interventions == ["nonfinite"] and safety.counts["nonfinite"] == 1
         np.testing.assert_allclose(sent_radians(port), before, atol=BUS)
         inf = far.copy()
         inf[1] = float("inf")
-        env.step(torch.tensor(inf, dtype=torch.float32)[None])
+        command(env, inf)
         assert safety.counts["nonfinite"] == 2
     finally:
         env.close()
@@ -129,7 +134,7 @@ def test_workspace_box_stops_the_tool_short_of_the_table(tmp_path):
         target = env.safety.last.copy()
         target[1], target[2], target[3] = 1.0, 0.3, 0.5
         for _ in range(120):
-            env.step(torch.tensor(target, dtype=torch.float32)[None])
+            command(env, target)
         sent = sent_radians(port)
         assert env.safety.counts["workspace"] > 0
         z = tool_point(sent)[2]
@@ -150,7 +155,7 @@ def test_a_policy_frame_with_a_mirrored_pan_and_an_offset_elbow(tmp_path):
         twin.frozen = False
         target = obs.state[0, :6].numpy().astype(np.float64)
         target[0] += 0.04  # +pan in the policy's frame ...
-        env.step(torch.tensor(target, dtype=torch.float32)[None])
+        command(env, target)
         assert sent_radians(port)[0] == pytest.approx(arm[0] - 0.04, abs=BUS)  # ... is -pan on the arm
         low, high = env.spec.action.bounds()
         assert low[0].item() == pytest.approx(-env.safety.high[0]) and high[2].item() == pytest.approx(env.safety.high[2] + 0.25)
@@ -187,7 +192,7 @@ def test_koch_arm_on_dynamixel_servos_passes_the_contract_with_its_limits(tmp_pa
         env.reset()
         far = env.safety.last.copy()
         far[1] = -10.0
-        env.step(torch.tensor(far, dtype=torch.float32)[None])
+        command(env, far)
         goal = ticks_to_rad(port.goal_writes()[-1][2])
         assert goal == pytest.approx(env.safety.last[1], abs=BUS) and env.interventions == ["joint_limit", "rate_limit"]
         # the calibrated range of motion (900 ticks each way) less the margin, in radians
