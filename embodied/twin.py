@@ -25,7 +25,6 @@ import mujoco  # noqa: E402
 import numpy as np  # noqa: E402
 
 from embodied.robots.arm import JOINTS, ArmConfig, make_robot  # noqa: E402
-from embodied.robots.lerobot_import import import_lerobot_processor  # noqa: E402
 from embodied.robots.servo_port import FeetechPort, attach, rad_to_ticks, ticks_to_rad  # noqa: E402
 from embodied.simulators.mujoco.arm import HOME, RANGES, scene  # noqa: E402
 from embodied.simulators.mujoco.tasks import TASKS  # noqa: E402
@@ -95,7 +94,6 @@ class ArmTwin:
 
 
 def _twin_camera_class():
-    import_lerobot_processor()
     from lerobot.cameras import Camera, CameraConfig
 
     class TwinCamera(Camera):

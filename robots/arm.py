@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from embodied.robots.lerobot_import import import_lerobot_processor
 from embodied.robots.safety import SafetyConfig, SafetyLayer
 from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, Observation, StepOutput
 
@@ -69,7 +68,6 @@ class ArmConfig:
 
 def lerobot_config(cfg: ArmConfig):
     """LeRobot's config object for the arm (torque stays on at disconnect: our shutdown decides)."""
-    import_lerobot_processor()
     from lerobot.cameras.opencv import OpenCVCameraConfig
 
     cams = {name: OpenCVCameraConfig(index_or_path=int(src) if str(src).isdigit() else src, fps=cfg.camera_fps,
@@ -89,7 +87,6 @@ def lerobot_config(cfg: ArmConfig):
 def make_robot(cfg: ArmConfig):
     """LeRobot's driver object for the arm, not connected yet."""
     cfg.validate()
-    import_lerobot_processor()
     if cfg.robot.startswith("koch"):
         from lerobot.robots.koch_follower import KochFollower
 

@@ -6,6 +6,8 @@ os.environ.setdefault("MUJOCO_GL", "egl")  # headless MuJoCo rendering, set befo
 import pytest
 import torch
 
+import embodied  # noqa: F401  first: it makes torchvision importable before transformers looks for it
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -78,3 +78,23 @@ def test_refuses_overwrite_and_incomplete(tmp_path):
     w.close()
     with pytest.raises(FileExistsError):
         LeRobotWriter(tmp_path / "ds", fps=20, cameras={"c": (8, 8)}, state_names=["q"], action_names=["a"])
+
+
+def test_lerobots_own_loader_reads_what_we_write(tmp_path):
+    # LeRobot's LeRobotDataset (0.4.4) on our files: frames, tasks and episode boundaries as written
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    rng = np.random.default_rng(3)
+    eps = [_episode(rng, 5, "push the cube"), _episode(rng, 3, "pick up the cube")]
+    w = LeRobotWriter(tmp_path / "ds", fps=20, cameras={"base_camera": (16, 24)}, state_names=[f"q{i}" for i in range(5)],
+                      action_names=["a", "b", "g"])
+    for e in eps:
+        w.add_episode(**e)
+    ds = LeRobotDataset("local/test", root=w.close())
+    assert (ds.num_episodes, ds.num_frames, ds.fps) == (2, 8, 20)
+    frame = ds[6]  # the second episode's second frame
+    assert frame["task"] == "pick up the cube" and int(frame["episode_index"]) == 1 and int(frame["frame_index"]) == 1
+    torch.testing.assert_close(frame["observation.state"], torch.from_numpy(eps[1]["state"][1]))
+    torch.testing.assert_close(frame["action"], torch.from_numpy(eps[1]["actions"][1]))
+    image = torch.from_numpy(eps[1]["images"]["base_camera"][1]).permute(2, 0, 1).float() / 255  # LeRobot: f32 [3, H, W]
+    torch.testing.assert_close(frame["observation.images.base_camera"], image)

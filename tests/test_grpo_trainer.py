@@ -60,9 +60,9 @@ POLICY = dict(name="vla", head="gaussian", chunk_size=1, d_model=32, layers=1, h
               freeze_vision=True, value_head=False, init_log_std=-0.5)
 
 
-def _cfg(tmp_path, **alg):
+def _cfg(tmp_path, policy=POLICY, **alg):
     return compose(TrainConfig, [("test", {
-        "seed": 0, "policy": POLICY,
+        "seed": 0, "policy": policy,
         "algorithm": {"name": "grpo", "group_size": 4, "groups_per_batch": 2, "max_rounds": 3, "learning_rate": 3e-3,
                       "update_epochs": 2, "num_minibatches": 2, **alg},
         "runner": {"name": "grpo", "output_dir": str(tmp_path), "total_env_steps": 8 * 3 * 12, "eval_every": 0,
@@ -98,6 +98,21 @@ def test_grpo_raises_success(tmp_path):
     assert before < 0.5 and after == 1.0  # deterministic (mean) actions, 16 evaluation episodes
     assert any("grpo/kept_groups" in r and r["grpo/kept_groups"] >= 1 for r in rows)
     assert (tmp_path / "grpo" / "last" / "model.safetensors").exists()
+
+
+def test_grpo_through_smolvlas_stochastic_flow_raises_success(tmp_path):
+    from tiny_vlms import smolvlm
+
+    torch.manual_seed(0)
+    policy = {"name": "smolvla", "vlm_path": str(smolvlm(tmp_path / "smolvlm")), "chunk_size": 1, "flow_steps": 3,
+              "flow_noise_std": 0.3}
+    cfg = _cfg(tmp_path, policy)
+    (tmp_path / "grpo").mkdir()
+    summary = train_grpo(cfg, PushRightEnv(8), tmp_path / "grpo", None)
+    before, after = summary["before"]["all"]["eval/success_rate"], summary["final"]["all"]["eval/success_rate"]
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    train_success = [r["episode/success_once"] for r in rows if "episode/success_once" in r]
+    assert before < 0.5 and after == 1.0, (before, after, train_success)  # deterministic flow, 16 episodes
 
 
 class PixelPolicy:

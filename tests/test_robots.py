@@ -59,9 +59,7 @@ def test_forward_kinematics_matches_the_mujoco_arm():
 def test_lerobot_bus_reads_and_writes_through_the_software_port():
     # LeRobot's FeetechMotorsBus, unchanged, against ideal servos: ping/model/firmware handshake,
     # register writes, sync write of goals and sync read of positions, raw ticks both ways
-    from embodied.robots.lerobot_import import import_lerobot_processor
-
-    import_lerobot_processor()
+    
     from lerobot.motors import Motor, MotorNormMode
     from lerobot.motors.feetech import FeetechMotorsBus
 

@@ -106,6 +106,23 @@ class DiscreteTokenHead(nn.Module):
         return loss, {"sft/ce": loss.detach(), "sft/token_accuracy": acc.detach()}
 
 
+def sample_flow_chain(step_mean, x0: torch.Tensor, log_sigma: torch.Tensor, steps: int, deterministic: bool):
+    """Run a stochastic flow from x0 f32 [B, K, A]: x_{i+1} = step_mean(x_i, i) + sigma * eps (no noise
+    when deterministic). -> (x_N, log p of the transitions f32 [B, K, A], chain f32 [B, N+1, K, A])."""
+    x, chain, logp = x0, [x0], torch.zeros_like(x0)
+    for i in range(steps):
+        mean = step_mean(x, i)
+        x = mean if deterministic else mean + log_sigma.exp() * torch.randn_like(mean)
+        logp = logp + gaussian_logpdf(x, mean, log_sigma)
+        chain.append(x)
+    return x, logp, torch.stack(chain, dim=1)
+
+
+def flow_entropy(log_sigma: torch.Tensor, steps: int, chunk: int) -> torch.Tensor:
+    """Entropy of the injected noise of one chain (scalar): N steps x K actions x A dimensions."""
+    return (0.5 + _HALF_LOG_2PI + log_sigma).sum() * steps * chunk
+
+
 def _time_embedding(tau: torch.Tensor, dim: int) -> torch.Tensor:
     """Sinusoidal embedding of flow time tau f32 [N] in [0, 1] -> f32 [N, dim]."""
     freqs = torch.exp(torch.linspace(0.0, math.log(1000.0), dim // 2, device=tau.device))
@@ -142,14 +159,13 @@ class FlowMatchingHead(nn.Module):
     def sample(self, ctx, deterministic=False):
         B, K, _ = ctx.shape
         A = self.log_sigma.shape[0]
-        x = ctx.new_zeros(B, K, A) if deterministic else torch.randn(B, K, A, device=ctx.device)
-        chain, logp = [x], ctx.new_zeros(B, K, A)
-        for i in range(self.steps):
-            mean = x + self.velocity(x, ctx.new_full((B,), i / self.steps), ctx) / self.steps
-            x = mean if deterministic else mean + self.log_sigma.exp() * torch.randn_like(mean)
-            logp = logp + gaussian_logpdf(x, mean, self.log_sigma)
-            chain.append(x)
-        return x.clamp(-1, 1), logp, {"flow_chain": torch.stack(chain, dim=1)}
+        x0 = ctx.new_zeros(B, K, A) if deterministic else torch.randn(B, K, A, device=ctx.device)
+
+        def step_mean(x, i):
+            return x + self.velocity(x, ctx.new_full((B,), i / self.steps), ctx) / self.steps
+
+        x, logp, chain = sample_flow_chain(step_mean, x0, self.log_sigma, self.steps, deterministic)
+        return x.clamp(-1, 1), logp, {"flow_chain": chain}
 
     def log_prob(self, ctx, extras):
         chain = extras["flow_chain"]  # f32 [B, N+1, K, A]
@@ -160,8 +176,7 @@ class FlowMatchingHead(nn.Module):
         ctx_n = ctx.repeat_interleave(N, dim=0)  # f32 [B*N, K, d]
         mean = (x + self.velocity(x, tau, ctx_n) / N).view(B, N, K, A)
         logp = gaussian_logpdf(chain[:, 1:], mean, self.log_sigma).sum(1)  # f32 [B, K, A]
-        entropy = (0.5 + _HALF_LOG_2PI + self.log_sigma).sum() * N * K
-        return logp, entropy.expand(B)
+        return logp, flow_entropy(self.log_sigma, N, K).expand(B)
 
     def bc_loss(self, ctx, target, mask):
         B = ctx.shape[0]

@@ -90,6 +90,12 @@ class HFVisionLanguage(nn.Module):
         self.model = full.model  # without the LM head: hidden states only
         self.out_dim = full.config.get_text_config().hidden_size
         self.image_token = self.processor.image_token
+        # Qwen-VL families mark where each image starts and ends; without the marks two cameras' image
+        # tokens run together and the model's 3-D positions count them as one image
+        tok = getattr(self.processor, "tokenizer", self.processor)
+        marks = ("<|vision_start|>", "<|vision_end|>")
+        known = all(tok.convert_tokens_to_ids(m) not in (None, tok.unk_token_id) for m in marks)
+        self.image_prompt = marks[0] + self.image_token + marks[1] if known else self.image_token
         self.freeze = freeze
         self.requires_grad_(not freeze)
         self.model.eval()
@@ -103,7 +109,7 @@ class HFVisionLanguage(nn.Module):
         """images: one uint8 [B, H, W, 3] per camera; instructions: B strings."""
         device = images[0].device
         frames = [cam.cpu().numpy() for cam in images]  # the processors take host images
-        prompts = [self.image_token * len(images) + text for text in instructions]
+        prompts = [self.image_prompt * len(images) + text for text in instructions]
         per_sample = [[f[b] for f in frames] for b in range(len(instructions))]
         inputs = self.processor(text=prompts, images=per_sample, return_tensors="pt", padding=True)
         inputs = {k: v.to(device) for k, v in dict(inputs).items() if k != "labels" and isinstance(v, torch.Tensor)}

@@ -10,25 +10,22 @@ With ``vlm_path`` set, a Hugging Face vision-language model from that local dire
 both encoders: its last hidden states over (image tokens, instruction) are projected into the
 fusion transformer in place of the image and instruction tokens (models/vla/hf_vlm.py).
 
-Normalization lives in the module's buffers (so in every checkpoint): proprioception is
-standardized with (mean, std) and actions are mapped between physical units and [-1, 1] with
-the data's 1st/99th percentiles (clipped to the ActionSpec bounds), as OpenVLA does. Until
-``set_norm_stats`` is called they are (0, 1) and the ActionSpec bounds.
+Normalization lives in the module's buffers, so in every checkpoint (models/vla/normalization.py).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from embodied.schema import EnvSpec, NormStats, Observation, PolicyOutput
+from embodied.schema import EnvSpec, Observation, PolicyOutput
 from embodied.models.config import PolicyConfig
 from embodied.models.vla.backbones import EfficientNetLite0, MiniLMText
 from embodied.models.vla.hf_vlm import HFVisionLanguage
 from embodied.models.vla.heads import HEADS, DiscreteTokenHead, FlowMatchingHead, GaussianChunkHead
+from embodied.models.vla.normalization import NormalizedVLA
 
 LEVELS = ("chunk", "action", "token")
 
@@ -73,17 +70,17 @@ class VLAConfig(PolicyConfig):
             raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
 
 
-class VLA(nn.Module):
+class VLA(NormalizedVLA):
     def __init__(self, spec: EnvSpec, cfg: VLAConfig):
-        super().__init__()
         cfg.validate()
-        self.spec, self.cfg = spec, cfg
-        self.K, self.A, d = cfg.chunk_size, spec.action.dim, cfg.d_model
         cams = spec.obs.cameras
         if not cams:
             raise ValueError("a VLA needs camera images: use an obs_mode with cameras (e.g. env.obs_mode=rgb)")
         if len({(c.height, c.width) for c in cams}) > 1:
             raise ValueError("all cameras must have the same size (one shared image encoder)")
+        super().__init__(spec, use_state=cfg.use_state, privileged_keys=cfg.privileged_keys)
+        self.spec, self.cfg = spec, cfg
+        self.K, self.A, d = cfg.chunk_size, spec.action.dim, cfg.d_model
         self.camera_names = tuple(c.name for c in cams)
         if cfg.vlm_path:
             self.vlm = HFVisionLanguage(cfg.vlm_path, freeze=cfg.freeze_vlm)
@@ -101,13 +98,6 @@ class VLA(nn.Module):
             self.patch_pos = nn.Parameter(torch.randn(n_patch, d) * 0.02)
             self.camera_emb = nn.Parameter(torch.randn(len(cams), d) * 0.02)
             self.text_proj = nn.Linear(self.text.out_dim, d)
-        unknown = sorted(set(cfg.privileged_keys) - set(spec.obs.privileged))
-        if unknown:
-            raise ValueError(f"privileged_keys: {unknown} not in the environment's privileged keys "
-                             f"{sorted(spec.obs.privileged)}")
-        self.priv_keys = tuple(sorted(cfg.privileged_keys))
-        priv_dim = sum(math.prod(spec.obs.privileged[k]) for k in self.priv_keys)
-        self.state_dim = (spec.obs.state_dim if cfg.use_state else 0) + priv_dim
         self.state_proj = nn.Linear(self.state_dim, d) if self.state_dim else None
         self.queries = nn.Parameter(torch.randn(self.K + 1, d) * 0.02)  # K action queries + 1 value query
         layer = nn.TransformerEncoderLayer(d, cfg.heads, 4 * d, dropout=0.0, activation="gelu", batch_first=True,
@@ -121,48 +111,6 @@ class VLA(nn.Module):
         else:
             self.head = FlowMatchingHead(d, self.A, steps=cfg.flow_steps, init_noise_std=cfg.flow_noise_std)
         self.value_mlp = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1)) if cfg.value_head else None
-
-        low, high = spec.action.bounds()
-        self.register_buffer("action_low", low)  # f32 [A] physical bounds
-        self.register_buffer("action_high", high)
-        self.register_buffer("action_q01", low.clone())  # f32 [A]: maps to -1
-        self.register_buffer("action_q99", high.clone())  # f32 [A]: maps to +1
-        self.register_buffer("state_mean", torch.zeros(self.state_dim))  # f32 [S']
-        self.register_buffer("state_std", torch.ones(self.state_dim))
-
-    @property
-    def privileged_inputs(self) -> tuple[str, ...]:
-        """The privileged (simulator-only) keys the policy reads: none means it can run on a robot."""
-        return self.priv_keys
-
-    # --- normalization ------------------------------------------------------------------------
-    def state_vector(self, obs: Observation) -> torch.Tensor:
-        """Raw proprioception (+ privileged) f32 [B, S'] as the policy sees it before normalization."""
-        parts = [obs.state] if self.cfg.use_state else []
-        parts += [obs.privileged[k].reshape(obs.batch_size, -1) for k in self.priv_keys]
-        return torch.cat(parts, dim=-1)
-
-    @torch.no_grad()
-    def set_norm_stats(self, *, state: NormStats | None = None, action: NormStats | None = None) -> None:
-        """Install statistics computed from data (state: mean/std; action: q01/q99)."""
-        if state is not None and self.state_dim:
-            self.state_mean.copy_(state.mean)
-            self.state_std.copy_(state.std.clamp(min=1e-6))
-        if action is not None:
-            q01 = torch.maximum(action.q01.to(self.action_low), self.action_low)
-            q99 = torch.minimum(action.q99.to(self.action_high), self.action_high)
-            same = (q99 - q01) < 1e-6  # a constant dimension: keep a non-empty range around it
-            self.action_q01.copy_(torch.where(same, q01 - 1e-3, q01))
-            self.action_q99.copy_(torch.where(same, q99 + 1e-3, q99))
-
-    def to_physical(self, a: torch.Tensor) -> torch.Tensor:
-        """Normalized f32 [..., A] in [-1, 1] -> physical units, within the ActionSpec bounds."""
-        phys = self.action_q01 + (a + 1.0) * 0.5 * (self.action_q99 - self.action_q01)
-        return torch.maximum(torch.minimum(phys, self.action_high), self.action_low)
-
-    def to_normalized(self, actions: torch.Tensor) -> torch.Tensor:
-        """Physical f32 [..., A] -> [-1, 1] (clipped)."""
-        return (2.0 * (actions - self.action_q01) / (self.action_q99 - self.action_q01) - 1.0).clamp(-1.0, 1.0)
 
     # --- fusion ---------------------------------------------------------------------------------
     @property
@@ -192,8 +140,7 @@ class VLA(nn.Module):
             vis = vis.view(len(self.camera_names), B, *vis.shape[1:]) + self.camera_emb[:, None, None]
             tokens = [vis.transpose(0, 1).reshape(B, -1, vis.shape[-1]), self.text_proj(self.text(obs.instruction))[:, None]]
         if self.state_proj is not None:
-            state = (self.state_vector(obs) - self.state_mean) / self.state_std
-            tokens.append(self.state_proj(state)[:, None])
+            tokens.append(self.state_proj(self.normalized_state(obs))[:, None])
         tokens.append(self.queries.expand(B, -1, -1))
         x = torch.cat(tokens, dim=1)
         if pad is not None:
@@ -226,9 +173,6 @@ class VLA(nn.Module):
         if self.value_mlp is None:
             return torch.zeros(obs.batch_size, device=obs.device)
         return self._value(self.context(obs)[1])
-
-    def update_normalizer(self, obs: Observation) -> None:
-        """Statistics come from the demonstrations (``set_norm_stats``), not from rollouts."""
 
     def bc_loss(self, obs: Observation, actions: torch.Tensor, mask: torch.Tensor | None = None,
                 features: torch.Tensor | None = None):

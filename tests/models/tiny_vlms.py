@@ -73,22 +73,21 @@ def qwen2_5_vl(path: Path) -> Path:
 
 
 def smolvlm(path: Path) -> Path:
-    import json
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil, SmolVLMProcessor
+    from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
 
-    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil
-
-    tok = _tokenizer(["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"])
+    # the named tokens a SmolVLM2 tokenizer carries (LeRobot's SmolVLA reads the fake and global ones)
+    tok = _tokenizer(["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"],
+                     image_token="<image>", fake_image_token="<fake_token_around_image>",
+                     global_image_token="<global-img>", end_of_utterance_token="<end_of_utterance>")
     image = SmolVLMImageProcessorPil(do_image_splitting=False, size={"longest_edge": IMAGE},
                                      max_image_size={"longest_edge": IMAGE})
     scale = 2
     cfg = SmolVLMConfig(vision_config=_vision(image_size=IMAGE, patch_size=8), text_config=_text(len(tok), model_type="llama"),
                         scale_factor=scale, image_token_id=tok.convert_tokens_to_ids("<image>"))
     SmolVLMForConditionalGeneration(cfg).save_pretrained(path)
-    # SmolVLMProcessor needs torchvision (video) and num2words: save its parts and its settings
-    tok.save_pretrained(path)
-    image.save_pretrained(path)
-    seq = (IMAGE // 8) ** 2 // scale ** 2
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "SmolVLMProcessor", "image_seq_len": seq}))
+    SmolVLMProcessor(image_processor=image, tokenizer=tok, video_processor=SmolVLMVideoProcessor(),
+                     image_seq_len=(IMAGE // 8) ** 2 // scale ** 2).save_pretrained(path)
     return path
 
 

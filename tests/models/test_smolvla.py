@@ -1,0 +1,129 @@
+"""LeRobot's SmolVLA behind our Policy, built from a tiny random SmolVLM2 directory (made here, no
+hub): the contract with act/evaluate log-probabilities equal to 1e-5; the deterministic flow is
+LeRobot's own sampler; the stochastic chain's log-probability matches a reference computed with
+torch.distributions; LeRobot's flow-matching loss fits a batch; a checkpoint acts alone; GRPO
+through the stochastic flow raises success; the VLM stays frozen."""
+
+import math
+
+import pytest
+import torch
+
+from embodied.checkpoint import load_checkpoint, save_checkpoint
+from embodied.contract import random_observation
+from embodied.models import SmolVLA, SmolVLAConfig, build_policy
+from embodied.models.vla.smolvla import lerobot_smolvla
+from embodied.schema import NormStats, check_policy
+from test_hf_vlm import SPEC32
+from tiny_vlms import smolvlm
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return str(smolvlm(tmp_path_factory.mktemp("smolvlm")))
+
+
+def tiny(vlm_dir: str, **kw) -> SmolVLAConfig:
+    return SmolVLAConfig(**{"vlm_path": vlm_dir, "chunk_size": 3, "flow_steps": 4, "privileged_keys": ["goal_pos"], **kw})
+
+
+def test_check_policy(vlm_dir):
+    torch.manual_seed(0)
+    policy = build_policy(SPEC32, tiny(vlm_dir))
+    assert isinstance(policy, SmolVLA) and type(policy.smolvla).__module__ == "lerobot.policies.smolvla.modeling_smolvla"
+    report = check_policy(policy, SPEC32, batch_size=3)  # includes evaluate() == act() log-prob to 1e-5
+    assert report["chunk"] == 3
+
+
+def test_deterministic_flow_is_lerobots_sampler(vlm_dir):
+    torch.manual_seed(1)
+    policy = SmolVLA(SPEC32, tiny(vlm_dir)).eval()
+    obs = random_observation(SPEC32, 2)
+    obs.instruction = ["push the cube", "pull the cube back to the red and white target"]
+    with torch.no_grad():
+        ours = policy.act(obs, deterministic=True)
+        images, image_masks, tokens, token_masks, state = policy._inputs(obs)
+        theirs = policy.smolvla.model.sample_actions(images, image_masks, tokens, token_masks, state,
+                                                     noise=torch.zeros(2, 3, 4))  # LeRobot's Euler loop from x_0 = 0
+    torch.testing.assert_close(ours.extras["flow_chain"][:, -1], theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.actions, policy.to_physical(theirs.clamp(-1, 1)))
+
+
+def test_flow_logprob_matches_an_independent_reference(vlm_dir):
+    torch.manual_seed(2)
+    policy = SmolVLA(SPEC32, tiny(vlm_dir, flow_noise_std=0.3)).eval()
+    obs = random_observation(SPEC32, 2)
+    with torch.no_grad():
+        out = policy.act(obs)
+        chain = out.extras["flow_chain"]  # f32 [B, N+1, K, A]
+        assert chain.shape == (2, 5, 3, 4)
+        images, image_masks, tokens, token_masks, state = policy._inputs(obs)
+        model, make_att_2d_masks = policy.smolvla.model, lerobot_smolvla().make_att_2d_masks
+        prefix, pad, att = model.embed_prefix(images, image_masks, tokens, token_masks, state=state)
+        _, cache = model.vlm_with_expert.forward(attention_mask=make_att_2d_masks(pad, att), position_ids=pad.cumsum(1) - 1,
+                                                 past_key_values=None, inputs_embeds=[prefix, None], use_cache=True,
+                                                 fill_kv_cache=True)
+        reference = torch.zeros(2)
+        for i in range(4):  # LeRobot's Euler step at t_i = 1 - i / N, plus Gaussian noise of std 0.3
+            v = model.denoise_step(pad, cache, chain[:, i], torch.full((2,), 1 - i / 4))
+            reference += torch.distributions.Normal(chain[:, i] - v / 4, 0.3).log_prob(chain[:, i + 1]).sum((1, 2))
+    torch.testing.assert_close(out.logprob, reference, atol=1e-4, rtol=1e-5)
+    with torch.no_grad():
+        token, entropy, value = policy.evaluate(obs, out, level="token")
+    assert token.shape == (2, 3, 4) and value is None
+    torch.testing.assert_close(entropy, torch.full((2,), 4 * 3 * 4 * (0.5 + 0.5 * math.log(2 * math.pi) + math.log(0.3))))
+
+
+def test_flow_matching_loss_fits_a_fixed_batch_and_the_vlm_stays_frozen(vlm_dir):
+    torch.manual_seed(3)
+    policy = SmolVLA(SPEC32, tiny(vlm_dir))
+    vlm_before = {k: v.clone() for k, v in policy.smolvla.model.vlm_with_expert.vlm.state_dict().items()}
+    assert not any(p.requires_grad for p in policy.smolvla.model.vlm_with_expert.vlm.parameters())
+    obs = random_observation(SPEC32, 4)
+    low, high = SPEC32.action.bounds()
+    target = low + torch.rand(4, 3, 4) * (high - low)  # physical chunks
+    with torch.no_grad():
+        err_before = (policy.act(obs, deterministic=True).actions - target).abs() / (high - low)
+    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(300):
+        loss, metrics = policy.bc_loss(obs, target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    # the loss samples noise and time: compare averages
+    assert sum(losses[-20:]) < 0.5 * sum(losses[:20]), losses[::20]  # noise near t = 0 is not predictable
+    with torch.no_grad():  # deterministic actions approach the targets
+        err = (policy.act(obs, deterministic=True).actions - target).abs() / (high - low)
+    assert err.mean() < 0.5 * err_before.mean(), (err_before.mean(), err.mean())
+    for k, v in policy.smolvla.model.vlm_with_expert.vlm.state_dict().items():
+        assert torch.equal(v, vlm_before[k]), k
+
+
+def test_checkpoint_acts_alone_with_its_normalization(vlm_dir, tmp_path):
+    torch.manual_seed(4)
+    cfg = tiny(vlm_dir)
+    policy = SmolVLA(SPEC32, cfg)
+    q01, q99 = torch.tensor([-0.05, -0.02, 0.0, 0.0]), torch.tensor([0.05, 0.02, 0.1, 0.04])
+    policy.set_norm_stats(state=NormStats(mean=torch.full((8,), 2.0), std=torch.full((8,), 3.0)),
+                          action=NormStats(q01=q01, q99=q99))
+    obs = random_observation(SPEC32, 2)
+    with torch.no_grad():
+        before = policy.act(obs, deterministic=True).actions
+    assert bool(((before >= q01) & (before <= q99)).all())
+    ckpt = save_checkpoint(tmp_path, 1, model=policy, optimizer=None, counters={}, meta={"policy": vars(cfg)})
+    loaded = load_checkpoint(ckpt, with_trainer_state=False)
+    torch.manual_seed(5)  # a different random start: every weight must come from the checkpoint
+    fresh = SmolVLA(SPEC32, SmolVLAConfig(**loaded["meta"]["policy"]))
+    fresh.load_state_dict(loaded["model"])
+    torch.testing.assert_close(fresh.state_mean, torch.full((8,), 2.0))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.act(obs, deterministic=True).actions, before)
+
+
+def test_bad_configs_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="vlm_path"):
+        SmolVLA(SPEC32, SmolVLAConfig())
+    with pytest.raises(FileNotFoundError, match="not a model directory"):
+        SmolVLA(SPEC32, SmolVLAConfig(vlm_path=str(tmp_path)))
