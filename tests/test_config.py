@@ -77,6 +77,26 @@ def test_shipped_configs_load():
         assert cfg.env.simulator == "maniskill" and cfg.runner.name == name
 
 
+def test_shipped_vla_configs_load_and_smolvla_asks_for_its_model(tmp_path, capsys):
+    from embodied.models import SmolVLAConfig, VLAConfig
+    from embodied.sft import SFTConfig
+
+    for name, schema in (("multitask_vla_sft", SFTConfig), ("multitask_vla_sft_fewshot", SFTConfig),
+                         ("multitask_vla_grpo", TrainConfig), ("multitask_vla_grpo_fewshot", TrainConfig)):
+        assert isinstance(load_config(schema, f"configs/maniskill/{name}.yaml")[0].policy, VLAConfig)
+    model = tmp_path / "smolvlm"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for name, schema in (("multitask_smolvla_sft", SFTConfig), ("multitask_smolvla_grpo", TrainConfig)):
+        cfg, _ = load_config(schema, f"configs/maniskill/{name}.yaml", [f"policy.vlm_path={model}"])
+        assert isinstance(cfg.policy, SmolVLAConfig) and cfg.policy.vlm_path == str(model)
+        with pytest.raises(ConfigError, match=rf"^policy.vlm_path: SmolVLA needs a local SmolVLM2 directory .*{name}.yaml\)$"):
+            load_config(schema, f"configs/maniskill/{name}.yaml")
+    assert main(["sft", "configs/maniskill/multitask_smolvla_sft.yaml", "policy.vlm_path=/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "policy.vlm_path: /nonexistent is not a model directory" in err
+
+
 def test_policy_name_selects_the_policy_schema(tmp_path):
     from embodied.models import ActorCriticConfig, VLAConfig
 
@@ -90,7 +110,7 @@ def test_policy_name_selects_the_policy_schema(tmp_path):
     # the command line can switch the policy; every key is then checked against that schema
     with pytest.raises(ConfigError, match=r"^policy.head: .*\(in .*vla.yaml\)$"):
         load_config(TrainConfig, cfg_file, ["policy.name=actor_critic"])  # head is not an actor-critic key
-    with pytest.raises(ConfigError, match=r"policy.name: unknown policy 'transformer'; known: \['actor_critic', 'vla'\]"):
+    with pytest.raises(ConfigError, match=r"policy.name: unknown policy 'transformer'; known: \['actor_critic', 'smolvla', 'vla'\]"):
         load_config(TrainConfig, cfg_file, ["policy.name=transformer"])
     with pytest.raises(ConfigError, match=r"policy.head: must be one of"):
         load_config(TrainConfig, cfg_file, ["policy.head=diffusion"])

@@ -61,10 +61,10 @@ class SmolVLAConfig(PolicyConfig):
 
     def validate(self) -> None:
         if not self.vlm_path:
-            raise ValueError("policy.vlm_path: SmolVLA needs a local SmolVLM2 directory")
+            raise ValueError("vlm_path: SmolVLA needs a local SmolVLM2 directory (nothing is downloaded)")
         if not (Path(self.vlm_path) / "config.json").is_file():
-            raise FileNotFoundError(f"policy.vlm_path: {self.vlm_path} is not a model directory (config.json, "
-                                    "weights and processor files, as save_pretrained writes them)")
+            raise ValueError(f"vlm_path: {self.vlm_path} is not a model directory (config.json, weights and "
+                             "processor files, as save_pretrained writes them)")
         if self.chunk_size < 1 or self.flow_steps < 1:
             raise ValueError("chunk_size and flow_steps must be >= 1")
 

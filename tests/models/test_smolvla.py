@@ -125,5 +125,5 @@ def test_checkpoint_acts_alone_with_its_normalization(vlm_dir, tmp_path):
 def test_bad_configs_are_refused(tmp_path):
     with pytest.raises(ValueError, match="vlm_path"):
         SmolVLA(SPEC32, SmolVLAConfig())
-    with pytest.raises(FileNotFoundError, match="not a model directory"):
+    with pytest.raises(ValueError, match="not a model directory"):
         SmolVLA(SPEC32, SmolVLAConfig(vlm_path=str(tmp_path)))
