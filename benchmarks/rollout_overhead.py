@@ -6,6 +6,9 @@ Side by side in one run, same task, same number of environments and worker proce
   vecenv     our ManiSkillEnv (subprocess workers, lockstep) with random actions
   rollout    our full rollout loop (`embodied.rollout.collect`) with the MLP actor-critic
   pipelined  the same loop with 2 pipeline stages (policy for one half while the other simulates)
+With ``--workers 0`` everything runs in this one process: raw is the same plain envs stepped here,
+ours is ``num_workers: 0`` (the simulator core in process, no pipes), and there is no pipelined
+loop (nothing to overlap with).
 The machine's speed drifts (shared VM), so the loops alternate and each repeat's ratio is taken to
 the raw run of the same repeat; the median over repeats is the headline. CPU time per env step
 (all processes: ours = main + workers) is printed too: it is far less sensitive to other tenants.
@@ -25,28 +28,38 @@ import time
 import torch
 
 
-def _raw_worker(task: str, count: int, control_mode: str, commands, results) -> None:
+def _raw_envs(task: str, count: int, control_mode: str) -> list:
     import logging
 
     import gymnasium as gym
     import mani_skill.envs  # noqa: F401
 
     logging.getLogger("mani_skill").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
     envs = [gym.make(task, num_envs=1, obs_mode="state_dict", control_mode=control_mode, reward_mode="normalized_dense",
                      sim_backend="physx_cpu").unwrapped for _ in range(count)]
     for i, e in enumerate(envs):
         e.reset(seed=i)
+    return envs
+
+
+def _raw_steps(envs: list, steps: int) -> tuple[float, float]:
+    """Step plain ManiSkill envs with random actions -> (wall s, CPU s of this process)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.no_grad():  # as our workers run
+        for t in range(steps):
+            for e in envs:
+                e.step(torch.rand(1, e.action_space.shape[-1]) * 2 - 1)
+                if t % 50 == 49:
+                    e.reset()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _raw_worker(task: str, count: int, control_mode: str, commands, results) -> None:
+    torch.set_num_threads(1)
+    envs = _raw_envs(task, count, control_mode)
     results.put("ready")
     while (steps := commands.get()) is not None:
-        t0, c0 = time.perf_counter(), time.process_time()
-        with torch.no_grad():  # as our workers run
-            for t in range(steps):
-                for e in envs:
-                    e.step(torch.rand(1, e.action_space.shape[-1]) * 2 - 1)
-                    if t % 50 == 49:
-                        e.reset()
-        results.put((time.perf_counter() - t0, time.process_time() - c0))
+        results.put(_raw_steps(envs, steps))
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -85,6 +98,22 @@ class RawLoop:
             p.join()
 
 
+class InProcessRawLoop:
+    """The same plain ManiSkill envs stepped in this process (the ceiling for ``num_workers: 0``)."""
+
+    def __init__(self, task: str, num_envs: int, control_mode: str):
+        self.envs = _raw_envs(task, num_envs, control_mode)
+
+    def run(self, steps: int) -> tuple[float, float]:
+        wall, cpu = _raw_steps(self.envs, steps)
+        n = len(self.envs) * steps
+        return n / wall, cpu / n * 1e3
+
+    def close(self) -> None:
+        for e in self.envs:
+            e.close()
+
+
 def _measured(env, steps: int, fn) -> tuple[float, float]:
     """Run ``fn`` -> (env steps/s, CPU ms per env step of this process and the env's workers)."""
     pids = [p.pid for p in env._pool._procs]
@@ -121,7 +150,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="PushCube-v1")
     ap.add_argument("--num-envs", type=int, default=16)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2, help="0: simulators in this process (num_workers: 0)")
     ap.add_argument("--steps", type=int, default=150, help="steps per environment per measurement")
     ap.add_argument("--control-mode", default="pd_joint_delta_pos")
     ap.add_argument("--repeats", type=int, default=10, help="alternating repeats")
@@ -129,14 +158,18 @@ def main() -> None:
     torch.set_num_threads(1)
     env = ManiSkillEnv(ManiSkillConfig(task=args.task, num_envs=args.num_envs, num_workers=args.workers,
                                        control_mode=args.control_mode))
-    loops = ("raw", "vecenv", "rollout", "pipelined")
+    benches = {"raw": lambda: raw.run(args.steps), "vecenv": lambda: bench_vecenv(env, args.steps),
+               "rollout": lambda: bench_rollout(env, args.steps),
+               "pipelined": lambda: bench_rollout(env, args.steps, stages=2)}
+    if args.workers == 0:
+        del benches["pipelined"]  # in one process there is nothing to overlap
+    loops = tuple(benches)
     sps, cpu = {k: [] for k in loops}, {k: [] for k in loops}
-    raw = RawLoop(args.task, args.num_envs, args.workers, args.control_mode)
+    raw = (InProcessRawLoop(args.task, args.num_envs, args.control_mode) if args.workers == 0
+           else RawLoop(args.task, args.num_envs, args.workers, args.control_mode))
     try:
         for r in range(args.repeats):  # alternate so that machine drift hits every loop alike
-            for k, fn in (("raw", lambda: raw.run(args.steps)),
-                          ("vecenv", lambda: bench_vecenv(env, args.steps)), ("rollout", lambda: bench_rollout(env, args.steps)),
-                          ("pipelined", lambda: bench_rollout(env, args.steps, stages=2))):
+            for k, fn in benches.items():
                 s, c = fn()
                 sps[k].append(s), cpu[k].append(c)
             print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k} {sps[k][-1]:.0f}" for k in loops), flush=True)
