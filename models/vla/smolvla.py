@@ -25,6 +25,7 @@ read and the backbone starts random, as LeRobot does when it trains the expert f
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +67,9 @@ class SmolVLAConfig(PolicyConfig):
             raise ValueError(f"vlm_path: {self.vlm_path} is not a model directory (config.json, weights and "
                              "processor files, as save_pretrained writes them)")
         if self.chunk_size < 1 or self.flow_steps < 1:
-            raise ValueError("chunk_size and flow_steps must be >= 1")
+            raise ValueError("chunk_size: chunk_size and flow_steps must be >= 1")
+        if self.flow_noise_std <= 0:
+            raise ValueError(f"flow_noise_std: must be > 0, got {self.flow_noise_std}")
 
 
 def lerobot_smolvla():
@@ -78,7 +81,7 @@ def lerobot_smolvla():
 
         spec = importlib.util.spec_from_loader("lerobot.policies", loader=None, is_package=True)
         spec.submodule_search_locations = [str(Path(lerobot.__file__).parent / "policies")]
-        sys.modules["lerobot.policies"] = importlib.util.module_from_spec(spec)
+        sys.modules["lerobot.policies"] = lerobot.policies = importlib.util.module_from_spec(spec)
     from lerobot.policies.smolvla import modeling_smolvla
 
     return modeling_smolvla
@@ -116,7 +119,7 @@ class SmolVLA(NormalizedVLA):
         lerobot_cfg.resize_imgs_with_padding = (side, side)
         self._make_att_2d_masks = lerobot.make_att_2d_masks
         self.tokenizer = self.smolvla.model.vlm_with_expert.processor.tokenizer
-        self.log_sigma = nn.Parameter(torch.full((self.A,), float(torch.tensor(cfg.flow_noise_std).log())))
+        self.log_sigma = nn.Parameter(torch.full((self.A,), math.log(cfg.flow_noise_std)))  # f32 [A]
 
     @property
     def caches_image_features(self) -> bool:

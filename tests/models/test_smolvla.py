@@ -122,8 +122,10 @@ def test_checkpoint_acts_alone_with_its_normalization(vlm_dir, tmp_path):
         torch.testing.assert_close(fresh.act(obs, deterministic=True).actions, before)
 
 
-def test_bad_configs_are_refused(tmp_path):
+def test_bad_configs_are_refused(vlm_dir, tmp_path):
     with pytest.raises(ValueError, match="vlm_path"):
         SmolVLA(SPEC32, SmolVLAConfig())
     with pytest.raises(ValueError, match="not a model directory"):
         SmolVLA(SPEC32, SmolVLAConfig(vlm_path=str(tmp_path)))
+    with pytest.raises(ValueError, match="flow_noise_std"):
+        SmolVLA(SPEC32, tiny(vlm_dir, flow_noise_std=0.0))
