@@ -5,7 +5,12 @@ peak resident set size (ru_maxrss) while acting, minus the resident size after t
 built; on a GPU ``torch.cuda.max_memory_allocated``. Pretrained backbones (EfficientNet-Lite0 +
 all-MiniLM-L6-v2), one 128x128 camera, chunk K=4, the 8-dim Panda joint-delta action space.
 
-    python benchmarks/vla_inference.py [--heads gaussian discrete flow] [--batch 1 8 32] [--device cpu]
+``--heads ... smolvla`` adds LeRobot's SmolVLA (10 denoising steps, 16 VLM layers): from a local
+SmolVLM2 directory with ``--smolvlm DIR``, or else a random one shaped like SmolVLM2-500M (SigLIP
+B/16 at 512 px, a SmolLM2-360M-sized language model) built from its config alone, which times
+the same computation without the weights.
+
+    python benchmarks/vla_inference.py [--heads gaussian discrete flow smolvla] [--batch 1 8 32] [--device cpu]
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import multiprocessing as mp
 import platform
 import resource
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,13 +38,35 @@ def _spec(image_size: int):
                    max_episode_steps=50, instructions=("push the cube to the red and white target",))
 
 
-def _run(head: str, batch: int, device: str, image_size: int, repeats: int, threads: int, queue) -> None:
+def _smolvlm2_500m_shaped(path: Path) -> Path:
+    """Config-only SmolVLM2 directory with SmolVLM2-500M's published tower sizes (random weights)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "models"))
+    from tiny_vlms import smolvlm
+
+    return smolvlm(path, image=512, patch=16, scale=4, weights=False,
+                   vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+                   text=dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
+                             num_key_value_heads=5, head_dim=64))
+
+
+def _policy(head: str, spec, smolvlm: str):
+    from embodied.models import VLA, SmolVLA, SmolVLAConfig, VLAConfig
+
+    if head != "smolvla":
+        return VLA(spec, VLAConfig(head=head, chunk_size=4))
+    if smolvlm:
+        return SmolVLA(spec, SmolVLAConfig(vlm_path=smolvlm, chunk_size=4))
+    path = _smolvlm2_500m_shaped(Path(tempfile.mkdtemp()) / "smolvlm2-500m-shaped")
+    return SmolVLA(spec, SmolVLAConfig(vlm_path=str(path), load_vlm_weights=False, chunk_size=4))
+
+
+def _run(head: str, batch: int, device: str, image_size: int, repeats: int, threads: int, smolvlm: str,
+         queue) -> None:
     torch.set_num_threads(threads)
     from embodied.contract import random_observation
-    from embodied.models import VLA, VLAConfig
 
     spec = _spec(image_size)
-    policy = VLA(spec, VLAConfig(head=head, chunk_size=4)).to(device).eval()
+    policy = _policy(head, spec, smolvlm).to(device).eval()
     obs = random_observation(spec, batch, device)
     with torch.no_grad():
         policy.act(obs)  # warm-up (caches the instruction embedding)
@@ -65,6 +95,7 @@ def main() -> None:
     ap.add_argument("--image-size", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--smolvlm", default="", help="local SmolVLM2 directory for the smolvla row")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     hw = torch.cuda.get_device_name() if args.device == "cuda" else f"{mp.cpu_count()} cores {platform.machine()}"
@@ -75,7 +106,8 @@ def main() -> None:
     for head in args.heads:
         for b in args.batch:
             q = ctx.Queue()
-            p = ctx.Process(target=_run, args=(head, b, args.device, args.image_size, args.repeats, args.threads, q))
+            p = ctx.Process(target=_run, args=(head, b, args.device, args.image_size, args.repeats, args.threads,
+                                                   args.smolvlm, q))
             p.start()
             latency, peak, params = q.get()
             p.join()

@@ -72,7 +72,10 @@ def qwen2_5_vl(path: Path) -> Path:
     return path
 
 
-def smolvlm(path: Path) -> Path:
+def smolvlm(path: Path, *, image: int = IMAGE, patch: int = 8, scale: int = 2, vision: dict | None = None,
+            text: dict | None = None, weights: bool = True) -> Path:
+    """A SmolVLM2 directory; tiny by default. ``vision`` / ``text`` override the towers' sizes, and
+    ``weights=False`` writes the config alone (for SmolVLA's ``load_vlm_weights: false``)."""
     from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil, SmolVLMProcessor
     from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
 
@@ -80,14 +83,17 @@ def smolvlm(path: Path) -> Path:
     tok = _tokenizer(["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"],
                      image_token="<image>", fake_image_token="<fake_token_around_image>",
                      global_image_token="<global-img>", end_of_utterance_token="<end_of_utterance>")
-    image = SmolVLMImageProcessorPil(do_image_splitting=False, size={"longest_edge": IMAGE},
-                                     max_image_size={"longest_edge": IMAGE})
-    scale = 2
-    cfg = SmolVLMConfig(vision_config=_vision(image_size=IMAGE, patch_size=8), text_config=_text(len(tok), model_type="llama"),
+    processor = SmolVLMImageProcessorPil(do_image_splitting=False, size={"longest_edge": image},
+                                         max_image_size={"longest_edge": image})
+    cfg = SmolVLMConfig(vision_config={**_vision(image_size=image, patch_size=patch), **(vision or {})},
+                        text_config={**_text(len(tok), model_type="llama"), **(text or {})},
                         scale_factor=scale, image_token_id=tok.convert_tokens_to_ids("<image>"))
-    SmolVLMForConditionalGeneration(cfg).save_pretrained(path)
-    SmolVLMProcessor(image_processor=image, tokenizer=tok, video_processor=SmolVLMVideoProcessor(),
-                     image_seq_len=(IMAGE // 8) ** 2 // scale ** 2).save_pretrained(path)
+    if weights:
+        SmolVLMForConditionalGeneration(cfg).save_pretrained(path)
+    else:
+        cfg.save_pretrained(path)
+    SmolVLMProcessor(image_processor=processor, tokenizer=tok, video_processor=SmolVLMVideoProcessor(),
+                     image_seq_len=(image // patch) ** 2 // scale ** 2).save_pretrained(path)
     return path
 
 
