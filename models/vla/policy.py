@@ -24,10 +24,9 @@ from embodied.schema import EnvSpec, Observation, PolicyOutput
 from embodied.models.config import PolicyConfig
 from embodied.models.vla.backbones import EfficientNetLite0, MiniLMText
 from embodied.models.vla.hf_vlm import HFVisionLanguage
-from embodied.models.vla.heads import HEADS, DiscreteTokenHead, FlowMatchingHead, GaussianChunkHead
+from embodied.models.vla.heads import (HEADS, DiscreteTokenHead, FlowMatchingHead, GaussianChunkHead,
+                                       logprob_at_level)
 from embodied.models.vla.normalization import NormalizedVLA
-
-LEVELS = ("chunk", "action", "token")
 
 
 @dataclass
@@ -161,12 +160,9 @@ class VLA(NormalizedVLA):
     def evaluate(self, obs: Observation, output: PolicyOutput, *, level: str = "chunk"):
         """(logprob, entropy [B], value [B] or None); logprob is f32 [B] (chunk), [B, K] (action)
         or [B, K, A] (token: one per action dimension)."""
-        if level not in LEVELS:
-            raise ValueError(f"level: must be one of {LEVELS}, got {level!r}")
         ctx, v = self.context(obs)
         logp, entropy = self.head.log_prob(ctx, output.extras)
-        logp = logp.sum((1, 2)) if level == "chunk" else logp.sum(2) if level == "action" else logp
-        return logp, entropy, self._value(v)
+        return logprob_at_level(logp, level), entropy, self._value(v)
 
     def value(self, obs: Observation) -> torch.Tensor:
         """V(obs) f32 [B]; zeros without a value head (GRPO does not bootstrap)."""

@@ -34,9 +34,8 @@ import torch
 from torch import nn
 
 from embodied.models.config import PolicyConfig
-from embodied.models.vla.heads import flow_entropy, gaussian_logpdf, sample_flow_chain
+from embodied.models.vla.heads import flow_entropy, gaussian_logpdf, logprob_at_level, sample_flow_chain
 from embodied.models.vla.normalization import NormalizedVLA
-from embodied.models.vla.policy import LEVELS
 from embodied.schema import EnvSpec, Observation, PolicyOutput
 
 
@@ -169,14 +168,12 @@ class SmolVLA(NormalizedVLA):
     def evaluate(self, obs: Observation, output: PolicyOutput, *, level: str = "chunk"):
         """(logprob, entropy [B], None): log p of the stored chain under the current weights; logprob
         f32 [B] (chunk), [B, K] (action) or [B, K, A] (token)."""
-        if level not in LEVELS:
-            raise ValueError(f"level: must be one of {LEVELS}, got {level!r}")
         chain = output.extras["flow_chain"]  # f32 [B, N+1, K, A]
         step_mean = self._step_mean(*self._prefix(obs))
         logp = sum(gaussian_logpdf(chain[:, i + 1], step_mean(chain[:, i], i), self.log_sigma)
                    for i in range(self.steps))  # f32 [B, K, A]
-        logp = logp.sum((1, 2)) if level == "chunk" else logp.sum(2) if level == "action" else logp
-        return logp, flow_entropy(self.log_sigma, self.steps, self.K).expand(obs.batch_size), None
+        entropy = flow_entropy(self.log_sigma, self.steps, self.K).expand(obs.batch_size)
+        return logprob_at_level(logp, level), entropy, None
 
     def value(self, obs: Observation) -> torch.Tensor:
         """No critic (GRPO): zeros f32 [B]."""

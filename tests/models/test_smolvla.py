@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from embodied.checkpoint import load_checkpoint, save_checkpoint
 from embodied.contract import random_observation
 from embodied.models import SmolVLA, SmolVLAConfig, build_policy
 from embodied.models.vla.smolvla import lerobot_smolvla
-from embodied.schema import NormStats, check_policy
+from embodied.schema import check_policy
 from test_hf_vlm import SPEC32
+from test_vla import assert_checkpoint_acts_alone
 from tiny_vlms import smolvlm
 
 
@@ -104,22 +104,7 @@ def test_flow_matching_loss_fits_a_fixed_batch_and_the_vlm_stays_frozen(vlm_dir)
 def test_checkpoint_acts_alone_with_its_normalization(vlm_dir, tmp_path):
     torch.manual_seed(4)
     cfg = tiny(vlm_dir)
-    policy = SmolVLA(SPEC32, cfg)
-    q01, q99 = torch.tensor([-0.05, -0.02, 0.0, 0.0]), torch.tensor([0.05, 0.02, 0.1, 0.04])
-    policy.set_norm_stats(state=NormStats(mean=torch.full((8,), 2.0), std=torch.full((8,), 3.0)),
-                          action=NormStats(q01=q01, q99=q99))
-    obs = random_observation(SPEC32, 2)
-    with torch.no_grad():
-        before = policy.act(obs, deterministic=True).actions
-    assert bool(((before >= q01) & (before <= q99)).all())
-    ckpt = save_checkpoint(tmp_path, 1, model=policy, optimizer=None, counters={}, meta={"policy": vars(cfg)})
-    loaded = load_checkpoint(ckpt, with_trainer_state=False)
-    torch.manual_seed(5)  # a different random start: every weight must come from the checkpoint
-    fresh = SmolVLA(SPEC32, SmolVLAConfig(**loaded["meta"]["policy"]))
-    fresh.load_state_dict(loaded["model"])
-    torch.testing.assert_close(fresh.state_mean, torch.full((8,), 2.0))
-    with torch.no_grad():
-        torch.testing.assert_close(fresh.act(obs, deterministic=True).actions, before)
+    assert_checkpoint_acts_alone(SmolVLA(SPEC32, cfg), cfg, SPEC32, tmp_path, batch=2)
 
 
 def test_bad_configs_are_refused(vlm_dir, tmp_path):

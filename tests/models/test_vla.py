@@ -132,24 +132,30 @@ def test_behaviour_cloning_fits_a_fixed_batch(head):
     assert err.mean() < 0.1
 
 
-def test_checkpoint_round_trip_keeps_normalization(tmp_path):
-    torch.manual_seed(6)
-    cfg = tiny("gaussian")
-    policy = VLA(SPEC, cfg)
+def assert_checkpoint_acts_alone(policy, cfg, spec, tmp_path, batch: int = 4) -> None:
+    """Normalization set from data maps [-1, 1] onto the data's range; a policy rebuilt from the
+    checkpoint alone (its config in meta, its weights and buffers) acts exactly as the original."""
     q01, q99 = torch.tensor([-0.05, -0.02, 0.0, 0.0]), torch.tensor([0.05, 0.02, 0.1, 0.04])
     policy.set_norm_stats(state=NormStats(mean=torch.full((8,), 2.0), std=torch.full((8,), 3.0)),
                           action=NormStats(q01=q01, q99=q99))
-    obs = random_observation(SPEC, 4)
+    obs = random_observation(spec, batch)
     with torch.no_grad():
         before = policy.act(obs, deterministic=True).actions
     assert bool(((before >= q01) & (before <= q99)).all())  # [-1, 1] maps onto the data's range
     ckpt = save_checkpoint(tmp_path, 1, model=policy, optimizer=None, counters={}, meta={"policy": vars(cfg)})
     loaded = load_checkpoint(ckpt, with_trainer_state=False)
-    fresh = VLA(SPEC, VLAConfig(**loaded["meta"]["policy"]))
+    torch.manual_seed(12345)  # a different random start: every weight must come from the checkpoint
+    fresh = type(policy)(spec, type(cfg)(**loaded["meta"]["policy"]))
     fresh.load_state_dict(loaded["model"])
     torch.testing.assert_close(fresh.state_mean, torch.full((8,), 2.0))
     with torch.no_grad():
         torch.testing.assert_close(fresh.act(obs, deterministic=True).actions, before)
+
+
+def test_checkpoint_round_trip_keeps_normalization(tmp_path):
+    torch.manual_seed(6)
+    cfg = tiny("gaussian")
+    assert_checkpoint_acts_alone(VLA(SPEC, cfg), cfg, SPEC, tmp_path)
 
 
 def test_bad_configs_are_refused():
