@@ -1,6 +1,6 @@
 """embodied: RL fine-tuning of robot policies in vectorized simulators, and deployment to real arms."""
 
-from embodied.torchvision_ops import ensure_importable as _ensure_torchvision_importable
+from embodied.torchvision_ops import install_hook as _install_torchvision_hook
 
-# before any library imports torchvision (transformers, LeRobot): see embodied/torchvision_ops.py
-_ensure_torchvision_importable()
+# before any library looks for torchvision (transformers, LeRobot): see embodied/torchvision_ops.py
+_install_torchvision_hook()

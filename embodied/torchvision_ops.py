@@ -9,12 +9,17 @@ deform_conv2d, ...) are compiled. So where ``_C`` does not load, ``ensure_import
 those operators' schemas without kernels: torchvision then imports, and calling one of them
 fails with torch's own "could not run torchvision::nms ... CPU backend" error. Where ``_C`` loads
 (a matching build), the real operators are registered and nothing is declared here.
+
+``install_hook`` (run by ``import embodied``) defers all of it, torch's import included, to the
+moment anything first looks for torchvision, so that importing embodied stays cheap.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.machinery
 import importlib.util
+import sys
 from pathlib import Path
 
 # the operators torchvision's _meta_registrations.py looks up at import, with their signatures
@@ -77,3 +82,18 @@ def ensure_importable() -> None:
     for schema in _SCHEMAS:
         _library.define(schema)
     ops_declared = True
+
+
+class _FirstLookup(importlib.abc.MetaPathFinder):
+    """Runs ``ensure_importable`` when torchvision is first imported or looked up, then steps aside."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision":
+            sys.meta_path.remove(self)
+            ensure_importable()
+        return None  # the regular finders find the module
+
+
+def install_hook() -> None:
+    if "torchvision" not in sys.modules and not any(isinstance(f, _FirstLookup) for f in sys.meta_path):
+        sys.meta_path.insert(0, _FirstLookup())
