@@ -23,9 +23,16 @@ def gae(
     across the episode boundary. Returns (advantages, returns), float32 [T, B].
     """
     T = rewards.shape[0]
-    for name, t in (("values", values), ("next_values", next_values), ("terminated", terminated), ("truncated", truncated)):
+    for name, t in (
+        ("values", values),
+        ("next_values", next_values),
+        ("terminated", terminated),
+        ("truncated", truncated),
+    ):
         if t.shape != rewards.shape:
-            raise ValueError(f"gae: {name} has shape {tuple(t.shape)}, rewards {tuple(rewards.shape)}")
+            raise ValueError(
+                f"gae: {name} has shape {tuple(t.shape)}, rewards {tuple(rewards.shape)}"
+            )
     not_terminated = (~terminated).to(rewards.dtype)
     not_done = (~(terminated | truncated)).to(rewards.dtype)
     # TD error: r_t + gamma * V(s_{t+1}) * (1 - terminated_t) - V(s_t)

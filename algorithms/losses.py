@@ -52,7 +52,9 @@ def value_loss(
         loss = 0.5 * unclipped.mean()
     with torch.no_grad():
         var = returns.var(unbiased=False)
-        explained = (1 - (returns - values).var(unbiased=False) / var).item() if var > 0 else float("nan")
+        explained = (
+            (1 - (returns - values).var(unbiased=False) / var).item() if var > 0 else float("nan")
+        )
     return loss, {"value/loss": loss.item(), "value/explained_variance": explained}
 
 

@@ -26,15 +26,23 @@ def _setup(camera: bool, hz: float):
     from embodied.models import ActorCritic, ActorCriticConfig
     from embodied.robots.arm import ArmConfig, RobotEnv, connect, default_safety
     from embodied.robots.safety import SafetyLayer
+
     from embodied.twin import make_twin_robot
 
-    cfg = ArmConfig(robot="so101-sim", calibration_dir=tempfile.mkdtemp(), cameras={"front": "front"} if camera else {},
-                    image_size=96, control_hz=hz)
+    cfg = ArmConfig(
+        robot="so101-sim",
+        calibration_dir=tempfile.mkdtemp(),
+        cameras={"front": "front"} if camera else {},
+        image_size=96,
+        control_hz=hz,
+    )
     robot, twin, _ = make_twin_robot(cfg)
     connect(robot, cfg)
     env = RobotEnv(robot, cfg, SafetyLayer(default_safety(robot, cfg)))
     torch.manual_seed(0)
-    policy = ActorCritic(env.spec, ActorCriticConfig(hidden_sizes=[256, 256], use_privileged=False)).eval()
+    policy = ActorCritic(
+        env.spec, ActorCriticConfig(hidden_sizes=[256, 256], use_privileged=False)
+    ).eval()
     return env, twin, policy
 
 
@@ -46,16 +54,19 @@ def _chunk(policy, obs, K: int = 8) -> np.ndarray:
 
 
 def run(hz: float, remote: bool, seconds: float, camera: bool) -> dict:
-    from embodied.deploy import obs_to_wire, wire_to_obs
     from embodied.robots.control import ChunkExecutor, EmergencyStop, run_episode, safe_shutdown
     from embodied.robots.server import PolicyClient, PolicyServer
+
+    from embodied.deploy import obs_to_wire, wire_to_obs
 
     env, twin, policy = _setup(camera, hz)
     server = client = None
     try:
         if remote:
             contract = {"bench": 1}
-            server = PolicyServer(lambda msg: _chunk(policy, wire_to_obs(msg, env.spec)), contract, port=0).start()
+            server = PolicyServer(
+                lambda msg: _chunk(policy, wire_to_obs(msg, env.spec)), contract, port=0
+            ).start()
             client = PolicyClient(f"ws://127.0.0.1:{server.port}", contract)
             infer = lambda obs: client.infer(obs_to_wire(obs))  # noqa: E731
         else:
@@ -65,12 +76,21 @@ def run(hz: float, remote: bool, seconds: float, camera: bool) -> dict:
             result = run_episode(env, ex, stop, hz=hz, max_steps=int(seconds * hz))
         ex.close()
         t = [f["t"] for f in result.frames]
-        out = {"hz": hz, "inference": "server (loopback)" if remote else "in process", "steps": result.steps,
-               "achieved_hz": (len(t) - 1) / (t[-1] - t[0]), "end": result.reason, **result.timing,
-               "watchdog_holds": result.watchdog.get("hold", 0)}
+        out = {
+            "hz": hz,
+            "inference": "server (loopback)" if remote else "in process",
+            "steps": result.steps,
+            "achieved_hz": (len(t) - 1) / (t[-1] - t[0]),
+            "end": result.reason,
+            **result.timing,
+            "watchdog_holds": result.watchdog.get("hold", 0),
+        }
         if client is not None:
             rt = np.asarray(client.round_trip_ms)
-            out.update(round_trip_p50_ms=float(np.percentile(rt, 50)), round_trip_p99_ms=float(np.percentile(rt, 99)))
+            out.update(
+                round_trip_p50_ms=float(np.percentile(rt, 50)),
+                round_trip_p99_ms=float(np.percentile(rt, 99)),
+            )
         safe_shutdown(env, hz=hz, timeout_s=5)
         return out
     finally:
@@ -88,18 +108,25 @@ def main() -> None:
     ap.add_argument("--no-camera", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"camera: {'none' if args.no_camera else 'front 96 px'}")
-    print("| rate (Hz) | inference | achieved (Hz) | jitter p50 (ms) | p99 (ms) | max (ms) | inference p50 (ms) | "
-          "server round trip p50 / p99 (ms) | watchdog holds |")
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"camera: {'none' if args.no_camera else 'front 96 px'}"
+    )
+    print(
+        "| rate (Hz) | inference | achieved (Hz) | jitter p50 (ms) | p99 (ms) | max (ms) | inference p50 (ms) | "
+        "server round trip p50 / p99 (ms) | watchdog holds |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---|---:|")
     for hz in args.rates:
         for remote in (False, True):
             r = run(hz, remote, args.seconds, not args.no_camera)
             rt = f"{r['round_trip_p50_ms']:.1f} / {r['round_trip_p99_ms']:.1f}" if remote else "-"
-            print(f"| {hz:.0f} | {r['inference']} | {r['achieved_hz']:.1f} | {r['jitter_p50_ms']:.2f} | "
-                  f"{r['jitter_p99_ms']:.2f} | {r['jitter_max_ms']:.1f} | {r['inference_ms_p50']:.1f} | {rt} | "
-                  f"{r['watchdog_holds']} |", flush=True)
+            print(
+                f"| {hz:.0f} | {r['inference']} | {r['achieved_hz']:.1f} | {r['jitter_p50_ms']:.2f} | "
+                f"{r['jitter_p99_ms']:.2f} | {r['jitter_max_ms']:.1f} | {r['inference_ms_p50']:.1f} | {rt} | "
+                f"{r['watchdog_holds']} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

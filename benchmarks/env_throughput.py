@@ -46,11 +46,14 @@ def _raw(env, steps: int, rgb: bool) -> float:
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     target, low, high = env._target.copy(), env._low, env._high
-    for _ in range(steps):  # the same motion as the adapter's: random deltas added to the servo targets
+    for _ in range(
+        steps
+    ):  # the same motion as the adapter's: random deltas added to the servo targets
         target = np.clip(target + rng.uniform(-0.1, 0.1, (B, nu)), low, high)
         control = np.concatenate([target, mocap], 1)[:, None]
-        states, sensors = rollout.rollout(env.model, data, state, control, control_spec=env._control_spec,
-                                          nstep=env._substeps)
+        states, sensors = rollout.rollout(
+            env.model, data, state, control, control_spec=env._control_spec, nstep=env._substeps
+        )
         state = states[:, -1].copy()
         _ = torch.from_numpy(sensors[:, -1].astype(np.float32))
         if renderer is not None:
@@ -84,8 +87,18 @@ class _LiberoRaw:
         _, bddl, init = load_task("libero_spatial", 0)
         from libero.libero.envs import OffScreenRenderEnv
 
-        self.envs = [OffScreenRenderEnv(bddl_file_name=bddl, camera_heights=size, camera_widths=size, use_camera_obs=rgb,
-                                        has_offscreen_renderer=rgb, ignore_done=True, hard_reset=False) for _ in range(n)]
+        self.envs = [
+            OffScreenRenderEnv(
+                bddl_file_name=bddl,
+                camera_heights=size,
+                camera_widths=size,
+                use_camera_obs=rgb,
+                has_offscreen_renderer=rgb,
+                ignore_done=True,
+                hard_reset=False,
+            )
+            for _ in range(n)
+        ]
         for i, e in enumerate(self.envs):
             e.seed(i), e.reset(), e.set_init_state(init[i])
         self.rng = np.random.default_rng(0)
@@ -109,8 +122,13 @@ class _ManiSkillRaw:
         import gymnasium as gym
         import mani_skill.envs  # noqa: F401
 
-        kwargs = dict(num_envs=1, obs_mode="rgb" if rgb else "state_dict", control_mode="pd_joint_delta_pos",
-                      reward_mode="normalized_dense", sim_backend="physx_cpu")
+        kwargs = dict(
+            num_envs=1,
+            obs_mode="rgb" if rgb else "state_dict",
+            control_mode="pd_joint_delta_pos",
+            reward_mode="normalized_dense",
+            sim_backend="physx_cpu",
+        )
         if rgb:
             kwargs["sensor_configs"] = dict(width=size, height=size)
         self.envs = [gym.make(task, **kwargs).unwrapped for _ in range(n)]
@@ -134,7 +152,9 @@ class _ManiSkillRaw:
             e.close()
 
 
-def _worker_rows(name: str, task: str, mode: str, n: int, steps: int, repeats: int, raw, make_env) -> None:
+def _worker_rows(
+    name: str, task: str, mode: str, n: int, steps: int, repeats: int, raw, make_env
+) -> None:
     """Raw vs our VecEnv in this process (0 workers) and in 1 and 2 workers, alternating; one table
     row per worker count."""
     envs = {w: make_env(w) for w in (0, 1, 2)}
@@ -148,7 +168,10 @@ def _worker_rows(name: str, task: str, mode: str, n: int, steps: int, repeats: i
         r = statistics.median(rates["raw"])
         for w in envs:
             ratio = statistics.median([a / b for a, b in zip(rates[w], rates["raw"])])
-            print(f"| {name} | {task} | {mode} | {n} | {w or '0 (in process)'} | {r:.1f} | {statistics.median(rates[w]):.1f} | {ratio:.3f} |", flush=True)
+            print(
+                f"| {name} | {task} | {mode} | {n} | {w or '0 (in process)'} | {r:.1f} | {statistics.median(rates[w]):.1f} | {ratio:.3f} |",
+                flush=True,
+            )
     finally:
         raw.close()
         for e in envs.values():
@@ -182,7 +205,9 @@ def _round_trip_rows(work_ms=(0.0, 2.0, 8.0), trips: int = 200, repeats: int = 3
                 here.send(ms), here.recv()
             excess[ms].append((time.perf_counter() - t) / trips * 1e3 - ms)
     here.send(None), proc.join()
-    print("\n| worker's work per request (ms) | round trip beyond the work (ms, median) |\n|---:|---:|")
+    print(
+        "\n| worker's work per request (ms) | round trip beyond the work (ms, median) |\n|---:|---:|"
+    )
     for ms, v in excess.items():
         print(f"| {ms:.0f} | {statistics.median(v):.3f} |", flush=True)
 
@@ -191,19 +216,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--simulators", nargs="+", default=["mujoco", "libero", "maniskill"])
     ap.add_argument("--num-envs", type=int, default=16, help="MuJoCo (in process)")
-    ap.add_argument("--worker-envs", type=int, nargs="+", default=[4],
-                    help="LIBERO and ManiSkill (in workers): one row per count; a worker's round trip costs about "
-                         "the same whatever it carries, so its share falls as environments per worker rise")
+    ap.add_argument(
+        "--worker-envs",
+        type=int,
+        nargs="+",
+        default=[4],
+        help="LIBERO and ManiSkill (in workers): one row per count; a worker's round trip costs about "
+        "the same whatever it carries, so its share falls as environments per worker rise",
+    )
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", nargs="+", default=["state", "rgb"])
     ap.add_argument("--task", default="push", help="MuJoCo task")
     ap.add_argument("--image-size", type=int, default=128)
-    ap.add_argument("--round-trip", action="store_true", help="also measure a bare pipe round trip between two processes")
+    ap.add_argument(
+        "--round-trip",
+        action="store_true",
+        help="also measure a bare pipe round trip between two processes",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
-    print("| simulator | task | obs | envs | workers | raw steps/s (1 process) | adapter steps/s | ratio (median) |")
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+    )
+    print(
+        "| simulator | task | obs | envs | workers | raw steps/s (1 process) | adapter steps/s | ratio (median) |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for mode in args.modes:
         if "mujoco" in args.simulators:
@@ -218,22 +256,52 @@ def _worker_simulators(args, mode: str, n: int) -> None:
     """LIBERO and ManiSkill rows for n environments (in 1 and in 2 workers)."""
     rgb = mode == "rgb"
     if "libero" in args.simulators:
-        from embodied.multitask import make_env
         from embodied.simulators.libero import LiberoConfig
 
-        steps = max(5, args.steps // (40 if rgb else 4))
-        cfg = dict(suite="libero_spatial", task_id=0, obs_mode=mode, image_size=args.image_size, num_envs=n,
-                   max_episode_steps=10**6)  # no resets inside the measurement (the raw loop has none)
-        _worker_rows("libero", "spatial/0", mode, n, steps, args.repeats, _LiberoRaw(n, rgb, args.image_size),
-                     lambda w: make_env(LiberoConfig(**cfg, num_workers=w)))
-    if "maniskill" in args.simulators:
         from embodied.multitask import make_env
+
+        steps = max(5, args.steps // (40 if rgb else 4))
+        cfg = dict(
+            suite="libero_spatial",
+            task_id=0,
+            obs_mode=mode,
+            image_size=args.image_size,
+            num_envs=n,
+            max_episode_steps=10**6,
+        )  # no resets inside the measurement (the raw loop has none)
+        _worker_rows(
+            "libero",
+            "spatial/0",
+            mode,
+            n,
+            steps,
+            args.repeats,
+            _LiberoRaw(n, rgb, args.image_size),
+            lambda w: make_env(LiberoConfig(**cfg, num_workers=w)),
+        )
+    if "maniskill" in args.simulators:
         from embodied.simulators.maniskill import ManiSkillConfig
 
+        from embodied.multitask import make_env
+
         steps = args.steps if not rgb else max(10, args.steps // 4)
-        cfg = dict(task="PushCube-v1", obs_mode=mode, control_mode="pd_joint_delta_pos", image_size=args.image_size, num_envs=n)
-        _worker_rows("maniskill", "PushCube-v1", mode, n, steps, args.repeats, _ManiSkillRaw("PushCube-v1", n, rgb, args.image_size),
-                     lambda w: make_env(ManiSkillConfig(**cfg, num_workers=w)))
+        cfg = dict(
+            task="PushCube-v1",
+            obs_mode=mode,
+            control_mode="pd_joint_delta_pos",
+            image_size=args.image_size,
+            num_envs=n,
+        )
+        _worker_rows(
+            "maniskill",
+            "PushCube-v1",
+            mode,
+            n,
+            steps,
+            args.repeats,
+            _ManiSkillRaw("PushCube-v1", n, rgb, args.image_size),
+            lambda w: make_env(ManiSkillConfig(**cfg, num_workers=w)),
+        )
 
 
 def _mujoco_row(args, mode: str) -> None:
@@ -248,8 +316,11 @@ def _mujoco_row(args, mode: str) -> None:
             r = steps * args.num_envs / _raw(env, steps, mode == "rgb")
             a = steps * args.num_envs / _adapter(env, steps)
             raw.append(r), ours.append(a), ratios.append(a / r)
-        print(f"| mujoco | {args.task} | {mode} | {args.num_envs} | in process | {statistics.median(raw):.0f} | "
-              f"{statistics.median(ours):.0f} | {statistics.median(ratios):.3f} |", flush=True)
+        print(
+            f"| mujoco | {args.task} | {mode} | {args.num_envs} | in process | {statistics.median(raw):.0f} | "
+            f"{statistics.median(ours):.0f} | {statistics.median(ratios):.3f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

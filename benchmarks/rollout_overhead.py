@@ -35,8 +35,17 @@ def _raw_envs(task: str, count: int, control_mode: str) -> list:
     import mani_skill.envs  # noqa: F401
 
     logging.getLogger("mani_skill").setLevel(logging.ERROR)
-    envs = [gym.make(task, num_envs=1, obs_mode="state_dict", control_mode=control_mode, reward_mode="normalized_dense",
-                     sim_backend="physx_cpu").unwrapped for _ in range(count)]
+    envs = [
+        gym.make(
+            task,
+            num_envs=1,
+            obs_mode="state_dict",
+            control_mode=control_mode,
+            reward_mode="normalized_dense",
+            sim_backend="physx_cpu",
+        ).unwrapped
+        for _ in range(count)
+    ]
     for i, e in enumerate(envs):
         e.reset(seed=i)
     return envs
@@ -75,9 +84,14 @@ class RawLoop:
     def __init__(self, task: str, num_envs: int, workers: int, control_mode: str):
         ctx = mp.get_context("spawn")
         self.counts = [num_envs // workers + (i < num_envs % workers) for i in range(workers)]
-        self.commands, self.results = [ctx.Queue() for _ in self.counts], [ctx.Queue() for _ in self.counts]
-        self.procs = [ctx.Process(target=_raw_worker, args=(task, c, control_mode, cq, rq), daemon=True)
-                      for c, cq, rq in zip(self.counts, self.commands, self.results)]
+        self.commands, self.results = (
+            [ctx.Queue() for _ in self.counts],
+            [ctx.Queue() for _ in self.counts],
+        )
+        self.procs = [
+            ctx.Process(target=_raw_worker, args=(task, c, control_mode, cq, rq), daemon=True)
+            for c, cq, rq in zip(self.counts, self.commands, self.results)
+        ]
         for p in self.procs:
             p.start()
         for q in self.results:
@@ -131,60 +145,94 @@ def bench_vecenv(env, steps: int) -> tuple[float, float]:
     def run():
         for _ in range(steps):
             env.step(low + torch.rand(env.num_envs, env.spec.action.dim) * (high - low))
+
     return _measured(env, steps, run)
 
 
 def bench_rollout(env, steps: int, stages: int = 1) -> tuple[float, float]:
     from embodied.models import ActorCritic, ActorCriticConfig
+
     from embodied.rollout import EpisodeStats, collect
 
     policy = ActorCritic(env.spec, ActorCriticConfig())
     obs = env.reset(seed=0)
     stats = EpisodeStats.zeros(env.num_envs, env.device)
-    return _measured(env, steps, lambda: collect(env, policy, obs, num_steps=steps, gamma=0.8, stats=stats, stages=stages))
+    return _measured(
+        env,
+        steps,
+        lambda: collect(env, policy, obs, num_steps=steps, gamma=0.8, stats=stats, stages=stages),
+    )
 
 
 def main() -> None:
     from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--task", default="PushCube-v1")
     ap.add_argument("--num-envs", type=int, default=16)
-    ap.add_argument("--workers", type=int, default=2, help="0: simulators in this process (num_workers: 0)")
+    ap.add_argument(
+        "--workers", type=int, default=2, help="0: simulators in this process (num_workers: 0)"
+    )
     ap.add_argument("--steps", type=int, default=150, help="steps per environment per measurement")
     ap.add_argument("--control-mode", default="pd_joint_delta_pos")
     ap.add_argument("--repeats", type=int, default=10, help="alternating repeats")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    env = ManiSkillEnv(ManiSkillConfig(task=args.task, num_envs=args.num_envs, num_workers=args.workers,
-                                       control_mode=args.control_mode))
-    benches = {"raw": lambda: raw.run(args.steps), "vecenv": lambda: bench_vecenv(env, args.steps),
-               "rollout": lambda: bench_rollout(env, args.steps),
-               "pipelined": lambda: bench_rollout(env, args.steps, stages=2)}
+    env = ManiSkillEnv(
+        ManiSkillConfig(
+            task=args.task,
+            num_envs=args.num_envs,
+            num_workers=args.workers,
+            control_mode=args.control_mode,
+        )
+    )
+    benches = {
+        "raw": lambda: raw.run(args.steps),
+        "vecenv": lambda: bench_vecenv(env, args.steps),
+        "rollout": lambda: bench_rollout(env, args.steps),
+        "pipelined": lambda: bench_rollout(env, args.steps, stages=2),
+    }
     if args.workers == 0:
         del benches["pipelined"]  # in one process there is nothing to overlap
     loops = tuple(benches)
     sps, cpu = {k: [] for k in loops}, {k: [] for k in loops}
-    raw = (InProcessRawLoop(args.task, args.num_envs, args.control_mode) if args.workers == 0
-           else RawLoop(args.task, args.num_envs, args.workers, args.control_mode))
+    raw = (
+        InProcessRawLoop(args.task, args.num_envs, args.control_mode)
+        if args.workers == 0
+        else RawLoop(args.task, args.num_envs, args.workers, args.control_mode)
+    )
     try:
         for r in range(args.repeats):  # alternate so that machine drift hits every loop alike
             for k, fn in benches.items():
                 s, c = fn()
                 sps[k].append(s), cpu[k].append(c)
-            print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k} {sps[k][-1]:.0f}" for k in loops), flush=True)
+            print(
+                f"repeat {r + 1}/{args.repeats}: "
+                + ", ".join(f"{k} {sps[k][-1]:.0f}" for k in loops),
+                flush=True,
+            )
     finally:
         env.close()
         raw.close()
-    print(f"\n{args.task} state, {args.num_envs} envs, {args.workers} workers, {args.steps} steps/env x {args.repeats} "
-          f"repeats, {mp.cpu_count()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}")
-    print(f"{'loop':<10}{'median steps/s':>15}{'median ratio':>14}{'CPU ms/step':>13}{'CPU ratio':>11}   steps/s per repeat")
+    print(
+        f"\n{args.task} state, {args.num_envs} envs, {args.workers} workers, {args.steps} steps/env x {args.repeats} "
+        f"repeats, {mp.cpu_count()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}"
+    )
+    print(
+        f"{'loop':<10}{'median steps/s':>15}{'median ratio':>14}{'CPU ms/step':>13}{'CPU ratio':>11}   steps/s per repeat"
+    )
     for k in loops:
         ratio = statistics.median(a / b for a, b in zip(sps[k], sps["raw"]))
         cpu_ratio = statistics.median(cpu[k]) / statistics.median(cpu["raw"])
-        print(f"{k:<10}{statistics.median(sps[k]):>15.0f}{ratio:>14.3f}{statistics.median(cpu[k]):>13.3f}{cpu_ratio:>11.3f}   "
-              f"{[round(x) for x in sps[k]]}")
-    print("ratio = steps/s over the same repeat's raw steps/s (goal >= 0.9); CPU ratio = CPU per env step over raw's")
+        print(
+            f"{k:<10}{statistics.median(sps[k]):>15.0f}{ratio:>14.3f}{statistics.median(cpu[k]):>13.3f}{cpu_ratio:>11.3f}   "
+            f"{[round(x) for x in sps[k]]}"
+        )
+    print(
+        "ratio = steps/s over the same repeat's raw steps/s (goal >= 0.9); CPU ratio = CPU per env step over raw's"
+    )
 
 
 if __name__ == "__main__":

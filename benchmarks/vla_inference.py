@@ -31,11 +31,21 @@ import torch
 def _spec(image_size: int):
     from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec
 
-    return EnvSpec(obs=ObsSpec(cameras=(CameraSpec("base_camera", image_size, image_size),),
-                               state_names=tuple(f"q{i}" for i in range(25))),
-                   action=ActionSpec("joint_delta", tuple(f"a{i}" for i in range(8)), (-0.1,) * 7 + (-0.01,),
-                                     (0.1,) * 7 + (0.04,), gripper=7),
-                   max_episode_steps=50, instructions=("push the cube to the red and white target",))
+    return EnvSpec(
+        obs=ObsSpec(
+            cameras=(CameraSpec("base_camera", image_size, image_size),),
+            state_names=tuple(f"q{i}" for i in range(25)),
+        ),
+        action=ActionSpec(
+            "joint_delta",
+            tuple(f"a{i}" for i in range(8)),
+            (-0.1,) * 7 + (-0.01,),
+            (0.1,) * 7 + (0.04,),
+            gripper=7,
+        ),
+        max_episode_steps=50,
+        instructions=("push the cube to the red and white target",),
+    )
 
 
 def _smolvlm2_500m_shaped(path: Path) -> Path:
@@ -43,10 +53,24 @@ def _smolvlm2_500m_shaped(path: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "models"))
     from tiny_vlms import smolvlm
 
-    return smolvlm(path, image=512, patch=16, scale=4, weights=False,
-                   vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
-                   text=dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
-                             num_key_value_heads=5, head_dim=64))
+    return smolvlm(
+        path,
+        image=512,
+        patch=16,
+        scale=4,
+        weights=False,
+        vision=dict(
+            hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12
+        ),
+        text=dict(
+            hidden_size=960,
+            intermediate_size=2560,
+            num_hidden_layers=32,
+            num_attention_heads=15,
+            num_key_value_heads=5,
+            head_dim=64,
+        ),
+    )
 
 
 def _policy(head: str, spec, smolvlm: str):
@@ -60,8 +84,16 @@ def _policy(head: str, spec, smolvlm: str):
     return SmolVLA(spec, SmolVLAConfig(vlm_path=str(path), load_vlm_weights=False, chunk_size=4))
 
 
-def _run(head: str, batch: int, device: str, image_size: int, repeats: int, threads: int, smolvlm: str,
-         queue) -> None:
+def _run(
+    head: str,
+    batch: int,
+    device: str,
+    image_size: int,
+    repeats: int,
+    threads: int,
+    smolvlm: str,
+    queue,
+) -> None:
     torch.set_num_threads(threads)
     from embodied.contract import random_observation
 
@@ -81,14 +113,19 @@ def _run(head: str, batch: int, device: str, image_size: int, repeats: int, thre
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda"
-            else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20
+        if device == "cuda"
+        else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+    )
     params = sum(p.numel() for p in policy.parameters()) / 1e6
     queue.put((statistics.median(times), peak, params))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--heads", nargs="+", default=["gaussian", "discrete", "flow"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -98,21 +135,43 @@ def main() -> None:
     ap.add_argument("--smolvlm", default="", help="local SmolVLM2 directory for the smolvla row")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
-    hw = torch.cuda.get_device_name() if args.device == "cuda" else f"{mp.cpu_count()} cores {platform.machine()}"
-    print(f"VLA act(): {hw}, torch {torch.__version__}, {args.threads} threads, {args.image_size}px, K=4, "
-          f"median of {args.repeats}")
+    hw = (
+        torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else f"{mp.cpu_count()} cores {platform.machine()}"
+    )
+    print(
+        f"VLA act(): {hw}, torch {torch.__version__}, {args.threads} threads, {args.image_size}px, K=4, "
+        f"median of {args.repeats}"
+    )
     mem = "peak GPU MiB" if args.device == "cuda" else "peak RSS +MiB"
-    print(f"{'head':<10}{'batch':>6}{'params M':>10}{'latency ms':>12}{'chunks/s':>10}{'actions/s':>11}{mem:>15}")
+    print(
+        f"{'head':<10}{'batch':>6}{'params M':>10}{'latency ms':>12}{'chunks/s':>10}{'actions/s':>11}{mem:>15}"
+    )
     for head in args.heads:
         for b in args.batch:
             q = ctx.Queue()
-            p = ctx.Process(target=_run, args=(head, b, args.device, args.image_size, args.repeats, args.threads,
-                                                   args.smolvlm, q))
+            p = ctx.Process(
+                target=_run,
+                args=(
+                    head,
+                    b,
+                    args.device,
+                    args.image_size,
+                    args.repeats,
+                    args.threads,
+                    args.smolvlm,
+                    q,
+                ),
+            )
             p.start()
             latency, peak, params = q.get()
             p.join()
-            print(f"{head:<10}{b:>6}{params:>10.1f}{latency * 1e3:>12.1f}{b / latency:>10.1f}{4 * b / latency:>11.1f}"
-                  f"{peak:>15.0f}", flush=True)
+            print(
+                f"{head:<10}{b:>6}{params:>10.1f}{latency * 1e3:>12.1f}{b / latency:>10.1f}{4 * b / latency:>11.1f}"
+                f"{peak:>15.0f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

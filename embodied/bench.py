@@ -38,10 +38,14 @@ class SpecMismatch(ValueError):
 
 @dataclass
 class BenchTask:
-    env: dict[str, Any] = field(default_factory=dict)  # a simulator config: `simulator:` and its keys
+    env: dict[str, Any] = field(
+        default_factory=dict
+    )  # a simulator config: `simulator:` and its keys
     name: str = ""  # in the report; default <simulator>/<task>
     episodes: int = 0  # 0: the suite's `episodes`
-    sweep: dict[str, list[Any]] = field(default_factory=dict)  # one task per value, e.g. {task_id: [0, 1, 2]}
+    sweep: dict[str, list[Any]] = field(
+        default_factory=dict
+    )  # one task per value, e.g. {task_id: [0, 1, 2]}
 
 
 @dataclass
@@ -75,13 +79,17 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
         where = f"tasks[{i}]"
         simulator = task.env.get("simulator")
         if simulator not in SIMULATOR_CONFIGS:
-            raise ConfigError(f"{where}.env.simulator: unknown simulator {simulator!r}; known: {sorted(SIMULATOR_CONFIGS)} (in {source})")
+            raise ConfigError(
+                f"{where}.env.simulator: unknown simulator {simulator!r}; known: {sorted(SIMULATOR_CONFIGS)} (in {source})"
+            )
         keys, values = list(task.sweep), list(task.sweep.values())
         combos = [dict(zip(keys, vs)) for vs in _product(values)] if keys else [{}]
         for combo in combos:
             env_dict = {**task.env, **combo}
             try:
-                env = compose(SIMULATOR_CONFIGS[simulator], [(source, env_dict)])  # ConfigError: "key: ... (in source)"
+                env = compose(
+                    SIMULATOR_CONFIGS[simulator], [(source, env_dict)]
+                )  # ConfigError: "key: ... (in source)"
                 env.validate()
             except ValueError as e:
                 raise ConfigError(f"{where}.env.{e} (in {source})") from None
@@ -93,7 +101,9 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
             items.append(BenchItem(label, env, task.episodes or cfg.episodes))
     names = [it.name for it in items]
     if len(set(names)) != len(names):
-        raise ConfigError(f"tasks: two tasks share a name ({sorted({n for n in names if names.count(n) > 1})}); give them `name:` (in {source})")
+        raise ConfigError(
+            f"tasks: two tasks share a name ({sorted({n for n in names if names.count(n) > 1})}); give them `name:` (in {source})"
+        )
     return items
 
 
@@ -118,8 +128,14 @@ def _file_name(name: str) -> str:
 
 def hardware() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "gpu": gpu, "python": platform.python_version(), "torch": torch.__version__}
+    return {
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
 
 
 class _PolicySource:
@@ -136,13 +152,19 @@ class _PolicySource:
             self.spec = self._checkpoint_spec(ckpt)
             resolved = ckpt.resolve()  # RUN/last -> RUN/checkpoints/iter_N: label RUN_iter_N
             inside_run = resolved.parent.name == "checkpoints"
-            self.label = _file_name(f"{resolved.parent.parent.name}_{resolved.name}" if inside_run else resolved.name)
+            self.label = _file_name(
+                f"{resolved.parent.parent.name}_{resolved.name}" if inside_run else resolved.name
+            )
             self.key = f"checkpoint:{ckpt.resolve()}"
         else:
             if policy not in POLICIES:
-                raise ValueError(f"--policy: unknown baseline {policy!r}; known: {list(POLICIES)} (or --checkpoint)")
+                raise ValueError(
+                    f"--policy: unknown baseline {policy!r}; known: {list(POLICIES)} (or --checkpoint)"
+                )
             self.loaded, self.label, self.key = None, policy, policy
-        self.deterministic = policy != "random" or checkpoint is not None  # the random baseline samples (seeded)
+        self.deterministic = (
+            policy != "random" or checkpoint is not None
+        )  # the random baseline samples (seeded)
 
     @staticmethod
     def _checkpoint_spec(ckpt: Path):
@@ -160,11 +182,17 @@ class _PolicySource:
         problems = []
         if self.spec.action.names != spec.action.names:
             problems.append(f"actions {spec.action.names} (trained on {self.spec.action.names})")
-        if [(c.name, c.height, c.width) for c in self.spec.obs.cameras] != [(c.name, c.height, c.width) for c in spec.obs.cameras]:
+        if [(c.name, c.height, c.width) for c in self.spec.obs.cameras] != [
+            (c.name, c.height, c.width) for c in spec.obs.cameras
+        ]:
             problems.append(f"cameras {spec.obs.cameras} (trained on {self.spec.obs.cameras})")
         if self.spec.obs.state_names != spec.obs.state_names:
             problems.append("proprioception columns differ from training")
-        missing = {k: v for k, v in self.spec.obs.privileged.items() if tuple(spec.obs.privileged.get(k, ())) != tuple(v)}
+        missing = {
+            k: v
+            for k, v in self.spec.obs.privileged.items()
+            if tuple(spec.obs.privileged.get(k, ())) != tuple(v)
+        }
         if missing:
             problems.append(f"privileged state {sorted(missing)} missing or of another shape")
         if problems:
@@ -172,8 +200,15 @@ class _PolicySource:
         return self.loaded
 
 
-def run_bench(cfg: BenchConfig, source: str, *, policy: str | None = "random", checkpoint: str | None = None,
-              out: str | None = None, progress: bool = True) -> dict:
+def run_bench(
+    cfg: BenchConfig,
+    source: str,
+    *,
+    policy: str | None = "random",
+    checkpoint: str | None = None,
+    out: str | None = None,
+    progress: bool = True,
+) -> dict:
     """Evaluate the policy on every task of the suite (skipping tasks finished earlier) and write
     the report. Returns the results as written to results.json."""
     torch.set_num_threads(cfg.torch_threads)
@@ -181,16 +216,34 @@ def run_bench(cfg: BenchConfig, source: str, *, policy: str | None = "random", c
     policies = _PolicySource(policy, checkpoint, cfg.seed)
     out_dir = Path(out) if out else Path(cfg.output_dir) / cfg.name / policies.label
     (out_dir / "tasks").mkdir(parents=True, exist_ok=True)
-    meta = {"suite": cfg.name, "suite_file": source, "policy": policies.key, "seed": cfg.seed, "hardware": hardware()}
+    meta = {
+        "suite": cfg.name,
+        "suite_file": source,
+        "policy": policies.key,
+        "seed": cfg.seed,
+        "hardware": hardware(),
+    }
     done: list[dict] = []
     meta["skipped"] = []  # tasks the checkpoint cannot act in, with the reason
     for n, item in enumerate(items, 1):
-        key = hashlib.sha1(json.dumps({"env": to_dict(item.env), "episodes": item.episodes, "seed": cfg.seed,
-                                       "policy": policies.key}, sort_keys=True).encode()).hexdigest()
+        key = hashlib.sha1(
+            json.dumps(
+                {
+                    "env": to_dict(item.env),
+                    "episodes": item.episodes,
+                    "seed": cfg.seed,
+                    "policy": policies.key,
+                },
+                sort_keys=True,
+            ).encode()
+        ).hexdigest()
         path = out_dir / "tasks" / f"{_file_name(item.name)}.json"
         if path.exists() and json.loads(path.read_text()).get("key") == key:
             done += json.loads(path.read_text())["results"]
-            print(f"[{n}/{len(items)}] {item.name}: finished in an earlier run, kept ({path})", flush=True)
+            print(
+                f"[{n}/{len(items)}] {item.name}: finished in an earlier run, kept ({path})",
+                flush=True,
+            )
             continue
         try:
             results = _run_task(item, policies, cfg, out_dir, progress)
@@ -203,39 +256,70 @@ def run_bench(cfg: BenchConfig, source: str, *, policy: str | None = "random", c
         atomic_write(path, json.dumps({"key": key, "results": results}, indent=2))
         done += results
         for r in results:
-            print(f"[{n}/{len(items)}] {r['task']}: success {r['success_rate']:.2f} ({r['successes']}/{r['episodes']}, "
-                  f"95% CI {r['success_ci95'][0]:.2f}-{r['success_ci95'][1]:.2f}), {r['env_steps_per_s']:.0f} env steps/s, "
-                  f"policy {r['policy_ms']:.1f} ms, {r['minutes']:.1f} min", flush=True)
+            print(
+                f"[{n}/{len(items)}] {r['task']}: success {r['success_rate']:.2f} ({r['successes']}/{r['episodes']}, "
+                f"95% CI {r['success_ci95'][0]:.2f}-{r['success_ci95'][1]:.2f}), {r['env_steps_per_s']:.0f} env steps/s, "
+                f"policy {r['policy_ms']:.1f} ms, {r['minutes']:.1f} min",
+                flush=True,
+            )
         write_report(out_dir, meta, done)
     report = write_report(out_dir, meta, done)
     print(f"report: {out_dir}/report.md, results.json, success.png", flush=True)
     return report
 
 
-def _run_task(item: BenchItem, policies: _PolicySource, cfg: BenchConfig, out_dir: Path, progress: bool) -> list[dict]:
+def _run_task(
+    item: BenchItem, policies: _PolicySource, cfg: BenchConfig, out_dir: Path, progress: bool
+) -> list[dict]:
     t0 = time.time()
     env = make_env(item.env)
     try:
         policy = policies.for_env(env.spec)
         names = getattr(env, "names", None)
-        instructions = dict(zip(names, env.spec.instructions)) if names else {"all": env.spec.instructions[0]}
+        instructions = (
+            dict(zip(names, env.spec.instructions)) if names else {"all": env.spec.instructions[0]}
+        )
         policy = policy.to(env.device).eval() if isinstance(policy, torch.nn.Module) else policy
         video = out_dir / "videos" / f"{_file_name(item.name)}.mp4" if cfg.videos else None
-        with tqdm(total=item.episodes * len(names or [0]), desc=item.name, unit="ep", leave=False, disable=not progress,
-                  mininterval=0.1 if sys.stderr.isatty() else 30.0) as bar:
-            summaries = evaluate_by_task(env, policy, episodes=item.episodes, seed=cfg.seed, video_path=video, progress=bar,
-                                         deterministic=policies.deterministic)
+        with tqdm(
+            total=item.episodes * len(names or [0]),
+            desc=item.name,
+            unit="ep",
+            leave=False,
+            disable=not progress,
+            mininterval=0.1 if sys.stderr.isatty() else 30.0,
+        ) as bar:
+            summaries = evaluate_by_task(
+                env,
+                policy,
+                episodes=item.episodes,
+                seed=cfg.seed,
+                video_path=video,
+                progress=bar,
+                deterministic=policies.deterministic,
+            )
     finally:
         env.close()
     minutes = (time.time() - t0) / 60
     results = []
     for task, s in summaries.items():
-        results.append({
-            "task": item.name if task == "all" else f"{item.name}/{task}", "simulator": item.env.simulator,
-            "instruction": instructions.get(task, instructions.get("all")), "episodes": s["eval/episodes"], "successes": round(s["eval/success_rate"] * s["eval/episodes"]),
-            "success_rate": s["eval/success_rate"], "success_ci95": s["eval/success_ci95"],
-            "success_at_end": s["eval/success_at_end"], "mean_length": s["eval/length"], "mean_return": s["eval/return"],
-            "env_steps_per_s": s["eval/env_steps_per_s"], "policy_ms": s["eval/policy_ms"],
-            "video": os.path.relpath(s["eval/video"], out_dir) if "eval/video" in s else None,
-            "minutes": minutes, "env": to_dict(item.env)})
+        results.append(
+            {
+                "task": item.name if task == "all" else f"{item.name}/{task}",
+                "simulator": item.env.simulator,
+                "instruction": instructions.get(task, instructions.get("all")),
+                "episodes": s["eval/episodes"],
+                "successes": round(s["eval/success_rate"] * s["eval/episodes"]),
+                "success_rate": s["eval/success_rate"],
+                "success_ci95": s["eval/success_ci95"],
+                "success_at_end": s["eval/success_at_end"],
+                "mean_length": s["eval/length"],
+                "mean_return": s["eval/return"],
+                "env_steps_per_s": s["eval/env_steps_per_s"],
+                "policy_ms": s["eval/policy_ms"],
+                "video": os.path.relpath(s["eval/video"], out_dir) if "eval/video" in s else None,
+                "minutes": minutes,
+                "env": to_dict(item.env),
+            }
+        )
     return results

@@ -7,7 +7,16 @@ import json
 import time
 from pathlib import Path
 
-COLUMNS = ("task", "episodes", "success", "95% CI", "mean length", "env steps/s", "policy ms", "video")
+COLUMNS = (
+    "task",
+    "episodes",
+    "success",
+    "95% CI",
+    "mean length",
+    "env steps/s",
+    "policy ms",
+    "video",
+)
 
 
 def write_report(out_dir: Path, meta: dict, results: list[dict]) -> dict:
@@ -21,15 +30,22 @@ def write_report(out_dir: Path, meta: dict, results: list[dict]) -> dict:
 
 def markdown(report: dict) -> str:
     hw = report["hardware"]
-    lines = [f"# Bench `{report['suite']}`: policy `{report['policy']}`", "",
-             f"Seed {report['seed']}; {hw['cpus']} CPUs ({hw['processor']}), GPU: {hw['gpu'] or 'none'}; "
-             f"torch {hw['torch']}, Python {hw['python']}; written {report['written']}.", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines = [
+        f"# Bench `{report['suite']}`: policy `{report['policy']}`",
+        "",
+        f"Seed {report['seed']}; {hw['cpus']} CPUs ({hw['processor']}), GPU: {hw['gpu'] or 'none'}; "
+        f"torch {hw['torch']}, Python {hw['python']}; written {report['written']}.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
     for r in report["tasks"]:
         lo, hi = r["success_ci95"]
         video = f"[mp4]({r['video']})" if r.get("video") else ""
-        lines.append(f"| {r['task']} | {r['episodes']} | {r['success_rate']:.2f} ({r['successes']}/{r['episodes']}) | "
-                     f"{lo:.2f}-{hi:.2f} | {r['mean_length']:.1f} | {r['env_steps_per_s']:.1f} | {r['policy_ms']:.2f} | {video} |")
+        lines.append(
+            f"| {r['task']} | {r['episodes']} | {r['success_rate']:.2f} ({r['successes']}/{r['episodes']}) | "
+            f"{lo:.2f}-{hi:.2f} | {r['mean_length']:.1f} | {r['env_steps_per_s']:.1f} | {r['policy_ms']:.2f} | {video} |"
+        )
     for skipped in report.get("skipped", []):
         lines.append(f"\nSkipped `{skipped['task']}`: {skipped['reason']}.")
     return "\n".join(lines) + "\n"
@@ -43,7 +59,10 @@ def plot(path: Path, results: list[dict], title: str) -> None:
 
     names = [r["task"] for r in results]
     rate = [r["success_rate"] for r in results]
-    err = [[r["success_rate"] - r["success_ci95"][0] for r in results], [r["success_ci95"][1] - r["success_rate"] for r in results]]
+    err = [
+        [r["success_rate"] - r["success_ci95"][0] for r in results],
+        [r["success_ci95"][1] - r["success_rate"] for r in results],
+    ]
     fig, (ax, speed) = plt.subplots(1, 2, figsize=(11, 0.5 * len(names) + 1.8), sharey=True)
     y = list(range(len(names)))
     ax.barh(y, rate, xerr=err, color="tab:blue", capsize=3)

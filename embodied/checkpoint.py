@@ -22,8 +22,12 @@ MODEL, STATE, META = "model.safetensors", "trainer.pt", "meta.json"
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def set_rng_state(state: dict) -> None:
@@ -34,16 +38,25 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, iteration: int, *, model: torch.nn.Module, optimizer, counters: dict,
-                    meta: dict) -> Path:
+def save_checkpoint(
+    run_dir: Path, iteration: int, *, model: torch.nn.Module, optimizer, counters: dict, meta: dict
+) -> Path:
     run_dir = Path(run_dir)
     final = run_dir / "checkpoints" / f"iter_{iteration:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / MODEL))
-    torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None, "rng": rng_state(),
-                "counters": counters}, tmp / STATE)
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / MODEL)
+    )
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "rng": rng_state(),
+            "counters": counters,
+        },
+        tmp / STATE,
+    )
     (tmp / META).write_text(json.dumps(meta, indent=2))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -67,7 +80,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dict:
     ckpt = resolve_checkpoint(path)
-    out = {"path": ckpt, "meta": json.loads((ckpt / META).read_text()), "model": load_file(str(ckpt / MODEL))}
+    out = {
+        "path": ckpt,
+        "meta": json.loads((ckpt / META).read_text()),
+        "model": load_file(str(ckpt / MODEL)),
+    }
     if with_trainer_state:
         out.update(torch.load(ckpt / STATE, weights_only=False))
     return out

@@ -35,13 +35,14 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    import torch
+
     from embodied.checkpoint import load_checkpoint
     from embodied.config import compose
     from embodied.evaluate import evaluate
     from embodied.models import build_policy
     from embodied.multitask import make_env
     from embodied.trainer import TrainConfig
-    import torch
 
     try:
         ckpt = load_checkpoint(args.checkpoint, with_trainer_state=False)
@@ -72,7 +73,9 @@ def cmd_demos(args) -> int:
     if (cfg := _load(DemosConfig, args)) is None:
         return 2
     if Path(cfg.output, "meta", "info.json").exists():
-        return _error(f"output: {cfg.output} already holds a dataset; choose another output directory")
+        return _error(
+            f"output: {cfg.output} already holds a dataset; choose another output directory"
+        )
     try:
         summary = record_demos(cfg)
     except (FileNotFoundError, RuntimeError) as e:
@@ -101,7 +104,13 @@ def cmd_bench(args) -> int:
         return _error("give either --policy or --checkpoint, not both")
     try:
         cfg, _ = load_config(BenchConfig, args.config, args.overrides)
-        run_bench(cfg, args.config, policy=args.policy or "random", checkpoint=args.checkpoint, out=args.out)
+        run_bench(
+            cfg,
+            args.config,
+            policy=args.policy or "random",
+            checkpoint=args.checkpoint,
+            out=args.out,
+        )
     except ConfigError as e:
         return _error(str(e))
     except (FileNotFoundError, ValueError) as e:
@@ -114,7 +123,9 @@ def _cameras(values: list[str]) -> dict[str, str]:
     for v in values or []:
         name, sep, source = v.partition("=")
         if not sep or not name:
-            raise ValueError(f"--camera {v!r}: expected NAME=SOURCE (an OpenCV index or device; the twin: front or wrist)")
+            raise ValueError(
+                f"--camera {v!r}: expected NAME=SOURCE (an OpenCV index or device; the twin: front or wrist)"
+            )
         out[name] = source
     return out
 
@@ -137,7 +148,9 @@ def cmd_serve(args) -> int:
         server = serve(args.checkpoint, host=args.host, port=args.port, queue_size=args.queue)
     except FileNotFoundError as e:
         return _error(str(e))
-    print(f"serving {args.checkpoint} on ws://{args.host}:{server.port} (health: http://{args.host}:{server.port}/health)")
+    print(
+        f"serving {args.checkpoint} on ws://{args.host}:{server.port} (health: http://{args.host}:{server.port}/health)"
+    )
     try:
         while True:
             time.sleep(3600)
@@ -154,11 +167,24 @@ def cmd_deploy(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        arm = ArmConfig(robot=args.robot, port=args.robot_port or "", id=args.robot_id, cameras=_cameras(args.camera),
-                        instruction=args.instruction, joint_signs=_floats(args.joint_signs, 1.0),
-                        joint_offsets=_floats(args.joint_offsets, 0.0))
-        summary = run_deploy(args.checkpoint, arm, hz=args.hz, episode_seconds=args.episode_seconds, server=args.server,
-                             episodes=args.episodes, record=args.record)
+        arm = ArmConfig(
+            robot=args.robot,
+            port=args.robot_port or "",
+            id=args.robot_id,
+            cameras=_cameras(args.camera),
+            instruction=args.instruction,
+            joint_signs=_floats(args.joint_signs, 1.0),
+            joint_offsets=_floats(args.joint_offsets, 0.0),
+        )
+        summary = run_deploy(
+            args.checkpoint,
+            arm,
+            hz=args.hz,
+            episode_seconds=args.episode_seconds,
+            server=args.server,
+            episodes=args.episodes,
+            record=args.record,
+        )
     except (DeployError, RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
         return _error(str(e))
     print(json.dumps(summary, indent=2))
@@ -166,66 +192,114 @@ def cmd_deploy(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="embodied", description="Fine-tune robot policies with RL in vectorized simulators.")
+    p = argparse.ArgumentParser(
+        prog="embodied", description="Fine-tune robot policies with RL in vectorized simulators."
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    t = sub.add_parser("train", help="train a policy from a YAML config",
-                       description="Train from CONFIG; override any key with key.sub=value (e.g. env.num_envs=16).")
+    t = sub.add_parser(
+        "train",
+        help="train a policy from a YAML config",
+        description="Train from CONFIG; override any key with key.sub=value (e.g. env.num_envs=16).",
+    )
     t.add_argument("config", help="YAML config, e.g. configs/maniskill/pushcube_ppo.yaml")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     t.set_defaults(func=cmd_train)
-    e = sub.add_parser("eval", help="evaluate a checkpoint", description="Evaluate CHECKPOINT with deterministic actions.")
+    e = sub.add_parser(
+        "eval",
+        help="evaluate a checkpoint",
+        description="Evaluate CHECKPOINT with deterministic actions.",
+    )
     e.add_argument("checkpoint", help="a checkpoint directory, a run directory or RUN/last")
-    e.add_argument("--episodes", type=int, default=50, help="number of evaluation episodes (default 50)")
-    e.add_argument("--video", action="store_true", help="write an mp4 of the first round of episodes")
+    e.add_argument(
+        "--episodes", type=int, default=50, help="number of evaluation episodes (default 50)"
+    )
+    e.add_argument(
+        "--video", action="store_true", help="write an mp4 of the first round of episodes"
+    )
     e.add_argument("--seed", type=int, default=0, help="evaluation seed (default 0)")
-    e.add_argument("--num-envs", type=int, default=None, help="environments in parallel (default: as trained)")
+    e.add_argument(
+        "--num-envs", type=int, default=None, help="environments in parallel (default: as trained)"
+    )
     e.set_defaults(func=cmd_eval)
-    d = sub.add_parser("demos", help="record demonstrations with an expert into a LeRobot dataset",
-                       description="Record demonstrations as CONFIG says (expert checkpoint, task, episodes, output); "
-                                   "override any key with key.sub=value.")
+    d = sub.add_parser(
+        "demos",
+        help="record demonstrations with an expert into a LeRobot dataset",
+        description="Record demonstrations as CONFIG says (expert checkpoint, task, episodes, output); "
+        "override any key with key.sub=value.",
+    )
     d.add_argument("config", help="YAML config, e.g. configs/maniskill/demos_pushcube.yaml")
     d.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     d.set_defaults(func=cmd_demos)
-    s = sub.add_parser("sft", help="supervised fine-tuning (behaviour cloning) on LeRobot datasets",
-                       description="Train the policy in CONFIG on its datasets, evaluate per task, save a checkpoint.")
+    s = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning (behaviour cloning) on LeRobot datasets",
+        description="Train the policy in CONFIG on its datasets, evaluate per task, save a checkpoint.",
+    )
     s.add_argument("config", help="YAML config, e.g. configs/maniskill/multitask_vla_sft.yaml")
     s.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     s.set_defaults(func=cmd_sft)
-    b = sub.add_parser("bench", help="evaluate a policy on a suite of tasks across simulators",
-                       description="Evaluate a baseline (--policy) or a checkpoint on every task of SUITE; writes "
-                                   "report.md, results.json, success.png and videos, and resumes a killed run.")
+    b = sub.add_parser(
+        "bench",
+        help="evaluate a policy on a suite of tasks across simulators",
+        description="Evaluate a baseline (--policy) or a checkpoint on every task of SUITE; writes "
+        "report.md, results.json, success.png and videos, and resumes a killed run.",
+    )
     b.add_argument("config", metavar="SUITE", help="suite YAML, e.g. configs/bench/smoke.yaml")
     b.add_argument("overrides", nargs="*", help="key.sub=value overrides (e.g. episodes=20)")
-    b.add_argument("--policy", choices=["random", "zero"], help="a baseline policy (default: random)")
+    b.add_argument(
+        "--policy", choices=["random", "zero"], help="a baseline policy (default: random)"
+    )
     b.add_argument("--checkpoint", help="a checkpoint directory or RUN/last")
     b.add_argument("--out", help="report directory (default: output_dir/NAME/POLICY)")
     b.set_defaults(func=cmd_bench)
-    v = sub.add_parser("serve", help="serve a checkpoint's policy over a websocket",
-                       description="Serve CHECKPOINT's policy (msgpack over websocket) to `embodied deploy --server`.")
+    v = sub.add_parser(
+        "serve",
+        help="serve a checkpoint's policy over a websocket",
+        description="Serve CHECKPOINT's policy (msgpack over websocket) to `embodied deploy --server`.",
+    )
     v.add_argument("checkpoint", help="a checkpoint directory or RUN/last")
     v.add_argument("--host", default="0.0.0.0")
     v.add_argument("--port", type=int, default=8765)
-    v.add_argument("--queue", type=int, default=8, help="requests waiting at most; more get a 'busy' reply")
+    v.add_argument(
+        "--queue", type=int, default=8, help="requests waiting at most; more get a 'busy' reply"
+    )
     v.set_defaults(func=cmd_serve)
-    y = sub.add_parser("deploy", help="drive a robot arm (or its digital twin) with a checkpoint",
-                       description="Run CHECKPOINT on an SO-100/SO-101/Koch arm through LeRobot's drivers (or "
-                                   "so101-sim, the MuJoCo twin), every command through the safety layer. Enter, "
-                                   "Ctrl-C or SIGTERM stops; the arm then goes to its safe pose and torque is "
-                                   "switched off there.")
+    y = sub.add_parser(
+        "deploy",
+        help="drive a robot arm (or its digital twin) with a checkpoint",
+        description="Run CHECKPOINT on an SO-100/SO-101/Koch arm through LeRobot's drivers (or "
+        "so101-sim, the MuJoCo twin), every command through the safety layer. Enter, "
+        "Ctrl-C or SIGTERM stops; the arm then goes to its safe pose and torque is "
+        "switched off there.",
+    )
     y.add_argument("checkpoint", help="a checkpoint directory or RUN/last")
     y.add_argument("--robot", default="so101", help="so100 | so101 | koch | so100-sim | so101-sim")
-    y.add_argument("--robot.port", dest="robot_port", help="the arm's serial port, e.g. /dev/ttyACM0")
+    y.add_argument(
+        "--robot.port", dest="robot_port", help="the arm's serial port, e.g. /dev/ttyACM0"
+    )
     y.add_argument("--robot.id", dest="robot_id", default="embodied", help="LeRobot calibration id")
     y.add_argument("--camera", action="append", help="NAME=SOURCE, once per camera the policy uses")
-    y.add_argument("--server", help="ws://HOST:PORT of `embodied serve` (default: infer in this process)")
-    y.add_argument("--instruction", default="", help="the task in words (for language-conditioned policies)")
-    y.add_argument("--hz", type=float, help="control rate (default: the rate the policy was trained at)")
+    y.add_argument(
+        "--server", help="ws://HOST:PORT of `embodied serve` (default: infer in this process)"
+    )
+    y.add_argument(
+        "--instruction", default="", help="the task in words (for language-conditioned policies)"
+    )
+    y.add_argument(
+        "--hz", type=float, help="control rate (default: the rate the policy was trained at)"
+    )
     y.add_argument("--episodes", type=int, default=1)
     y.add_argument("--episode-seconds", type=float, default=30.0)
     y.add_argument("--record", help="directory for one LeRobot dataset per episode")
-    y.add_argument("--robot.joint-signs", dest="joint_signs", help="policy = sign * arm + offset per joint, e.g. -1,1,1,1,1,1 "
-                   "(a policy trained with another simulator's joint conventions)")
-    y.add_argument("--robot.joint-offsets", dest="joint_offsets", help="radians, 6 comma-separated values")
+    y.add_argument(
+        "--robot.joint-signs",
+        dest="joint_signs",
+        help="policy = sign * arm + offset per joint, e.g. -1,1,1,1,1,1 "
+        "(a policy trained with another simulator's joint conventions)",
+    )
+    y.add_argument(
+        "--robot.joint-offsets", dest="joint_offsets", help="radians, 6 comma-separated values"
+    )
     y.set_defaults(func=cmd_deploy)
     return p
 
@@ -235,7 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may also follow the options (`bench SUITE --policy zero episodes=1`)
-    if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+    if (
+        extra
+        and hasattr(args, "overrides")
+        and all("=" in a and not a.startswith("-") for a in extra)
+    ):
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -93,7 +93,9 @@ def _validate_tree(obj: Any, path: str, sources) -> None:
         except ValueError as e:
             field_name = str(e).split(":", 1)[0]
             key = f"{path}{field_name}"
-            raise ConfigError(f"{key}: {str(e).split(':', 1)[-1].strip()} (in {_source_of(key, sources)})") from None
+            raise ConfigError(
+                f"{key}: {str(e).split(':', 1)[-1].strip()} (in {_source_of(key, sources)})"
+            ) from None
     for f in dataclasses.fields(obj):
         _validate_tree(getattr(obj, f.name), f"{path}{f.name}.", sources)
 
@@ -103,7 +105,9 @@ def _base(schema: type, sources: list[tuple[str, dict]]):
     (registry: name -> dataclass): the last ``field.name`` given in the sources picks the
     dataclass that validates that field (e.g. ``policy.name: vla`` -> ``VLAConfig``)."""
     cfg = OmegaConf.structured(schema)
-    keys = getattr(schema, "CHOICE_KEYS", {})  # field -> the key that names the choice ("name" unless given)
+    keys = getattr(
+        schema, "CHOICE_KEYS", {}
+    )  # field -> the key that names the choice ("name" unless given)
     for field_name, registry in getattr(schema, "CHOICES", {}).items():
         chosen, where, key = None, None, keys.get(field_name, "name")
         for src, data in sources:
@@ -113,7 +117,9 @@ def _base(schema: type, sources: list[tuple[str, dict]]):
         if chosen is None:
             continue
         if chosen not in registry:
-            raise ConfigError(f"{field_name}.{key}: unknown {field_name} {chosen!r}; known: {sorted(registry)} (in {where})")
+            raise ConfigError(
+                f"{field_name}.{key}: unknown {field_name} {chosen!r}; known: {sorted(registry)} (in {where})"
+            )
         cfg[field_name] = OmegaConf.structured(registry[chosen])
     return cfg
 
@@ -135,7 +141,9 @@ def compose(schema: type, sources: list[tuple[str, dict]]):
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
-        raise ConfigError(f"{key}: {str(e).splitlines()[0]} (in {_source_of(key, sources)})") from None
+        raise ConfigError(
+            f"{key}: {str(e).splitlines()[0]} (in {_source_of(key, sources)})"
+        ) from None
 
 
 def load_config(schema: type, path: str | Path, overrides: list[str] | None = None):

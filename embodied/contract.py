@@ -22,42 +22,75 @@ def _require(cond: bool, msg: str) -> None:
 
 
 def _check_tensor(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
-    _require(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _require(
+        isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}"
+    )
     _require(t.dtype == dtype, f"{name}: dtype {t.dtype}, expected {dtype}")
-    _require(tuple(t.shape) == tuple(shape), f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
-    _require(t.device.type == torch.device(device).type, f"{name}: on {t.device}, expected {device}")
+    _require(
+        tuple(t.shape) == tuple(shape), f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}"
+    )
+    _require(
+        t.device.type == torch.device(device).type, f"{name}: on {t.device}, expected {device}"
+    )
 
 
-def check_observation(obs, spec: S.EnvSpec, batch: int, device: torch.device, where: str = "obs") -> None:
-    _require(isinstance(obs, S.Observation), f"{where}: expected Observation, got {type(obs).__name__}")
+def check_observation(
+    obs, spec: S.EnvSpec, batch: int, device: torch.device, where: str = "obs"
+) -> None:
+    _require(
+        isinstance(obs, S.Observation), f"{where}: expected Observation, got {type(obs).__name__}"
+    )
     _check_tensor(f"{where}.state", obs.state, (batch, spec.obs.state_dim), torch.float32, device)
     _require(bool(torch.isfinite(obs.state).all()), f"{where}.state has non-finite values")
     cams = {c.name: c for c in spec.obs.cameras}
-    _require(set(obs.images) == set(cams), f"{where}.images keys {sorted(obs.images)} != spec cameras {sorted(cams)}")
+    _require(
+        set(obs.images) == set(cams),
+        f"{where}.images keys {sorted(obs.images)} != spec cameras {sorted(cams)}",
+    )
     for name, cam in cams.items():
-        _check_tensor(f"{where}.images[{name!r}]", obs.images[name], (batch, cam.height, cam.width, 3), torch.uint8, device)
+        _check_tensor(
+            f"{where}.images[{name!r}]",
+            obs.images[name],
+            (batch, cam.height, cam.width, 3),
+            torch.uint8,
+            device,
+        )
     _require(
         set(obs.privileged) == set(spec.obs.privileged),
         f"{where}.privileged keys {sorted(obs.privileged)} != spec {sorted(spec.obs.privileged)}",
     )
     for key, shape in spec.obs.privileged.items():
-        _check_tensor(f"{where}.privileged[{key!r}]", obs.privileged[key], (batch, *shape), torch.float32, device)
+        _check_tensor(
+            f"{where}.privileged[{key!r}]",
+            obs.privileged[key],
+            (batch, *shape),
+            torch.float32,
+            device,
+        )
     _require(
-        isinstance(obs.instruction, list) and len(obs.instruction) == batch and all(isinstance(s, str) for s in obs.instruction),
+        isinstance(obs.instruction, list)
+        and len(obs.instruction) == batch
+        and all(isinstance(s, str) for s in obs.instruction),
         f"{where}.instruction: expected list[str] of length {batch}",
     )
 
 
-def _random_actions(spec: S.ActionSpec, batch: int, device, generator: torch.Generator) -> torch.Tensor:
+def _random_actions(
+    spec: S.ActionSpec, batch: int, device, generator: torch.Generator
+) -> torch.Tensor:
     low, high = spec.bounds(device)
     u = torch.rand(batch, spec.dim, generator=generator).to(device)
     return low + u * (high - low)  # float32 [B, A]
 
 
-def check_env(env, *, seed: int = 0, deterministic: bool = True, max_steps: int | None = None) -> dict:
+def check_env(
+    env, *, seed: int = 0, deterministic: bool = True, max_steps: int | None = None
+) -> dict:
     """Validate a VecEnv: spec, observation keys/shapes/dtypes/devices, seeded and partial reset,
     step outputs, auto-reset with ``final_obs`` and truncation at ``max_episode_steps``."""
-    _require(isinstance(env, S.VecEnv), f"{type(env).__name__} does not implement the VecEnv protocol")
+    _require(
+        isinstance(env, S.VecEnv), f"{type(env).__name__} does not implement the VecEnv protocol"
+    )
     spec, B, dev = env.spec, env.num_envs, torch.device(env.device)
     _require(isinstance(spec, S.EnvSpec), "env.spec must be an EnvSpec")
     _require(spec.max_episode_steps > 0, "spec.max_episode_steps must be positive")
@@ -67,33 +100,49 @@ def check_env(env, *, seed: int = 0, deterministic: bool = True, max_steps: int 
         again = env.reset(seed=seed)
         _require(torch.equal(obs.state, again.state), "reset(seed=s) twice gave different states")
         for k in obs.privileged:
-            _require(torch.allclose(obs.privileged[k], again.privileged[k]), f"reset(seed=s) twice: privileged[{k!r}] differs")
+            _require(
+                torch.allclose(obs.privileged[k], again.privileged[k]),
+                f"reset(seed=s) twice: privileged[{k!r}] differs",
+            )
         # one seed per environment: equal seeds give equal initial states (GRPO groups rely on it)
         same = env.reset(seed=[seed + 1] * B)
-        _require(torch.allclose(same.state, same.state[:1].expand_as(same.state), atol=1e-5),
-                 "reset(seed=[s]*B): state differs across envs")
+        _require(
+            torch.allclose(same.state, same.state[:1].expand_as(same.state), atol=1e-5),
+            "reset(seed=[s]*B): state differs across envs",
+        )
         for k, v in same.privileged.items():
-            _require(torch.allclose(v, v[:1].expand_as(v), atol=1e-5), f"reset(seed=[s]*B): privileged[{k!r}] differs across envs")
+            _require(
+                torch.allclose(v, v[:1].expand_as(v), atol=1e-5),
+                f"reset(seed=[s]*B): privileged[{k!r}] differs across envs",
+            )
         obs = env.reset(seed=seed)
     # partial reset of env 0 returns the full batch and leaves the other rows alone
     part = env.reset(seed=seed + 100, env_ids=torch.tensor([0], device=dev))
     check_observation(part, spec, B, dev, "reset(env_ids=[0])")
     if B > 1:
-        _require(torch.equal(part.state[1:], obs.state[1:]), "partial reset changed environments it was not asked to reset")
+        _require(
+            torch.equal(part.state[1:], obs.state[1:]),
+            "partial reset changed environments it was not asked to reset",
+        )
     obs = env.reset(seed=seed)
     gen = torch.Generator().manual_seed(seed)
     ended_any, lengths = False, torch.zeros(B, dtype=torch.long)
     limit = max_steps or spec.max_episode_steps + 1
     for t in range(limit):
         out = env.step(_random_actions(spec.action, B, dev, gen))
-        _require(isinstance(out, S.StepOutput), f"step(): expected StepOutput, got {type(out).__name__}")
+        _require(
+            isinstance(out, S.StepOutput), f"step(): expected StepOutput, got {type(out).__name__}"
+        )
         check_observation(out.obs, spec, B, dev, f"step({t}).obs")
         _check_tensor(f"step({t}).reward", out.reward, (B,), torch.float32, dev)
         for name in ("terminated", "truncated", "success"):
             _check_tensor(f"step({t}).{name}", getattr(out, name), (B,), torch.bool, dev)
         done = (out.terminated | out.truncated).cpu()
         lengths += 1
-        _require(bool((lengths <= spec.max_episode_steps).all()), f"an episode ran past max_episode_steps={spec.max_episode_steps} without truncation")
+        _require(
+            bool((lengths <= spec.max_episode_steps).all()),
+            f"an episode ran past max_episode_steps={spec.max_episode_steps} without truncation",
+        )
         if done.any():
             ended_any = True
             _require(out.final_obs is not None, f"step({t}): episodes ended but final_obs is None")
@@ -101,15 +150,26 @@ def check_env(env, *, seed: int = 0, deterministic: bool = True, max_steps: int 
             keep = ~done
             if keep.any():
                 k = keep.to(dev)
-                _require(torch.equal(out.final_obs.state[k], out.obs.state[k]), "final_obs rows of running envs must equal obs")
+                _require(
+                    torch.equal(out.final_obs.state[k], out.obs.state[k]),
+                    "final_obs rows of running envs must equal obs",
+                )
             lengths[done] = 0
         else:
             _require(out.final_obs is None, f"step({t}): final_obs given although no episode ended")
-    _require(ended_any, f"no episode ended within {limit} steps (max_episode_steps={spec.max_episode_steps})")
+    _require(
+        ended_any,
+        f"no episode ended within {limit} steps (max_episode_steps={spec.max_episode_steps})",
+    )
     frame = env.render()
     if frame is not None:
-        _require(frame.dtype == torch.uint8 and frame.dim() == 4 and frame.shape[0] == B and frame.shape[-1] == 3,
-                 f"render(): expected uint8 [B, H, W, 3], got {frame.dtype} {tuple(frame.shape)}")
+        _require(
+            frame.dtype == torch.uint8
+            and frame.dim() == 4
+            and frame.shape[0] == B
+            and frame.shape[-1] == 3,
+            f"render(): expected uint8 [B, H, W, 3], got {frame.dtype} {tuple(frame.shape)}",
+        )
     return {"num_envs": B, "device": str(dev), "steps": limit}
 
 
@@ -118,28 +178,50 @@ def random_observation(spec: S.EnvSpec, batch: int, device="cpu", seed: int = 0)
     g = torch.Generator().manual_seed(seed)
     return S.Observation(
         state=torch.randn(batch, spec.obs.state_dim, generator=g).to(device),
-        instruction=[spec.instructions[i % len(spec.instructions)] if spec.instructions else "" for i in range(batch)],
-        images={c.name: torch.randint(0, 256, (batch, c.height, c.width, 3), generator=g, dtype=torch.uint8).to(device)
-                for c in spec.obs.cameras},
-        privileged={k: torch.randn(batch, *shape, generator=g).to(device) for k, shape in spec.obs.privileged.items()},
+        instruction=[
+            spec.instructions[i % len(spec.instructions)] if spec.instructions else ""
+            for i in range(batch)
+        ],
+        images={
+            c.name: torch.randint(
+                0, 256, (batch, c.height, c.width, 3), generator=g, dtype=torch.uint8
+            ).to(device)
+            for c in spec.obs.cameras
+        },
+        privileged={
+            k: torch.randn(batch, *shape, generator=g).to(device)
+            for k, shape in spec.obs.privileged.items()
+        },
     )
 
 
-def check_policy(policy, spec: S.EnvSpec, *, batch_size: int = 3, device="cpu", atol: float = 1e-5) -> dict:
+def check_policy(
+    policy, spec: S.EnvSpec, *, batch_size: int = 3, device="cpu", atol: float = 1e-5
+) -> dict:
     """Validate a Policy: output shapes/dtypes, actions within bounds, deterministic mode,
     ``evaluate`` reproducing ``act``'s log-probability, and gradients reaching the weights."""
-    _require(isinstance(policy, S.Policy), f"{type(policy).__name__} does not implement the Policy protocol")
+    _require(
+        isinstance(policy, S.Policy),
+        f"{type(policy).__name__} does not implement the Policy protocol",
+    )
     B, A = batch_size, spec.action.dim
     obs = random_observation(spec, B, device)
     with torch.no_grad():
         out = policy.act(obs)
-    _require(isinstance(out, S.PolicyOutput), f"act(): expected PolicyOutput, got {type(out).__name__}")
-    _require(out.actions.dim() == 3 and out.actions.shape[0] == B and out.actions.shape[2] == A,
-             f"act().actions: shape {tuple(out.actions.shape)}, expected [B={B}, K, A={A}]")
+    _require(
+        isinstance(out, S.PolicyOutput), f"act(): expected PolicyOutput, got {type(out).__name__}"
+    )
+    _require(
+        out.actions.dim() == 3 and out.actions.shape[0] == B and out.actions.shape[2] == A,
+        f"act().actions: shape {tuple(out.actions.shape)}, expected [B={B}, K, A={A}]",
+    )
     K = out.actions.shape[1]
     _check_tensor("act().actions", out.actions, (B, K, A), torch.float32, device)
     low, high = spec.action.bounds(device)
-    _require(bool(((out.actions >= low - 1e-6) & (out.actions <= high + 1e-6)).all()), "act().actions outside ActionSpec bounds")
+    _require(
+        bool(((out.actions >= low - 1e-6) & (out.actions <= high + 1e-6)).all()),
+        "act().actions outside ActionSpec bounds",
+    )
     _check_tensor("act().logprob", out.logprob, (B,), torch.float32, device)
     _require(bool(torch.isfinite(out.logprob).all()), "act().logprob is not finite")
     if out.value is not None:
@@ -151,12 +233,19 @@ def check_policy(policy, spec: S.EnvSpec, *, batch_size: int = 3, device="cpu", 
     _check_tensor("evaluate().logprob", logprob, (B,), torch.float32, device)
     _check_tensor("evaluate().entropy", ent, (B,), torch.float32, device)
     err = (logprob.detach() - out.logprob).abs().max().item()
-    _require(err <= atol, f"evaluate() log-probability differs from act()'s by {err:.2e} (> {atol})")
+    _require(
+        err <= atol, f"evaluate() log-probability differs from act()'s by {err:.2e} (> {atol})"
+    )
     if value is not None:
         _check_tensor("evaluate().value", value, (B,), torch.float32, device)
-    params = [p for p in policy.parameters() if p.requires_grad] if hasattr(policy, "parameters") else []
+    params = (
+        [p for p in policy.parameters() if p.requires_grad] if hasattr(policy, "parameters") else []
+    )
     if params:
         loss = logprob.sum() + (value.sum() if value is not None else 0.0)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-        _require(any(g is not None and g.abs().sum() > 0 for g in grads), "no gradient reaches the policy's weights")
+        _require(
+            any(g is not None and g.abs().sum() > 0 for g in grads),
+            "no gradient reaches the policy's weights",
+        )
     return {"chunk": K, "logprob_error": err}

@@ -26,10 +26,20 @@ import torch
 CODEBASE_VERSION = "v3.0"
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
-DEFAULT_FEATURES = {name: {"dtype": dtype, "shape": [1], "names": None} for name, dtype in
-                    (("timestamp", "float32"), ("frame_index", "int64"), ("episode_index", "int64"),
-                     ("index", "int64"), ("task_index", "int64"))}
-SCALARS = set(DEFAULT_FEATURES) | {"next.reward", "next.success"}  # one value per frame, not a vector
+DEFAULT_FEATURES = {
+    name: {"dtype": dtype, "shape": [1], "names": None}
+    for name, dtype in (
+        ("timestamp", "float32"),
+        ("frame_index", "int64"),
+        ("episode_index", "int64"),
+        ("index", "int64"),
+        ("task_index", "int64"),
+    )
+}
+SCALARS = set(DEFAULT_FEATURES) | {
+    "next.reward",
+    "next.success",
+}  # one value per frame, not a vector
 FILE_SIZE_MB = 100  # a new data file once the buffered frames exceed this
 
 
@@ -59,13 +69,22 @@ def _stats(x: np.ndarray) -> dict:
     """Statistics of x [N, D] (float) over frames, each a list of D floats (LeRobot's keys)."""
     x = x.astype(np.float64)
     q01, q99 = np.quantile(x, [0.01, 0.99], axis=0)
-    return {"mean": x.mean(0).tolist(), "std": x.std(0).tolist(), "min": x.min(0).tolist(), "max": x.max(0).tolist(),
-            "q01": q01.tolist(), "q99": q99.tolist(), "count": [len(x)]}
+    return {
+        "mean": x.mean(0).tolist(),
+        "std": x.std(0).tolist(),
+        "min": x.min(0).tolist(),
+        "max": x.max(0).tolist(),
+        "q01": q01.tolist(),
+        "q99": q99.tolist(),
+        "count": [len(x)],
+    }
 
 
 def _image_stats(frames: np.ndarray) -> dict:
     """Per-channel statistics of uint8 [N, H, W, 3] frames scaled to [0, 1], shaped [3, 1, 1]."""
-    x = frames[:: max(1, len(frames) // 100)].reshape(-1, 3).astype(np.float64) / 255.0  # subsample <= ~100 frames
+    x = (
+        frames[:: max(1, len(frames) // 100)].reshape(-1, 3).astype(np.float64) / 255.0
+    )  # subsample <= ~100 frames
     out = _stats(x)
     return {k: [[[v]] for v in vals] if k != "count" else [len(frames)] for k, vals in out.items()}
 
@@ -74,60 +93,129 @@ class LeRobotWriter:
     """Append episodes, then ``close()`` to write the metadata. Not safe to resume: a crash leaves
     a directory without ``meta/info.json``, which ``DemoDataset`` refuses to read."""
 
-    def __init__(self, root: str | Path, *, fps: float, cameras: dict[str, tuple[int, int]], state_names: list[str],
-                 action_names: list[str], privileged: dict[str, int] | None = None, robot_type: str | None = None,
-                 source: dict | None = None):
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        fps: float,
+        cameras: dict[str, tuple[int, int]],
+        state_names: list[str],
+        action_names: list[str],
+        privileged: dict[str, int] | None = None,
+        robot_type: str | None = None,
+        source: dict | None = None,
+    ):
         self.root = Path(root)
         if (self.root / "meta" / "info.json").exists():
-            raise FileExistsError(f"{self.root} already holds a dataset; choose another output directory")
+            raise FileExistsError(
+                f"{self.root} already holds a dataset; choose another output directory"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
-        self.features = {image_key(c): {"dtype": "image", "shape": [h, w, 3], "names": ["height", "width", "channels"]}
-                         for c, (h, w) in cameras.items()}
-        self.features["observation.state"] = {"dtype": "float32", "shape": [len(state_names)], "names": list(state_names)}
+        self.features = {
+            image_key(c): {
+                "dtype": "image",
+                "shape": [h, w, 3],
+                "names": ["height", "width", "channels"],
+            }
+            for c, (h, w) in cameras.items()
+        }
+        self.features["observation.state"] = {
+            "dtype": "float32",
+            "shape": [len(state_names)],
+            "names": list(state_names),
+        }
         self.privileged = dict(privileged or {})  # simulator-only keys stored per frame -> size
-        self.features.update({privileged_key(k): {"dtype": "float32", "shape": [d], "names": None}
-                              for k, d in self.privileged.items()})
-        self.features["action"] = {"dtype": "float32", "shape": [len(action_names)], "names": list(action_names)}
+        self.features.update(
+            {
+                privileged_key(k): {"dtype": "float32", "shape": [d], "names": None}
+                for k, d in self.privileged.items()
+            }
+        )
+        self.features["action"] = {
+            "dtype": "float32",
+            "shape": [len(action_names)],
+            "names": list(action_names),
+        }
         self.features["next.reward"] = {"dtype": "float32", "shape": [1], "names": None}
         self.features["next.success"] = {"dtype": "bool", "shape": [1], "names": None}
         self.features.update(DEFAULT_FEATURES)
         self.fps, self.robot_type, self.cameras = fps, robot_type, list(cameras)
-        self.source = source or {}  # where the data came from (simulator, task, expert), kept in info.json
+        self.source = (
+            source or {}
+        )  # where the data came from (simulator, task, expert), kept in info.json
         self.tasks: dict[str, int] = {}
         self.episodes: list[dict] = []
         self._buffer: list[dict] = []  # episodes not yet in a data file
         self._buffer_bytes, self._file_index, self._frames = 0, 0, 0
-        self._all: dict[str, list[np.ndarray]] = {"observation.state": [], "action": [],
-                                                  **{privileged_key(k): [] for k in self.privileged}}
+        self._all: dict[str, list[np.ndarray]] = {
+            "observation.state": [],
+            "action": [],
+            **{privileged_key(k): [] for k in self.privileged},
+        }
         self._images: dict[str, list[np.ndarray]] = {c: [] for c in cameras}
 
-    def add_episode(self, *, images: dict[str, np.ndarray], state: np.ndarray, actions: np.ndarray,
-                    rewards: np.ndarray, success: np.ndarray, task: str, privileged: dict[str, np.ndarray] | None = None,
-                    extra: dict | None = None) -> int:
+    def add_episode(
+        self,
+        *,
+        images: dict[str, np.ndarray],
+        state: np.ndarray,
+        actions: np.ndarray,
+        rewards: np.ndarray,
+        success: np.ndarray,
+        task: str,
+        privileged: dict[str, np.ndarray] | None = None,
+        extra: dict | None = None,
+    ) -> int:
         """images: camera -> uint8 [T, H, W, 3]; state f32 [T, S]; actions f32 [T, A] (the action
         taken at each frame); rewards f32 [T]; success bool [T] after each action; privileged:
         key -> f32 [T, D] for the keys given at construction; extra: more episode metadata. -> index."""
         T = len(actions)
         privileged = privileged or {}
         if set(privileged) != set(self.privileged):
-            raise ValueError(f"add_episode: privileged keys {sorted(privileged)}, expected {sorted(self.privileged)}")
-        if not (len(state) == len(rewards) == len(success) == T) or any(len(v) != T for v in images.values()):
+            raise ValueError(
+                f"add_episode: privileged keys {sorted(privileged)}, expected {sorted(self.privileged)}"
+            )
+        if not (len(state) == len(rewards) == len(success) == T) or any(
+            len(v) != T for v in images.values()
+        ):
             raise ValueError("add_episode: every per-frame array must have the same length")
         ep = len(self.episodes)
         task_index = self.tasks.setdefault(task, len(self.tasks))
         frames = {image_key(c): [images[c][t] for t in range(T)] for c in self.cameras}
-        frames.update({"observation.state": state.astype(np.float32).tolist(), "action": actions.astype(np.float32).tolist(),
-                       "next.reward": rewards.astype(np.float32).tolist(), "next.success": success.astype(bool).tolist(),
-                       "timestamp": (np.arange(T) / self.fps).astype(np.float32).tolist(), "frame_index": list(range(T)),
-                       "episode_index": [ep] * T, "index": list(range(self._frames, self._frames + T)),
-                       "task_index": [task_index] * T})
-        frames.update({privileged_key(k): v.reshape(T, -1).astype(np.float32).tolist() for k, v in privileged.items()})
+        frames.update(
+            {
+                "observation.state": state.astype(np.float32).tolist(),
+                "action": actions.astype(np.float32).tolist(),
+                "next.reward": rewards.astype(np.float32).tolist(),
+                "next.success": success.astype(bool).tolist(),
+                "timestamp": (np.arange(T) / self.fps).astype(np.float32).tolist(),
+                "frame_index": list(range(T)),
+                "episode_index": [ep] * T,
+                "index": list(range(self._frames, self._frames + T)),
+                "task_index": [task_index] * T,
+            }
+        )
+        frames.update(
+            {
+                privileged_key(k): v.reshape(T, -1).astype(np.float32).tolist()
+                for k, v in privileged.items()
+            }
+        )
         stats = {"observation.state": _stats(state), "action": _stats(actions)}
         stats.update({image_key(c): _image_stats(images[c]) for c in self.cameras})
-        meta = {"episode_index": ep, "tasks": [task], "length": T, "data/chunk_index": 0,
-                "data/file_index": self._file_index, "dataset_from_index": self._frames,
-                "dataset_to_index": self._frames + T, "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0,
-                "success": bool(success.any()), **(extra or {})}
+        meta = {
+            "episode_index": ep,
+            "tasks": [task],
+            "length": T,
+            "data/chunk_index": 0,
+            "data/file_index": self._file_index,
+            "dataset_from_index": self._frames,
+            "dataset_to_index": self._frames + T,
+            "meta/episodes/chunk_index": 0,
+            "meta/episodes/file_index": 0,
+            "success": bool(success.any()),
+            **(extra or {}),
+        }
         meta.update({f"stats/{f}/{k}": v for f, s in stats.items() for k, v in s.items()})
         self.episodes.append(meta)
         self._buffer.append(frames)
@@ -138,7 +226,9 @@ class LeRobotWriter:
         for c in self.cameras:
             self._images[c].append(images[c][:: max(1, T // 10)])
         self._frames += T
-        self._buffer_bytes += sum(v.nbytes for v in images.values()) // 4  # PNG compresses camera frames ~4x
+        self._buffer_bytes += (
+            sum(v.nbytes for v in images.values()) // 4
+        )  # PNG compresses camera frames ~4x
         if self._buffer_bytes > FILE_SIZE_MB * 2**20:
             self._flush()
         return ep
@@ -154,8 +244,12 @@ class LeRobotWriter:
         if not self._buffer:
             return
         columns = {k: [x for ep in self._buffer for x in ep[k]] for k in self._buffer[0]}
-        ds = datasets.Dataset.from_dict(columns, features=_hf_features(self.features), split="train")
-        ds = ds.with_format("arrow").map(embed_table_storage, batched=False)  # PNG bytes inside the parquet
+        ds = datasets.Dataset.from_dict(
+            columns, features=_hf_features(self.features), split="train"
+        )
+        ds = ds.with_format("arrow").map(
+            embed_table_storage, batched=False
+        )  # PNG bytes inside the parquet
         path = self.root / DATA_PATH.format(chunk_index=0, file_index=self._file_index)
         path.parent.mkdir(parents=True, exist_ok=True)
         ds.to_parquet(str(path))
@@ -172,16 +266,33 @@ class LeRobotWriter:
         path = self.root / EPISODES_PATH.format(chunk_index=0, file_index=0)
         path.parent.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(self.episodes).to_parquet(path)
-        pd.DataFrame({"task_index": list(self.tasks.values())}, index=list(self.tasks)).to_parquet(meta / "tasks.parquet")
+        pd.DataFrame({"task_index": list(self.tasks.values())}, index=list(self.tasks)).to_parquet(
+            meta / "tasks.parquet"
+        )
         stats = {k: _stats(np.concatenate(v)) for k, v in self._all.items()}
-        stats.update({image_key(c): _image_stats(np.concatenate(v)) for c, v in self._images.items()})
+        stats.update(
+            {image_key(c): _image_stats(np.concatenate(v)) for c, v in self._images.items()}
+        )
         (meta / "stats.json").write_text(json.dumps(stats, indent=2))
-        info = {"codebase_version": CODEBASE_VERSION, "robot_type": self.robot_type, "total_episodes": len(self.episodes),
-                "total_frames": self._frames, "total_tasks": len(self.tasks), "chunks_size": 1000,
-                "data_files_size_in_mb": FILE_SIZE_MB, "video_files_size_in_mb": 200, "fps": self.fps,
-                "splits": {"train": f"0:{len(self.episodes)}"}, "data_path": DATA_PATH,
-                "video_path": None, "features": self.features, "embodied": self.source}
-        (meta / "info.json").write_text(json.dumps(info, indent=2))  # written last: marks the dataset complete
+        info = {
+            "codebase_version": CODEBASE_VERSION,
+            "robot_type": self.robot_type,
+            "total_episodes": len(self.episodes),
+            "total_frames": self._frames,
+            "total_tasks": len(self.tasks),
+            "chunks_size": 1000,
+            "data_files_size_in_mb": FILE_SIZE_MB,
+            "video_files_size_in_mb": 200,
+            "fps": self.fps,
+            "splits": {"train": f"0:{len(self.episodes)}"},
+            "data_path": DATA_PATH,
+            "video_path": None,
+            "features": self.features,
+            "embodied": self.source,
+        }
+        (meta / "info.json").write_text(
+            json.dumps(info, indent=2)
+        )  # written last: marks the dataset complete
         return self.root
 
 
@@ -218,29 +329,52 @@ class DemoDataset:
             raise FileNotFoundError(f"{root} is not a complete LeRobot dataset (no meta/info.json)")
         info = json.loads((root / "meta" / "info.json").read_text())
         if info.get("codebase_version") != CODEBASE_VERSION:
-            raise ValueError(f"{root}: dataset version {info.get('codebase_version')}, expected {CODEBASE_VERSION}")
+            raise ValueError(
+                f"{root}: dataset version {info.get('codebase_version')}, expected {CODEBASE_VERSION}"
+            )
         stats = json.loads((root / "meta" / "stats.json").read_text())
         tasks_df = pd.read_parquet(root / "meta" / "tasks.parquet")
-        tasks = [t for t, _ in sorted(zip(tasks_df.index, tasks_df["task_index"]), key=lambda x: x[1])]
+        tasks = [
+            t for t, _ in sorted(zip(tasks_df.index, tasks_df["task_index"]), key=lambda x: x[1])
+        ]
         files = sorted((root / "data").glob("chunk-*/file-*.parquet"))
         cols: dict[str, list] = {}
         for f in files:
             for k, v in pq.read_table(f).to_pydict().items():
                 cols.setdefault(k, []).extend(v)
         cams = [k for k, ft in info["features"].items() if ft["dtype"] == "image"]
-        images = {k.removeprefix("observation.images."): torch.from_numpy(np.stack(
-            [np.asarray(Image.open(io.BytesIO(x["bytes"])).convert("RGB")) for x in cols[k]])) for k in cams}
+        images = {
+            k.removeprefix("observation.images."): torch.from_numpy(
+                np.stack(
+                    [np.asarray(Image.open(io.BytesIO(x["bytes"])).convert("RGB")) for x in cols[k]]
+                )
+            )
+            for k in cams
+        }
         episode = torch.tensor(cols["episode_index"], dtype=torch.long)
         change = torch.nonzero(episode[1:] != episode[:-1]).squeeze(1) + 1
         starts = torch.cat([torch.zeros(1, dtype=torch.long), change])
         ends = torch.cat([change, torch.tensor([len(episode)])])
         prefix = privileged_key("")
-        privileged = {k.removeprefix(prefix): torch.tensor(v, dtype=torch.float32) for k, v in cols.items() if k.startswith(prefix)}
-        return DemoDataset(images=images, privileged=privileged, state=torch.tensor(cols["observation.state"], dtype=torch.float32),
-                           actions=torch.tensor(cols["action"], dtype=torch.float32), episode=episode,
-                           frame=torch.tensor(cols["frame_index"], dtype=torch.long),
-                           task=torch.tensor(cols["task_index"], dtype=torch.long), tasks=tasks, starts=starts, ends=ends,
-                           info=info, stats=stats)
+        privileged = {
+            k.removeprefix(prefix): torch.tensor(v, dtype=torch.float32)
+            for k, v in cols.items()
+            if k.startswith(prefix)
+        }
+        return DemoDataset(
+            images=images,
+            privileged=privileged,
+            state=torch.tensor(cols["observation.state"], dtype=torch.float32),
+            actions=torch.tensor(cols["action"], dtype=torch.float32),
+            episode=episode,
+            frame=torch.tensor(cols["frame_index"], dtype=torch.long),
+            task=torch.tensor(cols["task_index"], dtype=torch.long),
+            tasks=tasks,
+            starts=starts,
+            ends=ends,
+            info=info,
+            stats=stats,
+        )
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -254,11 +388,20 @@ class DemoDataset:
         if episodes >= self.num_episodes:
             return self
         n = int(self.ends[episodes - 1])  # frames kept
-        return DemoDataset(images={k: v[:n] for k, v in self.images.items()},
-                           privileged={k: v[:n] for k, v in self.privileged.items()}, state=self.state[:n],
-                           actions=self.actions[:n], episode=self.episode[:n], frame=self.frame[:n], task=self.task[:n],
-                           tasks=self.tasks, starts=self.starts[:episodes], ends=self.ends[:episodes], info=self.info,
-                           stats=self.stats)
+        return DemoDataset(
+            images={k: v[:n] for k, v in self.images.items()},
+            privileged={k: v[:n] for k, v in self.privileged.items()},
+            state=self.state[:n],
+            actions=self.actions[:n],
+            episode=self.episode[:n],
+            frame=self.frame[:n],
+            task=self.task[:n],
+            tasks=self.tasks,
+            starts=self.starts[:episodes],
+            ends=self.ends[:episodes],
+            info=self.info,
+            stats=self.stats,
+        )
 
     def action_chunks(self, idx: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For frames idx (long [N]): the next K actions f32 [N, K, A] and a mask f32 [N, K] that is 0

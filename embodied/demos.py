@@ -32,7 +32,9 @@ class DemosConfig:
     max_attempts: int = 300  # stop after this many episodes even if fewer succeeded
     keep_failed: bool = False
     deterministic: bool = True  # the expert's mean action (its evaluated behaviour)
-    privileged_keys: list[str] = field(default_factory=list)  # also store these (e.g. goal_pos) per frame
+    privileged_keys: list[str] = field(
+        default_factory=list
+    )  # also store these (e.g. goal_pos) per frame
     output: str = "demos/run"  # the dataset directory (must not exist yet)
     seed: int = 0
 
@@ -42,7 +44,9 @@ class DemosConfig:
         if self.episodes < 1 or self.max_attempts < self.episodes:
             raise ValueError("episodes: need 1 <= episodes <= max_attempts")
         if "rgb" not in self.env.obs_mode:
-            raise ValueError(f"env.obs_mode: demonstrations need cameras ('rgb+state'), got {self.env.obs_mode!r}")
+            raise ValueError(
+                f"env.obs_mode: demonstrations need cameras ('rgb+state'), got {self.env.obs_mode!r}"
+            )
 
 
 def load_policy(checkpoint: str | Path, device="cpu"):
@@ -74,14 +78,25 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
     missing = sorted(set(cfg.privileged_keys) - set(spec.obs.privileged))
     if missing:
         env.close()
-        raise ValueError(f"privileged_keys: {missing} not among the environment's {sorted(spec.obs.privileged)}")
-    writer = LeRobotWriter(cfg.output, fps=spec.action.control_hz,
-                           cameras={c.name: (c.height, c.width) for c in spec.obs.cameras},
-                           state_names=list(spec.obs.state_names), action_names=list(spec.action.names),
-                           privileged={k: int(np.prod(spec.obs.privileged[k])) for k in cfg.privileged_keys},
-                           robot_type=None,  # the task decides the robot; see info.json["embodied"]
-                           source={"simulator": cfg.env.simulator, "task": cfg.env.task, "control_mode": cfg.env.control_mode,
-                                   "expert": str(cfg.expert), "seed": cfg.seed})
+        raise ValueError(
+            f"privileged_keys: {missing} not among the environment's {sorted(spec.obs.privileged)}"
+        )
+    writer = LeRobotWriter(
+        cfg.output,
+        fps=spec.action.control_hz,
+        cameras={c.name: (c.height, c.width) for c in spec.obs.cameras},
+        state_names=list(spec.obs.state_names),
+        action_names=list(spec.action.names),
+        privileged={k: int(np.prod(spec.obs.privileged[k])) for k in cfg.privileged_keys},
+        robot_type=None,  # the task decides the robot; see info.json["embodied"]
+        source={
+            "simulator": cfg.env.simulator,
+            "task": cfg.env.task,
+            "control_mode": cfg.env.control_mode,
+            "expert": str(cfg.expert),
+            "seed": cfg.seed,
+        },
+    )
     B, attempts, kept, wins_total, t0 = env.num_envs, 0, 0, 0, time.time()
     bar = tqdm(total=cfg.episodes, desc=f"demos {cfg.env.task}", disable=not progress, unit="ep")
     try:
@@ -89,8 +104,17 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
             base = DEMO_SEED_OFFSET + cfg.seed + attempts
             obs = env.reset(seed=[base + i for i in range(B)])
             n = min(B, cfg.max_attempts - attempts)
-            frames = [{"images": {c: [] for c in obs.images}, "state": [], "actions": [], "rewards": [], "success": [],
-                       "privileged": {k: [] for k in cfg.privileged_keys}} for _ in range(n)]
+            frames = [
+                {
+                    "images": {c: [] for c in obs.images},
+                    "state": [],
+                    "actions": [],
+                    "rewards": [],
+                    "success": [],
+                    "privileged": {k: [] for k in cfg.privileged_keys},
+                }
+                for _ in range(n)
+            ]
             active = torch.zeros(B, dtype=torch.bool)
             active[:n] = True
             while bool(active.any()):
@@ -99,7 +123,9 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
                     action = out.actions[:, k]  # f32 [B, A] physical
                     step = env.step(action)
                     done = step.terminated | step.truncated
-                    for i in active.nonzero().squeeze(1).tolist():  # offline recording: a loop is fine here
+                    for i in (
+                        active.nonzero().squeeze(1).tolist()
+                    ):  # offline recording: a loop is fine here
                         f = frames[i]
                         for c in obs.images:
                             f["images"][c].append(obs.images[c][i].numpy())
@@ -117,11 +143,16 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
             for i, f in enumerate(frames):
                 success = np.array(f["success"])
                 if (success.any() or cfg.keep_failed) and kept < cfg.episodes:
-                    writer.add_episode(images={c: np.stack(v) for c, v in f["images"].items()}, state=np.stack(f["state"]),
-                                       actions=np.stack(f["actions"]), rewards=np.array(f["rewards"], np.float32),
-                                       success=success, task=spec.instructions[0],
-                                       privileged={k: np.stack(v) for k, v in f["privileged"].items()},
-                                       extra={"seed": base + i, "success_at_end": bool(success[-1])})
+                    writer.add_episode(
+                        images={c: np.stack(v) for c, v in f["images"].items()},
+                        state=np.stack(f["state"]),
+                        actions=np.stack(f["actions"]),
+                        rewards=np.array(f["rewards"], np.float32),
+                        success=success,
+                        task=spec.instructions[0],
+                        privileged={k: np.stack(v) for k, v in f["privileged"].items()},
+                        extra={"seed": base + i, "success_at_end": bool(success[-1])},
+                    )
                     kept += 1
                     bar.update(1)
             wins = sum(any(f["success"]) for f in frames)
@@ -133,6 +164,14 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
     if kept == 0:
         raise RuntimeError(f"the expert succeeded in none of {attempts} episodes; nothing recorded")
     root = writer.close()
-    return {"task": cfg.env.task, "episodes": kept, "attempts": attempts, "expert_success_rate": wins_total / attempts,
-            "frames": writer.total_frames, "output": str(root), "minutes": (time.time() - t0) / 60,
-            "expert": str(cfg.expert), "expert_task": expert_cfg.env.task}
+    return {
+        "task": cfg.env.task,
+        "episodes": kept,
+        "attempts": attempts,
+        "expert_success_rate": wins_total / attempts,
+        "frames": writer.total_frames,
+        "output": str(root),
+        "minutes": (time.time() - t0) / 60,
+        "expert": str(cfg.expert),
+        "expert_task": expert_cfg.env.task,
+    }

@@ -44,8 +44,12 @@ def contract(spec: EnvSpec, path: Path) -> dict:
     """What client and server must agree on. Normalization statistics live in the weights file, so
     its digest versions them."""
     weights = hashlib.sha1((path / "model.safetensors").read_bytes()).hexdigest()[:16]
-    agreed = {"action": spec.to_dict()["action"], "state_names": list(spec.obs.state_names),
-              "cameras": [[c.name, c.height, c.width] for c in spec.obs.cameras], "weights": weights}
+    agreed = {
+        "action": spec.to_dict()["action"],
+        "state_names": list(spec.obs.state_names),
+        "cameras": [[c.name, c.height, c.width] for c in spec.obs.cameras],
+        "weights": weights,
+    }
     return json.loads(json.dumps(agreed))  # lists, not tuples: as it arrives through msgpack
 
 
@@ -55,13 +59,17 @@ def check_fits(policy, spec: EnvSpec, robot_spec: EnvSpec) -> None:
     if tuple(spec.action.names) != tuple(robot_spec.action.names):
         problems.append(f"actions {spec.action.names}, the arm has {robot_spec.action.names}")
     if spec.action.space not in ("joint_pos", "joint_delta"):
-        problems.append(f"action space {spec.action.space!r} (the arm takes joint_pos or joint_delta)")
+        problems.append(
+            f"action space {spec.action.space!r} (the arm takes joint_pos or joint_delta)"
+        )
     missing = [n for n in spec.obs.state_names if n not in robot_spec.obs.state_names]
     if missing:
         problems.append(f"state columns {missing} that the arm does not measure")
     need = getattr(policy, "privileged_inputs", tuple(spec.obs.privileged))
     if need:
-        problems.append(f"simulator-only inputs {sorted(need)} (train with policy.use_privileged=false)")
+        problems.append(
+            f"simulator-only inputs {sorted(need)} (train with policy.use_privileged=false)"
+        )
     have = {c.name for c in robot_spec.obs.cameras}
     lacking = [c.name for c in spec.obs.cameras if c.name not in have]
     if lacking:
@@ -71,18 +79,26 @@ def check_fits(policy, spec: EnvSpec, robot_spec: EnvSpec) -> None:
 
 
 def obs_to_wire(obs: Observation) -> dict:
-    return {"state": obs.state[0].numpy(), "images": {k: v[0].numpy() for k, v in obs.images.items()},
-            "instruction": obs.instruction[0]}
+    return {
+        "state": obs.state[0].numpy(),
+        "images": {k: v[0].numpy() for k, v in obs.images.items()},
+        "instruction": obs.instruction[0],
+    }
 
 
 def wire_to_obs(msg: dict, spec: EnvSpec) -> Observation:
     """A client's observation as a batch of one in the policy's column order."""
     # np.array copies: arrays decoded from msgpack are read-only views of the message
     state = torch.from_numpy(np.array(msg["state"], np.float32))[None]  # f32 [1, S]
-    images = {k: torch.from_numpy(np.array(v, np.uint8))[None] for k, v in (msg.get("images") or {}).items()}
+    images = {
+        k: torch.from_numpy(np.array(v, np.uint8))[None]
+        for k, v in (msg.get("images") or {}).items()
+    }
     if state.shape[1] != spec.obs.state_dim or set(images) != {c.name for c in spec.obs.cameras}:
-        raise ValueError(f"observation has {state.shape[1]} state columns and cameras {sorted(images)}; the policy "
-                         f"needs {spec.obs.state_dim} and {[c.name for c in spec.obs.cameras]}")
+        raise ValueError(
+            f"observation has {state.shape[1]} state columns and cameras {sorted(images)}; the policy "
+            f"needs {spec.obs.state_dim} and {[c.name for c in spec.obs.cameras]}"
+        )
     return Observation(state=state, instruction=[str(msg.get("instruction", ""))], images=images)
 
 
@@ -94,17 +110,22 @@ def policy_chunk(policy, obs: Observation) -> np.ndarray:
 
 def _select_columns(obs: Observation, spec: EnvSpec, robot_spec: EnvSpec) -> Observation:
     cols = [robot_spec.obs.state_names.index(n) for n in spec.obs.state_names]
-    return Observation(state=obs.state[:, cols], instruction=obs.instruction,
-                       images={c.name: obs.images[c.name] for c in spec.obs.cameras})
+    return Observation(
+        state=obs.state[:, cols],
+        instruction=obs.instruction,
+        images={c.name: obs.images[c.name] for c in spec.obs.cameras},
+    )
 
 
 def robot_infer(chunk_of, spec: EnvSpec, env):
     """obs -> float64 [K, 6] joint targets (radians, the policy's frame) for the control loop: the
     policy's chunk, with deltas (joint_delta) accumulated from the last command the arm was sent."""
+
     def infer(obs: Observation) -> np.ndarray:
         base = env.to_policy(env.safety.last)  # read before inference: the chunk starts from here
         chunk = np.asarray(chunk_of(_select_columns(obs, spec, env.spec)), np.float64)
         return base + np.cumsum(chunk, 0) if spec.action.space == "joint_delta" else chunk
+
     return infer
 
 
@@ -130,18 +151,32 @@ class EpisodeRecorder:
         out = self.root / f"episode_{self.count:04d}"
         self.count += 1
         cams = {c.name: (c.height, c.width) for c in self.spec.obs.cameras}
-        writer = LeRobotWriter(out, fps=self.fps, cameras=cams, state_names=list(self.spec.obs.state_names),
-                               action_names=list(self.spec.action.names), robot_type=self.robot_type,
-                               source={"deploy": True})
+        writer = LeRobotWriter(
+            out,
+            fps=self.fps,
+            cameras=cams,
+            state_names=list(self.spec.obs.state_names),
+            action_names=list(self.spec.action.names),
+            robot_type=self.robot_type,
+            source={"deploy": True},
+        )
         T = len(frames)
         images = {c: np.stack([f["obs"].images[c][0].numpy() for f in frames]) for c in cams}
         t0 = frames[0]["t"]
-        writer.add_episode(images=images, state=np.stack([f["obs"].state[0].numpy() for f in frames]),
-                           actions=np.stack([np.asarray(f["sent"], np.float32) for f in frames]),
-                           rewards=np.zeros(T, np.float32), success=np.zeros(T, bool), task=frames[0]["obs"].instruction[0],
-                           extra={"end": result.reason, "wall_time_s": [round(f["t"] - t0, 4) for f in frames],
-                                  "interventions": [",".join(f["interventions"]) for f in frames],
-                                  "jitter_p99_ms": result.timing.get("jitter_p99_ms")})
+        writer.add_episode(
+            images=images,
+            state=np.stack([f["obs"].state[0].numpy() for f in frames]),
+            actions=np.stack([np.asarray(f["sent"], np.float32) for f in frames]),
+            rewards=np.zeros(T, np.float32),
+            success=np.zeros(T, bool),
+            task=frames[0]["obs"].instruction[0],
+            extra={
+                "end": result.reason,
+                "wall_time_s": [round(f["t"] - t0, 4) for f in frames],
+                "interventions": [",".join(f["interventions"]) for f in frames],
+                "jitter_p99_ms": result.timing.get("jitter_p99_ms"),
+            },
+        )
         writer.close()
         for c, video in images.items():
             write_mp4(out / f"{c}.mp4", list(video), self.fps)
@@ -153,13 +188,29 @@ def serve(checkpoint: str, *, host: str = "0.0.0.0", port: int = 8765, queue_siz
     from embodied.robots.server import PolicyServer
 
     policy, spec, agreed = load_deployable(checkpoint)
-    return PolicyServer(lambda msg: policy_chunk(policy, wire_to_obs(msg, spec)), agreed, host=host, port=port,
-                        queue_size=queue_size).start()
+    return PolicyServer(
+        lambda msg: policy_chunk(policy, wire_to_obs(msg, spec)),
+        agreed,
+        host=host,
+        port=port,
+        queue_size=queue_size,
+    ).start()
 
 
-def run_deploy(checkpoint: str, arm, *, hz: float | None = None, episode_seconds: float = 30.0, server: str | None = None,
-               episodes: int = 1, record: str | None = None, request_when_left: int = 2, blend_steps: int = 2,
-               keyboard: bool | None = None, twin_task: str = "push") -> dict:
+def run_deploy(
+    checkpoint: str,
+    arm,
+    *,
+    hz: float | None = None,
+    episode_seconds: float = 30.0,
+    server: str | None = None,
+    episodes: int = 1,
+    record: str | None = None,
+    request_when_left: int = 2,
+    blend_steps: int = 2,
+    keyboard: bool | None = None,
+    twin_task: str = "push",
+) -> dict:
     """Deploy ``checkpoint`` on the arm of ``arm`` (ArmConfig) for ``episodes`` episodes of
     ``episode_seconds``, at ``hz`` (None: the rate the policy was trained at)."""
     from embodied.robots.arm import RobotEnv, connect, default_safety, make_robot
@@ -169,8 +220,10 @@ def run_deploy(checkpoint: str, arm, *, hz: float | None = None, episode_seconds
     policy, spec, agreed = load_deployable(checkpoint)
     trained_hz = spec.action.control_hz
     if hz is not None and spec.action.space == "joint_delta" and abs(hz - trained_hz) > 1e-6:
-        raise DeployError(f"--hz {hz:g}: the policy was trained at {trained_hz:g} Hz and acts in joint deltas per step, "
-                          f"so another rate changes how fast it moves; leave --hz out to run at {trained_hz:g} Hz")
+        raise DeployError(
+            f"--hz {hz:g}: the policy was trained at {trained_hz:g} Hz and acts in joint deltas per step, "
+            f"so another rate changes how fast it moves; leave --hz out to run at {trained_hz:g} Hz"
+        )
     arm.control_hz = hz or trained_hz
     arm.max_episode_steps = max(1, round(episode_seconds * arm.control_hz))
     sizes = {(c.height, c.width) for c in spec.obs.cameras}
@@ -199,19 +252,35 @@ def run_deploy(checkpoint: str, arm, *, hz: float | None = None, episode_seconds
         else:
             chunk_of = lambda obs: policy_chunk(policy, obs)  # noqa: E731
         infer = robot_infer(chunk_of, spec, env)
-        recorder = EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot) if record else None
+        recorder = (
+            EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot) if record else None
+        )
         with EmergencyStop(keyboard=keyboard) as stop:
             for ep in range(episodes):
-                executor = ChunkExecutor(infer, request_when_left=request_when_left, blend_steps=blend_steps,
-                                         wait_s=0.5 / arm.control_hz)  # up to half a period for a late chunk
+                executor = ChunkExecutor(
+                    infer,
+                    request_when_left=request_when_left,
+                    blend_steps=blend_steps,
+                    wait_s=0.5 / arm.control_hz,
+                )  # up to half a period for a late chunk
                 try:
-                    result = run_episode(env, executor, stop, hz=arm.control_hz, max_steps=arm.max_episode_steps)
+                    result = run_episode(
+                        env, executor, stop, hz=arm.control_hz, max_steps=arm.max_episode_steps
+                    )
                 finally:
                     executor.close()
                 saved = recorder.finish(result) if recorder else None
-                summary["episodes"].append({"steps": result.steps, "acted": result.acted, "end": result.reason, **result.timing,
-                                            "watchdog": dict(result.watchdog), "inference_errors": executor.errors,
-                                            "recording": str(saved) if saved else None})
+                summary["episodes"].append(
+                    {
+                        "steps": result.steps,
+                        "acted": result.acted,
+                        "end": result.reason,
+                        **result.timing,
+                        "watchdog": dict(result.watchdog),
+                        "inference_errors": executor.errors,
+                        "recording": str(saved) if saved else None,
+                    }
+                )
                 log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
                 if result.reason != "done":
                     break

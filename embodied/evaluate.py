@@ -26,27 +26,55 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 
 @torch.no_grad()
-def evaluate(env, policy, *, episodes: int, seed: int, deterministic: bool = True,
-             video_path: Path | None = None, progress=None) -> dict:
+def evaluate(
+    env,
+    policy,
+    *,
+    episodes: int,
+    seed: int,
+    deterministic: bool = True,
+    video_path: Path | None = None,
+    progress=None,
+) -> dict:
     """Run ``episodes`` episodes (episode i reset with seed ``EVAL_SEED_OFFSET + seed + i``), the
     first episode of each environment per round counted. Returns success rate, returns, lengths."""
-    return _run(env, policy, [(0, env.num_envs)], episodes, seed, deterministic, video_path, progress)[0]
+    return _run(
+        env, policy, [(0, env.num_envs)], episodes, seed, deterministic, video_path, progress
+    )[0]
 
 
 @torch.no_grad()
-def evaluate_by_task(env, policy, *, episodes: int, seed: int, deterministic: bool = True,
-                     video_path: Path | None = None, progress=None) -> dict[str, dict]:
+def evaluate_by_task(
+    env,
+    policy,
+    *,
+    episodes: int,
+    seed: int,
+    deterministic: bool = True,
+    video_path: Path | None = None,
+    progress=None,
+) -> dict[str, dict]:
     """``evaluate()`` per task of a MultiTaskEnv, all tasks stepping at once (their workers run in
     parallel): {task: summary}, each over ``episodes`` episodes with the seeds ``evaluate()`` would
     give that task's environment alone. A single-task env is reported as one task, "all". The
     video shows the first environment of each task (up to four tasks)."""
     ranges = getattr(env, "task_ranges", [(0, env.num_envs)])
     names = getattr(env, "names", ["all"])
-    return dict(zip(names, _run(env, policy, ranges, episodes, seed, deterministic, video_path, progress)))
+    return dict(
+        zip(names, _run(env, policy, ranges, episodes, seed, deterministic, video_path, progress))
+    )
 
 
-def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, deterministic: bool,
-         video_path: Path | None, progress) -> list[dict]:
+def _run(
+    env,
+    policy,
+    ranges: list[tuple[int, int]],
+    episodes: int,
+    seed: int,
+    deterministic: bool,
+    video_path: Path | None,
+    progress,
+) -> list[dict]:
     """Evaluate each row range [lo, hi) of ``env`` as its own population of ``episodes`` episodes."""
     B = env.num_envs
     results: list[list[dict]] = [[] for _ in ranges]
@@ -55,17 +83,30 @@ def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, d
     for g, (lo, hi) in enumerate(ranges):
         group[lo:hi] = g
     # rows shown in the video: the first VIDEO_TILES environments, or the first of each task
-    shown_rows = torch.arange(min(B, VIDEO_TILES)) if len(ranges) == 1 else torch.tensor([lo for lo, _ in ranges[:VIDEO_TILES]])
-    policy_s, env_s, policy_calls, env_steps = 0.0, 0.0, 0, 0  # timing: policy latency, simulator throughput
+    shown_rows = (
+        torch.arange(min(B, VIDEO_TILES))
+        if len(ranges) == 1
+        else torch.tensor([lo for lo, _ in ranges[:VIDEO_TILES]])
+    )
+    policy_s, env_s, policy_calls, env_steps = (
+        0.0,
+        0.0,
+        0,
+        0,
+    )  # timing: policy latency, simulator throughput
     while any(len(r) < episodes for r in results):
         seeds, active = [0] * B, torch.zeros(B, dtype=torch.bool)
         for (lo, hi), res in zip(ranges, results):
             n = min(hi - lo, episodes - len(res))
             base = EVAL_SEED_OFFSET + seed + len(res)
             seeds[lo:hi] = [base + i for i in range(hi - lo)]
-            active[lo:lo + n] = True
+            active[lo : lo + n] = True
         obs = env.reset(seed=seeds)
-        ret, length, success = torch.zeros(B), torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
+        ret, length, success = (
+            torch.zeros(B),
+            torch.zeros(B, dtype=torch.long),
+            torch.zeros(B, dtype=torch.bool),
+        )
         record = video_path is not None and not frames  # the first round only
         if record:
             shown = env.render()[shown_rows.to(env.device)]  # uint8 [<=4, H, W, 3]
@@ -91,8 +132,15 @@ def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, d
                     shown = torch.where(live, env.render()[shown_rows.to(env.device)], shown)
                     frames.append(tile(shown))
                 for i in (done & active).nonzero().squeeze(1).tolist():
-                    results[int(group[i])].append({"seed": seeds[i], "success": bool(success[i]), "success_at_end": bool(s[i]),
-                                              "return": float(ret[i]), "length": int(length[i])})
+                    results[int(group[i])].append(
+                        {
+                            "seed": seeds[i],
+                            "success": bool(success[i]),
+                            "success_at_end": bool(s[i]),
+                            "return": float(ret[i]),
+                            "length": int(length[i]),
+                        }
+                    )
                     if progress is not None:
                         progress.update(1)
                 active &= ~done
@@ -101,8 +149,12 @@ def _run(env, policy, ranges: list[tuple[int, int]], episodes: int, seed: int, d
                     break
     summaries = [_summary(sorted(res, key=lambda e: e["seed"])[:episodes]) for res in results]
     for summary in summaries:  # shared by the tasks of a MultiTaskEnv: they step together
-        summary.update({"eval/policy_ms": 1000 * policy_s / max(1, policy_calls),
-                        "eval/env_steps_per_s": env_steps / max(env_s, 1e-9)})
+        summary.update(
+            {
+                "eval/policy_ms": 1000 * policy_s / max(1, policy_calls),
+                "eval/env_steps_per_s": env_steps / max(env_s, 1e-9),
+            }
+        )
     if video_path is not None and frames:
         write_mp4(video_path, frames, fps=env.spec.action.control_hz)
         for summary in summaries:
@@ -114,10 +166,14 @@ def _summary(results: list[dict]) -> dict:
     wins = sum(e["success"] for e in results)
     lo, hi = wilson_interval(wins, len(results))
     # success_rate: the task was achieved at some step of the episode (ManiSkill's success_once)
-    return {"eval/success_rate": wins / len(results), "eval/episodes": len(results), "eval/success_ci95": [lo, hi],
-            "eval/success_at_end": sum(e["success_at_end"] for e in results) / len(results),
-            "eval/return": float(np.mean([e["return"] for e in results])),
-            "eval/length": float(np.mean([e["length"] for e in results]))}
+    return {
+        "eval/success_rate": wins / len(results),
+        "eval/episodes": len(results),
+        "eval/success_ci95": [lo, hi],
+        "eval/success_at_end": sum(e["success_at_end"] for e in results) / len(results),
+        "eval/return": float(np.mean([e["return"] for e in results])),
+        "eval/length": float(np.mean([e["length"] for e in results])),
+    }
 
 
 def per_task(task: str, summary: dict) -> dict:

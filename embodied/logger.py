@@ -17,7 +17,11 @@ class RunLogger:
 
     def log(self, metrics: dict, step: int, **extra) -> None:
         """Write the numeric ``group/name`` entries at ``step`` (env steps)."""
-        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {
+            k: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)

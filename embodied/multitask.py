@@ -9,8 +9,8 @@ the same time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import torch
 
@@ -22,10 +22,16 @@ def _compatible(specs) -> None:
     for s in specs[1:]:
         if s.obs.cameras != first.obs.cameras or s.obs.state_names != first.obs.state_names:
             raise ValueError("MultiTaskEnv: tasks must share cameras and proprioception")
-        if (s.action.names, s.action.low, s.action.high) != (first.action.names, first.action.low, first.action.high):
+        if (s.action.names, s.action.low, s.action.high) != (
+            first.action.names,
+            first.action.low,
+            first.action.high,
+        ):
             raise ValueError("MultiTaskEnv: tasks must share the action space and its bounds")
         if s.max_episode_steps != first.max_episode_steps:
-            raise ValueError("MultiTaskEnv: tasks must share max_episode_steps (set env.max_episode_steps)")
+            raise ValueError(
+                "MultiTaskEnv: tasks must share max_episode_steps (set env.max_episode_steps)"
+            )
 
 
 class MultiTaskEnv:
@@ -39,8 +45,11 @@ class MultiTaskEnv:
         keys = set.intersection(*[set(e.spec.obs.privileged) for e in envs])
         first = envs[0].spec
         self._keys = sorted(keys)
-        self.spec = replace(first, obs=replace(first.obs, privileged={k: first.obs.privileged[k] for k in self._keys}),
-                            instructions=tuple(i for e in envs for i in e.spec.instructions))
+        self.spec = replace(
+            first,
+            obs=replace(first.obs, privileged={k: first.obs.privileged[k] for k in self._keys}),
+            instructions=tuple(i for e in envs for i in e.spec.instructions),
+        )
         bounds = torch.tensor([0] + [e.num_envs for e in envs]).cumsum(0).tolist()
         self.task_ranges = list(zip(bounds[:-1], bounds[1:]))  # env rows of each task
         self.task_of_env = [name for name, e in zip(self.names, envs) for _ in range(e.num_envs)]
@@ -51,9 +60,13 @@ class MultiTaskEnv:
             p.privileged = {k: p.privileged[k] for k in self._keys}
         return Observation.cat(parts)
 
-    def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
+    def reset(
+        self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None
+    ) -> Observation:
         if env_ids is not None and self._last is None:
-            raise RuntimeError("MultiTaskEnv: reset all environments once before resetting some (env_ids)")
+            raise RuntimeError(
+                "MultiTaskEnv: reset all environments once before resetting some (env_ids)"
+            )
         ids = torch.arange(self.num_envs) if env_ids is None else env_ids.cpu()
         seeds = None if seed is None else reset_seeds(seed, ids.tolist())
         parts = []
@@ -64,7 +77,9 @@ class MultiTaskEnv:
                 continue
             local = ids[mine] - lo
             sub_seed = None if seeds is None else [seeds[j] for j in mine.tolist()]
-            parts.append(env.reset(seed=sub_seed, env_ids=None if env_ids is None else local.to(env.device)))
+            parts.append(
+                env.reset(seed=sub_seed, env_ids=None if env_ids is None else local.to(env.device))
+            )
         if any(p is None for p in parts):  # untouched tasks report their current observation
             self._last = [p if p is not None else last for p, last in zip(parts, self._last)]
         else:
@@ -86,9 +101,14 @@ class MultiTaskEnv:
         final = None
         if any(o.final_obs is not None for o in outs):
             final = self._join([o.final_obs if o.final_obs is not None else o.obs for o in outs])
-        return StepOutput(obs=self._join([o.obs for o in outs]), reward=torch.cat([o.reward for o in outs]),
-                          terminated=torch.cat([o.terminated for o in outs]), truncated=torch.cat([o.truncated for o in outs]),
-                          success=torch.cat([o.success for o in outs]), final_obs=final)
+        return StepOutput(
+            obs=self._join([o.obs for o in outs]),
+            reward=torch.cat([o.reward for o in outs]),
+            terminated=torch.cat([o.terminated for o in outs]),
+            truncated=torch.cat([o.truncated for o in outs]),
+            success=torch.cat([o.success for o in outs]),
+            final_obs=final,
+        )
 
     def render(self) -> torch.Tensor:
         return torch.cat([e.render() for e in self.envs])
@@ -132,7 +152,15 @@ def make_env(cfg):
     envs = []
     try:
         for task in cfg.tasks:
-            envs.append(make_maniskill(cfg, task=task, tasks=[], num_envs=n, num_workers=min(cfg.num_workers, max(1, cfg.num_workers // len(cfg.tasks)))))
+            envs.append(
+                make_maniskill(
+                    cfg,
+                    task=task,
+                    tasks=[],
+                    num_envs=n,
+                    num_workers=min(cfg.num_workers, max(1, cfg.num_workers // len(cfg.tasks))),
+                )
+            )
     except BaseException:
         for e in envs:
             e.close()

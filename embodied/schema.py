@@ -7,8 +7,9 @@ Every tensor is batched, batch first, on the environment's device. Time-major bu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -71,7 +72,9 @@ class Observation:
 
         return Observation(
             state=pick(self.state, other.state),
-            instruction=[a if m else b for a, b, m in zip(self.instruction, other.instruction, mask.tolist())],
+            instruction=[
+                a if m else b for a, b, m in zip(self.instruction, other.instruction, mask.tolist())
+            ],
             images={k: pick(v, other.images[k]) for k, v in self.images.items()},
             privileged={k: pick(v, other.privileged[k]) for k, v in self.privileged.items()},
         )
@@ -167,7 +170,12 @@ class EnvSpec:
                 privileged={k: tuple(v) for k, v in d["obs"]["privileged"].items()},
             ),
             action=replace(
-                ActionSpec(space=a["space"], names=tuple(a["names"]), low=tuple(a["low"]), high=tuple(a["high"])),
+                ActionSpec(
+                    space=a["space"],
+                    names=tuple(a["names"]),
+                    low=tuple(a["low"]),
+                    high=tuple(a["high"]),
+                ),
                 gripper=a["gripper"],
                 control_hz=a["control_hz"],
             ),
@@ -209,7 +217,9 @@ class VecEnv(Protocol):
     device: torch.device
     spec: EnvSpec
 
-    def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
+    def reset(
+        self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None
+    ) -> Observation:
         """Reset all environments, or only ``env_ids`` (long [N]); returns the full batch.
         An int seeds the reset deterministically (CPU workers: environment i gets seed + i); a list
         gives each reset environment its own seed, and equal seeds give equal initial states."""
@@ -251,7 +261,9 @@ class PolicyOutput:
 class Policy(Protocol):
     def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput: ...
 
-    def evaluate(self, obs: Observation, output: PolicyOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def evaluate(
+        self, obs: Observation, output: PolicyOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(logprob [B], entropy [B], value [B] or None) of ``output`` under the current weights."""
 
 

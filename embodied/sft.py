@@ -27,8 +27,8 @@ from embodied.dataset import DemoDataset
 from embodied.evaluate import evaluate_by_task, per_task
 from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
-from embodied.schema import NormStats, Observation
 from embodied.multitask import make_env
+from embodied.schema import NormStats, Observation
 from embodied.simulators.maniskill import ManiSkillConfig
 
 
@@ -48,7 +48,9 @@ class SFTConfig:
     CHOICES: ClassVar[dict] = {"policy": POLICY_CONFIGS}
     seed: int = 0
     datasets: list[str] = field(default_factory=list)  # LeRobot v3.0 dataset directories
-    episodes_per_dataset: int = 0  # > 0: train on each dataset's first N episodes only (few-shot SFT)
+    episodes_per_dataset: int = (
+        0  # > 0: train on each dataset's first N episodes only (few-shot SFT)
+    )
     # evaluation environment; its task is replaced by each dataset's task (info.json "embodied.task")
     env: ManiSkillConfig = field(default_factory=lambda: ManiSkillConfig(obs_mode="rgb"))
     policy: PolicyConfig = field(default_factory=VLAConfig)
@@ -93,10 +95,17 @@ def _load(paths: list[str], episodes: int = 0) -> _Frames:
     cat = DemoDataset(
         images={c: torch.cat([p.images[c] for p in parts]) for c in parts[0].images},
         privileged={k: torch.cat([p.privileged[k] for p in parts]) for k in priv_keys},
-        state=torch.cat([p.state for p in parts]), actions=torch.cat([p.actions for p in parts]),
-        episode=torch.cat([p.episode for p in parts]), frame=torch.cat([p.frame for p in parts]),
-        task=torch.cat([p.task for p in parts]), tasks=[], starts=torch.cat(starts), ends=torch.cat(ends),
-        info=parts[0].info, stats=parts[0].stats)
+        state=torch.cat([p.state for p in parts]),
+        actions=torch.cat([p.actions for p in parts]),
+        episode=torch.cat([p.episode for p in parts]),
+        frame=torch.cat([p.frame for p in parts]),
+        task=torch.cat([p.task for p in parts]),
+        tasks=[],
+        starts=torch.cat(starts),
+        ends=torch.cat(ends),
+        info=parts[0].info,
+        stats=parts[0].stats,
+    )
     tasks = [p.info.get("embodied", {}).get("task") for p in parts]
     return _Frames(cat, instructions, tasks)
 
@@ -107,13 +116,20 @@ def _norm_stats(policy, frames: _Frames) -> None:
     state = policy.state_vector(obs) if policy.state_dim else None
     policy.set_norm_stats(
         state=NormStats(mean=state.mean(0), std=state.std(0)) if state is not None else None,
-        action=NormStats(q01=torch.quantile(d.actions, 0.01, dim=0), q99=torch.quantile(d.actions, 0.99, dim=0)))
+        action=NormStats(
+            q01=torch.quantile(d.actions, 0.01, dim=0), q99=torch.quantile(d.actions, 0.99, dim=0)
+        ),
+    )
 
 
 def _batch(frames: _Frames, idx: torch.Tensor) -> Observation:
     d = frames.data
-    return Observation(state=d.state[idx], instruction=[frames.instructions[i] for i in idx.tolist()],
-                       images={c: v[idx] for c, v in d.images.items()}, privileged={k: v[idx] for k, v in d.privileged.items()})
+    return Observation(
+        state=d.state[idx],
+        instruction=[frames.instructions[i] for i in idx.tolist()],
+        images={c: v[idx] for c, v in d.images.items()},
+        privileged={k: v[idx] for k, v in d.privileged.items()},
+    )
 
 
 @torch.no_grad()
@@ -121,7 +137,12 @@ def _cached_features(policy, frames: _Frames, batch: int = 64) -> torch.Tensor:
     """Frozen image encoder: every frame's features once, f32 [C, N, P, F]."""
     policy.eval()
     N, out = len(frames.data), []
-    for lo in tqdm(range(0, N, batch), desc="image features", unit="batch", mininterval=0.1 if sys.stderr.isatty() else 30.0):
+    for lo in tqdm(
+        range(0, N, batch),
+        desc="image features",
+        unit="batch",
+        mininterval=0.1 if sys.stderr.isatty() else 30.0,
+    ):
         idx = torch.arange(lo, min(N, lo + batch))
         f = policy.image_features(_batch(frames, idx))  # f32 [C*b, P, F]
         out.append(f.view(-1, len(idx), *f.shape[1:]))
@@ -137,29 +158,57 @@ def sft(cfg: SFTConfig) -> dict:
     frames = _load(cfg.datasets, cfg.episodes_per_dataset)
     tasks = [t or cfg.env.task for t in frames.tasks]
     env_cfgs = {t: ManiSkillConfig(**{**to_dict(cfg.env), "task": t}) for t in dict.fromkeys(tasks)}
-    with make_env(_eval_env_config(env_cfgs)) as env:  # the spec all tasks share (privileged: common keys)
+    with make_env(
+        _eval_env_config(env_cfgs)
+    ) as env:  # the spec all tasks share (privileged: common keys)
         spec = env.spec
     policy = build_policy(spec, cfg.policy)
     _norm_stats(policy, frames)
     K = cfg.policy.chunk_size
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                  weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad],
+        lr=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+    )
     warm = max(1, cfg.warmup_steps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, cfg.steps - warm))))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: (
+            min(1.0, (s + 1) / warm)
+            * (
+                0.1
+                + 0.9
+                * 0.5
+                * (1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, cfg.steps - warm))))
+            )
+        ),
+    )
     logger = RunLogger(run_dir)
     N, t0, step = len(frames.data), time.time(), 0
-    print(f"sft: {N} frames from {len(cfg.datasets)} dataset(s), tasks {sorted(set(tasks))}; "
-          f"{sum(p.numel() for p in policy.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters")
-    bar = tqdm(total=cfg.steps, desc=cfg.runner.name, disable=not cfg.runner.progress, dynamic_ncols=True,
-               mininterval=0.1 if sys.stderr.isatty() else 30.0)
+    print(
+        f"sft: {N} frames from {len(cfg.datasets)} dataset(s), tasks {sorted(set(tasks))}; "
+        f"{sum(p.numel() for p in policy.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters"
+    )
+    bar = tqdm(
+        total=cfg.steps,
+        desc=cfg.runner.name,
+        disable=not cfg.runner.progress,
+        dynamic_ncols=True,
+        mininterval=0.1 if sys.stderr.isatty() else 30.0,
+    )
     evals = []
-    features = _cached_features(policy, frames) if getattr(policy, "caches_image_features", False) else None
+    features = (
+        _cached_features(policy, frames)
+        if getattr(policy, "caches_image_features", False)
+        else None
+    )
     policy.train()
     for step in range(1, cfg.steps + 1):
         idx = torch.randint(N, (cfg.batch_size,))
         chunk, mask = frames.data.action_chunks(idx, K)
-        feats = None if features is None else features[:, idx].flatten(0, 1)  # f32 [C*B, P, F], cameras outermost
+        feats = (
+            None if features is None else features[:, idx].flatten(0, 1)
+        )  # f32 [C*B, P, F], cameras outermost
         loss, metrics = policy.bc_loss(_batch(frames, idx), chunk, mask, features=feats)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -169,45 +218,104 @@ def sft(cfg: SFTConfig) -> dict:
         bar.update(1)
         if step % 10 == 0 or step == cfg.steps:
             metrics = {k: float(v) for k, v in metrics.items()}
-            metrics.update({"sft/loss": loss.item(), "sft/grad_norm": grad_norm.item(), "train/lr": schedule.get_last_lr()[0],
-                            "time/minutes": (time.time() - t0) / 60})
+            metrics.update(
+                {
+                    "sft/loss": loss.item(),
+                    "sft/grad_norm": grad_norm.item(),
+                    "train/lr": schedule.get_last_lr()[0],
+                    "time/minutes": (time.time() - t0) / 60,
+                }
+            )
             logger.log(metrics, step=step)
             bar.set_postfix(loss=f"{loss.item():.4f}")
-        out_of_time = cfg.runner.max_minutes is not None and time.time() - t0 > cfg.runner.max_minutes * 60
-        if cfg.runner.eval_every and step % cfg.runner.eval_every == 0 and step < cfg.steps and not out_of_time:
-            evals.append(evaluate_tasks(policy, env_cfgs, cfg.runner.eval_episodes, cfg.seed, step, logger))
+        out_of_time = (
+            cfg.runner.max_minutes is not None and time.time() - t0 > cfg.runner.max_minutes * 60
+        )
+        if (
+            cfg.runner.eval_every
+            and step % cfg.runner.eval_every == 0
+            and step < cfg.steps
+            and not out_of_time
+        ):
+            evals.append(
+                evaluate_tasks(policy, env_cfgs, cfg.runner.eval_episodes, cfg.seed, step, logger)
+            )
             policy.train()
         if out_of_time:
             bar.write(f"stopping after {step} steps ({cfg.runner.max_minutes} min)")
             break
     bar.close()
-    meta = {"config": {"seed": cfg.seed, "env": to_dict(env_cfgs[tasks[0]]), "policy": to_dict(cfg.policy)},
-            "sft": to_dict(cfg), "spec": spec.to_dict(), "format": "embodied-checkpoint-v1"}
-    ckpt = save_checkpoint(run_dir, step, model=policy, optimizer=optimizer,
-                           counters={"iteration": step, "env_steps": 0, "train_seconds": time.time() - t0}, meta=meta)
-    final = evaluate_tasks(policy, env_cfgs, cfg.runner.eval_episodes, cfg.seed, step, logger, video_dir=run_dir / "videos")
-    summary = {"run_dir": str(run_dir), "checkpoint": str(ckpt), "steps": step, "minutes": (time.time() - t0) / 60,
-               "final": final, "evals": evals}
+    meta = {
+        "config": {
+            "seed": cfg.seed,
+            "env": to_dict(env_cfgs[tasks[0]]),
+            "policy": to_dict(cfg.policy),
+        },
+        "sft": to_dict(cfg),
+        "spec": spec.to_dict(),
+        "format": "embodied-checkpoint-v1",
+    }
+    ckpt = save_checkpoint(
+        run_dir,
+        step,
+        model=policy,
+        optimizer=optimizer,
+        counters={"iteration": step, "env_steps": 0, "train_seconds": time.time() - t0},
+        meta=meta,
+    )
+    final = evaluate_tasks(
+        policy,
+        env_cfgs,
+        cfg.runner.eval_episodes,
+        cfg.seed,
+        step,
+        logger,
+        video_dir=run_dir / "videos",
+    )
+    summary = {
+        "run_dir": str(run_dir),
+        "checkpoint": str(ckpt),
+        "steps": step,
+        "minutes": (time.time() - t0) / 60,
+        "final": final,
+        "evals": evals,
+    }
     (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2))
     logger.close()
     for task, r in final.items():
-        print(f"{task}: success {r['eval/success_rate']:.3f} over {r['eval/episodes']} episodes "
-              f"(95% CI {r['eval/success_ci95'][0]:.2f}-{r['eval/success_ci95'][1]:.2f})")
+        print(
+            f"{task}: success {r['eval/success_rate']:.3f} over {r['eval/episodes']} episodes "
+            f"(95% CI {r['eval/success_ci95'][0]:.2f}-{r['eval/success_ci95'][1]:.2f})"
+        )
     return summary
 
 
 @torch.no_grad()
-def evaluate_tasks(policy, env_cfgs: dict[str, ManiSkillConfig], episodes: int, seed: int, step: int, logger,
-                   video_dir: Path | None = None) -> dict:
+def evaluate_tasks(
+    policy,
+    env_cfgs: dict[str, ManiSkillConfig],
+    episodes: int,
+    seed: int,
+    step: int,
+    logger,
+    video_dir: Path | None = None,
+) -> dict:
     """Deterministic evaluation of ``policy`` on each task, all tasks at once in one MultiTaskEnv
     (``env.num_envs`` environments per task) -> {task: evaluate() summary}."""
     policy.eval()
     env = make_env(_eval_env_config(env_cfgs))
     try:
         video = video_dir / "eval.mp4" if video_dir is not None else None
-        with tqdm(total=episodes * len(env_cfgs), desc="evaluating", unit="ep", leave=False,
-                  mininterval=0.1 if sys.stderr.isatty() else 30.0) as progress:
-            out = evaluate_by_task(env, policy, episodes=episodes, seed=seed, video_path=video, progress=progress)
+        with tqdm(
+            total=episodes * len(env_cfgs),
+            desc="evaluating",
+            unit="ep",
+            leave=False,
+            mininterval=0.1 if sys.stderr.isatty() else 30.0,
+        ) as progress:
+            out = evaluate_by_task(
+                env, policy, episodes=episodes, seed=seed, video_path=video, progress=progress
+            )
     finally:
         env.close()
     if len(env_cfgs) == 1:
@@ -223,5 +331,9 @@ def _eval_env_config(env_cfgs: dict[str, ManiSkillConfig]) -> ManiSkillConfig:
     if len(env_cfgs) == 1:
         return first
     n = len(env_cfgs)
-    return replace(first, tasks=list(env_cfgs), num_envs=n * first.num_envs,
-                   num_workers=max(n, first.num_workers) if first.num_workers else 0)  # 0: in process
+    return replace(
+        first,
+        tasks=list(env_cfgs),
+        num_envs=n * first.num_envs,
+        num_workers=max(n, first.num_workers) if first.num_workers else 0,
+    )  # 0: in process

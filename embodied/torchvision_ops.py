@@ -56,7 +56,9 @@ _SCHEMAS = (
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 _library = None  # the torch.library fragment holding the declarations (kept alive for the process)
-ops_declared = False  # True where torchvision's compiled operators are missing and were declared here
+ops_declared = (
+    False  # True where torchvision's compiled operators are missing and were declared here
+)
 
 
 def ensure_importable() -> None:
@@ -95,5 +97,7 @@ class _FirstLookup(importlib.abc.MetaPathFinder):
 
 
 def install_hook() -> None:
-    if "torchvision" not in sys.modules and not any(isinstance(f, _FirstLookup) for f in sys.meta_path):
+    if "torchvision" not in sys.modules and not any(
+        isinstance(f, _FirstLookup) for f in sys.meta_path
+    ):
         sys.meta_path.insert(0, _FirstLookup())

@@ -29,7 +29,9 @@ from embodied.robots.servo_port import FeetechPort, attach, rad_to_ticks, ticks_
 from embodied.simulators.mujoco.arm import HOME, RANGES, scene  # noqa: E402
 from embodied.simulators.mujoco.tasks import TASKS  # noqa: E402
 
-SERVO_IDS = {j: i + 1 for i, j in enumerate(JOINTS)}  # LeRobot's SO follower: ids 1..6 in this order
+SERVO_IDS = {
+    j: i + 1 for i, j in enumerate(JOINTS)
+}  # LeRobot's SO follower: ids 1..6 in this order
 TWIN_CAMERAS = {"front": "base_camera", "wrist": "wrist_camera"}
 MAX_CATCH_UP_S = 1.0  # simulate at most this much at once after a long pause (a debugger, a stall)
 
@@ -47,7 +49,9 @@ class ArmTwin:
         for j, a, q in zip(JOINTS, self._act, self._qpos):
             self.data.qpos[q] = self.data.ctrl[a] = pose[j]
         mujoco.mj_forward(self.model, self.data)
-        self.torque = {j: True for j in JOINTS}  # it starts holding its start pose, as if resting there
+        self.torque = {
+            j: True for j in JOINTS
+        }  # it starts holding its start pose, as if resting there
         self._set_gains()
         self._lock, self._t, self.frozen = threading.Lock(), time.monotonic(), False
 
@@ -67,7 +71,9 @@ class ArmTwin:
         n = int(min(now - self._t, MAX_CATCH_UP_S) / self.model.opt.timestep)
         if n > 0:
             mujoco.mj_step(self.model, self.data, nstep=n)
-            self._t += n * self.model.opt.timestep if now - self._t <= MAX_CATCH_UP_S else now - self._t
+            self._t += (
+                n * self.model.opt.timestep if now - self._t <= MAX_CATCH_UP_S else now - self._t
+            )
 
     # --- ServoPhysics -------------------------------------------------------------------------
     def command(self, goals: dict[int, int], torque: dict[int, bool]) -> None:
@@ -75,14 +81,18 @@ class ArmTwin:
             self.advance()
             for j in JOINTS:
                 lo, hi = RANGES[j]
-                self.data.ctrl[self._act[JOINTS.index(j)]] = np.clip(ticks_to_rad(goals[SERVO_IDS[j]]), lo, hi)
+                self.data.ctrl[self._act[JOINTS.index(j)]] = np.clip(
+                    ticks_to_rad(goals[SERVO_IDS[j]]), lo, hi
+                )
                 self.torque[j] = torque[SERVO_IDS[j]]
             self._set_gains()
 
     def positions(self) -> dict[int, int]:
         with self._lock:
             self.advance()
-            return {SERVO_IDS[j]: rad_to_ticks(self.data.qpos[q]) for j, q in zip(JOINTS, self._qpos)}
+            return {
+                SERVO_IDS[j]: rad_to_ticks(self.data.qpos[q]) for j, q in zip(JOINTS, self._qpos)
+            }
 
     # --- what tests look at ---------------------------------------------------------------
     def joints(self) -> np.ndarray:
@@ -90,7 +100,6 @@ class ArmTwin:
         with self._lock:
             self.advance()
             return np.array([self.data.qpos[q] for q in self._qpos])
-
 
 
 def _twin_camera_class():
@@ -118,7 +127,9 @@ def _twin_camera_class():
 
         def connect(self, warmup: bool = True) -> None:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._capture, daemon=True, name=f"twin-camera-{self.camera}")
+            self._thread = threading.Thread(
+                target=self._capture, daemon=True, name=f"twin-camera-{self.camera}"
+            )
             self._thread.start()
             if warmup and not self._fresh.wait(30):
                 raise TimeoutError(f"twin camera {self.camera}: no frame within 30 s")
@@ -126,12 +137,17 @@ def _twin_camera_class():
         def _capture(self) -> None:
             with self.twin._lock:  # the GL context belongs to this thread
                 vis = self.twin.model.vis.global_
-                vis.offwidth, vis.offheight = max(vis.offwidth, self.width), max(vis.offheight, self.height)
+                vis.offwidth, vis.offheight = (
+                    max(vis.offwidth, self.width),
+                    max(vis.offheight, self.height),
+                )
                 renderer = mujoco.Renderer(self.twin.model, self.height, self.width)
             try:
                 while not self._stop.is_set():
                     t0 = time.monotonic()
-                    with self.twin._lock:  # a consistent snapshot of the scene; rendering it needs no lock
+                    with (
+                        self.twin._lock
+                    ):  # a consistent snapshot of the scene; rendering it needs no lock
                         self.twin.advance()
                         renderer.update_scene(self.twin.data, camera=self.camera)
                     self._frame = renderer.render().copy()  # uint8 [H, W, 3]
@@ -146,7 +162,9 @@ def _twin_camera_class():
         def async_read(self, timeout_ms: float = 200) -> np.ndarray:
             self._fresh.clear()
             if not self._fresh.wait(timeout_ms / 1e3):
-                raise TimeoutError(f"twin camera {self.camera}: no new frame within {timeout_ms} ms")
+                raise TimeoutError(
+                    f"twin camera {self.camera}: no new frame within {timeout_ms} ms"
+                )
             return self._frame
 
         def read_latest(self, max_age_ms: int = 500) -> np.ndarray:
@@ -169,7 +187,13 @@ def twin_calibration() -> dict[str, dict]:
     out = {}
     for j in JOINTS:
         lo, hi = RANGES[j]
-        out[j] = {"id": SERVO_IDS[j], "drive_mode": 0, "homing_offset": 0, "range_min": rad_to_ticks(lo), "range_max": rad_to_ticks(hi)}
+        out[j] = {
+            "id": SERVO_IDS[j],
+            "drive_mode": 0,
+            "homing_offset": 0,
+            "range_min": rad_to_ticks(lo),
+            "range_max": rad_to_ticks(hi),
+        }
     return out
 
 
@@ -181,13 +205,27 @@ def make_twin_robot(cfg: ArmConfig, task: str = "push", start: dict[str, float] 
     views = {name: src if src in TWIN_CAMERAS else name for name, src in cfg.cameras.items()}
     unknown = sorted(v for v in views.values() if v not in TWIN_CAMERAS)
     if unknown:
-        raise ValueError(f"camera: the twin has cameras {sorted(TWIN_CAMERAS)}, not {unknown} (give NAME=front or NAME=wrist)")
+        raise ValueError(
+            f"camera: the twin has cameras {sorted(TWIN_CAMERAS)}, not {unknown} (give NAME=front or NAME=wrist)"
+        )
     if tuple(cfg.gripper_range) != RANGES["gripper"]:
-        raise ValueError(f"robot.gripper_range: the twin's gripper spans {RANGES['gripper']} rad, got {cfg.gripper_range}")
-    cal_dir = Path(cfg.calibration_dir) if cfg.calibration_dir else Path(tempfile.mkdtemp(prefix="embodied-twin-"))
+        raise ValueError(
+            f"robot.gripper_range: the twin's gripper spans {RANGES['gripper']} rad, got {cfg.gripper_range}"
+        )
+    cal_dir = (
+        Path(cfg.calibration_dir)
+        if cfg.calibration_dir
+        else Path(tempfile.mkdtemp(prefix="embodied-twin-"))
+    )
     cal_dir.mkdir(parents=True, exist_ok=True)
     (cal_dir / f"{cfg.id}.json").write_text(json.dumps(twin_calibration(), indent=2))
-    real_cfg = replace(cfg, robot=cfg.robot.removesuffix("-sim"), port="twin", cameras={}, calibration_dir=str(cal_dir))
+    real_cfg = replace(
+        cfg,
+        robot=cfg.robot.removesuffix("-sim"),
+        port="twin",
+        cameras={},
+        calibration_dir=str(cal_dir),
+    )
     robot = make_robot(real_cfg)
     twin = ArmTwin(task, start)
     ranges = {SERVO_IDS[j]: (c["range_min"], c["range_max"]) for j, c in twin_calibration().items()}
@@ -195,7 +233,8 @@ def make_twin_robot(cfg: ArmConfig, task: str = "push", start: dict[str, float] 
     attach(robot.bus, port)
     TwinCamera = _twin_camera_class()
     # rendered at the policy's size: software rendering at 640x480 alone would take most of a 30 Hz step
-    robot.cameras = {name: TwinCamera(twin, TWIN_CAMERAS[view], cfg.image_size, cfg.image_size, cfg.camera_fps)
-                     for name, view in views.items()}
+    robot.cameras = {
+        name: TwinCamera(twin, TWIN_CAMERAS[view], cfg.image_size, cfg.image_size, cfg.camera_fps)
+        for name, view in views.items()
+    }
     return robot, twin, port
-

@@ -1,14 +1,18 @@
 """Policies behind the contract."""
 
-from embodied.schema import EnvSpec
 from embodied.models.actor_critic import ActorCritic, ActorCriticConfig
 from embodied.models.config import PolicyConfig
 from embodied.models.normalization import RunningNorm
 from embodied.models.vla import VLA, VLAConfig
 from embodied.models.vla.smolvla import SmolVLA, SmolVLAConfig
 
-POLICIES = {"actor_critic": (ActorCriticConfig, ActorCritic), "vla": (VLAConfig, VLA),
-            "smolvla": (SmolVLAConfig, SmolVLA)}
+from embodied.schema import EnvSpec
+
+POLICIES = {
+    "actor_critic": (ActorCriticConfig, ActorCritic),
+    "vla": (VLAConfig, VLA),
+    "smolvla": (SmolVLAConfig, SmolVLA),
+}
 
 
 def build_policy(spec: EnvSpec, cfg):
@@ -20,4 +24,16 @@ def build_policy(spec: EnvSpec, cfg):
 
 POLICY_CONFIGS = {name: config for name, (config, _) in POLICIES.items()}
 
-__all__ = ["ActorCritic", "ActorCriticConfig", "POLICIES", "POLICY_CONFIGS", "PolicyConfig", "RunningNorm", "SmolVLA", "SmolVLAConfig", "VLA", "VLAConfig", "build_policy"]
+__all__ = [
+    "ActorCritic",
+    "ActorCriticConfig",
+    "POLICIES",
+    "POLICY_CONFIGS",
+    "PolicyConfig",
+    "RunningNorm",
+    "SmolVLA",
+    "SmolVLAConfig",
+    "VLA",
+    "VLAConfig",
+    "build_policy",
+]

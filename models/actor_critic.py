@@ -16,11 +16,11 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from embodied.models.config import PolicyConfig
+from embodied.models.encoders import CNNEncoder, StateEncoder
 from torch import nn
 
 from embodied.schema import EnvSpec, Observation, PolicyOutput
-from embodied.models.config import PolicyConfig
-from embodied.models.encoders import CNNEncoder, StateEncoder
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU}
@@ -42,7 +42,9 @@ class ActorCriticConfig(PolicyConfig):
 
     def validate(self) -> None:
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation: must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
+            raise ValueError(
+                f"activation: must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}"
+            )
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size: must be >= 1, got {self.chunk_size}")
         if not self.hidden_sizes or min(self.hidden_sizes) < 1:
@@ -68,9 +70,13 @@ class ActorCritic(nn.Module):
         self.K, self.A = cfg.chunk_size, spec.action.dim
         self.state_encoder = StateEncoder(spec, cfg.use_privileged, cfg.normalize_obs)
         cams = spec.obs.cameras if cfg.use_images else ()
-        self.cnns = nn.ModuleDict({c.name: CNNEncoder(c.height, c.width, cfg.image_features) for c in cams})
+        self.cnns = nn.ModuleDict(
+            {c.name: CNNEncoder(c.height, c.width, cfg.image_features) for c in cams}
+        )
         feat = self.state_encoder.dim + cfg.image_features * len(cams)
-        self.actor = _mlp([feat, *cfg.hidden_sizes, self.K * self.A], cfg.activation, out_std=0.01 * math.sqrt(2))
+        self.actor = _mlp(
+            [feat, *cfg.hidden_sizes, self.K * self.A], cfg.activation, out_std=0.01 * math.sqrt(2)
+        )
         self.critic = _mlp([feat, *cfg.hidden_sizes, 1], cfg.activation, out_std=1.0)
         self.log_std = nn.Parameter(torch.full((self.K * self.A,), cfg.init_log_std))
         low, high = spec.action.bounds()
@@ -84,7 +90,9 @@ class ActorCritic(nn.Module):
 
     # --- features -------------------------------------------------------------------------
     def features(self, obs: Observation) -> torch.Tensor:
-        parts = [self.state_encoder(obs)] + [cnn(obs.images[name]) for name, cnn in self.cnns.items()]
+        parts = [self.state_encoder(obs)] + [
+            cnn(obs.images[name]) for name, cnn in self.cnns.items()
+        ]
         return torch.cat(parts, dim=-1)  # f32 [B, F]
 
     @torch.no_grad()
@@ -102,7 +110,9 @@ class ActorCritic(nn.Module):
         Written out rather than through torch.distributions: this runs once per rollout step."""
         z = (u - mean) * torch.exp(-self.log_std)
         gauss = -0.5 * z * z - self.log_std - _HALF_LOG_2PI
-        log_det = 2.0 * (math.log(2.0) - u - torch.nn.functional.softplus(-2.0 * u))  # log(1 - tanh(u)^2), stable
+        log_det = 2.0 * (
+            math.log(2.0) - u - torch.nn.functional.softplus(-2.0 * u)
+        )  # log(1 - tanh(u)^2), stable
         return (gauss - log_det).sum(-1)
 
     def _entropy(self, batch: int) -> torch.Tensor:
@@ -113,15 +123,25 @@ class ActorCritic(nn.Module):
     def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
         feats = self.features(obs)
         mean = self.actor(feats)  # f32 [B, K*A], pre-squash
-        u = mean if deterministic else mean + self.log_std.exp() * torch.randn_like(mean)  # f32 [B, K*A]
+        u = (
+            mean if deterministic else mean + self.log_std.exp() * torch.randn_like(mean)
+        )  # f32 [B, K*A]
         raw = u.view(-1, self.K, self.A)  # f32 [B, K, A]
-        return PolicyOutput(actions=self.to_physical(raw), logprob=self._logprob(mean, u),
-                            value=self.critic(feats).squeeze(-1), extras={"raw_actions": raw})
+        return PolicyOutput(
+            actions=self.to_physical(raw),
+            logprob=self._logprob(mean, u),
+            value=self.critic(feats).squeeze(-1),
+            extras={"raw_actions": raw},
+        )
 
     def evaluate(self, obs: Observation, output: PolicyOutput):
         feats = self.features(obs)
         u = output.extras["raw_actions"].reshape(feats.shape[0], -1)
-        return self._logprob(self.actor(feats), u), self._entropy(feats.shape[0]), self.critic(feats).squeeze(-1)
+        return (
+            self._logprob(self.actor(feats), u),
+            self._entropy(feats.shape[0]),
+            self.critic(feats).squeeze(-1),
+        )
 
     def value(self, obs: Observation) -> torch.Tensor:
         """V(obs): f32 [B]."""

@@ -20,13 +20,21 @@ class RandomPolicy(nn.Module):
         self.register_buffer("low", low)  # f32 [A]
         self.register_buffer("high", high)
         self.generator = torch.Generator().manual_seed(seed)
-        self._logprob = -float(torch.log(high - low).sum())  # log-density of the uniform, per action
+        self._logprob = -float(
+            torch.log(high - low).sum()
+        )  # log-density of the uniform, per action
 
     def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
         B, A = len(obs.instruction), self.low.shape[0]
-        u = torch.full((B, 1, A), 0.5) if deterministic else torch.rand(B, 1, A, generator=self.generator)  # f32 [B, 1, A] in [0, 1)
+        u = (
+            torch.full((B, 1, A), 0.5)
+            if deterministic
+            else torch.rand(B, 1, A, generator=self.generator)
+        )  # f32 [B, 1, A] in [0, 1)
         actions = (self.low + u * (self.high - self.low)).to(obs.state.device)
-        return PolicyOutput(actions=actions, logprob=torch.full((B,), self._logprob, device=obs.state.device))
+        return PolicyOutput(
+            actions=actions, logprob=torch.full((B,), self._logprob, device=obs.state.device)
+        )
 
     def evaluate(self, obs: Observation, output: PolicyOutput):
         B = output.actions.shape[0]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from embodied.models.normalization import RunningNorm
 from torch import nn
 
 from embodied.schema import EnvSpec, Observation
-from embodied.models.normalization import RunningNorm
 
 
 class StateEncoder(nn.Module):
@@ -15,13 +15,19 @@ class StateEncoder(nn.Module):
     def __init__(self, spec: EnvSpec, use_privileged: bool, normalize: bool):
         super().__init__()
         self.keys = tuple(sorted(spec.obs.privileged)) if use_privileged else ()
-        self.key_dims = {k: len(spec.obs.privileged[k]) for k in self.keys}  # per-env dims to flatten
-        self.dim = spec.obs.state_dim + sum(int(torch.tensor(spec.obs.privileged[k]).prod()) for k in self.keys)
+        self.key_dims = {
+            k: len(spec.obs.privileged[k]) for k in self.keys
+        }  # per-env dims to flatten
+        self.dim = spec.obs.state_dim + sum(
+            int(torch.tensor(spec.obs.privileged[k]).prod()) for k in self.keys
+        )
         self.norm = RunningNorm(self.dim) if normalize else None
 
     def raw(self, obs: Observation) -> torch.Tensor:
         """f32 [..., D]: works for [B, ...] and time-major [T, B, ...] observations alike."""
-        parts = [obs.state] + [obs.privileged[k].flatten(obs.privileged[k].dim() - self.key_dims[k]) for k in self.keys]
+        parts = [obs.state] + [
+            obs.privileged[k].flatten(obs.privileged[k].dim() - self.key_dims[k]) for k in self.keys
+        ]
         return torch.cat(parts, dim=-1)
 
     def forward(self, obs: Observation) -> torch.Tensor:
@@ -35,9 +41,12 @@ class CNNEncoder(nn.Module):
     def __init__(self, height: int, width: int, out_dim: int = 256):
         super().__init__()
         self.conv = nn.Sequential(
-            nn.Conv2d(3, 32, 8, stride=4), nn.ReLU(),
-            nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(),
+            nn.Conv2d(3, 32, 8, stride=4),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 4, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1),
+            nn.ReLU(),
             nn.Flatten(),
         )
         with torch.no_grad():

@@ -29,7 +29,11 @@ class RunningNorm(nn.Module):
         total = self.count + n
         delta = batch_mean - self.mean
         self.mean += delta * (n / total).float()
-        m2 = self.var * self.count.float() + batch_var * n + delta.pow(2) * (self.count * n / total).float()
+        m2 = (
+            self.var * self.count.float()
+            + batch_var * n
+            + delta.pow(2) * (self.count * n / total).float()
+        )
         self.var.copy_(m2 / total.float())
         self.count.copy_(total)
 

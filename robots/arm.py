@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from embodied.robots.safety import SafetyConfig, SafetyLayer
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, Observation, StepOutput
+
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, Observation, ObsSpec, StepOutput
 
 JOINTS = ("shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll", "gripper")
 GRIPPER = JOINTS.index("gripper")
@@ -37,7 +37,9 @@ class ArmConfig:
     robot: str = "so101"  # so100 | so101 | koch, or so100-sim | so101-sim (the MuJoCo twin)
     port: str = ""  # the motor bus, e.g. /dev/ttyACM0 (unused by the twin)
     id: str = "embodied"  # LeRobot's calibration id (lerobot-calibrate --robot.id=...)
-    calibration_dir: str | None = None  # None: LeRobot's default (~/.cache/huggingface/lerobot/calibration)
+    calibration_dir: str | None = (
+        None  # None: LeRobot's default (~/.cache/huggingface/lerobot/calibration)
+    )
     cameras: dict[str, str] = field(default_factory=dict)  # name -> OpenCV index or device path
     camera_width: int = 640
     camera_height: int = 480
@@ -57,28 +59,51 @@ class ArmConfig:
     def validate(self) -> None:
         base = self.robot.removesuffix("-sim")
         if base not in ROBOTS or (self.robot.endswith("-sim") and base == "koch"):
-            raise ValueError(f"robot: one of {', '.join(ROBOTS)}, so100-sim, so101-sim; got {self.robot!r}")
+            raise ValueError(
+                f"robot: one of {', '.join(ROBOTS)}, so100-sim, so101-sim; got {self.robot!r}"
+            )
         if not self.robot.endswith("-sim") and not self.port:
-            raise ValueError("robot.port: the arm's serial port is needed (e.g. /dev/ttyACM0; `lerobot-find-port` finds it)")
+            raise ValueError(
+                "robot.port: the arm's serial port is needed (e.g. /dev/ttyACM0; `lerobot-find-port` finds it)"
+            )
         if self.control_hz <= 0 or self.image_size < 1 or self.max_episode_steps < 1:
             raise ValueError("robot: control_hz, image_size and max_episode_steps must be positive")
-        if len(self.joint_signs) != len(JOINTS) or any(v not in (1, -1) for v in self.joint_signs) or len(self.joint_offsets) != len(JOINTS):
-            raise ValueError(f"robot.joint_signs / joint_offsets: {len(JOINTS)} values each, signs +1 or -1")
+        if (
+            len(self.joint_signs) != len(JOINTS)
+            or any(v not in (1, -1) for v in self.joint_signs)
+            or len(self.joint_offsets) != len(JOINTS)
+        ):
+            raise ValueError(
+                f"robot.joint_signs / joint_offsets: {len(JOINTS)} values each, signs +1 or -1"
+            )
 
 
 def lerobot_config(cfg: ArmConfig):
     """LeRobot's config object for the arm (torque stays on at disconnect: our shutdown decides)."""
     from lerobot.cameras.opencv import OpenCVCameraConfig
 
-    cams = {name: OpenCVCameraConfig(index_or_path=int(src) if str(src).isdigit() else src, fps=cfg.camera_fps,
-                                     width=cfg.camera_width, height=cfg.camera_height)
-            for name, src in cfg.cameras.items()}
-    common = dict(port=cfg.port or "twin", id=cfg.id, cameras=cams, disable_torque_on_disconnect=False,
-                  calibration_dir=None if cfg.calibration_dir is None else Path(cfg.calibration_dir))
+    cams = {
+        name: OpenCVCameraConfig(
+            index_or_path=int(src) if str(src).isdigit() else src,
+            fps=cfg.camera_fps,
+            width=cfg.camera_width,
+            height=cfg.camera_height,
+        )
+        for name, src in cfg.cameras.items()
+    }
+    common = dict(
+        port=cfg.port or "twin",
+        id=cfg.id,
+        cameras=cams,
+        disable_torque_on_disconnect=False,
+        calibration_dir=None if cfg.calibration_dir is None else Path(cfg.calibration_dir),
+    )
     if cfg.robot.startswith("koch"):
         from lerobot.robots.koch_follower import KochFollowerConfig
 
-        return KochFollowerConfig(**common, use_degrees=True)  # its default is -100..100, not degrees
+        return KochFollowerConfig(
+            **common, use_degrees=True
+        )  # its default is -100..100, not degrees
     from lerobot.robots.so_follower import SOFollowerRobotConfig
 
     return SOFollowerRobotConfig(**common, use_degrees=True)
@@ -101,10 +126,16 @@ def connect(robot, cfg: ArmConfig) -> None:
     robot.connect(calibrate=False)
     if not robot.is_calibrated:
         robot.disconnect()
-        kind = "koch_follower" if cfg.robot.startswith("koch") else f"{cfg.robot.removesuffix('-sim')}_follower"
-        raise RobotError(f"{cfg.robot} on {cfg.port}: no matching calibration for id {cfg.id!r} (looked in "
-                         f"{robot.calibration_fpath}). Calibrate it once with LeRobot: `lerobot-calibrate "
-                         f"--robot.type={kind} --robot.port={cfg.port} --robot.id={cfg.id}`")
+        kind = (
+            "koch_follower"
+            if cfg.robot.startswith("koch")
+            else f"{cfg.robot.removesuffix('-sim')}_follower"
+        )
+        raise RobotError(
+            f"{cfg.robot} on {cfg.port}: no matching calibration for id {cfg.id!r} (looked in "
+            f"{robot.calibration_fpath}). Calibrate it once with LeRobot: `lerobot-calibrate "
+            f"--robot.type={kind} --robot.port={cfg.port} --robot.id={cfg.id}`"
+        )
 
 
 def to_radians(values: dict[str, float], gripper_range: tuple[float, float]) -> np.ndarray:
@@ -129,7 +160,10 @@ def calibrated_limits(robot, cfg: ArmConfig) -> tuple[np.ndarray, np.ndarray]:
     bus, lo, hi = robot.bus, {}, {}
     for j in JOINTS:
         cal = bus.calibration[j]
-        ends = bus._normalize({bus.motors[j].id: cal.range_min}), bus._normalize({bus.motors[j].id: cal.range_max})
+        ends = (
+            bus._normalize({bus.motors[j].id: cal.range_min}),
+            bus._normalize({bus.motors[j].id: cal.range_max}),
+        )
         lo[f"{j}.pos"], hi[f"{j}.pos"] = (next(iter(e.values())) for e in ends)
     low, high = to_radians(lo, cfg.gripper_range), to_radians(hi, cfg.gripper_range)
     low, high = np.minimum(low, high) + cfg.joint_margin, np.maximum(low, high) - cfg.joint_margin
@@ -138,9 +172,18 @@ def calibrated_limits(robot, cfg: ArmConfig) -> tuple[np.ndarray, np.ndarray]:
 
 def default_safety(robot, cfg: ArmConfig, **overrides) -> SafetyConfig:
     low, high = calibrated_limits(robot, cfg)
-    safe = np.clip(np.array([0.0, -1.3, 1.2, 0.6, 0.0, cfg.gripper_range[0]]), low, high)  # folded back, low, gripper shut
-    return SafetyConfig(**{"joint_low": tuple(low), "joint_high": tuple(high), "max_step": cfg.max_step,
-                           "safe_pose": tuple(safe), **overrides})
+    safe = np.clip(
+        np.array([0.0, -1.3, 1.2, 0.6, 0.0, cfg.gripper_range[0]]), low, high
+    )  # folded back, low, gripper shut
+    return SafetyConfig(
+        **{
+            "joint_low": tuple(low),
+            "joint_high": tuple(high),
+            "max_step": cfg.max_step,
+            "safe_pose": tuple(safe),
+            **overrides,
+        }
+    )
 
 
 class RobotEnv:
@@ -153,13 +196,29 @@ class RobotEnv:
 
     def __init__(self, robot, cfg: ArmConfig, safety: SafetyLayer):
         self.robot, self.cfg, self.safety = robot, cfg, safety
-        self.signs, self.offsets = np.asarray(cfg.joint_signs, float), np.asarray(cfg.joint_offsets, float)
+        self.signs, self.offsets = (
+            np.asarray(cfg.joint_signs, float),
+            np.asarray(cfg.joint_offsets, float),
+        )
         cams = tuple(CameraSpec(name, cfg.image_size, cfg.image_size) for name in robot.cameras)
         ends = np.stack([self.to_policy(safety.low), self.to_policy(safety.high)])
         low, high = ends.min(0), ends.max(0)
-        self.spec = EnvSpec(obs=ObsSpec(cameras=cams, state_names=tuple(f"{j}.pos" for j in JOINTS) + tuple(f"{j}.vel" for j in JOINTS)),
-                            action=ActionSpec("joint_pos", JOINTS, tuple(low), tuple(high), gripper=GRIPPER, control_hz=cfg.control_hz),
-                            max_episode_steps=cfg.max_episode_steps, instructions=(cfg.instruction,))
+        self.spec = EnvSpec(
+            obs=ObsSpec(
+                cameras=cams,
+                state_names=tuple(f"{j}.pos" for j in JOINTS) + tuple(f"{j}.vel" for j in JOINTS),
+            ),
+            action=ActionSpec(
+                "joint_pos",
+                JOINTS,
+                tuple(low),
+                tuple(high),
+                gripper=GRIPPER,
+                control_hz=cfg.control_hz,
+            ),
+            max_episode_steps=cfg.max_episode_steps,
+            instructions=(cfg.instruction,),
+        )
         self.elapsed, self.present = 0, None  # present: arm-frame radians
         self._last_t = None  # when self.present was read
         self.interventions: list[str] = []  # this step's
@@ -176,15 +235,31 @@ class RobotEnv:
         raw = self.robot.get_observation()
         t = time.monotonic()
         q = to_radians(raw, self.cfg.gripper_range)
-        vel = np.zeros_like(q) if self.present is None else (q - self.present) / max(t - self._last_t, 1e-3)
+        vel = (
+            np.zeros_like(q)
+            if self.present is None
+            else (q - self.present) / max(t - self._last_t, 1e-3)
+        )
         self._last_t, self.present = t, q
-        state = torch.from_numpy(np.concatenate([self.to_policy(q), self.signs * vel]).astype(np.float32))[None]  # f32 [1, 12]
+        state = torch.from_numpy(
+            np.concatenate([self.to_policy(q), self.signs * vel]).astype(np.float32)
+        )[None]  # f32 [1, 12]
         images = {}
         for name in self.robot.cameras:
             frame = torch.from_numpy(np.ascontiguousarray(raw[name]))  # uint8 [H, W, 3]
             if frame.shape[:2] != (self.cfg.image_size, self.cfg.image_size):
-                frame = torch.nn.functional.interpolate(frame.permute(2, 0, 1)[None].float(), size=(self.cfg.image_size,) * 2,
-                                                        mode="bilinear", antialias=True)[0].permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8)
+                frame = (
+                    torch.nn.functional.interpolate(
+                        frame.permute(2, 0, 1)[None].float(),
+                        size=(self.cfg.image_size,) * 2,
+                        mode="bilinear",
+                        antialias=True,
+                    )[0]
+                    .permute(1, 2, 0)
+                    .round()
+                    .clamp(0, 255)
+                    .to(torch.uint8)
+                )
             images[name] = frame[None]  # uint8 [1, S, S, 3]
         return Observation(state=state, instruction=[self.cfg.instruction], images=images)
 
@@ -214,9 +289,15 @@ class RobotEnv:
         self.elapsed += 1
         truncated = self.elapsed >= self.cfg.max_episode_steps
         false = torch.zeros(1, dtype=torch.bool)
-        out = StepOutput(obs=obs, reward=torch.zeros(1), terminated=false, truncated=torch.tensor([truncated]), success=false,
-                         final_obs=obs if truncated else None,
-                         info={"sent": self.to_policy(sent), "interventions": list(self.interventions)})  # policy frame
+        out = StepOutput(
+            obs=obs,
+            reward=torch.zeros(1),
+            terminated=false,
+            truncated=torch.tensor([truncated]),
+            success=false,
+            final_obs=obs if truncated else None,
+            info={"sent": self.to_policy(sent), "interventions": list(self.interventions)},
+        )  # policy frame
         if truncated:
             self.elapsed = 0
         return out

@@ -18,8 +18,8 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -50,8 +50,12 @@ class RateTimer:
         if not self.lateness:
             return {}
         late = np.asarray(self.lateness) * 1e3
-        return {"ticks": len(late), "jitter_p50_ms": float(np.percentile(late, 50)),
-                "jitter_p99_ms": float(np.percentile(late, 99)), "jitter_max_ms": float(late.max())}
+        return {
+            "ticks": len(late),
+            "jitter_p50_ms": float(np.percentile(late, 50)),
+            "jitter_p99_ms": float(np.percentile(late, 99)),
+            "jitter_max_ms": float(late.max()),
+        }
 
 
 class ChunkExecutor:
@@ -59,10 +63,19 @@ class ChunkExecutor:
     obs)`` returns the action for this control step, or None when none is ready (the watchdog's
     business). ``infer`` may raise: the error is logged and counted, and the chunk never comes."""
 
-    def __init__(self, infer: Callable, *, request_when_left: int = 2, blend_steps: int = 2, wait_s: float = 0.0):
+    def __init__(
+        self,
+        infer: Callable,
+        *,
+        request_when_left: int = 2,
+        blend_steps: int = 2,
+        wait_s: float = 0.0,
+    ):
         self.infer, self.request_when_left, self.blend_steps = infer, request_when_left, blend_steps
         self.wait_s = wait_s  # with nothing planned, wait this long for the chunk in flight before giving up the step
-        self.plan: list[np.ndarray] = []  # actions for steps self.plan_step, self.plan_step + 1, ...
+        self.plan: list[
+            np.ndarray
+        ] = []  # actions for steps self.plan_step, self.plan_step + 1, ...
         self.plan_step = 0
         self.pending = False
         self.latencies: list[float] = []
@@ -78,7 +91,9 @@ class ChunkExecutor:
             t0 = time.monotonic()
             try:
                 chunk = np.asarray(self.infer(obs), dtype=np.float64)
-            except Exception as e:  # a server gone, a timeout: the loop goes on, the watchdog decides
+            except (
+                Exception
+            ) as e:  # a server gone, a timeout: the loop goes on, the watchdog decides
                 log.warning("inference failed: %s", e)
                 self._results.put((step, None, time.monotonic() - t0))
                 continue
@@ -89,7 +104,7 @@ class ChunkExecutor:
         the chunk from ``step`` on, its first ``blend_steps`` blended with the old plan."""
         # steps that passed while it was computed are gone, but never the last one: a one-action
         # chunk that comes a step late is still the freshest plan there is
-        new = list(chunk[min(max(0, step - inferred_at), len(chunk) - 1):])
+        new = list(chunk[min(max(0, step - inferred_at), len(chunk) - 1) :])
         for i in range(min(self.blend_steps, len(self.plan), len(new))):
             w = (i + 1) / (self.blend_steps + 1)
             new[i] = (1 - w) * self.plan[i] + w * new[i]
@@ -153,7 +168,9 @@ class EmergencyStop:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-                self._old[sig] = signal.signal(sig, lambda s, f: self.trigger(signal.Signals(s).name))
+                self._old[sig] = signal.signal(
+                    sig, lambda s, f: self.trigger(signal.Signals(s).name)
+                )
         if self.keyboard:
             threading.Thread(target=self._keys, daemon=True).start()
         return self
@@ -173,13 +190,17 @@ class EmergencyStop:
 class EpisodeResult:
     steps: int
     reason: str  # "done" | "estop" | "watchdog"
-    frames: list[dict] = field(default_factory=list)  # per step: t, state, action sent, interventions
+    frames: list[dict] = field(
+        default_factory=list
+    )  # per step: t, state, action sent, interventions
     watchdog: Counter = field(default_factory=Counter)  # "hold" and "stop" events
     acted: int = 0  # steps that executed a policy action (the others held)
     timing: dict = field(default_factory=dict)
 
 
-def run_episode(env, executor: ChunkExecutor, estop: EmergencyStop, *, hz: float, max_steps: int) -> EpisodeResult:
+def run_episode(
+    env, executor: ChunkExecutor, estop: EmergencyStop, *, hz: float, max_steps: int
+) -> EpisodeResult:
     """Drive ``env`` (a RobotEnv) at ``hz`` for up to ``max_steps`` steps. Without a fresh action
     for ``hold_after_s`` the arm holds its last command; after ``stop_after_s`` the episode ends
     with reason "watchdog" (the caller then shuts down to the safe pose)."""
@@ -214,7 +235,12 @@ def run_episode(env, executor: ChunkExecutor, estop: EmergencyStop, *, hz: float
         result.frames.append({"t": now, "obs": obs, "sent": sent, "interventions": kinds})
         result.steps = step + 1
         timer.wait()
-    result.timing = {**timer.stats(), "inference_ms_p50": float(np.median(executor.latencies) * 1e3) if executor.latencies else None}
+    result.timing = {
+        **timer.stats(),
+        "inference_ms_p50": float(np.median(executor.latencies) * 1e3)
+        if executor.latencies
+        else None,
+    }
     return result
 
 
@@ -223,7 +249,9 @@ def safe_shutdown(env, *, hz: float, timeout_s: float = 10.0, tolerance: float =
     If the pose is not reached in ``timeout_s`` the torque stays on, holding: never drop the arm.
     Returns whether torque was switched off."""
     safe = np.asarray(env.safety.cfg.safe_pose, float)
-    if env.safety.last is None:  # stopped before the first episode began: start from where the arm is
+    if (
+        env.safety.last is None
+    ):  # stopped before the first episode began: start from where the arm is
         env.reset()
     timer, t_end = RateTimer(hz), time.monotonic() + timeout_s
     while time.monotonic() < t_end:
@@ -234,6 +262,8 @@ def safe_shutdown(env, *, hz: float, timeout_s: float = 10.0, tolerance: float =
             log.info("at the safe pose: torque off")
             return True
         timer.wait()
-    log.error("the safe pose was not reached within %.0f s: torque stays on, holding position", timeout_s)
+    log.error(
+        "the safe pose was not reached within %.0f s: torque stays on, holding position", timeout_s
+    )
     env.hold()
     return False

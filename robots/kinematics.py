@@ -31,9 +31,11 @@ def _rot(axis: str, angle: np.ndarray) -> np.ndarray:
     """Rotation matrices float64 [N, 3, 3] about a principal axis."""
     c, s = np.cos(angle), np.sin(angle)
     one, zero = np.ones_like(c), np.zeros_like(c)
-    rows = {"x": [[one, zero, zero], [zero, c, -s], [zero, s, c]],
-            "y": [[c, zero, s], [zero, one, zero], [-s, zero, c]],
-            "z": [[c, -s, zero], [s, c, zero], [zero, zero, one]]}[axis]
+    rows = {
+        "x": [[one, zero, zero], [zero, c, -s], [zero, s, c]],
+        "y": [[c, zero, s], [zero, one, zero], [-s, zero, c]],
+        "z": [[c, -s, zero], [s, c, zero], [zero, zero, one]],
+    }[axis]
     return np.stack([np.stack(r, -1) for r in rows], -2)
 
 

@@ -18,7 +18,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from embodied.robots.kinematics import ArmGeometry, tool_point
 
 log = logging.getLogger(__name__)
@@ -98,7 +97,10 @@ class SafetyLayer:
                 lo, hi = (mid, hi) if self.inside(self.last + mid * step) else (lo, mid)
             target = self.last + lo * step
             kinds.append("workspace")
-            self._intervene("workspace", f"tool point {tool_point(self.last + step, self.cfg.geometry).round(3).tolist()}")
+            self._intervene(
+                "workspace",
+                f"tool point {tool_point(self.last + step, self.cfg.geometry).round(3).tolist()}",
+            )
         self.last = target
         return target.copy(), kinds
 

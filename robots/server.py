@@ -21,18 +21,25 @@ import json
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgpack
 import numpy as np
 
 log = logging.getLogger(__name__)
-MAX_MESSAGE_BYTES = 8 * 2**20  # a few camera frames; larger requests are refused with an error reply
+MAX_MESSAGE_BYTES = (
+    8 * 2**20
+)  # a few camera frames; larger requests are refused with an error reply
 
 
 def _encode(obj):
     if isinstance(obj, np.ndarray):
-        return {"__nd__": True, "dtype": obj.dtype.str, "shape": list(obj.shape), "data": obj.tobytes()}
+        return {
+            "__nd__": True,
+            "dtype": obj.dtype.str,
+            "shape": list(obj.shape),
+            "data": obj.tobytes(),
+        }
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
@@ -57,8 +64,16 @@ class PolicyServer:
     """Serve ``infer(obs dict) -> float [K, A]`` under ``contract`` on ``host:port`` (port 0: any
     free port; ``self.port`` tells which). ``start()`` runs it on a background thread."""
 
-    def __init__(self, infer: Callable[[dict], np.ndarray], contract: dict, *, host: str = "127.0.0.1", port: int = 8765,
-                 queue_size: int = 8, max_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(
+        self,
+        infer: Callable[[dict], np.ndarray],
+        contract: dict,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8765,
+        queue_size: int = 8,
+        max_bytes: int = MAX_MESSAGE_BYTES,
+    ):
         self.infer, self.contract, self.host, self.port = infer, contract, host, port
         self.queue_size, self.max_bytes = queue_size, max_bytes
         self.stats = {"requests": 0, "errors": 0, "busy": 0, "clients": 0}
@@ -89,8 +104,13 @@ class PolicyServer:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=self.queue_size)
         worker = asyncio.create_task(self._infer_worker())
-        async with serve(self._client, self.host, self.port, max_size=2 * self.max_bytes,
-                         process_request=self._health) as server:
+        async with serve(
+            self._client,
+            self.host,
+            self.port,
+            max_size=2 * self.max_bytes,
+            process_request=self._health,
+        ) as server:
             self.port = server.sockets[0].getsockname()[1]
             log.info("policy server on ws://%s:%d", self.host, self.port)
             self._ready.set()
@@ -100,7 +120,9 @@ class PolicyServer:
     # --- http health ---------------------------------------------------------------------------
     def _health(self, connection, request):
         if request.path == "/health":  # a JSON document (sent as text/plain)
-            return connection.respond(200, json.dumps({"ok": True, "contract": self.contract, **self.stats}))
+            return connection.respond(
+                200, json.dumps({"ok": True, "contract": self.contract, **self.stats})
+            )
         return None
 
     # --- inference: one thread, arrival order ---------------------------------------------------
@@ -110,7 +132,13 @@ class PolicyServer:
             t0 = time.monotonic()
             try:
                 actions = await asyncio.to_thread(self.infer, obs)
-                future.set_result((np.asarray(actions, dtype=np.float32), (t0 - queued_at) * 1e3, (time.monotonic() - t0) * 1e3))
+                future.set_result(
+                    (
+                        np.asarray(actions, dtype=np.float32),
+                        (t0 - queued_at) * 1e3,
+                        (time.monotonic() - t0) * 1e3,
+                    )
+                )
             except Exception as e:  # the model failed on this input: that client hears why
                 future.set_exception(e)
 
@@ -136,8 +164,19 @@ class PolicyServer:
             return False
         theirs = hello.get("contract") if hello.get("type") == "hello" else None
         if theirs != self.contract:
-            diff = sorted(k for k in set(self.contract) | set(theirs or {}) if (theirs or {}).get(k) != self.contract.get(k))
-            await ws.send(pack({"type": "error", "error": f"contract mismatch in {diff}; the server serves {self.contract}"}))
+            diff = sorted(
+                k
+                for k in set(self.contract) | set(theirs or {})
+                if (theirs or {}).get(k) != self.contract.get(k)
+            )
+            await ws.send(
+                pack(
+                    {
+                        "type": "error",
+                        "error": f"contract mismatch in {diff}; the server serves {self.contract}",
+                    }
+                )
+            )
             await ws.close(1008, "contract mismatch")
             return False
         await ws.send(pack({"type": "hello", "contract": self.contract}))
@@ -148,11 +187,16 @@ class PolicyServer:
         if not isinstance(data, bytes) or len(data) > self.max_bytes:
             self.stats["errors"] += 1
             size = len(data) if data is not None else 0
-            return {"type": "error", "error": f"request of {size} bytes refused (binary msgpack up to {self.max_bytes} bytes)"}
+            return {
+                "type": "error",
+                "error": f"request of {size} bytes refused (binary msgpack up to {self.max_bytes} bytes)",
+            }
         try:
             message = unpack(data)
             if message["type"] != "infer" or not isinstance(message.get("obs"), dict):
-                raise ValueError(f"expected an 'infer' message with 'obs', got type {message.get('type')!r}")
+                raise ValueError(
+                    f"expected an 'infer' message with 'obs', got type {message.get('type')!r}"
+                )
         except Exception as e:
             self.stats["errors"] += 1
             return {"type": "error", "error": f"malformed request: {e}"}
@@ -167,7 +211,12 @@ class PolicyServer:
         except Exception as e:
             self.stats["errors"] += 1
             return {"type": "error", "id": message.get("id"), "error": f"inference failed: {e}"}
-        return {"type": "chunk", "id": message.get("id"), "actions": actions, "timing": {"queue_ms": queue_ms, "infer_ms": infer_ms}}
+        return {
+            "type": "chunk",
+            "id": message.get("id"),
+            "actions": actions,
+            "timing": {"queue_ms": queue_ms, "infer_ms": infer_ms},
+        }
 
 
 class PolicyClient:

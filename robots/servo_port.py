@@ -42,10 +42,27 @@ class Table:
     model_number: int = 0
 
 
-FEETECH_STS = Table(model=(3, 2), firmware=(0, 1), min_limit=(9, 2), max_limit=(11, 2), torque=(40, 1), goal=(42, 2),
-                    present=(56, 2), lock=(55, 1), model_number=777)  # STS3215
-DYNAMIXEL_X = Table(model=(0, 2), firmware=(6, 1), min_limit=(52, 4), max_limit=(48, 4), torque=(64, 1), goal=(116, 4),
-                    present=(132, 4), model_number=1060)  # XL430-W250 (the Koch's XL330s differ only in the number)
+FEETECH_STS = Table(
+    model=(3, 2),
+    firmware=(0, 1),
+    min_limit=(9, 2),
+    max_limit=(11, 2),
+    torque=(40, 1),
+    goal=(42, 2),
+    present=(56, 2),
+    lock=(55, 1),
+    model_number=777,
+)  # STS3215
+DYNAMIXEL_X = Table(
+    model=(0, 2),
+    firmware=(6, 1),
+    min_limit=(52, 4),
+    max_limit=(48, 4),
+    torque=(64, 1),
+    goal=(116, 4),
+    present=(132, 4),
+    model_number=1060,
+)  # XL430-W250 (the Koch's XL330s differ only in the number)
 
 
 def rad_to_ticks(rad: float) -> int:
@@ -80,10 +97,10 @@ class Servo:
     regs: bytearray = field(default_factory=lambda: bytearray(256))  # covers both control tables
 
     def get(self, address: int, size: int) -> int:
-        return int.from_bytes(self.regs[address:address + size], "little")
+        return int.from_bytes(self.regs[address : address + size], "little")
 
     def set(self, address: int, size: int, value: int) -> None:
-        self.regs[address:address + size] = int(value).to_bytes(size, "little")
+        self.regs[address : address + size] = int(value).to_bytes(size, "little")
 
 
 def _checksum(body: bytes | bytearray) -> int:
@@ -98,8 +115,12 @@ class ServoPort:
 
     table: Table
 
-    def __init__(self, ranges: dict[int, tuple[int, int]], physics: ServoPhysics | None = None,
-                 model_numbers: dict[int, int] | None = None):
+    def __init__(
+        self,
+        ranges: dict[int, tuple[int, int]],
+        physics: ServoPhysics | None = None,
+        model_numbers: dict[int, int] | None = None,
+    ):
         t = self.table
         self.servos = {i: Servo(i) for i in ranges}
         for i, (lo, hi) in ranges.items():
@@ -112,7 +133,10 @@ class ServoPort:
             for i, ticks in physics.positions().items():
                 self.servos[i].set(*t.present, ticks), self.servos[i].set(*t.goal, ticks)
         self.log: list[Command] = []  # every write of a torque switch, a goal or a lock, in order
-        self.is_open, self.unplugged = True, False  # unplugged: the bus stops answering (a cut cable)
+        self.is_open, self.unplugged = (
+            True,
+            False,
+        )  # unplugged: the bus stops answering (a cut cable)
         self._rx = bytearray()
         self._lock = threading.Lock()
 
@@ -167,7 +191,7 @@ class ServoPort:
     def _written(self, servo: int, address: int, data: bytes, now: float) -> bool:
         """Store a write; True when it touched a goal position or a torque switch."""
         t, s = self.table, self.servos[servo]
-        s.regs[address:address + len(data)] = data
+        s.regs[address : address + len(data)] = data
         touched = False
         for reg in (t.torque, t.goal, t.lock):
             if reg is not None and address <= reg[0] < address + len(data):
@@ -179,19 +203,25 @@ class ServoPort:
 
     def _command_physics(self) -> None:
         if self.physics is not None:
-            self.physics.command({i: v.get(*self.table.goal) for i, v in self.servos.items()}, self.torque())
+            self.physics.command(
+                {i: v.get(*self.table.goal) for i, v in self.servos.items()}, self.torque()
+            )
 
     def _read(self, servo: int, address: int, size: int) -> bytes:
         if address <= self.table.present[0] < address + size:
             self._sync_physics()
-        return bytes(self.servos[servo].regs[address:address + size])
+        return bytes(self.servos[servo].regs[address : address + size])
 
-    def _sync_write(self, address: int, size: int, entries: bytes, now: float, id_size: int = 1) -> None:
+    def _sync_write(
+        self, address: int, size: int, entries: bytes, now: float, id_size: int = 1
+    ) -> None:
         touched = False
         for k in range(0, len(entries), size + id_size):
             servo = entries[k]
             if servo in self.servos:
-                touched |= self._written(servo, address, bytes(entries[k + id_size:k + id_size + size]), now)
+                touched |= self._written(
+                    servo, address, bytes(entries[k + id_size : k + id_size + size]), now
+                )
         if touched:
             self._command_physics()
 
@@ -243,7 +273,9 @@ class DynamixelPort(ServoPort):
         super().__init__(*args, **kwargs)
         from dynamixel_sdk.protocol2_packet_handler import Protocol2PacketHandler
 
-        self._sdk = Protocol2PacketHandler()  # its CRC and byte stuffing, so both ends agree by construction
+        self._sdk = (
+            Protocol2PacketHandler()
+        )  # its CRC and byte stuffing, so both ends agree by construction
 
     def _status(self, servo: int, params: bytes = b"") -> None:
         n = len(params) + 4  # instruction, error, CRC
@@ -256,11 +288,13 @@ class DynamixelPort(ServoPort):
     def _handle(self, packet: bytes) -> None:
         if len(packet) < 10 or packet[:4] != b"\xff\xff\xfd\x00":
             return
-        if self._sdk.updateCRC(0, list(packet), len(packet) - 2) != int.from_bytes(packet[-2:], "little"):
+        if self._sdk.updateCRC(0, list(packet), len(packet) - 2) != int.from_bytes(
+            packet[-2:], "little"
+        ):
             return  # a corrupt packet gets no answer
         p = bytes(self._sdk.removeStuffing(list(packet)))
         n = int.from_bytes(p[5:7], "little")
-        servo, inst, params, now = p[4], p[7], p[8:8 + n - 3], time.monotonic()
+        servo, inst, params, now = p[4], p[7], p[8 : 8 + n - 3], time.monotonic()
         word = lambda b: int.from_bytes(b, "little")  # noqa: E731
         if inst == INST_SYNC_WRITE:
             self._sync_write(word(params[0:2]), word(params[2:4]), params[4:], now)

@@ -22,14 +22,16 @@ from __future__ import annotations
 import collections
 import multiprocessing as mp
 import traceback
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from embodied.schema import Observation, StepOutput, reset_seeds
 
-START_TIMEOUT_S = 300.0  # building a simulator (and its renderer) takes seconds; minutes means something is wrong
+START_TIMEOUT_S = (
+    300.0  # building a simulator (and its renderer) takes seconds; minutes means something is wrong
+)
 
 
 def _serve(conn, make_core: Callable, count: int) -> None:
@@ -79,24 +81,36 @@ class _InProcess:
 def _cat(packs: list[dict]) -> dict:
     if len(packs) == 1:
         return packs[0]
-    return {"state": np.concatenate([p["state"] for p in packs]),
-            "images": {k: np.concatenate([p["images"][k] for p in packs]) for k in packs[0]["images"]},
-            "privileged": {k: np.concatenate([p["privileged"][k] for p in packs]) for k in packs[0]["privileged"]},
-            "instruction": [s for p in packs for s in p["instruction"]]}
+    return {
+        "state": np.concatenate([p["state"] for p in packs]),
+        "images": {k: np.concatenate([p["images"][k] for p in packs]) for k in packs[0]["images"]},
+        "privileged": {
+            k: np.concatenate([p["privileged"][k] for p in packs]) for k in packs[0]["privileged"]
+        },
+        "instruction": [s for p in packs for s in p["instruction"]],
+    }
 
 
 def to_observation(packed: dict) -> Observation:
-    return Observation(state=torch.from_numpy(packed["state"]),  # f32 [B, S]
-                       instruction=list(packed["instruction"]),
-                       images={k: torch.from_numpy(v) for k, v in packed["images"].items()},  # uint8 [B, H, W, 3]
-                       privileged={k: torch.from_numpy(v) for k, v in packed["privileged"].items()})
+    return Observation(
+        state=torch.from_numpy(packed["state"]),  # f32 [B, S]
+        instruction=list(packed["instruction"]),
+        images={k: torch.from_numpy(v) for k, v in packed["images"].items()},  # uint8 [B, H, W, 3]
+        privileged={k: torch.from_numpy(v) for k, v in packed["privileged"].items()},
+    )
 
 
 class WorkerVecEnv:
     """``num_envs`` environments split as evenly as possible between ``num_workers`` processes
     (0: one core in this process)."""
 
-    def __init__(self, make_core: Callable[[int], object], num_envs: int, num_workers: int, name: str = "simulator"):
+    def __init__(
+        self,
+        make_core: Callable[[int], object],
+        num_envs: int,
+        num_workers: int,
+        name: str = "simulator",
+    ):
         self.num_envs, self.name, self.device = num_envs, name, torch.device("cpu")
         self.can_step_subsets = True
         self._everyone, self._splits = torch.arange(num_envs), {}
@@ -124,18 +138,24 @@ class WorkerVecEnv:
 
     def _recv(self, conn, timeout: float | None = None):
         if timeout is not None and not conn.poll(timeout):
-            raise RuntimeError(f"a {self.name} worker did not start within {timeout:.0f} s. Workers are spawned: a script "
-                               "that creates environments must guard its top level with `if __name__ == '__main__':`")
+            raise RuntimeError(
+                f"a {self.name} worker did not start within {timeout:.0f} s. Workers are spawned: a script "
+                "that creates environments must guard its top level with `if __name__ == '__main__':`"
+            )
         try:
             status, payload = conn.recv()
         except EOFError:
-            raise RuntimeError(f"a {self.name} worker process died (see its output above; a script that creates "
-                               "environments must guard its top level with `if __name__ == '__main__':`)") from None
+            raise RuntimeError(
+                f"a {self.name} worker process died (see its output above; a script that creates "
+                "environments must guard its top level with `if __name__ == '__main__':`)"
+            ) from None
         if status == "error":
             raise RuntimeError(f"{self.name} worker failed:\n{payload}")
         return payload
 
-    def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
+    def reset(
+        self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None
+    ) -> Observation:
         ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids.tolist()]
         seeds = reset_seeds(seed, ids)
         for w, conn in enumerate(self._conns):
@@ -178,8 +198,14 @@ class WorkerVecEnv:
         final = None
         if any(r[2] is not None for r in results):
             final = to_observation(_cat([r[2] if r[2] is not None else r[0] for r in results]))
-        return StepOutput(obs=obs, reward=scalars[:, 0].contiguous(), terminated=scalars[:, 1] > 0,
-                          truncated=scalars[:, 2] > 0, success=scalars[:, 3] > 0, final_obs=final)
+        return StepOutput(
+            obs=obs,
+            reward=scalars[:, 0].contiguous(),
+            terminated=scalars[:, 1] > 0,
+            truncated=scalars[:, 2] > 0,
+            success=scalars[:, 3] > 0,
+            final_obs=final,
+        )
 
     def render(self) -> torch.Tensor:
         """uint8 [B, H, W, 3]"""

@@ -1,7 +1,9 @@
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in the tests may reach for a model hub
-os.environ.setdefault("MUJOCO_GL", "egl")  # headless MuJoCo rendering, set before anything imports mujoco
+os.environ.setdefault(
+    "MUJOCO_GL", "egl"
+)  # headless MuJoCo rendering, set before anything imports mujoco
 
 import pytest
 import torch

@@ -12,7 +12,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = {"simulators": "simulators", "robots": "robots", "models": "models", "algorithms": "algorithms"}
+SUBPACKAGES = {
+    "simulators": "simulators",
+    "robots": "robots",
+    "models": "models",
+    "algorithms": "algorithms",
+}
 
 
 def test_import_contracts_hold(tmp_path):
@@ -23,7 +28,12 @@ def test_import_contracts_hold(tmp_path):
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     exe = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    res = subprocess.run([exe, "--config", "pyproject.toml", "--no-cache"], capture_output=True, text=True,
-                         cwd=tmp_path, env=env)
+    res = subprocess.run(
+        [exe, "--config", "pyproject.toml", "--no-cache"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "3 kept, 0 broken" in res.stdout

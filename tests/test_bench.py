@@ -16,22 +16,33 @@ import yaml
 
 pytest.importorskip("mujoco")
 
+from embodied.models.baselines import RandomPolicy, ZeroPolicy  # noqa: E402
+from embodied.simulators.mujoco import MuJoCoConfig, MuJoCoEnv  # noqa: E402
+
 from embodied.bench import BenchConfig, run_bench  # noqa: E402
 from embodied.cli import main  # noqa: E402
 from embodied.config import ConfigError, load_config  # noqa: E402
 from embodied.contract import random_observation  # noqa: E402
 from embodied.evaluate import evaluate, wilson_interval  # noqa: E402
-from embodied.models.baselines import RandomPolicy, ZeroPolicy  # noqa: E402
 from embodied.schema import check_policy  # noqa: E402
-from embodied.simulators.mujoco import MuJoCoConfig, MuJoCoEnv  # noqa: E402
 
 REACH = {"simulator": "mujoco", "task": "reach", "num_envs": 2, "render_size": 32}
 
 
 def suite(tmp_path: Path, tasks: list[dict], **top) -> Path:
     path = tmp_path / "suite.yaml"
-    path.write_text(yaml.safe_dump({"name": "t", "seed": 0, "episodes": 4, "output_dir": str(tmp_path / "out"), **top,
-                                    "tasks": tasks}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "t",
+                "seed": 0,
+                "episodes": 4,
+                "output_dir": str(tmp_path / "out"),
+                **top,
+                "tasks": tasks,
+            }
+        )
+    )
     return path
 
 
@@ -44,8 +55,14 @@ def test_report_of_the_zero_policy_on_reach(tmp_path):
     report = bench(suite(tmp_path, [{"env": REACH}]), policy="zero")
     out = tmp_path / "out" / "t" / "zero"
     (r,) = report["tasks"]
-    assert (r["task"], r["episodes"], r["successes"]) == ("mujoco/reach", 4, 0)  # the arm stays home: no goal is reached
-    assert r["mean_length"] == 50.0 and r["success_ci95"] == pytest.approx(list(wilson_interval(0, 4)))
+    assert (r["task"], r["episodes"], r["successes"]) == (
+        "mujoco/reach",
+        4,
+        0,
+    )  # the arm stays home: no goal is reached
+    assert r["mean_length"] == 50.0 and r["success_ci95"] == pytest.approx(
+        list(wilson_interval(0, 4))
+    )
     assert r["env_steps_per_s"] > 0 and r["policy_ms"] > 0
     # the same episodes evaluated directly give the same return: the bench adds nothing to them
     with MuJoCoEnv(MuJoCoConfig(task="reach", num_envs=2, render_size=32)) as env:
@@ -65,24 +82,42 @@ def test_same_seed_same_results(tmp_path):
     second = bench(path, out=str(tmp_path / "b"))["tasks"][0]
     for key in ("successes", "mean_return", "mean_length", "success_at_end"):
         assert first[key] == second[key]
-    other = bench(suite(tmp_path, [{"env": REACH}], videos=False, seed=1), out=str(tmp_path / "c"))["tasks"][0]
-    assert other["mean_return"] != first["mean_return"]  # another seed: other goals, other random actions
+    other = bench(suite(tmp_path, [{"env": REACH}], videos=False, seed=1), out=str(tmp_path / "c"))[
+        "tasks"
+    ][0]
+    assert (
+        other["mean_return"] != first["mean_return"]
+    )  # another seed: other goals, other random actions
 
 
 def test_sweep_and_names(tmp_path):
-    report = bench(suite(tmp_path, [{"env": {**REACH, "max_episode_steps": 5}, "sweep": {"task": ["reach", "push"]}}],
-                         episodes=2, videos=False), policy="zero")
+    report = bench(
+        suite(
+            tmp_path,
+            [{"env": {**REACH, "max_episode_steps": 5}, "sweep": {"task": ["reach", "push"]}}],
+            episodes=2,
+            videos=False,
+        ),
+        policy="zero",
+    )
     assert [r["task"] for r in report["tasks"]] == ["mujoco/reach", "mujoco/push"]
     assert [r["mean_length"] for r in report["tasks"]] == [5.0, 5.0]
 
 
 def test_killed_run_resumes_without_redoing_finished_tasks(tmp_path):
-    slow = {**REACH, "task": "push", "obs_mode": "rgb", "image_size": 32}  # rendering: seconds, time to be killed
+    slow = {
+        **REACH,
+        "task": "push",
+        "obs_mode": "rgb",
+        "image_size": 32,
+    }  # rendering: seconds, time to be killed
     path = suite(tmp_path, [{"env": REACH}, {"env": slow, "episodes": 2}], videos=False)
     out = tmp_path / "out" / "t" / "random"
     first = out / "tasks" / "mujoco_reach.json"
     cmd = [sys.executable, "-m", "embodied.cli", "bench", str(path), "--policy", "random"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         deadline = time.time() + 300
         while not first.exists() and time.time() < deadline and proc.poll() is None:
@@ -117,7 +152,9 @@ def test_baselines_pass_the_policy_contract(cls):
 
 
 def test_bad_suites_are_clear_errors(tmp_path, capsys):
-    with pytest.raises(ConfigError, match=r"tasks\[0\]\.env\.simulator: unknown simulator 'gazebo'"):
+    with pytest.raises(
+        ConfigError, match=r"tasks\[0\]\.env\.simulator: unknown simulator 'gazebo'"
+    ):
         bench(suite(tmp_path, [{"env": {"simulator": "gazebo"}}]))
     with pytest.raises(ConfigError, match=r"tasks\[0\]\.env\.task_id"):
         bench(suite(tmp_path, [{"env": {**REACH, "task_id": 3}}]))
@@ -130,7 +167,17 @@ def test_bad_suites_are_clear_errors(tmp_path, capsys):
 def test_smoke_suite_covers_three_simulators(tmp_path):
     pytest.importorskip("mani_skill")
     pytest.importorskip("libero")
-    rc = main(["bench", "configs/bench/smoke.yaml", "--policy", "zero", "--out", str(tmp_path), "episodes=1"])
+    rc = main(
+        [
+            "bench",
+            "configs/bench/smoke.yaml",
+            "--policy",
+            "zero",
+            "--out",
+            str(tmp_path),
+            "episodes=1",
+        ]
+    )
     assert rc == 0
     report = json.loads((tmp_path / "results.json").read_text())
     assert [r["simulator"] for r in report["tasks"]] == ["maniskill", "mujoco", "libero"]
@@ -143,14 +190,36 @@ def test_smoke_suite_covers_three_simulators(tmp_path):
 
 def test_checkpoint_policy_and_a_task_it_cannot_act_in(tmp_path):
     pytest.importorskip("mani_skill")
-    assert main(["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={tmp_path}", "env.num_envs=4",
-                 "algorithm.num_steps=8", "runner.total_env_steps=32", "runner.eval_episodes=2",
-                 "runner.final_eval_episodes=2", "runner.progress=false", "env.render_size=32"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "configs/mujoco/reach_ppo.yaml",
+                f"runner.output_dir={tmp_path}",
+                "env.num_envs=4",
+                "algorithm.num_steps=8",
+                "runner.total_env_steps=32",
+                "runner.eval_episodes=2",
+                "runner.final_eval_episodes=2",
+                "runner.progress=false",
+                "env.render_size=32",
+            ]
+        )
+        == 0
+    )
     ckpt = tmp_path / "mujoco_reach_ppo" / "last"
-    cube = {"simulator": "maniskill", "task": "PushCube-v1", "obs_mode": "state", "num_envs": 2, "num_workers": 1}
+    cube = {
+        "simulator": "maniskill",
+        "task": "PushCube-v1",
+        "obs_mode": "state",
+        "num_envs": 2,
+        "num_workers": 1,
+    }
     path = suite(tmp_path, [{"env": REACH}, {"env": cube}], episodes=2, videos=False)
     report = bench(path, checkpoint=str(ckpt))
-    assert [r["task"] for r in report["tasks"]] == ["mujoco/reach"] and report["policy"].startswith("checkpoint:")
+    assert [r["task"] for r in report["tasks"]] == ["mujoco/reach"] and report["policy"].startswith(
+        "checkpoint:"
+    )
     (skipped,) = report["skipped"]
     assert skipped["task"] == "maniskill/PushCube-v1" and "actions" in skipped["reason"]
     out = tmp_path / "out" / "t" / f"mujoco_reach_ppo_{ckpt.resolve().name}"

@@ -16,29 +16,51 @@ def write(tmp_path, name, text):
 
 
 def test_defaults_list_and_overrides_compose(tmp_path):
-    write(tmp_path, "base.yaml", """
+    write(
+        tmp_path,
+        "base.yaml",
+        """
         env: {task: PickCube-v1, num_envs: 4}
         algorithm: {gamma: 0.9}
-    """)
-    cfg_file = write(tmp_path, "exp.yaml", """
+    """,
+    )
+    cfg_file = write(
+        tmp_path,
+        "exp.yaml",
+        """
         defaults: [base.yaml]
         env: {num_envs: 6}
-    """)
-    cfg, sources = load_config(TrainConfig, cfg_file, ["algorithm.gamma=0.5", "policy.hidden_sizes=[32,32]"])
+    """,
+    )
+    cfg, sources = load_config(
+        TrainConfig, cfg_file, ["algorithm.gamma=0.5", "policy.hidden_sizes=[32,32]"]
+    )
     assert cfg.env.task == "PickCube-v1"  # from the default
     assert cfg.env.num_envs == 6  # the file overrides its default
     assert cfg.algorithm.gamma == 0.5 and cfg.policy.hidden_sizes == [32, 32]  # command line wins
     assert cfg.algorithm.learning_rate == TrainConfig().algorithm.learning_rate  # schema default
-    assert [s for s, _ in sources] == [str(tmp_path / "base.yaml"), str(cfg_file), "the command line"]
+    assert [s for s, _ in sources] == [
+        str(tmp_path / "base.yaml"),
+        str(cfg_file),
+        "the command line",
+    ]
 
 
-@pytest.mark.parametrize("text, overrides, key, source", [
-    ("env: {num_envz: 4}", [], "env.num_envz", "exp.yaml"),
-    ("env: {num_envs: many}", [], "env.num_envs", "exp.yaml"),
-    ("algorithm: {gamma: 0.9}", ["algorithm.clip_coeff=0.1"], "algorithm.clip_coeff", "the command line"),
-    ("env: {backend: tpu}", [], "env.backend", "exp.yaml"),
-    ("runner: {total_env_steps: 0}", [], "runner.total_env_steps", "exp.yaml"),
-])
+@pytest.mark.parametrize(
+    "text, overrides, key, source",
+    [
+        ("env: {num_envz: 4}", [], "env.num_envz", "exp.yaml"),
+        ("env: {num_envs: many}", [], "env.num_envs", "exp.yaml"),
+        (
+            "algorithm: {gamma: 0.9}",
+            ["algorithm.clip_coeff=0.1"],
+            "algorithm.clip_coeff",
+            "the command line",
+        ),
+        ("env: {backend: tpu}", [], "env.backend", "exp.yaml"),
+        ("runner: {total_env_steps: 0}", [], "runner.total_env_steps", "exp.yaml"),
+    ],
+)
 def test_bad_keys_and_values_name_key_and_file(tmp_path, text, overrides, key, source):
     cfg_file = write(tmp_path, "exp.yaml", text)
     with pytest.raises(ConfigError) as err:
@@ -51,7 +73,9 @@ def test_missing_files(tmp_path):
     with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
         load_config(TrainConfig, tmp_path / "nope.yaml")
     cfg_file = write(tmp_path, "exp.yaml", "defaults: [missing_base.yaml]\n")
-    with pytest.raises(ConfigError, match=r"missing_base.yaml \(listed in defaults of .*exp.yaml\)"):
+    with pytest.raises(
+        ConfigError, match=r"missing_base.yaml \(listed in defaults of .*exp.yaml\)"
+    ):
         load_config(TrainConfig, cfg_file)
 
 
@@ -68,7 +92,12 @@ def test_cli_config_error_exits_2_with_one_line_and_no_traceback(tmp_path, capsy
     cfg_file = write(tmp_path, "exp.yaml", "env: {num_envz: 4}\n")
     assert main(["train", str(cfg_file)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "env.num_envz" in err and "exp.yaml" in err and "Traceback" not in err
+    assert (
+        err.count("\n") == 1
+        and "env.num_envz" in err
+        and "exp.yaml" in err
+        and "Traceback" not in err
+    )
 
 
 def test_shipped_configs_load():
@@ -79,20 +108,38 @@ def test_shipped_configs_load():
 
 def test_shipped_vla_configs_load_and_smolvla_asks_for_its_model(tmp_path, capsys):
     from embodied.models import SmolVLAConfig, VLAConfig
+
     from embodied.sft import SFTConfig
 
-    for name, schema in (("multitask_vla_sft", SFTConfig), ("multitask_vla_sft_fewshot", SFTConfig),
-                         ("multitask_vla_grpo", TrainConfig), ("multitask_vla_grpo_fewshot", TrainConfig)):
-        assert isinstance(load_config(schema, f"configs/maniskill/{name}.yaml")[0].policy, VLAConfig)
+    for name, schema in (
+        ("multitask_vla_sft", SFTConfig),
+        ("multitask_vla_sft_fewshot", SFTConfig),
+        ("multitask_vla_grpo", TrainConfig),
+        ("multitask_vla_grpo_fewshot", TrainConfig),
+    ):
+        assert isinstance(
+            load_config(schema, f"configs/maniskill/{name}.yaml")[0].policy, VLAConfig
+        )
     model = tmp_path / "smolvlm"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    for name, schema in (("multitask_smolvla_sft", SFTConfig), ("multitask_smolvla_grpo", TrainConfig)):
+    for name, schema in (
+        ("multitask_smolvla_sft", SFTConfig),
+        ("multitask_smolvla_grpo", TrainConfig),
+    ):
         cfg, _ = load_config(schema, f"configs/maniskill/{name}.yaml", [f"policy.vlm_path={model}"])
         assert isinstance(cfg.policy, SmolVLAConfig) and cfg.policy.vlm_path == str(model)
-        with pytest.raises(ConfigError, match=rf"^policy.vlm_path: SmolVLA needs a local SmolVLM2 directory .*{name}.yaml\)$"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^policy.vlm_path: SmolVLA needs a local SmolVLM2 directory .*{name}.yaml\)$",
+        ):
             load_config(schema, f"configs/maniskill/{name}.yaml")
-    assert main(["sft", "configs/maniskill/multitask_smolvla_sft.yaml", "policy.vlm_path=/nonexistent"]) == 2
+    assert (
+        main(
+            ["sft", "configs/maniskill/multitask_smolvla_sft.yaml", "policy.vlm_path=/nonexistent"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "policy.vlm_path: /nonexistent is not a model directory" in err
 
@@ -100,17 +147,32 @@ def test_shipped_vla_configs_load_and_smolvla_asks_for_its_model(tmp_path, capsy
 def test_policy_name_selects_the_policy_schema(tmp_path):
     from embodied.models import ActorCriticConfig, VLAConfig
 
-    cfg_file = write(tmp_path, "vla.yaml", """
+    cfg_file = write(
+        tmp_path,
+        "vla.yaml",
+        """
         policy: {name: vla, head: flow, chunk_size: 8}
-    """)
+    """,
+    )
     cfg, _ = load_config(TrainConfig, cfg_file, ["policy.d_model=128"])
-    assert isinstance(cfg.policy, VLAConfig) and cfg.policy.head == "flow" and cfg.policy.chunk_size == 8
+    assert (
+        isinstance(cfg.policy, VLAConfig)
+        and cfg.policy.head == "flow"
+        and cfg.policy.chunk_size == 8
+    )
     assert cfg.policy.d_model == 128
-    assert isinstance(load_config(TrainConfig, write(tmp_path, "ac.yaml", "seed: 1"))[0].policy, ActorCriticConfig)
+    assert isinstance(
+        load_config(TrainConfig, write(tmp_path, "ac.yaml", "seed: 1"))[0].policy, ActorCriticConfig
+    )
     # the command line can switch the policy; every key is then checked against that schema
     with pytest.raises(ConfigError, match=r"^policy.head: .*\(in .*vla.yaml\)$"):
-        load_config(TrainConfig, cfg_file, ["policy.name=actor_critic"])  # head is not an actor-critic key
-    with pytest.raises(ConfigError, match=r"policy.name: unknown policy 'transformer'; known: \['actor_critic', 'smolvla', 'vla'\]"):
+        load_config(
+            TrainConfig, cfg_file, ["policy.name=actor_critic"]
+        )  # head is not an actor-critic key
+    with pytest.raises(
+        ConfigError,
+        match=r"policy.name: unknown policy 'transformer'; known: \['actor_critic', 'smolvla', 'vla'\]",
+    ):
         load_config(TrainConfig, cfg_file, ["policy.name=transformer"])
     with pytest.raises(ConfigError, match=r"policy.head: must be one of"):
         load_config(TrainConfig, cfg_file, ["policy.head=diffusion"])

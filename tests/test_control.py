@@ -11,7 +11,13 @@ import pytest
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 from embodied.robots.arm import ArmConfig, RobotEnv, connect, default_safety  # noqa: E402
-from embodied.robots.control import ChunkExecutor, EmergencyStop, RateTimer, run_episode, safe_shutdown  # noqa: E402
+from embodied.robots.control import (
+    ChunkExecutor,
+    EmergencyStop,
+    RateTimer,
+    run_episode,
+    safe_shutdown,
+)  # noqa: E402
 from embodied.robots.servo_port import FEETECH_STS, ticks_to_rad  # noqa: E402
 
 TORQUE_ENABLE = FEETECH_STS.torque[0]
@@ -83,7 +89,13 @@ def test_second_seam_weight_and_a_failed_inference_is_counted():
 def test_one_action_chunks_are_used_within_their_step_or_a_step_late():
     ex = ChunkExecutor(lambda step: np.array([[float(step)]]), request_when_left=0, wait_s=1.0)
     try:
-        assert [ex.action(t, t)[0] for t in range(5)] == [0.0, 1.0, 2.0, 3.0, 4.0]  # waited for: fresh each step
+        assert [ex.action(t, t)[0] for t in range(5)] == [
+            0.0,
+            1.0,
+            2.0,
+            3.0,
+            4.0,
+        ]  # waited for: fresh each step
     finally:
         ex.close()
     late = ChunkExecutor(lambda step: np.array([[float(step)]]), request_when_left=0)
@@ -120,7 +132,9 @@ def test_watchdog_holds_then_stops_and_the_arm_reaches_the_safe_pose_before_torq
             result = run_episode(env, ex, stop, hz=HZ, max_steps=200)
         assert result.reason == "watchdog" and result.watchdog == {"hold": 1, "stop": 1}
         held = [f["sent"] for f in result.frames if f["interventions"] == ["watchdog_hold"]]
-        assert len(held) >= 3 and all(np.array_equal(h, held[0]) for h in held)  # holding: the same command
+        assert len(held) >= 3 and all(
+            np.array_equal(h, held[0]) for h in held
+        )  # holding: the same command
         assert result.steps < 200
         log_before = len(port.log)
         assert safe_shutdown(env, hz=HZ, timeout_s=15)
@@ -130,8 +144,12 @@ def test_watchdog_holds_then_stops_and_the_arm_reaches_the_safe_pose_before_torq
         assert torque_off and max(g for g in goals if g < torque_off[0]) < torque_off[0]
         last_goal = port.goal_writes()[-1]
         safe = np.asarray(env.safety.cfg.safe_pose)
-        np.testing.assert_allclose([ticks_to_rad(last_goal[i + 1]) for i in range(6)], safe, atol=0.01)
-        np.testing.assert_allclose(twin.joints()[:5], safe[:5], atol=0.06)  # it is there, not just told to go
+        np.testing.assert_allclose(
+            [ticks_to_rad(last_goal[i + 1]) for i in range(6)], safe, atol=0.01
+        )
+        np.testing.assert_allclose(
+            twin.joints()[:5], safe[:5], atol=0.06
+        )  # it is there, not just told to go
         assert not any(port.torque().values())
     finally:
         ex.close()
@@ -174,7 +192,10 @@ def test_rate_timer_reports_its_ticks():
     for _ in range(20):
         timer.wait()
     stats = timer.stats()
-    assert stats["ticks"] == 20 and stats["jitter_p50_ms"] <= stats["jitter_p99_ms"] <= stats["jitter_max_ms"]
+    assert (
+        stats["ticks"] == 20
+        and stats["jitter_p50_ms"] <= stats["jitter_p99_ms"] <= stats["jitter_max_ms"]
+    )
 
 
 def test_emergency_stop_by_key(monkeypatch):

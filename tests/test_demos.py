@@ -5,62 +5,112 @@ import json
 
 import pytest
 import torch
+from embodied.models import ActorCritic, ActorCriticConfig
+from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
 
 from embodied.checkpoint import save_checkpoint
 from embodied.cli import main
 from embodied.dataset import DemoDataset
-from embodied.models import ActorCritic, ActorCriticConfig
 from embodied.schema import EnvSpec, ObsSpec
-from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
 from embodied.trainer import TrainConfig, run_meta
 
-ENV = dict(task="PushCube-v1", control_mode="pd_joint_delta_pos", max_episode_steps=6, num_envs=2, num_workers=1,
-           image_size=32, render_size=32, ignore_terminations=True)
+ENV = dict(
+    task="PushCube-v1",
+    control_mode="pd_joint_delta_pos",
+    max_episode_steps=6,
+    num_envs=2,
+    num_workers=1,
+    image_size=32,
+    render_size=32,
+    ignore_terminations=True,
+)
 
 
 @pytest.fixture(scope="module")
 def expert(tmp_path_factory):
     """An (untrained) state-based actor-critic saved as a training run would save it."""
     with ManiSkillEnv(ManiSkillConfig(obs_mode="rgb+state", **ENV)) as env:
-        state_spec = EnvSpec(obs=ObsSpec(state_names=env.spec.obs.state_names, privileged=env.spec.obs.privileged),
-                             action=env.spec.action, max_episode_steps=6, instructions=env.spec.instructions)
-    cfg = TrainConfig(env=ManiSkillConfig(obs_mode="state", **ENV), policy=ActorCriticConfig(hidden_sizes=[16]))
+        state_spec = EnvSpec(
+            obs=ObsSpec(state_names=env.spec.obs.state_names, privileged=env.spec.obs.privileged),
+            action=env.spec.action,
+            max_episode_steps=6,
+            instructions=env.spec.instructions,
+        )
+    cfg = TrainConfig(
+        env=ManiSkillConfig(obs_mode="state", **ENV), policy=ActorCriticConfig(hidden_sizes=[16])
+    )
     torch.manual_seed(0)
     policy = ActorCritic(state_spec, cfg.policy)
     run = tmp_path_factory.mktemp("expert")
-    save_checkpoint(run, 1, model=policy, optimizer=None, counters={}, meta=run_meta(cfg, state_spec))
+    save_checkpoint(
+        run, 1, model=policy, optimizer=None, counters={}, meta=run_meta(cfg, state_spec)
+    )
     return run
 
 
 def _demos(tmp_path, expert, *extra):
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = tmp_path / "demos.yaml"
-    cfg.write_text(json.dumps({"expert": str(expert), "env": {**ENV, "obs_mode": "rgb+state"},
-                               "output": str(tmp_path / "ds")}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "expert": str(expert),
+                "env": {**ENV, "obs_mode": "rgb+state"},
+                "output": str(tmp_path / "ds"),
+            }
+        )
+    )
     return main(["demos", str(cfg), *extra])
 
 
 def test_records_episodes_with_cameras_and_success(tmp_path, expert, capsys):
-    rc = _demos(tmp_path, expert, "episodes=3", "max_attempts=4", "keep_failed=true", "privileged_keys=[goal_pos]")
+    rc = _demos(
+        tmp_path,
+        expert,
+        "episodes=3",
+        "max_attempts=4",
+        "keep_failed=true",
+        "privileged_keys=[goal_pos]",
+    )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["episodes"] == 3 and summary["attempts"] == 4 and summary["frames"] == 18
     ds = DemoDataset.load(tmp_path / "ds")
     assert len(ds) == 18 and ds.starts.tolist() == [0, 6, 12]
-    assert ds.images["base_camera"].shape == (18, 32, 32, 3) and ds.images["base_camera"].float().std() > 0
-    assert ds.state.shape == (18, 25) and ds.actions.shape == (18, 8) and ds.privileged["goal_pos"].shape == (18, 3)
+    assert (
+        ds.images["base_camera"].shape == (18, 32, 32, 3)
+        and ds.images["base_camera"].float().std() > 0
+    )
+    assert (
+        ds.state.shape == (18, 25)
+        and ds.actions.shape == (18, 8)
+        and ds.privileged["goal_pos"].shape == (18, 3)
+    )
     assert ds.tasks == ["push the cube to the red and white target"]
     low, high = torch.tensor([-0.1] * 7 + [-0.01]), torch.tensor([0.1] * 7 + [0.04])
-    assert bool(((ds.actions >= low - 1e-6) & (ds.actions <= high + 1e-6)).all())  # physical units, within bounds
+    assert bool(
+        ((ds.actions >= low - 1e-6) & (ds.actions <= high + 1e-6)).all()
+    )  # physical units, within bounds
     # the same seeds give the same first frames: the recording is reproducible
-    rc = _demos(tmp_path / "again", expert, "episodes=3", "max_attempts=4", "keep_failed=true", "privileged_keys=[goal_pos]")
+    rc = _demos(
+        tmp_path / "again",
+        expert,
+        "episodes=3",
+        "max_attempts=4",
+        "keep_failed=true",
+        "privileged_keys=[goal_pos]",
+    )
     assert rc == 0
     again = DemoDataset.load(tmp_path / "again" / "ds")
     torch.testing.assert_close(again.state, ds.state)
 
 
-def test_failed_episodes_are_dropped_and_an_expert_that_never_succeeds_is_an_error(tmp_path, expert, capsys):
-    rc = _demos(tmp_path, expert, "episodes=2", "max_attempts=2")  # an untrained expert does not push the cube in 6 steps
+def test_failed_episodes_are_dropped_and_an_expert_that_never_succeeds_is_an_error(
+    tmp_path, expert, capsys
+):
+    rc = _demos(
+        tmp_path, expert, "episodes=2", "max_attempts=2"
+    )  # an untrained expert does not push the cube in 6 steps
     assert rc == 2
     assert "succeeded in none of 2 episodes" in capsys.readouterr().err
 

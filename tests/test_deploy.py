@@ -15,8 +15,16 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 from embodied.cli import main  # noqa: E402
 from embodied.dataset import DemoDataset  # noqa: E402
 
-TINY = ["env.num_envs=4", "algorithm.num_steps=8", "runner.total_env_steps=32", "runner.eval_episodes=2",
-        "runner.final_eval_episodes=2", "runner.progress=false", "env.render_size=32", "policy.hidden_sizes=[32]"]
+TINY = [
+    "env.num_envs=4",
+    "algorithm.num_steps=8",
+    "runner.total_env_steps=32",
+    "runner.eval_episodes=2",
+    "runner.final_eval_episodes=2",
+    "runner.progress=false",
+    "env.render_size=32",
+    "policy.hidden_sizes=[32]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +33,19 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
     for name, privileged in (("state_only", "false"), ("with_goal", "true")):
-        assert main(["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={root}", f"runner.name={name}",
-                     f"policy.use_privileged={privileged}", *TINY]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "configs/mujoco/reach_ppo.yaml",
+                    f"runner.output_dir={root}",
+                    f"runner.name={name}",
+                    f"policy.use_privileged={privileged}",
+                    *TINY,
+                ]
+            )
+            == 0
+        )
         out[name] = str(root / name / "last")
     return out
 
@@ -34,22 +53,43 @@ def checkpoints(tmp_path_factory):
 def deploy(args, capsys):
     rc = main(["deploy", *args])
     captured = capsys.readouterr()
-    return rc, (json.loads(captured.out[captured.out.index("{"):]) if rc == 0 else captured.err)
+    return rc, (json.loads(captured.out[captured.out.index("{") :]) if rc == 0 else captured.err)
 
 
-def test_deploy_on_the_twin_records_each_episode_and_ends_at_the_safe_pose(checkpoints, tmp_path, capsys):
-    rc, summary = deploy([checkpoints["state_only"], "--robot", "so101-sim", "--episodes", "2", "--camera", "wrist=wrist",
-                          "--episode-seconds", "0.75", "--record", str(tmp_path / "rec")], capsys)
+def test_deploy_on_the_twin_records_each_episode_and_ends_at_the_safe_pose(
+    checkpoints, tmp_path, capsys
+):
+    rc, summary = deploy(
+        [
+            checkpoints["state_only"],
+            "--robot",
+            "so101-sim",
+            "--episodes",
+            "2",
+            "--camera",
+            "wrist=wrist",
+            "--episode-seconds",
+            "0.75",
+            "--record",
+            str(tmp_path / "rec"),
+        ],
+        capsys,
+    )
     assert rc == 0, summary
     assert summary["hz"] == 20.0  # the MuJoCo arm's control rate, which the policy was trained at
-    assert [e["steps"] for e in summary["episodes"]] == [15, 15] and all(e["end"] == "done" for e in summary["episodes"])
+    assert [e["steps"] for e in summary["episodes"]] == [15, 15] and all(
+        e["end"] == "done" for e in summary["episodes"]
+    )
     # the policy acted: one-action chunks (K = 1) inferred in the background, each used within its step
     assert all(e["acted"] >= 14 and e["watchdog"] == {} for e in summary["episodes"])
     assert summary["torque_off_at_safe_pose"] is True
     for i in range(2):
         data = DemoDataset.load(tmp_path / "rec" / f"episode_{i:04d}")
         assert len(data) == 15 and data.actions.shape == (15, 6)  # the commands sent, radians
-        assert data.images["wrist"].shape[0] == 15 and (tmp_path / "rec" / f"episode_{i:04d}" / "wrist.mp4").stat().st_size > 0
+        assert (
+            data.images["wrist"].shape[0] == 15
+            and (tmp_path / "rec" / f"episode_{i:04d}" / "wrist.mp4").stat().st_size > 0
+        )
 
 
 def test_deploy_through_the_server_and_the_watchdog_when_it_stops(checkpoints, capsys):
@@ -64,22 +104,47 @@ def test_deploy_through_the_server_and_the_watchdog_when_it_stops(checkpoints, c
         server.stop()
 
     threading.Thread(target=stop_mid_run, daemon=True).start()
-    rc, summary = deploy([checkpoints["state_only"], "--robot", "so101-sim", "--episode-seconds", "20",
-                          "--server", f"ws://127.0.0.1:{server.port}"], capsys)
+    rc, summary = deploy(
+        [
+            checkpoints["state_only"],
+            "--robot",
+            "so101-sim",
+            "--episode-seconds",
+            "20",
+            "--server",
+            f"ws://127.0.0.1:{server.port}",
+        ],
+        capsys,
+    )
     assert rc == 0, summary
     (episode,) = summary["episodes"]
     assert episode["end"] == "watchdog" and episode["watchdog"] == {"hold": 1, "stop": 1}
-    assert 10 < episode["steps"] < 600 and episode["inference_errors"] >= 1 and episode["acted"] >= 9  # it ran, then lost the server
+    assert (
+        10 < episode["steps"] < 600 and episode["inference_errors"] >= 1 and episode["acted"] >= 9
+    )  # it ran, then lost the server
     assert summary["torque_off_at_safe_pose"] is True
 
 
 def test_a_delta_policy_at_another_rate_is_refused(checkpoints, capsys):
-    rc, err = deploy([checkpoints["state_only"], "--robot", "so101-sim", "--hz", "50", "--episode-seconds", "0.2"], capsys)
+    rc, err = deploy(
+        [
+            checkpoints["state_only"],
+            "--robot",
+            "so101-sim",
+            "--hz",
+            "50",
+            "--episode-seconds",
+            "0.2",
+        ],
+        capsys,
+    )
     assert rc == 2 and "trained at 20 Hz" in err
 
 
 def test_a_checkpoint_that_reads_simulator_state_is_refused(checkpoints, capsys):
-    rc, err = deploy([checkpoints["with_goal"], "--robot", "so101-sim", "--episode-seconds", "0.2"], capsys)
+    rc, err = deploy(
+        [checkpoints["with_goal"], "--robot", "so101-sim", "--episode-seconds", "0.2"], capsys
+    )
     assert rc == 2 and "simulator-only inputs ['goal_pos', 'tcp_pos']" in err
 
 
@@ -88,8 +153,18 @@ def test_a_mismatched_server_is_refused(checkpoints, capsys):
 
     server = serve(checkpoints["with_goal"], host="127.0.0.1", port=0)
     try:
-        rc, err = deploy([checkpoints["state_only"], "--robot", "so101-sim", "--episode-seconds", "0.2",
-                          "--server", f"ws://127.0.0.1:{server.port}"], capsys)
+        rc, err = deploy(
+            [
+                checkpoints["state_only"],
+                "--robot",
+                "so101-sim",
+                "--episode-seconds",
+                "0.2",
+                "--server",
+                f"ws://127.0.0.1:{server.port}",
+            ],
+            capsys,
+        )
     finally:
         server.stop()
     assert rc == 2 and "contract mismatch" in err
@@ -97,12 +172,32 @@ def test_a_mismatched_server_is_refused(checkpoints, capsys):
 
 def test_recordings_survive_a_crash_of_the_deploy_process(checkpoints, tmp_path):
     rec = tmp_path / "rec"
-    proc = subprocess.Popen([sys.executable, "-m", "embodied.cli", "deploy", checkpoints["state_only"], "--robot",
-                             "so101-sim", "--episodes", "50", "--episode-seconds", "0.75", "--record", str(rec)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "embodied.cli",
+            "deploy",
+            checkpoints["state_only"],
+            "--robot",
+            "so101-sim",
+            "--episodes",
+            "50",
+            "--episode-seconds",
+            "0.75",
+            "--record",
+            str(rec),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
-        while not (rec / "episode_0001" / "meta" / "info.json").exists() and time.monotonic() < deadline:
+        while (
+            not (rec / "episode_0001" / "meta" / "info.json").exists()
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)  # no clean-up of any kind
     finally:
@@ -113,18 +208,40 @@ def test_recordings_survive_a_crash_of_the_deploy_process(checkpoints, tmp_path)
         assert len(DemoDataset.load(rec / name)) == 15
 
 
-def test_a_pickcube_so100_policy_trained_in_maniskill_deploys_to_the_twin_unchanged(tmp_path, capsys):
+def test_a_pickcube_so100_policy_trained_in_maniskill_deploys_to_the_twin_unchanged(
+    tmp_path, capsys
+):
     # ManiSkill's SO-100 has LeRobot's joints: its columns and actions are named after them, and a
     # policy on joint state only (no tool pose, no privileged) deploys as it is
     pytest.importorskip("mani_skill")
-    assert main(["train", "configs/maniskill/pickcube_ppo.yaml", "env.task=PickCubeSO100-v1", f"runner.output_dir={tmp_path}",
-                 "runner.name=so100", "env.proprioception=[qpos,qvel]", "env.num_workers=0", "policy.use_privileged=false",
-                 "env.control_mode=pd_joint_delta_pos", *[a for a in TINY if not a.startswith("env.render")]]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "configs/maniskill/pickcube_ppo.yaml",
+                "env.task=PickCubeSO100-v1",
+                f"runner.output_dir={tmp_path}",
+                "runner.name=so100",
+                "env.proprioception=[qpos,qvel]",
+                "env.num_workers=0",
+                "policy.use_privileged=false",
+                "env.control_mode=pd_joint_delta_pos",
+                *[a for a in TINY if not a.startswith("env.render")],
+            ]
+        )
+        == 0
+    )
     from embodied.deploy import load_deployable
 
     _, spec, _ = load_deployable(tmp_path / "so100" / "last")
-    assert spec.obs.state_names[:2] == ("shoulder_pan.pos", "shoulder_lift.pos") and spec.action.names[-1] == "gripper"
-    rc, summary = deploy([str(tmp_path / "so100" / "last"), "--robot", "so101-sim", "--episode-seconds", "0.5"], capsys)
+    assert (
+        spec.obs.state_names[:2] == ("shoulder_pan.pos", "shoulder_lift.pos")
+        and spec.action.names[-1] == "gripper"
+    )
+    rc, summary = deploy(
+        [str(tmp_path / "so100" / "last"), "--robot", "so101-sim", "--episode-seconds", "0.5"],
+        capsys,
+    )
     assert rc == 0, summary
     assert summary["episodes"][0]["end"] == "done" and summary["hz"] == spec.action.control_hz
     assert summary["episodes"][0]["acted"] >= summary["episodes"][0]["steps"] - 1

@@ -1,18 +1,19 @@
 """GPU backend (physx_cuda): tensors stay on the device; skipped without a CUDA GPU."""
 
 import pytest
-import torch
-
 from embodied.models import ActorCritic, ActorCriticConfig
-from embodied.schema import check_env, check_policy
 from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
+
+from embodied.schema import check_env, check_policy
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("task", ["PushCube-v1", "PickCube-v1"])
 def test_gpu_backend_contract(task):
-    env = ManiSkillEnv(ManiSkillConfig(task=task, backend="gpu", num_envs=64, control_mode="pd_joint_delta_pos"))
+    env = ManiSkillEnv(
+        ManiSkillConfig(task=task, backend="gpu", num_envs=64, control_mode="pd_joint_delta_pos")
+    )
     try:
         assert env.device.type == "cuda"
         check_env(env, seed=0)

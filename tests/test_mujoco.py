@@ -10,15 +10,24 @@ import torch
 
 pytest.importorskip("mujoco")
 
-from embodied.schema import check_env  # noqa: E402
 from embodied.simulators.mujoco import TASKS, MuJoCoConfig, MuJoCoEnv  # noqa: E402
+
+from embodied.schema import check_env  # noqa: E402
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 @pytest.mark.parametrize("obs_mode", ["state", "rgb"])
 def test_contract(task, obs_mode):
-    with MuJoCoEnv(MuJoCoConfig(task=task, obs_mode=obs_mode, num_envs=3, image_size=32, render_size=32,
-                                max_episode_steps=6)) as env:
+    with MuJoCoEnv(
+        MuJoCoConfig(
+            task=task,
+            obs_mode=obs_mode,
+            num_envs=3,
+            image_size=32,
+            render_size=32,
+            max_episode_steps=6,
+        )
+    ) as env:
         check_env(env, seed=1)  # keys, shapes, dtypes, partial reset, auto-reset with final_obs
         assert env.spec.obs.privileged["tcp_pos"] == (3,) and env.spec.action.names[-1] == "gripper"
 
@@ -45,8 +54,12 @@ def test_servos_follow_the_commanded_deltas():
         for _ in range(10):  # hold the targets while the servos settle
             obs = env.step(torch.zeros(2, 6)).obs
         moved = obs.state[:, :6] - start
-        torch.testing.assert_close(moved[0, 0], torch.tensor(0.3), atol=0.03, rtol=0)  # shoulder_pan +0.3 rad
-        torch.testing.assert_close(moved[1, 2], torch.tensor(-0.3), atol=0.05, rtol=0)  # elbow_flex -0.3 rad
+        torch.testing.assert_close(
+            moved[0, 0], torch.tensor(0.3), atol=0.03, rtol=0
+        )  # shoulder_pan +0.3 rad
+        torch.testing.assert_close(
+            moved[1, 2], torch.tensor(-0.3), atol=0.05, rtol=0
+        )  # elbow_flex -0.3 rad
         assert moved[0, 1:5].abs().max() < 0.05  # the other joints hold
 
 
@@ -61,8 +74,12 @@ def test_reach_reward_and_success_golden():
 def test_push_success_is_the_cube_on_the_target():
     goal = np.array([[0.25, 0.0, 0.001], [0.25, 0.0, 0.001]])
     cube = np.array([[0.26, 0.01, 0.015], [0.2, 0.0, 0.015]])
-    behind = np.array([[0.0, 0.0, 0.0], cube[1] - [0.035, 0.0, 0.0]])  # the tool right behind cube 1
-    reward, success = TASKS["push"].evaluate({"tcp_pos": behind, "goal_pos": goal, "cube_pos": cube})
+    behind = np.array(
+        [[0.0, 0.0, 0.0], cube[1] - [0.035, 0.0, 0.0]]
+    )  # the tool right behind cube 1
+    reward, success = TASKS["push"].evaluate(
+        {"tcp_pos": behind, "goal_pos": goal, "cube_pos": cube}
+    )
     assert success.tolist() == [True, False]
     np.testing.assert_allclose(reward[1], (1.0 + 2.0 * (1.0 - math.tanh(0.5))) / 3.0, rtol=1e-6)
 
@@ -77,15 +94,28 @@ def test_train_from_yaml_on_mujoco(tmp_path):
 
     from embodied.cli import main
 
-    rc = main(["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={tmp_path}", "env.num_envs=4",
-               "algorithm.num_steps=8", "runner.total_env_steps=64", "runner.eval_episodes=4",
-               "runner.final_eval_episodes=4", "runner.progress=false", "env.render_size=32"])
+    rc = main(
+        [
+            "train",
+            "configs/mujoco/reach_ppo.yaml",
+            f"runner.output_dir={tmp_path}",
+            "env.num_envs=4",
+            "algorithm.num_steps=8",
+            "runner.total_env_steps=64",
+            "runner.eval_episodes=4",
+            "runner.final_eval_episodes=4",
+            "runner.progress=false",
+            "env.render_size=32",
+        ]
+    )
     assert rc == 0
     run = tmp_path / "mujoco_reach_ppo"
     summary = json.loads((run / "metrics.json").read_text())
     assert summary["final"]["eval/episodes"] == 4 and (run / "last" / "model.safetensors").exists()
     assert "simulator: mujoco" in (run / "config.yaml").read_text()
-    assert main(["eval", str(run / "last"), "--episodes", "2"]) == 0  # rebuilds the MuJoCo env from the run
+    assert (
+        main(["eval", str(run / "last"), "--episodes", "2"]) == 0
+    )  # rebuilds the MuJoCo env from the run
 
 
 def test_an_unknown_simulator_is_a_config_error(capsys):

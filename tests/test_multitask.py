@@ -2,13 +2,21 @@
 its own task's instruction; actions and resets reach the right task."""
 
 import torch
+from embodied.simulators.maniskill import ManiSkillConfig
 
 from embodied.multitask import MultiTaskEnv, make_env
 from embodied.schema import check_env
-from embodied.simulators.maniskill import ManiSkillConfig
 
-CFG = ManiSkillConfig(tasks=["PushCube-v1", "PullCube-v1"], obs_mode="rgb", num_envs=4, num_workers=2, image_size=32,
-                      render_size=32, control_mode="pd_joint_delta_pos", max_episode_steps=6)
+CFG = ManiSkillConfig(
+    tasks=["PushCube-v1", "PullCube-v1"],
+    obs_mode="rgb",
+    num_envs=4,
+    num_workers=2,
+    image_size=32,
+    render_size=32,
+    control_mode="pd_joint_delta_pos",
+    max_episode_steps=6,
+)
 
 
 def test_two_tasks_pass_the_contract_with_their_instructions():

@@ -10,20 +10,43 @@ import torch
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 
-from embodied.robots.arm import JOINTS, ArmConfig, RobotEnv, RobotError, connect, default_safety, from_radians, make_robot  # noqa: E402
-from embodied.robots.servo_port import DynamixelPort, FeetechPort, attach, rad_to_ticks, ticks_to_rad  # noqa: E402
+from embodied.robots.arm import (
+    JOINTS,
+    ArmConfig,
+    RobotEnv,
+    RobotError,
+    connect,
+    default_safety,
+    from_radians,
+    make_robot,
+)  # noqa: E402
 from embodied.robots.kinematics import tool_point  # noqa: E402
 from embodied.robots.safety import SafetyLayer  # noqa: E402
+from embodied.robots.servo_port import (
+    DynamixelPort,
+    FeetechPort,
+    attach,
+    rad_to_ticks,
+    ticks_to_rad,
+)  # noqa: E402
+
 from embodied.schema import check_env  # noqa: E402
 
 TICK = 2 * math.pi / 4096  # one encoder tick in radians
-BUS = 2 * TICK  # LeRobot's degrees <-> ticks (360/4095 per tick, truncating) is within 2 ticks of exact
+BUS = (
+    2 * TICK
+)  # LeRobot's degrees <-> ticks (360/4095 per tick, truncating) is within 2 ticks of exact
 
 
 def twin_env(tmp_path, **overrides):
     from embodied.twin import make_twin_robot
 
-    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"), instruction="pick up the cube", **overrides)
+    cfg = ArmConfig(
+        robot="so101-sim",
+        calibration_dir=str(tmp_path / "cal"),
+        instruction="pick up the cube",
+        **overrides,
+    )
     robot, twin, port = make_twin_robot(cfg)
     connect(robot, cfg)
     return RobotEnv(robot, cfg, SafetyLayer(default_safety(robot, cfg))), twin, port
@@ -42,7 +65,6 @@ def sent_radians(port: FeetechPort) -> np.ndarray:
 
 def test_forward_kinematics_matches_the_mujoco_arm():
     import mujoco
-
     from embodied.simulators.mujoco.arm import RANGES, scene
 
     model = mujoco.MjModel.from_xml_string(scene(""))
@@ -59,11 +81,17 @@ def test_forward_kinematics_matches_the_mujoco_arm():
 def test_lerobot_bus_reads_and_writes_through_the_software_port():
     # LeRobot's FeetechMotorsBus, unchanged, against ideal servos: ping/model/firmware handshake,
     # register writes, sync write of goals and sync read of positions, raw ticks both ways
-    
+
     from lerobot.motors import Motor, MotorNormMode
     from lerobot.motors.feetech import FeetechMotorsBus
 
-    bus = FeetechMotorsBus("fake", {"a": Motor(1, "sts3215", MotorNormMode.DEGREES), "b": Motor(2, "sts3215", MotorNormMode.DEGREES)})
+    bus = FeetechMotorsBus(
+        "fake",
+        {
+            "a": Motor(1, "sts3215", MotorNormMode.DEGREES),
+            "b": Motor(2, "sts3215", MotorNormMode.DEGREES),
+        },
+    )
     port = FeetechPort({1: (1000, 3000), 2: (500, 3500)})
     attach(bus, port)
     bus.connect()
@@ -79,12 +107,18 @@ def test_lerobot_bus_reads_and_writes_through_the_software_port():
 
 
 def test_twin_connects_with_lerobots_calibration_and_passes_the_contract(tmp_path):
-    env, twin, port = twin_env(tmp_path, cameras={"front": "", "wrist": ""}, image_size=48, max_episode_steps=4)
+    env, twin, port = twin_env(
+        tmp_path, cameras={"front": "", "wrist": ""}, image_size=48, max_episode_steps=4
+    )
     try:
         twin.frozen = True  # the simulated arm stands still while we compare
         obs = env.reset()
-        assert obs.images["front"].shape == (1, 48, 48, 3) and obs.images["wrist"].dtype == torch.uint8
-        np.testing.assert_allclose(obs.state[0, :6].numpy(), twin.joints(), atol=2 * TICK)  # radians, via degrees and ticks
+        assert (
+            obs.images["front"].shape == (1, 48, 48, 3) and obs.images["wrist"].dtype == torch.uint8
+        )
+        np.testing.assert_allclose(
+            obs.state[0, :6].numpy(), twin.joints(), atol=2 * TICK
+        )  # radians, via degrees and ticks
         twin.frozen = False
         assert env.spec.action.space == "joint_pos" and env.spec.obs.privileged == {}
         check_env(env, seed=0, deterministic=False)  # a physical scene cannot be reset to a seed
@@ -104,7 +138,9 @@ def test_each_safety_limit_reaches_the_bus_clipped_never_raw(tmp_path):
         command(env, far)
         np.testing.assert_allclose(sent_radians(port)[0], start[0] + safety.max_step[0], atol=BUS)
         assert env.interventions == ["joint_limit", "rate_limit"]
-        np.testing.assert_allclose(sent_radians(port)[1:], start[1:], atol=BUS)  # nothing else moved
+        np.testing.assert_allclose(
+            sent_radians(port)[1:], start[1:], atol=BUS
+        )  # nothing else moved
         # walking to the limit never passes it
         for _ in range(80):
             command(env, far)
@@ -136,7 +172,9 @@ def test_workspace_box_stops_the_tool_short_of_the_table(tmp_path):
         sent = sent_radians(port)
         assert env.safety.counts["workspace"] > 0
         z = tool_point(sent)[2]
-        assert env.safety.cfg.workspace_low[2] - 0.002 <= z < 0.03  # at the floor of the box, not through it
+        assert (
+            env.safety.cfg.workspace_low[2] - 0.002 <= z < 0.03
+        )  # at the floor of the box, not through it
         assert tool_point(target)[2] < 0  # what was asked would have hit the table
     finally:
         env.close()
@@ -144,19 +182,27 @@ def test_workspace_box_stops_the_tool_short_of_the_table(tmp_path):
 
 def test_a_policy_frame_with_a_mirrored_pan_and_an_offset_elbow(tmp_path):
     # policy = sign * arm + offset: another simulator's conventions, mapped at the policy boundary only
-    env, twin, port = twin_env(tmp_path, joint_signs=(-1, 1, 1, 1, 1, 1), joint_offsets=(0, 0, 0.25, 0, 0, 0))
+    env, twin, port = twin_env(
+        tmp_path, joint_signs=(-1, 1, 1, 1, 1, 1), joint_offsets=(0, 0, 0.25, 0, 0, 0)
+    )
     try:
         twin.frozen = True
         obs = env.reset()
         arm = twin.joints()
-        assert obs.state[0, 0].item() == pytest.approx(-arm[0], abs=BUS) and obs.state[0, 2].item() == pytest.approx(arm[2] + 0.25, abs=BUS)
+        assert obs.state[0, 0].item() == pytest.approx(-arm[0], abs=BUS) and obs.state[
+            0, 2
+        ].item() == pytest.approx(arm[2] + 0.25, abs=BUS)
         twin.frozen = False
         target = obs.state[0, :6].numpy().astype(np.float64)
         target[0] += 0.04  # +pan in the policy's frame ...
         command(env, target)
-        assert sent_radians(port)[0] == pytest.approx(arm[0] - 0.04, abs=BUS)  # ... is -pan on the arm
+        assert sent_radians(port)[0] == pytest.approx(
+            arm[0] - 0.04, abs=BUS
+        )  # ... is -pan on the arm
         low, high = env.spec.action.bounds()
-        assert low[0].item() == pytest.approx(-env.safety.high[0]) and high[2].item() == pytest.approx(env.safety.high[2] + 0.25)
+        assert low[0].item() == pytest.approx(-env.safety.high[0]) and high[
+            2
+        ].item() == pytest.approx(env.safety.high[2] + 0.25)
     finally:
         env.close()
 
@@ -165,7 +211,10 @@ def test_an_uncalibrated_arm_is_refused_with_the_calibration_command(tmp_path):
     cfg = ArmConfig(robot="so101", port="/dev/ttyFAKE0", id="nobody", calibration_dir=str(tmp_path))
     robot = make_robot(cfg)
     attach(robot.bus, FeetechPort({i: (0, 4095) for i in range(1, 7)}))
-    with pytest.raises(RobotError, match="lerobot-calibrate --robot.type=so101_follower --robot.port=/dev/ttyFAKE0 --robot.id=nobody"):
+    with pytest.raises(
+        RobotError,
+        match="lerobot-calibrate --robot.type=so101_follower --robot.port=/dev/ttyFAKE0 --robot.id=nobody",
+    ):
         connect(robot, cfg)  # would prompt on stdin if it tried LeRobot's interactive calibration
 
 
@@ -175,10 +224,24 @@ def test_koch_arm_on_dynamixel_servos_passes_the_contract_with_its_limits(tmp_pa
     import json
 
     ranges = {i: (2048 - 900, 2048 + 900) for i in range(1, 7)}
-    cal = {j: {"id": i + 1, "drive_mode": 0, "homing_offset": 0, "range_min": ranges[i + 1][0], "range_max": ranges[i + 1][1]}
-           for i, j in enumerate(JOINTS)}
+    cal = {
+        j: {
+            "id": i + 1,
+            "drive_mode": 0,
+            "homing_offset": 0,
+            "range_min": ranges[i + 1][0],
+            "range_max": ranges[i + 1][1],
+        }
+        for i, j in enumerate(JOINTS)
+    }
     (tmp_path / "koch.json").write_text(json.dumps(cal))
-    cfg = ArmConfig(robot="koch", port="/dev/ttyFAKE1", id="koch", calibration_dir=str(tmp_path), max_episode_steps=3)
+    cfg = ArmConfig(
+        robot="koch",
+        port="/dev/ttyFAKE1",
+        id="koch",
+        calibration_dir=str(tmp_path),
+        max_episode_steps=3,
+    )
     robot = make_robot(cfg)
     models = {1: 1060, 2: 1060, 3: 1200, 4: 1200, 5: 1200, 6: 1200}  # XL430-W250 x2, XL330-M288 x4
     port = DynamixelPort(ranges, model_numbers=models)
@@ -192,9 +255,14 @@ def test_koch_arm_on_dynamixel_servos_passes_the_contract_with_its_limits(tmp_pa
         far[1] = -10.0
         command(env, far)
         goal = ticks_to_rad(port.goal_writes()[-1][2])
-        assert goal == pytest.approx(env.safety.last[1], abs=BUS) and env.interventions == ["joint_limit", "rate_limit"]
+        assert goal == pytest.approx(env.safety.last[1], abs=BUS) and env.interventions == [
+            "joint_limit",
+            "rate_limit",
+        ]
         # the calibrated range of motion (900 ticks each way) less the margin, in radians
-        assert env.safety.high[0] == pytest.approx(900 * 2 * math.pi / 4095 - cfg.joint_margin, abs=1e-6)
+        assert env.safety.high[0] == pytest.approx(
+            900 * 2 * math.pi / 4095 - cfg.joint_margin, abs=1e-6
+        )
     finally:
         env.close()
 
@@ -209,5 +277,7 @@ def test_bad_robot_config_is_a_clear_error():
 def test_unit_conversions_round_trip():
     q = np.array([0.1, -0.2, 0.3, -0.4, 0.5, 0.85])
     values = from_radians(q, (0.0, 1.7))
-    assert values["gripper.pos"] == pytest.approx(50.0) and values["shoulder_pan.pos"] == pytest.approx(math.degrees(0.1))
+    assert values["gripper.pos"] == pytest.approx(50.0) and values[
+        "shoulder_pan.pos"
+    ] == pytest.approx(math.degrees(0.1))
     assert rad_to_ticks(0.0) == 2048 and abs(ticks_to_rad(rad_to_ticks(1.0)) - 1.0) <= TICK / 2

@@ -7,12 +7,15 @@ import urllib.request
 
 import numpy as np
 import pytest
+from embodied.robots.server import PolicyClient, PolicyServer, pack, unpack
 from websockets.sync.client import connect
 
-from embodied.robots.server import PolicyClient, PolicyServer, pack, unpack
-
-CONTRACT = {"action": {"space": "joint_pos", "names": ["a", "b"]}, "state_names": ["a.pos", "b.pos"], "cameras": [],
-            "normalization": "v1"}
+CONTRACT = {
+    "action": {"space": "joint_pos", "names": ["a", "b"]},
+    "state_names": ["a.pos", "b.pos"],
+    "cameras": [],
+    "normalization": "v1",
+}
 
 
 def doubling(obs):  # a chunk of 3 actions that shows which request it answers
@@ -21,7 +24,9 @@ def doubling(obs):  # a chunk of 3 actions that shows which request it answers
 
 @pytest.fixture
 def server():
-    s = PolicyServer(doubling, CONTRACT, port=0, queue_size=8, max_bytes=4096).start()  # one request in flight per client
+    s = PolicyServer(
+        doubling, CONTRACT, port=0, queue_size=8, max_bytes=4096
+    ).start()  # one request in flight per client
     yield s
     s.stop()
 
@@ -33,10 +38,14 @@ def url(s):
 def test_handshake_inference_timing_and_health(server):
     client = PolicyClient(url(server), CONTRACT)
     try:
-        out = client.infer({"state": np.array([1.0, -2.0], np.float32), "images": {}, "instruction": "x"})
+        out = client.infer(
+            {"state": np.array([1.0, -2.0], np.float32), "images": {}, "instruction": "x"}
+        )
         np.testing.assert_array_equal(out, [[2.0, -4.0]] * 3)
         assert out.dtype == np.float32 and set(client.last_timing) == {"queue_ms", "infer_ms"}
-        health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=5).read())
+        health = json.loads(
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=5).read()
+        )
         assert health["ok"] and health["contract"] == CONTRACT and health["clients"] == 1
     finally:
         client.close()
@@ -54,7 +63,9 @@ def test_eight_concurrent_clients_each_get_their_own_answers(server):
     def run(i):
         try:
             c = PolicyClient(url(server), CONTRACT)
-            answers[i] = [float(c.infer({"state": np.array([i, k], np.float32)})[0, 1]) for k in range(5)]
+            answers[i] = [
+                float(c.infer({"state": np.array([i, k], np.float32)})[0, 1]) for k in range(5)
+            ]
             c.close()
         except Exception as e:  # reported below
             errors.append(e)
@@ -75,7 +86,9 @@ def test_malformed_and_oversized_requests_get_error_replies_and_service_goes_on(
         assert "malformed" in unpack(ws.recv(timeout=5))["error"]
         ws.send("a text frame")
         assert "refused" in unpack(ws.recv(timeout=5))["error"]
-        ws.send(pack({"type": "infer", "obs": {"state": np.zeros(2000, np.float32)}}))  # 8 KB > 4 KB
+        ws.send(
+            pack({"type": "infer", "obs": {"state": np.zeros(2000, np.float32)}})
+        )  # 8 KB > 4 KB
         assert "refused" in unpack(ws.recv(timeout=5))["error"]
         ws.send(pack({"type": "infer", "id": 7, "obs": {"state": np.ones(2, np.float32)}}))
         reply = unpack(ws.recv(timeout=5))
@@ -96,7 +109,9 @@ def test_a_client_that_disconnects_mid_request_does_not_hurt_others():
         ws.send(pack({"type": "infer", "id": 1, "obs": {"state": np.ones(2, np.float32)}}))
         ws.close()  # gone before the answer
         client = PolicyClient(url(s), CONTRACT, timeout_s=5)
-        np.testing.assert_array_equal(client.infer({"state": np.array([3.0, 4.0], np.float32)})[0], [6.0, 8.0])
+        np.testing.assert_array_equal(
+            client.infer({"state": np.array([3.0, 4.0], np.float32)})[0], [6.0, 8.0]
+        )
         client.close()
     finally:
         s.stop()
@@ -115,12 +130,18 @@ def test_a_flood_is_shed_with_busy_replies_not_queued_without_bound():
             with connect(url(s)) as ws:
                 ws.send(pack({"type": "hello", "contract": CONTRACT}))
                 ws.recv(timeout=5)
-                for k in range(n):  # sent without waiting; one connection's are answered in order...
-                    ws.send(pack({"type": "infer", "id": k, "obs": {"state": np.ones(2, np.float32)}}))
+                for k in range(
+                    n
+                ):  # sent without waiting; one connection's are answered in order...
+                    ws.send(
+                        pack({"type": "infer", "id": k, "obs": {"state": np.ones(2, np.float32)}})
+                    )
                 for _ in range(n):
                     replies.append(unpack(ws.recv(timeout=10)))
 
-        threads = [threading.Thread(target=flood, args=(10,)) for _ in range(6)]  # ...60 in flight at once
+        threads = [
+            threading.Thread(target=flood, args=(10,)) for _ in range(6)
+        ]  # ...60 in flight at once
         [t.start() for t in threads]
         [t.join(30) for t in threads]
         kinds = [r["type"] if r["type"] == "chunk" else r["error"] for r in replies]

@@ -11,11 +11,32 @@ from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
 from embodied.dataset import LeRobotWriter
 
-ENV = dict(task="PushCube-v1", obs_mode="rgb", control_mode="pd_joint_delta_pos", max_episode_steps=5, num_envs=2,
-           num_workers=1, image_size=32, render_size=32, ignore_terminations=True)
-TINY_VLA = dict(name="vla", head="gaussian", chunk_size=2, d_model=32, layers=1, heads=2, vision_pretrained=False,
-                vision_width=0.25, vision_depth=0.25, text_pretrained=False, text_hidden=32, text_layers=1,
-                freeze_vision=True)
+ENV = dict(
+    task="PushCube-v1",
+    obs_mode="rgb",
+    control_mode="pd_joint_delta_pos",
+    max_episode_steps=5,
+    num_envs=2,
+    num_workers=1,
+    image_size=32,
+    render_size=32,
+    ignore_terminations=True,
+)
+TINY_VLA = dict(
+    name="vla",
+    head="gaussian",
+    chunk_size=2,
+    d_model=32,
+    layers=1,
+    heads=2,
+    vision_pretrained=False,
+    vision_width=0.25,
+    vision_depth=0.25,
+    text_pretrained=False,
+    text_hidden=32,
+    text_layers=1,
+    freeze_vision=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,33 +44,65 @@ def dataset(tmp_path_factory):
     rng = np.random.default_rng(0)
     root = tmp_path_factory.mktemp("data") / "pushcube"
     names = [f"a{i}" for i in range(8)]
-    w = LeRobotWriter(root, fps=20, cameras={"base_camera": (32, 32)}, state_names=[f"s{i}" for i in range(25)],
-                      action_names=names, source={"simulator": "maniskill", "task": "PushCube-v1"})
+    w = LeRobotWriter(
+        root,
+        fps=20,
+        cameras={"base_camera": (32, 32)},
+        state_names=[f"s{i}" for i in range(25)],
+        action_names=names,
+        source={"simulator": "maniskill", "task": "PushCube-v1"},
+    )
     for _ in range(3):
         T = 6
-        actions = np.concatenate([rng.uniform(-0.05, 0.05, (T, 7)), rng.uniform(0.0, 0.02, (T, 1))], 1).astype(np.float32)
-        w.add_episode(images={"base_camera": rng.integers(0, 256, (T, 32, 32, 3), dtype=np.uint8)},
-                      state=rng.normal(size=(T, 25)).astype(np.float32), actions=actions,
-                      rewards=np.zeros(T, np.float32), success=np.arange(T) == T - 1, task="push the cube to the red and white target")
+        actions = np.concatenate(
+            [rng.uniform(-0.05, 0.05, (T, 7)), rng.uniform(0.0, 0.02, (T, 1))], 1
+        ).astype(np.float32)
+        w.add_episode(
+            images={"base_camera": rng.integers(0, 256, (T, 32, 32, 3), dtype=np.uint8)},
+            state=rng.normal(size=(T, 25)).astype(np.float32),
+            actions=actions,
+            rewards=np.zeros(T, np.float32),
+            success=np.arange(T) == T - 1,
+            task="push the cube to the red and white target",
+        )
     return w.close()
 
 
 def test_sft_trains_evaluates_and_saves_a_loadable_checkpoint(tmp_path, dataset, capsys):
     cfg = tmp_path / "sft.yaml"
-    cfg.write_text(json.dumps({"datasets": [str(dataset)], "env": ENV, "policy": TINY_VLA, "steps": 12, "batch_size": 4,
-                               "warmup_steps": 2, "runner": {"name": "sft", "output_dir": str(tmp_path), "eval_episodes": 2,
-                                                             "progress": False}}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "datasets": [str(dataset)],
+                "env": ENV,
+                "policy": TINY_VLA,
+                "steps": 12,
+                "batch_size": 4,
+                "warmup_steps": 2,
+                "runner": {
+                    "name": "sft",
+                    "output_dir": str(tmp_path),
+                    "eval_episodes": 2,
+                    "progress": False,
+                },
+            }
+        )
+    )
     assert main(["sft", str(cfg)]) == 0
     summary = json.loads((tmp_path / "sft" / "metrics.json").read_text())
     assert summary["steps"] == 12
     result = summary["final"]["PushCube-v1"]
     assert result["eval/episodes"] == 2 and 0.0 <= result["eval/success_rate"] <= 1.0
-    losses = [json.loads(line)["sft/loss"] for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
-              if "sft/loss" in line]
+    losses = [
+        json.loads(line)["sft/loss"]
+        for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
+        if "sft/loss" in line
+    ]
     assert len(losses) == 2 and all(np.isfinite(losses))
     # normalization statistics from the data are inside the checkpoint
     ckpt = load_checkpoint(tmp_path / "sft" / "last", with_trainer_state=False)
     from embodied.dataset import DemoDataset
+
     actions = DemoDataset.load(dataset).actions
     torch.testing.assert_close(ckpt["model"]["action_q99"], torch.quantile(actions, 0.99, dim=0))
     torch.testing.assert_close(ckpt["model"]["state_mean"], DemoDataset.load(dataset).state.mean(0))
@@ -72,5 +125,11 @@ def test_few_shot_sft_keeps_the_first_episodes(dataset):
     from embodied.sft import _load
 
     assert len(_load([str(dataset)]).data) == 18
-    frames = _load([str(dataset), str(dataset)], episodes=2)  # two datasets, 2 episodes of 6 frames each
-    assert len(frames.data) == 24 and frames.data.ends.tolist() == [6, 12, 18, 24] and len(frames.instructions) == 24
+    frames = _load(
+        [str(dataset), str(dataset)], episodes=2
+    )  # two datasets, 2 episodes of 6 frames each
+    assert (
+        len(frames.data) == 24
+        and frames.data.ends.tolist() == [6, 12, 18, 24]
+        and len(frames.instructions) == 24
+    )

@@ -12,17 +12,35 @@ from embodied.cli import main
 from embodied.config import load_config
 from embodied.trainer import TrainConfig, train
 
-TINY = ["env.num_envs=2", "env.num_workers=1", "env.render_size=64", "algorithm.num_steps=8",
-        "algorithm.update_epochs=2", "algorithm.num_minibatches=2", "policy.hidden_sizes=[32,32]",
-        "runner.eval_every=2", "runner.eval_episodes=2", "runner.final_eval_episodes=2", "runner.save_every=1",
-        "runner.progress=false"]
+TINY = [
+    "env.num_envs=2",
+    "env.num_workers=1",
+    "env.render_size=64",
+    "algorithm.num_steps=8",
+    "algorithm.update_epochs=2",
+    "algorithm.num_minibatches=2",
+    "policy.hidden_sizes=[32,32]",
+    "runner.eval_every=2",
+    "runner.eval_episodes=2",
+    "runner.final_eval_episodes=2",
+    "runner.save_every=1",
+    "runner.progress=false",
+]
 STEPS_PER_ITER = 2 * 8
 
 
 def tiny_config(tmp_path, name, iterations, extra=()):
-    cfg, _ = load_config(TrainConfig, "configs/maniskill/pushcube_ppo.yaml",
-                         TINY + [f"runner.output_dir={tmp_path}", f"runner.name={name}",
-                                 f"runner.total_env_steps={iterations * STEPS_PER_ITER}", *extra])
+    cfg, _ = load_config(
+        TrainConfig,
+        "configs/maniskill/pushcube_ppo.yaml",
+        TINY
+        + [
+            f"runner.output_dir={tmp_path}",
+            f"runner.name={name}",
+            f"runner.total_env_steps={iterations * STEPS_PER_ITER}",
+            *extra,
+        ],
+    )
     return cfg
 
 
@@ -50,35 +68,61 @@ def runs(tmp_path_factory):
         with pytest.raises(KeyboardInterrupt):
             train(tiny_config(tmp, "split", 3, ["runner.save_every=0"]))
     assert load_checkpoint(tmp / "split")["counters"]["iteration"] == 2  # saved on the interrupt
-    resumed = train(tiny_config(tmp, "ignored", 3, ["runner.save_every=0", f"runner.resume={tmp / 'split'}"]))
+    resumed = train(
+        tiny_config(tmp, "ignored", 3, ["runner.save_every=0", f"runner.resume={tmp / 'split'}"])
+    )
     return tmp, full, resumed
 
 
 def test_run_directory_holds_everything(runs):
     tmp, full, _ = runs
     run = tmp / "full"
-    for path in ("config.yaml", "metrics.json", "metrics.jsonl", "last/model.safetensors", "last/trainer.pt",
-                 "last/meta.json", "videos/final_eval.mp4"):
+    for path in (
+        "config.yaml",
+        "metrics.json",
+        "metrics.jsonl",
+        "last/model.safetensors",
+        "last/trainer.pt",
+        "last/meta.json",
+        "videos/final_eval.mp4",
+    ):
         assert (run / path).is_file(), path
     assert list((run / "tb").glob("events.out.tfevents.*"))
     assert (run / "videos/final_eval.mp4").stat().st_size > 1000
     metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["final"]["eval/episodes"] == 2 and 0.0 <= metrics["final"]["eval/success_rate"] <= 1.0
+    assert (
+        metrics["final"]["eval/episodes"] == 2
+        and 0.0 <= metrics["final"]["eval/success_rate"] <= 1.0
+    )
     assert metrics["final"]["env_steps"] == 3 * STEPS_PER_ITER
     assert [e["iteration"] for e in metrics["evals"]] == [2]
     ckpt = load_checkpoint(run)
     assert ckpt["counters"]["iteration"] == 3 and "state_encoder.norm.mean" in ckpt["model"]
-    assert float(ckpt["model"]["state_encoder.norm.count"]) == 3 * STEPS_PER_ITER  # statistics saved
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "iter_000002", "iter_000003"]
+    assert (
+        float(ckpt["model"]["state_encoder.norm.count"]) == 3 * STEPS_PER_ITER
+    )  # statistics saved
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "iter_000001",
+        "iter_000002",
+        "iter_000003",
+    ]
 
 
 def test_resume_continues_the_run_and_reproduces_the_next_losses(runs):
     tmp, full, resumed = runs
-    assert resumed["run_dir"] == str(tmp / "split")  # the resumed run keeps writing to its directory
+    assert resumed["run_dir"] == str(
+        tmp / "split"
+    )  # the resumed run keeps writing to its directory
     a, b = iteration_rows(tmp / "full"), iteration_rows(tmp / "split")
     assert sorted(b) == [1, 2, 3]
     for it in (1, 2, 3):
-        for key in ("policy/loss", "value/loss", "policy/entropy", "policy/approx_kl", "value/explained_variance"):
+        for key in (
+            "policy/loss",
+            "value/loss",
+            "policy/entropy",
+            "policy/approx_kl",
+            "value/explained_variance",
+        ):
             assert a[it][key] == b[it][key], (it, key)
     assert load_checkpoint(tmp / "split")["counters"]["env_steps"] == 3 * STEPS_PER_ITER
 
@@ -87,16 +131,25 @@ def test_cli_eval_of_a_checkpoint(runs, capsys):
     tmp, _, _ = runs
     assert main(["eval", str(tmp / "full" / "last"), "--episodes", "3", "--video"]) == 0
     out = capsys.readouterr().out
-    result = json.loads(out[out.index("{"):])
+    result = json.loads(out[out.index("{") :])
     assert result["eval/episodes"] == 3
     ckpt_dir = load_checkpoint(tmp / "full")["path"]
     assert (ckpt_dir / "eval.json").is_file() and (ckpt_dir / "eval_3.mp4").stat().st_size > 1000
 
 
 def test_cli_help_and_errors(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "embodied.cli", "--help"], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "embodied.cli", "--help"], capture_output=True, text=True
+    )
     assert res.returncode == 0 and "train" in res.stdout and "eval" in res.stdout
     assert main(["eval", str(tmp_path / "no_such_run")]) == 2
-    res = subprocess.run([sys.executable, "-m", "embodied.cli", "train", str(tmp_path / "missing.yaml")],
-                         capture_output=True, text=True)
-    assert res.returncode == 2 and "config file not found" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run(
+        [sys.executable, "-m", "embodied.cli", "train", str(tmp_path / "missing.yaml")],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        res.returncode == 2
+        and "config file not found" in res.stderr
+        and "Traceback" not in res.stderr
+    )

@@ -1,6 +1,20 @@
 """Vision-language-action policies: backbones, action heads, the VLA policy."""
 
-from embodied.models.vla.heads import HEADS, LEVELS, DiscreteTokenHead, FlowMatchingHead, GaussianChunkHead
+from embodied.models.vla.heads import (
+    HEADS,
+    LEVELS,
+    DiscreteTokenHead,
+    FlowMatchingHead,
+    GaussianChunkHead,
+)
 from embodied.models.vla.policy import VLA, VLAConfig
 
-__all__ = ["HEADS", "LEVELS", "VLA", "VLAConfig", "DiscreteTokenHead", "FlowMatchingHead", "GaussianChunkHead"]
+__all__ = [
+    "HEADS",
+    "LEVELS",
+    "VLA",
+    "VLAConfig",
+    "DiscreteTokenHead",
+    "FlowMatchingHead",
+    "GaussianChunkHead",
+]

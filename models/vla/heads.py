@@ -82,11 +82,15 @@ class DiscreteTokenHead(nn.Module):
         self.logits = nn.Linear(d_model, action_dim * bins)
         nn.init.normal_(self.logits.weight, std=0.01)
         nn.init.zeros_(self.logits.bias)
-        self.register_buffer("centers", torch.linspace(-1 + 1 / bins, 1 - 1 / bins, bins), persistent=False)
+        self.register_buffer(
+            "centers", torch.linspace(-1 + 1 / bins, 1 - 1 / bins, bins), persistent=False
+        )
 
     def _log_softmax(self, ctx):
         B, K, _ = ctx.shape
-        return torch.log_softmax(self.logits(ctx).view(B, K, self.A, self.bins), dim=-1)  # f32 [B, K, A, bins]
+        return torch.log_softmax(
+            self.logits(ctx).view(B, K, self.A, self.bins), dim=-1
+        )  # f32 [B, K, A, bins]
 
     def tokenize(self, a: torch.Tensor) -> torch.Tensor:
         """Normalized actions f32 [...] -> bin indices long [...]."""
@@ -97,7 +101,9 @@ class DiscreteTokenHead(nn.Module):
         if deterministic:
             tokens = logp_all.argmax(-1)
         else:
-            tokens = torch.multinomial(logp_all.exp().view(-1, self.bins), 1).view(logp_all.shape[:-1])
+            tokens = torch.multinomial(logp_all.exp().view(-1, self.bins), 1).view(
+                logp_all.shape[:-1]
+            )
         logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # f32 [B, K, A]
         return self.centers[tokens], logp, {"tokens": tokens}
 
@@ -115,7 +121,9 @@ class DiscreteTokenHead(nn.Module):
         return loss, {"sft/ce": loss.detach(), "sft/token_accuracy": acc.detach()}
 
 
-def sample_flow_chain(step_mean, x0: torch.Tensor, log_sigma: torch.Tensor, steps: int, deterministic: bool):
+def sample_flow_chain(
+    step_mean, x0: torch.Tensor, log_sigma: torch.Tensor, steps: int, deterministic: bool
+):
     """Run a stochastic flow from x0 f32 [B, K, A]: x_{i+1} = step_mean(x_i, i) + sigma * eps (no noise
     when deterministic). -> (x_N, log p of the transitions f32 [B, K, A], chain f32 [B, N+1, K, A])."""
     x, chain, logp = x0, [x0], torch.zeros_like(x0)
@@ -152,12 +160,25 @@ class FlowMatchingHead(nn.Module):
     Deterministic: x_0 = 0 and no injected noise (the ODE from the prior's mean).
     """
 
-    def __init__(self, d_model: int, action_dim: int, *, steps: int = 5, hidden: int = 256, time_dim: int = 32,
-                 init_noise_std: float = 0.1):
+    def __init__(
+        self,
+        d_model: int,
+        action_dim: int,
+        *,
+        steps: int = 5,
+        hidden: int = 256,
+        time_dim: int = 32,
+        init_noise_std: float = 0.1,
+    ):
         super().__init__()
         self.steps, self.time_dim = steps, time_dim
-        self.net = nn.Sequential(nn.Linear(action_dim + time_dim + d_model, hidden), nn.GELU(),
-                                 nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, action_dim))
+        self.net = nn.Sequential(
+            nn.Linear(action_dim + time_dim + d_model, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, action_dim),
+        )
         self.log_sigma = nn.Parameter(torch.full((action_dim,), math.log(init_noise_std)))
 
     def velocity(self, x: torch.Tensor, tau: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,11 @@ class ImagesOnlyProcessor:
 
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
-        extra = json.loads((path / "processor_config.json").read_text()) if (path / "processor_config.json").exists() else {}
+        extra = (
+            json.loads((path / "processor_config.json").read_text())
+            if (path / "processor_config.json").exists()
+            else {}
+        )
         self.image_token = getattr(self.tokenizer, "image_token", None) or extra.get("image_token")
         if self.image_token is None:
             for candidate in ("<|image_pad|>", "<image>"):
@@ -40,8 +44,12 @@ class ImagesOnlyProcessor:
                     self.image_token = candidate
                     break
         if self.image_token is None:
-            raise ValueError(f"{path}: cannot tell this model's image placeholder token; install its full processor")
-        self.image_seq_length = getattr(self.image_processor, "image_seq_length", None) or extra.get("image_seq_len")
+            raise ValueError(
+                f"{path}: cannot tell this model's image placeholder token; install its full processor"
+            )
+        self.image_seq_length = getattr(
+            self.image_processor, "image_seq_length", None
+        ) or extra.get("image_seq_len")
 
     def _tokens_per_image(self, image_inputs, n_images: int) -> list[int]:
         if "image_grid_thw" in image_inputs:  # Qwen2-VL family: one token per merged patch
@@ -49,18 +57,33 @@ class ImagesOnlyProcessor:
             return (image_inputs["image_grid_thw"].prod(-1) // (merge * merge)).tolist()
         if self.image_seq_length:
             return [int(self.image_seq_length)] * n_images
-        raise ValueError("cannot tell how many tokens an image takes for this model; install its full processor")
+        raise ValueError(
+            "cannot tell how many tokens an image takes for this model; install its full processor"
+        )
 
-    def __call__(self, *, text: list[str], images: list[list[np.ndarray]], return_tensors: str = "pt", padding=True):
+    def __call__(
+        self,
+        *,
+        text: list[str],
+        images: list[list[np.ndarray]],
+        return_tensors: str = "pt",
+        padding=True,
+    ):
         flat = [im for sample in images for im in sample]
         # one global image per camera (SmolVLM would tile large images into crops with their own tokens)
-        options = {"do_image_splitting": False} if hasattr(self.image_processor, "do_image_splitting") else {}
+        options = (
+            {"do_image_splitting": False}
+            if hasattr(self.image_processor, "do_image_splitting")
+            else {}
+        )
         image_inputs = self.image_processor(images=flat, return_tensors=return_tensors, **options)
         counts = iter(self._tokens_per_image(image_inputs, len(flat)))
         expanded = []
         for prompt in text:
             parts = prompt.split(self.image_token)
-            expanded.append(parts[0] + "".join(self.image_token * next(counts) + p for p in parts[1:]))
+            expanded.append(
+                parts[0] + "".join(self.image_token * next(counts) + p for p in parts[1:])
+            )
         text_inputs = self.tokenizer(expanded, return_tensors=return_tensors, padding=padding)
         return {**text_inputs, **image_inputs}
 
@@ -83,10 +106,14 @@ class HFVisionLanguage(nn.Module):
 
         path = Path(path)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"policy.vlm_path: {path} is not a model directory (config.json, weights and "
-                                    "processor files, as save_pretrained writes them)")
+            raise FileNotFoundError(
+                f"policy.vlm_path: {path} is not a model directory (config.json, weights and "
+                "processor files, as save_pretrained writes them)"
+            )
         self.processor = load_processor(path)
-        full = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        full = AutoModelForImageTextToText.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32
+        )
         self.model = full.model  # without the LM head: hidden states only
         self.out_dim = full.config.get_text_config().hidden_size
         self.image_token = self.processor.image_token
@@ -105,14 +132,20 @@ class HFVisionLanguage(nn.Module):
         self.model.eval()  # no dropout: act() and evaluate() must agree
         return self
 
-    def forward(self, images: list[torch.Tensor], instructions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, images: list[torch.Tensor], instructions: list[str]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """images: one uint8 [B, H, W, 3] per camera; instructions: B strings."""
         device = images[0].device
         frames = [cam.cpu().numpy() for cam in images]  # the processors take host images
         prompts = [self.image_prompt * len(images) + text for text in instructions]
         per_sample = [[f[b] for f in frames] for b in range(len(instructions))]
         inputs = self.processor(text=prompts, images=per_sample, return_tensors="pt", padding=True)
-        inputs = {k: v.to(device) for k, v in dict(inputs).items() if k != "labels" and isinstance(v, torch.Tensor)}
+        inputs = {
+            k: v.to(device)
+            for k, v in dict(inputs).items()
+            if k != "labels" and isinstance(v, torch.Tensor)
+        }
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze):
             hidden = self.model(**inputs).last_hidden_state  # [B, L, D]
         return hidden.float(), inputs["attention_mask"].bool()

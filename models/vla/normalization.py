@@ -20,8 +20,10 @@ class NormalizedVLA(nn.Module):
         super().__init__()
         unknown = sorted(set(privileged_keys) - set(spec.obs.privileged))
         if unknown:
-            raise ValueError(f"privileged_keys: {unknown} not in the environment's privileged keys "
-                             f"{sorted(spec.obs.privileged)}")
+            raise ValueError(
+                f"privileged_keys: {unknown} not in the environment's privileged keys "
+                f"{sorted(spec.obs.privileged)}"
+            )
         self.use_state = use_state
         self.priv_keys = tuple(sorted(privileged_keys))
         priv_dim = sum(math.prod(spec.obs.privileged[k]) for k in self.priv_keys)
@@ -50,7 +52,9 @@ class NormalizedVLA(nn.Module):
         return (self.state_vector(obs) - self.state_mean) / self.state_std
 
     @torch.no_grad()
-    def set_norm_stats(self, *, state: NormStats | None = None, action: NormStats | None = None) -> None:
+    def set_norm_stats(
+        self, *, state: NormStats | None = None, action: NormStats | None = None
+    ) -> None:
         """Install statistics computed from data (state: mean/std; action: q01/q99)."""
         if state is not None and self.state_dim:
             self.state_mean.copy_(state.mean)
@@ -69,7 +73,9 @@ class NormalizedVLA(nn.Module):
 
     def to_normalized(self, actions: torch.Tensor) -> torch.Tensor:
         """Physical f32 [..., A] -> [-1, 1] (clipped)."""
-        return (2.0 * (actions - self.action_q01) / (self.action_q99 - self.action_q01) - 1.0).clamp(-1.0, 1.0)
+        return (
+            2.0 * (actions - self.action_q01) / (self.action_q99 - self.action_q01) - 1.0
+        ).clamp(-1.0, 1.0)
 
     def update_normalizer(self, obs: Observation) -> None:
         """Statistics come from the demonstrations (``set_norm_stats``), not from rollouts."""

@@ -18,15 +18,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from embodied.models.config import PolicyConfig
+from embodied.models.vla.backbones import EfficientNetLite0, MiniLMText
+from embodied.models.vla.heads import (
+    HEADS,
+    DiscreteTokenHead,
+    FlowMatchingHead,
+    GaussianChunkHead,
+    logprob_at_level,
+)
+from embodied.models.vla.hf_vlm import HFVisionLanguage
+from embodied.models.vla.normalization import NormalizedVLA
 from torch import nn
 
 from embodied.schema import EnvSpec, Observation, PolicyOutput
-from embodied.models.config import PolicyConfig
-from embodied.models.vla.backbones import EfficientNetLite0, MiniLMText
-from embodied.models.vla.hf_vlm import HFVisionLanguage
-from embodied.models.vla.heads import (HEADS, DiscreteTokenHead, FlowMatchingHead, GaussianChunkHead,
-                                       logprob_at_level)
-from embodied.models.vla.normalization import NormalizedVLA
 
 
 @dataclass
@@ -34,7 +39,9 @@ class VLAConfig(PolicyConfig):
     """A vision-language-action policy; sizes default to what trains on a 2-core CPU."""
 
     name: str = "vla"
-    head: str = "gaussian"  # gaussian (continuous chunk) | discrete (256-bin tokens) | flow (flow matching)
+    head: str = (
+        "gaussian"  # gaussian (continuous chunk) | discrete (256-bin tokens) | flow (flow matching)
+    )
     chunk_size: int = 4  # K actions per policy call
     d_model: int = 256  # fusion transformer width
     layers: int = 2  # fusion transformer depth
@@ -45,7 +52,9 @@ class VLAConfig(PolicyConfig):
     # PickCube); a real robot has none, so a deployable policy uses goal inputs it can be given
     privileged_keys: list[str] = field(default_factory=list)
     vision_pretrained: bool = True  # ImageNet EfficientNet-Lite0 weights from its package
-    vision_width: float = 1.0  # < 1 with vision_pretrained=false builds a small random encoder (tests)
+    vision_width: float = (
+        1.0  # < 1 with vision_pretrained=false builds a small random encoder (tests)
+    )
     vision_depth: float = 1.0
     freeze_vision: bool = False  # no gradients into the image encoder (faster updates on CPU)
     text_pretrained: bool = True  # all-MiniLM-L6-v2 from its package
@@ -74,7 +83,9 @@ class VLA(NormalizedVLA):
         cfg.validate()
         cams = spec.obs.cameras
         if not cams:
-            raise ValueError("a VLA needs camera images: use an obs_mode with cameras (e.g. env.obs_mode=rgb)")
+            raise ValueError(
+                "a VLA needs camera images: use an obs_mode with cameras (e.g. env.obs_mode=rgb)"
+            )
         if len({(c.height, c.width) for c in cams}) > 1:
             raise ValueError("all cameras must have the same size (one shared image encoder)")
         super().__init__(spec, use_state=cfg.use_state, privileged_keys=cfg.privileged_keys)
@@ -86,21 +97,32 @@ class VLA(NormalizedVLA):
             self.vlm_proj = nn.Linear(self.vlm.out_dim, d)
         else:
             self.vlm = None
-            self.vision = EfficientNetLite0((cams[0].height, cams[0].width), pretrained=cfg.vision_pretrained,
-                                            width=cfg.vision_width, depth=cfg.vision_depth)
+            self.vision = EfficientNetLite0(
+                (cams[0].height, cams[0].width),
+                pretrained=cfg.vision_pretrained,
+                width=cfg.vision_width,
+                depth=cfg.vision_depth,
+            )
             self.vision.requires_grad_(not cfg.freeze_vision)
             with torch.no_grad():
-                n_patch = self.vision(torch.zeros(1, cams[0].height, cams[0].width, 3, dtype=torch.uint8)).shape[1]
-            self.text = MiniLMText(pretrained=cfg.text_pretrained, hidden=cfg.text_hidden, layers=cfg.text_layers)
+                n_patch = self.vision(
+                    torch.zeros(1, cams[0].height, cams[0].width, 3, dtype=torch.uint8)
+                ).shape[1]
+            self.text = MiniLMText(
+                pretrained=cfg.text_pretrained, hidden=cfg.text_hidden, layers=cfg.text_layers
+            )
             self.text.requires_grad_(not cfg.freeze_text)
             self.vision_proj = nn.Linear(self.vision.out_dim, d)
             self.patch_pos = nn.Parameter(torch.randn(n_patch, d) * 0.02)
             self.camera_emb = nn.Parameter(torch.randn(len(cams), d) * 0.02)
             self.text_proj = nn.Linear(self.text.out_dim, d)
         self.state_proj = nn.Linear(self.state_dim, d) if self.state_dim else None
-        self.queries = nn.Parameter(torch.randn(self.K + 1, d) * 0.02)  # K action queries + 1 value query
-        layer = nn.TransformerEncoderLayer(d, cfg.heads, 4 * d, dropout=0.0, activation="gelu", batch_first=True,
-                                           norm_first=True)
+        self.queries = nn.Parameter(
+            torch.randn(self.K + 1, d) * 0.02
+        )  # K action queries + 1 value query
+        layer = nn.TransformerEncoderLayer(
+            d, cfg.heads, 4 * d, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
         self.fusion = nn.TransformerEncoder(layer, cfg.layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d)
         if cfg.head == "gaussian":
@@ -108,8 +130,12 @@ class VLA(NormalizedVLA):
         elif cfg.head == "discrete":
             self.head = DiscreteTokenHead(d, self.A, cfg.bins)
         else:
-            self.head = FlowMatchingHead(d, self.A, steps=cfg.flow_steps, init_noise_std=cfg.flow_noise_std)
-        self.value_mlp = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1)) if cfg.value_head else None
+            self.head = FlowMatchingHead(
+                d, self.A, steps=cfg.flow_steps, init_noise_std=cfg.flow_noise_std
+            )
+        self.value_mlp = (
+            nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1)) if cfg.value_head else None
+        )
 
     # --- fusion ---------------------------------------------------------------------------------
     @property
@@ -124,28 +150,43 @@ class VLA(NormalizedVLA):
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_vision):
             return self.vision(images)
 
-    def context(self, obs: Observation, features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def context(
+        self, obs: Observation, features: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (action-query outputs f32 [B, K, d], value-query output f32 [B, d]). ``features``:
         precomputed ``image_features(obs)`` (frozen encoder only)."""
         B = obs.batch_size
         pad = None  # bool [B, N]: True where a token is padding (VLM prompts of different lengths)
         if self.vlm is not None:
-            hidden, mask = self.vlm([obs.images[n] for n in self.camera_names], list(obs.instruction))  # [B, L, D]
+            hidden, mask = self.vlm(
+                [obs.images[n] for n in self.camera_names], list(obs.instruction)
+            )  # [B, L, D]
             tokens = [self.vlm_proj(hidden)]
             pad = ~mask
         else:
             feats = self.image_features(obs) if features is None else features  # f32 [C*B, P, 1280]
             vis = self.vision_proj(feats) + self.patch_pos  # f32 [C*B, P, d]
-            vis = vis.view(len(self.camera_names), B, *vis.shape[1:]) + self.camera_emb[:, None, None]
-            tokens = [vis.transpose(0, 1).reshape(B, -1, vis.shape[-1]), self.text_proj(self.text(obs.instruction))[:, None]]
+            vis = (
+                vis.view(len(self.camera_names), B, *vis.shape[1:]) + self.camera_emb[:, None, None]
+            )
+            tokens = [
+                vis.transpose(0, 1).reshape(B, -1, vis.shape[-1]),
+                self.text_proj(self.text(obs.instruction))[:, None],
+            ]
         if self.state_proj is not None:
             tokens.append(self.state_proj(self.normalized_state(obs))[:, None])
         tokens.append(self.queries.expand(B, -1, -1))
         x = torch.cat(tokens, dim=1)
         if pad is not None:
-            pad = torch.cat([pad, torch.zeros(B, x.shape[1] - pad.shape[1], dtype=torch.bool, device=pad.device)], 1)
+            pad = torch.cat(
+                [
+                    pad,
+                    torch.zeros(B, x.shape[1] - pad.shape[1], dtype=torch.bool, device=pad.device),
+                ],
+                1,
+            )
         out = self.norm(self.fusion(x, src_key_padding_mask=pad))  # f32 [B, N, d]
-        return out[:, -self.K - 1:-1], out[:, -1]
+        return out[:, -self.K - 1 : -1], out[:, -1]
 
     def _value(self, v_token: torch.Tensor) -> torch.Tensor | None:
         return self.value_mlp(v_token).squeeze(-1) if self.value_mlp is not None else None
@@ -155,7 +196,12 @@ class VLA(NormalizedVLA):
         ctx, v = self.context(obs)
         a, logp, extras = self.head.sample(ctx, deterministic)  # a f32 [B, K, A] in [-1, 1]
         extras["logp_token"] = logp  # f32 [B, K, A]: finer log-probability levels for the update
-        return PolicyOutput(actions=self.to_physical(a), logprob=logp.sum((1, 2)), value=self._value(v), extras=extras)
+        return PolicyOutput(
+            actions=self.to_physical(a),
+            logprob=logp.sum((1, 2)),
+            value=self._value(v),
+            extras=extras,
+        )
 
     def evaluate(self, obs: Observation, output: PolicyOutput, *, level: str = "chunk"):
         """(logprob, entropy [B], value [B] or None); logprob is f32 [B] (chunk), [B, K] (action)
@@ -170,8 +216,13 @@ class VLA(NormalizedVLA):
             return torch.zeros(obs.batch_size, device=obs.device)
         return self._value(self.context(obs)[1])
 
-    def bc_loss(self, obs: Observation, actions: torch.Tensor, mask: torch.Tensor | None = None,
-                features: torch.Tensor | None = None):
+    def bc_loss(
+        self,
+        obs: Observation,
+        actions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        features: torch.Tensor | None = None,
+    ):
         """Supervised loss on demonstrated chunks: actions f32 [B, K, A] physical, mask f32 [B, K]
         (0 where the chunk runs past the episode's end). -> (loss, metrics)."""
         ctx, _ = self.context(obs, features)

@@ -31,11 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from embodied.models.config import PolicyConfig
+from embodied.models.vla.heads import (
+    flow_entropy,
+    gaussian_logpdf,
+    logprob_at_level,
+    sample_flow_chain,
+)
+from embodied.models.vla.normalization import NormalizedVLA
 from torch import nn
 
-from embodied.models.config import PolicyConfig
-from embodied.models.vla.heads import flow_entropy, gaussian_logpdf, logprob_at_level, sample_flow_chain
-from embodied.models.vla.normalization import NormalizedVLA
 from embodied.schema import EnvSpec, Observation, PolicyOutput
 
 
@@ -49,11 +54,15 @@ class SmolVLAConfig(PolicyConfig):
     chunk_size: int = 4  # K actions per policy call
     flow_steps: int = 10  # denoising steps (LeRobot's num_steps)
     flow_noise_std: float = 0.1  # initial std of the noise injected per denoising step (RL)
-    image_size: int = 0  # side the images are resized (with padding) to; 0: the VLM's own image size
+    image_size: int = (
+        0  # side the images are resized (with padding) to; 0: the VLM's own image size
+    )
     num_vlm_layers: int = 16  # first layers of the VLM kept
     num_expert_layers: int = -1  # <= 0: as many as the VLM layers kept
     expert_width_multiplier: float = 0.75
-    train_expert_only: bool = True  # the VLM stays frozen; the expert, projections and noise std train
+    train_expert_only: bool = (
+        True  # the VLM stays frozen; the expert, projections and noise std train
+    )
     freeze_vision_encoder: bool = True
     tokenizer_max_length: int = 48
     use_state: bool = True
@@ -61,10 +70,14 @@ class SmolVLAConfig(PolicyConfig):
 
     def validate(self) -> None:
         if not self.vlm_path:
-            raise ValueError("vlm_path: SmolVLA needs a local SmolVLM2 directory (nothing is downloaded)")
+            raise ValueError(
+                "vlm_path: SmolVLA needs a local SmolVLM2 directory (nothing is downloaded)"
+            )
         if not (Path(self.vlm_path) / "config.json").is_file():
-            raise ValueError(f"vlm_path: {self.vlm_path} is not a model directory (config.json, weights and "
-                             "processor files, as save_pretrained writes them)")
+            raise ValueError(
+                f"vlm_path: {self.vlm_path} is not a model directory (config.json, weights and "
+                "processor files, as save_pretrained writes them)"
+            )
         if self.chunk_size < 1 or self.flow_steps < 1:
             raise ValueError("chunk_size: chunk_size and flow_steps must be >= 1")
         if self.flow_noise_std <= 0:
@@ -92,33 +105,53 @@ class SmolVLA(NormalizedVLA):
     def __init__(self, spec: EnvSpec, cfg: SmolVLAConfig):
         cfg.validate()
         if not spec.obs.cameras:
-            raise ValueError("SmolVLA needs camera images: use an obs_mode with cameras (e.g. env.obs_mode=rgb)")
+            raise ValueError(
+                "SmolVLA needs camera images: use an obs_mode with cameras (e.g. env.obs_mode=rgb)"
+            )
         super().__init__(spec, use_state=cfg.use_state, privileged_keys=cfg.privileged_keys)
         self.spec, self.cfg = spec, cfg
         self.K, self.A, self.steps = cfg.chunk_size, spec.action.dim, cfg.flow_steps
         self.camera_names = tuple(c.name for c in spec.obs.cameras)
         lerobot = lerobot_smolvla()
         from lerobot.configs.types import FeatureType, PolicyFeature
-        from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig as LeRobotSmolVLAConfig
+        from lerobot.policies.smolvla.configuration_smolvla import (
+            SmolVLAConfig as LeRobotSmolVLAConfig,
+        )
 
         state_width = max(self.state_dim, 1)  # SmolVLA always embeds a state token
-        features = {f"observation.images.{c.name}": PolicyFeature(FeatureType.VISUAL, (3, c.height, c.width))
-                    for c in spec.obs.cameras}
+        features = {
+            f"observation.images.{c.name}": PolicyFeature(
+                FeatureType.VISUAL, (3, c.height, c.width)
+            )
+            for c in spec.obs.cameras
+        }
         features["observation.state"] = PolicyFeature(FeatureType.STATE, (state_width,))
         lerobot_cfg = LeRobotSmolVLAConfig(
-            vlm_model_name=cfg.vlm_path, load_vlm_weights=cfg.load_vlm_weights, chunk_size=self.K,
-            n_action_steps=self.K, num_steps=self.steps, max_state_dim=state_width, max_action_dim=self.A,
-            num_vlm_layers=cfg.num_vlm_layers, num_expert_layers=cfg.num_expert_layers,
-            expert_width_multiplier=cfg.expert_width_multiplier, train_expert_only=cfg.train_expert_only,
-            freeze_vision_encoder=cfg.freeze_vision_encoder, tokenizer_max_length=cfg.tokenizer_max_length,
-            input_features=features, output_features={"action": PolicyFeature(FeatureType.ACTION, (self.A,))},
-            device="cpu")
+            vlm_model_name=cfg.vlm_path,
+            load_vlm_weights=cfg.load_vlm_weights,
+            chunk_size=self.K,
+            n_action_steps=self.K,
+            num_steps=self.steps,
+            max_state_dim=state_width,
+            max_action_dim=self.A,
+            num_vlm_layers=cfg.num_vlm_layers,
+            num_expert_layers=cfg.num_expert_layers,
+            expert_width_multiplier=cfg.expert_width_multiplier,
+            train_expert_only=cfg.train_expert_only,
+            freeze_vision_encoder=cfg.freeze_vision_encoder,
+            tokenizer_max_length=cfg.tokenizer_max_length,
+            input_features=features,
+            output_features={"action": PolicyFeature(FeatureType.ACTION, (self.A,))},
+            device="cpu",
+        )
         self.smolvla = lerobot.SmolVLAPolicy(lerobot_cfg)
         side = cfg.image_size or self.smolvla.model.vlm_with_expert.config.vision_config.image_size
         lerobot_cfg.resize_imgs_with_padding = (side, side)
         self._make_att_2d_masks = lerobot.make_att_2d_masks
         self.tokenizer = self.smolvla.model.vlm_with_expert.processor.tokenizer
-        self.log_sigma = nn.Parameter(torch.full((self.A,), math.log(cfg.flow_noise_std)))  # f32 [A]
+        self.log_sigma = nn.Parameter(
+            torch.full((self.A,), math.log(cfg.flow_noise_std))
+        )  # f32 [A]
 
     @property
     def caches_image_features(self) -> bool:
@@ -128,15 +161,25 @@ class SmolVLA(NormalizedVLA):
     def _inputs(self, obs: Observation):
         """-> (images [-1, 1] f32 [B, 3, S, S] per camera, their masks, tokens long [B, L], token mask
         bool [B, L], normalized state f32 [B, S']) as LeRobot's SmolVLA takes them."""
-        batch = {f"observation.images.{n}": obs.images[n].permute(0, 3, 1, 2).float() / 255.0
-                 for n in self.camera_names}  # uint8 [B, H, W, 3] -> f32 [B, 3, H, W] in [0, 1]
+        batch = {
+            f"observation.images.{n}": obs.images[n].permute(0, 3, 1, 2).float() / 255.0
+            for n in self.camera_names
+        }  # uint8 [B, H, W, 3] -> f32 [B, 3, H, W] in [0, 1]
         images, image_masks = self.smolvla.prepare_images(batch)
         # LeRobot's SmolVLA processor ends every task with a newline before tokenizing
         text = [t if t.endswith("\n") else t + "\n" for t in obs.instruction]
-        tokens = self.tokenizer(text, padding="longest", truncation=True, max_length=self.cfg.tokenizer_max_length,
-                                return_tensors="pt").to(obs.device)
-        state = (self.normalized_state(obs) if self.state_dim
-                 else torch.zeros(obs.batch_size, 1, device=obs.device))  # f32 [B, S']
+        tokens = self.tokenizer(
+            text,
+            padding="longest",
+            truncation=True,
+            max_length=self.cfg.tokenizer_max_length,
+            return_tensors="pt",
+        ).to(obs.device)
+        state = (
+            self.normalized_state(obs)
+            if self.state_dim
+            else torch.zeros(obs.batch_size, 1, device=obs.device)
+        )  # f32 [B, S']
         return images, image_masks, tokens["input_ids"], tokens["attention_mask"].bool(), state
 
     def _prefix(self, obs: Observation):
@@ -145,33 +188,52 @@ class SmolVLA(NormalizedVLA):
         images, image_masks, tokens, token_masks, state = self._inputs(obs)
         embs, pad, att = model.embed_prefix(images, image_masks, tokens, token_masks, state=state)
         _, cache = model.vlm_with_expert.forward(
-            attention_mask=self._make_att_2d_masks(pad, att), position_ids=torch.cumsum(pad, dim=1) - 1,
-            past_key_values=None, inputs_embeds=[embs, None], use_cache=True, fill_kv_cache=True)
+            attention_mask=self._make_att_2d_masks(pad, att),
+            position_ids=torch.cumsum(pad, dim=1) - 1,
+            past_key_values=None,
+            inputs_embeds=[embs, None],
+            use_cache=True,
+            fill_kv_cache=True,
+        )
         return pad, cache
 
     def _step_mean(self, pad, cache):
         """The Euler step of SmolVLA's flow from the prefix: x_i -> x_i - v(x_i, t_i) / N, t_i = 1 - i / N."""
+
         def step_mean(x: torch.Tensor, i: int) -> torch.Tensor:
             t = torch.full((x.shape[0],), 1.0 - i / self.steps, device=x.device)  # f32 [B]
             return x - self.smolvla.model.denoise_step(pad, cache, x, t) / self.steps
+
         return step_mean
 
     # --- Policy -----------------------------------------------------------------------------------
     def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
         pad, cache = self._prefix(obs)
         shape = (obs.batch_size, self.K, self.A)
-        x0 = torch.zeros(shape, device=obs.device) if deterministic else torch.randn(shape, device=obs.device)
-        x, logp, chain = sample_flow_chain(self._step_mean(pad, cache), x0, self.log_sigma, self.steps, deterministic)
-        return PolicyOutput(actions=self.to_physical(x.clamp(-1, 1)), logprob=logp.sum((1, 2)), value=None,
-                            extras={"flow_chain": chain, "logp_token": logp})
+        x0 = (
+            torch.zeros(shape, device=obs.device)
+            if deterministic
+            else torch.randn(shape, device=obs.device)
+        )
+        x, logp, chain = sample_flow_chain(
+            self._step_mean(pad, cache), x0, self.log_sigma, self.steps, deterministic
+        )
+        return PolicyOutput(
+            actions=self.to_physical(x.clamp(-1, 1)),
+            logprob=logp.sum((1, 2)),
+            value=None,
+            extras={"flow_chain": chain, "logp_token": logp},
+        )
 
     def evaluate(self, obs: Observation, output: PolicyOutput, *, level: str = "chunk"):
         """(logprob, entropy [B], None): log p of the stored chain under the current weights; logprob
         f32 [B] (chunk), [B, K] (action) or [B, K, A] (token)."""
         chain = output.extras["flow_chain"]  # f32 [B, N+1, K, A]
         step_mean = self._step_mean(*self._prefix(obs))
-        logp = sum(gaussian_logpdf(chain[:, i + 1], step_mean(chain[:, i], i), self.log_sigma)
-                   for i in range(self.steps))  # f32 [B, K, A]
+        logp = sum(
+            gaussian_logpdf(chain[:, i + 1], step_mean(chain[:, i], i), self.log_sigma)
+            for i in range(self.steps)
+        )  # f32 [B, K, A]
         entropy = flow_entropy(self.log_sigma, self.steps, self.K).expand(obs.batch_size)
         return logprob_at_level(logp, level), entropy, None
 
@@ -179,13 +241,19 @@ class SmolVLA(NormalizedVLA):
         """No critic (GRPO): zeros f32 [B]."""
         return torch.zeros(obs.batch_size, device=obs.device)
 
-    def bc_loss(self, obs: Observation, actions: torch.Tensor, mask: torch.Tensor | None = None,
-                features: torch.Tensor | None = None):
+    def bc_loss(
+        self,
+        obs: Observation,
+        actions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        features: torch.Tensor | None = None,
+    ):
         """LeRobot's flow-matching loss on demonstrated chunks: actions f32 [B, K, A] physical, mask
         f32 [B, K] (0 past the episode's end). -> (loss, metrics)."""
         images, image_masks, tokens, token_masks, state = self._inputs(obs)
-        losses = self.smolvla.model.forward(images, image_masks, tokens, token_masks, state,
-                                            self.to_normalized(actions))  # f32 [B, K, A]
+        losses = self.smolvla.model.forward(
+            images, image_masks, tokens, token_masks, state, self.to_normalized(actions)
+        )  # f32 [B, K, A]
         mask = torch.ones(actions.shape[:2], device=actions.device) if mask is None else mask
         loss = (losses * mask[..., None]).sum() / (mask.sum() * self.A).clamp(min=1.0)
         return loss, {"sft/flow_mse": loss.detach()}

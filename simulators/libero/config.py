@@ -23,11 +23,15 @@ class LiberoConfig(SimulatorConfig):
     (the published evaluation protocol: every task x its 50 initial states)."""
 
     simulator: str = "libero"
-    suite: str = "libero_spatial"  # libero_spatial | libero_object | libero_goal | libero_10 | libero_90
+    suite: str = (
+        "libero_spatial"  # libero_spatial | libero_object | libero_goal | libero_10 | libero_90
+    )
     task_id: int = 0  # index of the task in the suite
     num_envs: int = 2
     num_workers: int = 2  # subprocesses sharing the environments; 0: all in this process
-    obs_mode: str = "rgb"  # rgb: agent-view and wrist cameras + state; state: no cameras (~10x faster)
+    obs_mode: str = (
+        "rgb"  # rgb: agent-view and wrist cameras + state; state: no cameras (~10x faster)
+    )
     image_size: int = 128  # agent-view and wrist cameras, height = width
     max_episode_steps: int | None = None  # None: the published limit of the suite (SUITES)
     settle_steps: int = 10  # no-op steps after each reset while objects settle (not counted)
@@ -35,14 +39,20 @@ class LiberoConfig(SimulatorConfig):
 
     def validate(self) -> None:
         if self.suite not in SUITES:
-            raise ValueError(f"suite: unknown LIBERO suite {self.suite!r}; available: {sorted(SUITES)}")
+            raise ValueError(
+                f"suite: unknown LIBERO suite {self.suite!r}; available: {sorted(SUITES)}"
+            )
         if self.obs_mode not in ("rgb", "state"):
             raise ValueError(f"obs_mode: must be 'rgb' or 'state', got {self.obs_mode!r}")
         n_tasks = SUITES[self.suite][0]
         if not 0 <= self.task_id < n_tasks:
-            raise ValueError(f"task_id: {self.suite} has tasks 0..{n_tasks - 1}, got {self.task_id}")
+            raise ValueError(
+                f"task_id: {self.suite} has tasks 0..{n_tasks - 1}, got {self.task_id}"
+            )
         if self.num_workers < 0:
-            raise ValueError(f"num_workers: must be >= 0 (0: in this process), got {self.num_workers}")
+            raise ValueError(
+                f"num_workers: must be >= 0 (0: in this process), got {self.num_workers}"
+            )
         for name in ("num_envs", "image_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

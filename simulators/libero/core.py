@@ -17,14 +17,20 @@ import os
 os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering; must precede robosuite's import
 
 import numpy as np  # noqa: E402
-
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec  # noqa: E402
 from embodied.simulators.libero.config import LiberoConfig  # noqa: E402
 from embodied.simulators.libero.paths import prepare  # noqa: E402
 
-CAMERAS = {"agentview": "agentview_image", "wrist": "robot0_eye_in_hand_image"}  # ours -> robosuite's key
-STATE_NAMES = (tuple(f"joint_{i}.pos" for i in range(1, 8)) + ("eef.x", "eef.y", "eef.z", "eef.qx", "eef.qy", "eef.qz", "eef.qw")
-               + ("finger_left.pos", "finger_right.pos"))
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec  # noqa: E402
+
+CAMERAS = {
+    "agentview": "agentview_image",
+    "wrist": "robot0_eye_in_hand_image",
+}  # ours -> robosuite's key
+STATE_NAMES = (
+    tuple(f"joint_{i}.pos" for i in range(1, 8))
+    + ("eef.x", "eef.y", "eef.z", "eef.qx", "eef.qy", "eef.qz", "eef.qw")
+    + ("finger_left.pos", "finger_right.pos")
+)
 OPEN_GRIPPER = -1.0
 
 
@@ -46,44 +52,91 @@ class LiberoCore:
     def __init__(self, cfg: LiberoConfig, num_envs: int):
         cfg.validate()
         self.cfg, self.num_envs = cfg, num_envs
-        task, bddl, self.init_states = load_task(cfg.suite, cfg.task_id)  # first: LIBERO's config, then its import
+        task, bddl, self.init_states = load_task(
+            cfg.suite, cfg.task_id
+        )  # first: LIBERO's config, then its import
         from libero.libero.envs import OffScreenRenderEnv
 
         # ignore_done: episodes end here (time limit, success); hard_reset off: the model is built once
         # and every reset loads a full initial state (_start clears what a rebuild would), ~1 s less per reset
         cameras = cfg.obs_mode == "rgb"
-        self.envs = [OffScreenRenderEnv(bddl_file_name=bddl, camera_heights=cfg.image_size, camera_widths=cfg.image_size,
-                                        use_camera_obs=cameras, has_offscreen_renderer=cameras,
-                                        ignore_done=True, hard_reset=False) for _ in range(num_envs)]
+        self.envs = [
+            OffScreenRenderEnv(
+                bddl_file_name=bddl,
+                camera_heights=cfg.image_size,
+                camera_widths=cfg.image_size,
+                use_camera_obs=cameras,
+                has_offscreen_renderer=cameras,
+                ignore_done=True,
+                hard_reset=False,
+            )
+            for _ in range(num_envs)
+        ]
         self._cameras = CAMERAS if cameras else {}
         controller = self.envs[0].robots[0].controller
-        self._scale = np.asarray(controller.output_max, dtype=np.float32)  # f32 [6]: physical = normalized * scale
+        self._scale = np.asarray(
+            controller.output_max, dtype=np.float32
+        )  # f32 [6]: physical = normalized * scale
         self.instruction = task.language
         n_obj = int(self.envs[0].env._get_observations()["object-state"].shape[0])
         hw = cfg.image_size
         self.spec = EnvSpec(
-            obs=ObsSpec(cameras=tuple(CameraSpec(c, hw, hw) for c in self._cameras), state_names=STATE_NAMES,
-                        privileged={"object_state": (n_obj,)}),
-            action=ActionSpec("ee_delta_pose", ("dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper"),
-                              tuple((-self._scale).tolist()) + (-1.0,), tuple(self._scale.tolist()) + (1.0,),
-                              gripper=6, control_hz=float(self.envs[0].env.control_freq)),
-            max_episode_steps=cfg.episode_steps, instructions=(task.language,))
+            obs=ObsSpec(
+                cameras=tuple(CameraSpec(c, hw, hw) for c in self._cameras),
+                state_names=STATE_NAMES,
+                privileged={"object_state": (n_obj,)},
+            ),
+            action=ActionSpec(
+                "ee_delta_pose",
+                ("dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper"),
+                tuple((-self._scale).tolist()) + (-1.0,),
+                tuple(self._scale.tolist()) + (1.0,),
+                gripper=6,
+                control_hz=float(self.envs[0].env.control_freq),
+            ),
+            max_episode_steps=cfg.episode_steps,
+            instructions=(task.language,),
+        )
         self._low = np.asarray(self.spec.action.low, dtype=np.float32)
         self._high = np.asarray(self.spec.action.high, dtype=np.float32)
         self._raw: list[dict] = [None] * num_envs  # each environment's latest robosuite observation
-        self._rngs = [np.random.default_rng(i) for i in range(num_envs)]  # draws the seeds of automatic resets
+        self._rngs = [
+            np.random.default_rng(i) for i in range(num_envs)
+        ]  # draws the seeds of automatic resets
         self._elapsed = np.zeros(num_envs, dtype=np.int64)
-        for i in range(num_envs):  # every environment holds an episode from the start (render, subset resets)
+        for i in range(
+            num_envs
+        ):  # every environment holds an episode from the start (render, subset resets)
             self._start(i, 0)
 
     # --- observations -----------------------------------------------------------------------
     def _pack(self, ids) -> dict:
         raws = [self._raw[i] for i in ids]
-        state = np.stack([np.concatenate([r["robot0_joint_pos"], r["robot0_eef_pos"], r["robot0_eef_quat"],
-                                          r["robot0_gripper_qpos"]]) for r in raws]).astype(np.float32)  # f32 [n, 16]
-        images = {c: np.stack([r[key][::-1, ::-1] for r in raws]) for c, key in self._cameras.items()}  # uint8 [n, H, W, 3]
-        priv = {"object_state": np.stack([r["object-state"] for r in raws]).astype(np.float32)}  # f32 [n, D]
-        return {"state": state, "images": images, "privileged": priv, "instruction": [self.instruction] * len(raws)}
+        state = np.stack(
+            [
+                np.concatenate(
+                    [
+                        r["robot0_joint_pos"],
+                        r["robot0_eef_pos"],
+                        r["robot0_eef_quat"],
+                        r["robot0_gripper_qpos"],
+                    ]
+                )
+                for r in raws
+            ]
+        ).astype(np.float32)  # f32 [n, 16]
+        images = {
+            c: np.stack([r[key][::-1, ::-1] for r in raws]) for c, key in self._cameras.items()
+        }  # uint8 [n, H, W, 3]
+        priv = {
+            "object_state": np.stack([r["object-state"] for r in raws]).astype(np.float32)
+        }  # f32 [n, D]
+        return {
+            "state": state,
+            "images": images,
+            "privileged": priv,
+            "instruction": [self.instruction] * len(raws),
+        }
 
     # --- episodes -----------------------------------------------------------------------------
     def _start(self, i: int, seed: int) -> None:
@@ -143,7 +196,12 @@ class LiberoCore:
         if self._cameras:
             return np.stack([r[CAMERAS["agentview"]][::-1, ::-1] for r in self._raw])
         size = self.cfg.image_size
-        return np.stack([e.sim.render(camera_name="agentview", width=size, height=size)[::-1, ::-1] for e in self.envs])
+        return np.stack(
+            [
+                e.sim.render(camera_name="agentview", width=size, height=size)[::-1, ::-1]
+                for e in self.envs
+            ]
+        )
 
     def close(self) -> None:
         for env in self.envs:

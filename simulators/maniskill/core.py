@@ -14,9 +14,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from embodied.simulators.maniskill.serial import SerialEnvs
 
 from embodied.schema import ActionSpec, CameraSpec, EnvSpec, Observation, ObsSpec
-from embodied.simulators.maniskill.serial import SerialEnvs
 
 # Natural-language instructions per task; other tasks get their name split into words.
 INSTRUCTIONS = {
@@ -53,8 +53,10 @@ def instruction_for(task: str) -> str:
 
 
 def _refuse_prompt(message: str) -> bool:
-    raise MissingAssetError(f"{message.strip()} -- not downloading interactively; fetch them with "
-                            "`python -m mani_skill.utils.download_asset <asset-id>` (needs internet)")
+    raise MissingAssetError(
+        f"{message.strip()} -- not downloading interactively; fetch them with "
+        "`python -m mani_skill.utils.download_asset <asset-id>` (needs internet)"
+    )
 
 
 def check_assets(task: str) -> None:
@@ -66,35 +68,52 @@ def check_assets(task: str) -> None:
 
     download_asset.prompt_yes_no = _refuse_prompt
     if task not in REGISTERED_ENVS:
-        raise ValueError(f"unknown ManiSkill task {task!r}; registered: {', '.join(sorted(REGISTERED_ENVS)[:12])}, ...")
+        raise ValueError(
+            f"unknown ManiSkill task {task!r}; registered: {', '.join(sorted(REGISTERED_ENVS)[:12])}, ..."
+        )
     missing = []
     for asset_id in REGISTERED_ENVS[task].asset_download_ids or []:
-        ids = assets.expand_data_group_into_individual_data_source_ids(asset_id) if asset_id in assets.DATA_GROUPS else [asset_id]
+        ids = (
+            assets.expand_data_group_into_individual_data_source_ids(asset_id)
+            if asset_id in assets.DATA_GROUPS
+            else [asset_id]
+        )
         for source_id in ids:
             if not assets.is_data_source_downloaded(source_id):
                 src = assets.DATA_SOURCES[source_id]
                 missing.append(f"{source_id} (expected at {src.output_dir / src.target_path})")
     if missing:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        shown = ", ".join(missing[:3]) + (
+            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        )
         raise MissingAssetError(
             f"ManiSkill task {task} needs assets that are not installed: {shown}. "
             f"Get them with `python -m mani_skill.utils.download_asset {task}` on a machine with internet, "
-            "or set MS_ASSET_DIR to where they are.")
+            "or set MS_ASSET_DIR to where they are."
+        )
 
 
 @dataclass
 class CoreOptions:
     task: str
     num_envs: int = 1
-    obs_mode: str = "state"  # "state", "rgb", or "rgb+state" (cameras and the full privileged state)
+    obs_mode: str = (
+        "state"  # "state", "rgb", or "rgb+state" (cameras and the full privileged state)
+    )
     control_mode: str | None = None  # None: the task's default
     reward_mode: str = "normalized_dense"
     image_size: int = 128
     max_episode_steps: int | None = None  # None: the task's registered limit
     sim_backend: str = "physx_cpu"
     render_size: int = 256
-    ignore_terminations: bool = False  # episodes end only at the time limit; success is still reported
-    proprioception: tuple[str, ...] = ("qpos", "qvel", "tcp_pose")  # which of STATE_KEYS form the state
+    ignore_terminations: bool = (
+        False  # episodes end only at the time limit; success is still reported
+    )
+    proprioception: tuple[str, ...] = (
+        "qpos",
+        "qvel",
+        "tcp_pose",
+    )  # which of STATE_KEYS form the state
 
 
 def _flatten(x: torch.Tensor) -> torch.Tensor:
@@ -110,36 +129,56 @@ class ManiSkillCore:
         from mani_skill.utils.registration import REGISTERED_ENVS
 
         self.opts = opts
-        ms_obs_mode = {"state": "state_dict", "rgb": "rgb", "rgb+state": "rgb+state_dict"}[opts.obs_mode]
+        ms_obs_mode = {"state": "state_dict", "rgb": "rgb", "rgb+state": "rgb+state_dict"}[
+            opts.obs_mode
+        ]
         # enhanced_determinism: an unseeded (automatic) reset draws its episode from the env's own
         # RNG, seeded by the last seeded reset; without it ManiSkill uses the process's global torch
         # RNG, which differs between runs and between worker layouts
-        kwargs = dict(num_envs=opts.num_envs, obs_mode=ms_obs_mode,
-                      reward_mode=opts.reward_mode, sim_backend=opts.sim_backend, render_mode="rgb_array",
-                      human_render_camera_configs=dict(width=opts.render_size, height=opts.render_size),
-                      enhanced_determinism=True)
+        kwargs = dict(
+            num_envs=opts.num_envs,
+            obs_mode=ms_obs_mode,
+            reward_mode=opts.reward_mode,
+            sim_backend=opts.sim_backend,
+            render_mode="rgb_array",
+            human_render_camera_configs=dict(width=opts.render_size, height=opts.render_size),
+            enhanced_determinism=True,
+        )
         if opts.control_mode:
             kwargs["control_mode"] = opts.control_mode
         if "rgb" in opts.obs_mode:
             kwargs["sensor_configs"] = dict(width=opts.image_size, height=opts.image_size)
         if opts.sim_backend == "physx_cpu":
             kwargs["num_envs"] = 1
-            self.env = SerialEnvs([gym.make(opts.task, **kwargs).unwrapped for _ in range(opts.num_envs)])
+            self.env = SerialEnvs(
+                [gym.make(opts.task, **kwargs).unwrapped for _ in range(opts.num_envs)]
+            )
         else:
             self.env = gym.make(opts.task, **kwargs).unwrapped  # time limit and auto-reset are ours
         self.device = self.env.device
-        self.max_episode_steps = opts.max_episode_steps or REGISTERED_ENVS[opts.task].max_episode_steps
+        self.max_episode_steps = (
+            opts.max_episode_steps or REGISTERED_ENVS[opts.task].max_episode_steps
+        )
         self.instruction = instruction_for(opts.task)
         self._state_keys = tuple((g, k) for g, k in STATE_KEYS if k in opts.proprioception)
         agent = self.env.agent
-        self._joints = ([j.name for j in agent.robot.get_active_joints()]
-                        if getattr(agent, "uid", None) in JOINT_NAMED_ROBOTS else None)
+        self._joints = (
+            [j.name for j in agent.robot.get_active_joints()]
+            if getattr(agent, "uid", None) in JOINT_NAMED_ROBOTS
+            else None
+        )
         self.action_spec, self._scale, self._offset = self._action_spec()
-        self._low, self._high = self.action_spec.bounds(self.device)  # cached: no per-step host->device copy
+        self._low, self._high = self.action_spec.bounds(
+            self.device
+        )  # cached: no per-step host->device copy
         self.elapsed = torch.zeros(opts.num_envs, dtype=torch.long, device=self.device)
         raw, _ = self.env.reset(seed=0)
-        self.spec = EnvSpec(obs=self._obs_spec(raw), action=self.action_spec,
-                            max_episode_steps=self.max_episode_steps, instructions=(self.instruction,))
+        self.spec = EnvSpec(
+            obs=self._obs_spec(raw),
+            action=self.action_spec,
+            max_episode_steps=self.max_episode_steps,
+            instructions=(self.instruction,),
+        )
 
     # --- spec -------------------------------------------------------------------------
     def _action_spec(self):
@@ -163,10 +202,23 @@ class ManiSkillCore:
         mode = self.env.control_mode
         if self._joints is not None and "joint" in mode and len(names) == len(self._joints):
             names = list(self._joints)  # one action per joint, in joint order
-        space = ("ee_delta_pose" if "ee_delta" in mode else "ee_pose" if "ee" in mode
-                 else "joint_delta" if "delta" in mode else "joint_pos")
-        spec = ActionSpec(space=space, names=tuple(names), low=tuple(low), high=tuple(high), gripper=gripper,
-                          control_hz=float(self.env.control_freq))
+        space = (
+            "ee_delta_pose"
+            if "ee_delta" in mode
+            else "ee_pose"
+            if "ee" in mode
+            else "joint_delta"
+            if "delta" in mode
+            else "joint_pos"
+        )
+        spec = ActionSpec(
+            space=space,
+            names=tuple(names),
+            low=tuple(low),
+            high=tuple(high),
+            gripper=gripper,
+            control_hz=float(self.env.control_freq),
+        )
         to = dict(dtype=torch.float32, device=self.device)
         return spec, torch.tensor(scale, **to), torch.tensor(offset, **to)
 
@@ -181,17 +233,32 @@ class ManiSkillCore:
                 else:
                     state_names += [f"{key}_{i}" for i in range(n)]
         state_keys = {k for _, k in STATE_KEYS}
-        priv = {k: tuple(_flatten(v).shape[1:]) for k, v in raw.get("extra", {}).items() if k not in state_keys}
+        priv = {
+            k: tuple(_flatten(v).shape[1:])
+            for k, v in raw.get("extra", {}).items()
+            if k not in state_keys
+        }
         self._priv_keys = tuple(priv)  # object/goal state: simulator-only ground truth
-        cams = tuple(CameraSpec(name, *v["rgb"].shape[1:3]) for name, v in raw.get("sensor_data", {}).items())
+        cams = tuple(
+            CameraSpec(name, *v["rgb"].shape[1:3]) for name, v in raw.get("sensor_data", {}).items()
+        )
         return ObsSpec(cameras=cams, state_names=tuple(state_names), privileged=priv)
 
     # --- conversion -----------------------------------------------------------------------
     def observation(self, raw) -> Observation:
-        state = torch.cat([_flatten(raw[g][k]) for g, k in self._state_keys if k in raw.get(g, {})], dim=1)  # f32 [B, S]
+        state = torch.cat(
+            [_flatten(raw[g][k]) for g, k in self._state_keys if k in raw.get(g, {})], dim=1
+        )  # f32 [B, S]
         priv = {k: _flatten(raw["extra"][k]) for k in self._priv_keys}
-        images = {name: v["rgb"] for name, v in raw.get("sensor_data", {}).items()}  # uint8 [B, H, W, 3]
-        return Observation(state=state, instruction=[self.instruction] * state.shape[0], images=images, privileged=priv)
+        images = {
+            name: v["rgb"] for name, v in raw.get("sensor_data", {}).items()
+        }  # uint8 [B, H, W, 3]
+        return Observation(
+            state=state,
+            instruction=[self.instruction] * state.shape[0],
+            images=images,
+            privileged=priv,
+        )
 
     # --- environment API ------------------------------------------------------------------
     def reset(self, seed=None, env_ids: torch.Tensor | None = None) -> Observation:
@@ -206,10 +273,14 @@ class ManiSkillCore:
         else:
             # explicit per-environment seeds on a batch: reset one at a time so that equal seeds
             # give equal episodes (GRPO groups rely on it)
-            ids = torch.arange(self.opts.num_envs, device=self.device) if env_ids is None else env_ids
+            ids = (
+                torch.arange(self.opts.num_envs, device=self.device) if env_ids is None else env_ids
+            )
             seeds = [seed + i for i in range(len(ids))] if isinstance(seed, int) else list(seed)
             for i, s in zip(ids.tolist(), seeds):
-                raw, _ = self.env.reset(seed=int(s), options={"env_idx": torch.tensor([i], device=self.device)})
+                raw, _ = self.env.reset(
+                    seed=int(s), options={"env_idx": torch.tensor([i], device=self.device)}
+                )
         if env_ids is None:
             self.elapsed.zero_()
         else:
@@ -228,15 +299,25 @@ class ManiSkillCore:
             rows = env_ids
         self.elapsed[rows] += 1
         obs = self.observation(raw)
-        success = info["success"].to(torch.bool) if "success" in info else torch.zeros_like(terminated, dtype=torch.bool)
-        terminated = torch.zeros_like(success) if self.opts.ignore_terminations else terminated.to(torch.bool)
+        success = (
+            info["success"].to(torch.bool)
+            if "success" in info
+            else torch.zeros_like(terminated, dtype=torch.bool)
+        )
+        terminated = (
+            torch.zeros_like(success)
+            if self.opts.ignore_terminations
+            else terminated.to(torch.bool)
+        )
         truncated = (self.elapsed[rows] >= self.max_episode_steps) & ~terminated
         done = terminated | truncated
         final_obs = None
         if bool(done.any()):  # one host sync per step decides whether to reset
             final_obs = obs
             ended = done.nonzero().squeeze(1)
-            full = self.reset(env_ids=ended if env_ids is None else env_ids[ended])  # full batch, ended rows reset
+            full = self.reset(
+                env_ids=ended if env_ids is None else env_ids[ended]
+            )  # full batch, ended rows reset
             obs = full if env_ids is None else full.index(env_ids)
         return obs, reward.float(), terminated, truncated, success, final_obs
 
@@ -245,4 +326,3 @@ class ManiSkillCore:
 
     def close(self) -> None:
         self.env.close()
-

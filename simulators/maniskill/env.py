@@ -7,16 +7,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Sequence
 
 import numpy as np
 import torch
-
-from embodied.schema import Observation, SimulatorConfig, StepOutput, reset_seeds
 from embodied.simulators.maniskill.core import CoreOptions, ManiSkillCore, check_assets
 from embodied.simulators.workers import WorkerVecEnv
+
+from embodied.schema import Observation, SimulatorConfig, StepOutput, reset_seeds
 
 
 @dataclass
@@ -30,7 +30,9 @@ class ManiSkillConfig(SimulatorConfig):
     tasks: list[str] = field(default_factory=list)
     num_envs: int = 8  # environments stepped in lockstep
     backend: str = "cpu"  # "cpu": physx_cpu in subprocess workers; "gpu": physx_cuda, batched
-    num_workers: int = 2  # cpu backend: subprocesses sharing the environments; 0: all in this process
+    num_workers: int = (
+        2  # cpu backend: subprocesses sharing the environments; 0: all in this process
+    )
     # "state" (proprioception + privileged), "rgb" (cameras + proprioception; privileged holds only
     # what ManiSkill gives image-based agents, e.g. goal_pos), or "rgb+state" (cameras and the full
     # privileged state: a state-based expert can act while the cameras record, for demonstrations)
@@ -52,24 +54,41 @@ class ManiSkillConfig(SimulatorConfig):
         if self.backend not in ("cpu", "gpu"):
             raise ValueError(f"backend: must be 'cpu' or 'gpu', got {self.backend!r}")
         if self.obs_mode not in ("state", "rgb", "rgb+state"):
-            raise ValueError(f"obs_mode: must be 'state', 'rgb' or 'rgb+state', got {self.obs_mode!r}")
+            raise ValueError(
+                f"obs_mode: must be 'state', 'rgb' or 'rgb+state', got {self.obs_mode!r}"
+            )
         if self.tasks and self.num_envs % len(self.tasks):
-            raise ValueError(f"num_envs: {self.num_envs} environments do not split evenly between {len(self.tasks)} tasks")
+            raise ValueError(
+                f"num_envs: {self.num_envs} environments do not split evenly between {len(self.tasks)} tasks"
+            )
         if self.num_workers < 0:
-            raise ValueError(f"num_workers: must be >= 0 (0: in this process), got {self.num_workers}")
+            raise ValueError(
+                f"num_workers: must be >= 0 (0: in this process), got {self.num_workers}"
+            )
         unknown = sorted(set(self.proprioception) - {"qpos", "qvel", "tcp_pose"})
         if unknown or not self.proprioception:
-            raise ValueError(f"proprioception: a non-empty subset of ['qpos', 'qvel', 'tcp_pose'], got {self.proprioception}")
+            raise ValueError(
+                f"proprioception: a non-empty subset of ['qpos', 'qvel', 'tcp_pose'], got {self.proprioception}"
+            )
         for name in ("num_envs", "image_size", "render_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
 
 def _core_options(cfg: ManiSkillConfig, num_envs: int, sim_backend: str) -> CoreOptions:
-    return CoreOptions(task=cfg.task, num_envs=num_envs, obs_mode=cfg.obs_mode, control_mode=cfg.control_mode,
-                       reward_mode=cfg.reward_mode, image_size=cfg.image_size, max_episode_steps=cfg.max_episode_steps,
-                       sim_backend=sim_backend, render_size=cfg.render_size, ignore_terminations=cfg.ignore_terminations,
-                       proprioception=tuple(cfg.proprioception))
+    return CoreOptions(
+        task=cfg.task,
+        num_envs=num_envs,
+        obs_mode=cfg.obs_mode,
+        control_mode=cfg.control_mode,
+        reward_mode=cfg.reward_mode,
+        image_size=cfg.image_size,
+        max_episode_steps=cfg.max_episode_steps,
+        sim_backend=sim_backend,
+        render_size=cfg.render_size,
+        ignore_terminations=cfg.ignore_terminations,
+        proprioception=tuple(cfg.proprioception),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,22 +102,32 @@ class _WorkerCore:
         self.spec, self._everyone = self.core.spec, list(range(num_envs))
 
     def _pack(self, obs: Observation) -> dict:
-        return {"state": obs.state.numpy(), "images": {k: v.numpy() for k, v in obs.images.items()},
-                "privileged": {k: v.numpy() for k, v in obs.privileged.items()},
-                "instruction": [self.spec.instructions[0]] * obs.state.shape[0]}
+        return {
+            "state": obs.state.numpy(),
+            "images": {k: v.numpy() for k, v in obs.images.items()},
+            "privileged": {k: v.numpy() for k, v in obs.privileged.items()},
+            "instruction": [self.spec.instructions[0]] * obs.state.shape[0],
+        }
 
     @torch.no_grad()  # no autograd bookkeeping for the simulator's many small tensor ops
     def reset(self, ids: list[int], seeds: list) -> dict:
         """ids: local env indices, one seed (or None) each; all None or all set."""
         env_ids = torch.tensor(ids, dtype=torch.long)
-        obs = self.core.reset(env_ids=env_ids) if None in seeds or not seeds else self.core.reset(seed=seeds, env_ids=env_ids)
+        obs = (
+            self.core.reset(env_ids=env_ids)
+            if None in seeds or not seeds
+            else self.core.reset(seed=seeds, env_ids=env_ids)
+        )
         return self._pack(obs)
 
     @torch.no_grad()
     def step(self, ids: list[int], actions: np.ndarray):
         obs, reward, term, trunc, success, final = self.core.step(
-            torch.from_numpy(actions), None if ids == self._everyone else torch.tensor(ids))
-        scalars = torch.stack([reward, term.float(), trunc.float(), success.float()], 1).numpy()  # f32 [n, 4]
+            torch.from_numpy(actions), None if ids == self._everyone else torch.tensor(ids)
+        )
+        scalars = torch.stack(
+            [reward, term.float(), trunc.float(), success.float()], 1
+        ).numpy()  # f32 [n, 4]
         return self._pack(obs), scalars, None if final is None else self._pack(final)
 
     @torch.no_grad()
@@ -120,28 +149,51 @@ class ManiSkillEnv:
         self._core = self._pool = None
         if cfg.backend == "gpu":
             if not torch.cuda.is_available():
-                raise RuntimeError("env.backend=gpu needs a CUDA GPU; use env.backend=cpu on this machine")
+                raise RuntimeError(
+                    "env.backend=gpu needs a CUDA GPU; use env.backend=cpu on this machine"
+                )
             self._core = ManiSkillCore(_core_options(cfg, cfg.num_envs, "physx_cuda"))
             self.device, self.spec = torch.device(self._core.device), self._core.spec
             return
-        self._pool = WorkerVecEnv(partial(_WorkerCore, _core_options(cfg, cfg.num_envs, "physx_cpu")), cfg.num_envs,
-                                  cfg.num_workers, name="ManiSkill")
+        self._pool = WorkerVecEnv(
+            partial(_WorkerCore, _core_options(cfg, cfg.num_envs, "physx_cpu")),
+            cfg.num_envs,
+            cfg.num_workers,
+            name="ManiSkill",
+        )
         self.device, self.spec = self._pool.device, self._pool.spec
 
-    def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
+    def reset(
+        self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None
+    ) -> Observation:
         if self._pool is not None:
             return self._pool.reset(seed=seed, env_ids=env_ids)
-        if seed is not None and not isinstance(seed, int):  # an int seeds the whole batch in one call (see ManiSkillCore.reset)
-            ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids.tolist()]
+        if seed is not None and not isinstance(
+            seed, int
+        ):  # an int seeds the whole batch in one call (see ManiSkillCore.reset)
+            ids = (
+                list(range(self.num_envs))
+                if env_ids is None
+                else [int(i) for i in env_ids.tolist()]
+            )
             seed = reset_seeds(seed, ids)
-        return self._core.reset(seed=seed, env_ids=None if env_ids is None else env_ids.to(self.device))
+        return self._core.reset(
+            seed=seed, env_ids=None if env_ids is None else env_ids.to(self.device)
+        )
 
     def step(self, actions: torch.Tensor) -> StepOutput:
         """actions: float32 [B, A] physical units."""
         if self._pool is not None:
             return self._pool.step(actions)
         obs, reward, term, trunc, success, final = self._core.step(actions)
-        return StepOutput(obs=obs, reward=reward, terminated=term, truncated=trunc, success=success, final_obs=final)
+        return StepOutput(
+            obs=obs,
+            reward=reward,
+            terminated=term,
+            truncated=trunc,
+            success=success,
+            final_obs=final,
+        )
 
     # --- pipelining (cpu backend): step a subset while the caller works on another ------------
     def step_async(self, actions: torch.Tensor, env_ids: torch.Tensor) -> None:

@@ -41,20 +41,32 @@ class SerialEnvs:
         ids = range(self.num_envs) if env_ids is None else env_ids
         rewards, terminated, truncated, success = [], [], [], []
         for row, i in enumerate(ids):
-            raw, r, term, trunc, info = self.envs[i].step(actions[row:row + 1])
+            raw, r, term, trunc, info = self.envs[i].step(actions[row : row + 1])
             self._raw[i] = raw
             rewards.append(r), terminated.append(term), truncated.append(trunc)
-            success.append(info["success"] if "success" in info else torch.zeros_like(term, dtype=torch.bool))
+            success.append(
+                info["success"] if "success" in info else torch.zeros_like(term, dtype=torch.bool)
+            )
         raw = _merge([self._raw[i] for i in ids])
-        return raw, torch.cat(rewards), torch.cat(terminated), torch.cat(truncated), {"success": torch.cat(success)}
+        return (
+            raw,
+            torch.cat(rewards),
+            torch.cat(terminated),
+            torch.cat(truncated),
+            {"success": torch.cat(success)},
+        )
 
     def reset(self, seed: int | None = None, options: dict | None = None):
         """Reset all environments, or ``options["env_idx"]``; an int seed gives environment i the
         seed ``seed + i``. Returns the observation of every environment."""
         idx = (options or {}).get("env_idx")
-        ids = range(self.num_envs) if idx is None else [int(i) for i in torch.as_tensor(idx).tolist()]
+        ids = (
+            range(self.num_envs) if idx is None else [int(i) for i in torch.as_tensor(idx).tolist()]
+        )
         for i in ids:
-            self._raw[i], _ = self.envs[i].reset(seed=None if seed is None else seed + (i if idx is None else 0))
+            self._raw[i], _ = self.envs[i].reset(
+                seed=None if seed is None else seed + (i if idx is None else 0)
+            )
         return _merge(self._raw), {}
 
     def render(self) -> torch.Tensor:

@@ -10,11 +10,23 @@ from __future__ import annotations
 
 JOINTS = ("shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll", "gripper")
 # radians; the gripper opens from 0 (closed) to 1.7
-RANGES = {"shoulder_pan": (-1.9, 1.9), "shoulder_lift": (-1.75, 1.75), "elbow_flex": (-1.7, 1.7),
-          "wrist_flex": (-1.7, 1.7), "wrist_roll": (-2.8, 2.8), "gripper": (0.0, 1.7)}
+RANGES = {
+    "shoulder_pan": (-1.9, 1.9),
+    "shoulder_lift": (-1.75, 1.75),
+    "elbow_flex": (-1.7, 1.7),
+    "wrist_flex": (-1.7, 1.7),
+    "wrist_roll": (-2.8, 2.8),
+    "gripper": (0.0, 1.7),
+}
 # tool point about 10 cm above the table, in front of the base
-HOME = {"shoulder_pan": 0.0, "shoulder_lift": 0.0, "elbow_flex": 0.3, "wrist_flex": 0.5, "wrist_roll": 0.0,
-        "gripper": 0.2}
+HOME = {
+    "shoulder_pan": 0.0,
+    "shoulder_lift": 0.0,
+    "elbow_flex": 0.3,
+    "wrist_flex": 0.5,
+    "wrist_roll": 0.0,
+    "gripper": 0.2,
+}
 BASE_HEIGHT, UPPER_ARM, FOREARM, WRIST_TO_TCP = 0.1, 0.116, 0.135, 0.1  # metres
 
 _LINK = 'rgba="0.95 0.95 0.95 1"'
@@ -66,7 +78,9 @@ def actuators() -> str:
     for name in JOINTS:
         lo, hi = RANGES[name]
         kp = 3.0 if name == "gripper" else 20.0
-        lines.append(f'<position name="{name}" joint="{name}" kp="{kp}" kv="0.5" ctrlrange="{lo} {hi}" forcerange="-5 5"/>')
+        lines.append(
+            f'<position name="{name}" joint="{name}" kp="{kp}" kv="0.5" ctrlrange="{lo} {hi}" forcerange="-5 5"/>'
+        )
     return "\n".join(lines)
 
 

@@ -13,19 +13,27 @@ Actions are joint-position deltas (radians per control step) added to each servo
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering; must precede `import mujoco`
 
 import mujoco  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from mujoco import rollout  # noqa: E402
-
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, Observation, StepOutput, reset_seeds  # noqa: E402
 from embodied.simulators.mujoco.arm import HOME, JOINTS, RANGES, scene  # noqa: E402
 from embodied.simulators.mujoco.config import MuJoCoConfig  # noqa: E402
 from embodied.simulators.mujoco.tasks import TASKS  # noqa: E402
+from mujoco import rollout  # noqa: E402
+
+from embodied.schema import (
+    ActionSpec,
+    CameraSpec,
+    EnvSpec,
+    Observation,
+    ObsSpec,
+    StepOutput,
+    reset_seeds,
+)  # noqa: E402
 
 CONTROL_HZ = 20.0
 MAX_DELTA = 0.1  # radians per control step (2 rad/s)
@@ -37,7 +45,9 @@ class MuJoCoEnv:
         self.cfg, self.task = cfg, TASKS[cfg.task]
         self.num_envs, self.device = cfg.num_envs, torch.device("cpu")
         self.model = mujoco.MjModel.from_xml_string(scene(self.task.bodies, self.task.sensors))
-        self.model.vis.global_.offwidth = self.model.vis.global_.offheight = max(cfg.image_size, cfg.render_size)
+        self.model.vis.global_.offwidth = self.model.vis.global_.offheight = max(
+            cfg.image_size, cfg.render_size
+        )
         self._data = mujoco.MjData(self.model)  # scratch: resets, rendering
         self._rollout_data = [mujoco.MjData(self.model)]
         self._spec_state = mujoco.mjtState.mjSTATE_FULLPHYSICS
@@ -51,22 +61,42 @@ class MuJoCoEnv:
         self._sensors = np.zeros((B, self.model.nsensordata))
         self._elapsed = np.zeros(B, dtype=np.int64)
         self._rngs = [np.random.default_rng() for _ in range(B)]
-        self._slices = {self.model.sensor(i).name: slice(self.model.sensor_adr[i], self.model.sensor_adr[i] + self.model.sensor_dim[i])
-                        for i in range(self.model.nsensor)}
+        self._slices = {
+            self.model.sensor(i).name: slice(
+                self.model.sensor_adr[i], self.model.sensor_adr[i] + self.model.sensor_dim[i]
+            )
+            for i in range(self.model.nsensor)
+        }
         self._joint_qpos = [self.model.jnt_qposadr[self.model.joint(j).id] for j in JOINTS]
         names = [f"{j}.pos" for j in JOINTS] + [f"{j}.vel" for j in JOINTS]
-        self._state_cols = np.concatenate([np.arange(self._slices[n].start, self._slices[n].stop) for n in names])
+        self._state_cols = np.concatenate(
+            [np.arange(self._slices[n].start, self._slices[n].stop) for n in names]
+        )
         self._renderers: dict[int, mujoco.Renderer] = {}
         self._low = np.array([RANGES[j][0] for j in JOINTS])
         self._high = np.array([RANGES[j][1] for j in JOINTS])
-        cams = (CameraSpec("base_camera", cfg.image_size, cfg.image_size),) if cfg.obs_mode == "rgb" else ()
+        cams = (
+            (CameraSpec("base_camera", cfg.image_size, cfg.image_size),)
+            if cfg.obs_mode == "rgb"
+            else ()
+        )
         self.spec = EnvSpec(
-            obs=ObsSpec(cameras=cams, state_names=tuple(f"{j}.pos" for j in JOINTS) + tuple(f"{j}.vel" for j in JOINTS),
-                        privileged={"tcp_pos": (3,), **{k: (n,) for k, n in self.task.privileged.items()}}),
-            action=ActionSpec("joint_delta", JOINTS, (-MAX_DELTA,) * len(JOINTS), (MAX_DELTA,) * len(JOINTS),
-                              gripper=JOINTS.index("gripper"), control_hz=CONTROL_HZ),
+            obs=ObsSpec(
+                cameras=cams,
+                state_names=tuple(f"{j}.pos" for j in JOINTS) + tuple(f"{j}.vel" for j in JOINTS),
+                privileged={"tcp_pos": (3,), **{k: (n,) for k, n in self.task.privileged.items()}},
+            ),
+            action=ActionSpec(
+                "joint_delta",
+                JOINTS,
+                (-MAX_DELTA,) * len(JOINTS),
+                (MAX_DELTA,) * len(JOINTS),
+                gripper=JOINTS.index("gripper"),
+                control_hz=CONTROL_HZ,
+            ),
             max_episode_steps=cfg.max_episode_steps or self.task.max_episode_steps,
-            instructions=(self.task.instruction,))
+            instructions=(self.task.instruction,),
+        )
 
     # --- observations -------------------------------------------------------------------------
     def _read(self, name: str) -> np.ndarray:
@@ -74,10 +104,18 @@ class MuJoCoEnv:
 
     def _obs(self) -> Observation:
         state = self._sensors[:, self._state_cols]  # f64 [B, 12]: one gather
-        priv = {k: torch.from_numpy(self._read(k).astype(np.float32)) for k in self.spec.obs.privileged}
-        images = {"base_camera": self._render_all(self.cfg.image_size)} if self.spec.obs.cameras else {}
-        return Observation(state=torch.from_numpy(state.astype(np.float32)), instruction=[self.task.instruction] * self.num_envs,
-                           images=images, privileged=priv)
+        priv = {
+            k: torch.from_numpy(self._read(k).astype(np.float32)) for k in self.spec.obs.privileged
+        }
+        images = (
+            {"base_camera": self._render_all(self.cfg.image_size)} if self.spec.obs.cameras else {}
+        )
+        return Observation(
+            state=torch.from_numpy(state.astype(np.float32)),
+            instruction=[self.task.instruction] * self.num_envs,
+            images=images,
+            privileged=priv,
+        )
 
     def _reward(self) -> tuple[np.ndarray, np.ndarray]:
         return self.task.evaluate({k: self._read(k) for k in self.spec.obs.privileged})
@@ -90,13 +128,15 @@ class MuJoCoEnv:
                 self._rngs[i] = np.random.default_rng(seed)
             rng = self._rngs[i]
             mujoco.mj_resetData(m, d)
-            home = np.array([HOME[j] for j in JOINTS]) + rng.uniform(-self.cfg.home_noise, self.cfg.home_noise, len(JOINTS))
+            home = np.array([HOME[j] for j in JOINTS]) + rng.uniform(
+                -self.cfg.home_noise, self.cfg.home_noise, len(JOINTS)
+            )
             home = np.clip(home, self._low, self._high)
             d.qpos[self._joint_qpos] = home
             init = self.task.sample(rng)
             if "cube" in init:
                 adr = m.jnt_qposadr[m.body("cube").jntadr[0]]
-                d.qpos[adr:adr + 3], d.qpos[adr + 3:adr + 7] = init["cube"], [1, 0, 0, 0]
+                d.qpos[adr : adr + 3], d.qpos[adr + 3 : adr + 7] = init["cube"], [1, 0, 0, 0]
             d.mocap_pos[0] = init["goal"]
             d.ctrl[:] = home
             mujoco.mj_forward(m, d)
@@ -105,7 +145,9 @@ class MuJoCoEnv:
             self._sensors[i] = d.sensordata
             self._elapsed[i] = 0
 
-    def reset(self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None) -> Observation:
+    def reset(
+        self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None
+    ) -> Observation:
         ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids]
         self._reset_rows(ids, reset_seeds(seed, ids))
         return self._obs()
@@ -114,9 +156,17 @@ class MuJoCoEnv:
         """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA."""
         a = np.clip(actions.detach().cpu().numpy().astype(np.float64), -MAX_DELTA, MAX_DELTA)
         self._target = np.clip(self._target + a, self._low, self._high)
-        control = np.concatenate([self._target, self._mocap], 1)[:, None]  # f64 [B, 1, nu + 3]: held for every substep
-        states, sensors = rollout.rollout(self.model, self._rollout_data, self._state, control,
-                                          control_spec=self._control_spec, nstep=self._substeps)
+        control = np.concatenate([self._target, self._mocap], 1)[
+            :, None
+        ]  # f64 [B, 1, nu + 3]: held for every substep
+        states, sensors = rollout.rollout(
+            self.model,
+            self._rollout_data,
+            self._state,
+            control,
+            control_spec=self._control_spec,
+            nstep=self._substeps,
+        )
         self._state, self._sensors = states[:, -1].copy(), sensors[:, -1].copy()
         self._elapsed += 1
         reward, success = self._reward()
@@ -130,8 +180,14 @@ class MuJoCoEnv:
         obs = self._obs()
         if final is not None:
             final = final.where(torch.from_numpy(done), obs)  # ended rows: the last observation
-        return StepOutput(obs=obs, reward=torch.from_numpy(reward), terminated=torch.from_numpy(terminated),
-                          truncated=torch.from_numpy(truncated), success=torch.from_numpy(success), final_obs=final)
+        return StepOutput(
+            obs=obs,
+            reward=torch.from_numpy(reward),
+            terminated=torch.from_numpy(terminated),
+            truncated=torch.from_numpy(truncated),
+            success=torch.from_numpy(success),
+            final_obs=final,
+        )
 
     # --- rendering ----------------------------------------------------------------------------
     def _render_all(self, size: int) -> torch.Tensor:

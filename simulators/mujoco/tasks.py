@@ -35,7 +35,11 @@ class Reach(Task):
     """Bring the gripper's tool point within 2 cm of a target in the air."""
 
     def sample(self, rng):
-        return {"goal": np.array([rng.uniform(0.14, 0.28), rng.uniform(-0.14, 0.14), rng.uniform(0.05, 0.2)])}
+        return {
+            "goal": np.array(
+                [rng.uniform(0.14, 0.28), rng.uniform(-0.14, 0.14), rng.uniform(0.05, 0.2)]
+            )
+        }
 
     def evaluate(self, s):
         d = np.linalg.norm(s["tcp_pos"] - s["goal_pos"], axis=-1)
@@ -48,7 +52,9 @@ class Push(Task):
 
     def sample(self, rng):
         cube = np.array([rng.uniform(0.16, 0.22), rng.uniform(-0.08, 0.08), CUBE_HALF])
-        goal = cube + np.array([rng.uniform(0.05, 0.09), rng.uniform(-0.03, 0.03), -CUBE_HALF + 0.001])
+        goal = cube + np.array(
+            [rng.uniform(0.05, 0.09), rng.uniform(-0.03, 0.03), -CUBE_HALF + 0.001]
+        )
         return {"goal": goal, "cube": cube}
 
     def evaluate(self, s):
@@ -57,7 +63,9 @@ class Push(Task):
         d_goal = np.linalg.norm(to_goal, axis=-1)
         direction = to_goal / np.maximum(d_goal, 1e-6)[:, None]
         behind = cube.copy()
-        behind[:, :2] -= direction * (CUBE_HALF + 0.02)  # where the tool should be to push towards the goal
+        behind[:, :2] -= direction * (
+            CUBE_HALF + 0.02
+        )  # where the tool should be to push towards the goal
         reach = 1.0 - np.tanh(10.0 * np.linalg.norm(tcp - behind, axis=-1))
         place = 1.0 - np.tanh(10.0 * d_goal)
         success = d_goal < 0.025
@@ -65,12 +73,22 @@ class Push(Task):
 
 
 TASKS: dict[str, Task] = {
-    "reach": Reach(name="reach", instruction="move the gripper to the green ball", bodies=GOAL_MARKER,
-                   sensors='<framepos name="goal_pos" objtype="body" objname="goal"/>', privileged={"goal_pos": 3}),
-    "push": Push(name="push", instruction="push the cube to the red target",
-                 bodies=GOAL_REGION + f'<body name="cube" pos="0.2 0 {CUBE_HALF}"><freejoint/><geom type="box" '
-                 f'size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}" rgba="0.2 0.3 0.9 1" mass="0.05" friction="0.8"/></body>',
-                 sensors='<framepos name="goal_pos" objtype="body" objname="goal"/>'
-                         '<framepos name="cube_pos" objtype="body" objname="cube"/>',
-                 privileged={"goal_pos": 3, "cube_pos": 3}, max_episode_steps=80),
+    "reach": Reach(
+        name="reach",
+        instruction="move the gripper to the green ball",
+        bodies=GOAL_MARKER,
+        sensors='<framepos name="goal_pos" objtype="body" objname="goal"/>',
+        privileged={"goal_pos": 3},
+    ),
+    "push": Push(
+        name="push",
+        instruction="push the cube to the red target",
+        bodies=GOAL_REGION
+        + f'<body name="cube" pos="0.2 0 {CUBE_HALF}"><freejoint/><geom type="box" '
+        f'size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}" rgba="0.2 0.3 0.9 1" mass="0.05" friction="0.8"/></body>',
+        sensors='<framepos name="goal_pos" objtype="body" objname="goal"/>'
+        '<framepos name="cube_pos" objtype="body" objname="cube"/>',
+        privileged={"goal_pos": 3, "cube_pos": 3},
+        max_episode_steps=80,
+    ),
 }

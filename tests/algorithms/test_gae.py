@@ -1,7 +1,6 @@
 """GAE against hand-computed numbers and against a naive per-episode reference."""
 
 import torch
-
 from embodied.algorithms import gae
 
 
@@ -13,8 +12,15 @@ def test_gae_hand_computed_termination_and_truncation():
     next_values = torch.tensor([[1.0, 4.0], [9.0, 0.0], [3.0, 2.0]])
     terminated = torch.tensor([[False, False], [True, False], [False, False]])
     truncated = torch.tensor([[False, True], [False, False], [False, False]])
-    adv, ret = gae(rewards=rewards, values=values, next_values=next_values, terminated=terminated,
-                   truncated=truncated, gamma=0.9, gae_lambda=0.5)
+    adv, ret = gae(
+        rewards=rewards,
+        values=values,
+        next_values=next_values,
+        terminated=terminated,
+        truncated=truncated,
+        gamma=0.9,
+        gae_lambda=0.5,
+    )
     # env 0: deltas 1.4, -1.0, 3.2 -> A = [1.4 + 0.45 * -1.0, -1.0, 3.2]
     # env 1: deltas 0.5 + 3.6 - 2 = 2.1, 0.0, 2.8 -> A = [2.1, 0 + 0.45 * 2.8, 2.8]
     expected_adv = torch.tensor([[0.95, 2.1], [-1.0, 1.26], [3.2, 2.8]])
@@ -48,8 +54,15 @@ def test_gae_matches_naive_reference_on_random_rollouts():
     next_values = torch.randn(T, B, generator=g)
     terminated = torch.rand(T, B, generator=g) < 0.1
     truncated = (torch.rand(T, B, generator=g) < 0.1) & ~terminated
-    adv, ret = gae(rewards=rewards, values=values, next_values=next_values, terminated=terminated,
-                   truncated=truncated, gamma=0.97, gae_lambda=0.9)
+    adv, ret = gae(
+        rewards=rewards,
+        values=values,
+        next_values=next_values,
+        terminated=terminated,
+        truncated=truncated,
+        gamma=0.97,
+        gae_lambda=0.9,
+    )
     ref = naive_gae(rewards, values, next_values, terminated, truncated, 0.97, 0.9)
     torch.testing.assert_close(adv, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ret, ref + values, rtol=1e-5, atol=1e-5)
@@ -60,7 +73,14 @@ def test_gae_lambda_one_no_dones_is_discounted_return_minus_value():
     values = torch.zeros(3, 1)
     next_values = torch.tensor([[0.0], [0.0], [10.0]])
     none = torch.zeros(3, 1, dtype=torch.bool)
-    adv, _ = gae(rewards=rewards, values=values, next_values=next_values, terminated=none, truncated=none,
-                 gamma=0.5, gae_lambda=1.0)
+    adv, _ = gae(
+        rewards=rewards,
+        values=values,
+        next_values=next_values,
+        terminated=none,
+        truncated=none,
+        gamma=0.5,
+        gae_lambda=1.0,
+    )
     # A_0 = 1 + 0.5 + 0.25 + 0.125 * 10
     torch.testing.assert_close(adv[:, 0], torch.tensor([3.0, 4.0, 6.0]))

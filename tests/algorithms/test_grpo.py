@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from embodied.algorithms import grpo_advantages, informative_groups, kl_penalty
 
 REWARDS = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0])  # 3 groups of 4
@@ -32,7 +31,7 @@ def test_advantages_match_a_loop_over_groups():
     r = torch.randn(5 * 6)
     adv, _ = grpo_advantages(rewards=r, group_size=6, eps=1e-6)
     for g in range(5):
-        x = r[g * 6:(g + 1) * 6].tolist()
+        x = r[g * 6 : (g + 1) * 6].tolist()
         mean = sum(x) / 6
         std = math.sqrt(sum((v - mean) ** 2 for v in x) / 6)
         for m in range(6):
@@ -47,11 +46,15 @@ def test_bad_shapes_are_refused():
 def test_dynamic_sampling_drops_all_zero_and_all_one_groups():
     keep = informative_groups(rewards=REWARDS, group_size=4)
     assert keep.tolist() == [True, False, True]
-    assert informative_groups(rewards=torch.tensor([0.0, 0, 0, 0, 0.3, 0.3]), group_size=2).tolist() == [False, False, False]
+    assert informative_groups(
+        rewards=torch.tensor([0.0, 0, 0, 0, 0.3, 0.3]), group_size=2
+    ).tolist() == [False, False, False]
 
 
 def test_kl_penalty_k3_golden():
-    loss, metrics = kl_penalty(logprob=torch.tensor([0.0, -1.0]), ref_logprob=torch.tensor([-0.5, 0.0]))
+    loss, metrics = kl_penalty(
+        logprob=torch.tensor([0.0, -1.0]), ref_logprob=torch.tensor([-0.5, 0.0])
+    )
     expected = ((math.exp(-0.5) + 0.5 - 1) + (math.exp(1) - 1 - 1)) / 2
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     assert metrics["policy/kl_ref"] == pytest.approx(expected, rel=1e-6)

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from embodied.algorithms import approx_kl, entropy, ppo_policy_loss, value_loss
 
 
@@ -22,14 +21,21 @@ def test_ppo_policy_loss_symmetric_clip():
 
 def test_ppo_policy_loss_asymmetric_clip_higher():
     logprob = torch.tensor([0.0, 0.5, -0.5])
-    loss, _ = ppo_policy_loss(logprob=logprob, old_logprob=torch.zeros(3), advantages=torch.tensor([1.0, 1.0, -1.0]),
-                              clip_low=0.2, clip_high=0.28)
+    loss, _ = ppo_policy_loss(
+        logprob=logprob,
+        old_logprob=torch.zeros(3),
+        advantages=torch.tensor([1.0, 1.0, -1.0]),
+        clip_low=0.2,
+        clip_high=0.28,
+    )
     assert loss.item() == pytest.approx((-1.0 - 1.28 + 0.8) / 3, abs=1e-6)
 
 
 def test_ppo_policy_loss_gradient_is_zero_when_clipped():
     logprob = torch.tensor([0.5], requires_grad=True)
-    loss, _ = ppo_policy_loss(logprob=logprob, old_logprob=torch.zeros(1), advantages=torch.ones(1), clip_low=0.2)
+    loss, _ = ppo_policy_loss(
+        logprob=logprob, old_logprob=torch.zeros(1), advantages=torch.ones(1), clip_low=0.2
+    )
     loss.backward()
     assert logprob.grad.item() == 0.0
 
@@ -38,7 +44,12 @@ def test_value_loss_plain_and_clipped():
     loss, m = value_loss(values=torch.tensor([1.0, 2.0]), returns=torch.tensor([0.0, 2.0]))
     assert loss.item() == pytest.approx(0.25)
     # clipped: V_old + clip(0.2 - 0, -0.1, 0.1) = 0.1 -> (0.1 - 1)^2 = 0.81 > (0.2 - 1)^2 = 0.64
-    loss, _ = value_loss(values=torch.tensor([0.2]), returns=torch.tensor([1.0]), old_values=torch.tensor([0.0]), clip=0.1)
+    loss, _ = value_loss(
+        values=torch.tensor([0.2]),
+        returns=torch.tensor([1.0]),
+        old_values=torch.tensor([0.0]),
+        clip=0.1,
+    )
     assert loss.item() == pytest.approx(0.5 * 0.81)
     with pytest.raises(ValueError):
         value_loss(values=torch.zeros(1), returns=torch.zeros(1), clip=0.1)

@@ -2,16 +2,25 @@
 
 import pytest
 import torch
+from embodied.models import ActorCritic, ActorCriticConfig, RunningNorm
 
 from embodied.contract import random_observation
-from embodied.models import ActorCritic, ActorCriticConfig, RunningNorm
 from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, check_policy
 
-STATE_SPEC = EnvSpec(obs=ObsSpec(state_names=("q0", "q1", "q2"), privileged={"goal": (3,), "pose": (7,)}),
-                     action=ActionSpec("joint_delta", ("a0", "a1", "g"), (-0.1, -0.1, -0.01), (0.1, 0.1, 0.04), gripper=2),
-                     max_episode_steps=10, instructions=("push the cube",))
-RGB_SPEC = EnvSpec(obs=ObsSpec(cameras=(CameraSpec("base_camera", 64, 64),), state_names=("q0", "q1")),
-                   action=STATE_SPEC.action, max_episode_steps=10, instructions=("pick the cube",))
+STATE_SPEC = EnvSpec(
+    obs=ObsSpec(state_names=("q0", "q1", "q2"), privileged={"goal": (3,), "pose": (7,)}),
+    action=ActionSpec(
+        "joint_delta", ("a0", "a1", "g"), (-0.1, -0.1, -0.01), (0.1, 0.1, 0.04), gripper=2
+    ),
+    max_episode_steps=10,
+    instructions=("push the cube",),
+)
+RGB_SPEC = EnvSpec(
+    obs=ObsSpec(cameras=(CameraSpec("base_camera", 64, 64),), state_names=("q0", "q1")),
+    action=STATE_SPEC.action,
+    max_episode_steps=10,
+    instructions=("pick the cube",),
+)
 
 
 @pytest.mark.parametrize("spec", [STATE_SPEC, RGB_SPEC], ids=["state", "rgb"])
@@ -24,14 +33,19 @@ def test_check_policy(spec, chunk):
 
 
 def test_actions_are_squashed_into_physical_bounds():
-    policy = ActorCritic(STATE_SPEC, ActorCriticConfig(hidden_sizes=[16], init_log_std=2.0))  # wide: many saturate
+    policy = ActorCritic(
+        STATE_SPEC, ActorCriticConfig(hidden_sizes=[16], init_log_std=2.0)
+    )  # wide: many saturate
     out = policy.act(random_observation(STATE_SPEC, 256))
     low, high = STATE_SPEC.action.bounds()
     assert bool((out.actions >= low).all() and (out.actions <= high).all())
     u = out.extras["raw_actions"]
     torch.testing.assert_close(out.actions, low + (torch.tanh(u) + 1) / 2 * (high - low))
     # u = 0 maps to the middle of the range, large |u| to the bounds
-    torch.testing.assert_close(policy.to_physical(torch.tensor([[[-50.0, 0.0, 50.0]]])), torch.tensor([[[-0.1, 0.0, 0.04]]]))
+    torch.testing.assert_close(
+        policy.to_physical(torch.tensor([[[-50.0, 0.0, 50.0]]])),
+        torch.tensor([[[-0.1, 0.0, 0.04]]]),
+    )
 
 
 def test_squashed_logprob_matches_change_of_variables():
@@ -43,7 +57,9 @@ def test_squashed_logprob_matches_change_of_variables():
     mean, std = policy.actor(feats), policy.log_std.exp()
     u = out.extras["raw_actions"].reshape(5, -1).double()
     gauss = torch.distributions.Normal(mean.double(), std.double()).log_prob(u)
-    expected = (gauss - torch.log1p(-torch.tanh(u) ** 2)).sum(-1)  # log p(a) = log p(u) - log|da/du|
+    expected = (gauss - torch.log1p(-(torch.tanh(u) ** 2))).sum(
+        -1
+    )  # log p(a) = log p(u) - log|da/du|
     torch.testing.assert_close(out.logprob.double(), expected, rtol=1e-5, atol=1e-4)
 
 
@@ -66,14 +82,20 @@ def test_running_norm_matches_batch_statistics():
 
 def test_normalizer_update_accepts_time_major_observations():
     policy = ActorCritic(STATE_SPEC, ActorCriticConfig(hidden_sizes=[8]))
-    obs = random_observation(STATE_SPEC, 6).map(lambda t: t.view(2, 3, *t.shape[1:]))  # [T=2, B=3, ...]
+    obs = random_observation(STATE_SPEC, 6).map(
+        lambda t: t.view(2, 3, *t.shape[1:])
+    )  # [T=2, B=3, ...]
     policy.update_normalizer(obs)
     assert float(policy.state_encoder.norm.count) == 6
 
 
 def test_entropy_is_the_gaussian_entropy_of_u():
-    policy = ActorCritic(STATE_SPEC, ActorCriticConfig(hidden_sizes=[8], chunk_size=2, init_log_std=-0.7))
+    policy = ActorCritic(
+        STATE_SPEC, ActorCriticConfig(hidden_sizes=[8], chunk_size=2, init_log_std=-0.7)
+    )
     obs = random_observation(STATE_SPEC, 3)
     _, ent, _ = policy.evaluate(obs, policy.act(obs))
-    expected = torch.distributions.Normal(torch.zeros(6), torch.full((6,), -0.7).exp()).entropy().sum()
+    expected = (
+        torch.distributions.Normal(torch.zeros(6), torch.full((6,), -0.7).exp()).entropy().sum()
+    )
     torch.testing.assert_close(ent, expected.expand(3))

@@ -5,15 +5,24 @@ fine-tuned."""
 
 import pytest
 import torch
-
-from embodied.contract import random_observation
 from embodied.models import build_policy
-from embodied.schema import check_policy
 from test_vla import HEADS, SPEC, tiny
 from tiny_vlms import FAMILIES
 
-SPEC32 = SPEC.__class__(**{**SPEC.__dict__, "obs": SPEC.obs.__class__(**{
-    **SPEC.obs.__dict__, "cameras": tuple(c.__class__(c.name, 32, 32) for c in SPEC.obs.cameras)})})
+from embodied.contract import random_observation
+from embodied.schema import check_policy
+
+SPEC32 = SPEC.__class__(
+    **{
+        **SPEC.__dict__,
+        "obs": SPEC.obs.__class__(
+            **{
+                **SPEC.obs.__dict__,
+                "cameras": tuple(c.__class__(c.name, 32, 32) for c in SPEC.obs.cameras),
+            }
+        ),
+    }
+)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -26,7 +35,9 @@ def test_check_policy_with_a_local_vlm(vlm_dir, head):
     torch.manual_seed(0)
     policy = build_policy(SPEC32, tiny(head, vlm_path=vlm_dir))
     assert policy.vlm is not None and not hasattr(policy, "vision")
-    report = check_policy(policy, SPEC32, batch_size=3)  # includes evaluate() == act() log-prob to 1e-5
+    report = check_policy(
+        policy, SPEC32, batch_size=3
+    )  # includes evaluate() == act() log-prob to 1e-5
     assert report["chunk"] == 3
 
 
@@ -34,7 +45,10 @@ def test_padding_does_not_change_a_samples_actions(vlm_dir):
     torch.manual_seed(0)
     policy = build_policy(SPEC32, tiny("gaussian", vlm_path=vlm_dir)).eval()
     obs = random_observation(SPEC32, 2, torch.device("cpu"))
-    obs.instruction = ["push the cube", "pull the cube back to the red and white target"]  # different lengths
+    obs.instruction = [
+        "push the cube",
+        "pull the cube back to the red and white target",
+    ]  # different lengths
     both = policy.act(obs, deterministic=True).actions
     alone = policy.act(obs.index(torch.tensor([0])), deterministic=True).actions
     torch.testing.assert_close(both[:1], alone, atol=1e-5, rtol=1e-5)

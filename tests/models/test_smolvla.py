@@ -8,14 +8,14 @@ import math
 
 import pytest
 import torch
-
-from embodied.contract import random_observation
 from embodied.models import SmolVLA, SmolVLAConfig, build_policy
 from embodied.models.vla.smolvla import lerobot_smolvla
-from embodied.schema import check_policy
 from test_hf_vlm import SPEC32
 from test_vla import assert_checkpoint_acts_alone
 from tiny_vlms import smolvlm
+
+from embodied.contract import random_observation
+from embodied.schema import check_policy
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +24,27 @@ def vlm_dir(tmp_path_factory):
 
 
 def tiny(vlm_dir: str, **kw) -> SmolVLAConfig:
-    return SmolVLAConfig(**{"vlm_path": vlm_dir, "chunk_size": 3, "flow_steps": 4, "privileged_keys": ["goal_pos"], **kw})
+    return SmolVLAConfig(
+        **{
+            "vlm_path": vlm_dir,
+            "chunk_size": 3,
+            "flow_steps": 4,
+            "privileged_keys": ["goal_pos"],
+            **kw,
+        }
+    )
 
 
 def test_check_policy(vlm_dir):
     torch.manual_seed(0)
     policy = build_policy(SPEC32, tiny(vlm_dir))
-    assert isinstance(policy, SmolVLA) and type(policy.smolvla).__module__ == "lerobot.policies.smolvla.modeling_smolvla"
-    report = check_policy(policy, SPEC32, batch_size=3)  # includes evaluate() == act() log-prob to 1e-5
+    assert (
+        isinstance(policy, SmolVLA)
+        and type(policy.smolvla).__module__ == "lerobot.policies.smolvla.modeling_smolvla"
+    )
+    report = check_policy(
+        policy, SPEC32, batch_size=3
+    )  # includes evaluate() == act() log-prob to 1e-5
     assert report["chunk"] == 3
 
 
@@ -43,8 +56,9 @@ def test_deterministic_flow_is_lerobots_sampler(vlm_dir):
     with torch.no_grad():
         ours = policy.act(obs, deterministic=True)
         images, image_masks, tokens, token_masks, state = policy._inputs(obs)
-        theirs = policy.smolvla.model.sample_actions(images, image_masks, tokens, token_masks, state,
-                                                     noise=torch.zeros(2, 3, 4))  # LeRobot's Euler loop from x_0 = 0
+        theirs = policy.smolvla.model.sample_actions(
+            images, image_masks, tokens, token_masks, state, noise=torch.zeros(2, 3, 4)
+        )  # LeRobot's Euler loop from x_0 = 0
     torch.testing.assert_close(ours.extras["flow_chain"][:, -1], theirs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.actions, policy.to_physical(theirs.clamp(-1, 1)))
 
@@ -60,24 +74,39 @@ def test_flow_logprob_matches_an_independent_reference(vlm_dir):
         images, image_masks, tokens, token_masks, state = policy._inputs(obs)
         model, make_att_2d_masks = policy.smolvla.model, lerobot_smolvla().make_att_2d_masks
         prefix, pad, att = model.embed_prefix(images, image_masks, tokens, token_masks, state=state)
-        _, cache = model.vlm_with_expert.forward(attention_mask=make_att_2d_masks(pad, att), position_ids=pad.cumsum(1) - 1,
-                                                 past_key_values=None, inputs_embeds=[prefix, None], use_cache=True,
-                                                 fill_kv_cache=True)
+        _, cache = model.vlm_with_expert.forward(
+            attention_mask=make_att_2d_masks(pad, att),
+            position_ids=pad.cumsum(1) - 1,
+            past_key_values=None,
+            inputs_embeds=[prefix, None],
+            use_cache=True,
+            fill_kv_cache=True,
+        )
         reference = torch.zeros(2)
-        for i in range(4):  # LeRobot's Euler step at t_i = 1 - i / N, plus Gaussian noise of std 0.3
+        for i in range(
+            4
+        ):  # LeRobot's Euler step at t_i = 1 - i / N, plus Gaussian noise of std 0.3
             v = model.denoise_step(pad, cache, chain[:, i], torch.full((2,), 1 - i / 4))
-            reference += torch.distributions.Normal(chain[:, i] - v / 4, 0.3).log_prob(chain[:, i + 1]).sum((1, 2))
+            reference += (
+                torch.distributions.Normal(chain[:, i] - v / 4, 0.3)
+                .log_prob(chain[:, i + 1])
+                .sum((1, 2))
+            )
     torch.testing.assert_close(out.logprob, reference, atol=1e-4, rtol=1e-5)
     with torch.no_grad():
         token, entropy, value = policy.evaluate(obs, out, level="token")
     assert token.shape == (2, 3, 4) and value is None
-    torch.testing.assert_close(entropy, torch.full((2,), 4 * 3 * 4 * (0.5 + 0.5 * math.log(2 * math.pi) + math.log(0.3))))
+    torch.testing.assert_close(
+        entropy, torch.full((2,), 4 * 3 * 4 * (0.5 + 0.5 * math.log(2 * math.pi) + math.log(0.3)))
+    )
 
 
 def test_flow_matching_loss_fits_a_fixed_batch_and_the_vlm_stays_frozen(vlm_dir):
     torch.manual_seed(3)
     policy = SmolVLA(SPEC32, tiny(vlm_dir))
-    vlm_before = {k: v.clone() for k, v in policy.smolvla.model.vlm_with_expert.vlm.state_dict().items()}
+    vlm_before = {
+        k: v.clone() for k, v in policy.smolvla.model.vlm_with_expert.vlm.state_dict().items()
+    }
     assert not any(p.requires_grad for p in policy.smolvla.model.vlm_with_expert.vlm.parameters())
     obs = random_observation(SPEC32, 4)
     low, high = SPEC32.action.bounds()
@@ -93,7 +122,9 @@ def test_flow_matching_loss_fits_a_fixed_batch_and_the_vlm_stays_frozen(vlm_dir)
         opt.step()
         losses.append(loss.item())
     # the loss samples noise and time: compare averages
-    assert sum(losses[-20:]) < 0.5 * sum(losses[:20]), losses[::20]  # noise near t = 0 is not predictable
+    assert sum(losses[-20:]) < 0.5 * sum(losses[:20]), losses[
+        ::20
+    ]  # noise near t = 0 is not predictable
     with torch.no_grad():  # deterministic actions approach the targets
         err = (policy.act(obs, deterministic=True).actions - target).abs() / (high - low)
     assert err.mean() < 0.5 * err_before.mean(), (err_before.mean(), err.mean())

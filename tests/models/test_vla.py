@@ -6,25 +6,49 @@ import math
 
 import pytest
 import torch
+from embodied.models import VLA, VLAConfig, build_policy
 
 from embodied.checkpoint import load_checkpoint, save_checkpoint
 from embodied.contract import random_observation
-from embodied.models import VLA, VLAConfig, build_policy
 from embodied.schema import ActionSpec, CameraSpec, EnvSpec, NormStats, ObsSpec, check_policy
 
-SPEC = EnvSpec(obs=ObsSpec(cameras=(CameraSpec("base_camera", 64, 64), CameraSpec("hand_camera", 64, 64)),
-                           state_names=tuple(f"q{i}" for i in range(5)), privileged={"goal_pos": (3,)}),
-               action=ActionSpec("joint_delta", ("j0", "j1", "j2", "gripper"), (-0.1, -0.1, -0.1, -0.01),
-                                 (0.1, 0.1, 0.1, 0.04), gripper=3),
-               max_episode_steps=20, instructions=("push the cube to the target", "pick up the cube"))
+SPEC = EnvSpec(
+    obs=ObsSpec(
+        cameras=(CameraSpec("base_camera", 64, 64), CameraSpec("hand_camera", 64, 64)),
+        state_names=tuple(f"q{i}" for i in range(5)),
+        privileged={"goal_pos": (3,)},
+    ),
+    action=ActionSpec(
+        "joint_delta",
+        ("j0", "j1", "j2", "gripper"),
+        (-0.1, -0.1, -0.1, -0.01),
+        (0.1, 0.1, 0.1, 0.04),
+        gripper=3,
+    ),
+    max_episode_steps=20,
+    instructions=("push the cube to the target", "pick up the cube"),
+)
 HEADS = ["gaussian", "discrete", "flow"]
 
 
 def tiny(head: str, **kw) -> VLAConfig:
     """Random, small backbones of the real architectures (EfficientNet-Lite0, BERT/MiniLM)."""
-    base = dict(head=head, chunk_size=3, d_model=32, layers=1, heads=2, vision_pretrained=False, vision_width=0.25,
-                vision_depth=0.25, text_pretrained=False, text_hidden=32, text_layers=1, bins=16, flow_steps=4,
-                privileged_keys=["goal_pos"])
+    base = dict(
+        head=head,
+        chunk_size=3,
+        d_model=32,
+        layers=1,
+        heads=2,
+        vision_pretrained=False,
+        vision_width=0.25,
+        vision_depth=0.25,
+        text_pretrained=False,
+        text_hidden=32,
+        text_layers=1,
+        bins=16,
+        flow_steps=4,
+        privileged_keys=["goal_pos"],
+    )
     return VLAConfig(**{**base, **kw})
 
 
@@ -32,7 +56,9 @@ def tiny(head: str, **kw) -> VLAConfig:
 def test_check_policy(head):
     torch.manual_seed(0)
     policy = build_policy(SPEC, tiny(head))
-    report = check_policy(policy, SPEC, batch_size=4)  # includes evaluate() == act() log-prob to 1e-5
+    report = check_policy(
+        policy, SPEC, batch_size=4
+    )  # includes evaluate() == act() log-prob to 1e-5
     assert report["chunk"] == 3
 
 
@@ -62,7 +88,9 @@ def test_gaussian_logprob_is_the_squashed_density():
         ctx, _ = policy.context(obs)
         mean = policy.head.mean(ctx)
     u = out.extras["raw_actions"]
-    ref = torch.distributions.Normal(mean, policy.head.log_std.exp()).log_prob(u) - torch.log(1 - torch.tanh(u) ** 2)
+    ref = torch.distributions.Normal(mean, policy.head.log_std.exp()).log_prob(u) - torch.log(
+        1 - torch.tanh(u) ** 2
+    )
     torch.testing.assert_close(out.extras["logp_token"], ref, atol=1e-4, rtol=1e-5)
 
 
@@ -99,7 +127,9 @@ def test_flow_logprob_matches_an_independent_reference():
         for i in range(5):
             x = chain[:, i]
             v = policy.head.velocity(x, torch.full((3,), i / 5), ctx)
-            ref += torch.distributions.Normal(x + v / 5, sigma).log_prob(chain[:, i + 1]).sum((1, 2))
+            ref += (
+                torch.distributions.Normal(x + v / 5, sigma).log_prob(chain[:, i + 1]).sum((1, 2))
+            )
         # the executed action is the chain's end, clipped to [-1, 1], in physical units
         torch.testing.assert_close(out.actions, policy.to_physical(chain[:, -1].clamp(-1, 1)))
     torch.testing.assert_close(out.logprob, ref, atol=1e-4, rtol=1e-6)
@@ -112,7 +142,9 @@ def test_flow_logprob_matches_an_independent_reference():
 @pytest.mark.parametrize("head", HEADS)
 def test_behaviour_cloning_fits_a_fixed_batch(head):
     torch.manual_seed(5)
-    policy = VLA(SPEC, tiny(head, freeze_vision=True))  # the heads and the fusion learn; fast on CPU
+    policy = VLA(
+        SPEC, tiny(head, freeze_vision=True)
+    )  # the heads and the fusion learn; fast on CPU
     obs = random_observation(SPEC, 6)
     low, high = SPEC.action.bounds()
     target = low + torch.rand(6, 3, 4) * (high - low)  # physical chunks
@@ -136,13 +168,17 @@ def assert_checkpoint_acts_alone(policy, cfg, spec, tmp_path, batch: int = 4) ->
     """Normalization set from data maps [-1, 1] onto the data's range; a policy rebuilt from the
     checkpoint alone (its config in meta, its weights and buffers) acts exactly as the original."""
     q01, q99 = torch.tensor([-0.05, -0.02, 0.0, 0.0]), torch.tensor([0.05, 0.02, 0.1, 0.04])
-    policy.set_norm_stats(state=NormStats(mean=torch.full((8,), 2.0), std=torch.full((8,), 3.0)),
-                          action=NormStats(q01=q01, q99=q99))
+    policy.set_norm_stats(
+        state=NormStats(mean=torch.full((8,), 2.0), std=torch.full((8,), 3.0)),
+        action=NormStats(q01=q01, q99=q99),
+    )
     obs = random_observation(spec, batch)
     with torch.no_grad():
         before = policy.act(obs, deterministic=True).actions
     assert bool(((before >= q01) & (before <= q99)).all())  # [-1, 1] maps onto the data's range
-    ckpt = save_checkpoint(tmp_path, 1, model=policy, optimizer=None, counters={}, meta={"policy": vars(cfg)})
+    ckpt = save_checkpoint(
+        tmp_path, 1, model=policy, optimizer=None, counters={}, meta={"policy": vars(cfg)}
+    )
     loaded = load_checkpoint(ckpt, with_trainer_state=False)
     torch.manual_seed(12345)  # a different random start: every weight must come from the checkpoint
     fresh = type(policy)(spec, type(cfg)(**loaded["meta"]["policy"]))
@@ -183,6 +219,7 @@ def test_pretrained_backbones_load_offline():
     sentences = ["push the cube to the red and white target", "pick up the cube"]
     ours = text(sentences)
     reference = sentence_transformers.SentenceTransformer(str(minilm_path()), device="cpu").encode(
-        sentences, convert_to_tensor=True)
+        sentences, convert_to_tensor=True
+    )
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
     assert math.isclose(float(ours[0].detach() @ ours[0].detach()), 1.0, rel_tol=1e-5)
