@@ -26,7 +26,6 @@ def _setup(camera: bool, hz: float):
     from embodied.models import ActorCritic, ActorCriticConfig
     from embodied.robots.arm import ArmConfig, RobotEnv, connect, default_safety
     from embodied.robots.safety import SafetyLayer
-
     from embodied.twin import make_twin_robot
 
     cfg = ArmConfig(
@@ -54,10 +53,9 @@ def _chunk(policy, obs, K: int = 8) -> np.ndarray:
 
 
 def run(hz: float, remote: bool, seconds: float, camera: bool) -> dict:
+    from embodied.deploy import obs_to_wire, wire_to_obs
     from embodied.robots.control import ChunkExecutor, EmergencyStop, run_episode, safe_shutdown
     from embodied.robots.server import PolicyClient, PolicyServer
-
-    from embodied.deploy import obs_to_wire, wire_to_obs
 
     env, twin, policy = _setup(camera, hz)
     server = client = None

@@ -256,9 +256,8 @@ def _worker_simulators(args, mode: str, n: int) -> None:
     """LIBERO and ManiSkill rows for n environments (in 1 and in 2 workers)."""
     rgb = mode == "rgb"
     if "libero" in args.simulators:
-        from embodied.simulators.libero import LiberoConfig
-
         from embodied.multitask import make_env
+        from embodied.simulators.libero import LiberoConfig
 
         steps = max(5, args.steps // (40 if rgb else 4))
         cfg = dict(
@@ -280,9 +279,8 @@ def _worker_simulators(args, mode: str, n: int) -> None:
             lambda w: make_env(LiberoConfig(**cfg, num_workers=w)),
         )
     if "maniskill" in args.simulators:
-        from embodied.simulators.maniskill import ManiSkillConfig
-
         from embodied.multitask import make_env
+        from embodied.simulators.maniskill import ManiSkillConfig
 
         steps = args.steps if not rgb else max(10, args.steps // 4)
         cfg = dict(

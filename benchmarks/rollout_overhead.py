@@ -151,7 +151,6 @@ def bench_vecenv(env, steps: int) -> tuple[float, float]:
 
 def bench_rollout(env, steps: int, stages: int = 1) -> tuple[float, float]:
     from embodied.models import ActorCritic, ActorCriticConfig
-
     from embodied.rollout import EpisodeStats, collect
 
     policy = ActorCritic(env.spec, ActorCriticConfig())

@@ -5,7 +5,6 @@ from embodied.models.config import PolicyConfig
 from embodied.models.normalization import RunningNorm
 from embodied.models.vla import VLA, VLAConfig
 from embodied.models.vla.smolvla import SmolVLA, SmolVLAConfig
-
 from embodied.schema import EnvSpec
 
 POLICIES = {

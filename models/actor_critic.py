@@ -16,10 +16,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from embodied.models.config import PolicyConfig
-from embodied.models.encoders import CNNEncoder, StateEncoder
 from torch import nn
 
+from embodied.models.config import PolicyConfig
+from embodied.models.encoders import CNNEncoder, StateEncoder
 from embodied.schema import EnvSpec, Observation, PolicyOutput
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)

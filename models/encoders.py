@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from embodied.models.normalization import RunningNorm
 from torch import nn
 
+from embodied.models.normalization import RunningNorm
 from embodied.schema import EnvSpec, Observation
 
 

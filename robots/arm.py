@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from embodied.robots.safety import SafetyConfig, SafetyLayer
 
+from embodied.robots.safety import SafetyConfig, SafetyLayer
 from embodied.schema import ActionSpec, CameraSpec, EnvSpec, Observation, ObsSpec, StepOutput
 
 JOINTS = ("shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll", "gripper")

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from embodied.robots.kinematics import ArmGeometry, tool_point
 
 log = logging.getLogger(__name__)

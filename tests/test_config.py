@@ -108,7 +108,6 @@ def test_shipped_configs_load():
 
 def test_shipped_vla_configs_load_and_smolvla_asks_for_its_model(tmp_path, capsys):
     from embodied.models import SmolVLAConfig, VLAConfig
-
     from embodied.sft import SFTConfig
 
     for name, schema in (

@@ -5,13 +5,13 @@ import json
 
 import pytest
 import torch
-from embodied.models import ActorCritic, ActorCriticConfig
-from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
 
 from embodied.checkpoint import save_checkpoint
 from embodied.cli import main
 from embodied.dataset import DemoDataset
+from embodied.models import ActorCritic, ActorCriticConfig
 from embodied.schema import EnvSpec, ObsSpec
+from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
 from embodied.trainer import TrainConfig, run_meta
 
 ENV = dict(

@@ -1,10 +1,10 @@
 """GPU backend (physx_cuda): tensors stay on the device; skipped without a CUDA GPU."""
 
 import pytest
-from embodied.models import ActorCritic, ActorCriticConfig
-from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
 
+from embodied.models import ActorCritic, ActorCriticConfig
 from embodied.schema import check_env, check_policy
+from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
 
 pytestmark = pytest.mark.gpu
 

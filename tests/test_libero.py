@@ -9,15 +9,14 @@ import pytest
 pytest.importorskip("robosuite")
 pytest.importorskip("libero")
 
+from embodied.multitask import make_env  # noqa: E402
+from embodied.schema import check_env  # noqa: E402
 from embodied.simulators.libero import (  # noqa: E402
     SUITES,
     LiberoConfig,
     LiberoCore,
     paths,  # noqa: E402
 )
-
-from embodied.multitask import make_env  # noqa: E402
-from embodied.schema import check_env  # noqa: E402
 
 FAST = dict(
     image_size=32, settle_steps=2

@@ -5,15 +5,15 @@ import sys
 
 import pytest
 import torch
+
 from embodied.models import ActorCritic, ActorCriticConfig
+from embodied.schema import check_env, check_policy
 from embodied.simulators.maniskill import (
     ManiSkillConfig,
     ManiSkillEnv,
     MissingAssetError,
     check_assets,
 )
-
-from embodied.schema import check_env, check_policy
 
 CASES = [
     ("PushCube-v1", "state"),

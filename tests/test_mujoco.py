@@ -10,9 +10,8 @@ import torch
 
 pytest.importorskip("mujoco")
 
-from embodied.simulators.mujoco import TASKS, MuJoCoConfig, MuJoCoEnv  # noqa: E402
-
 from embodied.schema import check_env  # noqa: E402
+from embodied.simulators.mujoco import TASKS, MuJoCoConfig, MuJoCoEnv  # noqa: E402
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))

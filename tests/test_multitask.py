@@ -2,10 +2,10 @@
 its own task's instruction; actions and resets reach the right task."""
 
 import torch
-from embodied.simulators.maniskill import ManiSkillConfig
 
 from embodied.multitask import MultiTaskEnv, make_env
 from embodied.schema import check_env
+from embodied.simulators.maniskill import ManiSkillConfig
 
 CFG = ManiSkillConfig(
     tasks=["PushCube-v1", "PullCube-v1"],

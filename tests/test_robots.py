@@ -29,7 +29,6 @@ from embodied.robots.servo_port import (
     rad_to_ticks,
     ticks_to_rad,
 )  # noqa: E402
-
 from embodied.schema import check_env  # noqa: E402
 
 TICK = 2 * math.pi / 4096  # one encoder tick in radians
@@ -65,6 +64,7 @@ def sent_radians(port: FeetechPort) -> np.ndarray:
 
 def test_forward_kinematics_matches_the_mujoco_arm():
     import mujoco
+
     from embodied.simulators.mujoco.arm import RANGES, scene
 
     model = mujoco.MjModel.from_xml_string(scene(""))

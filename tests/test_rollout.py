@@ -6,8 +6,8 @@ and every episode is truncated after ``max_episode_steps``. It passes ``check_en
 """
 
 import torch
-from embodied.models import ActorCritic, ActorCriticConfig
 
+from embodied.models import ActorCritic, ActorCriticConfig
 from embodied.rollout import EpisodeStats, collect, execute_chunk
 from embodied.schema import ActionSpec, EnvSpec, Observation, ObsSpec, StepOutput, check_env
 

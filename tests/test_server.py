@@ -7,8 +7,9 @@ import urllib.request
 
 import numpy as np
 import pytest
-from embodied.robots.server import PolicyClient, PolicyServer, pack, unpack
 from websockets.sync.client import connect
+
+from embodied.robots.server import PolicyClient, PolicyServer, pack, unpack
 
 CONTRACT = {
     "action": {"space": "joint_pos", "names": ["a", "b"]},

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
+
 from embodied.models.config import PolicyConfig
 from embodied.models.vla.backbones import EfficientNetLite0, MiniLMText
 from embodied.models.vla.heads import (
@@ -29,8 +31,6 @@ from embodied.models.vla.heads import (
 )
 from embodied.models.vla.hf_vlm import HFVisionLanguage
 from embodied.models.vla.normalization import NormalizedVLA
-from torch import nn
-
 from embodied.schema import EnvSpec, Observation, PolicyOutput
 
 

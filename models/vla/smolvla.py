@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from embodied.models.config import PolicyConfig
 from embodied.models.vla.heads import (
     flow_entropy,
@@ -39,8 +41,6 @@ from embodied.models.vla.heads import (
     sample_flow_chain,
 )
 from embodied.models.vla.normalization import NormalizedVLA
-from torch import nn
-
 from embodied.schema import EnvSpec, Observation, PolicyOutput
 
 

@@ -17,10 +17,10 @@ import os
 os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering; must precede robosuite's import
 
 import numpy as np  # noqa: E402
-from embodied.simulators.libero.config import LiberoConfig  # noqa: E402
-from embodied.simulators.libero.paths import prepare  # noqa: E402
 
 from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec  # noqa: E402
+from embodied.simulators.libero.config import LiberoConfig  # noqa: E402
+from embodied.simulators.libero.paths import prepare  # noqa: E402
 
 CAMERAS = {
     "agentview": "agentview_image",

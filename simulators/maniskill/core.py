@@ -14,9 +14,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from embodied.simulators.maniskill.serial import SerialEnvs
 
 from embodied.schema import ActionSpec, CameraSpec, EnvSpec, Observation, ObsSpec
+from embodied.simulators.maniskill.serial import SerialEnvs
 
 # Natural-language instructions per task; other tasks get their name split into words.
 INSTRUCTIONS = {

@@ -13,10 +13,10 @@ from functools import partial
 
 import numpy as np
 import torch
-from embodied.simulators.maniskill.core import CoreOptions, ManiSkillCore, check_assets
-from embodied.simulators.workers import WorkerVecEnv
 
 from embodied.schema import Observation, SimulatorConfig, StepOutput, reset_seeds
+from embodied.simulators.maniskill.core import CoreOptions, ManiSkillCore, check_assets
+from embodied.simulators.workers import WorkerVecEnv
 
 
 @dataclass

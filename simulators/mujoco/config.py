@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from embodied.simulators.mujoco.tasks import TASKS
-
 from embodied.schema import SimulatorConfig
+from embodied.simulators.mujoco.tasks import TASKS
 
 
 @dataclass

@@ -20,9 +20,6 @@ os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering; must precede `i
 import mujoco  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from embodied.simulators.mujoco.arm import HOME, JOINTS, RANGES, scene  # noqa: E402
-from embodied.simulators.mujoco.config import MuJoCoConfig  # noqa: E402
-from embodied.simulators.mujoco.tasks import TASKS  # noqa: E402
 from mujoco import rollout  # noqa: E402
 
 from embodied.schema import (
@@ -34,6 +31,9 @@ from embodied.schema import (
     StepOutput,
     reset_seeds,
 )  # noqa: E402
+from embodied.simulators.mujoco.arm import HOME, JOINTS, RANGES, scene  # noqa: E402
+from embodied.simulators.mujoco.config import MuJoCoConfig  # noqa: E402
+from embodied.simulators.mujoco.tasks import TASKS  # noqa: E402
 
 CONTROL_HZ = 20.0
 MAX_DELTA = 0.1  # radians per control step (2 rad/s)

@@ -1,6 +1,7 @@
 """GAE against hand-computed numbers and against a naive per-episode reference."""
 
 import torch
+
 from embodied.algorithms import gae
 
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from embodied.algorithms import grpo_advantages, informative_groups, kl_penalty
 
 REWARDS = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0])  # 3 groups of 4

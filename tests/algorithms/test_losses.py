@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from embodied.algorithms import approx_kl, entropy, ppo_policy_loss, value_loss
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from embodied.models import ActorCritic, ActorCriticConfig, RunningNorm
 
 from embodied.contract import random_observation
+from embodied.models import ActorCritic, ActorCriticConfig, RunningNorm
 from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, check_policy
 
 STATE_SPEC = EnvSpec(

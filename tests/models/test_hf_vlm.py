@@ -5,11 +5,11 @@ fine-tuned."""
 
 import pytest
 import torch
-from embodied.models import build_policy
 from test_vla import HEADS, SPEC, tiny
 from tiny_vlms import FAMILIES
 
 from embodied.contract import random_observation
+from embodied.models import build_policy
 from embodied.schema import check_policy
 
 SPEC32 = SPEC.__class__(

@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
-from embodied.models import SmolVLA, SmolVLAConfig, build_policy
-from embodied.models.vla.smolvla import lerobot_smolvla
 from test_hf_vlm import SPEC32
 from test_vla import assert_checkpoint_acts_alone
 from tiny_vlms import smolvlm
 
 from embodied.contract import random_observation
+from embodied.models import SmolVLA, SmolVLAConfig, build_policy
+from embodied.models.vla.smolvla import lerobot_smolvla
 from embodied.schema import check_policy
 
 

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from embodied.models import VLA, VLAConfig, build_policy
 
 from embodied.checkpoint import load_checkpoint, save_checkpoint
 from embodied.contract import random_observation
+from embodied.models import VLA, VLAConfig, build_policy
 from embodied.schema import ActionSpec, CameraSpec, EnvSpec, NormStats, ObsSpec, check_policy
 
 SPEC = EnvSpec(
