@@ -146,6 +146,14 @@ def check_env(
         if done.any():
             ended_any = True
             _require(out.final_obs is not None, f"step({t}): episodes ended but final_obs is None")
+            rows = done.nonzero().squeeze(1)
+            _require(
+                isinstance(out.ended, torch.Tensor)
+                and out.ended.device.type == "cpu"
+                and out.ended.dtype == torch.long
+                and torch.equal(out.ended, rows),
+                f"step({t}).ended: expected long {rows.tolist()} on the CPU, got {out.ended}",
+            )
             check_observation(out.final_obs, spec, B, dev, f"step({t}).final_obs")
             keep = ~done
             if keep.any():
@@ -157,6 +165,7 @@ def check_env(
             lengths[done] = 0
         else:
             _require(out.final_obs is None, f"step({t}): final_obs given although no episode ended")
+            _require(out.ended is None, f"step({t}): ended given although no episode ended")
     _require(
         ended_any,
         f"no episode ended within {limit} steps (max_episode_steps={spec.max_episode_steps})",

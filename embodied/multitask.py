@@ -99,8 +99,11 @@ class MultiTaskEnv:
             outs = [e.step(a) for e, a in zip(self.envs, rows)]
         self._last = [o.obs for o in outs]
         final = None
+        ended = None
         if any(o.final_obs is not None for o in outs):
             final = self._join([o.final_obs if o.final_obs is not None else o.obs for o in outs])
+            offsets = [lo for lo, _ in self.task_ranges]
+            ended = torch.cat([o.ended + lo for o, lo in zip(outs, offsets) if o.ended is not None])
         return StepOutput(
             obs=self._join([o.obs for o in outs]),
             reward=torch.cat([o.reward for o in outs]),
@@ -108,6 +111,7 @@ class MultiTaskEnv:
             truncated=torch.cat([o.truncated for o in outs]),
             success=torch.cat([o.success for o in outs]),
             final_obs=final,
+            ended=ended,
         )
 
     def render(self) -> torch.Tensor:

@@ -200,6 +200,10 @@ class StepOutput:
     reward: float32 [B]; terminated, truncated, success: bool [B].
     final_obs: full-batch Observation whose rows for ended episodes hold the last observation
         before the automatic reset (other rows equal ``obs``); None when no episode ended.
+    ended: long [n] on the CPU, ascending: the environments whose episode ended this step (the
+        rows of ``terminated | truncated``); None when none did. The environment knows them on
+        the host anyway (it had to reset them), so a GPU rollout reads them here instead of
+        synchronising with the device to find them.
     """
 
     obs: Observation
@@ -208,7 +212,15 @@ class StepOutput:
     truncated: torch.Tensor
     success: torch.Tensor
     final_obs: Observation | None = None
+    ended: torch.Tensor | None = None
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def ended_rows(done: torch.Tensor) -> torch.Tensor | None:
+    """``StepOutput.ended`` from a done mask (bool [B]): long [n] on the CPU, or None. Reads the
+    mask on the host: for environments whose masks live there (or that synchronise anyway)."""
+    rows = done.nonzero().squeeze(1).cpu()
+    return rows if len(rows) else None
 
 
 @runtime_checkable
@@ -303,5 +315,6 @@ __all__ = [
     "VecEnv",
     "check_env",
     "check_policy",
+    "ended_rows",
     "reset_seeds",
 ]

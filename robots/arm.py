@@ -296,6 +296,7 @@ class RobotEnv:
             truncated=torch.tensor([truncated]),
             success=false,
             final_obs=obs if truncated else None,
+            ended=torch.zeros(1, dtype=torch.long) if truncated else None,
             info={"sent": self.to_policy(sent), "interventions": list(self.interventions)},
         )  # policy frame
         if truncated:

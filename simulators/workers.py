@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from embodied.schema import Observation, StepOutput, reset_seeds
+from embodied.schema import Observation, StepOutput, ended_rows, reset_seeds
 
 START_TIMEOUT_S = (
     300.0  # building a simulator (and its renderer) takes seconds; minutes means something is wrong
@@ -198,13 +198,16 @@ class WorkerVecEnv:
         final = None
         if any(r[2] is not None for r in results):
             final = to_observation(_cat([r[2] if r[2] is not None else r[0] for r in results]))
+        terminated = scalars[:, 1] > 0
+        truncated = scalars[:, 2] > 0
         return StepOutput(
             obs=obs,
             reward=scalars[:, 0].contiguous(),
-            terminated=scalars[:, 1] > 0,
-            truncated=scalars[:, 2] > 0,
+            terminated=terminated,
+            truncated=truncated,
             success=scalars[:, 3] > 0,
             final_obs=final,
+            ended=ended_rows(terminated | truncated),
         )
 
     def render(self) -> torch.Tensor:

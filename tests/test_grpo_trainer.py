@@ -19,6 +19,7 @@ from embodied.schema import (
     PolicyOutput,
     StepOutput,
     check_env,
+    ended_rows,
 )
 from embodied.trainer import TrainConfig
 
@@ -74,6 +75,7 @@ class PushRightEnv:
             truncated=truncated,
             success=success,
             final_obs=final,
+            ended=ended_rows(truncated),
         )
 
     def render(self):

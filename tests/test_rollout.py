@@ -9,7 +9,15 @@ import torch
 
 from embodied.models import ActorCritic, ActorCriticConfig
 from embodied.rollout import EpisodeStats, collect, execute_chunk
-from embodied.schema import ActionSpec, EnvSpec, Observation, ObsSpec, StepOutput, check_env
+from embodied.schema import (
+    ActionSpec,
+    EnvSpec,
+    Observation,
+    ObsSpec,
+    StepOutput,
+    check_env,
+    ended_rows,
+)
 
 
 class ScriptedEnv:
@@ -49,6 +57,7 @@ class ScriptedEnv:
             truncated=truncated,
             success=terminated.clone(),
             final_obs=final,
+            ended=ended_rows(terminated | truncated),
         )
 
     def render(self):
@@ -153,6 +162,7 @@ class PipelinedScriptedEnv(ScriptedEnv):
             truncated=truncated,
             success=terminated.clone(),
             final_obs=final,
+            ended=ended_rows(terminated | truncated),
         )
 
 

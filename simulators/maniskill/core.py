@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, Observation, ObsSpec
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, Observation, ObsSpec, ended_rows
 from embodied.simulators.maniskill.serial import SerialEnvs
 
 # Natural-language instructions per task; other tasks get their name split into words.
@@ -172,6 +173,9 @@ class ManiSkillCore:
             self.device
         )  # cached: no per-step host->device copy
         self.elapsed = torch.zeros(opts.num_envs, dtype=torch.long, device=self.device)
+        # the same counts on the host: with terminations ignored they alone decide which episodes
+        # end, so a step on the GPU needs no synchronisation to find them
+        self._elapsed_host = np.zeros(opts.num_envs, dtype=np.int64)
         raw, _ = self.env.reset(seed=0)
         self.spec = EnvSpec(
             obs=self._obs_spec(raw),
@@ -283,43 +287,50 @@ class ManiSkillCore:
                 )
         if env_ids is None:
             self.elapsed.zero_()
+            self._elapsed_host[:] = 0
         else:
             self.elapsed[env_ids.to(self.device)] = 0
+            self._elapsed_host[env_ids.cpu().numpy()] = 0
         return self.observation(raw)
 
     def step(self, actions: torch.Tensor, env_ids: torch.Tensor | None = None):
-        """actions: float32 [n, A] physical units for all environments, or for ``env_ids`` (long [n],
-        SerialEnvs only) -> (obs, reward, terminated, truncated, success, final_obs), n rows each."""
+        """actions: float32 [n, A] physical units for all environments, or for ``env_ids`` (long
+        [n] on the CPU, SerialEnvs only) -> (obs, reward, terminated, truncated, success,
+        final_obs, ended), n rows each; ``ended`` as ``StepOutput.ended`` (positions in the n)."""
         a = torch.clamp(actions.to(self.device), self._low, self._high) * self._scale + self._offset
         if env_ids is None:
             raw, reward, terminated, _, info = self.env.step(a)
-            rows = slice(None)
+            rows = host_rows = slice(None)
         else:
             raw, reward, terminated, _, info = self.env.step(a, env_ids.tolist())
             rows = env_ids
+            host_rows = env_ids.numpy()
         self.elapsed[rows] += 1
+        self._elapsed_host[host_rows] += 1
         obs = self.observation(raw)
-        success = (
-            info["success"].to(torch.bool)
-            if "success" in info
-            else torch.zeros_like(terminated, dtype=torch.bool)
-        )
-        terminated = (
-            torch.zeros_like(success)
-            if self.opts.ignore_terminations
-            else terminated.to(torch.bool)
-        )
+        if "success" in info:
+            success = info["success"].to(torch.bool)
+        else:
+            success = torch.zeros_like(terminated, dtype=torch.bool)
+        if self.opts.ignore_terminations:
+            terminated = torch.zeros_like(success)
+        else:
+            terminated = terminated.to(torch.bool)
         truncated = (self.elapsed[rows] >= self.max_episode_steps) & ~terminated
-        done = terminated | truncated
+        if self.opts.ignore_terminations:
+            # only the time limit ends episodes, and the host counts it too: no device sync
+            over = np.flatnonzero(self._elapsed_host[host_rows] >= self.max_episode_steps)
+            ended = torch.from_numpy(over) if len(over) else None
+        else:
+            # one host sync per step to find the ended episodes (ManiSkill's vector env does too)
+            ended = ended_rows(terminated | truncated)
         final_obs = None
-        if bool(done.any()):  # one host sync per step decides whether to reset
+        if ended is not None:
             final_obs = obs
-            ended = done.nonzero().squeeze(1)
-            full = self.reset(
-                env_ids=ended if env_ids is None else env_ids[ended]
-            )  # full batch, ended rows reset
+            reset_ids = ended if env_ids is None else env_ids.cpu()[ended]
+            full = self.reset(env_ids=reset_ids)  # the full batch, ended rows reset
             obs = full if env_ids is None else full.index(env_ids)
-        return obs, reward.float(), terminated, truncated, success, final_obs
+        return obs, reward.float(), terminated, truncated, success, final_obs, ended
 
     def render(self) -> torch.Tensor:
         return self.env.render()  # uint8 [B, H, W, 3]

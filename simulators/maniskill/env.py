@@ -122,7 +122,7 @@ class _WorkerCore:
 
     @torch.no_grad()
     def step(self, ids: list[int], actions: np.ndarray):
-        obs, reward, term, trunc, success, final = self.core.step(
+        obs, reward, term, trunc, success, final, _ = self.core.step(
             torch.from_numpy(actions), None if ids == self._everyone else torch.tensor(ids)
         )
         scalars = torch.stack(
@@ -185,7 +185,7 @@ class ManiSkillEnv:
         """actions: float32 [B, A] physical units."""
         if self._pool is not None:
             return self._pool.step(actions)
-        obs, reward, term, trunc, success, final = self._core.step(actions)
+        obs, reward, term, trunc, success, final, ended = self._core.step(actions)
         return StepOutput(
             obs=obs,
             reward=reward,
@@ -193,6 +193,7 @@ class ManiSkillEnv:
             truncated=trunc,
             success=success,
             final_obs=final,
+            ended=ended,
         )
 
     # --- pipelining (cpu backend): step a subset while the caller works on another ------------

@@ -187,6 +187,7 @@ class MuJoCoEnv:
             truncated=torch.from_numpy(truncated),
             success=torch.from_numpy(success),
             final_obs=final,
+            ended=torch.from_numpy(np.flatnonzero(done)) if final is not None else None,
         )
 
     # --- rendering ----------------------------------------------------------------------------
