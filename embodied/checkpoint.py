@@ -1,17 +1,34 @@
-"""Checkpoints: safetensors weights, optimizer, RNG and counters, written atomically.
+"""Checkpoints: safetensors weights, optimizer, RNG and counters; a crash never leaves a
+half-written checkpoint behind ``RUN/last`` or ``RUN/best``.
 
-Layout: ``RUN/checkpoints/iter_000010/{model.safetensors, trainer.pt, meta.json}`` and the symlink
-``RUN/last`` pointing at the newest one. A checkpoint is written into a temporary directory and
-renamed into place, and ``last`` is replaced with an atomic rename, so a crash never leaves a
-half-written checkpoint behind ``last``.
+Layout::
+
+    RUN/last -> checkpoints/iter_000010   the newest checkpoint
+    RUN/best -> checkpoints/iter_000008   the best one (mark_best); retention keeps it
+    RUN/checkpoints/iter_000010/model.safetensors  trainable weights and the other buffers
+    RUN/checkpoints/iter_000010/trainer.pt         optimizer, RNG state, counters
+    RUN/checkpoints/iter_000010/meta.json          the caller's meta plus "frozen"
+    RUN/checkpoints/frozen-<digest>.safetensors    frozen weights, written once, shared
+
+Frozen weights are parameters with requires_grad=False and the buffers of modules whose own
+parameters are all frozen (BatchNorm statistics of a frozen encoder); their file is named by a
+digest of its content, so checkpoints with the same frozen weights share it. A checkpoint is
+written into a hidden directory, fsynced and renamed into place; a link is replaced by renaming
+a new link over it. Names starting with "." in checkpoints/ belong to a save in progress; the
+next save removes what an interrupted one left.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
+import tempfile
+import weakref
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +36,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 MODEL, STATE, META = "model.safetensors", "trainer.pt", "meta.json"
+LAST, BEST = "last", "best"
+ITERATION = re.compile(r"iter_(\d+)")
+
+# model -> (key, weak references to its frozen tensors, digest): see _frozen_digest
+_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def rng_state() -> dict:
@@ -39,52 +61,241 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(
-    run_dir: Path, iteration: int, *, model: torch.nn.Module, optimizer, counters: dict, meta: dict
+    run_dir: str | Path,
+    iteration: int,
+    *,
+    model: torch.nn.Module,
+    optimizer,
+    counters: dict,
+    meta: dict,
+    rng: dict | None = None,
+    keep: int | None = None,
+    protect: Iterable[int] = (),
 ) -> Path:
+    """Write ``RUN/checkpoints/iter_{iteration:06d}`` and point ``RUN/last`` at it.
+
+    rng: saved instead of the current RNG state (a dict as rng_state() returns it).
+    keep: then delete the oldest checkpoints beyond the newest ``keep`` (None: keep all), never
+    the one just saved, the best one or the iterations in ``protect``.
+    """
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep: at least 1 checkpoint, got {keep}")
     run_dir = Path(run_dir)
-    final = run_dir / "checkpoints" / f"iter_{iteration:06d}"
-    tmp = final.with_name(final.name + ".tmp")
+    ckpts = run_dir / "checkpoints"
+    ckpts.mkdir(parents=True, exist_ok=True)
+    final = ckpts / f"iter_{iteration:06d}"
+    state = model.state_dict(keep_vars=True)
+    frozen_keys = _frozen_keys(model)
+    frozen = {k: v for k, v in state.items() if k in frozen_keys}
+    frozen_file = _save_frozen(ckpts, model, frozen) if frozen else None
+    tmp = ckpts / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(
-        {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / MODEL)
-    )
-    torch.save(
-        {
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "rng": rng_state(),
-            "counters": counters,
-        },
-        tmp / STATE,
-    )
-    (tmp / META).write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    link, tmp_link = run_dir / "last", run_dir / ".last.tmp"
-    if tmp_link.is_symlink() or tmp_link.exists():
-        tmp_link.unlink()
-    os.symlink(final.relative_to(run_dir), tmp_link)
-    os.replace(tmp_link, link)
+    tmp.mkdir()
+    _save_tensors({k: v for k, v in state.items() if k not in frozen}, tmp / MODEL)
+    trainer = {
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "rng": rng if rng is not None else rng_state(),
+        "counters": counters,
+    }
+    torch.save(trainer, tmp / STATE)
+    _fsync(tmp / STATE)
+    (tmp / META).write_text(json.dumps({**meta, "frozen": frozen_file}, indent=2))
+    _fsync(tmp / META)
+    _fsync(tmp)
+    _move_in(tmp, final, run_dir)
+    _point(run_dir / LAST, final)
+    if keep is not None:
+        spare = {iteration, best_iteration(run_dir), *protect}
+        _prune(ckpts, keep, spare)
+    _remove_leftovers(run_dir)
+    _remove_unused_frozen(ckpts)
     return final
 
 
+def mark_best(run_dir: str | Path, iteration: int) -> Path:
+    """Point ``RUN/best`` at the checkpoint of ``iteration`` (which must exist)."""
+    run_dir = Path(run_dir)
+    ckpt = run_dir / "checkpoints" / f"iter_{iteration:06d}"
+    if not (ckpt / META).is_file():
+        raise FileNotFoundError(f"no checkpoint {ckpt} to mark as the best")
+    _point(run_dir / BEST, ckpt)
+    return ckpt
+
+
+def best_iteration(run_dir: str | Path) -> int | None:
+    """The iteration ``RUN/best`` points at; None without one."""
+    best = Path(run_dir) / BEST
+    if not (best / META).is_file():
+        return None
+    return int(ITERATION.search(best.resolve().name).group(1))
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a checkpoint path, a run directory (its ``last``) or ``RUN/last``."""
+    """A checkpoint directory from a checkpoint path, a run directory (its ``last``) or
+    ``RUN/last``."""
     p = Path(path)
     if (p / META).is_file():
         return p.resolve()
-    if (p / "last" / META).is_file():
-        return (p / "last").resolve()
-    raise FileNotFoundError(f"no checkpoint at {p} (expected {p / META} or {p / 'last' / META})")
+    if (p / LAST / META).is_file():
+        return (p / LAST).resolve()
+    raise FileNotFoundError(f"no checkpoint at {p} (expected {p / META} or {p / LAST / META})")
 
 
 def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dict:
+    """{"path", "meta", "model": the full state dict} plus "optimizer", "rng" and "counters"
+    when ``with_trainer_state``."""
     ckpt = resolve_checkpoint(path)
-    out = {
-        "path": ckpt,
-        "meta": json.loads((ckpt / META).read_text()),
-        "model": load_file(str(ckpt / MODEL)),
-    }
+    meta = json.loads((ckpt / META).read_text())
+    model = load_file(str(ckpt / MODEL))
+    if meta.get("frozen"):  # checkpoints from before frozen weights had their own file have none
+        frozen = ckpt.parent / meta["frozen"]
+        if not frozen.is_file():
+            raise FileNotFoundError(
+                f"{ckpt} keeps its frozen weights in {frozen}, which is missing "
+                "(copy it along with the checkpoint directory)"
+            )
+        model.update(load_file(str(frozen)))
+    out = {"path": ckpt, "meta": meta, "model": model}
     if with_trainer_state:
         out.update(torch.load(ckpt / STATE, weights_only=False))
     return out
+
+
+def _frozen_keys(model: torch.nn.Module) -> set[str]:
+    """State-dict keys of frozen parameters, and of the buffers of modules whose own parameters
+    exist and are all frozen."""
+    keys = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        own = module.named_parameters(prefix, recurse=False, remove_duplicate=False)
+        params = dict(own)
+        keys.update(k for k, p in params.items() if not p.requires_grad)
+        if params and not any(p.requires_grad for p in params.values()):
+            buffers = module.named_buffers(prefix, recurse=False, remove_duplicate=False)
+            keys.update(k for k, _ in buffers)
+    return keys
+
+
+def _save_frozen(ckpts: Path, model: torch.nn.Module, frozen: dict) -> str:
+    """The name of the frozen weights' file, written unless it exists."""
+    name = f"frozen-{_frozen_digest(model, frozen)}.safetensors"
+    if not (ckpts / name).exists():
+        tmp = ckpts / f".{name}.tmp"
+        _save_tensors(frozen, tmp)
+        os.replace(tmp, ckpts / name)
+        _fsync(ckpts)
+    return name
+
+
+def _frozen_digest(model: torch.nn.Module, frozen: dict) -> str:
+    """_digest(frozen), remembered per model while every frozen tensor is the same object at the
+    same version (in-place changes count up ``_version``), address and dtype. PyTorch does not
+    count changes made through ``tensor.data``: those are not seen."""
+    names = sorted(frozen)
+    key = [(k, frozen[k]._version, frozen[k].data_ptr(), frozen[k].dtype) for k in names]
+    cached = _DIGESTS.get(model)
+    if cached and cached[0] == key and all(r() is frozen[k] for k, r in zip(names, cached[1])):
+        return cached[2]
+    digest = _digest(frozen)
+    _DIGESTS[model] = (key, [weakref.ref(frozen[k]) for k in names], digest)
+    return digest
+
+
+def _digest(tensors: dict) -> str:
+    """sha1 over the sorted names, dtypes, shapes and bytes of ``tensors``: 16 hex digits."""
+    h = hashlib.sha1()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()[:16]
+
+
+def _save_tensors(tensors: dict, path: Path) -> None:
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+    _fsync(path)
+
+
+def _move_in(tmp: Path, final: Path, run_dir: Path) -> None:
+    """Rename ``tmp`` to ``final``. An existing ``final`` is renamed aside first and deleted once
+    the new one is in place; links to it point meanwhile at a copy of it made of hard links."""
+    if not final.exists():
+        os.replace(tmp, final)
+        _fsync(final.parent)
+        return
+    links = [p for p in (run_dir / LAST, run_dir / BEST) if _target(p) == final.resolve()]
+    pin = Path(tempfile.mkdtemp(prefix=f".{final.name}.pin-", dir=final.parent))
+    shutil.copytree(final, pin, copy_function=_link, dirs_exist_ok=True)
+    _fsync(pin)
+    for link in links:
+        _point(link, pin)
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    for link in links:
+        _point(link, final)
+    shutil.rmtree(old)
+    shutil.rmtree(pin)
+
+
+def _point(link: Path, target: Path) -> None:
+    """Make the symlink ``link`` point at ``target`` (a relative path: the run can move)."""
+    tmp = link.with_name(f".{link.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(target, link.parent), tmp)
+    os.replace(tmp, link)
+    _fsync(link.parent)
+
+
+def _target(link: Path) -> Path | None:
+    return Path(os.path.realpath(link)) if link.is_symlink() else None
+
+
+def _prune(ckpts: Path, keep: int, spare: set) -> None:
+    """Delete the checkpoints older than the newest ``keep``, except the iterations in spare."""
+    found = [(ITERATION.fullmatch(p.name), p) for p in ckpts.iterdir()]
+    found = sorted((int(m.group(1)), p) for m, p in found if m)
+    for iteration, path in found[:-keep]:
+        if iteration not in spare:
+            os.replace(path, ckpts / f".{path.name}.deleted")  # gone at once, removed below
+
+
+def _remove_leftovers(run_dir: Path) -> None:
+    """Remove the hidden entries of checkpoints/ no link points at; a checkpoint renamed aside
+    by a save interrupted before it renamed the new one in goes back instead."""
+    ckpts = run_dir / "checkpoints"
+    targets = {_target(run_dir / LAST), _target(run_dir / BEST)}
+    for path in ckpts.glob(".*"):
+        if path.resolve() in targets:
+            continue
+        original = ckpts / path.name[1:].removesuffix(".old")
+        if path.name.endswith(".old") and not original.exists():
+            os.replace(path, original)
+        elif path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _remove_unused_frozen(ckpts: Path) -> None:
+    metas = [p / META for p in ckpts.iterdir() if (p / META).is_file()]
+    used = {json.loads(m.read_text()).get("frozen") for m in metas}
+    for path in ckpts.glob("frozen-*.safetensors"):
+        if path.name not in used:
+            path.unlink()
+
+
+def _link(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a file system without hard links
+        shutil.copy2(src, dst)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

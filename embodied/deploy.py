@@ -42,13 +42,17 @@ def load_deployable(checkpoint: str | Path):
 
 def contract(spec: EnvSpec, path: Path) -> dict:
     """What client and server must agree on. Normalization statistics live in the weights file, so
-    its digest versions them."""
-    weights = hashlib.sha1((path / "model.safetensors").read_bytes()).hexdigest()[:16]
+    its digest versions them; frozen weights live in a file named by a digest of its content
+    (meta.json's "frozen"), so that name versions them."""
+    weights = hashlib.sha1((path / "model.safetensors").read_bytes())
+    frozen = json.loads((path / "meta.json").read_text()).get("frozen")
+    if frozen:  # older checkpoints, and models with nothing frozen, have none
+        weights.update(frozen.encode())
     agreed = {
         "action": spec.to_dict()["action"],
         "state_names": list(spec.obs.state_names),
         "cameras": [[c.name, c.height, c.width] for c in spec.obs.cameras],
-        "weights": weights,
+        "weights": weights.hexdigest()[:16],
     }
     return json.loads(json.dumps(agreed))  # lists, not tuples: as it arrives through msgpack
 
