@@ -46,7 +46,8 @@ def _setup(camera: bool, hz: float):
 
 
 def _chunk(policy, obs, K: int = 8) -> np.ndarray:
-    """The policy's forward pass (the cost measured), then a chunk that holds the arm where it is."""
+    """The policy's forward pass (the cost measured), then a chunk that holds the arm where it
+    is."""
     with torch.no_grad():
         policy.act(obs, deterministic=True)
     return np.repeat(obs.state[:, :6].numpy(), K, 0)  # f32 [K, 6]
@@ -107,12 +108,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(
-        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, "
         f"camera: {'none' if args.no_camera else 'front 96 px'}"
     )
     print(
-        "| rate (Hz) | inference | achieved (Hz) | jitter p50 (ms) | p99 (ms) | max (ms) | inference p50 (ms) | "
-        "server round trip p50 / p99 (ms) | watchdog holds |"
+        "| rate (Hz) | inference | achieved (Hz) | jitter p50 (ms) | p99 (ms) | max (ms) | "
+        "inference p50 (ms) | server round trip p50 / p99 (ms) | watchdog holds |"
     )
     print("|---:|---|---:|---:|---:|---:|---:|---|---:|")
     for hz in args.rates:
@@ -120,9 +122,9 @@ def main() -> None:
             r = run(hz, remote, args.seconds, not args.no_camera)
             rt = f"{r['round_trip_p50_ms']:.1f} / {r['round_trip_p99_ms']:.1f}" if remote else "-"
             print(
-                f"| {hz:.0f} | {r['inference']} | {r['achieved_hz']:.1f} | {r['jitter_p50_ms']:.2f} | "
-                f"{r['jitter_p99_ms']:.2f} | {r['jitter_max_ms']:.1f} | {r['inference_ms_p50']:.1f} | {rt} | "
-                f"{r['watchdog_holds']} |",
+                f"| {hz:.0f} | {r['inference']} | {r['achieved_hz']:.1f} | "
+                f"{r['jitter_p50_ms']:.2f} | {r['jitter_p99_ms']:.2f} | {r['jitter_max_ms']:.1f} | "
+                f"{r['inference_ms_p50']:.1f} | {rt} | {r['watchdog_holds']} |",
                 flush=True,
             )
 

@@ -12,7 +12,8 @@ def main(run_dir: str) -> None:
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     minutes = {}
     print(
-        "| env steps | minutes | success (once) | success at end | episodes |\n|---:|---:|---:|---:|---:|"
+        "| env steps | minutes | success (once) | success at end | episodes |\n"
+        "|---:|---:|---:|---:|---:|"
     )
     for r in rows:
         if "time/minutes" in r:
@@ -21,7 +22,8 @@ def main(run_dir: str) -> None:
             m = r.get("minutes", minutes.get(r["env_steps"], float("nan")))
             at_end = r.get("eval/success_at_end", float("nan"))
             print(
-                f"| {int(r['env_steps'])} | {m:.1f} | {r['eval/success_rate']:.2f} | {at_end:.2f} | {int(r['eval/episodes'])} |"
+                f"| {int(r['env_steps'])} | {m:.1f} | {r['eval/success_rate']:.2f} | "
+                f"{at_end:.2f} | {int(r['eval/episodes'])} |"
             )
 
 

@@ -1,4 +1,5 @@
-"""Environment throughput: raw simulator steps/s vs the same steps through our adapter, side by side.
+"""Environment throughput: raw simulator steps/s vs the same steps through our adapter, side by
+side.
 
 MuJoCo (all environments in this process):
   raw      the desktop-arm model stepped with ``mujoco.rollout`` for all environments (same
@@ -15,8 +16,8 @@ LIBERO and ManiSkill (CPU simulators in subprocess workers):
 All variants of a row run alternately, several repeats; the median of per-repeat ratios is the
 headline (the machine's speed drifts).
 
-    python benchmarks/env_throughput.py [--simulators mujoco libero maniskill] [--modes state rgb] [--repeats 3]
-        [--worker-envs 4 16] [--round-trip]
+    python benchmarks/env_throughput.py [--simulators mujoco libero maniskill] [--modes state rgb]
+        [--repeats 3] [--worker-envs 4 16] [--round-trip]
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ def _worker_rows(
         for w in envs:
             ratio = statistics.median([a / b for a, b in zip(rates[w], rates["raw"])])
             print(
-                f"| {name} | {task} | {mode} | {n} | {w or '0 (in process)'} | {r:.1f} | {statistics.median(rates[w]):.1f} | {ratio:.3f} |",
+                f"| {name} | {task} | {mode} | {n} | {w or '0 (in process)'} | {r:.1f} | "
+                f"{statistics.median(rates[w]):.1f} | {ratio:.3f} |",
                 flush=True,
             )
     finally:
@@ -206,14 +208,16 @@ def _round_trip_rows(work_ms=(0.0, 2.0, 8.0), trips: int = 200, repeats: int = 3
             excess[ms].append((time.perf_counter() - t) / trips * 1e3 - ms)
     here.send(None), proc.join()
     print(
-        "\n| worker's work per request (ms) | round trip beyond the work (ms, median) |\n|---:|---:|"
+        "\n| worker's work per request (ms) | round trip beyond the work (ms, median) |\n"
+        "|---:|---:|"
     )
     for ms, v in excess.items():
         print(f"| {ms:.0f} | {statistics.median(v):.3f} |", flush=True)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # The summary sentence (wrapped over two lines; argparse re-flows it).
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--simulators", nargs="+", default=["mujoco", "libero", "maniskill"])
     ap.add_argument("--num-envs", type=int, default=16, help="MuJoCo (in process)")
     ap.add_argument(
@@ -221,8 +225,8 @@ def main() -> None:
         type=int,
         nargs="+",
         default=[4],
-        help="LIBERO and ManiSkill (in workers): one row per count; a worker's round trip costs about "
-        "the same whatever it carries, so its share falls as environments per worker rise",
+        help="LIBERO and ManiSkill (in workers): one row per count; a worker's round trip costs "
+        "about the same whatever it carries, so its share falls as environments per worker rise",
     )
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
@@ -237,10 +241,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(
-        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}"
     )
     print(
-        "| simulator | task | obs | envs | workers | raw steps/s (1 process) | adapter steps/s | ratio (median) |"
+        "| simulator | task | obs | envs | workers | raw steps/s (1 process) | adapter steps/s | "
+        "ratio (median) |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for mode in args.modes:
@@ -315,8 +321,9 @@ def _mujoco_row(args, mode: str) -> None:
             a = steps * args.num_envs / _adapter(env, steps)
             raw.append(r), ours.append(a), ratios.append(a / r)
         print(
-            f"| mujoco | {args.task} | {mode} | {args.num_envs} | in process | {statistics.median(raw):.0f} | "
-            f"{statistics.median(ours):.0f} | {statistics.median(ratios):.3f} |",
+            f"| mujoco | {args.task} | {mode} | {args.num_envs} | in process | "
+            f"{statistics.median(raw):.0f} | {statistics.median(ours):.0f} | "
+            f"{statistics.median(ratios):.3f} |",
             flush=True,
         )
 

@@ -13,7 +13,8 @@ The machine's speed drifts (shared VM), so the loops alternate and each repeat's
 the raw run of the same repeat; the median over repeats is the headline. CPU time per env step
 (all processes: ours = main + workers) is printed too: it is far less sensitive to other tenants.
 
-    python benchmarks/rollout_overhead.py [--task PushCube-v1] [--num-envs 16] [--workers 2] [--steps 150] [--repeats 10]
+    python benchmarks/rollout_overhead.py [--task PushCube-v1] [--num-envs 16] [--workers 2]
+        [--steps 150] [--repeats 10]
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ class RawLoop:
 
 
 class InProcessRawLoop:
-    """The same plain ManiSkill envs stepped in this process (the ceiling for ``num_workers: 0``)."""
+    """The same plain ManiSkill envs stepped in this process (the ceiling for
+    ``num_workers: 0``)."""
 
     def __init__(self, task: str, num_envs: int, control_mode: str):
         self.envs = _raw_envs(task, num_envs, control_mode)
@@ -216,21 +218,25 @@ def main() -> None:
         env.close()
         raw.close()
     print(
-        f"\n{args.task} state, {args.num_envs} envs, {args.workers} workers, {args.steps} steps/env x {args.repeats} "
-        f"repeats, {mp.cpu_count()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}"
+        f"\n{args.task} state, {args.num_envs} envs, {args.workers} workers, "
+        f"{args.steps} steps/env x {args.repeats} repeats, {mp.cpu_count()} cores, "
+        f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
     )
     print(
-        f"{'loop':<10}{'median steps/s':>15}{'median ratio':>14}{'CPU ms/step':>13}{'CPU ratio':>11}   steps/s per repeat"
+        f"{'loop':<10}{'median steps/s':>15}{'median ratio':>14}{'CPU ms/step':>13}"
+        f"{'CPU ratio':>11}   steps/s per repeat"
     )
     for k in loops:
         ratio = statistics.median(a / b for a, b in zip(sps[k], sps["raw"]))
         cpu_ratio = statistics.median(cpu[k]) / statistics.median(cpu["raw"])
         print(
-            f"{k:<10}{statistics.median(sps[k]):>15.0f}{ratio:>14.3f}{statistics.median(cpu[k]):>13.3f}{cpu_ratio:>11.3f}   "
+            f"{k:<10}{statistics.median(sps[k]):>15.0f}{ratio:>14.3f}"
+            f"{statistics.median(cpu[k]):>13.3f}{cpu_ratio:>11.3f}   "
             f"{[round(x) for x in sps[k]]}"
         )
     print(
-        "ratio = steps/s over the same repeat's raw steps/s (goal >= 0.9); CPU ratio = CPU per env step over raw's"
+        "ratio = steps/s over the same repeat's raw steps/s (goal >= 0.9); "
+        "CPU ratio = CPU per env step over raw's"
     )
 
 

@@ -1,4 +1,5 @@
-"""VLA inference: latency and throughput of ``act()`` per action head and batch size, and peak memory.
+"""VLA inference: latency and throughput of ``act()`` per action head and batch size, and peak
+memory.
 
 Each (head, batch size) runs in a fresh process so that its peak memory is its own: on CPU the
 peak resident set size (ru_maxrss) while acting, minus the resident size after the model was
@@ -10,7 +11,8 @@ SmolVLM2 directory with ``--smolvlm DIR``, or else a random one shaped like Smol
 B/16 at 512 px, a SmolLM2-360M-sized language model) built from its config alone, which times
 the same computation without the weights.
 
-    python benchmarks/vla_inference.py [--heads gaussian discrete flow smolvla] [--batch 1 8 32] [--device cpu]
+    python benchmarks/vla_inference.py [--heads gaussian discrete flow smolvla] [--batch 1 8 32]
+        [--device cpu]
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def _spec(image_size: int):
 
 
 def _smolvlm2_500m_shaped(path: Path) -> Path:
-    """Config-only SmolVLM2 directory with SmolVLM2-500M's published tower sizes (random weights)."""
+    """Config-only SmolVLM2 directory with SmolVLM2-500M's published tower sizes (random
+    weights)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "models"))
     from tiny_vlms import smolvlm
 
@@ -141,12 +144,13 @@ def main() -> None:
         else f"{mp.cpu_count()} cores {platform.machine()}"
     )
     print(
-        f"VLA act(): {hw}, torch {torch.__version__}, {args.threads} threads, {args.image_size}px, K=4, "
-        f"median of {args.repeats}"
+        f"VLA act(): {hw}, torch {torch.__version__}, {args.threads} threads, "
+        f"{args.image_size}px, K=4, median of {args.repeats}"
     )
     mem = "peak GPU MiB" if args.device == "cuda" else "peak RSS +MiB"
     print(
-        f"{'head':<10}{'batch':>6}{'params M':>10}{'latency ms':>12}{'chunks/s':>10}{'actions/s':>11}{mem:>15}"
+        f"{'head':<10}{'batch':>6}{'params M':>10}{'latency ms':>12}{'chunks/s':>10}"
+        f"{'actions/s':>11}{mem:>15}"
     )
     for head in args.heads:
         for b in args.batch:
@@ -168,8 +172,8 @@ def main() -> None:
             latency, peak, params = q.get()
             p.join()
             print(
-                f"{head:<10}{b:>6}{params:>10.1f}{latency * 1e3:>12.1f}{b / latency:>10.1f}{4 * b / latency:>11.1f}"
-                f"{peak:>15.0f}",
+                f"{head:<10}{b:>6}{params:>10.1f}{latency * 1e3:>12.1f}{b / latency:>10.1f}"
+                f"{4 * b / latency:>11.1f}{peak:>15.0f}",
                 flush=True,
             )
 
