@@ -1,4 +1,5 @@
-"""embodied: RL fine-tuning of robot policies in vectorized simulators, and deployment to real arms."""
+"""embodied: RL fine-tuning of robot policies in vectorized simulators, and deployment to real
+arms."""
 
 from embodied.torchvision_ops import install_hook as _install_torchvision_hook
 

@@ -80,7 +80,8 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
         simulator = task.env.get("simulator")
         if simulator not in SIMULATOR_CONFIGS:
             raise ConfigError(
-                f"{where}.env.simulator: unknown simulator {simulator!r}; known: {sorted(SIMULATOR_CONFIGS)} (in {source})"
+                f"{where}.env.simulator: unknown simulator {simulator!r}; "
+                f"known: {sorted(SIMULATOR_CONFIGS)} (in {source})"
             )
         keys, values = list(task.sweep), list(task.sweep.values())
         combos = [dict(zip(keys, vs)) for vs in _product(values)] if keys else [{}]
@@ -102,7 +103,8 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
     names = [it.name for it in items]
     if len(set(names)) != len(names):
         raise ConfigError(
-            f"tasks: two tasks share a name ({sorted({n for n in names if names.count(n) > 1})}); give them `name:` (in {source})"
+            f"tasks: two tasks share a name ({sorted({n for n in names if names.count(n) > 1})}); "
+            f"give them `name:` (in {source})"
         )
     return items
 
@@ -159,7 +161,8 @@ class _PolicySource:
         else:
             if policy not in POLICIES:
                 raise ValueError(
-                    f"--policy: unknown baseline {policy!r}; known: {list(POLICIES)} (or --checkpoint)"
+                    f"--policy: unknown baseline {policy!r}; known: {list(POLICIES)} "
+                    "(or --checkpoint)"
                 )
             self.loaded, self.label, self.key = None, policy, policy
         self.deterministic = (
@@ -257,8 +260,10 @@ def run_bench(
         done += results
         for r in results:
             print(
-                f"[{n}/{len(items)}] {r['task']}: success {r['success_rate']:.2f} ({r['successes']}/{r['episodes']}, "
-                f"95% CI {r['success_ci95'][0]:.2f}-{r['success_ci95'][1]:.2f}), {r['env_steps_per_s']:.0f} env steps/s, "
+                f"[{n}/{len(items)}] {r['task']}: success {r['success_rate']:.2f} "
+                f"({r['successes']}/{r['episodes']}, "
+                f"95% CI {r['success_ci95'][0]:.2f}-{r['success_ci95'][1]:.2f}), "
+                f"{r['env_steps_per_s']:.0f} env steps/s, "
                 f"policy {r['policy_ms']:.1f} ms, {r['minutes']:.1f} min",
                 flush=True,
             )

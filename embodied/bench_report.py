@@ -33,7 +33,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"# Bench `{report['suite']}`: policy `{report['policy']}`",
         "",
-        f"Seed {report['seed']}; {hw['cpus']} CPUs ({hw['processor']}), GPU: {hw['gpu'] or 'none'}; "
+        f"Seed {report['seed']}; {hw['cpus']} CPUs ({hw['processor']}), "
+        f"GPU: {hw['gpu'] or 'none'}; "
         f"torch {hw['torch']}, Python {hw['python']}; written {report['written']}.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
@@ -43,8 +44,10 @@ def markdown(report: dict) -> str:
         lo, hi = r["success_ci95"]
         video = f"[mp4]({r['video']})" if r.get("video") else ""
         lines.append(
-            f"| {r['task']} | {r['episodes']} | {r['success_rate']:.2f} ({r['successes']}/{r['episodes']}) | "
-            f"{lo:.2f}-{hi:.2f} | {r['mean_length']:.1f} | {r['env_steps_per_s']:.1f} | {r['policy_ms']:.2f} | {video} |"
+            f"| {r['task']} | {r['episodes']} | "
+            f"{r['success_rate']:.2f} ({r['successes']}/{r['episodes']}) | "
+            f"{lo:.2f}-{hi:.2f} | {r['mean_length']:.1f} | {r['env_steps_per_s']:.1f} | "
+            f"{r['policy_ms']:.2f} | {video} |"
         )
     for skipped in report.get("skipped", []):
         lines.append(f"\nSkipped `{skipped['task']}`: {skipped['reason']}.")

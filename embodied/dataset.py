@@ -1,16 +1,17 @@
 """Demonstrations on disk in the LeRobotDataset v3.0 layout, and back into tensors.
 
-    ROOT/meta/info.json                               codebase_version "v3.0", fps, features, totals
-    ROOT/meta/stats.json                              per feature: mean, std, min, max, q01, q99, count
-    ROOT/meta/tasks.parquet                           task string (index) -> task_index
-    ROOT/meta/episodes/chunk-000/file-000.parquet     one row per episode: length, tasks, frame range,
-                                                      data file, per-episode stats, our `success`
-    ROOT/data/chunk-000/file-NNN.parquet              one row per frame (written by HF `datasets`)
+    ROOT/meta/info.json                            codebase_version "v3.0", fps, features, totals
+    ROOT/meta/stats.json                           per feature: mean, std, min, max, q01, q99, count
+    ROOT/meta/tasks.parquet                        task string (index) -> task_index
+    ROOT/meta/episodes/chunk-000/file-000.parquet  one row per episode: length, tasks, frame range,
+                                                   data file, per-episode stats, our `success`
+    ROOT/data/chunk-000/file-NNN.parquet           one row per frame (written by HF `datasets`)
 
 Camera frames are stored as PNG inside the data parquet (feature dtype "image"), not as mp4.
 LeRobot's own writer (lerobot 0.4.4) cannot be imported on a CPU-only machine: its dataset module
 imports torchvision, whose registry builds are CUDA builds that fail to load next to CPU torch
-(see shared/ENVIRONMENT.md). The files follow its v3.0 layout so LeRobot can read them where it runs.
+(see shared/ENVIRONMENT.md). The files follow its v3.0 layout so LeRobot can read them where it
+runs.
 """
 
 from __future__ import annotations
@@ -168,12 +169,14 @@ class LeRobotWriter:
     ) -> int:
         """images: camera -> uint8 [T, H, W, 3]; state f32 [T, S]; actions f32 [T, A] (the action
         taken at each frame); rewards f32 [T]; success bool [T] after each action; privileged:
-        key -> f32 [T, D] for the keys given at construction; extra: more episode metadata. -> index."""
+        key -> f32 [T, D] for the keys given at construction; extra: more episode metadata.
+        -> index."""
         T = len(actions)
         privileged = privileged or {}
         if set(privileged) != set(self.privileged):
             raise ValueError(
-                f"add_episode: privileged keys {sorted(privileged)}, expected {sorted(self.privileged)}"
+                f"add_episode: privileged keys {sorted(privileged)}, "
+                f"expected {sorted(self.privileged)}"
             )
         if not (len(state) == len(rewards) == len(success) == T) or any(
             len(v) != T for v in images.values()
@@ -300,9 +303,10 @@ class LeRobotWriter:
 class DemoDataset:
     """A LeRobot v3.0 dataset in memory as tensors: frames N, cameras C.
 
-    images: camera -> uint8 [N, H, W, 3]; privileged: key -> f32 [N, D]; state f32 [N, S]; actions f32 [N, A];
-    episode, frame, task: long [N] (episode index, frame within it, task index); tasks: the strings;
-    starts/ends long [E]: each episode's frame range; info, stats: the metadata JSON.
+    images: camera -> uint8 [N, H, W, 3]; privileged: key -> f32 [N, D]; state f32 [N, S];
+    actions f32 [N, A]; episode, frame, task: long [N] (episode index, frame within it, task
+    index); tasks: the strings; starts/ends long [E]: each episode's frame range; info, stats: the
+    metadata JSON.
     """
 
     images: dict[str, torch.Tensor]
@@ -330,7 +334,8 @@ class DemoDataset:
         info = json.loads((root / "meta" / "info.json").read_text())
         if info.get("codebase_version") != CODEBASE_VERSION:
             raise ValueError(
-                f"{root}: dataset version {info.get('codebase_version')}, expected {CODEBASE_VERSION}"
+                f"{root}: dataset version {info.get('codebase_version')}, "
+                f"expected {CODEBASE_VERSION}"
             )
         stats = json.loads((root / "meta" / "stats.json").read_text())
         tasks_df = pd.read_parquet(root / "meta" / "tasks.parquet")
@@ -384,7 +389,8 @@ class DemoDataset:
         return len(self.starts)
 
     def head(self, episodes: int) -> DemoDataset:
-        """The first ``episodes`` episodes (all of them if there are fewer); stats stay the file's."""
+        """The first ``episodes`` episodes (all of them if there are fewer); stats stay the
+        file's."""
         if episodes >= self.num_episodes:
             return self
         n = int(self.ends[episodes - 1])  # frames kept
@@ -404,8 +410,8 @@ class DemoDataset:
         )
 
     def action_chunks(self, idx: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """For frames idx (long [N]): the next K actions f32 [N, K, A] and a mask f32 [N, K] that is 0
-        past the episode's end (those steps repeat the episode's last action)."""
+        """For frames idx (long [N]): the next K actions f32 [N, K, A] and a mask f32 [N, K] that is
+        0 past the episode's end (those steps repeat the episode's last action)."""
         ends = self.ends[torch.searchsorted(self.starts, idx, right=True) - 1]  # long [N]
         steps = idx[:, None] + torch.arange(K)  # long [N, K]
         mask = (steps < ends[:, None]).float()

@@ -45,12 +45,14 @@ class DemosConfig:
             raise ValueError("episodes: need 1 <= episodes <= max_attempts")
         if "rgb" not in self.env.obs_mode:
             raise ValueError(
-                f"env.obs_mode: demonstrations need cameras ('rgb+state'), got {self.env.obs_mode!r}"
+                "env.obs_mode: demonstrations need cameras ('rgb+state'), "
+                f"got {self.env.obs_mode!r}"
             )
 
 
 def load_policy(checkpoint: str | Path, device="cpu"):
-    """A trained policy rebuilt on the spec it was trained with -> (policy in eval mode, train config)."""
+    """A trained policy rebuilt on the spec it was trained with -> (policy in eval mode, train
+    config)."""
     from embodied.checkpoint import load_checkpoint
     from embodied.config import compose
     from embodied.models import build_policy

@@ -100,8 +100,8 @@ def wire_to_obs(msg: dict, spec: EnvSpec) -> Observation:
     }
     if state.shape[1] != spec.obs.state_dim or set(images) != {c.name for c in spec.obs.cameras}:
         raise ValueError(
-            f"observation has {state.shape[1]} state columns and cameras {sorted(images)}; the policy "
-            f"needs {spec.obs.state_dim} and {[c.name for c in spec.obs.cameras]}"
+            f"observation has {state.shape[1]} state columns and cameras {sorted(images)}; "
+            f"the policy needs {spec.obs.state_dim} and {[c.name for c in spec.obs.cameras]}"
         )
     return Observation(state=state, instruction=[str(msg.get("instruction", ""))], images=images)
 
@@ -225,8 +225,9 @@ def run_deploy(
     trained_hz = spec.action.control_hz
     if hz is not None and spec.action.space == "joint_delta" and abs(hz - trained_hz) > 1e-6:
         raise DeployError(
-            f"--hz {hz:g}: the policy was trained at {trained_hz:g} Hz and acts in joint deltas per step, "
-            f"so another rate changes how fast it moves; leave --hz out to run at {trained_hz:g} Hz"
+            f"--hz {hz:g}: the policy was trained at {trained_hz:g} Hz and acts in joint deltas "
+            "per step, so another rate changes how fast it moves; "
+            f"leave --hz out to run at {trained_hz:g} Hz"
         )
     arm.control_hz = hz or trained_hz
     arm.max_episode_steps = max(1, round(episode_seconds * arm.control_hz))

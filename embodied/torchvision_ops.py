@@ -26,39 +26,41 @@ from pathlib import Path
 _SCHEMAS = (
     "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
     "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    "roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
+    "roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width, int sampling_ratio, bool aligned) -> Tensor",
+    "_roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width, "
     "int sampling_ratio, bool aligned) -> Tensor",
-    "_roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
-    "SymInt batch_size, SymInt channels, SymInt height, SymInt width, int sampling_ratio, bool aligned) -> Tensor",
-    "qroi_align(Tensor input, Tensor rois, float input_scale, int input_zero_point, float rois_scale, "
-    "int rois_zero_point, float spatial_scale, SymInt pooled_height, SymInt pooled_width, int sampling_ratio, "
-    "bool aligned) -> Tensor",
-    "ps_roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
-    "int sampling_ratio) -> (Tensor, Tensor)",
-    "_ps_roi_align_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, "
-    "SymInt pooled_height, SymInt pooled_width, int sampling_ratio, SymInt batch_size, SymInt channels, "
+    "qroi_align(Tensor input, Tensor rois, float input_scale, int input_zero_point, "
+    "float rois_scale, int rois_zero_point, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width, int sampling_ratio, bool aligned) -> Tensor",
+    "ps_roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width, int sampling_ratio) -> (Tensor, Tensor)",
+    "_ps_roi_align_backward(Tensor grad, Tensor rois, Tensor channel_mapping, "
+    "float spatial_scale, SymInt pooled_height, SymInt pooled_width, int sampling_ratio, "
+    "SymInt batch_size, SymInt channels, SymInt height, SymInt width) -> Tensor",
+    "roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width) -> (Tensor, Tensor)",
+    "_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, "
+    "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, "
     "SymInt height, SymInt width) -> Tensor",
-    "roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width) "
-    "-> (Tensor, Tensor)",
-    "_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, SymInt pooled_height, "
-    "SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width) -> Tensor",
-    "ps_roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width) "
-    "-> (Tensor, Tensor)",
+    "ps_roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width) -> (Tensor, Tensor)",
     "_ps_roi_pool_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, "
-    "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, "
-    "SymInt width) -> Tensor",
-    "deform_conv2d(Tensor input, Tensor weight, Tensor offset, Tensor mask, Tensor bias, SymInt stride_h, "
-    "SymInt stride_w, SymInt pad_h, SymInt pad_w, SymInt dilation_h, SymInt dilation_w, SymInt groups, "
-    "SymInt offset_groups, bool use_mask) -> Tensor",
-    "_deform_conv2d_backward(Tensor grad, Tensor input, Tensor weight, Tensor offset, Tensor mask, "
-    "Tensor bias, SymInt stride_h, SymInt stride_w, SymInt pad_h, SymInt pad_w, SymInt dilation_h, "
-    "SymInt dilation_w, SymInt groups, SymInt offset_groups, bool use_mask) "
+    "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, "
+    "SymInt height, SymInt width) -> Tensor",
+    "deform_conv2d(Tensor input, Tensor weight, Tensor offset, Tensor mask, Tensor bias, "
+    "SymInt stride_h, SymInt stride_w, SymInt pad_h, SymInt pad_w, SymInt dilation_h, "
+    "SymInt dilation_w, SymInt groups, SymInt offset_groups, bool use_mask) -> Tensor",
+    "_deform_conv2d_backward(Tensor grad, Tensor input, Tensor weight, Tensor offset, "
+    "Tensor mask, Tensor bias, SymInt stride_h, SymInt stride_w, SymInt pad_h, SymInt pad_w, "
+    "SymInt dilation_h, SymInt dilation_w, SymInt groups, SymInt offset_groups, bool use_mask) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
-_library = None  # the torch.library fragment holding the declarations (kept alive for the process)
-ops_declared = (
-    False  # True where torchvision's compiled operators are missing and were declared here
-)
+# the torch.library fragment holding the declarations (kept alive for the process)
+_library = None
+# True where torchvision's compiled operators are missing and were declared here
+ops_declared = False
 
 
 def ensure_importable() -> None:
@@ -80,14 +82,16 @@ def ensure_importable() -> None:
                 return  # a build that matches this torch: its real operators are registered
             except OSError:
                 break
-    _library = torch.library.Library("torchvision", "FRAGMENT")  # noqa: TOR901 (schemas only, no kernels)
+    # schemas only, no kernels
+    _library = torch.library.Library("torchvision", "FRAGMENT")  # noqa: TOR901
     for schema in _SCHEMAS:
         _library.define(schema)
     ops_declared = True
 
 
 class _FirstLookup(importlib.abc.MetaPathFinder):
-    """Runs ``ensure_importable`` when torchvision is first imported or looked up, then steps aside."""
+    """Runs ``ensure_importable`` when torchvision is first imported or looked up, then steps
+    aside."""
 
     def find_spec(self, name, path=None, target=None):
         if name == "torchvision":

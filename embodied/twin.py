@@ -63,7 +63,8 @@ class ArmTwin:
             self.model.actuator_biasprm[a, 1] = -self._kp[JOINTS.index(j)] if on else 0.0
 
     def advance(self) -> None:
-        """Simulate up to now (wall clock); a frozen twin stands still (exact comparisons in tests)."""
+        """Simulate up to now (wall clock); a frozen twin stands still (exact comparisons in
+        tests)."""
         now = time.monotonic()
         if self.frozen:
             self._t = now
@@ -107,7 +108,8 @@ def _twin_camera_class():
 
     class TwinCamera(Camera):
         """A LeRobot camera whose frames the twin renders on a capture thread at ``fps``, as a
-        real camera's driver captures in the background: ``read_latest`` never waits for a render."""
+        real camera's driver captures in the background: ``read_latest`` never waits for a
+        render."""
 
         def __init__(self, twin: ArmTwin, camera: str, width: int, height: int, fps: int):
             cfg = CameraConfig.__new__(CameraConfig)
@@ -206,11 +208,13 @@ def make_twin_robot(cfg: ArmConfig, task: str = "push", start: dict[str, float] 
     unknown = sorted(v for v in views.values() if v not in TWIN_CAMERAS)
     if unknown:
         raise ValueError(
-            f"camera: the twin has cameras {sorted(TWIN_CAMERAS)}, not {unknown} (give NAME=front or NAME=wrist)"
+            f"camera: the twin has cameras {sorted(TWIN_CAMERAS)}, not {unknown} "
+            "(give NAME=front or NAME=wrist)"
         )
     if tuple(cfg.gripper_range) != RANGES["gripper"]:
         raise ValueError(
-            f"robot.gripper_range: the twin's gripper spans {RANGES['gripper']} rad, got {cfg.gripper_range}"
+            f"robot.gripper_range: the twin's gripper spans {RANGES['gripper']} rad, "
+            f"got {cfg.gripper_range}"
         )
     cal_dir = (
         Path(cfg.calibration_dir)
@@ -232,7 +236,8 @@ def make_twin_robot(cfg: ArmConfig, task: str = "push", start: dict[str, float] 
     port = FeetechPort(ranges, physics=twin)
     attach(robot.bus, port)
     TwinCamera = _twin_camera_class()
-    # rendered at the policy's size: software rendering at 640x480 alone would take most of a 30 Hz step
+    # rendered at the policy's size: software rendering at 640x480 alone would take most of a
+    # 30 Hz step
     robot.cameras = {
         name: TwinCamera(twin, TWIN_CAMERAS[view], cfg.image_size, cfg.image_size, cfg.camera_fps)
         for name, view in views.items()
