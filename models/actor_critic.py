@@ -85,7 +85,8 @@ class ActorCritic(nn.Module):
 
     @property
     def privileged_inputs(self) -> tuple[str, ...]:
-        """The privileged (simulator-only) keys the policy reads: none means it can run on a robot."""
+        """The privileged (simulator-only) keys the policy reads: none means it can run on a
+        robot."""
         return self.state_encoder.keys
 
     # --- features -------------------------------------------------------------------------

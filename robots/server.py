@@ -3,9 +3,10 @@
 Protocol (every message a msgpack map with ``type``):
   client -> server  {"type": "hello", "contract": {...}}      first message of a connection
   server -> client  {"type": "hello", "contract": {...}}      or {"type": "error"} and the close
-  client -> server  {"type": "infer", "id": n, "obs": {"state": f32 [S], "images": {name: u8 [H, W, 3]},
-                     "instruction": str}}
-  server -> client  {"type": "chunk", "id": n, "actions": f32 [K, A], "timing": {"queue_ms", "infer_ms"}}
+  client -> server  {"type": "infer", "id": n, "obs": {"state": f32 [S],
+                     "images": {name: u8 [H, W, 3]}, "instruction": str}}
+  server -> client  {"type": "chunk", "id": n, "actions": f32 [K, A],
+                     "timing": {"queue_ms", "infer_ms"}}
                     or {"type": "error", "id": n, "error": "..."}
 ``GET /health`` answers 200 with the contract's summary. The contract (action spec, state names,
 cameras, normalization version) must match exactly, or the handshake is refused. One inference
@@ -189,7 +190,8 @@ class PolicyServer:
             size = len(data) if data is not None else 0
             return {
                 "type": "error",
-                "error": f"request of {size} bytes refused (binary msgpack up to {self.max_bytes} bytes)",
+                "error": f"request of {size} bytes refused "
+                f"(binary msgpack up to {self.max_bytes} bytes)",
             }
         try:
             message = unpack(data)

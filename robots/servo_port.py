@@ -108,10 +108,10 @@ def _checksum(body: bytes | bytearray) -> int:
 
 
 class ServoPort:
-    """A pyserial-like object (``write``, ``read``, ``in_waiting``, ``flush``, ``close``) with servos
-    behind it. ``ranges`` gives each servo id its calibrated (min, max) ticks, written into its
-    limit registers as LeRobot's calibration does, with homing offset 0. Subclasses speak a wire
-    protocol (``_handle`` an instruction packet, ``_status`` an answer)."""
+    """A pyserial-like object (``write``, ``read``, ``in_waiting``, ``flush``, ``close``) with
+    servos behind it. ``ranges`` gives each servo id its calibrated (min, max) ticks, written into
+    its limit registers as LeRobot's calibration does, with homing offset 0. Subclasses speak a
+    wire protocol (``_handle`` an instruction packet, ``_status`` an answer)."""
 
     table: Table
 

@@ -68,7 +68,8 @@ class EfficientNetLite0(nn.Module):
             missing, unexpected = self.net.load_state_dict(state, strict=False)
             if missing or unexpected:
                 raise RuntimeError(
-                    f"EfficientNet-Lite0 weights do not match: missing {missing[:3]}, unexpected {unexpected[:3]}"
+                    f"EfficientNet-Lite0 weights do not match: missing {missing[:3]}, "
+                    f"unexpected {unexpected[:3]}"
                 )
         del self.net._fc  # classifier unused: features only
         # EfficientNet-Lite's input normalization (TF-Lite models: (x - 127) / 128)
@@ -100,7 +101,8 @@ def minilm_path() -> Path:
 
 class MiniLMText(nn.Module):
     """list[str] (length B) -> f32 [B, D] sentence embeddings (mean-pooled, L2-normalized, as
-    sentence-transformers computes them for all-MiniLM-L6-v2). D = 384, or ``hidden`` when random."""
+    sentence-transformers computes them for all-MiniLM-L6-v2). D = 384, or ``hidden`` when
+    random."""
 
     def __init__(
         self,

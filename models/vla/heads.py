@@ -74,7 +74,8 @@ class GaussianChunkHead(nn.Module):
 
 class DiscreteTokenHead(nn.Module):
     """(b) Discrete action tokens (OpenVLA style): each dimension of each chunk step is one of
-    ``bins`` uniform bins over [-1, 1]; the action is the bin centre. Supervised loss: cross-entropy."""
+    ``bins`` uniform bins over [-1, 1]; the action is the bin centre. Supervised loss:
+    cross-entropy."""
 
     def __init__(self, d_model: int, action_dim: int, bins: int = 256):
         super().__init__()
@@ -124,8 +125,9 @@ class DiscreteTokenHead(nn.Module):
 def sample_flow_chain(
     step_mean, x0: torch.Tensor, log_sigma: torch.Tensor, steps: int, deterministic: bool
 ):
-    """Run a stochastic flow from x0 f32 [B, K, A]: x_{i+1} = step_mean(x_i, i) + sigma * eps (no noise
-    when deterministic). -> (x_N, log p of the transitions f32 [B, K, A], chain f32 [B, N+1, K, A])."""
+    """Run a stochastic flow from x0 f32 [B, K, A]: x_{i+1} = step_mean(x_i, i) + sigma * eps
+    (no noise when deterministic).
+    -> (x_N, log p of the transitions f32 [B, K, A], chain f32 [B, N+1, K, A])."""
     x, chain, logp = x0, [x0], torch.zeros_like(x0)
     for i in range(steps):
         mean = step_mean(x, i)

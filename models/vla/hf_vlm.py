@@ -8,9 +8,9 @@ states, with their attention mask, become fusion tokens. Nothing is fetched: the
 config.json, the weights and the processor files, as ``save_pretrained`` writes them.
 
 Without torchvision (the CPU install) transformers cannot build the video half of some processors
-(Qwen2.5-VL's, SmolVLM's); images need no torchvision, so such a processor is replaced by its tokenizer and
-image processor and the image placeholders are expanded here, the way the family's processor
-does it (without SmolVLM's decorative wrapper tokens around an image).
+(Qwen2.5-VL's, SmolVLM's); images need no torchvision, so such a processor is replaced by its
+tokenizer and image processor and the image placeholders are expanded here, the way the family's
+processor does it (without SmolVLM's decorative wrapper tokens around an image).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class ImagesOnlyProcessor:
                     break
         if self.image_token is None:
             raise ValueError(
-                f"{path}: cannot tell this model's image placeholder token; install its full processor"
+                f"{path}: cannot tell this model's image placeholder token; "
+                "install its full processor"
             )
         self.image_seq_length = getattr(
             self.image_processor, "image_seq_length", None
@@ -70,7 +71,8 @@ class ImagesOnlyProcessor:
         padding=True,
     ):
         flat = [im for sample in images for im in sample]
-        # one global image per camera (SmolVLM would tile large images into crops with their own tokens)
+        # one global image per camera (SmolVLM would tile large images into crops with their own
+        # tokens)
         options = (
             {"do_image_splitting": False}
             if hasattr(self.image_processor, "do_image_splitting")
@@ -98,7 +100,8 @@ def load_processor(path: Path):
 
 
 class HFVisionLanguage(nn.Module):
-    """(camera images, instruction) -> the VLM's last hidden states f32 [B, L, D] + mask bool [B, L]."""
+    """(camera images, instruction) -> the VLM's last hidden states f32 [B, L, D] + mask
+    bool [B, L]."""
 
     def __init__(self, path: str | Path, *, freeze: bool = True):
         super().__init__()
@@ -117,8 +120,8 @@ class HFVisionLanguage(nn.Module):
         self.model = full.model  # without the LM head: hidden states only
         self.out_dim = full.config.get_text_config().hidden_size
         self.image_token = self.processor.image_token
-        # Qwen-VL families mark where each image starts and ends; without the marks two cameras' image
-        # tokens run together and the model's 3-D positions count them as one image
+        # Qwen-VL families mark where each image starts and ends; without the marks two cameras'
+        # image tokens run together and the model's 3-D positions count them as one image
         tok = getattr(self.processor, "tokenizer", self.processor)
         marks = ("<|vision_start|>", "<|vision_end|>")
         known = all(tok.convert_tokens_to_ids(m) not in (None, tok.unk_token_id) for m in marks)

@@ -38,11 +38,13 @@ class NormalizedVLA(nn.Module):
 
     @property
     def privileged_inputs(self) -> tuple[str, ...]:
-        """The privileged (simulator-only) keys the policy reads: none means it can run on a robot."""
+        """The privileged (simulator-only) keys the policy reads: none means it can run on a
+        robot."""
         return self.priv_keys
 
     def state_vector(self, obs: Observation) -> torch.Tensor:
-        """Raw proprioception (+ privileged) f32 [B, S'] as the policy sees it before normalization."""
+        """Raw proprioception (+ privileged) f32 [B, S'] as the policy sees it before
+        normalization."""
         parts = [obs.state] if self.use_state else []
         parts += [obs.privileged[k].reshape(obs.batch_size, -1) for k in self.priv_keys]
         return torch.cat(parts, dim=-1)

@@ -61,7 +61,8 @@ class VLAConfig(PolicyConfig):
     text_hidden: int = 384  # random text encoder size when text_pretrained=false (tests)
     text_layers: int = 6
     freeze_text: bool = True  # frozen: embeddings cached per instruction
-    # a local Hugging Face VLM directory (PaliGemma, Qwen2.5-VL, SmolVLM2, ...): replaces both encoders above
+    # a local Hugging Face VLM directory (PaliGemma, Qwen2.5-VL, SmolVLM2, ...): replaces both
+    # encoders above
     vlm_path: str = ""
     freeze_vlm: bool = True
     init_log_std: float = -1.0  # gaussian head
@@ -145,7 +146,8 @@ class VLA(NormalizedVLA):
 
     def image_features(self, obs: Observation) -> torch.Tensor:
         """The image encoder's tokens for every camera: f32 [C*B, P, 1280] (cameras outermost).
-        Deterministic, so with a frozen encoder they can be computed once and passed to ``context``."""
+        Deterministic, so with a frozen encoder they can be computed once and passed to
+        ``context``."""
         images = torch.cat([obs.images[n] for n in self.camera_names])  # uint8 [C*B, H, W, 3]
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_vision):
             return self.vision(images)

@@ -100,7 +100,8 @@ def lerobot_smolvla():
 
 
 class SmolVLA(NormalizedVLA):
-    """One ``Policy``: observation -> SmolVLA's stochastic flow -> physical action chunk [B, K, A]."""
+    """One ``Policy``: observation -> SmolVLA's stochastic flow -> physical action chunk
+    [B, K, A]."""
 
     def __init__(self, spec: EnvSpec, cfg: SmolVLAConfig):
         cfg.validate()
@@ -157,10 +158,10 @@ class SmolVLA(NormalizedVLA):
     def caches_image_features(self) -> bool:
         return False  # the images enter the VLM with the instruction: nothing to cache per frame
 
-    # --- SmolVLA's inputs ---------------------------------------------------------------------------
+    # --- SmolVLA's inputs -------------------------------------------------------------------------
     def _inputs(self, obs: Observation):
-        """-> (images [-1, 1] f32 [B, 3, S, S] per camera, their masks, tokens long [B, L], token mask
-        bool [B, L], normalized state f32 [B, S']) as LeRobot's SmolVLA takes them."""
+        """-> (images [-1, 1] f32 [B, 3, S, S] per camera, their masks, tokens long [B, L], token
+        mask bool [B, L], normalized state f32 [B, S']) as LeRobot's SmolVLA takes them."""
         batch = {
             f"observation.images.{n}": obs.images[n].permute(0, 3, 1, 2).float() / 255.0
             for n in self.camera_names
@@ -198,7 +199,8 @@ class SmolVLA(NormalizedVLA):
         return pad, cache
 
     def _step_mean(self, pad, cache):
-        """The Euler step of SmolVLA's flow from the prefix: x_i -> x_i - v(x_i, t_i) / N, t_i = 1 - i / N."""
+        """The Euler step of SmolVLA's flow from the prefix: x_i -> x_i - v(x_i, t_i) / N,
+        t_i = 1 - i / N."""
 
         def step_mean(x: torch.Tensor, i: int) -> torch.Tensor:
             t = torch.full((x.shape[0],), 1.0 - i / self.steps, device=x.device)  # f32 [B]
@@ -226,8 +228,8 @@ class SmolVLA(NormalizedVLA):
         )
 
     def evaluate(self, obs: Observation, output: PolicyOutput, *, level: str = "chunk"):
-        """(logprob, entropy [B], None): log p of the stored chain under the current weights; logprob
-        f32 [B] (chunk), [B, K] (action) or [B, K, A] (token)."""
+        """(logprob, entropy [B], None): log p of the stored chain under the current weights;
+        logprob f32 [B] (chunk), [B, K] (action) or [B, K, A] (token)."""
         chain = output.extras["flow_chain"]  # f32 [B, N+1, K, A]
         step_mean = self._step_mean(*self._prefix(obs))
         logp = sum(

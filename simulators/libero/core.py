@@ -7,7 +7,8 @@ end-effector position and quaternion, gripper fingers), the task's language inst
 objects' poses as privileged state. Actions are end-effector goal offsets in metres and radians
 (robosuite's delta mode: each step the operational-space controller chases a goal that far from the
 current pose, and covers ~25% of it within the step) plus a gripper command in [-1 open, +1 close];
-the controller receives them divided by its output scale (0.05 m, 0.5 rad). Success is the task's BDDL goal predicates (LIBERO's own check).
+the controller receives them divided by its output scale (0.05 m, 0.5 rad). Success is the task's
+BDDL goal predicates (LIBERO's own check).
 """
 
 from __future__ import annotations
@@ -52,13 +53,13 @@ class LiberoCore:
     def __init__(self, cfg: LiberoConfig, num_envs: int):
         cfg.validate()
         self.cfg, self.num_envs = cfg, num_envs
-        task, bddl, self.init_states = load_task(
-            cfg.suite, cfg.task_id
-        )  # first: LIBERO's config, then its import
+        # first: LIBERO's config, then its import
+        task, bddl, self.init_states = load_task(cfg.suite, cfg.task_id)
         from libero.libero.envs import OffScreenRenderEnv
 
-        # ignore_done: episodes end here (time limit, success); hard_reset off: the model is built once
-        # and every reset loads a full initial state (_start clears what a rebuild would), ~1 s less per reset
+        # ignore_done: episodes end here (time limit, success); hard_reset off: the model is built
+        # once and every reset loads a full initial state (_start clears what a rebuild would),
+        # ~1 s less per reset
         cameras = cfg.obs_mode == "rgb"
         self.envs = [
             OffScreenRenderEnv(
@@ -146,8 +147,9 @@ class LiberoCore:
         env.seed(seed)
         env.reset()
         raw = env.set_init_state(self.init_states[seed % len(self.init_states)])
-        # not in the state either: the solver's warm start and the gripper's rate-limited command (a
-        # rebuilt model, robosuite's hard reset, starts both at zero; we keep the model and zero them)
+        # not in the state either: the solver's warm start and the gripper's rate-limited command
+        # (a rebuilt model, robosuite's hard reset, starts both at zero; we keep the model and zero
+        # them)
         env.sim.data.qacc_warmstart[:] = 0
         gripper = env.robots[0].gripper
         gripper.current_action = np.zeros_like(gripper.current_action)

@@ -1,5 +1,5 @@
-"""MuJoCo table-top tasks with a desktop arm written here (SO-100/SO-101 class), through the contract.
-``MuJoCoEnv`` imports mujoco on first use, so the config validates without it."""
+"""MuJoCo table-top tasks with a desktop arm written here (SO-100/SO-101 class), through the
+contract. ``MuJoCoEnv`` imports mujoco on first use, so the config validates without it."""
 
 from embodied.simulators.mujoco.config import MuJoCoConfig
 from embodied.simulators.mujoco.tasks import TASKS

@@ -40,6 +40,10 @@ def _joint(name: str, axis: str) -> str:
 
 def arm_body() -> str:
     """The arm's <body> tree, its base on the table at the origin; the tool point is site "tcp"."""
+    fixed_jaw = (
+        '<geom name="fixed_jaw" type="box" size="0.04 0.006 0.015" pos="0.04 0.012 0" '
+        f'{_LINK} mass="0.03"/>'
+    )
     return f"""
 <body name="base" pos="0 0 0">
   <geom type="cylinder" size="0.045 0.025" pos="0 0 0.025" {_MOTOR} mass="0.4"/>
@@ -57,7 +61,7 @@ def arm_body() -> str:
           <geom type="box" size="0.02 0.02 0.018" pos="0.02 0 0" {_MOTOR} mass="0.05"/>
           <body name="hand" pos="0.04 0 0">
             {_joint("wrist_roll", "1 0 0")}
-            <geom name="fixed_jaw" type="box" size="0.04 0.006 0.015" pos="0.04 0.012 0" {_LINK} mass="0.03"/>
+            {fixed_jaw}
             <site name="tcp" pos="{WRIST_TO_TCP - 0.04} 0 0" size="0.005" rgba="1 0 0 0.5"/>
             <camera name="wrist_camera" pos="0.0 0 0.04" xyaxes="0 -1 0 0.5 0 0.87" fovy="70"/>
             <body name="moving_jaw" pos="0.0 -0.012 0">
@@ -79,7 +83,8 @@ def actuators() -> str:
         lo, hi = RANGES[name]
         kp = 3.0 if name == "gripper" else 20.0
         lines.append(
-            f'<position name="{name}" joint="{name}" kp="{kp}" kv="0.5" ctrlrange="{lo} {hi}" forcerange="-5 5"/>'
+            f'<position name="{name}" joint="{name}" kp="{kp}" kv="0.5" '
+            f'ctrlrange="{lo} {hi}" forcerange="-5 5"/>'
         )
     return "\n".join(lines)
 

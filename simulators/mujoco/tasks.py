@@ -8,8 +8,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-GOAL_MARKER = '<body name="goal" mocap="true" pos="0.2 0 0.1"><geom type="sphere" size="0.015" rgba="0.1 0.9 0.1 0.6" contype="0" conaffinity="0"/></body>'
-GOAL_REGION = '<body name="goal" mocap="true" pos="0.2 0 0.001"><geom type="cylinder" size="0.03 0.001" rgba="0.9 0.1 0.1 0.7" contype="0" conaffinity="0"/></body>'
+GOAL_MARKER = (
+    '<body name="goal" mocap="true" pos="0.2 0 0.1">'
+    '<geom type="sphere" size="0.015" rgba="0.1 0.9 0.1 0.6" contype="0" conaffinity="0"/>'
+    "</body>"
+)
+GOAL_REGION = (
+    '<body name="goal" mocap="true" pos="0.2 0 0.001">'
+    '<geom type="cylinder" size="0.03 0.001" rgba="0.9 0.1 0.1 0.7" contype="0" conaffinity="0"/>'
+    "</body>"
+)
 CUBE_HALF = 0.015  # metres
 
 
@@ -63,9 +71,8 @@ class Push(Task):
         d_goal = np.linalg.norm(to_goal, axis=-1)
         direction = to_goal / np.maximum(d_goal, 1e-6)[:, None]
         behind = cube.copy()
-        behind[:, :2] -= direction * (
-            CUBE_HALF + 0.02
-        )  # where the tool should be to push towards the goal
+        # where the tool should be to push towards the goal
+        behind[:, :2] -= direction * (CUBE_HALF + 0.02)
         reach = 1.0 - np.tanh(10.0 * np.linalg.norm(tcp - behind, axis=-1))
         place = 1.0 - np.tanh(10.0 * d_goal)
         success = d_goal < 0.025
@@ -85,7 +92,8 @@ TASKS: dict[str, Task] = {
         instruction="push the cube to the red target",
         bodies=GOAL_REGION
         + f'<body name="cube" pos="0.2 0 {CUBE_HALF}"><freejoint/><geom type="box" '
-        f'size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}" rgba="0.2 0.3 0.9 1" mass="0.05" friction="0.8"/></body>',
+        f'size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}" rgba="0.2 0.3 0.9 1" mass="0.05" '
+        'friction="0.8"/></body>',
         sensors='<framepos name="goal_pos" objtype="body" objname="goal"/>'
         '<framepos name="cube_pos" objtype="body" objname="cube"/>',
         privileged={"goal_pos": 3, "cube_pos": 3},
