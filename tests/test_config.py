@@ -170,7 +170,8 @@ def test_policy_name_selects_the_policy_schema(tmp_path):
         )  # head is not an actor-critic key
     with pytest.raises(
         ConfigError,
-        match=r"policy.name: unknown policy 'transformer'; known: \['actor_critic', 'smolvla', 'vla'\]",
+        match=r"policy.name: unknown policy 'transformer'; "
+        r"known: \['actor_critic', 'smolvla', 'vla'\]",
     ):
         load_config(TrainConfig, cfg_file, ["policy.name=transformer"])
     with pytest.raises(ConfigError, match=r"policy.head: must be one of"):

@@ -80,7 +80,8 @@ def test_deploy_on_the_twin_records_each_episode_and_ends_at_the_safe_pose(
     assert [e["steps"] for e in summary["episodes"]] == [15, 15] and all(
         e["end"] == "done" for e in summary["episodes"]
     )
-    # the policy acted: one-action chunks (K = 1) inferred in the background, each used within its step
+    # the policy acted: one-action chunks (K = 1) inferred in the background, each used within its
+    # step
     assert all(e["acted"] >= 14 and e["watchdog"] == {} for e in summary["episodes"])
     assert summary["torque_off_at_safe_pose"] is True
     for i in range(2):

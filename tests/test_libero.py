@@ -1,7 +1,7 @@
 """LIBERO through the contract: one task of every suite passes ``check_env`` in subprocess
 workers; episodes are reproducible from their seeds (initial state = seed % 50); actions are
-end-effector goal offsets in metres; success comes from the task's goal predicates; missing assets or
-a bad suite give a clear error."""
+end-effector goal offsets in metres; success comes from the task's goal predicates; missing assets
+or a bad suite give a clear error."""
 
 import numpy as np
 import pytest

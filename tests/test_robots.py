@@ -164,7 +164,8 @@ def test_workspace_box_stops_the_tool_short_of_the_table(tmp_path):
     env, twin, port = twin_env(tmp_path)
     try:
         env.reset()
-        # lean forward and down: shoulder lift toward the table until the tool point would go below 1 cm
+        # lean forward and down: shoulder lift toward the table until the tool point would go
+        # below 1 cm
         target = env.safety.last.copy()
         target[1], target[2], target[3] = 1.0, 0.3, 0.5
         for _ in range(120):
@@ -181,7 +182,8 @@ def test_workspace_box_stops_the_tool_short_of_the_table(tmp_path):
 
 
 def test_a_policy_frame_with_a_mirrored_pan_and_an_offset_elbow(tmp_path):
-    # policy = sign * arm + offset: another simulator's conventions, mapped at the policy boundary only
+    # policy = sign * arm + offset: another simulator's conventions, mapped at the policy boundary
+    # only
     env, twin, port = twin_env(
         tmp_path, joint_signs=(-1, 1, 1, 1, 1, 1), joint_offsets=(0, 0, 0.25, 0, 0, 0)
     )
@@ -213,7 +215,8 @@ def test_an_uncalibrated_arm_is_refused_with_the_calibration_command(tmp_path):
     attach(robot.bus, FeetechPort({i: (0, 4095) for i in range(1, 7)}))
     with pytest.raises(
         RobotError,
-        match="lerobot-calibrate --robot.type=so101_follower --robot.port=/dev/ttyFAKE0 --robot.id=nobody",
+        match="lerobot-calibrate --robot.type=so101_follower --robot.port=/dev/ttyFAKE0 "
+        "--robot.id=nobody",
     ):
         connect(robot, cfg)  # would prompt on stdin if it tried LeRobot's interactive calibration
 

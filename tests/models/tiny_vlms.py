@@ -158,7 +158,8 @@ def smolvlm(
     )
     from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
 
-    # the named tokens a SmolVLM2 tokenizer carries (LeRobot's SmolVLA reads the fake and global ones)
+    # the named tokens a SmolVLM2 tokenizer carries (LeRobot's SmolVLA reads the fake and global
+    # ones)
     tok = _tokenizer(
         ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"],
         image_token="<image>",
