@@ -15,12 +15,19 @@ GPU/GL contexts). Stepping a subset (``step_async``/``step_wait``) lets a rollou
 ``num_workers=0`` runs the one core in this process instead, behind the same protocol: no
 parallelism, but no round trip between processes either, which on a machine with one or two cores
 costs more than parallel workers win back (docs/benchmarks.md, environment throughput).
+
+Timeouts: a worker that does not answer a step within ``step_timeout_s`` (a reset or a render within
+``RESET_TIMEOUT_FACTOR`` times that) is killed, the others are stopped, the env is closed and
+``WorkerTimeout`` says which worker, which environments and the seeds they were last reset with.
+A hung simulator would otherwise hang the whole run. A core in this process (``num_workers=0``)
+cannot time out: nothing could interrupt it.
 """
 
 from __future__ import annotations
 
 import collections
 import multiprocessing as mp
+import time
 import traceback
 from collections.abc import Callable, Sequence
 
@@ -29,9 +36,14 @@ import torch
 
 from embodied.schema import Observation, StepOutput, ended_rows, reset_seeds
 
-START_TIMEOUT_S = (
-    300.0  # building a simulator (and its renderer) takes seconds; minutes means something is wrong
-)
+# building a simulator (and its renderer) takes seconds; minutes means something is wrong
+START_TIMEOUT_S = 300.0
+RESET_TIMEOUT_FACTOR = 10  # resets and renders may take this many times the step timeout
+STOP_TIMEOUT_S = 10.0  # a worker told to close has this long to answer before it is killed
+
+
+class WorkerTimeout(RuntimeError):
+    """A worker did not answer in time: it was killed and the env closed."""
 
 
 def _serve(conn, make_core: Callable, count: int) -> None:
@@ -102,7 +114,9 @@ def to_observation(packed: dict) -> Observation:
 
 class WorkerVecEnv:
     """``num_envs`` environments split as evenly as possible between ``num_workers`` processes
-    (0: one core in this process)."""
+    (0: one core in this process). ``name`` and ``task`` name the simulator and its task in
+    errors; ``step_timeout_s`` bounds how long a worker may take to answer a step (module
+    docstring; no bound in process)."""
 
     def __init__(
         self,
@@ -110,10 +124,17 @@ class WorkerVecEnv:
         num_envs: int,
         num_workers: int,
         name: str = "simulator",
+        task: str = "",
+        step_timeout_s: float = 120.0,
     ):
+        if step_timeout_s <= 0:
+            raise ValueError(f"step_timeout_s: must be > 0 (seconds), got {step_timeout_s}")
         self.num_envs, self.name, self.device = num_envs, name, torch.device("cpu")
+        self.task, self.step_timeout_s = task, step_timeout_s
         self.can_step_subsets = True
         self._everyone, self._splits = torch.arange(num_envs), {}
+        self._seeds: list[int | None] = [None] * num_envs  # the seed of each one's last reset
+        self._closed = False
         if num_workers == 0:
             self._starts, self._procs = np.array([0, num_envs]), []
             core = make_core(num_envs)
@@ -128,20 +149,25 @@ class WorkerVecEnv:
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_serve, args=(child, make_core, count), daemon=True)
             p.start()
-            child.close()  # only the worker holds its end: if it dies, recv() here ends with EOFError
+            # only the worker holds its end: if it dies, recv() here ends with EOFError
+            child.close()
             self._conns.append(parent), self._procs.append(p)
         try:
-            self.spec = [self._recv(c, timeout=START_TIMEOUT_S) for c in self._conns][0]
+            self.spec = [self._started(c) for c in self._conns][0]
         except BaseException:
             self.close()
             raise
 
-    def _recv(self, conn, timeout: float | None = None):
-        if timeout is not None and not conn.poll(timeout):
+    def _started(self, conn):
+        if not conn.poll(START_TIMEOUT_S):
             raise RuntimeError(
-                f"a {self.name} worker did not start within {timeout:.0f} s. Workers are spawned: a script "
-                "that creates environments must guard its top level with `if __name__ == '__main__':`"
+                f"a {self.name} worker did not start within {START_TIMEOUT_S:.0f} s. Workers are "
+                "spawned: a script that creates environments must guard its top level with "
+                "`if __name__ == '__main__':`"
             )
+        return self._payload(conn)
+
+    def _payload(self, conn):
         try:
             status, payload = conn.recv()
         except EOFError:
@@ -153,16 +179,67 @@ class WorkerVecEnv:
             raise RuntimeError(f"{self.name} worker failed:\n{payload}")
         return payload
 
+    # --- timeouts -------------------------------------------------------------------------
+    def _deadline(self, what: str) -> float | None:
+        """When answers to a ``what`` ("step", "reset", "render") sent now are due; None in
+        process (nothing can interrupt a core running in this thread)."""
+        if not self._procs:
+            return None
+        factor = 1 if what == "step" else RESET_TIMEOUT_FACTOR
+        return time.monotonic() + factor * self.step_timeout_s
+
+    def _recv(self, w: int, what: str, deadline: float | None):
+        """Worker ``w``'s next answer; past ``deadline`` the worker is killed (WorkerTimeout)."""
+        conn = self._conns[w]
+        if deadline is not None and not conn.poll(max(0.0, deadline - time.monotonic())):
+            self._time_out(w, what)
+        return self._payload(conn)
+
+    def _time_out(self, w: int, what: str) -> None:
+        timeout = self.step_timeout_s * (1 if what == "step" else RESET_TIMEOUT_FACTOR)
+        message = (
+            f"{self._who()} worker {w} ({self._held(w)}) did not answer a {what} within "
+            f"{timeout:g} s; it was killed"
+        )
+        self._kill(w)
+        self.close()
+        raise WorkerTimeout(message)
+
+    def _who(self) -> str:
+        return f"{self.name} {self.task}" if self.task else self.name
+
+    def _held(self, w: int) -> str:
+        lo, hi = int(self._starts[w]), int(self._starts[w + 1])
+        where = f"environment {lo}" if hi - lo == 1 else f"environments {lo}-{hi - 1}"
+        return f"{where}, last reset seeds {self._seeds[lo:hi]}"
+
+    def _kill(self, w: int) -> None:
+        proc = self._procs[w]
+        proc.kill()
+        proc.join(timeout=STOP_TIMEOUT_S)
+        self._conns[w].close()
+        self._conns[w] = self._procs[w] = None  # close() skips it
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self._who()}: the environments are closed")
+
+    # --- the VecEnv -----------------------------------------------------------------------
     def reset(
         self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None
     ) -> Observation:
+        self._check_open()
         ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids.tolist()]
         seeds = reset_seeds(seed, ids)
+        for i, s in zip(ids, seeds):
+            self._seeds[i] = s
         for w, conn in enumerate(self._conns):
             lo, hi = self._starts[w], self._starts[w + 1]
             mine = [(i - lo, s) for i, s in zip(ids, seeds) if lo <= i < hi]
             conn.send(("reset", ([i for i, _ in mine], [s for _, s in mine])))
-        return to_observation(_cat([self._recv(c) for c in self._conns]))
+        deadline = self._deadline("reset")
+        packs = [self._recv(w, "reset", deadline) for w in range(len(self._conns))]
+        return to_observation(_cat(packs))
 
     def step(self, actions: torch.Tensor) -> StepOutput:
         """actions: f32 [B, A] physical units."""
@@ -186,13 +263,17 @@ class WorkerVecEnv:
     def step_async(self, actions: torch.Tensor, env_ids: torch.Tensor) -> None:
         """Start stepping environments ``env_ids`` (long [N], ascending) with actions f32 [N, A];
         workers queue requests in order, so several subsets may be in flight."""
+        self._check_open()
         a = actions.detach().to("cpu", torch.float32).numpy()
         for w, local, pos in self._split(env_ids):
             self._conns[w].send(("step", (local, a[pos])))
 
     def step_wait(self, env_ids: torch.Tensor) -> StepOutput:
-        """Finish the ``step_async`` of ``env_ids``; every tensor has N = len(env_ids) rows."""
-        results = [self._recv(self._conns[w]) for w, _, _ in self._split(env_ids)]
+        """Finish the ``step_async`` of ``env_ids``; every tensor has N = len(env_ids) rows. A
+        worker that has not answered within ``step_timeout_s`` raises WorkerTimeout."""
+        self._check_open()
+        deadline = self._deadline("step")
+        results = [self._recv(w, "step", deadline) for w, _, _ in self._split(env_ids)]
         scalars = torch.from_numpy(np.concatenate([r[1] for r in results]))  # f32 [N, 4]
         obs = to_observation(_cat([r[0] for r in results]))
         final = None
@@ -212,23 +293,23 @@ class WorkerVecEnv:
 
     def render(self) -> torch.Tensor:
         """uint8 [B, H, W, 3]"""
+        self._check_open()
         for conn in self._conns:
             conn.send(("render", None))
-        return torch.from_numpy(np.concatenate([self._recv(c) for c in self._conns]))
+        deadline = self._deadline("render")
+        frames = [self._recv(w, "render", deadline) for w in range(len(self._conns))]
+        return torch.from_numpy(np.concatenate(frames))
 
     def close(self) -> None:
+        """Close every core; a worker that does not finish within STOP_TIMEOUT_S is killed."""
+        if self._closed:
+            return
+        self._closed = True
         if self._conns and not self._procs:  # in process
             self._conns[0].send(("close", None))
         for conn, proc in zip(self._conns, self._procs):
-            try:
-                conn.send(("close", None))
-                if conn.poll(10):
-                    conn.recv()
-            except (BrokenPipeError, EOFError, OSError):
-                pass
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
+            if proc is not None:  # None: killed already
+                _stop(conn, proc)
         self._conns, self._procs = [], []
 
     def __enter__(self):
@@ -236,3 +317,20 @@ class WorkerVecEnv:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _stop(conn, proc) -> None:
+    """Ask a worker to close its core, read what it still sends (answers in flight, then the
+    end of the pipe when it exits) and wait for it; kill it if it does not finish in time."""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    try:
+        conn.send(("close", None))
+        while conn.poll(max(0.0, deadline - time.monotonic())):
+            conn.recv()
+    except (BrokenPipeError, EOFError, OSError):
+        pass  # it exited (or was gone already)
+    conn.close()
+    proc.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=STOP_TIMEOUT_S)

@@ -29,6 +29,9 @@ class LiberoConfig(SimulatorConfig):
     task_id: int = 0  # index of the task in the suite
     num_envs: int = 2
     num_workers: int = 2  # subprocesses sharing the environments; 0: all in this process
+    # a worker silent this long in a step is killed and the run fails (resets and renders: 10x);
+    # a core in this process (num_workers=0) cannot time out
+    step_timeout_s: float = 120.0
     obs_mode: str = (
         "rgb"  # rgb: agent-view and wrist cameras + state; state: no cameras (~10x faster)
     )
@@ -53,6 +56,8 @@ class LiberoConfig(SimulatorConfig):
             raise ValueError(
                 f"num_workers: must be >= 0 (0: in this process), got {self.num_workers}"
             )
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s: must be > 0 (seconds), got {self.step_timeout_s}")
         for name in ("num_envs", "image_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

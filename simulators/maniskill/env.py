@@ -33,6 +33,9 @@ class ManiSkillConfig(SimulatorConfig):
     num_workers: int = (
         2  # cpu backend: subprocesses sharing the environments; 0: all in this process
     )
+    # cpu backend: a worker silent this long in a step is killed and the run fails (resets and
+    # renders: 10x); a core in this process (num_workers=0) cannot time out
+    step_timeout_s: float = 120.0
     # "state" (proprioception + privileged), "rgb" (cameras + proprioception; privileged holds only
     # what ManiSkill gives image-based agents, e.g. goal_pos), or "rgb+state" (cameras and the full
     # privileged state: a state-based expert can act while the cameras record, for demonstrations)
@@ -59,16 +62,20 @@ class ManiSkillConfig(SimulatorConfig):
             )
         if self.tasks and self.num_envs % len(self.tasks):
             raise ValueError(
-                f"num_envs: {self.num_envs} environments do not split evenly between {len(self.tasks)} tasks"
+                f"num_envs: {self.num_envs} environments do not split evenly between "
+                f"{len(self.tasks)} tasks"
             )
         if self.num_workers < 0:
             raise ValueError(
                 f"num_workers: must be >= 0 (0: in this process), got {self.num_workers}"
             )
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s: must be > 0 (seconds), got {self.step_timeout_s}")
         unknown = sorted(set(self.proprioception) - {"qpos", "qvel", "tcp_pose"})
         if unknown or not self.proprioception:
             raise ValueError(
-                f"proprioception: a non-empty subset of ['qpos', 'qvel', 'tcp_pose'], got {self.proprioception}"
+                "proprioception: a non-empty subset of ['qpos', 'qvel', 'tcp_pose'], "
+                f"got {self.proprioception}"
             )
         for name in ("num_envs", "image_size", "render_size"):
             if getattr(self, name) < 1:
@@ -160,6 +167,8 @@ class ManiSkillEnv:
             cfg.num_envs,
             cfg.num_workers,
             name="ManiSkill",
+            task=cfg.task,
+            step_timeout_s=cfg.step_timeout_s,
         )
         self.device, self.spec = self._pool.device, self._pool.spec
 

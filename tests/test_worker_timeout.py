@@ -1,0 +1,139 @@
+"""WorkerVecEnv's timeouts: a worker that hangs is killed, the others are stopped, the env is
+closed, and the error names the simulator, the task, the worker, its environments and their
+seeds. The cores are small numpy counters defined here (module level: a spawned worker imports
+this module to build one)."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from embodied.schema import ActionSpec, EnvSpec, ObsSpec
+from embodied.simulators.libero.config import LiberoConfig
+from embodied.simulators.maniskill import ManiSkillConfig
+from embodied.simulators.workers import WorkerTimeout, WorkerVecEnv
+
+HANG = 99.0  # an action that makes a core's step never return (a simulator stuck in its solver)
+HANG_SEED = 666  # a reset seed that makes a core's reset never return
+STEP_TIMEOUT_S = 1.5
+
+
+def _forever() -> None:
+    while True:
+        time.sleep(60)
+
+
+class CountingCore:
+    """n environments whose state counts the steps since their reset, speaking the workers'
+    numpy protocol; it hangs on an action of HANG or a reset seed of HANG_SEED."""
+
+    def __init__(self, n: int):
+        self.count = np.zeros((n, 1), np.float32)
+        self.spec = EnvSpec(
+            obs=ObsSpec(state_names=("count",)),
+            action=ActionSpec("joint_pos", ("a",), (-100.0,), (100.0,)),
+            max_episode_steps=1000,
+        )
+
+    def _pack(self, ids: list[int]) -> dict:
+        return {
+            "state": self.count[ids].copy(),
+            "images": {},
+            "privileged": {},
+            "instruction": ["count"] * len(ids),
+        }
+
+    def reset(self, ids: list[int], seeds: list) -> dict:
+        if HANG_SEED in seeds:
+            _forever()
+        self.count[ids] = 0
+        return self._pack(list(range(len(self.count))))
+
+    def step(self, ids: list[int], actions: np.ndarray):
+        if np.any(actions == HANG):
+            _forever()
+        self.count[ids] += 1
+        return self._pack(ids), np.zeros((len(ids), 4), np.float32), None
+
+    def render(self) -> np.ndarray:
+        return np.zeros((len(self.count), 4, 4, 3), np.uint8)
+
+    def close(self) -> None:
+        pass
+
+
+def _gone(pid: int) -> bool:
+    """No process with this id any more (killed and reaped: no orphan, no zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _counter_env(**kwargs) -> WorkerVecEnv:
+    return WorkerVecEnv(CountingCore, 4, 2, name="Counter", task="Count-v0", **kwargs)
+
+
+def test_a_worker_hung_in_a_step_is_killed_and_the_error_names_it():
+    env = _counter_env(step_timeout_s=STEP_TIMEOUT_S)
+    procs = list(env._procs)
+    try:
+        env.reset(seed=7)  # environments 0-3: seeds 7, 8, 9, 10
+        env.reset(env_ids=torch.tensor([3]))  # environment 3 again, unseeded
+        out = env.step(torch.zeros(4, 1))
+        assert out.obs.state[:, 0].tolist() == [1, 1, 1, 1]  # a normal step before the hang
+        actions = torch.tensor([[0.0], [0.0], [0.0], [HANG]])  # environment 3: worker 1
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeout) as raised:
+            env.step(actions)
+        waited = time.monotonic() - t0
+    finally:
+        env.close()
+    assert STEP_TIMEOUT_S <= waited < STEP_TIMEOUT_S + 5
+    assert isinstance(raised.value, RuntimeError)
+    assert str(raised.value) == (
+        "Counter Count-v0 worker 1 (environments 2-3, last reset seeds [9, None]) did not answer "
+        "a step within 1.5 s; it was killed"
+    )
+    assert not any(p.is_alive() for p in procs)
+    assert all(_gone(p.pid) for p in procs)
+    assert procs[1].exitcode == -9  # the hung worker: killed
+    assert procs[0].exitcode == 0  # the other: stopped cleanly (it closed its core and returned)
+    with pytest.raises(RuntimeError, match="Counter Count-v0: the environments are closed"):
+        env.step(torch.zeros(4, 1))
+
+
+def test_a_hung_reset_gets_ten_times_the_step_timeout():
+    env = _counter_env(step_timeout_s=0.2)
+    procs = list(env._procs)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerTimeout) as raised:
+            env.reset(seed=[1, 2, 3, HANG_SEED])
+        waited = time.monotonic() - t0
+    finally:
+        env.close()
+    assert 2.0 <= waited < 2.0 + 5
+    assert str(raised.value) == (
+        f"Counter Count-v0 worker 1 (environments 2-3, last reset seeds [3, {HANG_SEED}]) did "
+        "not answer a reset within 2 s; it was killed"
+    )
+    assert all(_gone(p.pid) for p in procs)
+
+
+def test_in_process_cores_step_without_a_timeout_and_a_bad_timeout_is_refused():
+    with WorkerVecEnv(CountingCore, 2, 0, step_timeout_s=0.001) as env:
+        env.reset(seed=0)
+        assert env.step(torch.zeros(2, 1)).obs.state[:, 0].tolist() == [1, 1]
+    with pytest.raises(ValueError, match="step_timeout_s: must be > 0"):
+        WorkerVecEnv(CountingCore, 2, 0, step_timeout_s=0)
+
+
+@pytest.mark.parametrize("config", [ManiSkillConfig, LiberoConfig])
+def test_simulator_configs_carry_a_positive_step_timeout(config):
+    assert config().step_timeout_s == 120.0
+    with pytest.raises(ValueError, match=r"^step_timeout_s: must be > 0 \(seconds\), got -1"):
+        config(step_timeout_s=-1).validate()
