@@ -7,6 +7,9 @@ one remain, so inference overlaps execution; a chunk inferred from the observati
 covers steps s, s+1, ...: the steps that passed while it was computed are dropped, and the first
 ``blend_steps`` of the rest are blended linearly with what the old chunk planned for them instead
 of jumping at the seam.
+Shutdown: ``SafeShutdown`` wraps the episodes and always ends them at the safe pose, torque off,
+disconnected, each stage guarded; a control step's error (a bus error) is what the caller sees,
+the shutdown's own errors logged and noted on it, never in its place.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ class ChunkExecutor:
         wait_s: float = 0.0,
     ):
         self.infer, self.request_when_left, self.blend_steps = infer, request_when_left, blend_steps
-        self.wait_s = wait_s  # with nothing planned, wait this long for the chunk in flight before giving up the step
+        # with nothing planned, wait this long for the chunk in flight before giving up the step
+        self.wait_s = wait_s
         self.plan: list[
             np.ndarray
         ] = []  # actions for steps self.plan_step, self.plan_step + 1, ...
@@ -244,26 +248,143 @@ def run_episode(
     return result
 
 
-def safe_shutdown(env, *, hz: float, timeout_s: float = 10.0, tolerance: float = 0.05) -> bool:
-    """Move to the safe pose (rate-limited, inside the workspace) and switch torque off there.
-    If the pose is not reached in ``timeout_s`` the torque stays on, holding: never drop the arm.
-    Returns whether torque was switched off."""
-    safe = np.asarray(env.safety.cfg.safe_pose, float)
-    if (
-        env.safety.last is None
-    ):  # stopped before the first episode began: start from where the arm is
+MOVE_ERRORS_MAX = 3  # consecutive bus errors that end the move to the safe pose
+
+
+@dataclass
+class ShutdownReport:
+    """What a shutdown did: whether torque went off at the safe pose, and the errors of its
+    stages in order, as (stage, error); each was logged when it happened."""
+
+    torque_off: bool = False
+    failures: list[tuple[str, Exception]] = field(default_factory=list)
+
+    def failed(self, stage: str, error: Exception) -> None:
+        log.error("safe shutdown: %s failed: %r", stage, error, exc_info=error)
+        self.failures.append((stage, error))
+
+    def notes(self) -> list[str]:
+        return [f"safe shutdown: {stage} failed: {e!r}" for stage, e in self.failures]
+
+    def attach_to(self, first: BaseException) -> None:
+        """Note each error of the shutdown on ``first``, the error that came before them."""
+        for note in self.notes():
+            first.add_note(note)
+
+    def raise_first(self) -> None:
+        """Raise the shutdown's first error (if any), every failure noted on it."""
+        if self.failures:
+            first = self.failures[0][1]
+            self.attach_to(first)
+            raise first
+
+
+def _step_toward(env, safe: np.ndarray, tolerance: float) -> bool:
+    """One rate-limited command toward ``safe``; whether the arm is there (every joint within
+    ``tolerance``)."""
+    if env.safety.last is None:  # stopped before the first episode began: start from the arm
         env.reset()
-    timer, t_end = RateTimer(hz), time.monotonic() + timeout_s
-    while time.monotonic() < t_end:
+    last = env.safety.last.copy()
+    try:
         env.hold(safe)
-        env.observe()
-        if np.all(np.abs(env.present - safe) < tolerance):
-            env.robot.bus.disable_torque()
-            log.info("at the safe pose: torque off")
-            return True
+    except Exception:
+        env.safety.last = last  # not sent: the next command is rate-limited from the last one sent
+        raise
+    env.observe()
+    return bool(np.all(np.abs(env.present - safe) < tolerance))
+
+
+def _move_to_safe_pose(env, report: ShutdownReport, *, hz, timeout_s, tolerance) -> bool:
+    """Step toward the safe pose until the arm is there (True) or ``timeout_s`` passes. A bus
+    error costs its tick and is retried; MOVE_ERRORS_MAX in a row end the move (False)."""
+    safe = np.asarray(env.safety.cfg.safe_pose, float)
+    timer, t_end = RateTimer(hz), time.monotonic() + timeout_s
+    errors_in_a_row = 0
+    while time.monotonic() < t_end:
+        try:
+            if _step_toward(env, safe, tolerance):
+                return True
+            errors_in_a_row = 0
+        except Exception as e:
+            report.failed("move to the safe pose", e)
+            errors_in_a_row += 1
+            if errors_in_a_row == MOVE_ERRORS_MAX:
+                log.error("the bus keeps failing: torque stays on, holding the last command")
+                return False
         timer.wait()
     log.error(
         "the safe pose was not reached within %.0f s: torque stays on, holding position", timeout_s
     )
-    env.hold()
     return False
+
+
+def _torque_off(env, report: ShutdownReport) -> None:
+    try:
+        env.robot.bus.disable_torque()
+    except Exception as e:
+        report.failed("torque off", e)
+        return
+    report.torque_off = True
+    log.info("at the safe pose: torque off")
+
+
+def _disconnect(env, report: ShutdownReport) -> None:
+    try:
+        env.close()
+    except Exception as e:
+        report.failed("disconnect", e)
+
+
+def shut_down(
+    env, *, hz: float, timeout_s: float = 10.0, tolerance: float = 0.05, disconnect: bool = True
+) -> ShutdownReport:
+    """Move to the safe pose (rate-limited, inside the workspace), switch torque off there and
+    disconnect. Every stage runs guarded: its errors are logged and reported, never raised. Torque
+    goes off only at the safe pose (elsewhere the arm would drop: it stays on, holding); the
+    disconnect is tried whatever happened before it (the servos keep holding their last goal)."""
+    report = ShutdownReport()
+    at_safe_pose = _move_to_safe_pose(env, report, hz=hz, timeout_s=timeout_s, tolerance=tolerance)
+    if at_safe_pose:
+        _torque_off(env, report)
+    if disconnect:
+        _disconnect(env, report)
+    return report
+
+
+def safe_shutdown(env, *, hz: float, timeout_s: float = 10.0, tolerance: float = 0.05) -> bool:
+    """``shut_down`` without the disconnect; returns whether torque was switched off, or raises
+    the first error of its stages (the later ones noted on it)."""
+    report = shut_down(env, hz=hz, timeout_s=timeout_s, tolerance=tolerance, disconnect=False)
+    report.raise_first()
+    return report.torque_off
+
+
+class SafeShutdown:
+    """``with SafeShutdown(env, hz=...) as shutdown:`` runs the body (the episodes), then always
+    ``shut_down`` (safe pose, torque off, disconnect), whether the body raised or not. The body's
+    error (a bus error in a control step) propagates unchanged, the shutdown's errors noted on it,
+    never in its place; without one, the shutdown's first error is raised. Afterwards
+    ``shutdown.torque_off`` says whether torque went off at the safe pose."""
+
+    def __init__(self, env, *, hz: float, timeout_s: float = 10.0, tolerance: float = 0.05):
+        self.env, self.hz, self.timeout_s, self.tolerance = env, hz, timeout_s, tolerance
+        self.report: ShutdownReport | None = None
+
+    @property
+    def torque_off(self) -> bool:
+        return self.report is not None and self.report.torque_off
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is not None:
+            log.error("stopping on %r: shutting down to the safe pose", error)
+        self.report = shut_down(
+            self.env, hz=self.hz, timeout_s=self.timeout_s, tolerance=self.tolerance
+        )
+        if error is None:
+            self.report.raise_first()
+        else:
+            self.report.attach_to(error)
+        return False  # the body's error, if any, goes on

@@ -1,0 +1,178 @@
+"""The safe shutdown after a bus error, on the digital twin (LeRobot's driver over the software
+serial port): the control step's error is the one raised, the shutdown still runs every stage
+it safely can, and its own errors are logged and noted on the first one, never in its place."""
+
+import itertools
+import logging
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+from embodied.robots.arm import ArmConfig, RobotEnv, connect, default_safety  # noqa: E402
+from embodied.robots.control import (  # noqa: E402
+    MOVE_ERRORS_MAX,
+    ChunkExecutor,
+    EmergencyStop,
+    SafeShutdown,
+    run_episode,
+)
+from embodied.robots.safety import SafetyLayer  # noqa: E402
+from embodied.robots.servo_port import FEETECH_STS, INST_SYNC_WRITE, ticks_to_rad  # noqa: E402
+
+HZ = 30.0
+FAILING_STEP = 10  # the control step whose goal write fails
+
+
+def twin_env(tmp_path):
+    from embodied.twin import make_twin_robot
+
+    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"), control_hz=HZ)
+    robot, twin, port = make_twin_robot(cfg)
+    connect(robot, cfg)
+    return RobotEnv(robot, cfg, SafetyLayer(default_safety(robot, cfg))), twin, port
+
+
+def fail_goal_writes(monkeypatch, port, fails) -> None:
+    """The k-th goal write from now on (a sync write of Goal_Position, k from 0) comes out short
+    when ``fails(k)``: the servo SDK reports a failed transmission and LeRobot's driver raises its
+    own ConnectionError, as when the serial link drops a write."""
+    write, count = port.write, itertools.count()
+
+    def flaky(data) -> int:
+        packet = bytes(data)
+        goal = len(packet) > 5 and packet[4] == INST_SYNC_WRITE and packet[5] == FEETECH_STS.goal[0]
+        if goal and fails(next(count)):
+            return 0
+        return write(data)
+
+    monkeypatch.setattr(port, "write", flaky)
+
+
+def record_errors(monkeypatch, env, method: str) -> list[Exception]:
+    """The errors ``env.<method>`` raises from now on, in order (it still raises them)."""
+    call, errors = getattr(env, method), []
+
+    def recorded(*args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except Exception as e:
+            errors.append(e)
+            raise
+
+    monkeypatch.setattr(env, method, recorded)
+    return errors
+
+
+def holding_policy() -> ChunkExecutor:
+    """Chunks that hold the arm where it was observed; each step waits for its action, so every
+    control step is a policy step (``env.step``)."""
+    return ChunkExecutor(lambda obs: np.repeat(obs.state[:, :6].numpy(), 50, 0), wait_s=1.0)
+
+
+def run_then_shut_down(env, *, max_steps: int = 100) -> SafeShutdown:
+    """The episode inside a SafeShutdown, as a deploy runs it; raises what the shutdown lets out."""
+    executor = holding_policy()
+    shutdown = SafeShutdown(env, hz=HZ, timeout_s=15)
+    try:
+        with shutdown:
+            with EmergencyStop(keyboard=False) as stop:
+                run_episode(env, executor, stop, hz=HZ, max_steps=max_steps)
+    finally:
+        executor.close()
+    return shutdown
+
+
+def largest_goal_jump(port) -> float:
+    """Radians: the largest change of any joint between two goal writes that reached the bus."""
+    goals = np.array([[ticks_to_rad(g[i]) for i in sorted(g)] for g in port.goal_writes()])
+    return float(np.abs(np.diff(goals, axis=0)).max())
+
+
+def torque_off_writes(port, since: int) -> list:
+    """Torque-off writes that reached the bus after the first ``since`` of its log (connecting
+    switches torque off and on once itself)."""
+    torque = FEETECH_STS.torque[0]
+    return [c for c in port.log[since:] if c.address == torque and c.value == 0]
+
+
+def test_a_step_error_survives_a_shutdown_whose_move_fails_once(tmp_path, monkeypatch, caplog):
+    env, twin, port = twin_env(tmp_path)
+    connected = len(port.log)
+    fail_goal_writes(monkeypatch, port, lambda k: k in (FAILING_STEP, FAILING_STEP + 1))
+    step_errors = record_errors(monkeypatch, env, "step")
+    move_errors = record_errors(monkeypatch, env, "hold")  # only the shutdown holds here
+    caplog.set_level(logging.INFO, logger="embodied.robots.control")
+    try:
+        with pytest.raises(ConnectionError) as raised:
+            run_then_shut_down(env)
+    finally:
+        env.close()
+    # the error raised is the control step's own, not the shutdown's
+    assert len(step_errors) == 1 and raised.value is step_errors[0]
+    assert "Goal_Position" in str(raised.value)
+    assert len(move_errors) == 1 and move_errors[0] is not raised.value
+    assert raised.value.__notes__ == [
+        f"safe shutdown: move to the safe pose failed: {move_errors[0]!r}"
+    ]
+    logged = [r for r in caplog.records if r.levelno == logging.ERROR and r.exc_info]
+    assert [r.exc_info[1] for r in logged] == move_errors
+    # the move was retried: the arm is at the safe pose, torque off there, the bus disconnected
+    assert torque_off_writes(port, connected) and not any(port.torque().values())
+    safe = np.asarray(env.safety.cfg.safe_pose)
+    np.testing.assert_allclose(twin.joints()[:5], safe[:5], atol=0.06)
+    assert not env.robot.is_connected
+    # from the last command that reached the arm, never a jump past the rate limit
+    assert largest_goal_jump(port) <= env.safety.cfg.max_step + 1e-3
+    assert "at the safe pose: torque off" in caplog.text
+
+
+def test_a_dead_bus_keeps_the_torque_on_but_still_disconnects(tmp_path, monkeypatch, caplog):
+    env, twin, port = twin_env(tmp_path)
+    connected = len(port.log)
+    fail_goal_writes(monkeypatch, port, lambda k: k >= FAILING_STEP)
+    step_errors = record_errors(monkeypatch, env, "step")
+    move_errors = record_errors(monkeypatch, env, "hold")
+    caplog.set_level(logging.INFO, logger="embodied.robots.control")
+    try:
+        with pytest.raises(ConnectionError) as raised:
+            run_then_shut_down(env)
+    finally:
+        env.close()
+    assert raised.value is step_errors[0]
+    assert len(move_errors) == MOVE_ERRORS_MAX  # then the move gave up
+    assert raised.value.__notes__ == [
+        f"safe shutdown: move to the safe pose failed: {e!r}" for e in move_errors
+    ]
+    assert not torque_off_writes(port, connected) and all(port.torque().values())  # not dropped
+    assert not env.robot.is_connected  # the disconnect was still tried, and done
+    assert "the bus keeps failing: torque stays on" in caplog.text
+
+
+def test_a_failed_torque_off_is_raised_after_the_disconnect(tmp_path, monkeypatch):
+    env, twin, port = twin_env(tmp_path)
+
+    def no_answer(*args, **kwargs):
+        raise ConnectionError("torque off: no status packet")
+
+    monkeypatch.setattr(env.robot.bus, "disable_torque", no_answer)
+    try:
+        with pytest.raises(ConnectionError, match="torque off: no status packet") as raised:
+            run_then_shut_down(env, max_steps=5)  # the episode itself ends well
+    finally:
+        env.close()
+    assert raised.value.__notes__ == [f"safe shutdown: torque off failed: {raised.value!r}"]
+    assert all(port.torque().values())
+    assert not env.robot.is_connected
+
+
+def test_a_clean_shutdown_reports_torque_off_and_disconnects(tmp_path):
+    env, twin, port = twin_env(tmp_path)
+    try:
+        shutdown = run_then_shut_down(env, max_steps=5)
+    finally:
+        env.close()
+    assert shutdown.torque_off and shutdown.report.failures == []
+    assert not any(port.torque().values()) and not env.robot.is_connected
