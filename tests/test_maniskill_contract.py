@@ -50,9 +50,9 @@ def test_spec_is_physical_and_observations_split_as_designed(env):
     spec = env.spec
     low, high = spec.action.bounds()
     assert spec.action.space == "joint_delta" and spec.action.gripper == 7
-    torch.testing.assert_close(low[:7], torch.full((7,), -0.1)) and torch.testing.assert_close(
-        high[:7], torch.full((7,), 0.1)
-    )
+    # two statements: assert_close returns None, so `a and b` would never run the second check
+    torch.testing.assert_close(low[:7], torch.full((7,), -0.1))
+    torch.testing.assert_close(high[:7], torch.full((7,), 0.1))
     assert spec.action.low[7] == pytest.approx(-0.01) and spec.action.high[7] == pytest.approx(0.04)
     assert spec.max_episode_steps == 50 and spec.action.control_hz == 20
     assert spec.obs.state_names[:9] == tuple(f"qpos_{i}" for i in range(9))  # proprioception first
@@ -61,9 +61,8 @@ def test_spec_is_physical_and_observations_split_as_designed(env):
             "goal_pos" in spec.obs.privileged
         )  # object/goal ground truth is privileged, not state
     if env.cfg.obs_mode == "rgb":
-        assert [c.name for c in spec.obs.cameras] == ["base_camera"] and spec.obs.cameras[
-            0
-        ].height == 64
+        assert [c.name for c in spec.obs.cameras] == ["base_camera"]
+        assert spec.obs.cameras[0].height == 64
     obs = env.reset(seed=0)
     assert obs.instruction[0] == spec.instructions[0] and "cube" in obs.instruction[0]
 
@@ -208,8 +207,10 @@ def test_in_process_backend_passes_the_contract_and_matches_the_workers_step_for
             torch.testing.assert_close(x.reward, y.reward, rtol=0, atol=0)
             assert torch.equal(x.truncated, y.truncated) and bool(x.truncated.all()) == (t == 5)
         # two subsets in flight at once, answered in order
-        local.step_async(a[:1], torch.tensor([0])), local.step_async(a[1:], torch.tensor([1, 2]))
+        local.step_async(a[:1], torch.tensor([0]))
+        local.step_async(a[1:], torch.tensor([1, 2]))
         assert local.step_wait(torch.tensor([0])).reward.shape == (1,)
         assert local.step_wait(torch.tensor([1, 2])).reward.shape == (2,)
     finally:
-        local.close(), pooled.close()
+        local.close()
+        pooled.close()

@@ -34,6 +34,22 @@ INSTRUCTIONS = {
     "PickCubeSO100-v1": "pick up the cube",
 }
 
+# Tasks whose whole episode state is ManiSkill's state dict (bodies, joints, controller) and whose
+# environments are built alike: a seeded reset draws each distinct seed once and copies the state
+# to the other environments with that seed (tests/test_maniskill_seeds.py checks each one). Others
+# reset each environment on its own: RollBall-v1 keeps a per-episode tensor (reached_status),
+# PegInsertionSide-v1 and the YCB tasks build different objects per environment.
+SHARED_RESET_TASKS = (
+    "PushCube-v1",
+    "PullCube-v1",
+    "PickCube-v1",
+    "StackCube-v1",
+    "PickCubeSO100-v1",
+    "PokeCube-v1",
+    "PushT-v1",
+    "PlaceSphere-v1",
+    "LiftPegUpright-v1",
+)
 # Proprioception: robot joint state and the end-effector pose (a real arm has these through FK).
 STATE_KEYS = (("agent", "qpos"), ("agent", "qvel"), ("extra", "tcp_pose"))
 # Robots that LeRobot drives with the same joints: their state columns and actions are named after
@@ -70,7 +86,8 @@ def check_assets(task: str) -> None:
     download_asset.prompt_yes_no = _refuse_prompt
     if task not in REGISTERED_ENVS:
         raise ValueError(
-            f"unknown ManiSkill task {task!r}; registered: {', '.join(sorted(REGISTERED_ENVS)[:12])}, ..."
+            f"unknown ManiSkill task {task!r}; registered: "
+            f"{', '.join(sorted(REGISTERED_ENVS)[:12])}, ..."
         )
     missing = []
     for asset_id in REGISTERED_ENVS[task].asset_download_ids or []:
@@ -89,7 +106,8 @@ def check_assets(task: str) -> None:
         )
         raise MissingAssetError(
             f"ManiSkill task {task} needs assets that are not installed: {shown}. "
-            f"Get them with `python -m mani_skill.utils.download_asset {task}` on a machine with internet, "
+            f"Get them with `python -m mani_skill.utils.download_asset {task}` on a machine with "
+            "internet, "
             "or set MS_ASSET_DIR to where they are."
         )
 
@@ -119,6 +137,38 @@ class CoreOptions:
 
 def _flatten(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1).float()  # float32 [B, D]
+
+
+def _take_rows(tree: dict, rows: torch.Tensor) -> dict:
+    """Rows ``rows`` (long [n]) of every tensor leaf of a state dict: leaves [n, D]."""
+    if isinstance(tree, torch.Tensor):
+        return tree[rows]
+    return {k: _take_rows(v, rows) for k, v in tree.items()}
+
+
+def _copy_rows(tree: dict, src: torch.Tensor, dst: torch.Tensor) -> dict:
+    """A copy of every tensor leaf ([B, D]) with row ``dst[k]`` replaced by row ``src[k]``."""
+    if isinstance(tree, torch.Tensor):
+        out = tree.clone()
+        out[dst] = tree[src]
+        return out
+    return {k: _copy_rows(v, src, dst) for k, v in tree.items()}
+
+
+def _rng_states(env, rows: list[int]) -> list[tuple]:
+    """(main, episode) numpy RNG states of environments ``rows``: ManiSkill draws an unseeded
+    episode's seed from the main one (enhanced_determinism) and may draw during an episode from
+    the episode one."""
+    main, episode = env._batched_main_rng, env._batched_episode_rng
+    return [(main[j].get_state(), episode[j].get_state()) for j in rows]
+
+
+def _set_rng_states(env, rows: list[int], states: list[tuple]) -> None:
+    """Set them in place (ManiSkill keeps other references to the same RandomState objects)."""
+    main, episode = env._batched_main_rng, env._batched_episode_rng
+    for j, (main_state, episode_state) in zip(rows, states):
+        main[j].set_state(main_state)
+        episode[j].set_state(episode_state)
 
 
 class ManiSkillCore:
@@ -176,6 +226,8 @@ class ManiSkillCore:
         # the same counts on the host: with terminations ignored they alone decide which episodes
         # end, so a step on the GPU needs no synchronisation to find them
         self._elapsed_host = np.zeros(opts.num_envs, dtype=np.int64)
+        # seeded resets copy one environment's episode to the others with the same seed
+        self._share_resets = opts.task in SHARED_RESET_TASKS and self.env.reconfiguration_freq == 0
         raw, _ = self.env.reset(seed=0)
         self.spec = EnvSpec(
             obs=self._obs_spec(raw),
@@ -198,11 +250,14 @@ class ManiSkillCore:
                 gripper = len(names)
             names += [f"{sub_name}_{i}" for i in range(len(lo))] if len(lo) > 1 else [sub_name]
             for a, b in zip(lo, hi):
-                low.append(a), high.append(b)
+                low.append(a)
+                high.append(b)
                 if getattr(c, "_normalize_action", False):
-                    scale.append(2.0 / (b - a)), offset.append(-(a + b) / (b - a))
+                    scale.append(2.0 / (b - a))
+                    offset.append(-(a + b) / (b - a))
                 else:
-                    scale.append(1.0), offset.append(0.0)
+                    scale.append(1.0)
+                    offset.append(0.0)
         mode = self.env.control_mode
         if self._joints is not None and "joint" in mode and len(names) == len(self._joints):
             names = list(self._joints)  # one action per joint, in joint order
@@ -267,7 +322,14 @@ class ManiSkillCore:
     # --- environment API ------------------------------------------------------------------
     def reset(self, seed=None, env_ids: torch.Tensor | None = None) -> Observation:
         """Reset all (or ``env_ids``) sub-environments; ``seed`` is an int, or one seed per reset
-        environment (equal seeds give equal episodes). Returns the full batch."""
+        environment. Returns the full batch.
+
+        Equal seeds give equal initial states: with per-environment seeds each distinct seed is
+        drawn once, by ManiSkill, in one environment, exactly as if that environment were reset
+        alone with it (the seed fills ManiSkill's per-environment seed list, so the torch RNG,
+        seeded from the list's first entry, and the environment's own numpy RNG both get it), and
+        that state (bodies, joints, controller targets, RNGs) is copied to the other environments
+        with the same seed. ManiSkill resets: one per distinct seed, whatever the batch size."""
         options = {} if env_ids is None else {"env_idx": env_ids.to(self.device)}
         if seed is None or self.opts.num_envs == 1 or (isinstance(seed, int) and env_ids is None):
             # one call; with several sub-environments ManiSkill derives a deterministic seed for
@@ -275,16 +337,9 @@ class ManiSkillCore:
             first = seed if seed is None or isinstance(seed, int) else int(seed[0])
             raw, _ = self.env.reset(seed=first, options=options)
         else:
-            # explicit per-environment seeds on a batch: reset one at a time so that equal seeds
-            # give equal episodes (GRPO groups rely on it)
-            ids = (
-                torch.arange(self.opts.num_envs, device=self.device) if env_ids is None else env_ids
-            )
+            ids = list(range(self.opts.num_envs)) if env_ids is None else env_ids.tolist()
             seeds = [seed + i for i in range(len(ids))] if isinstance(seed, int) else list(seed)
-            for i, s in zip(ids.tolist(), seeds):
-                raw, _ = self.env.reset(
-                    seed=int(s), options={"env_idx": torch.tensor([i], device=self.device)}
-                )
+            raw = self._reset_seeded(ids, [int(s) for s in seeds])
         if env_ids is None:
             self.elapsed.zero_()
             self._elapsed_host[:] = 0
@@ -292,6 +347,57 @@ class ManiSkillCore:
             self.elapsed[env_ids.to(self.device)] = 0
             self._elapsed_host[env_ids.cpu().numpy()] = 0
         return self.observation(raw)
+
+    def _reset_seeded(self, ids: list[int], seeds: list[int]) -> dict:
+        """Reset environment ``ids[k]`` with ``seeds[k]``, as if alone; -> raw observation of the
+        whole batch. One ManiSkill reset per distinct seed (per environment where
+        ``SHARED_RESET_TASKS`` does not list the task), then one state copy for the rest."""
+        B = self.opts.num_envs
+        groups: dict[int, list[int]] = {}  # seed -> the environments it resets, first one drawn
+        if self._share_resets:
+            for i, s in zip(ids, seeds):
+                groups.setdefault(s, []).append(i)
+            group_list = list(groups.items())
+        else:
+            group_list = [(s, [i]) for i, s in zip(ids, seeds)]
+        # A seeded reset re-seeds every environment's RNGs, reset or not: keep the others' states
+        reset = set(ids)
+        others = [j for j in range(B) if j not in reset]
+        kept = _rng_states(self.env, others)
+        drawn = []  # (main, episode) RNG states of each group's drawn environment
+        for s, rows in group_list:
+            # [s] * B: the torch RNG is seeded from entry 0 and the environment's numpy RNGs from
+            # its own entry, so the episode is the one a lone environment gets from seed s
+            raw, _ = self.env.reset(
+                seed=[s] * B, options={"env_idx": torch.tensor(rows[:1], device=self.device)}
+            )
+            drawn.append(_rng_states(self.env, rows[:1])[0])
+        src = [rows[0] for _, rows in group_list for _ in rows[1:]]
+        dst = [j for _, rows in group_list for j in rows[1:]]
+        if dst:
+            raw = self._copy_state(src, dst)
+        for (_, rows), state in zip(group_list, drawn):
+            _set_rng_states(self.env, rows, [state] * len(rows))
+        _set_rng_states(self.env, others, kept)
+        return raw
+
+    def _copy_state(self, src: list[int], dst: list[int]) -> dict:
+        """Give environment ``dst[k]`` the state of ``src[k]``; -> the batch's raw observation,
+        recomputed. The state is ManiSkill's state dict (every non-static actor's pose and
+        velocities, every articulation's root pose, velocities, qpos and qvel) plus the controller
+        state (the drive targets of ``*_target_*`` controllers; the others recompute theirs from
+        the joints at the next action). Tasks that keep other per-episode data are left out of
+        ``SHARED_RESET_TASKS``. ManiSkill's own step counter is not copied: the core counts."""
+        # ManiSkill's masked writes fill the selected environments in increasing order
+        order = sorted(range(len(dst)), key=dst.__getitem__)
+        src_t = torch.tensor([src[k] for k in order], dtype=torch.long, device=self.device)
+        dst_t = torch.tensor([dst[k] for k in order], dtype=torch.long, device=self.device)
+        state = self.env.get_state_dict()  # leaves [B, D]
+        controller = state.pop("controller", None)
+        self.env.set_state_dict(_take_rows(state, src_t), dst_t)
+        if controller:
+            self.env.agent.set_controller_state(_copy_rows(controller, src_t, dst_t))
+        return self.env.get_obs()
 
     def step(self, actions: torch.Tensor, env_ids: torch.Tensor | None = None):
         """actions: float32 [n, A] physical units for all environments, or for ``env_ids`` (long
