@@ -1,54 +1,95 @@
 """GRPO: group-relative advantages from outcome rewards, DAPO's dynamic-sampling filter, and a
 KL penalty to a reference policy. Pure functions, torch only.
 
-A group is M episodes that start from the same reset seed (the same initial state); each
-episode's outcome reward (e.g. success, or its return) is compared with its group's. The
-advantage is the same for every step of an episode.
+A group is the episodes that started from the same reset seed (the same initial state); each
+episode's outcome reward (e.g. success) is compared with its group's. Episodes name their group
+by an integer id, so groups may have different sizes and need not be contiguous.
 """
 
 from __future__ import annotations
 
 import torch
 
+from embodied.algorithms.losses import masked_mean
+
+
+def _group_sums(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Sum of ``values`` (f32 [E]) per group: f32 [G]. index_add_, not bincount: no host sync."""
+    sums = torch.zeros(num_groups, dtype=values.dtype, device=values.device)
+    return sums.index_add_(0, group_ids, values)
+
 
 def grpo_advantages(
-    *, rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """rewards: f32 [G * M], the outcome of each episode, groups contiguous (episode g*M + m is
-    member m of group g). Returns advantages f32 [G * M]: (r - mean_g) / (std_g + eps), with the
-    population std of the group (Shao et al. 2024); ``scale_by_std=False`` keeps r - mean_g only
-    (Dr. GRPO). A group whose members all got the same reward gets advantage 0."""
-    if rewards.dim() != 1 or rewards.numel() % group_size:
+    *,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    num_groups: int,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """rewards: f32 [E], the outcome of each episode; group_ids: long [E] in [0, num_groups).
+    Returns advantages f32 [E]: (r - mean_g) / (std_g + eps), with the population std of the
+    episode's group (Shao et al. 2024); ``scale_by_std=False`` keeps r - mean_g only (Dr. GRPO).
+    A group whose members all got the same reward gets advantage 0. Metrics are 0-dim tensors."""
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
         raise ValueError(
-            f"grpo_advantages: rewards must be 1-D with a multiple of group_size={group_size} entries, "
-            f"got shape {tuple(rewards.shape)}"
+            f"grpo_advantages: rewards {tuple(rewards.shape)} and group_ids "
+            f"{tuple(group_ids.shape)} must be 1-D of one length"
         )
-    r = rewards.float().view(-1, group_size)  # f32 [G, M]
-    mean = r.mean(1, keepdim=True)
-    std = r.std(1, unbiased=False, keepdim=True)
-    adv = r - mean
-    if scale_by_std:
-        adv = adv / (std + eps)
+    r = rewards.float()
+    ones = torch.ones_like(r)
+    count = _group_sums(ones, group_ids, num_groups).clamp(min=1.0)  # f32 [G]
+    mean = _group_sums(r, group_ids, num_groups) / count  # f32 [G]
+    centred = r - mean[group_ids]  # f32 [E]
+    std = (_group_sums(centred * centred, group_ids, num_groups) / count).sqrt()  # f32 [G]
+    adv = centred / (std[group_ids] + eps) if scale_by_std else centred
+    present = _group_sums(ones, group_ids, num_groups) > 0
+    degenerate = (std == 0) & present
     metrics = {
-        "grpo/reward_mean": r.mean().item(),
-        "grpo/group_std_mean": std.mean().item(),
-        "grpo/degenerate_groups": (std.squeeze(1) == 0).float().mean().item(),
+        "grpo/reward_mean": r.mean(),
+        "grpo/group_std_mean": _present_mean(std, present),
+        "grpo/degenerate_groups": _present_mean(degenerate.float(), present),
     }
-    return adv.view(-1), metrics
+    return adv, metrics
 
 
-def informative_groups(*, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """DAPO dynamic sampling: bool [G], False for groups whose members all got the same outcome
-    (all failed or all succeeded), which carry no gradient under group-normalized advantages."""
-    r = rewards.view(-1, group_size)
-    return r.amax(1) > r.amin(1)
+def _present_mean(x: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """Mean of x (f32 [G]) over the groups that have members, without boolean indexing."""
+    weights = present.to(x.dtype)
+    return (x * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def informative_groups(
+    *, rewards: torch.Tensor, group_ids: torch.Tensor, num_groups: int
+) -> torch.Tensor:
+    """DAPO dynamic sampling: bool [G], True for groups whose members' outcomes differ. Groups
+    whose members all got the same outcome (all failed, all succeeded) carry no gradient under
+    group-normalised advantages; groups without members are False too."""
+    r = rewards.float()
+    high = torch.full((num_groups,), -torch.inf, device=r.device)
+    low = torch.full((num_groups,), torch.inf, device=r.device)
+    high = high.scatter_reduce(0, group_ids, r, reduce="amax")
+    low = low.scatter_reduce(0, group_ids, r, reduce="amin")
+    return high > low
 
 
 def kl_penalty(
-    *, logprob: torch.Tensor, ref_logprob: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL(pi || pi_ref) estimated on samples of pi with Schulman's unbiased, non-negative k3:
-    exp(d) - d - 1 with d = ref_logprob - logprob. Inputs f32 [N, ...] at any log-prob level."""
+    *,
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL(pi || pi_ref) on samples drawn by the behaviour policy pi_old, with Schulman's k3.
+
+    k3 = exp(d) - d - 1, d = ref_logprob - logprob, is non-negative and its mean over samples of pi
+    is KL(pi || pi_ref). Its gradient, with the samples held fixed, is not: the expected gradient of
+    k3 alone is that of KL(pi_ref || pi). Weighting each sample by the importance ratio
+    pi / pi_old (gradient through it) makes the loss's expectation KL(pi || pi_ref) as a function
+    of pi, so its gradient is that of KL(pi || pi_ref). Inputs share one shape at any log-prob
+    level; ``mask`` (bool, that shape) selects the entries that count."""
     d = ref_logprob - logprob
-    loss = (d.exp() - d - 1.0).mean()
-    return loss, {"policy/kl_ref": loss.item()}
+    k3 = d.exp() - d - 1.0
+    ratio = (logprob - old_logprob).exp()
+    loss = masked_mean(ratio * k3, mask)
+    return loss, {"policy/kl_ref": loss.detach()}

@@ -1,9 +1,25 @@
 """Policy-gradient losses: pure functions with explicit keyword arguments returning
-``(loss, metrics)``; metric keys are ``group/name`` and metric values are floats."""
+``(loss, metrics)``.
+
+Metric keys are ``group/name``; metric values are detached 0-dim tensors on the loss's device, so
+that computing them never waits for the device: the caller gathers them and moves them to the
+host once (the runner does so once per epoch).
+
+``mask`` (bool, the shape of ``logprob``) selects the entries that count: an action executed after
+its episode ended inside a chunk belongs to no episode's credit and is left out of every mean.
+"""
 
 from __future__ import annotations
 
 import torch
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of ``x`` over the entries where ``mask`` (bool, x's shape) is true; all without one."""
+    if mask is None:
+        return x.mean()
+    weights = mask.to(x.dtype)
+    return (x * weights).sum() / weights.sum().clamp(min=1.0)
 
 
 def ppo_policy_loss(
@@ -13,22 +29,24 @@ def ppo_policy_loss(
     advantages: torch.Tensor,
     clip_low: float,
     clip_high: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-ratio PPO surrogate (Schulman et al. 2017), asymmetric clip allowed (DAPO's
-    clip-higher): ratio is clipped to [1 - clip_low, 1 + clip_high]. All inputs float32 [N]."""
+    clip-higher): ratio is clipped to [1 - clip_low, 1 + clip_high]. logprob, old_logprob and
+    advantages share one shape (f32 [N] per chunk, [N, K] per action, [N, K, A] per token)."""
     clip_high = clip_low if clip_high is None else clip_high
     log_ratio = logprob - old_logprob
     ratio = log_ratio.exp()
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.max(pg_loss1, pg_loss2).mean()
+    loss = masked_mean(torch.max(pg_loss1, pg_loss2), mask)
     with torch.no_grad():
-        clipfrac = ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).float().mean().item()
+        clipped = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
         metrics = {
-            "policy/loss": loss.item(),
-            "policy/clipfrac": clipfrac,
-            "policy/approx_kl": approx_kl(log_ratio=log_ratio),
-            "policy/ratio_mean": ratio.mean().item(),
+            "policy/loss": loss.detach(),
+            "policy/clipfrac": masked_mean(clipped.float(), mask),
+            "policy/approx_kl": approx_kl(log_ratio=log_ratio, mask=mask),
+            "policy/ratio_mean": masked_mean(ratio, mask),
         }
     return loss, metrics
 
@@ -39,7 +57,7 @@ def value_loss(
     returns: torch.Tensor,
     old_values: torch.Tensor | None = None,
     clip: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """0.5 * (V - R)^2, optionally clipped around the rollout's values (PPO2 style):
     max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). All inputs float32 [N]."""
     unclipped = (values - returns) ** 2
@@ -52,19 +70,20 @@ def value_loss(
         loss = 0.5 * unclipped.mean()
     with torch.no_grad():
         var = returns.var(unbiased=False)
-        explained = (
-            (1 - (returns - values).var(unbiased=False) / var).item() if var > 0 else float("nan")
-        )
-    return loss, {"value/loss": loss.item(), "value/explained_variance": explained}
+        # NaN where the returns do not vary (no variance to explain), without a host branch
+        explained = 1 - (returns - values).var(unbiased=False) / var
+        explained = torch.where(var > 0, explained, torch.full_like(explained, float("nan")))
+    return loss, {"value/loss": loss.detach(), "value/explained_variance": explained}
 
 
-def entropy(*, entropies: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+def entropy(*, entropies: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean entropy bonus term (to be subtracted from the loss with its coefficient). [N] -> []."""
     loss = entropies.mean()
-    return loss, {"policy/entropy": loss.item()}
+    return loss, {"policy/entropy": loss.detach()}
 
 
-def approx_kl(*, log_ratio: torch.Tensor) -> float:
-    """Low-variance estimator of KL(old || new): E[(r - 1) - log r] (Schulman's k3), r = exp(log_ratio)."""
+def approx_kl(*, log_ratio: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Low-variance estimate of KL(old || new): E[(r - 1) - log r] (Schulman's k3), with
+    r = exp(log_ratio). A detached 0-dim tensor."""
     with torch.no_grad():
-        return ((log_ratio.exp() - 1) - log_ratio).mean().item()
+        return masked_mean((log_ratio.exp() - 1) - log_ratio, mask)

@@ -152,17 +152,22 @@ def bench_vecenv(env, steps: int) -> tuple[float, float]:
 
 
 def bench_rollout(env, steps: int, stages: int = 1) -> tuple[float, float]:
+    from embodied.env_group import EnvGroup
+    from embodied.inference import InferencePolicy
     from embodied.models import ActorCritic, ActorCriticConfig
-    from embodied.rollout import EpisodeStats, collect
+    from embodied.rollout import CollectPlan, EpisodeStats, collect
 
-    policy = ActorCritic(env.spec, ActorCriticConfig())
-    obs = env.reset(seed=0)
-    stats = EpisodeStats.zeros(env.num_envs, env.device)
-    return _measured(
-        env,
-        steps,
-        lambda: collect(env, policy, obs, num_steps=steps, gamma=0.8, stats=stats, stages=stages),
+    envs = EnvGroup(env)
+    policy = InferencePolicy(ActorCritic(env.spec, ActorCriticConfig()))
+    obs = envs.reset(seed=0)
+    stats = EpisodeStats(env.num_envs, envs.task_names, env.device)
+    plan = CollectPlan(
+        seeds=0,
+        group_of_env=torch.full((env.num_envs,), -1),
+        num_chunks=steps,
+        episode_base=0,
     )
+    return _measured(env, steps, lambda: collect(envs, policy, obs, plan, stats, stages=stages))
 
 
 def main() -> None:

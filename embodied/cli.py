@@ -26,11 +26,19 @@ def _load(schema, args):
 
 
 def cmd_train(args) -> int:
-    from embodied.trainer import TrainConfig, train
+    from embodied.config import ConfigError
+    from embodied.run import Stopped
+    from embodied.runner import TrainConfig, train
 
     if (cfg := _load(TrainConfig, args)) is None:
         return 2
-    train(cfg)
+    try:
+        train(cfg)
+    except ConfigError as e:
+        return _error(str(e))
+    except Stopped as e:
+        print(f"embodied: {e}", file=sys.stderr)
+        return 128 + e.signum
     return 0
 
 
@@ -42,7 +50,7 @@ def cmd_eval(args) -> int:
     from embodied.evaluate import evaluate
     from embodied.models import build_policy
     from embodied.multitask import make_env
-    from embodied.trainer import TrainConfig
+    from embodied.runner import TrainConfig
 
     try:
         ckpt = load_checkpoint(args.checkpoint, with_trainer_state=False)
@@ -124,7 +132,8 @@ def _cameras(values: list[str]) -> dict[str, str]:
         name, sep, source = v.partition("=")
         if not sep or not name:
             raise ValueError(
-                f"--camera {v!r}: expected NAME=SOURCE (an OpenCV index or device; the twin: front or wrist)"
+                f"--camera {v!r}: expected NAME=SOURCE "
+                "(an OpenCV index or device; the twin: front or wrist)"
             )
         out[name] = source
     return out
@@ -199,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "train",
         help="train a policy from a YAML config",
-        description="Train from CONFIG; override any key with key.sub=value (e.g. env.num_envs=16).",
+        description="Train from CONFIG; override any key with key.sub=value "
+        "(e.g. env.num_envs=16).",
     )
     t.add_argument("config", help="YAML config, e.g. configs/maniskill/pushcube_ppo.yaml")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -224,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "demos",
         help="record demonstrations with an expert into a LeRobot dataset",
-        description="Record demonstrations as CONFIG says (expert checkpoint, task, episodes, output); "
-        "override any key with key.sub=value.",
+        description="Record demonstrations as CONFIG says (expert checkpoint, task, episodes, "
+        "output); override any key with key.sub=value.",
     )
     d.add_argument("config", help="YAML config, e.g. configs/maniskill/demos_pushcube.yaml")
     d.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -233,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "sft",
         help="supervised fine-tuning (behaviour cloning) on LeRobot datasets",
-        description="Train the policy in CONFIG on its datasets, evaluate per task, save a checkpoint.",
+        description="Train the policy in CONFIG on its datasets, evaluate per task, save a "
+        "checkpoint.",
     )
     s.add_argument("config", help="YAML config, e.g. configs/maniskill/multitask_vla_sft.yaml")
     s.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -255,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser(
         "serve",
         help="serve a checkpoint's policy over a websocket",
-        description="Serve CHECKPOINT's policy (msgpack over websocket) to `embodied deploy --server`.",
+        description="Serve CHECKPOINT's policy (msgpack over websocket) to "
+        "`embodied deploy --server`.",
     )
     v.add_argument("checkpoint", help="a checkpoint directory or RUN/last")
     v.add_argument("--host", default="0.0.0.0")

@@ -118,7 +118,8 @@ def _base(schema: type, sources: list[tuple[str, dict]]):
             continue
         if chosen not in registry:
             raise ConfigError(
-                f"{field_name}.{key}: unknown {field_name} {chosen!r}; known: {sorted(registry)} (in {where})"
+                f"{field_name}.{key}: unknown {field_name} {chosen!r}; "
+                f"known: {sorted(registry)} (in {where})"
             )
         cfg[field_name] = OmegaConf.structured(registry[chosen])
     return cfg
@@ -135,7 +136,8 @@ def compose(schema: type, sources: list[tuple[str, dict]]):
             key = getattr(e, "full_key", None) or "?"
             msg = str(e).splitlines()[0]
             if "not in" in msg:
-                msg = f"unknown key (not a field of {type(e).__name__ and msg.split('not in')[-1].strip()})"
+                owner = msg.split("not in")[-1].strip()
+                msg = f"unknown key (not a field of {owner})"
             raise ConfigError(f"{key}: {msg} (in {name})") from None
     try:
         return OmegaConf.to_object(cfg)

@@ -208,7 +208,8 @@ def check_policy(
     policy, spec: S.EnvSpec, *, batch_size: int = 3, device="cpu", atol: float = 1e-5
 ) -> dict:
     """Validate a Policy: output shapes/dtypes, actions within bounds, deterministic mode,
-    ``evaluate`` reproducing ``act``'s log-probability, and gradients reaching the weights."""
+    log-probabilities per action dimension (``extras['logp_token']``) and ``evaluate`` at the
+    chunk, action and token levels reproducing ``act``'s, and gradients reaching the weights."""
     _require(
         isinstance(policy, S.Policy),
         f"{type(policy).__name__} does not implement the Policy protocol",
@@ -238,8 +239,18 @@ def check_policy(
     with torch.no_grad():
         d1, d2 = policy.act(obs, deterministic=True), policy.act(obs, deterministic=True)
     _require(torch.equal(d1.actions, d2.actions), "act(deterministic=True) is not deterministic")
-    logprob, ent, value = policy.evaluate(obs, out)
-    _check_tensor("evaluate().logprob", logprob, (B,), torch.float32, device)
+    token = out.extras.get("logp_token")
+    _require(token is not None, "act().extras['logp_token'] missing (f32 [B, K, A])")
+    _check_tensor("act().extras['logp_token']", token, (B, K, A), torch.float32, device)
+    token_err = (token.sum((1, 2)) - out.logprob).abs().max().item()
+    _require(
+        token_err <= atol, f"act(): logp_token does not sum to logprob (off by {token_err:.2e})"
+    )
+    shapes = {"chunk": (B,), "action": (B, K), "token": (B, K, A)}
+    for level, shape in shapes.items():
+        at_level, ent, value = policy.evaluate(obs, out, level=level)
+        _check_tensor(f"evaluate(level={level!r})", at_level, shape, torch.float32, device)
+    logprob, ent, value = policy.evaluate(obs, out, level="chunk")
     _check_tensor("evaluate().entropy", ent, (B,), torch.float32, device)
     err = (logprob.detach() - out.logprob).abs().max().item()
     _require(

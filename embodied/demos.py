@@ -56,8 +56,8 @@ def load_policy(checkpoint: str | Path, device="cpu"):
     from embodied.checkpoint import load_checkpoint
     from embodied.config import compose
     from embodied.models import build_policy
+    from embodied.runner import TrainConfig
     from embodied.schema import EnvSpec
-    from embodied.trainer import TrainConfig
 
     ckpt = load_checkpoint(checkpoint, with_trainer_state=False)
     cfg = compose(TrainConfig, [(str(ckpt["path"]), ckpt["meta"]["config"])])

@@ -218,7 +218,7 @@ def run_deploy(
     """Deploy ``checkpoint`` on the arm of ``arm`` (ArmConfig) for ``episodes`` episodes of
     ``episode_seconds``, at ``hz`` (None: the rate the policy was trained at)."""
     from embodied.robots.arm import RobotEnv, connect, default_safety, make_robot
-    from embodied.robots.control import ChunkExecutor, EmergencyStop, run_episode, safe_shutdown
+    from embodied.robots.control import ChunkExecutor, EmergencyStop, SafeShutdown, run_episode
     from embodied.robots.safety import SafetyLayer
 
     policy, spec, agreed = load_deployable(checkpoint)
@@ -247,52 +247,56 @@ def run_deploy(
     env = RobotEnv(robot, arm, SafetyLayer(default_safety(robot, arm)))
     client = None
     summary = {"episodes": [], "robot": arm.robot, "hz": arm.control_hz}
-    try:
-        check_fits(policy, spec, env.spec)
-        if server:
-            from embodied.robots.server import PolicyClient
+    # safe pose, torque off there, disconnect: always, and a bus error in a step stays the
+    # error reported (the shutdown's own failures are noted on it)
+    with SafeShutdown(env, hz=arm.control_hz) as shutdown:
+        try:
+            check_fits(policy, spec, env.spec)
+            if server:
+                from embodied.robots.server import PolicyClient
 
-            client = PolicyClient(server, agreed)
-            chunk_of = lambda obs: client.infer(obs_to_wire(obs))  # noqa: E731
-        else:
-            chunk_of = lambda obs: policy_chunk(policy, obs)  # noqa: E731
-        infer = robot_infer(chunk_of, spec, env)
-        recorder = (
-            EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot) if record else None
-        )
-        with EmergencyStop(keyboard=keyboard) as stop:
-            for ep in range(episodes):
-                executor = ChunkExecutor(
-                    infer,
-                    request_when_left=request_when_left,
-                    blend_steps=blend_steps,
-                    wait_s=0.5 / arm.control_hz,
-                )  # up to half a period for a late chunk
-                try:
-                    result = run_episode(
-                        env, executor, stop, hz=arm.control_hz, max_steps=arm.max_episode_steps
+                client = PolicyClient(server, agreed)
+                chunk_of = lambda obs: client.infer(obs_to_wire(obs))  # noqa: E731
+            else:
+                chunk_of = lambda obs: policy_chunk(policy, obs)  # noqa: E731
+            infer = robot_infer(chunk_of, spec, env)
+            recorder = (
+                EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot)
+                if record
+                else None
+            )
+            with EmergencyStop(keyboard=keyboard) as stop:
+                for ep in range(episodes):
+                    executor = ChunkExecutor(
+                        infer,
+                        request_when_left=request_when_left,
+                        blend_steps=blend_steps,
+                        wait_s=0.5 / arm.control_hz,
+                    )  # up to half a period for a late chunk
+                    try:
+                        result = run_episode(
+                            env, executor, stop, hz=arm.control_hz, max_steps=arm.max_episode_steps
+                        )
+                    finally:
+                        executor.close()
+                    saved = recorder.finish(result) if recorder else None
+                    summary["episodes"].append(
+                        {
+                            "steps": result.steps,
+                            "acted": result.acted,
+                            "end": result.reason,
+                            **result.timing,
+                            "watchdog": dict(result.watchdog),
+                            "inference_errors": executor.errors,
+                            "recording": str(saved) if saved else None,
+                        }
                     )
-                finally:
-                    executor.close()
-                saved = recorder.finish(result) if recorder else None
-                summary["episodes"].append(
-                    {
-                        "steps": result.steps,
-                        "acted": result.acted,
-                        "end": result.reason,
-                        **result.timing,
-                        "watchdog": dict(result.watchdog),
-                        "inference_errors": executor.errors,
-                        "recording": str(saved) if saved else None,
-                    }
-                )
-                log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
-                if result.reason != "done":
-                    break
-    finally:
-        summary["interventions"] = dict(env.safety.counts)
-        summary["torque_off_at_safe_pose"] = safe_shutdown(env, hz=arm.control_hz)
-        if client is not None:
-            client.close()
-        env.close()  # the twin's cameras close their renderers with the robot
+                    log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
+                    if result.reason != "done":
+                        break
+        finally:
+            if client is not None:
+                client.close()
+    summary["interventions"] = dict(env.safety.counts)
+    summary["torque_off_at_safe_pose"] = shutdown.torque_off
     return summary

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from embodied.run import Interrupted
 from embodied.video import tile, write_mp4
 
 EVAL_SEED_OFFSET = 1_000_000  # evaluation seeds never coincide with training seeds
@@ -35,12 +37,15 @@ def evaluate(
     deterministic: bool = True,
     video_path: Path | None = None,
     progress=None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> dict:
     """Run ``episodes`` episodes (episode i reset with seed ``EVAL_SEED_OFFSET + seed + i``), the
-    first episode of each environment per round counted. Returns success rate, returns, lengths."""
-    return _run(
-        env, policy, [(0, env.num_envs)], episodes, seed, deterministic, video_path, progress
-    )[0]
+    first episode of each environment per round counted. Returns success rate, returns, lengths.
+    ``should_stop`` is asked before every policy call; when it says so, ``Interrupted`` is
+    raised."""
+    ranges = [(0, env.num_envs)]
+    args = (episodes, seed, deterministic, video_path, progress, should_stop)
+    return _run(env, policy, ranges, *args)[0]
 
 
 @torch.no_grad()
@@ -53,6 +58,7 @@ def evaluate_by_task(
     deterministic: bool = True,
     video_path: Path | None = None,
     progress=None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, dict]:
     """``evaluate()`` per task of a MultiTaskEnv, all tasks stepping at once (their workers run in
     parallel): {task: summary}, each over ``episodes`` episodes with the seeds ``evaluate()`` would
@@ -60,9 +66,8 @@ def evaluate_by_task(
     video shows the first environment of each task (up to four tasks)."""
     ranges = getattr(env, "task_ranges", [(0, env.num_envs)])
     names = getattr(env, "names", ["all"])
-    return dict(
-        zip(names, _run(env, policy, ranges, episodes, seed, deterministic, video_path, progress))
-    )
+    args = (episodes, seed, deterministic, video_path, progress, should_stop)
+    return dict(zip(names, _run(env, policy, ranges, *args)))
 
 
 def _run(
@@ -74,9 +79,11 @@ def _run(
     deterministic: bool,
     video_path: Path | None,
     progress,
+    should_stop: Callable[[], bool] | None,
 ) -> list[dict]:
-    """Evaluate each row range [lo, hi) of ``env`` as its own population of ``episodes`` episodes."""
+    """Evaluate each row range [lo, hi) of ``env`` as a population of ``episodes`` episodes."""
     B = env.num_envs
+    device = _device_of(policy, env.device)  # the policy may live elsewhere (runner.device)
     results: list[list[dict]] = [[] for _ in ranges]
     frames: list[np.ndarray] = []
     group = torch.zeros(B, dtype=torch.long)  # row -> index of its range
@@ -88,12 +95,11 @@ def _run(
         if len(ranges) == 1
         else torch.tensor([lo for lo, _ in ranges[:VIDEO_TILES]])
     )
-    policy_s, env_s, policy_calls, env_steps = (
-        0.0,
-        0.0,
-        0,
-        0,
-    )  # timing: policy latency, simulator throughput
+    # timing: policy latency, simulator throughput
+    policy_s = 0.0
+    env_s = 0.0
+    policy_calls = 0
+    env_steps = 0
     while any(len(r) < episodes for r in results):
         seeds, active = [0] * B, torch.zeros(B, dtype=torch.bool)
         for (lo, hi), res in zip(ranges, results):
@@ -102,27 +108,32 @@ def _run(
             seeds[lo:hi] = [base + i for i in range(hi - lo)]
             active[lo : lo + n] = True
         obs = env.reset(seed=seeds)
-        ret, length, success = (
-            torch.zeros(B),
-            torch.zeros(B, dtype=torch.long),
-            torch.zeros(B, dtype=torch.bool),
-        )
+        ret = torch.zeros(B)  # f32 [B], on the CPU
+        length = torch.zeros(B, dtype=torch.long)
+        success = torch.zeros(B, dtype=torch.bool)
         record = video_path is not None and not frames  # the first round only
         if record:
             shown = env.render()[shown_rows.to(env.device)]  # uint8 [<=4, H, W, 3]
             frames.append(tile(shown))
         while bool(active.any()):
+            if should_stop is not None and should_stop():
+                raise Interrupted
             t0 = time.perf_counter()
-            out = policy.act(obs, deterministic=deterministic)
+            out = policy.act(on(obs, device), deterministic=deterministic)
             actions = out.actions.to(env.device)
-            t1 = time.perf_counter()
-            policy_s, policy_calls = policy_s + t1 - t0, policy_calls + 1
+            policy_s += time.perf_counter() - t0
+            policy_calls += 1
             for k in range(actions.shape[1]):
                 t0 = time.perf_counter()
                 step = env.step(actions[:, k])
-                r, s = step.reward.cpu(), step.success.cpu()  # (.cpu() waits for a GPU simulator)
-                env_s, env_steps = env_s + time.perf_counter() - t0, env_steps + B
-                done = (step.terminated | step.truncated).cpu()
+                done = step.terminated | step.truncated
+                # one transfer per step (it waits for a GPU simulator, as the timing should)
+                host = torch.stack([step.reward, step.success.float(), done.float()]).cpu()
+                r = host[0]
+                s = host[1] > 0
+                done = host[2] > 0
+                env_s += time.perf_counter() - t0
+                env_steps += B
                 ret += r * active
                 length += active.long()
                 success |= s & active
@@ -162,6 +173,16 @@ def _run(
     return summaries
 
 
+def _device_of(policy, default) -> torch.device:
+    parameter = next(iter(policy.parameters()), None) if hasattr(policy, "parameters") else None
+    return torch.device(default) if parameter is None else parameter.device
+
+
+def on(obs, device: torch.device):
+    """``obs`` on ``device`` (itself when it is there already)."""
+    return obs if obs.device == device else obs.map(lambda t: t.to(device))
+
+
 def _summary(results: list[dict]) -> dict:
     wins = sum(e["success"] for e in results)
     lo, hi = wilson_interval(wins, len(results))
@@ -174,6 +195,32 @@ def _summary(results: list[dict]) -> dict:
         "eval/return": float(np.mean([e["return"] for e in results])),
         "eval/length": float(np.mean([e["length"] for e in results])),
     }
+
+
+def overall(results: dict[str, dict]) -> dict:
+    """The summaries of several tasks as one (episodes pooled); one task's summary as it is."""
+    if len(results) == 1:
+        return dict(next(iter(results.values())))
+    summaries = list(results.values())
+    n = sum(r["eval/episodes"] for r in summaries)
+    wins = round(sum(r["eval/success_rate"] * r["eval/episodes"] for r in summaries))
+    lo, hi = wilson_interval(wins, n)
+
+    def pooled(key: str) -> float:
+        return sum(r[key] * r["eval/episodes"] for r in summaries) / n
+
+    out = {
+        "eval/success_rate": wins / n,
+        "eval/episodes": n,
+        "eval/success_ci95": [lo, hi],
+        "eval/success_at_end": pooled("eval/success_at_end"),
+        "eval/return": pooled("eval/return"),
+        "eval/length": pooled("eval/length"),
+    }
+    for key in ("eval/policy_ms", "eval/env_steps_per_s", "eval/video"):
+        if key in summaries[0]:
+            out[key] = summaries[0][key]
+    return out
 
 
 def per_task(task: str, summary: dict) -> dict:

@@ -7,13 +7,16 @@ from pathlib import Path
 
 
 class RunLogger:
-    def __init__(self, run_dir: Path, enabled_tb: bool = True):
+    """``purge_step``: a resumed run's first step; TensorBoard drops what an earlier process
+    logged from there on (metrics.jsonl is trimmed by the runner)."""
+
+    def __init__(self, run_dir: Path, enabled_tb: bool = True, purge_step: int | None = None):
         self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a")
         self.tb = None
         if enabled_tb:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=purge_step)
 
     def log(self, metrics: dict, step: int, **extra) -> None:
         """Write the numeric ``group/name`` entries at ``step`` (env steps)."""

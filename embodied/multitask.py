@@ -147,7 +147,14 @@ def make_env(cfg):
 
         cfg.validate()
         prepare()  # a missing asset fails here, before any worker starts
-        return WorkerVecEnv(partial(LiberoCore, cfg), cfg.num_envs, cfg.num_workers, name="LIBERO")
+        return WorkerVecEnv(
+            partial(LiberoCore, cfg),
+            cfg.num_envs,
+            cfg.num_workers,
+            name="LIBERO",
+            task=f"{cfg.suite} task {cfg.task_id}",
+            step_timeout_s=cfg.step_timeout_s,
+        )
     from embodied.simulators.maniskill import make_env as make_maniskill
 
     if not cfg.tasks:

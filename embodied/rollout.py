@@ -1,280 +1,376 @@
-"""Rollout collection: the policy and the environment workers in lockstep.
+"""Rollout collection: the inference policy and the environment group in lockstep (or pipelined),
+and rollout data that says what it is.
 
 Each rollout step the policy acts on a batch of observations and returns a chunk of K actions;
-the environment executes the K steps. Per chunk we keep the observation, the sampled output, its
-log-probability and value; rewards are summed within the chunk with discount (``sum_k gamma^k r_k``)
-and an episode that ends inside a chunk ends the chunk for that environment (the remaining actions
-of the chunk run on the freshly reset episode and are not credited to either). ``next_values``
-holds V(s_{t+1}), or V(final_obs) where an episode ended, so truncations bootstrap correctly.
+the environment group executes them. ``RolloutBatch`` keeps, per step and environment, which
+episode, GRPO group, task and policy version the chunk belongs to, and per action whether it ran
+in that episode (``valid``). Advantages, loss masks, chunk discounting, groups and per-task
+statistics are computed from these fields, never from column positions.
+
+Nothing here reads a device tensor on the host: episode statistics accumulate on the device, and
+the rows whose episode ended come from the environment (``ChunkStep.ended``, on the CPU).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 
+from embodied.env_group import ChunkStep, EnvGroup
+from embodied.inference import InferencePolicy
+from embodied.run import Interrupted
 from embodied.schema import Observation, PolicyOutput
 
+LEVELS = ("chunk", "action", "token")
+
 
 @dataclass
-class Rollout:
-    """Time-major buffers, T chunks by B environments."""
+class RolloutBatch:
+    """T rollout steps (chunks) by B environments, time-major, on the policy's device."""
 
-    obs: Observation  # every tensor [T, B, ...]; instruction: the first step's list
+    obs: Observation  # every tensor [T, B, ...]; instruction unused: see task_id / instructions
+    instructions: tuple[str, ...]  # task_id -> the instruction the policy saw
     actions: torch.Tensor  # f32 [T, B, K, A]
-    extras: dict[str, torch.Tensor]  # e.g. raw_actions f32 [T, B, K, A]
-    logprobs: torch.Tensor  # f32 [T, B]
-    values: torch.Tensor  # f32 [T, B]
-    next_values: torch.Tensor  # f32 [T, B]
-    rewards: torch.Tensor  # f32 [T, B], discounted sum over the chunk
-    terminated: torch.Tensor  # bool [T, B]
-    truncated: torch.Tensor  # bool [T, B]
+    extras: dict[str, torch.Tensor]  # what evaluate() needs again, [T, B, ...]
+    logprob_token: torch.Tensor  # f32 [T, B, K, A] behaviour log-probability per action dimension
+    values: torch.Tensor  # f32 [T, B] V(s_t) (zeros without a critic)
+    next_values: torch.Tensor  # f32 [T, B] V(s_{t+1}), or V(last obs) where the episode ended
+    rewards: torch.Tensor  # f32 [T, B, K] per environment step
+    terminated: torch.Tensor  # bool [T, B, K]
+    truncated: torch.Tensor  # bool [T, B, K]
+    success: torch.Tensor  # bool [T, B, K]
+    valid: torch.Tensor  # bool [T, B, K] action k ran in the episode chunk t started in
+    episode_id: torch.Tensor  # long [T, B] the episode chunk t started in (unique in a run)
+    group_id: torch.Tensor  # long [T, B] its GRPO group (episodes sharing a reset seed), -1: none
+    task_id: torch.Tensor  # long [T, B] index into the env group's tasks and ``instructions``
+    policy_version: torch.Tensor  # long [T, B] the weight version that chose the chunk
+    # set by an algorithm's advantages(): what enters the update
+    advantages: torch.Tensor | None = None  # f32 [T, B]
+    returns: torch.Tensor | None = None  # f32 [T, B] (algorithms with a critic)
+    sample_mask: torch.Tensor | None = None  # bool [T, B] chunks that enter the update
 
-    def store(
-        self, t: int, obs: Observation, out: PolicyOutput, ids: torch.Tensor | slice = slice(None)
-    ) -> None:
-        """Write step t's observation and policy output into rows ``ids`` (all by default)."""
-        for dst, src in zip(self.obs.tensors().values(), obs.tensors().values()):
-            dst[t, ids] = src
-        self.actions[t, ids], self.logprobs[t, ids], self.values[t, ids] = (
-            out.actions,
-            out.logprob,
-            out.value,
+    @property
+    def executed(self) -> torch.Tensor:
+        """long [T, B]: the chunk's actions that ran in its episode."""
+        return self.valid.sum(-1)
+
+    @property
+    def chunk_done(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(terminated, truncated) of the chunk's episode within the chunk: bool [T, B] each."""
+        terminated = (self.terminated & self.valid).any(-1)
+        truncated = (self.truncated & self.valid).any(-1) & ~terminated
+        return terminated, truncated
+
+    def samples(self) -> Samples:
+        """The chunks of ``sample_mask`` flattened to [N, ...] for minibatch updates (one host
+        sync: the count N)."""
+        mask = self.sample_mask.reshape(-1)
+        rows = mask.nonzero().squeeze(1)  # long [N]
+
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1, *t.shape[2:])[rows]
+
+        obs = self.obs.map(flat)
+        obs.instruction = [self.instructions[i] for i in flat(self.task_id).tolist()]
+        output = PolicyOutput(
+            actions=flat(self.actions),
+            logprob=flat(self.logprob_token.sum((2, 3))),
+            value=flat(self.values),
+            extras={k: flat(v) for k, v in self.extras.items()},
         )
-        for k, v in out.extras.items():
-            self.extras[k][t, ids] = v
-
-    def flat(self, idx: torch.Tensor) -> tuple[Observation, PolicyOutput]:
-        """Samples ``idx`` (long [N]) of the flattened T*B batch, for a minibatch update."""
-
-        def f(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(-1, *t.shape[2:])[idx]
-
-        obs = self.obs.map(f)
-        obs.instruction = [
-            self.obs.instruction[i % len(self.obs.instruction)] for i in idx.tolist()
-        ]
-        out = PolicyOutput(
-            actions=f(self.actions),
-            logprob=f(self.logprobs),
-            value=f(self.values),
-            extras={k: f(v) for k, v in self.extras.items()},
+        returns = self.returns if self.returns is not None else self.values
+        return Samples(
+            obs=obs,
+            output=output,
+            logprob_token=flat(self.logprob_token),
+            valid=flat(self.valid),
+            advantages=flat(self.advantages),
+            returns=flat(returns),
+            values=flat(self.values),
         )
-        return obs, out
 
 
 @dataclass
-class EpisodeStats:
-    """Running per-environment episode accumulators and the episodes finished so far."""
+class Samples:
+    """N chunks for an update, every tensor [N, ...] on the policy's device."""
 
-    returns: torch.Tensor
-    lengths: torch.Tensor
-    success: torch.Tensor
-    finished: list[dict] = field(default_factory=list)
+    obs: Observation  # instruction: list of N strings
+    output: PolicyOutput  # what the behaviour policy sampled (actions, extras)
+    logprob_token: torch.Tensor  # f32 [N, K, A] behaviour log-probability per action dimension
+    valid: torch.Tensor  # bool [N, K]
+    advantages: torch.Tensor  # f32 [N]
+    returns: torch.Tensor  # f32 [N]
+    values: torch.Tensor  # f32 [N]
+    ref_logprob: torch.Tensor | None = None  # reference policy, at the update's level (GRPO KL)
+
+    def __len__(self) -> int:
+        return self.advantages.shape[0]
+
+    def mask(self, level: str) -> torch.Tensor | None:
+        """Which log-probability entries count: bool [N, K] (action), [N, K, A] (token); None at
+        chunk level, where the invalid actions are already summed out."""
+        if level == "chunk":
+            return None
+        if level == "action":
+            return self.valid
+        return self.valid[..., None].expand_as(self.logprob_token)
+
+    def behaviour_logprob(self, level: str) -> torch.Tensor:
+        """The behaviour log-probability at ``level``: f32 [N] (the valid actions of the chunk),
+        [N, K] or [N, K, A]."""
+        return logprob_at(self.logprob_token, level, self.valid)
+
+    def index(self, rows: torch.Tensor, rows_host: torch.Tensor) -> Samples:
+        """Rows ``rows`` (long, on the device) and the same ``rows_host`` (on the CPU, for the
+        instructions) of every field."""
+        obs = self.obs.map(lambda t: t[rows])
+        obs.instruction = [self.obs.instruction[i] for i in rows_host.tolist()]
+        output = PolicyOutput(
+            actions=self.output.actions[rows],
+            logprob=self.output.logprob[rows],
+            value=self.output.value[rows],
+            extras={k: v[rows] for k, v in self.output.extras.items()},
+        )
+        tensors = {
+            f.name: getattr(self, f.name)[rows]
+            for f in fields(self)
+            if f.name not in ("obs", "output") and getattr(self, f.name) is not None
+        }
+        return Samples(obs=obs, output=output, **tensors)
 
     @staticmethod
-    def zeros(num_envs: int, device) -> EpisodeStats:
-        return EpisodeStats(
-            torch.zeros(num_envs, device=device),
-            torch.zeros(num_envs, dtype=torch.long, device=device),
-            torch.zeros(num_envs, dtype=torch.bool, device=device),
+    def cat(parts: list[Samples]) -> Samples:
+        first = parts[0]
+        tensors = {
+            f.name: torch.cat([getattr(p, f.name) for p in parts])
+            for f in fields(first)
+            if f.name not in ("obs", "output") and getattr(first, f.name) is not None
+        }
+        output = PolicyOutput(
+            actions=torch.cat([p.output.actions for p in parts]),
+            logprob=torch.cat([p.output.logprob for p in parts]),
+            value=torch.cat([p.output.value for p in parts]),
+            extras={k: torch.cat([p.output.extras[k] for p in parts]) for k in first.output.extras},
         )
+        return Samples(obs=Observation.cat([p.obs for p in parts]), output=output, **tensors)
 
-    def record(
-        self,
-        reward: torch.Tensor,
-        success: torch.Tensor,
-        done: torch.Tensor,
-        ids: torch.Tensor | None = None,
-    ) -> None:
-        """One environment step of all environments, or of ``ids`` (long [N]) only."""
-        if ids is not None:
-            done_all = torch.zeros_like(self.success)
-            done_all[ids] = done
-            self.returns[ids] += reward
-            self.lengths[ids] += 1
-            self.success[ids] |= success
-            done = done_all
-        else:
-            self.returns += reward
-            self.lengths += 1
-            self.success |= success
-        if bool(done.any()):
-            # gather on the device, one transfer per field (no per-element host syncs)
-            rets, lens, wins = (
-                self.returns[done].tolist(),
-                self.lengths[done].tolist(),
-                self.success[done].tolist(),
-            )
-            envs = done.nonzero().squeeze(1).tolist()
-            self.finished += [
-                {"return": r, "length": n, "success": w, "env": e}
-                for r, n, w, e in zip(rets, lens, wins, envs)
-            ]
-            self.returns[done], self.lengths[done], self.success[done] = 0.0, 0, False
+
+def logprob_at(logprob_token: torch.Tensor, level: str, valid: torch.Tensor) -> torch.Tensor:
+    """Per-dimension log-probabilities f32 [N, K, A] -> f32 [N] (chunk: the sum over the valid
+    actions), [N, K] (action) or [N, K, A] (token)."""
+    if level not in LEVELS:
+        raise ValueError(f"logprob_level: must be one of {LEVELS}, got {level!r}")
+    if level == "token":
+        return logprob_token
+    per_action = logprob_token.sum(-1)  # f32 [N, K]
+    if level == "action":
+        return per_action
+    return (per_action * valid.to(per_action.dtype)).sum(-1)
+
+
+class EpisodeStats:
+    """Per-environment running sums and per-task totals of finished episodes, on the device.
+
+    Every episode end counts, also a second one inside the same chunk. ``summary()`` moves the
+    totals to the host in one transfer."""
+
+    def __init__(self, num_envs: int, task_names: list[str], device: torch.device):
+        self.task_names = task_names
+        self.returns = torch.zeros(num_envs, device=device)  # f32 [B] running
+        self.lengths = torch.zeros(num_envs, device=device)  # f32 [B] running
+        self.success = torch.zeros(num_envs, dtype=torch.bool, device=device)  # once, running
+        # per task: finished episodes, their returns, lengths and successes, f32 [tasks] each
+        self.totals = torch.zeros(4, len(task_names), device=device)
+
+    def record(self, rows, task_ids: torch.Tensor, step: ChunkStep) -> None:
+        """Fold a chunk of environments ``rows`` (a slice or long [n]) with tasks ``task_ids``."""
+        done = step.terminated | step.truncated  # bool [n, K]
+        for k in range(done.shape[1]):
+            returns = self.returns[rows] + step.reward[:, k]
+            lengths = self.lengths[rows] + 1.0
+            success = self.success[rows] | step.success[:, k]
+            ended = done[:, k]
+            finished = torch.stack([ended.float(), returns, lengths, success.float()])  # [4, n]
+            self.totals.index_add_(1, task_ids, finished * ended.float())
+            keep = (~ended).float()
+            self.returns[rows] = returns * keep
+            self.lengths[rows] = lengths * keep
+            self.success[rows] = success & ~ended
 
     def summary(self) -> dict[str, float]:
-        if not self.finished:
-            return {}
-        n = len(self.finished)
-        return {
-            "episode/return": sum(e["return"] for e in self.finished) / n,
-            "episode/length": sum(e["length"] for e in self.finished) / n,
-            "episode/success_once": sum(e["success"] for e in self.finished) / n,
-            "episode/count": n,
-        }
+        """episode/{return, length, success_once, count}, and per task when there are several."""
+        count, returns, lengths, success = self.totals.tolist()
+        out: dict[str, float] = {}
+        names = [None] + (self.task_names if len(self.task_names) > 1 else [])
+        for name in names:
+            rows = range(len(count)) if name is None else [self.task_names.index(name)]
+            n = sum(count[i] for i in rows)
+            if n == 0:
+                continue
+            prefix = "episode" if name is None else f"episode/{name}"
+            out[f"{prefix}/return"] = sum(returns[i] for i in rows) / n
+            out[f"{prefix}/length"] = sum(lengths[i] for i in rows) / n
+            out[f"{prefix}/success_once"] = sum(success[i] for i in rows) / n
+            out[f"{prefix}/count"] = n
+        return out
 
 
-def execute_chunk(env, actions: torch.Tensor, gamma: float, stats: EpisodeStats | None = None):
-    """Run a chunk (f32 [B, K, A]) -> (next obs, reward [B], terminated [B], truncated [B], final_obs)."""
-    B, K = actions.shape[:2]
-    if K == 1:  # the common case, without the chunk bookkeeping
-        out = env.step(actions[:, 0])
-        if stats is not None:
-            stats.record(out.reward, out.success, out.terminated | out.truncated)
-        return out.obs, out.reward, out.terminated, out.truncated, out.final_obs
-    reward = torch.zeros(B, device=env.device)
-    terminated = torch.zeros(B, dtype=torch.bool, device=env.device)
-    truncated = torch.zeros_like(terminated)
-    alive = torch.ones_like(terminated)
-    final_obs = None
-    for k in range(K):
-        out = env.step(actions[:, k])
-        reward += (gamma**k) * out.reward * alive
-        ended = (out.terminated | out.truncated) & alive
-        if stats is not None:
-            stats.record(out.reward * alive, out.success & alive, ended)
-        if out.final_obs is not None and bool(ended.any()):
-            final_obs = (
-                out.final_obs if final_obs is None else out.final_obs.where(ended, final_obs)
-            )
-        terminated |= out.terminated & alive
-        truncated |= out.truncated & alive
-        alive &= ~ended
-        obs = out.obs
-    return obs, reward, terminated, truncated, final_obs
+@dataclass
+class CollectPlan:
+    """How one collection round starts: reset seeds and the GRPO group of each environment."""
+
+    seeds: int | list[int]  # an int gives env b the seed seeds + b
+    group_of_env: torch.Tensor  # long [B] on the CPU, -1 where the env is in no group
+    num_chunks: int  # T
+    episode_base: int  # episode ids of this round start here
 
 
-def _with_value(out: PolicyOutput) -> PolicyOutput:
-    """Policies without a critic (GRPO) report value None; the buffers hold zeros instead."""
-    if out.value is None:
-        out.value = torch.zeros_like(out.logprob)
-    return out
+def _alloc(obs: Observation, out: PolicyOutput, T: int, B: int) -> RolloutBatch:
+    """Preallocate [T, B, ...] buffers from one step's shapes (which may cover fewer than B)."""
 
+    def like(t: torch.Tensor, *tail: int, dtype=None) -> torch.Tensor:
+        shape = (T, B, *(tail if tail else t.shape[1:]))
+        return torch.empty(shape, dtype=dtype or t.dtype, device=t.device)
 
-def _alloc_like(t: torch.Tensor, T: int, B: int | None = None) -> torch.Tensor:
-    return torch.empty((T, B or t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-
-
-def _alloc(obs: Observation, out: PolicyOutput, T: int, B: int, device) -> Rollout:
-    """Preallocate [T, B, ...] buffers from one step's shapes (which may cover fewer than B envs)."""
-    return Rollout(
-        obs=obs.map(lambda x: _alloc_like(x, T, B)),
-        actions=_alloc_like(out.actions, T, B),
-        extras={k: _alloc_like(v, T, B) for k, v in out.extras.items()},
-        logprobs=_alloc_like(out.logprob, T, B),
-        values=_alloc_like(out.value, T, B),
-        next_values=_alloc_like(out.value, T, B),
-        rewards=_alloc_like(out.value, T, B),
-        terminated=torch.empty((T, B), dtype=torch.bool, device=device),
-        truncated=torch.empty((T, B), dtype=torch.bool, device=device),
+    K = out.actions.shape[1]
+    logprob_token = out.extras.get("logp_token")
+    if logprob_token is None:
+        raise ValueError(
+            "the policy's act() must return extras['logp_token'] (f32 [B, K, A]): the update "
+            "takes ratios per chunk, action or token"
+        )
+    long = torch.long
+    flag = torch.bool
+    return RolloutBatch(
+        obs=obs.map(lambda t: like(t)),
+        instructions=(),
+        actions=like(out.actions),
+        extras={k: like(v) for k, v in out.extras.items() if k != "logp_token"},
+        logprob_token=like(logprob_token),
+        values=like(out.value),
+        next_values=like(out.value),
+        rewards=like(out.value, K),
+        terminated=like(out.value, K, dtype=flag),
+        truncated=like(out.value, K, dtype=flag),
+        success=like(out.value, K, dtype=flag),
+        valid=like(out.value, K, dtype=flag),
+        episode_id=like(out.value, dtype=long),
+        group_id=like(out.value, dtype=long),
+        task_id=like(out.value, dtype=long),
+        policy_version=like(out.value, dtype=long),
     )
 
 
 @torch.no_grad()
 def collect(
-    env,
-    policy,
+    envs: EnvGroup,
+    policy: InferencePolicy,
     obs: Observation,
-    *,
-    num_steps: int,
-    gamma: float,
+    plan: CollectPlan,
     stats: EpisodeStats,
+    *,
     stages: int = 1,
-):
-    """Collect ``num_steps`` chunks from ``obs``. Returns (Rollout, the observation after it).
-    ``stages`` > 1 pipelines: the environments are split into that many groups and the policy
-    acts for one group while the workers simulate the others (environments with ``step_async``,
-    chunks of one action); environments that cannot step a subset fall back to lockstep."""
-    if stages > 1 and hasattr(env, "step_async") and getattr(env, "can_step_subsets", True):
-        return _collect_pipelined(env, policy, obs, num_steps=num_steps, stats=stats, stages=stages)
-    T = num_steps
-    buf: Rollout | None = None
-    for t in range(T):
-        out = _with_value(policy.act(obs))
-        if buf is None:  # preallocate [T, B, ...] from the first step's shapes
-            buf = _alloc(obs, out, T, env.num_envs, env.device)
-        buf.store(t, obs, out)
-        obs, reward, term, trunc, final_obs = execute_chunk(
-            env, out.actions.to(env.device), gamma, stats
-        )
-        buf.rewards[t], buf.terminated[t], buf.truncated[t] = reward, term, trunc
-        if t > 0:
-            buf.next_values[t - 1] = torch.where(
-                buf.terminated[t - 1] | buf.truncated[t - 1], buf.next_values[t - 1], out.value
-            )
-        # V(final_obs) where an episode ended; V(s_{t+1}) is filled in at the next step
-        buf.next_values[t] = policy.value(final_obs) if final_obs is not None else 0.0
-    last = policy.value(obs)
-    buf.next_values[T - 1] = torch.where(
-        buf.terminated[T - 1] | buf.truncated[T - 1], buf.next_values[T - 1], last
-    )
-    return buf, obs
-
-
-def _collect_pipelined(
-    env, policy, obs: Observation, *, num_steps: int, stats: EpisodeStats, stages: int
-):
-    """``collect`` with the environments split into ``stages`` groups: while the workers step
-    group g, the main process runs the policy for the group that just returned (K = 1).
-    Groups interleave (env i is in group i % stages), so every worker holds some of each group
-    and always has the next group's request queued when it finishes one: no worker waits for
-    the policy."""
-    T, B = num_steps, env.num_envs
-    groups = [
-        g for g in (torch.arange(s, B, stages, device=env.device) for s in range(stages)) if len(g)
-    ]
-    buf: Rollout | None = None
-    outs: list[PolicyOutput] = []
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[RolloutBatch, Observation]:
+    """Collect ``plan.num_chunks`` chunks from ``obs`` (the group's observation after its reset).
+    Returns (RolloutBatch, the observation after it). ``stages`` > 1 pipelines: the environments
+    are split into that many groups and the policy acts for one while the others simulate
+    (environment groups that can step subsets, chunks of one action); otherwise lockstep.
+    ``should_stop`` is asked before every chunk; when it says so, ``Interrupted`` is raised."""
+    T, B = plan.num_chunks, envs.num_envs
+    device = policy.device
+    split = stages > 1 and envs.can_pipeline
+    # stage s holds envs s, s + S, ...: every worker holds some of each stage, so it always has
+    # the next stage's request queued when it finishes one
+    stage_rows = [torch.arange(s, B, stages) for s in range(stages)] if split else [None]
+    stage_rows = [r for r in stage_rows if r is None or len(r)]
+    env_index = torch.arange(B, device=device)
+    episode_count = torch.zeros(B, dtype=torch.long, device=device)  # episodes ended so far
+    group_of_env = plan.group_of_env.to(device)
+    task_ids = envs.task_ids.to(device)
+    bootstrap = torch.zeros(T, B, device=device)  # V(last obs) of episodes that ended
+    buf: RolloutBatch | None = None
     last_obs: list[Observation] = []
 
-    def act_and_send(t: int, ids: torch.Tensor, o: Observation) -> PolicyOutput:
-        nonlocal buf
-        out = _with_value(policy.act(o))
-        if out.actions.shape[1] != 1:
-            raise ValueError(
-                "pipelined collection executes chunks of one action; use stages=1 for K > 1"
-            )
-        env.step_async(out.actions[:, 0].to(env.device), ids)
-        if buf is None:
-            buf = _alloc(o, out, T, B, env.device)
-        buf.store(t, o, out, ids)
-        return out
+    def to_policy(o: Observation) -> Observation:
+        return o if o.device == device else o.map(lambda t: t.to(device))
 
-    for ids in groups:  # fill the pipeline
-        outs.append(act_and_send(0, ids, obs.index(ids)))
+    def act(t: int, rows, o: Observation) -> None:
+        nonlocal buf
+        out = policy.act(to_policy(o))
+        if buf is None:
+            buf = _alloc(to_policy(o), out, T, B)
+        at = slice(None) if rows is None else rows.to(device)
+        destination = buf.obs.tensors()
+        for name, t_obs in to_policy(o).tensors().items():
+            destination[name][t, at] = t_obs
+        buf.actions[t, at] = out.actions  # f32 [n, K, A]
+        buf.logprob_token[t, at] = out.extras["logp_token"]  # f32 [n, K, A]
+        for k, v in out.extras.items():
+            if k != "logp_token":
+                buf.extras[k][t, at] = v
+        buf.values[t, at] = out.value  # f32 [n]
+        count = episode_count[at]
+        buf.episode_id[t, at] = plan.episode_base + count * B + env_index[at]
+        buf.group_id[t, at] = torch.where(count == 0, group_of_env[at], -1)
+        buf.task_id[t, at] = task_ids[at]
+        buf.policy_version[t, at] = policy.version
+        envs.send(out.actions.to(envs.device), rows)
+
+    def record(t: int, rows, step: ChunkStep) -> None:
+        at = slice(None) if rows is None else rows.to(device)
+        done = (step.terminated | step.truncated).to(device)  # bool [n, K]
+        ended_before = done.long().cumsum(1) - done.long()
+        buf.rewards[t, at] = step.reward.to(device)
+        buf.terminated[t, at] = step.terminated.to(device)
+        buf.truncated[t, at] = step.truncated.to(device)
+        buf.success[t, at] = step.success.to(device)
+        buf.valid[t, at] = ended_before == 0
+        stats.record(at, task_ids[at], _on(step, device))
+        episode_count[at] += done.sum(1)  # every end counts, a second one in the chunk too
+        if step.final_obs is not None:
+            global_rows = step.ended if rows is None else rows[step.ended]
+            # the critic's bootstrap only on the rows that ended (their episode's last obs)
+            bootstrap[t, global_rows.to(device)] = policy.value(to_policy(step.final_obs))
+
+    for rows in stage_rows:  # fill the pipeline (lockstep: the single stage)
+        act(0, rows, obs if rows is None else obs.index(rows))
     for t in range(T):
-        for g, ids in enumerate(groups):
-            step = env.step_wait(ids)
-            done = step.terminated | step.truncated
-            stats.record(step.reward, step.success, done, ids)
-            buf.rewards[t, ids], buf.terminated[t, ids], buf.truncated[t, ids] = (
-                step.reward,
-                step.terminated,
-                step.truncated,
-            )
-            final_v = policy.value(step.final_obs) if step.final_obs is not None else None
+        if should_stop is not None and should_stop():
+            for rows in stage_rows:  # let the environments finish what they were sent
+                envs.receive(rows)
+            raise Interrupted
+        for rows in stage_rows:
+            step = envs.receive(rows)
+            record(t, rows, step)
             if t + 1 < T:
-                nxt = act_and_send(
-                    t + 1, ids, step.obs
-                ).value  # V(s_{t+1}) comes with the next action
+                act(t + 1, rows, step.obs)
             else:
-                nxt = policy.value(step.obs)
                 last_obs.append(step.obs)
-            # V(final_obs) where an episode ended, V(s_{t+1}) elsewhere
-            buf.next_values[t, ids] = (
-                torch.where(done, final_v, nxt) if final_v is not None else nxt
-            )
-    last = Observation.cat(last_obs)  # rows in group order -> environment order
-    return buf, last.index(torch.cat(groups).argsort())
+    if split:  # rows in stage order -> environment order
+        order = torch.cat(stage_rows).argsort()
+        last = Observation.cat(last_obs).index(order)
+    else:
+        last = last_obs[0]
+    buf.instructions = envs.instructions
+    # V(s_{t+1}): the next chunk's value, V(s_T) after the last; V(last obs) where it ended
+    following = torch.cat([buf.values[1:], policy.value(to_policy(last))[None]])
+    ended = (buf.terminated | buf.truncated) & buf.valid
+    buf.next_values = torch.where(ended.any(-1), bootstrap, following)
+    return buf, last
+
+
+def _on(step: ChunkStep, device: torch.device) -> ChunkStep:
+    if step.reward.device == device:
+        return step
+    return ChunkStep(
+        obs=step.obs,
+        reward=step.reward.to(device),
+        terminated=step.terminated.to(device),
+        truncated=step.truncated.to(device),
+        success=step.success.to(device),
+        ended=step.ended,
+        final_obs=step.final_obs,
+    )

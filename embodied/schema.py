@@ -2,7 +2,7 @@
 
 Every tensor is batched, batch first, on the environment's device. Time-major buffers are
 ``[T, B, ...]``. Actions are in physical units (``ActionSpec.low``/``high``). The validators
-``check_env`` and ``check_policy`` live in ``embodied.contract`` and are re-exported here.
+``check_env`` and ``check_policy`` live in ``embodied.contract``.
 """
 
 from __future__ import annotations
@@ -247,7 +247,8 @@ class VecEnv(Protocol):
 
 def reset_seeds(seed: int | Sequence[int] | None, ids: Sequence[int]) -> list[int | None]:
     """The per-environment seeds of ``VecEnv.reset`` for environments ``ids``: an int gives
-    environment i the seed ``seed + i``, a list is one seed per reset environment, None is unseeded."""
+    environment i the seed ``seed + i``, a list is one seed per reset environment, None is
+    unseeded."""
     if seed is None:
         return [None] * len(ids)
     if isinstance(seed, int):
@@ -290,20 +291,10 @@ class NormStats:
     count: float = 0.0
 
 
-def __getattr__(name: str):
-    # the validators live in embodied.contract (which imports this module): re-export lazily
-    if name in ("ContractError", "check_env", "check_policy"):
-        from embodied import contract
-
-        return getattr(contract, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "ACTION_SPACES",
     "ActionSpec",
     "CameraSpec",
-    "ContractError",
     "EnvSpec",
     "NormStats",
     "ObsSpec",
@@ -313,8 +304,6 @@ __all__ = [
     "SimulatorConfig",
     "StepOutput",
     "VecEnv",
-    "check_env",
-    "check_policy",
     "ended_rows",
     "reset_seeds",
 ]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
@@ -28,6 +27,7 @@ from embodied.evaluate import evaluate_by_task, per_task
 from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
 from embodied.multitask import make_env
+from embodied.run import Clock, Stopped, StopSignals, bar_interval
 from embodied.schema import NormStats, Observation
 from embodied.simulators.maniskill import ManiSkillConfig
 
@@ -39,6 +39,8 @@ class SFTRunnerConfig:
     eval_every: int = 0  # steps between evaluations (0: only at the end)
     eval_episodes: int = 100  # per task
     max_minutes: float | None = None  # stop training after this long (then evaluate)
+    save_every: int = 0  # steps between checkpoints (0: only at the end)
+    keep_checkpoints: int = 3  # the newest N checkpoints stay
     torch_threads: int = 2
     progress: bool = True
 
@@ -48,10 +50,9 @@ class SFTConfig:
     CHOICES: ClassVar[dict] = {"policy": POLICY_CONFIGS}
     seed: int = 0
     datasets: list[str] = field(default_factory=list)  # LeRobot v3.0 dataset directories
-    episodes_per_dataset: int = (
-        0  # > 0: train on each dataset's first N episodes only (few-shot SFT)
-    )
-    # evaluation environment; its task is replaced by each dataset's task (info.json "embodied.task")
+    # > 0: train on each dataset's first N episodes only (few-shot SFT)
+    episodes_per_dataset: int = 0
+    # evaluation environment; each dataset's task (info.json "embodied.task") replaces its task
     env: ManiSkillConfig = field(default_factory=lambda: ManiSkillConfig(obs_mode="rgb"))
     policy: PolicyConfig = field(default_factory=VLAConfig)
     steps: int = 2000
@@ -184,67 +185,12 @@ def sft(cfg: SFTConfig) -> dict:
         ),
     )
     logger = RunLogger(run_dir)
-    N, t0, step = len(frames.data), time.time(), 0
+    N = len(frames.data)
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     print(
         f"sft: {N} frames from {len(cfg.datasets)} dataset(s), tasks {sorted(set(tasks))}; "
-        f"{sum(p.numel() for p in policy.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters"
+        f"{trainable / 1e6:.1f}M trainable parameters"
     )
-    bar = tqdm(
-        total=cfg.steps,
-        desc=cfg.runner.name,
-        disable=not cfg.runner.progress,
-        dynamic_ncols=True,
-        mininterval=0.1 if sys.stderr.isatty() else 30.0,
-    )
-    evals = []
-    features = (
-        _cached_features(policy, frames)
-        if getattr(policy, "caches_image_features", False)
-        else None
-    )
-    policy.train()
-    for step in range(1, cfg.steps + 1):
-        idx = torch.randint(N, (cfg.batch_size,))
-        chunk, mask = frames.data.action_chunks(idx, K)
-        feats = (
-            None if features is None else features[:, idx].flatten(0, 1)
-        )  # f32 [C*B, P, F], cameras outermost
-        loss, metrics = policy.bc_loss(_batch(frames, idx), chunk, mask, features=feats)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        schedule.step()
-        bar.update(1)
-        if step % 10 == 0 or step == cfg.steps:
-            metrics = {k: float(v) for k, v in metrics.items()}
-            metrics.update(
-                {
-                    "sft/loss": loss.item(),
-                    "sft/grad_norm": grad_norm.item(),
-                    "train/lr": schedule.get_last_lr()[0],
-                    "time/minutes": (time.time() - t0) / 60,
-                }
-            )
-            logger.log(metrics, step=step)
-            bar.set_postfix(loss=f"{loss.item():.4f}")
-        out_of_time = (
-            cfg.runner.max_minutes is not None and time.time() - t0 > cfg.runner.max_minutes * 60
-        )
-        if (
-            cfg.runner.eval_every
-            and step % cfg.runner.eval_every == 0
-            and step < cfg.steps
-            and not out_of_time
-        ):
-            evals.append(
-                evaluate_tasks(policy, env_cfgs, cfg.runner.eval_episodes, cfg.seed, step, logger)
-            )
-            policy.train()
-        if out_of_time:
-            bar.write(f"stopping after {step} steps ({cfg.runner.max_minutes} min)")
-            break
-    bar.close()
     meta = {
         "config": {
             "seed": cfg.seed,
@@ -255,14 +201,79 @@ def sft(cfg: SFTConfig) -> dict:
         "spec": spec.to_dict(),
         "format": "embodied-checkpoint-v1",
     }
-    ckpt = save_checkpoint(
-        run_dir,
-        step,
-        model=policy,
-        optimizer=optimizer,
-        counters={"iteration": step, "env_steps": 0, "train_seconds": time.time() - t0},
-        meta=meta,
+    clock = Clock(0.0, cfg.runner.max_minutes)
+
+    def save(step: int) -> Path:
+        counters = {"iteration": step, "env_steps": 0, "train_seconds": clock.seconds}
+        return save_checkpoint(
+            run_dir,
+            step,
+            model=policy,
+            optimizer=optimizer,
+            counters=counters,
+            meta=meta,
+            keep=cfg.runner.keep_checkpoints,
+        )
+
+    bar = tqdm(
+        total=cfg.steps,
+        desc=cfg.runner.name,
+        disable=not cfg.runner.progress,
+        dynamic_ncols=True,
+        mininterval=bar_interval(),
     )
+    evals = []
+    if getattr(policy, "caches_image_features", False):
+        features = _cached_features(policy, frames)
+    else:
+        features = None
+    policy.train()
+    step = 0
+    with StopSignals() as stop:
+        for step in range(1, cfg.steps + 1):
+            idx = torch.randint(N, (cfg.batch_size,))
+            chunk, mask = frames.data.action_chunks(idx, K)
+            # f32 [C*B, P, F], cameras outermost
+            feats = None if features is None else features[:, idx].flatten(0, 1)
+            loss, metrics = policy.bc_loss(_batch(frames, idx), chunk, mask, features=feats)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            schedule.step()
+            bar.update(1)
+            if step % 10 == 0 or step == cfg.steps:
+                metrics = {k: float(v) for k, v in metrics.items()}
+                metrics.update(
+                    {
+                        "sft/loss": loss.item(),
+                        "sft/grad_norm": grad_norm.item(),
+                        "train/lr": schedule.get_last_lr()[0],
+                        "time/minutes": clock.seconds / 60,
+                    }
+                )
+                logger.log(metrics, step=step)
+                bar.set_postfix(loss=f"{loss.item():.4f}")
+            if stop.requested:  # between steps the weights and optimizer are consistent
+                save(step)
+                bar.close()
+                logger.close()
+                raise Stopped(stop.signum, f"stopped after step {step}; checkpoint: {run_dir}/last")
+            if cfg.runner.save_every and step % cfg.runner.save_every == 0 and step < cfg.steps:
+                save(step)
+            evaluate_now = cfg.runner.eval_every and step % cfg.runner.eval_every == 0
+            if evaluate_now and step < cfg.steps and not clock.out_of_time:
+                evals.append(
+                    evaluate_tasks(
+                        policy, env_cfgs, cfg.runner.eval_episodes, cfg.seed, step, logger
+                    )
+                )
+                policy.train()
+            if clock.out_of_time:
+                bar.write(f"stopping after {step} steps ({cfg.runner.max_minutes} min)")
+                break
+    bar.close()
+    ckpt = save(step)
     final = evaluate_tasks(
         policy,
         env_cfgs,
@@ -276,16 +287,17 @@ def sft(cfg: SFTConfig) -> dict:
         "run_dir": str(run_dir),
         "checkpoint": str(ckpt),
         "steps": step,
-        "minutes": (time.time() - t0) / 60,
+        "minutes": clock.seconds / 60,
         "final": final,
         "evals": evals,
     }
     (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2))
     logger.close()
     for task, r in final.items():
+        ci = r["eval/success_ci95"]
         print(
             f"{task}: success {r['eval/success_rate']:.3f} over {r['eval/episodes']} episodes "
-            f"(95% CI {r['eval/success_ci95'][0]:.2f}-{r['eval/success_ci95'][1]:.2f})"
+            f"(95% CI {ci[0]:.2f}-{ci[1]:.2f})"
         )
     return summary
 
@@ -326,7 +338,8 @@ def evaluate_tasks(
 
 
 def _eval_env_config(env_cfgs: dict[str, ManiSkillConfig]) -> ManiSkillConfig:
-    """One task's config, or a multi-task one with each task's ``num_envs`` and a worker per task at least."""
+    """One task's config, or a multi-task one with each task's ``num_envs`` and at least a worker
+    per task."""
     first = next(iter(env_cfgs.values()))
     if len(env_cfgs) == 1:
         return first

@@ -20,6 +20,7 @@ from torch import nn
 
 from embodied.models.config import PolicyConfig
 from embodied.models.encoders import CNNEncoder, StateEncoder
+from embodied.models.levels import logprob_at_level
 from embodied.schema import EnvSpec, Observation, PolicyOutput
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
@@ -107,39 +108,46 @@ class ActorCritic(nn.Module):
         return self.action_low + (torch.tanh(u) + 1.0) * 0.5 * (self.action_high - self.action_low)
 
     def _logprob(self, mean: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """log pi(tanh(u)) in normalized units: Gaussian log-density minus log|d tanh/du|. f32 [B].
-        Written out rather than through torch.distributions: this runs once per rollout step."""
+        """log pi(tanh(u)) in normalized units per action dimension: the Gaussian log-density
+        minus log|d tanh/du|. mean, u: f32 [B, K*A] -> f32 [B, K, A]. Written out rather than
+        through torch.distributions: this runs once per rollout step."""
         z = (u - mean) * torch.exp(-self.log_std)
         gauss = -0.5 * z * z - self.log_std - _HALF_LOG_2PI
-        log_det = 2.0 * (
-            math.log(2.0) - u - torch.nn.functional.softplus(-2.0 * u)
-        )  # log(1 - tanh(u)^2), stable
-        return (gauss - log_det).sum(-1)
+        # log(1 - tanh(u)^2), numerically stable
+        log_det = 2.0 * (math.log(2.0) - u - torch.nn.functional.softplus(-2.0 * u))
+        return (gauss - log_det).view(-1, self.K, self.A)
 
     def _entropy(self, batch: int) -> torch.Tensor:
         """Entropy of the Gaussian over u (state-independent std), f32 [B]."""
         return (0.5 + _HALF_LOG_2PI + self.log_std).sum().expand(batch)
 
     # --- Policy ---------------------------------------------------------------------------
+    has_critic = True
+
     def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
         feats = self.features(obs)
         mean = self.actor(feats)  # f32 [B, K*A], pre-squash
-        u = (
-            mean if deterministic else mean + self.log_std.exp() * torch.randn_like(mean)
-        )  # f32 [B, K*A]
+        if deterministic:
+            u = mean  # f32 [B, K*A]; no draw from the RNG (evaluation must not move it)
+        else:
+            u = mean + self.log_std.exp() * torch.randn_like(mean)
         raw = u.view(-1, self.K, self.A)  # f32 [B, K, A]
+        logp = self._logprob(mean, u)  # f32 [B, K, A]
         return PolicyOutput(
             actions=self.to_physical(raw),
-            logprob=self._logprob(mean, u),
+            logprob=logp.sum((1, 2)),
             value=self.critic(feats).squeeze(-1),
-            extras={"raw_actions": raw},
+            extras={"raw_actions": raw, "logp_token": logp},
         )
 
-    def evaluate(self, obs: Observation, output: PolicyOutput):
+    def evaluate(self, obs: Observation, output: PolicyOutput, *, level: str = "chunk"):
+        """(logprob f32 [B] (chunk), [B, K] (action) or [B, K, A] (token); entropy [B];
+        value [B]) of the stored raw actions under the current weights."""
         feats = self.features(obs)
         u = output.extras["raw_actions"].reshape(feats.shape[0], -1)
+        logp = self._logprob(self.actor(feats), u)  # f32 [B, K, A]
         return (
-            self._logprob(self.actor(feats), u),
+            logprob_at_level(logp, level),
             self._entropy(feats.shape[0]),
             self.critic(feats).squeeze(-1),
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from embodied.models.levels import logprob_at_level
 from embodied.schema import EnvSpec, Observation, PolicyOutput
 
 
@@ -14,36 +15,41 @@ class RandomPolicy(nn.Module):
     generator: the same seed gives the same actions. ``deterministic=True`` gives the centre of
     the bounds (a uniform has no mode); benchmarks sample it."""
 
+    has_critic = False
+
     def __init__(self, spec: EnvSpec, seed: int = 0):
         super().__init__()
         low, high = spec.action.bounds()
         self.register_buffer("low", low)  # f32 [A]
         self.register_buffer("high", high)
         self.generator = torch.Generator().manual_seed(seed)
-        self._logprob = -float(
-            torch.log(high - low).sum()
-        )  # log-density of the uniform, per action
+        # log-density of the uniform, per action dimension: f32 [A]
+        self.register_buffer("logp_dim", -torch.log(high - low))
+
+    def _logp(self, batch: int, device) -> torch.Tensor:
+        return self.logp_dim.to(device).expand(batch, 1, -1).clone()  # f32 [B, 1, A]
 
     def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
         B, A = len(obs.instruction), self.low.shape[0]
-        u = (
-            torch.full((B, 1, A), 0.5)
-            if deterministic
-            else torch.rand(B, 1, A, generator=self.generator)
-        )  # f32 [B, 1, A] in [0, 1)
-        actions = (self.low + u * (self.high - self.low)).to(obs.state.device)
-        return PolicyOutput(
-            actions=actions, logprob=torch.full((B,), self._logprob, device=obs.state.device)
-        )
+        if deterministic:
+            u = torch.full((B, 1, A), 0.5)
+        else:
+            u = torch.rand(B, 1, A, generator=self.generator)  # f32 [B, 1, A] in [0, 1)
+        device = obs.state.device
+        actions = (self.low + u * (self.high - self.low)).to(device)
+        logp = self._logp(B, device)
+        return PolicyOutput(actions=actions, logprob=logp.sum((1, 2)), extras={"logp_token": logp})
 
-    def evaluate(self, obs: Observation, output: PolicyOutput):
+    def evaluate(self, obs: Observation, output: PolicyOutput, *, level: str = "chunk"):
         B = output.actions.shape[0]
-        entropy = torch.full((B,), -self._logprob, device=output.actions.device)
-        return torch.full((B,), self._logprob, device=output.actions.device), entropy, None
+        logp = self._logp(B, output.actions.device)
+        return logprob_at_level(logp, level), -logp.sum((1, 2)), None
 
 
 class ZeroPolicy(nn.Module):
     """The zero action (no motion for delta action spaces), clamped into the bounds, K = 1."""
+
+    has_critic = False
 
     def __init__(self, spec: EnvSpec):
         super().__init__()
@@ -52,13 +58,14 @@ class ZeroPolicy(nn.Module):
 
     def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
         B = len(obs.instruction)
-        actions = self.action.expand(B, 1, -1).clone().to(obs.state.device)  # f32 [B, 1, A]
-        return PolicyOutput(actions=actions, logprob=torch.zeros(B, device=obs.state.device))
+        device = obs.state.device
+        actions = self.action.expand(B, 1, -1).clone().to(device)  # f32 [B, 1, A]
+        logp = torch.zeros_like(actions)  # a point mass: log-probability taken as 0
+        return PolicyOutput(actions=actions, logprob=logp.sum((1, 2)), extras={"logp_token": logp})
 
-    def evaluate(self, obs: Observation, output: PolicyOutput):
-        B = output.actions.shape[0]
-        zeros = torch.zeros(B, device=output.actions.device)
-        return zeros, zeros, None  # a point mass: log-probability and entropy taken as 0
+    def evaluate(self, obs: Observation, output: PolicyOutput, *, level: str = "chunk"):
+        logp = torch.zeros_like(output.actions)
+        return logprob_at_level(logp, level), logp.sum((1, 2)), None
 
 
 BASELINES = {"random": RandomPolicy, "zero": ZeroPolicy}

@@ -26,6 +26,13 @@ class RunningNorm(nn.Module):
         if n == 0:
             return
         batch_mean, batch_var = x.mean(0), x.var(0, unbiased=False)
+        if self.count == 0:
+            # the first batch (the first reset) sets the statistics; a feature constant across it
+            # (velocities at rest) says nothing about its scale and keeps unit variance
+            self.mean.copy_(batch_mean)
+            self.var.copy_(torch.where(batch_var > 1e-8, batch_var, torch.ones_like(batch_var)))
+            self.count.fill_(n)
+            return
         total = self.count + n
         delta = batch_mean - self.mean
         self.mean += delta * (n / total).float()

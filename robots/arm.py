@@ -64,7 +64,8 @@ class ArmConfig:
             )
         if not self.robot.endswith("-sim") and not self.port:
             raise ValueError(
-                "robot.port: the arm's serial port is needed (e.g. /dev/ttyACM0; `lerobot-find-port` finds it)"
+                "robot.port: the arm's serial port is needed "
+                "(e.g. /dev/ttyACM0; `lerobot-find-port` finds it)"
             )
         if self.control_hz <= 0 or self.image_size < 1 or self.max_episode_steps < 1:
             raise ValueError("robot: control_hz, image_size and max_episode_steps must be positive")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import multiprocessing as mp
+import signal
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -48,6 +49,9 @@ class WorkerTimeout(RuntimeError):
 
 def _serve(conn, make_core: Callable, count: int) -> None:
     torch.set_num_threads(1)
+    # Ctrl-C reaches the whole process group: the main process decides when to stop (it saves
+    # first), and a worker that died of it would leave the main process nothing to step
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         core = make_core(count)
         conn.send(("ok", core.spec))

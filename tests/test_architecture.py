@@ -21,11 +21,7 @@ SUBPACKAGES = {
 
 
 def test_import_contracts_hold(tmp_path):
-    pkg = tmp_path / "embodied"
-    shutil.copytree(ROOT / "embodied", pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    for folder, name in SUBPACKAGES.items():
-        shutil.copytree(ROOT / folder, pkg / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    _lay_out(tmp_path)
     exe = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     res = subprocess.run(
@@ -37,3 +33,53 @@ def test_import_contracts_hold(tmp_path):
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "3 kept, 0 broken" in res.stdout
+
+
+CYCLES = """
+import sys
+
+import grimp
+
+graph = grimp.build_graph("embodied")
+modules = sorted(graph.modules)
+seen, stack, cycles = set(), [], []
+
+
+def visit(module, on_path):
+    # depth-first search over module-level and function-level imports alike
+    seen.add(module)
+    stack.append(module)
+    on_path.add(module)
+    for imported in sorted(graph.find_modules_directly_imported_by(module)):
+        if imported in on_path:
+            cycles.append(stack[stack.index(imported):] + [imported])
+        elif imported not in seen:
+            visit(imported, on_path)
+    on_path.discard(module)
+    stack.pop()
+
+
+for module in modules:
+    if module not in seen:
+        visit(module, set())
+print("\\n".join(" -> ".join(c) for c in cycles))
+sys.exit(1 if cycles else 0)
+"""
+
+
+def test_no_import_cycles(tmp_path):
+    """No module imports itself through others, at module level or inside a function."""
+    _lay_out(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    res = subprocess.run(
+        [sys.executable, "-c", CYCLES], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert res.returncode == 0, "import cycles:\n" + res.stdout + res.stderr
+
+
+def _lay_out(tmp_path):
+    pkg = tmp_path / "embodied"
+    shutil.copytree(ROOT / "embodied", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder, name in SUBPACKAGES.items():
+        shutil.copytree(ROOT / folder, pkg / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")

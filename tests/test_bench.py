@@ -19,10 +19,12 @@ pytest.importorskip("mujoco")
 from embodied.bench import BenchConfig, run_bench  # noqa: E402
 from embodied.cli import main  # noqa: E402
 from embodied.config import ConfigError, load_config  # noqa: E402
-from embodied.contract import random_observation  # noqa: E402
+from embodied.contract import (
+    check_policy,  # noqa: E402
+    random_observation,  # noqa: E402
+)
 from embodied.evaluate import evaluate, wilson_interval  # noqa: E402
 from embodied.models.baselines import RandomPolicy, ZeroPolicy  # noqa: E402
-from embodied.schema import check_policy  # noqa: E402
 from embodied.simulators.mujoco import MuJoCoConfig, MuJoCoEnv  # noqa: E402
 
 REACH = {"simulator": "mujoco", "task": "reach", "num_envs": 2, "render_size": 32}

@@ -6,7 +6,7 @@ import pytest
 
 from embodied.cli import main
 from embodied.config import ConfigError, load_config
-from embodied.trainer import TrainConfig
+from embodied.runner import TrainConfig
 
 
 def write(tmp_path, name, text):

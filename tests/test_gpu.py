@@ -1,19 +1,40 @@
-"""GPU backend (physx_cuda): tensors stay on the device; skipped without a CUDA GPU."""
+"""On a CUDA GPU (skipped without one): the runner with its tensors on the device, PPO and GRPO
+iterations of the MLP and of a small VLA, rollout steps without host synchronisation, ManiSkill
+physx_cpu feeding a policy on the GPU, and ManiSkill's physx_cuda backend (the contract, grouped
+seeded resets, PPO and GRPO iterations), which also needs SAPIEN's PhysX GPU library."""
+
+import json
+import warnings
 
 import pytest
+import torch
+from physx_gpu import needs_physx_gpu
+from scripted_envs import GRPO, PPO, TINY_VLA, PushRightEnv, ScriptedEnv, run_on
 
+from embodied.checkpoint import load_checkpoint
+from embodied.config import load_config
+from embodied.contract import check_env, check_policy
+from embodied.env_group import EnvGroup
+from embodied.inference import InferencePolicy
 from embodied.models import ActorCritic, ActorCriticConfig
-from embodied.schema import check_env, check_policy
+from embodied.rollout import CollectPlan, EpisodeStats, collect
+from embodied.runner import TrainConfig, train
 from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
 
 pytestmark = pytest.mark.gpu
 
 
+def gpu_env(task="PushCube-v1", num_envs=64, **kw):
+    cfg = ManiSkillConfig(
+        task=task, backend="gpu", num_envs=num_envs, control_mode="pd_joint_delta_pos", **kw
+    )
+    return ManiSkillEnv(cfg)
+
+
+@needs_physx_gpu
 @pytest.mark.parametrize("task", ["PushCube-v1", "PickCube-v1"])
 def test_gpu_backend_contract(task):
-    env = ManiSkillEnv(
-        ManiSkillConfig(task=task, backend="gpu", num_envs=64, control_mode="pd_joint_delta_pos")
-    )
+    env = gpu_env(task)
     try:
         assert env.device.type == "cuda"
         check_env(env, seed=0)
@@ -23,3 +44,210 @@ def test_gpu_backend_contract(task):
         assert out.obs.state.device.type == "cuda" and out.reward.device.type == "cuda"
     finally:
         env.close()
+
+
+@needs_physx_gpu
+def test_equal_seeds_give_equal_initial_states_on_the_gpu():
+    env = gpu_env("PickCube-v1", num_envs=8)
+    try:
+        seeds = [5, 5, 5, 5, 9, 9, 9, 9]
+        obs = env.reset(seed=seeds)
+        state = obs.state
+        torch.testing.assert_close(state[:4], state[:1].expand(4, -1))
+        torch.testing.assert_close(state[4:], state[4:5].expand(4, -1))
+        assert not torch.allclose(state[0], state[4])
+        for key, value in obs.privileged.items():
+            torch.testing.assert_close(value[:4], value[:1].expand(4, -1), msg=key)
+        alone = env.reset(seed=[9] * 8).state[0]
+        torch.testing.assert_close(alone, state[4])
+    finally:
+        env.close()
+
+
+def count_syncs(fn) -> tuple[object, int]:
+    """(fn(), host synchronisations torch saw while it ran)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    return result, len(syncs)
+
+
+@needs_physx_gpu
+def test_rollout_steps_without_episode_ends_do_not_synchronise():
+    """Terminations ignored: within an episode a chunk of the rollout (policy, environment step,
+    statistics, buffers) never waits for the device."""
+    env = gpu_env(num_envs=256, ignore_terminations=True)
+    try:
+        envs = EnvGroup(env)
+        policy = ActorCritic(env.spec, ActorCriticConfig(hidden_sizes=[64])).to(env.device)
+        inference = InferencePolicy(policy)
+        stats = EpisodeStats(env.num_envs, envs.task_names, env.device)
+        plan = CollectPlan(
+            seeds=0,
+            group_of_env=torch.full((env.num_envs,), -1),
+            num_chunks=20,  # 20 of the 50 steps: no episode ends
+            episode_base=0,
+        )
+        obs = envs.reset(seed=0)
+        collect(envs, inference, obs, plan, stats)  # warm-up
+        obs = envs.reset(seed=0)
+        (batch, _), syncs = count_syncs(lambda: collect(envs, inference, obs, plan, stats))
+        assert batch.actions.device.type == "cuda" and batch.valid.all()
+        assert syncs == 0, f"{syncs} host synchronisations in 20 rollout steps"
+    finally:
+        env.close()
+
+
+def tiny_run(tmp_path, config, name, overrides):
+    common = [
+        f"runner.output_dir={tmp_path}",
+        f"runner.name={name}",
+        "runner.progress=false",
+        "runner.video=false",
+        "env.backend=gpu",
+    ]  # (a later env.backend in overrides wins)
+    cfg = load_config(TrainConfig, config, common + overrides)[0]
+    return train(cfg)
+
+
+@needs_physx_gpu
+def test_ppo_iterations_of_the_mlp_on_physx_cuda(tmp_path):
+    summary = tiny_run(
+        tmp_path,
+        "configs/maniskill/pushcube_ppo.yaml",
+        "ppo",
+        [
+            "env.num_envs=512",
+            "algorithm.num_steps=50",
+            "runner.total_env_steps=102400",  # 4 iterations
+            "runner.eval_every=2",
+            "runner.eval_episodes=512",
+            "runner.final_eval_episodes=512",
+        ],
+    )
+    rows = [json.loads(x) for x in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    training = [r for r in rows if "policy/loss" in r]
+    assert [r["iteration"] for r in training] == [1, 2, 3, 4]
+    assert all(r["episode/count"] == 512 for r in training)  # every env ended one episode
+    assert summary["final"]["eval/episodes"] == 512
+    assert training[-1]["episode/return"] > training[0]["episode/return"]
+
+
+@needs_physx_gpu
+def test_grpo_iterations_of_a_small_vla_on_physx_cuda(tmp_path):
+    summary = tiny_run(
+        tmp_path,
+        "configs/maniskill/multitask_vla_grpo.yaml",
+        "grpo",
+        [
+            "env.tasks=[PushCube-v1]",
+            "env.num_envs=32",
+            "env.max_episode_steps=20",
+            "env.obs_mode=rgb",
+            "policy.privileged_keys=[]",
+            "policy.vision_pretrained=false",
+            "policy.vision_width=0.25",
+            "policy.vision_depth=0.25",
+            "policy.text_pretrained=false",
+            "policy.text_hidden=32",
+            "policy.text_layers=1",
+            "policy.d_model=64",
+            "policy.layers=1",
+            "policy.heads=2",
+            "algorithm.exploration_log_std=null",
+            "algorithm.dynamic_sampling=false",
+            "runner.init_from=null",
+            "runner.total_env_steps=2560",  # 4 iterations of 32 envs x 20 steps
+            "runner.eval_episodes=32",
+            "runner.final_eval_episodes=32",
+            "runner.max_minutes=null",
+        ],
+    )
+    rows = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    training = [r for r in rows if "policy/loss" in r]
+    assert [r["iteration"] for r in training] == [1, 2, 3, 4]
+    assert all(r["grpo/rounds"] == 1 for r in training)
+    assert summary["before"]["PushCube-v1"]["eval/episodes"] == 32
+    assert (tmp_path / "grpo" / "last" / "model.safetensors").exists()
+
+
+# --- the runner on the GPU with scripted environments (no simulator library needed) ----------
+def on_the_gpu(tmp_path, **kw) -> dict:
+    env = PushRightEnv(8, device="cuda")
+    summary = run_on(env, tmp_path / "run", **kw)
+    weights = load_checkpoint(tmp_path / "run")["model"]
+    assert summary["final"]["eval/episodes"] == 16 and weights  # saved from the GPU
+    return summary
+
+
+def test_grpo_on_the_gpu_raises_success(tmp_path):
+    torch.manual_seed(0)
+    algorithm = {**GRPO, "kl_coef": 0.01}  # the reference policy's log-probabilities too
+    summary = on_the_gpu(tmp_path, total_env_steps=8 * 3 * 12, algorithm=algorithm)
+    before = summary["before"]["all"]["eval/success_rate"]
+    after = summary["tasks"]["all"]["eval/success_rate"]
+    assert before < 0.5 and after == 1.0, (before, after)
+
+
+def test_ppo_on_the_gpu_raises_success(tmp_path):
+    torch.manual_seed(0)
+    policy = {**TINY_VLA, "value_head": True}
+    summary = on_the_gpu(tmp_path, total_env_steps=8 * 6 * 15, policy=policy, algorithm=PPO)
+    assert summary["final"]["eval/success_rate"] == 1.0
+
+
+def test_a_scripted_gpu_rollout_synchronises_only_where_episodes_end():
+    """Our loop alone (the scripted environment's steps are a few tensor ops): a rollout step in
+    which no episode ends never waits for the device. Steps are counted by difference, 30 chunks
+    against 10, so what a round costs once (its plan's upload) cancels out."""
+    from embodied.models import ActorCritic, ActorCriticConfig
+
+    env = ScriptedEnv([0] * 64, max_episode_steps=40, device="cuda")
+    envs = EnvGroup(env)
+    policy = ActorCritic(env.spec, ActorCriticConfig(hidden_sizes=[64])).to("cuda")
+    inference = InferencePolicy(policy)
+    stats = EpisodeStats(env.num_envs, envs.task_names, env.device)
+
+    def rollout(chunks):
+        plan = CollectPlan(
+            seeds=0, group_of_env=torch.full((64,), -1), num_chunks=chunks, episode_base=0
+        )
+        obs = envs.reset(seed=0)
+        return count_syncs(lambda: collect(envs, inference, obs, plan, stats))
+
+    rollout(45)  # warm-up
+    (short, _), syncs_10 = rollout(10)
+    (batch, _), syncs_30 = rollout(30)
+    assert batch.actions.device.type == "cuda" and short.valid.all() and batch.valid.all()
+    assert syncs_30 - syncs_10 == 0, (syncs_10, syncs_30)
+    (batch, _), syncs_45 = rollout(45)  # every episode ends at step 40
+    assert syncs_45 > syncs_30, (syncs_30, syncs_45)  # the counting sees the end's resets
+
+
+def test_maniskill_on_the_cpu_feeds_a_policy_on_the_gpu(tmp_path):
+    summary = tiny_run(
+        tmp_path,
+        "configs/maniskill/pushcube_ppo.yaml",
+        "cpu_env",
+        [
+            "env.backend=cpu",
+            "env.num_envs=8",
+            "env.num_workers=2",
+            "runner.device=cuda",
+            "algorithm.num_steps=50",
+            "runner.total_env_steps=1200",  # 3 iterations
+            "runner.eval_every=0",
+            "runner.final_eval_episodes=8",
+        ],
+    )
+    rows = [
+        json.loads(x) for x in (tmp_path / "cpu_env" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["iteration"] for r in rows if "policy/loss" in r] == [1, 2, 3]
+    assert summary["final"]["eval/episodes"] == 8

@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("robosuite")
 pytest.importorskip("libero")
 
+from embodied.contract import check_env  # noqa: E402
 from embodied.multitask import make_env  # noqa: E402
-from embodied.schema import check_env  # noqa: E402
 from embodied.simulators.libero import (  # noqa: E402
     SUITES,
     LiberoConfig,

@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
+from embodied.contract import check_env, check_policy
 from embodied.models import ActorCritic, ActorCriticConfig
-from embodied.schema import check_env, check_policy
 from embodied.simulators.maniskill import (
     ManiSkillConfig,
     ManiSkillEnv,

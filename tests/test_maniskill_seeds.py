@@ -6,6 +6,7 @@ resets as there are distinct seeds. The last test checks the same on physx_cuda 
 
 import pytest
 import torch
+from physx_gpu import needs_physx_gpu
 
 from embodied.schema import Observation
 from embodied.simulators.maniskill.core import SHARED_RESET_TASKS, CoreOptions, ManiSkillCore
@@ -178,6 +179,7 @@ def test_unseeded_resets_after_a_seeded_one_follow_each_rows_seed(cores):
 
 
 @pytest.mark.gpu
+@needs_physx_gpu
 @pytest.mark.parametrize(
     "task, control_mode",
     [

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("mujoco")
 
-from embodied.schema import check_env  # noqa: E402
+from embodied.contract import check_env  # noqa: E402
 from embodied.simulators.mujoco import TASKS, MuJoCoConfig, MuJoCoEnv  # noqa: E402
 
 

@@ -3,8 +3,8 @@ its own task's instruction; actions and resets reach the right task."""
 
 import torch
 
+from embodied.contract import check_env
 from embodied.multitask import MultiTaskEnv, make_env
-from embodied.schema import check_env
 from embodied.simulators.maniskill import ManiSkillConfig
 
 CFG = ManiSkillConfig(

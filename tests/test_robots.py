@@ -10,6 +10,7 @@ import torch
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 
+from embodied.contract import check_env  # noqa: E402
 from embodied.robots.arm import (
     JOINTS,
     ArmConfig,
@@ -29,7 +30,6 @@ from embodied.robots.servo_port import (
     rad_to_ticks,
     ticks_to_rad,
 )  # noqa: E402
-from embodied.schema import check_env  # noqa: E402
 
 TICK = 2 * math.pi / 4096  # one encoder tick in radians
 BUS = (

@@ -1,196 +1,138 @@
-"""Rollout semantics on a scripted VecEnv: chunk rewards, mid-chunk ends, final_obs bootstrapping.
+"""Rollout bookkeeping against hand-computed numbers: chunks of K = 4 actions whose episodes end
+at different steps (twice in one chunk, exactly at the chunk's end, by truncation mid-chunk and
+on the chunk's last action), the valid mask, chunk rewards and discounts, the critic's bootstrap,
+episode ids, statistics and GAE; pipelined collection equals lockstep."""
 
-The scripted environment is the test's input, not the thing under test: its state is the number
-of steps since reset, every step pays 1, env b terminates after ``term_at[b]`` steps (0: never)
-and every episode is truncated after ``max_episode_steps``. It passes ``check_env`` itself.
-"""
-
+import pytest
 import torch
+from scripted_envs import ScriptedEnv, ScriptedPolicy
 
-from embodied.models import ActorCritic, ActorCriticConfig
-from embodied.rollout import EpisodeStats, collect, execute_chunk
-from embodied.schema import (
-    ActionSpec,
-    EnvSpec,
-    Observation,
-    ObsSpec,
-    StepOutput,
-    check_env,
-    ended_rows,
-)
+from embodied.contract import check_env, check_policy
+from embodied.env_group import EnvGroup
+from embodied.inference import InferencePolicy
+from embodied.ppo import PPO, PPOConfig
+from embodied.rollout import CollectPlan, EpisodeStats, collect
 
-
-class ScriptedEnv:
-    def __init__(self, term_at, max_episode_steps=5):
-        self.num_envs, self.device = len(term_at), torch.device("cpu")
-        self.term_at = torch.tensor(term_at)
-        self.spec = EnvSpec(
-            obs=ObsSpec(state_names=("t",)),
-            action=ActionSpec("joint_pos", ("a",), (-1.0,), (1.0,)),
-            max_episode_steps=max_episode_steps,
-            instructions=("count",),
-        )
-        self.t = torch.zeros(self.num_envs)
-
-    def _obs(self, t):
-        return Observation(state=t.clone().unsqueeze(1), instruction=["count"] * self.num_envs)
-
-    def reset(self, *, seed=None, env_ids=None):
-        if env_ids is None:
-            self.t.zero_()
-        else:
-            self.t[env_ids] = 0
-        return self._obs(self.t)
-
-    def step(self, actions):
-        assert actions.shape == (self.num_envs, 1)
-        self.t += 1
-        terminated = (self.term_at > 0) & (self.t == self.term_at)
-        truncated = (self.t >= self.spec.max_episode_steps) & ~terminated
-        done = terminated | truncated
-        final = self._obs(self.t) if done.any() else None
-        self.t[done] = 0
-        return StepOutput(
-            obs=self._obs(self.t),
-            reward=torch.ones(self.num_envs),
-            terminated=terminated,
-            truncated=truncated,
-            success=terminated.clone(),
-            final_obs=final,
-            ended=ended_rows(terminated | truncated),
-        )
-
-    def render(self):
-        return None
-
-    def close(self):
-        pass
+# env 0 terminates every 2 steps (twice per chunk), env 1 is truncated after 7 steps (mid-chunk,
+# then again on a chunk's last action... after the rollout), env 2 terminates every 4 steps (on a
+# chunk's last action), env 3 terminates every 3 steps (drifting through the chunks)
+TERM_AT = [2, 0, 4, 3]
+K = 4
+T = 3
 
 
-def test_scripted_env_satisfies_the_contract():
-    check_env(ScriptedEnv([2, 0, 3]), deterministic=False)
-
-
-def test_chunk_reward_is_discounted_and_stops_at_the_episode_end():
-    env = ScriptedEnv([2, 0])
-    env.reset()
-    stats = EpisodeStats.zeros(2, "cpu")
-    obs, reward, term, trunc, final = execute_chunk(
-        env, torch.zeros(2, 3, 1), gamma=0.5, stats=stats
+def run_rollout(term_at=TERM_AT, chunk=K, chunks=T, stages=1, subsets=False):
+    env = ScriptedEnv(term_at, max_episode_steps=7, can_step_subsets=subsets)
+    envs = EnvGroup(env)
+    policy = InferencePolicy(ScriptedPolicy(chunk))
+    stats = EpisodeStats(env.num_envs, envs.task_names, torch.device("cpu"))
+    plan = CollectPlan(
+        seeds=0,
+        group_of_env=torch.full((env.num_envs,), -1),
+        num_chunks=chunks,
+        episode_base=0,
     )
-    torch.testing.assert_close(
-        reward, torch.tensor([1.0 + 0.5, 1.0 + 0.5 + 0.25])
-    )  # env 0 ended at k=1
-    assert term.tolist() == [True, False] and trunc.tolist() == [False, False]
-    assert final.state[0, 0] == 2  # the last observation of the ended episode
-    assert obs.state[:, 0].tolist() == [1.0, 3.0]  # env 0 reset, then ran the chunk's last action
-    assert stats.finished == [{"return": 2.0, "length": 2, "success": True, "env": 0}]
+    batch, last = collect(envs, policy, envs.reset(seed=plan.seeds), plan, stats, stages=stages)
+    return batch, last, stats
 
 
-def test_collect_bootstraps_from_final_obs_and_next_obs():
-    torch.manual_seed(0)
-    env = ScriptedEnv([3, 0], max_episode_steps=4)
-    policy = ActorCritic(env.spec, ActorCriticConfig(hidden_sizes=[8], normalize_obs=False))
-    obs = env.reset()
-    rollout, last_obs = collect(
-        env, policy, obs, num_steps=6, gamma=0.9, stats=EpisodeStats.zeros(2, "cpu")
-    )
+def test_the_scripted_env_and_policy_pass_the_contract():
+    env = ScriptedEnv([2, 0, 3], max_episode_steps=5)
+    check_env(env, deterministic=False)
+    check_policy(ScriptedPolicy(2), env.spec)
 
-    def v(t):
-        return policy.value(
-            Observation(state=torch.tensor([[float(t)]]), instruction=["count"])
-        ).item()
 
-    # env 0: t = 0,1,2 | terminates after 3 steps | 0,1,2 | terminated again ; env 1: truncated after 4
-    assert rollout.terminated[:, 0].tolist() == [False, False, True, False, False, True]
-    assert rollout.truncated[:, 1].tolist() == [False, False, False, True, False, False]
-    torch.testing.assert_close(
-        rollout.obs.state[:, :, 0], torch.tensor([[0, 0], [1, 1], [2, 2], [0, 3], [1, 0], [2, 1.0]])
-    )
+def test_chunk_fields_by_hand():
+    batch, last, _ = run_rollout()
+    v = [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]]  # chunk 0, envs 0..3
+    valid = torch.tensor(
+        [
+            v,
+            [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]],
+            [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]],
+        ],
+        dtype=torch.bool,
+    )  # bool [T, B, K]
+    assert torch.equal(batch.valid, valid)
+    assert batch.executed.tolist() == [[2, 4, 4, 3], [2, 3, 4, 2], [2, 4, 4, 1]]
+    # rewards are the step's index in its episode; env 1 restarts after its 7th step
+    assert batch.rewards[:, 1].tolist() == [[1, 2, 3, 4], [5, 6, 7, 1], [2, 3, 4, 5]]
+    assert batch.rewards[:, 3].tolist() == [[1, 2, 3, 1], [2, 3, 1, 2], [3, 1, 2, 3]]
+    terminated, truncated = batch.chunk_done
+    assert terminated.tolist() == [[1, 0, 1, 1], [1, 0, 1, 1], [1, 0, 1, 1]]
+    assert truncated.tolist() == [[0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0]]
+    # the chunk's episode: episodes ended before the chunk * B + env
+    assert batch.episode_id.tolist() == [[0, 1, 2, 3], [8, 1, 6, 7], [16, 5, 10, 11]]
+    assert batch.group_id.eq(-1).all() and batch.policy_version.eq(0).all()
+    # V(s) = 0.5 t + 0.25 at the chunk's first observation
+    starts = torch.tensor([[0, 0, 0, 0], [0, 4, 0, 1], [0, 1, 0, 2.0]])
+    torch.testing.assert_close(batch.values, 0.5 * starts + 0.25)
+    # next value: V(last obs) where the chunk's episode ended (env 1: t = 7), else V(s_{t+1})
+    # (env 1 after the rollout: t = 5)
     expected_next = torch.tensor(
-        [[v(1), v(1)], [v(2), v(2)], [v(3), v(3)], [v(1), v(4)], [v(2), v(1)], [v(3), v(2)]]
+        [[1.25, 2.25, 2.25, 1.75], [1.25, 3.75, 2.25, 1.75], [1.25, 2.75, 2.25, 1.75]]
     )
-    torch.testing.assert_close(
-        rollout.next_values, expected_next
-    )  # V(final_obs) at ends, V(s_{t+1}) elsewhere
-    assert last_obs.state[:, 0].tolist() == [0.0, 2.0]
-    torch.testing.assert_close(
-        rollout.values[1:],
-        torch.where(
-            rollout.terminated[:-1] | rollout.truncated[:-1],
-            rollout.values[1:],
-            rollout.next_values[:-1],
-        ),
+    torch.testing.assert_close(batch.next_values, expected_next)
+    assert last.state[:, 0].tolist() == [0, 5, 0, 0]
+    # every env's actions are its index: the chunks belong to the right columns
+    assert torch.equal(batch.actions[..., 0, 0], torch.arange(4.0).expand(3, 4))
+
+
+def test_chunk_discounting_and_gae_by_hand():
+    batch, _, _ = run_rollout()
+    PPO(PPOConfig(gamma=0.5, gae_lambda=0.5), seed=0, num_envs=4).advantages(batch)
+    # R = sum_k 0.5^k r_k over the valid actions; the bootstrap is discounted by 0.5^n
+    # env 1, chunk 1: 5 + 0.5 * 6 + 0.25 * 7 = 9.75, truncated after 3 actions -> 0.125 * V(t=7)
+    # env 1, chunk 0: 3.25 + 0.0625 * 2.25 - 0.25 + 0.0625 * 0.5 * A_1
+    a1 = 9.75 + 0.125 * 3.75 - 2.25
+    a0 = 3.25 + 0.0625 * 2.25 - 0.25 + 0.0625 * 0.5 * a1
+    a2 = 5.125 + 0.0625 * 2.75 - 0.75  # the rollout's end: bootstrap from V(s_T), gamma^4
+    expected = torch.tensor(
+        [
+            [2.0 - 0.25, a0, 3.0, 2.75 - 0.25],
+            [2.0 - 0.25, a1, 3.0, 3.5 - 0.75],
+            [2.0 - 0.25, a2, 3.0, 3.0 - 1.25],
+        ]
     )
+    torch.testing.assert_close(batch.advantages, expected)
+    torch.testing.assert_close(batch.returns, expected + batch.values)
+    assert batch.sample_mask.all()
 
 
-def test_collect_with_action_chunks():
-    env = ScriptedEnv([0, 0], max_episode_steps=4)
-    policy = ActorCritic(env.spec, ActorCriticConfig(hidden_sizes=[8], chunk_size=2))
-    rollout, _ = collect(
-        env, policy, env.reset(), num_steps=3, gamma=1.0, stats=EpisodeStats.zeros(2, "cpu")
-    )
-    assert rollout.actions.shape == (3, 2, 2, 1) and rollout.logprobs.shape == (3, 2)
-    torch.testing.assert_close(rollout.rewards, torch.full((3, 2), 2.0))  # two steps per chunk
-    assert rollout.truncated[:, 0].tolist() == [False, True, False]  # 4 steps = the end of chunk 2
+def test_every_episode_end_counts_in_the_statistics():
+    _, _, stats = run_rollout()
+    summary = stats.summary()
+    # env 0: 6 episodes of return 3 (two per chunk); env 1: one of 28; env 2: 3 of 10; env 3: 4 of 6
+    assert summary["episode/count"] == 14
+    assert summary["episode/return"] == pytest.approx((6 * 3 + 28 + 3 * 10 + 4 * 6) / 14)
+    assert summary["episode/length"] == pytest.approx((12 + 7 + 12 + 12) / 14)
+    assert summary["episode/success_once"] == 0.0
 
 
-class PipelinedScriptedEnv(ScriptedEnv):
-    """ScriptedEnv that can step a subset of its environments (the pipelining interface)."""
-
-    def step_async(self, actions, env_ids):
-        assert actions.shape == (len(env_ids), 1)
-        self.__dict__.setdefault("pending", []).append(env_ids)  # several requests may be in flight
-
-    def step_wait(self, env_ids):
-        assert torch.equal(env_ids, self.pending.pop(0))  # answered in the order they were sent
-        t = self.t[env_ids] + 1
-        term_at = self.term_at[env_ids]
-        terminated = (term_at > 0) & (t == term_at)
-        truncated = (t >= self.spec.max_episode_steps) & ~terminated
-        done = terminated | truncated
-        obs = lambda x: Observation(
-            state=x.clone().unsqueeze(1), instruction=["count"] * len(env_ids)
-        )  # noqa: E731
-        final = obs(t) if done.any() else None
-        t[done] = 0
-        self.t[env_ids] = t
-        return StepOutput(
-            obs=obs(t),
-            reward=torch.ones(len(env_ids)),
-            terminated=terminated,
-            truncated=truncated,
-            success=terminated.clone(),
-            final_obs=final,
-            ended=ended_rows(terminated | truncated),
-        )
+def test_behaviour_logprob_at_chunk_level_sums_the_valid_actions_only():
+    batch, _, _ = run_rollout()
+    batch.logprob_token = torch.arange(48.0).view(3, 4, 4, 1)
+    batch.advantages = torch.zeros(3, 4)
+    batch.sample_mask = torch.ones(3, 4, dtype=torch.bool)
+    samples = batch.samples()
+    chunk = samples.behaviour_logprob("chunk")  # f32 [12], rows in (t, b) order
+    token = batch.logprob_token[..., 0].reshape(12, 4)
+    valid = batch.valid.reshape(12, 4)
+    torch.testing.assert_close(chunk, (token * valid).sum(1))
+    assert chunk[0].item() == 0 + 1  # env 0 chunk 0: its two valid actions
+    assert samples.mask("action").shape == (12, 4)
+    assert samples.behaviour_logprob("token").shape == (12, 4, 1)
 
 
-def test_pipelined_collect_matches_lockstep():
-    torch.manual_seed(0)
-    policy = ActorCritic(
-        ScriptedEnv([3, 0, 2]).spec, ActorCriticConfig(hidden_sizes=[8], normalize_obs=False)
-    )
-    results = {}
-    for stages in (1, 2, 3):
-        env = PipelinedScriptedEnv([3, 0, 2], max_episode_steps=4)
-        stats = EpisodeStats.zeros(3, "cpu")
-        results[stages] = (
-            *collect(env, policy, env.reset(), num_steps=7, gamma=0.9, stats=stats, stages=stages),
-            stats,
-        )
-    ref, ref_last, ref_stats = results[1]
+def test_pipelined_collection_equals_lockstep():
+    term_at = [3, 0, 2, 4, 0]
+    ref, ref_last, ref_stats = run_rollout(term_at, chunk=1, chunks=9)
     for stages in (2, 3):
-        got, last, stats = results[stages]
+        got, last, stats = run_rollout(term_at, chunk=1, chunks=9, stages=stages, subsets=True)
+        for name in ("rewards", "terminated", "truncated", "valid", "values", "next_values"):
+            torch.testing.assert_close(getattr(got, name), getattr(ref, name), msg=name)
+        for name in ("episode_id", "actions"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), name
         torch.testing.assert_close(got.obs.state, ref.obs.state)
-        for name in ("rewards", "terminated", "truncated", "values", "next_values"):
-            torch.testing.assert_close(
-                getattr(got, name), getattr(ref, name), msg=f"{name}, {stages} stages"
-            )
         torch.testing.assert_close(last.state, ref_last.state)
-        assert sorted(map(str, stats.finished)) == sorted(map(str, ref_stats.finished))
-    # the log-probabilities belong to the actions actually sampled in each run
-    got = results[2][0]
-    obs, out = got.flat(torch.arange(21))
-    logprob, _, _ = policy.evaluate(obs, out)
-    torch.testing.assert_close(logprob, got.logprobs.reshape(-1))
+        assert stats.summary() == ref_stats.summary()

@@ -1,16 +1,24 @@
-"""End to end on a tiny budget: train -> checkpoint -> resume -> eval, and resume determinism."""
+"""End to end on ManiSkill with a tiny budget: train -> checkpoints -> stop on SIGTERM -> resume ->
+eval. A run stopped by SIGTERM (in this process, or a real `embodied train` process) or crashed
+after its last checkpoint resumes to exactly the uninterrupted run; metrics.jsonl has one row per
+iteration; retention keeps the newest checkpoints and the best; a resume whose config changes the
+run is refused."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-import embodied.trainer
-from embodied.checkpoint import load_checkpoint
+import embodied.runner
+from embodied.checkpoint import best_iteration, load_checkpoint
 from embodied.cli import main
-from embodied.config import load_config
-from embodied.trainer import TrainConfig, train
+from embodied.config import ConfigError, load_config
+from embodied.run import Stopped
+from embodied.runner import TrainConfig, train
 
 TINY = [
     "env.num_envs=2",
@@ -27,50 +35,77 @@ TINY = [
     "runner.progress=false",
 ]
 STEPS_PER_ITER = 2 * 8
+COMPARED = (
+    "policy/loss",
+    "value/loss",
+    "policy/entropy",
+    "policy/approx_kl",
+    "value/explained_variance",
+)
+
+
+def tiny_overrides(tmp_path, name, iterations, extra=()):
+    return TINY + [
+        f"runner.output_dir={tmp_path}",
+        f"runner.name={name}",
+        f"runner.total_env_steps={iterations * STEPS_PER_ITER}",
+        *extra,
+    ]
 
 
 def tiny_config(tmp_path, name, iterations, extra=()):
-    cfg, _ = load_config(
-        TrainConfig,
-        "configs/maniskill/pushcube_ppo.yaml",
-        TINY
-        + [
-            f"runner.output_dir={tmp_path}",
-            f"runner.name={name}",
-            f"runner.total_env_steps={iterations * STEPS_PER_ITER}",
-            *extra,
-        ],
-    )
-    return cfg
+    overrides = tiny_overrides(tmp_path, name, iterations, extra)
+    return load_config(TrainConfig, "configs/maniskill/pushcube_ppo.yaml", overrides)[0]
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def iteration_rows(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r for r in rows if "policy/loss" in r}
+    """{iteration: row} of the training rows; each iteration must appear once."""
+    training = [r for r in rows(run_dir) if "policy/loss" in r]
+    iterations = [r["iteration"] for r in training]
+    assert len(iterations) == len(set(iterations)), iterations
+    return {r["iteration"]: r for r in training}
 
 
-class InterruptingLogger(embodied.trainer.RunLogger):
-    """Logs as usual, then interrupts the run (as Ctrl-C would) once iteration 2 is logged."""
+class SignallingLogger(embodied.runner.RunLogger):
+    """Logs as usual, then sends this process SIGTERM once iteration 2 is logged: the runner
+    finishes the iteration, saves it and stops."""
 
     def log(self, metrics, step, **extra):
         super().log(metrics, step, **extra)
-        if extra.get("iteration") == 2:
-            raise KeyboardInterrupt
+        if extra.get("iteration") == 2 and "policy/loss" in metrics:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class CrashingLogger(embodied.runner.RunLogger):
+    """Writes iteration 3's row, then fails: the run dies past its last checkpoint (2)."""
+
+    def log(self, metrics, step, **extra):
+        super().log(metrics, step, **extra)
+        if extra.get("iteration") == 3 and "policy/loss" in metrics:
+            raise RuntimeError("a crash after logging")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
-    full = train(tiny_config(tmp, "full", 3))
-    # the same config, interrupted after iteration 2 (before its periodic checkpoint), then resumed
+    full = train(tiny_config(tmp, "full", 4))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(embodied.trainer, "RunLogger", InterruptingLogger)
-        with pytest.raises(KeyboardInterrupt):
-            train(tiny_config(tmp, "split", 3, ["runner.save_every=0"]))
-    assert load_checkpoint(tmp / "split")["counters"]["iteration"] == 2  # saved on the interrupt
-    resumed = train(
-        tiny_config(tmp, "ignored", 3, ["runner.save_every=0", f"runner.resume={tmp / 'split'}"])
-    )
+        mp.setattr(embodied.runner, "RunLogger", SignallingLogger)
+        with pytest.raises(Stopped) as stopped:
+            train(tiny_config(tmp, "sigterm", 4, ["runner.save_every=0"]))
+    assert stopped.value.signum == signal.SIGTERM
+    assert load_checkpoint(tmp / "sigterm")["counters"]["iteration"] == 2  # saved on the signal
+    resumed = train(tiny_config(tmp, "other", 4, [f"runner.resume={tmp / 'sigterm'}"]))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(embodied.runner, "RunLogger", CrashingLogger)
+        with pytest.raises(RuntimeError, match="a crash after logging"):
+            train(tiny_config(tmp, "crash", 4, ["runner.save_every=2"]))
+    assert load_checkpoint(tmp / "crash")["counters"]["iteration"] == 2
+    train(tiny_config(tmp, "crash", 4, ["runner.save_every=2", f"runner.resume={tmp / 'crash'}"]))
     return tmp, full, resumed
 
 
@@ -90,51 +125,108 @@ def test_run_directory_holds_everything(runs):
     assert list((run / "tb").glob("events.out.tfevents.*"))
     assert (run / "videos/final_eval.mp4").stat().st_size > 1000
     metrics = json.loads((run / "metrics.json").read_text())
-    assert (
-        metrics["final"]["eval/episodes"] == 2
-        and 0.0 <= metrics["final"]["eval/success_rate"] <= 1.0
-    )
-    assert metrics["final"]["env_steps"] == 3 * STEPS_PER_ITER
+    assert metrics["final"]["eval/episodes"] == 2 and metrics["final"]["iteration"] == 4
+    assert metrics["final"]["env_steps"] == 4 * STEPS_PER_ITER
     assert [e["iteration"] for e in metrics["evals"]] == [2]
     ckpt = load_checkpoint(run)
-    assert ckpt["counters"]["iteration"] == 3 and "state_encoder.norm.mean" in ckpt["model"]
-    assert (
-        float(ckpt["model"]["state_encoder.norm.count"]) == 3 * STEPS_PER_ITER
-    )  # statistics saved
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "iter_000001",
-        "iter_000002",
-        "iter_000003",
-    ]
+    assert ckpt["counters"]["iteration"] == 4 and "state_encoder.norm.mean" in ckpt["model"]
+    # normalisation: the first reset's 2 observations, then every iteration's 2 x 8
+    assert float(ckpt["model"]["state_encoder.norm.count"]) == 2 + 4 * STEPS_PER_ITER
 
 
-def test_resume_continues_the_run_and_reproduces_the_next_losses(runs):
+def test_retention_keeps_the_newest_and_the_best(runs):
+    tmp, full, _ = runs
+    run = tmp / "full"
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("iter_"))
+    best = best_iteration(run)
+    assert best == 2  # the one evaluation during training
+    assert kept == ["iter_000002", "iter_000003", "iter_000004"]  # keep_checkpoints: 3
+    assert full["best"] == {"iteration": 2, "success_rate": full["evals"][0]["success_rate"]}
+
+
+def test_a_run_stopped_by_sigterm_resumes_to_the_uninterrupted_run(runs):
     tmp, full, resumed = runs
-    assert resumed["run_dir"] == str(
-        tmp / "split"
-    )  # the resumed run keeps writing to its directory
-    a, b = iteration_rows(tmp / "full"), iteration_rows(tmp / "split")
-    assert sorted(b) == [1, 2, 3]
-    for it in (1, 2, 3):
-        for key in (
-            "policy/loss",
-            "value/loss",
-            "policy/entropy",
-            "policy/approx_kl",
-            "value/explained_variance",
-        ):
+    assert resumed["run_dir"] == str(tmp / "sigterm")  # the resumed run keeps its directory
+    a, b = iteration_rows(tmp / "full"), iteration_rows(tmp / "sigterm")
+    assert sorted(b) == [1, 2, 3, 4]
+    for it in (1, 2, 3, 4):
+        for key in COMPARED:
             assert a[it][key] == b[it][key], (it, key)
-    assert load_checkpoint(tmp / "split")["counters"]["env_steps"] == 3 * STEPS_PER_ITER
+    assert resumed["final"]["eval/return"] == full["final"]["eval/return"]
+    assert load_checkpoint(tmp / "sigterm")["counters"]["env_steps"] == 4 * STEPS_PER_ITER
 
 
-def test_cli_eval_of_a_checkpoint(runs, capsys):
+def test_a_crash_after_the_last_checkpoint_leaves_no_duplicate_rows(runs):
     tmp, _, _ = runs
-    assert main(["eval", str(tmp / "full" / "last"), "--episodes", "3", "--video"]) == 0
+    a, b = iteration_rows(tmp / "full"), iteration_rows(tmp / "crash")  # asserts uniqueness
+    assert sorted(b) == [1, 2, 3, 4]
+    for it in (3, 4):
+        for key in COMPARED:
+            assert a[it][key] == b[it][key], (it, key)
+
+
+def test_a_resume_that_changes_the_run_is_refused(runs, tmp_path):
+    tmp, _, _ = runs
+    resume = f"runner.resume={tmp / 'full'}"
+    changed = tiny_config(tmp_path, "x", 5, [resume, "algorithm.learning_rate=0.001"])
+    with pytest.raises(ConfigError, match="algorithm.learning_rate is 0.001 here but 0.0003 in"):
+        train(changed)
+    rc = main(["train", "configs/maniskill/pushcube_ppo.yaml", *tiny_overrides(tmp_path, "x", 5)])
+    assert rc == 0  # (a fresh run: nothing to compare)
+    assert (
+        main(
+            [
+                "train",
+                "configs/maniskill/pushcube_ppo.yaml",
+                *tiny_overrides(tmp_path, "x", 5, [resume, "policy.hidden_sizes=[16]"]),
+            ]
+        )
+        == 2
+    )
+
+
+def test_cli_eval_reproduces_the_final_evaluation(runs, capsys):
+    tmp, full, _ = runs
+    assert main(["eval", str(tmp / "full" / "last"), "--episodes", "2", "--video"]) == 0
     out = capsys.readouterr().out
     result = json.loads(out[out.index("{") :])
-    assert result["eval/episodes"] == 3
+    # the same weights, seeds and deterministic actions: the same episodes
+    for key in ("eval/episodes", "eval/success_rate", "eval/return", "eval/length"):
+        assert result[key] == full["final"][key], key
     ckpt_dir = load_checkpoint(tmp / "full")["path"]
-    assert (ckpt_dir / "eval.json").is_file() and (ckpt_dir / "eval_3.mp4").stat().st_size > 1000
+    assert (ckpt_dir / "eval.json").is_file() and (ckpt_dir / "eval_2.mp4").stat().st_size > 1000
+
+
+def test_sigterm_to_a_training_process(tmp_path):
+    """A real `embodied train` process: SIGTERM while it trains; it saves, says where, exits
+    with 128 + 15, and the resumed run ends as an uninterrupted one."""
+    iterations = 20
+    extra = ["runner.eval_every=0", "runner.save_every=0", "algorithm.num_steps=40"]
+    cmd = ["train", "configs/maniskill/pushcube_ppo.yaml"]
+    steps = f"runner.total_env_steps={iterations * 2 * 40}"
+    reference = tiny_overrides(tmp_path, "reference", 1, [*extra, steps])
+    assert main([*cmd, *reference]) == 0
+    overrides = tiny_overrides(tmp_path, "real", 1, [*extra, steps])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "embodied.cli", *cmd, *overrides], stderr=subprocess.PIPE, text=True
+    )
+    log = tmp_path / "real" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (log.exists() and "policy/loss" in log.read_text()):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "stopped after iteration" in err
+    stopped_at = load_checkpoint(tmp_path / "real")["counters"]["iteration"]
+    assert 1 <= stopped_at < iterations
+    assert main([*cmd, *overrides, f"runner.resume={tmp_path / 'real'}"]) == 0
+    a = iteration_rows(tmp_path / "reference")
+    b = iteration_rows(tmp_path / "real")
+    assert sorted(b) == list(range(1, iterations + 1))
+    for it in range(1, iterations + 1):
+        for key in COMPARED:
+            assert a[it][key] == b[it][key], (it, key)
 
 
 def test_cli_help_and_errors(tmp_path):
@@ -148,8 +240,5 @@ def test_cli_help_and_errors(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert (
-        res.returncode == 2
-        and "config file not found" in res.stderr
-        and "Traceback" not in res.stderr
-    )
+    assert res.returncode == 2
+    assert "config file not found" in res.stderr and "Traceback" not in res.stderr

@@ -1,8 +1,8 @@
 """Vision-language-action policies: backbones, action heads, the VLA policy."""
 
+from embodied.models.levels import LEVELS
 from embodied.models.vla.heads import (
     HEADS,
-    LEVELS,
     DiscreteTokenHead,
     FlowMatchingHead,
     GaussianChunkHead,

@@ -17,15 +17,6 @@ import torch
 from torch import nn
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
-LEVELS = ("chunk", "action", "token")
-
-
-def logprob_at_level(logp: torch.Tensor, level: str) -> torch.Tensor:
-    """Per-dimension log-probabilities f32 [B, K, A] -> f32 [B] (chunk), [B, K] (action) or as they
-    are (token)."""
-    if level not in LEVELS:
-        raise ValueError(f"level: must be one of {LEVELS}, got {level!r}")
-    return logp.sum((1, 2)) if level == "chunk" else logp.sum(2) if level == "action" else logp
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 from embodied.models.config import PolicyConfig
+from embodied.models.levels import logprob_at_level
 from embodied.models.vla.backbones import EfficientNetLite0, MiniLMText
 from embodied.models.vla.heads import (
     HEADS,
     DiscreteTokenHead,
     FlowMatchingHead,
     GaussianChunkHead,
-    logprob_at_level,
 )
 from embodied.models.vla.hf_vlm import HFVisionLanguage
 from embodied.models.vla.normalization import NormalizedVLA
@@ -211,6 +211,10 @@ class VLA(NormalizedVLA):
         ctx, v = self.context(obs)
         logp, entropy = self.head.log_prob(ctx, output.extras)
         return logprob_at_level(logp, level), entropy, self._value(v)
+
+    @property
+    def has_critic(self) -> bool:
+        return self.value_mlp is not None
 
     def value(self, obs: Observation) -> torch.Tensor:
         """V(obs) f32 [B]; zeros without a value head (GRPO does not bootstrap)."""

@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from embodied.models.config import PolicyConfig
+from embodied.models.levels import logprob_at_level
 from embodied.models.vla.heads import (
     flow_entropy,
     gaussian_logpdf,
-    logprob_at_level,
     sample_flow_chain,
 )
 from embodied.models.vla.normalization import NormalizedVLA
@@ -238,6 +238,8 @@ class SmolVLA(NormalizedVLA):
         )  # f32 [B, K, A]
         entropy = flow_entropy(self.log_sigma, self.steps, self.K).expand(obs.batch_size)
         return logprob_at_level(logp, level), entropy, None
+
+    has_critic = False
 
     def value(self, obs: Observation) -> torch.Tensor:
         """No critic (GRPO): zeros f32 [B]."""

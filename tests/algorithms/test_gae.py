@@ -2,7 +2,7 @@
 
 import torch
 
-from embodied.algorithms import gae
+from embodied.algorithms import chunk_returns, gae
 
 
 def test_gae_hand_computed_termination_and_truncation():
@@ -30,7 +30,8 @@ def test_gae_hand_computed_termination_and_truncation():
 
 
 def naive_gae(rewards, values, next_values, terminated, truncated, gamma, lam):
-    """A_t = sum_l (gamma*lam)^l delta_{t+l} up to the end of t's episode, one env and step at a time."""
+    """A_t = sum_l (gamma*lam)^l delta_{t+l} up to the end of t's episode, one env and step at a
+    time."""
     T, B = rewards.shape
     adv = torch.zeros(T, B, dtype=torch.float64)
     for b in range(B):
@@ -85,3 +86,32 @@ def test_gae_lambda_one_no_dones_is_discounted_return_minus_value():
     )
     # A_0 = 1 + 0.5 + 0.25 + 0.125 * 10
     torch.testing.assert_close(adv[:, 0], torch.tensor([3.0, 4.0, 6.0]))
+
+
+def test_gae_with_a_discount_per_step():
+    # a chunked rollout: step 0 lasted 2 environment steps (gamma^2 = 0.81), step 1 one (0.9)
+    rewards = torch.tensor([[1.0], [2.0]])
+    values = torch.tensor([[0.5], [1.0]])
+    next_values = torch.tensor([[1.0], [3.0]])
+    no = torch.zeros(2, 1, dtype=torch.bool)
+    gamma = torch.tensor([[0.81], [0.9]])
+    adv, _ = gae(
+        rewards=rewards,
+        values=values,
+        next_values=next_values,
+        terminated=no,
+        truncated=no,
+        gamma=gamma,
+        gae_lambda=0.5,
+    )
+    a1 = 2.0 + 0.9 * 3.0 - 1.0
+    a0 = 1.0 + 0.81 * 1.0 - 0.5 + 0.81 * 0.5 * a1
+    torch.testing.assert_close(adv, torch.tensor([[a0], [a1]]))
+
+
+def test_chunk_returns_sum_the_valid_actions_and_discount_by_their_count():
+    rewards = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    valid = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    ret, discount = chunk_returns(rewards=rewards, valid=valid, gamma=0.5)
+    torch.testing.assert_close(ret, torch.tensor([1 + 1 + 0.75 + 0.5, 1 + 1.0]))
+    torch.testing.assert_close(discount, torch.tensor([0.0625, 0.25]))

@@ -1,4 +1,5 @@
-"""GRPO golden values: group statistics, DAPO filtering, the KL estimator."""
+"""GRPO golden values: group statistics by group id, DAPO filtering, the KL penalty's value and
+the direction of its gradient."""
 
 import math
 
@@ -8,21 +9,31 @@ import torch
 from embodied.algorithms import grpo_advantages, informative_groups, kl_penalty
 
 REWARDS = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0])  # 3 groups of 4
+GROUPS = torch.arange(12) // 4
 
 
 def test_group_normalized_advantages_hand_computed():
-    adv, metrics = grpo_advantages(rewards=REWARDS, group_size=4, eps=0.0 + 1e-12)
+    adv, metrics = grpo_advantages(rewards=REWARDS, group_ids=GROUPS, num_groups=3, eps=1e-12)
     s3 = math.sqrt(0.1875)  # population std of [0, 0, 1, 0]
     expected = [1, -1, -1, 1, 0, 0, 0, 0, -0.25 / s3, -0.25 / s3, 0.75 / s3, -0.25 / s3]
     torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-6, rtol=0)
-    assert metrics["grpo/degenerate_groups"] == pytest.approx(1 / 3)
-    assert metrics["grpo/reward_mean"] == pytest.approx(7 / 12)
+    assert metrics["grpo/degenerate_groups"].item() == pytest.approx(1 / 3)
+    assert metrics["grpo/reward_mean"].item() == pytest.approx(7 / 12)
     # every group's advantages sum to zero
     torch.testing.assert_close(adv.view(3, 4).sum(1), torch.zeros(3), atol=1e-6, rtol=0)
 
 
+def test_groups_by_id_need_not_be_contiguous_or_equal_in_size():
+    # group 1 = members 0, 3, 5 (rewards 1, 0, 0); group 0 = members 1, 2, 4, 6 (0, 1, 1, 0)
+    rewards = torch.tensor([1.0, 0, 1, 0, 1, 0, 0])
+    groups = torch.tensor([1, 0, 0, 1, 0, 1, 0])
+    adv, _ = grpo_advantages(rewards=rewards, group_ids=groups, num_groups=2, scale_by_std=False)
+    expected = [1 - 1 / 3, -0.5, 0.5, -1 / 3, 0.5, -1 / 3, -0.5]
+    torch.testing.assert_close(adv, torch.tensor(expected))
+
+
 def test_without_std_scaling_is_reward_minus_group_mean():
-    adv, _ = grpo_advantages(rewards=REWARDS, group_size=4, scale_by_std=False)
+    adv, _ = grpo_advantages(rewards=REWARDS, group_ids=GROUPS, num_groups=3, scale_by_std=False)
     expected = [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, -0.25, -0.25, 0.75, -0.25]
     torch.testing.assert_close(adv, torch.tensor(expected))
 
@@ -30,7 +41,7 @@ def test_without_std_scaling_is_reward_minus_group_mean():
 def test_advantages_match_a_loop_over_groups():
     torch.manual_seed(0)
     r = torch.randn(5 * 6)
-    adv, _ = grpo_advantages(rewards=r, group_size=6, eps=1e-6)
+    adv, _ = grpo_advantages(rewards=r, group_ids=torch.arange(30) // 6, num_groups=5, eps=1e-6)
     for g in range(5):
         x = r[g * 6 : (g + 1) * 6].tolist()
         mean = sum(x) / 6
@@ -40,33 +51,73 @@ def test_advantages_match_a_loop_over_groups():
 
 
 def test_bad_shapes_are_refused():
-    with pytest.raises(ValueError, match="multiple of group_size"):
-        grpo_advantages(rewards=torch.zeros(10), group_size=4)
+    with pytest.raises(ValueError, match="must be 1-D of one length"):
+        grpo_advantages(
+            rewards=torch.zeros(10), group_ids=torch.zeros(8, dtype=torch.long), num_groups=2
+        )
 
 
 def test_dynamic_sampling_drops_all_zero_and_all_one_groups():
-    keep = informative_groups(rewards=REWARDS, group_size=4)
+    keep = informative_groups(rewards=REWARDS, group_ids=GROUPS, num_groups=3)
     assert keep.tolist() == [True, False, True]
-    assert informative_groups(
-        rewards=torch.tensor([0.0, 0, 0, 0, 0.3, 0.3]), group_size=2
-    ).tolist() == [False, False, False]
+    flat = torch.tensor([0.0, 0, 0, 0, 0.3, 0.3])
+    pairs = torch.arange(6) // 2
+    assert informative_groups(rewards=flat, group_ids=pairs, num_groups=4).tolist() == [False] * 4
 
 
 def test_kl_penalty_k3_golden():
+    logprob = torch.tensor([0.0, -1.0])
     loss, metrics = kl_penalty(
-        logprob=torch.tensor([0.0, -1.0]), ref_logprob=torch.tensor([-0.5, 0.0])
+        logprob=logprob, ref_logprob=torch.tensor([-0.5, 0.0]), old_logprob=logprob
     )
     expected = ((math.exp(-0.5) + 0.5 - 1) + (math.exp(1) - 1 - 1)) / 2
     assert loss.item() == pytest.approx(expected, rel=1e-6)
-    assert metrics["policy/kl_ref"] == pytest.approx(expected, rel=1e-6)
-    same, _ = kl_penalty(logprob=torch.tensor([-0.3, -2.0]), ref_logprob=torch.tensor([-0.3, -2.0]))
+    assert metrics["policy/kl_ref"].item() == pytest.approx(expected, rel=1e-6)
+    same, _ = kl_penalty(logprob=logprob, ref_logprob=logprob, old_logprob=logprob)
     assert same.item() == 0.0
 
 
 def test_kl_penalty_estimates_the_true_kl():
-    """Averaged over samples of pi, k3 is unbiased for KL(pi || pi_ref) of two Gaussians."""
+    """Averaged over samples of pi (= pi_old), k3 is unbiased for KL(pi || pi_ref)."""
     torch.manual_seed(1)
     pi, ref = torch.distributions.Normal(0.0, 1.0), torch.distributions.Normal(0.5, 1.2)
     x = pi.sample((200_000,))
-    loss, _ = kl_penalty(logprob=pi.log_prob(x), ref_logprob=ref.log_prob(x))
+    lp = pi.log_prob(x)
+    loss, _ = kl_penalty(logprob=lp, ref_logprob=ref.log_prob(x), old_logprob=lp)
     assert loss.item() == pytest.approx(torch.distributions.kl_divergence(pi, ref).item(), rel=0.02)
+
+
+def _expected_loss_gradient(weighted: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exact expectation, over samples of pi_old = pi, of the KL penalty on a 4-way
+    categorical, differentiated with respect to pi's logits; and the true gradients of
+    KL(pi || ref) and KL(ref || pi)."""
+    logits = torch.tensor([0.3, -0.2, 1.0, 0.1], requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.0, 0.5, -0.5, 0.2]), 0)
+    logp = torch.log_softmax(logits, 0)
+    behaviour = logp.detach().exp()  # samples come from pi_old, a frozen copy of pi
+    old = logp.detach() if weighted else logp  # weighted: ratio pi / pi_old; else the ratio is 1
+    per_sample = []
+    for x in range(4):  # E_{x ~ pi_old}[penalty(x)] written out exactly
+        loss, _ = kl_penalty(
+            logprob=logp[x : x + 1], ref_logprob=ref[x : x + 1], old_logprob=old[x : x + 1]
+        )
+        per_sample.append(behaviour[x] * loss)
+    (grad,) = torch.autograd.grad(torch.stack(per_sample).sum(), logits)
+    p = torch.softmax(logits, 0)
+    (forward,) = torch.autograd.grad((p * (torch.log(p) - ref)).sum(), logits)
+    p = torch.softmax(logits, 0)
+    (reverse,) = torch.autograd.grad((ref.exp() * (ref - torch.log(p))).sum(), logits)
+    return grad, forward, reverse
+
+
+def test_kl_penalty_gradient_is_that_of_kl_pi_to_ref():
+    grad, forward, reverse = _expected_loss_gradient(weighted=True)
+    torch.testing.assert_close(grad, forward)
+    assert not torch.allclose(grad, reverse, atol=1e-3)
+
+
+def test_k3_without_the_ratio_has_the_reverse_kl_gradient():
+    """Why the ratio is there: k3 alone, its samples held fixed, follows KL(ref || pi)."""
+    grad, forward, reverse = _expected_loss_gradient(weighted=False)
+    torch.testing.assert_close(grad, reverse)
+    assert not torch.allclose(grad, forward, atol=1e-3)

@@ -15,9 +15,11 @@ def test_ppo_policy_loss_symmetric_clip():
     loss, m = ppo_policy_loss(logprob=logprob, old_logprob=old, advantages=adv, clip_low=0.2)
     # per-sample max(-A r, -A clip(r)): [-1, -1.2, 0.8]  (r = 1, e^0.5, e^-0.5)
     assert loss.item() == pytest.approx((-1.0 - 1.2 + 0.8) / 3, abs=1e-6)
-    assert m["policy/clipfrac"] == pytest.approx(2 / 3)
+    assert m["policy/clipfrac"].item() == pytest.approx(2 / 3)
     r = torch.tensor([1.0, math.exp(0.5), math.exp(-0.5)])
-    assert m["policy/approx_kl"] == pytest.approx(((r - 1) - r.log()).mean().item(), abs=1e-6)
+    assert m["policy/approx_kl"].item() == pytest.approx(
+        ((r - 1) - r.log()).mean().item(), abs=1e-6
+    )
 
 
 def test_ppo_policy_loss_asymmetric_clip_higher():
@@ -58,6 +60,32 @@ def test_value_loss_plain_and_clipped():
 
 def test_entropy_and_approx_kl():
     loss, m = entropy(entropies=torch.tensor([1.0, 3.0]))
-    assert loss.item() == 2.0 and m["policy/entropy"] == 2.0
-    assert approx_kl(log_ratio=torch.zeros(5)) == 0.0
-    assert approx_kl(log_ratio=torch.tensor([math.log(2.0)])) == pytest.approx(1 - math.log(2.0))
+    assert loss.item() == 2.0 and m["policy/entropy"].item() == 2.0
+    assert approx_kl(log_ratio=torch.zeros(5)).item() == 0.0
+    assert approx_kl(log_ratio=torch.tensor([math.log(2.0)])).item() == pytest.approx(
+        1 - math.log(2.0)
+    )
+
+
+def test_masked_entries_do_not_count():
+    # per action: the second action of chunk 0 ran after its episode ended (masked out)
+    logprob = torch.tensor([[0.0, 5.0], [0.5, 0.0]])
+    adv = torch.tensor([[1.0, 1.0], [1.0, 1.0]])
+    mask = torch.tensor([[True, False], [True, True]])
+    loss, m = ppo_policy_loss(
+        logprob=logprob, old_logprob=torch.zeros(2, 2), advantages=adv, clip_low=0.2, mask=mask
+    )
+    # the three valid entries: -1, -1.2 (clipped), -1
+    assert loss.item() == pytest.approx((-1.0 - 1.2 - 1.0) / 3, abs=1e-6)
+    assert m["policy/clipfrac"].item() == pytest.approx(1 / 3)
+    logprob.requires_grad_(True)
+    loss, _ = ppo_policy_loss(
+        logprob=logprob, old_logprob=torch.zeros(2, 2), advantages=adv, clip_low=0.2, mask=mask
+    )
+    loss.backward()
+    assert logprob.grad[0, 1].item() == 0.0 and logprob.grad[0, 0].item() != 0.0
+
+
+def test_value_loss_explained_variance_is_nan_without_variance():
+    _, m = value_loss(values=torch.tensor([1.0, 2.0]), returns=torch.tensor([3.0, 3.0]))
+    assert math.isnan(m["value/explained_variance"].item())

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from embodied.contract import random_observation
+from embodied.contract import check_policy, random_observation
 from embodied.models import ActorCritic, ActorCriticConfig, RunningNorm
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, check_policy
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec
 
 STATE_SPEC = EnvSpec(
     obs=ObsSpec(state_names=("q0", "q1", "q2"), privileged={"goal": (3,), "pose": (7,)}),

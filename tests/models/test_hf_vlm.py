@@ -8,9 +8,8 @@ import torch
 from test_vla import HEADS, SPEC, tiny
 from tiny_vlms import FAMILIES
 
-from embodied.contract import random_observation
+from embodied.contract import check_policy, random_observation
 from embodied.models import build_policy
-from embodied.schema import check_policy
 
 SPEC32 = SPEC.__class__(
     **{

@@ -12,10 +12,9 @@ from test_hf_vlm import SPEC32
 from test_vla import assert_checkpoint_acts_alone
 from tiny_vlms import smolvlm
 
-from embodied.contract import random_observation
+from embodied.contract import check_policy, random_observation
 from embodied.models import SmolVLA, SmolVLAConfig, build_policy
 from embodied.models.vla.smolvla import lerobot_smolvla
-from embodied.schema import check_policy
 
 
 @pytest.fixture(scope="module")

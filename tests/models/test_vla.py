@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from embodied.checkpoint import load_checkpoint, save_checkpoint
-from embodied.contract import random_observation
+from embodied.contract import check_policy, random_observation
 from embodied.models import VLA, VLAConfig, build_policy
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, NormStats, ObsSpec, check_policy
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, NormStats, ObsSpec
 
 SPEC = EnvSpec(
     obs=ObsSpec(

@@ -1,0 +1,147 @@
+"""Host synchronisations per rollout step on physx_cuda, counted by torch's sync debug mode.
+
+Side by side in one run: the raw environment (random actions, the same task, controller and
+number of environments), then our rollout loop (MLP policy, collect()) within episodes and over
+whole episodes, and the PPO update. ``--env maniskill`` is ManiSkill's physx_cuda (it needs
+SAPIEN's PhysX GPU library); ``--env scripted`` is the tests' scripted environment on the GPU
+(tests/scripted_envs.py: its steps are a few tensor ops, so every sync counted is our loop's).
+Each row counts the CUDA calls torch reports as synchronising (``set_sync_debug_mode``),
+per environment step, split into steps where an episode ended (the environment resets those on
+the host) and steps where none did.
+
+    python benchmarks/host_syncs.py [--env maniskill|scripted] [--task PushCube-v1]
+        [--num-envs 1024] [--steps 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from functools import partial
+from pathlib import Path
+
+import torch
+
+
+def counted(fn):
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, sum("synchroniz" in str(w.message) for w in caught)
+
+
+def make_env(kind: str, task: str, num_envs: int, episode: int):
+    if kind == "scripted":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from scripted_envs import ScriptedEnv
+
+        return ScriptedEnv([0] * num_envs, max_episode_steps=episode, device="cuda")
+    from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
+
+    cfg = ManiSkillConfig(
+        task=task,
+        backend="gpu",
+        num_envs=num_envs,
+        control_mode="pd_joint_delta_pos",
+        ignore_terminations=True,
+        max_episode_steps=episode,
+    )
+    return ManiSkillEnv(cfg)
+
+
+def raw(env, steps: int) -> dict:
+    """The environment alone: random actions in its bounds, no policy, no bookkeeping."""
+    low, high = env.spec.action.bounds(env.device)
+    env.reset(seed=0)
+
+    def run():
+        for _ in range(steps):
+            env.step(low + torch.rand(env.num_envs, len(low), device=env.device) * (high - low))
+
+    _, syncs = counted(run)
+    return {"loop": "raw environment steps", "steps": steps, "syncs": syncs}
+
+
+def ours(env, steps: int, episode: int) -> list[dict]:
+    from embodied.algorithm import update
+    from embodied.env_group import EnvGroup
+    from embodied.inference import InferencePolicy
+    from embodied.learner import TorchEngine
+    from embodied.models import ActorCritic, ActorCriticConfig
+    from embodied.ppo import PPO, PPOConfig
+    from embodied.rollout import CollectPlan, EpisodeStats, collect
+
+    num_envs = env.num_envs
+    envs = EnvGroup(env)
+    policy = ActorCritic(env.spec, ActorCriticConfig()).to(env.device)
+    inference = InferencePolicy(policy)
+    rows = []
+    for label, chunks in (("within episodes", episode - 1), ("whole episodes", steps)):
+        plan = CollectPlan(
+            seeds=0,
+            group_of_env=torch.full((num_envs,), -1),
+            num_chunks=chunks,
+            episode_base=0,
+        )
+        stats = EpisodeStats(num_envs, envs.task_names, env.device)
+        collect(envs, inference, envs.reset(seed=0), plan, stats)  # warm-up
+        obs = envs.reset(seed=0)
+        (batch, _), syncs = counted(partial(collect, envs, inference, obs, plan, stats))
+        ended = ((batch.terminated | batch.truncated) & batch.valid).any(-1).any(-1)
+        rows.append(
+            {
+                "loop": f"our rollout, {label}",
+                "steps": chunks,
+                "steps_with_ends": int(ended.sum()),
+                "syncs": syncs,
+            }
+        )
+    algo = PPO(PPOConfig(), seed=0, num_envs=num_envs)
+    algo.advantages(batch)
+    samples = batch.samples()
+    learner = TorchEngine(policy, learning_rate=3e-4, max_grad_norm=0.5)
+    epochs = 4
+    run = partial(update, learner, algo, samples, epochs=epochs, num_minibatches=4)
+    _, syncs = counted(run)
+    rows.append({"loop": "PPO update (4 epochs x 4 minibatches)", "epochs": epochs, "syncs": syncs})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--env", choices=["maniskill", "scripted"], default="maniskill")
+    p.add_argument("--task", default="PushCube-v1")
+    p.add_argument("--num-envs", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--episode", type=int, default=50)
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args()
+    env = make_env(args.env, args.task, args.num_envs, args.episode)
+    rows = [raw(env, args.steps)]
+    rows += ours(env, args.steps, args.episode)
+    env.close()
+    device = torch.cuda.get_device_name()
+    name = args.task if args.env == "maniskill" else "scripted env"
+    print(f"# {device}, torch {torch.__version__}, {name}, {args.num_envs} envs")
+    print("| loop | steps | steps with an episode end | host syncs | per step |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        n = r.get("steps") or r.get("epochs")
+        print(
+            f"| {r['loop']} | {n} | {r.get('steps_with_ends', '-')} | {r['syncs']} | "
+            f"{r['syncs'] / n:.2f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "args": vars(args), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""What an RL algorithm is to the runner, and the minibatch update they share.
+
+An algorithm plans its collection rounds (reset seeds, groups, chunks per round), turns a
+``RolloutBatch`` into advantages and a sample mask (``advantages``), and scores a minibatch
+(``loss``) through the learner. Both are built on the pure functions of ``embodied.algorithms``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from embodied.learner import TrainEngine
+from embodied.rollout import LEVELS, CollectPlan, RolloutBatch, Samples
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = ""  # selects the schema: ppo | grpo
+
+
+def check_level(level: str) -> None:
+    if level not in LEVELS:
+        raise ValueError(f"logprob_level: must be chunk, action or token, got {level!r}")
+
+
+class Algorithm(Protocol):
+    has_critic: bool
+    max_rounds: int  # collection rounds per update at most
+
+    def plan(self, iteration: int, round_index: int, episode_base: int) -> CollectPlan: ...
+
+    def advantages(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+        """Set ``batch.advantages`` (and returns, sample_mask); return 0-dim tensor metrics."""
+
+    def enough(self, metrics: list[dict[str, torch.Tensor]]) -> bool:
+        """Whether the rounds collected so far (their advantages() metrics) make an update."""
+
+    def prepare(self, samples: Samples) -> None:
+        """Per-batch work before the epochs (e.g. reference log-probabilities, once)."""
+
+    def loss(
+        self, learner: TrainEngine, minibatch: Samples
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+    def stop_early(self, last_minibatch: dict[str, float]) -> bool: ...
+
+
+def broadcast(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-chunk advantages f32 [N] spread over a finer log-probability level's shape."""
+    return advantages.view(-1, *([1] * (like.dim() - 1))).expand_as(like)
+
+
+def update(
+    learner: TrainEngine,
+    algorithm: Algorithm,
+    samples: Samples,
+    *,
+    epochs: int,
+    num_minibatches: int,
+) -> dict[str, float]:
+    """Epochs of shuffled minibatches; returns the mean of every metric and ``policy/epochs``.
+    Metrics stay on the device during an epoch and cross to the host once at its end."""
+    n = len(samples)
+    mb_size = max(1, n // num_minibatches)
+    device = samples.advantages.device
+    sums: dict[str, float] = {}
+    count = 0
+    epochs_run = 0
+    for _ in range(epochs):
+        perm_host = torch.randperm(n)  # on the CPU: its slices also index the instructions
+        perm = perm_host.to(device)
+        epoch: list[dict[str, torch.Tensor]] = []
+        for start in range(0, n - mb_size + 1, mb_size):
+            rows = slice(start, start + mb_size)
+            minibatch = samples.index(perm[rows], perm_host[rows])
+            loss, metrics = algorithm.loss(learner, minibatch)
+            learner.backward(loss)
+            metrics["policy/grad_norm"] = learner.step()
+            epoch.append(metrics)
+        keys = list(epoch[0])
+        table = torch.stack([torch.stack([m[k].float() for k in keys]) for m in epoch])
+        rows_host = table.tolist()  # the epoch's one transfer: [minibatches][metrics]
+        for values in rows_host:
+            for key, value in zip(keys, values):
+                sums[key] = sums.get(key, 0.0) + value
+        count += len(rows_host)
+        epochs_run += 1
+        if algorithm.stop_early(dict(zip(keys, rows_host[-1]))):
+            break
+    means = {k: v / count for k, v in sums.items()}
+    means["policy/epochs"] = epochs_run
+    return means

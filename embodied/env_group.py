@@ -1,0 +1,146 @@
+"""The environment-group role: B environments of one or more tasks behind the contract, executing
+a chunk of K actions per call.
+
+The runner talks to it through ``reset``, ``send``/``receive`` and a few read-only facts
+(``task_ids``, ``instructions``); a distributed runner puts it in a process of its own. Chunks
+are executed here, so a remote group answers once per chunk, not once per environment step.
+
+An episode that ends inside a chunk ends the chunk's credit there: ``ChunkStep.ended`` names the
+environments whose episode (the one the chunk started in) ended, with that episode's last
+observation. The chunk's remaining actions run on the freshly reset episode.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from embodied.schema import Observation
+
+
+@dataclass
+class ChunkStep:
+    """What a chunk of K actions did to n environments (the rows it was sent for, in order).
+
+    obs: the observation after the chunk (episodes that ended already reset), [n, ...].
+    reward: f32 [n, K] per environment step; terminated, truncated, success: bool [n, K].
+    ended: long [m] on the CPU: positions (in the n rows) whose chunk-start episode ended.
+    final_obs: the last observation of each of those episodes, rows in the order of ``ended``;
+        None when no episode ended.
+    """
+
+    obs: Observation
+    reward: torch.Tensor
+    terminated: torch.Tensor
+    truncated: torch.Tensor
+    success: torch.Tensor
+    ended: torch.Tensor
+    final_obs: Observation | None
+
+
+class EnvGroup:
+    """A VecEnv (a MultiTaskEnv for several tasks) seen as the runner's environment group."""
+
+    def __init__(self, env):
+        self.env = env
+        self.num_envs = env.num_envs
+        self.device = torch.device(env.device)
+        self.spec = env.spec
+        ranges = getattr(env, "task_ranges", [(0, env.num_envs)])
+        self.task_names: list[str] = list(getattr(env, "names", ["all"]))
+        task_of_env = torch.zeros(env.num_envs, dtype=torch.long)  # long [B] on the CPU
+        for task, (lo, hi) in enumerate(ranges):
+            task_of_env[lo:hi] = task
+        self.task_of_env = task_of_env
+        self.task_ids = task_of_env.to(self.device)  # long [B]
+        self.instructions: tuple[str, ...] = ()  # one per task, read at the first reset
+        self._ranges = ranges
+        self._pending: deque[ChunkStep] = deque()
+        # stepping subsets asynchronously (CPU workers) lets a rollout pipeline groups of envs
+        self.can_pipeline = bool(getattr(env, "can_step_subsets", False))
+
+    def reset(self, seed: int | Sequence[int] | None = None) -> Observation:
+        """Reset every environment (an int seed gives env b the seed ``seed + b``; a list, one
+        seed each) and check that each task's environments share one instruction."""
+        obs = self.env.reset(seed=seed)
+        instructions = tuple(obs.instruction[lo] for lo, _ in self._ranges)
+        for task, (lo, hi) in enumerate(self._ranges):
+            if any(text != instructions[task] for text in obs.instruction[lo:hi]):
+                raise ValueError(
+                    f"task {self.task_names[task]}: its environments have different "
+                    "instructions; the rollout stores one instruction per task"
+                )
+        self.instructions = instructions
+        return obs
+
+    # --- chunks ---------------------------------------------------------------------------------
+    def send(self, actions: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Start a chunk: actions f32 [n, K, A] for all environments or for ``rows`` (long [n],
+        ascending, on the CPU). Subsets step asynchronously where the environment can (K = 1,
+        CPU workers); otherwise the chunk runs now and ``receive`` hands it over."""
+        if rows is not None and actions.shape[1] == 1:
+            self.env.step_async(actions[:, 0], rows)
+            return
+        if rows is not None:
+            raise ValueError("pipelined collection executes chunks of one action (K = 1)")
+        self._pending.append(self._execute(actions))
+
+    def receive(self, rows: torch.Tensor | None = None) -> ChunkStep:
+        """The result of the oldest ``send`` for the same rows."""
+        if rows is None:
+            return self._pending.popleft()
+        step = self.env.step_wait(rows)
+        return _chunk_of(step, n=len(rows))
+
+    def _execute(self, actions: torch.Tensor) -> ChunkStep:
+        B, K = actions.shape[:2]
+        reward = torch.empty(B, K, device=self.device)
+        terminated = torch.empty(B, K, dtype=torch.bool, device=self.device)
+        truncated = torch.empty_like(terminated)
+        success = torch.empty_like(terminated)
+        alive = np.ones(B, dtype=bool)  # the chunk's episode still runs (host side: no sync)
+        ended_parts: list[torch.Tensor] = []
+        final_parts: list[Observation] = []
+        obs = None
+        for k in range(K):
+            out = self.env.step(actions[:, k])
+            reward[:, k] = out.reward
+            terminated[:, k] = out.terminated
+            truncated[:, k] = out.truncated
+            success[:, k] = out.success
+            if out.ended is not None:
+                rows = out.ended.numpy()
+                first = torch.from_numpy(rows[alive[rows]])  # episodes the chunk started in
+                if len(first):
+                    ended_parts.append(first)
+                    final_parts.append(out.final_obs.index(first))
+                alive[rows] = False
+            obs = out.obs
+        ended = torch.cat(ended_parts) if ended_parts else torch.zeros(0, dtype=torch.long)
+        final_obs = Observation.cat(final_parts) if final_parts else None
+        return ChunkStep(obs, reward, terminated, truncated, success, ended, final_obs)
+
+    def render(self) -> torch.Tensor | None:
+        return self.env.render()
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _chunk_of(step, n: int) -> ChunkStep:
+    """A one-action chunk from a ``StepOutput`` of n rows."""
+    ended = step.ended if step.ended is not None else torch.zeros(0, dtype=torch.long)
+    final_obs = None if step.final_obs is None else step.final_obs.index(ended)
+    return ChunkStep(
+        obs=step.obs,
+        reward=step.reward.view(n, 1),
+        terminated=step.terminated.view(n, 1),
+        truncated=step.truncated.view(n, 1),
+        success=step.success.view(n, 1),
+        ended=ended,
+        final_obs=final_obs,
+    )

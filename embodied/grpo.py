@@ -1,0 +1,213 @@
+"""GRPO with outcome rewards (episode success) for chunked policies: DAPO-style dynamic sampling
+and clip-higher, an optional KL penalty to the initial policy, no critic.
+
+Each round resets the environments in groups of M that share a reset seed (the same initial
+state). Groups never span tasks: each task's environments form floor(n / M) groups, and the
+leftover environments of a task run unseen by the update (group -1). Every environment runs one
+counted episode (chunks of K actions, T = ceil(max_episode_steps / K) chunks). An episode's
+outcome is whether it succeeded at some step. Groups whose members all succeeded or all failed
+are dropped (dynamic sampling) and more rounds are collected until ``groups_per_batch``
+informative groups are in hand or ``max_rounds`` is reached. Every chunk of a kept episode shares
+the episode's group-normalised advantage. Outcomes, groups and masks come from the rollout's
+``episode_id``, ``group_id``, ``success`` and ``valid`` fields.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+
+from embodied.algorithm import AlgorithmConfig, broadcast, check_level
+from embodied.algorithms import grpo_advantages, informative_groups, kl_penalty, ppo_policy_loss
+from embodied.learner import TrainEngine
+from embodied.rollout import CollectPlan, RolloutBatch, Samples, logprob_at
+
+
+@dataclass
+class GRPOConfig(AlgorithmConfig):
+    """GRPO hyper-parameters. No critic."""
+
+    name: str = "grpo"
+    group_size: int = 8  # M episodes per group, all reset with the same seed
+    groups_per_batch: int = 2  # informative groups wanted per update
+    max_rounds: int = 4  # collection rounds per update while too few groups are informative
+    dynamic_sampling: bool = True  # drop groups whose members all succeeded or all failed
+    scale_by_std: bool = True  # False: Dr. GRPO (no division by the group's std)
+    # where the PPO ratio is taken: chunk (one ratio over K*A dimensions: clips at the smallest
+    # change) | action | token
+    logprob_level: str = "action"
+    # the Gaussian head's log std after runner.init_from: SFT fits only the mean, and sampling at
+    # the SFT's untrained std can fail most episodes the deterministic policy solves
+    exploration_log_std: float | None = None
+    learning_rate: float = 2e-5
+    anneal_lr: bool = False  # linearly to 0 over total_env_steps
+    update_epochs: int = 2
+    num_minibatches: int = 2
+    clip_coef: float = 0.2
+    clip_coef_high: float | None = 0.28  # DAPO clip-higher
+    kl_coef: float = 0.0  # > 0: penalty KL(pi || initial policy), k3 estimator
+    max_grad_norm: float = 1.0
+
+    def validate(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"group_size: must be >= 2, got {self.group_size}")
+        check_level(self.logprob_level)
+        for key in ("groups_per_batch", "max_rounds", "update_epochs", "num_minibatches"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef: must be >= 0, got {self.kl_coef}")
+
+
+def groups_by_task(task_of_env: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Group of each environment, long [B]: each task's environments (in order) in groups of
+    ``group_size``, numbered across tasks; -1 for a task's leftover environments."""
+    group_of_env = torch.full_like(task_of_env, -1)
+    next_group = 0
+    for task in task_of_env.unique().tolist():
+        envs = (task_of_env == task).nonzero().squeeze(1)  # long [n]
+        whole = len(envs) // group_size * group_size
+        groups = torch.arange(whole // group_size).repeat_interleave(group_size)
+        group_of_env[envs[:whole]] = groups + next_group
+        next_group += whole // group_size
+    return group_of_env
+
+
+class GRPO:
+    has_critic = False
+
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        *,
+        seed: int,
+        task_of_env: torch.Tensor,
+        chunk_size: int,
+        max_episode_steps: int,
+        reference: torch.nn.Module | None = None,
+    ):
+        self.cfg = cfg
+        self.seed = seed
+        self.max_rounds = cfg.max_rounds
+        self.group_of_env = groups_by_task(task_of_env, cfg.group_size)  # long [B], CPU
+        self.num_groups = int(self.group_of_env.max()) + 1
+        if self.num_groups < 1:
+            raise ValueError(
+                f"algorithm.group_size={cfg.group_size}: no task has that many environments "
+                f"(env.num_envs={len(task_of_env)} over {len(task_of_env.unique())} task(s))"
+            )
+        self.idle_envs = int((self.group_of_env < 0).sum())  # leftovers: run, never trained on
+        self.num_chunks = math.ceil(max_episode_steps / chunk_size)  # one episode per env
+        self.reference = None
+        if cfg.kl_coef > 0 and reference is not None:
+            self.reference = copy.deepcopy(reference).eval().requires_grad_(False)
+
+    def plan(self, iteration: int, round_index: int, episode_base: int) -> CollectPlan:
+        """Fresh initial states every round: group g of round r of iteration i gets seed
+        seed + ((i - 1) * max_rounds + r) * B + g; idle environments get seeds of their own."""
+        B = len(self.group_of_env)
+        base = self.seed + ((iteration - 1) * self.max_rounds + round_index) * B
+        idle = (self.group_of_env < 0).cumsum(0) + self.num_groups - 1  # long [B]
+        seeds = base + torch.where(self.group_of_env >= 0, self.group_of_env, idle)
+        # group ids stay distinct across the rounds of one update
+        offset = round_index * self.num_groups
+        group_of_env = torch.where(self.group_of_env >= 0, self.group_of_env + offset, -1)
+        return CollectPlan(
+            seeds=seeds.tolist(),
+            group_of_env=group_of_env,
+            num_chunks=self.num_chunks,
+            episode_base=episode_base,
+        )
+
+    def advantages(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+        """Outcome per episode from its chunks (success within the valid actions), advantages
+        per group, mapped back to every chunk of the episode through ``episode_id``."""
+        member = batch.group_id >= 0  # bool [T, B]: chunks of counted episodes
+        chunk_success = (batch.success & batch.valid).any(-1)  # bool [T, B]
+        chunk_ended = ((batch.terminated | batch.truncated) & batch.valid).any(-1)
+        # one host sync per round: which episodes are present
+        episodes, chunk_episode = torch.unique(batch.episode_id[member], return_inverse=True)
+        E = len(episodes)
+        outcome = torch.zeros(E, device=member.device)
+        outcome = outcome.scatter_reduce(0, chunk_episode, chunk_success[member].float(), "amax")
+        ended = torch.zeros(E, device=member.device)
+        ended = ended.scatter_reduce(0, chunk_episode, chunk_ended[member].float(), "amax")
+        group_min = batch.group_id[member].min()
+        group = torch.zeros(E, dtype=torch.long, device=member.device)
+        group = group.scatter(0, chunk_episode, batch.group_id[member] - group_min)
+        unfinished = int(E - ended.sum())
+        if unfinished:
+            raise RuntimeError(
+                f"{unfinished} environments did not finish an episode in {batch.valid.shape[0]} "
+                "chunks; GRPO needs episodes that end (set env.max_episode_steps)"
+            )
+        adv, metrics = grpo_advantages(
+            rewards=outcome,
+            group_ids=group,
+            num_groups=self.num_groups,
+            scale_by_std=self.cfg.scale_by_std,
+        )
+        if self.cfg.dynamic_sampling:
+            keep = informative_groups(rewards=outcome, group_ids=group, num_groups=self.num_groups)
+        else:
+            keep = torch.ones(self.num_groups, dtype=torch.bool, device=member.device)
+        batch.advantages = torch.zeros(member.shape, device=member.device)
+        batch.advantages[member] = adv[chunk_episode]
+        batch.sample_mask = torch.zeros_like(member)
+        batch.sample_mask[member] = keep[group][chunk_episode]
+        metrics["grpo/kept_groups"] = keep.sum()
+        metrics["grpo/episode_success"] = outcome.mean()
+        return metrics
+
+    def enough(self, metrics: list[dict[str, torch.Tensor]]) -> bool:
+        kept = int(sum(m["grpo/kept_groups"] for m in metrics))  # one sync per round
+        return kept >= self.cfg.groups_per_batch
+
+    @torch.no_grad()
+    def prepare(self, samples: Samples) -> None:
+        """Reference log-probabilities (KL penalty), once per batch, in minibatch-sized pieces."""
+        if self.reference is None:
+            return
+        level = self.cfg.logprob_level
+        size = max(1, len(samples) // self.cfg.num_minibatches)
+        parts = []
+        for start in range(0, len(samples), size):
+            rows_host = torch.arange(start, min(len(samples), start + size))
+            piece = samples.index(rows_host.to(samples.advantages.device), rows_host)
+            token, _, _ = self.reference.evaluate(piece.obs, piece.output, level="token")
+            parts.append(logprob_at(token, level, piece.valid))
+        samples.ref_logprob = torch.cat(parts)
+
+    def loss(self, learner: TrainEngine, minibatch: Samples):
+        cfg = self.cfg
+        level = cfg.logprob_level
+        logprob, ent, _ = learner.logprob(minibatch, level)
+        old_logprob = minibatch.behaviour_logprob(level)
+        mask = minibatch.mask(level)
+        loss, metrics = ppo_policy_loss(
+            logprob=logprob,
+            old_logprob=old_logprob,
+            advantages=broadcast(minibatch.advantages, logprob),
+            clip_low=cfg.clip_coef,
+            clip_high=cfg.clip_coef_high,
+            mask=mask,
+        )
+        if minibatch.ref_logprob is not None:
+            kl, kl_metrics = kl_penalty(
+                logprob=logprob,
+                ref_logprob=minibatch.ref_logprob,
+                old_logprob=old_logprob,
+                mask=mask,
+            )
+            loss = loss + cfg.kl_coef * kl
+            metrics.update(kl_metrics)
+        metrics["policy/entropy"] = ent.detach().mean()
+        return loss, metrics
+
+    def stop_early(self, last_minibatch: dict[str, float]) -> bool:
+        return False

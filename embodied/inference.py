@@ -1,0 +1,41 @@
+"""The inference role: a copy of the policy at a known weight version, acting on observation
+batches. In one process it shares the learner's module (``sync`` only records the version); a
+distributed runner holds a copy in another process and receives the learner's weights."""
+
+from __future__ import annotations
+
+import torch
+
+from embodied.schema import Observation, PolicyOutput
+
+
+class InferencePolicy:
+    def __init__(self, policy: torch.nn.Module, version: int = 0):
+        self.policy = policy
+        self.version = version  # the learner update that produced these weights
+        self.has_critic = getattr(policy, "has_critic", True)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.policy.parameters()).device
+
+    @torch.no_grad()
+    def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
+        """A chunk for every row; ``value`` is zeros f32 [B] for policies without a critic."""
+        out = self.policy.act(obs, deterministic=deterministic)
+        if out.value is None:
+            out.value = torch.zeros_like(out.logprob)
+        return out
+
+    @torch.no_grad()
+    def value(self, obs: Observation) -> torch.Tensor:
+        """V(obs) f32 [B] (zeros without a critic, computed without a forward pass)."""
+        if not self.has_critic:
+            return torch.zeros(obs.batch_size, device=self.device)
+        return self.policy.value(obs)
+
+    def sync(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
+        """Take the learner's weights (None: the module is shared, nothing to copy)."""
+        if state is not None:
+            self.policy.load_state_dict(state, strict=False)
+        self.version = version

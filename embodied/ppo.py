@@ -1,0 +1,132 @@
+"""PPO with a critic: GAE over chunks, the clipped surrogate at a chosen log-probability level,
+a (clipped) value loss and an entropy bonus.
+
+Every iteration starts from a seeded reset of all environments (environment b of iteration i gets
+seed ``seed + i * num_envs + b``), so an iteration depends only on the weights, the RNG state and
+its index: a resumed run continues exactly as the uninterrupted one. Episodes still running at
+the end of a rollout are truncated there and bootstrap from V(s_T).
+
+A chunk of K actions is one decision step: its reward is sum_k gamma^k r_k over the actions that
+ran in its episode, and what follows is discounted by gamma^n for those n actions (gamma^(k+1)
+when the episode ended at action k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from embodied.algorithm import AlgorithmConfig, broadcast, check_level
+from embodied.algorithms import chunk_returns, entropy, gae, ppo_policy_loss, value_loss
+from embodied.learner import TrainEngine
+from embodied.rollout import CollectPlan, RolloutBatch, Samples
+
+
+@dataclass
+class PPOConfig(AlgorithmConfig):
+    """PPO hyper-parameters (names as in CleanRL / ManiSkill's PPO baseline)."""
+
+    name: str = "ppo"
+    num_steps: int = 50  # T: policy calls per environment per rollout
+    gamma: float = 0.8  # per environment step
+    gae_lambda: float = 0.9
+    learning_rate: float = 3e-4
+    anneal_lr: bool = False  # linearly to 0 over total_env_steps
+    update_epochs: int = 4
+    num_minibatches: int = 4
+    clip_coef: float = 0.2  # ratio clipped to [1 - clip_coef, 1 + clip_coef_high]
+    clip_coef_high: float | None = None  # None: symmetric
+    # where the ratio is taken: chunk (one ratio over the K x A dimensions of a chunk: clips at
+    # the smallest change) | action | token; the same for K = 1 policies' chunk and action
+    logprob_level: str = "action"
+    vf_coef: float = 0.5
+    vf_clip: float | None = None  # None: unclipped value loss
+    ent_coef: float = 0.0
+    max_grad_norm: float = 0.5
+    target_kl: float | None = 0.1  # stop the epochs early once approx_kl exceeds it
+    norm_adv: bool = True
+    reward_scale: float = 1.0
+
+    def validate(self) -> None:
+        for key in ("num_steps", "update_epochs", "num_minibatches"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        if not 0 < self.gamma <= 1:
+            raise ValueError(f"gamma: must be in (0, 1], got {self.gamma}")
+        if not 0 <= self.gae_lambda <= 1:
+            raise ValueError(f"gae_lambda: must be in [0, 1], got {self.gae_lambda}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")
+        check_level(self.logprob_level)
+
+
+class PPO:
+    has_critic = True
+    max_rounds = 1
+
+    def __init__(self, cfg: PPOConfig, *, seed: int, num_envs: int):
+        self.cfg = cfg
+        self.seed = seed
+        self.num_envs = num_envs
+
+    def plan(self, iteration: int, round_index: int, episode_base: int) -> CollectPlan:
+        return CollectPlan(
+            seeds=self.seed + iteration * self.num_envs,
+            group_of_env=torch.full((self.num_envs,), -1, dtype=torch.long),
+            num_chunks=self.cfg.num_steps,
+            episode_base=episode_base,
+        )
+
+    def advantages(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        rewards, discount = chunk_returns(
+            rewards=batch.rewards * cfg.reward_scale, valid=batch.valid, gamma=cfg.gamma
+        )  # f32 [T, B] each
+        terminated, truncated = batch.chunk_done
+        batch.advantages, batch.returns = gae(
+            rewards=rewards,
+            values=batch.values,
+            next_values=batch.next_values,
+            terminated=terminated,
+            truncated=truncated,
+            gamma=discount,
+            gae_lambda=cfg.gae_lambda,
+        )
+        batch.sample_mask = batch.valid[..., 0]  # every chunk starts in its episode
+        return {}
+
+    def enough(self, metrics: list[dict[str, torch.Tensor]]) -> bool:
+        return True
+
+    def prepare(self, samples: Samples) -> None:
+        pass
+
+    def loss(self, learner: TrainEngine, minibatch: Samples):
+        cfg = self.cfg
+        level = cfg.logprob_level
+        logprob, ent, value = learner.logprob(minibatch, level)
+        adv = minibatch.advantages  # f32 [N]
+        if cfg.norm_adv and len(adv) > 1:
+            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        pg_loss, pg_metrics = ppo_policy_loss(
+            logprob=logprob,
+            old_logprob=minibatch.behaviour_logprob(level),
+            advantages=broadcast(adv, logprob),
+            clip_low=cfg.clip_coef,
+            clip_high=cfg.clip_coef_high,
+            mask=minibatch.mask(level),
+        )
+        v_loss, v_metrics = value_loss(
+            values=value,
+            returns=minibatch.returns,
+            old_values=minibatch.values,
+            clip=cfg.vf_clip,
+        )
+        ent_loss, ent_metrics = entropy(entropies=ent)
+        loss = pg_loss - cfg.ent_coef * ent_loss + cfg.vf_coef * v_loss
+        return loss, {**pg_metrics, **v_metrics, **ent_metrics, "loss/total": loss.detach()}
+
+    def stop_early(self, last_minibatch: dict[str, float]) -> bool:
+        target = self.cfg.target_kl
+        return target is not None and last_minibatch["policy/approx_kl"] > target

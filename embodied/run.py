@@ -1,0 +1,166 @@
+"""What every training command shares around its loop: the run directory, resuming (with a check
+that the config still describes the same run), the metrics log without duplicate rows, the
+checkpoints, the time limit, and stopping on Ctrl-C or SIGTERM at a consistent point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from embodied.config import ConfigError
+
+
+class Interrupted(Exception):
+    """Raised inside collection or evaluation when a stop was requested (nothing is half done:
+    the weights are the last completed iteration's)."""
+
+
+class Stopped(Exception):
+    """Training stopped on a signal after saving the last completed iteration."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM ask the loop to stop at its next consistent point instead of killing it
+    mid-update; a second Ctrl-C quits at once (KeyboardInterrupt, nothing saved)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if _main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        name = signal.Signals(signum).name
+        print(
+            f"\n{name}: stopping at the next consistent point and saving "
+            "(Ctrl-C again quits without saving)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+# keys a resumed run may change: where it writes, how it reports and how long it goes on
+RESUME_FREE = (
+    "runner.name",
+    "runner.output_dir",
+    "runner.resume",
+    "runner.resume_force",
+    "runner.progress",
+    "runner.max_minutes",
+    "runner.eval_every",
+    "runner.eval_episodes",
+    "runner.final_eval_episodes",
+    "runner.save_every",
+    "runner.keep_checkpoints",
+    "runner.video",
+    "env.num_workers",  # environments are seeded per episode: the worker layout changes nothing
+    "env.step_timeout_s",
+)
+
+
+def check_resume(saved: dict, current: dict, checkpoint: Path, force: bool) -> None:
+    """Refuse to resume when a key that changes the run's numbers differs from the checkpoint's
+    config. ``runner.total_env_steps`` may grow unless the learning rate anneals over it."""
+    before = flatten(saved)
+    now = flatten(current)
+    free = set(RESUME_FREE)
+    if not now.get("algorithm.anneal_lr", False):
+        free.add("runner.total_env_steps")
+    changed = [
+        k for k in sorted(set(before) | set(now)) if k not in free and before.get(k) != now.get(k)
+    ]
+    if not changed or force:
+        return
+    first = changed[0]
+    more = f" (and {len(changed) - 1} more: {', '.join(changed[1:4])})" if len(changed) > 1 else ""
+    raise ConfigError(
+        f"runner.resume: {first} is {now.get(first)!r} here but {before.get(first)!r} in "
+        f"{checkpoint}{more}; that changes the run: set runner.resume_force=true to resume anyway"
+    )
+
+
+def trim_metrics(run_dir: Path, iteration: int) -> None:
+    """Drop the metrics.jsonl rows logged after ``iteration`` (by a run that went on past its
+    last checkpoint), so a resumed run logs each iteration once."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("iteration", 0) <= iteration:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+class Clock:
+    """Training time across resumes, and the ``runner.max_minutes`` limit."""
+
+    def __init__(self, seconds_before: float, max_minutes: float | None):
+        self.start = time.time() - seconds_before
+        self.max_minutes = max_minutes
+
+    @property
+    def seconds(self) -> float:
+        return time.time() - self.start
+
+    @property
+    def out_of_time(self) -> bool:
+        return self.max_minutes is not None and self.seconds >= self.max_minutes * 60
+
+    def left(self) -> dict[str, str]:
+        """Progress-bar field for runs stopped by max_minutes (the bar's own ETA assumes the step
+        budget is reached)."""
+        if self.max_minutes is None:
+            return {}
+        return {"min_left": f"{max(0.0, self.max_minutes - self.seconds / 60):.1f}"}
+
+
+def bar_interval() -> float:
+    """Progress-bar refresh: live on a terminal, a line every 30 s into a log file."""
+    return 0.1 if sys.stderr.isatty() else 30.0

@@ -1,0 +1,553 @@
+"""The runner: one loop for PPO and GRPO.
+
+    collect (rounds of chunks) -> advantages -> epochs of minibatch updates -> log -> evaluate
+    -> checkpoint
+
+It drives three roles through small interfaces (embodied/env_group.py, inference.py,
+learner.py), which a distributed runner places in separate processes, and an algorithm object
+(embodied/ppo.py, grpo.py). Ctrl-C and SIGTERM stop it at a consistent point: during collection
+or evaluation it saves the last completed iteration (its weights, counters and RNG state); during
+an update it finishes the iteration first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from tqdm import tqdm
+
+from embodied.algorithm import AlgorithmConfig, update
+from embodied.checkpoint import (
+    load_checkpoint,
+    mark_best,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from embodied.config import ConfigError, save_config, to_dict
+from embodied.env_group import EnvGroup
+from embodied.evaluate import evaluate_by_task, overall, per_task
+from embodied.grpo import GRPO, GRPOConfig
+from embodied.inference import InferencePolicy
+from embodied.learner import TorchEngine
+from embodied.logger import RunLogger
+from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig, build_policy
+from embodied.multitask import SIMULATOR_CONFIGS, make_env
+from embodied.ppo import PPO, PPOConfig
+from embodied.rollout import EpisodeStats, Samples, collect
+from embodied.run import (
+    Clock,
+    Interrupted,
+    Stopped,
+    StopSignals,
+    bar_interval,
+    check_resume,
+    trim_metrics,
+)
+from embodied.schema import SimulatorConfig
+from embodied.simulators.maniskill import ManiSkillConfig
+
+ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
+
+
+@dataclass
+class RunnerConfig:
+    """Where the run goes, how long it lasts, what it keeps."""
+
+    name: str = "run"  # run directory: output_dir/name
+    output_dir: str = "runs"
+    total_env_steps: int = 1_000_000  # environment steps over all environments
+    max_minutes: float | None = None  # stop training after this wall-clock time (then evaluate)
+    eval_every: int = 10  # iterations between evaluations (0: only at the end)
+    eval_episodes: int = 50  # episodes per task per evaluation during training
+    final_eval_episodes: int = 100  # episodes per task of the final evaluation
+    save_every: int = 10  # iterations between checkpoints (always at the end)
+    keep_checkpoints: int = 3  # the newest N checkpoints stay, plus the best by evaluation
+    video: bool = True  # record the final evaluation as mp4
+    resume: str | None = None  # a run directory (or checkpoint) to continue from
+    resume_force: bool = False  # resume even though a key that changes the run differs
+    # start from these policy weights (e.g. an SFT checkpoint) with a fresh optimizer
+    init_from: str | None = None
+    device: str = "auto"  # "auto": the environment's device
+    torch_threads: int = 1  # intra-op threads for the policy (the simulators use the other cores)
+    pipeline_stages: int = 1  # > 1: the policy acts for one group of envs while others simulate
+    progress: bool = True  # show a progress bar
+
+    def validate(self) -> None:
+        if self.total_env_steps < 1:
+            raise ValueError(f"total_env_steps: must be >= 1, got {self.total_env_steps}")
+        if self.pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages: must be >= 1, got {self.pipeline_stages}")
+        if self.eval_episodes < 1:
+            raise ValueError(f"eval_episodes: must be >= 1, got {self.eval_episodes}")
+        if self.final_eval_episodes < 1:
+            raise ValueError(f"final_eval_episodes: must be >= 1, got {self.final_eval_episodes}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
+        for key in ("eval_every", "save_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
+        if self.torch_threads < 1:
+            raise ValueError(f"torch_threads: must be >= 1, got {self.torch_threads}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"max_minutes: must be > 0, got {self.max_minutes}")
+
+
+@dataclass
+class TrainConfig:
+    # policy.name / algorithm.name / env.simulator select the config schema of that section
+    CHOICES: ClassVar[dict] = {
+        "policy": POLICY_CONFIGS,
+        "algorithm": ALGORITHMS,
+        "env": SIMULATOR_CONFIGS,
+    }
+    CHOICE_KEYS: ClassVar[dict] = {"env": "simulator"}
+    seed: int = 0
+    env: SimulatorConfig = field(default_factory=ManiSkillConfig)  # env.simulator picks the schema
+    policy: PolicyConfig = field(default_factory=ActorCriticConfig)  # policy.name picks it
+    algorithm: AlgorithmConfig = field(default_factory=PPOConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+
+
+def run_meta(cfg: TrainConfig, spec) -> dict:
+    return {"config": to_dict(cfg), "spec": spec.to_dict(), "format": "embodied-checkpoint-v1"}
+
+
+def init_policy(cfg: TrainConfig, spec, device):
+    """The policy for ``spec``, with weights (and normalization) from ``runner.init_from``."""
+    policy = build_policy(spec, cfg.policy).to(device)
+    if cfg.runner.init_from:
+        state = _load(cfg.runner.init_from, "runner.init_from", trainer_state=False)["model"]
+        missing, unexpected = policy.load_state_dict(state, strict=False)
+        # a critic may be added (PPO after SFT: fresh value head) or dropped (GRPO); nothing else
+        bad = [k for k in missing + unexpected if not k.startswith("value_mlp.")]
+        if bad:
+            raise ConfigError(
+                f"runner.init_from: {cfg.runner.init_from} does not fit policy "
+                f"{cfg.policy.name!r} (mismatched weights: {bad[:5]})"
+            )
+    return policy
+
+
+def _load(path: str, key: str, trainer_state: bool = True) -> dict:
+    try:
+        return load_checkpoint(path, with_trainer_state=trainer_state)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train as ``cfg`` says; returns the run's summary (also written to metrics.json)."""
+    torch.set_num_threads(cfg.runner.torch_threads)
+    resume = _load(cfg.runner.resume, "runner.resume") if cfg.runner.resume else None
+    if resume is not None:
+        check_resume(
+            resume["meta"]["config"], to_dict(cfg), resume["path"], cfg.runner.resume_force
+        )
+        # a checkpoint lives in RUN/checkpoints/iter_N: a resumed run keeps writing to RUN
+        run_dir = resume["path"].parent.parent
+        trim_metrics(run_dir, resume["counters"]["iteration"])
+    else:
+        run_dir = Path(cfg.runner.output_dir) / cfg.runner.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    torch.manual_seed(cfg.seed)
+    env = make_env(cfg.env)
+    try:
+        return Runner(cfg, env, run_dir, resume).run()
+    finally:
+        env.close()
+
+
+class Runner:
+    def __init__(self, cfg: TrainConfig, env, run_dir: Path, resume: dict | None):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        alg = cfg.algorithm
+        self.envs = EnvGroup(env)
+        B = env.num_envs
+        device = env.device if cfg.runner.device == "auto" else torch.device(cfg.runner.device)
+        self.policy = init_policy(cfg, env.spec, device)
+        if alg.name == "grpo" and alg.exploration_log_std is not None:
+            log_std = getattr(getattr(self.policy, "head", None), "log_std", None)
+            if log_std is None:
+                raise ConfigError(
+                    "algorithm.exploration_log_std: the policy has no Gaussian head with a log_std"
+                )
+            with torch.no_grad():
+                log_std.fill_(alg.exploration_log_std)
+        K = cfg.policy.chunk_size
+        if alg.name == "ppo":
+            if not getattr(self.policy, "has_critic", True):
+                raise ConfigError(
+                    "algorithm.name: ppo needs a critic; set policy.value_head=true "
+                    "(or train with algorithm.name=grpo)"
+                )
+            self.algorithm = PPO(alg, seed=cfg.seed, num_envs=B)
+            chunks_per_round = alg.num_steps
+        else:
+            self.algorithm = GRPO(
+                alg,
+                seed=cfg.seed,
+                task_of_env=self.envs.task_of_env,
+                chunk_size=K,
+                max_episode_steps=env.spec.max_episode_steps,
+                reference=self.policy,
+            )
+            chunks_per_round = self.algorithm.num_chunks
+            if self.algorithm.idle_envs:
+                print(
+                    f"GRPO: {self.algorithm.idle_envs} environment(s) fill no group of "
+                    f"{alg.group_size} within their task and are not trained on"
+                )
+        self.steps_per_round = B * K * chunks_per_round
+        self.num_iterations = max(1, math.ceil(cfg.runner.total_env_steps / self.steps_per_round))
+        self.learner = TorchEngine(
+            self.policy, learning_rate=alg.learning_rate, max_grad_norm=alg.max_grad_norm
+        )
+        self.inference = InferencePolicy(self.policy)
+        self.counters = {
+            "iteration": 0,
+            "env_steps": 0,
+            "episodes": 0,
+            "train_seconds": 0.0,
+            "policy_version": 0,
+            "rounds": 0,
+            "evals": [],
+            "before": None,
+            "best": None,  # {"iteration", "success_rate"} of the best evaluation so far
+        }
+        if resume is not None:
+            self.learner.load_state_dict(resume)
+            set_rng_state(resume["rng"])
+            self.counters.update(resume["counters"])
+            print(
+                f"resuming {run_dir} from iteration {self.counters['iteration']} "
+                f"({self.counters['env_steps']} env steps)"
+            )
+        self.inference.sync(None, self.counters["policy_version"])
+        self.fresh = resume is None
+        self.phase = "start"
+        self.saved = self.counters["iteration"]  # the newest checkpoint's iteration
+        self.end_rng = rng_state()  # the RNG as the last completed iteration left it
+        self.end_counters = json.loads(json.dumps(self.counters))
+        self.logger = RunLogger(run_dir, purge_step=None if self.fresh else self._purge_step())
+        self.meta = run_meta(cfg, env.spec)
+
+    def _purge_step(self) -> int:
+        return self.counters["env_steps"] + 1
+
+    # --- the loop ---------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        run = cfg.runner
+        counters = self.counters
+        self.bar = tqdm(
+            total=self.num_iterations,
+            initial=counters["iteration"],
+            unit="it",
+            desc=run.name,
+            disable=not run.progress,
+            dynamic_ncols=True,
+            mininterval=bar_interval(),
+        )
+        try:
+            with StopSignals() as self.stop:
+                try:
+                    self._loop()
+                except Interrupted:
+                    self._stopped_between_iterations()
+                except Exception:
+                    # a failure outside the update (a simulator worker that hung, say): the
+                    # weights are still the last completed iteration's, so keep them
+                    if self.phase in ("collect", "evaluate"):
+                        self._save_completed()
+                    raise
+                final = self._final_evaluation()
+        finally:
+            self.bar.close()
+            self.logger.close()
+        return final
+
+    def _loop(self) -> None:
+        cfg = self.cfg
+        run = cfg.runner
+        alg = cfg.algorithm
+        counters = self.counters
+        if counters["iteration"] == 0 and (alg.name == "grpo" or run.init_from):
+            # success before RL, on the evaluation seeds
+            counters["before"] = self._evaluate(run.eval_episodes)
+            self._log_evaluation(counters["before"], "before RL")
+            self.end_counters = json.loads(json.dumps(counters))
+        clock = Clock(counters["train_seconds"], run.max_minutes)
+        for iteration in range(counters["iteration"] + 1, self.num_iterations + 1):
+            if alg.anneal_lr:
+                self.learner.set_lr(alg.learning_rate * (1 - (iteration - 1) / self.num_iterations))
+            # 1. collect: rounds until the algorithm has enough for an update
+            t0 = time.time()
+            stats = EpisodeStats(self.envs.num_envs, self.envs.task_names, self.inference.device)
+            self.phase = "collect"
+            samples, metrics, batches = self._collect(iteration, stats)
+            rollout_time = time.time() - t0
+            self.phase = "update"
+            # 2. update, then fold this iteration's observations into the normalizer
+            t1 = time.time()
+            if samples is not None and len(samples):
+                self.policy.train()
+                self.algorithm.prepare(samples)
+                metrics.update(
+                    update(
+                        self.learner,
+                        self.algorithm,
+                        samples,
+                        epochs=alg.update_epochs,
+                        num_minibatches=alg.num_minibatches,
+                    )
+                )
+                self.policy.eval()
+            for batch in batches:
+                self.policy.update_normalizer(batch.obs)
+            counters["policy_version"] += 1
+            self.inference.sync(None, counters["policy_version"])
+            update_time = time.time() - t1
+            # 3. log
+            counters["iteration"] = iteration
+            counters["train_seconds"] = clock.seconds
+            metrics.update(stats.summary())
+            steps = len(batches) * self.steps_per_round
+            metrics.update(
+                {
+                    "time/rollout_s": rollout_time,
+                    "time/update_s": update_time,
+                    "time/env_steps_per_s": steps / rollout_time,
+                    "time/minutes": counters["train_seconds"] / 60,
+                    "train/lr": self.learner.lr,
+                }
+            )
+            self.logger.log(metrics, step=counters["env_steps"], iteration=iteration)
+            self.bar.update(1)
+            self.bar.set_postfix(self._postfix(metrics, steps, rollout_time + update_time, clock))
+            self._completed()
+            last = iteration == self.num_iterations or clock.out_of_time
+            self.phase = "evaluate"
+            # 4. evaluate (the best evaluation's weights are kept as a checkpoint)
+            if run.eval_every and iteration % run.eval_every == 0 and not last:
+                if self.stop.requested:
+                    raise Interrupted
+                results = self._evaluate(run.eval_episodes)
+                self._record_evaluation(results)
+            # 5. checkpoint
+            if last or (run.save_every and iteration % run.save_every == 0):
+                self._save()
+            if self.stop.requested:
+                raise Interrupted
+            if clock.out_of_time:
+                self.bar.write(
+                    f"stopping after {counters['train_seconds'] / 60:.1f} min "
+                    f"(runner.max_minutes={run.max_minutes})"
+                )
+                break
+
+    def _collect(self, iteration: int, stats: EpisodeStats):
+        """Rounds of chunks until the algorithm has enough (PPO: one) -> (samples for the update
+        or None, metrics, the rounds' batches)."""
+        counters = self.counters
+        batches = []
+        round_metrics: list[dict[str, torch.Tensor]] = []
+        should_stop = lambda: self.stop.requested  # noqa: E731
+        for round_index in range(self.algorithm.max_rounds):
+            plan = self.algorithm.plan(iteration, round_index, self._episode_base())
+            obs = self.envs.reset(seed=plan.seeds)
+            if self.fresh and iteration == 1 and round_index == 0 and not self.cfg.runner.init_from:
+                # normalisation statistics from the first observations, before anything acts
+                self.policy.update_normalizer(obs.map(lambda t: t.to(self.inference.device)))
+            batch, _ = collect(
+                self.envs,
+                self.inference,
+                obs,
+                plan,
+                stats,
+                stages=self.cfg.runner.pipeline_stages,
+                should_stop=should_stop,
+            )
+            counters["env_steps"] += self.steps_per_round
+            counters["episodes"] += self.envs.num_envs
+            counters["rounds"] += 1
+            round_metrics.append(self.algorithm.advantages(batch))
+            batches.append(batch)
+            if self.algorithm.enough(round_metrics):
+                break
+        metrics = _mean_metrics(round_metrics)
+        if self.cfg.algorithm.name == "grpo":
+            metrics["grpo/rounds"] = len(batches)
+        parts = [b.samples() for b in batches]
+        parts = [p for p in parts if len(p)]
+        return (Samples.cat(parts) if parts else None), metrics, batches
+
+    def _episode_base(self) -> int:
+        """Episode ids of the next round start here: a round of T chunks of K actions ends at
+        most T * K episodes per environment, so ids never repeat within a run."""
+        B = self.envs.num_envs
+        per_round = B * (self.steps_per_round // B + 1)
+        return self.counters["rounds"] * per_round
+
+    def _postfix(self, metrics: dict, steps: int, seconds: float, clock: Clock) -> dict:
+        postfix = {"sps": f"{steps / seconds:.0f}"}
+        if "episode/return" in metrics:
+            postfix["ret"] = f"{metrics['episode/return']:.2f}"
+        if "episode/success_once" in metrics:
+            postfix["succ"] = f"{metrics['episode/success_once']:.2f}"
+        if "grpo/kept_groups" in metrics:
+            postfix["kept"] = f"{metrics['grpo/kept_groups']:.0f}"
+        return {**postfix, **clock.left()}
+
+    # --- consistent points --------------------------------------------------------------------
+    def _completed(self) -> None:
+        """Remember the state a completed iteration leaves: what a stop saves."""
+        self.end_rng = rng_state()
+        self.end_counters = json.loads(json.dumps(self.counters))
+
+    def _save(self) -> None:
+        iteration = self.end_counters["iteration"]
+        if iteration == 0:
+            return
+        best = self.end_counters.get("best") or {}
+        save_checkpoint(
+            self.run_dir,
+            iteration,
+            model=self.policy,
+            optimizer=self.learner.optimizer,
+            counters=self.end_counters,
+            meta=self.meta,
+            rng=self.end_rng,
+            keep=self.cfg.runner.keep_checkpoints,
+            protect=[best["iteration"]] if best else [],
+        )
+        self.saved = iteration
+
+    def _save_completed(self) -> None:
+        """Save the last completed iteration unless it is saved already (collection and
+        evaluation do not change the weights, so they are still that iteration's)."""
+        self.counters = self.end_counters
+        if self.end_counters["iteration"] > self.saved:
+            self._save()
+
+    def _stopped_between_iterations(self) -> None:
+        """A stop during collection or evaluation: save the last completed iteration, stop."""
+        self._save_completed()
+        done = self.end_counters["iteration"]
+        signum = self.stop.signum
+        where = self.run_dir / "last" if done else "nothing to save yet"
+        raise Stopped(signum, f"stopped after iteration {done}; checkpoint: {where}")
+
+    # --- evaluation ---------------------------------------------------------------------------
+    def _evaluate(self, episodes: int, video: Path | None = None) -> dict[str, dict]:
+        names = self.envs.task_names
+        with tqdm(
+            total=episodes * len(names),
+            desc="evaluating",
+            unit="ep",
+            leave=False,
+            disable=not self.cfg.runner.progress,
+            mininterval=bar_interval(),
+        ) as progress:
+            return evaluate_by_task(
+                self.envs.env,
+                self.inference.policy,
+                episodes=episodes,
+                seed=self.cfg.seed,
+                video_path=video,
+                progress=progress,
+                should_stop=lambda: self.stop.requested,
+            )
+
+    def _log_evaluation(self, results: dict[str, dict], label: str) -> None:
+        step = self.counters["env_steps"]
+        iteration = self.counters["iteration"]
+        self.logger.log(overall(results), step=step, iteration=iteration)
+        if len(results) > 1:
+            for task, summary in results.items():
+                self.logger.log(per_task(task, summary), step=step, iteration=iteration)
+        for task, r in results.items():
+            self.bar.write(
+                f"{label} {task}: success {r['eval/success_rate']:.2f} "
+                f"over {r['eval/episodes']} episodes"
+            )
+
+    def _record_evaluation(self, results: dict[str, dict]) -> None:
+        counters = self.counters
+        success = overall(results)["eval/success_rate"]
+        counters["evals"].append(
+            {
+                "iteration": counters["iteration"],
+                "env_steps": counters["env_steps"],
+                "minutes": counters["train_seconds"] / 60,
+                "success_rate": success,
+                "tasks": results,
+            }
+        )
+        self._log_evaluation(results, f"iter {counters['iteration']}")
+        best = counters["best"]
+        if best is None or success > best["success_rate"]:
+            counters["best"] = {"iteration": counters["iteration"], "success_rate": success}
+            self._completed()
+            self._save()
+            mark_best(self.run_dir, counters["iteration"])
+        else:
+            self._completed()
+
+    def _final_evaluation(self) -> dict:
+        run = self.cfg.runner
+        counters = self.counters
+        video = self.run_dir / "videos" / "final_eval.mp4" if run.video else None
+        try:
+            results = self._evaluate(run.final_eval_episodes, video)
+        except Interrupted:
+            raise Stopped(self.stop.signum, "stopped during the final evaluation") from None
+        self._log_evaluation(results, "final")
+        final = overall(results)
+        final.update(
+            {
+                "env_steps": counters["env_steps"],
+                "minutes": counters["train_seconds"] / 60,
+                "iteration": counters["iteration"],
+            }
+        )
+        summary = {
+            "run_dir": str(self.run_dir),
+            "final": final,
+            "tasks": results,
+            "before": counters["before"],
+            "evals": counters["evals"],
+            "best": counters["best"],
+            "env_steps": counters["env_steps"],
+            "episodes": counters["episodes"],
+            "minutes": counters["train_seconds"] / 60,
+        }
+        (self.run_dir / "metrics.json").write_text(json.dumps(summary, indent=2))
+        ci = final["eval/success_ci95"]
+        print(
+            f"final evaluation: success {final['eval/success_rate']:.3f} over "
+            f"{final['eval/episodes']} episodes (95% CI {ci[0]:.2f}-{ci[1]:.2f}); "
+            f"run in {self.run_dir}"
+        )
+        return summary
+
+
+def _mean_metrics(rounds: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """The rounds' advantage metrics on the host (one transfer): counts summed, rates averaged."""
+    if not rounds or not rounds[0]:
+        return {}
+    keys = list(rounds[0])
+    table = torch.stack([torch.stack([r[k].float() for k in keys]) for r in rounds]).tolist()
+    out = {}
+    for j, key in enumerate(keys):
+        column = [row[j] for row in table]
+        out[key] = sum(column) if key == "grpo/kept_groups" else sum(column) / len(column)
+    return out

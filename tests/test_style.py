@@ -1,0 +1,30 @@
+"""The code's style is checked like its behaviour: ``ruff format`` (line length 100) and ``ruff
+check`` as configured in pyproject.toml must both pass over the whole tree."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ruff() -> str:
+    exe = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    if not Path(exe).exists():
+        pytest.fail("ruff is not installed (it is in the dev extra: scripts/setup.sh installs it)")
+    return exe
+
+
+def test_ruff_format_leaves_every_file_as_it_is():
+    res = subprocess.run(
+        [ruff(), "format", "--check", "."], cwd=ROOT, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_ruff_check_finds_nothing():
+    res = subprocess.run([ruff(), "check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
