@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 COMMAND_LINE = "the command line"
@@ -30,11 +30,13 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
     if path.resolve() in [p.resolve() for p in chain]:
         raise ConfigError(f"{path}: defaults form a cycle through {' -> '.join(map(str, chain))}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}{line}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if data is None:  # nothing but comments and blank lines: a run of all defaults is a mistake
+        raise ConfigError(f"{path}: config file is empty")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     defaults = data.pop("defaults", []) or []
@@ -75,18 +77,23 @@ def _leaf_paths(d: dict, prefix: str = "") -> list[str]:
 
 
 def _source_of(key: str, sources: list[tuple[str, dict]]) -> str:
-    """The last source that set ``key`` or one of its parents/children."""
+    """The last source that set ``key`` or one of its parents/children; for a key left at its
+    default, the config file (where it would be set)."""
     for name, data in reversed(sources):
         for p in _leaf_paths(data):
             if p == key or p.startswith(key + ".") or key.startswith(p + "."):
                 return name
-    return sources[-1][0] if sources else COMMAND_LINE
+    files = [name for name, _ in sources if name != COMMAND_LINE]
+    return files[-1] if files else COMMAND_LINE
 
 
 def _validate_tree(obj: Any, path: str, sources) -> None:
-    """Call ``validate()`` on every dataclass in the tree, prefixing errors with their key path."""
+    """Call ``validate()`` on every dataclass in the tree, prefixing errors with their key path;
+    sections first, so that a parent's checks across sections see valid sections."""
     if not dataclasses.is_dataclass(obj):
         return
+    for f in dataclasses.fields(obj):
+        _validate_tree(getattr(obj, f.name), f"{path}{f.name}.", sources)
     if hasattr(obj, "validate"):
         try:
             obj.validate()
@@ -96,8 +103,6 @@ def _validate_tree(obj: Any, path: str, sources) -> None:
             raise ConfigError(
                 f"{key}: {str(e).split(':', 1)[-1].strip()} (in {_source_of(key, sources)})"
             ) from None
-    for f in dataclasses.fields(obj):
-        _validate_tree(getattr(obj, f.name), f"{path}{f.name}.", sources)
 
 
 def _base(schema: type, sources: list[tuple[str, dict]]):
@@ -125,6 +130,21 @@ def _base(schema: type, sources: list[tuple[str, dict]]):
     return cfg
 
 
+def _value_for_section(cfg, data: dict, prefix: str = "") -> tuple[str, Any] | None:
+    """(key path, value) where ``data`` gives a plain value for a section of ``cfg`` (OmegaConf's
+    merge error does not say where)."""
+    for key, value in data.items():
+        node = cfg.get(key) if isinstance(key, str) and key in cfg else None
+        if not isinstance(node, DictConfig):
+            continue
+        if not isinstance(value, dict):
+            return f"{prefix}{key}", value
+        found = _value_for_section(node, value, f"{prefix}{key}.")
+        if found:
+            return found
+    return None
+
+
 def compose(schema: type, sources: list[tuple[str, dict]]):
     """Merge (source name, mapping) pairs in order into an instance of ``schema`` (ConfigError on
     a bad key or value), without running the ``validate()`` methods."""
@@ -133,8 +153,13 @@ def compose(schema: type, sources: list[tuple[str, dict]]):
         try:
             cfg = OmegaConf.merge(cfg, data)
         except OmegaConfBaseException as e:
-            key = getattr(e, "full_key", None) or "?"
+            key = getattr(e, "full_key", None)
             msg = str(e).splitlines()[0]
+            misplaced = None if key else _value_for_section(cfg, data)
+            if misplaced:
+                key, value = misplaced
+                msg = f"expected a section of keys (a mapping), got {value!r}"
+            key = key or "?"
             if "not in" in msg:
                 owner = msg.split("not in")[-1].strip()
                 msg = f"unknown key (not a field of {owner})"
