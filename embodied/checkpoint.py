@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -33,7 +34,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from embodied.schema import UserError
 
 MODEL, STATE, META = "model.safetensors", "trainer.pt", "meta.json"
 LAST, BEST = "last", "best"
@@ -41,6 +45,10 @@ ITERATION = re.compile(r"iter_(\d+)")
 
 # model -> (key, weak references to its frozen tensors, digest): see _frozen_digest
 _DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class CheckpointError(UserError):
+    """A checkpoint whose files cannot be read: damaged, or not written by embodied."""
 
 
 def rng_state() -> dict:
@@ -145,8 +153,15 @@ def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dic
     """{"path", "meta", "model": the full state dict} plus "optimizer", "rng" and "counters"
     when ``with_trainer_state``."""
     ckpt = resolve_checkpoint(path)
-    meta = json.loads((ckpt / META).read_text())
-    model = load_file(str(ckpt / MODEL))
+    try:
+        meta = json.loads((ckpt / META).read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{ckpt / META}: not valid JSON ({e.msg}, line {e.lineno}); the checkpoint is damaged"
+        ) from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{ckpt / META}: expected a JSON object, got {type(meta).__name__}")
+    model = _load_tensors(ckpt / MODEL)
     if meta.get("frozen"):  # checkpoints from before frozen weights had their own file have none
         frozen = ckpt.parent / meta["frozen"]
         if not frozen.is_file():
@@ -154,11 +169,36 @@ def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dic
                 f"{ckpt} keeps its frozen weights in {frozen}, which is missing "
                 "(copy it along with the checkpoint directory)"
             )
-        model.update(load_file(str(frozen)))
+        model.update(_load_tensors(frozen))
     out = {"path": ckpt, "meta": meta, "model": model}
     if with_trainer_state:
-        out.update(torch.load(ckpt / STATE, weights_only=False))
+        try:
+            out.update(torch.load(ckpt / STATE, weights_only=False))
+        except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
+            raise CheckpointError(
+                f"{ckpt / STATE}: cannot be read ({e}); the checkpoint is damaged"
+            ) from None
     return out
+
+
+def load_policy_checkpoint(path: str | Path, *, with_trainer_state: bool = False) -> dict:
+    """``load_checkpoint`` of a checkpoint that a policy is rebuilt from: its meta.json must hold
+    the training config and the environment spec."""
+    ckpt = load_checkpoint(path, with_trainer_state=with_trainer_state)
+    missing = [key for key in ("config", "spec") if key not in ckpt["meta"]]
+    if missing:
+        raise CheckpointError(
+            f"{ckpt['path'] / META}: no {' or '.join(map(repr, missing))}; "
+            "not a policy checkpoint written by embodied"
+        )
+    return ckpt
+
+
+def _load_tensors(path: Path) -> dict:
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e}); the checkpoint is damaged") from None
 
 
 def _frozen_keys(model: torch.nn.Module) -> set[str]:

@@ -16,6 +16,12 @@ import torch
 ACTION_SPACES = ("ee_delta_pose", "ee_pose", "joint_pos", "joint_delta")
 
 
+class UserError(ValueError):
+    """Bad input the user can fix (a task, a path, a checkpoint, a command-line value), raised
+    where it is first used. ``str()`` is one line naming the culprit; the CLI prints it and exits
+    with code 2. Any other exception is a bug and keeps its traceback."""
+
+
 @dataclass
 class Observation:
     """One batched observation.
@@ -303,6 +309,7 @@ __all__ = [
     "PolicyOutput",
     "SimulatorConfig",
     "StepOutput",
+    "UserError",
     "VecEnv",
     "ended_rows",
     "reset_seeds",
