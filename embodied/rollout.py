@@ -184,20 +184,24 @@ class EpisodeStats:
         # per task: finished episodes, their returns, lengths and successes, f32 [tasks] each
         self.totals = torch.zeros(4, len(task_names), device=device)
 
-    def record(self, rows, task_ids: torch.Tensor, step: ChunkStep) -> None:
-        """Fold a chunk of environments ``rows`` (a slice or long [n]) with tasks ``task_ids``."""
+    def record(self, rows: slice, task_ids: torch.Tensor, step: ChunkStep) -> None:
+        """Fold a chunk of the environments ``rows`` (a slice: its running sums are views) with
+        tasks ``task_ids`` (long [n])."""
         done = step.terminated | step.truncated  # bool [n, K]
+        returns = self.returns[rows]
+        lengths = self.lengths[rows]
+        success = self.success[rows]
         for k in range(done.shape[1]):
-            returns = self.returns[rows] + step.reward[:, k]
-            lengths = self.lengths[rows] + 1.0
-            success = self.success[rows] | step.success[:, k]
-            ended = done[:, k]
-            finished = torch.stack([ended.float(), returns, lengths, success.float()])  # [4, n]
-            self.totals.index_add_(1, task_ids, finished * ended.float())
-            keep = (~ended).float()
-            self.returns[rows] = returns * keep
-            self.lengths[rows] = lengths * keep
-            self.success[rows] = success & ~ended
+            returns += step.reward[:, k]
+            lengths += 1.0
+            success |= step.success[:, k]
+            ended = done[:, k].float()
+            finished = torch.stack([ended, returns * ended, lengths * ended, success * ended])
+            self.totals.index_add_(1, task_ids, finished)  # f32 [4, tasks] += [4, n]
+            keep = 1.0 - ended
+            returns.mul_(keep)
+            lengths.mul_(keep)
+            success &= ~done[:, k]
 
     def summary(self) -> dict[str, float]:
         """episode/{return, length, success_once, count}, and per task when there are several."""
@@ -283,9 +287,13 @@ def collect(
     device = policy.device
     split = stages > 1 and envs.can_pipeline
     # stage s holds envs s, s + S, ...: every worker holds some of each stage, so it always has
-    # the next stage's request queued when it finishes one
-    stage_rows = [torch.arange(s, B, stages) for s in range(stages)] if split else [None]
-    stage_rows = [r for r in stage_rows if r is None or len(r)]
+    # the next stage's request queued when it finishes one. A stage's rows are a strided slice
+    # of the buffers (views: plain copies, no index gathers) and a CPU index for the environments
+    if split:
+        stage_list = [(torch.arange(s, B, stages), slice(s, None, stages)) for s in range(stages)]
+        stage_list = [(rows, at) for rows, at in stage_list if len(rows)]
+    else:
+        stage_list = [(None, slice(None))]
     env_index = torch.arange(B, device=device)
     episode_count = torch.zeros(B, dtype=torch.long, device=device)  # episodes ended so far
     group_of_env = plan.group_of_env.to(device)
@@ -297,14 +305,15 @@ def collect(
     def to_policy(o: Observation) -> Observation:
         return o if o.device == device else o.map(lambda t: t.to(device))
 
-    def act(t: int, rows, o: Observation) -> None:
+    def act(t: int, stage, o: Observation) -> None:
         nonlocal buf
-        out = policy.act(to_policy(o))
+        rows, at = stage
+        o = to_policy(o)
+        out = policy.act(o)
         if buf is None:
-            buf = _alloc(to_policy(o), out, T, B)
-        at = slice(None) if rows is None else rows.to(device)
+            buf = _alloc(o, out, T, B)
         destination = buf.obs.tensors()
-        for name, t_obs in to_policy(o).tensors().items():
+        for name, t_obs in o.tensors().items():
             destination[name][t, at] = t_obs
         buf.actions[t, at] = out.actions  # f32 [n, K, A]
         buf.logprob_token[t, at] = out.extras["logp_token"]  # f32 [n, K, A]
@@ -319,38 +328,40 @@ def collect(
         buf.policy_version[t, at] = policy.version
         envs.send(out.actions.to(envs.device), rows)
 
-    def record(t: int, rows, step: ChunkStep) -> None:
-        at = slice(None) if rows is None else rows.to(device)
-        done = (step.terminated | step.truncated).to(device)  # bool [n, K]
+    def record(t: int, stage, step: ChunkStep) -> None:
+        rows, at = stage
+        step = _on(step, device)
+        done = step.terminated | step.truncated  # bool [n, K]
         ended_before = done.long().cumsum(1) - done.long()
-        buf.rewards[t, at] = step.reward.to(device)
-        buf.terminated[t, at] = step.terminated.to(device)
-        buf.truncated[t, at] = step.truncated.to(device)
-        buf.success[t, at] = step.success.to(device)
+        buf.rewards[t, at] = step.reward
+        buf.terminated[t, at] = step.terminated
+        buf.truncated[t, at] = step.truncated
+        buf.success[t, at] = step.success
         buf.valid[t, at] = ended_before == 0
-        stats.record(at, task_ids[at], _on(step, device))
+        stats.record(at, task_ids[at], step)
         episode_count[at] += done.sum(1)  # every end counts, a second one in the chunk too
         if step.final_obs is not None:
             global_rows = step.ended if rows is None else rows[step.ended]
             # the critic's bootstrap only on the rows that ended (their episode's last obs)
             bootstrap[t, global_rows.to(device)] = policy.value(to_policy(step.final_obs))
 
-    for rows in stage_rows:  # fill the pipeline (lockstep: the single stage)
-        act(0, rows, obs if rows is None else obs.index(rows))
+    for stage in stage_list:  # fill the pipeline (lockstep: the single stage)
+        rows = stage[0]
+        act(0, stage, obs if rows is None else obs.index(rows))
     for t in range(T):
         if should_stop is not None and should_stop():
-            for rows in stage_rows:  # let the environments finish what they were sent
+            for rows, _ in stage_list:  # let the environments finish what they were sent
                 envs.receive(rows)
             raise Interrupted
-        for rows in stage_rows:
-            step = envs.receive(rows)
-            record(t, rows, step)
+        for stage in stage_list:
+            step = envs.receive(stage[0])
+            record(t, stage, step)
             if t + 1 < T:
-                act(t + 1, rows, step.obs)
+                act(t + 1, stage, step.obs)
             else:
                 last_obs.append(step.obs)
     if split:  # rows in stage order -> environment order
-        order = torch.cat(stage_rows).argsort()
+        order = torch.cat([rows for rows, _ in stage_list]).argsort()
         last = Observation.cat(last_obs).index(order)
     else:
         last = last_obs[0]
