@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from embodied.algorithm import AlgorithmConfig, update
 from embodied.checkpoint import (
-    load_checkpoint,
+    load_policy_checkpoint,
     mark_best,
     rng_state,
     save_checkpoint,
@@ -50,7 +50,7 @@ from embodied.run import (
     check_resume,
     trim_metrics,
 )
-from embodied.schema import SimulatorConfig
+from embodied.schema import SimulatorConfig, UserError
 from embodied.simulators.maniskill import ManiSkillConfig
 
 ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
@@ -114,6 +114,36 @@ class TrainConfig:
     algorithm: AlgorithmConfig = field(default_factory=PPOConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
 
+    def validate(self) -> None:
+        """What the sections ask of each other, before anything is built."""
+        check_cameras(self.policy, self.env)
+        if self.algorithm.name == "ppo" and not self.policy.has_critic():
+            fix = "set policy.value_head=true" if hasattr(self.policy, "value_head") else ""
+            raise ValueError(
+                f"algorithm.name: ppo needs a critic, and policy {self.policy.name!r} has none; "
+                f"{fix + ' or ' if fix else ''}train with algorithm.name=grpo"
+            )
+        if self.algorithm.name == "grpo":
+            tasks = len(getattr(self.env, "tasks", None) or []) or 1
+            per_task = self.env.num_envs // tasks
+            if per_task < self.algorithm.group_size:
+                raise ValueError(
+                    f"algorithm.group_size: groups of {self.algorithm.group_size} need that many "
+                    f"environments per task, and each task has {per_task} "
+                    f"(env.num_envs={self.env.num_envs} over {tasks} task(s))"
+                )
+
+
+def check_cameras(policy: PolicyConfig, env: SimulatorConfig) -> None:
+    """A policy that reads cameras needs an observation with them (ValueError "env.obs_mode: ...",
+    as a ``validate()`` raises it)."""
+    obs_mode = getattr(env, "obs_mode", "rgb")
+    if policy.needs_cameras and "rgb" not in obs_mode:
+        raise ValueError(
+            f"env.obs_mode: policy {policy.name!r} reads camera images and obs_mode "
+            f"{obs_mode!r} has none; use env.obs_mode=rgb"
+        )
+
 
 def run_meta(cfg: TrainConfig, spec) -> dict:
     return {"config": to_dict(cfg), "spec": spec.to_dict(), "format": "embodied-checkpoint-v1"}
@@ -137,8 +167,8 @@ def init_policy(cfg: TrainConfig, spec, device):
 
 def _load(path: str, key: str, trainer_state: bool = True) -> dict:
     try:
-        return load_checkpoint(path, with_trainer_state=trainer_state)
-    except FileNotFoundError as e:
+        return load_policy_checkpoint(path, with_trainer_state=trainer_state)
+    except (FileNotFoundError, UserError) as e:
         raise ConfigError(f"{key}: {e}") from None
 
 

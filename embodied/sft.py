@@ -28,6 +28,7 @@ from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
 from embodied.multitask import make_env
 from embodied.run import Clock, Stopped, StopSignals, bar_interval
+from embodied.runner import check_cameras
 from embodied.schema import NormStats, Observation
 from embodied.simulators.maniskill import ManiSkillConfig
 
@@ -66,8 +67,10 @@ class SFTConfig:
     def validate(self) -> None:
         if not self.datasets:
             raise ValueError("datasets: at least one dataset directory is required")
-        if self.steps < 1 or self.batch_size < 1:
-            raise ValueError("steps and batch_size must be >= 1")
+        for key in ("steps", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        check_cameras(self.policy, self.env)
         if self.episodes_per_dataset < 0:
             raise ValueError(f"episodes_per_dataset: must be >= 0, got {self.episodes_per_dataset}")
 
@@ -153,10 +156,10 @@ def _cached_features(policy, frames: _Frames, batch: int = 64) -> torch.Tensor:
 def sft(cfg: SFTConfig) -> dict:
     torch.set_num_threads(cfg.runner.torch_threads)
     torch.manual_seed(cfg.seed)
+    frames = _load(cfg.datasets, cfg.episodes_per_dataset)  # a bad dataset fails before the run
     run_dir = Path(cfg.runner.output_dir) / cfg.runner.name
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
-    frames = _load(cfg.datasets, cfg.episodes_per_dataset)
     tasks = [t or cfg.env.task for t in frames.tasks]
     env_cfgs = {t: ManiSkillConfig(**{**to_dict(cfg.env), "task": t}) for t in dict.fromkeys(tasks)}
     with make_env(

@@ -3,8 +3,17 @@
 rest."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass
 class PolicyConfig:
+    # the policy reads camera images: the environment needs an obs_mode with cameras (checked
+    # with the config, before anything is built)
+    needs_cameras: ClassVar[bool] = False
+
     name: str = ""
+
+    def has_critic(self) -> bool:
+        """Whether the policy built from this config has a value head (PPO needs one)."""
+        return True

@@ -150,6 +150,7 @@ def test_policy_name_selects_the_policy_schema(tmp_path):
         tmp_path,
         "vla.yaml",
         """
+        env: {obs_mode: rgb}
         policy: {name: vla, head: flow, chunk_size: 8}
     """,
     )

@@ -16,6 +16,7 @@ Normalization lives in the module's buffers, so in every checkpoint (models/vla/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -37,6 +38,8 @@ from embodied.schema import EnvSpec, Observation, PolicyOutput
 @dataclass
 class VLAConfig(PolicyConfig):
     """A vision-language-action policy; sizes default to what trains on a 2-core CPU."""
+
+    needs_cameras: ClassVar[bool] = True
 
     name: str = "vla"
     head: str = (
@@ -69,6 +72,9 @@ class VLAConfig(PolicyConfig):
     bins: int = 256  # discrete head
     flow_steps: int = 5  # flow head: denoising steps
     flow_noise_std: float = 0.1  # flow head: initial std of the noise injected per step
+
+    def has_critic(self) -> bool:
+        return self.value_head
 
     def validate(self) -> None:
         if self.head not in HEADS:

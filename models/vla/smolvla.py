@@ -29,6 +29,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -47,6 +48,8 @@ from embodied.schema import EnvSpec, Observation, PolicyOutput
 @dataclass
 class SmolVLAConfig(PolicyConfig):
     """LeRobot's SmolVLA built from a local SmolVLM2 directory; sizes are LeRobot's defaults."""
+
+    needs_cameras: ClassVar[bool] = True
 
     name: str = "smolvla"
     vlm_path: str = ""  # local SmolVLM2 directory (required)
@@ -67,6 +70,9 @@ class SmolVLAConfig(PolicyConfig):
     tokenizer_max_length: int = 48
     use_state: bool = True
     privileged_keys: list[str] = field(default_factory=list)  # as VLAConfig.privileged_keys
+
+    def has_critic(self) -> bool:
+        return False  # no value head: GRPO
 
     def validate(self) -> None:
         if not self.vlm_path:
