@@ -27,7 +27,8 @@ from tqdm import tqdm
 from embodied.bench_report import atomic_write, write_report
 from embodied.config import ConfigError, compose, to_dict
 from embodied.evaluate import evaluate_by_task
-from embodied.multitask import SIMULATOR_CONFIGS, make_env
+from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
+from embodied.schema import UserError
 
 POLICIES = ("random", "zero")  # baselines; any other policy comes from --checkpoint
 
@@ -79,9 +80,9 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
         where = f"tasks[{i}]"
         simulator = task.env.get("simulator")
         if simulator not in SIMULATOR_CONFIGS:
+            what = "missing" if simulator is None else f"unknown simulator {simulator!r}"
             raise ConfigError(
-                f"{where}.env.simulator: unknown simulator {simulator!r}; "
-                f"known: {sorted(SIMULATOR_CONFIGS)} (in {source})"
+                f"{where}.env.simulator: {what}; known: {sorted(SIMULATOR_CONFIGS)} (in {source})"
             )
         keys, values = list(task.sweep), list(task.sweep.values())
         combos = [dict(zip(keys, vs)) for vs in _product(values)] if keys else [{}]
@@ -96,6 +97,10 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
                 raise ConfigError(f"{where}.env.{e} (in {source})") from None
             except ConfigError as e:
                 raise ConfigError(f"{where}.env.{e}") from None
+            try:
+                check_tasks(env)  # a typo in the last task fails before the first one runs
+            except UserError as e:
+                raise type(e)(f"{where}: {e} (in {source})") from None
             label = task.name or f"{simulator}/{_task_label(env)}"
             if combo and task.name:
                 label += "/" + "/".join(str(v) for v in combo.values())
@@ -171,10 +176,10 @@ class _PolicySource:
 
     @staticmethod
     def _checkpoint_spec(ckpt: Path):
-        from embodied.checkpoint import load_checkpoint
+        from embodied.checkpoint import load_policy_checkpoint
         from embodied.schema import EnvSpec
 
-        return EnvSpec.from_dict(load_checkpoint(ckpt, with_trainer_state=False)["meta"]["spec"])
+        return EnvSpec.from_dict(load_policy_checkpoint(ckpt)["meta"]["spec"])
 
     def for_env(self, spec):
         if self.loaded is None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from embodied.schema import UserError
 from embodied.simulators.maniskill import ManiSkillConfig
 
 DEMO_SEED_OFFSET = 2_000_000
@@ -53,13 +54,13 @@ class DemosConfig:
 def load_policy(checkpoint: str | Path, device="cpu"):
     """A trained policy rebuilt on the spec it was trained with -> (policy in eval mode, train
     config)."""
-    from embodied.checkpoint import load_checkpoint
+    from embodied.checkpoint import load_policy_checkpoint
     from embodied.config import compose
     from embodied.models import build_policy
     from embodied.runner import TrainConfig
     from embodied.schema import EnvSpec
 
-    ckpt = load_checkpoint(checkpoint, with_trainer_state=False)
+    ckpt = load_policy_checkpoint(checkpoint)
     cfg = compose(TrainConfig, [(str(ckpt["path"]), ckpt["meta"]["config"])])
     policy = build_policy(EnvSpec.from_dict(ckpt["meta"]["spec"]), cfg.policy).to(device)
     policy.load_state_dict(ckpt["model"])
@@ -74,7 +75,10 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
     from embodied.multitask import make_env
 
     cfg.validate()
-    expert, expert_cfg = load_policy(cfg.expert)
+    try:
+        expert, expert_cfg = load_policy(cfg.expert)
+    except (FileNotFoundError, UserError) as e:
+        raise UserError(f"expert: {e}") from None
     env = make_env(cfg.env)
     spec = env.spec
     missing = sorted(set(cfg.privileged_keys) - set(spec.obs.privileged))

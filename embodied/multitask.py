@@ -131,6 +131,18 @@ class MultiTaskEnv:
 SIMULATOR_CONFIGS: dict[str, type] = {}  # simulator name -> config dataclass, filled below
 
 
+def check_tasks(cfg) -> None:
+    """What the simulator itself must say about a config, before anything is built: every
+    ManiSkill task known and its assets installed (``UserError`` naming the task). MuJoCo and
+    LIBERO tasks are checked by their configs' ``validate()``."""
+    if cfg.simulator != "maniskill":
+        return
+    from embodied.simulators.maniskill import check_assets
+
+    for task in cfg.tasks or [cfg.task]:
+        check_assets(task)
+
+
 def make_env(cfg):
     """The environment a simulator config describes: one task, or (ManiSkill) a MultiTaskEnv over
     ``cfg.tasks``."""
@@ -157,6 +169,7 @@ def make_env(cfg):
         )
     from embodied.simulators.maniskill import make_env as make_maniskill
 
+    check_tasks(cfg)  # all of them before the first task's workers start
     if not cfg.tasks:
         return make_maniskill(cfg)
     n = cfg.num_envs // len(cfg.tasks)

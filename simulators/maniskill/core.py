@@ -10,13 +10,22 @@ batched code path.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, Observation, ObsSpec, ended_rows
+from embodied.schema import (
+    ActionSpec,
+    CameraSpec,
+    EnvSpec,
+    Observation,
+    ObsSpec,
+    UserError,
+    ended_rows,
+)
 from embodied.simulators.maniskill.serial import SerialEnvs
 
 # Natural-language instructions per task; other tasks get their name split into words.
@@ -58,8 +67,8 @@ STATE_KEYS = (("agent", "qpos"), ("agent", "qvel"), ("extra", "tcp_pose"))
 JOINT_NAMED_ROBOTS = ("so100",)
 
 
-class MissingAssetError(RuntimeError):
-    pass
+class MissingAssetError(UserError, RuntimeError):
+    """A task's assets are not on disk (the user installs them; nothing is downloaded)."""
 
 
 def instruction_for(task: str) -> str:
@@ -85,10 +94,12 @@ def check_assets(task: str) -> None:
 
     download_asset.prompt_yes_no = _refuse_prompt
     if task not in REGISTERED_ENVS:
-        raise ValueError(
-            f"unknown ManiSkill task {task!r}; registered: "
-            f"{', '.join(sorted(REGISTERED_ENVS)[:12])}, ..."
-        )
+        close = difflib.get_close_matches(str(task), list(REGISTERED_ENVS), n=3)
+        if close:
+            hint = f"did you mean {' or '.join(map(repr, close))}?"
+        else:
+            hint = f"registered: {', '.join(sorted(REGISTERED_ENVS)[:12])}, ..."
+        raise UserError(f"unknown ManiSkill task {task!r}; {hint}")
     missing = []
     for asset_id in REGISTERED_ENVS[task].asset_download_ids or []:
         ids = (
