@@ -57,16 +57,19 @@ def contract(spec: EnvSpec, path: Path) -> dict:
     return json.loads(json.dumps(agreed))  # lists, not tuples: as it arrives through msgpack
 
 
-def check_fits(policy, spec: EnvSpec, robot_spec: EnvSpec) -> None:
-    """Refuse a checkpoint that cannot act on this arm, naming every reason."""
+def check_fits(policy, spec: EnvSpec, cameras) -> None:
+    """Refuse a checkpoint that cannot act on an arm with these cameras (names), naming every
+    reason; it needs nothing connected, so it runs before anything is."""
+    from embodied.robots.arm import JOINTS, STATE_NAMES
+
     problems = []
-    if tuple(spec.action.names) != tuple(robot_spec.action.names):
-        problems.append(f"actions {spec.action.names}, the arm has {robot_spec.action.names}")
+    if tuple(spec.action.names) != JOINTS:
+        problems.append(f"actions {spec.action.names}, the arm has {JOINTS}")
     if spec.action.space not in ("joint_pos", "joint_delta"):
         problems.append(
             f"action space {spec.action.space!r} (the arm takes joint_pos or joint_delta)"
         )
-    missing = [n for n in spec.obs.state_names if n not in robot_spec.obs.state_names]
+    missing = [n for n in spec.obs.state_names if n not in STATE_NAMES]
     if missing:
         problems.append(f"state columns {missing} that the arm does not measure")
     need = getattr(policy, "privileged_inputs", tuple(spec.obs.privileged))
@@ -74,8 +77,7 @@ def check_fits(policy, spec: EnvSpec, robot_spec: EnvSpec) -> None:
         problems.append(
             f"simulator-only inputs {sorted(need)} (train with policy.use_privileged=false)"
         )
-    have = {c.name for c in robot_spec.obs.cameras}
-    lacking = [c.name for c in spec.obs.cameras if c.name not in have]
+    lacking = [c.name for c in spec.obs.cameras if c.name not in set(cameras)]
     if lacking:
         problems.append(f"cameras {lacking} (give --camera NAME=SOURCE for each)")
     if problems:
@@ -237,28 +239,30 @@ def run_deploy(
     if sizes:
         arm.image_size = next(iter(sizes))[0]
     arm.validate()
-    if arm.robot.endswith("-sim"):
-        from embodied.twin import make_twin_robot
-
-        robot, _, _ = make_twin_robot(arm, task=twin_task)
-    else:
-        robot = make_robot(arm)
-    connect(robot, arm)
-    env = RobotEnv(robot, arm, SafetyLayer(default_safety(robot, arm)))
+    # what can refuse the run does so before the arm is touched: the policy's inputs, the server
+    check_fits(policy, spec, arm.cameras)
     client = None
-    summary = {"episodes": [], "robot": arm.robot, "hz": arm.control_hz}
-    # safe pose, torque off there, disconnect: always, and a bus error in a step stays the
-    # error reported (the shutdown's own failures are noted on it)
-    with SafeShutdown(env, hz=arm.control_hz) as shutdown:
-        try:
-            check_fits(policy, spec, env.spec)
-            if server:
-                from embodied.robots.server import PolicyClient
+    if server:
+        from embodied.robots.server import PolicyClient
 
-                client = PolicyClient(server, agreed)
-                chunk_of = lambda obs: client.infer(obs_to_wire(obs))  # noqa: E731
-            else:
-                chunk_of = lambda obs: policy_chunk(policy, obs)  # noqa: E731
+        client = PolicyClient(server, agreed)
+    try:
+        if arm.robot.endswith("-sim"):
+            from embodied.twin import make_twin_robot
+
+            robot, _, _ = make_twin_robot(arm, task=twin_task)
+        else:
+            robot = make_robot(arm)
+        connect(robot, arm)
+        env = RobotEnv(robot, arm, SafetyLayer(default_safety(robot, arm)))
+        summary = {"episodes": [], "robot": arm.robot, "hz": arm.control_hz}
+        if client is not None:
+            chunk_of = lambda obs: client.infer(obs_to_wire(obs))  # noqa: E731
+        else:
+            chunk_of = lambda obs: policy_chunk(policy, obs)  # noqa: E731
+        # safe pose, torque off there, disconnect: always, and a bus error in a step stays the
+        # error reported (the shutdown's own failures are noted on it)
+        with SafeShutdown(env, hz=arm.control_hz) as shutdown:
             infer = robot_infer(chunk_of, spec, env)
             recorder = (
                 EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot)
@@ -294,9 +298,9 @@ def run_deploy(
                     log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
                     if result.reason != "done":
                         break
-        finally:
-            if client is not None:
-                client.close()
+    finally:
+        if client is not None:
+            client.close()
     summary["interventions"] = dict(env.safety.counts)
     summary["torque_off_at_safe_pose"] = shutdown.torque_off
     return summary

@@ -23,6 +23,7 @@ from embodied.schema import ActionSpec, CameraSpec, EnvSpec, Observation, ObsSpe
 
 JOINTS = ("shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll", "gripper")
 GRIPPER = JOINTS.index("gripper")
+STATE_NAMES = tuple(f"{j}.pos" for j in JOINTS) + tuple(f"{j}.vel" for j in JOINTS)  # RobotEnv's
 ROBOTS = ("so100", "so101", "koch")  # "-sim" of an SO arm: the digital twin (embodied/twin.py)
 
 
@@ -207,7 +208,7 @@ class RobotEnv:
         self.spec = EnvSpec(
             obs=ObsSpec(
                 cameras=cams,
-                state_names=tuple(f"{j}.pos" for j in JOINTS) + tuple(f"{j}.vel" for j in JOINTS),
+                state_names=STATE_NAMES,
             ),
             action=ActionSpec(
                 "joint_pos",

@@ -27,6 +27,8 @@ from collections.abc import Callable
 import msgpack
 import numpy as np
 
+from embodied.schema import UserError
+
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = (
     8 * 2**20
@@ -81,14 +83,27 @@ class PolicyServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready, self._stop = threading.Event(), None
         self._thread: threading.Thread | None = None
+        self._bind_error: OSError | None = None  # why it could not listen, for start() to raise
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> PolicyServer:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         if not self._ready.wait(10):
             raise RuntimeError(f"the policy server did not start on {self.host}:{self.port}")
+        if self._bind_error is not None:
+            reason = self._bind_error.strerror or self._bind_error
+            raise UserError(f"cannot serve on {self.host}:{self.port}: {reason}")
         return self
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except OSError as e:  # the port is taken, or the host is not this machine's
+            if self._ready.is_set():
+                raise
+            self._bind_error = e
+            self._ready.set()
 
     def stop(self) -> None:
         if self._loop is not None and self._stop is not None:
@@ -226,10 +241,16 @@ class PolicyClient:
     or a lost connection (the control loop's watchdog then holds the arm)."""
 
     def __init__(self, url: str, contract: dict, *, timeout_s: float = 2.0):
+        from websockets.exceptions import InvalidHandshake, InvalidURI
         from websockets.sync.client import connect
 
         self.timeout_s = timeout_s
-        self.ws = connect(url, max_size=2 * MAX_MESSAGE_BYTES, open_timeout=timeout_s)
+        try:
+            self.ws = connect(url, max_size=2 * MAX_MESSAGE_BYTES, open_timeout=timeout_s)
+        except InvalidURI as e:
+            raise UserError(f"policy server {url!r}: {e}") from None
+        except (OSError, InvalidHandshake) as e:  # refused, unreachable, timed out, not a server
+            raise ConnectionError(f"policy server {url}: cannot connect ({e})") from None
         self.ws.send(pack({"type": "hello", "contract": contract}))
         reply = unpack(self.ws.recv(timeout=timeout_s))
         if reply["type"] != "hello":
