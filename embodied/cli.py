@@ -1,4 +1,10 @@
-"""``embodied`` command line: train, eval, demos, sft, bench, serve, deploy."""
+"""``embodied`` command line: train, eval, demos, sft, bench, serve, deploy.
+
+A user error (a bad config key, path, task, checkpoint or option) is one line on stderr,
+``embodied: error: <what, naming the culprit>``, and exit code 2: ``ConfigError``,
+``embodied.schema.UserError`` and the errors each command names. Anything else is a bug and
+keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,18 @@ from pathlib import Path
 
 
 def _error(msg: str) -> int:
-    print(f"embodied: error: {msg}", file=sys.stderr)
+    # one line, whatever the message (a driver's may span several)
+    line = " ".join(part.strip() for part in str(msg).splitlines() if part.strip())
+    print(f"embodied: error: {line}", file=sys.stderr)
     return 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (``embodied: error: ...``, exit code 2)."""
+
+    def error(self, message: str):
+        _error(f"{message} (see {self.prog} --help)")
+        sys.exit(2)
 
 
 def _load(schema, args):
@@ -45,20 +61,28 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     import torch
 
-    from embodied.checkpoint import load_checkpoint
+    from embodied.checkpoint import load_policy_checkpoint
     from embodied.config import compose
     from embodied.evaluate import evaluate
     from embodied.models import build_policy
     from embodied.multitask import make_env
     from embodied.runner import TrainConfig
 
+    if args.episodes < 1:
+        return _error(f"--episodes: must be >= 1, got {args.episodes}")
+    if args.num_envs is not None and args.num_envs < 1:
+        return _error(f"--num-envs: must be >= 1, got {args.num_envs}")
     try:
-        ckpt = load_checkpoint(args.checkpoint, with_trainer_state=False)
+        ckpt = load_policy_checkpoint(args.checkpoint)
     except FileNotFoundError as e:
         return _error(str(e))
     cfg = compose(TrainConfig, [(str(ckpt["path"]), ckpt["meta"]["config"])])
-    if args.num_envs:
+    if args.num_envs is not None:
         cfg.env.num_envs = args.num_envs
+        try:
+            cfg.env.validate()
+        except ValueError as e:
+            return _error(f"--num-envs {args.num_envs}: {e}")
     torch.set_num_threads(cfg.runner.torch_threads)
     env = make_env(cfg.env)
     try:
@@ -84,6 +108,8 @@ def cmd_demos(args) -> int:
         return _error(
             f"output: {cfg.output} already holds a dataset; choose another output directory"
         )
+    if Path(cfg.output).exists() and not Path(cfg.output).is_dir():
+        return _error(f"output: {cfg.output} is a file; give a directory for the dataset")
     try:
         summary = record_demos(cfg)
     except (FileNotFoundError, RuntimeError) as e:
@@ -139,13 +165,16 @@ def _cameras(values: list[str]) -> dict[str, str]:
     return out
 
 
-def _floats(text: str | None, default: float) -> tuple[float, ...]:
+def _floats(option: str, text: str | None, default: float) -> tuple[float, ...]:
     if not text:
         return (default,) * 6
     try:
-        return tuple(float(v) for v in text.split(","))
+        values = tuple(float(v) for v in text.split(","))
     except ValueError:
-        raise ValueError(f"{text!r}: expected 6 comma-separated numbers") from None
+        values = ()
+    if len(values) != 6:
+        raise ValueError(f"{option} {text!r}: expected 6 comma-separated numbers, one per joint")
+    return values
 
 
 def cmd_serve(args) -> int:
@@ -153,6 +182,10 @@ def cmd_serve(args) -> int:
 
     from embodied.deploy import serve
 
+    if not 0 <= args.port <= 65535:
+        return _error(f"--port: must be 0..65535 (0: any free port), got {args.port}")
+    if args.queue < 1:
+        return _error(f"--queue: must be >= 1, got {args.queue}")
     try:
         server = serve(args.checkpoint, host=args.host, port=args.port, queue_size=args.queue)
     except FileNotFoundError as e:
@@ -174,6 +207,15 @@ def cmd_deploy(args) -> int:
     from embodied.deploy import DeployError, run_deploy
     from embodied.robots.arm import ArmConfig, RobotError
 
+    # what the options alone decide, before the checkpoint is read or anything connects
+    if args.hz is not None and not args.hz > 0:
+        return _error(f"--hz: must be > 0 (Hz), got {args.hz:g}")
+    if args.episodes < 1:
+        return _error(f"--episodes: must be >= 1, got {args.episodes}")
+    if not args.episode_seconds > 0:
+        return _error(f"--episode-seconds: must be > 0, got {args.episode_seconds:g}")
+    if args.server and not args.server.startswith(("ws://", "wss://")):
+        return _error(f"--server {args.server!r}: expected ws://HOST:PORT (or wss://)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         arm = ArmConfig(
@@ -182,8 +224,8 @@ def cmd_deploy(args) -> int:
             id=args.robot_id,
             cameras=_cameras(args.camera),
             instruction=args.instruction,
-            joint_signs=_floats(args.joint_signs, 1.0),
-            joint_offsets=_floats(args.joint_offsets, 0.0),
+            joint_signs=_floats("--robot.joint-signs", args.joint_signs, 1.0),
+            joint_offsets=_floats("--robot.joint-offsets", args.joint_offsets, 0.0),
         )
         summary = run_deploy(
             args.checkpoint,
@@ -201,7 +243,7 @@ def cmd_deploy(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="embodied", description="Fine-tune robot policies with RL in vectorized simulators."
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -212,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. env.num_envs=16).",
     )
     t.add_argument("config", help="YAML config, e.g. configs/maniskill/pushcube_ppo.yaml")
-    t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    t.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
     t.set_defaults(func=cmd_train)
     e = sub.add_parser(
         "eval",
@@ -238,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         "output); override any key with key.sub=value.",
     )
     d.add_argument("config", help="YAML config, e.g. configs/maniskill/demos_pushcube.yaml")
-    d.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    d.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
     d.set_defaults(func=cmd_demos)
     s = sub.add_parser(
         "sft",
@@ -247,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint.",
     )
     s.add_argument("config", help="YAML config, e.g. configs/maniskill/multitask_vla_sft.yaml")
-    s.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    s.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
     s.set_defaults(func=cmd_sft)
     b = sub.add_parser(
         "bench",
@@ -256,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
         "report.md, results.json, success.png and videos, and resumes a killed run.",
     )
     b.add_argument("config", metavar="SUITE", help="suite YAML, e.g. configs/bench/smoke.yaml")
-    b.add_argument("overrides", nargs="*", help="key.sub=value overrides (e.g. episodes=20)")
+    b.add_argument(
+        "overrides", nargs="*", default=[], help="key.sub=value overrides (e.g. episodes=20)"
+    )
     b.add_argument(
         "--policy", choices=["random", "zero"], help="a baseline policy (default: random)"
     )
@@ -329,8 +373,13 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from embodied.config import ConfigError
+    from embodied.schema import UserError
+
     try:
         return args.func(args)
+    except (ConfigError, UserError) as e:
+        return _error(str(e))
     except KeyboardInterrupt:
         print("interrupted; the last checkpoint is in the run directory", file=sys.stderr)
         return 130
