@@ -136,6 +136,8 @@ def cmd_bench(args) -> int:
 
     if args.checkpoint and args.policy:
         return _error("give either --policy or --checkpoint, not both")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        return _error(f"--out {args.out}: is a file; give a directory for the report")
     try:
         cfg, _ = load_config(BenchConfig, args.config, args.overrides)
         run_bench(
@@ -216,6 +218,10 @@ def cmd_deploy(args) -> int:
         return _error(f"--episode-seconds: must be > 0, got {args.episode_seconds:g}")
     if args.server and not args.server.startswith(("ws://", "wss://")):
         return _error(f"--server {args.server!r}: expected ws://HOST:PORT (or wss://)")
+    record = Path(args.record) if args.record else None
+    if record is not None and record.exists() and (not record.is_dir() or any(record.iterdir())):
+        # the episodes would run on the arm and then fail to be written
+        return _error(f"--record {record}: not empty; give a new directory for the recordings")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         arm = ArmConfig(
