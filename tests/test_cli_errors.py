@@ -1,0 +1,321 @@
+"""Errors users can act on: every bad input of every command is one line on stderr,
+``embodied: error: <message naming the culprit>``, exit code 2, no traceback. Nothing here builds a
+simulator, opens a port or touches an arm before failing (those are patched to fail the test)."""
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from embodied.cli import main
+
+TINY = [
+    "env.num_envs=4",
+    "algorithm.num_steps=8",
+    "runner.total_env_steps=32",
+    "runner.eval_episodes=2",
+    "runner.final_eval_episodes=2",
+    "runner.progress=false",
+    "runner.video=false",
+    "env.render_size=32",
+    "policy.hidden_sizes=[32]",
+    "policy.use_privileged=false",  # deployable: reads only what an arm measures
+]
+needs_maniskill = pytest.mark.skipif(
+    importlib.util.find_spec("mani_skill") is None, reason="needs ManiSkill"
+)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    """{placeholder: path} for the bad inputs: trained runs (MuJoCo reach on joint state, and
+    one that reads the goal), damaged copies of a checkpoint and bad config files."""
+    root = tmp_path_factory.mktemp("cli_errors")
+    train = ["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={root}", *TINY]
+    assert main([*train, "runner.name=run"]) == 0
+    assert main([*train, "runner.name=goal", "policy.use_privileged=true"]) == 0
+    ckpt = (root / "run" / "last").resolve()
+    damaged = {
+        "corrupt_meta": ("meta.json", "{not json"),
+        "empty_meta": ("meta.json", "{}"),
+        "corrupt_weights": ("model.safetensors", "garbage"),
+    }
+    for name, (file, text) in damaged.items():
+        shutil.copytree(ckpt, root / name)
+        (root / name / file).write_text(text)
+    files = {
+        "empty.yaml": "",
+        "comments.yaml": "# nothing but a comment\n",
+        "invalid.yaml": "env: {num_envs: 4\n",
+        "list.yaml": "- a\n- b\n",
+        "vla_ppo.yaml": "env: {simulator: mujoco, obs_mode: rgb}\n"
+        "policy: {name: vla, value_head: false}\nalgorithm: {name: ppo}\n",
+        "vla_state.yaml": "env: {simulator: mujoco, obs_mode: state}\n"
+        "policy: {name: vla}\nalgorithm: {name: grpo}\n",
+        "demos_no_expert.yaml": "episodes: 2\n",
+        "no_tasks.yaml": "tasks: []\n",
+    }
+    for name, text in files.items():
+        (root / name).write_text(text)
+    (root / "dataset" / "meta").mkdir(parents=True)
+    (root / "dataset" / "meta" / "info.json").write_text("{}")
+    (root / "no_checkpoint").mkdir()
+    return {
+        "root": str(root),
+        "run": str(root / "run"),
+        "ckpt": str(ckpt),
+        "goal": str(root / "goal" / "last"),
+    }
+
+
+@pytest.fixture(autouse=True)
+def nothing_opened(monkeypatch):
+    """Bad inputs fail before an arm (or its twin) connects or a server listens."""
+
+    def opened(*args, **kwargs):
+        raise AssertionError("a bad input reached the hardware or opened a port")
+
+    import embodied.robots.arm
+    import embodied.robots.server
+    import embodied.twin
+
+    monkeypatch.setattr(embodied.robots.arm, "make_robot", opened)
+    monkeypatch.setattr(embodied.robots.arm, "connect", opened)
+    monkeypatch.setattr(embodied.twin, "make_twin_robot", opened)
+    monkeypatch.setattr(embodied.robots.server.PolicyServer, "start", opened)
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+def one_line_error(rc: int, err: str, *culprits: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("embodied: error: "), err
+    assert "Traceback" not in err
+    for culprit in culprits:
+        assert culprit in lines[0], f"{culprit!r} not named in: {lines[0]}"
+    return lines[0]
+
+
+M = "configs/mujoco/reach_ppo.yaml"
+MS = "configs/maniskill/pushcube_ppo.yaml"
+SUITE = "configs/bench/smoke.yaml"
+R = "{root}"
+CK = "{ckpt}"
+# (argv, what the line must name); {root}, {run}, {ckpt} and {goal} are filled in from `paths`
+CASES = [
+    # train: config files
+    (["train", f"{R}/missing.yaml"], ["config file not found", "missing.yaml"]),
+    (["train", f"{R}/empty.yaml"], ["empty.yaml", "config file is empty"]),
+    (["train", f"{R}/comments.yaml"], ["comments.yaml", "config file is empty"]),
+    (["train", f"{R}/invalid.yaml"], ["invalid.yaml line 2", "invalid YAML"]),
+    (["train", f"{R}/list.yaml"], ["list.yaml", "must be a mapping"]),
+    # train: keys, types, overrides
+    (["train", M, "env.num_envz=3"], ["env.num_envz", "unknown key", "the command line"]),
+    (["train", M, "env.num_envs=many"], ["env.num_envs", "'many'"]),
+    (["train", M, "env=3"], ["env:", "expected a section"]),
+    (["train", M, "env.num_envs"], ["'env.num_envs'", "expected key.sub=value"]),
+    (["train", M, "env..x=3"], ["'env..x=3'", "expected key.sub=value"]),
+    (["train", M, "policy.name=gpt"], ["policy.name", "'gpt'"]),
+    (["train", M, "algorithm.name=sac"], ["algorithm.name", "'sac'"]),
+    (["train", M, "env.simulator=isaac"], ["env.simulator", "'isaac'"]),
+    (["train", M, "env.task=fly"], ["env.task", "'fly'"]),
+    (["train", M, "env.num_envs=0"], ["env.num_envs", "must be >= 1"]),
+    (["train", MS, "env.tasks=[PushCube-v1,PullCube-v1]", "env.num_envs=3"], ["env.num_envs"]),
+    # train: what sections ask of each other, before anything is built
+    (
+        ["train", "configs/maniskill/multitask_vla_grpo.yaml", "algorithm.group_size=64"],
+        ["algorithm.group_size", "64"],
+    ),
+    (["train", f"{R}/vla_ppo.yaml"], ["algorithm.name", "critic", "policy.value_head=true"]),
+    (["train", f"{R}/vla_state.yaml"], ["env.obs_mode", "'vla'", "camera"]),
+    # train: checkpoints to resume or start from
+    (["train", M, f"runner.resume={R}/nowhere"], ["runner.resume", "nowhere"]),
+    (["train", M, f"runner.init_from={R}/nowhere"], ["runner.init_from", "nowhere"]),
+    (["train", M, f"runner.resume={R}/corrupt_meta"], ["runner.resume", "corrupt_meta/meta.json"]),
+    (
+        ["train", M, f"runner.init_from={R}/corrupt_weights"],
+        ["runner.init_from", "corrupt_weights/model.safetensors"],
+    ),
+    (
+        ["train", M, "runner.resume={run}", *TINY, "algorithm.gamma=0.5"],
+        ["runner.resume", "algorithm.gamma is 0.5 here but 0.8", "resume_force"],
+    ),
+    # train: ManiSkill tasks are checked before any worker starts
+    pytest.param(
+        ["train", MS, "env.task=PushCubee-v1", f"runner.output_dir={R}/ms"],
+        ["'PushCubee-v1'", "did you mean 'PushCube-v1'"],
+        marks=needs_maniskill,
+    ),
+    pytest.param(
+        ["train", MS, "env.tasks=[PushCube-v1,PullCubee-v1]", f"runner.output_dir={R}/ms"],
+        ["'PullCubee-v1'"],
+        marks=needs_maniskill,
+    ),
+    # eval
+    (["eval", f"{R}/nowhere"], ["no checkpoint at", "nowhere"]),
+    (["eval", f"{R}/no_checkpoint"], ["no checkpoint at", "no_checkpoint"]),
+    (["eval", f"{R}/corrupt_meta"], ["corrupt_meta/meta.json", "not valid JSON"]),
+    (["eval", f"{R}/empty_meta"], ["empty_meta/meta.json", "'config'"]),
+    (["eval", f"{R}/corrupt_weights"], ["corrupt_weights/model.safetensors", "damaged"]),
+    (["eval", CK, "--episodes", "0"], ["--episodes", "got 0"]),
+    (["eval", CK, "--num-envs", "0"], ["--num-envs", "got 0"]),
+    (["eval", CK, "--episodes", "x"], ["--episodes", "'x'"]),
+    # sft
+    (["sft", f"{R}/empty.yaml"], ["empty.yaml", "config file is empty"]),
+    (["sft", "configs/maniskill/multitask_vla_sft.yaml", "datasets=[]"], ["datasets"]),
+    (
+        [
+            "sft",
+            "configs/maniskill/multitask_vla_sft.yaml",
+            f"datasets=[{R}/nowhere]",
+            f"runner.output_dir={R}/sft",
+        ],
+        ["nowhere", "not a complete LeRobot dataset"],
+    ),
+    (["sft", "configs/maniskill/multitask_vla_sft.yaml", "steps=0"], ["steps: must be >= 1"]),
+    (
+        ["sft", "configs/maniskill/multitask_vla_sft.yaml", "env.obs_mode=state"],
+        ["env.obs_mode", "camera"],
+    ),
+    # demos
+    (["demos", f"{R}/demos_no_expert.yaml"], ["expert", "required"]),
+    (
+        ["demos", "configs/maniskill/demos_pushcube.yaml", f"expert={R}/nowhere"],
+        ["expert: no checkpoint at", "nowhere"],
+    ),
+    (
+        ["demos", "configs/maniskill/demos_pushcube.yaml", f"expert={CK}", f"output={R}/dataset"],
+        ["output", "dataset", "already holds a dataset"],
+    ),
+    (
+        ["demos", "configs/maniskill/demos_pushcube.yaml", f"output={R}/empty.yaml"],
+        ["output", "empty.yaml", "is a file"],
+    ),
+    (["demos", "configs/maniskill/demos_pushcube.yaml", "env.obs_mode=state"], ["env.obs_mode"]),
+    # bench
+    (["bench", f"{R}/missing.yaml"], ["config file not found", "missing.yaml"]),
+    (["bench", f"{R}/empty.yaml"], ["empty.yaml", "config file is empty"]),
+    (["bench", f"{R}/no_tasks.yaml"], ["tasks", "at least one task"]),
+    (["bench", SUITE, "--policy", "zero", "--checkpoint", CK], ["--policy", "--checkpoint"]),
+    (["bench", SUITE, "--policy", "gpt"], ["--policy", "'gpt'"]),
+    (["bench", SUITE, "--checkpoint", f"{R}/nowhere"], ["no checkpoint at", "nowhere"]),
+    (["bench", SUITE, "episodes=0"], ["episodes", "got 0"]),
+    (["bench", SUITE, "--out", f"{R}/empty.yaml"], ["--out", "empty.yaml", "is a file"]),
+    (
+        ["bench", SUITE, "tasks=[{env: {simulator: mujoco, task: fly}}]"],
+        ["tasks[0].env.task", "'fly'"],
+    ),
+    (
+        ["bench", SUITE, "tasks=[{env: {simulator: gazebo}}]"],
+        ["tasks[0].env.simulator", "'gazebo'"],
+    ),
+    (
+        ["bench", SUITE, "tasks=[{env: {simulator: mujoco}}, {env: {task: PushCubee-v1}}]"],
+        ["tasks[1].env.simulator: missing"],
+    ),
+    pytest.param(
+        [
+            "bench",
+            SUITE,
+            "tasks=[{env: {simulator: mujoco}}, {env: {simulator: maniskill, task: PushCubee-v1}}]",
+        ],
+        ["tasks[1]", "'PushCubee-v1'"],
+        marks=needs_maniskill,
+    ),
+    # serve
+    (["serve", f"{R}/nowhere"], ["no checkpoint at", "nowhere"]),
+    (["serve", f"{R}/corrupt_meta"], ["corrupt_meta/meta.json"]),
+    (["serve", CK, "--port", "70000"], ["--port", "70000"]),
+    (["serve", CK, "--queue", "0"], ["--queue", "got 0"]),
+    # deploy (--robot so101-sim: the MuJoCo twin; a real arm's cases fail before connecting)
+    (["deploy", f"{R}/nowhere", "--robot", "so101-sim"], ["no checkpoint at", "nowhere"]),
+    (["deploy", CK, "--robot", "so101-sim", "--camera", "wrist"], ["--camera 'wrist'"]),
+    (
+        ["deploy", CK, "--robot", "so101-sim", "--robot.joint-signs", "1,-1"],
+        ["--robot.joint-signs '1,-1'", "6"],
+    ),
+    (["deploy", CK, "--robot", "r2d2"], ["robot", "'r2d2'"]),
+    (["deploy", CK, "--robot", "so101"], ["robot.port"]),
+    (["deploy", CK, "--robot", "so101-sim", "--hz", "0"], ["--hz", "got 0"]),
+    (["deploy", CK, "--robot", "so101-sim", "--episodes", "0"], ["--episodes", "got 0"]),
+    (["deploy", CK, "--robot", "so101-sim", "--episode-seconds", "-1"], ["--episode-seconds"]),
+    (["deploy", CK, "--robot", "so101-sim", "--server", "http://host:1"], ["'http://host:1'"]),
+    (["deploy", CK, "--robot", "so101-sim", "--record", f"{R}/dataset"], ["--record", "dataset"]),
+    (
+        ["deploy", CK, "--robot", "so101-sim", "--server", "ws://127.0.0.1:1"],
+        ["ws://127.0.0.1:1", "cannot connect"],
+    ),
+    (
+        ["deploy", "{goal}", "--robot", "so101", "--robot.port", "/dev/ttyACM0"],
+        ["simulator-only inputs", "policy.use_privileged=false"],
+    ),
+    # the command line itself
+    (["frobnicate"], ["'frobnicate'"]),
+    (["train"], ["config"]),
+]
+
+
+def fill(text: str, paths: dict) -> str:
+    for key, path in paths.items():
+        text = text.replace("{" + key + "}", path)
+    return text
+
+
+def params(cases: list) -> list:
+    """Each case with its command line as the test id."""
+    out = []
+    for case in cases:
+        values, marks = (case.values, case.marks) if hasattr(case, "values") else (case, ())
+        name = " ".join(values[0]).replace("{root}/", "").replace("configs/", "")
+        out.append(pytest.param(*values, marks=marks, id=name[:90]))
+    return out
+
+
+@pytest.mark.parametrize("argv, culprits", params(CASES))
+def test_bad_input_is_one_line_naming_the_culprit(argv, culprits, paths, capsys):
+    rc, err = run_cli([fill(a, paths) for a in argv], capsys)
+    one_line_error(rc, err, *[fill(c, paths) for c in culprits])
+
+
+def test_a_taken_port_is_one_line_naming_it(paths, capsys, monkeypatch):
+    monkeypatch.undo()  # this server really tries to listen; its port is taken
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["serve", paths["ckpt"], "--host", "127.0.0.1", "--port", str(port)]
+        rc, err = run_cli(argv, capsys)
+    one_line_error(rc, err, f"127.0.0.1:{port}")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lerobot") is None, reason="needs LeRobot")
+def test_a_driver_message_over_several_lines_is_one_line(paths, capsys, monkeypatch):
+    monkeypatch.undo()  # LeRobot's driver tries a serial port that does not exist
+    argv = ["deploy", paths["ckpt"], "--robot", "so101", "--robot.port", "/dev/ttyNOPE"]
+    rc, err = run_cli(argv, capsys)
+    one_line_error(rc, err, "/dev/ttyNOPE")
+
+
+@pytest.mark.parametrize(
+    "argv, culprit",
+    [
+        (["train", "{root}/empty.yaml"], "config file is empty"),
+        (["eval", "{root}/corrupt_meta"], "corrupt_meta/meta.json"),
+    ],
+)
+def test_no_traceback_reaches_the_terminal(argv, culprit, paths):
+    cmd = [sys.executable, "-m", "embodied.cli", *[fill(a, paths) for a in argv]]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    one_line_error(res.returncode, res.stderr, culprit)
+    assert res.stdout == ""
