@@ -38,7 +38,7 @@ from embodied.inference import InferencePolicy
 from embodied.learner import TorchEngine
 from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig, build_policy
-from embodied.multitask import SIMULATOR_CONFIGS, make_env
+from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
 from embodied.ppo import PPO, PPOConfig
 from embodied.rollout import EpisodeStats, Samples, collect
 from embodied.run import (
@@ -185,6 +185,10 @@ def train(cfg: TrainConfig) -> dict:
         trim_metrics(run_dir, resume["counters"]["iteration"])
     else:
         run_dir = Path(cfg.runner.output_dir) / cfg.runner.name
+    # a bad checkpoint or task fails before the run directory and the environments are made
+    if cfg.runner.init_from:
+        _load(cfg.runner.init_from, "runner.init_from", trainer_state=False)
+    check_tasks(cfg.env)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)

@@ -3,6 +3,7 @@
 simulator, opens a port or touches an arm before failing (those are patched to fail the test)."""
 
 import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -141,10 +142,13 @@ CASES = [
     (["train", f"{R}/vla_state.yaml"], ["env.obs_mode", "'vla'", "camera"]),
     # train: checkpoints to resume or start from
     (["train", M, f"runner.resume={R}/nowhere"], ["runner.resume", "nowhere"]),
-    (["train", M, f"runner.init_from={R}/nowhere"], ["runner.init_from", "nowhere"]),
+    (
+        ["train", M, f"runner.init_from={R}/nowhere", f"runner.output_dir={R}/out"],
+        ["runner.init_from", "nowhere"],
+    ),
     (["train", M, f"runner.resume={R}/corrupt_meta"], ["runner.resume", "corrupt_meta/meta.json"]),
     (
-        ["train", M, f"runner.init_from={R}/corrupt_weights"],
+        ["train", M, f"runner.init_from={R}/corrupt_weights", f"runner.output_dir={R}/out"],
         ["runner.init_from", "corrupt_weights/model.safetensors"],
     ),
     (
@@ -286,6 +290,17 @@ def params(cases: list) -> list:
 def test_bad_input_is_one_line_naming_the_culprit(argv, culprits, paths, capsys):
     rc, err = run_cli([fill(a, paths) for a in argv], capsys)
     one_line_error(rc, err, *[fill(c, paths) for c in culprits])
+
+
+def test_a_run_that_cannot_start_leaves_no_run_directory(paths, capsys):
+    out = f"{paths['root']}/never"
+    bad = [f"runner.init_from={paths['root']}/corrupt_weights"]
+    if importlib.util.find_spec("mani_skill") is not None:
+        bad.append("env.simulator=maniskill")  # with reach_ppo's task, 'reach'
+    for override in bad:
+        rc, err = run_cli(["train", M, f"runner.output_dir={out}", override], capsys)
+        one_line_error(rc, err)
+    assert not os.path.exists(out)
 
 
 def test_a_taken_port_is_one_line_naming_it(paths, capsys, monkeypatch):
