@@ -2,7 +2,6 @@
 (no critic, also through SmolVLA's stochastic flow) and PPO (value head) raise the success rate;
 per-task evaluation equals each task alone."""
 
-
 import torch
 from scripted_envs import PPO, TINY_VLA, PushRightEnv, metric_rows, run_on
 

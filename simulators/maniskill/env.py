@@ -120,17 +120,15 @@ class _WorkerCore:
     def reset(self, ids: list[int], seeds: list) -> dict:
         """ids: local env indices, one seed (or None) each; all None or all set."""
         env_ids = torch.tensor(ids, dtype=torch.long)
-        obs = (
-            self.core.reset(env_ids=env_ids)
-            if None in seeds or not seeds
-            else self.core.reset(seed=seeds, env_ids=env_ids)
-        )
+        seeded = bool(seeds) and None not in seeds
+        obs = self.core.reset(seed=seeds if seeded else None, env_ids=env_ids)
         return self._pack(obs)
 
     @torch.no_grad()
     def step(self, ids: list[int], actions: np.ndarray):
+        rows = None if ids == self._everyone else torch.tensor(ids)
         obs, reward, term, trunc, success, final, _ = self.core.step(
-            torch.from_numpy(actions), None if ids == self._everyone else torch.tensor(ids)
+            torch.from_numpy(actions), rows
         )
         scalars = torch.stack(
             [reward, term.float(), trunc.float(), success.float()], 1
