@@ -84,7 +84,8 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
             raise ConfigError(
                 f"{where}.env.simulator: {what}; known: {sorted(SIMULATOR_CONFIGS)} (in {source})"
             )
-        keys, values = list(task.sweep), list(task.sweep.values())
+        keys = list(task.sweep)
+        values = list(task.sweep.values())
         combos = [dict(zip(keys, vs)) for vs in _product(values)] if keys else [{}]
         for combo in combos:
             env_dict = {**task.env, **combo}
@@ -169,7 +170,9 @@ class _PolicySource:
                     f"--policy: unknown baseline {policy!r}; known: {list(POLICIES)} "
                     "(or --checkpoint)"
                 )
-            self.loaded, self.label, self.key = None, policy, policy
+            self.loaded = None
+            self.label = policy
+            self.key = policy
         self.deterministic = (
             policy != "random" or checkpoint is not None
         )  # the random baseline samples (seeded)

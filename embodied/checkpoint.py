@@ -39,8 +39,11 @@ from safetensors.torch import load_file, save_file
 
 from embodied.schema import UserError
 
-MODEL, STATE, META = "model.safetensors", "trainer.pt", "meta.json"
-LAST, BEST = "last", "best"
+MODEL = "model.safetensors"
+STATE = "trainer.pt"
+META = "meta.json"
+LAST = "last"
+BEST = "best"
 ITERATION = re.compile(r"iter_(\d+)")
 
 # model -> (key, weak references to its frozen tensors, digest): see _frozen_digest

@@ -114,11 +114,14 @@ def _base(schema: type, sources: list[tuple[str, dict]]):
         schema, "CHOICE_KEYS", {}
     )  # field -> the key that names the choice ("name" unless given)
     for field_name, registry in getattr(schema, "CHOICES", {}).items():
-        chosen, where, key = None, None, keys.get(field_name, "name")
+        chosen = None
+        where = None
+        key = keys.get(field_name, "name")
         for src, data in sources:
             node = data.get(field_name) if isinstance(data, dict) else None
             if isinstance(node, dict) and key in node:
-                chosen, where = node[key], src
+                chosen = node[key]
+                where = src
         if chosen is None:
             continue
         if chosen not in registry:

@@ -91,7 +91,9 @@ def check_env(
     _require(
         isinstance(env, S.VecEnv), f"{type(env).__name__} does not implement the VecEnv protocol"
     )
-    spec, B, dev = env.spec, env.num_envs, torch.device(env.device)
+    spec = env.spec
+    B = env.num_envs
+    dev = torch.device(env.device)
     _require(isinstance(spec, S.EnvSpec), "env.spec must be an EnvSpec")
     _require(spec.max_episode_steps > 0, "spec.max_episode_steps must be positive")
     obs = env.reset(seed=seed)
@@ -126,7 +128,8 @@ def check_env(
         )
     obs = env.reset(seed=seed)
     gen = torch.Generator().manual_seed(seed)
-    ended_any, lengths = False, torch.zeros(B, dtype=torch.long)
+    ended_any = False
+    lengths = torch.zeros(B, dtype=torch.long)  # long [B]
     limit = max_steps or spec.max_episode_steps + 1
     for t in range(limit):
         out = env.step(_random_actions(spec.action, B, dev, gen))
@@ -214,7 +217,8 @@ def check_policy(
         isinstance(policy, S.Policy),
         f"{type(policy).__name__} does not implement the Policy protocol",
     )
-    B, A = batch_size, spec.action.dim
+    B = batch_size
+    A = spec.action.dim
     obs = random_observation(spec, B, device)
     with torch.no_grad():
         out = policy.act(obs)
@@ -237,7 +241,8 @@ def check_policy(
     if out.value is not None:
         _check_tensor("act().value", out.value, (B,), torch.float32, device)
     with torch.no_grad():
-        d1, d2 = policy.act(obs, deterministic=True), policy.act(obs, deterministic=True)
+        d1 = policy.act(obs, deterministic=True)
+        d2 = policy.act(obs, deterministic=True)
     _require(torch.equal(d1.actions, d2.actions), "act(deterministic=True) is not deterministic")
     token = out.extras.get("logp_token")
     _require(token is not None, "act().extras['logp_token'] missing (f32 [B, K, A])")

@@ -140,14 +140,18 @@ class LeRobotWriter:
         self.features["next.reward"] = {"dtype": "float32", "shape": [1], "names": None}
         self.features["next.success"] = {"dtype": "bool", "shape": [1], "names": None}
         self.features.update(DEFAULT_FEATURES)
-        self.fps, self.robot_type, self.cameras = fps, robot_type, list(cameras)
+        self.fps = fps
+        self.robot_type = robot_type
+        self.cameras = list(cameras)
         self.source = (
             source or {}
         )  # where the data came from (simulator, task, expert), kept in info.json
         self.tasks: dict[str, int] = {}
         self.episodes: list[dict] = []
         self._buffer: list[dict] = []  # episodes not yet in a data file
-        self._buffer_bytes, self._file_index, self._frames = 0, 0, 0
+        self._buffer_bytes = 0
+        self._file_index = 0
+        self._frames = 0
         self._all: dict[str, list[np.ndarray]] = {
             "observation.state": [],
             "action": [],
@@ -256,7 +260,8 @@ class LeRobotWriter:
         path = self.root / DATA_PATH.format(chunk_index=0, file_index=self._file_index)
         path.parent.mkdir(parents=True, exist_ok=True)
         ds.to_parquet(str(path))
-        self._buffer, self._buffer_bytes = [], 0
+        self._buffer = []
+        self._buffer_bytes = 0
         self._file_index += 1
 
     def close(self) -> Path:

@@ -103,7 +103,11 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
             "seed": cfg.seed,
         },
     )
-    B, attempts, kept, wins_total, t0 = env.num_envs, 0, 0, 0, time.time()
+    B = env.num_envs
+    attempts = 0
+    kept = 0
+    wins_total = 0
+    t0 = time.time()
     bar = tqdm(total=cfg.episodes, desc=f"demos {cfg.env.task}", disable=not progress, unit="ep")
     try:
         while kept < cfg.episodes and attempts < cfg.max_attempts:

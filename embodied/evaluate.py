@@ -101,7 +101,8 @@ def _run(
     policy_calls = 0
     env_steps = 0
     while any(len(r) < episodes for r in results):
-        seeds, active = [0] * B, torch.zeros(B, dtype=torch.bool)
+        seeds = [0] * B
+        active = torch.zeros(B, dtype=torch.bool)  # bool [B]
         for (lo, hi), res in zip(ranges, results):
             n = min(hi - lo, episodes - len(res))
             base = EVAL_SEED_OFFSET + seed + len(res)

@@ -39,7 +39,8 @@ class MultiTaskEnv:
         if not envs:
             raise ValueError("MultiTaskEnv needs at least one environment")
         _compatible([e.spec for e in envs])
-        self.envs, self.names = envs, list(names)
+        self.envs = envs
+        self.names = list(names)
         self.num_envs = sum(e.num_envs for e in envs)
         self.device = envs[0].device
         keys = set.intersection(*[set(e.spec.obs.privileged) for e in envs])

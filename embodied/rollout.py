@@ -283,7 +283,8 @@ def collect(
     are split into that many groups and the policy acts for one while the others simulate
     (environment groups that can step subsets, chunks of one action); otherwise lockstep.
     ``should_stop`` is asked before every chunk; when it says so, ``Interrupted`` is raised."""
-    T, B = plan.num_chunks, envs.num_envs
+    T = plan.num_chunks
+    B = envs.num_envs
     device = policy.device
     split = stages > 1 and envs.can_pipeline
     # stage s holds envs s, s + S, ...: every worker holds some of each stage, so it always has

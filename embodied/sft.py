@@ -90,9 +90,13 @@ def _load(paths: list[str], episodes: int = 0) -> _Frames:
     sets = [set(p.images) for p in parts]
     if any(s != sets[0] for s in sets):
         raise ValueError(f"datasets: cameras differ between datasets: {sets}")
-    offset, starts, ends, instructions = 0, [], [], []
+    offset = 0
+    starts = []
+    ends = []
+    instructions = []
     for p in parts:
-        starts.append(p.starts + offset), ends.append(p.ends + offset)
+        starts.append(p.starts + offset)  # long [E]
+        ends.append(p.ends + offset)  # long [E]
         instructions += [p.tasks[t] for t in p.task.tolist()]
         offset += len(p)
     priv_keys = set.intersection(*[set(p.privileged) for p in parts])
@@ -140,7 +144,8 @@ def _batch(frames: _Frames, idx: torch.Tensor) -> Observation:
 def _cached_features(policy, frames: _Frames, batch: int = 64) -> torch.Tensor:
     """Frozen image encoder: every frame's features once, f32 [C, N, P, F]."""
     policy.eval()
-    N, out = len(frames.data), []
+    N = len(frames.data)
+    out = []
     for lo in tqdm(
         range(0, N, batch),
         desc="image features",

@@ -53,7 +53,9 @@ class ArmTwin:
             j: True for j in JOINTS
         }  # it starts holding its start pose, as if resting there
         self._set_gains()
-        self._lock, self._t, self.frozen = threading.Lock(), time.monotonic(), False
+        self._lock = threading.Lock()
+        self._t = time.monotonic()
+        self.frozen = False
 
     def _set_gains(self) -> None:
         """A servo without torque applies none: gain and position feedback both zero."""
@@ -113,11 +115,16 @@ def _twin_camera_class():
 
         def __init__(self, twin: ArmTwin, camera: str, width: int, height: int, fps: int):
             cfg = CameraConfig.__new__(CameraConfig)
-            cfg.fps, cfg.width, cfg.height = fps, width, height
+            cfg.fps = fps
+            cfg.width = width
+            cfg.height = height
             super().__init__(cfg)
-            self.twin, self.camera = twin, camera
-            self._frame, self._thread = None, None
-            self._stop, self._fresh = threading.Event(), threading.Event()
+            self.twin = twin
+            self.camera = camera
+            self._frame = None
+            self._thread = None
+            self._stop = threading.Event()
+            self._fresh = threading.Event()
 
         @property
         def is_connected(self) -> bool:
@@ -139,10 +146,8 @@ def _twin_camera_class():
         def _capture(self) -> None:
             with self.twin._lock:  # the GL context belongs to this thread
                 vis = self.twin.model.vis.global_
-                vis.offwidth, vis.offheight = (
-                    max(vis.offwidth, self.width),
-                    max(vis.offheight, self.height),
-                )
+                vis.offwidth = max(vis.offwidth, self.width)
+                vis.offheight = max(vis.offheight, self.height)
                 renderer = mujoco.Renderer(self.twin.model, self.height, self.width)
             try:
                 while not self._stop.is_set():
