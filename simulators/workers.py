@@ -78,7 +78,8 @@ class _InProcess:
     at once and ``recv`` returns its answers in order (several steps may be in flight)."""
 
     def __init__(self, core):
-        self.core, self._answers = core, collections.deque()
+        self.core = core
+        self._answers = collections.deque()
 
     def send(self, message) -> None:
         cmd, arg = message
@@ -133,29 +134,37 @@ class WorkerVecEnv:
     ):
         if step_timeout_s <= 0:
             raise ValueError(f"step_timeout_s: must be > 0 (seconds), got {step_timeout_s}")
-        self.num_envs, self.name, self.device = num_envs, name, torch.device("cpu")
-        self.task, self.step_timeout_s = task, step_timeout_s
+        self.num_envs = num_envs
+        self.name = name
+        self.device = torch.device("cpu")
+        self.task = task
+        self.step_timeout_s = step_timeout_s
         self.can_step_subsets = True
-        self._everyone, self._splits = torch.arange(num_envs), {}
+        self._everyone = torch.arange(num_envs)  # long [B]
+        self._splits = {}
         self._seeds: list[int | None] = [None] * num_envs  # the seed of each one's last reset
         self._closed = False
         if num_workers == 0:
-            self._starts, self._procs = np.array([0, num_envs]), []
+            self._starts = np.array([0, num_envs])  # int [2]: one worker holds them all
+            self._procs = []
             core = make_core(num_envs)
-            self._conns, self.spec = [_InProcess(core)], core.spec
+            self._conns = [_InProcess(core)]
+            self.spec = core.spec
             return
         n_workers = max(1, min(num_workers, num_envs))
         counts = [len(a) for a in np.array_split(np.arange(num_envs), n_workers)]
         self._starts = np.cumsum([0] + counts)
         ctx = mp.get_context("spawn")
-        self._conns, self._procs = [], []
+        self._conns = []
+        self._procs = []
         for count in counts:
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_serve, args=(child, make_core, count), daemon=True)
             p.start()
             # only the worker holds its end: if it dies, recv() here ends with EOFError
             child.close()
-            self._conns.append(parent), self._procs.append(p)
+            self._conns.append(parent)
+            self._procs.append(p)
         try:
             self.spec = [self._started(c) for c in self._conns][0]
         except BaseException:
@@ -314,7 +323,8 @@ class WorkerVecEnv:
         for conn, proc in zip(self._conns, self._procs):
             if proc is not None:  # None: killed already
                 _stop(conn, proc)
-        self._conns, self._procs = [], []
+        self._conns = []
+        self._procs = []
 
     def __enter__(self):
         return self

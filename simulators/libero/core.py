@@ -52,7 +52,8 @@ def load_task(suite: str, task_id: int):
 class LiberoCore:
     def __init__(self, cfg: LiberoConfig, num_envs: int):
         cfg.validate()
-        self.cfg, self.num_envs = cfg, num_envs
+        self.cfg = cfg
+        self.num_envs = num_envs
         # first: LIBERO's config, then its import
         task, bddl, self.init_states = load_task(cfg.suite, cfg.task_id)
         from libero.libero.envs import OffScreenRenderEnv
@@ -157,7 +158,8 @@ class LiberoCore:
         settle[6] = OPEN_GRIPPER
         for _ in range(self.cfg.settle_steps):
             raw, _, _, _ = env.step(settle)
-        self._raw[i], self._elapsed[i] = raw, 0
+        self._raw[i] = raw
+        self._elapsed[i] = 0
         self._rngs[i] = np.random.default_rng(seed)
 
     def _next_seed(self, i: int) -> int:

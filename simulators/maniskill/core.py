@@ -170,13 +170,15 @@ def _rng_states(env, rows: list[int]) -> list[tuple]:
     """(main, episode) numpy RNG states of environments ``rows``: ManiSkill draws an unseeded
     episode's seed from the main one (enhanced_determinism) and may draw during an episode from
     the episode one."""
-    main, episode = env._batched_main_rng, env._batched_episode_rng
+    main = env._batched_main_rng
+    episode = env._batched_episode_rng
     return [(main[j].get_state(), episode[j].get_state()) for j in rows]
 
 
 def _set_rng_states(env, rows: list[int], states: list[tuple]) -> None:
     """Set them in place (ManiSkill keeps other references to the same RandomState objects)."""
-    main, episode = env._batched_main_rng, env._batched_episode_rng
+    main = env._batched_main_rng
+    episode = env._batched_episode_rng
     for j, (main_state, episode_state) in zip(rows, states):
         main[j].set_state(main_state)
         episode[j].set_state(episode_state)
@@ -253,7 +255,12 @@ class ManiSkillCore:
         normalized [-1, 1] actions, ``env_action = scale * physical + offset``."""
         ctrl = self.env.agent.controller
         subs = ctrl.controllers if hasattr(ctrl, "controllers") else {"arm": ctrl}
-        names, low, high, scale, offset, gripper = [], [], [], [], [], None
+        names = []
+        low = []
+        high = []
+        scale = []
+        offset = []
+        gripper = None  # the gripper's action index
         for sub_name, c in subs.items():
             space = getattr(c, "_original_single_action_space", c.single_action_space)
             lo, hi = space.low.tolist(), space.high.tolist()

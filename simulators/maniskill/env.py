@@ -106,7 +106,8 @@ class _WorkerCore:
 
     def __init__(self, opts: CoreOptions, num_envs: int):
         self.core = ManiSkillCore(replace(opts, num_envs=num_envs))
-        self.spec, self._everyone = self.core.spec, list(range(num_envs))
+        self.spec = self.core.spec
+        self._everyone = list(range(num_envs))
 
     def _pack(self, obs: Observation) -> dict:
         return {
@@ -149,7 +150,8 @@ class ManiSkillEnv:
     def __init__(self, cfg: ManiSkillConfig):
         cfg.validate()
         check_assets(cfg.task)  # fail here, before any worker starts
-        self.cfg, self.num_envs = cfg, cfg.num_envs
+        self.cfg = cfg
+        self.num_envs = cfg.num_envs
         self.can_step_subsets = cfg.backend == "cpu"  # step_async/step_wait (pipelined collection)
         self._core = self._pool = None
         if cfg.backend == "gpu":
@@ -158,7 +160,8 @@ class ManiSkillEnv:
                     "env.backend=gpu needs a CUDA GPU; use env.backend=cpu on this machine"
                 )
             self._core = ManiSkillCore(_core_options(cfg, cfg.num_envs, "physx_cuda"))
-            self.device, self.spec = torch.device(self._core.device), self._core.spec
+            self.device = torch.device(self._core.device)
+            self.spec = self._core.spec
             return
         self._pool = WorkerVecEnv(
             partial(_WorkerCore, _core_options(cfg, cfg.num_envs, "physx_cpu")),
@@ -168,7 +171,8 @@ class ManiSkillEnv:
             task=cfg.task,
             step_timeout_s=cfg.step_timeout_s,
         )
-        self.device, self.spec = self._pool.device, self._pool.spec
+        self.device = self._pool.device
+        self.spec = self._pool.spec
 
     def reset(
         self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None

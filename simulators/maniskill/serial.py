@@ -82,7 +82,10 @@ class SerialEnvs:
         """actions: f32 [n, A] in ManiSkill's units, one row per entry of ``env_ids`` (all by
         default)."""
         ids = range(self.num_envs) if env_ids is None else env_ids
-        rewards, terminated, truncated, success = [], [], [], []
+        rewards = []
+        terminated = []
+        truncated = []
+        success = []
         for row, i in enumerate(ids):
             raw, r, term, trunc, info = self.envs[i].step(actions[row : row + 1])
             self._raw[i] = raw

@@ -27,7 +27,11 @@ HOME = {
     "wrist_roll": 0.0,
     "gripper": 0.2,
 }
-BASE_HEIGHT, UPPER_ARM, FOREARM, WRIST_TO_TCP = 0.1, 0.116, 0.135, 0.1  # metres
+# link lengths, metres
+BASE_HEIGHT = 0.1
+UPPER_ARM = 0.116
+FOREARM = 0.135
+WRIST_TO_TCP = 0.1
 
 _LINK = 'rgba="0.95 0.95 0.95 1"'
 _MOTOR = 'rgba="0.1 0.1 0.1 1"'

@@ -42,8 +42,10 @@ MAX_DELTA = 0.1  # radians per control step (2 rad/s)
 class MuJoCoEnv:
     def __init__(self, cfg: MuJoCoConfig):
         cfg.validate()
-        self.cfg, self.task = cfg, TASKS[cfg.task]
-        self.num_envs, self.device = cfg.num_envs, torch.device("cpu")
+        self.cfg = cfg
+        self.task = TASKS[cfg.task]
+        self.num_envs = cfg.num_envs
+        self.device = torch.device("cpu")
         self.model = mujoco.MjModel.from_xml_string(scene(self.task.bodies, self.task.sensors))
         self.model.vis.global_.offwidth = self.model.vis.global_.offheight = max(
             cfg.image_size, cfg.render_size
@@ -122,7 +124,8 @@ class MuJoCoEnv:
 
     # --- reset / step -------------------------------------------------------------------------
     def _reset_rows(self, ids: Sequence[int], seeds: Sequence[int | None]) -> None:
-        d, m = self._data, self.model
+        d = self._data
+        m = self.model
         for i, seed in zip(ids, seeds):
             if seed is not None:
                 self._rngs[i] = np.random.default_rng(seed)
@@ -136,12 +139,14 @@ class MuJoCoEnv:
             init = self.task.sample(rng)
             if "cube" in init:
                 adr = m.jnt_qposadr[m.body("cube").jntadr[0]]
-                d.qpos[adr : adr + 3], d.qpos[adr + 3 : adr + 7] = init["cube"], [1, 0, 0, 0]
+                d.qpos[adr : adr + 3] = init["cube"]  # position
+                d.qpos[adr + 3 : adr + 7] = [1, 0, 0, 0]  # quaternion (w, x, y, z): no rotation
             d.mocap_pos[0] = init["goal"]
             d.ctrl[:] = home
             mujoco.mj_forward(m, d)
             mujoco.mj_getState(m, d, self._state[i], self._spec_state)
-            self._target[i], self._mocap[i] = home, d.mocap_pos.reshape(-1)
+            self._target[i] = home
+            self._mocap[i] = d.mocap_pos.reshape(-1)
             self._sensors[i] = d.sensordata
             self._elapsed[i] = 0
 
@@ -167,7 +172,8 @@ class MuJoCoEnv:
             control_spec=self._control_spec,
             nstep=self._substeps,
         )
-        self._state, self._sensors = states[:, -1].copy(), sensors[:, -1].copy()
+        self._state = states[:, -1].copy()  # f64 [B, nstate]
+        self._sensors = sensors[:, -1].copy()  # f64 [B, nsensordata]
         self._elapsed += 1
         reward, success = self._reward()
         terminated = success & (not self.cfg.ignore_terminations)
@@ -194,7 +200,8 @@ class MuJoCoEnv:
     def _render_all(self, size: int) -> torch.Tensor:
         if size not in self._renderers:
             self._renderers[size] = mujoco.Renderer(self.model, size, size)
-        r, d = self._renderers[size], self._data
+        r = self._renderers[size]
+        d = self._data
         frames = np.empty((self.num_envs, size, size, 3), dtype=np.uint8)  # uint8 [B, H, W, 3]
         for i in range(self.num_envs):  # one GL context renders each environment's state in turn
             mujoco.mj_setState(self.model, d, self._state[i], self._spec_state)

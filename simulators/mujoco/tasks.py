@@ -66,7 +66,9 @@ class Push(Task):
         return {"goal": goal, "cube": cube}
 
     def evaluate(self, s):
-        cube, goal, tcp = s["cube_pos"], s["goal_pos"], s["tcp_pos"]
+        cube = s["cube_pos"]
+        goal = s["goal_pos"]
+        tcp = s["tcp_pos"]
         to_goal = goal[:, :2] - cube[:, :2]
         d_goal = np.linalg.norm(to_goal, axis=-1)
         direction = to_goal / np.maximum(d_goal, 1e-6)[:, None]
