@@ -67,8 +67,10 @@ class ActorCritic(nn.Module):
     def __init__(self, spec: EnvSpec, cfg: ActorCriticConfig):
         super().__init__()
         cfg.validate()
-        self.spec, self.cfg = spec, cfg
-        self.K, self.A = cfg.chunk_size, spec.action.dim
+        self.spec = spec
+        self.cfg = cfg
+        self.K = cfg.chunk_size
+        self.A = spec.action.dim
         self.state_encoder = StateEncoder(spec, cfg.use_privileged, cfg.normalize_obs)
         cams = spec.obs.cameras if cfg.use_images else ()
         self.cnns = nn.ModuleDict(

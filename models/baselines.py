@@ -30,7 +30,8 @@ class RandomPolicy(nn.Module):
         return self.logp_dim.to(device).expand(batch, 1, -1).clone()  # f32 [B, 1, A]
 
     def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
-        B, A = len(obs.instruction), self.low.shape[0]
+        B = len(obs.instruction)
+        A = self.low.shape[0]
         if deterministic:
             u = torch.full((B, 1, A), 0.5)
         else:

@@ -14,7 +14,8 @@ class RunningNorm(nn.Module):
 
     def __init__(self, dim: int, clip: float = 10.0, eps: float = 1e-8):
         super().__init__()
-        self.clip, self.eps = clip, eps
+        self.clip = clip
+        self.eps = eps
         self.register_buffer("mean", torch.zeros(dim))  # f32 [D]
         self.register_buffer("var", torch.ones(dim))  # f32 [D]
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))
@@ -25,7 +26,8 @@ class RunningNorm(nn.Module):
         n = x.shape[0]
         if n == 0:
             return
-        batch_mean, batch_var = x.mean(0), x.var(0, unbiased=False)
+        batch_mean = x.mean(0)  # f32 [D]
+        batch_var = x.var(0, unbiased=False)  # f32 [D]
         if self.count == 0:
             # the first batch (the first reset) sets the statistics; a feature constant across it
             # (velocities at rest) says nothing about its scale and keeps unit variance

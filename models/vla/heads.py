@@ -70,7 +70,8 @@ class DiscreteTokenHead(nn.Module):
 
     def __init__(self, d_model: int, action_dim: int, bins: int = 256):
         super().__init__()
-        self.A, self.bins = action_dim, bins
+        self.A = action_dim
+        self.bins = bins
         self.logits = nn.Linear(d_model, action_dim * bins)
         nn.init.normal_(self.logits.weight, std=0.01)
         nn.init.zeros_(self.logits.bias)
@@ -119,7 +120,9 @@ def sample_flow_chain(
     """Run a stochastic flow from x0 f32 [B, K, A]: x_{i+1} = step_mean(x_i, i) + sigma * eps
     (no noise when deterministic).
     -> (x_N, log p of the transitions f32 [B, K, A], chain f32 [B, N+1, K, A])."""
-    x, chain, logp = x0, [x0], torch.zeros_like(x0)
+    x = x0
+    chain = [x0]
+    logp = torch.zeros_like(x0)  # f32 [B, K, A]
     for i in range(steps):
         mean = step_mean(x, i)
         x = mean if deterministic else mean + log_sigma.exp() * torch.randn_like(mean)
@@ -164,7 +167,8 @@ class FlowMatchingHead(nn.Module):
         init_noise_std: float = 0.1,
     ):
         super().__init__()
-        self.steps, self.time_dim = steps, time_dim
+        self.steps = steps
+        self.time_dim = time_dim
         self.net = nn.Sequential(
             nn.Linear(action_dim + time_dim + d_model, hidden),
             nn.GELU(),

@@ -96,8 +96,11 @@ class VLA(NormalizedVLA):
         if len({(c.height, c.width) for c in cams}) > 1:
             raise ValueError("all cameras must have the same size (one shared image encoder)")
         super().__init__(spec, use_state=cfg.use_state, privileged_keys=cfg.privileged_keys)
-        self.spec, self.cfg = spec, cfg
-        self.K, self.A, d = cfg.chunk_size, spec.action.dim, cfg.d_model
+        self.spec = spec
+        self.cfg = cfg
+        self.K = cfg.chunk_size
+        self.A = spec.action.dim
+        d = cfg.d_model
         self.camera_names = tuple(c.name for c in cams)
         if cfg.vlm_path:
             self.vlm = HFVisionLanguage(cfg.vlm_path, freeze=cfg.freeze_vlm)

@@ -116,8 +116,11 @@ class SmolVLA(NormalizedVLA):
                 "SmolVLA needs camera images: use an obs_mode with cameras (e.g. env.obs_mode=rgb)"
             )
         super().__init__(spec, use_state=cfg.use_state, privileged_keys=cfg.privileged_keys)
-        self.spec, self.cfg = spec, cfg
-        self.K, self.A, self.steps = cfg.chunk_size, spec.action.dim, cfg.flow_steps
+        self.spec = spec
+        self.cfg = cfg
+        self.K = cfg.chunk_size
+        self.A = spec.action.dim
+        self.steps = cfg.flow_steps
         self.camera_names = tuple(c.name for c in spec.obs.cameras)
         lerobot = lerobot_smolvla()
         from lerobot.configs.types import FeatureType, PolicyFeature
