@@ -159,7 +159,9 @@ def from_radians(q: np.ndarray, gripper_range: tuple[float, float]) -> dict[str,
 def calibrated_limits(robot, cfg: ArmConfig) -> tuple[np.ndarray, np.ndarray]:
     """Joint limits in radians from the arm's own calibration (its recorded range of motion), each
     end moved in by ``joint_margin``."""
-    bus, lo, hi = robot.bus, {}, {}
+    bus = robot.bus
+    lo = {}
+    hi = {}
     for j in JOINTS:
         cal = bus.calibration[j]
         ends = (
@@ -167,8 +169,10 @@ def calibrated_limits(robot, cfg: ArmConfig) -> tuple[np.ndarray, np.ndarray]:
             bus._normalize({bus.motors[j].id: cal.range_max}),
         )
         lo[f"{j}.pos"], hi[f"{j}.pos"] = (next(iter(e.values())) for e in ends)
-    low, high = to_radians(lo, cfg.gripper_range), to_radians(hi, cfg.gripper_range)
-    low, high = np.minimum(low, high) + cfg.joint_margin, np.maximum(low, high) - cfg.joint_margin
+    at_min = to_radians(lo, cfg.gripper_range)  # f64 [6]: the calibration's range_min
+    at_max = to_radians(hi, cfg.gripper_range)  # f64 [6]: its range_max (not always the larger)
+    low = np.minimum(at_min, at_max) + cfg.joint_margin
+    high = np.maximum(at_min, at_max) - cfg.joint_margin
     return low, high
 
 
@@ -197,14 +201,15 @@ class RobotEnv:
     device = torch.device("cpu")
 
     def __init__(self, robot, cfg: ArmConfig, safety: SafetyLayer):
-        self.robot, self.cfg, self.safety = robot, cfg, safety
-        self.signs, self.offsets = (
-            np.asarray(cfg.joint_signs, float),
-            np.asarray(cfg.joint_offsets, float),
-        )
+        self.robot = robot
+        self.cfg = cfg
+        self.safety = safety
+        self.signs = np.asarray(cfg.joint_signs, float)  # f64 [6]
+        self.offsets = np.asarray(cfg.joint_offsets, float)  # f64 [6]
         cams = tuple(CameraSpec(name, cfg.image_size, cfg.image_size) for name in robot.cameras)
         ends = np.stack([self.to_policy(safety.low), self.to_policy(safety.high)])
-        low, high = ends.min(0), ends.max(0)
+        low = ends.min(0)  # f64 [6]
+        high = ends.max(0)  # f64 [6]
         self.spec = EnvSpec(
             obs=ObsSpec(
                 cameras=cams,
@@ -221,7 +226,8 @@ class RobotEnv:
             max_episode_steps=cfg.max_episode_steps,
             instructions=(cfg.instruction,),
         )
-        self.elapsed, self.present = 0, None  # present: arm-frame radians
+        self.elapsed = 0
+        self.present = None  # arm-frame radians
         self._last_t = None  # when self.present was read
         self.interventions: list[str] = []  # this step's
 
@@ -242,7 +248,8 @@ class RobotEnv:
             if self.present is None
             else (q - self.present) / max(t - self._last_t, 1e-3)
         )
-        self._last_t, self.present = t, q
+        self._last_t = t
+        self.present = q
         state = torch.from_numpy(
             np.concatenate([self.to_policy(q), self.signs * vel]).astype(np.float32)
         )[None]  # f32 [1, 12]

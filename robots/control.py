@@ -74,7 +74,9 @@ class ChunkExecutor:
         blend_steps: int = 2,
         wait_s: float = 0.0,
     ):
-        self.infer, self.request_when_left, self.blend_steps = infer, request_when_left, blend_steps
+        self.infer = infer
+        self.request_when_left = request_when_left
+        self.blend_steps = blend_steps
         # with nothing planned, wait this long for the chunk in flight before giving up the step
         self.wait_s = wait_s
         self.plan: list[
@@ -210,8 +212,10 @@ def run_episode(
     with reason "watchdog" (the caller then shuts down to the safe pose)."""
     cfg = env.safety.cfg
     obs = env.reset()
-    timer, result = RateTimer(hz), EpisodeResult(0, "done")
-    last_fresh, holding = time.monotonic(), False
+    timer = RateTimer(hz)
+    result = EpisodeResult(0, "done")
+    last_fresh = time.monotonic()
+    holding = False
     for step in range(max_steps):
         if estop.is_set():
             result.reason = "estop"
@@ -219,10 +223,13 @@ def run_episode(
         action = executor.action(step, obs)
         now = time.monotonic()
         if action is not None:
-            last_fresh, holding = now, False
+            last_fresh = now
+            holding = False
             result.acted += 1
             out = env.step(torch.from_numpy(np.asarray(action, np.float32))[None])  # f32 [1, 6]
-            obs, sent, kinds = out.obs, out.info["sent"], out.info["interventions"]
+            obs = out.obs
+            sent = out.info["sent"]
+            kinds = out.info["interventions"]
         else:
             stale = now - last_fresh
             if stale > cfg.stop_after_s:
@@ -234,7 +241,8 @@ def run_episode(
                 result.watchdog["hold"] += 1
                 holding = True
                 log.warning("watchdog: no action for %.2f s: holding position", stale)
-            sent, kinds = env.to_policy(env.hold()), ["watchdog_hold"] if holding else []
+            sent = env.to_policy(env.hold())
+            kinds = ["watchdog_hold"] if holding else []
             obs = env.observe()
         result.frames.append({"t": now, "obs": obs, "sent": sent, "interventions": kinds})
         result.steps = step + 1
@@ -298,7 +306,8 @@ def _move_to_safe_pose(env, report: ShutdownReport, *, hz, timeout_s, tolerance)
     """Step toward the safe pose until the arm is there (True) or ``timeout_s`` passes. A bus
     error costs its tick and is retried; MOVE_ERRORS_MAX in a row end the move (False)."""
     safe = np.asarray(env.safety.cfg.safe_pose, float)
-    timer, t_end = RateTimer(hz), time.monotonic() + timeout_s
+    timer = RateTimer(hz)
+    t_end = time.monotonic() + timeout_s
     errors_in_a_row = 0
     while time.monotonic() < t_end:
         try:
@@ -367,7 +376,10 @@ class SafeShutdown:
     ``shutdown.torque_off`` says whether torque went off at the safe pose."""
 
     def __init__(self, env, *, hz: float, timeout_s: float = 10.0, tolerance: float = 0.05):
-        self.env, self.hz, self.timeout_s, self.tolerance = env, hz, timeout_s, tolerance
+        self.env = env
+        self.hz = hz
+        self.timeout_s = timeout_s
+        self.tolerance = tolerance
         self.report: ShutdownReport | None = None
 
     @property

@@ -30,7 +30,8 @@ class ArmGeometry:
 def _rot(axis: str, angle: np.ndarray) -> np.ndarray:
     """Rotation matrices float64 [N, 3, 3] about a principal axis."""
     c, s = np.cos(angle), np.sin(angle)
-    one, zero = np.ones_like(c), np.zeros_like(c)
+    one = np.ones_like(c)  # f64 [N]
+    zero = np.zeros_like(c)  # f64 [N]
     rows = {
         "x": [[one, zero, zero], [zero, c, -s], [zero, s, c]],
         "y": [[c, zero, s], [zero, one, zero], [-s, zero, c]],

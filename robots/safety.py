@@ -52,7 +52,8 @@ class SafetyLayer:
     def __init__(self, cfg: SafetyConfig):
         cfg.validate()
         self.cfg = cfg
-        self.low, self.high = np.asarray(cfg.joint_low, float), np.asarray(cfg.joint_high, float)
+        self.low = np.asarray(cfg.joint_low, float)  # f64 [A]
+        self.high = np.asarray(cfg.joint_high, float)  # f64 [A]
         self.max_step = np.broadcast_to(np.asarray(cfg.max_step, float), self.low.shape).copy()
         self.box = (np.asarray(cfg.workspace_low, float), np.asarray(cfg.workspace_high, float))
         self.counts: Counter[str] = Counter()

@@ -77,11 +77,16 @@ class PolicyServer:
         queue_size: int = 8,
         max_bytes: int = MAX_MESSAGE_BYTES,
     ):
-        self.infer, self.contract, self.host, self.port = infer, contract, host, port
-        self.queue_size, self.max_bytes = queue_size, max_bytes
+        self.infer = infer
+        self.contract = contract
+        self.host = host
+        self.port = port
+        self.queue_size = queue_size
+        self.max_bytes = max_bytes
         self.stats = {"requests": 0, "errors": 0, "busy": 0, "clients": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready, self._stop = threading.Event(), None
+        self._ready = threading.Event()
+        self._stop = None
         self._thread: threading.Thread | None = None
         self._bind_error: OSError | None = None  # why it could not listen, for start() to raise
 
@@ -117,7 +122,8 @@ class PolicyServer:
     async def _main(self) -> None:
         from websockets.asyncio.server import serve
 
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=self.queue_size)
         worker = asyncio.create_task(self._infer_worker())
         async with serve(
@@ -256,7 +262,9 @@ class PolicyClient:
         if reply["type"] != "hello":
             self.ws.close()
             raise ConnectionRefusedError(f"policy server at {url} refused: {reply.get('error')}")
-        self._id, self.last_timing, self.round_trip_ms = 0, {}, []
+        self._id = 0
+        self.last_timing = {}
+        self.round_trip_ms = []
 
     def infer(self, obs: dict) -> np.ndarray:
         self._id += 1

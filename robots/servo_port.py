@@ -23,7 +23,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 TICKS_PER_TURN = 4096
-INST_PING, INST_READ, INST_WRITE, INST_SYNC_READ, INST_SYNC_WRITE = 0x01, 0x02, 0x03, 0x82, 0x83
+INST_PING = 0x01
+INST_READ = 0x02
+INST_WRITE = 0x03
+INST_SYNC_READ = 0x82
+INST_SYNC_WRITE = 0x83
 
 
 @dataclass(frozen=True)
@@ -125,18 +129,20 @@ class ServoPort:
         self.servos = {i: Servo(i) for i in ranges}
         for i, (lo, hi) in ranges.items():
             s = self.servos[i]
-            s.set(*t.model, (model_numbers or {}).get(i, t.model_number)), s.set(*t.firmware, 10)
-            s.set(*t.min_limit, lo), s.set(*t.max_limit, hi)
-            s.set(*t.present, (lo + hi) // 2), s.set(*t.goal, (lo + hi) // 2)
+            s.set(*t.model, (model_numbers or {}).get(i, t.model_number))
+            s.set(*t.firmware, 10)
+            s.set(*t.min_limit, lo)
+            s.set(*t.max_limit, hi)
+            s.set(*t.present, (lo + hi) // 2)
+            s.set(*t.goal, (lo + hi) // 2)
         self.physics = physics
         if physics is not None:  # a powered-up servo's goal is where it stands
             for i, ticks in physics.positions().items():
-                self.servos[i].set(*t.present, ticks), self.servos[i].set(*t.goal, ticks)
+                self.servos[i].set(*t.present, ticks)
+                self.servos[i].set(*t.goal, ticks)
         self.log: list[Command] = []  # every write of a torque switch, a goal or a lock, in order
-        self.is_open, self.unplugged = (
-            True,
-            False,
-        )  # unplugged: the bus stops answering (a cut cable)
+        self.is_open = True
+        self.unplugged = False  # True: the bus stops answering (a cut cable)
         self._rx = bytearray()
         self._lock = threading.Lock()
 
@@ -144,12 +150,14 @@ class ServoPort:
     def goal_writes(self) -> list[dict[int, int]]:
         """Goal positions (ticks by servo id) of every write of Goal_Position, in order; a sync
         write of several servos is one entry."""
-        out, last_t = [], None
+        out = []
+        last_t = None
         for c in self.log:
             if c.address == self.table.goal[0]:
                 if c.t != last_t:
                     out.append({})
-                out[-1][c.servo], last_t = c.value, c.t
+                out[-1][c.servo] = c.value
+                last_t = c.t
         return out
 
     def torque(self) -> dict[int, bool]:
@@ -190,7 +198,8 @@ class ServoPort:
 
     def _written(self, servo: int, address: int, data: bytes, now: float) -> bool:
         """Store a write; True when it touched a goal position or a torque switch."""
-        t, s = self.table, self.servos[servo]
+        t = self.table
+        s = self.servos[servo]
         s.regs[address : address + len(data)] = data
         touched = False
         for reg in (t.torque, t.goal, t.lock):
@@ -244,7 +253,10 @@ class FeetechPort(ServoPort):
     def _handle(self, packet: bytes) -> None:
         if len(packet) < 6 or packet[:2] != b"\xff\xff" or packet[-1] != _checksum(packet[2:-1]):
             return  # a corrupt packet gets no answer, as on a real bus
-        servo, inst, params, now = packet[2], packet[4], packet[5:-1], time.monotonic()
+        servo = packet[2]
+        inst = packet[4]
+        params = packet[5:-1]
+        now = time.monotonic()
         if inst == INST_SYNC_WRITE:
             self._sync_write(params[0], params[1], params[2:], now)
         elif inst == INST_SYNC_READ:
@@ -294,7 +306,10 @@ class DynamixelPort(ServoPort):
             return  # a corrupt packet gets no answer
         p = bytes(self._sdk.removeStuffing(list(packet)))
         n = int.from_bytes(p[5:7], "little")
-        servo, inst, params, now = p[4], p[7], p[8 : 8 + n - 3], time.monotonic()
+        servo = p[4]
+        inst = p[7]
+        params = p[8 : 8 + n - 3]
+        now = time.monotonic()
         word = lambda b: int.from_bytes(b, "little")  # noqa: E731
         if inst == INST_SYNC_WRITE:
             self._sync_write(word(params[0:2]), word(params[2:4]), params[4:], now)
@@ -321,7 +336,8 @@ def attach(bus, port: ServoPort) -> None:
     handler = bus.port_handler
 
     def setup_port(cflag_baud):  # the SDK's PortHandler.setupPort, minus serial.Serial(...)
-        handler.ser, handler.is_open = port, True
+        handler.ser = port
+        handler.is_open = True
         port.is_open = True
         handler.tx_time_per_byte = (1000.0 / handler.baudrate) * 10.0
         return True
