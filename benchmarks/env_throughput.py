@@ -39,14 +39,20 @@ def _raw(env, steps: int, rgb: bool) -> float:
     import mujoco
     from mujoco import rollout
 
-    B, nu = env.num_envs, env.model.nu
+    B = env.num_envs
+    nu = env.model.nu
     env.reset(seed=0)
-    state, mocap = env._state.copy(), env._mocap.copy()  # start from the adapter's current states
+    # start from the adapter's current states
+    state = env._state.copy()  # f64 [B, nstate]
+    mocap = env._mocap.copy()  # f64 [B, 3]
     renderer = mujoco.Renderer(env.model, env.cfg.image_size, env.cfg.image_size) if rgb else None
-    data, scratch = [mujoco.MjData(env.model)], mujoco.MjData(env.model)
+    data = [mujoco.MjData(env.model)]
+    scratch = mujoco.MjData(env.model)
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
-    target, low, high = env._target.copy(), env._low, env._high
+    target = env._target.copy()  # f64 [B, 6]
+    low = env._low
+    high = env._high
     for _ in range(
         steps
     ):  # the same motion as the adapter's: random deltas added to the servo targets
@@ -101,7 +107,9 @@ class _LiberoRaw:
             for _ in range(n)
         ]
         for i, e in enumerate(self.envs):
-            e.seed(i), e.reset(), e.set_init_state(init[i])
+            e.seed(i)
+            e.reset()
+            e.set_init_state(init[i])
         self.rng = np.random.default_rng(0)
 
     def run(self, steps: int) -> float:
@@ -160,7 +168,9 @@ def _worker_rows(
     row per worker count."""
     envs = {w: make_env(w) for w in (0, 1, 2)}
     try:
-        raw.run(2), [_adapter(e, 2) for e in envs.values()]  # warm-up
+        raw.run(2)  # warm-up
+        for e in envs.values():
+            _adapter(e, 2)
         rates = {k: [] for k in ("raw", *envs)}
         for _ in range(repeats):
             rates["raw"].append(steps * n / raw.run(steps))
@@ -198,15 +208,18 @@ def _round_trip_rows(work_ms=(0.0, 2.0, 8.0), trips: int = 200, repeats: int = 3
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_busy_server, args=(there,), daemon=True)
     proc.start()
-    here.send(0.0), here.recv()
+    here.send(0.0)
+    here.recv()
     excess = {ms: [] for ms in work_ms}
     for _ in range(repeats):
         for ms in work_ms:
             t = time.perf_counter()
             for _ in range(trips):
-                here.send(ms), here.recv()
+                here.send(ms)
+                here.recv()
             excess[ms].append((time.perf_counter() - t) / trips * 1e3 - ms)
-    here.send(None), proc.join()
+    here.send(None)
+    proc.join()
     print(
         "\n| worker's work per request (ms) | round trip beyond the work (ms, median) |\n"
         "|---:|---:|"
@@ -314,12 +327,18 @@ def _mujoco_row(args, mode: str) -> None:
     steps = args.steps if mode == "state" else max(10, args.steps // 10)
     with MuJoCoEnv(MuJoCoConfig(task=args.task, num_envs=args.num_envs, obs_mode=mode)) as env:
         env.reset(seed=0)
-        _adapter(env, 5), _raw(env, 5, mode == "rgb")  # warm-up (renderer contexts, caches)
-        raw, ours, ratios = [], [], []
+        # warm-up (renderer contexts, caches)
+        _adapter(env, 5)
+        _raw(env, 5, mode == "rgb")
+        raw = []
+        ours = []
+        ratios = []
         for _ in range(args.repeats):
             r = steps * args.num_envs / _raw(env, steps, mode == "rgb")
             a = steps * args.num_envs / _adapter(env, steps)
-            raw.append(r), ours.append(a), ratios.append(a / r)
+            raw.append(r)
+            ours.append(a)
+            ratios.append(a / r)
         print(
             f"| mujoco | {args.task} | {mode} | {args.num_envs} | in process | "
             f"{statistics.median(raw):.0f} | {statistics.median(ours):.0f} | "

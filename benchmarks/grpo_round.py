@@ -89,11 +89,13 @@ def main() -> None:
     try:
         from embodied.runner import TrainConfig
 
-        measure, code = rounds_new, "runner"
+        measure = rounds_new
+        code = "runner"
     except ImportError:
         from embodied.trainer import TrainConfig
 
-        measure, code = rounds_old, "grpo_trainer"
+        measure = rounds_old
+        code = "grpo_trainer"
     overrides = ["runner.init_from=null", *args.overrides]
     cfg = load_config(TrainConfig, args.config, overrides)[0]
     torch.manual_seed(cfg.seed)

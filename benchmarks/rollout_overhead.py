@@ -54,7 +54,8 @@ def _raw_envs(task: str, count: int, control_mode: str) -> list:
 
 def _raw_steps(envs: list, steps: int) -> tuple[float, float]:
     """Step plain ManiSkill envs with random actions -> (wall s, CPU s of this process)."""
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0 = time.perf_counter()
+    c0 = time.process_time()
     with torch.no_grad():  # as our workers run
         for t in range(steps):
             for e in envs:
@@ -85,10 +86,8 @@ class RawLoop:
     def __init__(self, task: str, num_envs: int, workers: int, control_mode: str):
         ctx = mp.get_context("spawn")
         self.counts = [num_envs // workers + (i < num_envs % workers) for i in range(workers)]
-        self.commands, self.results = (
-            [ctx.Queue() for _ in self.counts],
-            [ctx.Queue() for _ in self.counts],
-        )
+        self.commands = [ctx.Queue() for _ in self.counts]
+        self.results = [ctx.Queue() for _ in self.counts]
         self.procs = [
             ctx.Process(target=_raw_worker, args=(task, c, control_mode, cq, rq), daemon=True)
             for c, cq, rq in zip(self.counts, self.commands, self.results)
@@ -133,7 +132,9 @@ class InProcessRawLoop:
 def _measured(env, steps: int, fn) -> tuple[float, float]:
     """Run ``fn`` -> (env steps/s, CPU ms per env step of this process and the env's workers)."""
     pids = [p.pid for p in env._pool._procs]
-    w0, c0, t0 = [_cpu_seconds(p) for p in pids], time.process_time(), time.perf_counter()
+    w0 = [_cpu_seconds(p) for p in pids]
+    c0 = time.process_time()
+    t0 = time.perf_counter()
     fn()
     wall = time.perf_counter() - t0
     cpu = time.process_time() - c0 + sum(_cpu_seconds(p) - w for p, w in zip(pids, w0))
@@ -203,7 +204,8 @@ def main() -> None:
     if args.workers == 0:
         del benches["pipelined"]  # in one process there is nothing to overlap
     loops = tuple(benches)
-    sps, cpu = {k: [] for k in loops}, {k: [] for k in loops}
+    sps = {k: [] for k in loops}
+    cpu = {k: [] for k in loops}
     raw = (
         InProcessRawLoop(args.task, args.num_envs, args.control_mode)
         if args.workers == 0
@@ -213,7 +215,8 @@ def main() -> None:
         for r in range(args.repeats):  # alternate so that machine drift hits every loop alike
             for k, fn in benches.items():
                 s, c = fn()
-                sps[k].append(s), cpu[k].append(c)
+                sps[k].append(s)
+                cpu[k].append(c)
             print(
                 f"repeat {r + 1}/{args.repeats}: "
                 + ", ".join(f"{k} {sps[k][-1]:.0f}" for k in loops),
