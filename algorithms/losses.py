@@ -18,8 +18,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Mean of ``x`` over the entries where ``mask`` (bool, x's shape) is true; all without one."""
     if mask is None:
         return x.mean()
-    weights = mask.to(x.dtype)
-    return (x * weights).sum() / weights.sum().clamp(min=1.0)
+    # where, not a product: an inf or NaN in a masked-out entry must not reach the mean
+    kept = torch.where(mask, x, torch.zeros_like(x))
+    return kept.sum() / mask.sum().clamp(min=1).to(x.dtype)
 
 
 def ppo_policy_loss(

@@ -133,6 +133,28 @@ def mark_best(run_dir: str | Path, iteration: int) -> Path:
     return ckpt
 
 
+def drop_checkpoints_after(run_dir: str | Path, iteration: int) -> list[str]:
+    """Remove the checkpoints newer than ``iteration`` (a run resumed from an older checkpoint
+    abandons them: left, they would count as the newest and the best); returns their names.
+    ``best`` goes with them if it pointed at one; ``last`` then points at ``iteration``'s."""
+    run_dir = Path(run_dir)
+    ckpts = run_dir / "checkpoints"
+    if not ckpts.is_dir():
+        return []
+    found = [(ITERATION.fullmatch(p.name), p) for p in ckpts.iterdir()]
+    later = sorted(p for m, p in found if m and int(m.group(1)) > iteration)
+    best = _target(run_dir / BEST)
+    for path in later:
+        if best is not None and best == path.resolve():
+            (run_dir / BEST).unlink()
+        shutil.rmtree(path)
+    if later:
+        _point(run_dir / LAST, ckpts / f"iter_{iteration:06d}")
+        _fsync(ckpts)
+        _remove_unused_frozen(ckpts)
+    return [p.name for p in later]
+
+
 def best_iteration(run_dir: str | Path) -> int | None:
     """The iteration ``RUN/best`` points at; None without one."""
     best = Path(run_dir) / BEST

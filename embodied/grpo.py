@@ -89,7 +89,7 @@ class GRPO:
         task_of_env: torch.Tensor,
         chunk_size: int,
         max_episode_steps: int,
-        reference: torch.nn.Module | None = None,
+        policy: torch.nn.Module | None = None,
     ):
         self.cfg = cfg
         self.seed = seed
@@ -103,9 +103,11 @@ class GRPO:
             )
         self.idle_envs = int((self.group_of_env < 0).sum())  # leftovers: run, never trained on
         self.num_chunks = math.ceil(max_episode_steps / chunk_size)  # one episode per env
+        # the KL penalty's reference: the policy's weights as they start
+        self.policy = policy
         self.reference = None
-        if cfg.kl_coef > 0 and reference is not None:
-            self.reference = copy.deepcopy(reference).eval().requires_grad_(False)
+        if cfg.kl_coef > 0 and policy is not None:
+            self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
 
     def plan(self, iteration: int, round_index: int, episode_base: int) -> CollectPlan:
         """Fresh initial states every round: group g of round r of iteration i gets seed
@@ -130,7 +132,7 @@ class GRPO:
         member = batch.group_id >= 0  # bool [T, B]: chunks of counted episodes
         chunk_success = (batch.success & batch.valid).any(-1)  # bool [T, B]
         chunk_ended = ((batch.terminated | batch.truncated) & batch.valid).any(-1)
-        # one host sync per round: which episodes are present
+        # a few host syncs per round (not per step): which episodes are present
         episodes, chunk_episode = torch.unique(batch.episode_id[member], return_inverse=True)
         E = len(episodes)
         outcome = torch.zeros(E, device=member.device)
@@ -173,6 +175,11 @@ class GRPO:
         """Reference log-probabilities (KL penalty), once per batch, in minibatch-sized pieces."""
         if self.reference is None:
             return
+        # the reference keeps its weights but sees observations as the policy does now: the
+        # normalisation statistics (buffers) are the observation pipeline's, not the weights'
+        live = dict(self.policy.named_buffers())
+        for name, buffer in self.reference.named_buffers():
+            buffer.copy_(live[name])
         level = self.cfg.logprob_level
         size = max(1, len(samples) // self.cfg.num_minibatches)
         parts = []

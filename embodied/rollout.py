@@ -64,8 +64,8 @@ class RolloutBatch:
         return terminated, truncated
 
     def samples(self) -> Samples:
-        """The chunks of ``sample_mask`` flattened to [N, ...] for minibatch updates (one host
-        sync: the count N)."""
+        """The chunks of ``sample_mask`` flattened to [N, ...] for minibatch updates (once per
+        update, two host syncs: the count N and the samples' task ids)."""
         mask = self.sample_mask.reshape(-1)
         rows = mask.nonzero().squeeze(1)  # long [N]
 
@@ -167,7 +167,8 @@ def logprob_at(logprob_token: torch.Tensor, level: str, valid: torch.Tensor) -> 
     per_action = logprob_token.sum(-1)  # f32 [N, K]
     if level == "action":
         return per_action
-    return (per_action * valid.to(per_action.dtype)).sum(-1)
+    # where, not a product: an action that ran after its episode ended must not reach the sum
+    return torch.where(valid, per_action, torch.zeros_like(per_action)).sum(-1)
 
 
 class EpisodeStats:
@@ -183,6 +184,13 @@ class EpisodeStats:
         self.success = torch.zeros(num_envs, dtype=torch.bool, device=device)  # once, running
         # per task: finished episodes, their returns, lengths and successes, f32 [tasks] each
         self.totals = torch.zeros(4, len(task_names), device=device)
+
+    def restart(self) -> None:
+        """Forget the running episodes (after a reset of every environment): episodes cut off by
+        the end of a round never count, and nothing of them carries into the next round."""
+        self.returns.zero_()
+        self.lengths.zero_()
+        self.success.zero_()
 
     def record(self, rows: slice, task_ids: torch.Tensor, step: ChunkStep) -> None:
         """Fold a chunk of the environments ``rows`` (a slice: its running sums are views) with

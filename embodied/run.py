@@ -88,6 +88,7 @@ RESUME_FREE = (
     "runner.output_dir",
     "runner.resume",
     "runner.resume_force",
+    "runner.overwrite",
     "runner.progress",
     "runner.max_minutes",
     "runner.eval_every",

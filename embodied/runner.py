@@ -12,8 +12,9 @@ an update it finishes the iteration first.
 
 from __future__ import annotations
 
+import itertools
 import json
-import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 from embodied.algorithm import AlgorithmConfig, update
 from embodied.checkpoint import (
+    drop_checkpoints_after,
     load_policy_checkpoint,
     mark_best,
     rng_state,
@@ -72,6 +74,7 @@ class RunnerConfig:
     video: bool = True  # record the final evaluation as mp4
     resume: str | None = None  # a run directory (or checkpoint) to continue from
     resume_force: bool = False  # resume even though a key that changes the run differs
+    overwrite: bool = False  # a new run in a directory that holds one: remove the earlier run
     # start from these policy weights (e.g. an SFT checkpoint) with a fresh optimizer
     init_from: str | None = None
     device: str = "auto"  # "auto": the environment's device
@@ -180,15 +183,22 @@ def train(cfg: TrainConfig) -> dict:
         check_resume(
             resume["meta"]["config"], to_dict(cfg), resume["path"], cfg.runner.resume_force
         )
-        # a checkpoint lives in RUN/checkpoints/iter_N: a resumed run keeps writing to RUN
-        run_dir = resume["path"].parent.parent
-        trim_metrics(run_dir, resume["counters"]["iteration"])
+        run_dir = _run_dir_of(resume["path"], cfg.runner.resume)
     else:
         run_dir = Path(cfg.runner.output_dir) / cfg.runner.name
+        _check_fresh(run_dir, cfg.runner.overwrite)
     # a bad checkpoint or task fails before the run directory and the environments are made
     if cfg.runner.init_from:
         _load(cfg.runner.init_from, "runner.init_from", trainer_state=False)
     check_tasks(cfg.env)
+    if resume is not None:
+        done = resume["counters"]["iteration"]
+        trim_metrics(run_dir, done)  # rows logged past the checkpoint go
+        abandoned = drop_checkpoints_after(run_dir, done)
+        if abandoned:
+            print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
+    elif cfg.runner.overwrite:
+        _clear_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)
@@ -197,6 +207,41 @@ def train(cfg: TrainConfig) -> dict:
         return Runner(cfg, env, run_dir, resume).run()
     finally:
         env.close()
+
+
+RUN_FILES = ("metrics.jsonl", "metrics.json", "checkpoints", "tb", "last", "best", "videos")
+
+
+def _run_dir_of(checkpoint: Path, given: str) -> Path:
+    """A checkpoint lives in RUN/checkpoints/iter_N: a resumed run keeps writing to RUN."""
+    if checkpoint.parent.name != "checkpoints":
+        raise ConfigError(
+            f"runner.resume: {given} is not inside a run directory (RUN/checkpoints/iter_N); "
+            "resume from the run directory or one of its checkpoints"
+        )
+    return checkpoint.parent.parent
+
+
+def _check_fresh(run_dir: Path, overwrite: bool) -> None:
+    """A new run never mixes into an earlier one's metrics, checkpoints or best link."""
+    found = [
+        name for name in RUN_FILES if (run_dir / name).exists() or (run_dir / name).is_symlink()
+    ]
+    if found and not overwrite:
+        raise ConfigError(
+            f"runner.name: {run_dir} already holds a run ({', '.join(found)}); continue it with "
+            f"runner.resume={run_dir}, start over with runner.overwrite=true, or choose another "
+            "runner.name"
+        )
+
+
+def _clear_run(run_dir: Path) -> None:
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
 
 
 class Runner:
@@ -232,7 +277,7 @@ class Runner:
                 task_of_env=self.envs.task_of_env,
                 chunk_size=K,
                 max_episode_steps=env.spec.max_episode_steps,
-                reference=self.policy,
+                policy=self.policy,
             )
             chunks_per_round = self.algorithm.num_chunks
             if self.algorithm.idle_envs:
@@ -241,7 +286,8 @@ class Runner:
                     f"{alg.group_size} within their task and are not trained on"
                 )
         self.steps_per_round = B * K * chunks_per_round
-        self.num_iterations = max(1, math.ceil(cfg.runner.total_env_steps / self.steps_per_round))
+        # pipelined collection steps one action at a time: chunks of K > 1 collect in lockstep
+        self.stages = cfg.runner.pipeline_stages if K == 1 else 1
         self.learner = TorchEngine(
             self.policy, learning_rate=alg.learning_rate, max_grad_norm=alg.max_grad_norm
         )
@@ -259,6 +305,8 @@ class Runner:
         }
         if resume is not None:
             self.learner.load_state_dict(resume)
+            # the optimizer state carries the old lr; a forced resume may have changed it
+            self.learner.set_lr(alg.learning_rate)
             set_rng_state(resume["rng"])
             self.counters.update(resume["counters"])
             print(
@@ -283,9 +331,10 @@ class Runner:
         run = cfg.runner
         counters = self.counters
         self.bar = tqdm(
-            total=self.num_iterations,
-            initial=counters["iteration"],
-            unit="it",
+            total=run.total_env_steps,
+            initial=min(counters["env_steps"], run.total_env_steps),
+            unit="step",
+            unit_scale=True,
             desc=run.name,
             disable=not run.progress,
             dynamic_ncols=True,
@@ -300,8 +349,11 @@ class Runner:
                 except Exception:
                     # a failure outside the update (a simulator worker that hung, say): the
                     # weights are still the last completed iteration's, so keep them
-                    if self.phase in ("collect", "evaluate"):
-                        self._save_completed()
+                    if self.phase not in ("collect", "evaluate"):
+                        raise
+                    if self.stop.requested:  # a signal to the process group ended a worker too
+                        self._stopped_between_iterations()
+                    self._save_completed()
                     raise
                 final = self._final_evaluation()
         finally:
@@ -320,13 +372,17 @@ class Runner:
             self._log_evaluation(counters["before"], "before RL")
             self.end_counters = json.loads(json.dumps(counters))
         clock = Clock(counters["train_seconds"], run.max_minutes)
-        for iteration in range(counters["iteration"] + 1, self.num_iterations + 1):
+        budget = run.total_env_steps
+        for iteration in itertools.count(counters["iteration"] + 1):
+            if counters["env_steps"] >= budget or clock.out_of_time:
+                break  # (a run resumed after its last iteration goes straight to its evaluation)
             if alg.anneal_lr:
-                self.learner.set_lr(alg.learning_rate * (1 - (iteration - 1) / self.num_iterations))
+                self.learner.set_lr(alg.learning_rate * (1 - counters["env_steps"] / budget))
             # 1. collect: rounds until the algorithm has enough for an update
             t0 = time.time()
             stats = EpisodeStats(self.envs.num_envs, self.envs.task_names, self.inference.device)
             self.phase = "collect"
+            steps_before = counters["env_steps"]
             samples, metrics, batches = self._collect(iteration, stats)
             rollout_time = time.time() - t0
             self.phase = "update"
@@ -353,8 +409,10 @@ class Runner:
             # 3. log
             counters["iteration"] = iteration
             counters["train_seconds"] = clock.seconds
-            metrics.update(stats.summary())
-            steps = len(batches) * self.steps_per_round
+            episodes = stats.summary()
+            counters["episodes"] += int(episodes.get("episode/count", 0))
+            metrics.update(episodes)
+            steps = counters["env_steps"] - steps_before
             metrics.update(
                 {
                     "time/rollout_s": rollout_time,
@@ -365,10 +423,10 @@ class Runner:
                 }
             )
             self.logger.log(metrics, step=counters["env_steps"], iteration=iteration)
-            self.bar.update(1)
+            self.bar.update(min(counters["env_steps"], budget) - min(steps_before, budget))
             self.bar.set_postfix(self._postfix(metrics, steps, rollout_time + update_time, clock))
             self._completed()
-            last = iteration == self.num_iterations or clock.out_of_time
+            last = counters["env_steps"] >= budget or clock.out_of_time
             self.phase = "evaluate"
             # 4. evaluate (the best evaluation's weights are kept as a checkpoint)
             if run.eval_every and iteration % run.eval_every == 0 and not last:
@@ -376,8 +434,9 @@ class Runner:
                     raise Interrupted
                 results = self._evaluate(run.eval_episodes)
                 self._record_evaluation(results)
-            # 5. checkpoint
-            if last or (run.save_every and iteration % run.save_every == 0):
+            # 5. checkpoint (unless a new best evaluation just saved this iteration)
+            due = last or (run.save_every and iteration % run.save_every == 0)
+            if due and self.saved != iteration:
                 self._save()
             if self.stop.requested:
                 raise Interrupted
@@ -398,6 +457,7 @@ class Runner:
         for round_index in range(self.algorithm.max_rounds):
             plan = self.algorithm.plan(iteration, round_index, self._episode_base())
             obs = self.envs.reset(seed=plan.seeds)
+            stats.restart()  # every episode starts afresh: nothing carries over from a round
             if self.fresh and iteration == 1 and round_index == 0 and not self.cfg.runner.init_from:
                 # normalisation statistics from the first observations, before anything acts
                 self.policy.update_normalizer(obs.map(lambda t: t.to(self.inference.device)))
@@ -407,11 +467,10 @@ class Runner:
                 obs,
                 plan,
                 stats,
-                stages=self.cfg.runner.pipeline_stages,
+                stages=self.stages,
                 should_stop=should_stop,
             )
             counters["env_steps"] += self.steps_per_round
-            counters["episodes"] += self.envs.num_envs
             counters["rounds"] += 1
             round_metrics.append(self.algorithm.advantages(batch))
             batches.append(batch)

@@ -342,3 +342,23 @@ def test_the_deploy_contract_covers_the_frozen_weights(tmp_path):
     assert (a / "model.safetensors").read_bytes() == (c / "model.safetensors").read_bytes()
     digests = [contract(spec, p)["weights"] for p in (a, b, c)]
     assert digests[0] == digests[1] != digests[2]
+
+
+def test_dropping_the_checkpoints_after_an_iteration(tmp_path):
+    # a run resumed from iteration 2 abandons 3-5: the best (4) goes with them, last points at 2
+    net, opt = make()
+    for it in range(1, 6):
+        step(net, opt)
+        save(tmp_path, it, net, opt, keep=5)
+    mark_best(tmp_path, 4)
+    dropped = ck.drop_checkpoints_after(tmp_path, 2)
+    assert dropped == ["iter_000003", "iter_000004", "iter_000005"]
+    assert iter_dirs(tmp_path) == ["iter_000001", "iter_000002"]
+    assert best_iteration(tmp_path) is None
+    assert load_checkpoint(tmp_path)["counters"] == {"iteration": 2}
+    assert len(frozen_files(tmp_path)) == 1 and hidden(tmp_path) == []
+    # nothing later: nothing changes; a best at or before the iteration stays
+    mark_best(tmp_path, 1)
+    assert ck.drop_checkpoints_after(tmp_path, 2) == []
+    assert best_iteration(tmp_path) == 1
+    assert ck.drop_checkpoints_after(tmp_path / "no_run", 2) == []

@@ -12,6 +12,8 @@ from scripted_envs import ScriptedEnv, ScriptedPolicy
 from embodied.env_group import EnvGroup
 from embodied.grpo import GRPO, GRPOConfig, groups_by_task
 from embodied.inference import InferencePolicy
+from embodied.learner import TorchEngine
+from embodied.models import ActorCritic, ActorCriticConfig
 from embodied.multitask import MultiTaskEnv
 from embodied.rollout import EpisodeStats, collect
 
@@ -134,3 +136,55 @@ def test_an_episode_that_does_not_end_is_refused():
     _, batch, _, _ = collect_round(envs, algorithm)
     with pytest.raises(RuntimeError, match="3 environments did not finish an episode in 2 chunks"):
         algorithm.advantages(batch)
+
+
+def test_statistics_over_two_rounds_start_every_episode_afresh():
+    # the runner's rounds share one EpisodeStats; each round resets every env, so the episode
+    # each env began at the round's last step (after its truncation at step 5) must not carry
+    # its step into the next round's lengths
+    envs, algorithm = grpo(make_env())
+    stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
+    policy = InferencePolicy(ScriptedPolicy(K))
+    for round_index in range(2):
+        plan = algorithm.plan(1, round_index, episode_base=0)
+        obs = envs.reset(seed=plan.seeds)
+        stats.restart()
+        collect(envs, policy, obs, plan, stats)
+    summary = stats.summary()
+    # per round, task a: six episodes truncated at 5 steps and env 1's two of 3 steps each
+    assert summary["episode/a/count"] == 16
+    assert summary["episode/a/length"] == pytest.approx((2 * 6 * 5 + 2 * 2 * 3) / 16)
+    # task b: four episodes of 5 steps per round
+    assert summary["episode/b/count"] == 8
+    assert summary["episode/b/length"] == pytest.approx(5.0)
+
+
+def test_the_kl_reference_sees_observations_through_the_live_normalisation():
+    # the reference keeps its starting weights; its observation statistics follow the policy's,
+    # so at unchanged weights its log-probabilities are the policy's and the KL term is zero
+    env = make_env()
+    policy = ActorCritic(env.spec, ActorCriticConfig(hidden_sizes=[16]))
+    envs = EnvGroup(env)
+    config = GRPOConfig(group_size=3, kl_coef=0.1, logprob_level="action")
+    algorithm = GRPO(
+        config,
+        seed=100,
+        task_of_env=envs.task_of_env,
+        chunk_size=1,
+        max_episode_steps=MAX_STEPS,
+        policy=policy,
+    )
+    plan = algorithm.plan(1, 0, episode_base=0)
+    obs = envs.reset(seed=plan.seeds)
+    policy.update_normalizer(obs)  # statistics move away from the initial mean 0 / std 1
+    stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
+    batch, _ = collect(envs, InferencePolicy(policy), obs, plan, stats)
+    algorithm.advantages(batch)
+    samples = batch.samples()
+    algorithm.prepare(samples)
+    engine = TorchEngine(policy, learning_rate=1e-3, max_grad_norm=1.0)
+    with torch.no_grad():
+        logprob, _, _ = engine.logprob(samples, "action")
+    torch.testing.assert_close(samples.ref_logprob, logprob)
+    _, metrics = algorithm.loss(engine, samples)
+    assert metrics["policy/kl_ref"].item() == pytest.approx(0.0, abs=1e-6)

@@ -19,7 +19,7 @@ def test_the_test_env_passes_the_contract():
 
 def test_grpo_raises_success(tmp_path):
     torch.manual_seed(0)
-    summary = run_on(PushRightEnv(8), tmp_path / "grpo", total_env_steps=8 * 3 * 12)
+    summary = run_on(PushRightEnv(8), tmp_path / "grpo", total_env_steps=8 * 3 * 30)
     before = summary["before"]["all"]["eval/success_rate"]
     after = summary["tasks"]["all"]["eval/success_rate"]
     train_success = metric_rows(tmp_path / "grpo", "episode/success_once")

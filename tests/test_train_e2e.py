@@ -6,6 +6,7 @@ run is refused."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -183,6 +184,47 @@ def test_a_resume_that_changes_the_run_is_refused(runs, tmp_path):
         )
         == 2
     )
+
+
+def test_a_resume_from_an_older_checkpoint_abandons_the_later_ones(runs, tmp_path, capsys):
+    tmp, _, _ = runs
+    run = tmp_path / "older"
+    shutil.copytree(tmp / "full", run, symlinks=True)
+    forced = [
+        f"runner.resume={run / 'checkpoints' / 'iter_000002'}",
+        "runner.resume_force=true",
+        "algorithm.anneal_lr=false",
+        "algorithm.learning_rate=0.001",
+    ]
+    train(tiny_config(tmp_path, "ignored", 4, forced))
+    assert "removed the later checkpoints ['iter_000003', 'iter_000004']" in capsys.readouterr().out
+    assert sorted(iteration_rows(run)) == [1, 2, 3, 4]  # iterations 3 and 4 once: the new ones
+    ckpt = load_checkpoint(run)
+    assert ckpt["counters"]["iteration"] == 4
+    # the forced learning rate, not the one in iteration 2's optimizer state
+    assert ckpt["optimizer"]["param_groups"][0]["lr"] == 0.001
+    assert not (tmp_path / "ignored").exists()  # a resumed run writes to its own directory
+
+
+def test_a_new_run_into_an_earlier_one_is_refused_unless_overwritten(runs, tmp_path):
+    tmp, _, _ = runs
+    run = tmp_path / "full"
+    shutil.copytree(tmp / "full", run, symlinks=True)
+    with pytest.raises(ConfigError, match="already holds a run .*runner.overwrite=true"):
+        train(tiny_config(tmp_path, "full", 1))
+    summary = train(tiny_config(tmp_path, "full", 1, ["runner.overwrite=true"]))
+    assert summary["final"]["iteration"] == 1
+    assert sorted(iteration_rows(run)) == [1]  # nothing of the earlier run is left
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001"]
+    assert best_iteration(run) is None
+
+
+def test_chunks_of_four_with_pipeline_stages_collect_in_lockstep(tmp_path):
+    # pipelined collection steps one action at a time: chunks of K > 1 run in lockstep instead
+    extra = ["policy.chunk_size=4", "runner.pipeline_stages=2", "runner.eval_every=0"]
+    summary = train(tiny_config(tmp_path, "chunks", 2 * 4, extra))
+    assert summary["final"]["iteration"] == 2
+    assert summary["final"]["env_steps"] == 2 * 4 * STEPS_PER_ITER  # 2 envs x 8 chunks of 4
 
 
 def test_cli_eval_reproduces_the_final_evaluation(runs, capsys):
