@@ -165,6 +165,7 @@ def test_bad_suites_are_clear_errors(tmp_path, capsys):
     assert "config file not found" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # two minutes; the bench path runs by default in the tests around it
 def test_smoke_suite_covers_three_simulators(tmp_path):
     pytest.importorskip("mani_skill")
     pytest.importorskip("libero")

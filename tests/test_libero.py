@@ -23,7 +23,15 @@ FAST = dict(
 )  # small cameras, short settling: the contract, not the task
 
 
-@pytest.mark.parametrize("suite", sorted(SUITES))
+# the default run checks one suite; the other four (same code path, other scenes) are slow
+DEFAULT_SUITE = "libero_spatial"
+SUITE_CASES = [
+    pytest.param(suite, marks=() if suite == DEFAULT_SUITE else pytest.mark.slow)
+    for suite in sorted(SUITES)
+]
+
+
+@pytest.mark.parametrize("suite", SUITE_CASES)
 def test_contract_every_suite(suite):
     with make_env(
         LiberoConfig(suite=suite, task_id=0, num_envs=2, num_workers=1, max_episode_steps=3, **FAST)
