@@ -141,18 +141,20 @@ def drop_checkpoints_after(run_dir: str | Path, iteration: int) -> list[str]:
     ckpts = run_dir / "checkpoints"
     if not ckpts.is_dir():
         return []
-    found = [(ITERATION.fullmatch(p.name), p) for p in ckpts.iterdir()]
-    later = sorted(p for m, p in found if m and int(m.group(1)) > iteration)
+    later = [path for it, path in _iteration_dirs(ckpts) if it > iteration]
+    if not later:
+        return []
+    # the links first: a crash at any point leaves them at complete checkpoints
+    _point(run_dir / LAST, ckpts / f"iter_{iteration:06d}")
     best = _target(run_dir / BEST)
+    if best is not None and best in {path.resolve() for path in later}:
+        (run_dir / BEST).unlink()
     for path in later:
-        if best is not None and best == path.resolve():
-            (run_dir / BEST).unlink()
-        shutil.rmtree(path)
-    if later:
-        _point(run_dir / LAST, ckpts / f"iter_{iteration:06d}")
-        _fsync(ckpts)
-        _remove_unused_frozen(ckpts)
-    return [p.name for p in later]
+        os.replace(path, ckpts / f".{path.name}.deleted")  # gone at once, removed below
+    _fsync(ckpts)
+    _remove_leftovers(run_dir)
+    _remove_unused_frozen(ckpts)
+    return [path.name for path in later]
 
 
 def best_iteration(run_dir: str | Path) -> int | None:
@@ -317,11 +319,15 @@ def _target(link: Path) -> Path | None:
     return Path(os.path.realpath(link)) if link.is_symlink() else None
 
 
+def _iteration_dirs(ckpts: Path) -> list[tuple[int, Path]]:
+    """(iteration, directory) of the checkpoints in ``ckpts``, oldest first."""
+    found = [(ITERATION.fullmatch(p.name), p) for p in ckpts.iterdir()]
+    return sorted((int(m.group(1)), p) for m, p in found if m)
+
+
 def _prune(ckpts: Path, keep: int, spare: set) -> None:
     """Delete the checkpoints older than the newest ``keep``, except the iterations in spare."""
-    found = [(ITERATION.fullmatch(p.name), p) for p in ckpts.iterdir()]
-    found = sorted((int(m.group(1)), p) for m, p in found if m)
-    for iteration, path in found[:-keep]:
+    for iteration, path in _iteration_dirs(ckpts)[:-keep]:
         if iteration not in spare:
             os.replace(path, ckpts / f".{path.name}.deleted")  # gone at once, removed below
 
