@@ -16,6 +16,8 @@ import yaml
 
 pytest.importorskip("mujoco")
 
+from tiny_runs import TINY_REACH  # noqa: E402
+
 from embodied.bench import BenchConfig, run_bench  # noqa: E402
 from embodied.cli import main  # noqa: E402
 from embodied.config import ConfigError, load_config  # noqa: E402
@@ -198,13 +200,7 @@ def test_checkpoint_policy_and_a_task_it_cannot_act_in(tmp_path):
                 "train",
                 "configs/mujoco/reach_ppo.yaml",
                 f"runner.output_dir={tmp_path}",
-                "env.num_envs=4",
-                "algorithm.num_steps=8",
-                "runner.total_env_steps=32",
-                "runner.eval_episodes=2",
-                "runner.final_eval_episodes=2",
-                "runner.progress=false",
-                "env.render_size=32",
+                *TINY_REACH,
             ]
         )
         == 0

@@ -10,18 +10,13 @@ import subprocess
 import sys
 
 import pytest
+from tiny_runs import TINY_REACH
 
 from embodied.cli import main
 
 TINY = [
-    "env.num_envs=4",
-    "algorithm.num_steps=8",
-    "runner.total_env_steps=32",
-    "runner.eval_episodes=2",
-    "runner.final_eval_episodes=2",
-    "runner.progress=false",
+    *TINY_REACH,
     "runner.video=false",
-    "env.render_size=32",
     "policy.hidden_sizes=[32]",
     "policy.use_privileged=false",  # deployable: reads only what an arm measures
 ]

@@ -12,19 +12,12 @@ import pytest
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 
+from tiny_runs import TINY_REACH  # noqa: E402
+
 from embodied.cli import main  # noqa: E402
 from embodied.dataset import DemoDataset  # noqa: E402
 
-TINY = [
-    "env.num_envs=4",
-    "algorithm.num_steps=8",
-    "runner.total_env_steps=32",
-    "runner.eval_episodes=2",
-    "runner.final_eval_episodes=2",
-    "runner.progress=false",
-    "env.render_size=32",
-    "policy.hidden_sizes=[32]",
-]
+TINY = [*TINY_REACH, "policy.hidden_sizes=[32]"]
 
 
 @pytest.fixture(scope="module")
