@@ -96,8 +96,8 @@ def save_checkpoint(
     ckpts.mkdir(parents=True, exist_ok=True)
     final = ckpts / f"iter_{iteration:06d}"
     state = model.state_dict(keep_vars=True)
-    frozen_keys = _frozen_keys(model)
-    frozen = {k: v for k, v in state.items() if k in frozen_keys}
+    frozen_names = frozen_keys(model)
+    frozen = {k: v for k, v in state.items() if k in frozen_names}
     frozen_file = _save_frozen(ckpts, model, frozen) if frozen else None
     tmp = ckpts / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -228,7 +228,7 @@ def _load_tensors(path: Path) -> dict:
         raise CheckpointError(f"{path}: cannot be read ({e}); the checkpoint is damaged") from None
 
 
-def _frozen_keys(model: torch.nn.Module) -> set[str]:
+def frozen_keys(model: torch.nn.Module) -> set[str]:
     """State-dict keys of frozen parameters, and of the buffers of modules whose own parameters
     exist and are all frozen."""
     keys = set()

@@ -43,6 +43,7 @@ def _load(schema, args):
 
 def cmd_train(args) -> int:
     from embodied.config import ConfigError
+    from embodied.roles import WorkerLost
     from embodied.run import Stopped
     from embodied.runner import TrainConfig, train
 
@@ -55,6 +56,13 @@ def cmd_train(args) -> int:
     except Stopped as e:
         print(f"embodied: {e}", file=sys.stderr)
         return 128 + e.signum
+    except WorkerLost as e:  # a cluster role that kept failing: the last checkpoint resumes
+        print(
+            f"embodied: error: {e}; resume with runner.resume={cfg.runner.output_dir}/"
+            f"{cfg.runner.name}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

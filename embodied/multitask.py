@@ -99,21 +99,7 @@ class MultiTaskEnv:
         else:
             outs = [e.step(a) for e, a in zip(self.envs, rows)]
         self._last = [o.obs for o in outs]
-        final = None
-        ended = None
-        if any(o.final_obs is not None for o in outs):
-            final = self._join([o.final_obs if o.final_obs is not None else o.obs for o in outs])
-            offsets = [lo for lo, _ in self.task_ranges]
-            ended = torch.cat([o.ended + lo for o, lo in zip(outs, offsets) if o.ended is not None])
-        return StepOutput(
-            obs=self._join([o.obs for o in outs]),
-            reward=torch.cat([o.reward for o in outs]),
-            terminated=torch.cat([o.terminated for o in outs]),
-            truncated=torch.cat([o.truncated for o in outs]),
-            success=torch.cat([o.success for o in outs]),
-            final_obs=final,
-            ended=ended,
-        )
+        return join_steps(outs, [lo for lo, _ in self.task_ranges], self._join)
 
     def render(self) -> torch.Tensor:
         return torch.cat([e.render() for e in self.envs])
@@ -127,6 +113,25 @@ class MultiTaskEnv:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def join_steps(outs: list[StepOutput], offsets: list[int], join=Observation.cat) -> StepOutput:
+    """One ``StepOutput`` from the steps of consecutive row blocks starting at ``offsets``
+    (``join`` concatenates their observations)."""
+    final = None
+    ended = None
+    if any(o.final_obs is not None for o in outs):
+        final = join([o.final_obs if o.final_obs is not None else o.obs for o in outs])
+        ended = torch.cat([o.ended + lo for o, lo in zip(outs, offsets) if o.ended is not None])
+    return StepOutput(
+        obs=join([o.obs for o in outs]),
+        reward=torch.cat([o.reward for o in outs]),
+        terminated=torch.cat([o.terminated for o in outs]),
+        truncated=torch.cat([o.truncated for o in outs]),
+        success=torch.cat([o.success for o in outs]),
+        final_obs=final,
+        ended=ended,
+    )
 
 
 SIMULATOR_CONFIGS: dict[str, type] = {}  # simulator name -> config dataclass, filled below

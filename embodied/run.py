@@ -100,6 +100,10 @@ RESUME_FREE = (
     "env.num_workers",  # environments are seeded per episode: the worker layout changes nothing
     "env.step_timeout_s",
 )
+# where the roles run (embedded or on Ray, how many workers, which devices) changes no number,
+# except how far collection may run ahead of the update
+RESUME_FREE_PREFIX = "cluster."
+RESUME_BOUND = ("cluster.max_staleness",)
 
 
 def check_resume(saved: dict, current: dict, checkpoint: Path, force: bool) -> None:
@@ -111,7 +115,11 @@ def check_resume(saved: dict, current: dict, checkpoint: Path, force: bool) -> N
     if not now.get("algorithm.anneal_lr", False):
         free.add("runner.total_env_steps")
     changed = [
-        k for k in sorted(set(before) | set(now)) if k not in free and before.get(k) != now.get(k)
+        k
+        for k in sorted(set(before) | set(now))
+        if k not in free
+        and (not k.startswith(RESUME_FREE_PREFIX) or k in RESUME_BOUND)
+        and before.get(k) != now.get(k)
     ]
     if not changed or force:
         return

@@ -23,25 +23,24 @@ from typing import ClassVar
 import torch
 from tqdm import tqdm
 
-from embodied.algorithm import AlgorithmConfig, update
-from embodied.checkpoint import (
-    drop_checkpoints_after,
-    load_policy_checkpoint,
-    mark_best,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from embodied.algorithm import AlgorithmConfig
+from embodied.checkpoint import drop_checkpoints_after, mark_best
+from embodied.cluster.config import ClusterConfig
 from embodied.config import ConfigError, save_config, to_dict
-from embodied.env_group import EnvGroup
-from embodied.evaluate import evaluate_by_task, overall, per_task
-from embodied.grpo import GRPO, GRPOConfig
-from embodied.inference import InferencePolicy
-from embodied.learner import TorchEngine
+from embodied.evaluate import overall, per_task
+from embodied.grpo import GRPOConfig
 from embodied.logger import RunLogger
-from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig, build_policy
+from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig
 from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
-from embodied.ppo import PPO, PPOConfig
+from embodied.ppo import PPOConfig
+from embodied.roles import (
+    Roles,
+    WorkerLost,
+    build_algorithm,
+    init_policy,  # noqa: F401  (benchmarks import it from here)
+    load_checkpoint_for,
+    local_roles,
+)
 from embodied.rollout import EpisodeStats, Samples, collect
 from embodied.run import (
     Clock,
@@ -52,7 +51,7 @@ from embodied.run import (
     check_resume,
     trim_metrics,
 )
-from embodied.schema import SimulatorConfig, UserError
+from embodied.schema import SimulatorConfig
 from embodied.simulators.maniskill import ManiSkillConfig
 
 ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
@@ -116,6 +115,7 @@ class TrainConfig:
     policy: PolicyConfig = field(default_factory=ActorCriticConfig)  # policy.name picks it
     algorithm: AlgorithmConfig = field(default_factory=PPOConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # enabled: the roles on Ray
 
     def validate(self) -> None:
         """What the sections ask of each other, before anything is built."""
@@ -152,33 +152,10 @@ def run_meta(cfg: TrainConfig, spec) -> dict:
     return {"config": to_dict(cfg), "spec": spec.to_dict(), "format": "embodied-checkpoint-v1"}
 
 
-def init_policy(cfg: TrainConfig, spec, device):
-    """The policy for ``spec``, with weights (and normalization) from ``runner.init_from``."""
-    policy = build_policy(spec, cfg.policy).to(device)
-    if cfg.runner.init_from:
-        state = _load(cfg.runner.init_from, "runner.init_from", trainer_state=False)["model"]
-        missing, unexpected = policy.load_state_dict(state, strict=False)
-        # a critic may be added (PPO after SFT: fresh value head) or dropped (GRPO); nothing else
-        bad = [k for k in missing + unexpected if not k.startswith("value_mlp.")]
-        if bad:
-            raise ConfigError(
-                f"runner.init_from: {cfg.runner.init_from} does not fit policy "
-                f"{cfg.policy.name!r} (mismatched weights: {bad[:5]})"
-            )
-    return policy
-
-
-def _load(path: str, key: str, trainer_state: bool = True) -> dict:
-    try:
-        return load_policy_checkpoint(path, with_trainer_state=trainer_state)
-    except (FileNotFoundError, UserError) as e:
-        raise ConfigError(f"{key}: {e}") from None
-
-
 def train(cfg: TrainConfig) -> dict:
     """Train as ``cfg`` says; returns the run's summary (also written to metrics.json)."""
     torch.set_num_threads(cfg.runner.torch_threads)
-    resume = _load(cfg.runner.resume, "runner.resume") if cfg.runner.resume else None
+    resume = load_checkpoint_for(cfg.runner.resume, "runner.resume") if cfg.runner.resume else None
     if resume is not None:
         check_resume(
             resume["meta"]["config"], to_dict(cfg), resume["path"], cfg.runner.resume_force
@@ -189,7 +166,7 @@ def train(cfg: TrainConfig) -> dict:
         _check_fresh(run_dir, cfg.runner.overwrite)
     # a bad checkpoint or task fails before the run directory and the environments are made
     if cfg.runner.init_from:
-        _load(cfg.runner.init_from, "runner.init_from", trainer_state=False)
+        load_checkpoint_for(cfg.runner.init_from, "runner.init_from", trainer_state=False)
     check_tasks(cfg.env)
     if resume is not None:
         done = resume["counters"]["iteration"]
@@ -202,11 +179,21 @@ def train(cfg: TrainConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)
-    env = make_env(cfg.env)
+    if cfg.cluster.enabled:
+        from embodied.cluster import ray_roles  # Ray is imported for cluster runs only
+
+        roles = ray_roles(cfg, resume, run_dir)
+    else:
+        env = make_env(cfg.env)
+        try:
+            roles = local_roles(cfg, env, resume)
+        except BaseException:
+            env.close()
+            raise
     try:
-        return Runner(cfg, env, run_dir, resume).run()
+        return Runner(cfg, roles, run_dir, resume).run()
     finally:
-        env.close()
+        roles.close()
 
 
 RUN_FILES = ("metrics.jsonl", "metrics.json", "checkpoints", "tb", "last", "best", "videos")
@@ -245,40 +232,21 @@ def _clear_run(run_dir: Path) -> None:
 
 
 class Runner:
-    def __init__(self, cfg: TrainConfig, env, run_dir: Path, resume: dict | None):
+    def __init__(self, cfg: TrainConfig, roles: Roles, run_dir: Path, resume: dict | None):
         self.cfg = cfg
         self.run_dir = run_dir
+        self.roles = roles
+        self.envs = roles.envs
+        self.inference = roles.inference
+        self.learner = roles.learner
         alg = cfg.algorithm
-        self.envs = EnvGroup(env)
-        B = env.num_envs
-        device = env.device if cfg.runner.device == "auto" else torch.device(cfg.runner.device)
-        self.policy = init_policy(cfg, env.spec, device)
-        if alg.name == "grpo" and alg.exploration_log_std is not None:
-            log_std = getattr(getattr(self.policy, "head", None), "log_std", None)
-            if log_std is None:
-                raise ConfigError(
-                    "algorithm.exploration_log_std: the policy has no Gaussian head with a log_std"
-                )
-            with torch.no_grad():
-                log_std.fill_(alg.exploration_log_std)
+        B = self.envs.num_envs
         K = cfg.policy.chunk_size
+        # the runner's copy of the algorithm plans rounds and computes advantages
+        self.algorithm = build_algorithm(cfg, roles.spec, self.envs.task_of_env)
         if alg.name == "ppo":
-            if not getattr(self.policy, "has_critic", True):
-                raise ConfigError(
-                    "algorithm.name: ppo needs a critic; set policy.value_head=true "
-                    "(or train with algorithm.name=grpo)"
-                )
-            self.algorithm = PPO(alg, seed=cfg.seed, num_envs=B)
             chunks_per_round = alg.num_steps
         else:
-            self.algorithm = GRPO(
-                alg,
-                seed=cfg.seed,
-                task_of_env=self.envs.task_of_env,
-                chunk_size=K,
-                max_episode_steps=env.spec.max_episode_steps,
-                policy=self.policy,
-            )
             chunks_per_round = self.algorithm.num_chunks
             if self.algorithm.idle_envs:
                 print(
@@ -288,10 +256,6 @@ class Runner:
         self.steps_per_round = B * K * chunks_per_round
         # pipelined collection steps one action at a time: chunks of K > 1 collect in lockstep
         self.stages = cfg.runner.pipeline_stages if K == 1 else 1
-        self.learner = TorchEngine(
-            self.policy, learning_rate=alg.learning_rate, max_grad_norm=alg.max_grad_norm
-        )
-        self.inference = InferencePolicy(self.policy)
         self.counters = {
             "iteration": 0,
             "env_steps": 0,
@@ -304,23 +268,19 @@ class Runner:
             "best": None,  # {"iteration", "success_rate"} of the best evaluation so far
         }
         if resume is not None:
-            self.learner.load_state_dict(resume)
-            # the optimizer state carries the old lr; a forced resume may have changed it
-            self.learner.set_lr(alg.learning_rate)
-            set_rng_state(resume["rng"])
             self.counters.update(resume["counters"])
             print(
                 f"resuming {run_dir} from iteration {self.counters['iteration']} "
                 f"({self.counters['env_steps']} env steps)"
             )
-        self.inference.sync(None, self.counters["policy_version"])
+        roles.sync(self.counters["policy_version"])
         self.fresh = resume is None
         self.phase = "start"
         self.saved = self.counters["iteration"]  # the newest checkpoint's iteration
-        self.end_rng = rng_state()  # the RNG as the last completed iteration left it
+        self.end_rng = roles.rng_state()  # the RNG as the last completed iteration left it
         self.end_counters = json.loads(json.dumps(self.counters))
         self.logger = RunLogger(run_dir, purge_step=None if self.fresh else self._purge_step())
-        self.meta = run_meta(cfg, env.spec)
+        self.meta = run_meta(cfg, roles.spec)
 
     def _purge_step(self) -> int:
         return self.counters["env_steps"] + 1
@@ -388,24 +348,10 @@ class Runner:
             self.phase = "update"
             # 2. update, then fold this iteration's observations into the normalizer
             t1 = time.time()
-            if samples is not None and len(samples):
-                self.policy.train()
-                self.algorithm.prepare(samples)
-                metrics.update(
-                    update(
-                        self.learner,
-                        self.algorithm,
-                        samples,
-                        epochs=alg.update_epochs,
-                        num_minibatches=alg.num_minibatches,
-                    )
-                )
-                self.policy.eval()
-            for batch in batches:
-                self.policy.update_normalizer(batch.obs)
-            counters["policy_version"] += 1
-            self.inference.sync(None, counters["policy_version"])
+            metrics.update(self.learner.update(samples, [batch.obs for batch in batches]))
             update_time = time.time() - t1
+            counters["policy_version"] += 1
+            metrics.update(self.roles.sync(counters["policy_version"]))
             # 3. log
             counters["iteration"] = iteration
             counters["train_seconds"] = clock.seconds
@@ -453,23 +399,9 @@ class Runner:
         counters = self.counters
         batches = []
         round_metrics: list[dict[str, torch.Tensor]] = []
-        should_stop = lambda: self.stop.requested  # noqa: E731
         for round_index in range(self.algorithm.max_rounds):
             plan = self.algorithm.plan(iteration, round_index, self._episode_base())
-            obs = self.envs.reset(seed=plan.seeds)
-            stats.restart()  # every episode starts afresh: nothing carries over from a round
-            if self.fresh and iteration == 1 and round_index == 0 and not self.cfg.runner.init_from:
-                # normalisation statistics from the first observations, before anything acts
-                self.policy.update_normalizer(obs.map(lambda t: t.to(self.inference.device)))
-            batch, _ = collect(
-                self.envs,
-                self.inference,
-                obs,
-                plan,
-                stats,
-                stages=self.stages,
-                should_stop=should_stop,
-            )
+            batch = self._collect_round(iteration, round_index, plan, stats)
             counters["env_steps"] += self.steps_per_round
             counters["rounds"] += 1
             round_metrics.append(self.algorithm.advantages(batch))
@@ -482,6 +414,46 @@ class Runner:
         parts = [b.samples() for b in batches]
         parts = [p for p in parts if len(p)]
         return (Samples.cat(parts) if parts else None), metrics, batches
+
+    def _collect_round(self, iteration: int, round_index: int, plan, stats: EpisodeStats):
+        """One round of chunks from its seeded reset. A worker lost midway (a cluster run) loses
+        the round: nothing of it enters the batch or the episode statistics; the round is
+        collected again from its reset once the cluster has replaced the worker."""
+        failures = 0
+        while True:
+            totals = stats.totals.clone()  # the finished episodes before this round
+            try:
+                obs = self.envs.reset(seed=plan.seeds)
+                stats.restart()  # every episode starts afresh: nothing carries over from a round
+                first = self.fresh and iteration == 1 and round_index == 0
+                if first and not self.cfg.runner.init_from:
+                    # normalisation statistics from the first observations, before anything acts
+                    self.learner.init_normalizer(obs)
+                    self.roles.sync(0)
+                batch, _ = collect(
+                    self.envs,
+                    self.inference,
+                    obs,
+                    plan,
+                    stats,
+                    stages=self.stages,
+                    should_stop=lambda: self.stop.requested,
+                )
+                return batch
+            except WorkerLost as lost:
+                failures += 1
+                stats.totals.copy_(totals)
+                self.counters["discarded_rounds"] = self.counters.get("discarded_rounds", 0) + 1
+                self.bar.write(
+                    f"iteration {iteration}: {lost}; its round is discarded and collected again "
+                    f"(failure {failures} in a row)"
+                )
+                self.logger.log(
+                    {"cluster/discarded_rounds": self.counters["discarded_rounds"]},
+                    step=self.counters["env_steps"],
+                    iteration=iteration,
+                )
+                self.roles.recover(lost, failures)
 
     def _episode_base(self) -> int:
         """Episode ids of the next round start here: a round of T chunks of K actions ends at
@@ -503,7 +475,7 @@ class Runner:
     # --- consistent points --------------------------------------------------------------------
     def _completed(self) -> None:
         """Remember the state a completed iteration leaves: what a stop saves."""
-        self.end_rng = rng_state()
+        self.end_rng = self.roles.rng_state()
         self.end_counters = json.loads(json.dumps(self.counters))
 
     def _save(self) -> None:
@@ -511,11 +483,9 @@ class Runner:
         if iteration == 0:
             return
         best = self.end_counters.get("best") or {}
-        save_checkpoint(
+        self.learner.save(
             self.run_dir,
             iteration,
-            model=self.policy,
-            optimizer=self.learner.optimizer,
             counters=self.end_counters,
             meta=self.meta,
             rng=self.end_rng,
@@ -550,9 +520,7 @@ class Runner:
             disable=not self.cfg.runner.progress,
             mininterval=bar_interval(),
         ) as progress:
-            return evaluate_by_task(
-                self.envs.env,
-                self.inference.policy,
+            return self.roles.evaluate(
                 episodes=episodes,
                 seed=self.cfg.seed,
                 video_path=video,

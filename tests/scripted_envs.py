@@ -147,6 +147,9 @@ class PushRightEnv:
         self.t = torch.zeros(num_envs, dtype=torch.long, device=self.device)
         self._t = np.zeros(num_envs, dtype=np.int64)  # the same on the host
         self.images = torch.zeros(num_envs, 32, 32, 3, dtype=torch.uint8, device=self.device)
+        # unseeded resets draw from the env's own generator, as a simulator's do: never from
+        # torch's global one, which the policy samples from
+        self._rng = torch.Generator().manual_seed(0)
 
     def _obs(self):
         return Observation(
@@ -159,7 +162,7 @@ class PushRightEnv:
         ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids]
         for i, s in zip(ids, reset_seeds(seed, ids)):
             if s is None:
-                s = int(torch.randint(1 << 30, ()))
+                s = int(torch.randint(1 << 30, (), generator=self._rng))
             g = torch.Generator().manual_seed(s)
             image = torch.randint(0, 256, (32, 32, 3), generator=g, dtype=torch.uint8)
             self.images[i] = image.to(self.device)
@@ -271,10 +274,27 @@ PPO = dict(
 )
 
 
-def run_on(env, run_dir, *, total_env_steps: int, policy=TINY_VLA, algorithm=GRPO) -> dict:
+def push_right_envs(env_cfg) -> PushRightEnv:
+    """A cluster env worker's environments: ``env_cfg.num_envs`` of the test task."""
+    return PushRightEnv(env_cfg.num_envs)
+
+
+def run_on(
+    env,
+    run_dir,
+    *,
+    total_env_steps: int,
+    policy=TINY_VLA,
+    algorithm=GRPO,
+    cluster: dict | None = None,
+    env_factory=None,
+) -> dict:
     """The runner over ``env`` with a config written here (16 evaluation episodes, no video);
-    returns its summary. The metrics are in ``run_dir/metrics.jsonl``."""
+    returns its summary. The metrics are in ``run_dir/metrics.jsonl``. With ``cluster`` (the
+    config block) the roles run on Ray and the env workers build ``env_factory(env_cfg)`` with
+    8 environments in all."""
     from embodied.config import compose
+    from embodied.roles import local_roles
     from embodied.runner import Runner, TrainConfig
 
     runner = {
@@ -289,9 +309,21 @@ def run_on(env, run_dir, *, total_env_steps: int, policy=TINY_VLA, algorithm=GRP
         "video": False,
     }
     source = {"seed": 0, "policy": policy, "algorithm": algorithm, "runner": runner}
+    if cluster is not None:
+        source.update(cluster=cluster, env={"num_envs": 8})
     cfg = compose(TrainConfig, [("test", source)])
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Runner(cfg, env, run_dir, None).run()
+    if cluster is None:
+        roles = local_roles(cfg, env)
+    else:
+        from embodied.cluster import ray_roles
+
+        roles = ray_roles(cfg, None, run_dir, env_factory=env_factory)
+    try:
+        return Runner(cfg, roles, run_dir, None).run()
+    finally:
+        if cluster is not None:
+            roles.close()
 
 
 def metric_rows(run_dir, key: str) -> list[float]:

@@ -1,0 +1,83 @@
+"""The ``cluster:`` config block: where the run's roles live on Ray. No Ray import here.
+
+    cluster:
+      enabled: true            # or give an address: a local Ray starts when none is given
+      address: auto            # join a running cluster (``ray start --head`` / a Ray cluster)
+      placement: collocated    # collocated | disaggregated | hybrid
+      env:     {workers: 2, num_cpus: 1}
+      rollout: {workers: 1, num_cpus: 1, num_gpus: 0.5}
+      actor:   {workers: 1, num_cpus: 1, num_gpus: 0.5}
+
+Each worker of a role asks for ``num_cpus``/``num_gpus`` (fractions allowed) and any custom
+resources (``resources: {sim_node: 1}`` pins it to the nodes that offer them). ``collocated``
+packs every worker on one node, and a rollout worker shares a bundle with an actor worker (one
+device for both); ``disaggregated`` gives every worker a bundle of its own, spread over nodes
+where it can be; ``hybrid`` keeps the rollout and actor workers together and lets the env
+workers go anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PLACEMENTS = ("collocated", "disaggregated", "hybrid")
+ROLES = ("env", "rollout", "actor")
+
+
+@dataclass
+class RoleConfig:
+    """One role's workers and what each asks for."""
+
+    workers: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker
+
+    def validate(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers: must be >= 1, got {self.workers}")
+        if self.num_cpus < 0:
+            raise ValueError(f"num_cpus: must be >= 0, got {self.num_cpus}")
+        if self.num_gpus < 0:
+            raise ValueError(f"num_gpus: must be >= 0, got {self.num_gpus}")
+        if self.num_gpus > 1 and self.num_gpus != int(self.num_gpus):
+            raise ValueError(f"num_gpus: above 1 it must be whole, got {self.num_gpus}")
+        for name, amount in self.resources.items():
+            if amount < 0:
+                raise ValueError(f"resources: {name} must be >= 0, got {amount}")
+
+
+@dataclass
+class ClusterConfig:
+    """Where the roles run. ``enabled: false`` (the default): one process, Ray never imported."""
+
+    enabled: bool = False
+    address: str | None = None  # an existing cluster ("auto", "ray://host:10001"); None: start one
+    placement: str = "collocated"
+    env: RoleConfig = field(default_factory=RoleConfig)
+    rollout: RoleConfig = field(default_factory=RoleConfig)
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    max_staleness: int = 0  # 0: every chunk comes from the weights of the last update
+    max_restarts: int = 3  # a role whose worker fails this many times in a row stops the run
+    num_cpus: int | None = None  # a local Ray's CPUs (None: the machine's)
+    num_gpus: int | None = None  # a local Ray's GPUs (None: the machine's)
+
+    def validate(self) -> None:
+        if self.address:
+            self.enabled = True  # an address means a cluster run
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"placement: must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
+            )
+        if self.max_staleness != 0:
+            raise ValueError(
+                f"max_staleness: only 0 (strictly on-policy) is built so far, got "
+                f"{self.max_staleness}"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts: must be >= 0, got {self.max_restarts}")
+        if self.actor.workers != 1:
+            raise ValueError(
+                f"actor.workers: one actor worker is built so far (data-parallel actors are "
+                f"not), got {self.actor.workers}"
+            )

@@ -1,0 +1,572 @@
+"""The run's roles as Ray actors, behind the methods the embedded roles have (embodied/roles.py).
+
+The runner's process (the driver) keeps the loop. It holds proxies: ``RemoteEnvGroup`` fans a
+chunk out to the env workers that own its rows and joins their answers, ``RemoteInference``
+sends observation batches to the rollout workers, ``RemoteLearner`` sends the batch to the actor
+worker. Tensors travel as numpy arrays through Ray's object store (embodied/cluster/wire.py);
+the rollout buffers live on the driver's host.
+
+One random number stream, as in the embedded run: its state (the "baton") moves to the worker
+that draws next (the actor builds the policy and shuffles minibatches, rollout worker 0 samples
+actions), so a run with one worker per role draws exactly what the embedded run draws.
+
+A worker that dies is restarted by Ray; its call raises ``WorkerLost`` here, the runner discards
+the round and collects it again, and ``recover`` brings the restarted worker up to date (a
+rollout worker gets the full weights and the generator state of the last completed iteration).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from embodied.checkpoint import rng_state
+from embodied.cluster.config import ClusterConfig
+from embodied.cluster.placement import place
+from embodied.cluster.wire import from_wire, to_wire
+from embodied.cluster.workers import ActorWorker, EnvWorker, RolloutWorker
+from embodied.config import ConfigError, to_dict
+from embodied.env_group import ChunkStep
+from embodied.evaluate import evaluate_by_task
+from embodied.multitask import join_steps
+from embodied.roles import WorkerLost
+from embodied.schema import Observation, PolicyOutput, StepOutput
+
+RESTART_TIMEOUT_S = 300.0  # how long a lost worker may take to come back
+# environment variables the workers need as the driver has them (hub access, renderers)
+PASSED_ENV = ("HF_HUB_OFFLINE", "MUJOCO_GL", "PYOPENGL_PLATFORM", "LIBERO_CONFIG_PATH")
+STATUS_FILE = "cluster.json"
+
+
+def start_ray(cfg: ClusterConfig) -> bool:
+    """Join ``cfg.address`` or start a local Ray (unless this process has one already); whether
+    this call started it. Workers get the driver's module path (a simulator registered in the
+    user's script imports there too) and the environment variables in ``PASSED_ENV``."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env_vars = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+    env_vars["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    runtime_env = {"env_vars": env_vars}
+    if cfg.address:
+        try:
+            ray.init(address=cfg.address, runtime_env=runtime_env, logging_level="WARNING")
+        except ConnectionError as e:
+            raise ConfigError(f"cluster.address: cannot join {cfg.address!r}: {e}") from None
+    else:
+        ray.init(
+            num_cpus=cfg.num_cpus,
+            num_gpus=cfg.num_gpus,
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            logging_level="WARNING",
+        )
+    return True
+
+
+def split_env(env_cfg, workers: int) -> list:
+    """The env config of each env worker: its share of ``num_envs`` (and of the tasks, and of the
+    simulator's own subprocess workers), in row order."""
+    n = env_cfg.num_envs
+    tasks = list(getattr(env_cfg, "tasks", None) or [])
+    share = {}
+    if hasattr(env_cfg, "num_workers"):
+        share["num_workers"] = max(1, env_cfg.num_workers // workers) if env_cfg.num_workers else 0
+    if workers == 1:
+        return [env_cfg]
+    if tasks:
+        per_task = n // len(tasks)
+        if len(tasks) % workers == 0:
+            k = len(tasks) // workers
+            return [
+                dataclasses.replace(
+                    env_cfg, tasks=tasks[i * k : (i + 1) * k], num_envs=per_task * k, **share
+                )
+                for i in range(workers)
+            ]
+        if workers % len(tasks) == 0 and per_task % (workers // len(tasks)) == 0:
+            each = per_task // (workers // len(tasks))
+            return [
+                dataclasses.replace(env_cfg, task=task, tasks=[], num_envs=each, **share)
+                for task in tasks
+                for _ in range(workers // len(tasks))
+            ]
+        raise ConfigError(
+            f"cluster.env.workers: {workers} env workers cannot share {len(tasks)} tasks of "
+            f"{per_task} environments evenly; use a divisor or a multiple of the task count"
+        )
+    if n % workers:
+        raise ConfigError(
+            f"cluster.env.workers: {workers} env workers cannot share env.num_envs={n} evenly"
+        )
+    return [dataclasses.replace(env_cfg, num_envs=n // workers, **share) for _ in range(workers)]
+
+
+def _get(refs, role: str):
+    """``ray.get``, with a dead worker as ``WorkerLost``."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise WorkerLost(role, first) from None
+
+
+class Baton:
+    """Where the run's random number generator state is: in this process (``holder`` None) or
+    in a worker. ``to(worker)`` moves it there before that worker draws."""
+
+    def __init__(self, state: dict):
+        self.holder = None
+        self.state = state
+        self.last = state  # the state of the last completed iteration (a lost holder's fallback)
+
+    def to(self, worker) -> None:
+        if self.holder is worker:
+            return
+        state = self.fetch()
+        _get(worker.set_rng.remote(state), "rng")
+        self.holder = worker
+        self.state = None
+
+    def fetch(self) -> dict:
+        if self.holder is None:
+            return self.state
+        return _get(self.holder.get_rng.remote(), "rng")
+
+    def lost(self, worker) -> None:
+        """The holder died: the stream goes on from the last completed iteration's state."""
+        if self.holder is worker:
+            self.holder = None
+            self.state = self.last
+
+
+class RemoteEnvGroup:
+    """The env workers seen as one ``EnvGroup``: rows in worker order, tasks by name."""
+
+    def __init__(self, workers: list, facts: list[dict]):
+        self.workers = workers
+        counts = [f["num_envs"] for f in facts]
+        self.bounds = [sum(counts[:w]) for w in range(len(counts) + 1)]
+        self.num_envs = self.bounds[-1]
+        self.device = torch.device("cpu")  # what the workers send arrives on this host
+        self.spec = facts[0]["spec"]
+        names: list[str] = []
+        for f in facts:
+            names += [name for name in f["task_names"] if name not in names]
+        self.task_names = names
+        of_env = [names.index(f["task_names"][t]) for f in facts for t in f["task_of_env"]]
+        self.task_of_env = torch.tensor(of_env, dtype=torch.long)  # long [B] on the CPU
+        self.task_ids = self.task_of_env
+        self.task_ranges = [
+            (int(r[0]), int(r[-1]) + 1)
+            for r in (torch.nonzero(self.task_of_env == t).squeeze(1) for t in range(len(names)))
+        ]
+        self.can_pipeline = all(f["can_pipeline"] for f in facts)
+        self.instructions: tuple[str, ...] = ()
+        self._pending: dict = {}
+        self.sent_bytes = 0  # bytes of actions sent, observations and results received
+        self.wait_s = 0.0  # seconds this process waited for the env workers
+
+    def _parts(self, rows: torch.Tensor | None) -> list[tuple[int, torch.Tensor | None, slice]]:
+        """(worker, its local rows or None for all, the positions in the request) per worker
+        that owns some of ``rows`` (long [n] ascending, or None for every row)."""
+        if rows is None:
+            return [
+                (w, None, slice(lo, hi))
+                for w, (lo, hi) in enumerate(zip(self.bounds, self.bounds[1:]))
+            ]
+        cuts = torch.searchsorted(rows, torch.tensor(self.bounds)).tolist()
+        parts = []
+        for w in range(len(self.workers)):
+            start, stop = cuts[w], cuts[w + 1]
+            if stop > start:
+                parts.append((w, rows[start:stop] - self.bounds[w], slice(start, stop)))
+        return parts
+
+    def reset(self, seed=None) -> Observation:
+        B = self.num_envs
+        seeds = [seed + b for b in range(B)] if isinstance(seed, int) else seed
+        refs = [
+            worker.reset.remote(None if seeds is None else list(seeds[lo:hi]))
+            for worker, lo, hi in zip(self.workers, self.bounds, self.bounds[1:])
+        ]
+        answers = [from_wire(a) for a in self._wait(refs)]
+        instructions: dict[str, str] = {}
+        for w, (_, theirs) in enumerate(answers):
+            local_names = self._local_names(w)
+            for name, text in zip(local_names, theirs):
+                if instructions.setdefault(name, text) != text:
+                    raise ValueError(
+                        f"task {name}: its environments have different instructions; the "
+                        "rollout stores one instruction per task"
+                    )
+        self.instructions = tuple(instructions[name] for name in self.task_names)
+        return Observation.cat([obs for obs, _ in answers])
+
+    def _local_names(self, w: int) -> list[str]:
+        lo, hi = self.bounds[w], self.bounds[w + 1]
+        return list(dict.fromkeys(self.task_names[t] for t in self.task_of_env[lo:hi].tolist()))
+
+    def send(self, actions: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        key = None if rows is None else (int(rows[0]), len(rows))
+        calls = []
+        for w, local, at in self._parts(rows):
+            wired = to_wire(actions[at])
+            self.sent_bytes += wired.array.nbytes
+            calls.append((at, self.workers[w].chunk.remote(wired, to_wire(local))))
+        self._pending.setdefault(key, deque()).append(calls)
+
+    def receive(self, rows: torch.Tensor | None = None) -> ChunkStep:
+        key = None if rows is None else (int(rows[0]), len(rows))
+        calls = self._pending[key].popleft()
+        steps = [from_wire(s) for s in self._wait([ref for _, ref in calls])]
+        return _join_chunks([at.start for at, _ in calls], steps)
+
+    def drop_pending(self) -> None:
+        """Forget the chunks in flight (a worker was lost: the round starts again)."""
+        self._pending.clear()
+
+    def _wait(self, refs: list):
+        t0 = time.perf_counter()
+        answers = _get(refs, "env")
+        self.wait_s += time.perf_counter() - t0
+        return answers
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get([w.close.remote() for w in self.workers], timeout=30)
+        except Exception:  # a dead or hung worker: it is killed with the rest
+            pass
+
+
+def _join_chunks(starts: list[int], steps: list[ChunkStep]) -> ChunkStep:
+    """One ``ChunkStep`` from the parts of a request; ``starts``: each part's first position."""
+    if len(steps) == 1:
+        return steps[0]
+    ended = [s.ended + start for start, s in zip(starts, steps)]
+    finals = [s.final_obs for s in steps if s.final_obs is not None]
+    return ChunkStep(
+        obs=Observation.cat([s.obs for s in steps]),
+        reward=torch.cat([s.reward for s in steps]),
+        terminated=torch.cat([s.terminated for s in steps]),
+        truncated=torch.cat([s.truncated for s in steps]),
+        success=torch.cat([s.success for s in steps]),
+        ended=torch.cat(ended),
+        final_obs=Observation.cat(finals) if finals else None,
+    )
+
+
+class RemoteVecEnv:
+    """The env workers as one ``VecEnv`` (one action per call), for ``evaluate_by_task``."""
+
+    def __init__(self, group: RemoteEnvGroup):
+        self.group = group
+        self.num_envs = group.num_envs
+        self.device = group.device
+        self.spec = group.spec
+        self.names = group.task_names
+        self.task_ranges = group.task_ranges
+
+    def reset(self, *, seed=None, env_ids=None) -> Observation:
+        if env_ids is not None:
+            raise NotImplementedError("evaluation resets every environment")
+        return self.group.reset(seed)
+
+    def step(self, actions: torch.Tensor) -> StepOutput:
+        bounds = self.group.bounds
+        refs = [
+            worker.step.remote(to_wire(actions[lo:hi]))
+            for worker, lo, hi in zip(self.group.workers, bounds, bounds[1:])
+        ]
+        outs = [from_wire(o) for o in self.group._wait(refs)]
+        return outs[0] if len(outs) == 1 else join_steps(outs, bounds[:-1])
+
+    def render(self) -> torch.Tensor | None:
+        frames = self.group._wait([w.render.remote() for w in self.group.workers])
+        if any(f is None for f in frames):
+            return None
+        return torch.cat([from_wire(f) for f in frames])
+
+
+class RemoteInference:
+    """The rollout workers as one ``InferencePolicy``: a batch is split across them by rows."""
+
+    def __init__(self, workers: list, baton: Baton, has_critic: bool):
+        self.workers = workers
+        self.baton = baton
+        self.version = 0
+        self.device = torch.device("cpu")  # the rollout buffers live on the driver's host
+        self.has_critic = has_critic
+        self.wait_s = 0.0
+
+    def _call(self, method: str, obs: Observation, **kw):
+        self.baton.to(self.workers[0])
+        t0 = time.perf_counter()
+        n = len(self.workers)
+        B = obs.batch_size
+        cuts = [B * i // n for i in range(n + 1)]
+        refs = [
+            getattr(worker, method).remote(
+                to_wire(obs.index(slice(lo, hi)) if n > 1 else obs), **kw
+            )
+            for worker, lo, hi in zip(self.workers, cuts, cuts[1:])
+            if hi > lo
+        ]
+        answers = [from_wire(a) for a in _get(refs, "rollout")]
+        self.wait_s += time.perf_counter() - t0
+        return answers
+
+    def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
+        outs = self._call("act", obs, deterministic=deterministic)
+        if len(outs) == 1:
+            return outs[0]
+        return PolicyOutput(
+            actions=torch.cat([o.actions for o in outs]),
+            logprob=torch.cat([o.logprob for o in outs]),
+            value=torch.cat([o.value for o in outs]),
+            extras={k: torch.cat([o.extras[k] for o in outs]) for k in outs[0].extras},
+        )
+
+    def value(self, obs: Observation) -> torch.Tensor:
+        if not self.has_critic:
+            return torch.zeros(obs.batch_size)
+        return torch.cat(self._call("value", obs))
+
+
+class RemoteLearner:
+    """The actor worker as the ``Learner``."""
+
+    def __init__(self, worker, baton: Baton, lr: float):
+        self.worker = worker
+        self.baton = baton
+        self._lr = lr
+        self.device = torch.device("cpu")
+        self.sent_bytes = 0
+
+    def init_normalizer(self, obs: Observation) -> None:
+        _get(self.worker.init_normalizer.remote(to_wire(obs)), "actor")
+
+    def update(self, samples, observations: list[Observation]) -> dict:
+        self.baton.to(self.worker)
+        return _get(self.worker.update.remote(to_wire(samples), to_wire(observations)), "actor")
+
+    def set_lr(self, lr: float) -> None:
+        _get(self.worker.set_lr.remote(lr), "actor")
+        self._lr = lr
+
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    def save(self, run_dir: Path, iteration: int, **kw) -> None:
+        _get(self.worker.save.remote(str(run_dir), iteration, kw), "actor")
+
+
+class RayRoles:
+    """The roles as Ray actors in one placement group; see the module docstring."""
+
+    def __init__(self, cfg, resume: dict | None, run_dir: Path, env_factory=None):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        cluster = cfg.cluster
+        self.started = start_ray(cluster)
+        self.group = None
+        self.events: list[dict] = []
+        try:
+            env_cfgs = split_env(cfg.env, cluster.env.workers)
+            self.group, self.slots = place(cluster)
+
+            def make(cls, slot):
+                role = getattr(cluster, slot.role)
+                custom = {k: v for k, v in slot.resources.items() if k not in ("CPU", "GPU")}
+                actor = ray.remote(cls).options(
+                    num_cpus=role.num_cpus,
+                    num_gpus=role.num_gpus,
+                    resources=custom or None,
+                    max_restarts=-1,  # the runner counts failures in a row itself
+                    max_task_retries=0,  # a lost call is lost: the round is collected again
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.group, placement_group_bundle_index=slot.bundle
+                    ),
+                )
+                return actor
+
+            slots = {
+                role: [s for s in self.slots if s.role == role]
+                for role in ("env", "rollout", "actor")
+            }
+            threads = cfg.runner.torch_threads
+            env_workers = [
+                make(EnvWorker, slot).remote(env_cfg, env_factory, 1)
+                for slot, env_cfg in zip(slots["env"], env_cfgs)
+            ]
+            facts = _get([w.facts.remote() for w in env_workers], "env")
+            self.envs = RemoteEnvGroup(env_workers, facts)
+            self.spec = self.envs.spec
+            device = _device(cfg, cluster.actor.num_gpus)
+            actor = make(ActorWorker, slots["actor"][0]).remote(
+                cfg, self.spec, self.envs.task_of_env.tolist(), device, rng_state()
+            )
+            rollout_device = _device(cfg, cluster.rollout.num_gpus)
+            rollouts = [
+                make(RolloutWorker, slot).remote(cfg.policy, self.spec, rollout_device, threads)
+                for slot in slots["rollout"]
+            ]
+            self.workers = {"env": env_workers, "rollout": rollouts, "actor": [actor]}
+            self.placed = {
+                role: _get([w.where.remote() for w in workers], role)
+                for role, workers in self.workers.items()
+            }
+            self.baton = Baton(None)
+            self.baton.holder = actor  # the actor built the policy: the stream is there now
+            if resume is not None:
+                _get(actor.load.remote(resume), "actor")
+                self.baton.holder = None
+                self.baton.state = self.baton.last = resume["rng"]
+            self.actor = actor
+            self.learner = RemoteLearner(actor, self.baton, cfg.algorithm.learning_rate)
+            has_critic = _get(rollouts[0].has_critic.remote(), "rollout")
+            self.inference = RemoteInference(rollouts, self.baton, has_critic)
+            self.full_sync = True  # the rollout workers hold random weights until the first sync
+            self.heartbeat = {role: time.time() for role in self.workers}
+            self._write_status()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- what the runner calls ----------------------------------------------------------------
+    def sync(self, version: int) -> dict[str, float]:
+        """The actor's weights to every rollout worker through the object store (one copy per
+        node), all of them the first time, then the trainable ones and the buffers that change."""
+        t0 = time.perf_counter()
+        weights, nbytes = self.actor.weights.options(num_returns=2).remote(self.full_sync)
+        _get([w.sync.remote(weights, version) for w in self.inference.workers], "rollout")
+        self.inference.version = version
+        self.full_sync = False
+        now = time.time()
+        self.heartbeat.update({role: now for role in self.workers})
+        self._write_status()
+        return {
+            "cluster/sync_ms": 1000 * (time.perf_counter() - t0),
+            "cluster/sync_bytes": float(_get(nbytes, "actor")),
+        }
+
+    def evaluate(self, **kw) -> dict[str, dict]:
+        """``evaluate_by_task`` through the env and rollout workers; a worker lost midway
+        loses the evaluation, which starts again once the worker is back."""
+        failures = 0
+        while True:
+            try:
+                return evaluate_by_task(RemoteVecEnv(self.envs), self.inference, **kw)
+            except WorkerLost as lost:
+                failures += 1
+                self.recover(lost, failures)
+
+    def rng_state(self) -> dict:
+        state = self.baton.fetch()
+        self.baton.last = state
+        return state
+
+    def recover(self, error: WorkerLost, failures: int) -> None:
+        """Wait for Ray to restart the lost role's workers, then bring them up to date; a role
+        lost more than ``cluster.max_restarts`` times in a row stops the run."""
+        limit = self.cfg.cluster.max_restarts
+        self.events.append({"time": time.time(), "role": error.role, "detail": error.detail})
+        if failures > limit:
+            raise WorkerLost(
+                error.role,
+                f"{error.detail}; {failures} rounds in a row lost (cluster.max_restarts={limit})",
+            )
+        self.envs.drop_pending()
+        for role in ("env", "rollout"):
+            for worker in self.workers[role]:
+                self._wait_alive(role, worker)
+        for worker in self.workers["rollout"]:
+            self.baton.lost(worker)  # a restarted rollout worker's generator is fresh
+        self.full_sync = True
+        self.sync(self.inference.version)
+        self.placed = {
+            role: _get([w.where.remote() for w in workers], role)
+            for role, workers in self.workers.items()
+        }
+        self._write_status()
+
+    def _wait_alive(self, role: str, worker) -> None:
+        import ray
+
+        deadline = time.time() + RESTART_TIMEOUT_S
+        while True:
+            try:
+                ray.get(worker.ping.remote(), timeout=30)
+                return
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                if time.time() > deadline:
+                    raise WorkerLost(
+                        role, f"not back {RESTART_TIMEOUT_S:.0f} s after it was lost"
+                    ) from None
+                time.sleep(0.5)
+
+    def _write_status(self) -> None:
+        """RUN/cluster.json: each worker's role, node, process and resources, each role's last
+        heartbeat, the faults so far (``embodied cluster status RUN`` reads it)."""
+        rows = []
+        for slot in self.slots:
+            placed = self.placed[slot.role][slot.index]
+            rows.append(
+                {
+                    "role": slot.role,
+                    "index": slot.index,
+                    "resources": slot.resources,
+                    **placed,
+                    "heartbeat": self.heartbeat[slot.role],
+                }
+            )
+        status = {
+            "placement": self.cfg.cluster.placement,
+            "cluster": to_dict(self.cfg.cluster),
+            "workers": rows,
+            "events": self.events,
+            "updated": time.time(),
+        }
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / (STATUS_FILE + ".tmp")
+        tmp.write_text(json.dumps(status, indent=2))
+        tmp.replace(self.run_dir / STATUS_FILE)
+
+    def close(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        envs = getattr(self, "envs", None)
+        if envs is not None:
+            envs.close()
+        for workers in getattr(self, "workers", {}).values():
+            for worker in workers:
+                ray.kill(worker)
+        if self.group is not None:
+            ray.util.remove_placement_group(self.group)
+        if self.started:
+            ray.shutdown()
+
+
+def _device(cfg, num_gpus: float) -> str:
+    """A worker's torch device: ``runner.device`` when given, else its GPU if it has one."""
+    if cfg.runner.device != "auto":
+        return cfg.runner.device
+    return "cuda" if num_gpus > 0 else "cpu"

@@ -1,0 +1,209 @@
+"""The worker processes of a cluster run: thin wrappers, as Ray actors, around the same objects the
+embedded run calls (``EnvGroup``, ``InferencePolicy``, ``Learner``). What they return crosses the
+process boundary as numpy arrays (embodied/cluster/wire.py).
+
+A worker that dies is restarted by Ray with the arguments it was made with: an env worker builds
+its environments again (the runner's next reset seeds them), a rollout worker builds its policy
+again and receives the learner's full weights before it acts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from embodied.checkpoint import frozen_keys, rng_state, set_rng_state
+from embodied.cluster.wire import from_wire, to_wire, wire_bytes
+from embodied.env_group import EnvGroup
+from embodied.inference import InferencePolicy
+from embodied.models import build_policy
+from embodied.roles import Learner
+
+
+def where() -> dict:
+    """This worker's node id, process id and accelerator ids (``cluster status`` shows them)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return {
+        "node_id": context.get_node_id(),
+        "pid": os.getpid(),
+        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        "host": os.uname().nodename,
+    }
+
+
+class _Worker:
+    """What every worker answers: where it runs, a liveness ping, the RNG baton."""
+
+    busy_s = 0.0  # seconds spent in calls since the last ``timing()``
+
+    def where(self) -> dict:
+        return where()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def get_rng(self) -> dict:
+        return rng_state()
+
+    def set_rng(self, state: dict) -> None:
+        set_rng_state(state)
+
+    def timing(self) -> float:
+        """Busy seconds since the last call (reset)."""
+        busy = self.busy_s
+        self.busy_s = 0.0
+        return busy
+
+
+class EnvWorker(_Worker):
+    """Environments ``[lo, hi)`` of the run: ``factory(env_cfg)`` (default ``make_env``) behind an
+    ``EnvGroup``. Chunks are executed here: one call per chunk, not per environment step."""
+
+    def __init__(self, env_cfg, factory, torch_threads: int = 1):
+        torch.set_num_threads(torch_threads)
+        if factory is None:
+            from embodied.multitask import make_env
+
+            factory = make_env
+        self.env = factory(env_cfg)
+        self.group = EnvGroup(self.env)
+        self.obs = None  # the latest observation of every environment (evaluation's view)
+
+    def facts(self) -> dict:
+        group = self.group
+        return {
+            "num_envs": group.num_envs,
+            "spec": group.spec,
+            "task_names": group.task_names,
+            "task_of_env": group.task_of_env.tolist(),
+            "device": str(group.device),
+            "can_pipeline": group.can_pipeline,
+            **where(),
+        }
+
+    def reset(self, seeds: list[int] | None):
+        t0 = time.perf_counter()
+        obs = self.group.reset(seed=seeds)
+        self.obs = obs
+        out = to_wire((obs, self.group.instructions))
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+    def chunk(self, actions, rows):
+        """Execute a chunk: actions f32 [n, K, A] for the rows ``rows`` (long [n] local, or None
+        for all) -> ChunkStep."""
+        t0 = time.perf_counter()
+        actions = from_wire(actions, self.group.device).clone()  # the env may write into it
+        rows = from_wire(rows)
+        self.group.send(actions, rows)
+        step = self.group.receive(rows)
+        out = to_wire(step)
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+    # --- the VecEnv view (evaluation steps one action at a time) ------------------------------
+    def step(self, actions):
+        t0 = time.perf_counter()
+        out = self.env.step(from_wire(actions, self.group.device).clone())
+        self.obs = out.obs
+        wired = to_wire(out)
+        self.busy_s += time.perf_counter() - t0
+        return wired
+
+    def render(self):
+        frames = self.env.render()
+        return None if frames is None else to_wire(frames)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class RolloutWorker(_Worker):
+    """An inference copy of the policy at a known weight version, acting on observation batches.
+    It is built from the spec with random weights and acts only after a full sync."""
+
+    def __init__(self, policy_cfg, spec, device: str, torch_threads: int = 1):
+        torch.set_num_threads(torch_threads)
+        self.device = torch.device(device)
+        self.inference = InferencePolicy(build_policy(spec, policy_cfg).to(self.device).eval())
+        self.version = -1  # no weights from the learner yet
+
+    def act(self, obs, deterministic: bool = False):
+        t0 = time.perf_counter()
+        out = self.inference.act(from_wire(obs, self.device), deterministic=deterministic)
+        wired = to_wire(out)
+        self.busy_s += time.perf_counter() - t0
+        return wired
+
+    def value(self, obs):
+        t0 = time.perf_counter()
+        out = to_wire(self.inference.value(from_wire(obs, self.device)))
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+    def sync(self, weights, version: int) -> float:
+        """Load the learner's weights (all of them, or the trainable ones and the buffers that
+        change); returns the seconds it took here."""
+        t0 = time.perf_counter()
+        self.inference.sync(from_wire(weights, self.device), version)
+        self.version = version
+        return time.perf_counter() - t0
+
+    def get_version(self) -> int:
+        return self.version
+
+    def has_critic(self) -> bool:
+        return self.inference.has_critic
+
+
+class ActorWorker(_Worker):
+    """The learner: the algorithm's update, the normaliser, the optimizer, checkpoints."""
+
+    def __init__(self, cfg, spec, task_of_env: list[int], device: str, rng: dict | None):
+        torch.set_num_threads(cfg.runner.torch_threads)
+        if rng is not None:  # the run's generator, as the embedded run has it here
+            set_rng_state(rng)
+        task_ids = torch.tensor(task_of_env, dtype=torch.long)
+        self.learner = Learner(cfg, spec, task_ids, torch.device(device))
+        self.sync_keys = _sync_keys(self.learner.policy)
+
+    def load(self, checkpoint: dict) -> None:
+        self.learner.load(checkpoint)
+
+    def init_normalizer(self, obs) -> None:
+        self.learner.init_normalizer(from_wire(obs, self.learner.device))
+
+    def update(self, samples, observations) -> dict:
+        t0 = time.perf_counter()
+        device = self.learner.device
+        metrics = self.learner.update(from_wire(samples, device), from_wire(observations, device))
+        self.busy_s += time.perf_counter() - t0
+        return metrics
+
+    def set_lr(self, lr: float) -> None:
+        self.learner.set_lr(lr)
+
+    def lr(self) -> float:
+        return self.learner.lr
+
+    def weights(self, full: bool) -> tuple:
+        """(the weights inference needs, their bytes): all of them, or only the trainable
+        parameters and the buffers that change (a frozen backbone is never sent again)."""
+        state = self.learner.policy.state_dict()
+        if not full:
+            state = {k: v for k, v in state.items() if k in self.sync_keys}
+        wired = to_wire(state)
+        return wired, wire_bytes(wired)
+
+    def save(self, run_dir, iteration: int, kw: dict) -> None:
+        self.learner.save(run_dir, iteration, **kw)
+
+
+def _sync_keys(policy: torch.nn.Module) -> set[str]:
+    """State-dict keys that an update can change: every key but the frozen ones (the same split
+    checkpoints make)."""
+    return set(policy.state_dict()) - frozen_keys(policy)

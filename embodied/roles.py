@@ -1,0 +1,195 @@
+"""The roles a run drives, and how one process builds them.
+
+The runner (embodied/runner.py) talks to an environment group (env_group.py), an inference
+policy (inference.py) and a ``Learner`` through ``Roles``. ``local_roles`` builds them in this
+process: inference shares the learner's module, so a weight sync only records the version, and
+the run's random number generator is this process's. ``embodied.cluster.ray_roles`` builds the
+same roles as Ray actors behind the same methods; the runner cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from embodied.algorithm import update
+from embodied.checkpoint import load_policy_checkpoint, rng_state, save_checkpoint, set_rng_state
+from embodied.config import ConfigError
+from embodied.env_group import EnvGroup
+from embodied.evaluate import evaluate_by_task
+from embodied.grpo import GRPO
+from embodied.inference import InferencePolicy
+from embodied.learner import TorchEngine
+from embodied.models import build_policy
+from embodied.ppo import PPO
+from embodied.rollout import Samples
+from embodied.schema import EnvSpec, Observation, UserError
+
+
+class WorkerLost(RuntimeError):
+    """A worker process of a role died (a crash, ``kill -9``, out of memory). What it was doing
+    is lost; the cluster restarts the worker, and the runner collects the round again."""
+
+    def __init__(self, role: str, detail: str):
+        super().__init__(f"{role} worker lost: {detail}")
+        self.role = role
+        self.detail = detail
+
+
+def load_checkpoint_for(path: str, key: str, trainer_state: bool = True) -> dict:
+    """A checkpoint named by config key ``key``; a missing or damaged one is a ``ConfigError``."""
+    try:
+        return load_policy_checkpoint(path, with_trainer_state=trainer_state)
+    except (FileNotFoundError, UserError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def init_policy(cfg, spec: EnvSpec, device) -> torch.nn.Module:
+    """The policy for ``spec``, with weights (and normalization) from ``runner.init_from``."""
+    policy = build_policy(spec, cfg.policy).to(device)
+    if cfg.runner.init_from:
+        state = load_checkpoint_for(cfg.runner.init_from, "runner.init_from", False)["model"]
+        missing, unexpected = policy.load_state_dict(state, strict=False)
+        # a critic may be added (PPO after SFT: fresh value head) or dropped (GRPO); nothing else
+        bad = [k for k in missing + unexpected if not k.startswith("value_mlp.")]
+        if bad:
+            raise ConfigError(
+                f"runner.init_from: {cfg.runner.init_from} does not fit policy "
+                f"{cfg.policy.name!r} (mismatched weights: {bad[:5]})"
+            )
+    return policy
+
+
+def build_algorithm(cfg, spec: EnvSpec, task_of_env: torch.Tensor, policy=None):
+    """PPO or GRPO as ``cfg.algorithm`` says. The runner's copy plans rounds and computes
+    advantages (``policy`` None); the learner's copy scores minibatches (GRPO's KL reference is
+    taken from ``policy``)."""
+    alg = cfg.algorithm
+    if alg.name == "ppo":
+        return PPO(alg, seed=cfg.seed, num_envs=len(task_of_env))
+    return GRPO(
+        alg,
+        seed=cfg.seed,
+        task_of_env=task_of_env,
+        chunk_size=cfg.policy.chunk_size,
+        max_episode_steps=spec.max_episode_steps,
+        policy=policy,
+    )
+
+
+class Learner:
+    """The learner role: epochs of minibatch updates of the algorithm through a ``TrainEngine``,
+    the observation normaliser, the optimizer, checkpoints, and the weights inference copies."""
+
+    def __init__(self, cfg, spec: EnvSpec, task_of_env: torch.Tensor, device):
+        alg = cfg.algorithm
+        self.cfg = cfg
+        # acting in eval mode from the first chunk, as after every update (a transformer's
+        # fast path in eval mode sums in another order than in train mode)
+        self.policy = init_policy(cfg, spec, device).eval()
+        if alg.name == "grpo" and alg.exploration_log_std is not None:
+            log_std = getattr(getattr(self.policy, "head", None), "log_std", None)
+            if log_std is None:
+                raise ConfigError(
+                    "algorithm.exploration_log_std: the policy has no Gaussian head with a log_std"
+                )
+            with torch.no_grad():
+                log_std.fill_(alg.exploration_log_std)
+        if alg.name == "ppo" and not getattr(self.policy, "has_critic", True):
+            raise ConfigError(
+                "algorithm.name: ppo needs a critic; set policy.value_head=true "
+                "(or train with algorithm.name=grpo)"
+            )
+        self.algorithm = build_algorithm(cfg, spec, task_of_env, policy=self.policy)
+        self.engine = TorchEngine(
+            self.policy, learning_rate=alg.learning_rate, max_grad_norm=alg.max_grad_norm
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.policy.parameters()).device
+
+    def init_normalizer(self, obs: Observation) -> None:
+        """Normalisation statistics from the first observations, before anything acts."""
+        self.policy.update_normalizer(obs.map(lambda t: t.to(self.device)))
+
+    def update(self, samples: Samples | None, observations: list[Observation]) -> dict:
+        """The algorithm's epochs over ``samples`` (None or empty: no update), then this
+        iteration's observations folded into the normaliser; returns the update's metrics."""
+        metrics = {}
+        if samples is not None and len(samples):
+            alg = self.cfg.algorithm
+            self.policy.train()
+            self.algorithm.prepare(samples)
+            metrics = update(
+                self.engine,
+                self.algorithm,
+                samples,
+                epochs=alg.update_epochs,
+                num_minibatches=alg.num_minibatches,
+            )
+            self.policy.eval()
+        for obs in observations:
+            self.policy.update_normalizer(obs)
+        return metrics
+
+    def set_lr(self, lr: float) -> None:
+        self.engine.set_lr(lr)
+
+    @property
+    def lr(self) -> float:
+        return self.engine.lr
+
+    def load(self, checkpoint: dict) -> None:
+        """Weights and optimizer state of a resumed run, at the configured learning rate (a
+        forced resume may have changed it)."""
+        self.engine.load_state_dict(checkpoint)
+        self.engine.set_lr(self.cfg.algorithm.learning_rate)
+
+    def save(self, run_dir: Path, iteration: int, **kw) -> None:
+        """``save_checkpoint`` of the policy and optimizer (``kw``: counters, meta, rng, keep,
+        protect)."""
+        save_checkpoint(
+            run_dir, iteration, model=self.policy, optimizer=self.engine.optimizer, **kw
+        )
+
+
+class Roles:
+    """The roles of one run in this process: the environment group, inference sharing the
+    learner's module, the learner. The cluster's ``RayRoles`` has the same methods."""
+
+    def __init__(self, cfg, env, resume: dict | None = None):
+        self.envs = EnvGroup(env)
+        self.spec: EnvSpec = env.spec
+        device = env.device if cfg.runner.device == "auto" else torch.device(cfg.runner.device)
+        self.learner = Learner(cfg, env.spec, self.envs.task_of_env, device)
+        self.inference = InferencePolicy(self.learner.policy)
+        if resume is not None:
+            self.learner.load(resume)
+            set_rng_state(resume["rng"])
+
+    def sync(self, version: int) -> dict[str, float]:
+        """The learner's weights to inference (shared here: only the version); sync metrics."""
+        self.inference.sync(None, version)
+        return {}
+
+    def evaluate(self, **kw) -> dict[str, dict]:
+        """``evaluate_by_task`` of the inference policy on the environment group's envs."""
+        return evaluate_by_task(self.envs.env, self.inference.policy, **kw)
+
+    def rng_state(self) -> dict:
+        """The run's random number generators, as a checkpoint stores them."""
+        return rng_state()
+
+    def recover(self, error: WorkerLost, failures: int) -> None:
+        """Replace the lost worker (``failures``: how many rounds in a row were lost). Nothing
+        runs in another process here, so nothing is lost that could be replaced."""
+        raise error
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+def local_roles(cfg, env, resume: dict | None = None) -> Roles:
+    return Roles(cfg, env, resume)

@@ -1,0 +1,336 @@
+"""The roles on a local Ray (2 CPUs): the same numbers as the embedded run, placement checked
+before anything starts, workers killed with SIGKILL mid-rollout and replaced, resume.
+
+One Ray instance serves the module (started as ``embodied train`` starts one); each run places
+its own workers and removes them at its end.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from scripted_envs import GRPO, PushRightEnv, push_right_envs, run_on
+
+from embodied.cluster.config import ClusterConfig, RoleConfig
+from embodied.cluster.roles import RemoteEnvGroup, RemoteInference, RemoteLearner
+from embodied.config import load_config
+from embodied.runner import TrainConfig, train
+
+ray = pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "env.num_envs=2",
+    "env.num_workers=1",
+    "algorithm.num_steps=8",
+    "algorithm.update_epochs=2",
+    "algorithm.num_minibatches=2",
+    "algorithm.anneal_lr=false",
+    "policy.hidden_sizes=[32,32]",
+    "runner.eval_every=0",
+    "runner.eval_episodes=2",
+    "runner.final_eval_episodes=2",
+    "runner.save_every=1",
+    "runner.progress=false",
+    "runner.video=false",
+    f"runner.total_env_steps={3 * 2 * 8}",
+]
+# one worker per role on 2 CPUs: the env worker's simulator runs in its own subprocess
+ON_RAY = ["cluster.enabled=true", "cluster.rollout.num_cpus=0.5", "cluster.actor.num_cpus=0.5"]
+CLUSTER = dict(enabled=True, rollout=dict(num_cpus=0.5), actor=dict(num_cpus=0.5))
+TIMING = ("time/", "cluster/", "eval/policy_ms", "eval/env_steps_per_s")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    from embodied.cluster.roles import start_ray
+
+    start_ray(ClusterConfig(num_cpus=2))
+    yield
+    ray.shutdown()
+
+
+def pushcube(tmp_path, name, extra=()):
+    overrides = [*TINY, f"runner.output_dir={tmp_path}", f"runner.name={name}", *extra]
+    return load_config(TrainConfig, ROOT / "configs/maniskill/pushcube_ppo.yaml", overrides)[0]
+
+
+def rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def untimed(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if not k.startswith(TIMING) and k != "minutes"}
+
+
+def assert_same_numbers(a: list[dict], b: list[dict]) -> None:
+    """Row by row, every metric but timings equal to 1e-6 (relative)."""
+    assert len(a) == len(b)
+    for row_a, row_b in zip(a, b):
+        keys = {k for k in row_a if not k.startswith(TIMING)}
+        assert keys == {k for k in row_b if not k.startswith(TIMING)}
+        for key in keys:
+            assert row_a[key] == pytest.approx(row_b[key], rel=1e-6, abs=1e-9), key
+
+
+def block_ray(monkeypatch) -> None:
+    """From here on, ``import ray`` (or any of its modules) fails in this process."""
+    for name in [n for n in sys.modules if n == "ray" or n.startswith("ray.")] + ["ray"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_ppo_on_pushcube_gives_the_embedded_numbers(tmp_path, monkeypatch, request):
+    with monkeypatch.context() as blocked:
+        block_ray(blocked)  # the embedded run never imports Ray
+        embedded = train(pushcube(tmp_path, "embedded"))
+    request.getfixturevalue("local_ray")  # (started after: its log thread imports Ray modules)
+    on_ray = train(pushcube(tmp_path, "ray", ON_RAY))
+    losses = [r["policy/loss"] for r in rows(tmp_path / "ray") if "policy/loss" in r]
+    assert len(losses) == 3
+    assert_same_numbers(rows(tmp_path / "embedded"), rows(tmp_path / "ray"))
+    assert untimed(on_ray["final"]) == untimed(embedded["final"])
+    status = json.loads((tmp_path / "ray" / "cluster.json").read_text())
+    assert sorted(w["role"] for w in status["workers"]) == ["actor", "env", "rollout"]
+    # the sync sends the trainable weights and the normaliser: the MLP has no frozen part
+    synced = [r["cluster/sync_bytes"] for r in rows(tmp_path / "ray") if "cluster/sync_bytes" in r]
+    assert synced and all(b > 0 for b in synced)
+
+    # a Ray run resumes from its own checkpoint to the same numbers (the generator included)
+    checkpoint = tmp_path / "ray" / "checkpoints" / "iter_000002"
+    train(pushcube(tmp_path, "ray", [*ON_RAY, f"runner.resume={checkpoint}"]))
+    assert_same_numbers(rows(tmp_path / "embedded"), rows(tmp_path / "ray"))
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread here, as in the workers (runner.torch_threads): the same sums."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_grpo_on_two_env_workers_gives_the_embedded_numbers(local_ray, tmp_path, one_thread):
+    """Each env worker holds half the environments; seeds go by rows, so nothing changes."""
+    steps = 8 * 3 * 4
+    torch.manual_seed(0)
+    embedded = run_on(PushRightEnv(8), tmp_path / "embedded", total_env_steps=steps)
+    torch.manual_seed(0)
+    cluster = {**CLUSTER, "env": dict(workers=2, num_cpus=0.5)}
+    on_ray = run_on(
+        None, tmp_path / "ray", total_env_steps=steps, cluster=cluster, env_factory=push_right_envs
+    )
+    assert len([r for r in rows(tmp_path / "ray") if "policy/loss" in r]) >= 2
+    assert_same_numbers(rows(tmp_path / "embedded"), rows(tmp_path / "ray"))
+    assert untimed(on_ray["final"]) == untimed(embedded["final"])
+    status = json.loads((tmp_path / "ray" / "cluster.json").read_text())
+    envs = [w for w in status["workers"] if w["role"] == "env"]
+    assert len(envs) == 2 and envs[0]["pid"] != envs[1]["pid"]
+
+
+class Killer:
+    """SIGKILL a role's worker process on the ``at``-th call of ``method`` on its proxy (the
+    driver's side), then let the call go on: the worker dies mid-rollout, as in a segfault."""
+
+    def __init__(self, proxy: type, method: str, at: int):
+        self.at = at
+        self.calls = 0
+        self.killed = []
+        original = getattr(proxy, method)
+        killer = self
+
+        def wrapped(proxy_self, *args, **kw):
+            killer.calls += 1
+            if killer.calls == killer.at:
+                pid = ray.get(proxy_self.workers[0].ping.remote())
+                os.kill(pid, signal.SIGKILL)
+                killer.killed.append(pid)
+            return original(proxy_self, *args, **kw)
+
+        self.wrapped = wrapped
+
+
+class Recorder:
+    """Keeps what the learner is sent (the batches of every update)."""
+
+    def __init__(self):
+        self.samples = []
+        self.original = RemoteLearner.update
+        recorder = self
+
+        def update(learner_self, samples, observations):
+            recorder.samples.append(samples)
+            return recorder.original(learner_self, samples, observations)
+
+        self.update = update
+
+
+def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_again(
+    local_ray, tmp_path, monkeypatch
+):
+    # GRPO evaluates before RL (6 policy calls), then collects one round of 3 chunks per
+    # iteration: the env worker dies in iteration 2's second chunk, the rollout worker in
+    # iteration 3's second chunk (the 5th act after 6 + 3 + 3 + 3 of evaluation and rounds)
+    env_killer = Killer(RemoteEnvGroup, "send", 3 + 2)
+    rollout_killer = Killer(RemoteInference, "act", 6 + 3 + 3 + 3 + 2)
+    recorder = Recorder()
+    monkeypatch.setattr(RemoteEnvGroup, "send", env_killer.wrapped)
+    monkeypatch.setattr(RemoteInference, "act", rollout_killer.wrapped)
+    monkeypatch.setattr(RemoteLearner, "update", recorder.update)
+    iterations = 4
+    summary = run_on(
+        None,
+        tmp_path / "ray",
+        total_env_steps=8 * 3 * iterations,
+        cluster=CLUSTER,
+        env_factory=push_right_envs,
+        algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
+    )
+    assert len(env_killer.killed) == 1 and len(rollout_killer.killed) == 1
+    table = rows(tmp_path / "ray")
+    discarded = [
+        (r["iteration"], r["cluster/discarded_rounds"])
+        for r in table
+        if "cluster/discarded_rounds" in r
+    ]
+    assert discarded == [(2, 1), (3, 2)]
+    # the run went on: every iteration updated, and the final evaluation ran
+    assert len([r for r in table if "policy/loss" in r]) == iterations
+    assert summary["final"]["eval/episodes"] == 16
+    assert summary["env_steps"] == 8 * 3 * iterations  # the lost rounds are not counted
+    status = json.loads((tmp_path / "ray" / "cluster.json").read_text())
+    assert [e["role"] for e in status["events"]] == ["env", "rollout"]
+    pids = {w["role"]: w["pid"] for w in status["workers"]}
+    assert pids["env"] != env_killer.killed[0] and pids["rollout"] != rollout_killer.killed[0]
+    # no transition of a lost partial round in any batch: every episode of every batch starts
+    # at its reset (the test task's state is the step index) and runs its 3 steps in order
+    assert len(recorder.samples) == iterations
+    for samples in recorder.samples:
+        state = samples.obs.state.view(3, 8)  # [T, B]: each round's chunks, time-major
+        assert torch.equal(state, torch.arange(3.0)[:, None].expand(3, 8))
+    # one episode per environment and round: nothing of the lost rounds was counted
+    counts = [r["episode/count"] for r in table if "episode/count" in r]
+    assert counts == [8.0] * iterations
+
+
+def test_an_impossible_placement_is_one_line_before_any_worker_starts(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "embodied.cli",
+        "train",
+        str(ROOT / "configs/maniskill/pushcube_ppo.yaml"),
+        *TINY,
+        f"runner.output_dir={tmp_path}",
+        *ON_RAY,
+        "cluster.actor.num_gpus=3",
+        "cluster.num_cpus=2",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("embodied: error:")]
+    assert errors == [
+        "embodied: error: cluster.actor: 1 actor worker(s) ask for 3 GPU, and the Ray cluster "
+        "has 0 GPU (1 node(s))"
+    ]
+    assert not (tmp_path / "pushcube_ppo" / "cluster.json").exists()  # no worker was made
+
+
+def slots_of(**roles):
+    from embodied.cluster.placement import plan_slots
+
+    cfg = ClusterConfig(enabled=True, **{k: RoleConfig(**v) for k, v in roles.items()})
+    return cfg, plan_slots(cfg)
+
+
+@pytest.mark.parametrize(
+    "roles, nodes, placement, error",
+    [
+        # the whole request: the first role whose share does not fit is named
+        (
+            dict(env=dict(workers=4, num_cpus=1)),
+            [{"CPU": 2.0}],
+            "collocated",
+            "cluster.env: 4 env worker(s) ask for 4 CPU, and the Ray cluster has 2 CPU",
+        ),
+        (
+            dict(rollout=dict(num_gpus=1), actor=dict(num_gpus=0.5)),
+            [{"CPU": 8.0, "GPU": 1.0}],
+            "collocated",
+            "cluster.actor: 1 actor worker(s) ask for 0.5 GPU beside 1 for the roles before it",
+        ),
+        # enough in all, but no node holds one worker's bundle
+        (
+            dict(actor=dict(num_cpus=4)),
+            [{"CPU": 3.0}, {"CPU": 3.0}],
+            "disaggregated",
+            "cluster.actor: one actor worker asks for 4 CPU and no node of the Ray cluster has",
+        ),
+        # every bundle fits somewhere, but collocated wants them on one node
+        (
+            dict(env=dict(num_cpus=1.5), rollout=dict(num_cpus=1), actor=dict(num_cpus=1)),
+            [{"CPU": 2.0}, {"CPU": 2.0}],
+            "collocated",
+            "cluster.placement: collocated puts every worker on one node",
+        ),
+        (
+            dict(env=dict(resources={"sim": 1})),
+            [{"CPU": 4.0}],
+            "hybrid",
+            "cluster.env: 1 env worker(s) ask for 1 sim, and the Ray cluster has 0 sim",
+        ),
+    ],
+)
+def test_a_placement_that_cannot_fit_names_the_role_and_the_resource(
+    roles, nodes, placement, error
+):
+    from embodied.cluster.placement import check_fits
+    from embodied.config import ConfigError
+
+    cfg, slots = slots_of(**roles)
+    cfg.placement = placement
+    with pytest.raises(ConfigError) as raised:
+        check_fits(cfg, slots, nodes)
+    assert str(raised.value).startswith(error)
+
+
+def test_a_placement_that_fits_passes_and_gives_one_bundle_per_worker():
+    from embodied.cluster.placement import check_fits
+
+    cfg, slots = slots_of(
+        env=dict(workers=2, num_cpus=1), rollout=dict(num_gpus=0.5), actor=dict(num_gpus=0.5)
+    )
+    check_fits(cfg, slots, [{"CPU": 4.0, "GPU": 1.0}])
+    assert [(s.role, s.index, s.bundle) for s in slots] == [
+        ("env", 0, 0),
+        ("env", 1, 1),
+        ("rollout", 0, 2),
+        ("actor", 0, 3),
+    ]
+    assert slots[2].resources == {"CPU": 1.0, "GPU": 0.5}
+
+
+def test_env_configs_split_by_rows_and_tasks():
+    from embodied.cluster.roles import split_env
+    from embodied.config import ConfigError
+    from embodied.simulators.maniskill import ManiSkillConfig
+
+    one = ManiSkillConfig(num_envs=8, num_workers=4)
+    assert [(c.num_envs, c.num_workers) for c in split_env(one, 2)] == [(4, 2), (4, 2)]
+    three = ManiSkillConfig(tasks=["A", "B", "C"], num_envs=12, num_workers=3)
+    parts = split_env(three, 3)
+    assert [(c.tasks, c.num_envs) for c in parts] == [(["A"], 4), (["B"], 4), (["C"], 4)]
+    parts = split_env(three, 6)
+    assert [(c.task, c.tasks, c.num_envs) for c in parts] == [
+        (t, [], 2) for t in ("A", "A", "B", "B", "C", "C")
+    ]
+    with pytest.raises(ConfigError, match="cluster.env.workers: 3 env workers cannot share"):
+        split_env(one, 3)
+    with pytest.raises(ConfigError, match="cannot share 3 tasks of 4"):
+        split_env(three, 2)
