@@ -77,6 +77,15 @@ class EnvGroup:
         self.instructions = instructions
         return obs
 
+    def stage_split(self, stages: int, chunk_size: int) -> list[tuple[torch.Tensor | None, slice]]:
+        """The rows of each pipeline stage, as (long [n] CPU index, the same rows as a slice);
+        [(None, all)] for lockstep. Stage s holds envs s, s + S, ...: every worker holds some of
+        each stage, so it always has the next stage's request queued when it finishes one. Only
+        environments that step subsets asynchronously pipeline, one action at a time."""
+        if stages <= 1 or not self.can_pipeline or chunk_size != 1:
+            return [(None, slice(None))]
+        return strided_stages(self.num_envs, stages)
+
     # --- chunks ---------------------------------------------------------------------------------
     def send(self, actions: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Start a chunk: actions f32 [n, K, A] for all environments or for ``rows`` (long [n],
@@ -129,6 +138,12 @@ class EnvGroup:
 
     def close(self) -> None:
         self.env.close()
+
+
+def strided_stages(num_envs: int, stages: int) -> list[tuple[torch.Tensor, slice]]:
+    """Stage s holds environments s, s + S, ... (as a CPU index and as a strided slice)."""
+    split = [(torch.arange(s, num_envs, stages), slice(s, None, stages)) for s in range(stages)]
+    return [(rows, at) for rows, at in split if len(rows)]
 
 
 def _chunk_of(step, n: int) -> ChunkStep:

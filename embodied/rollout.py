@@ -284,25 +284,22 @@ def collect(
     stats: EpisodeStats,
     *,
     stages: int = 1,
+    chunk_size: int = 1,
     should_stop: Callable[[], bool] | None = None,
 ) -> tuple[RolloutBatch, Observation]:
     """Collect ``plan.num_chunks`` chunks from ``obs`` (the group's observation after its reset).
     Returns (RolloutBatch, the observation after it). ``stages`` > 1 pipelines: the environments
-    are split into that many groups and the policy acts for one while the others simulate
-    (environment groups that can step subsets, chunks of one action); otherwise lockstep.
+    are split into that many groups and the policy acts for one while the others simulate, where
+    the environment group can split chunks of ``chunk_size`` actions so (``stage_split``);
+    otherwise lockstep.
     ``should_stop`` is asked before every chunk; when it says so, ``Interrupted`` is raised."""
     T = plan.num_chunks
     B = envs.num_envs
     device = policy.device
-    split = stages > 1 and envs.can_pipeline
-    # stage s holds envs s, s + S, ...: every worker holds some of each stage, so it always has
-    # the next stage's request queued when it finishes one. A stage's rows are a strided slice
-    # of the buffers (views: plain copies, no index gathers) and a CPU index for the environments
-    if split:
-        stage_list = [(torch.arange(s, B, stages), slice(s, None, stages)) for s in range(stages)]
-        stage_list = [(rows, at) for rows, at in stage_list if len(rows)]
-    else:
-        stage_list = [(None, slice(None))]
+    # each stage: its rows (a CPU index for the environments, None: all) and the same rows as a
+    # slice of the buffers (views: plain copies, no index gathers)
+    stage_list = envs.stage_split(stages, chunk_size)
+    split = stage_list[0][0] is not None
     env_index = torch.arange(B, device=device)
     episode_count = torch.zeros(B, dtype=torch.long, device=device)  # episodes ended so far
     group_of_env = plan.group_of_env.to(device)

@@ -254,8 +254,8 @@ class Runner:
                     f"{alg.group_size} within their task and are not trained on"
                 )
         self.steps_per_round = B * K * chunks_per_round
-        # pipelined collection steps one action at a time: chunks of K > 1 collect in lockstep
-        self.stages = cfg.runner.pipeline_stages if K == 1 else 1
+        # the environment group says whether it can pipeline chunks of K (stage_split)
+        self.stages = cfg.runner.pipeline_stages
         self.counters = {
             "iteration": 0,
             "env_steps": 0,
@@ -437,6 +437,7 @@ class Runner:
                     plan,
                     stats,
                     stages=self.stages,
+                    chunk_size=self.cfg.policy.chunk_size,
                     should_stop=lambda: self.stop.requested,
                 )
                 return batch

@@ -288,6 +288,7 @@ def run_on(
     algorithm=GRPO,
     cluster: dict | None = None,
     env_factory=None,
+    pipeline_stages: int = 1,
 ) -> dict:
     """The runner over ``env`` with a config written here (16 evaluation episodes, no video);
     returns its summary. The metrics are in ``run_dir/metrics.jsonl``. With ``cluster`` (the
@@ -307,6 +308,7 @@ def run_on(
         "save_every": 0,
         "progress": False,
         "video": False,
+        "pipeline_stages": pipeline_stages,
     }
     source = {"seed": 0, "policy": policy, "algorithm": algorithm, "runner": runner}
     if cluster is not None:

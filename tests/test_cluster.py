@@ -133,28 +133,6 @@ def test_grpo_on_two_env_workers_gives_the_embedded_numbers(local_ray, tmp_path,
     assert len(envs) == 2 and envs[0]["pid"] != envs[1]["pid"]
 
 
-class Killer:
-    """SIGKILL a role's worker process on the ``at``-th call of ``method`` on its proxy (the
-    driver's side), then let the call go on: the worker dies mid-rollout, as in a segfault."""
-
-    def __init__(self, proxy: type, method: str, at: int):
-        self.at = at
-        self.calls = 0
-        self.killed = []
-        original = getattr(proxy, method)
-        killer = self
-
-        def wrapped(proxy_self, *args, **kw):
-            killer.calls += 1
-            if killer.calls == killer.at:
-                pid = ray.get(proxy_self.workers[0].ping.remote())
-                os.kill(pid, signal.SIGKILL)
-                killer.killed.append(pid)
-            return original(proxy_self, *args, **kw)
-
-        self.wrapped = wrapped
-
-
 class Recorder:
     """Keeps what the learner is sent (the batches of every update)."""
 
@@ -170,28 +148,53 @@ class Recorder:
         self.update = update
 
 
+class Killer:
+    """SIGKILL a role's first worker process on the ``nth`` call of ``method`` on its proxy (the
+    driver's side) after ``updates`` updates, then let the call go on: the worker dies
+    mid-rollout, as in a segfault."""
+
+    def __init__(self, proxy: type, method: str, recorder: Recorder, updates: int, nth: int):
+        self.killed = []
+        self.staged = []  # per call: whether it was for one stage's rows
+        original = getattr(proxy, method)
+        calls = []
+
+        def wrapped(proxy_self, *args, **kw):
+            self.staged.append(len(args) > 1 and args[1] is not None)
+            if len(recorder.samples) == updates:
+                calls.append(1)
+                if len(calls) == nth:
+                    pid = ray.get(proxy_self.workers[0].ping.remote())
+                    os.kill(pid, signal.SIGKILL)
+                    self.killed.append(pid)
+            return original(proxy_self, *args, **kw)
+
+        self.wrapped = wrapped
+
+
 def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_again(
     local_ray, tmp_path, monkeypatch
 ):
-    # GRPO evaluates before RL (6 policy calls), then collects one round of 3 chunks per
-    # iteration: the env worker dies in iteration 2's second chunk, the rollout worker in
-    # iteration 3's second chunk (the 5th act after 6 + 3 + 3 + 3 of evaluation and rounds)
-    env_killer = Killer(RemoteEnvGroup, "send", 3 + 2)
-    rollout_killer = Killer(RemoteInference, "act", 6 + 3 + 3 + 3 + 2)
+    """Two env workers, pipelined (each a stage): env worker 0 dies in the second iteration's
+    second chunk, the rollout worker in the third iteration's second chunk."""
     recorder = Recorder()
+    env_killer = Killer(RemoteEnvGroup, "send", recorder, updates=1, nth=3)
+    rollout_killer = Killer(RemoteInference, "act", recorder, updates=2, nth=3)
+    monkeypatch.setattr(RemoteLearner, "update", recorder.update)
     monkeypatch.setattr(RemoteEnvGroup, "send", env_killer.wrapped)
     monkeypatch.setattr(RemoteInference, "act", rollout_killer.wrapped)
-    monkeypatch.setattr(RemoteLearner, "update", recorder.update)
     iterations = 4
     summary = run_on(
         None,
         tmp_path / "ray",
         total_env_steps=8 * 3 * iterations,
-        cluster=CLUSTER,
+        cluster={**CLUSTER, "env": dict(workers=2, num_cpus=0.5)},
         env_factory=push_right_envs,
         algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
+        pipeline_stages=2,
     )
     assert len(env_killer.killed) == 1 and len(rollout_killer.killed) == 1
+    assert all(env_killer.staged)  # each chunk went to one worker's stage while the other ran
     table = rows(tmp_path / "ray")
     discarded = [
         (r["iteration"], r["cluster/discarded_rounds"])
@@ -205,8 +208,9 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     assert summary["env_steps"] == 8 * 3 * iterations  # the lost rounds are not counted
     status = json.loads((tmp_path / "ray" / "cluster.json").read_text())
     assert [e["role"] for e in status["events"]] == ["env", "rollout"]
-    pids = {w["role"]: w["pid"] for w in status["workers"]}
-    assert pids["env"] != env_killer.killed[0] and pids["rollout"] != rollout_killer.killed[0]
+    pids = {(w["role"], w["index"]): w["pid"] for w in status["workers"]}
+    assert pids[("env", 0)] != env_killer.killed[0]
+    assert pids[("rollout", 0)] != rollout_killer.killed[0]
     # no transition of a lost partial round in any batch: every episode of every batch starts
     # at its reset (the test task's state is the step index) and runs its 3 steps in order
     assert len(recorder.samples) == iterations

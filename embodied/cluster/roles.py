@@ -33,7 +33,7 @@ from embodied.cluster.placement import place
 from embodied.cluster.wire import from_wire, to_wire
 from embodied.cluster.workers import ActorWorker, EnvWorker, RolloutWorker
 from embodied.config import ConfigError, to_dict
-from embodied.env_group import ChunkStep
+from embodied.env_group import ChunkStep, strided_stages
 from embodied.evaluate import evaluate_by_task
 from embodied.multitask import join_steps
 from embodied.roles import WorkerLost
@@ -189,9 +189,26 @@ class RemoteEnvGroup:
         parts = []
         for w in range(len(self.workers)):
             start, stop = cuts[w], cuts[w + 1]
-            if stop > start:
-                parts.append((w, rows[start:stop] - self.bounds[w], slice(start, stop)))
+            if stop == start:
+                continue
+            whole = stop - start == self.bounds[w + 1] - self.bounds[w]
+            local = None if whole else rows[start:stop] - self.bounds[w]
+            parts.append((w, local, slice(start, stop)))
         return parts
+
+    def stage_split(self, stages: int, chunk_size: int) -> list[tuple[torch.Tensor | None, slice]]:
+        """Pipeline stages of whole env workers when their count divides into ``stages`` (a
+        worker runs a chunk of any length while the rollout workers act for another stage);
+        else strided rows where every worker's environments step subsets (chunks of one action);
+        else lockstep."""
+        W = len(self.workers)
+        if stages > 1 and W >= stages and W % stages == 0:
+            per = W // stages
+            blocks = [(self.bounds[s * per], self.bounds[(s + 1) * per]) for s in range(stages)]
+            return [(torch.arange(lo, hi), slice(lo, hi)) for lo, hi in blocks]
+        if stages <= 1 or not self.can_pipeline or chunk_size != 1:
+            return [(None, slice(None))]
+        return strided_stages(self.num_envs, stages)
 
     def reset(self, seed=None) -> Observation:
         B = self.num_envs
