@@ -178,6 +178,11 @@ class Roles:
         """``evaluate_by_task`` of the inference policy on the environment group's envs."""
         return evaluate_by_task(self.envs.env, self.inference.policy, **kw)
 
+    def metrics(self) -> tuple[dict[str, float], list[tuple]]:
+        """Per-role timing since the last call, and the spans of the roles' calls: nothing here
+        (one process: the runner's own timings say it all)."""
+        return {}, []
+
     def rng_state(self) -> dict:
         """The run's random number generators, as a checkpoint stores them."""
         return rng_state()

@@ -97,6 +97,7 @@ RESUME_FREE = (
     "runner.save_every",
     "runner.keep_checkpoints",
     "runner.video",
+    "runner.trace",
     "env.num_workers",  # environments are seeded per episode: the worker layout changes nothing
     "env.step_timeout_s",
 )
@@ -173,3 +174,29 @@ class Clock:
 def bar_interval() -> float:
     """Progress-bar refresh: live on a terminal, a line every 30 s into a log file."""
     return 0.1 if sys.stderr.isatty() else 30.0
+
+
+def write_trace(path: Path, spans: list[tuple[str, str, int, float, float]]) -> None:
+    """A Chrome/Perfetto trace (chrome://tracing, ui.perfetto.dev) of ``spans``: (what, role,
+    worker index, start, end), times in seconds since the epoch; one process row per role, one
+    thread row per worker."""
+    roles = list(dict.fromkeys(role for _, role, _, _, _ in spans))
+    origin = min(start for _, _, _, start, _ in spans)
+    events = [
+        {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": role}}
+        for pid, role in enumerate(roles)
+    ]
+    events += [
+        {
+            "name": name,
+            "ph": "X",
+            "pid": roles.index(role),
+            "tid": worker,
+            "ts": 1e6 * (start - origin),
+            "dur": 1e6 * (end - start),
+        }
+        for name, role, worker, start, end in spans
+    ]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    tmp.replace(path)

@@ -50,6 +50,7 @@ from embodied.run import (
     bar_interval,
     check_resume,
     trim_metrics,
+    write_trace,
 )
 from embodied.schema import SimulatorConfig
 from embodied.simulators.maniskill import ManiSkillConfig
@@ -80,6 +81,7 @@ class RunnerConfig:
     torch_threads: int = 1  # intra-op threads for the policy (the simulators use the other cores)
     pipeline_stages: int = 1  # > 1: the policy acts for one group of envs while others simulate
     progress: bool = True  # show a progress bar
+    trace: bool = False  # RUN/trace.json: a Chrome/Perfetto trace of an iteration (the second)
 
     def validate(self) -> None:
         if self.total_env_steps < 1:
@@ -333,6 +335,7 @@ class Runner:
             self.end_counters = json.loads(json.dumps(counters))
         clock = Clock(counters["train_seconds"], run.max_minutes)
         budget = run.total_env_steps
+        self.first_iteration = counters["iteration"] + 1
         for iteration in itertools.count(counters["iteration"] + 1):
             if counters["env_steps"] >= budget or clock.out_of_time:
                 break  # (a run resumed after its last iteration goes straight to its evaluation)
@@ -352,6 +355,12 @@ class Runner:
             update_time = time.time() - t1
             counters["policy_version"] += 1
             metrics.update(self.roles.sync(counters["policy_version"]))
+            role_metrics, spans = self.roles.metrics()
+            metrics.update(role_metrics)
+            if run.trace and iteration - self.first_iteration < 2:  # the second overwrites
+                spans.append(("collect", "runner", 0, t0, t0 + rollout_time))
+                spans.append(("update", "runner", 0, t1, t1 + update_time))
+                write_trace(self.run_dir / "trace.json", spans)
             # 3. log
             counters["iteration"] = iteration
             counters["train_seconds"] = clock.seconds
@@ -471,6 +480,9 @@ class Runner:
             postfix["succ"] = f"{metrics['episode/success_once']:.2f}"
         if "grpo/kept_groups" in metrics:
             postfix["kept"] = f"{metrics['grpo/kept_groups']:.0f}"
+        if "cluster/env_idle" in metrics:  # how busy each role's busiest worker was
+            busy = [1 - metrics[f"cluster/{role}_idle"] for role in ("env", "rollout", "actor")]
+            postfix["busy"] = "env {:.0%} roll {:.0%} act {:.0%}".format(*busy)
         return {**postfix, **clock.left()}
 
     # --- consistent points --------------------------------------------------------------------

@@ -89,7 +89,7 @@ def test_ppo_on_pushcube_gives_the_embedded_numbers(tmp_path, monkeypatch, reque
         block_ray(blocked)  # the embedded run never imports Ray
         embedded = train(pushcube(tmp_path, "embedded"))
     request.getfixturevalue("local_ray")  # (started after: its log thread imports Ray modules)
-    on_ray = train(pushcube(tmp_path, "ray", ON_RAY))
+    on_ray = train(pushcube(tmp_path, "ray", [*ON_RAY, "runner.trace=true"]))
     losses = [r["policy/loss"] for r in rows(tmp_path / "ray") if "policy/loss" in r]
     assert len(losses) == 3
     assert_same_numbers(rows(tmp_path / "embedded"), rows(tmp_path / "ray"))
@@ -99,6 +99,21 @@ def test_ppo_on_pushcube_gives_the_embedded_numbers(tmp_path, monkeypatch, reque
     # the sync sends the trainable weights and the normaliser: the MLP has no frozen part
     synced = [r["cluster/sync_bytes"] for r in rows(tmp_path / "ray") if "cluster/sync_bytes" in r]
     assert synced and all(b > 0 for b in synced)
+    # per iteration and role: busy time, idle share; per rollout step: bytes and waits
+    training = [r for r in rows(tmp_path / "ray") if "policy/loss" in r]
+    for row in training:
+        for role in ("env", "rollout", "actor"):
+            assert row[f"cluster/{role}_busy_s"] > 0
+            assert 0 <= row[f"cluster/{role}_idle"] <= 1
+        # a step sends 2 x 8 actions (f32) and 2 observations to the rollout worker, and more
+        assert row["cluster/env_bytes_per_step"] > 2 * 8 * 4
+        assert row["cluster/rollout_bytes_per_step"] > 0
+    # the trace of the second iteration: which role did what, when
+    trace = json.loads((tmp_path / "ray" / "trace.json").read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in trace if e["ph"] == "M"}
+    assert names == {"env", "rollout", "actor", "runner"}
+    spans = {e["name"] for e in trace if e["ph"] == "X"}
+    assert {"chunk", "act", "update", "collect"} <= spans
 
     # a Ray run resumes from its own checkpoint to the same numbers (the generator included)
     checkpoint = tmp_path / "ray" / "checkpoints" / "iter_000002"

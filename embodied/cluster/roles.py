@@ -30,7 +30,7 @@ import torch
 from embodied.checkpoint import rng_state
 from embodied.cluster.config import ClusterConfig
 from embodied.cluster.placement import place
-from embodied.cluster.wire import from_wire, to_wire
+from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.cluster.workers import ActorWorker, EnvWorker, RolloutWorker
 from embodied.config import ConfigError, to_dict
 from embodied.env_group import ChunkStep, strided_stages
@@ -150,6 +150,21 @@ class Baton:
             self.state = self.last
 
 
+class Traffic:
+    """What crossed between this process and a role's workers since the last ``take``."""
+
+    def __init__(self):
+        self.wait_s = 0.0  # seconds this process waited for answers
+        self.bytes = 0  # bytes of the arrays sent and received
+        self.rows = 0  # environment rows answered
+
+    def take(self) -> tuple[float, int, int]:
+        """(seconds waited, bytes, rows), then zeros."""
+        out = (self.wait_s, self.bytes, self.rows)
+        self.__init__()
+        return out
+
+
 class RemoteEnvGroup:
     """The env workers seen as one ``EnvGroup``: rows in worker order, tasks by name."""
 
@@ -174,8 +189,7 @@ class RemoteEnvGroup:
         self.can_pipeline = all(f["can_pipeline"] for f in facts)
         self.instructions: tuple[str, ...] = ()
         self._pending: dict = {}
-        self.sent_bytes = 0  # bytes of actions sent, observations and results received
-        self.wait_s = 0.0  # seconds this process waited for the env workers
+        self.traffic = Traffic()
 
     def _parts(self, rows: torch.Tensor | None) -> list[tuple[int, torch.Tensor | None, slice]]:
         """(worker, its local rows or None for all, the positions in the request) per worker
@@ -239,14 +253,17 @@ class RemoteEnvGroup:
         calls = []
         for w, local, at in self._parts(rows):
             wired = to_wire(actions[at])
-            self.sent_bytes += wired.array.nbytes
+            self.traffic.bytes += wire_bytes(wired)
             calls.append((at, self.workers[w].chunk.remote(wired, to_wire(local))))
         self._pending.setdefault(key, deque()).append(calls)
 
     def receive(self, rows: torch.Tensor | None = None) -> ChunkStep:
         key = None if rows is None else (int(rows[0]), len(rows))
         calls = self._pending[key].popleft()
-        steps = [from_wire(s) for s in self._wait([ref for _, ref in calls])]
+        answers = self._wait([ref for _, ref in calls])
+        self.traffic.bytes += wire_bytes(answers)
+        self.traffic.rows += self.num_envs if rows is None else len(rows)
+        steps = [from_wire(s) for s in answers]
         return _join_chunks([at.start for at, _ in calls], steps)
 
     def drop_pending(self) -> None:
@@ -256,7 +273,7 @@ class RemoteEnvGroup:
     def _wait(self, refs: list):
         t0 = time.perf_counter()
         answers = _get(refs, "env")
-        self.wait_s += time.perf_counter() - t0
+        self.traffic.wait_s += time.perf_counter() - t0
         return answers
 
     def close(self) -> None:
@@ -326,7 +343,7 @@ class RemoteInference:
         self.version = 0
         self.device = torch.device("cpu")  # the rollout buffers live on the driver's host
         self.has_critic = has_critic
-        self.wait_s = 0.0
+        self.traffic = Traffic()
 
     def _call(self, method: str, obs: Observation, **kw):
         self.baton.to(self.workers[0])
@@ -334,16 +351,17 @@ class RemoteInference:
         n = len(self.workers)
         B = obs.batch_size
         cuts = [B * i // n for i in range(n + 1)]
-        refs = [
-            getattr(worker, method).remote(
-                to_wire(obs.index(slice(lo, hi)) if n > 1 else obs), **kw
-            )
+        parts = [
+            (worker, to_wire(obs.index(slice(lo, hi)) if n > 1 else obs))
             for worker, lo, hi in zip(self.workers, cuts, cuts[1:])
             if hi > lo
         ]
-        answers = [from_wire(a) for a in _get(refs, "rollout")]
-        self.wait_s += time.perf_counter() - t0
-        return answers
+        refs = [getattr(worker, method).remote(wired, **kw) for worker, wired in parts]
+        answers = _get(refs, "rollout")
+        self.traffic.wait_s += time.perf_counter() - t0
+        self.traffic.bytes += wire_bytes([wired for _, wired in parts]) + wire_bytes(answers)
+        self.traffic.rows += B
+        return [from_wire(a) for a in answers]
 
     def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
         outs = self._call("act", obs, deterministic=deterministic)
@@ -370,7 +388,6 @@ class RemoteLearner:
         self.baton = baton
         self._lr = lr
         self.device = torch.device("cpu")
-        self.sent_bytes = 0
 
     def init_normalizer(self, obs: Observation) -> None:
         _get(self.worker.init_normalizer.remote(to_wire(obs)), "actor")
@@ -461,6 +478,7 @@ class RayRoles:
             self.inference = RemoteInference(rollouts, self.baton, has_critic)
             self.full_sync = True  # the rollout workers hold random weights until the first sync
             self.heartbeat = {role: time.time() for role in self.workers}
+            self.since = time.time()  # the start of the window metrics() reports on
             self._write_status()
         except BaseException:
             self.close()
@@ -489,10 +507,38 @@ class RayRoles:
         failures = 0
         while True:
             try:
-                return evaluate_by_task(RemoteVecEnv(self.envs), self.inference, **kw)
+                results = evaluate_by_task(RemoteVecEnv(self.envs), self.inference, **kw)
+                break
             except WorkerLost as lost:
                 failures += 1
                 self.recover(lost, failures)
+        self.metrics()  # the next iteration's window starts here: evaluation is not in it
+        return results
+
+    def metrics(self) -> tuple[dict[str, float], list[tuple]]:
+        """Since the last call (an iteration): per role its workers' busy seconds (the busiest
+        worker's) and idle share; per rollout step (B environment rows) the bytes that crossed
+        to and from the env and rollout workers and the milliseconds this process waited for
+        each. Also every worker call's span (name, role, worker, start, end) for a trace."""
+        now = time.time()
+        wall = max(now - self.since, 1e-9)
+        self.since = now
+        out: dict[str, float] = {}
+        spans: list[tuple] = []
+        for role, workers in self.workers.items():
+            answers = _get([w.timing.remote() for w in workers], role)
+            busy = max(b for b, _ in answers)
+            out[f"cluster/{role}_busy_s"] = busy
+            out[f"cluster/{role}_idle"] = max(0.0, 1.0 - busy / wall)
+            for index, (_, calls) in enumerate(answers):
+                spans += [(name, role, index, start, end) for name, start, end in calls]
+        B = self.envs.num_envs
+        for role, proxy in (("env", self.envs), ("rollout", self.inference)):
+            wait_s, nbytes, rows = proxy.traffic.take()
+            steps = max(rows / B, 1e-9)
+            out[f"cluster/{role}_bytes_per_step"] = nbytes / steps
+            out[f"cluster/{role}_wait_ms_per_step"] = 1000 * wait_s / steps
+        return out, spans
 
     def rng_state(self) -> dict:
         state = self.baton.fetch()

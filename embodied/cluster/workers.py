@@ -9,6 +9,7 @@ again and receives the learner's full weights before it acts.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -35,10 +36,28 @@ def where() -> dict:
     }
 
 
+def timed(method):
+    """Count a call's seconds as the worker's busy time, and keep its span (wall clock, for
+    ``runner.trace``)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kw):
+        start = time.time()
+        try:
+            return method(self, *args, **kw)
+        finally:
+            end = time.time()
+            self.busy_s += end - start
+            self.spans.append((method.__name__, start, end))
+
+    return call
+
+
 class _Worker:
-    """What every worker answers: where it runs, a liveness ping, the RNG baton."""
+    """What every worker answers: where it runs, a liveness ping, the RNG baton, its timing."""
 
     busy_s = 0.0  # seconds spent in calls since the last ``timing()``
+    spans: list  # (method, start, end) since the last ``timing()``
 
     def where(self) -> dict:
         return where()
@@ -52,11 +71,12 @@ class _Worker:
     def set_rng(self, state: dict) -> None:
         set_rng_state(state)
 
-    def timing(self) -> float:
-        """Busy seconds since the last call (reset)."""
-        busy = self.busy_s
+    def timing(self) -> tuple[float, list]:
+        """(busy seconds, the calls' spans) since the last call."""
+        busy, spans = self.busy_s, self.spans
         self.busy_s = 0.0
-        return busy
+        self.spans = []
+        return busy, spans
 
 
 class EnvWorker(_Worker):
@@ -64,6 +84,7 @@ class EnvWorker(_Worker):
     ``EnvGroup``. Chunks are executed here: one call per chunk, not per environment step."""
 
     def __init__(self, env_cfg, factory, torch_threads: int = 1):
+        self.spans = []
         torch.set_num_threads(torch_threads)
         if factory is None:
             from embodied.multitask import make_env
@@ -71,7 +92,6 @@ class EnvWorker(_Worker):
             factory = make_env
         self.env = factory(env_cfg)
         self.group = EnvGroup(self.env)
-        self.obs = None  # the latest observation of every environment (evaluation's view)
 
     def facts(self) -> dict:
         group = self.group
@@ -85,34 +105,24 @@ class EnvWorker(_Worker):
             **where(),
         }
 
+    @timed
     def reset(self, seeds: list[int] | None):
-        t0 = time.perf_counter()
         obs = self.group.reset(seed=seeds)
-        self.obs = obs
-        out = to_wire((obs, self.group.instructions))
-        self.busy_s += time.perf_counter() - t0
-        return out
+        return to_wire((obs, self.group.instructions))
 
+    @timed
     def chunk(self, actions, rows):
         """Execute a chunk: actions f32 [n, K, A] for the rows ``rows`` (long [n] local, or None
         for all) -> ChunkStep."""
-        t0 = time.perf_counter()
         actions = from_wire(actions, self.group.device).clone()  # the env may write into it
         rows = from_wire(rows)
         self.group.send(actions, rows)
-        step = self.group.receive(rows)
-        out = to_wire(step)
-        self.busy_s += time.perf_counter() - t0
-        return out
+        return to_wire(self.group.receive(rows))
 
     # --- the VecEnv view (evaluation steps one action at a time) ------------------------------
+    @timed
     def step(self, actions):
-        t0 = time.perf_counter()
-        out = self.env.step(from_wire(actions, self.group.device).clone())
-        self.obs = out.obs
-        wired = to_wire(out)
-        self.busy_s += time.perf_counter() - t0
-        return wired
+        return to_wire(self.env.step(from_wire(actions, self.group.device).clone()))
 
     def render(self):
         frames = self.env.render()
@@ -127,24 +137,21 @@ class RolloutWorker(_Worker):
     It is built from the spec with random weights and acts only after a full sync."""
 
     def __init__(self, policy_cfg, spec, device: str, torch_threads: int = 1):
+        self.spans = []
         torch.set_num_threads(torch_threads)
         self.device = torch.device(device)
         self.inference = InferencePolicy(build_policy(spec, policy_cfg).to(self.device).eval())
         self.version = -1  # no weights from the learner yet
 
+    @timed
     def act(self, obs, deterministic: bool = False):
-        t0 = time.perf_counter()
-        out = self.inference.act(from_wire(obs, self.device), deterministic=deterministic)
-        wired = to_wire(out)
-        self.busy_s += time.perf_counter() - t0
-        return wired
+        return to_wire(self.inference.act(from_wire(obs, self.device), deterministic=deterministic))
 
+    @timed
     def value(self, obs):
-        t0 = time.perf_counter()
-        out = to_wire(self.inference.value(from_wire(obs, self.device)))
-        self.busy_s += time.perf_counter() - t0
-        return out
+        return to_wire(self.inference.value(from_wire(obs, self.device)))
 
+    @timed
     def sync(self, weights, version: int) -> float:
         """Load the learner's weights (all of them, or the trainable ones and the buffers that
         change); returns the seconds it took here."""
@@ -164,6 +171,7 @@ class ActorWorker(_Worker):
     """The learner: the algorithm's update, the normaliser, the optimizer, checkpoints."""
 
     def __init__(self, cfg, spec, task_of_env: list[int], device: str, rng: dict | None):
+        self.spans = []
         torch.set_num_threads(cfg.runner.torch_threads)
         if rng is not None:  # the run's generator, as the embedded run has it here
             set_rng_state(rng)
@@ -174,14 +182,14 @@ class ActorWorker(_Worker):
     def load(self, checkpoint: dict) -> None:
         self.learner.load(checkpoint)
 
+    @timed
     def init_normalizer(self, obs) -> None:
         self.learner.init_normalizer(from_wire(obs, self.learner.device))
 
+    @timed
     def update(self, samples, observations) -> dict:
-        t0 = time.perf_counter()
         device = self.learner.device
         metrics = self.learner.update(from_wire(samples, device), from_wire(observations, device))
-        self.busy_s += time.perf_counter() - t0
         return metrics
 
     def set_lr(self, lr: float) -> None:
@@ -190,6 +198,7 @@ class ActorWorker(_Worker):
     def lr(self) -> float:
         return self.learner.lr
 
+    @timed
     def weights(self, full: bool) -> tuple:
         """(the weights inference needs, their bytes): all of them, or only the trainable
         parameters and the buffers that change (a frozen backbone is never sent again)."""
@@ -199,6 +208,7 @@ class ActorWorker(_Worker):
         wired = to_wire(state)
         return wired, wire_bytes(wired)
 
+    @timed
     def save(self, run_dir, iteration: int, kw: dict) -> None:
         self.learner.save(run_dir, iteration, **kw)
 
