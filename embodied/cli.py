@@ -1,4 +1,4 @@
-"""``embodied`` command line: train, eval, demos, sft, bench, serve, deploy.
+"""``embodied`` command line: train, eval, demos, sft, bench, serve, deploy, cluster.
 
 A user error (a bad config key, path, task, checkpoint or option) is one line on stderr,
 ``embodied: error: <what, naming the culprit>``, and exit code 2: ``ConfigError``,
@@ -371,7 +371,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--robot.joint-offsets", dest="joint_offsets", help="radians, 6 comma-separated values"
     )
     y.set_defaults(func=cmd_deploy)
+    c = sub.add_parser(
+        "cluster",
+        help="what a cluster run's roles run on",
+        description="status RUN: each worker's role, node, host, process, GPUs, resources and "
+        "last heartbeat, and the faults so far (from RUN/cluster.json).",
+    )
+    c.add_argument("action", choices=["status"])
+    c.add_argument("run", help="a run directory, e.g. runs/multitask_vla_grpo")
+    c.set_defaults(func=cmd_cluster)
     return p
+
+
+def cmd_cluster(args) -> int:
+    from embodied.cluster.status import format_status, read_status
+
+    print(format_status(read_status(args.run)))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -259,6 +259,14 @@ CASES = [
         ["deploy", "{goal}", "--robot", "so101", "--robot.port", "/dev/ttyACM0"],
         ["simulator-only inputs", "policy.use_privileged=false"],
     ),
+    # the cluster block (checked before Ray starts) and cluster status
+    (["train", M, "cluster.placement=everywhere"], ["cluster.placement", "'everywhere'"]),
+    (["train", M, "cluster.env.workers=0"], ["cluster.env.workers", "must be >= 1"]),
+    (["train", M, "cluster.rollout.num_gpus=1.5"], ["cluster.rollout.num_gpus", "whole"]),
+    (["train", M, "cluster.actor.resources.sim=-1"], ["cluster.actor.resources", "sim"]),
+    (["cluster", "status", f"{R}/nowhere"], ["nowhere", "no such run directory"]),
+    (["cluster", "status", "{run}"], ["no cluster.json", "not a cluster run"]),
+    (["cluster", "stop", "{run}"], ["'stop'"]),
     # the command line itself
     (["frobnicate"], ["'frobnicate'"]),
     (["train"], ["config"]),

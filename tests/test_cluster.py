@@ -16,6 +16,7 @@ import pytest
 import torch
 from scripted_envs import GRPO, PushRightEnv, push_right_envs, run_on
 
+from embodied.cli import main
 from embodied.cluster.config import ClusterConfig, RoleConfig
 from embodied.cluster.roles import RemoteEnvGroup, RemoteInference, RemoteLearner
 from embodied.config import load_config
@@ -188,7 +189,7 @@ class Killer:
 
 
 def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_again(
-    local_ray, tmp_path, monkeypatch
+    local_ray, tmp_path, monkeypatch, capsys
 ):
     """Two env workers, pipelined (each a stage): env worker 0 dies in the second iteration's
     second chunk, the rollout worker in the third iteration's second chunk."""
@@ -226,6 +227,19 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     pids = {(w["role"], w["index"]): w["pid"] for w in status["workers"]}
     assert pids[("env", 0)] != env_killer.killed[0]
     assert pids[("rollout", 0)] != rollout_killer.killed[0]
+    # `embodied cluster status` shows each worker and the faults
+    capsys.readouterr()  # (what the run printed)
+    assert main(["cluster", "status", str(tmp_path / "ray")]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[0].startswith("placement collocated, run ended")
+    assert [line.split()[:2] for line in shown[2:6]] == [
+        ["env", "0"],
+        ["env", "1"],
+        ["rollout", "0"],
+        ["actor", "0"],
+    ]
+    assert shown[6] == "faults: 2"
+    assert "env worker lost" in shown[7] and "rollout worker lost" in shown[8]
     # no transition of a lost partial round in any batch: every episode of every batch starts
     # at its reset (the test task's state is the step index) and runs its 3 steps in order
     assert len(recorder.samples) == iterations

@@ -30,6 +30,7 @@ import torch
 from embodied.checkpoint import rng_state
 from embodied.cluster.config import ClusterConfig
 from embodied.cluster.placement import place
+from embodied.cluster.status import STATUS_FILE
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.cluster.workers import ActorWorker, EnvWorker, RolloutWorker
 from embodied.config import ConfigError, to_dict
@@ -42,7 +43,6 @@ from embodied.schema import Observation, PolicyOutput, StepOutput
 RESTART_TIMEOUT_S = 300.0  # how long a lost worker may take to come back
 # environment variables the workers need as the driver has them (hub access, renderers)
 PASSED_ENV = ("HF_HUB_OFFLINE", "MUJOCO_GL", "PYOPENGL_PLATFORM", "LIBERO_CONFIG_PATH")
-STATUS_FILE = "cluster.json"
 
 
 def start_ray(cfg: ClusterConfig) -> bool:
@@ -420,6 +420,7 @@ class RayRoles:
         cluster = cfg.cluster
         self.started = start_ray(cluster)
         self.group = None
+        self.ended = None  # when close() took the workers down
         self.events: list[dict] = []
         try:
             env_cfgs = split_env(cfg.env, cluster.env.workers)
@@ -600,6 +601,7 @@ class RayRoles:
                 }
             )
         status = {
+            "ended": self.ended,
             "placement": self.cfg.cluster.placement,
             "cluster": to_dict(self.cfg.cluster),
             "workers": rows,
@@ -619,6 +621,9 @@ class RayRoles:
         envs = getattr(self, "envs", None)
         if envs is not None:
             envs.close()
+        if getattr(self, "placed", None) is not None:
+            self.ended = time.time()
+            self._write_status()
         for workers in getattr(self, "workers", {}).values():
             for worker in workers:
                 ray.kill(worker)
