@@ -1,0 +1,248 @@
+"""Rollout scaling: env steps/s of the rollout loop by environment-worker count, embedded vs Ray,
+and pipelined vs sequential collection on Ray.
+
+Side by side in one run (every configuration is built once and the measurements alternate, so
+the shared machine's drift hits them alike; the median over repeats is reported):
+  embedded W   one process, the simulators in W subprocess workers (``env.num_workers: W``)
+  ray W        the roles on a local Ray: W env workers (each with one simulator subprocess), a
+               rollout worker, an actor worker (``cluster.env.workers: W``)
+  ideal        W times the 1-worker rate of the same kind
+Each measurement is one collection round of the PPO config (no update), from a seeded reset.
+
+``--vla``: the multi-task VLA (EfficientNet-Lite0 + MiniLM, chunks of 4) on rgb, 2 tasks x 4
+environments, on Ray with 2 env workers (one task each), collected in lockstep and with 2
+pipeline stages (a worker simulates its chunk while the rollout worker acts for the other); then
+one sequential round's busy seconds per role (what pipelining can hide is the smaller of them).
+
+    python benchmarks/scaling.py [--workers 1 2] [--repeats 5] [--png docs/scaling.png]
+    python benchmarks/scaling.py --vla [--repeats 3] [config overrides]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE = [
+    "env.num_envs=8",
+    "algorithm.num_steps=50",
+    "runner.progress=false",
+    "cluster.rollout.num_cpus=0.5",
+    "cluster.actor.num_cpus=0.5",
+]
+VLA = [
+    "env.tasks=[PushCube-v1,PullCube-v1]",
+    "env.num_envs=8",
+    "env.num_workers=2",
+    "algorithm.group_size=2",
+    "runner.init_from=null",
+    "policy.vision_pretrained=true",
+    "cluster.env.workers=2",
+    "cluster.env.num_cpus=0.5",
+    "cluster.rollout.num_cpus=0.5",
+    "cluster.actor.num_cpus=0.5",
+]
+
+
+def config(path: str, overrides: list[str]):
+    from embodied.config import load_config
+    from embodied.runner import TrainConfig
+
+    return load_config(TrainConfig, ROOT / path, overrides)[0]
+
+
+def build(cfg, on_ray: bool):
+    """The run's roles, as ``train`` builds them (no run directory needed)."""
+    from embodied.multitask import make_env
+    from embodied.roles import local_roles
+
+    torch.manual_seed(cfg.seed)
+    if not on_ray:
+        return local_roles(cfg, make_env(cfg.env))
+    from embodied.cluster import ray_roles
+
+    out = Path("/tmp") / f"embodied-scaling-{os.getpid()}-{time.monotonic_ns()}"
+    return ray_roles(cfg, None, out)
+
+
+def round_rate(cfg, roles, stages: int = 1) -> float:
+    """Env steps/s of one collection round (seeded reset excluded)."""
+    from embodied.roles import build_algorithm
+    from embodied.rollout import EpisodeStats, collect
+
+    envs = roles.envs
+    algorithm = build_algorithm(cfg, roles.spec, envs.task_of_env)
+    plan = algorithm.plan(1, 0, 0)
+    stats = EpisodeStats(envs.num_envs, envs.task_names, roles.inference.device)
+    obs = envs.reset(seed=plan.seeds)
+    K = cfg.policy.chunk_size
+    t0 = time.perf_counter()
+    collect(envs, roles.inference, obs, plan, stats, stages=stages, chunk_size=K)
+    seconds = time.perf_counter() - t0
+    return envs.num_envs * K * plan.num_chunks / seconds
+
+
+def hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    return f"{os.cpu_count()} cores, {cpu}, torch {torch.__version__}"
+
+
+def measure(cases: dict, repeats: int) -> dict[str, list[float]]:
+    """Alternate the cases (name -> (cfg, roles, stages)) for ``repeats`` rounds each."""
+    for cfg, roles, stages in cases.values():  # warm up: first resets, first weights
+        roles.sync(0)
+        round_rate(cfg, roles, stages)
+    rates: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(repeats):
+        for name, (cfg, roles, stages) in cases.items():
+            rates[name].append(round_rate(cfg, roles, stages))
+        print(
+            f"repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()),
+            flush=True,
+        )
+    return rates
+
+
+def scaling(args) -> dict:
+    from embodied.cluster.config import ClusterConfig
+    from embodied.cluster.roles import start_ray
+
+    start_ray(ClusterConfig(num_cpus=8))  # logical CPUs: every configuration is placed at once
+    cases = {}
+    built = []
+    try:
+        for w in args.workers:
+            base = [*STATE, f"env.num_workers={w}"]
+            cfg = config("configs/maniskill/pushcube_ppo.yaml", base)
+            built.append(build(cfg, on_ray=False))
+            cases[f"embedded {w}"] = (cfg, built[-1], 1)
+            cfg = config(
+                "configs/maniskill/pushcube_ppo.yaml",
+                [
+                    *base,
+                    "cluster.enabled=true",
+                    f"cluster.env.workers={w}",
+                    "cluster.env.num_cpus=0.5",
+                ],
+            )
+            built.append(build(cfg, on_ray=True))
+            cases[f"ray {w}"] = (cfg, built[-1], 1)
+        rates = measure(cases, args.repeats)
+    finally:
+        for roles in built:
+            roles.close()
+    median = {k: statistics.median(v) for k, v in rates.items()}
+    first = args.workers[0]
+    rows = []
+    for w in args.workers:
+        e = median[f"embedded {w}"]
+        r = median[f"ray {w}"]
+        rows.append(
+            {
+                "workers": w,
+                "embedded": e,
+                "ray": r,
+                "ideal_embedded": median[f"embedded {first}"] * w / first,
+                "ideal_ray": median[f"ray {first}"] * w / first,
+                "ray_overhead": 1 - r / e,
+            }
+        )
+    print("\nPushCube state, 8 envs, rounds of 50 steps, lockstep; " + hardware())
+    print("| env workers | embedded steps/s | Ray steps/s | Ray overhead | ideal (embedded) |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['workers']} | {row['embedded']:.0f} | {row['ray']:.0f} | "
+            f"{100 * row['ray_overhead']:.0f}% | {row['ideal_embedded']:.0f} |"
+        )
+    if args.png:
+        plot(rows, Path(args.png))
+    return {"rows": rows, "rates": rates, "hardware": hardware()}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workers = [r["workers"] for r in rows]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(workers, [r["embedded"] for r in rows], "o-", label="embedded (subprocess workers)")
+    ax.plot(workers, [r["ray"] for r in rows], "s-", label="Ray env workers")
+    ax.plot(workers, [r["ideal_embedded"] for r in rows], "k--", label="ideal")
+    ax.set_xlabel("environment workers")
+    ax.set_ylabel("env steps/s (rollout, lockstep)")
+    ax.set_xticks(workers)
+    ax.set_title(f"PushCube state, 8 envs; {os.cpu_count()} cores")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def pipelining(args) -> dict:
+    from embodied.cluster.config import ClusterConfig
+    from embodied.cluster.roles import start_ray
+
+    start_ray(ClusterConfig(num_cpus=8))
+    overrides = [*VLA, "cluster.enabled=true", *args.overrides]
+    cfg = config("configs/maniskill/multitask_vla_grpo.yaml", overrides)
+    roles = build(cfg, on_ray=True)
+    try:
+        rates = measure({"sequential": (cfg, roles, 1), "pipelined": (cfg, roles, 2)}, args.repeats)
+        roles.metrics()
+        round_rate(cfg, roles, 1)  # one sequential round: where its time goes
+        busy, _ = roles.metrics()
+    finally:
+        roles.close()
+    print(
+        f"one sequential round: env workers busy {busy['cluster/env_busy_s']:.2f} s (the "
+        f"busier), rollout worker {busy['cluster/rollout_busy_s']:.2f} s"
+    )
+    median = {k: statistics.median(v) for k, v in rates.items()}
+    speedup = median["pipelined"] / median["sequential"]
+    print(
+        f"\nVLA rgb 128 px, 2 tasks x 4 envs, chunks of 4, 2 env workers on Ray; {hardware()}\n"
+        f"sequential {median['sequential']:.1f} steps/s, pipelined (2 stages) "
+        f"{median['pipelined']:.1f} steps/s: {speedup:.2f}x"
+    )
+    return {
+        "median": median,
+        "speedup": speedup,
+        "rates": rates,
+        "busy": busy,
+        "hardware": hardware(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--png", help="write the scaling plot here")
+    ap.add_argument("--vla", action="store_true", help="pipelined vs sequential, VLA on rgb")
+    ap.add_argument("--json", help="write the numbers here")
+    ap.add_argument("overrides", nargs="*", help="config overrides for the --vla run")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+    result = pipelining(args) if args.vla else scaling(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
