@@ -170,16 +170,7 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.runner.init_from:
         load_checkpoint_for(cfg.runner.init_from, "runner.init_from", trainer_state=False)
     check_tasks(cfg.env)
-    if resume is not None:
-        done = resume["counters"]["iteration"]
-        trim_metrics(run_dir, done)  # rows logged past the checkpoint go
-        abandoned = drop_checkpoints_after(run_dir, done)
-        if abandoned:
-            print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
-    elif cfg.runner.overwrite:
-        _clear_run(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    # the roles first: a simulator or a placement that fails leaves no run directory behind
     torch.manual_seed(cfg.seed)
     if cfg.cluster.enabled:
         from embodied.cluster import ray_roles  # Ray is imported for cluster runs only
@@ -193,12 +184,32 @@ def train(cfg: TrainConfig) -> dict:
             env.close()
             raise
     try:
+        if resume is not None:
+            done = resume["counters"]["iteration"]
+            trim_metrics(run_dir, done)  # rows logged past the checkpoint go
+            abandoned = drop_checkpoints_after(run_dir, done)
+            if abandoned:
+                print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
+        elif cfg.runner.overwrite:
+            _clear_run(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
         return Runner(cfg, roles, run_dir, resume).run()
     finally:
         roles.close()
 
 
-RUN_FILES = ("metrics.jsonl", "metrics.json", "checkpoints", "tb", "last", "best", "videos")
+RUN_FILES = (
+    "metrics.jsonl",
+    "metrics.json",
+    "checkpoints",
+    "tb",
+    "last",
+    "best",
+    "videos",
+    "cluster.json",
+    "trace.json",
+)
 
 
 def _run_dir_of(checkpoint: Path, given: str) -> Path:

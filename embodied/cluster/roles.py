@@ -480,7 +480,6 @@ class RayRoles:
             self.full_sync = True  # the rollout workers hold random weights until the first sync
             self.heartbeat = {role: time.time() for role in self.workers}
             self.since = time.time()  # the start of the window metrics() reports on
-            self._write_status()
         except BaseException:
             self.close()
             raise
@@ -608,7 +607,6 @@ class RayRoles:
             "events": self.events,
             "updated": time.time(),
         }
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.run_dir / (STATUS_FILE + ".tmp")
         tmp.write_text(json.dumps(status, indent=2))
         tmp.replace(self.run_dir / STATUS_FILE)
@@ -621,7 +619,7 @@ class RayRoles:
         envs = getattr(self, "envs", None)
         if envs is not None:
             envs.close()
-        if getattr(self, "placed", None) is not None:
+        if (self.run_dir / STATUS_FILE).exists():  # (written at the run's first weight sync)
             self.ended = time.time()
             self._write_status()
         for workers in getattr(self, "workers", {}).values():
