@@ -31,16 +31,28 @@ def ppo_policy_loss(
     clip_low: float,
     clip_high: float | None = None,
     mask: torch.Tensor | None = None,
+    prox_logprob: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-ratio PPO surrogate (Schulman et al. 2017), asymmetric clip allowed (DAPO's
     clip-higher): ratio is clipped to [1 - clip_low, 1 + clip_high]. logprob, old_logprob and
-    advantages share one shape (f32 [N] per chunk, [N, K] per action, [N, K, A] per token)."""
+    advantages share one shape (f32 [N] per chunk, [N, K] per action, [N, K, A] per token).
+
+    ``prox_logprob`` (decoupled PPO, Hilton et al. 2022, for data from older weights): the
+    ratio is taken to the proximal policy (the weights the update started from) and clipped
+    there, and every term is weighted by pi_prox / pi_old (no gradient), old being the
+    behaviour policy that collected the data. Without it the proximal policy is the behaviour
+    policy (weight 1): the standard surrogate."""
     clip_high = clip_low if clip_high is None else clip_high
-    log_ratio = logprob - old_logprob
+    anchor = old_logprob if prox_logprob is None else prox_logprob
+    log_ratio = logprob - anchor
     ratio = log_ratio.exp()
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = masked_mean(torch.max(pg_loss1, pg_loss2), mask)
+    surrogate = torch.max(pg_loss1, pg_loss2)
+    if prox_logprob is not None:
+        behaviour_weight = (prox_logprob - old_logprob).detach().exp()
+        surrogate = behaviour_weight * surrogate
+    loss = masked_mean(surrogate, mask)
     with torch.no_grad():
         clipped = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
         metrics = {
@@ -49,6 +61,8 @@ def ppo_policy_loss(
             "policy/approx_kl": approx_kl(log_ratio=log_ratio, mask=mask),
             "policy/ratio_mean": masked_mean(ratio, mask),
         }
+        if prox_logprob is not None:
+            metrics["policy/behaviour_weight"] = masked_mean(behaviour_weight, mask)
     return loss, metrics
 
 

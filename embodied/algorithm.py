@@ -53,6 +53,21 @@ def broadcast(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return advantages.view(-1, *([1] * (like.dim() - 1))).expand_as(like)
 
 
+@torch.no_grad()
+def proximal_logprob(
+    learner: TrainEngine, samples: Samples, *, level: str, num_minibatches: int
+) -> torch.Tensor:
+    """The samples' log-probabilities at ``level`` under the learner's current weights (the
+    update's proximal policy), in minibatch-sized pieces."""
+    size = max(1, len(samples) // num_minibatches)
+    parts = []
+    for start in range(0, len(samples), size):
+        rows_host = torch.arange(start, min(len(samples), start + size))
+        piece = samples.index(rows_host.to(samples.advantages.device), rows_host)
+        parts.append(learner.logprob(piece, level)[0])
+    return torch.cat(parts)
+
+
 def update(
     learner: TrainEngine,
     algorithm: Algorithm,

@@ -203,6 +203,7 @@ class GRPO:
             clip_low=cfg.clip_coef,
             clip_high=cfg.clip_coef_high,
             mask=mask,
+            prox_logprob=minibatch.prox_logprob,
         )
         if minibatch.ref_logprob is not None:
             kl, kl_metrics = kl_penalty(

@@ -116,6 +116,7 @@ class PPO:
             clip_low=cfg.clip_coef,
             clip_high=cfg.clip_coef_high,
             mask=minibatch.mask(level),
+            prox_logprob=minibatch.prox_logprob,
         )
         v_loss, v_metrics = value_loss(
             values=value,

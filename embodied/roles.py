@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from embodied.algorithm import update
+from embodied.algorithm import proximal_logprob, update
 from embodied.checkpoint import load_policy_checkpoint, rng_state, save_checkpoint, set_rng_state
 from embodied.config import ConfigError
 from embodied.env_group import EnvGroup
@@ -78,6 +78,16 @@ def build_algorithm(cfg, spec: EnvSpec, task_of_env: torch.Tensor, policy=None):
     )
 
 
+class Done:
+    """An update that has run: ``result()`` is its metrics."""
+
+    def __init__(self, value: dict):
+        self.value = value
+
+    def result(self) -> dict:
+        return self.value
+
+
 class Learner:
     """The learner role: epochs of minibatch updates of the algorithm through a ``TrainEngine``,
     the observation normaliser, the optimizer, checkpoints, and the weights inference copies."""
@@ -122,6 +132,13 @@ class Learner:
             alg = self.cfg.algorithm
             self.policy.train()
             self.algorithm.prepare(samples)
+            if self.cfg.cluster.max_staleness > 0:  # data from older weights: decoupled PPO
+                samples.prox_logprob = proximal_logprob(
+                    self.engine,
+                    samples,
+                    level=alg.logprob_level,
+                    num_minibatches=alg.num_minibatches,
+                )
             metrics = update(
                 self.engine,
                 self.algorithm,
@@ -133,6 +150,10 @@ class Learner:
         for obs in observations:
             self.policy.update_normalizer(obs)
         return metrics
+
+    def start_update(self, samples: Samples | None, observations: list[Observation]) -> Done:
+        """``update`` (here it runs now); the handle's ``result()`` is its metrics."""
+        return Done(self.update(samples, observations))
 
     def set_lr(self, lr: float) -> None:
         self.engine.set_lr(lr)

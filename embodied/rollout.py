@@ -89,6 +89,7 @@ class RolloutBatch:
             advantages=flat(self.advantages),
             returns=flat(returns),
             values=flat(self.values),
+            policy_version=flat(self.policy_version),
         )
 
 
@@ -103,7 +104,11 @@ class Samples:
     advantages: torch.Tensor  # f32 [N]
     returns: torch.Tensor  # f32 [N]
     values: torch.Tensor  # f32 [N]
+    policy_version: torch.Tensor  # long [N] the weight version that chose the chunk
     ref_logprob: torch.Tensor | None = None  # reference policy, at the update's level (GRPO KL)
+    # the weights the update started from, at the update's level (decoupled PPO: data collected
+    # by older weights, cluster.max_staleness > 0)
+    prox_logprob: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.advantages.shape[0]

@@ -289,6 +289,7 @@ class Runner:
         roles.sync(self.counters["policy_version"])
         self.fresh = resume is None
         self.phase = "start"
+        self.pending = None  # an iteration whose update runs while the next one is collected
         self.saved = self.counters["iteration"]  # the newest checkpoint's iteration
         self.end_rng = roles.rng_state()  # the RNG as the last completed iteration left it
         self.end_counters = json.loads(json.dumps(self.counters))
@@ -326,6 +327,7 @@ class Runner:
                         raise
                     if self.stop.requested:  # a signal to the process group ended a worker too
                         self._stopped_between_iterations()
+                    self._drain()
                     self._save_completed()
                     raise
                 final = self._final_evaluation()
@@ -344,11 +346,13 @@ class Runner:
             counters["before"] = self._evaluate(run.eval_episodes)
             self._log_evaluation(counters["before"], "before RL")
             self.end_counters = json.loads(json.dumps(counters))
-        clock = Clock(counters["train_seconds"], run.max_minutes)
+        self.clock = Clock(counters["train_seconds"], run.max_minutes)
         budget = run.total_env_steps
         self.first_iteration = counters["iteration"] + 1
+        # cluster.max_staleness 1: the next iteration is collected while the update runs
+        asynchronous = cfg.cluster.max_staleness > 0
         for iteration in itertools.count(counters["iteration"] + 1):
-            if counters["env_steps"] >= budget or clock.out_of_time:
+            if counters["env_steps"] >= budget or self.clock.out_of_time:
                 break  # (a run resumed after its last iteration goes straight to its evaluation)
             if alg.anneal_lr:
                 self.learner.set_lr(alg.learning_rate * (1 - counters["env_steps"] / budget))
@@ -358,60 +362,114 @@ class Runner:
             self.phase = "collect"
             steps_before = counters["env_steps"]
             samples, metrics, batches = self._collect(iteration, stats)
-            rollout_time = time.time() - t0
-            self.phase = "update"
+            collected = {
+                "iteration": iteration,
+                "metrics": metrics,
+                "stats": stats,
+                "t0": t0,
+                "rollout_time": time.time() - t0,
+                "steps_before": steps_before,
+                "env_steps": counters["env_steps"],
+                "rounds": counters["rounds"],
+            }
+            if self.pending is not None:  # the previous iteration's update ran meanwhile
+                previous, self.pending = self.pending, None
+                if self._finish(previous, last=None):
+                    # out of time: this iteration's collection is dropped, uncounted
+                    counters.update({k: self.end_counters[k] for k in ("env_steps", "rounds")})
+                    break
             # 2. update, then fold this iteration's observations into the normalizer
-            t1 = time.time()
-            metrics.update(self.learner.update(samples, [batch.obs for batch in batches]))
-            update_time = time.time() - t1
-            counters["policy_version"] += 1
-            metrics.update(self.roles.sync(counters["policy_version"]))
-            role_metrics, spans = self.roles.metrics()
-            metrics.update(role_metrics)
-            if run.trace and iteration - self.first_iteration < 2:  # the second overwrites
-                spans.append(("collect", "runner", 0, t0, t0 + rollout_time))
-                spans.append(("update", "runner", 0, t1, t1 + update_time))
-                write_trace(self.run_dir / "trace.json", spans)
-            # 3. log
-            counters["iteration"] = iteration
-            counters["train_seconds"] = clock.seconds
-            episodes = stats.summary()
-            counters["episodes"] += int(episodes.get("episode/count", 0))
-            metrics.update(episodes)
-            steps = counters["env_steps"] - steps_before
-            metrics.update(
-                {
-                    "time/rollout_s": rollout_time,
-                    "time/update_s": update_time,
-                    "time/env_steps_per_s": steps / rollout_time,
-                    "time/minutes": counters["train_seconds"] / 60,
-                    "train/lr": self.learner.lr,
-                }
-            )
-            self.logger.log(metrics, step=counters["env_steps"], iteration=iteration)
-            self.bar.update(min(counters["env_steps"], budget) - min(steps_before, budget))
-            self.bar.set_postfix(self._postfix(metrics, steps, rollout_time + update_time, clock))
-            self._completed()
-            last = counters["env_steps"] >= budget or clock.out_of_time
-            self.phase = "evaluate"
-            # 4. evaluate (the best evaluation's weights are kept as a checkpoint)
-            if run.eval_every and iteration % run.eval_every == 0 and not last:
-                if self.stop.requested:
-                    raise Interrupted
-                results = self._evaluate(run.eval_episodes)
-                self._record_evaluation(results)
-            # 5. checkpoint (unless a new best evaluation just saved this iteration)
-            due = last or (run.save_every and iteration % run.save_every == 0)
-            if due and self.saved != iteration:
-                self._save()
+            self.phase = "update"
+            collected["t1"] = time.time()
+            collected["lr"] = self.learner.lr
+            observations = [batch.obs for batch in batches]
+            collected["update"] = self.learner.start_update(samples, observations)
+            self.pending = collected
+            if not asynchronous:
+                self.pending = None
+                if self._finish(collected, last=None):
+                    break
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._finish(pending, last=True)
+
+    def _finish(self, done: dict, last: bool | None, stopping: bool = False) -> bool:
+        """Wait for an iteration's update, sync the weights, log, evaluate, checkpoint; whether
+        the loop stops (out of time). ``last``: whether no iteration follows (None: as the budget
+        says). The counters of a checkpoint are the iteration's own, also when the next one was
+        collected meanwhile (cluster.max_staleness 1). ``stopping``: the run stops after this
+        (a signal, a failure): only wait, sync and log; the stop saves."""
+        run = self.cfg.runner
+        counters = self.counters
+        clock = self.clock
+        budget = run.total_env_steps
+        iteration = done["iteration"]
+        metrics = done["metrics"]
+        t0, t1, rollout_time = done["t0"], done["t1"], done["rollout_time"]
+        metrics.update(done["update"].result())
+        update_time = time.time() - t1
+        counters["policy_version"] += 1
+        metrics.update(self.roles.sync(counters["policy_version"]))
+        role_metrics, spans = self.roles.metrics()
+        metrics.update(role_metrics)
+        if run.trace and iteration - self.first_iteration < 2:  # the second overwrites
+            spans.append(("collect", "runner", 0, t0, t0 + rollout_time))
+            spans.append(("update", "runner", 0, t1, t1 + update_time))
+            write_trace(self.run_dir / "trace.json", spans)
+        # 3. log
+        counters["iteration"] = iteration
+        counters["train_seconds"] = clock.seconds
+        episodes = done["stats"].summary()
+        counters["episodes"] += int(episodes.get("episode/count", 0))
+        metrics.update(episodes)
+        env_steps = done["env_steps"]
+        steps = env_steps - done["steps_before"]
+        metrics.update(
+            {
+                "time/rollout_s": rollout_time,
+                "time/update_s": update_time,
+                "time/env_steps_per_s": steps / rollout_time,
+                "time/minutes": counters["train_seconds"] / 60,
+                "train/lr": done["lr"],
+            }
+        )
+        self.logger.log(metrics, step=env_steps, iteration=iteration)
+        self.bar.update(min(env_steps, budget) - min(done["steps_before"], budget))
+        self.bar.set_postfix(self._postfix(metrics, steps, rollout_time + update_time, clock))
+        self._completed({"env_steps": env_steps, "rounds": done["rounds"]})
+        if stopping:
+            return True
+        if last is None:
+            last = env_steps >= budget or clock.out_of_time
+        self.phase = "evaluate"
+        # 4. evaluate (the best evaluation's weights are kept as a checkpoint)
+        if run.eval_every and iteration % run.eval_every == 0 and not last:
             if self.stop.requested:
                 raise Interrupted
-            if clock.out_of_time:
-                self.bar.write(
-                    f"stopping after {counters['train_seconds'] / 60:.1f} min "
-                    f"(runner.max_minutes={run.max_minutes})"
-                )
-                break
+            results = self._evaluate(run.eval_episodes)
+            self._record_evaluation(results)
+        # 5. checkpoint (unless a new best evaluation just saved this iteration)
+        due = last or (run.save_every and iteration % run.save_every == 0)
+        if due and self.saved != iteration:
+            self._save()
+        if self.stop.requested:
+            raise Interrupted
+        if clock.out_of_time:
+            self.bar.write(
+                f"stopping after {counters['train_seconds'] / 60:.1f} min "
+                f"(runner.max_minutes={run.max_minutes})"
+            )
+            return True
+        return False
+
+    def _drain(self) -> None:
+        """Finish the update in flight (cluster.max_staleness 1) before the run stops: the weights
+        a stop saves are then a completed iteration's."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        self._finish(pending, last=True, stopping=True)
+        self.counters.update({k: self.end_counters[k] for k in ("env_steps", "rounds")})
 
     def _collect(self, iteration: int, stats: EpisodeStats):
         """Rounds of chunks until the algorithm has enough (PPO: one) -> (samples for the update
@@ -497,10 +555,11 @@ class Runner:
         return {**postfix, **clock.left()}
 
     # --- consistent points --------------------------------------------------------------------
-    def _completed(self) -> None:
-        """Remember the state a completed iteration leaves: what a stop saves."""
+    def _completed(self, own: dict | None = None) -> None:
+        """Remember the state a completed iteration leaves: what a stop saves. ``own``: counters
+        as the iteration left them where the next one has moved them on since (its collection)."""
         self.end_rng = self.roles.rng_state()
-        self.end_counters = json.loads(json.dumps(self.counters))
+        self.end_counters = json.loads(json.dumps({**self.counters, **(own or {})}))
 
     def _save(self) -> None:
         iteration = self.end_counters["iteration"]
@@ -527,6 +586,7 @@ class Runner:
 
     def _stopped_between_iterations(self) -> None:
         """A stop during collection or evaluation: save the last completed iteration, stop."""
+        self._drain()
         self._save_completed()
         done = self.end_counters["iteration"]
         signum = self.stop.signum

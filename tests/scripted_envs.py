@@ -289,6 +289,7 @@ def run_on(
     cluster: dict | None = None,
     env_factory=None,
     pipeline_stages: int = 1,
+    trace: bool = False,
 ) -> dict:
     """The runner over ``env`` with a config written here (16 evaluation episodes, no video);
     returns its summary. The metrics are in ``run_dir/metrics.jsonl``. With ``cluster`` (the
@@ -309,6 +310,7 @@ def run_on(
         "progress": False,
         "video": False,
         "pipeline_stages": pipeline_stages,
+        "trace": trace,
     }
     source = {"seed": 0, "policy": policy, "algorithm": algorithm, "runner": runner}
     if cluster is not None:

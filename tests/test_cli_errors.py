@@ -264,6 +264,11 @@ CASES = [
     (["train", M, "cluster.env.workers=0"], ["cluster.env.workers", "must be >= 1"]),
     (["train", M, "cluster.rollout.num_gpus=1.5"], ["cluster.rollout.num_gpus", "whole"]),
     (["train", M, "cluster.actor.resources.sim=-1"], ["cluster.actor.resources", "sim"]),
+    (["train", M, "cluster.max_staleness=1"], ["cluster.max_staleness", "cluster.enabled=true"]),
+    (
+        ["train", M, "cluster.enabled=true", "cluster.max_staleness=2"],
+        ["cluster.max_staleness", "got 2"],
+    ),
     (["cluster", "status", f"{R}/nowhere"], ["nowhere", "no such run directory"]),
     (["cluster", "status", "{run}"], ["no cluster.json", "not a cluster run"]),
     (["cluster", "stop", "{run}"], ["'stop'"]),

@@ -153,14 +153,14 @@ class Recorder:
 
     def __init__(self):
         self.samples = []
-        self.original = RemoteLearner.update
+        self.original = RemoteLearner.start_update
         recorder = self
 
-        def update(learner_self, samples, observations):
+        def start_update(learner_self, samples, observations):
             recorder.samples.append(samples)
             return recorder.original(learner_self, samples, observations)
 
-        self.update = update
+        self.start_update = start_update
 
 
 class Killer:
@@ -195,7 +195,7 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     recorder = Recorder()
     env_killer = Killer(RemoteEnvGroup, "send", recorder, updates=1, nth=3)
     rollout_killer = Killer(RemoteInference, "act", recorder, updates=2, nth=3)
-    monkeypatch.setattr(RemoteLearner, "update", recorder.update)
+    monkeypatch.setattr(RemoteLearner, "start_update", recorder.start_update)
     monkeypatch.setattr(RemoteEnvGroup, "send", env_killer.wrapped)
     monkeypatch.setattr(RemoteInference, "act", rollout_killer.wrapped)
     iterations = 4
@@ -248,6 +248,47 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     # one episode per environment and round: nothing of the lost rounds was counted
     counts = [r["episode/count"] for r in table if "episode/count" in r]
     assert counts == [8.0] * iterations
+
+
+def test_asynchronous_collection_overlaps_the_update_one_version_behind(
+    local_ray, tmp_path, monkeypatch
+):
+    """cluster.max_staleness 1: iteration i is collected while update i - 1 runs, so its chunks
+    come from the weights of update i - 2, and the update corrects for them (decoupled PPO)."""
+    recorder = Recorder()
+    monkeypatch.setattr(RemoteLearner, "start_update", recorder.start_update)
+    iterations = 4
+    summary = run_on(
+        None,
+        tmp_path / "ray",
+        total_env_steps=8 * 3 * iterations,
+        cluster={**CLUSTER, "max_staleness": 1},
+        env_factory=push_right_envs,
+        algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
+        trace=True,
+    )
+    versions = [samples.policy_version.unique().tolist() for samples in recorder.samples]
+    assert versions == [[0], [0], [1], [2]]
+    table = rows(tmp_path / "ray")
+    training = [r for r in table if "policy/loss" in r]
+    assert [r["iteration"] for r in training] == [1, 2, 3, 4]
+    # the update of a batch one version old weights its terms by pi_prox / pi_behaviour
+    assert all(r["policy/behaviour_weight"] > 0 for r in training)
+    assert summary["env_steps"] == 8 * 3 * iterations
+    assert summary["final"]["eval/episodes"] == 16
+    # the trace of the second iteration: the actor updated while the env worker ran chunks
+    trace = json.loads((tmp_path / "ray" / "trace.json").read_text())["traceEvents"]
+    role = {e["pid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+    spans = [e for e in trace if e["ph"] == "X"]
+    updates = [e for e in spans if role[e["pid"]] == "actor" and e["name"] == "update"]
+    chunks = [e for e in spans if role[e["pid"]] == "env" and e["name"] == "chunk"]
+    overlapping = [
+        c
+        for c in chunks
+        for u in updates
+        if c["ts"] < u["ts"] + u["dur"] and u["ts"] < c["ts"] + c["dur"]
+    ]
+    assert updates and overlapping
 
 
 def test_an_impossible_placement_is_one_line_before_any_worker_starts(local_ray, tmp_path, capsys):

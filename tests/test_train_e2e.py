@@ -23,7 +23,7 @@ from embodied.runner import TrainConfig, train
 
 TINY = [
     "env.num_envs=2",
-    "env.num_workers=1",
+    "env.num_workers=0",  # the simulator in this process: no worker to start per run
     "env.render_size=64",
     "algorithm.num_steps=8",
     "algorithm.update_epochs=2",
@@ -221,7 +221,12 @@ def test_a_new_run_into_an_earlier_one_is_refused_unless_overwritten(runs, tmp_p
 
 def test_chunks_of_four_with_pipeline_stages_collect_in_lockstep(tmp_path):
     # pipelined collection steps one action at a time: chunks of K > 1 run in lockstep instead
-    extra = ["policy.chunk_size=4", "runner.pipeline_stages=2", "runner.eval_every=0"]
+    extra = [
+        "policy.chunk_size=4",
+        "runner.pipeline_stages=2",
+        "runner.eval_every=0",
+        "env.num_workers=1",  # a worker that could step subsets
+    ]
     summary = train(tiny_config(tmp_path, "chunks", 2 * 4, extra))
     assert summary["final"]["iteration"] == 2
     assert summary["final"]["env_steps"] == 2 * 4 * STEPS_PER_ITER  # 2 envs x 8 chunks of 4
@@ -243,7 +248,12 @@ def test_sigterm_to_a_training_process(tmp_path):
     """A real `embodied train` process: SIGTERM while it trains; it saves, says where, exits
     with 128 + 15, and the resumed run ends as an uninterrupted one."""
     iterations = 20
-    extra = ["runner.eval_every=0", "runner.save_every=0", "algorithm.num_steps=40"]
+    extra = [
+        "runner.eval_every=0",
+        "runner.save_every=0",
+        "algorithm.num_steps=40",
+        "env.num_workers=1",  # the signal reaches the process group: the worker too
+    ]
     cmd = ["train", "configs/maniskill/pushcube_ppo.yaml"]
     steps = f"runner.total_env_steps={iterations * 2 * 40}"
     reference = tiny_overrides(tmp_path, "reference", 1, [*extra, steps])

@@ -57,7 +57,9 @@ class ClusterConfig:
     env: RoleConfig = field(default_factory=RoleConfig)
     rollout: RoleConfig = field(default_factory=RoleConfig)
     actor: RoleConfig = field(default_factory=RoleConfig)
-    max_staleness: int = 0  # 0: every chunk comes from the weights of the last update
+    # 0: every chunk comes from the weights of the last update; 1: the next iteration is
+    # collected while the update runs (its chunks are one update old; decoupled PPO corrects)
+    max_staleness: int = 0
     max_restarts: int = 3  # a role whose worker fails this many times in a row stops the run
     num_cpus: int | None = None  # a local Ray's CPUs (None: the machine's)
     num_gpus: int | None = None  # a local Ray's GPUs (None: the machine's)
@@ -69,10 +71,15 @@ class ClusterConfig:
             raise ValueError(
                 f"placement: must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
             )
-        if self.max_staleness != 0:
+        if self.max_staleness not in (0, 1):
             raise ValueError(
-                f"max_staleness: only 0 (strictly on-policy) is built so far, got "
+                f"max_staleness: 0 (on-policy) or 1 (collect while the update runs), got "
                 f"{self.max_staleness}"
+            )
+        if self.max_staleness and not self.enabled:
+            raise ValueError(
+                "max_staleness: 1 overlaps collection with the update in another process; it "
+                "needs the roles on Ray (cluster.enabled=true)"
             )
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts: must be >= 0, got {self.max_restarts}")

@@ -125,13 +125,14 @@ class Baton:
     """Where the run's random number generator state is: in this process (``holder`` None) or
     in a worker. ``to(worker)`` moves it there before that worker draws."""
 
-    def __init__(self, state: dict):
+    def __init__(self, state: dict, moves: bool = True):
         self.holder = None
         self.state = state
         self.last = state  # the state of the last completed iteration (a lost holder's fallback)
+        self.moves = moves  # False: every worker draws from a stream of its own
 
     def to(self, worker) -> None:
-        if self.holder is worker:
+        if self.holder is worker or not self.moves:
             return
         state = self.fetch()
         _get(worker.set_rng.remote(state), "rng")
@@ -380,6 +381,16 @@ class RemoteInference:
         return torch.cat(self._call("value", obs))
 
 
+class Pending:
+    """An update running in the actor worker."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    def result(self) -> dict:
+        return _get(self.ref, "actor")
+
+
 class RemoteLearner:
     """The actor worker as the ``Learner``."""
 
@@ -393,11 +404,17 @@ class RemoteLearner:
         _get(self.worker.init_normalizer.remote(to_wire(obs)), "actor")
 
     def update(self, samples, observations: list[Observation]) -> dict:
+        return self.start_update(samples, observations).result()
+
+    def start_update(self, samples, observations: list[Observation]) -> Pending:
+        """The update, running in the actor worker; the handle's ``result()`` waits for it."""
         self.baton.to(self.worker)
-        return _get(self.worker.update.remote(to_wire(samples), to_wire(observations)), "actor")
+        return Pending(self.worker.update.remote(to_wire(samples), to_wire(observations)))
 
     def set_lr(self, lr: float) -> None:
-        _get(self.worker.set_lr.remote(lr), "actor")
+        """Queued behind the update in flight (the actor runs its calls in order): it applies
+        to the next one."""
+        self.worker.set_lr.remote(lr)
         self._lr = lr
 
     @property
@@ -467,8 +484,12 @@ class RayRoles:
                 role: _get([w.where.remote() for w in workers], role)
                 for role, workers in self.workers.items()
             }
-            self.baton = Baton(None)
-            self.baton.holder = actor  # the actor built the policy: the stream is there now
+            if cluster.max_staleness:  # collection and update overlap: a stream each
+                self.baton = Baton(rng_state(), moves=False)
+                _get([w.seed.remote(cfg.seed + 1 + i) for i, w in enumerate(rollouts)], "rollout")
+            else:
+                self.baton = Baton(None)
+                self.baton.holder = actor  # the actor built the policy: the stream is there now
             if resume is not None:
                 _get(actor.load.remote(resume), "actor")
                 self.baton.holder = None

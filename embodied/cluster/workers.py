@@ -71,6 +71,10 @@ class _Worker:
     def set_rng(self, state: dict) -> None:
         set_rng_state(state)
 
+    def seed(self, seed: int) -> None:
+        """A generator stream of this worker's own (asynchronous runs: no baton)."""
+        torch.manual_seed(seed)
+
     def timing(self) -> tuple[float, list]:
         """(busy seconds, the calls' spans) since the last call."""
         busy, spans = self.busy_s, self.spans

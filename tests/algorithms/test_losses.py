@@ -89,3 +89,40 @@ def test_masked_entries_do_not_count():
 def test_value_loss_explained_variance_is_nan_without_variance():
     _, m = value_loss(values=torch.tensor([1.0, 2.0]), returns=torch.tensor([3.0, 3.0]))
     assert math.isnan(m["value/explained_variance"].item())
+
+
+def test_decoupled_ppo_clips_at_the_proximal_policy_and_weights_by_it():
+    """Hand-computed (Hilton et al. 2022): entry 0 has ratio 1 to the proximal policy and weight
+    pi_prox / pi_old = 2; entry 1 has ratio 1.5 (clipped at 1.2 but the unclipped term is
+    larger for a negative advantage) and weight 1."""
+    logprob = torch.tensor([0.0, math.log(1.5)], requires_grad=True)
+    old = torch.tensor([math.log(0.5), 0.0])
+    prox = torch.tensor([0.0, 0.0])
+    adv = torch.tensor([1.0, -1.0])
+    loss, m = ppo_policy_loss(
+        logprob=logprob, old_logprob=old, advantages=adv, clip_low=0.2, prox_logprob=prox
+    )
+    assert loss.item() == pytest.approx((-2.0 + 1.5) / 2)
+    assert m["policy/behaviour_weight"].item() == pytest.approx(1.5)
+    assert m["policy/ratio_mean"].item() == pytest.approx(1.25)
+    assert m["policy/clipfrac"].item() == pytest.approx(0.5)
+    # the same data with the behaviour policy as the anchor: ratios 2 and 1.5
+    plain, _ = ppo_policy_loss(logprob=logprob, old_logprob=old, advantages=adv, clip_low=0.2)
+    assert plain.item() == pytest.approx((-1.2 + 1.5) / 2)
+    # d loss / d logprob: entry 0 unclipped (ratio 1): -adv * ratio * weight / N = -1;
+    # entry 1 unclipped (the larger term): -adv * ratio / N = 0.75
+    loss.backward()
+    assert logprob.grad.tolist() == pytest.approx([-1.0, 0.75])
+
+
+def test_decoupled_ppo_with_the_proximal_policy_equal_to_the_behaviour_one_is_ppo():
+    g = torch.Generator().manual_seed(0)
+    logprob = torch.randn(6, 3, generator=g)
+    old = torch.randn(6, 3, generator=g)
+    adv = torch.randn(6, 3, generator=g)
+    plain, _ = ppo_policy_loss(logprob=logprob, old_logprob=old, advantages=adv, clip_low=0.2)
+    decoupled, m = ppo_policy_loss(
+        logprob=logprob, old_logprob=old, advantages=adv, clip_low=0.2, prox_logprob=old
+    )
+    assert decoupled.item() == pytest.approx(plain.item(), rel=1e-6)
+    assert m["policy/behaviour_weight"].item() == pytest.approx(1.0)
