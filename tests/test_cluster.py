@@ -15,10 +15,12 @@ import pytest
 import torch
 from scripted_envs import GRPO, PushRightEnv, push_right_envs, run_on
 
+from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
 from embodied.cluster.config import ClusterConfig, RoleConfig
 from embodied.cluster.roles import RemoteEnvGroup, RemoteInference, RemoteLearner
 from embodied.config import load_config
+from embodied.roles import WorkerLost
 from embodied.runner import TrainConfig, train
 
 ray = pytest.importorskip("ray")
@@ -248,6 +250,33 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     # one episode per environment and round: nothing of the lost rounds was counted
     counts = [r["episode/count"] for r in table if "episode/count" in r]
     assert counts == [8.0] * iterations
+
+
+def test_a_role_lost_too_often_stops_the_run_with_a_resumable_checkpoint(
+    local_ray, tmp_path, monkeypatch
+):
+    """cluster.max_restarts 0: the first lost round stops the run; the last completed
+    iteration is saved first."""
+    recorder = Recorder()
+    killer = Killer(RemoteEnvGroup, "send", recorder, updates=1, nth=2)
+    monkeypatch.setattr(RemoteLearner, "start_update", recorder.start_update)
+    monkeypatch.setattr(RemoteEnvGroup, "send", killer.wrapped)
+    with pytest.raises(WorkerLost) as lost:
+        run_on(
+            None,
+            tmp_path / "ray",
+            total_env_steps=8 * 3 * 4,
+            cluster={**CLUSTER, "max_restarts": 0},
+            env_factory=push_right_envs,
+            algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
+        )
+    message = str(lost.value)
+    assert "\n" not in message
+    assert message.startswith("env worker lost: ")
+    assert message.endswith("1 rounds in a row lost (cluster.max_restarts=0)")
+    checkpoint = load_checkpoint(tmp_path / "ray")
+    assert checkpoint["counters"]["iteration"] == 1
+    assert checkpoint["counters"]["env_steps"] == 8 * 3
 
 
 def test_asynchronous_collection_overlaps_the_update_one_version_behind(
