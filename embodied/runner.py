@@ -399,20 +399,33 @@ class Runner:
         says). The counters of a checkpoint are the iteration's own, also when the next one was
         collected meanwhile (cluster.max_staleness 1). ``stopping``: the run stops after this
         (a signal, a failure): only wait, sync and log; the stop saves."""
+        # the iteration's own counters while it is finished (evaluation, checkpoints), also
+        # when the next iteration's collection has moved them on (cluster.max_staleness 1)
+        later = {k: self.counters[k] for k in ("env_steps", "rounds")}
+        self.counters.update(env_steps=done["env_steps"], rounds=done["rounds"])
+        try:
+            return self._finish_iteration(done, last, stopping)
+        finally:
+            self.counters.update(later)
+
+    def _finish_iteration(self, done: dict, last: bool | None, stopping: bool) -> bool:
         run = self.cfg.runner
         counters = self.counters
         clock = self.clock
         budget = run.total_env_steps
         iteration = done["iteration"]
+        self.phase = "update"  # a failure while waiting for it leaves the weights unsaved
         metrics = done["metrics"]
         t0, t1, rollout_time = done["t0"], done["t1"], done["rollout_time"]
         metrics.update(done["update"].result())
         update_time = time.time() - t1
         counters["policy_version"] += 1
-        metrics.update(self.roles.sync(counters["policy_version"]))
-        role_metrics, spans = self.roles.metrics()
-        metrics.update(role_metrics)
-        if run.trace and iteration - self.first_iteration < 2:  # the second overwrites
+        spans = []
+        if not stopping:  # (a stop after a lost worker: only what the checkpoint needs)
+            metrics.update(self.roles.sync(counters["policy_version"]))
+            role_metrics, spans = self.roles.metrics()
+            metrics.update(role_metrics)
+        if run.trace and spans and iteration - self.first_iteration < 2:  # the second overwrites
             spans.append(("collect", "runner", 0, t0, t0 + rollout_time))
             spans.append(("update", "runner", 0, t1, t1 + update_time))
             write_trace(self.run_dir / "trace.json", spans)
@@ -503,7 +516,7 @@ class Runner:
             try:
                 obs = self.envs.reset(seed=plan.seeds)
                 stats.restart()  # every episode starts afresh: nothing carries over from a round
-                first = self.fresh and iteration == 1 and round_index == 0
+                first = self.fresh and iteration == 1 and round_index == 0 and failures == 0
                 if first and not self.cfg.runner.init_from:
                     # normalisation statistics from the first observations, before anything acts
                     self.learner.init_normalizer(obs)

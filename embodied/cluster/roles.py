@@ -127,22 +127,24 @@ class Baton:
 
     def __init__(self, state: dict, moves: bool = True):
         self.holder = None
+        self.holder_role = ""  # the holder's role, named when it is lost
         self.state = state
         self.last = state  # the state of the last completed iteration (a lost holder's fallback)
         self.moves = moves  # False: every worker draws from a stream of its own
 
-    def to(self, worker) -> None:
+    def to(self, worker, role: str) -> None:
         if self.holder is worker or not self.moves:
             return
         state = self.fetch()
-        _get(worker.set_rng.remote(state), "rng")
+        _get(worker.set_rng.remote(state), role)
         self.holder = worker
+        self.holder_role = role
         self.state = None
 
     def fetch(self) -> dict:
         if self.holder is None:
             return self.state
-        return _get(self.holder.get_rng.remote(), "rng")
+        return _get(self.holder.get_rng.remote(), self.holder_role)
 
     def lost(self, worker) -> None:
         """The holder died: the stream goes on from the last completed iteration's state."""
@@ -347,7 +349,7 @@ class RemoteInference:
         self.traffic = Traffic()
 
     def _call(self, method: str, obs: Observation, **kw):
-        self.baton.to(self.workers[0])
+        self.baton.to(self.workers[0], "rollout")
         t0 = time.perf_counter()
         n = len(self.workers)
         B = obs.batch_size
@@ -408,7 +410,7 @@ class RemoteLearner:
 
     def start_update(self, samples, observations: list[Observation]) -> Pending:
         """The update, running in the actor worker; the handle's ``result()`` waits for it."""
-        self.baton.to(self.worker)
+        self.baton.to(self.worker, "actor")
         return Pending(self.worker.update.remote(to_wire(samples), to_wire(observations)))
 
     def set_lr(self, lr: float) -> None:
@@ -450,7 +452,9 @@ class RayRoles:
                     num_cpus=role.num_cpus,
                     num_gpus=role.num_gpus,
                     resources=custom or None,
-                    max_restarts=-1,  # the runner counts failures in a row itself
+                    # the runner counts failures in a row itself; the actor's optimizer state
+                    # lives only in its process: a lost actor stops the run
+                    max_restarts=0 if slot.role == "actor" else -1,
                     max_task_retries=0,  # a lost call is lost: the round is collected again
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.group, placement_group_bundle_index=slot.bundle
@@ -490,6 +494,12 @@ class RayRoles:
             else:
                 self.baton = Baton(None)
                 self.baton.holder = actor  # the actor built the policy: the stream is there now
+                self.baton.holder_role = "actor"
+                # rollout workers past the first never hold the baton: streams of their own
+                _get(
+                    [w.seed.remote(cfg.seed + 1 + i) for i, w in enumerate(rollouts) if i],
+                    "rollout",
+                )
             if resume is not None:
                 _get(actor.load.remote(resume), "actor")
                 self.baton.holder = None
@@ -571,6 +581,12 @@ class RayRoles:
         lost more than ``cluster.max_restarts`` times in a row stops the run."""
         limit = self.cfg.cluster.max_restarts
         self.events.append({"time": time.time(), "role": error.role, "detail": error.detail})
+        if error.role == "actor":
+            raise WorkerLost(
+                "actor",
+                f"{error.detail}; the learner's state is lost: resume from the run's last "
+                "checkpoint",
+            )
         if failures > limit:
             raise WorkerLost(
                 error.role,
@@ -580,8 +596,10 @@ class RayRoles:
         for role in ("env", "rollout"):
             for worker in self.workers[role]:
                 self._wait_alive(role, worker)
-        for worker in self.workers["rollout"]:
+        for i, worker in enumerate(self.workers["rollout"]):
             self.baton.lost(worker)  # a restarted rollout worker's generator is fresh
+            if not self.baton.moves or i:  # streams of their own: a fresh seed each
+                _get(worker.seed.remote(self.cfg.seed + 1 + i + 1000 * len(self.events)), "rollout")
         self.full_sync = True
         self.sync(self.inference.version)
         self.placed = {
@@ -640,7 +658,8 @@ class RayRoles:
         envs = getattr(self, "envs", None)
         if envs is not None:
             envs.close()
-        if (self.run_dir / STATUS_FILE).exists():  # (written at the run's first weight sync)
+        written = (self.run_dir / STATUS_FILE).exists()  # (at the run's first weight sync)
+        if written and hasattr(self, "heartbeat"):
             self.ended = time.time()
             self._write_status()
         for workers in getattr(self, "workers", {}).values():
