@@ -449,7 +449,7 @@ class Runner:
         self.logger.log(metrics, step=env_steps, iteration=iteration)
         self.bar.update(min(env_steps, budget) - min(done["steps_before"], budget))
         self.bar.set_postfix(self._postfix(metrics, steps, rollout_time + update_time, clock))
-        self._completed({"env_steps": env_steps, "rounds": done["rounds"]})
+        self._completed()
         if stopping:
             return True
         if last is None:
@@ -568,11 +568,10 @@ class Runner:
         return {**postfix, **clock.left()}
 
     # --- consistent points --------------------------------------------------------------------
-    def _completed(self, own: dict | None = None) -> None:
-        """Remember the state a completed iteration leaves: what a stop saves. ``own``: counters
-        as the iteration left them where the next one has moved them on since (its collection)."""
+    def _completed(self) -> None:
+        """Remember the state a completed iteration leaves: what a stop saves."""
         self.end_rng = self.roles.rng_state()
-        self.end_counters = json.loads(json.dumps({**self.counters, **(own or {})}))
+        self.end_counters = json.loads(json.dumps(self.counters))
 
     def _save(self) -> None:
         iteration = self.end_counters["iteration"]

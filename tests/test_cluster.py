@@ -45,6 +45,8 @@ TINY = [
 # one worker per role on 2 CPUs: the env worker's simulator runs in its own subprocess
 ON_RAY = ["cluster.enabled=true", "cluster.rollout.num_cpus=0.5", "cluster.actor.num_cpus=0.5"]
 CLUSTER = dict(enabled=True, rollout=dict(num_cpus=0.5), actor=dict(num_cpus=0.5))
+# GRPO with one round per iteration, every group kept: a fixed count of chunks per update
+ONE_ROUND = {**GRPO, "max_rounds": 1, "dynamic_sampling": False}
 TIMING = ("time/", "cluster/", "eval/policy_ms", "eval/env_steps_per_s")
 
 
@@ -207,7 +209,7 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
         total_env_steps=8 * 3 * iterations,
         cluster={**CLUSTER, "env": dict(workers=2, num_cpus=0.5)},
         env_factory=push_right_envs,
-        algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
+        algorithm=ONE_ROUND,
         pipeline_stages=2,
     )
     assert len(env_killer.killed) == 1 and len(rollout_killer.killed) == 1
@@ -268,7 +270,7 @@ def test_a_role_lost_too_often_stops_the_run_with_a_resumable_checkpoint(
             total_env_steps=8 * 3 * 4,
             cluster={**CLUSTER, "max_restarts": 0},
             env_factory=push_right_envs,
-            algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
+            algorithm=ONE_ROUND,
         )
     message = str(lost.value)
     assert "\n" not in message
@@ -293,7 +295,7 @@ def test_asynchronous_collection_overlaps_the_update_one_version_behind(
         total_env_steps=8 * 3 * iterations,
         cluster={**CLUSTER, "max_staleness": 1},
         env_factory=push_right_envs,
-        algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
+        algorithm=ONE_ROUND,
         trace=True,
     )
     versions = [samples.policy_version.unique().tolist() for samples in recorder.samples]
