@@ -79,6 +79,7 @@ def kl_penalty(
     ref_logprob: torch.Tensor,
     old_logprob: torch.Tensor,
     mask: torch.Tensor | None = None,
+    count: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL(pi || pi_ref) on samples drawn by the behaviour policy pi_old, with Schulman's k3.
 
@@ -87,9 +88,10 @@ def kl_penalty(
     k3 alone is that of KL(pi_ref || pi). Weighting each sample by the importance ratio
     pi / pi_old (gradient through it) makes the loss's expectation KL(pi || pi_ref) as a function
     of pi, so its gradient is that of KL(pi || pi_ref). Inputs share one shape at any log-prob
-    level; ``mask`` (bool, that shape) selects the entries that count."""
+    level; ``mask`` (bool, that shape) selects the entries that count; ``count``: a data-parallel
+    rank's denominator (embodied.algorithms.losses)."""
     d = ref_logprob - logprob
     k3 = d.exp() - d - 1.0
     ratio = (logprob - old_logprob).exp()
-    loss = masked_mean(ratio * k3, mask)
+    loss = masked_mean(ratio * k3, mask, count)
     return loss, {"policy/kl_ref": loss.detach()}

@@ -7,6 +7,12 @@ host once (the runner does so once per epoch).
 
 ``mask`` (bool, the shape of ``logprob``) selects the entries that count: an action executed after
 its episode ended inside a chunk belongs to no episode's credit and is left out of every mean.
+
+``count`` (every loss takes one) is the denominator of the loss's means when the inputs are one
+data-parallel rank's share of a minibatch: the whole minibatch's count of entries divided by the
+number of ranks. The ranks' gradients are averaged, so their average is then the whole
+minibatch's gradient, however its rows and masked entries fall between the ranks. None: each
+mean divides by its own count.
 """
 
 from __future__ import annotations
@@ -14,13 +20,18 @@ from __future__ import annotations
 import torch
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Mean of ``x`` over the entries where ``mask`` (bool, x's shape) is true; all without one."""
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor | None, count: torch.Tensor | float | None = None
+) -> torch.Tensor:
+    """Mean of ``x`` over the entries where ``mask`` (bool, x's shape) is true; all without one.
+    ``count``: the denominator to use instead of the number of those entries (see above)."""
     if mask is None:
-        return x.mean()
+        return x.mean() if count is None else x.sum() / count
     # where, not a product: an inf or NaN in a masked-out entry must not reach the mean
     kept = torch.where(mask, x, torch.zeros_like(x))
-    return kept.sum() / mask.sum().clamp(min=1).to(x.dtype)
+    if count is None:
+        count = mask.sum().clamp(min=1).to(x.dtype)
+    return kept.sum() / count
 
 
 def ppo_policy_loss(
@@ -32,6 +43,7 @@ def ppo_policy_loss(
     clip_high: float | None = None,
     mask: torch.Tensor | None = None,
     prox_logprob: torch.Tensor | None = None,
+    count: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-ratio PPO surrogate (Schulman et al. 2017), asymmetric clip allowed (DAPO's
     clip-higher): ratio is clipped to [1 - clip_low, 1 + clip_high]. logprob, old_logprob and
@@ -52,17 +64,17 @@ def ppo_policy_loss(
     if prox_logprob is not None:
         behaviour_weight = (prox_logprob - old_logprob).detach().exp()
         surrogate = behaviour_weight * surrogate
-    loss = masked_mean(surrogate, mask)
+    loss = masked_mean(surrogate, mask, count)
     with torch.no_grad():
         clipped = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
         metrics = {
             "policy/loss": loss.detach(),
-            "policy/clipfrac": masked_mean(clipped.float(), mask),
-            "policy/approx_kl": approx_kl(log_ratio=log_ratio, mask=mask),
-            "policy/ratio_mean": masked_mean(ratio, mask),
+            "policy/clipfrac": masked_mean(clipped.float(), mask, count),
+            "policy/approx_kl": approx_kl(log_ratio=log_ratio, mask=mask, count=count),
+            "policy/ratio_mean": masked_mean(ratio, mask, count),
         }
         if prox_logprob is not None:
-            metrics["policy/behaviour_weight"] = masked_mean(behaviour_weight, mask)
+            metrics["policy/behaviour_weight"] = masked_mean(behaviour_weight, mask, count)
     return loss, metrics
 
 
@@ -72,17 +84,18 @@ def value_loss(
     returns: torch.Tensor,
     old_values: torch.Tensor | None = None,
     clip: float | None = None,
+    count: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """0.5 * (V - R)^2, optionally clipped around the rollout's values (PPO2 style):
-    max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). All inputs float32 [N]."""
-    unclipped = (values - returns) ** 2
+    max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). All inputs float32 [N]. The
+    explained variance is this share's own (a rank's, with ``count``)."""
+    squared = (values - returns) ** 2
     if clip is not None:
         if old_values is None:
             raise ValueError("value_loss: clip needs old_values")
         v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
-        loss = 0.5 * torch.max(unclipped, (v_clipped - returns) ** 2).mean()
-    else:
-        loss = 0.5 * unclipped.mean()
+        squared = torch.max(squared, (v_clipped - returns) ** 2)
+    loss = 0.5 * masked_mean(squared, None, count)
     with torch.no_grad():
         var = returns.var(unbiased=False)
         # NaN where the returns do not vary (no variance to explain), without a host branch
@@ -91,14 +104,21 @@ def value_loss(
     return loss, {"value/loss": loss.detach(), "value/explained_variance": explained}
 
 
-def entropy(*, entropies: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def entropy(
+    *, entropies: torch.Tensor, count: float | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean entropy bonus term (to be subtracted from the loss with its coefficient). [N] -> []."""
-    loss = entropies.mean()
+    loss = masked_mean(entropies, None, count)
     return loss, {"policy/entropy": loss.detach()}
 
 
-def approx_kl(*, log_ratio: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def approx_kl(
+    *,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    count: torch.Tensor | float | None = None,
+) -> torch.Tensor:
     """Low-variance estimate of KL(old || new): E[(r - 1) - log r] (Schulman's k3), with
     r = exp(log_ratio). A detached 0-dim tensor."""
     with torch.no_grad():
-        return masked_mean((log_ratio.exp() - 1) - log_ratio, mask)
+        return masked_mean((log_ratio.exp() - 1) - log_ratio, mask, count)

@@ -77,7 +77,12 @@ def update(
     num_minibatches: int,
 ) -> dict[str, float]:
     """Epochs of shuffled minibatches; returns the mean of every metric and ``policy/epochs``.
-    Metrics stay on the device during an epoch and cross to the host once at its end."""
+    Metrics stay on the device during an epoch and cross to the host once at its end.
+
+    Data-parallel (``learner.world_size`` > 1): every rank holds all ``samples`` and draws the
+    same permutation (the same generator state), takes its share of each minibatch, and the
+    learner averages the gradients; the step is the one-process step on the whole minibatch.
+    Every rank sees the averaged metrics, so all of them stop early together."""
     n = len(samples)
     mb_size = max(1, n // num_minibatches)
     device = samples.advantages.device
@@ -91,12 +96,15 @@ def update(
         for start in range(0, n - mb_size + 1, mb_size):
             rows = slice(start, start + mb_size)
             minibatch = samples.index(perm[rows], perm_host[rows])
+            if learner.world_size > 1:  # data-parallel: this rank's share of the minibatch
+                minibatch = minibatch.shard(learner.rank, learner.world_size)
             loss, metrics = algorithm.loss(learner, minibatch)
             learner.backward(loss)
             metrics["policy/grad_norm"] = learner.step()
             epoch.append(metrics)
         keys = list(epoch[0])
         table = torch.stack([torch.stack([m[k].float() for k in keys]) for m in epoch])
+        table = learner.average(table)  # every rank's share: the whole minibatches' metrics
         rows_host = table.tolist()  # the epoch's one transfer: [minibatches][metrics]
         for values in rows_host:
             for key, value in zip(keys, values):

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from embodied.algorithm import AlgorithmConfig, broadcast, check_level
-from embodied.algorithms import grpo_advantages, informative_groups, kl_penalty, ppo_policy_loss
+from embodied.algorithms import (
+    grpo_advantages,
+    informative_groups,
+    kl_penalty,
+    masked_mean,
+    ppo_policy_loss,
+)
 from embodied.learner import TrainEngine
 from embodied.rollout import CollectPlan, RolloutBatch, Samples, logprob_at
 
@@ -196,6 +202,7 @@ class GRPO:
         logprob, ent, _ = learner.logprob(minibatch, level)
         old_logprob = minibatch.behaviour_logprob(level)
         mask = minibatch.mask(level)
+        count = minibatch.mean_count(level)  # None unless a data-parallel rank's share
         loss, metrics = ppo_policy_loss(
             logprob=logprob,
             old_logprob=old_logprob,
@@ -204,6 +211,7 @@ class GRPO:
             clip_high=cfg.clip_coef_high,
             mask=mask,
             prox_logprob=minibatch.prox_logprob,
+            count=count,
         )
         if minibatch.ref_logprob is not None:
             kl, kl_metrics = kl_penalty(
@@ -211,10 +219,11 @@ class GRPO:
                 ref_logprob=minibatch.ref_logprob,
                 old_logprob=old_logprob,
                 mask=mask,
+                count=count,
             )
             loss = loss + cfg.kl_coef * kl
             metrics.update(kl_metrics)
-        metrics["policy/entropy"] = ent.detach().mean()
+        metrics["policy/entropy"] = masked_mean(ent.detach(), None, minibatch.mean_count(None))
         return loss, metrics
 
     def stop_early(self, last_minibatch: dict[str, float]) -> bool:

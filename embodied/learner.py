@@ -12,6 +12,9 @@ from embodied.rollout import Samples, logprob_at
 
 
 class TrainEngine(Protocol):
+    rank: int  # this process's data-parallel rank (0 when alone)
+    world_size: int  # how many ranks share each minibatch (1 when alone)
+
     def logprob(
         self, samples: Samples, level: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -23,6 +26,9 @@ class TrainEngine(Protocol):
     def step(self) -> torch.Tensor:
         """Clip the gradient, apply it, clear it; returns the gradient norm (a 0-dim tensor)."""
 
+    def average(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean of ``values`` over the data-parallel ranks (itself when alone)."""
+
     def set_lr(self, lr: float) -> None: ...
 
     def state_dict(self) -> dict: ...
@@ -30,19 +36,58 @@ class TrainEngine(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+class Evaluate(torch.nn.Module):
+    """The policy's ``evaluate`` as a module's forward: what ``DistributedDataParallel`` wraps
+    (it averages the gradients of the parameters that forward reaches). The value is left out
+    when the algorithm has no critic: a parameter that forward reaches and the loss does not
+    would leave DDP waiting for its gradient."""
+
+    def __init__(self, policy: torch.nn.Module, with_value: bool = True):
+        super().__init__()
+        self.policy = policy
+        self.with_value = with_value
+
+    def forward(self, obs, output):
+        token, entropy, value = self.policy.evaluate(obs, output, level="token")
+        return token, entropy, (value if self.with_value else None)
+
+
 class TorchEngine:
-    """Adam over the policy's trainable parameters, gradient clipping by global norm."""
+    """Adam over the policy's trainable parameters, gradient clipping by global norm; across
+    processes after ``distribute`` (torch DDP: every rank holds the whole model and optimizer,
+    gradients are averaged during backward)."""
 
     def __init__(self, policy: torch.nn.Module, *, learning_rate: float, max_grad_norm: float):
         self.policy = policy
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=learning_rate, eps=1e-5)
         self.max_grad_norm = max_grad_norm
+        self.forward: torch.nn.Module = Evaluate(policy)
+        self.rank = 0
+        self.world_size = 1
+        self.process_group = None
+
+    def distribute(self, process_group, with_value: bool) -> None:
+        """Average gradients over ``process_group`` (torch.distributed, initialised; every rank
+        calls this). Rank 0's weights and buffers are copied to the others here."""
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.forward = DistributedDataParallel(
+            Evaluate(self.policy, with_value),
+            process_group=process_group,
+            forward_sync_buffers=False,  # the normaliser: each rank folds in the same data
+            # a critic the algorithm does not use (GRPO) gets no gradient: DDP must look for it
+            find_unused_parameters=getattr(self.policy, "has_critic", False) and not with_value,
+        )
 
     def logprob(self, samples: Samples, level: str):
         # ask the policy for per-dimension log-probabilities: the chunk level sums the valid
         # actions only (an action run after its episode ended belongs to no episode)
-        token, entropy, value = self.policy.evaluate(samples.obs, samples.output, level="token")
+        token, entropy, value = self.forward(samples.obs, samples.output)
         return logprob_at(token, level, samples.valid), entropy, value
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -53,6 +98,15 @@ class TorchEngine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    def average(self, values: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.process_group)
+        return values / self.world_size
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

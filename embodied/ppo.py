@@ -107,8 +107,9 @@ class PPO:
         level = cfg.logprob_level
         logprob, ent, value = learner.logprob(minibatch, level)
         adv = minibatch.advantages  # f32 [N]
-        if cfg.norm_adv and len(adv) > 1:
-            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        whole_adv = minibatch.whole().advantages  # a rank's share: the minibatch's statistics
+        if cfg.norm_adv and len(whole_adv) > 1:
+            adv = (adv - whole_adv.mean()) / (whole_adv.std() + 1e-8)
         pg_loss, pg_metrics = ppo_policy_loss(
             logprob=logprob,
             old_logprob=minibatch.behaviour_logprob(level),
@@ -117,14 +118,17 @@ class PPO:
             clip_high=cfg.clip_coef_high,
             mask=minibatch.mask(level),
             prox_logprob=minibatch.prox_logprob,
+            count=minibatch.mean_count(level),
         )
+        per_row = minibatch.mean_count(None)
         v_loss, v_metrics = value_loss(
             values=value,
             returns=minibatch.returns,
             old_values=minibatch.values,
             clip=cfg.vf_clip,
+            count=per_row,
         )
-        ent_loss, ent_metrics = entropy(entropies=ent)
+        ent_loss, ent_metrics = entropy(entropies=ent, count=per_row)
         loss = pg_loss - cfg.ent_coef * ent_loss + cfg.vf_coef * v_loss
         return loss, {**pg_metrics, **v_metrics, **ent_metrics, "loss/total": loss.detach()}
 

@@ -120,6 +120,11 @@ class Learner:
     def device(self) -> torch.device:
         return next(self.policy.parameters()).device
 
+    def distribute(self, process_group) -> None:
+        """Share every update with the other ranks of ``process_group`` (data-parallel actor
+        workers: each takes its share of every minibatch, gradients are averaged)."""
+        self.engine.distribute(process_group, with_value=self.algorithm.has_critic)
+
     def init_normalizer(self, obs: Observation) -> None:
         """Normalisation statistics from the first observations, before anything acts."""
         self.policy.update_normalizer(obs.map(lambda t: t.to(self.device)))

@@ -94,6 +94,17 @@ class RolloutBatch:
 
 
 @dataclass
+class Share:
+    """What a data-parallel rank's rows are a share of."""
+
+    whole: Samples  # the minibatch
+    world_size: int  # how many ranks share it
+
+
+NOT_ROWS = ("obs", "output", "share")  # the fields of Samples that are not plain [N, ...] tensors
+
+
+@dataclass
 class Samples:
     """N chunks for an update, every tensor [N, ...] on the policy's device."""
 
@@ -109,9 +120,41 @@ class Samples:
     # the weights the update started from, at the update's level (decoupled PPO: data collected
     # by older weights, cluster.max_staleness > 0)
     prox_logprob: torch.Tensor | None = None
+    # this minibatch is one data-parallel rank's rows of ``share.whole`` (``shard``)
+    share: Share | None = None
 
     def __len__(self) -> int:
         return self.advantages.shape[0]
+
+    def shard(self, rank: int, world_size: int) -> Samples:
+        """Rank ``rank``'s contiguous share of these rows out of ``world_size``; its means
+        take this minibatch's denominators (``mean_count``)."""
+        n = len(self)
+        if n < world_size:
+            raise ValueError(
+                f"a minibatch of {n} samples cannot be shared by {world_size} actor workers; "
+                "use fewer algorithm.num_minibatches or cluster.actor.workers"
+            )
+        rows_host = torch.arange(n * rank // world_size, n * (rank + 1) // world_size)
+        part = self.index(rows_host.to(self.advantages.device), rows_host)
+        part.share = Share(whole=self, world_size=world_size)
+        return part
+
+    def whole(self) -> Samples:
+        """The minibatch these rows are a share of (themselves when not a share)."""
+        return self if self.share is None else self.share.whole
+
+    def mean_count(self, level: str | None) -> torch.Tensor | float | None:
+        """The denominator of a mean over these rows' entries at ``level`` (None: one entry
+        per row) when they are a rank's share: the whole minibatch's count over the ranks, so
+        that the ranks' averaged gradient is the whole minibatch's. None when whole."""
+        if self.share is None:
+            return None
+        whole = self.share.whole
+        mask = None if level is None else whole.mask(level)
+        if mask is None:
+            return len(whole) / self.share.world_size
+        return mask.sum().clamp(min=1).to(torch.float32) / self.share.world_size
 
     def mask(self, level: str) -> torch.Tensor | None:
         """Which log-probability entries count: bool [N, K] (action), [N, K, A] (token); None at
@@ -141,7 +184,7 @@ class Samples:
         tensors = {
             f.name: getattr(self, f.name)[rows]
             for f in fields(self)
-            if f.name not in ("obs", "output") and getattr(self, f.name) is not None
+            if f.name not in NOT_ROWS and getattr(self, f.name) is not None
         }
         return Samples(obs=obs, output=output, **tensors)
 
@@ -151,7 +194,7 @@ class Samples:
         tensors = {
             f.name: torch.cat([getattr(p, f.name) for p in parts])
             for f in fields(first)
-            if f.name not in ("obs", "output") and getattr(first, f.name) is not None
+            if f.name not in NOT_ROWS and getattr(first, f.name) is not None
         }
         output = PolicyOutput(
             actions=torch.cat([p.output.actions for p in parts]),

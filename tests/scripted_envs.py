@@ -290,13 +290,15 @@ def run_on(
     env_factory=None,
     pipeline_stages: int = 1,
     trace: bool = False,
+    save_every: int = 0,
+    resume: str | None = None,
 ) -> dict:
     """The runner over ``env`` with a config written here (16 evaluation episodes, no video);
     returns its summary. The metrics are in ``run_dir/metrics.jsonl``. With ``cluster`` (the
     config block) the roles run on Ray and the env workers build ``env_factory(env_cfg)`` with
-    8 environments in all."""
+    8 environments in all. ``resume``: a checkpoint of the run to go on from."""
     from embodied.config import compose
-    from embodied.roles import local_roles
+    from embodied.roles import load_checkpoint_for, local_roles
     from embodied.runner import Runner, TrainConfig
 
     runner = {
@@ -306,7 +308,7 @@ def run_on(
         "eval_every": 0,
         "eval_episodes": 16,
         "final_eval_episodes": 16,
-        "save_every": 0,
+        "save_every": save_every,
         "progress": False,
         "video": False,
         "pipeline_stages": pipeline_stages,
@@ -317,14 +319,15 @@ def run_on(
         source.update(cluster=cluster, env={"num_envs": 8})
     cfg = compose(TrainConfig, [("test", source)])
     run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = None if resume is None else load_checkpoint_for(resume, "runner.resume")
     if cluster is None:
-        roles = local_roles(cfg, env)
+        roles = local_roles(cfg, env, checkpoint)
     else:
         from embodied.cluster import ray_roles
 
-        roles = ray_roles(cfg, None, run_dir, env_factory=env_factory)
+        roles = ray_roles(cfg, checkpoint, run_dir, env_factory=env_factory)
     try:
-        return Runner(cfg, roles, run_dir, None).run()
+        return Runner(cfg, roles, run_dir, checkpoint).run()
     finally:
         if cluster is not None:
             roles.close()

@@ -13,7 +13,8 @@ resources (``resources: {sim_node: 1}`` pins it to the nodes that offer them). `
 packs every worker on one node, and a rollout worker shares a bundle with an actor worker (one
 device for both); ``disaggregated`` gives every worker a bundle of its own, spread over nodes
 where it can be; ``hybrid`` keeps the rollout and actor workers together and lets the env
-workers go anywhere.
+workers go anywhere. Several actor workers are data-parallel ranks (torch DDP; with NCCL each
+needs a GPU of its own).
 """
 
 from __future__ import annotations
@@ -83,8 +84,3 @@ class ClusterConfig:
             )
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts: must be >= 0, got {self.max_restarts}")
-        if self.actor.workers != 1:
-            raise ValueError(
-                f"actor.workers: one actor worker is built so far (data-parallel actors are "
-                f"not), got {self.actor.workers}"
-            )

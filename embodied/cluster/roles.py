@@ -117,8 +117,17 @@ def _get(refs, role: str):
     try:
         return ray.get(refs)
     except ray.exceptions.RayActorError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise WorkerLost(role, first) from None
+        raise _lost(role, e) from None
+
+
+def _lost(role: str, error: Exception) -> WorkerLost:
+    """``WorkerLost`` with the first line of Ray's message; a lost actor worker takes the
+    learner's state (weights, optimizer) with it: the run can only resume."""
+    text = str(error).strip()
+    detail = text.splitlines()[0] if text else type(error).__name__
+    if role == "actor":
+        detail += "; the learner's state is lost: resume from the run's last checkpoint"
+    return WorkerLost(role, detail)
 
 
 class Baton:
@@ -132,11 +141,13 @@ class Baton:
         self.last = state  # the state of the last completed iteration (a lost holder's fallback)
         self.moves = moves  # False: every worker draws from a stream of its own
 
-    def to(self, worker, role: str) -> None:
+    def to(self, worker, role: str, followers: tuple = ()) -> None:
+        """Move the state to ``worker`` (and a copy to each of ``followers``, which draw in
+        step with it: the data-parallel actor workers)."""
         if self.holder is worker or not self.moves:
             return
         state = self.fetch()
-        _get(worker.set_rng.remote(state), role)
+        _get([w.set_rng.remote(state) for w in (worker, *followers)], role)
         self.holder = worker
         self.holder_role = role
         self.state = None
@@ -384,39 +395,79 @@ class RemoteInference:
 
 
 class Pending:
-    """An update running in the actor worker."""
+    """An update running in the actor workers: ``result()`` is rank 0's metrics (every rank
+    has the same), or ``WorkerLost`` as soon as any rank is lost (the others would wait for it
+    in a collective, or fail in one)."""
 
-    def __init__(self, ref):
-        self.ref = ref
+    def __init__(self, workers: list, refs: list):
+        self.workers = workers
+        self.refs = refs
 
     def result(self) -> dict:
-        return _get(self.ref, "actor")
+        import ray
+
+        waiting = list(self.refs)
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1)
+            try:
+                _get(ready[0], "actor")
+            except ray.exceptions.RayTaskError:
+                self._raise_if_one_died()  # a rank's collective failed because a peer died
+                raise
+        return _get(self.refs[0], "actor")
+
+    def _raise_if_one_died(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            try:
+                ray.get(worker.ping.remote(), timeout=30)
+            except ray.exceptions.GetTimeoutError:
+                continue  # alive and busy
+            except ray.exceptions.RayActorError as e:
+                raise _lost("actor", e) from None
 
 
 class RemoteLearner:
-    """The actor worker as the ``Learner``."""
+    """The actor workers as the ``Learner``: rank 0 saves and sends the weights; every rank
+    gets the batch (one copy in the object store) and the calls that change its state."""
 
-    def __init__(self, worker, baton: Baton, lr: float):
-        self.worker = worker
+    def __init__(self, workers: list, baton: Baton, lr: float, num_minibatches: int):
+        self.workers = workers
+        self.num_minibatches = num_minibatches
         self.baton = baton
         self._lr = lr
         self.device = torch.device("cpu")
 
     def init_normalizer(self, obs: Observation) -> None:
-        _get(self.worker.init_normalizer.remote(to_wire(obs)), "actor")
+        wired = to_wire(obs)
+        _get([w.init_normalizer.remote(wired) for w in self.workers], "actor")
 
     def update(self, samples, observations: list[Observation]) -> dict:
         return self.start_update(samples, observations).result()
 
     def start_update(self, samples, observations: list[Observation]) -> Pending:
-        """The update, running in the actor worker; the handle's ``result()`` waits for it."""
-        self.baton.to(self.worker, "actor")
-        return Pending(self.worker.update.remote(to_wire(samples), to_wire(observations)))
+        """The update, running in the actor workers; the handle's ``result()`` waits for it."""
+        import ray
+
+        ranks = len(self.workers)
+        if samples is not None and 0 < len(samples) // self.num_minibatches < ranks:
+            raise ConfigError(
+                f"cluster.actor.workers: a minibatch of {len(samples) // self.num_minibatches} "
+                f"samples cannot be shared by {ranks} actor workers; use fewer actor workers or "
+                "algorithm.num_minibatches"
+            )
+        first, rest = self.workers[0], tuple(self.workers[1:])
+        self.baton.to(first, "actor", followers=rest)  # the ranks shuffle alike
+        batch = ray.put(to_wire(samples))
+        seen = ray.put(to_wire(observations))
+        return Pending(self.workers, [w.update.remote(batch, seen) for w in self.workers])
 
     def set_lr(self, lr: float) -> None:
-        """Queued behind the update in flight (the actor runs its calls in order): it applies
+        """Queued behind the update in flight (an actor runs its calls in order): it applies
         to the next one."""
-        self.worker.set_lr.remote(lr)
+        for worker in self.workers:
+            worker.set_lr.remote(lr)
         self._lr = lr
 
     @property
@@ -424,7 +475,8 @@ class RemoteLearner:
         return self._lr
 
     def save(self, run_dir: Path, iteration: int, **kw) -> None:
-        _get(self.worker.save.remote(str(run_dir), iteration, kw), "actor")
+        """Rank 0's state: every rank holds the same weights and optimizer state."""
+        _get(self.workers[0].save.remote(str(run_dir), iteration, kw), "actor")
 
 
 class RayRoles:
@@ -475,19 +527,27 @@ class RayRoles:
             self.envs = RemoteEnvGroup(env_workers, facts)
             self.spec = self.envs.spec
             device = _device(cfg, cluster.actor.num_gpus)
-            actor = make(ActorWorker, slots["actor"][0]).remote(
-                cfg, self.spec, self.envs.task_of_env.tolist(), device, rng_state()
-            )
+            task_of_env = self.envs.task_of_env.tolist()
+            # every actor worker from the same generator state: the same policy, the same
+            # minibatch permutations (data-parallel ranks)
+            start_rng = rng_state()
+            actors = [
+                make(ActorWorker, slot).remote(cfg, self.spec, task_of_env, device, start_rng)
+                for slot in slots["actor"]
+            ]
+            actor = actors[0]
             rollout_device = _device(cfg, cluster.rollout.num_gpus)
             rollouts = [
                 make(RolloutWorker, slot).remote(cfg.policy, self.spec, rollout_device, threads)
                 for slot in slots["rollout"]
             ]
-            self.workers = {"env": env_workers, "rollout": rollouts, "actor": [actor]}
+            self.workers = {"env": env_workers, "rollout": rollouts, "actor": actors}
             self.placed = {
                 role: _get([w.where.remote() for w in workers], role)
                 for role, workers in self.workers.items()
             }
+            if len(actors) > 1:
+                _join_ranks(actors, self.placed["actor"], device)
             if cluster.max_staleness:  # collection and update overlap: a stream each
                 self.baton = Baton(rng_state(), moves=False)
                 _get([w.seed.remote(cfg.seed + 1 + i) for i, w in enumerate(rollouts)], "rollout")
@@ -501,11 +561,13 @@ class RayRoles:
                     "rollout",
                 )
             if resume is not None:
-                _get(actor.load.remote(resume), "actor")
+                _get([a.load.remote(resume) for a in actors], "actor")
                 self.baton.holder = None
                 self.baton.state = self.baton.last = resume["rng"]
             self.actor = actor
-            self.learner = RemoteLearner(actor, self.baton, cfg.algorithm.learning_rate)
+            self.learner = RemoteLearner(
+                actors, self.baton, cfg.algorithm.learning_rate, cfg.algorithm.num_minibatches
+            )
             has_critic = _get(rollouts[0].has_critic.remote(), "rollout")
             self.inference = RemoteInference(rollouts, self.baton, has_critic)
             self.full_sync = True  # the rollout workers hold random weights until the first sync
@@ -582,11 +644,7 @@ class RayRoles:
         limit = self.cfg.cluster.max_restarts
         self.events.append({"time": time.time(), "role": error.role, "detail": error.detail})
         if error.role == "actor":
-            raise WorkerLost(
-                "actor",
-                f"{error.detail}; the learner's state is lost: resume from the run's last "
-                "checkpoint",
-            )
+            raise error  # (its message says to resume)
         if failures > limit:
             raise WorkerLost(
                 error.role,
@@ -669,6 +727,20 @@ class RayRoles:
             ray.util.remove_placement_group(self.group)
         if self.started:
             ray.shutdown()
+
+
+def _join_ranks(actors: list, placed: list[dict], device: str) -> None:
+    """Make the actor workers one process group (rank = index), rank 0's node the meeting
+    place. NCCL wants a GPU per rank: actor workers that share one are refused."""
+    if device.startswith("cuda"):
+        ids = [tuple(p["gpu_ids"]) for p in placed]
+        if len(set(ids)) < len(ids):
+            raise ConfigError(
+                f"cluster.actor: {len(actors)} actor workers share GPU(s) {ids}; data-parallel "
+                "actor workers need a GPU each (cluster.actor.num_gpus=1)"
+            )
+    address = _get(actors[0].address.remote(), "actor")
+    _get([a.join.remote(rank, len(actors), address) for rank, a in enumerate(actors)], "actor")
 
 
 def _device(cfg, num_gpus: float) -> str:

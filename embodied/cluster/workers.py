@@ -9,6 +9,7 @@ again and receives the learner's full weights before it acts.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import time
@@ -21,6 +22,8 @@ from embodied.env_group import EnvGroup
 from embodied.inference import InferencePolicy
 from embodied.models import build_policy
 from embodied.roles import Learner
+
+COLLECTIVE_TIMEOUT_S = 600  # how long an actor worker waits for the others in a collective
 
 
 def where() -> dict:
@@ -172,7 +175,9 @@ class RolloutWorker(_Worker):
 
 
 class ActorWorker(_Worker):
-    """The learner: the algorithm's update, the normaliser, the optimizer, checkpoints."""
+    """The learner: the algorithm's update, the normaliser, the optimizer, checkpoints. Several
+    actor workers are data-parallel ranks (``join``): each gets the whole batch, takes its share
+    of every minibatch, and the gradients are averaged (torch DDP)."""
 
     def __init__(self, cfg, spec, task_of_env: list[int], device: str, rng: dict | None):
         self.spans = []
@@ -182,6 +187,34 @@ class ActorWorker(_Worker):
         task_ids = torch.tensor(task_of_env, dtype=torch.long)
         self.learner = Learner(cfg, spec, task_ids, torch.device(device))
         self.sync_keys = _sync_keys(self.learner.policy)
+
+    def address(self) -> str:
+        """A free TCP address on this worker's node: the process group meets there (rank 0)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, rank: int, world_size: int, address: str) -> None:
+        """Join the actor workers' process group (gloo on the CPU, NCCL on GPUs) as ``rank``;
+        from here on every update is shared with the other ranks."""
+        import torch.distributed as dist
+
+        backend = "nccl" if self.learner.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=address,
+            rank=rank,
+            world_size=world_size,
+            # a rank that died leaves the others waiting in a collective; the driver sees the
+            # death at once and stops the run, this only bounds a worker left behind
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        self.learner.distribute(dist.group.WORLD)
 
     def load(self, checkpoint: dict) -> None:
         self.learner.load(checkpoint)

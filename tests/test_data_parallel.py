@@ -1,0 +1,144 @@
+"""Data-parallel updates: each rank takes its share of every minibatch, and the averaged
+gradient is the whole minibatch's, however the rows and the masked actions fall between ranks.
+
+The batches are collected on the bookkeeping task (tests/test_grpo_bookkeeping.py): chunks of
+two actions, and an episode that ends inside a chunk, so that some actions count for nothing.
+"""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_grpo_bookkeeping import MAX_STEPS, K, make_env
+
+from embodied.algorithm import update
+from embodied.env_group import EnvGroup
+from embodied.grpo import GRPO, GRPOConfig
+from embodied.inference import InferencePolicy
+from embodied.learner import TorchEngine
+from embodied.models import ActorCritic, ActorCriticConfig
+from embodied.ppo import PPO, PPOConfig
+from embodied.rollout import EpisodeStats, collect
+
+# the metrics that are not means over the minibatch's entries: each rank has its own
+OWN_PER_RANK = ("value/explained_variance",)
+
+
+def policy_and_envs(seed: int = 0):
+    torch.manual_seed(seed)
+    env = make_env()
+    config = ActorCriticConfig(hidden_sizes=[16], chunk_size=K, normalize_obs=False)
+    return ActorCritic(env.spec, config), EnvGroup(env)
+
+
+def algorithm_for(name: str, envs, policy):
+    if name == "ppo":
+        config = PPOConfig(
+            num_steps=3, logprob_level="token", vf_clip=0.2, ent_coef=0.01, target_kl=None
+        )
+        return PPO(config, seed=0, num_envs=envs.num_envs)
+    config = GRPOConfig(group_size=3, kl_coef=0.1, logprob_level="action")
+    return GRPO(
+        config,
+        seed=100,
+        task_of_env=envs.task_of_env,
+        chunk_size=K,
+        max_episode_steps=MAX_STEPS,
+        policy=policy,
+    )
+
+
+def samples_for(name: str, seed: int = 0):
+    """(policy, algorithm, samples with advantages and prepared): one round on the task."""
+    policy, envs = policy_and_envs(seed)
+    algorithm = algorithm_for(name, envs, policy)
+    plan = algorithm.plan(1, 0, episode_base=0)
+    stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
+    obs = envs.reset(seed=plan.seeds)
+    batch, _ = collect(envs, InferencePolicy(policy), obs, plan, stats)
+    algorithm.advantages(batch)
+    samples = batch.samples()
+    algorithm.prepare(samples)
+    return policy, algorithm, samples
+
+
+def gradients(engine, algorithm, minibatch) -> tuple[list[torch.Tensor], dict[str, float]]:
+    loss, metrics = algorithm.loss(engine, minibatch)
+    loss.backward()
+    # (GRPO leaves the critic without a gradient)
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in engine.params]
+    engine.optimizer.zero_grad(set_to_none=True)
+    return grads, {k: v.item() for k, v in metrics.items()}
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_the_ranks_averaged_gradient_is_the_whole_minibatchs(name, world_size):
+    policy, algorithm, samples = samples_for(name)
+    engine = TorchEngine(policy, learning_rate=1e-3, max_grad_norm=1.0)
+    # the shares differ in rows and in the actions that count
+    valid = [samples.shard(r, world_size).valid.sum().item() for r in range(world_size)]
+    assert len(set(valid)) > 1
+    whole_grads, whole_metrics = gradients(engine, algorithm, samples)
+    shares = [
+        gradients(engine, algorithm, samples.shard(rank, world_size)) for rank in range(world_size)
+    ]
+    for i, whole in enumerate(whole_grads):
+        averaged = sum(grads[i] for grads, _ in shares) / world_size
+        torch.testing.assert_close(averaged, whole, rtol=1e-5, atol=1e-7)
+    assert max(g.abs().max().item() for g in whole_grads) > 1e-3  # the loss moves the weights
+    for key, value in whole_metrics.items():
+        if key in OWN_PER_RANK:
+            continue
+        averaged = sum(metrics[key] for _, metrics in shares) / world_size
+        assert averaged == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_a_minibatch_smaller_than_the_ranks_is_refused():
+    _, _, samples = samples_for("ppo")
+    few = samples.index(torch.arange(2), torch.arange(2))
+    with pytest.raises(ValueError, match="a minibatch of 2 samples cannot be shared by 3"):
+        few.shard(0, 3)
+
+
+def _rank_update(rank: int, world_size: int, name: str, address: str, out: str) -> None:
+    """One rank of a data-parallel update: the same samples and generator state everywhere."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size)
+    try:
+        policy, algorithm, samples = samples_for(name)
+        engine = TorchEngine(policy, learning_rate=1e-2, max_grad_norm=0.5)
+        engine.distribute(dist.group.WORLD, with_value=algorithm.has_critic)
+        torch.manual_seed(7)
+        metrics = update(engine, algorithm, samples, epochs=2, num_minibatches=2)
+        torch.save({"state": policy.state_dict(), "metrics": metrics}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo"])
+def test_two_gloo_ranks_update_as_one_process_does(name, tmp_path):
+    """torch DDP over gloo, two processes: the weights after two epochs of two minibatches and
+    the metrics are the one-process update's."""
+    torch.set_num_threads(1)
+    policy, algorithm, samples = samples_for(name)
+    engine = TorchEngine(policy, learning_rate=1e-2, max_grad_norm=0.5)
+    start = {k: v.clone() for k, v in policy.state_dict().items()}
+    torch.manual_seed(7)
+    alone = update(engine, algorithm, samples, epochs=2, num_minibatches=2)
+    out = str(tmp_path / "rank")
+    address = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_rank_update, args=(2, name, address, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    moved = False
+    for key, value in policy.state_dict().items():
+        for rank in ranks:
+            torch.testing.assert_close(rank["state"][key], value, rtol=1e-5, atol=1e-6)
+        moved = moved or not torch.equal(value, start[key])
+    assert moved
+    for key, value in alone.items():
+        if key in OWN_PER_RANK:
+            continue
+        for rank in ranks:
+            assert rank["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
