@@ -41,7 +41,7 @@ from embodied.roles import (
     load_checkpoint_for,
     local_roles,
 )
-from embodied.rollout import EpisodeStats, Samples, collect
+from embodied.rollout import EpisodeStats, Samples, StageTuner, collect, stage_candidates
 from embodied.run import (
     Clock,
     Interrupted,
@@ -79,15 +79,18 @@ class RunnerConfig:
     init_from: str | None = None
     device: str = "auto"  # "auto": the environment's device
     torch_threads: int = 1  # intra-op threads for the policy (the simulators use the other cores)
-    pipeline_stages: int = 1  # > 1: the policy acts for one group of envs while others simulate
+    # > 1: the policy acts for one group of envs while others simulate; "auto": try the stage
+    # counts the envs can split into in the first iterations and keep the fastest
+    pipeline_stages: int | str = 1
     progress: bool = True  # show a progress bar
     trace: bool = False  # RUN/trace.json: a Chrome/Perfetto trace of an iteration (the second)
 
     def validate(self) -> None:
         if self.total_env_steps < 1:
             raise ValueError(f"total_env_steps: must be >= 1, got {self.total_env_steps}")
-        if self.pipeline_stages < 1:
-            raise ValueError(f"pipeline_stages: must be >= 1, got {self.pipeline_stages}")
+        stages = self.pipeline_stages
+        if stages != "auto" and (not isinstance(stages, int) or stages < 1):
+            raise ValueError(f"pipeline_stages: must be >= 1 or auto, got {stages!r}")
         if self.eval_episodes < 1:
             raise ValueError(f"eval_episodes: must be >= 1, got {self.eval_episodes}")
         if self.final_eval_episodes < 1:
@@ -269,6 +272,11 @@ class Runner:
         self.steps_per_round = B * K * chunks_per_round
         # the environment group says whether it can pipeline chunks of K (stage_split)
         self.stages = cfg.runner.pipeline_stages
+        self.tuner = None
+        if self.stages == "auto":
+            candidates = stage_candidates(self.envs, cfg.policy.chunk_size)
+            chosen = (resume or {}).get("counters", {}).get("pipeline_stages")
+            self.tuner = StageTuner(candidates, chosen)
         self.counters = {
             "iteration": 0,
             "env_steps": 0,
@@ -361,13 +369,18 @@ class Runner:
             stats = EpisodeStats(self.envs.num_envs, self.envs.task_names, self.inference.device)
             self.phase = "collect"
             steps_before = counters["env_steps"]
+            if self.tuner is not None:
+                self.stages = self.tuner.next()
             samples, metrics, batches = self._collect(iteration, stats)
+            rollout_time = time.time() - t0
+            if self.tuner is not None:
+                self._tune_stages(metrics, rollout_time, counters["env_steps"] - steps_before)
             collected = {
                 "iteration": iteration,
                 "metrics": metrics,
                 "stats": stats,
                 "t0": t0,
-                "rollout_time": time.time() - t0,
+                "rollout_time": rollout_time,
                 "steps_before": steps_before,
                 "env_steps": counters["env_steps"],
                 "rounds": counters["rounds"],
@@ -392,6 +405,14 @@ class Runner:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             self._finish(pending, last=True)
+
+    def _tune_stages(self, metrics: dict, seconds: float, env_steps: int) -> None:
+        """``runner.pipeline_stages: auto``: time this collection; once every candidate has
+        had its iteration, the fastest stays (a resumed run keeps it: it is in the counters)."""
+        metrics["rollout/pipeline_stages"] = float(self.stages)
+        if self.tuner.record(self.stages, seconds, env_steps):
+            self.counters["pipeline_stages"] = self.tuner.chosen
+            self.bar.write(self.tuner.report())
 
     def _finish(self, done: dict, last: bool | None, stopping: bool = False) -> bool:
         """Wait for an iteration's update, sync the weights, log, evaluate, checkpoint; whether

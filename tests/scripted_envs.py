@@ -288,7 +288,7 @@ def run_on(
     algorithm=GRPO,
     cluster: dict | None = None,
     env_factory=None,
-    pipeline_stages: int = 1,
+    pipeline_stages: int | str = 1,
     trace: bool = False,
     save_every: int = 0,
     resume: str | None = None,

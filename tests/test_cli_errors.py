@@ -137,6 +137,7 @@ CASES = [
     (["train", f"{R}/vla_state.yaml"], ["env.obs_mode", "'vla'", "camera"]),
     # train: checkpoints to resume or start from
     (["train", M, f"runner.resume={R}/nowhere"], ["runner.resume", "nowhere"]),
+    (["train", M, "runner.pipeline_stages=two"], ["runner.pipeline_stages", "or auto", "'two'"]),
     (
         ["train", M, f"runner.init_from={R}/nowhere", f"runner.output_dir={R}/out"],
         ["runner.init_from", "nowhere"],

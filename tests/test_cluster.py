@@ -371,6 +371,29 @@ def test_data_parallel_actor_workers_give_the_embedded_numbers_and_a_lost_one_st
     assert_same_numbers(rows(tmp_path / "embedded"), table, rel=1e-5, abs=1e-7)
 
 
+def test_pipeline_stages_auto_times_each_split_and_keeps_the_fastest(local_ray, tmp_path, capsys):
+    """Two env workers: lockstep, or two stages of a worker each. The first iteration warms up,
+    the next two time one and two stages, and the faster stays."""
+    iterations = 5
+    run_on(
+        None,
+        tmp_path / "ray",
+        total_env_steps=8 * 3 * iterations,
+        cluster={**CLUSTER, "env": dict(workers=2, num_cpus=0.5)},
+        env_factory=push_right_envs,
+        algorithm=ONE_ROUND,
+        pipeline_stages="auto",
+    )
+    table = [r for r in rows(tmp_path / "ray") if "rollout/pipeline_stages" in r]
+    used = [int(r["rollout/pipeline_stages"]) for r in table]
+    speed = {used[i]: table[i]["time/env_steps_per_s"] for i in (1, 2)}
+    chosen = max(speed, key=speed.get)
+    assert used == [1, 1, 2, chosen, chosen]
+    assert f"pipeline_stages auto: {chosen} (collection per 1000 env steps: 1: " in (
+        capsys.readouterr().out
+    )
+
+
 def test_an_impossible_placement_is_one_line_before_any_worker_starts(local_ray, tmp_path, capsys):
     argv = [
         "train",

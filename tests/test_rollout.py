@@ -11,7 +11,7 @@ from embodied.contract import check_env, check_policy
 from embodied.env_group import EnvGroup
 from embodied.inference import InferencePolicy
 from embodied.ppo import PPO, PPOConfig
-from embodied.rollout import CollectPlan, EpisodeStats, collect
+from embodied.rollout import CollectPlan, EpisodeStats, StageTuner, collect, stage_candidates
 
 # env 0 terminates every 2 steps (twice per chunk), env 1 is truncated after 7 steps (mid-chunk,
 # then again on a chunk's last action... after the rollout), env 2 terminates every 4 steps (on a
@@ -136,3 +136,43 @@ def test_pipelined_collection_equals_lockstep():
         torch.testing.assert_close(got.obs.state, ref.obs.state)
         torch.testing.assert_close(last.state, ref_last.state)
         assert stats.summary() == ref_stats.summary()
+
+
+@pytest.mark.parametrize(
+    "num_envs, subsets, chunk, expected",
+    [
+        (8, True, 1, [1, 2, 4, 8]),
+        (3, True, 1, [1, 2]),  # no more stages than environments
+        (8, True, 2, [1]),  # strided stages step one action at a time
+        (8, False, 1, [1]),  # an environment that cannot step subsets runs in lockstep
+    ],
+)
+def test_stage_candidates_are_the_splits_the_environments_can_make(
+    num_envs, subsets, chunk, expected
+):
+    envs = EnvGroup(ScriptedEnv([0] * num_envs, can_step_subsets=subsets))
+    assert stage_candidates(envs, chunk) == expected
+
+
+def test_the_stage_tuner_warms_up_tries_every_candidate_once_and_keeps_the_fastest():
+    tuner = StageTuner([1, 2, 4])
+    used = []
+    # seconds per 1000 env steps: the warm-up (slowest, not counted), then 1, 2 and 4 stages
+    for seconds in (9.0, 2.0, 1.5, 1.8, 1.0, 1.2):
+        stages = tuner.next()
+        used.append(stages)
+        settled = tuner.record(stages, seconds, 1000)
+        assert settled == (len(used) == 4)
+    assert used == [1, 1, 2, 4, 2, 2]
+    assert tuner.chosen == 2
+    assert tuner.report() == (
+        "pipeline_stages auto: 2 (collection per 1000 env steps: 1: 2000.0 ms, 2: 1500.0 ms, "
+        "4: 1800.0 ms)"
+    )
+
+
+def test_the_stage_tuner_has_nothing_to_try_with_one_candidate_or_a_resumed_choice():
+    assert [StageTuner([1]).next() for _ in range(2)] == [1, 1]
+    resumed = StageTuner([1, 2], chosen=2)
+    assert resumed.next() == 2
+    assert not resumed.record(2, 1.0, 100)
