@@ -45,6 +45,7 @@ TINY = [
 # one worker per role on 2 CPUs: the env worker's simulator runs in its own subprocess
 ON_RAY = ["cluster.enabled=true", "cluster.rollout.num_cpus=0.5", "cluster.actor.num_cpus=0.5"]
 CLUSTER = dict(enabled=True, rollout=dict(num_cpus=0.5), actor=dict(num_cpus=0.5))
+TWO_ENV_WORKERS = {**CLUSTER, "env": dict(workers=2, num_cpus=0.5)}
 # GRPO with one round per iteration, every group kept: a fixed count of chunks per update
 ONE_ROUND = {**GRPO, "max_rounds": 1, "dynamic_sampling": False}
 TIMING = ("time/", "cluster/", "eval/policy_ms", "eval/env_steps_per_s")
@@ -140,9 +141,12 @@ def test_grpo_on_two_env_workers_gives_the_embedded_numbers(local_ray, tmp_path,
     torch.manual_seed(0)
     embedded = run_on(PushRightEnv(8), tmp_path / "embedded", total_env_steps=steps)
     torch.manual_seed(0)
-    cluster = {**CLUSTER, "env": dict(workers=2, num_cpus=0.5)}
     on_ray = run_on(
-        None, tmp_path / "ray", total_env_steps=steps, cluster=cluster, env_factory=push_right_envs
+        None,
+        tmp_path / "ray",
+        total_env_steps=steps,
+        cluster=TWO_ENV_WORKERS,
+        env_factory=push_right_envs,
     )
     assert len([r for r in rows(tmp_path / "ray") if "policy/loss" in r]) >= 2
     assert_same_numbers(rows(tmp_path / "embedded"), rows(tmp_path / "ray"))
@@ -207,7 +211,7 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
         None,
         tmp_path / "ray",
         total_env_steps=8 * 3 * iterations,
-        cluster={**CLUSTER, "env": dict(workers=2, num_cpus=0.5)},
+        cluster=TWO_ENV_WORKERS,
         env_factory=push_right_envs,
         algorithm=ONE_ROUND,
         pipeline_stages=2,
@@ -379,7 +383,7 @@ def test_pipeline_stages_auto_times_each_split_and_keeps_the_fastest(local_ray, 
         None,
         tmp_path / "ray",
         total_env_steps=8 * 3 * iterations,
-        cluster={**CLUSTER, "env": dict(workers=2, num_cpus=0.5)},
+        cluster=TWO_ENV_WORKERS,
         env_factory=push_right_envs,
         algorithm=ONE_ROUND,
         pipeline_stages="auto",
