@@ -70,18 +70,25 @@ class TorchEngine:
     def distribute(self, process_group, with_value: bool) -> None:
         """Average gradients over ``process_group`` (torch.distributed, initialised; every rank
         calls this). Rank 0's weights and buffers are copied to the others here."""
+        import inspect
+
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        # the normaliser's buffers: every rank folds in the same observations, so they are not
+        # synced after the start (the argument was renamed in torch 2.13)
+        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        no_buffer_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
         self.forward = DistributedDataParallel(
             Evaluate(self.policy, with_value),
             process_group=process_group,
-            forward_sync_buffers=False,  # the normaliser: each rank folds in the same data
-            # a critic the algorithm does not use (GRPO) gets no gradient: DDP must look for it
-            find_unused_parameters=getattr(self.policy, "has_critic", False) and not with_value,
+            # the parameters that get gradients are the same every step; DDP learns which in
+            # the first backward (a critic GRPO does not use, a text encoder's unused pooler)
+            static_graph=True,
+            **no_buffer_sync,
         )
 
     def logprob(self, samples: Samples, level: str):

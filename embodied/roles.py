@@ -204,6 +204,10 @@ class Roles:
         """``evaluate_by_task`` of the inference policy on the environment group's envs."""
         return evaluate_by_task(self.envs.env, self.inference.policy, **kw)
 
+    # evaluations beside training (``start_evaluation``): not in one process; the runner calls
+    # ``evaluate``, and training waits for it
+    evaluates_beside = False
+
     def metrics(self) -> tuple[dict[str, float], list[tuple]]:
         """Per-role timing since the last call, and the spans of the roles' calls: nothing here
         (one process: the runner's own timings say it all)."""

@@ -298,6 +298,7 @@ class Runner:
         self.fresh = resume is None
         self.phase = "start"
         self.pending = None  # an iteration whose update runs while the next one is collected
+        self.evaluating = None  # (handle, the iteration's counters): an evaluation beside training
         self.saved = self.counters["iteration"]  # the newest checkpoint's iteration
         self.end_rng = roles.rng_state()  # the RNG as the last completed iteration left it
         self.end_counters = json.loads(json.dumps(self.counters))
@@ -477,11 +478,21 @@ class Runner:
             last = env_steps >= budget or clock.out_of_time
         self.phase = "evaluate"
         # 4. evaluate (the best evaluation's weights are kept as a checkpoint)
+        # one that ran beside training, if it is done (the last iteration's checkpoint waits
+        # for it: it holds the evaluations)
+        self._take_evaluation(wait=last)
         if run.eval_every and iteration % run.eval_every == 0 and not last:
             if self.stop.requested:
                 raise Interrupted
-            results = self._evaluate(run.eval_episodes)
-            self._record_evaluation(results)
+            self._take_evaluation(wait=True)  # (one at a time)
+            if self.roles.evaluates_beside:  # its checkpoint first, in case it is the best
+                if self.saved != iteration:
+                    self._save()
+                handle = self.roles.start_evaluation(episodes=run.eval_episodes, seed=self.cfg.seed)
+                self.evaluating = (handle, self.end_counters)
+            else:
+                results = self._evaluate(run.eval_episodes)
+                self._record_evaluation(results, self.counters)
         # 5. checkpoint (unless a new best evaluation just saved this iteration)
         due = last or (run.save_every and iteration % run.save_every == 0)
         if due and self.saved != iteration:
@@ -599,6 +610,9 @@ class Runner:
         if iteration == 0:
             return
         best = self.end_counters.get("best") or {}
+        protect = [best["iteration"]] if best else []
+        if self.evaluating is not None:  # (it may become the best)
+            protect.append(self.evaluating[1]["iteration"])
         self.learner.save(
             self.run_dir,
             iteration,
@@ -606,7 +620,7 @@ class Runner:
             meta=self.meta,
             rng=self.end_rng,
             keep=self.cfg.runner.keep_checkpoints,
-            protect=[best["iteration"]] if best else [],
+            protect=protect,
         )
         self.saved = iteration
 
@@ -645,9 +659,27 @@ class Runner:
                 should_stop=lambda: self.stop.requested,
             )
 
-    def _log_evaluation(self, results: dict[str, dict], label: str) -> None:
-        step = self.counters["env_steps"]
-        iteration = self.counters["iteration"]
+    def _take_evaluation(self, wait: bool) -> None:
+        """Record the evaluation running beside training once it is done (``wait``: wait for
+        it). A lost evaluation worker loses that evaluation only."""
+        if self.evaluating is None:
+            return
+        handle, at = self.evaluating
+        if not wait and not handle.ready():
+            return
+        self.evaluating = None
+        try:
+            results = handle.result()
+        except WorkerLost as lost:
+            self.bar.write(f"evaluation of iteration {at['iteration']}: {lost}; skipped")
+            return
+        self._record_evaluation(results, at)
+
+    def _log_evaluation(self, results: dict[str, dict], label: str, at: dict | None = None) -> None:
+        """Log ``results`` at the counters ``at`` (the evaluated iteration's; None: now)."""
+        at = self.counters if at is None else at
+        step = at["env_steps"]
+        iteration = at["iteration"]
         self.logger.log(overall(results), step=step, iteration=iteration)
         if len(results) > 1:
             for task, summary in results.items():
@@ -658,25 +690,29 @@ class Runner:
                 f"over {r['eval/episodes']} episodes"
             )
 
-    def _record_evaluation(self, results: dict[str, dict]) -> None:
+    def _record_evaluation(self, results: dict[str, dict], at: dict) -> None:
+        """Record the evaluation of the iteration whose counters are ``at`` (this one's, or an
+        earlier one's evaluated beside training: its checkpoint is saved already)."""
         counters = self.counters
+        iteration = at["iteration"]
         success = overall(results)["eval/success_rate"]
         counters["evals"].append(
             {
-                "iteration": counters["iteration"],
-                "env_steps": counters["env_steps"],
-                "minutes": counters["train_seconds"] / 60,
+                "iteration": iteration,
+                "env_steps": at["env_steps"],
+                "minutes": at["train_seconds"] / 60,
                 "success_rate": success,
                 "tasks": results,
             }
         )
-        self._log_evaluation(results, f"iter {counters['iteration']}")
+        self._log_evaluation(results, f"iter {iteration}", at)
         best = counters["best"]
         if best is None or success > best["success_rate"]:
-            counters["best"] = {"iteration": counters["iteration"], "success_rate": success}
+            counters["best"] = {"iteration": iteration, "success_rate": success}
             self._completed()
-            self._save()
-            mark_best(self.run_dir, counters["iteration"])
+            if iteration == counters["iteration"] and self.saved != iteration:
+                self._save()  # (one evaluated beside training was saved when it started)
+            mark_best(self.run_dir, iteration)
         else:
             self._completed()
 
@@ -684,6 +720,7 @@ class Runner:
         run = self.cfg.runner
         counters = self.counters
         video = self.run_dir / "videos" / "final_eval.mp4" if run.video else None
+        self._take_evaluation(wait=True)  # (the last iteration took it, unless it stopped early)
         try:
             results = self._evaluate(run.final_eval_episodes, video)
         except Interrupted:

@@ -291,6 +291,7 @@ def run_on(
     pipeline_stages: int | str = 1,
     trace: bool = False,
     save_every: int = 0,
+    eval_every: int = 0,
     resume: str | None = None,
 ) -> dict:
     """The runner over ``env`` with a config written here (16 evaluation episodes, no video);
@@ -305,7 +306,7 @@ def run_on(
         "name": "run",
         "output_dir": str(run_dir.parent),
         "total_env_steps": total_env_steps,
-        "eval_every": 0,
+        "eval_every": eval_every,
         "eval_episodes": 16,
         "final_eval_episodes": 16,
         "save_every": save_every,

@@ -18,7 +18,7 @@ from scripted_envs import GRPO, PushRightEnv, push_right_envs, run_on
 from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
 from embodied.cluster.config import ClusterConfig, RoleConfig
-from embodied.cluster.roles import RemoteEnvGroup, RemoteInference, RemoteLearner
+from embodied.cluster.roles import RayRoles, RemoteEnvGroup, RemoteInference, RemoteLearner
 from embodied.config import load_config
 from embodied.roles import WorkerLost
 from embodied.runner import TrainConfig, train
@@ -341,6 +341,8 @@ def test_data_parallel_actor_workers_give_the_embedded_numbers_and_a_lost_one_st
     killed = []
 
     def start_update(learner, samples, observations):
+        ranks = ray.get([w.data_parallel.remote() for w in learner.workers])
+        assert ranks == [(0, 2), (1, 2)]
         if not killed and len(rows(tmp_path / "ray")) == 3:  # before RL, iterations 1 and 2
             killed.append(ray.get(learner.workers[1].ping.remote()))
             os.kill(killed[0], signal.SIGKILL)  # (before it is sent: a tiny one is soon over)
@@ -396,6 +398,60 @@ def test_pipeline_stages_auto_times_each_split_and_keeps_the_fastest(local_ray, 
     assert f"pipeline_stages auto: {chosen} (collection per 1000 env steps: 1: " in (
         capsys.readouterr().out
     )
+
+
+def test_evaluations_beside_training_give_the_embedded_evaluations(
+    local_ray, tmp_path, monkeypatch, one_thread
+):
+    """An evaluation worker evaluates iterations 1-3 while training goes on: every row (the
+    evaluations' too, logged at their iteration) is the embedded run's, in which training
+    waited for each evaluation."""
+    iterations = 4
+    kw = dict(total_env_steps=8 * 3 * iterations, algorithm=ONE_ROUND, eval_every=1)
+    torch.manual_seed(0)
+    embedded = run_on(PushRightEnv(8), tmp_path / "embedded", **kw)
+    started = []  # the weight version each evaluation was sent
+    original = RayRoles.start_evaluation
+
+    def start_evaluation(roles, **call):
+        started.append(roles.inference.version)
+        return original(roles, **call)
+
+    monkeypatch.setattr(RayRoles, "start_evaluation", start_evaluation)
+    torch.manual_seed(0)
+    cluster = {**CLUSTER, "env": dict(num_cpus=0.5), "eval": dict(workers=1, num_cpus=0.5)}
+    beside = run_on(
+        None, tmp_path / "ray", cluster=cluster, env_factory=push_right_envs, trace=True, **kw
+    )
+    assert started == [1, 2, 3]
+    table = rows(tmp_path / "ray")
+    evaluations = [r["iteration"] for r in table if "eval/success_rate" in r]
+    assert evaluations == [0, 1, 2, 3, 4]  # before RL, beside training (1-3), the final one
+
+    def by_iteration(rows_of_a_run):
+        return sorted(rows_of_a_run, key=lambda r: (r["iteration"], "eval/success_rate" in r))
+
+    assert_same_numbers(by_iteration(rows(tmp_path / "embedded")), by_iteration(table))
+
+    def untimed_evals(summary):
+        return [
+            (e["iteration"], e["env_steps"], e["success_rate"], untimed(e["tasks"]["all"]))
+            for e in summary["evals"]
+        ]
+
+    assert [e["iteration"] for e in beside["evals"]] == [1, 2, 3]
+    assert untimed_evals(beside) == untimed_evals(embedded)
+    assert beside["best"] == embedded["best"]
+    assert (tmp_path / "ray" / "best").resolve().name == f"iter_{beside['best']['iteration']:06d}"
+    # the trace of the second iteration: iteration 1's evaluation ran while the runner
+    # collected iteration 2
+    trace = json.loads((tmp_path / "ray" / "trace.json").read_text())["traceEvents"]
+    role = {e["pid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+    spans = [e for e in trace if e["ph"] == "X"]
+    (evaluation,) = [e for e in spans if role[e["pid"]] == "eval" and e["name"] == "evaluate"]
+    (collection,) = [e for e in spans if role[e["pid"]] == "runner" and e["name"] == "collect"]
+    assert evaluation["ts"] < collection["ts"] + collection["dur"]
+    assert collection["ts"] < evaluation["ts"] + evaluation["dur"]
 
 
 def test_an_impossible_placement_is_one_line_before_any_worker_starts(local_ray, tmp_path, capsys):

@@ -48,8 +48,10 @@ def algorithm_for(name: str, envs, policy):
 
 
 def samples_for(name: str, seed: int = 0):
-    """(policy, algorithm, samples with advantages and prepared): one round on the task."""
+    """(policy, algorithm, samples with advantages and prepared): one round on the task. The
+    policy has a trainable layer its forward never uses (as a text encoder's pooler)."""
     policy, envs = policy_and_envs(seed)
+    policy.unused = torch.nn.Linear(2, 2)
     algorithm = algorithm_for(name, envs, policy)
     plan = algorithm.plan(1, 0, episode_base=0)
     stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
@@ -64,7 +66,7 @@ def samples_for(name: str, seed: int = 0):
 def gradients(engine, algorithm, minibatch) -> tuple[list[torch.Tensor], dict[str, float]]:
     loss, metrics = algorithm.loss(engine, minibatch)
     loss.backward()
-    # (GRPO leaves the critic without a gradient)
+    # (the unused layer, and GRPO's critic, get no gradient)
     grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in engine.params]
     engine.optimizer.zero_grad(set_to_none=True)
     return grads, {k: v.item() for k, v in metrics.items()}
@@ -100,6 +102,19 @@ def test_a_minibatch_smaller_than_the_ranks_is_refused():
         few.shard(0, 3)
 
 
+def count_rows(engine) -> list[int]:
+    """The rows of every minibatch the engine scores from here on (a list it appends to)."""
+    scored = []
+    logprob = engine.logprob
+
+    def counting(samples, level):
+        scored.append(len(samples))
+        return logprob(samples, level)
+
+    engine.logprob = counting
+    return scored
+
+
 def _rank_update(rank: int, world_size: int, name: str, address: str, out: str) -> None:
     """One rank of a data-parallel update: the same samples and generator state everywhere."""
     import torch.distributed as dist
@@ -110,9 +125,11 @@ def _rank_update(rank: int, world_size: int, name: str, address: str, out: str) 
         policy, algorithm, samples = samples_for(name)
         engine = TorchEngine(policy, learning_rate=1e-2, max_grad_norm=0.5)
         engine.distribute(dist.group.WORLD, with_value=algorithm.has_critic)
+        scored = count_rows(engine)
         torch.manual_seed(7)
         metrics = update(engine, algorithm, samples, epochs=2, num_minibatches=2)
-        torch.save({"state": policy.state_dict(), "metrics": metrics}, f"{out}.{rank}")
+        result = {"state": policy.state_dict(), "metrics": metrics, "scored": scored}
+        torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -125,12 +142,16 @@ def test_two_gloo_ranks_update_as_one_process_does(name, tmp_path):
     policy, algorithm, samples = samples_for(name)
     engine = TorchEngine(policy, learning_rate=1e-2, max_grad_norm=0.5)
     start = {k: v.clone() for k, v in policy.state_dict().items()}
+    scored = count_rows(engine)
     torch.manual_seed(7)
     alone = update(engine, algorithm, samples, epochs=2, num_minibatches=2)
     out = str(tmp_path / "rank")
     address = f"file://{tmp_path / 'rendezvous'}"
     mp.spawn(_rank_update, args=(2, name, address, out), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    # each rank scored its half of every minibatch (not the whole one)
+    halves = [[n // 2 for n in scored], [n - n // 2 for n in scored]]
+    assert [rank["scored"] for rank in ranks] == halves
     moved = False
     for key, value in policy.state_dict().items():
         for rank in ranks:

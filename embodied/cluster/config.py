@@ -7,6 +7,7 @@
       env:     {workers: 2, num_cpus: 1}
       rollout: {workers: 1, num_cpus: 1, num_gpus: 0.5}
       actor:   {workers: 1, num_cpus: 1, num_gpus: 0.5}
+      eval:    {workers: 1, num_cpus: 1}   # evaluations beside training (default 0: in line)
 
 Each worker of a role asks for ``num_cpus``/``num_gpus`` (fractions allowed) and any custom
 resources (``resources: {sim_node: 1}`` pins it to the nodes that offer them). ``collocated``
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PLACEMENTS = ("collocated", "disaggregated", "hybrid")
-ROLES = ("env", "rollout", "actor")
+ROLES = ("env", "rollout", "actor", "eval")
 
 
 @dataclass
@@ -35,8 +36,8 @@ class RoleConfig:
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker
 
     def validate(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"workers: must be >= 1, got {self.workers}")
+        if self.workers < 0:
+            raise ValueError(f"workers: must be >= 0, got {self.workers}")
         if self.num_cpus < 0:
             raise ValueError(f"num_cpus: must be >= 0, got {self.num_cpus}")
         if self.num_gpus < 0:
@@ -58,6 +59,9 @@ class ClusterConfig:
     env: RoleConfig = field(default_factory=RoleConfig)
     rollout: RoleConfig = field(default_factory=RoleConfig)
     actor: RoleConfig = field(default_factory=RoleConfig)
+    # 1: evaluations during training run in a worker of their own (environments and a policy
+    # copy), beside training instead of stopping it; 0: the env and rollout workers run them
+    eval: RoleConfig = field(default_factory=lambda: RoleConfig(workers=0))
     # 0: every chunk comes from the weights of the last update; 1: the next iteration is
     # collected while the update runs (its chunks are one update old; decoupled PPO corrects)
     max_staleness: int = 0
@@ -81,6 +85,14 @@ class ClusterConfig:
             raise ValueError(
                 "max_staleness: 1 overlaps collection with the update in another process; it "
                 "needs the roles on Ray (cluster.enabled=true)"
+            )
+        for role in ("env", "rollout", "actor"):
+            if getattr(self, role).workers < 1:
+                raise ValueError(f"{role}.workers: must be >= 1, got {getattr(self, role).workers}")
+        if self.eval.workers > 1:
+            raise ValueError(
+                f"eval.workers: 0 (evaluate in the training workers) or 1 (beside training), "
+                f"got {self.eval.workers}"
             )
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts: must be >= 0, got {self.max_restarts}")

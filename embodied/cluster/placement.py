@@ -29,10 +29,12 @@ class Slot:
 
 
 def plan_slots(cfg: ClusterConfig) -> list[Slot]:
-    """One bundle per worker, in role order (env, rollout, actor)."""
+    """One bundle per worker, in role order (env, rollout, actor, eval)."""
     slots = []
     for role in ROLES:
         role_cfg = getattr(cfg, role)
+        if role_cfg.workers == 0:
+            continue
         resources = {"CPU": float(role_cfg.num_cpus), "GPU": float(role_cfg.num_gpus)}
         resources.update({k: float(v) for k, v in role_cfg.resources.items()})
         resources = {k: v for k, v in resources.items() if v > 0}
@@ -62,6 +64,8 @@ def check_fits(cfg: ClusterConfig, slots: list[Slot], nodes: list[dict[str, floa
     asked: dict[str, float] = {}
     for role in ROLES:
         mine = [s for s in slots if s.role == role]
+        if not mine:
+            continue
         for name in sorted(mine[0].resources):
             role_ask = sum(s.resources[name] for s in mine)
             asked[name] = asked.get(name, 0.0) + role_ask

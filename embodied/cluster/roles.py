@@ -32,7 +32,7 @@ from embodied.cluster.config import ClusterConfig
 from embodied.cluster.placement import place
 from embodied.cluster.status import STATUS_FILE
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
-from embodied.cluster.workers import ActorWorker, EnvWorker, RolloutWorker
+from embodied.cluster.workers import ActorWorker, EnvWorker, EvalWorker, RolloutWorker
 from embodied.config import ConfigError, to_dict
 from embodied.env_group import ChunkStep, strided_stages
 from embodied.evaluate import evaluate_by_task
@@ -142,9 +142,14 @@ class Baton:
         self.moves = moves  # False: every worker draws from a stream of its own
 
     def to(self, worker, role: str, followers: tuple = ()) -> None:
-        """Move the state to ``worker`` (and a copy to each of ``followers``, which draw in
-        step with it: the data-parallel actor workers)."""
-        if self.holder is worker or not self.moves:
+        """Move the state to ``worker``, and a copy to each of ``followers`` (the other
+        data-parallel actor workers: every time, so that they draw what it draws)."""
+        if not self.moves:
+            return
+        if self.holder is worker:
+            if followers:
+                state = self.fetch()
+                _get([w.set_rng.remote(state) for w in followers], role)
             return
         state = self.fetch()
         _get([w.set_rng.remote(state) for w in (worker, *followers)], role)
@@ -419,13 +424,10 @@ class Pending:
     def _raise_if_one_died(self) -> None:
         import ray
 
-        for worker in self.workers:
-            try:
-                ray.get(worker.ping.remote(), timeout=30)
-            except ray.exceptions.GetTimeoutError:
-                continue  # alive and busy
-            except ray.exceptions.RayActorError as e:
-                raise _lost("actor", e) from None
+        pings = [worker.ping.remote() for worker in self.workers]
+        answered, _ = ray.wait(pings, num_returns=len(pings), timeout=30)  # busy ones: alive
+        for ping in answered:
+            _get(ping, "actor")  # a dead rank's ping answers at once, with the error
 
 
 class RemoteLearner:
@@ -451,11 +453,11 @@ class RemoteLearner:
         import ray
 
         ranks = len(self.workers)
-        if samples is not None and 0 < len(samples) // self.num_minibatches < ranks:
+        minibatch = max(1, len(samples) // self.num_minibatches) if samples is not None else 0
+        if 0 < minibatch < ranks:  # (as update() cuts minibatches)
             raise ConfigError(
-                f"cluster.actor.workers: a minibatch of {len(samples) // self.num_minibatches} "
-                f"samples cannot be shared by {ranks} actor workers; use fewer actor workers or "
-                "algorithm.num_minibatches"
+                f"cluster.actor.workers: a minibatch of {minibatch} samples cannot be shared by "
+                f"{ranks} actor workers; use fewer actor workers or algorithm.num_minibatches"
             )
         first, rest = self.workers[0], tuple(self.workers[1:])
         self.baton.to(first, "actor", followers=rest)  # the ranks shuffle alike
@@ -477,6 +479,28 @@ class RemoteLearner:
     def save(self, run_dir: Path, iteration: int, **kw) -> None:
         """Rank 0's state: every rank holds the same weights and optimizer state."""
         _get(self.workers[0].save.remote(str(run_dir), iteration, kw), "actor")
+
+
+class Evaluation:
+    """An evaluation running in the evaluation worker."""
+
+    def __init__(self, roles: RayRoles, ref):
+        self.roles = roles
+        self.ref = ref
+
+    def ready(self) -> bool:
+        import ray
+
+        done, _ = ray.wait([self.ref], timeout=0)
+        return bool(done)
+
+    def result(self) -> dict[str, dict]:
+        try:
+            return _get(self.ref, "eval")
+        except WorkerLost as lost:
+            self.roles.eval_synced = False  # a restarted worker has random weights
+            self.roles.events.append({"time": time.time(), "role": "eval", "detail": lost.detail})
+            raise
 
 
 class RayRoles:
@@ -516,7 +540,7 @@ class RayRoles:
 
             slots = {
                 role: [s for s in self.slots if s.role == role]
-                for role in ("env", "rollout", "actor")
+                for role in ("env", "rollout", "actor", "eval")
             }
             threads = cfg.runner.torch_threads
             env_workers = [
@@ -541,7 +565,16 @@ class RayRoles:
                 make(RolloutWorker, slot).remote(cfg.policy, self.spec, rollout_device, threads)
                 for slot in slots["rollout"]
             ]
+            evaluators = [
+                make(EvalWorker, slot).remote(
+                    cfg.env, env_factory, cfg.policy, self.spec, rollout_device, threads
+                )
+                for slot in slots.get("eval", [])
+            ]
+            self.eval_synced = False  # whether the evaluation worker holds the frozen weights
             self.workers = {"env": env_workers, "rollout": rollouts, "actor": actors}
+            if evaluators:
+                self.workers["eval"] = evaluators
             self.placed = {
                 role: _get([w.where.remote() for w in workers], role)
                 for role, workers in self.workers.items()
@@ -607,6 +640,21 @@ class RayRoles:
                 self.recover(lost, failures)
         self.metrics()  # the next iteration's window starts here: evaluation is not in it
         return results
+
+    @property
+    def evaluates_beside(self) -> bool:
+        """Whether an evaluation worker runs evaluations beside training."""
+        return "eval" in self.workers
+
+    def start_evaluation(self, *, episodes: int, seed: int) -> Evaluation:
+        """An evaluation of the current weights in the evaluation worker, beside training: a
+        handle whose ``result()`` is {task: summary} (``WorkerLost`` if the worker died; Ray
+        restarts it)."""
+        worker = self.workers["eval"][0]
+        weights, _ = self.actor.weights.options(num_returns=2).remote(not self.eval_synced)
+        self.eval_synced = True
+        ref = worker.evaluate.remote(weights, self.inference.version, episodes, seed)
+        return Evaluation(self, ref)
 
     def metrics(self) -> tuple[dict[str, float], list[tuple]]:
         """Since the last call (an iteration): per role its workers' busy seconds (the busiest
@@ -716,6 +764,11 @@ class RayRoles:
         envs = getattr(self, "envs", None)
         if envs is not None:
             envs.close()
+        evaluators = getattr(self, "workers", {}).get("eval", [])
+        try:  # (behind an evaluation in flight: it may not finish in time, and is killed)
+            ray.get([w.close.remote() for w in evaluators], timeout=30)
+        except Exception:
+            pass
         written = (self.run_dir / STATUS_FILE).exists()  # (at the run's first weight sync)
         if written and hasattr(self, "heartbeat"):
             self.ended = time.time()

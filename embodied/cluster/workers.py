@@ -19,6 +19,7 @@ import torch
 from embodied.checkpoint import frozen_keys, rng_state, set_rng_state
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.env_group import EnvGroup
+from embodied.evaluate import evaluate_by_task
 from embodied.inference import InferencePolicy
 from embodied.models import build_policy
 from embodied.roles import Learner
@@ -174,6 +175,32 @@ class RolloutWorker(_Worker):
         return self.inference.has_critic
 
 
+class EvalWorker(_Worker):
+    """Evaluations beside training: environments of its own (the run's env config) and a policy
+    copy that gets the weights of the iteration it evaluates."""
+
+    def __init__(self, env_cfg, factory, policy_cfg, spec, device: str, torch_threads: int = 1):
+        self.spans = []
+        torch.set_num_threads(torch_threads)
+        if factory is None:
+            from embodied.multitask import make_env
+
+            factory = make_env
+        self.env = factory(env_cfg)
+        self.device = torch.device(device)
+        self.inference = InferencePolicy(build_policy(spec, policy_cfg).to(self.device).eval())
+
+    @timed
+    def evaluate(self, weights, version: int, episodes: int, seed: int) -> dict[str, dict]:
+        """``evaluate_by_task`` at the weights ``weights`` (all of them the first time, then
+        the ones that change): {task: summary}."""
+        self.inference.sync(from_wire(weights, self.device), version)
+        return evaluate_by_task(self.env, self.inference.policy, episodes=episodes, seed=seed)
+
+    def close(self) -> None:
+        self.env.close()
+
+
 class ActorWorker(_Worker):
     """The learner: the algorithm's update, the normaliser, the optimizer, checkpoints. Several
     actor workers are data-parallel ranks (``join``): each gets the whole batch, takes its share
@@ -215,6 +242,10 @@ class ActorWorker(_Worker):
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         self.learner.distribute(dist.group.WORLD)
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(this worker's rank, the number of ranks)."""
+        return self.learner.engine.rank, self.learner.engine.world_size
 
     def load(self, checkpoint: dict) -> None:
         self.learner.load(checkpoint)
