@@ -126,6 +126,54 @@ def test_ppo_on_pushcube_gives_the_embedded_numbers(tmp_path, monkeypatch, reque
     assert_same_numbers(rows(tmp_path / "embedded"), rows(tmp_path / "ray"))
 
 
+# the other simulators, with a tiny run each: embedded and on Ray, the same rows
+SIMULATORS = [
+    pytest.param(
+        "configs/mujoco/reach_ppo.yaml",
+        ["env.num_envs=4", "algorithm.num_steps=8", "env.render_size=32"],
+        id="mujoco",
+    ),
+    pytest.param(
+        "configs/libero/spatial_ppo_state.yaml",
+        [
+            "env.num_envs=2",
+            "env.max_episode_steps=4",
+            "env.settle_steps=1",
+            "env.image_size=32",
+            "algorithm.num_steps=4",
+        ],
+        id="libero",
+        marks=pytest.mark.slow,  # robosuite's start takes most of a minute per run
+    ),
+]
+
+
+@pytest.mark.parametrize("config, sizes", SIMULATORS)
+def test_other_simulators_on_ray_give_the_embedded_numbers(local_ray, tmp_path, config, sizes):
+    """Two PPO iterations: env workers hold any registered simulator behind the contract."""
+    common = [
+        *sizes,
+        f"runner.output_dir={tmp_path}",
+        "runner.total_env_steps=" + str(2 * _steps_per_iteration(sizes)),
+        "runner.eval_every=0",
+        "runner.eval_episodes=2",
+        "runner.final_eval_episodes=2",
+        "runner.progress=false",
+        "runner.video=false",
+    ]
+    for name, extra in (("embedded", []), ("ray", ON_RAY)):
+        cfg = load_config(TrainConfig, ROOT / config, [*common, f"runner.name={name}", *extra])[0]
+        train(cfg)
+    table = rows(tmp_path / "ray")
+    assert len([r for r in table if "policy/loss" in r]) == 2
+    assert_same_numbers(rows(tmp_path / "embedded"), table)
+
+
+def _steps_per_iteration(sizes: list[str]) -> int:
+    values = dict(s.split("=") for s in sizes)
+    return int(values["env.num_envs"]) * int(values["algorithm.num_steps"])
+
+
 @pytest.fixture
 def one_thread():
     """torch on one thread here, as in the workers (runner.torch_threads): the same sums."""
