@@ -710,8 +710,10 @@ class Runner:
         if best is None or success > best["success_rate"]:
             counters["best"] = {"iteration": iteration, "success_rate": success}
             self._completed()
-            if iteration == counters["iteration"] and self.saved != iteration:
-                self._save()  # (one evaluated beside training was saved when it started)
+            # this iteration's checkpoint holds the new best (one evaluated beside training was
+            # saved when its evaluation started, and the best link points there)
+            if self.saved != counters["iteration"]:
+                self._save()
             mark_best(self.run_dir, iteration)
         else:
             self._completed()

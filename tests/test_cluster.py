@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scripted_envs import GRPO, PushRightEnv, push_right_envs, run_on
+from scripted_envs import GRPO, TINY_VLA, PushRightEnv, push_right_envs, run_on
 
 from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
@@ -425,6 +425,45 @@ def test_data_parallel_actor_workers_give_the_embedded_numbers_and_a_lost_one_st
     assert_same_numbers(rows(tmp_path / "embedded"), table, rel=1e-5, abs=1e-7)
 
 
+def test_an_evaluation_worker_answers_while_it_evaluates_and_its_loss_loses_one_evaluation(
+    local_ray, tmp_path
+):
+    """The run's calls to every role (timing, weight syncs) go on while a long evaluation runs;
+    the evaluation worker killed mid-evaluation loses that evaluation only, and the worker Ray
+    restarts evaluates the next one with the weights it is sent."""
+    from embodied.cluster import ray_roles
+    from embodied.config import compose
+
+    cluster = {**CLUSTER, "env": dict(num_cpus=0.5), "eval": dict(workers=1, num_cpus=0.5)}
+    source = {
+        "seed": 0,
+        "policy": TINY_VLA,
+        "algorithm": ONE_ROUND,
+        "env": {"num_envs": 8},
+        "cluster": cluster,
+        "runner": {"output_dir": str(tmp_path), "progress": False},
+    }
+    cfg = compose(TrainConfig, [("test", source)])
+    roles = ray_roles(cfg, None, tmp_path, env_factory=push_right_envs)
+    try:
+        roles.sync(1)
+        long = roles.start_evaluation(episodes=4000, seed=0)  # 1500 steps of 8 environments
+        roles.metrics()
+        roles.sync(2)
+        assert not long.ready()  # those calls were answered while it ran
+        (evaluator,) = roles.workers["eval"]
+        os.kill(ray.get(evaluator.ping.remote()), signal.SIGKILL)
+        with pytest.raises(WorkerLost, match="^eval worker lost: "):
+            long.result()
+        roles.metrics()  # a lost evaluation worker fails no other call
+        short = roles.start_evaluation(episodes=8, seed=0)
+        assert short.result()["all"]["eval/episodes"] == 8
+        assert [event["role"] for event in roles.events] == ["eval"]
+    finally:
+        roles.close()
+
+
+@pytest.mark.slow  # (the runner's part is in test_rollout.py, in process)
 def test_pipeline_stages_auto_times_each_split_and_keeps_the_fastest(local_ray, tmp_path, capsys):
     """Two env workers: lockstep, or two stages of a worker each. The first iteration warms up,
     the next two time one and two stages, and the faster stays."""

@@ -3,9 +3,12 @@ at different steps (twice in one chunk, exactly at the chunk's end, by truncatio
 on the chunk's last action), the valid mask, chunk rewards and discounts, the critic's bootstrap,
 episode ids, statistics and GAE; pipelined collection equals lockstep."""
 
+import json
+
 import pytest
 import torch
-from scripted_envs import ScriptedEnv, ScriptedPolicy
+from scripted_envs import PPO as PPO_CONFIG
+from scripted_envs import ScriptedEnv, ScriptedPolicy, run_on
 
 from embodied.contract import check_env, check_policy
 from embodied.env_group import EnvGroup
@@ -176,3 +179,26 @@ def test_the_stage_tuner_has_nothing_to_try_with_one_candidate_or_a_resumed_choi
     resumed = StageTuner([1, 2], chosen=2)
     assert resumed.next() == 2
     assert not resumed.record(2, 1.0, 100)
+
+
+def test_the_runner_with_auto_stages_times_every_split_then_keeps_the_fastest(tmp_path, capsys):
+    """Eight environments that step subsets, one action per chunk: lockstep or 2, 4 or 8
+    stages. The first iteration warms up, the next four try one split each, the fastest stays."""
+    env = ScriptedEnv([0] * 8, max_episode_steps=3, can_step_subsets=True)
+    run_on(
+        env,
+        tmp_path / "run",
+        total_env_steps=8 * 3 * 7,
+        policy=dict(name="actor_critic", hidden_sizes=[8]),
+        algorithm={**PPO_CONFIG, "num_steps": 3},
+        pipeline_stages="auto",
+    )
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    table = [row for row in map(json.loads, lines) if "rollout/pipeline_stages" in row]
+    used = [int(row["rollout/pipeline_stages"]) for row in table]
+    speed = {used[i]: table[i]["time/env_steps_per_s"] for i in range(1, 5)}
+    chosen = max(speed, key=speed.get)
+    assert used == [1, 1, 2, 4, 8, chosen, chosen]
+    assert f"pipeline_stages auto: {chosen} (collection per 1000 env steps: 1: " in (
+        capsys.readouterr().out
+    )

@@ -89,6 +89,11 @@ class ClusterConfig:
         for role in ("env", "rollout", "actor"):
             if getattr(self, role).workers < 1:
                 raise ValueError(f"{role}.workers: must be >= 1, got {getattr(self, role).workers}")
+        if self.eval.workers and not self.enabled:
+            raise ValueError(
+                "eval.workers: an evaluation worker runs beside training in a process of its "
+                "own; it needs the roles on Ray (cluster.enabled=true)"
+            )
         if self.eval.workers > 1:
             raise ValueError(
                 f"eval.workers: 0 (evaluate in the training workers) or 1 (beside training), "

@@ -498,8 +498,8 @@ class Evaluation:
         try:
             return _get(self.ref, "eval")
         except WorkerLost as lost:
-            self.roles.eval_synced = False  # a restarted worker has random weights
             self.roles.events.append({"time": time.time(), "role": "eval", "detail": lost.detail})
+            self.roles.eval_lost = True
             raise
 
 
@@ -532,6 +532,8 @@ class RayRoles:
                     # lives only in its process: a lost actor stops the run
                     max_restarts=0 if slot.role == "actor" else -1,
                     max_task_retries=0,  # a lost call is lost: the round is collected again
+                    # the evaluation worker answers timing and pings while it evaluates
+                    max_concurrency=2 if slot.role == "eval" else 1,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.group, placement_group_bundle_index=slot.bundle
                     ),
@@ -561,17 +563,18 @@ class RayRoles:
             ]
             actor = actors[0]
             rollout_device = _device(cfg, cluster.rollout.num_gpus)
+            eval_device = _device(cfg, cluster.eval.num_gpus)
             rollouts = [
                 make(RolloutWorker, slot).remote(cfg.policy, self.spec, rollout_device, threads)
                 for slot in slots["rollout"]
             ]
             evaluators = [
                 make(EvalWorker, slot).remote(
-                    cfg.env, env_factory, cfg.policy, self.spec, rollout_device, threads
+                    cfg.env, env_factory, cfg.policy, self.spec, eval_device, threads
                 )
                 for slot in slots.get("eval", [])
             ]
-            self.eval_synced = False  # whether the evaluation worker holds the frozen weights
+            self.eval_lost = False  # the evaluation worker died: wait for it before the next one
             self.workers = {"env": env_workers, "rollout": rollouts, "actor": actors}
             if evaluators:
                 self.workers["eval"] = evaluators
@@ -651,8 +654,13 @@ class RayRoles:
         handle whose ``result()`` is {task: summary} (``WorkerLost`` if the worker died; Ray
         restarts it)."""
         worker = self.workers["eval"][0]
-        weights, _ = self.actor.weights.options(num_returns=2).remote(not self.eval_synced)
-        self.eval_synced = True
+        if self.eval_lost:  # Ray restarts it: the next evaluation waits until it is back
+            self._wait_alive("eval", worker)
+            self.placed["eval"] = _get([worker.where.remote()], "eval")
+            self.eval_lost = False
+            self._write_status()
+        # all the weights every time: a worker Ray restarted between evaluations has lost them
+        weights, _ = self.actor.weights.options(num_returns=2).remote(True)
         ref = worker.evaluate.remote(weights, self.inference.version, episodes, seed)
         return Evaluation(self, ref)
 
@@ -667,7 +675,13 @@ class RayRoles:
         out: dict[str, float] = {}
         spans: list[tuple] = []
         for role, workers in self.workers.items():
-            answers = _get([w.timing.remote() for w in workers], role)
+            try:
+                answers = _get([w.timing.remote() for w in workers], role)
+            except WorkerLost:
+                if role != "eval":
+                    raise
+                answers = [(0.0, [])]  # (its evaluation is lost; Ray restarts it)
+                self.eval_lost = True
             busy = max(b for b, _ in answers)
             out[f"cluster/{role}_busy_s"] = busy
             out[f"cluster/{role}_idle"] = max(0.0, 1.0 - busy / wall)
@@ -708,10 +722,12 @@ class RayRoles:
                 _get(worker.seed.remote(self.cfg.seed + 1 + i + 1000 * len(self.events)), "rollout")
         self.full_sync = True
         self.sync(self.inference.version)
-        self.placed = {
-            role: _get([w.where.remote() for w in workers], role)
-            for role, workers in self.workers.items()
-        }
+        for role, workers in self.workers.items():
+            try:
+                self.placed[role] = _get([w.where.remote() for w in workers], role)
+            except WorkerLost:
+                if role != "eval":  # (a lost evaluation worker loses its evaluation only)
+                    raise
         self._write_status()
 
     def _wait_alive(self, role: str, worker) -> None:
