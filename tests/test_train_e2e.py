@@ -244,10 +244,13 @@ def test_cli_eval_reproduces_the_final_evaluation(runs, capsys):
     assert (ckpt_dir / "eval.json").is_file() and (ckpt_dir / "eval_2.mp4").stat().st_size > 1000
 
 
+# about 50 s; test_a_run_stopped_by_sigterm_resumes_to_the_uninterrupted_run covers the same stop
+# and resume in process, in the default run
+@pytest.mark.slow
 def test_sigterm_to_a_training_process(tmp_path):
     """A real `embodied train` process: SIGTERM while it trains; it saves, says where, exits
     with 128 + 15, and the resumed run ends as an uninterrupted one."""
-    iterations = 20
+    iterations = 10  # the signal lands in the first few: it is sent once iteration 1 is logged
     extra = [
         "runner.eval_every=0",
         "runner.save_every=0",
