@@ -120,7 +120,13 @@ def test_ppo_on_pushcube_gives_the_embedded_numbers(tmp_path, monkeypatch, reque
     spans = {e["name"] for e in trace if e["ph"] == "X"}
     assert {"chunk", "act", "update", "collect"} <= spans
 
-    # a Ray run resumes from its own checkpoint to the same numbers (the generator included)
+
+# (the default run resumes a Ray run in the data-parallel test, on the test task)
+@pytest.mark.slow
+def test_a_ppo_run_on_ray_resumes_to_the_embedded_numbers(local_ray, tmp_path):
+    """From its own checkpoint, the generator state included."""
+    train(pushcube(tmp_path, "embedded"))
+    train(pushcube(tmp_path, "ray", ON_RAY))
     checkpoint = tmp_path / "ray" / "checkpoints" / "iter_000002"
     train(pushcube(tmp_path, "ray", [*ON_RAY, f"runner.resume={checkpoint}"]))
     assert_same_numbers(rows(tmp_path / "embedded"), rows(tmp_path / "ray"))
@@ -378,8 +384,9 @@ def test_data_parallel_actor_workers_give_the_embedded_numbers_and_a_lost_one_st
     local_ray, tmp_path, monkeypatch, one_thread
 ):
     """Two actor workers (torch DDP over gloo) each take half of every minibatch: the embedded
-    run's numbers, to float rounding. Rank 1 killed during the third update stops the run with
-    one line; resumed from the second iteration's checkpoint, it ends as the embedded run."""
+    run's numbers, to float rounding. Rank 1 killed before the third update stops the run with
+    one line; resumed from the second iteration's checkpoint on one actor worker, it ends as
+    the embedded run."""
     iterations = 3
     steps = 8 * 3 * iterations
     torch.manual_seed(0)
@@ -416,9 +423,10 @@ def test_data_parallel_actor_workers_give_the_embedded_numbers_and_a_lost_one_st
     ranks = [w["pid"] for w in status["workers"] if w["role"] == "actor"]
     assert len(ranks) == 2 and ranks[1] == killed[0] and ranks[0] != ranks[1]
 
+    # resumed on one actor worker: a checkpoint does not depend on how many ranks wrote it
     monkeypatch.setattr(RemoteLearner, "start_update", original)
     resumed = tmp_path / "ray" / "checkpoints" / "iter_000002"
-    run_on(None, tmp_path / "ray", resume=str(resumed), **kw)
+    run_on(None, tmp_path / "ray", resume=str(resumed), **{**kw, "cluster": CLUSTER})
     table = rows(tmp_path / "ray")
     assert [r["iteration"] for r in table if "policy/loss" in r] == [1, 2, 3]
     # averaged in another order than one process sums: equal to float rounding
