@@ -71,6 +71,7 @@ def build(cfg, on_ray: bool):
     from embodied.cluster import ray_roles
 
     out = Path("/tmp") / f"embodied-scaling-{os.getpid()}-{time.monotonic_ns()}"
+    out.mkdir(parents=True)  # (cluster.json is written there at every weight sync)
     return ray_roles(cfg, None, out)
 
 

@@ -649,6 +649,10 @@ def test_env_configs_split_by_rows_and_tasks():
 
     one = ManiSkillConfig(num_envs=8, num_workers=4)
     assert [(c.num_envs, c.num_workers) for c in split_env(one, 2)] == [(4, 2), (4, 2)]
+    # a share of one simulator process: the env worker simulates in its own process
+    assert [(c.num_envs, c.num_workers) for c in split_env(one, 4)] == [(2, 0)] * 4
+    single = ManiSkillConfig(num_envs=8, num_workers=1)
+    assert [(c.num_envs, c.num_workers) for c in split_env(single, 1)] == [(8, 0)]
     three = ManiSkillConfig(tasks=["A", "B", "C"], num_envs=12, num_workers=3)
     parts = split_env(three, 3)
     assert [(c.tasks, c.num_envs) for c in parts] == [(["A"], 4), (["B"], 4), (["C"], 4)]
