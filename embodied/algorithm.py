@@ -7,6 +7,7 @@ An algorithm plans its collection rounds (reset seeds, groups, chunks per round)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,18 +55,26 @@ def broadcast(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def proximal_logprob(
-    learner: TrainEngine, samples: Samples, *, level: str, num_minibatches: int
+def in_pieces(
+    samples: Samples, num_minibatches: int, score: Callable[[Samples], torch.Tensor]
 ) -> torch.Tensor:
-    """The samples' log-probabilities at ``level`` under the learner's current weights (the
-    update's proximal policy), in minibatch-sized pieces."""
+    """``score`` of each minibatch-sized piece of ``samples``, in order, joined: a forward pass
+    over the whole batch without holding all of its activations at once."""
     size = max(1, len(samples) // num_minibatches)
     parts = []
     for start in range(0, len(samples), size):
         rows_host = torch.arange(start, min(len(samples), start + size))
         piece = samples.index(rows_host.to(samples.advantages.device), rows_host)
-        parts.append(learner.logprob(piece, level)[0])
+        parts.append(score(piece))
     return torch.cat(parts)
+
+
+def proximal_logprob(
+    learner: TrainEngine, samples: Samples, *, level: str, num_minibatches: int
+) -> torch.Tensor:
+    """The samples' log-probabilities at ``level`` under the learner's current weights (the
+    update's proximal policy)."""
+    return in_pieces(samples, num_minibatches, lambda piece: learner.logprob(piece, level)[0])
 
 
 def update(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied.algorithm import AlgorithmConfig, broadcast, check_level
+from embodied.algorithm import AlgorithmConfig, broadcast, check_level, in_pieces
 from embodied.algorithms import (
     grpo_advantages,
     informative_groups,
@@ -187,14 +187,12 @@ class GRPO:
         for name, buffer in self.reference.named_buffers():
             buffer.copy_(live[name])
         level = self.cfg.logprob_level
-        size = max(1, len(samples) // self.cfg.num_minibatches)
-        parts = []
-        for start in range(0, len(samples), size):
-            rows_host = torch.arange(start, min(len(samples), start + size))
-            piece = samples.index(rows_host.to(samples.advantages.device), rows_host)
+
+        def reference_logprob(piece: Samples) -> torch.Tensor:
             token, _, _ = self.reference.evaluate(piece.obs, piece.output, level="token")
-            parts.append(logprob_at(token, level, piece.valid))
-        samples.ref_logprob = torch.cat(parts)
+            return logprob_at(token, level, piece.valid)
+
+        samples.ref_logprob = in_pieces(samples, self.cfg.num_minibatches, reference_logprob)
 
     def loss(self, learner: TrainEngine, minibatch: Samples):
         cfg = self.cfg
