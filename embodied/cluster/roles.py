@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from embodied.checkpoint import rng_state
-from embodied.cluster.config import ClusterConfig
+from embodied.cluster.config import ROLES, ClusterConfig
 from embodied.cluster.placement import place
 from embodied.cluster.status import STATUS_FILE
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
@@ -148,15 +148,12 @@ class Baton:
     def to(self, worker, role: str, followers: tuple = ()) -> None:
         """Move the state to ``worker``, and a copy to each of ``followers`` (the other
         data-parallel actor workers: every time, so that they draw what it draws)."""
-        if not self.moves:
-            return
-        if self.holder is worker:
-            if followers:
-                state = self.fetch()
-                _get([w.set_rng.remote(state) for w in followers], role)
+        holds = self.holder is worker
+        if not self.moves or (holds and not followers):
             return
         state = self.fetch()
-        _get([w.set_rng.remote(state) for w in (worker, *followers)], role)
+        targets = followers if holds else (worker, *followers)
+        _get([w.set_rng.remote(state) for w in targets], role)
         self.holder = worker
         self.holder_role = role
         self.state = None
@@ -544,10 +541,7 @@ class RayRoles:
                 )
                 return actor
 
-            slots = {
-                role: [s for s in self.slots if s.role == role]
-                for role in ("env", "rollout", "actor", "eval")
-            }
+            slots = {role: [s for s in self.slots if s.role == role] for role in ROLES}
             threads = cfg.runner.torch_threads
             env_workers = [
                 make(EnvWorker, slot).remote(env_cfg, env_factory, 1)
@@ -582,10 +576,7 @@ class RayRoles:
             self.workers = {"env": env_workers, "rollout": rollouts, "actor": actors}
             if evaluators:
                 self.workers["eval"] = evaluators
-            self.placed = {
-                role: _get([w.where.remote() for w in workers], role)
-                for role, workers in self.workers.items()
-            }
+            self.placed = {role: self._ask(role, "where") for role in self.workers}
             if len(actors) > 1:
                 _join_ranks(actors, self.placed["actor"], device)
             if cluster.max_staleness:  # collection and update overlap: a stream each
@@ -660,8 +651,8 @@ class RayRoles:
         worker = self.workers["eval"][0]
         if self.eval_lost:  # Ray restarts it: the next evaluation waits until it is back
             self._wait_alive("eval", worker)
-            self.placed["eval"] = _get([worker.where.remote()], "eval")
             self.eval_lost = False
+            self.placed["eval"] = self._ask("eval", "where") or self.placed["eval"]
             self._write_status()
         # all the weights every time: a worker Ray restarted between evaluations has lost them
         weights, _ = self.actor.weights.options(num_returns=2).remote(True)
@@ -678,14 +669,8 @@ class RayRoles:
         self.since = now
         out: dict[str, float] = {}
         spans: list[tuple] = []
-        for role, workers in self.workers.items():
-            try:
-                answers = _get([w.timing.remote() for w in workers], role)
-            except WorkerLost:
-                if role != "eval":
-                    raise
-                answers = [(0.0, [])]  # (its evaluation is lost; Ray restarts it)
-                self.eval_lost = True
+        for role in self.workers:
+            answers = self._ask(role, "timing") or [(0.0, [])]
             busy = max(b for b, _ in answers)
             out[f"cluster/{role}_busy_s"] = busy
             out[f"cluster/{role}_idle"] = max(0.0, 1.0 - busy / wall)
@@ -726,13 +711,20 @@ class RayRoles:
                 _get(worker.seed.remote(self.cfg.seed + 1 + i + 1000 * len(self.events)), "rollout")
         self.full_sync = True
         self.sync(self.inference.version)
-        for role, workers in self.workers.items():
-            try:
-                self.placed[role] = _get([w.where.remote() for w in workers], role)
-            except WorkerLost:
-                if role != "eval":  # (a lost evaluation worker loses its evaluation only)
-                    raise
+        for role in self.workers:
+            self.placed[role] = self._ask(role, "where") or self.placed[role]
         self._write_status()
+
+    def _ask(self, role: str, method: str) -> list | None:
+        """Every worker of ``role`` answers ``method``. A lost evaluation worker answers None:
+        it loses its evaluation only (the next one waits for Ray's restart)."""
+        try:
+            return _get([getattr(w, method).remote() for w in self.workers[role]], role)
+        except WorkerLost:
+            if role != "eval":
+                raise
+            self.eval_lost = True
+            return None
 
     def _wait_alive(self, role: str, worker) -> None:
         import ray
