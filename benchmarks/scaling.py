@@ -4,8 +4,11 @@ and pipelined vs sequential collection on Ray.
 Side by side in one run (every configuration is built once and the measurements alternate, so
 the shared machine's drift hits them alike; the median over repeats is reported):
   embedded W   one process, the simulators in W subprocess workers (``env.num_workers: W``)
-  ray W        the roles on a local Ray: W env workers (each with one simulator subprocess), a
-               rollout worker, an actor worker (``cluster.env.workers: W``)
+  ray W        the roles on a local Ray: W env workers (each simulating its share in its own
+               process), a rollout worker, an actor worker (``cluster.env.workers: W``); this
+               process relays every chunk between the env and rollout workers
+  in-env W     the same with the policy's inference copy in each env worker's process
+               (``cluster.rollout.workers: 0``): each env worker collects its round itself
   ideal        W times the 1-worker rate of the same kind
 Each measurement is one collection round of the PPO config (no update), from a seeded reset.
 
@@ -78,7 +81,7 @@ def build(cfg, on_ray: bool):
 def round_rate(cfg, roles, stages: int = 1) -> float:
     """Env steps/s of one collection round (seeded reset excluded)."""
     from embodied.roles import build_algorithm
-    from embodied.rollout import EpisodeStats, collect
+    from embodied.rollout import EpisodeStats
 
     envs = roles.envs
     algorithm = build_algorithm(cfg, roles.spec, envs.task_of_env)
@@ -87,7 +90,7 @@ def round_rate(cfg, roles, stages: int = 1) -> float:
     obs = envs.reset(seed=plan.seeds)
     K = cfg.policy.chunk_size
     t0 = time.perf_counter()
-    collect(envs, roles.inference, obs, plan, stats, stages=stages, chunk_size=K)
+    roles.collect(obs, plan, stats, stages=stages, chunk_size=K)
     seconds = time.perf_counter() - t0
     return envs.num_envs * K * plan.num_chunks / seconds
 
@@ -126,17 +129,14 @@ def scaling(args) -> dict:
             cfg = config("configs/maniskill/pushcube_ppo.yaml", base)
             built.append(build(cfg, on_ray=False))
             cases[f"embedded {w}"] = (cfg, built[-1], 1)
-            cfg = config(
-                "configs/maniskill/pushcube_ppo.yaml",
-                [
-                    *base,
-                    "cluster.enabled=true",
-                    f"cluster.env.workers={w}",
-                    "cluster.env.num_cpus=0.5",
-                ],
-            )
-            built.append(build(cfg, on_ray=True))
-            cases[f"ray {w}"] = (cfg, built[-1], 1)
+            on_ray = [*base, "cluster.enabled=true", f"cluster.env.workers={w}"]
+            for name, extra in (("ray", []), ("in-env", ["cluster.rollout.workers=0"])):
+                cfg = config(
+                    "configs/maniskill/pushcube_ppo.yaml",
+                    [*on_ray, "cluster.env.num_cpus=0.5", *extra],
+                )
+                built.append(build(cfg, on_ray=True))
+                cases[f"{name} {w}"] = (cfg, built[-1], 1)
         rates = measure(cases, args.repeats)
     finally:
         for roles in built:
@@ -147,23 +147,30 @@ def scaling(args) -> dict:
     for w in args.workers:
         e = median[f"embedded {w}"]
         r = median[f"ray {w}"]
+        n = median[f"in-env {w}"]
         rows.append(
             {
                 "workers": w,
                 "embedded": e,
                 "ray": r,
+                "in_env": n,
                 "ideal_embedded": median[f"embedded {first}"] * w / first,
                 "ideal_ray": median[f"ray {first}"] * w / first,
                 "ray_overhead": 1 - r / e,
+                "in_env_overhead": 1 - n / e,
             }
         )
     print("\nPushCube state, 8 envs, rounds of 50 steps, lockstep; " + hardware())
-    print("| env workers | embedded steps/s | Ray steps/s | Ray overhead | ideal (embedded) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| env workers | embedded steps/s | Ray, relayed | overhead | Ray, inference in the "
+        "env workers | overhead | ideal (embedded) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         print(
             f"| {row['workers']} | {row['embedded']:.0f} | {row['ray']:.0f} | "
-            f"{100 * row['ray_overhead']:.0f}% | {row['ideal_embedded']:.0f} |"
+            f"{100 * row['ray_overhead']:.0f}% | {row['in_env']:.0f} | "
+            f"{100 * row['in_env_overhead']:.0f}% | {row['ideal_embedded']:.0f} |"
         )
     if args.png:
         plot(rows, Path(args.png))
@@ -179,7 +186,8 @@ def plot(rows: list[dict], path: Path) -> None:
     workers = [r["workers"] for r in rows]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(workers, [r["embedded"] for r in rows], "o-", label="embedded (subprocess workers)")
-    ax.plot(workers, [r["ray"] for r in rows], "s-", label="Ray env workers")
+    ax.plot(workers, [r["ray"] for r in rows], "s-", label="Ray, relayed per chunk")
+    ax.plot(workers, [r["in_env"] for r in rows], "^-", label="Ray, inference in env workers")
     ax.plot(workers, [r["ideal_embedded"] for r in rows], "k--", label="ideal")
     ax.set_xlabel("environment workers")
     ax.set_ylabel("env steps/s (rollout, lockstep)")

@@ -23,7 +23,7 @@ from embodied.inference import InferencePolicy
 from embodied.learner import TorchEngine
 from embodied.models import build_policy
 from embodied.ppo import PPO
-from embodied.rollout import Samples
+from embodied.rollout import CollectPlan, EpisodeStats, RolloutBatch, Samples, collect
 from embodied.schema import EnvSpec, Observation, UserError
 
 
@@ -199,6 +199,29 @@ class Roles:
         """The learner's weights to inference (shared here: only the version); sync metrics."""
         self.inference.sync(None, version)
         return {}
+
+    def collect(
+        self,
+        obs: Observation,
+        plan: CollectPlan,
+        stats: EpisodeStats,
+        *,
+        stages: int = 1,
+        chunk_size: int = 1,
+        should_stop=None,
+    ) -> RolloutBatch:
+        """A round from ``obs`` (after ``envs.reset``): ``rollout.collect`` here."""
+        batch, _ = collect(
+            self.envs,
+            self.inference,
+            obs,
+            plan,
+            stats,
+            stages=stages,
+            chunk_size=chunk_size,
+            should_stop=should_stop,
+        )
+        return batch
 
     def evaluate(self, **kw) -> dict[str, dict]:
         """``evaluate_by_task`` of the inference policy on the environment group's envs."""

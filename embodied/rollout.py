@@ -63,6 +63,34 @@ class RolloutBatch:
         truncated = (self.truncated & self.valid).any(-1) & ~terminated
         return terminated, truncated
 
+    @staticmethod
+    def cat_envs(parts: list[RolloutBatch]) -> RolloutBatch:
+        """The batches of consecutive environment rows side by side: [T, B1 + B2 + ..., ...]
+        (what env workers collected apart; advantages are computed after)."""
+        first = parts[0]
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(p, name) for p in parts], dim=1)
+
+        tensors = {
+            f.name: cat(f.name)
+            for f in fields(first)
+            if isinstance(getattr(first, f.name), torch.Tensor)
+        }
+        obs = [p.obs.tensors() for p in parts]
+        joined = {name: torch.cat([o[name] for o in obs], dim=1) for name in obs[0]}
+        return RolloutBatch(
+            obs=Observation(
+                state=joined["state"],
+                instruction=[],
+                images={k: joined[f"images/{k}"] for k in first.obs.images},
+                privileged={k: joined[f"privileged/{k}"] for k in first.obs.privileged},
+            ),
+            instructions=first.instructions,
+            extras={k: torch.cat([p.extras[k] for p in parts], dim=1) for k in first.extras},
+            **tensors,
+        )
+
     def samples(self) -> Samples:
         """The chunks of ``sample_mask`` flattened to [N, ...] for minibatch updates (once per
         update, two host syncs: the count N and the samples' task ids)."""
@@ -285,6 +313,23 @@ class CollectPlan:
     group_of_env: torch.Tensor  # long [B] on the CPU, -1 where the env is in no group
     num_chunks: int  # T
     episode_base: int  # episode ids of this round start here
+    # a part of the run's environments (``part``): the first one's row and how many there are
+    first_env: int = 0
+    total_envs: int | None = None  # None: these B are all of them
+
+    def part(self, lo: int, hi: int) -> CollectPlan:
+        """The plan of environments ``[lo, hi)`` of these, collected apart (an env worker with
+        inference in its process): their seeds and groups, and episode ids as the whole has."""
+        B = len(self.group_of_env)
+        seeds = self.seeds + lo if isinstance(self.seeds, int) else list(self.seeds[lo:hi])
+        return CollectPlan(
+            seeds=seeds,
+            group_of_env=self.group_of_env[lo:hi],
+            num_chunks=self.num_chunks,
+            episode_base=self.episode_base,
+            first_env=self.first_env + lo,
+            total_envs=self.total_envs or B,
+        )
 
 
 def _alloc(obs: Observation, out: PolicyOutput, T: int, B: int) -> RolloutBatch:
@@ -343,12 +388,13 @@ def collect(
     ``should_stop`` is asked before every chunk; when it says so, ``Interrupted`` is raised."""
     T = plan.num_chunks
     B = envs.num_envs
+    total_envs = plan.total_envs or B  # (episode ids: B of a larger whole, from first_env)
     device = policy.device
     # each stage: its rows (a CPU index for the environments, None: all) and the same rows as a
     # slice of the buffers (views: plain copies, no index gathers)
     stage_list = envs.stage_split(stages, chunk_size)
     split = stage_list[0][0] is not None
-    env_index = torch.arange(B, device=device)
+    env_index = torch.arange(plan.first_env, plan.first_env + B, device=device)
     episode_count = torch.zeros(B, dtype=torch.long, device=device)  # episodes ended so far
     group_of_env = plan.group_of_env.to(device)
     task_ids = envs.task_ids.to(device)
@@ -376,7 +422,7 @@ def collect(
                 buf.extras[k][t, at] = v
         buf.values[t, at] = out.value  # f32 [n]
         count = episode_count[at]
-        buf.episode_id[t, at] = plan.episode_base + count * B + env_index[at]
+        buf.episode_id[t, at] = plan.episode_base + count * total_envs + env_index[at]
         buf.group_id[t, at] = torch.where(count == 0, group_of_env[at], -1)
         buf.task_id[t, at] = task_ids[at]
         buf.policy_version[t, at] = policy.version

@@ -41,7 +41,7 @@ from embodied.roles import (
     load_checkpoint_for,
     local_roles,
 )
-from embodied.rollout import EpisodeStats, Samples, StageTuner, collect, stage_candidates
+from embodied.rollout import EpisodeStats, Samples, StageTuner, stage_candidates
 from embodied.run import (
     Clock,
     Interrupted,
@@ -553,9 +553,7 @@ class Runner:
                     # normalisation statistics from the first observations, before anything acts
                     self.learner.init_normalizer(obs)
                     self.roles.sync(0)
-                batch, _ = collect(
-                    self.envs,
-                    self.inference,
+                batch = self.roles.collect(
                     obs,
                     plan,
                     stats,

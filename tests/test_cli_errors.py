@@ -264,6 +264,10 @@ CASES = [
     (["train", M, "cluster.placement=everywhere"], ["cluster.placement", "'everywhere'"]),
     (["train", M, "cluster.env.workers=0"], ["cluster.env.workers", "must be >= 1"]),
     (["train", M, "cluster.rollout.num_gpus=1.5"], ["cluster.rollout.num_gpus", "whole"]),
+    (
+        ["train", M, "cluster.rollout.workers=0", "cluster.rollout.num_gpus=1"],
+        ["cluster.rollout.num_gpus", "env.num_gpus"],
+    ),
     (["train", M, "cluster.actor.resources.sim=-1"], ["cluster.actor.resources", "sim"]),
     (["train", M, "cluster.max_staleness=1"], ["cluster.max_staleness", "cluster.enabled=true"]),
     (

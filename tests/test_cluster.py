@@ -121,6 +121,48 @@ def test_ppo_on_pushcube_gives_the_embedded_numbers(tmp_path, monkeypatch, reque
     assert {"chunk", "act", "update", "collect"} <= spans
 
 
+def test_inference_in_the_env_worker_gives_the_embedded_numbers(local_ray, tmp_path, monkeypatch):
+    """``cluster.rollout.workers: 0``: the env worker collects each round with a policy copy of
+    its own (one call per round, none per chunk); its rows are the embedded run's. Killed as
+    the second round starts, it is restarted with the weights and the generator state of the
+    last iteration, and the round collected again is the one the embedded run collected."""
+    # (an evaluation at iteration 2: the env worker's policy copy acts there too)
+    train(pushcube(tmp_path, "embedded", ["runner.eval_every=2"]))
+    on_ray = ["cluster.enabled=true", "cluster.rollout.workers=0", "cluster.actor.num_cpus=0.5"]
+    train(pushcube(tmp_path, "ray", [*on_ray, "runner.trace=true", "runner.eval_every=2"]))
+    assert_same_numbers(rows(tmp_path / "embedded"), rows(tmp_path / "ray"))
+    assert any("eval/success_rate" in r for r in rows(tmp_path / "ray"))
+    status = json.loads((tmp_path / "ray" / "cluster.json").read_text())
+    assert sorted(w["role"] for w in status["workers"]) == ["actor", "env"]
+    training = [r for r in rows(tmp_path / "ray") if "policy/loss" in r]
+    assert len(training) == 3
+    for row in training:
+        # the round crossed once: 8 chunks x 2 envs of (obs, actions, ...) and more
+        assert row["cluster/env_bytes_per_step"] > 2 * 8 * 4
+        assert row["cluster/rollout_busy_s"] == 0 and row["cluster/env_busy_s"] > 0
+    trace = json.loads((tmp_path / "ray" / "trace.json").read_text())["traceEvents"]
+    by_role = {e["pid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+    env_calls = {e["name"] for e in trace if e["ph"] == "X" and by_role[e["pid"]] == "env"}
+    assert "collect" in env_calls and "chunk" not in env_calls
+    killed = []
+    original = RayRoles.collect
+
+    def collect(roles, *args, **kw):
+        if len(killed) == 0 and roles.inference.version == 1:
+            pid = ray.get(roles.envs.workers[0].ping.remote())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        return original(roles, *args, **kw)
+
+    monkeypatch.setattr(RayRoles, "collect", collect)
+    train(pushcube(tmp_path, "killed", [*on_ray, "runner.eval_every=2"]))
+    assert len(killed) == 1
+    table = rows(tmp_path / "killed")
+    lost = [r for r in table if "cluster/discarded_rounds" in r]
+    assert [(r["iteration"], r["cluster/discarded_rounds"]) for r in lost] == [(2, 1)]
+    assert_same_numbers(rows(tmp_path / "embedded"), [r for r in table if r not in lost])
+
+
 # (the default run resumes a Ray run in the data-parallel test, on the test task)
 @pytest.mark.slow
 def test_a_ppo_run_on_ray_resumes_to_the_embedded_numbers(local_ray, tmp_path):

@@ -14,7 +14,14 @@ from embodied.contract import check_env, check_policy
 from embodied.env_group import EnvGroup
 from embodied.inference import InferencePolicy
 from embodied.ppo import PPO, PPOConfig
-from embodied.rollout import CollectPlan, EpisodeStats, StageTuner, collect, stage_candidates
+from embodied.rollout import (
+    CollectPlan,
+    EpisodeStats,
+    RolloutBatch,
+    StageTuner,
+    collect,
+    stage_candidates,
+)
 
 # env 0 terminates every 2 steps (twice per chunk), env 1 is truncated after 7 steps (mid-chunk,
 # then again on a chunk's last action... after the rollout), env 2 terminates every 4 steps (on a
@@ -139,6 +146,42 @@ def test_pipelined_collection_equals_lockstep():
         torch.testing.assert_close(got.obs.state, ref.obs.state)
         torch.testing.assert_close(last.state, ref_last.state)
         assert stats.summary() == ref_stats.summary()
+
+
+def test_environments_collected_in_parts_join_into_the_whole_round():
+    """Env workers that infer themselves (``cluster.rollout.workers: 0``) collect their rows
+    apart (``CollectPlan.part``); joined (``RolloutBatch.cat_envs``), the parts are the round
+    collected whole: episode ids count over all environments, groups and seeds follow the rows,
+    the statistics add up."""
+
+    def collect_rows(term_at, plan):
+        env = ScriptedEnv(term_at, max_episode_steps=7)
+        envs = EnvGroup(env)
+        stats = EpisodeStats(env.num_envs, envs.task_names, torch.device("cpu"))
+        policy = InferencePolicy(ScriptedPolicy(K))
+        batch, _ = collect(envs, policy, envs.reset(seed=plan.seeds), plan, stats)
+        return batch, stats
+
+    plan = CollectPlan(
+        seeds=10, group_of_env=torch.tensor([0, 0, 1, -1]), num_chunks=T, episode_base=100
+    )
+    whole, whole_stats = collect_rows(TERM_AT, plan)
+    cuts = [(0, 1), (1, 4)]  # one env, then three
+    parts = [collect_rows(TERM_AT[lo:hi], plan.part(lo, hi)) for lo, hi in cuts]
+    assert plan.part(1, 4).seeds == 11 and plan.part(1, 4).group_of_env.tolist() == [0, 1, -1]
+    joined = RolloutBatch.cat_envs([batch for batch, _ in parts])
+    # (test_chunk_fields_by_hand's ids, from episode_base 100)
+    assert joined.episode_id.tolist() == [[100, 101, 102, 103], [108, 101, 106, 107]] + [
+        [116, 105, 110, 111]
+    ]
+    assert joined.group_id.tolist() == [[0, 0, 1, -1], [-1, 0, -1, -1], [-1, -1, -1, -1]]
+    for name in ("rewards", "terminated", "truncated", "valid", "values", "next_values"):
+        assert torch.equal(getattr(joined, name), getattr(whole, name)), name
+    assert torch.equal(joined.obs.state[..., [0, 2]], whole.obs.state[..., [0, 2]])  # t, seed
+    # the scripted policy acts with the env's index in its own env object
+    assert joined.actions[..., 0, 0].tolist() == [[0, 0, 1, 2]] * T
+    assert joined.obs.state.shape == (T, 4, 3) and joined.logprob_token.shape == (T, 4, K, 1)
+    torch.testing.assert_close(parts[0][1].totals + parts[1][1].totals, whole_stats.totals)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@
       address: auto            # join a running cluster (``ray start --head`` / a Ray cluster)
       placement: collocated    # collocated | disaggregated | hybrid
       env:     {workers: 2, num_cpus: 1}
-      rollout: {workers: 1, num_cpus: 1, num_gpus: 0.5}
+      rollout: {workers: 1, num_cpus: 1, num_gpus: 0.5}   # workers 0: in the env workers
       actor:   {workers: 1, num_cpus: 1, num_gpus: 0.5}
       eval:    {workers: 1, num_cpus: 1}   # evaluations beside training (default 0: in line)
 
@@ -15,7 +15,10 @@ packs every worker on one node, and a rollout worker shares a bundle with an act
 device for both); ``disaggregated`` gives every worker a bundle of its own, spread over nodes
 where it can be; ``hybrid`` keeps the rollout and actor workers together and lets the env
 workers go anywhere. Several actor workers are data-parallel ranks (torch DDP; with NCCL each
-needs a GPU of its own).
+needs a GPU of its own). ``rollout.workers: 0`` puts the policy's inference copy in each env
+worker's process instead: it collects whole rounds of its environments there, with no call per
+chunk between processes (policies that infer quickly on the env workers' CPUs; a VLA wants
+rollout workers of its own on a GPU).
 """
 
 from __future__ import annotations
@@ -86,9 +89,14 @@ class ClusterConfig:
                 "max_staleness: 1 overlaps collection with the update in another process; it "
                 "needs the roles on Ray (cluster.enabled=true)"
             )
-        for role in ("env", "rollout", "actor"):
+        for role in ("env", "actor"):
             if getattr(self, role).workers < 1:
                 raise ValueError(f"{role}.workers: must be >= 1, got {getattr(self, role).workers}")
+        if self.rollout.workers == 0 and self.rollout.num_gpus:
+            raise ValueError(
+                "rollout.num_gpus: with rollout.workers 0 the policy infers in the env workers' "
+                "processes, on their devices; give the GPU to env.num_gpus"
+            )
         if self.eval.workers and not self.enabled:
             raise ValueError(
                 "eval.workers: an evaluation worker runs beside training in a process of its "

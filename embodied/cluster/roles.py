@@ -32,12 +32,20 @@ from embodied.cluster.config import ROLES, ClusterConfig
 from embodied.cluster.placement import place
 from embodied.cluster.status import STATUS_FILE
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
-from embodied.cluster.workers import ActorWorker, EnvWorker, EvalWorker, RolloutWorker
+from embodied.cluster.workers import (
+    ActorWorker,
+    EnvRolloutWorker,
+    EnvWorker,
+    EvalWorker,
+    RolloutWorker,
+)
 from embodied.config import ConfigError, to_dict
 from embodied.env_group import ChunkStep, strided_stages
 from embodied.evaluate import evaluate_by_task
 from embodied.multitask import join_steps
-from embodied.roles import WorkerLost
+from embodied.roles import Roles, WorkerLost
+from embodied.rollout import CollectPlan, EpisodeStats, RolloutBatch
+from embodied.run import Interrupted
 from embodied.schema import Observation, PolicyOutput, StepOutput
 
 RESTART_TIMEOUT_S = 300.0  # how long a lost worker may take to come back
@@ -206,6 +214,8 @@ class RemoteEnvGroup:
             (int(r[0]), int(r[-1]) + 1)
             for r in (torch.nonzero(self.task_of_env == t).squeeze(1) for t in range(len(names)))
         ]
+        # per worker: its task ids -> the run's (long [its tasks])
+        self.task_index = [torch.tensor([names.index(n) for n in f["task_names"]]) for f in facts]
         self.can_pipeline = all(f["can_pipeline"] for f in facts)
         self.instructions: tuple[str, ...] = ()
         self._pending: dict = {}
@@ -357,8 +367,9 @@ class RemoteVecEnv:
 class RemoteInference:
     """The rollout workers as one ``InferencePolicy``: a batch is split across them by rows."""
 
-    def __init__(self, workers: list, baton: Baton, has_critic: bool):
+    def __init__(self, workers: list, baton: Baton, has_critic: bool, role: str = "rollout"):
         self.workers = workers
+        self.role = role  # "env": the inference copies live in the env workers
         self.baton = baton
         self.version = 0
         self.device = torch.device("cpu")  # the rollout buffers live on the driver's host
@@ -366,7 +377,7 @@ class RemoteInference:
         self.traffic = Traffic()
 
     def _call(self, method: str, obs: Observation, **kw):
-        self.baton.to(self.workers[0], "rollout")
+        self.baton.to(self.workers[0], self.role)
         t0 = time.perf_counter()
         n = len(self.workers)
         B = obs.batch_size
@@ -377,7 +388,7 @@ class RemoteInference:
             if hi > lo
         ]
         refs = [getattr(worker, method).remote(wired, **kw) for worker, wired in parts]
-        answers = _get(refs, "rollout")
+        answers = _get(refs, self.role)
         self.traffic.wait_s += time.perf_counter() - t0
         self.traffic.bytes += wire_bytes([wired for _, wired in parts]) + wire_bytes(answers)
         self.traffic.rows += B
@@ -504,8 +515,9 @@ class Evaluation:
             raise
 
 
-class RayRoles:
-    """The roles as Ray actors in one placement group; see the module docstring."""
+class RayRoles(Roles):
+    """The roles as Ray actors in one placement group; see the module docstring. Every method
+    of ``Roles`` is implemented here (``collect`` relays through it)."""
 
     def __init__(self, cfg, resume: dict | None, run_dir: Path, env_factory=None):
         import ray
@@ -543,10 +555,22 @@ class RayRoles:
 
             slots = {role: [s for s in self.slots if s.role == role] for role in ROLES}
             threads = cfg.runner.torch_threads
-            env_workers = [
-                make(EnvWorker, slot).remote(env_cfg, env_factory, 1)
-                for slot, env_cfg in zip(slots["env"], env_cfgs)
-            ]
+            # rollout.workers 0: inference in each env worker's process, rounds collected there
+            self.in_env = cluster.rollout.workers == 0
+            if self.in_env:
+                rollout_device = _device(cfg, cluster.env.num_gpus)
+                env_workers = [
+                    make(EnvRolloutWorker, slot).remote(
+                        env_cfg, env_factory, cfg.policy, rollout_device, threads
+                    )
+                    for slot, env_cfg in zip(slots["env"], env_cfgs)
+                ]
+            else:
+                rollout_device = _device(cfg, cluster.rollout.num_gpus)
+                env_workers = [
+                    make(EnvWorker, slot).remote(env_cfg, env_factory, 1)
+                    for slot, env_cfg in zip(slots["env"], env_cfgs)
+                ]
             facts = _get([w.facts.remote() for w in env_workers], "env")
             self.envs = RemoteEnvGroup(env_workers, facts)
             self.spec = self.envs.spec
@@ -560,12 +584,12 @@ class RayRoles:
                 for slot in slots["actor"]
             ]
             actor = actors[0]
-            rollout_device = _device(cfg, cluster.rollout.num_gpus)
             eval_device = _device(cfg, cluster.eval.num_gpus)
             rollouts = [
                 make(RolloutWorker, slot).remote(cfg.policy, self.spec, rollout_device, threads)
                 for slot in slots["rollout"]
             ]
+            inferring = env_workers if self.in_env else rollouts  # the policy copies that act
             evaluators = [
                 make(EvalWorker, slot).remote(
                     cfg.env, env_factory, cfg.policy, self.spec, eval_device, threads
@@ -581,14 +605,14 @@ class RayRoles:
                 _join_ranks(actors, self.placed["actor"], device)
             if cluster.max_staleness:  # collection and update overlap: a stream each
                 self.baton = Baton(rng_state(), moves=False)
-                _get([w.seed.remote(cfg.seed + 1 + i) for i, w in enumerate(rollouts)], "rollout")
+                _get([w.seed.remote(cfg.seed + 1 + i) for i, w in enumerate(inferring)], "rollout")
             else:
                 self.baton = Baton(None)
                 self.baton.holder = actor  # the actor built the policy: the stream is there now
                 self.baton.holder_role = "actor"
                 # rollout workers past the first never hold the baton: streams of their own
                 _get(
-                    [w.seed.remote(cfg.seed + 1 + i) for i, w in enumerate(rollouts) if i],
+                    [w.seed.remote(cfg.seed + 1 + i) for i, w in enumerate(inferring) if i],
                     "rollout",
                 )
             if resume is not None:
@@ -599,8 +623,9 @@ class RayRoles:
             self.learner = RemoteLearner(
                 actors, self.baton, cfg.algorithm.learning_rate, cfg.algorithm.num_minibatches
             )
-            has_critic = _get(rollouts[0].has_critic.remote(), "rollout")
-            self.inference = RemoteInference(rollouts, self.baton, has_critic)
+            has_critic = _get(inferring[0].has_critic.remote(), "rollout")
+            role = "env" if self.in_env else "rollout"
+            self.inference = RemoteInference(inferring, self.baton, has_critic, role)
             self.full_sync = True  # the rollout workers hold random weights until the first sync
             self.heartbeat = {role: time.time() for role in self.workers}
             self.since = time.time()  # the start of the window metrics() reports on
@@ -624,6 +649,50 @@ class RayRoles:
             "cluster/sync_ms": 1000 * (time.perf_counter() - t0),
             "cluster/sync_bytes": float(_get(nbytes, "actor")),
         }
+
+    def collect(
+        self,
+        obs: Observation,
+        plan: CollectPlan,
+        stats: EpisodeStats,
+        *,
+        stages: int = 1,
+        chunk_size: int = 1,
+        should_stop=None,
+    ) -> RolloutBatch:
+        """A round from ``obs`` (after ``envs.reset``), as ``rollout.collect``: this process
+        relays every chunk between the env and rollout workers, or (``rollout.workers: 0``)
+        each env worker collects its rows' round with its own policy copy."""
+        if not self.in_env:
+            return super().collect(
+                obs, plan, stats, stages=stages, chunk_size=chunk_size, should_stop=should_stop
+            )
+        import ray
+
+        envs = self.envs
+        self.baton.to(envs.workers[0], "env")  # worker 0 samples from the run's stream
+        parts = [plan.part(lo, hi) for lo, hi in zip(envs.bounds, envs.bounds[1:])]
+        sent = [to_wire(part) for part in parts]
+        refs = [
+            worker.collect.remote(wired, stages, chunk_size)
+            for worker, wired in zip(envs.workers, sent)
+        ]
+        waiting = refs
+        while waiting:
+            if should_stop is not None and should_stop():
+                raise Interrupted  # (the workers finish their round; nothing of it is kept)
+            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=0.2)
+        answers = envs._wait(refs)
+        envs.traffic.bytes += wire_bytes(sent) + wire_bytes(answers)
+        envs.traffic.rows += envs.num_envs * plan.num_chunks
+        batches = []
+        for index, (batch, totals) in zip(envs.task_index, map(from_wire, answers)):
+            batch.task_id = index[batch.task_id]  # the worker's task ids -> the run's
+            stats.totals.index_add_(1, index.to(stats.totals.device), totals)
+            batches.append(batch)
+        merged = RolloutBatch.cat_envs(batches)
+        merged.instructions = envs.instructions
+        return merged
 
     def evaluate(self, **kw) -> dict[str, dict]:
         """``evaluate_by_task`` through the env and rollout workers; a worker lost midway
@@ -705,10 +774,11 @@ class RayRoles:
         for role in ("env", "rollout"):
             for worker in self.workers[role]:
                 self._wait_alive(role, worker)
-        for i, worker in enumerate(self.workers["rollout"]):
+        for i, worker in enumerate(self.inference.workers):
             self.baton.lost(worker)  # a restarted rollout worker's generator is fresh
             if not self.baton.moves or i:  # streams of their own: a fresh seed each
-                _get(worker.seed.remote(self.cfg.seed + 1 + i + 1000 * len(self.events)), "rollout")
+                seed = self.cfg.seed + 1 + i + 1000 * len(self.events)
+                _get(worker.seed.remote(seed), self.inference.role)
         self.full_sync = True
         self.sync(self.inference.version)
         for role in self.workers:

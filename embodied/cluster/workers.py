@@ -23,6 +23,7 @@ from embodied.evaluate import evaluate_by_task
 from embodied.inference import InferencePolicy
 from embodied.models import build_policy
 from embodied.roles import Learner
+from embodied.rollout import EpisodeStats, collect
 
 COLLECTIVE_TIMEOUT_S = 600  # how long an actor worker waits for the others in a collective
 
@@ -116,6 +117,7 @@ class EnvWorker(_Worker):
     @timed
     def reset(self, seeds: list[int] | None):
         obs = self.group.reset(seed=seeds)
+        self.obs = obs  # where a round collected here starts (EnvRolloutWorker.collect)
         return to_wire((obs, self.group.instructions))
 
     @timed
@@ -173,6 +175,34 @@ class RolloutWorker(_Worker):
 
     def has_critic(self) -> bool:
         return self.inference.has_critic
+
+
+class EnvRolloutWorker(EnvWorker, RolloutWorker):
+    """An env worker with the rollout role's inference copy in its own process
+    (``cluster.rollout.workers: 0``, as RLlib's env runners): it collects whole rounds of its
+    environments (``collect``, the embedded loop), so no call crosses a process boundary per
+    chunk. For policies that infer quickly on the env worker's device; a large VLA wants rollout
+    workers of its own, on a GPU, batching the observations of several env workers."""
+
+    def __init__(self, env_cfg, factory, policy_cfg, device: str, torch_threads: int = 1):
+        EnvWorker.__init__(self, env_cfg, factory, torch_threads)
+        RolloutWorker.__init__(self, policy_cfg, self.group.spec, device, torch_threads)
+
+    @timed
+    def collect(self, plan, stages: int, chunk_size: int):
+        """A round from the last reset: (RolloutBatch, its finished episodes' totals f32
+        [4, this worker's tasks]); task ids in the batch are this worker's."""
+        stats = EpisodeStats(self.group.num_envs, self.group.task_names, self.device)
+        batch, _ = collect(
+            self.group,
+            self.inference,
+            self.obs,
+            from_wire(plan),
+            stats,
+            stages=stages,
+            chunk_size=chunk_size,
+        )
+        return to_wire((batch, stats.totals))
 
 
 class EvalWorker(_Worker):
