@@ -115,6 +115,34 @@ class TorchEngine:
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.process_group)
         return values / self.world_size
 
+    def offload_optimizer(self) -> int:
+        """The optimizer's state (Adam's two moments: twice the trainable parameters) to host
+        memory, freeing the device for the rollout (``cluster.offload_optimizer``); returns the
+        bytes moved off a device."""
+        moved = self._move_optimizer_state(lambda param: torch.device("cpu"))
+        if moved and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # to the other processes on the device (collocated roles)
+        return moved
+
+    def restore_optimizer(self) -> int:
+        """The optimizer's state back beside its parameters, before an update; returns the bytes
+        moved onto a device."""
+        return self._move_optimizer_state(lambda param: param.device)
+
+    def _move_optimizer_state(self, where) -> int:
+        moved = 0
+        for param in self.params:
+            state = self.optimizer.state.get(param, {})
+            for key, value in state.items():
+                # per-parameter tensors only: Adam's step count stays a host scalar
+                if not torch.is_tensor(value) or value.dim() == 0:
+                    continue
+                target = where(param)
+                if value.device != target:
+                    moved += value.numel() * value.element_size()
+                    state[key] = value.to(target)
+        return moved
+
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr

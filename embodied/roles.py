@@ -135,6 +135,9 @@ class Learner:
         metrics = {}
         if samples is not None and len(samples):
             alg = self.cfg.algorithm
+            offload = self.cfg.cluster.offload_optimizer
+            if offload:
+                self.engine.restore_optimizer()
             self.policy.train()
             self.algorithm.prepare(samples)
             if self.cfg.cluster.max_staleness > 0:  # data from older weights: decoupled PPO
@@ -152,6 +155,8 @@ class Learner:
                 num_minibatches=alg.num_minibatches,
             )
             self.policy.eval()
+            if offload:  # the device is the rollout's until the next update
+                metrics["optimizer/offloaded_mb"] = self.engine.offload_optimizer() / 2**20
         for obs in observations:
             self.policy.update_normalizer(obs)
         return metrics
@@ -172,6 +177,8 @@ class Learner:
         forced resume may have changed it)."""
         self.engine.load_state_dict(checkpoint)
         self.engine.set_lr(self.cfg.algorithm.learning_rate)
+        if self.cfg.cluster.offload_optimizer:  # (loaded beside the parameters)
+            self.engine.offload_optimizer()
 
     def save(self, run_dir: Path, iteration: int, **kw) -> None:
         """``save_checkpoint`` of the policy and optimizer (``kw``: counters, meta, rng, keep,

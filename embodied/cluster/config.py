@@ -69,6 +69,9 @@ class ClusterConfig:
     # collected while the update runs (its chunks are one update old; decoupled PPO corrects)
     max_staleness: int = 0
     max_restarts: int = 3  # a role whose worker fails this many times in a row stops the run
+    # the actor's optimizer state in host memory between updates, leaving its device to the
+    # rollout (collocated placement on a shared GPU; it also works in one process)
+    offload_optimizer: bool = False
     num_cpus: int | None = None  # a local Ray's CPUs (None: the machine's)
     num_gpus: int | None = None  # a local Ray's GPUs (None: the machine's)
 
