@@ -264,6 +264,7 @@ CASES = [
     (["train", M, "cluster.placement=everywhere"], ["cluster.placement", "'everywhere'"]),
     (["train", M, "cluster.env.workers=0"], ["cluster.env.workers", "must be >= 1"]),
     (["train", M, "cluster.rollout.num_gpus=1.5"], ["cluster.rollout.num_gpus", "whole"]),
+    (["train", M, "cluster.weight_sync=nccl"], ["cluster.weight_sync", "broadcast", "'nccl'"]),
     (
         ["train", M, "cluster.rollout.workers=0", "cluster.rollout.num_gpus=1"],
         ["cluster.rollout.num_gpus", "env.num_gpus"],

@@ -155,12 +155,25 @@ def test_inference_in_the_env_worker_gives_the_embedded_numbers(local_ray, tmp_p
         return original(roles, *args, **kw)
 
     monkeypatch.setattr(RayRoles, "collect", collect)
-    train(pushcube(tmp_path, "killed", [*on_ray, "runner.eval_every=2"]))
+    # weights by broadcast, in buckets of about 1 KB (a tensor each): the killed worker joins
+    # a new sync group
+    broadcast = ["cluster.weight_sync=broadcast", "cluster.sync_bucket_mb=0.001"]
+    train(
+        pushcube(
+            tmp_path, "killed", [*on_ray, "runner.eval_every=2", "runner.trace=true", *broadcast]
+        )
+    )
     assert len(killed) == 1
     table = rows(tmp_path / "killed")
     lost = [r for r in table if "cluster/discarded_rounds" in r]
     assert [(r["iteration"], r["cluster/discarded_rounds"]) for r in lost] == [(2, 1)]
     assert_same_numbers(rows(tmp_path / "embedded"), [r for r in table if r not in lost])
+    synced = [r["cluster/sync_bytes"] for r in table if "cluster/sync_bytes" in r]
+    assert synced and all(b == synced[0] > 0 for b in synced)  # (no frozen part to leave out)
+    trace = json.loads((tmp_path / "killed" / "trace.json").read_text())["traceEvents"]
+    by_role = {e["pid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+    calls = {(by_role[e["pid"]], e["name"]) for e in trace if e["ph"] == "X"}
+    assert {("actor", "broadcast_weights"), ("env", "receive_weights")} <= calls
 
 
 # (the default run resumes a Ray run in the data-parallel test, on the test task)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 PLACEMENTS = ("collocated", "disaggregated", "hybrid")
 ROLES = ("env", "rollout", "actor", "eval")
+WEIGHT_SYNCS = ("object_store", "broadcast")
 
 
 @dataclass
@@ -72,6 +73,10 @@ class ClusterConfig:
     # the actor's optimizer state in host memory between updates, leaving its device to the
     # rollout (collocated placement on a shared GPU; it also works in one process)
     offload_optimizer: bool = False
+    # how weights reach the inference copies: "object_store" (one copy per node, each worker
+    # reads it) or "broadcast" (a collective of the actor and those workers, in buckets)
+    weight_sync: str = "object_store"
+    sync_bucket_mb: float = 64.0  # broadcast: tensors flattened together up to this size
     num_cpus: int | None = None  # a local Ray's CPUs (None: the machine's)
     num_gpus: int | None = None  # a local Ray's GPUs (None: the machine's)
 
@@ -110,5 +115,11 @@ class ClusterConfig:
                 f"eval.workers: 0 (evaluate in the training workers) or 1 (beside training), "
                 f"got {self.eval.workers}"
             )
+        if self.weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(
+                f"weight_sync: must be one of {', '.join(WEIGHT_SYNCS)}, got {self.weight_sync!r}"
+            )
+        if self.sync_bucket_mb <= 0:
+            raise ValueError(f"sync_bucket_mb: must be > 0, got {self.sync_bucket_mb}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts: must be >= 0, got {self.max_restarts}")

@@ -627,6 +627,10 @@ class RayRoles(Roles):
             role = "env" if self.in_env else "rollout"
             self.inference = RemoteInference(inferring, self.baton, has_critic, role)
             self.full_sync = True  # the rollout workers hold random weights until the first sync
+            self.sync_epoch = 0  # weight-sync groups made so far (broadcast)
+            if cluster.weight_sync == "broadcast":
+                self.sync_address = _get(actor.sync_address.remote(), "actor")
+                self._join_sync()
             self.heartbeat = {role: time.time() for role in self.workers}
             self.since = time.time()  # the start of the window metrics() reports on
         except BaseException:
@@ -635,11 +639,22 @@ class RayRoles(Roles):
 
     # --- what the runner calls ----------------------------------------------------------------
     def sync(self, version: int) -> dict[str, float]:
-        """The actor's weights to every rollout worker through the object store (one copy per
-        node), all of them the first time, then the trainable ones and the buffers that change."""
+        """The actor's weights to every inference copy, through the object store (one copy per
+        node) or a broadcast (``cluster.weight_sync``): all of them the first time, then the
+        trainable ones and the buffers that change."""
         t0 = time.perf_counter()
-        weights, nbytes = self.actor.weights.options(num_returns=2).remote(self.full_sync)
-        _get([w.sync.remote(weights, version) for w in self.inference.workers], "rollout")
+        workers = self.inference.workers
+        role = self.inference.role
+        if self.cfg.cluster.weight_sync == "broadcast":
+            bucket_bytes = int(self.cfg.cluster.sync_bucket_mb * 2**20)
+            nbytes = self.actor.broadcast_weights.remote(self.full_sync, bucket_bytes)
+            _get(
+                [w.receive_weights.remote(self.full_sync, version, bucket_bytes) for w in workers],
+                role,
+            )
+        else:
+            weights, nbytes = self.actor.weights.options(num_returns=2).remote(self.full_sync)
+            _get([w.sync.remote(weights, version) for w in workers], role)
         self.inference.version = version
         self.full_sync = False
         now = time.time()
@@ -779,11 +794,24 @@ class RayRoles(Roles):
             if not self.baton.moves or i:  # streams of their own: a fresh seed each
                 seed = self.cfg.seed + 1 + i + 1000 * len(self.events)
                 _get(worker.seed.remote(seed), self.inference.role)
+        if self.cfg.cluster.weight_sync == "broadcast":  # a new group, the new worker in it
+            self._join_sync()
         self.full_sync = True
         self.sync(self.inference.version)
         for role in self.workers:
             self.placed[role] = self._ask(role, "where") or self.placed[role]
         self._write_status()
+
+    def _join_sync(self) -> None:
+        """The actor (rank 0) and the inference workers form a new weight-sync group."""
+        self.sync_epoch += 1
+        members = [self.actor, *self.inference.workers]
+        calls = [
+            w.join_sync.remote(self.sync_address, rank, len(members), self.sync_epoch)
+            for rank, w in enumerate(members)
+        ]
+        _get(calls[1:], self.inference.role)
+        _get(calls[0], "actor")
 
     def _ask(self, role: str, method: str) -> list | None:
         """Every worker of ``role`` answers ``method``. A lost evaluation worker answers None:

@@ -80,6 +80,15 @@ class _Worker:
         """A generator stream of this worker's own (asynchronous runs: no baton)."""
         torch.manual_seed(seed)
 
+    def join_sync(self, address: str, rank: int, size: int, epoch: int) -> None:
+        """Join the weight-sync group (``cluster.weight_sync: broadcast``) at the actor's store
+        ``address`` as ``rank`` of ``size``; ``epoch`` counts the groups made so far."""
+        from embodied.cluster.broadcast import SyncGroup, connect
+
+        if getattr(self, "sync_store", None) is None:
+            self.sync_store = connect(address)
+        self.sync_group = SyncGroup(self.sync_store, rank, size, epoch)
+
     def timing(self) -> tuple[float, list]:
         """(busy seconds, the calls' spans) since the last call."""
         busy, spans = self.busy_s, self.spans
@@ -151,6 +160,7 @@ class RolloutWorker(_Worker):
         torch.set_num_threads(torch_threads)
         self.device = torch.device(device)
         self.inference = InferencePolicy(build_policy(spec, policy_cfg).to(self.device).eval())
+        self.sync_keys = _sync_keys(self.inference.policy)
         self.version = -1  # no weights from the learner yet
 
     @timed
@@ -167,6 +177,16 @@ class RolloutWorker(_Worker):
         change); returns the seconds it took here."""
         t0 = time.perf_counter()
         self.inference.sync(from_wire(weights, self.device), version)
+        self.version = version
+        return time.perf_counter() - t0
+
+    @timed
+    def receive_weights(self, full: bool, version: int, bucket_bytes: int) -> float:
+        """``sync`` through the weight-sync group's broadcast; returns the seconds here."""
+        t0 = time.perf_counter()
+        state = self.inference.policy.state_dict()
+        named = [(k, v) for k, v in state.items() if full or k in self.sync_keys]
+        self.inference.sync(self.sync_group.receive(named, bucket_bytes), version)
         self.version = version
         return time.perf_counter() - t0
 
@@ -305,6 +325,21 @@ class ActorWorker(_Worker):
             state = {k: v for k, v in state.items() if k in self.sync_keys}
         wired = to_wire(state)
         return wired, wire_bytes(wired)
+
+    def sync_address(self) -> str:
+        """Start the weight-sync group's store here (this worker outlives the others: Ray never
+        restarts it); its host:port."""
+        from embodied.cluster.broadcast import host_store
+
+        self.sync_store, address = host_store()
+        return address
+
+    @timed
+    def broadcast_weights(self, full: bool, bucket_bytes: int) -> int:
+        """``weights`` through the weight-sync group's broadcast; returns the bytes sent."""
+        state = self.learner.policy.state_dict()
+        named = [(k, v) for k, v in state.items() if full or k in self.sync_keys]
+        return self.sync_group.send(named, bucket_bytes)
 
     @timed
     def save(self, run_dir, iteration: int, kw: dict) -> None:
