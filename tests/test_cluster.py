@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from scripted_envs import GRPO, TINY_VLA, PushRightEnv, push_right_envs, run_on
 
 from embodied.checkpoint import load_checkpoint
@@ -263,6 +264,15 @@ def test_grpo_on_two_env_workers_gives_the_embedded_numbers(local_ray, tmp_path,
     status = json.loads((tmp_path / "ray" / "cluster.json").read_text())
     envs = [w for w in status["workers"] if w["role"] == "env"]
     assert len(envs) == 2 and envs[0]["pid"] != envs[1]["pid"]
+    # after an update only what it can change reaches the rollout worker: the frozen vision
+    # encoder (in the checkpoint's shared frozen file) is not sent again, the rest is
+    checkpoint = load_checkpoint(tmp_path / "ray")
+    frozen = load_file(Path(checkpoint["path"]).parent / checkpoint["meta"]["frozen"])
+    model = checkpoint["model"]
+    assert frozen and set(frozen) < set(model)
+    trainable = sum(t.numel() * t.element_size() for k, t in model.items() if k not in frozen)
+    synced = [r["cluster/sync_bytes"] for r in rows(tmp_path / "ray") if "cluster/sync_bytes" in r]
+    assert synced and all(b == trainable for b in synced)
 
 
 class Recorder:
