@@ -184,9 +184,8 @@ class RolloutWorker(_Worker):
     def receive_weights(self, full: bool, version: int, bucket_bytes: int) -> float:
         """``sync`` through the weight-sync group's broadcast; returns the seconds here."""
         t0 = time.perf_counter()
-        state = self.inference.policy.state_dict()
-        named = [(k, v) for k, v in state.items() if full or k in self.sync_keys]
-        self.inference.sync(self.sync_group.receive(named, bucket_bytes), version)
+        named = _to_sync(self.inference.policy, self.sync_keys, full)
+        self.inference.sync(self.sync_group.receive(list(named.items()), bucket_bytes), version)
         self.version = version
         return time.perf_counter() - t0
 
@@ -320,10 +319,7 @@ class ActorWorker(_Worker):
     def weights(self, full: bool) -> tuple:
         """(the weights inference needs, their bytes): all of them, or only the trainable
         parameters and the buffers that change (a frozen backbone is never sent again)."""
-        state = self.learner.policy.state_dict()
-        if not full:
-            state = {k: v for k, v in state.items() if k in self.sync_keys}
-        wired = to_wire(state)
+        wired = to_wire(_to_sync(self.learner.policy, self.sync_keys, full))
         return wired, wire_bytes(wired)
 
     def sync_address(self) -> str:
@@ -337,13 +333,19 @@ class ActorWorker(_Worker):
     @timed
     def broadcast_weights(self, full: bool, bucket_bytes: int) -> int:
         """``weights`` through the weight-sync group's broadcast; returns the bytes sent."""
-        state = self.learner.policy.state_dict()
-        named = [(k, v) for k, v in state.items() if full or k in self.sync_keys]
-        return self.sync_group.send(named, bucket_bytes)
+        named = _to_sync(self.learner.policy, self.sync_keys, full)
+        return self.sync_group.send(list(named.items()), bucket_bytes)
 
     @timed
     def save(self, run_dir, iteration: int, kw: dict) -> None:
         self.learner.save(run_dir, iteration, **kw)
+
+
+def _to_sync(policy: torch.nn.Module, sync_keys: set[str], full: bool) -> dict:
+    """The state-dict entries a weight sync carries, in state-dict order (the same order on
+    every side): all of them, or those in ``sync_keys``."""
+    state = policy.state_dict()
+    return {k: v for k, v in state.items() if full or k in sync_keys}
 
 
 def _sync_keys(policy: torch.nn.Module) -> set[str]:
