@@ -156,6 +156,16 @@ def test_inference_in_the_env_worker_gives_the_embedded_numbers(local_ray, tmp_p
         return original(roles, *args, **kw)
 
     monkeypatch.setattr(RayRoles, "collect", collect)
+    send = RayRoles._send_weights
+
+    def send_weights(roles, version):
+        if len(killed) == 1 and version == 2:  # the sync after the second update
+            pid = ray.get(roles.envs.workers[0].ping.remote())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        return send(roles, version)
+
+    monkeypatch.setattr(RayRoles, "_send_weights", send_weights)
     # weights by broadcast, in buckets of about 1 KB (a tensor each): the killed worker joins
     # a new sync group
     broadcast = ["cluster.weight_sync=broadcast", "cluster.sync_bucket_mb=0.001"]
@@ -164,7 +174,7 @@ def test_inference_in_the_env_worker_gives_the_embedded_numbers(local_ray, tmp_p
             tmp_path, "killed", [*on_ray, "runner.eval_every=2", "runner.trace=true", *broadcast]
         )
     )
-    assert len(killed) == 1
+    assert len(killed) == 2
     table = rows(tmp_path / "killed")
     lost = [r for r in table if "cluster/discarded_rounds" in r]
     assert [(r["iteration"], r["cluster/discarded_rounds"]) for r in lost] == [(2, 1)]
@@ -175,6 +185,11 @@ def test_inference_in_the_env_worker_gives_the_embedded_numbers(local_ray, tmp_p
     by_role = {e["pid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
     calls = {(by_role[e["pid"]], e["name"]) for e in trace if e["ph"] == "X"}
     assert {("actor", "broadcast_weights"), ("env", "receive_weights")} <= calls
+    # the worker lost in the sync after the second update was replaced and sent the weights:
+    # no round was lost to it (above), and both faults are on record
+    status = json.loads((tmp_path / "killed" / "cluster.json").read_text())
+    assert [e["role"] for e in status["events"]] == ["env", "env"]
+    assert status["workers"][0]["pid"] not in killed
 
 
 # (the default run resumes a Ray run in the data-parallel test, on the test task)

@@ -641,8 +641,27 @@ class RayRoles(Roles):
     def sync(self, version: int) -> dict[str, float]:
         """The actor's weights to every inference copy, through the object store (one copy per
         node) or a broadcast (``cluster.weight_sync``): all of them the first time, then the
-        trainable ones and the buffers that change."""
+        trainable ones and the buffers that change. An inference worker lost on the way is
+        replaced and the sync sent again."""
         t0 = time.perf_counter()
+        failures = 0
+        while True:
+            try:
+                nbytes = self._send_weights(version)
+                break
+            except WorkerLost as lost:
+                failures += 1
+                self.recover(lost, failures)
+        now = time.time()
+        self.heartbeat.update({role: now for role in self.workers})
+        self._write_status()
+        return {
+            "cluster/sync_ms": 1000 * (time.perf_counter() - t0),
+            "cluster/sync_bytes": float(nbytes),
+        }
+
+    def _send_weights(self, version: int) -> int:
+        """One sync of the weights as ``version``; its bytes (``WorkerLost`` if a worker died)."""
         workers = self.inference.workers
         role = self.inference.role
         if self.cfg.cluster.weight_sync == "broadcast":
@@ -657,13 +676,7 @@ class RayRoles(Roles):
             _get([w.sync.remote(weights, version) for w in workers], role)
         self.inference.version = version
         self.full_sync = False
-        now = time.time()
-        self.heartbeat.update({role: now for role in self.workers})
-        self._write_status()
-        return {
-            "cluster/sync_ms": 1000 * (time.perf_counter() - t0),
-            "cluster/sync_bytes": float(_get(nbytes, "actor")),
-        }
+        return _get(nbytes, "actor")
 
     def collect(
         self,
@@ -774,17 +787,29 @@ class RayRoles(Roles):
         return state
 
     def recover(self, error: WorkerLost, failures: int) -> None:
-        """Wait for Ray to restart the lost role's workers, then bring them up to date; a role
-        lost more than ``cluster.max_restarts`` times in a row stops the run."""
+        """Wait for Ray to restart the lost role's workers, then bring them up to date (a worker
+        lost meanwhile counts as one more failure); a role lost more than
+        ``cluster.max_restarts`` times in a row stops the run."""
         limit = self.cfg.cluster.max_restarts
-        self.events.append({"time": time.time(), "role": error.role, "detail": error.detail})
-        if error.role == "actor":
-            raise error  # (its message says to resume)
-        if failures > limit:
-            raise WorkerLost(
-                error.role,
-                f"{error.detail}; {failures} rounds in a row lost (cluster.max_restarts={limit})",
-            )
+        while True:
+            self.events.append({"time": time.time(), "role": error.role, "detail": error.detail})
+            if error.role == "actor":
+                raise error  # (its message says to resume)
+            if failures > limit:
+                raise WorkerLost(
+                    error.role,
+                    f"{error.detail}; {failures} rounds in a row lost "
+                    f"(cluster.max_restarts={limit})",
+                )
+            try:
+                self._restore()
+                return
+            except WorkerLost as again:
+                error = again
+                failures += 1
+
+    def _restore(self) -> None:
+        """The restarted workers seeded, in the weight-sync group and holding the weights."""
         self.envs.drop_pending()
         for role in ("env", "rollout"):
             for worker in self.workers[role]:
@@ -797,7 +822,7 @@ class RayRoles(Roles):
         if self.cfg.cluster.weight_sync == "broadcast":  # a new group, the new worker in it
             self._join_sync()
         self.full_sync = True
-        self.sync(self.inference.version)
+        self._send_weights(self.inference.version)
         for role in self.workers:
             self.placed[role] = self._ask(role, "where") or self.placed[role]
         self._write_status()
