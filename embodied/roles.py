@@ -23,7 +23,14 @@ from embodied.inference import InferencePolicy
 from embodied.learner import TorchEngine
 from embodied.models import build_policy
 from embodied.ppo import PPO
-from embodied.rollout import CollectPlan, EpisodeStats, RolloutBatch, Samples, collect
+from embodied.rollout import (
+    CollectPlan,
+    EpisodeStats,
+    RolloutBatch,
+    Samples,
+    collect,
+    stage_candidates,
+)
 from embodied.schema import EnvSpec, Observation, UserError
 
 
@@ -206,6 +213,10 @@ class Roles:
         """The learner's weights to inference (shared here: only the version); sync metrics."""
         self.inference.sync(None, version)
         return {}
+
+    def stage_candidates(self, chunk_size: int) -> list[int]:
+        """The stage counts ``runner.pipeline_stages: auto`` may try."""
+        return stage_candidates(self.envs, chunk_size)
 
     def collect(
         self,

@@ -41,7 +41,7 @@ from embodied.roles import (
     load_checkpoint_for,
     local_roles,
 )
-from embodied.rollout import EpisodeStats, Samples, StageTuner, stage_candidates
+from embodied.rollout import EpisodeStats, Samples, StageTuner
 from embodied.run import (
     Clock,
     Interrupted,
@@ -274,7 +274,7 @@ class Runner:
         self.stages = cfg.runner.pipeline_stages
         self.tuner = None
         if self.stages == "auto":
-            candidates = stage_candidates(self.envs, cfg.policy.chunk_size)
+            candidates = roles.stage_candidates(cfg.policy.chunk_size)
             chosen = (resume or {}).get("counters", {}).get("pipeline_stages")
             self.tuner = StageTuner(candidates, chosen)
         self.counters = {

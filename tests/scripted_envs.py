@@ -279,6 +279,11 @@ def push_right_envs(env_cfg) -> PushRightEnv:
     return PushRightEnv(env_cfg.num_envs)
 
 
+def subset_stepping_envs(env_cfg) -> ScriptedEnv:
+    """A cluster env worker's environments that step subsets (pipeline stages of their own)."""
+    return ScriptedEnv([0] * env_cfg.num_envs, max_episode_steps=3, can_step_subsets=True)
+
+
 def run_on(
     env,
     run_dir,

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from scripted_envs import GRPO, TINY_VLA, PushRightEnv, push_right_envs, run_on
+from scripted_envs import (
+    GRPO,
+    TINY_VLA,
+    PushRightEnv,
+    push_right_envs,
+    run_on,
+    subset_stepping_envs,
+)
 
 from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
@@ -573,6 +580,41 @@ def test_pipeline_stages_auto_times_each_split_and_keeps_the_fastest(local_ray, 
     assert f"pipeline_stages auto: {chosen} (collection per 1000 env steps: 1: " in (
         capsys.readouterr().out
     )
+
+
+def test_auto_stages_are_the_splits_where_the_rounds_are_collected(local_ray, tmp_path):
+    """Relayed, a stage is an env worker (2 workers: 1 or 2 stages, chunks of any length). With
+    inference in the env workers each worker splits its own 4 rows: only where its environments
+    step subsets, one action at a time."""
+    from embodied.cluster import ray_roles
+    from embodied.config import compose
+
+    # (factory, rollout workers, candidates for chunks of 1 action, for chunks of 2)
+    cases = [
+        (push_right_envs, 1, [1, 2], [1, 2]),
+        (push_right_envs, 0, [1], [1]),
+        (subset_stepping_envs, 0, [1, 2, 4], [1]),
+    ]
+    for factory, rollout_workers, for_one, for_two in cases:
+        cluster = {
+            **TWO_ENV_WORKERS,
+            "rollout": dict(workers=rollout_workers, num_cpus=0.5 if rollout_workers else 0),
+        }
+        source = {
+            "seed": 0,
+            "policy": {"name": "actor_critic", "hidden_sizes": [8], "use_images": False},
+            "algorithm": ONE_ROUND,
+            "env": {"num_envs": 8},
+            "cluster": cluster,
+            "runner": {"output_dir": str(tmp_path), "progress": False},
+        }
+        cfg = compose(TrainConfig, [("test", source)])
+        roles = ray_roles(cfg, None, tmp_path, env_factory=factory)
+        try:
+            assert roles.stage_candidates(chunk_size=1) == for_one
+            assert roles.stage_candidates(chunk_size=2) == for_two
+        finally:
+            roles.close()
 
 
 def test_evaluations_beside_training_give_the_embedded_evaluations(

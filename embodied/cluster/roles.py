@@ -678,6 +678,15 @@ class RayRoles(Roles):
         self.full_sync = False
         return _get(nbytes, "actor")
 
+    def stage_candidates(self, chunk_size: int) -> list[int]:
+        """With ``rollout.workers: 0`` each env worker splits its own rows into stages: the
+        counts that every worker's environments can split into."""
+        if not self.in_env:
+            return super().stage_candidates(chunk_size)
+        calls = [w.stage_candidates.remote(chunk_size) for w in self.envs.workers]
+        answers = _get(calls, "env")
+        return [s for s in answers[0] if all(s in theirs for theirs in answers)]
+
     def collect(
         self,
         obs: Observation,

@@ -23,7 +23,7 @@ from embodied.evaluate import evaluate_by_task
 from embodied.inference import InferencePolicy
 from embodied.models import build_policy
 from embodied.roles import Learner
-from embodied.rollout import EpisodeStats, collect
+from embodied.rollout import EpisodeStats, collect, stage_candidates
 
 COLLECTIVE_TIMEOUT_S = 600  # how long an actor worker waits for the others in a collective
 
@@ -206,6 +206,9 @@ class EnvRolloutWorker(EnvWorker, RolloutWorker):
     def __init__(self, env_cfg, factory, policy_cfg, device: str, torch_threads: int = 1):
         EnvWorker.__init__(self, env_cfg, factory, torch_threads)
         RolloutWorker.__init__(self, policy_cfg, self.group.spec, device, torch_threads)
+
+    def stage_candidates(self, chunk_size: int) -> list[int]:
+        return stage_candidates(self.group, chunk_size)
 
     @timed
     def collect(self, plan, stages: int, chunk_size: int):
