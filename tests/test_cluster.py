@@ -312,6 +312,23 @@ class Recorder:
         self.start_update = start_update
 
 
+def roles_on(tmp_path, cluster: dict, policy: dict, env_factory) -> RayRoles:
+    """The roles of a one-round GRPO run on 8 environments of ``env_factory``, started."""
+    from embodied.cluster import ray_roles
+    from embodied.config import compose
+
+    source = {
+        "seed": 0,
+        "policy": policy,
+        "algorithm": ONE_ROUND,
+        "env": {"num_envs": 8},
+        "cluster": cluster,
+        "runner": {"output_dir": str(tmp_path), "progress": False},
+    }
+    cfg = compose(TrainConfig, [("test", source)])
+    return ray_roles(cfg, None, tmp_path, env_factory=env_factory)
+
+
 class Killer:
     """SIGKILL a role's first worker process on the ``nth`` call of ``method`` on its proxy (the
     driver's side) after ``updates`` updates, then let the call go on: the worker dies
@@ -526,20 +543,8 @@ def test_an_evaluation_worker_answers_while_it_evaluates_and_its_loss_loses_one_
     """The run's calls to every role (timing, weight syncs) go on while a long evaluation runs;
     the evaluation worker killed mid-evaluation loses that evaluation only, and the worker Ray
     restarts evaluates the next one with the weights it is sent."""
-    from embodied.cluster import ray_roles
-    from embodied.config import compose
-
     cluster = {**CLUSTER, "env": dict(num_cpus=0.5), "eval": dict(workers=1, num_cpus=0.5)}
-    source = {
-        "seed": 0,
-        "policy": TINY_VLA,
-        "algorithm": ONE_ROUND,
-        "env": {"num_envs": 8},
-        "cluster": cluster,
-        "runner": {"output_dir": str(tmp_path), "progress": False},
-    }
-    cfg = compose(TrainConfig, [("test", source)])
-    roles = ray_roles(cfg, None, tmp_path, env_factory=push_right_envs)
+    roles = roles_on(tmp_path, cluster, TINY_VLA, push_right_envs)
     try:
         roles.sync(1)
         long = roles.start_evaluation(episodes=4000, seed=0)  # 1500 steps of 8 environments
@@ -586,9 +591,6 @@ def test_auto_stages_are_the_splits_where_the_rounds_are_collected(local_ray, tm
     """Relayed, a stage is an env worker (2 workers: 1 or 2 stages, chunks of any length). With
     inference in the env workers each worker splits its own 4 rows: only where its environments
     step subsets, one action at a time."""
-    from embodied.cluster import ray_roles
-    from embodied.config import compose
-
     # (factory, rollout workers, candidates for chunks of 1 action, for chunks of 2)
     cases = [
         (push_right_envs, 1, [1, 2], [1, 2]),
@@ -600,16 +602,8 @@ def test_auto_stages_are_the_splits_where_the_rounds_are_collected(local_ray, tm
             **TWO_ENV_WORKERS,
             "rollout": dict(workers=rollout_workers, num_cpus=0.5 if rollout_workers else 0),
         }
-        source = {
-            "seed": 0,
-            "policy": {"name": "actor_critic", "hidden_sizes": [8], "use_images": False},
-            "algorithm": ONE_ROUND,
-            "env": {"num_envs": 8},
-            "cluster": cluster,
-            "runner": {"output_dir": str(tmp_path), "progress": False},
-        }
-        cfg = compose(TrainConfig, [("test", source)])
-        roles = ray_roles(cfg, None, tmp_path, env_factory=factory)
+        policy = {"name": "actor_critic", "hidden_sizes": [8], "use_images": False}  # (state)
+        roles = roles_on(tmp_path, cluster, policy, factory)
         try:
             assert roles.stage_candidates(chunk_size=1) == for_one
             assert roles.stage_candidates(chunk_size=2) == for_two
