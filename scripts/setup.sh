@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up for embodied on Debian/Ubuntu with Python 3.11.
-#   scripts/setup.sh [EXTRAS]     EXTRAS defaults to "maniskill,vla,mujoco,libero,real,ray,dev"
+#   scripts/setup.sh [EXTRAS]     EXTRAS defaults to "maniskill,vla,mujoco,libero,real,ray,megatron,dev"
 # 1. System: ManiSkill (SAPIEN) needs a Vulkan device even for state observations. Without an
 #    NVIDIA GPU that is Mesa's lavapipe, and only Mesa >= 24.3 works (Debian 12 ships 22.3), so
 #    Mesa comes from bookworm-backports there.
@@ -8,7 +8,7 @@
 #    (an unpinned torch pulls several GB of CUDA packages), then this package and its extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS="${1:-maniskill,vla,mujoco,libero,real,ray,dev}"
+EXTRAS="${1:-maniskill,vla,mujoco,libero,real,ray,megatron,dev}"
 VENV="${EMBODIED_VENV:-.venv}"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3

@@ -1,0 +1,73 @@
+"""Megatron-core on the CPU (tests, laptops): the two corners of megatron-core that assume CUDA.
+
+- ``GlobalMemoryBuffer.get_tensor`` allocates its scratch buffers (the attention scores of
+  ``DotProductAttention``, the all-gather buffer of sequence parallelism) on
+  ``torch.cuda.current_device()``; here they are plain CPU tensors.
+- The RNG tracker (``tensor_parallel.get_cuda_rng_tracker``) keeps named CUDA generator states,
+  forked around dropout in tensor-parallel regions so that each rank drops out its own shard
+  differently and the replicated parts alike. ``CPURNGStatesTracker`` keeps the same named
+  states of the CPU generator.
+
+``use_cpu_corners()`` installs both; the process group set-up calls it when there is no GPU,
+so tests and CPU runs take the same path. On a GPU nothing here is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import random as megatron_random
+from megatron.core.utils import GlobalMemoryBuffer
+
+
+class CPUMemoryBuffer(GlobalMemoryBuffer):
+    """Megatron's named scratch buffers, on the CPU (one allocation per name, grown as needed)."""
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        numel = 1
+        for size in tensor_shape:
+            numel *= size
+        buffer = self.buffer.get((name, dtype))
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype)
+            self.buffer[(name, dtype)] = buffer
+        return buffer[:numel].view(*tensor_shape)
+
+
+class CPURNGStatesTracker(megatron_random.CudaRNGStatesTracker):
+    """Megatron's named RNG states over the CPU generator: ``fork(name)`` runs its block from
+    that name's state and keeps where it ended, leaving the default stream as it was."""
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise ValueError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name=megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:
+            raise ValueError(f"rng state {name} is not added")
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outside)
+
+
+def use_cpu_corners(seed: int) -> None:
+    """Install the CPU buffer and the CPU RNG tracker (after ``initialize_model_parallel``),
+    the model-parallel RNG state seeded as megatron seeds it: ``seed + 2718 + tp_rank``."""
+    parallel_state._GLOBAL_MEMORY_BUFFER = CPUMemoryBuffer()
+    tracker = CPURNGStatesTracker()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tracker.add(megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    megatron_random._CUDA_RNG_STATE_TRACKER = tracker
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

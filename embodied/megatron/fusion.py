@@ -1,0 +1,104 @@
+"""The VLA's fusion transformer on megatron-core, sharded over the tensor-parallel ranks.
+
+The torch fusion (models/vla/policy.py) is an ``nn.TransformerEncoder`` of pre-norm layers:
+LayerNorm, multi-head self-attention with biased projections over every token (a key padding
+mask, no causal mask), LayerNorm, a GELU MLP of 4 d. ``MegatronFusion`` is the same function
+built from megatron-core's ``TransformerConfig``, ``TransformerBlock`` and its local layer spec
+(no Transformer Engine: it runs on CPUs too), with the QKV and first MLP linears column-parallel
+and the output and second MLP linears row-parallel. It is called as the torch fusion is, so the
+VLA swaps one for the other (``VLA.fusion``) and keeps every other module whole on every rank:
+the encoders, projections and heads are a small part of the VLA's weights and their inputs and
+outputs are the same on every TP rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_block import TransformerBlock
+from torch import nn
+
+from embodied.megatron import parallel
+from embodied.megatron.layout import encoder_from_megatron, encoder_to_megatron
+
+
+def fusion_config(d_model: int, heads: int, layers: int, dtype: torch.dtype) -> TransformerConfig:
+    """nn.TransformerEncoderLayer(d, heads, 4 d, dropout=0, gelu, norm_first) in megatron's
+    terms, over this process's TP group."""
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=layers,
+        hidden_size=d_model,
+        num_attention_heads=heads,
+        ffn_hidden_size=4 * d_model,
+        tensor_model_parallel_size=parallel.tp_size(),
+        normalization="LayerNorm",
+        layernorm_epsilon=1e-5,
+        activation_func=nn.functional.gelu,
+        add_bias_linear=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # the weights come from the torch fusion (``load_torch_state``): no initialisation
+        perform_initialization=False,
+        use_cpu_initialization=not on_gpu,
+        # the fused kernels are CUDA (or Apex) only
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+
+
+def fusion_spec():
+    """Megatron's local GPT layer, its attention over every token (a padding mask only)."""
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.padding
+    return spec
+
+
+class MegatronFusion(nn.Module):
+    """This TP rank's shard of the fusion transformer; ``forward`` as ``nn.TransformerEncoder``'s
+    with ``batch_first=True``."""
+
+    def __init__(self, d_model: int, heads: int, layers: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.heads = heads
+        self.num_layers = layers
+        self.config = fusion_config(d_model, heads, layers, dtype)
+        self.block = TransformerBlock(self.config, fusion_spec(), post_layer_norm=False)
+
+    def forward(self, x: torch.Tensor, src_key_padding_mask: torch.Tensor | None = None):
+        """x f32 [B, N, d]; src_key_padding_mask bool [B, N], True at padding -> f32 [B, N, d]."""
+        # megatron masks where the mask is True, over [B, heads, N (queries), N (keys)]
+        mask = None if src_key_padding_mask is None else src_key_padding_mask[:, None, None, :]
+        hidden = self.block(x.transpose(0, 1).contiguous(), attention_mask=mask)  # [N, B, d]
+        return hidden.transpose(0, 1)
+
+    def load_torch_state(self, state: dict[str, torch.Tensor]) -> None:
+        """This rank's shard of a torch fusion's state dict (``layers.{i}.…``)."""
+        shards = encoder_to_megatron(
+            state, layers=self.num_layers, heads=self.heads, tp=parallel.tp_size()
+        )
+        self.block.load_state_dict(shards[parallel.tp_rank()])
+
+    def torch_state(self, values=None) -> dict[str, torch.Tensor]:
+        """The whole fusion in the torch layout, gathered from every TP rank (every rank calls
+        this). ``values``: {megatron name: this rank's tensor} to gather instead of the weights
+        (e.g. their gradients)."""
+        mine = {k: p.detach() for k, p in self.block.named_parameters()}
+        if values is not None:
+            mine = {k: values[k] for k in mine}
+        size = parallel.tp_size()
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
+        for name, tensor in mine.items():
+            gathered = [torch.empty_like(tensor) for _ in range(size)]
+            dist.all_gather(gathered, tensor.contiguous(), group=parallel.tp_group())
+            for shard, part in zip(shards, gathered):
+                shard[name] = part
+        return encoder_from_megatron(shards, layers=self.num_layers, heads=self.heads)
