@@ -36,6 +36,17 @@ class TrainEngine(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+def average_over(values: torch.Tensor, group, world_size: int) -> torch.Tensor:
+    """The mean of ``values`` over the ``world_size`` ranks of ``group`` (itself when alone)."""
+    if world_size == 1:
+        return values
+    import torch.distributed as dist
+
+    values = values.clone()
+    dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+    return values / world_size
+
+
 class Evaluate(torch.nn.Module):
     """The policy's ``evaluate`` as a module's forward: what ``DistributedDataParallel`` wraps
     (it averages the gradients of the parameters that forward reaches). The value is left out
@@ -52,7 +63,21 @@ class Evaluate(torch.nn.Module):
         return token, entropy, (value if self.with_value else None)
 
 
-class TorchEngine:
+class LearningRate:
+    """``set_lr`` and ``lr`` over an engine's ``optimizer`` (torch's, or megatron's)."""
+
+    optimizer: torch.optim.Optimizer
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+class TorchEngine(LearningRate):
     """Adam over the policy's trainable parameters, gradient clipping by global norm; across
     processes after ``distribute`` (torch DDP: every rank holds the whole model and optimizer,
     gradients are averaged during backward)."""
@@ -107,13 +132,7 @@ class TorchEngine:
         return grad_norm
 
     def average(self, values: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return values
-        import torch.distributed as dist
-
-        values = values.clone()
-        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.process_group)
-        return values / self.world_size
+        return average_over(values, self.process_group, self.world_size)
 
     def offload_optimizer(self) -> int:
         """The optimizer's state (Adam's two moments: twice the trainable parameters) to host
@@ -142,14 +161,6 @@ class TorchEngine:
                     moved += value.numel() * value.element_size()
                     state[key] = value.to(target)
         return moved
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def state_dict(self) -> dict:
         return {"model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict()}

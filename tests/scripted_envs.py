@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from embodied.inference import InferencePolicy
+from embodied.rollout import EpisodeStats, collect
 from embodied.schema import (
     ActionSpec,
     CameraSpec,
@@ -272,6 +274,19 @@ PPO = dict(
     num_minibatches=2,
     target_kl=None,
 )
+
+
+def prepared_samples(envs, policy, algorithm):
+    """The samples of the algorithm's first round on ``envs`` with ``policy``, advantages set
+    and prepared (as the learner gets them)."""
+    plan = algorithm.plan(1, 0, episode_base=0)
+    stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
+    obs = envs.reset(seed=plan.seeds)
+    batch, _ = collect(envs, InferencePolicy(policy), obs, plan, stats)
+    algorithm.advantages(batch)
+    samples = batch.samples()
+    algorithm.prepare(samples)
+    return samples
 
 
 def push_right_envs(env_cfg) -> PushRightEnv:

@@ -8,16 +8,15 @@ two actions, and an episode that ends inside a chunk, so that some actions count
 import pytest
 import torch
 import torch.multiprocessing as mp
+from scripted_envs import prepared_samples
 from test_grpo_bookkeeping import MAX_STEPS, K, make_env
 
 from embodied.algorithm import update
 from embodied.env_group import EnvGroup
 from embodied.grpo import GRPO, GRPOConfig
-from embodied.inference import InferencePolicy
 from embodied.learner import TorchEngine
 from embodied.models import ActorCritic, ActorCriticConfig
 from embodied.ppo import PPO, PPOConfig
-from embodied.rollout import EpisodeStats, collect
 
 # the metrics that are not means over the minibatch's entries: each rank has its own
 OWN_PER_RANK = ("value/explained_variance",)
@@ -53,14 +52,7 @@ def samples_for(name: str, seed: int = 0):
     policy, envs = policy_and_envs(seed)
     policy.unused = torch.nn.Linear(2, 2)
     algorithm = algorithm_for(name, envs, policy)
-    plan = algorithm.plan(1, 0, episode_base=0)
-    stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
-    obs = envs.reset(seed=plan.seeds)
-    batch, _ = collect(envs, InferencePolicy(policy), obs, plan, stats)
-    algorithm.advantages(batch)
-    samples = batch.samples()
-    algorithm.prepare(samples)
-    return policy, algorithm, samples
+    return policy, algorithm, prepared_samples(envs, policy, algorithm)
 
 
 def gradients(engine, algorithm, minibatch) -> tuple[list[torch.Tensor], dict[str, float]]:

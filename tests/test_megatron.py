@@ -140,3 +140,120 @@ def test_nothing_of_megatron_is_imported_by_the_torch_backend():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# --- the update: one PPO and one GRPO step on megatron against the torch engine ---------------
+def vla_samples(name: str):
+    """(tiny VLA, algorithm, prepared samples): one round of the test task (8 environments,
+    cameras and state), the fusion transformer 2 layers of 2 heads."""
+    from scripted_envs import TINY_VLA, PushRightEnv, prepared_samples
+
+    from embodied.env_group import EnvGroup
+    from embodied.grpo import GRPO, GRPOConfig
+    from embodied.models.vla import VLA, VLAConfig
+    from embodied.ppo import PPO, PPOConfig
+
+    torch.manual_seed(0)
+    envs = EnvGroup(PushRightEnv(8))
+    config = VLAConfig(**{**TINY_VLA, "layers": 2, "value_head": name == "ppo"})
+    policy = VLA(envs.spec, config).eval()
+    if name == "ppo":
+        ppo = PPOConfig(num_steps=3, logprob_level="token", vf_clip=0.2, ent_coef=0.01)
+        algorithm = PPO(ppo, seed=0, num_envs=envs.num_envs)
+    else:
+        grpo = GRPOConfig(group_size=4, kl_coef=0.1, logprob_level="action")
+        algorithm = GRPO(
+            grpo,
+            seed=100,
+            task_of_env=envs.task_of_env,
+            chunk_size=1,
+            max_episode_steps=3,
+            policy=policy,
+        )
+    samples = prepared_samples(envs, policy, algorithm)
+    return policy.train(), algorithm, samples
+
+
+def two_steps(engine, algorithm, samples, grads_of) -> dict:
+    """Two clipped steps on the two halves of ``samples``: the first's loss, gradients and norm,
+    the second's norm, the weights after both (Adam is nearly blind to a gradient's scale in
+    its first step; the second shows a wrong clip)."""
+    out = {}
+    rows = torch.arange(len(samples))
+    for step, half in enumerate(rows.chunk(2)):
+        engine.set_lr(1e-3 / (1 + step))  # (annealed, as the runner does)
+        loss, _ = algorithm.loss(engine, samples.index(half, half))
+        engine.backward(loss)
+        if step == 0:
+            out.update(loss=loss.item(), grads=grads_of(engine))
+        out[f"grad_norm{step}"] = engine.step().item()
+    return out
+
+
+NAMES = ("ppo", "grpo")
+
+
+def engine_rank(rank: int, tp: int, port: int, out: str) -> None:
+    """One TP rank: PPO's and GRPO's two steps on megatron, saved in the torch layout."""
+    import torch.distributed as dist
+
+    from embodied.megatron import parallel
+    from embodied.megatron.engine import MegatronEngine
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    try:
+        parallel.initialize(tp, seed=0)
+        for name in NAMES:
+            policy, algorithm, samples = vla_samples(name)
+            engine = MegatronEngine(
+                policy, learning_rate=1e-3, max_grad_norm=0.5, with_value=algorithm.has_critic
+            )
+            result = two_steps(engine, algorithm, samples, lambda e: e.torch_grads())
+            result["state"] = engine.torch_state()
+            torch.save(result, f"{out}/{name}{rank}.pt")
+        parallel.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+def torch_grads(engine) -> dict[str, torch.Tensor]:
+    return {
+        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        for name, p in engine.policy.named_parameters()
+        if p.requires_grad
+    }
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_updates_are_the_torch_updates(tmp_path, tp):
+    """PPO and GRPO: the same loss, gradients (to 1e-5) and gradient norms, and the same
+    weights after two clipped Adam steps, at TP=1 and TP=2 (two processes)."""
+    pytest.importorskip("megatron.core")
+    from embodied.learner import TorchEngine
+
+    torch.multiprocessing.spawn(engine_rank, args=(tp, free_port(), str(tmp_path)), nprocs=tp)
+    for name in NAMES:
+        policy, algorithm, samples = vla_samples(name)
+        before = {k: v.clone() for k, v in policy.state_dict().items()}
+        engine = TorchEngine(policy, learning_rate=1e-3, max_grad_norm=0.5)
+        want = two_steps(engine, algorithm, samples, torch_grads)
+        want["state"] = policy.state_dict()
+        assert min(want["grad_norm0"], want["grad_norm1"]) > 0.5  # both steps are clipped
+        moved = (
+            want["state"]["fusion.layers.1.linear2.weight"]
+            - before["fusion.layers.1.linear2.weight"]
+        )
+        assert moved.abs().max() > 1e-3  # (the fusion's weights moved)
+        for rank in range(tp):
+            got = torch.load(tmp_path / f"{name}{rank}.pt")
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6), name
+            for step in ("grad_norm0", "grad_norm1"):
+                assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
+            assert got["grads"].keys() == want["grads"].keys()
+            for key, grad in want["grads"].items():
+                torch.testing.assert_close(got["grads"][key], grad, rtol=1e-5, atol=1e-5)
+            assert got["state"].keys() == want["state"].keys()
+            for key, value in want["state"].items():
+                torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-5)

@@ -8,8 +8,15 @@
   differently and the replicated parts alike. ``CPURNGStatesTracker`` keeps the same named
   states of the CPU generator.
 
-``use_cpu_corners()`` installs both; the process group set-up calls it when there is no GPU,
-so tests and CPU runs take the same path. On a GPU nothing here is used.
+- Megatron's ``DistributedDataParallel`` and optimizer make their buffers and scalars with
+  ``device=torch.cuda.current_device()`` or ``device="cuda"``, move state with ``.cuda()`` and
+  assert ``grad.type() == "torch.cuda.FloatTensor"``. ``CudaOnCPU`` is a torch function mode
+  that answers those on the CPU while megatron's own code runs (``cuda_corners()``: building
+  the wrapper and the optimizer, the gradient sync, the step); the forward and backward run
+  outside it, at full speed.
+
+``use_cpu_corners()`` installs the first two; the process group set-up calls it when there is no
+GPU, so tests and CPU runs take the same path. On a GPU nothing here is used.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.utils import GlobalMemoryBuffer
+from torch.overrides import TorchFunctionMode
 
 
 class CPUMemoryBuffer(GlobalMemoryBuffer):
@@ -71,3 +79,44 @@ def use_cpu_corners(seed: int) -> None:
     tracker.add(megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
     megatron_random._CUDA_RNG_STATE_TRACKER = tracker
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, int):  # an index: what torch.cuda.current_device() answers
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class CudaOnCPU(TorchFunctionMode):
+    """Tensors megatron-core asks for on a CUDA device are made on the CPU; ``.cuda()`` leaves
+    a tensor where it is; ``tensor.type()`` names a CPU float tensor as its CUDA twin (the
+    gradient-clipping assertion)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_corners():
+    """Around megatron-core's DDP and optimizer calls: nothing on a GPU, ``CudaOnCPU`` (and a
+    ``torch.cuda.current_device`` that answers device 0 instead of raising) on a CPU."""
+    if torch.cuda.is_available():
+        yield
+        return
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        with CudaOnCPU():
+            yield
+    finally:
+        torch.cuda.current_device = current_device

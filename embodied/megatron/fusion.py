@@ -43,8 +43,10 @@ def fusion_config(d_model: int, heads: int, layers: int, dtype: torch.dtype) -> 
         attention_dropout=0.0,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        # the weights come from the torch fusion (``load_torch_state``): no initialisation
-        perform_initialization=False,
+        # (initialised, then overwritten by ``load_torch_state``: megatron marks the weights of
+        # its parallel linears as sharded only where it initialises them, and the optimizer's
+        # gradient norm needs that mark)
+        perform_initialization=True,
         use_cpu_initialization=not on_gpu,
         # the fused kernels are CUDA (or Apex) only
         bias_dropout_fusion=False,
