@@ -2,6 +2,7 @@
 fusion transformer on megatron-core against the torch one at TP=1 and TP=2 (processes over
 gloo on the CPU)."""
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -74,19 +75,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def fusion_rank(rank: int, tp: int, port: int, out: str) -> None:
-    """One TP rank: the megatron fusion loaded from the torch one; its output, input gradient
-    and weight gradients (gathered, in the torch layout) saved for the test to compare."""
+@contextlib.contextmanager
+def tp_process(rank: int, tp: int, port: int):
+    """This process as TP rank ``rank`` of ``tp`` over gloo, megatron's groups set up."""
     import torch.distributed as dist
 
     from embodied.megatron import parallel
-    from embodied.megatron.fusion import MegatronFusion
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=tp)
     try:
         parallel.initialize(tp, seed=0)
+        yield
+        parallel.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+def fusion_rank(rank: int, tp: int, port: int, out: str) -> None:
+    """One TP rank: the megatron fusion loaded from the torch one; its output, input gradient
+    and weight gradients (gathered, in the torch layout) saved for the test to compare."""
+    from embodied.megatron.fusion import MegatronFusion
+
+    with tp_process(rank, tp, port):
         reference = torch_fusion()
         fusion = MegatronFusion(D, HEADS, LAYERS)
         fusion.load_torch_state(reference.state_dict())
@@ -104,9 +116,6 @@ def fusion_rank(rank: int, tp: int, port: int, out: str) -> None:
             "weights": fusion.torch_state(),
         }
         torch.save(result, f"{out}/rank{rank}.pt")
-        parallel.destroy()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -195,16 +204,9 @@ NAMES = ("ppo", "grpo")
 
 def engine_rank(rank: int, tp: int, port: int, out: str) -> None:
     """One TP rank: PPO's and GRPO's two steps on megatron, saved in the torch layout."""
-    import torch.distributed as dist
-
-    from embodied.megatron import parallel
     from embodied.megatron.engine import MegatronEngine
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
-    try:
-        parallel.initialize(tp, seed=0)
+    with tp_process(rank, tp, port):
         for name in NAMES:
             policy, algorithm, samples = vla_samples(name)
             engine = MegatronEngine(
@@ -213,9 +215,6 @@ def engine_rank(rank: int, tp: int, port: int, out: str) -> None:
             result = two_steps(engine, algorithm, samples, lambda e: e.torch_grads())
             result["state"] = engine.torch_state()
             torch.save(result, f"{out}/{name}{rank}.pt")
-        parallel.destroy()
-    finally:
-        dist.destroy_process_group()
 
 
 def torch_grads(engine) -> dict[str, torch.Tensor]:
@@ -257,3 +256,112 @@ def test_megatron_updates_are_the_torch_updates(tmp_path, tp):
             assert got["state"].keys() == want["state"].keys()
             for key, value in want["state"].items():
                 torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-5)
+
+
+# --- the Qwen2 family's language model ----------------------------------------------------------
+def tiny_qwen2(tied: bool = False):
+    """A random Qwen2 language model built here: 2 layers, 4 query heads in 2 key-value groups,
+    a vocabulary of 64; biases and norms drawn away from their initial zeros and ones."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            elif "norm" in name:
+                param.normal_(1.0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen2_converts_to_megatron_shards_and_back_bit_exact(tied):
+    from embodied.megatron.layout import qwen2_from_megatron, qwen2_to_megatron
+
+    state = tiny_qwen2(tied).state_dict()
+    sizes = dict(layers=2, heads=4, groups=2, tied=tied)
+    for tp in (1, 2):
+        shards = qwen2_to_megatron(state, tp=tp, **sizes)
+        # each rank's first MLP rows: its share of the gate's rows, then of the up rows
+        fc1 = shards[-1]["decoder.layers.0.mlp.linear_fc1.weight"]
+        gate = state["model.layers.0.mlp.gate_proj.weight"]
+        up = state["model.layers.0.mlp.up_proj.weight"]
+        assert torch.equal(fc1, torch.cat([gate.chunk(tp)[-1], up.chunk(tp)[-1]]))
+        assert shards[0]["embedding.word_embeddings.weight"].shape == (64 // tp, 32)
+        assert ("output_layer.weight" in shards[0]) == (not tied)
+        back = qwen2_from_megatron(shards, **sizes)
+        assert back.keys() == state.keys()
+        assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def qwen2_inputs():
+    """Token ids long [3, 9] and their mask: sample 1 is padded after 6 tokens."""
+    torch.manual_seed(2)
+    ids = torch.randint(0, 64, (3, 9))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    return ids, mask
+
+
+def qwen2_rank(rank: int, tp: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from embodied.megatron import parallel
+    from embodied.megatron.qwen2 import Qwen2Megatron
+
+    with tp_process(rank, tp, port):
+        results = {}
+        for tied in (False, True):
+            hf = tiny_qwen2(tied)
+            model = Qwen2Megatron(hf.config)
+            model.load_hf_state(hf.state_dict())
+            ids, mask = qwen2_inputs()
+            logits = model(ids, mask).detach()  # [B, L, V / tp]
+            gathered = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(gathered, logits, group=parallel.tp_group())
+            targets = ids.roll(-1, dims=1)
+            results[tied] = {
+                "logits_slice": logits,
+                "logits": torch.cat(gathered, dim=-1),
+                "logprobs": model.token_logprobs(ids, mask, targets).detach(),
+                "state": model.hf_state(),
+            }
+        torch.save(results, f"{out}/qwen{rank}.pt")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_qwen2_gives_the_hugging_face_logits(tmp_path, tp):
+    """At TP=1 and TP=2: the converted model's logits equal the Hugging Face forward's to 1e-5
+    (at every token of a padded batch), each rank holds only its slice of the vocabulary, the
+    vocabulary-parallel log-probabilities of the next tokens equal log_softmax's, and the weights
+    gathered back are the Hugging Face ones, bit for bit."""
+    pytest.importorskip("megatron.core")
+    torch.multiprocessing.spawn(qwen2_rank, args=(tp, free_port(), str(tmp_path)), nprocs=tp)
+    ids, mask = qwen2_inputs()
+    valid = mask.bool()
+    for tied in (False, True):
+        hf = tiny_qwen2(tied)
+        with torch.no_grad():
+            want = hf(input_ids=ids, attention_mask=mask).logits  # [B, L, V]
+        logp = want.log_softmax(-1).gather(-1, ids.roll(-1, dims=1)[..., None])[..., 0]
+        state = hf.state_dict()
+        for rank in range(tp):
+            got = torch.load(tmp_path / f"qwen{rank}.pt")[tied]
+            assert got["logits_slice"].shape == (3, 9, 64 // tp)
+            torch.testing.assert_close(got["logits"][valid], want[valid], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got["logprobs"][valid], logp[valid], rtol=1e-5, atol=1e-5)
+            assert got["state"].keys() == state.keys()
+            assert all(torch.equal(got["state"][k], state[k]) for k in state)

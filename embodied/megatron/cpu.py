@@ -15,6 +15,10 @@
   the wrapper and the optimizer, the gradient sync, the step); the forward and backward run
   outside it, at full speed.
 
+- ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()`` on its
+  first call: ``rotary_on_cpu(model)`` runs it in ``cuda_corners()`` (once per sequence length:
+  megatron caches the result).
+
 ``use_cpu_corners()`` installs the first two; the process group set-up calls it when there is no
 GPU, so tests and CPU runs take the same path. On a GPU nothing here is used.
 """
@@ -120,3 +124,22 @@ def cuda_corners():
             yield
     finally:
         torch.cuda.current_device = current_device
+
+
+def rotary_on_cpu(model: torch.nn.Module) -> None:
+    """Run every rotary embedding's ``get_emb`` of ``model`` in ``cuda_corners()`` (no GPU)."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.get_emb = _in_corners(module.get_emb)
+
+
+def _in_corners(function):
+    def run(*args, **kwargs):
+        with cuda_corners():
+            return function(*args, **kwargs)
+
+    return run

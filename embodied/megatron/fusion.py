@@ -14,7 +14,6 @@ outputs are the same on every TP rank.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
@@ -28,32 +27,20 @@ from embodied.megatron.layout import encoder_from_megatron, encoder_to_megatron
 def fusion_config(d_model: int, heads: int, layers: int, dtype: torch.dtype) -> TransformerConfig:
     """nn.TransformerEncoderLayer(d, heads, 4 d, dropout=0, gelu, norm_first) in megatron's
     terms, over this process's TP group."""
-    on_gpu = torch.cuda.is_available()
-    return TransformerConfig(
+    return parallel.transformer_config(
+        dtype,
         num_layers=layers,
         hidden_size=d_model,
         num_attention_heads=heads,
         ffn_hidden_size=4 * d_model,
-        tensor_model_parallel_size=parallel.tp_size(),
         normalization="LayerNorm",
         layernorm_epsilon=1e-5,
         activation_func=nn.functional.gelu,
         add_bias_linear=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
         # (initialised, then overwritten by ``load_torch_state``: megatron marks the weights of
         # its parallel linears as sharded only where it initialises them, and the optimizer's
         # gradient norm needs that mark)
         perform_initialization=True,
-        use_cpu_initialization=not on_gpu,
-        # the fused kernels are CUDA (or Apex) only
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
     )
 
 
@@ -96,11 +83,5 @@ class MegatronFusion(nn.Module):
         mine = {k: p.detach() for k, p in self.block.named_parameters()}
         if values is not None:
             mine = {k: values[k] for k in mine}
-        size = parallel.tp_size()
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
-        for name, tensor in mine.items():
-            gathered = [torch.empty_like(tensor) for _ in range(size)]
-            dist.all_gather(gathered, tensor.contiguous(), group=parallel.tp_group())
-            for shard, part in zip(shards, gathered):
-                shard[name] = part
+        shards = parallel.gather_shards(mine)
         return encoder_from_megatron(shards, layers=self.num_layers, heads=self.heads)

@@ -103,3 +103,75 @@ def encoder_from_megatron(
             parts = [shard[f"{src}self_attention.linear_qkv.{kind}"] for shard in shards]
             state[src + name] = torch.cat(qkv_from_megatron(parts, heads=heads, groups=heads))
     return state
+
+
+# --- the Qwen2 family's language model (Hugging Face Qwen2ForCausalLM / Qwen2Model) -------------
+def qwen2_to_megatron(
+    state: dict[str, Tensor], *, layers: int, heads: int, groups: int, tp: int, tied: bool
+) -> list[dict[str, Tensor]]:
+    """A Hugging Face Qwen2 state dict (``model.…``, ``lm_head.weight``) as one megatron
+    ``GPTModel`` state dict per TP rank. The vocabulary (embedding and output rows) splits over
+    the ranks; the MLP's gate and up rows split alike and sit on each rank as [gate; up]."""
+    shards: list[dict[str, Tensor]] = [{} for _ in range(tp)]
+
+    def put(name: str, parts) -> None:
+        for shard, part in zip(shards, parts):
+            shard[name] = part.clone()
+
+    put("embedding.word_embeddings.weight", state["model.embed_tokens.weight"].chunk(tp))
+    for i in range(layers):
+        hf = f"model.layers.{i}."
+        mg = f"decoder.layers.{i}."
+        put(mg + "input_layernorm.weight", [state[hf + "input_layernorm.weight"]] * tp)
+        for kind in ("weight", "bias"):
+            q, k, v = (state[f"{hf}self_attn.{p}_proj.{kind}"] for p in "qkv")
+            parts = qkv_to_megatron(q, k, v, heads=heads, groups=groups, tp=tp)
+            put(f"{mg}self_attention.linear_qkv.{kind}", parts)
+        put(
+            mg + "self_attention.linear_proj.weight",
+            state[hf + "self_attn.o_proj.weight"].chunk(tp, 1),
+        )
+        put(mg + "pre_mlp_layernorm.weight", [state[hf + "post_attention_layernorm.weight"]] * tp)
+        gate = state[hf + "mlp.gate_proj.weight"].chunk(tp)
+        up = state[hf + "mlp.up_proj.weight"].chunk(tp)
+        put(mg + "mlp.linear_fc1.weight", [torch.cat(pair) for pair in zip(gate, up)])
+        put(mg + "mlp.linear_fc2.weight", state[hf + "mlp.down_proj.weight"].chunk(tp, 1))
+    put("decoder.final_layernorm.weight", [state["model.norm.weight"]] * tp)
+    if not tied:
+        put("output_layer.weight", state["lm_head.weight"].chunk(tp))
+    return shards
+
+
+def qwen2_from_megatron(
+    shards: list[dict[str, Tensor]], *, layers: int, heads: int, groups: int, tied: bool
+) -> dict[str, Tensor]:
+    """The Hugging Face Qwen2 state dict from every TP rank's ``GPTModel`` state dict."""
+
+    def cat(name: str, dim: int = 0) -> Tensor:
+        return torch.cat([shard[name] for shard in shards], dim=dim)
+
+    def whole(name: str) -> Tensor:
+        return shards[0][name].clone()
+
+    state = {"model.embed_tokens.weight": cat("embedding.word_embeddings.weight")}
+    for i in range(layers):
+        hf = f"model.layers.{i}."
+        mg = f"decoder.layers.{i}."
+        state[hf + "input_layernorm.weight"] = whole(mg + "input_layernorm.weight")
+        for kind in ("weight", "bias"):
+            parts = [shard[f"{mg}self_attention.linear_qkv.{kind}"] for shard in shards]
+            q, k, v = qkv_from_megatron(parts, heads=heads, groups=groups)
+            for p, tensor in zip("qkv", (q, k, v)):
+                state[f"{hf}self_attn.{p}_proj.{kind}"] = tensor
+        state[hf + "self_attn.o_proj.weight"] = cat(mg + "self_attention.linear_proj.weight", 1)
+        state[hf + "post_attention_layernorm.weight"] = whole(mg + "pre_mlp_layernorm.weight")
+        halves = [shard[mg + "mlp.linear_fc1.weight"].chunk(2) for shard in shards]
+        state[hf + "mlp.gate_proj.weight"] = torch.cat([gate for gate, _ in halves])
+        state[hf + "mlp.up_proj.weight"] = torch.cat([up for _, up in halves])
+        state[hf + "mlp.down_proj.weight"] = cat(mg + "mlp.linear_fc2.weight", 1)
+    state["model.norm.weight"] = whole("decoder.final_layernorm.weight")
+    if tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    else:
+        state["lm_head.weight"] = cat("output_layer.weight")
+    return state

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
 
 from embodied.megatron.cpu import use_cpu_corners
 
@@ -33,3 +35,36 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def gather_shards(mine: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Every TP rank's ``mine`` (the same names and shapes on every rank), by rank (every rank
+    calls this)."""
+    size = tp_size()
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
+    for name, tensor in mine.items():
+        gathered = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(gathered, tensor.contiguous(), group=tp_group())
+        for shard, part in zip(shards, gathered):
+            shard[name] = part
+    return shards
+
+
+def transformer_config(dtype: torch.dtype, **fields) -> TransformerConfig:
+    """A ``TransformerConfig`` of ``fields`` over this process's TP group, with no dropout (the
+    policy's forward must be the same when it acts and when it is scored) and none of megatron's
+    fused kernels, which are CUDA (or Apex) only."""
+    return TransformerConfig(
+        **fields,
+        tensor_model_parallel_size=tp_size(),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
