@@ -93,35 +93,32 @@ def tp_process(rank: int, tp: int, port: int):
         dist.destroy_process_group()
 
 
-def fusion_rank(rank: int, tp: int, port: int, out: str) -> None:
+def fusion_rank(rank: int, tp: int, out: str) -> None:
     """One TP rank: the megatron fusion loaded from the torch one; its output, input gradient
     and weight gradients (gathered, in the torch layout) saved for the test to compare."""
     from embodied.megatron.fusion import MegatronFusion
 
-    with tp_process(rank, tp, port):
-        reference = torch_fusion()
-        fusion = MegatronFusion(D, HEADS, LAYERS)
-        fusion.load_torch_state(reference.state_dict())
-        torch.manual_seed(1)
-        x = torch.randn(3, 7, D, requires_grad=True)
-        pad = torch.zeros(3, 7, dtype=torch.bool)
-        pad[1, 5:] = True  # sample 1 ends two tokens early
-        y = fusion(x, src_key_padding_mask=pad)
-        (y * torch.linspace(-1, 1, D)).square().sum().backward()
-        grads = {k: p.grad for k, p in fusion.block.named_parameters()}
-        result = {
-            "output": y.detach(),
-            "input_grad": x.grad,
-            "grads": fusion.torch_state(grads),
-            "weights": fusion.torch_state(),
-        }
-        torch.save(result, f"{out}/rank{rank}.pt")
+    reference = torch_fusion()
+    fusion = MegatronFusion(D, HEADS, LAYERS)
+    fusion.load_torch_state(reference.state_dict())
+    torch.manual_seed(1)
+    x = torch.randn(3, 7, D, requires_grad=True)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 5:] = True  # sample 1 ends two tokens early
+    y = fusion(x, src_key_padding_mask=pad)
+    (y * torch.linspace(-1, 1, D)).square().sum().backward()
+    grads = {k: p.grad for k, p in fusion.block.named_parameters()}
+    result = {
+        "output": y.detach(),
+        "input_grad": x.grad,
+        "grads": fusion.torch_state(grads),
+        "weights": fusion.torch_state(),
+    }
+    torch.save(result, f"{out}/rank{rank}.pt")
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_megatron_fusion_gives_the_torch_fusion_outputs_and_gradients(tmp_path, tp):
-    pytest.importorskip("megatron.core")
-    torch.multiprocessing.spawn(fusion_rank, args=(tp, free_port(), str(tmp_path)), nprocs=tp)
+def test_the_megatron_fusion_gives_the_torch_fusion_outputs_and_gradients(ranks):
+    tp, tmp_path = ranks
     reference = torch_fusion()
     torch.manual_seed(1)
     x = torch.randn(3, 7, D, requires_grad=True)
@@ -202,19 +199,18 @@ def two_steps(engine, algorithm, samples, grads_of) -> dict:
 NAMES = ("ppo", "grpo")
 
 
-def engine_rank(rank: int, tp: int, port: int, out: str) -> None:
+def engine_rank(rank: int, tp: int, out: str) -> None:
     """One TP rank: PPO's and GRPO's two steps on megatron, saved in the torch layout."""
     from embodied.megatron.engine import MegatronEngine
 
-    with tp_process(rank, tp, port):
-        for name in NAMES:
-            policy, algorithm, samples = vla_samples(name)
-            engine = MegatronEngine(
-                policy, learning_rate=1e-3, max_grad_norm=0.5, with_value=algorithm.has_critic
-            )
-            result = two_steps(engine, algorithm, samples, lambda e: e.torch_grads())
-            result["state"] = engine.torch_state()
-            torch.save(result, f"{out}/{name}{rank}.pt")
+    for name in NAMES:
+        policy, algorithm, samples = vla_samples(name)
+        engine = MegatronEngine(
+            policy, learning_rate=1e-3, max_grad_norm=0.5, with_value=algorithm.has_critic
+        )
+        result = two_steps(engine, algorithm, samples, lambda e: e.torch_grads())
+        result["state"] = engine.torch_state()
+        torch.save(result, f"{out}/{name}{rank}.pt")
 
 
 def torch_grads(engine) -> dict[str, torch.Tensor]:
@@ -225,14 +221,12 @@ def torch_grads(engine) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_updates_are_the_torch_updates(tmp_path, tp):
+def test_megatron_updates_are_the_torch_updates(ranks):
     """PPO and GRPO: the same loss, gradients (to 1e-5) and gradient norms, and the same
     weights after two clipped Adam steps, at TP=1 and TP=2 (two processes)."""
-    pytest.importorskip("megatron.core")
     from embodied.learner import TorchEngine
 
-    torch.multiprocessing.spawn(engine_rank, args=(tp, free_port(), str(tmp_path)), nprocs=tp)
+    tp, tmp_path = ranks
     for name in NAMES:
         policy, algorithm, samples = vla_samples(name)
         before = {k: v.clone() for k, v in policy.state_dict().items()}
@@ -316,40 +310,37 @@ def qwen2_inputs():
     return ids, mask
 
 
-def qwen2_rank(rank: int, tp: int, port: int, out: str) -> None:
+def qwen2_rank(rank: int, tp: int, out: str) -> None:
     import torch.distributed as dist
 
     from embodied.megatron import parallel
     from embodied.megatron.qwen2 import Qwen2Megatron
 
-    with tp_process(rank, tp, port):
-        results = {}
-        for tied in (False, True):
-            hf = tiny_qwen2(tied)
-            model = Qwen2Megatron(hf.config)
-            model.load_hf_state(hf.state_dict())
-            ids, mask = qwen2_inputs()
-            logits = model(ids, mask).detach()  # [B, L, V / tp]
-            gathered = [torch.empty_like(logits) for _ in range(tp)]
-            dist.all_gather(gathered, logits, group=parallel.tp_group())
-            targets = ids.roll(-1, dims=1)
-            results[tied] = {
-                "logits_slice": logits,
-                "logits": torch.cat(gathered, dim=-1),
-                "logprobs": model.token_logprobs(ids, mask, targets).detach(),
-                "state": model.hf_state(),
-            }
-        torch.save(results, f"{out}/qwen{rank}.pt")
+    results = {}
+    for tied in (False, True):
+        hf = tiny_qwen2(tied)
+        model = Qwen2Megatron(hf.config)
+        model.load_hf_state(hf.state_dict())
+        ids, mask = qwen2_inputs()
+        logits = model(ids, mask).detach()  # [B, L, V / tp]
+        gathered = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(gathered, logits, group=parallel.tp_group())
+        targets = ids.roll(-1, dims=1)
+        results[tied] = {
+            "logits_slice": logits,
+            "logits": torch.cat(gathered, dim=-1),
+            "logprobs": model.token_logprobs(ids, mask, targets).detach(),
+            "state": model.hf_state(),
+        }
+    torch.save(results, f"{out}/qwen{rank}.pt")
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_qwen2_gives_the_hugging_face_logits(tmp_path, tp):
+def test_megatron_qwen2_gives_the_hugging_face_logits(ranks):
     """At TP=1 and TP=2: the converted model's logits equal the Hugging Face forward's to 1e-5
     (at every token of a padded batch), each rank holds only its slice of the vocabulary, the
     vocabulary-parallel log-probabilities of the next tokens equal log_softmax's, and the weights
     gathered back are the Hugging Face ones, bit for bit."""
-    pytest.importorskip("megatron.core")
-    torch.multiprocessing.spawn(qwen2_rank, args=(tp, free_port(), str(tmp_path)), nprocs=tp)
+    tp, tmp_path = ranks
     ids, mask = qwen2_inputs()
     valid = mask.bool()
     for tied in (False, True):
@@ -365,3 +356,22 @@ def test_megatron_qwen2_gives_the_hugging_face_logits(tmp_path, tp):
             torch.testing.assert_close(got["logprobs"][valid], logp[valid], rtol=1e-5, atol=1e-5)
             assert got["state"].keys() == state.keys()
             assert all(torch.equal(got["state"][k], state[k]) for k in state)
+
+
+def rank_main(rank: int, tp: int, port: int, out: str) -> None:
+    """One TP rank's part of every test above (one process group: megatron is imported and
+    set up once per TP size)."""
+    with tp_process(rank, tp, port):
+        fusion_rank(rank, tp, out)
+        engine_rank(rank, tp, out)
+        qwen2_rank(rank, tp, out)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def ranks(request, tmp_path_factory):
+    """(TP size, the directory its ranks saved their results in)."""
+    pytest.importorskip("megatron.core")
+    tp = request.param
+    out = tmp_path_factory.mktemp(f"tp{tp}")
+    torch.multiprocessing.spawn(rank_main, args=(tp, free_port(), str(out)), nprocs=tp)
+    return tp, out
