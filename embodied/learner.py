@@ -4,11 +4,32 @@ the Megatron backend is a second implementation of the same interface."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from embodied.rollout import Samples, logprob_at
+
+BACKENDS = ("torch", "megatron")
+
+
+@dataclass
+class TrainerConfig:
+    """Which implementation of the learner trains the policy."""
+
+    # torch: one process (DDP across actor workers); megatron: the VLA's transformer on
+    # megatron-core (embodied/megatron/), the same updates
+    backend: str = "torch"
+    tensor_parallel: int = 1  # megatron: the ranks the transformer is sharded over
+
+    def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel: must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.backend != "megatron":
+            raise ValueError("tensor_parallel: > 1 needs backend=megatron")
 
 
 class TrainEngine(Protocol):
@@ -31,7 +52,12 @@ class TrainEngine(Protocol):
 
     def set_lr(self, lr: float) -> None: ...
 
-    def state_dict(self) -> dict: ...
+    # the policy whole, in the torch layout: what inference, checkpoints and syncs read
+    torch_policy: torch.nn.Module
+    checkpoint_optimizer: object  # its state_dict() is what a checkpoint saves
+
+    def refresh(self) -> None:
+        """Bring ``torch_policy`` up to date after the weights or buffers changed."""
 
     def load_state_dict(self, state: dict) -> None: ...
 
@@ -88,6 +114,8 @@ class TorchEngine(LearningRate):
         self.optimizer = torch.optim.Adam(self.params, lr=learning_rate, eps=1e-5)
         self.max_grad_norm = max_grad_norm
         self.forward: torch.nn.Module = Evaluate(policy)
+        self.torch_policy = policy  # (the policy itself: already whole, in the torch layout)
+        self.checkpoint_optimizer = self.optimizer
         self.rank = 0
         self.world_size = 1
         self.process_group = None
@@ -162,8 +190,8 @@ class TorchEngine(LearningRate):
                     state[key] = value.to(target)
         return moved
 
-    def state_dict(self) -> dict:
-        return {"model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict()}
+    def refresh(self) -> None:
+        pass  # (inference and checkpoints read the policy itself)
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state["model"])

@@ -119,9 +119,14 @@ class Learner:
                 "(or train with algorithm.name=grpo)"
             )
         self.algorithm = build_algorithm(cfg, spec, task_of_env, policy=self.policy)
-        self.engine = TorchEngine(
-            self.policy, learning_rate=alg.learning_rate, max_grad_norm=alg.max_grad_norm
-        )
+        if cfg.trainer.backend == "megatron":
+            from embodied.megatron.engine import megatron_engine
+
+            self.engine = megatron_engine(self.policy, cfg, with_value=self.algorithm.has_critic)
+        else:
+            self.engine = TorchEngine(
+                self.policy, learning_rate=alg.learning_rate, max_grad_norm=alg.max_grad_norm
+            )
 
     @property
     def device(self) -> torch.device:
@@ -135,6 +140,7 @@ class Learner:
     def init_normalizer(self, obs: Observation) -> None:
         """Normalisation statistics from the first observations, before anything acts."""
         self.policy.update_normalizer(obs.map(lambda t: t.to(self.device)))
+        self.engine.refresh()
 
     def update(self, samples: Samples | None, observations: list[Observation]) -> dict:
         """The algorithm's epochs over ``samples`` (None or empty: no update), then this
@@ -166,6 +172,7 @@ class Learner:
                 metrics["optimizer/offloaded_mb"] = self.engine.offload_optimizer() / 2**20
         for obs in observations:
             self.policy.update_normalizer(obs)
+        self.engine.refresh()
         return metrics
 
     def start_update(self, samples: Samples | None, observations: list[Observation]) -> Done:
@@ -190,8 +197,13 @@ class Learner:
     def save(self, run_dir: Path, iteration: int, **kw) -> None:
         """``save_checkpoint`` of the policy and optimizer (``kw``: counters, meta, rng, keep,
         protect)."""
+        engine = self.engine
         save_checkpoint(
-            run_dir, iteration, model=self.policy, optimizer=self.engine.optimizer, **kw
+            run_dir,
+            iteration,
+            model=engine.torch_policy,
+            optimizer=engine.checkpoint_optimizer,
+            **kw,
         )
 
 
@@ -204,7 +216,7 @@ class Roles:
         self.spec: EnvSpec = env.spec
         device = env.device if cfg.runner.device == "auto" else torch.device(cfg.runner.device)
         self.learner = Learner(cfg, env.spec, self.envs.task_of_env, device)
-        self.inference = InferencePolicy(self.learner.policy)
+        self.inference = InferencePolicy(self.learner.engine.torch_policy)
         if resume is not None:
             self.learner.load(resume)
             set_rng_state(resume["rng"])

@@ -103,7 +103,8 @@ RESUME_FREE = (
 )
 # where the roles run (embedded or on Ray, how many workers, which devices) changes no number,
 # except how far collection may run ahead of the update
-RESUME_FREE_PREFIX = "cluster."
+# where the roles run and which backend trains them: the same numbers (to float rounding)
+RESUME_FREE_PREFIX = ("cluster.", "trainer.")
 RESUME_BOUND = ("cluster.max_staleness",)
 
 

@@ -29,6 +29,7 @@ from embodied.cluster.config import ClusterConfig
 from embodied.config import ConfigError, save_config, to_dict
 from embodied.evaluate import overall, per_task
 from embodied.grpo import GRPOConfig
+from embodied.learner import TrainerConfig
 from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig
 from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
@@ -121,6 +122,7 @@ class TrainConfig:
     algorithm: AlgorithmConfig = field(default_factory=PPOConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # enabled: the roles on Ray
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # backend: torch | megatron
 
     def validate(self) -> None:
         """What the sections ask of each other, before anything is built."""
@@ -131,6 +133,8 @@ class TrainConfig:
                 f"algorithm.name: ppo needs a critic, and policy {self.policy.name!r} has none; "
                 f"{fix + ' or ' if fix else ''}train with algorithm.name=grpo"
             )
+        if self.trainer.backend == "megatron":
+            check_megatron(self.trainer, self.policy, self.cluster)
         if self.algorithm.name == "grpo":
             tasks = len(getattr(self.env, "tasks", None) or []) or 1
             per_task = self.env.num_envs // tasks
@@ -140,6 +144,30 @@ class TrainConfig:
                     f"environments per task, and each task has {per_task} "
                     f"(env.num_envs={self.env.num_envs} over {tasks} task(s))"
                 )
+
+
+def check_megatron(trainer: TrainerConfig, policy: PolicyConfig, cluster: ClusterConfig) -> None:
+    """What the megatron backend trains today (ValueError naming the key otherwise)."""
+    if policy.name != "vla":
+        raise ValueError(
+            f"trainer.backend: megatron trains a VLA's transformer; policy {policy.name!r} has "
+            "none (use policy.name=vla or trainer.backend=torch)"
+        )
+    if policy.vlm_path:
+        raise ValueError(
+            "trainer.backend: megatron does not yet shard a Hugging Face VLM (policy.vlm_path); "
+            "use trainer.backend=torch"
+        )
+    if trainer.tensor_parallel > 1:
+        raise ValueError(
+            "trainer.tensor_parallel: the runner does not yet start tensor-parallel ranks; "
+            "use trainer.tensor_parallel=1"
+        )
+    if cluster.enabled and (cluster.actor.workers > 1 or cluster.offload_optimizer):
+        raise ValueError(
+            "trainer.backend: megatron runs on one actor worker, without "
+            "cluster.offload_optimizer, for now"
+        )
 
 
 def check_cameras(policy: PolicyConfig, env: SimulatorConfig) -> None:

@@ -313,6 +313,7 @@ def run_on(
     save_every: int = 0,
     eval_every: int = 0,
     resume: str | None = None,
+    trainer: dict | None = None,
 ) -> dict:
     """The runner over ``env`` with a config written here (16 evaluation episodes, no video);
     returns its summary. The metrics are in ``run_dir/metrics.jsonl``. With ``cluster`` (the
@@ -336,6 +337,8 @@ def run_on(
         "trace": trace,
     }
     source = {"seed": 0, "policy": policy, "algorithm": algorithm, "runner": runner}
+    if trainer is not None:
+        source["trainer"] = trainer
     if cluster is not None:
         source.update(cluster=cluster, env={"num_envs": 8})
     cfg = compose(TrainConfig, [("test", source)])

@@ -104,6 +104,7 @@ def one_line_error(rc: int, err: str, *culprits: str) -> str:
 
 
 M = "configs/mujoco/reach_ppo.yaml"
+V = "configs/maniskill/multitask_vla_grpo.yaml"
 MS = "configs/maniskill/pushcube_ppo.yaml"
 SUITE = "configs/bench/smoke.yaml"
 R = "{root}"
@@ -274,6 +275,14 @@ CASES = [
     (
         ["train", M, "cluster.enabled=true", "cluster.max_staleness=2"],
         ["cluster.max_staleness", "got 2"],
+    ),
+    # the trainer block
+    (["train", M, "trainer.backend=jax"], ["trainer.backend", "'jax'", "megatron"]),
+    (["train", M, "trainer.tensor_parallel=2"], ["trainer.tensor_parallel", "backend=megatron"]),
+    (["train", M, "trainer.backend=megatron"], ["trainer.backend", "policy.name=vla"]),
+    (
+        ["train", V, "trainer.backend=megatron", "trainer.tensor_parallel=2"],
+        ["trainer.tensor_parallel", "tensor_parallel=1"],
     ),
     (["cluster", "status", f"{R}/nowhere"], ["nowhere", "no such run directory"]),
     (["cluster", "status", "{run}"], ["no cluster.json", "not a cluster run"]),

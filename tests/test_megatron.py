@@ -375,3 +375,96 @@ def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"tp{tp}")
     torch.multiprocessing.spawn(rank_main, args=(tp, free_port(), str(out)), nprocs=tp)
     return tp, out
+
+
+# --- the runner on the megatron backend ---------------------------------------------------------
+E2E_POLICY = {"layers": 2}  # (over the tests' tiny VLA)
+E2E_ITERATIONS = 3
+
+
+def e2e_run(run_dir, trainer: dict | None, resume: str | None = None) -> dict:
+    """GRPO on the test task, one round per update, a checkpoint per iteration."""
+    from scripted_envs import GRPO, TINY_VLA, PushRightEnv, run_on
+
+    torch.manual_seed(0)  # (as ``train`` seeds before it builds the roles)
+    return run_on(
+        PushRightEnv(8),
+        run_dir,
+        total_env_steps=8 * 3 * E2E_ITERATIONS,
+        policy={**TINY_VLA, **E2E_POLICY},
+        algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
+        save_every=1,
+        trainer=trainer,
+        resume=resume,
+    )
+
+
+def resume_copy(tmp_path, name: str) -> str:
+    """A copy of the megatron run as ``name``, its rows after iteration 2 dropped (as ``train``
+    does when it resumes); the checkpoint of iteration 2 to resume from."""
+    import shutil
+
+    from embodied.run import trim_metrics
+
+    shutil.copytree(tmp_path / "megatron", tmp_path / name, symlinks=True)
+    trim_metrics(tmp_path / name, 2)
+    return str(tmp_path / name / "checkpoints" / "iter_000002")
+
+
+def e2e_child(rank: int, tmp_path) -> None:
+    """The megatron run, then its resume after iteration 2, in a process of their own (the
+    backend makes this process a process group)."""
+    torch.set_num_threads(1)
+    e2e_run(tmp_path / "megatron", {"backend": "megatron"})
+    again = resume_copy(tmp_path, "again_megatron")
+    e2e_run(tmp_path / "again_megatron", {"backend": "megatron"}, resume=again)
+
+
+def metric_table(run_dir) -> list[dict]:
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def assert_rows_close(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for row_a, row_b in zip(a, b):
+        assert row_a.keys() == row_b.keys()
+        for key in row_a:
+            if key in ("minutes", "eval/policy_ms", "eval/env_steps_per_s"):
+                continue
+            assert row_a[key] == pytest.approx(row_b[key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_run_on_megatron_follows_the_torch_run_and_resumes_on_either_backend(tmp_path):
+    """GRPO on the tiny VLA, 3 iterations: every logged number of the megatron run (TP=1)
+    equals the torch run's to 1e-5. Its checkpoints hold the torch layout and Adam's state:
+    resumed after iteration 2 on megatron, or on torch, the third iteration is the same again."""
+    pytest.importorskip("megatron.core")
+
+    from embodied.checkpoint import load_checkpoint
+
+    torch.set_num_threads(1)
+    e2e_run(tmp_path / "torch", None)
+    torch.multiprocessing.spawn(e2e_child, args=(tmp_path,), nprocs=1)
+    want = metric_table(tmp_path / "torch")
+    assert len([r for r in want if "policy/loss" in r]) == E2E_ITERATIONS
+    assert_rows_close(metric_table(tmp_path / "megatron"), want)
+    # the checkpoint: the torch layout's weights and Adam state, as the torch run's
+    saved = load_checkpoint(tmp_path / "megatron" / "checkpoints" / "iter_000002")
+    reference = load_checkpoint(tmp_path / "torch" / "checkpoints" / "iter_000002")
+    assert saved["model"].keys() == reference["model"].keys()
+    for key, value in reference["model"].items():
+        torch.testing.assert_close(saved["model"][key], value, rtol=1e-5, atol=1e-5)
+    moments = saved["optimizer"]["state"]
+    assert moments.keys() == reference["optimizer"]["state"].keys()
+    for index, entry in reference["optimizer"]["state"].items():
+        assert moments[index]["step"] == entry["step"] == 8  # 2 iterations of 2 x 2 minibatches
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(moments[index][key], entry[key], rtol=1e-4, atol=1e-8)
+    # resumed after iteration 2: on megatron (above), and on torch
+    again = resume_copy(tmp_path, "again_torch")
+    e2e_run(tmp_path / "again_torch", None, resume=again)
+    for name in ("again_megatron", "again_torch"):
+        assert_rows_close(metric_table(tmp_path / name), want)

@@ -265,7 +265,7 @@ class ActorWorker(_Worker):
             set_rng_state(rng)
         task_ids = torch.tensor(task_of_env, dtype=torch.long)
         self.learner = Learner(cfg, spec, task_ids, torch.device(device))
-        self.sync_keys = _sync_keys(self.learner.policy)
+        self.sync_keys = _sync_keys(self.learner.engine.torch_policy)
 
     def address(self) -> str:
         """A free TCP address on this worker's node: the process group meets there (rank 0)."""
@@ -322,7 +322,7 @@ class ActorWorker(_Worker):
     def weights(self, full: bool) -> tuple:
         """(the weights inference needs, their bytes): all of them, or only the trainable
         parameters and the buffers that change (a frozen backbone is never sent again)."""
-        wired = to_wire(_to_sync(self.learner.policy, self.sync_keys, full))
+        wired = to_wire(_to_sync(self.learner.engine.torch_policy, self.sync_keys, full))
         return wired, wire_bytes(wired)
 
     def sync_address(self) -> str:
@@ -336,7 +336,7 @@ class ActorWorker(_Worker):
     @timed
     def broadcast_weights(self, full: bool, bucket_bytes: int) -> int:
         """``weights`` through the weight-sync group's broadcast; returns the bytes sent."""
-        named = _to_sync(self.learner.policy, self.sync_keys, full)
+        named = _to_sync(self.learner.engine.torch_policy, self.sync_keys, full)
         return self.sync_group.send(list(named.items()), bucket_bytes)
 
     @timed

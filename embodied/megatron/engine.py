@@ -17,14 +17,18 @@ optimizer.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from embodied.learner import Evaluate, LearningRate, average_over
+from embodied.megatron import parallel
 from embodied.megatron.cpu import cuda_corners
 from embodied.megatron.fusion import MegatronFusion
+from embodied.megatron.layout import encoder_to_megatron
 from embodied.rollout import Samples, logprob_at
 
 
@@ -38,6 +42,26 @@ def shard_fusion(policy: torch.nn.Module, dtype: torch.dtype = torch.float32) ->
     return fusion
 
 
+def megatron_engine(policy: torch.nn.Module, cfg, *, with_value: bool) -> MegatronEngine:
+    """The run's megatron learner. A process that is not yet part of a process group (the
+    embedded run: TP=1) becomes a group of one."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as state
+
+    if not dist.is_initialized():
+        backend = "nccl" if next(policy.parameters()).is_cuda else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if not state.model_parallel_is_initialized():
+        parallel.initialize(cfg.trainer.tensor_parallel, seed=cfg.seed)
+    alg = cfg.algorithm
+    return MegatronEngine(
+        policy,
+        learning_rate=alg.learning_rate,
+        max_grad_norm=alg.max_grad_norm,
+        with_value=with_value,
+    )
+
+
 class MegatronEngine(LearningRate):
     def __init__(
         self,
@@ -48,7 +72,11 @@ class MegatronEngine(LearningRate):
         with_value: bool = True,
     ):
         self.policy = policy
-        self.fusion = shard_fusion(policy)
+        # the policy in the torch layout, whole: what inference, checkpoints and weight syncs
+        # read (``refresh`` after every change)
+        self.torch_policy = copy.deepcopy(policy)
+        with torch.random.fork_rng(devices=[]):  # (megatron draws initial weights: not ours)
+            self.fusion = shard_fusion(policy)
         config = self.fusion.config
         with cuda_corners():
             self.model = DistributedDataParallel(
@@ -74,6 +102,7 @@ class MegatronEngine(LearningRate):
                 [self.model],
             )
         self.params = [p for p in policy.parameters() if p.requires_grad]
+        self.checkpoint_optimizer = TorchLayoutOptimizer(self)
         self.rank = parallel_state.get_data_parallel_rank()
         self.world_size = parallel_state.get_data_parallel_world_size()
         self.model.zero_grad_buffer()
@@ -124,3 +153,107 @@ class MegatronEngine(LearningRate):
         gathered = self.fusion.torch_state(fusion)
         out.update({f"fusion.{name}": tensor for name, tensor in gathered.items()})
         return out
+
+    def refresh(self) -> None:
+        """The torch copy gets the current weights and buffers (every TP rank calls this)."""
+        self.torch_policy.load_state_dict(self.torch_state())
+
+    def _adam_state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor] | None:
+        """Megatron's Adam state of ``param`` (this data-parallel rank's range: all of it with
+        one rank), or None before the first step."""
+        for optimizer in self.optimizer.chained_optimizers:
+            if param in optimizer.model_param_group_index_map:
+                if not optimizer.optimizer.state:
+                    return None
+                return optimizer._get_main_param_and_optimizer_states(param)
+        raise KeyError("a trainable parameter the optimizer does not hold")
+
+    def optimizer_state_dict(self) -> dict:
+        """Megatron's Adam state as ``torch.optim.Adam``'s state dict over the torch copy's
+        trainable parameters, the moments gathered into the torch layout: a checkpoint either
+        backend loads, at any TP size (every TP rank calls this)."""
+        if self.world_size > 1:
+            raise NotImplementedError("checkpoints of data-parallel megatron ranks")
+        trainable = [(n, p) for n, p in self.torch_policy.named_parameters() if p.requires_grad]
+        template = torch.optim.Adam([p for _, p in trainable], lr=self.lr, eps=1e-5)
+        moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        step = None
+        for name, param in self.policy.named_parameters():
+            if not param.requires_grad:
+                continue
+            state = self._adam_state(param)
+            if state is None:
+                return template.state_dict()  # (no step yet: no state, as torch's Adam)
+            step = state["step"]
+            for key, values in moments.items():
+                values[name] = state[key].detach().view(param.shape).clone()
+        prefix = "fusion.block."
+        for values in moments.values():
+            fusion = {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
+            gathered = self.fusion.torch_state(fusion)
+            values.update({f"fusion.{k}": v for k, v in gathered.items()})
+        out = template.state_dict()
+        out["state"] = {
+            index: {
+                "step": step.clone(),
+                "exp_avg": moments["exp_avg"][name],
+                "exp_avg_sq": moments["exp_avg_sq"][name],
+            }
+            for index, (name, _) in enumerate(trainable)
+        }
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, checkpoint: dict) -> None:
+        """Weights (torch layout) and the optimizer state ``optimizer_state_dict`` wrote, at
+        this run's TP size."""
+        model = checkpoint["model"]
+        self.torch_policy.load_state_dict(model)
+        prefix = "fusion."
+        fusion = {k[len(prefix) :]: v for k, v in model.items() if k.startswith(prefix)}
+        rest = {k: v for k, v in model.items() if not k.startswith(prefix)}
+        self.fusion.load_torch_state(fusion)
+        loaded = self.policy.load_state_dict(rest, strict=False)
+        if loaded.unexpected_keys or [k for k in loaded.missing_keys if not k.startswith(prefix)]:
+            raise ValueError(f"the checkpoint does not fit the policy: {loaded}")
+        state = checkpoint["optimizer"]["state"]
+        if not state:
+            return
+        trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
+        by_name = {trainable[index]: entry for index, entry in state.items()}
+        step = next(iter(state.values()))["step"]  # (one count: every parameter steps together)
+        shards = {
+            key: encoder_to_megatron(
+                {k[len(prefix) :]: by_name[k][key] for k in by_name if k.startswith(prefix)},
+                layers=self.fusion.num_layers,
+                heads=self.fusion.heads,
+                tp=parallel.tp_size(),
+            )[parallel.tp_rank()]
+            for key in ("exp_avg", "exp_avg_sq")
+        }
+        for optimizer in self.optimizer.chained_optimizers:
+            if not optimizer.optimizer.state:
+                optimizer._init_optimizer_states_with_dummy_values()
+        for name, param in self.policy.named_parameters():
+            if not param.requires_grad:
+                continue
+            tensors = {"param": param.detach().view(-1), "step": step.clone()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                if name.startswith("fusion.block."):
+                    value = shards[key][name[len("fusion.block.") :]]
+                else:
+                    value = by_name[name][key]
+                tensors[key] = value.reshape(-1)
+            for optimizer in self.optimizer.chained_optimizers:
+                if param in optimizer.model_param_group_index_map:
+                    optimizer._set_main_param_and_optimizer_states(param, tensors)
+
+
+class TorchLayoutOptimizer:
+    """What a checkpoint saves as the optimizer: ``MegatronEngine.optimizer_state_dict``."""
+
+    def __init__(self, engine: MegatronEngine):
+        self.engine = engine
+
+    def state_dict(self) -> dict:
+        return self.engine.optimizer_state_dict()
