@@ -61,6 +61,9 @@ class TrainEngine(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
+    def close(self) -> None:
+        """Release what the engine holds across processes (at the run's end)."""
+
 
 def average_over(values: torch.Tensor, group, world_size: int) -> torch.Tensor:
     """The mean of ``values`` over the ``world_size`` ranks of ``group`` (itself when alone)."""
@@ -192,6 +195,9 @@ class TorchEngine(LearningRate):
 
     def refresh(self) -> None:
         pass  # (inference and checkpoints read the policy itself)
+
+    def close(self) -> None:
+        pass  # (a data-parallel group belongs to the actor worker that joined it)
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state["model"])

@@ -118,6 +118,10 @@ class Learner:
                 "algorithm.name: ppo needs a critic; set policy.value_head=true "
                 "(or train with algorithm.name=grpo)"
             )
+        if cfg.trainer.backend == "megatron":
+            from embodied.megatron.engine import join_ranks
+
+            join_ranks(self.policy, cfg)
         self.algorithm = build_algorithm(cfg, spec, task_of_env, policy=self.policy)
         if cfg.trainer.backend == "megatron":
             from embodied.megatron.engine import megatron_engine
@@ -194,6 +198,9 @@ class Learner:
         if self.cfg.cluster.offload_optimizer:  # (loaded beside the parameters)
             self.engine.offload_optimizer()
 
+    def close(self) -> None:
+        self.engine.close()
+
     def save(self, run_dir: Path, iteration: int, **kw) -> None:
         """``save_checkpoint`` of the policy and optimizer (``kw``: counters, meta, rng, keep,
         protect)."""
@@ -207,6 +214,17 @@ class Learner:
         )
 
 
+def learner_for(cfg, spec: EnvSpec, task_of_env: torch.Tensor, device) -> Learner:
+    """The learner of a run in this process; with ``trainer.tensor_parallel`` > 1 its other TP
+    ranks are started as processes that follow it in lockstep (embodied/megatron/lockstep.py)."""
+    if cfg.trainer.backend == "megatron" and cfg.trainer.tensor_parallel > 1:
+        from embodied.megatron.lockstep import Lockstep, start_ranks
+
+        helpers = start_ranks(cfg, spec, task_of_env, device)
+        return Lockstep(Learner(cfg, spec, task_of_env, device), helpers)
+    return Learner(cfg, spec, task_of_env, device)
+
+
 class Roles:
     """The roles of one run in this process: the environment group, inference sharing the
     learner's module, the learner. The cluster's ``RayRoles`` has the same methods."""
@@ -215,7 +233,7 @@ class Roles:
         self.envs = EnvGroup(env)
         self.spec: EnvSpec = env.spec
         device = env.device if cfg.runner.device == "auto" else torch.device(cfg.runner.device)
-        self.learner = Learner(cfg, env.spec, self.envs.task_of_env, device)
+        self.learner = learner_for(cfg, env.spec, self.envs.task_of_env, device)
         self.inference = InferencePolicy(self.learner.engine.torch_policy)
         if resume is not None:
             self.learner.load(resume)
@@ -277,6 +295,7 @@ class Roles:
 
     def close(self) -> None:
         self.envs.close()
+        self.learner.close()
 
 
 def local_roles(cfg, env, resume: dict | None = None) -> Roles:

@@ -158,15 +158,17 @@ def check_megatron(trainer: TrainerConfig, policy: PolicyConfig, cluster: Cluste
             "trainer.backend: megatron does not yet shard a Hugging Face VLM (policy.vlm_path); "
             "use trainer.backend=torch"
         )
-    if trainer.tensor_parallel > 1:
+    if policy.heads % trainer.tensor_parallel:
         raise ValueError(
-            "trainer.tensor_parallel: the runner does not yet start tensor-parallel ranks; "
-            "use trainer.tensor_parallel=1"
+            f"trainer.tensor_parallel: {policy.heads} attention heads (policy.heads) do not "
+            f"split over {trainer.tensor_parallel} ranks"
         )
-    if cluster.enabled and (cluster.actor.workers > 1 or cluster.offload_optimizer):
+    if cluster.enabled and (
+        trainer.tensor_parallel > 1 or cluster.actor.workers > 1 or cluster.offload_optimizer
+    ):
         raise ValueError(
-            "trainer.backend: megatron runs on one actor worker, without "
-            "cluster.offload_optimizer, for now"
+            "trainer.backend: on a cluster, megatron runs on one actor worker at "
+            "trainer.tensor_parallel=1 without cluster.offload_optimizer, for now"
         )
 
 

@@ -355,6 +355,8 @@ def run_on(
     finally:
         if cluster is not None:
             roles.close()
+        else:
+            roles.learner.close()  # (the caller's environments stay open)
 
 
 def metric_rows(run_dir, key: str) -> list[float]:

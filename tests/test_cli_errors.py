@@ -281,8 +281,18 @@ CASES = [
     (["train", M, "trainer.tensor_parallel=2"], ["trainer.tensor_parallel", "backend=megatron"]),
     (["train", M, "trainer.backend=megatron"], ["trainer.backend", "policy.name=vla"]),
     (
-        ["train", V, "trainer.backend=megatron", "trainer.tensor_parallel=2"],
-        ["trainer.tensor_parallel", "tensor_parallel=1"],
+        ["train", V, "trainer.backend=megatron", "trainer.tensor_parallel=3"],
+        ["trainer.tensor_parallel", "4 attention heads", "3 ranks"],
+    ),
+    (
+        [
+            "train",
+            V,
+            "trainer.backend=megatron",
+            "trainer.tensor_parallel=2",
+            "cluster.enabled=true",
+        ],
+        ["trainer.backend", "one actor worker"],
     ),
     (["cluster", "status", f"{R}/nowhere"], ["nowhere", "no such run directory"]),
     (["cluster", "status", "{run}"], ["no cluster.json", "not a cluster run"]),

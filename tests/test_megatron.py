@@ -399,25 +399,27 @@ def e2e_run(run_dir, trainer: dict | None, resume: str | None = None) -> dict:
     )
 
 
-def resume_copy(tmp_path, name: str) -> str:
-    """A copy of the megatron run as ``name``, its rows after iteration 2 dropped (as ``train``
-    does when it resumes); the checkpoint of iteration 2 to resume from."""
+def resume_copy(tmp_path, source: str, name: str) -> str:
+    """A copy of the run ``source`` as ``name``, its rows after iteration 2 dropped (as
+    ``train`` does when it resumes); the checkpoint of iteration 2 to resume from."""
     import shutil
 
     from embodied.run import trim_metrics
 
-    shutil.copytree(tmp_path / "megatron", tmp_path / name, symlinks=True)
+    shutil.copytree(tmp_path / source, tmp_path / name, symlinks=True)
     trim_metrics(tmp_path / name, 2)
     return str(tmp_path / name / "checkpoints" / "iter_000002")
 
 
 def e2e_child(rank: int, tmp_path) -> None:
-    """The megatron run, then its resume after iteration 2, in a process of their own (the
-    backend makes this process a process group)."""
+    """In a process of their own (the backend makes this process a process group): the
+    megatron run at TP=1, the run at TP=2 (its second rank a process the runner starts), and
+    the TP=2 run resumed at TP=1 after iteration 2."""
     torch.set_num_threads(1)
     e2e_run(tmp_path / "megatron", {"backend": "megatron"})
-    again = resume_copy(tmp_path, "again_megatron")
-    e2e_run(tmp_path / "again_megatron", {"backend": "megatron"}, resume=again)
+    e2e_run(tmp_path / "megatron_tp2", {"backend": "megatron", "tensor_parallel": 2})
+    again = resume_copy(tmp_path, "megatron_tp2", "tp2_then_tp1")
+    e2e_run(tmp_path / "tp2_then_tp1", {"backend": "megatron"}, resume=again)
 
 
 def metric_table(run_dir) -> list[dict]:
@@ -437,10 +439,11 @@ def assert_rows_close(a: list[dict], b: list[dict]) -> None:
             assert row_a[key] == pytest.approx(row_b[key], rel=1e-5, abs=1e-6), key
 
 
-def test_a_run_on_megatron_follows_the_torch_run_and_resumes_on_either_backend(tmp_path):
-    """GRPO on the tiny VLA, 3 iterations: every logged number of the megatron run (TP=1)
-    equals the torch run's to 1e-5. Its checkpoints hold the torch layout and Adam's state:
-    resumed after iteration 2 on megatron, or on torch, the third iteration is the same again."""
+def test_a_run_on_megatron_follows_the_torch_run_and_resumes_at_any_tp_or_on_torch(tmp_path):
+    """GRPO on the tiny VLA, 3 iterations: every logged number of the megatron runs at TP=1
+    and TP=2 equals the torch run's to 1e-5. Their checkpoints hold the torch layout and Adam's
+    state: the TP=2 run resumed after iteration 2 at TP=1, and the TP=1 run resumed on torch,
+    run the third iteration the same again."""
     pytest.importorskip("megatron.core")
 
     from embodied.checkpoint import load_checkpoint
@@ -463,8 +466,8 @@ def test_a_run_on_megatron_follows_the_torch_run_and_resumes_on_either_backend(t
         assert moments[index]["step"] == entry["step"] == 8  # 2 iterations of 2 x 2 minibatches
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(moments[index][key], entry[key], rtol=1e-4, atol=1e-8)
-    # resumed after iteration 2: on megatron (above), and on torch
-    again = resume_copy(tmp_path, "again_torch")
+    # TP=2: the same numbers; resumed at TP=1, and on torch, the same again
+    again = resume_copy(tmp_path, "megatron", "again_torch")
     e2e_run(tmp_path / "again_torch", None, resume=again)
-    for name in ("again_megatron", "again_torch"):
+    for name in ("megatron_tp2", "tp2_then_tp1", "again_torch"):
         assert_rows_close(metric_table(tmp_path / name), want)

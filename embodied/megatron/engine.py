@@ -42,9 +42,10 @@ def shard_fusion(policy: torch.nn.Module, dtype: torch.dtype = torch.float32) ->
     return fusion
 
 
-def megatron_engine(policy: torch.nn.Module, cfg, *, with_value: bool) -> MegatronEngine:
-    """The run's megatron learner. A process that is not yet part of a process group (the
-    embedded run: TP=1) becomes a group of one."""
+def join_ranks(policy: torch.nn.Module, cfg) -> None:
+    """This process in megatron's groups: a group of one if it is in none yet (the embedded
+    run at TP=1); with TP ranks, every rank takes rank 0's initial weights (before anything is
+    built from them: GRPO's reference policy)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as state
 
@@ -53,6 +54,14 @@ def megatron_engine(policy: torch.nn.Module, cfg, *, with_value: bool) -> Megatr
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not state.model_parallel_is_initialized():
         parallel.initialize(cfg.trainer.tensor_parallel, seed=cfg.seed)
+    if dist.get_world_size() > 1:
+        weights = [policy.state_dict() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(weights, src=0)
+        policy.load_state_dict(weights[0])
+
+
+def megatron_engine(policy: torch.nn.Module, cfg, *, with_value: bool) -> MegatronEngine:
+    """The run's megatron learner (after ``join_ranks``)."""
     alg = cfg.algorithm
     return MegatronEngine(
         policy,
@@ -153,6 +162,13 @@ class MegatronEngine(LearningRate):
         gathered = self.fusion.torch_state(fusion)
         out.update({f"fusion.{name}": tensor for name, tensor in gathered.items()})
         return out
+
+    def close(self) -> None:
+        """Leave megatron's groups and the process group (every rank calls this at the end)."""
+        import torch.distributed as dist
+
+        parallel.destroy()
+        dist.destroy_process_group()
 
     def refresh(self) -> None:
         """The torch copy gets the current weights and buffers (every TP rank calls this)."""

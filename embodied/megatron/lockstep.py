@@ -1,0 +1,128 @@
+"""Tensor-parallel ranks for a run without a cluster (``trainer.tensor_parallel`` > 1): this
+process is TP rank 0 and does all that a run does; ranks 1.. are helper processes that each
+hold their shard of the learner and follow rank 0's learner in lockstep.
+
+Every learner call that changes the learner's state or takes part in a collective (an update,
+the normaliser, a load, the gather a checkpoint makes) is broadcast first: its name, its
+arguments (CPU tensors, pickled) and rank 0's generator state. Every rank then runs the same
+call on the same data from the same state, so the shards stay one model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import socket
+
+import torch
+import torch.distributed as dist
+
+from embodied.checkpoint import set_rng_state
+
+# a helper that died leaves rank 0 waiting in a collective: this bounds the wait
+COLLECTIVE_TIMEOUT_S = 600
+
+
+def _address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def _join(rank: int, size: int, address: str, device: str) -> None:
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group(
+        backend, init_method=address, rank=rank, world_size=size, timeout=timeout
+    )
+
+
+def start_ranks(cfg, spec, task_of_env: torch.Tensor, device) -> list:
+    """Start TP ranks 1.. (processes) and make this process rank 0 of their group; returns
+    the processes."""
+    size = cfg.trainer.tensor_parallel
+    address = _address()
+    context = multiprocessing.get_context("spawn")
+    helpers = []
+    for rank in range(1, size):
+        args = (rank, size, address, cfg, spec, task_of_env, str(device))
+        helper = context.Process(target=serve, args=args, daemon=True)
+        helper.start()
+        helpers.append(helper)
+    _join(0, size, address, str(device))
+    pids = ", ".join(str(helper.pid) for helper in helpers)
+    print(f"trainer.tensor_parallel={size}: TP rank 0 in this process, the others in {pids}")
+    return helpers
+
+
+def serve(rank: int, size: int, address: str, cfg, spec, task_of_env, device: str) -> None:
+    """A helper rank: build the learner (rank 0's initial weights arrive in its constructor),
+    then run each call rank 0 broadcasts until it says stop."""
+    from embodied.roles import Learner
+
+    torch.set_num_threads(cfg.runner.torch_threads)
+    _join(rank, size, address, device)
+    learner = Learner(cfg, spec, task_of_env, torch.device(device))
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0)
+        name, args, rng = message[0]
+        if name == "stop":
+            break
+        set_rng_state(rng)
+        if name == "save":  # the gather of the checkpoint's state; rank 0 writes it
+            learner.engine.checkpoint_optimizer.state_dict()
+            continue
+        getattr(learner, name)(*args)
+    learner.close()
+
+
+class Lockstep:
+    """Rank 0's learner, each state-changing call broadcast to the helper ranks first."""
+
+    def __init__(self, learner, helpers: list):
+        self.learner = learner
+        self.helpers = helpers
+
+    def __getattr__(self, name: str):
+        return getattr(self.learner, name)  # (what only reads: device, lr, engine, ...)
+
+    def _broadcast(self, name: str, *args) -> None:
+        from embodied.checkpoint import rng_state
+
+        dist.broadcast_object_list([(name, args, rng_state())], src=0)
+
+    def init_normalizer(self, obs) -> None:
+        self._broadcast("init_normalizer", obs)
+        self.learner.init_normalizer(obs)
+
+    def update(self, samples, observations) -> dict:
+        self._broadcast("update", samples, observations)
+        return self.learner.update(samples, observations)
+
+    def start_update(self, samples, observations):
+        from embodied.roles import Done
+
+        return Done(self.update(samples, observations))
+
+    def set_lr(self, lr: float) -> None:
+        self._broadcast("set_lr", lr)
+        self.learner.set_lr(lr)
+
+    def load(self, checkpoint: dict) -> None:
+        self._broadcast("load", checkpoint)
+        self.learner.load(checkpoint)
+
+    def save(self, run_dir, iteration: int, **kw) -> None:
+        self._broadcast("save")
+        self.learner.save(run_dir, iteration, **kw)
+
+    def close(self) -> None:
+        """Stop the helper ranks and leave the group."""
+        if not self.helpers:
+            return
+        self._broadcast("stop")
+        for helper in self.helpers:
+            helper.join(timeout=60)
+        self.helpers = []
+        self.learner.close()
