@@ -220,7 +220,7 @@ def learner_for(cfg, spec: EnvSpec, task_of_env: torch.Tensor, device) -> Learne
     if cfg.trainer.backend == "megatron" and cfg.trainer.tensor_parallel > 1:
         from embodied.megatron.lockstep import Lockstep, start_ranks
 
-        helpers = start_ranks(cfg, spec, task_of_env, device)
+        helpers = start_ranks(cfg, spec, task_of_env, device, Learner)
         return Lockstep(Learner(cfg, spec, task_of_env, device), helpers)
     return Learner(cfg, spec, task_of_env, device)
 

@@ -37,15 +37,15 @@ def _join(rank: int, size: int, address: str, device: str) -> None:
     )
 
 
-def start_ranks(cfg, spec, task_of_env: torch.Tensor, device) -> list:
-    """Start TP ranks 1.. (processes) and make this process rank 0 of their group; returns
-    the processes."""
+def start_ranks(cfg, spec, task_of_env: torch.Tensor, device, learner_class: type) -> list:
+    """Start TP ranks 1.. (processes, each building a ``learner_class``) and make this process
+    rank 0 of their group; returns the processes."""
     size = cfg.trainer.tensor_parallel
     address = _address()
     context = multiprocessing.get_context("spawn")
     helpers = []
     for rank in range(1, size):
-        args = (rank, size, address, cfg, spec, task_of_env, str(device))
+        args = (rank, size, address, cfg, spec, task_of_env, str(device), learner_class)
         helper = context.Process(target=serve, args=args, daemon=True)
         helper.start()
         helpers.append(helper)
@@ -55,14 +55,14 @@ def start_ranks(cfg, spec, task_of_env: torch.Tensor, device) -> list:
     return helpers
 
 
-def serve(rank: int, size: int, address: str, cfg, spec, task_of_env, device: str) -> None:
+def serve(
+    rank: int, size: int, address: str, cfg, spec, task_of_env, device: str, learner_class: type
+) -> None:
     """A helper rank: build the learner (rank 0's initial weights arrive in its constructor),
     then run each call rank 0 broadcasts until it says stop."""
-    from embodied.roles import Learner
-
     torch.set_num_threads(cfg.runner.torch_threads)
     _join(rank, size, address, device)
-    learner = Learner(cfg, spec, task_of_env, torch.device(device))
+    learner = learner_class(cfg, spec, task_of_env, torch.device(device))
     while True:
         message = [None]
         dist.broadcast_object_list(message, src=0)
@@ -101,9 +101,8 @@ class Lockstep:
         return self.learner.update(samples, observations)
 
     def start_update(self, samples, observations):
-        from embodied.roles import Done
-
-        return Done(self.update(samples, observations))
+        self._broadcast("update", samples, observations)
+        return self.learner.start_update(samples, observations)
 
     def set_lr(self, lr: float) -> None:
         self._broadcast("set_lr", lr)
