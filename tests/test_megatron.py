@@ -471,3 +471,38 @@ def test_a_run_on_megatron_follows_the_torch_run_and_resumes_at_any_tp_or_on_tor
     e2e_run(tmp_path / "again_torch", None, resume=again)
     for name in ("megatron_tp2", "tp2_then_tp1", "again_torch"):
         assert_rows_close(metric_table(tmp_path / name), want)
+
+
+def failing_child(rank: int, tmp_path) -> None:
+    """A TP=2 run whose rank 0 fails inside its second update, while its helper rank waits in
+    a collective; writes the error it ended with and how many child processes are left."""
+    torch.set_num_threads(1)
+    import multiprocessing
+
+    from embodied.grpo import GRPO
+
+    calls = []
+    loss = GRPO.loss
+
+    def failing(self, learner, minibatch):
+        calls.append(1)
+        if len(calls) == 5:  # (4 minibatch steps an update)
+            raise RuntimeError("rank 0 fails")
+        return loss(self, learner, minibatch)
+
+    GRPO.loss = failing
+    try:
+        e2e_run(tmp_path / "fails", {"backend": "megatron", "tensor_parallel": 2})
+    except RuntimeError as error:
+        (tmp_path / "fails" / "error.txt").write_text(str(error))
+    finally:
+        GRPO.loss = loss
+    (tmp_path / "fails" / "left.txt").write_text(str(len(multiprocessing.active_children())))
+
+
+@pytest.mark.slow  # (13 s: the failure path; the parity runs above are in the default suite)
+def test_a_tp2_run_that_fails_on_rank_0_ends_with_its_error_and_no_rank_left(tmp_path):
+    pytest.importorskip("megatron.core")
+    torch.multiprocessing.spawn(failing_child, args=(tmp_path,), nprocs=1)
+    assert (tmp_path / "fails" / "error.txt").read_text() == "rank 0 fails"
+    assert (tmp_path / "fails" / "left.txt").read_text() == "0"

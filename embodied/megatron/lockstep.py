@@ -83,6 +83,7 @@ class Lockstep:
     def __init__(self, learner, helpers: list):
         self.learner = learner
         self.helpers = helpers
+        self.busy = False  # inside a call: a failure there may leave the helpers in a collective
 
     def __getattr__(self, name: str):
         return getattr(self.learner, name)  # (what only reads: device, lr, engine, ...)
@@ -92,36 +93,45 @@ class Lockstep:
 
         dist.broadcast_object_list([(name, args, rng_state())], src=0)
 
+    def _call(self, name: str, *args, **kw):
+        """``name`` on every rank: broadcast, then here (a save sends no arguments: only rank 0
+        writes)."""
+        self.busy = True
+        self._broadcast(name, *(() if name == "save" else args))
+        result = getattr(self.learner, name)(*args, **kw)
+        self.busy = False
+        return result
+
     def init_normalizer(self, obs) -> None:
-        self._broadcast("init_normalizer", obs)
-        self.learner.init_normalizer(obs)
+        self._call("init_normalizer", obs)
 
     def update(self, samples, observations) -> dict:
-        self._broadcast("update", samples, observations)
-        return self.learner.update(samples, observations)
+        return self._call("update", samples, observations)
 
     def start_update(self, samples, observations):
-        self._broadcast("update", samples, observations)
-        return self.learner.start_update(samples, observations)
+        return self._call("start_update", samples, observations)
 
     def set_lr(self, lr: float) -> None:
-        self._broadcast("set_lr", lr)
-        self.learner.set_lr(lr)
+        self._call("set_lr", lr)
 
     def load(self, checkpoint: dict) -> None:
-        self._broadcast("load", checkpoint)
-        self.learner.load(checkpoint)
+        self._call("load", checkpoint)
 
     def save(self, run_dir, iteration: int, **kw) -> None:
-        self._broadcast("save")
-        self.learner.save(run_dir, iteration, **kw)
+        self._call("save", run_dir, iteration, **kw)
 
     def close(self) -> None:
-        """Stop the helper ranks and leave the group."""
+        """Stop the helper ranks and leave the group. After a failure inside a call the helpers
+        may be waiting in a collective that never completes: they are terminated instead."""
         if not self.helpers:
             return
+        helpers, self.helpers = self.helpers, []
+        if self.busy:
+            for helper in helpers:
+                helper.terminate()
+                helper.join(timeout=10)
+            return
         self._broadcast("stop")
-        for helper in self.helpers:
+        for helper in helpers:
             helper.join(timeout=60)
-        self.helpers = []
         self.learner.close()
