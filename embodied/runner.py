@@ -163,12 +163,14 @@ def check_megatron(trainer: TrainerConfig, policy: PolicyConfig, cluster: Cluste
             f"trainer.tensor_parallel: {policy.heads} attention heads (policy.heads) do not "
             f"split over {trainer.tensor_parallel} ranks"
         )
-    if cluster.enabled and (
-        trainer.tensor_parallel > 1 or cluster.actor.workers > 1 or cluster.offload_optimizer
-    ):
+    if cluster.offload_optimizer:
+        raise ValueError(
+            "cluster.offload_optimizer: not built for trainer.backend=megatron yet (torch only)"
+        )
+    if cluster.enabled and (trainer.tensor_parallel > 1 or cluster.actor.workers > 1):
         raise ValueError(
             "trainer.backend: on a cluster, megatron runs on one actor worker at "
-            "trainer.tensor_parallel=1 without cluster.offload_optimizer, for now"
+            "trainer.tensor_parallel=1, for now"
         )
 
 

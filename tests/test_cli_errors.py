@@ -294,6 +294,10 @@ CASES = [
         ],
         ["trainer.backend", "one actor worker"],
     ),
+    (
+        ["train", V, "trainer.backend=megatron", "cluster.offload_optimizer=true"],
+        ["cluster.offload_optimizer", "megatron"],
+    ),
     (["cluster", "status", f"{R}/nowhere"], ["nowhere", "no such run directory"]),
     (["cluster", "status", "{run}"], ["no cluster.json", "not a cluster run"]),
     (["cluster", "stop", "{run}"], ["'stop'"]),

@@ -257,8 +257,10 @@ class MegatronEngine(LearningRate):
             for key in ("exp_avg", "exp_avg_sq"):
                 if name.startswith("fusion.block."):
                     value = shards[key][name[len("fusion.block.") :]]
-                else:
+                elif name in by_name:
                     value = by_name[name][key]
+                else:  # (torch's Adam keeps none for a weight no loss reached: GRPO's critic)
+                    value = torch.zeros_like(param)
                 tensors[key] = value.reshape(-1)
             for optimizer in self.optimizer.chained_optimizers:
                 if param in optimizer.model_param_group_index_map:

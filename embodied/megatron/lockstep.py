@@ -3,21 +3,26 @@ process is TP rank 0 and does all that a run does; ranks 1.. are helper processe
 hold their shard of the learner and follow rank 0's learner in lockstep.
 
 Every learner call that changes the learner's state or takes part in a collective (an update,
-the normaliser, a load, the gather a checkpoint makes) is broadcast first: its name, its
-arguments (CPU tensors, pickled) and rank 0's generator state. Every rank then runs the same
-call on the same data from the same state, so the shards stay one model.
+the normaliser, a load, the gather a checkpoint makes) is sent to every helper first, through a
+pipe of its own: its name, its arguments (CPU tensors, pickled) and rank 0's generator state.
+Every rank then runs the same call on the same data from the same state, so the shards stay
+one model. The pipes have no timeout (a helper may wait through a long collection or
+evaluation); a helper whose pipe closes (rank 0 is gone) exits. The collectives inside a call
+keep the process group's timeout.
 """
 
 from __future__ import annotations
 
 import datetime
 import multiprocessing
+import signal
 import socket
 
 import torch
 import torch.distributed as dist
 
-from embodied.checkpoint import set_rng_state
+from embodied.checkpoint import rng_state, set_rng_state
+from embodied.config import ConfigError
 
 # a helper that died leaves rank 0 waiting in a collective: this bounds the wait
 COLLECTIVE_TIMEOUT_S = 600
@@ -39,34 +44,54 @@ def _join(rank: int, size: int, address: str, device: str) -> None:
 
 def start_ranks(cfg, spec, task_of_env: torch.Tensor, device, learner_class: type) -> list:
     """Start TP ranks 1.. (processes, each building a ``learner_class``) and make this process
-    rank 0 of their group; returns the processes."""
+    rank 0 of their group; returns [(process, its end of the control pipe)]."""
+    if torch.device(device).type == "cuda":
+        raise ConfigError(
+            "trainer.tensor_parallel: ranks in processes of one run are CPU-only for now "
+            "(each GPU rank needs a device of its own); use runner.device=cpu"
+        )
     size = cfg.trainer.tensor_parallel
     address = _address()
     context = multiprocessing.get_context("spawn")
     helpers = []
     for rank in range(1, size):
-        args = (rank, size, address, cfg, spec, task_of_env, str(device), learner_class)
+        ours, theirs = context.Pipe()
+        args = (rank, size, address, theirs, cfg, spec, task_of_env, str(device), learner_class)
         helper = context.Process(target=serve, args=args, daemon=True)
         helper.start()
-        helpers.append(helper)
+        theirs.close()
+        helpers.append((helper, ours))
     _join(0, size, address, str(device))
-    pids = ", ".join(str(helper.pid) for helper in helpers)
+    pids = ", ".join(str(helper.pid) for helper, _ in helpers)
     print(f"trainer.tensor_parallel={size}: TP rank 0 in this process, the others in {pids}")
     return helpers
 
 
 def serve(
-    rank: int, size: int, address: str, cfg, spec, task_of_env, device: str, learner_class: type
+    rank: int,
+    size: int,
+    address: str,
+    control,
+    cfg,
+    spec,
+    task_of_env,
+    device: str,
+    learner_class: type,
 ) -> None:
     """A helper rank: build the learner (rank 0's initial weights arrive in its constructor),
-    then run each call rank 0 broadcasts until it says stop."""
+    then run each call rank 0 sends until it says stop or is gone."""
+    # Ctrl-C and a scheduler's SIGTERM reach the whole process group: rank 0 decides when to
+    # stop (it saves first, which needs every rank), and ends the helpers itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(cfg.runner.torch_threads)
     _join(rank, size, address, device)
     learner = learner_class(cfg, spec, task_of_env, torch.device(device))
     while True:
-        message = [None]
-        dist.broadcast_object_list(message, src=0)
-        name, args, rng = message[0]
+        try:
+            name, args, rng = control.recv()
+        except EOFError:  # rank 0 is gone
+            return
         if name == "stop":
             break
         set_rng_state(rng)
@@ -89,9 +114,9 @@ class Lockstep:
         return getattr(self.learner, name)  # (what only reads: device, lr, engine, ...)
 
     def _broadcast(self, name: str, *args) -> None:
-        from embodied.checkpoint import rng_state
-
-        dist.broadcast_object_list([(name, args, rng_state())], src=0)
+        message = (name, args, rng_state())
+        for _, control in self.helpers:
+            control.send(message)
 
     def _call(self, name: str, *args, **kw):
         """``name`` on every rank: broadcast, then here (a save sends no arguments: only rank 0
@@ -125,13 +150,16 @@ class Lockstep:
         may be waiting in a collective that never completes: they are terminated instead."""
         if not self.helpers:
             return
-        helpers, self.helpers = self.helpers, []
         if self.busy:
-            for helper in helpers:
-                helper.terminate()
+            for helper, _ in self.helpers:
+                helper.kill()  # (they ignore SIGTERM)
                 helper.join(timeout=10)
+            self.helpers = []
             return
         self._broadcast("stop")
-        for helper in helpers:
+        for helper, _ in self.helpers:
             helper.join(timeout=60)
+            if helper.is_alive():
+                helper.kill()
+        self.helpers = []
         self.learner.close()
