@@ -587,6 +587,7 @@ def test_pipeline_stages_auto_times_each_split_and_keeps_the_fastest(local_ray, 
     )
 
 
+@pytest.mark.slow  # (18 s: three sets of roles; the default suite is at its 15-minute budget)
 def test_auto_stages_are_the_splits_where_the_rounds_are_collected(local_ray, tmp_path):
     """Relayed, a stage is an env worker (2 workers: 1 or 2 stages, chunks of any length). With
     inference in the env workers each worker splits its own 4 rows: only where its environments
