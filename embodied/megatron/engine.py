@@ -31,6 +31,8 @@ from embodied.megatron.fusion import MegatronFusion
 from embodied.megatron.layout import encoder_to_megatron
 from embodied.rollout import Samples, logprob_at
 
+FUSION_SHARD = "fusion.block."  # the megatron policy's names of the fusion's shard
+
 
 def shard_fusion(policy: torch.nn.Module, dtype: torch.dtype = torch.float32) -> MegatronFusion:
     """Replace ``policy.fusion`` (torch) by this TP rank's shard of the same weights."""
@@ -138,15 +140,13 @@ class MegatronEngine(LearningRate):
         return average_over(values, group, self.world_size)
 
     def torch_state(self) -> dict[str, torch.Tensor]:
-        """The whole policy's state dict in the torch layout (the fusion gathered from every TP
-        rank; every rank calls this): what a rollout copy or the torch backend loads."""
-        fusion = self.fusion.torch_state()
-        state = {}
-        for name, tensor in self.policy.state_dict().items():
-            if not name.startswith("fusion."):
-                state[name] = tensor.detach().clone()
-        state.update({f"fusion.{name}": tensor for name, tensor in fusion.items()})
-        return state
+        """The whole policy's state dict in the torch layout (every rank calls this): what a
+        rollout copy or the torch backend loads. Outside the fusion the tensors are the live
+        ones (``load_state_dict`` copies them)."""
+        state = {k: v for k, v in self.policy.state_dict().items() if not k.startswith("fusion.")}
+        for name, param in self.fusion.block.named_parameters():
+            state[f"{FUSION_SHARD}{name}"] = param.detach()
+        return self._torch_layout(state)
 
     def torch_grads(self) -> dict[str, torch.Tensor]:
         """The trainable weights' gradients since the last step, in the torch layout (gathered
@@ -156,10 +156,14 @@ class MegatronEngine(LearningRate):
             for name, param in self.policy.named_parameters()
             if param.requires_grad
         }
-        prefix = "fusion.block."
-        fusion = {k[len(prefix) :]: v for k, v in grads.items() if k.startswith(prefix)}
-        out = {k: v for k, v in grads.items() if not k.startswith("fusion.")}
-        gathered = self.fusion.torch_state(fusion)
+        return self._torch_layout(grads)
+
+    def _torch_layout(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``values`` named as this policy's parameters (the fusion's this rank's shards) in the
+        torch layout: the fusion's gathered from every TP rank (every rank calls this)."""
+        out = {k: v for k, v in values.items() if not k.startswith("fusion.")}
+        shard = {k[len(FUSION_SHARD) :]: v for k, v in values.items() if k.startswith(FUSION_SHARD)}
+        gathered = self.fusion.torch_state(shard)
         out.update({f"fusion.{name}": tensor for name, tensor in gathered.items()})
         return out
 
@@ -203,11 +207,7 @@ class MegatronEngine(LearningRate):
             step = state["step"]
             for key, values in moments.items():
                 values[name] = state[key].detach().view(param.shape).clone()
-        prefix = "fusion.block."
-        for values in moments.values():
-            fusion = {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
-            gathered = self.fusion.torch_state(fusion)
-            values.update({f"fusion.{k}": v for k, v in gathered.items()})
+        moments = {key: self._torch_layout(values) for key, values in moments.items()}
         out = template.state_dict()
         out["state"] = {
             index: {
@@ -255,8 +255,8 @@ class MegatronEngine(LearningRate):
                 continue
             tensors = {"param": param.detach().view(-1), "step": step.clone()}
             for key in ("exp_avg", "exp_avg_sq"):
-                if name.startswith("fusion.block."):
-                    value = shards[key][name[len("fusion.block.") :]]
+                if name.startswith(FUSION_SHARD):
+                    value = shards[key][name[len(FUSION_SHARD) :]]
                 elif name in by_name:
                     value = by_name[name][key]
                 else:  # (torch's Adam keeps none for a weight no loss reached: GRPO's critic)
