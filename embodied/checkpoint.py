@@ -9,13 +9,16 @@ Layout::
     RUN/checkpoints/iter_000010/trainer.pt         optimizer, RNG state, counters
     RUN/checkpoints/iter_000010/meta.json          the caller's meta plus "frozen"
     RUN/checkpoints/frozen-<digest>.safetensors    frozen weights, written once, shared
+    RUN/checkpoints/iter_000010/model-tp00-of-02.safetensors  on the megatron backend: each TP
+        rank's shard of the sharded weights and their Adam state (embodied/megatron/shards.py)
 
 Frozen weights are parameters with requires_grad=False and the buffers of modules whose own
 parameters are all frozen (BatchNorm statistics of a frozen encoder); their file is named by a
 digest of its content, so checkpoints with the same frozen weights share it. A checkpoint is
 written into a hidden directory, fsynced and renamed into place; a link is replaced by renaming
 a new link over it. Names starting with "." in checkpoints/ belong to a save in progress; the
-next save removes what an interrupted one left.
+next save removes what an interrupted one left. ``load_checkpoint`` joins the shards of a sharded
+checkpoint: every reader sees the torch layout.
 """
 
 from __future__ import annotations
@@ -82,12 +85,16 @@ def save_checkpoint(
     rng: dict | None = None,
     keep: int | None = None,
     protect: Iterable[int] = (),
+    shards=None,
 ) -> Path:
     """Write ``RUN/checkpoints/iter_{iteration:06d}`` and point ``RUN/last`` at it.
 
     rng: saved instead of the current RNG state (a dict as rng_state() returns it).
     keep: then delete the oldest checkpoints beyond the newest ``keep`` (None: keep all), never
     the one just saved, the best one or the iterations in ``protect``.
+    shards: (directory) -> meta.json's "shards", called with ``staging_dir`` once it exists:
+    writes the shard files there (with the other ranks) of the weights under its "module",
+    which model.safetensors then leaves out; the optimizer leaves out their state.
     """
     if keep is not None and keep < 1:
         raise ValueError(f"keep: at least 1 checkpoint, got {keep}")
@@ -99,9 +106,14 @@ def save_checkpoint(
     frozen_names = frozen_keys(model)
     frozen = {k: v for k, v in state.items() if k in frozen_names}
     frozen_file = _save_frozen(ckpts, model, frozen) if frozen else None
-    tmp = ckpts / f".{final.name}.tmp"
+    tmp = staging_dir(run_dir, iteration)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    sharded = {}
+    if shards is not None:
+        sharded = {"shards": shards(tmp)}
+        prefix = sharded["shards"]["module"] + "."
+        state = {k: v for k, v in state.items() if not k.startswith(prefix)}
     _save_tensors({k: v for k, v in state.items() if k not in frozen}, tmp / MODEL)
     trainer = {
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
@@ -110,7 +122,7 @@ def save_checkpoint(
     }
     torch.save(trainer, tmp / STATE)
     _fsync(tmp / STATE)
-    (tmp / META).write_text(json.dumps({**meta, "frozen": frozen_file}, indent=2))
+    (tmp / META).write_text(json.dumps({**meta, **sharded, "frozen": frozen_file}, indent=2))
     _fsync(tmp / META)
     _fsync(tmp)
     _move_in(tmp, final, run_dir)
@@ -121,6 +133,12 @@ def save_checkpoint(
     _remove_leftovers(run_dir)
     _remove_unused_frozen(ckpts)
     return final
+
+
+def staging_dir(run_dir: str | Path, iteration: int) -> Path:
+    """Where ``save_checkpoint`` writes the checkpoint of ``iteration`` before renaming it into
+    place (other ranks write their shards there)."""
+    return Path(run_dir) / "checkpoints" / f".iter_{iteration:06d}.tmp"
 
 
 def mark_best(run_dir: str | Path, iteration: int) -> Path:
@@ -205,6 +223,11 @@ def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dic
             raise CheckpointError(
                 f"{ckpt / STATE}: cannot be read ({e}); the checkpoint is damaged"
             ) from None
+    if meta.get("shards"):
+        from embodied.megatron import shards
+
+        files = shards.read_shards(ckpt, meta["shards"])
+        shards.join(files, meta["shards"], model, out.get("optimizer"))
     return out
 
 

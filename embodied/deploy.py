@@ -42,9 +42,12 @@ def load_deployable(checkpoint: str | Path):
 
 def contract(spec: EnvSpec, path: Path) -> dict:
     """What client and server must agree on. Normalization statistics live in the weights file, so
-    its digest versions them; frozen weights live in a file named by a digest of its content
-    (meta.json's "frozen"), so that name versions them."""
-    weights = hashlib.sha1((path / "model.safetensors").read_bytes())
+    its digest versions them (with the TP shards' files of a megatron checkpoint); frozen weights
+    live in a file named by a digest of its content (meta.json's "frozen"), so that name
+    versions them."""
+    weights = hashlib.sha1()
+    for file in sorted(path.glob("model*.safetensors")):
+        weights.update(file.read_bytes())
     frozen = json.loads((path / "meta.json").read_text()).get("frozen")
     if frozen:  # older checkpoints, and models with nothing frozen, have none
         weights.update(frozen.encode())

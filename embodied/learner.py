@@ -55,6 +55,9 @@ class TrainEngine(Protocol):
     # the policy whole, in the torch layout: what inference, checkpoints and syncs read
     torch_policy: torch.nn.Module
     checkpoint_optimizer: object  # its state_dict() is what a checkpoint saves
+    # None, or (directory) -> meta.json's "shards": writes this rank's shard files of the
+    # weights kept sharded (every rank calls it; embodied/megatron/shards.py)
+    checkpoint_shards: object
 
     def refresh(self) -> None:
         """Bring ``torch_policy`` up to date after the weights or buffers changed."""
@@ -119,6 +122,7 @@ class TorchEngine(LearningRate):
         self.forward: torch.nn.Module = Evaluate(policy)
         self.torch_policy = policy  # (the policy itself: already whole, in the torch layout)
         self.checkpoint_optimizer = self.optimizer
+        self.checkpoint_shards = None
         self.rank = 0
         self.world_size = 1
         self.process_group = None

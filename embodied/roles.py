@@ -210,6 +210,7 @@ class Learner:
             iteration,
             model=engine.torch_policy,
             optimizer=engine.checkpoint_optimizer,
+            shards=engine.checkpoint_shards,
             **kw,
         )
 

@@ -69,6 +69,79 @@ def test_the_fusion_converts_to_megatron_shards_and_back_bit_exact():
         assert all(torch.equal(back[k], state[k]) for k in state)
 
 
+class FusionPolicy(nn.Module):
+    """A head before the fusion and a frozen encoder after it: the fusion's Adam entries sit
+    between others in the optimizer's order."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 2)
+        self.fusion = torch_fusion()
+        self.encoder = nn.Linear(2, 2).requires_grad_(False)
+
+
+def adam_state(policy: nn.Module) -> dict:
+    """Adam's state dict after one step of a random loss."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=1e-3)
+    sum((p * torch.randn_like(p)).sum() for p in params).backward()
+    optimizer.step()
+    return optimizer.state_dict()
+
+
+def test_a_checkpoint_sharded_by_tp_rank_loads_as_the_torch_layout(tmp_path):
+    """Sharded at TP=2: each rank's file holds half of the fusion's QKV rows and their Adam
+    moments under megatron's names, model.safetensors and trainer.pt hold the rest; loading
+    joins them into the torch layout bit for bit."""
+    from embodied.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from embodied.megatron import shards
+
+    torch.manual_seed(0)
+    policy = FusionPolicy()
+    optimizer_state = adam_state(policy)
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    info = shards.shard_info("fusion", layers=LAYERS, heads=HEADS, tp=2, trainable=trainable)
+
+    class Saved:  # (what an engine hands the checkpoint: its optimizer's state_dict)
+        def state_dict(self):
+            return rest_optimizer
+
+    state = policy.state_dict()
+    rest, rest_optimizer, files = shards.split(state, optimizer_state, info)
+    assert not any(k.startswith("fusion.") for k in rest)
+    fusion_indices = {i for i, n in enumerate(trainable) if n.startswith("fusion.")}
+    assert rest_optimizer["state"].keys() == optimizer_state["state"].keys() - fusion_indices
+    qkv = "layers.0.self_attention.linear_qkv.weight"
+    assert files[1][f"weight/{qkv}"].shape == (3 * D // 2, D)
+    assert files[1][f"exp_avg_sq/{qkv}"].shape == (3 * D // 2, D)
+    assert files[0]["step"].item() == 1
+
+    def write(directory):
+        for rank, tensors in enumerate(files):
+            shards.write_shard(directory, rank, 2, tensors)
+        return info
+
+    path = save_checkpoint(
+        tmp_path, 1, model=policy, optimizer=Saved(), counters={}, meta={}, shards=write
+    )
+    assert sorted(p.name for p in path.glob("model*")) == [
+        "model-tp00-of-02.safetensors",
+        "model-tp01-of-02.safetensors",
+        "model.safetensors",
+    ]
+    loaded = load_checkpoint(tmp_path)
+    assert loaded["model"].keys() == state.keys()
+    assert all(torch.equal(loaded["model"][k], v) for k, v in state.items())
+    entries = loaded["optimizer"]["state"]
+    assert entries.keys() == optimizer_state["state"].keys()
+    for index, entry in optimizer_state["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(entries[index][key], value), (trainable[index], key)
+    (path / "model-tp01-of-02.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="shard model-tp01-of-02.safetensors is missing"):
+        load_checkpoint(tmp_path)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -441,10 +514,12 @@ def assert_rows_close(a: list[dict], b: list[dict]) -> None:
 
 def test_a_run_on_megatron_follows_the_torch_run_and_resumes_at_any_tp_or_on_torch(tmp_path):
     """GRPO on the tiny VLA, 3 iterations: every logged number of the megatron runs at TP=1
-    and TP=2 equals the torch run's to 1e-5. Their checkpoints hold the torch layout and Adam's
-    state: the TP=2 run resumed after iteration 2 at TP=1, and the TP=1 run resumed on torch,
-    run the third iteration the same again."""
+    and TP=2 equals the torch run's to 1e-5. Their checkpoints hold the fusion as one shard per
+    TP rank, which loading joins into the torch layout: the weights and Adam's state equal the
+    torch run's, the TP=2 run resumed after iteration 2 at TP=1, and the TP=1 run resumed on
+    torch, run the third iteration the same again."""
     pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
 
     from embodied.checkpoint import load_checkpoint
 
@@ -466,7 +541,18 @@ def test_a_run_on_megatron_follows_the_torch_run_and_resumes_at_any_tp_or_on_tor
         assert moments[index]["step"] == entry["step"] == 8  # 2 iterations of 2 x 2 minibatches
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(moments[index][key], entry[key], rtol=1e-4, atol=1e-8)
-    # TP=2: the same numbers; resumed at TP=1, and on torch, the same again
+    # TP=2: the fusion in one file per rank, the rest whole; the same numbers once joined
+    sharded = tmp_path / "megatron_tp2" / "checkpoints" / "iter_000002"
+    assert sorted(p.name for p in sharded.glob("model*")) == [
+        "model-tp00-of-02.safetensors",
+        "model-tp01-of-02.safetensors",
+        "model.safetensors",
+    ]
+    assert not [k for k in load_file(sharded / "model.safetensors") if k.startswith("fusion.")]
+    joined = load_checkpoint(sharded)
+    for key, value in saved["model"].items():
+        torch.testing.assert_close(joined["model"][key], value, rtol=1e-5, atol=1e-6)
+    # resumed at TP=1, and on torch, the same again
     again = resume_copy(tmp_path, "megatron", "again_torch")
     e2e_run(tmp_path / "again_torch", None, resume=again)
     for name in ("megatron_tp2", "tp2_then_tp1", "again_torch"):

@@ -18,6 +18,7 @@ optimizer.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
@@ -32,6 +33,7 @@ from embodied.megatron.layout import encoder_to_megatron
 from embodied.rollout import Samples, logprob_at
 
 FUSION_SHARD = "fusion.block."  # the megatron policy's names of the fusion's shard
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def shard_fusion(policy: torch.nn.Module, dtype: torch.dtype = torch.float32) -> MegatronFusion:
@@ -114,6 +116,7 @@ class MegatronEngine(LearningRate):
             )
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.checkpoint_optimizer = TorchLayoutOptimizer(self)
+        self.checkpoint_shards = self.write_shards
         self.rank = parallel_state.get_data_parallel_rank()
         self.world_size = parallel_state.get_data_parallel_world_size()
         self.model.zero_grad_buffer()
@@ -190,34 +193,63 @@ class MegatronEngine(LearningRate):
 
     def optimizer_state_dict(self) -> dict:
         """Megatron's Adam state as ``torch.optim.Adam``'s state dict over the torch copy's
-        trainable parameters, the moments gathered into the torch layout: a checkpoint either
-        backend loads, at any TP size (every TP rank calls this)."""
+        trainable parameters, without the fusion's (this rank's shard of those goes into its
+        shard file: ``write_shards``). Weights whole on every rank have the same state there, so
+        this needs no collective."""
         if self.world_size > 1:
             raise NotImplementedError("checkpoints of data-parallel megatron ranks")
-        trainable = [(n, p) for n, p in self.torch_policy.named_parameters() if p.requires_grad]
-        template = torch.optim.Adam([p for _, p in trainable], lr=self.lr, eps=1e-5)
-        moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
-        step = None
+        trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
+        template = torch.optim.Adam(
+            [p for p in self.torch_policy.parameters() if p.requires_grad], lr=self.lr, eps=1e-5
+        )
+        out = template.state_dict()
+        index = {name: i for i, name in enumerate(trainable)}
         for name, param in self.policy.named_parameters():
-            if not param.requires_grad:
+            if not param.requires_grad or name.startswith(FUSION_SHARD):
                 continue
             state = self._adam_state(param)
             if state is None:
-                return template.state_dict()  # (no step yet: no state, as torch's Adam)
-            step = state["step"]
-            for key, values in moments.items():
-                values[name] = state[key].detach().view(param.shape).clone()
-        moments = {key: self._torch_layout(values) for key, values in moments.items()}
-        out = template.state_dict()
-        out["state"] = {
-            index: {
-                "step": step.clone(),
-                "exp_avg": moments["exp_avg"][name],
-                "exp_avg_sq": moments["exp_avg_sq"][name],
+                return out  # (no step yet: no state, as torch's Adam)
+            out["state"][index[name]] = {
+                "step": state["step"].clone(),
+                **{key: state[key].detach().view(param.shape).clone() for key in MOMENTS},
             }
-            for index, (name, _) in enumerate(trainable)
-        }
         return out
+
+    def write_shards(self, directory: Path) -> dict:
+        """This TP rank's shard of the fusion (weights, Adam moments, step) as its file in
+        ``directory``, which TP rank 0 makes; every TP rank calls this. Returns meta.json's
+        "shards" (embodied/megatron/shards.py)."""
+        import torch.distributed as dist
+
+        from embodied.megatron.shards import shard_info, shard_tensors, write_shard
+
+        if self.world_size > 1:
+            raise NotImplementedError("checkpoints of data-parallel megatron ranks")
+        weights = {}
+        moments = {key: {} for key in MOMENTS}
+        step = None
+        for name, param in self.fusion.block.named_parameters():
+            weights[name] = param.detach()
+            state = self._adam_state(param)
+            if state is not None:
+                step = state["step"]
+                for key in MOMENTS:
+                    moments[key][name] = state[key].detach().view(param.shape)
+        group = parallel.tp_group()
+        dist.barrier(group=group)  # (rank 0 has made the directory)
+        tp = parallel.tp_size()
+        tensors = shard_tensors(weights, None if step is None else moments, step)
+        write_shard(directory, parallel.tp_rank(), tp, tensors)
+        dist.barrier(group=group)  # (every file is written)
+        trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
+        return shard_info(
+            "fusion",
+            layers=self.fusion.num_layers,
+            heads=self.fusion.heads,
+            tp=tp,
+            trainable=trainable,
+        )
 
     @torch.no_grad()
     def load_state_dict(self, checkpoint: dict) -> None:
@@ -245,7 +277,7 @@ class MegatronEngine(LearningRate):
                 heads=self.fusion.heads,
                 tp=parallel.tp_size(),
             )[parallel.tp_rank()]
-            for key in ("exp_avg", "exp_avg_sq")
+            for key in MOMENTS
         }
         for optimizer in self.optimizer.chained_optimizers:
             if not optimizer.optimizer.state:
@@ -254,7 +286,7 @@ class MegatronEngine(LearningRate):
             if not param.requires_grad:
                 continue
             tensors = {"param": param.detach().view(-1), "step": step.clone()}
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in MOMENTS:
                 if name.startswith(FUSION_SHARD):
                     value = shards[key][name[len(FUSION_SHARD) :]]
                 elif name in by_name:
@@ -268,7 +300,8 @@ class MegatronEngine(LearningRate):
 
 
 class TorchLayoutOptimizer:
-    """What a checkpoint saves as the optimizer: ``MegatronEngine.optimizer_state_dict``."""
+    """What a checkpoint saves as the optimizer: ``MegatronEngine.optimizer_state_dict`` (the
+    fusion's moments go into the shards)."""
 
     def __init__(self, engine: MegatronEngine):
         self.engine = engine

@@ -3,12 +3,12 @@ process is TP rank 0 and does all that a run does; ranks 1.. are helper processe
 hold their shard of the learner and follow rank 0's learner in lockstep.
 
 Every learner call that changes the learner's state or takes part in a collective (an update,
-the normaliser, a load, the gather a checkpoint makes) is sent to every helper first, through a
-pipe of its own: its name, its arguments (CPU tensors, pickled) and rank 0's generator state.
-Every rank then runs the same call on the same data from the same state, so the shards stay
-one model. The pipes have no timeout (a helper may wait through a long collection or
-evaluation); a helper whose pipe closes (rank 0 is gone) exits. The collectives inside a call
-keep the process group's timeout.
+the normaliser, a load, a checkpoint: each rank writes its shard) is sent to every helper
+first, through a pipe of its own: its name, its arguments (CPU tensors, pickled) and rank 0's
+generator state. Every rank then runs the same call on the same data from the same state, so
+the shards stay one model. The pipes have no timeout (a helper may wait through a long
+collection or evaluation); a helper whose pipe closes (rank 0 is gone) exits. The collectives
+inside a call keep the process group's timeout.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import datetime
 import multiprocessing
 import signal
 import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from embodied.checkpoint import rng_state, set_rng_state
+from embodied.checkpoint import rng_state, set_rng_state, staging_dir
 from embodied.config import ConfigError
 
 # a helper that died leaves rank 0 waiting in a collective: this bounds the wait
@@ -95,8 +96,9 @@ def serve(
         if name == "stop":
             break
         set_rng_state(rng)
-        if name == "save":  # the gather of the checkpoint's state; rank 0 writes it
-            learner.engine.checkpoint_optimizer.state_dict()
+        if name == "save":  # this rank's shard; rank 0 writes the rest
+            (directory,) = args
+            learner.engine.write_shards(Path(directory))
             continue
         getattr(learner, name)(*args)
     learner.close()
@@ -119,10 +121,9 @@ class Lockstep:
             control.send(message)
 
     def _call(self, name: str, *args, **kw):
-        """``name`` on every rank: broadcast, then here (a save sends no arguments: only rank 0
-        writes)."""
+        """``name`` on every rank: broadcast, then here."""
         self.busy = True
-        self._broadcast(name, *(() if name == "save" else args))
+        self._broadcast(name, *args)
         result = getattr(self.learner, name)(*args, **kw)
         self.busy = False
         return result
@@ -143,7 +144,11 @@ class Lockstep:
         self._call("load", checkpoint)
 
     def save(self, run_dir, iteration: int, **kw) -> None:
-        self._call("save", run_dir, iteration, **kw)
+        """The helpers write their shards where rank 0's save stages the checkpoint."""
+        self.busy = True
+        self._broadcast("save", str(staging_dir(run_dir, iteration)))
+        self.learner.save(run_dir, iteration, **kw)
+        self.busy = False
 
     def close(self) -> None:
         """Stop the helper ranks and leave the group. After a failure inside a call the helpers
