@@ -1,4 +1,4 @@
-"""``embodied`` command line: train, eval, demos, sft, bench, serve, deploy, cluster.
+"""``embodied`` command line: train, eval, demos, sft, bench, serve, deploy, cluster, convert.
 
 A user error (a bad config key, path, task, checkpoint or option) is one line on stderr,
 ``embodied: error: <what, naming the culprit>``, and exit code 2: ``ConfigError``,
@@ -380,7 +380,30 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("action", choices=["status"])
     c.add_argument("run", help="a run directory, e.g. runs/multitask_vla_grpo")
     c.set_defaults(func=cmd_cluster)
+    v = sub.add_parser(
+        "convert",
+        help="convert weights: checkpoint, megatron shards, Hugging Face directory",
+        description="Convert SOURCE (an embodied checkpoint, a Hugging Face directory of the "
+        "Qwen2 family, or a megatron directory this command wrote) into OUT: --to torch (a "
+        "checkpoint, whole), --to megatron (one shard file per TP rank), --to hf (a Hugging "
+        "Face directory: the language model, or a VLA's policy.vlm_path model).",
+    )
+    v.add_argument("source", help="a run directory, RUN/last, a checkpoint or a model directory")
+    v.add_argument("--to", required=True, choices=["torch", "megatron", "hf"])
+    v.add_argument(
+        "--tensor-parallel", type=int, default=1, help="TP ranks of --to megatron (default 1)"
+    )
+    v.add_argument("out", help="the output directory (must not exist)")
+    v.set_defaults(func=cmd_convert)
     return p
+
+
+def cmd_convert(args) -> int:
+    from embodied.convert import convert
+
+    out = convert(args.source, args.to, args.out, tensor_parallel=args.tensor_parallel)
+    print(f"wrote {out}")
+    return 0
 
 
 def cmd_cluster(args) -> int:

@@ -592,3 +592,143 @@ def test_a_tp2_run_that_fails_on_rank_0_ends_with_its_error_and_no_rank_left(tmp
     torch.multiprocessing.spawn(failing_child, args=(tmp_path,), nprocs=1)
     assert (tmp_path / "fails" / "error.txt").read_text() == "rank 0 fails"
     assert (tmp_path / "fails" / "left.txt").read_text() == "0"
+
+
+# --- embodied convert --------------------------------------------------------------------------
+def convert_cli(*args) -> tuple[int, str]:
+    """``embodied convert ARGS`` in this process: (exit code, its error line)."""
+    import io
+
+    from embodied.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["convert", *map(str, args)])
+    return code, err.getvalue()
+
+
+def assert_same_checkpoint(a: dict, b: dict) -> None:
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], v) for k, v in b["model"].items())
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    for index, entry in b["optimizer"]["state"].items():
+        assert all(torch.equal(a["optimizer"]["state"][index][k], v) for k, v in entry.items())
+    assert a["counters"] == b["counters"]
+
+
+def test_convert_shards_a_checkpoint_by_tp_rank_and_joins_it_bit_exact(tmp_path):
+    """A torch run's checkpoint -> megatron shards at TP=2 (the files a TP=2 run writes) ->
+    the torch layout again: weights, Adam state and counters bit for bit."""
+    from safetensors.torch import load_file
+    from scripted_envs import GRPO, TINY_VLA, PushRightEnv, run_on
+
+    from embodied.checkpoint import load_checkpoint
+
+    torch.manual_seed(0)
+    run_on(
+        PushRightEnv(8),
+        tmp_path / "run",
+        total_env_steps=8 * 3,
+        policy={**TINY_VLA, "layers": 2},
+        algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
+        save_every=1,
+    )
+    original = load_checkpoint(tmp_path / "run")
+    assert original["optimizer"]["state"]  # (an update ran: there are moments to move)
+    assert (
+        convert_cli(tmp_path / "run", "--to", "megatron", "--tensor-parallel", 2, tmp_path / "mg")[
+            0
+        ]
+        == 0
+    )
+    rank1 = load_file(tmp_path / "mg" / "model-tp01-of-02.safetensors")
+    fc1 = original["model"]["fusion.layers.1.linear1.weight"]
+    assert torch.equal(rank1["weight/layers.1.mlp.linear_fc1.weight"], fc1.chunk(2)[1])
+    assert "exp_avg/layers.1.mlp.linear_fc1.weight" in rank1
+    whole = load_file(tmp_path / "mg" / "model.safetensors")
+    assert not [k for k in whole if k.startswith("fusion.")] and "queries" in whole
+    assert_same_checkpoint(load_checkpoint(tmp_path / "mg"), original)
+    assert convert_cli(tmp_path / "mg", "--to", "torch", tmp_path / "back")[0] == 0
+    assert "fusion.layers.0.linear1.weight" in load_file(tmp_path / "back" / "model.safetensors")
+    assert_same_checkpoint(load_checkpoint(tmp_path / "back"), original)
+    # one-line errors: an existing output, heads that do not split, no Hugging Face model
+    code, err = convert_cli(tmp_path / "run", "--to", "torch", tmp_path / "back")
+    assert code == 2 and "back exists; give a new directory" in err
+    code, err = convert_cli(
+        tmp_path / "run", "--to", "megatron", "--tensor-parallel", 3, tmp_path / "x"
+    )
+    assert code == 2 and "--tensor-parallel 3: the policy's fusion transformer" in err
+    code, err = convert_cli(tmp_path / "run", "--to", "hf", tmp_path / "x")
+    assert code == 2 and "the policy holds no Hugging Face model" in err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_convert_takes_a_hugging_face_qwen2_to_megatron_shards_and_back_bit_exact(tmp_path, tied):
+    """Hugging Face -> megatron TP=2 (the shards of the layout's mapping) -> TP=1 -> Hugging
+    Face: the weights bit for bit, and the model loads and gives the same logits."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from embodied.megatron.layout import qwen2_to_megatron
+
+    model = tiny_qwen2(tied)
+    model.save_pretrained(tmp_path / "hf")
+    state = model.state_dict()
+    assert (
+        convert_cli(tmp_path / "hf", "--to", "megatron", "--tensor-parallel", 2, tmp_path / "tp2")[
+            0
+        ]
+        == 0
+    )
+    want = qwen2_to_megatron(state, layers=2, heads=4, groups=2, tp=2, tied=tied)
+    for rank in range(2):
+        got = load_file(tmp_path / "tp2" / f"model-tp{rank:02d}-of-02.safetensors")
+        assert got.keys() == want[rank].keys()
+        assert all(torch.equal(got[k], v) for k, v in want[rank].items())
+    assert convert_cli(tmp_path / "tp2", "--to", "megatron", tmp_path / "tp1")[0] == 0
+    assert convert_cli(tmp_path / "tp1", "--to", "hf", tmp_path / "back")[0] == 0
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back", local_files_only=True).eval()
+    assert back.state_dict().keys() == state.keys()
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in state.items())
+    tokens = torch.tensor([[1, 5, 9, 33, 2]])
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, model(tokens).logits)
+    code, err = convert_cli(
+        tmp_path / "tp1", "--to", "megatron", "--tensor-parallel", 4, tmp_path / "x"
+    )
+    assert code == 2 and "2 query groups and a vocabulary of 64 must split evenly" in err
+
+
+def test_convert_writes_a_vlas_hugging_face_model_with_the_trained_weights(tmp_path):
+    """A VLA on a Qwen2.5-VL directory, trained one update with the VLM unfrozen -> --to hf:
+    the directory loads with transformers and holds the checkpoint's VLM weights (not the
+    original's), with the processor files beside them."""
+    from scripted_envs import GRPO, TINY_VLA, PushRightEnv, run_on
+    from tiny_vlms import qwen2_5_vl
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from embodied.checkpoint import load_checkpoint
+
+    vlm = qwen2_5_vl(tmp_path / "vlm")
+    torch.manual_seed(0)
+    run_on(
+        PushRightEnv(8),
+        tmp_path / "run",
+        total_env_steps=8 * 3,
+        policy={**TINY_VLA, "vlm_path": str(vlm), "freeze_vlm": False},
+        algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
+        save_every=1,
+    )
+    assert convert_cli(tmp_path / "run", "--to", "hf", tmp_path / "hf")[0] == 0
+    load = AutoModelForImageTextToText.from_pretrained
+    converted = load(tmp_path / "hf", local_files_only=True).model.state_dict()
+    original = load(vlm, local_files_only=True).model.state_dict()
+    trained = load_checkpoint(tmp_path / "run")["model"]
+    assert converted.keys() == original.keys()
+    assert all(torch.equal(converted[k], trained[f"vlm.model.{k}"]) for k in converted)
+    assert any(not torch.equal(converted[k], original[k]) for k in converted)
+    assert (
+        AutoTokenizer.from_pretrained(tmp_path / "hf").vocab
+        == AutoTokenizer.from_pretrained(vlm).vocab
+    )
