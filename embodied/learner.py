@@ -110,14 +110,26 @@ class LearningRate:
 
 
 class TorchEngine(LearningRate):
-    """Adam over the policy's trainable parameters, gradient clipping by global norm; across
-    processes after ``distribute`` (torch DDP: every rank holds the whole model and optimizer,
-    gradients are averaged during backward)."""
+    """Adam (AdamW with weight decay) over the policy's trainable parameters, gradient clipping
+    by global norm; across processes after ``distribute`` (torch DDP: every rank holds the whole
+    model and optimizer, gradients are averaged during backward)."""
 
-    def __init__(self, policy: torch.nn.Module, *, learning_rate: float, max_grad_norm: float):
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        *,
+        learning_rate: float,
+        max_grad_norm: float,
+        weight_decay: float = 0.0,
+        adam_eps: float = 1e-5,
+    ):
         self.policy = policy
         self.params = [p for p in policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.Adam(self.params, lr=learning_rate, eps=1e-5)
+        # (decoupled weight decay on every trainable weight: SFT's AdamW)
+        adam = torch.optim.AdamW if weight_decay else torch.optim.Adam
+        self.optimizer = adam(
+            self.params, lr=learning_rate, eps=adam_eps, weight_decay=weight_decay
+        )
         self.max_grad_norm = max_grad_norm
         self.forward: torch.nn.Module = Evaluate(policy)
         self.torch_policy = policy  # (the policy itself: already whole, in the torch layout)

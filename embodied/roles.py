@@ -202,17 +202,20 @@ class Learner:
         self.engine.close()
 
     def save(self, run_dir: Path, iteration: int, **kw) -> None:
-        """``save_checkpoint`` of the policy and optimizer (``kw``: counters, meta, rng, keep,
-        protect)."""
-        engine = self.engine
-        save_checkpoint(
-            run_dir,
-            iteration,
-            model=engine.torch_policy,
-            optimizer=engine.checkpoint_optimizer,
-            shards=engine.checkpoint_shards,
-            **kw,
-        )
+        save_engine(self.engine, run_dir, iteration, **kw)
+
+
+def save_engine(engine, run_dir: Path, iteration: int, **kw) -> None:
+    """``save_checkpoint`` of an engine's policy and optimizer (``kw``: counters, meta, rng,
+    keep, protect); every TP rank calls this (each writes its shard)."""
+    save_checkpoint(
+        run_dir,
+        iteration,
+        model=engine.torch_policy,
+        optimizer=engine.checkpoint_optimizer,
+        shards=engine.checkpoint_shards,
+        **kw,
+    )
 
 
 def learner_for(cfg, spec: EnvSpec, task_of_env: torch.Tensor, device) -> Learner:
@@ -221,7 +224,7 @@ def learner_for(cfg, spec: EnvSpec, task_of_env: torch.Tensor, device) -> Learne
     if cfg.trainer.backend == "megatron" and cfg.trainer.tensor_parallel > 1:
         from embodied.megatron.lockstep import Lockstep, start_ranks
 
-        helpers = start_ranks(cfg, spec, task_of_env, device, Learner)
+        helpers = start_ranks(cfg, device, Learner, spec, task_of_env)
         return Lockstep(Learner(cfg, spec, task_of_env, device), helpers)
     return Learner(cfg, spec, task_of_env, device)
 

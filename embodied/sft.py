@@ -6,6 +6,11 @@ policy's own ``bc_loss`` on random frames with the next K actions as the target 
 success per task in the simulator, and writes a checkpoint that ``embodied eval`` and RL
 fine-tuning (``policy_init``) load. With a frozen image encoder the image features of every frame
 are computed once and reused (the encoder is deterministic: BatchNorm in eval mode).
+
+The update runs on the configured backend (``trainer.backend``, ``trainer.tensor_parallel``) as
+RL's does: ``BCLearner`` holds the policy and its ``TrainEngine`` (AdamW with the config's weight
+decay, clipping by the global norm); with TP ranks in processes, rank 0's follows the others in
+lockstep (embodied/megatron/lockstep.py).
 """
 
 from __future__ import annotations
@@ -20,15 +25,17 @@ from typing import ClassVar
 import torch
 from tqdm import tqdm
 
-from embodied.checkpoint import save_checkpoint
+from embodied.cluster.config import ClusterConfig
 from embodied.config import save_config, to_dict
 from embodied.dataset import DemoDataset
 from embodied.evaluate import evaluate_by_task, per_task
+from embodied.learner import TorchEngine, TrainerConfig
 from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
 from embodied.multitask import make_env
+from embodied.roles import save_engine
 from embodied.run import Clock, Stopped, StopSignals, bar_interval
-from embodied.runner import check_cameras
+from embodied.runner import check_cameras, check_megatron
 from embodied.schema import NormStats, Observation
 from embodied.simulators.maniskill import ManiSkillConfig
 
@@ -62,6 +69,7 @@ class SFTConfig:
     weight_decay: float = 0.01
     warmup_steps: int = 100  # linear warm-up, then cosine decay to 10%
     max_grad_norm: float = 1.0
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     runner: SFTRunnerConfig = field(default_factory=SFTRunnerConfig)
 
     def validate(self) -> None:
@@ -73,6 +81,8 @@ class SFTConfig:
         check_cameras(self.policy, self.env)
         if self.episodes_per_dataset < 0:
             raise ValueError(f"episodes_per_dataset: must be >= 0, got {self.episodes_per_dataset}")
+        if self.trainer.backend == "megatron":
+            check_megatron(self.trainer, self.policy, ClusterConfig())
 
 
 @dataclass
@@ -118,16 +128,80 @@ def _load(paths: list[str], episodes: int = 0) -> _Frames:
     return _Frames(cat, instructions, tasks)
 
 
-def _norm_stats(policy, frames: _Frames) -> None:
+def _norm_data(frames: _Frames) -> dict[str, torch.Tensor]:
+    """What the normalisation statistics are computed from (no images: it goes to every rank)."""
     d = frames.data
-    obs = Observation(state=d.state, instruction=[], privileged=d.privileged)
+    return {"state": d.state, "privileged": d.privileged, "actions": d.actions}
+
+
+def _norm_stats(policy, data: dict) -> None:
+    obs = Observation(state=data["state"], instruction=[], privileged=data["privileged"])
     state = policy.state_vector(obs) if policy.state_dim else None
+    actions = data["actions"]
     policy.set_norm_stats(
         state=NormStats(mean=state.mean(0), std=state.std(0)) if state is not None else None,
         action=NormStats(
-            q01=torch.quantile(d.actions, 0.01, dim=0), q99=torch.quantile(d.actions, 0.99, dim=0)
+            q01=torch.quantile(actions, 0.01, dim=0), q99=torch.quantile(actions, 0.99, dim=0)
         ),
     )
+
+
+class BCLearner:
+    """SFT's update: the policy with the datasets' normalisation statistics, and its
+    ``TrainEngine`` on ``cfg.trainer.backend`` (AdamW, eps 1e-8, ``cfg.weight_decay`` on every
+    trainable weight; clipping at ``cfg.max_grad_norm``). ``lockstep_calls``: what TP rank 0
+    sends its helper ranks."""
+
+    lockstep_calls = ("bc_step", "refresh")
+
+    def __init__(self, cfg: SFTConfig, spec, norm_data: dict, device):
+        self.policy = build_policy(spec, cfg.policy).to(device)
+        _norm_stats(self.policy, norm_data)
+        options = {
+            "learning_rate": cfg.learning_rate,
+            "max_grad_norm": cfg.max_grad_norm,
+            "weight_decay": cfg.weight_decay,
+            "adam_eps": 1e-8,
+        }
+        if cfg.trainer.backend == "megatron":
+            from embodied.megatron.engine import MegatronEngine, join_ranks
+
+            join_ranks(self.policy, cfg)
+            self.engine = MegatronEngine(self.policy, with_value=False, **options)
+        else:
+            self.engine = TorchEngine(self.policy, **options)
+
+    def bc_step(self, obs, chunk, mask, features, lr: float) -> dict[str, torch.Tensor]:
+        """One clipped AdamW step of ``policy.bc_loss`` at ``lr``: its metrics, the loss and
+        the gradient norm (0-dim tensors)."""
+        self.engine.set_lr(lr)
+        self.policy.train()
+        loss, metrics = self.policy.bc_loss(obs, chunk, mask, features=features)
+        self.engine.backward(loss)
+        grad_norm = self.engine.step()
+        return {**metrics, "sft/loss": loss.detach(), "sft/grad_norm": grad_norm}
+
+    def refresh(self) -> None:
+        """The torch-layout policy (evaluation, checkpoints) gets the current weights."""
+        self.engine.refresh()
+
+    def save(self, run_dir: Path, step: int, **kw) -> None:
+        save_engine(self.engine, run_dir, step, **kw)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def bc_learner_for(cfg: SFTConfig, spec, norm_data: dict) -> BCLearner:
+    """SFT's learner in this process, its TP ranks 1.. in helper processes when
+    ``trainer.tensor_parallel`` > 1."""
+    device = torch.device("cpu")
+    if cfg.trainer.tensor_parallel > 1:
+        from embodied.megatron.lockstep import Lockstep, start_ranks
+
+        helpers = start_ranks(cfg, device, BCLearner, spec, norm_data)
+        return Lockstep(BCLearner(cfg, spec, norm_data, device), helpers)
+    return BCLearner(cfg, spec, norm_data, device)
 
 
 def _batch(frames: _Frames, idx: torch.Tensor) -> Observation:
@@ -171,117 +245,99 @@ def sft(cfg: SFTConfig) -> dict:
         _eval_env_config(env_cfgs)
     ) as env:  # the spec all tasks share (privileged: common keys)
         spec = env.spec
-    policy = build_policy(spec, cfg.policy)
-    _norm_stats(policy, frames)
+    learner = bc_learner_for(cfg, spec, _norm_data(frames))
+    policy = learner.engine.torch_policy  # (evaluation and the cached image features)
     K = cfg.policy.chunk_size
-    optimizer = torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad],
-        lr=cfg.learning_rate,
-        weight_decay=cfg.weight_decay,
-    )
     warm = max(1, cfg.warmup_steps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: (
-            min(1.0, (s + 1) / warm)
-            * (
-                0.1
-                + 0.9
-                * 0.5
-                * (1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, cfg.steps - warm))))
-            )
-        ),
-    )
-    logger = RunLogger(run_dir)
-    N = len(frames.data)
-    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    print(
-        f"sft: {N} frames from {len(cfg.datasets)} dataset(s), tasks {sorted(set(tasks))}; "
-        f"{trainable / 1e6:.1f}M trainable parameters"
-    )
-    meta = {
-        "config": {
-            "seed": cfg.seed,
-            "env": to_dict(env_cfgs[tasks[0]]),
-            "policy": to_dict(cfg.policy),
-        },
-        "sft": to_dict(cfg),
-        "spec": spec.to_dict(),
-        "format": "embodied-checkpoint-v1",
-    }
-    clock = Clock(0.0, cfg.runner.max_minutes)
 
-    def save(step: int) -> Path:
-        counters = {"iteration": step, "env_steps": 0, "train_seconds": clock.seconds}
-        return save_checkpoint(
-            run_dir,
-            step,
-            model=policy,
-            optimizer=optimizer,
-            counters=counters,
-            meta=meta,
-            keep=cfg.runner.keep_checkpoints,
+    def lr_at(s: int) -> float:
+        """Linear warm-up, then cosine decay to 10% (``s`` from 0)."""
+        progress = min(1.0, max(0, s - warm) / max(1, cfg.steps - warm))
+        return cfg.learning_rate * (
+            min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         )
 
-    bar = tqdm(
-        total=cfg.steps,
-        desc=cfg.runner.name,
-        disable=not cfg.runner.progress,
-        dynamic_ncols=True,
-        mininterval=bar_interval(),
-    )
-    evals = []
-    if getattr(policy, "caches_image_features", False):
-        features = _cached_features(policy, frames)
-    else:
-        features = None
-    policy.train()
-    step = 0
-    with StopSignals() as stop:
-        for step in range(1, cfg.steps + 1):
-            idx = torch.randint(N, (cfg.batch_size,))
-            chunk, mask = frames.data.action_chunks(idx, K)
-            # f32 [C*B, P, F], cameras outermost
-            feats = None if features is None else features[:, idx].flatten(0, 1)
-            loss, metrics = policy.bc_loss(_batch(frames, idx), chunk, mask, features=feats)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-            optimizer.step()
-            schedule.step()
-            bar.update(1)
-            if step % 10 == 0 or step == cfg.steps:
-                metrics = {k: float(v) for k, v in metrics.items()}
-                metrics.update(
-                    {
-                        "sft/loss": loss.item(),
-                        "sft/grad_norm": grad_norm.item(),
-                        "train/lr": schedule.get_last_lr()[0],
-                        "time/minutes": clock.seconds / 60,
-                    }
-                )
-                logger.log(metrics, step=step)
-                bar.set_postfix(loss=f"{loss.item():.4f}")
-            if stop.requested:  # between steps the weights and optimizer are consistent
-                save(step)
-                bar.close()
-                logger.close()
-                raise Stopped(stop.signum, f"stopped after step {step}; checkpoint: {run_dir}/last")
-            if cfg.runner.save_every and step % cfg.runner.save_every == 0 and step < cfg.steps:
-                save(step)
-            evaluate_now = cfg.runner.eval_every and step % cfg.runner.eval_every == 0
-            if evaluate_now and step < cfg.steps and not clock.out_of_time:
-                evals.append(
-                    evaluate_tasks(
-                        policy, env_cfgs, cfg.runner.eval_episodes, cfg.seed, step, logger
+    try:  # (TP ranks in processes end with the learner)
+        logger = RunLogger(run_dir)
+        N = len(frames.data)
+        trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        print(
+            f"sft: {N} frames from {len(cfg.datasets)} dataset(s), tasks {sorted(set(tasks))}; "
+            f"{trainable / 1e6:.1f}M trainable parameters"
+        )
+        meta = {
+            "config": {
+                "seed": cfg.seed,
+                "env": to_dict(env_cfgs[tasks[0]]),
+                "policy": to_dict(cfg.policy),
+            },
+            "sft": to_dict(cfg),
+            "spec": spec.to_dict(),
+            "format": "embodied-checkpoint-v1",
+        }
+        clock = Clock(0.0, cfg.runner.max_minutes)
+
+        def save(step: int) -> Path:
+            counters = {"iteration": step, "env_steps": 0, "train_seconds": clock.seconds}
+            learner.refresh()
+            learner.save(
+                run_dir, step, counters=counters, meta=meta, keep=cfg.runner.keep_checkpoints
+            )
+            return run_dir / "checkpoints" / f"iter_{step:06d}"
+
+        bar = tqdm(
+            total=cfg.steps,
+            desc=cfg.runner.name,
+            disable=not cfg.runner.progress,
+            dynamic_ncols=True,
+            mininterval=bar_interval(),
+        )
+        evals = []
+        if getattr(policy, "caches_image_features", False):
+            features = _cached_features(policy, frames)
+        else:
+            features = None
+        policy.train()
+        step = 0
+        with StopSignals() as stop:
+            for step in range(1, cfg.steps + 1):
+                idx = torch.randint(N, (cfg.batch_size,))
+                chunk, mask = frames.data.action_chunks(idx, K)
+                # f32 [C*B, P, F], cameras outermost
+                feats = None if features is None else features[:, idx].flatten(0, 1)
+                lr = lr_at(step - 1)
+                metrics = learner.bc_step(_batch(frames, idx), chunk, mask, feats, lr)
+                bar.update(1)
+                if step % 10 == 0 or step == cfg.steps:
+                    metrics = {k: float(v) for k, v in metrics.items()}
+                    metrics.update({"train/lr": lr, "time/minutes": clock.seconds / 60})
+                    logger.log(metrics, step=step)
+                    bar.set_postfix(loss=f"{metrics['sft/loss']:.4f}")
+                if stop.requested:  # between steps the weights and optimizer are consistent
+                    save(step)
+                    bar.close()
+                    logger.close()
+                    raise Stopped(
+                        stop.signum, f"stopped after step {step}; checkpoint: {run_dir}/last"
                     )
-                )
-                policy.train()
-            if clock.out_of_time:
-                bar.write(f"stopping after {step} steps ({cfg.runner.max_minutes} min)")
-                break
-    bar.close()
-    ckpt = save(step)
+                if cfg.runner.save_every and step % cfg.runner.save_every == 0 and step < cfg.steps:
+                    save(step)
+                evaluate_now = cfg.runner.eval_every and step % cfg.runner.eval_every == 0
+                if evaluate_now and step < cfg.steps and not clock.out_of_time:
+                    learner.refresh()
+                    evals.append(
+                        evaluate_tasks(
+                            policy, env_cfgs, cfg.runner.eval_episodes, cfg.seed, step, logger
+                        )
+                    )
+                    policy.train()
+                if clock.out_of_time:
+                    bar.write(f"stopping after {step} steps ({cfg.runner.max_minutes} min)")
+                    break
+        bar.close()
+        ckpt = save(step)
+    finally:
+        learner.close()
     final = evaluate_tasks(
         policy,
         env_cfgs,

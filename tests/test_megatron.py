@@ -286,6 +286,58 @@ def engine_rank(rank: int, tp: int, out: str) -> None:
         torch.save(result, f"{out}/{name}{rank}.pt")
 
 
+def bc_steps(backend: str) -> dict:
+    """SFT's learner (``BCLearner``) on ``backend``: two clipped AdamW steps (weight decay 0.1,
+    the clip at 0.05: both steps clip) of the tiny VLA's behaviour-cloning loss on the test
+    task's observations -> each step's loss and gradient norm, the weights after both."""
+    from embodied.learner import TrainerConfig
+    from embodied.models.vla import VLAConfig
+    from embodied.sft import BCLearner, SFTConfig
+
+    policy, _, samples = vla_samples("grpo")
+    obs = samples.obs
+    actions = torch.rand(len(samples), 1, 2, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    mask = torch.ones(len(samples), 1, dtype=torch.bool)
+    cfg = SFTConfig(
+        policy=policy.cfg,
+        weight_decay=0.1,
+        max_grad_norm=0.05,
+        trainer=TrainerConfig(backend=backend),
+    )
+    assert isinstance(cfg.policy, VLAConfig)
+    norm_data = {"state": obs.state, "privileged": {}, "actions": actions[:, 0]}
+    torch.manual_seed(0)
+    learner = BCLearner(cfg, policy.spec, norm_data, torch.device("cpu"))
+    out = {}
+    for step in range(2):
+        metrics = learner.bc_step(obs, actions, mask, None, 1e-3 / (1 + step))
+        out[f"loss{step}"] = metrics["sft/loss"].item()
+        out[f"grad_norm{step}"] = metrics["sft/grad_norm"].item()
+    learner.refresh()
+    out["state"] = learner.engine.torch_policy.state_dict()
+    return out
+
+
+def bc_rank(rank: int, tp: int, out: str) -> None:
+    torch.save(bc_steps("megatron"), f"{out}/bc{rank}.pt")
+
+
+def test_sft_steps_on_megatron_are_the_torch_steps(ranks):
+    """SFT's AdamW (decay on every weight, biases and norms too), clipped: the same losses,
+    gradient norms and weights at TP=1 and TP=2."""
+    tp, out = ranks
+    want = bc_steps("torch")
+    assert want["grad_norm0"] > 0.05 and want["grad_norm1"] > 0.05  # (both steps clip)
+    for rank in range(tp):
+        got = torch.load(f"{out}/bc{rank}.pt")
+        for key in ("loss0", "loss1", "grad_norm0", "grad_norm1"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5), key
+        # (to 1e-5: with eps 1e-8, Adam scales a gradient near 0 by its own size, so its
+        # rounding moves a weight by up to 1.2e-6 here)
+        for name, value in want["state"].items():
+            torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-5)
+
+
 def torch_grads(engine) -> dict[str, torch.Tensor]:
     return {
         name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
@@ -437,6 +489,7 @@ def rank_main(rank: int, tp: int, port: int, out: str) -> None:
     with tp_process(rank, tp, port):
         fusion_rank(rank, tp, out)
         engine_rank(rank, tp, out)
+        bc_rank(rank, tp, out)
         qwen2_rank(rank, tp, out)
 
 

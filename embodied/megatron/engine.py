@@ -83,6 +83,8 @@ class MegatronEngine(LearningRate):
         learning_rate: float,
         max_grad_norm: float,
         with_value: bool = True,
+        weight_decay: float = 0.0,
+        adam_eps: float = 1e-5,
     ):
         self.policy = policy
         # the policy in the torch layout, whole: what inference, checkpoints and weight syncs
@@ -105,16 +107,25 @@ class MegatronEngine(LearningRate):
                 OptimizerConfig(
                     optimizer="adam",
                     lr=learning_rate,
-                    adam_eps=1e-5,  # as the torch engine's Adam
-                    weight_decay=0.0,
+                    adam_eps=adam_eps,
+                    weight_decay=weight_decay,  # (decoupled, as torch's AdamW)
                     clip_grad=max_grad_norm,
                     bf16=config.bf16,
                     params_dtype=config.params_dtype,
                     use_distributed_optimizer=True,
                 ),
                 [self.model],
+                # decay on every weight, as the torch engine (megatron skips biases and norms
+                # by default)
+                config_overrides={},
             )
+        self.adam = {"eps": adam_eps, "weight_decay": weight_decay}
         self.params = [p for p in policy.parameters() if p.requires_grad]
+        # torch's AdamW skips a weight without a gradient, decay included; megatron's gradient
+        # buffers cannot tell (a zero): the weights the loss reached are recorded here
+        self.reached: set[int] = set()
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(lambda p: self.reached.add(id(p)))
         self.checkpoint_optimizer = TorchLayoutOptimizer(self)
         self.checkpoint_shards = self.write_shards
         self.rank = parallel_state.get_data_parallel_rank()
@@ -131,9 +142,17 @@ class MegatronEngine(LearningRate):
     def step(self) -> torch.Tensor:
         """Average the gradients over the data-parallel ranks, clip by the global norm, apply
         Adam, clear the buffers; the norm before clipping."""
+        unreached = [p for p in self.params if id(p) not in self.reached]
+        if not self.adam["weight_decay"]:
+            unreached = []  # (then a weight without gradient does not move: no copy needed)
+        kept = [p.detach().clone() for p in unreached]
         with cuda_corners():
             self.model.finish_grad_sync()
             _, grad_norm, _ = self.optimizer.step()
+        with torch.no_grad():
+            for param, value in zip(unreached, kept):
+                param.copy_(value)  # (not decayed: as torch's AdamW leaves it)
+        self.reached.clear()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         return torch.tensor(float("nan") if grad_norm is None else grad_norm)
@@ -199,8 +218,9 @@ class MegatronEngine(LearningRate):
         if self.world_size > 1:
             raise NotImplementedError("checkpoints of data-parallel megatron ranks")
         trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
-        template = torch.optim.Adam(
-            [p for p in self.torch_policy.parameters() if p.requires_grad], lr=self.lr, eps=1e-5
+        adam = torch.optim.AdamW if self.adam["weight_decay"] else torch.optim.Adam
+        template = adam(
+            [p for p in self.torch_policy.parameters() if p.requires_grad], lr=self.lr, **self.adam
         )
         out = template.state_dict()
         index = {name: i for i, name in enumerate(trainable)}

@@ -14,6 +14,7 @@ inside a call keep the process group's timeout.
 from __future__ import annotations
 
 import datetime
+import functools
 import multiprocessing
 import signal
 import socket
@@ -43,9 +44,9 @@ def _join(rank: int, size: int, address: str, device: str) -> None:
     )
 
 
-def start_ranks(cfg, spec, task_of_env: torch.Tensor, device, learner_class: type) -> list:
-    """Start TP ranks 1.. (processes, each building a ``learner_class``) and make this process
-    rank 0 of their group; returns [(process, its end of the control pipe)]."""
+def start_ranks(cfg, device, learner_class: type, *args) -> list:
+    """Start TP ranks 1.. (processes, each building ``learner_class(cfg, *args, device)``) and
+    make this process rank 0 of their group; returns [(process, its end of the control pipe)]."""
     if torch.device(device).type == "cuda":
         raise ConfigError(
             "trainer.tensor_parallel: ranks in processes of one run are CPU-only for now "
@@ -57,8 +58,8 @@ def start_ranks(cfg, spec, task_of_env: torch.Tensor, device, learner_class: typ
     helpers = []
     for rank in range(1, size):
         ours, theirs = context.Pipe()
-        args = (rank, size, address, theirs, cfg, spec, task_of_env, str(device), learner_class)
-        helper = context.Process(target=serve, args=args, daemon=True)
+        serve_args = (rank, size, address, theirs, cfg, str(device), learner_class, args)
+        helper = context.Process(target=serve, args=serve_args, daemon=True)
         helper.start()
         theirs.close()
         helpers.append((helper, ours))
@@ -74,10 +75,9 @@ def serve(
     address: str,
     control,
     cfg,
-    spec,
-    task_of_env,
     device: str,
     learner_class: type,
+    args: tuple,
 ) -> None:
     """A helper rank: build the learner (rank 0's initial weights arrive in its constructor),
     then run each call rank 0 sends until it says stop or is gone."""
@@ -87,7 +87,7 @@ def serve(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(cfg.runner.torch_threads)
     _join(rank, size, address, device)
-    learner = learner_class(cfg, spec, task_of_env, torch.device(device))
+    learner = learner_class(cfg, *args, torch.device(device))
     while True:
         try:
             name, args, rng = control.recv()
@@ -113,6 +113,8 @@ class Lockstep:
         self.busy = False  # inside a call: a failure there may leave the helpers in a collective
 
     def __getattr__(self, name: str):
+        if name in getattr(self.learner, "lockstep_calls", ()):  # (a learner's own calls)
+            return functools.partial(self._call, name)
         return getattr(self.learner, name)  # (what only reads: device, lr, engine, ...)
 
     def _broadcast(self, name: str, *args) -> None:
