@@ -224,10 +224,9 @@ def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dic
                 f"{ckpt / STATE}: cannot be read ({e}); the checkpoint is damaged"
             ) from None
     if meta.get("shards"):
-        from embodied.megatron import shards
+        from embodied.megatron.shards import join
 
-        files = shards.read_shards(ckpt, meta["shards"])
-        shards.join(files, meta["shards"], model, out.get("optimizer"))
+        join(read_shards(ckpt, meta["shards"]), meta["shards"], model, out.get("optimizer"))
     return out
 
 
@@ -242,6 +241,28 @@ def load_policy_checkpoint(path: str | Path, *, with_trainer_state: bool = False
             "not a policy checkpoint written by embodied"
         )
     return ckpt
+
+
+def write_shard(directory: Path, rank: int, size: int, tensors: dict[str, torch.Tensor]) -> None:
+    """A TP rank's shard file (embodied/megatron/shards.py): ``tensors`` keyed
+    "<kind>/<megatron name>" (and "step")."""
+    from embodied.megatron.shards import shard_file
+
+    _save_tensors(tensors, Path(directory) / shard_file(rank, size))
+
+
+def read_shards(directory: Path, info: dict) -> list[dict[str, torch.Tensor]]:
+    """Every TP rank's shard file named in meta.json's "shards"."""
+    files = []
+    for name in info["files"]:
+        path = Path(directory) / name
+        if not path.is_file():
+            raise CheckpointError(
+                f"{directory}: the shard {name} is missing (a checkpoint saved at "
+                f"TP={info['tensor_parallel']} needs all {len(info['files'])} shard files)"
+            )
+        files.append(_load_tensors(path))
+    return files
 
 
 def _load_tensors(path: Path) -> dict:

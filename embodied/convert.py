@@ -84,6 +84,7 @@ def _from_checkpoint(source: Path, to: str, tp: int):
     trainer = {"optimizer": optimizer, "rng": ckpt.get("rng"), "counters": ckpt.get("counters")}
 
     def write(out: Path) -> None:
+        from embodied.checkpoint import write_shard
         from embodied.megatron import shards
 
         nonlocal model
@@ -102,7 +103,7 @@ def _from_checkpoint(source: Path, to: str, tp: int):
             )
             model, trainer["optimizer"], files = shards.split(model, optimizer, info)
             for rank, tensors in enumerate(files):
-                shards.write_shard(out, rank, tp, tensors)
+                write_shard(out, rank, tp, tensors)
             meta["shards"] = info
         save_file({k: v.contiguous() for k, v in model.items()}, str(out / "model.safetensors"))
         torch.save(trainer, out / "trainer.pt")
@@ -156,11 +157,13 @@ def _qwen2_layout(config: dict) -> dict:
     }
 
 
-def _check_split(layout: dict, tp: int, vocab: int) -> None:
-    if layout["groups"] % tp or vocab % tp:
+def _check_split(layout: dict, tp: int, state: dict) -> None:
+    vocab = state["model.embed_tokens.weight"].shape[0]
+    ffn = state["model.layers.0.mlp.up_proj.weight"].shape[0]
+    if layout["groups"] % tp or vocab % tp or ffn % tp:
         raise ConvertError(
-            f"--tensor-parallel {tp}: {layout['groups']} query groups and a vocabulary of "
-            f"{vocab} must split evenly over the ranks"
+            f"--tensor-parallel {tp}: {layout['groups']} query groups, a vocabulary of {vocab} "
+            f"and an MLP of {ffn} must split evenly over the ranks"
         )
 
 
@@ -186,7 +189,7 @@ def _from_hf_dir(source: Path, to: str, tp: int):
         state = _hf_weights(source)
         if layout["tied"]:
             state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
-        _check_split(layout, tp, state["model.embed_tokens.weight"].shape[0])
+        _check_split(layout, tp, state)
         _write_megatron_dir(out, qwen2_to_megatron(state, tp=tp, **layout), layout, source)
 
     return write
@@ -208,7 +211,7 @@ def _from_megatron_dir(source: Path, to: str, tp: int):
             files.append(load_file(str(source / name)))
         state = qwen2_from_megatron(files, **layout)
         if to == "megatron":
-            _check_split(layout, tp, state["model.embed_tokens.weight"].shape[0])
+            _check_split(layout, tp, state)
             _write_megatron_dir(out, qwen2_to_megatron(state, tp=tp, **layout), layout, source)
             return
         if layout["tied"]:  # (Hugging Face saves the shared matrix once)

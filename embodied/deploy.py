@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from embodied.schema import EnvSpec, Observation
 
@@ -45,9 +46,12 @@ def contract(spec: EnvSpec, path: Path) -> dict:
     its digest versions them (with the TP shards' files of a megatron checkpoint); frozen weights
     live in a file named by a digest of its content (meta.json's "frozen"), so that name
     versions them."""
-    weights = hashlib.sha1()
-    for file in sorted(path.glob("model*.safetensors")):
-        weights.update(file.read_bytes())
+    weights = hashlib.sha1((path / "model.safetensors").read_bytes())
+    for file in sorted(path.glob("model-tp*.safetensors")):  # (their weights, not Adam's state)
+        shard = load_file(str(file))
+        for name in sorted(k for k in shard if k.startswith("weight/")):
+            weights.update(name.encode())
+            weights.update(shard[name].contiguous().view(-1).view(torch.uint8).numpy())
     frozen = json.loads((path / "meta.json").read_text()).get("frozen")
     if frozen:  # older checkpoints, and models with nothing frozen, have none
         weights.update(frozen.encode())

@@ -129,6 +129,7 @@ def test_ppo_on_pushcube_gives_the_embedded_numbers(tmp_path, monkeypatch, reque
     assert {"chunk", "act", "update", "collect"} <= spans
 
 
+@pytest.mark.slow  # (45 s: with its sync fault; the default suite is at its 15-minute budget)
 def test_inference_in_the_env_worker_gives_the_embedded_numbers(local_ray, tmp_path, monkeypatch):
     """``cluster.rollout.workers: 0``: the env worker collects each round with a policy copy of
     its own (one call per round, none per chunk); its rows are the embedded run's. Killed as

@@ -142,16 +142,24 @@ class MegatronEngine(LearningRate):
     def step(self) -> torch.Tensor:
         """Average the gradients over the data-parallel ranks, clip by the global norm, apply
         Adam, clear the buffers; the norm before clipping."""
+        # a weight without gradient keeps its value, Adam moments and step, as in torch's Adam
+        # (megatron would decay it, and move it by moments of earlier steps)
+        # (per process: with data-parallel ranks a weight reached on one rank's share only
+        # would need the ranks' union; their checkpoints are not built either)
         unreached = [p for p in self.params if id(p) not in self.reached]
-        if not self.adam["weight_decay"]:
-            unreached = []  # (then a weight without gradient does not move: no copy needed)
-        kept = [p.detach().clone() for p in unreached]
+        kept = []
+        for param in unreached:
+            state = self._adam_state(param)
+            saved = None if state is None else {k: t.clone() for k, t in state.items()}
+            kept.append((param.detach().clone(), saved))
         with cuda_corners():
             self.model.finish_grad_sync()
             _, grad_norm, _ = self.optimizer.step()
         with torch.no_grad():
-            for param, value in zip(unreached, kept):
-                param.copy_(value)  # (not decayed: as torch's AdamW leaves it)
+            for param, (value, state) in zip(unreached, kept):
+                param.copy_(value)
+                if state is not None:
+                    self._set_adam_state(param, state)
         self.reached.clear()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -210,6 +218,12 @@ class MegatronEngine(LearningRate):
                 return optimizer._get_main_param_and_optimizer_states(param)
         raise KeyError("a trainable parameter the optimizer does not hold")
 
+    def _set_adam_state(self, param: torch.nn.Parameter, tensors: dict) -> None:
+        """Set ``param``'s main weight and Adam state (``_adam_state``'s keys)."""
+        for optimizer in self.optimizer.chained_optimizers:
+            if param in optimizer.model_param_group_index_map:
+                optimizer._set_main_param_and_optimizer_states(param, tensors)
+
     def optimizer_state_dict(self) -> dict:
         """Megatron's Adam state as ``torch.optim.Adam``'s state dict over the torch copy's
         trainable parameters, without the fusion's (this rank's shard of those goes into its
@@ -242,7 +256,8 @@ class MegatronEngine(LearningRate):
         "shards" (embodied/megatron/shards.py)."""
         import torch.distributed as dist
 
-        from embodied.megatron.shards import shard_info, shard_tensors, write_shard
+        from embodied.checkpoint import write_shard
+        from embodied.megatron.shards import shard_info, shard_tensors
 
         if self.world_size > 1:
             raise NotImplementedError("checkpoints of data-parallel megatron ranks")
@@ -314,9 +329,7 @@ class MegatronEngine(LearningRate):
                 else:  # (torch's Adam keeps none for a weight no loss reached: GRPO's critic)
                     value = torch.zeros_like(param)
                 tensors[key] = value.reshape(-1)
-            for optimizer in self.optimizer.chained_optimizers:
-                if param in optimizer.model_param_group_index_map:
-                    optimizer._set_main_param_and_optimizer_states(param, tensors)
+            self._set_adam_state(param, tensors)
 
 
 class TorchLayoutOptimizer:

@@ -114,7 +114,7 @@ class Lockstep:
 
     def __getattr__(self, name: str):
         if name in getattr(self.learner, "lockstep_calls", ()):  # (a learner's own calls)
-            return functools.partial(self._call, name)
+            return functools.partial(self._positional_call, name)
         return getattr(self.learner, name)  # (what only reads: device, lr, engine, ...)
 
     def _broadcast(self, name: str, *args) -> None:
@@ -129,6 +129,9 @@ class Lockstep:
         result = getattr(self.learner, name)(*args, **kw)
         self.busy = False
         return result
+
+    def _positional_call(self, name: str, *args):
+        return self._call(name, *args)  # (the helpers get positional arguments only)
 
     def init_normalizer(self, obs) -> None:
         self._call("init_normalizer", obs)

@@ -12,16 +12,13 @@ as one file per TP rank, in megatron's layout, written by that rank::
 
 ``join`` puts the shards back into the torch layout, so a sharded checkpoint loads as any other
 (``load_checkpoint``) at any TP size or on the torch backend; ``split`` makes the shards of a
-torch-layout state (``embodied convert --to megatron``).
+torch-layout state (``embodied convert --to megatron``). The files are written and read by
+embodied/checkpoint.py (``write_shard``, ``read_shards``).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from embodied.megatron.layout import encoder_from_megatron, encoder_to_megatron
 
@@ -45,15 +42,6 @@ def shard_info(module: str, *, layers: int, heads: int, tp: int, trainable: list
         "files": [shard_file(rank, tp) for rank in range(tp)],
         "trainable": trainable,
     }
-
-
-def write_shard(directory: Path, rank: int, size: int, tensors: dict[str, torch.Tensor]) -> None:
-    """This rank's file: ``tensors`` keyed "<kind>/<megatron name>" (and "step")."""
-    from embodied.checkpoint import _fsync
-
-    path = Path(directory) / shard_file(rank, size)
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
-    _fsync(path)
 
 
 def shard_tensors(
@@ -102,26 +90,6 @@ def split(
         }
     files = [shard_tensors(weights[rank], moments[rank], step) for rank in range(tp)]
     return rest, optimizer, files
-
-
-def read_shards(directory: Path, info: dict) -> list[dict[str, torch.Tensor]]:
-    from embodied.checkpoint import CheckpointError
-
-    files = []
-    for name in info["files"]:
-        path = Path(directory) / name
-        if not path.is_file():
-            raise CheckpointError(
-                f"{directory}: the shard {name} is missing (a checkpoint saved at "
-                f"TP={info['tensor_parallel']} needs all {len(info['files'])} shard files)"
-            )
-        try:
-            files.append(load_file(str(path)))
-        except SafetensorError as e:
-            raise CheckpointError(
-                f"{path}: cannot be read ({e}); the checkpoint is damaged"
-            ) from None
-    return files
 
 
 def join(
