@@ -73,11 +73,11 @@ def _from_checkpoint(source: Path, to: str, tp: int):
     from embodied.checkpoint import load_policy_checkpoint
     from embodied.demos import load_policy
 
-    ckpt = load_policy_checkpoint(source, with_trainer_state=True)
+    ckpt = load_policy_checkpoint(source, with_trainer_state=to != "hf")
     meta = {k: v for k, v in ckpt["meta"].items() if k not in ("shards", "frozen")}
     if to == "hf":
         return lambda out: _vlm_to_hf(ckpt, out)
-    policy, cfg = load_policy(ckpt["path"])  # (the trainable names, in the optimizer's order)
+    policy, cfg = load_policy(ckpt)  # (the trainable names, in the optimizer's order)
     trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
     model = ckpt["model"]
     optimizer = ckpt.get("optimizer")

@@ -51,16 +51,16 @@ class DemosConfig:
             )
 
 
-def load_policy(checkpoint: str | Path, device="cpu"):
+def load_policy(checkpoint: str | Path | dict, device="cpu"):
     """A trained policy rebuilt on the spec it was trained with -> (policy in eval mode, train
-    config)."""
+    config). ``checkpoint``: a path, or what ``load_policy_checkpoint`` returned."""
     from embodied.checkpoint import load_policy_checkpoint
     from embodied.config import compose
     from embodied.models import build_policy
     from embodied.runner import TrainConfig
     from embodied.schema import EnvSpec
 
-    ckpt = load_policy_checkpoint(checkpoint)
+    ckpt = checkpoint if isinstance(checkpoint, dict) else load_policy_checkpoint(checkpoint)
     cfg = compose(TrainConfig, [(str(ckpt["path"]), ckpt["meta"]["config"])])
     policy = build_policy(EnvSpec.from_dict(ckpt["meta"]["spec"]), cfg.policy).to(device)
     policy.load_state_dict(ckpt["model"])

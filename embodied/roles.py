@@ -201,14 +201,14 @@ class Learner:
     def close(self) -> None:
         self.engine.close()
 
-    def save(self, run_dir: Path, iteration: int, **kw) -> None:
-        save_engine(self.engine, run_dir, iteration, **kw)
+    def save(self, run_dir: Path, iteration: int, **kw) -> Path:
+        return save_engine(self.engine, run_dir, iteration, **kw)
 
 
-def save_engine(engine, run_dir: Path, iteration: int, **kw) -> None:
+def save_engine(engine, run_dir: Path, iteration: int, **kw) -> Path:
     """``save_checkpoint`` of an engine's policy and optimizer (``kw``: counters, meta, rng,
-    keep, protect); every TP rank calls this (each writes its shard)."""
-    save_checkpoint(
+    keep, protect); every TP rank calls this (each writes its shard). Returns the checkpoint."""
+    return save_checkpoint(
         run_dir,
         iteration,
         model=engine.torch_policy,

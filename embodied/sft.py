@@ -185,8 +185,8 @@ class BCLearner:
         """The torch-layout policy (evaluation, checkpoints) gets the current weights."""
         self.engine.refresh()
 
-    def save(self, run_dir: Path, step: int, **kw) -> None:
-        save_engine(self.engine, run_dir, step, **kw)
+    def save(self, run_dir: Path, step: int, **kw) -> Path:
+        return save_engine(self.engine, run_dir, step, **kw)
 
     def close(self) -> None:
         self.engine.close()
@@ -280,10 +280,9 @@ def sft(cfg: SFTConfig) -> dict:
         def save(step: int) -> Path:
             counters = {"iteration": step, "env_steps": 0, "train_seconds": clock.seconds}
             learner.refresh()
-            learner.save(
+            return learner.save(
                 run_dir, step, counters=counters, meta=meta, keep=cfg.runner.keep_checkpoints
             )
-            return run_dir / "checkpoints" / f"iter_{step:06d}"
 
         bar = tqdm(
             total=cfg.steps,

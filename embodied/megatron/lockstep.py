@@ -148,12 +148,13 @@ class Lockstep:
     def load(self, checkpoint: dict) -> None:
         self._call("load", checkpoint)
 
-    def save(self, run_dir, iteration: int, **kw) -> None:
+    def save(self, run_dir, iteration: int, **kw):
         """The helpers write their shards where rank 0's save stages the checkpoint."""
         self.busy = True
         self._broadcast("save", str(staging_dir(run_dir, iteration)))
-        self.learner.save(run_dir, iteration, **kw)
+        path = self.learner.save(run_dir, iteration, **kw)
         self.busy = False
+        return path
 
     def close(self) -> None:
         """Stop the helper ranks and leave the group. After a failure inside a call the helpers
