@@ -93,7 +93,7 @@ def save_checkpoint(
     keep: then delete the oldest checkpoints beyond the newest ``keep`` (None: keep all), never
     the one just saved, the best one or the iterations in ``protect``.
     shards: (directory) -> meta.json's "shards", called with ``staging_dir`` once it exists:
-    writes the shard files there (with the other ranks) of the weights under its "module",
+    writes the shard files there (with the other ranks) of the weights under its "modules",
     which model.safetensors then leaves out; the optimizer leaves out their state.
     """
     if keep is not None and keep < 1:
@@ -111,9 +111,11 @@ def save_checkpoint(
     tmp.mkdir()
     sharded = {}
     if shards is not None:
+        from embodied.megatron.shards import module_prefixes
+
         sharded = {"shards": shards(tmp)}
-        prefix = sharded["shards"]["module"] + "."
-        state = {k: v for k, v in state.items() if not k.startswith(prefix)}
+        prefixes = tuple(module_prefixes(sharded["shards"]))
+        state = {k: v for k, v in state.items() if not k.startswith(prefixes)}
     _save_tensors({k: v for k, v in state.items() if k not in frozen}, tmp / MODEL)
     trainer = {
         "optimizer": optimizer.state_dict() if optimizer is not None else None,

@@ -89,18 +89,16 @@ def _from_checkpoint(source: Path, to: str, tp: int):
 
         nonlocal model
         if to == "megatron":
-            if not hasattr(policy, "fusion") or cfg.policy.heads % tp:
+            modules = shards.trainable_modules(policy)
+            if not modules:
                 raise ConvertError(
-                    f"--tensor-parallel {tp}: the policy's fusion transformer must split over "
-                    f"the ranks by heads (policy.name={cfg.policy.name!r})"
+                    f"{source}: the policy has nothing the megatron backend shards "
+                    f"(policy.name={cfg.policy.name!r}: a 'vla' policy's fusion transformer or "
+                    "Qwen2-VL language model, trained)"
                 )
-            info = shards.shard_info(
-                "fusion",
-                layers=cfg.policy.layers,
-                heads=cfg.policy.heads,
-                tp=tp,
-                trainable=trainable,
-            )
+            for module in modules:
+                _check_module_split(module, tp, model)
+            info = shards.shard_info(modules, tp=tp, trainable=trainable)
             model, trainer["optimizer"], files = shards.split(model, optimizer, info)
             for rank, tensors in enumerate(files):
                 write_shard(out, rank, tp, tensors)
@@ -155,6 +153,19 @@ def _qwen2_layout(config: dict) -> dict:
         "groups": text.get("num_key_value_heads", text["num_attention_heads"]),
         "tied": bool(config.get("tie_word_embeddings", False)),
     }
+
+
+def _check_module_split(module: dict, tp: int, model: dict) -> None:
+    """A sharded module of a checkpoint (shards.modules) splits over ``tp`` ranks."""
+    if module["layout"] == "qwen2_text":
+        prefix = module["module"] + "."
+        state = {f"model.{k[len(prefix):]}": v for k, v in model.items() if k.startswith(prefix)}
+        _check_split(module, tp, state)
+    elif module["heads"] % tp:
+        raise ConvertError(
+            f"--tensor-parallel {tp}: the {module['module']} transformer's {module['heads']} "
+            "heads must split evenly over the ranks"
+        )
 
 
 def _check_split(layout: dict, tp: int, state: dict) -> None:

@@ -100,7 +100,11 @@ def test_a_checkpoint_sharded_by_tp_rank_loads_as_the_torch_layout(tmp_path):
     policy = FusionPolicy()
     optimizer_state = adam_state(policy)
     trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
-    info = shards.shard_info("fusion", layers=LAYERS, heads=HEADS, tp=2, trainable=trainable)
+    modules = shards.modules(policy)
+    assert modules == [
+        {"module": "fusion", "layout": "transformer_encoder", "layers": LAYERS, "heads": HEADS}
+    ]
+    info = shards.shard_info(modules, tp=2, trainable=trainable)
 
     class Saved:  # (what an engine hands the checkpoint: its optimizer's state_dict)
         def state_dict(self):
@@ -111,7 +115,7 @@ def test_a_checkpoint_sharded_by_tp_rank_loads_as_the_torch_layout(tmp_path):
     assert not any(k.startswith("fusion.") for k in rest)
     fusion_indices = {i for i, n in enumerate(trainable) if n.startswith("fusion.")}
     assert rest_optimizer["state"].keys() == optimizer_state["state"].keys() - fusion_indices
-    qkv = "layers.0.self_attention.linear_qkv.weight"
+    qkv = "fusion/layers.0.self_attention.linear_qkv.weight"
     assert files[1][f"weight/{qkv}"].shape == (3 * D // 2, D)
     assert files[1][f"exp_avg_sq/{qkv}"].shape == (3 * D // 2, D)
     assert files[0]["step"].item() == 1
@@ -137,6 +141,17 @@ def test_a_checkpoint_sharded_by_tp_rank_loads_as_the_torch_layout(tmp_path):
     for index, entry in optimizer_state["state"].items():
         for key, value in entry.items():
             assert torch.equal(entries[index][key], value), (trainable[index], key)
+    # a checkpoint of the first sharded format (one module, its names without the module's)
+    # loads the same
+    legacy = {"module": "fusion", "layout": "transformer_encoder", "layers": LAYERS}
+    legacy.update(heads=HEADS, tensor_parallel=2, files=info["files"], trainable=trainable)
+    legacy_files = [{k.replace("/fusion/", "/"): v for k, v in f.items()} for f in files]
+    model = dict(rest)
+    optimizer = {**rest_optimizer, "state": dict(rest_optimizer["state"])}
+    shards.join(legacy_files, legacy, model, optimizer)
+    assert all(torch.equal(model[k], v) for k, v in state.items())
+    for index, entry in optimizer_state["state"].items():
+        assert all(torch.equal(optimizer["state"][index][k], v) for k, v in entry.items())
     (path / "model-tp01-of-02.safetensors").unlink()
     with pytest.raises(CheckpointError, match="shard model-tp01-of-02.safetensors is missing"):
         load_checkpoint(tmp_path)
@@ -696,8 +711,8 @@ def test_convert_shards_a_checkpoint_by_tp_rank_and_joins_it_bit_exact(tmp_path)
     )
     rank1 = load_file(tmp_path / "mg" / "model-tp01-of-02.safetensors")
     fc1 = original["model"]["fusion.layers.1.linear1.weight"]
-    assert torch.equal(rank1["weight/layers.1.mlp.linear_fc1.weight"], fc1.chunk(2)[1])
-    assert "exp_avg/layers.1.mlp.linear_fc1.weight" in rank1
+    assert torch.equal(rank1["weight/fusion/layers.1.mlp.linear_fc1.weight"], fc1.chunk(2)[1])
+    assert "exp_avg/fusion/layers.1.mlp.linear_fc1.weight" in rank1
     whole = load_file(tmp_path / "mg" / "model.safetensors")
     assert not [k for k in whole if k.startswith("fusion.")] and "queries" in whole
     assert_same_checkpoint(load_checkpoint(tmp_path / "mg"), original)
@@ -710,7 +725,7 @@ def test_convert_shards_a_checkpoint_by_tp_rank_and_joins_it_bit_exact(tmp_path)
     code, err = convert_cli(
         tmp_path / "run", "--to", "megatron", "--tensor-parallel", 3, tmp_path / "x"
     )
-    assert code == 2 and "--tensor-parallel 3: the policy's fusion transformer" in err
+    assert code == 2 and "--tensor-parallel 3: the fusion transformer's 2 heads" in err
     code, err = convert_cli(tmp_path / "run", "--to", "hf", tmp_path / "x")
     assert code == 2 and "the policy holds no Hugging Face model" in err
     assert not (tmp_path / "x").exists()

@@ -1,9 +1,11 @@
-"""The learner on megatron-core (``TrainEngine``): the VLA's fusion transformer sharded over the
+"""The learner on megatron-core (``TrainEngine``): the VLA's transformers sharded over the
 tensor-parallel ranks, the update through megatron-core's own data-parallel wrapper and
 optimizer.
 
-- The policy's torch fusion is replaced by ``MegatronFusion`` holding this rank's shard of the
-  same weights; every other module stays whole on every rank (design note 49).
+- The policy's sharded modules (embodied/megatron/shards.py ``modules``) are replaced by this
+  rank's shards of the same weights: the torch fusion by ``MegatronFusion``, a Qwen2-VL family
+  VLM's language model by ``MegatronTextModel``; every other module stays whole on every rank
+  (design note 49).
 - ``DistributedDataParallel`` (megatron's) keeps the gradients in contiguous buffers and
   averages them over the data-parallel ranks; the optimizer is megatron's Adam with the
   distributed optimizer (its state sharded over the data-parallel ranks), gradient clipping by
@@ -29,21 +31,37 @@ from embodied.learner import Evaluate, LearningRate, average_over
 from embodied.megatron import parallel
 from embodied.megatron.cpu import cuda_corners
 from embodied.megatron.fusion import MegatronFusion
-from embodied.megatron.layout import encoder_to_megatron
+from embodied.megatron.layout import to_megatron
+from embodied.megatron.shards import modules, shard_info, trainable_modules
+from embodied.megatron.vlm import MegatronTextModel
 from embodied.rollout import Samples, logprob_at
 
-FUSION_SHARD = "fusion.block."  # the megatron policy's names of the fusion's shard
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def shard_fusion(policy: torch.nn.Module, dtype: torch.dtype = torch.float32) -> MegatronFusion:
-    """Replace ``policy.fusion`` (torch) by this TP rank's shard of the same weights."""
-    cfg = policy.cfg
-    device = next(policy.fusion.parameters()).device
-    fusion = MegatronFusion(cfg.d_model, cfg.heads, cfg.layers, dtype).to(device)
-    fusion.load_torch_state(policy.fusion.state_dict())
-    policy.fusion = fusion
-    return fusion
+def shard_policy(policy: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict:
+    """Replace the policy's sharded modules (torch) by this TP rank's shards of the same weights,
+    trainable as they were: {module path: shard}. A shard's ``shard_prefix`` names the module
+    holding its megatron parameters; ``torch_state`` / ``load_torch_state`` give / take the
+    torch layout."""
+    parts = {}
+    for info in modules(policy):
+        name = info["module"]
+        original = policy.get_submodule(name)
+        device = next(original.parameters()).device
+        if info["layout"] == "transformer_encoder":
+            shard = MegatronFusion(policy.cfg.d_model, info["heads"], info["layers"], dtype)
+        else:
+            shard = MegatronTextModel(original.config, dtype)
+        shard = shard.to(device)
+        shard.load_torch_state(original.state_dict())
+        shard.requires_grad_(any(p.requires_grad for p in original.parameters()))
+        parent, _, attribute = name.rpartition(".")
+        setattr(policy.get_submodule(parent), attribute, shard)
+        parts[name] = shard
+    if "fusion" not in parts:
+        raise ValueError("the megatron backend trains the VLA policy (its fusion transformer)")
+    return parts
 
 
 def join_ranks(policy: torch.nn.Module, cfg) -> None:
@@ -91,8 +109,12 @@ class MegatronEngine(LearningRate):
         # read (``refresh`` after every change)
         self.torch_policy = copy.deepcopy(policy)
         with torch.random.fork_rng(devices=[]):  # (megatron draws initial weights: not ours)
-            self.fusion = shard_fusion(policy)
-        config = self.fusion.config
+            self.parts = shard_policy(policy)
+        # the megatron parameters' names in the policy, per sharded module
+        self.shard_prefixes = {
+            name: f"{name}.{part.shard_prefix}" for name, part in self.parts.items()
+        }
+        config = self.parts["fusion"].config
         with cuda_corners():
             self.model = DistributedDataParallel(
                 config,
@@ -171,11 +193,13 @@ class MegatronEngine(LearningRate):
 
     def torch_state(self) -> dict[str, torch.Tensor]:
         """The whole policy's state dict in the torch layout (every rank calls this): what a
-        rollout copy or the torch backend loads. Outside the fusion the tensors are the live
+        rollout copy or the torch backend loads. Outside the shards the tensors are the live
         ones (``load_state_dict`` copies them)."""
-        state = {k: v for k, v in self.policy.state_dict().items() if not k.startswith("fusion.")}
-        for name, param in self.fusion.block.named_parameters():
-            state[f"{FUSION_SHARD}{name}"] = param.detach()
+        prefixes = tuple(f"{name}." for name in self.parts)
+        state = {k: v for k, v in self.policy.state_dict().items() if not k.startswith(prefixes)}
+        for name, part in self.parts.items():
+            for key, param in part.named_parameters():
+                state[f"{name}.{key}"] = param.detach()
         return self._torch_layout(state)
 
     def torch_grads(self) -> dict[str, torch.Tensor]:
@@ -189,12 +213,17 @@ class MegatronEngine(LearningRate):
         return self._torch_layout(grads)
 
     def _torch_layout(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``values`` named as this policy's parameters (the fusion's this rank's shards) in the
-        torch layout: the fusion's gathered from every TP rank (every rank calls this)."""
-        out = {k: v for k, v in values.items() if not k.startswith("fusion.")}
-        shard = {k[len(FUSION_SHARD) :]: v for k, v in values.items() if k.startswith(FUSION_SHARD)}
-        gathered = self.fusion.torch_state(shard)
-        out.update({f"fusion.{name}": tensor for name, tensor in gathered.items()})
+        """``values`` named as this policy's parameters (the sharded modules' this rank's shards)
+        in the torch layout: the shards gathered from every TP rank (every rank calls this)."""
+        prefixes = tuple(f"{name}." for name in self.parts)
+        out = {k: v for k, v in values.items() if not k.startswith(prefixes)}
+        for name, part in self.parts.items():
+            start = self.shard_prefixes[name]
+            shard = {k[len(start) :]: v for k, v in values.items() if k.startswith(start)}
+            if not shard:  # (the gradients of a frozen module)
+                continue
+            gathered = part.torch_state(shard)
+            out.update({f"{name}.{key}": tensor for key, tensor in gathered.items()})
         return out
 
     def close(self) -> None:
@@ -226,8 +255,8 @@ class MegatronEngine(LearningRate):
 
     def optimizer_state_dict(self) -> dict:
         """Megatron's Adam state as ``torch.optim.Adam``'s state dict over the torch copy's
-        trainable parameters, without the fusion's (this rank's shard of those goes into its
-        shard file: ``write_shards``). Weights whole on every rank have the same state there, so
+        trainable parameters, without the sharded modules' (this rank's shards of those go into
+        its shard file: ``write_shards``). Weights whole on every rank have the same state there, so
         this needs no collective."""
         if self.world_size > 1:
             raise NotImplementedError("checkpoints of data-parallel megatron ranks")
@@ -238,8 +267,9 @@ class MegatronEngine(LearningRate):
         )
         out = template.state_dict()
         index = {name: i for i, name in enumerate(trainable)}
+        sharded = tuple(self.shard_prefixes.values())
         for name, param in self.policy.named_parameters():
-            if not param.requires_grad or name.startswith(FUSION_SHARD):
+            if not param.requires_grad or name.startswith(sharded):
                 continue
             state = self._adam_state(param)
             if state is None:
@@ -251,26 +281,32 @@ class MegatronEngine(LearningRate):
         return out
 
     def write_shards(self, directory: Path) -> dict:
-        """This TP rank's shard of the fusion (weights, Adam moments, step) as its file in
-        ``directory``, which TP rank 0 makes; every TP rank calls this. Returns meta.json's
-        "shards" (embodied/megatron/shards.py)."""
+        """This TP rank's shards of the trained sharded modules (weights, Adam moments, step) as
+        its file in ``directory``, which TP rank 0 makes; every TP rank calls this. Returns
+        meta.json's "shards" (embodied/megatron/shards.py)."""
         import torch.distributed as dist
 
         from embodied.checkpoint import write_shard
-        from embodied.megatron.shards import shard_info, shard_tensors
+        from embodied.megatron.shards import shard_tensors
 
         if self.world_size > 1:
             raise NotImplementedError("checkpoints of data-parallel megatron ranks")
+        trained = trainable_modules(self.torch_policy)
         weights = {}
         moments = {key: {} for key in MOMENTS}
         step = None
-        for name, param in self.fusion.block.named_parameters():
-            weights[name] = param.detach()
-            state = self._adam_state(param)
-            if state is not None:
-                step = state["step"]
-                for key in MOMENTS:
-                    moments[key][name] = state[key].detach().view(param.shape)
+        for info in trained:
+            name = info["module"]
+            for key, param in self.policy.named_parameters():
+                if not key.startswith(self.shard_prefixes[name]):
+                    continue
+                key = f"{name}/{key[len(self.shard_prefixes[name]) :]}"
+                weights[key] = param.detach()
+                state = self._adam_state(param)
+                if state is not None:
+                    step = state["step"]
+                    for kind in MOMENTS:
+                        moments[kind][key] = state[kind].detach().view(param.shape)
         group = parallel.tp_group()
         dist.barrier(group=group)  # (rank 0 has made the directory)
         tp = parallel.tp_size()
@@ -278,13 +314,7 @@ class MegatronEngine(LearningRate):
         write_shard(directory, parallel.tp_rank(), tp, tensors)
         dist.barrier(group=group)  # (every file is written)
         trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
-        return shard_info(
-            "fusion",
-            layers=self.fusion.num_layers,
-            heads=self.fusion.heads,
-            tp=tp,
-            trainable=trainable,
-        )
+        return shard_info(trained, tp=tp, trainable=trainable)
 
     @torch.no_grad()
     def load_state_dict(self, checkpoint: dict) -> None:
@@ -292,12 +322,15 @@ class MegatronEngine(LearningRate):
         this run's TP size."""
         model = checkpoint["model"]
         self.torch_policy.load_state_dict(model)
-        prefix = "fusion."
-        fusion = {k[len(prefix) :]: v for k, v in model.items() if k.startswith(prefix)}
-        rest = {k: v for k, v in model.items() if not k.startswith(prefix)}
-        self.fusion.load_torch_state(fusion)
+        prefixes = tuple(f"{name}." for name in self.parts)
+        for name, part in self.parts.items():
+            start = f"{name}."
+            part.load_torch_state(
+                {k[len(start) :]: v for k, v in model.items() if k.startswith(start)}
+            )
+        rest = {k: v for k, v in model.items() if not k.startswith(prefixes)}
         loaded = self.policy.load_state_dict(rest, strict=False)
-        if loaded.unexpected_keys or [k for k in loaded.missing_keys if not k.startswith(prefix)]:
+        if loaded.unexpected_keys or [k for k in loaded.missing_keys if not k.startswith(prefixes)]:
             raise ValueError(f"the checkpoint does not fit the policy: {loaded}")
         state = checkpoint["optimizer"]["state"]
         if not state:
@@ -305,15 +338,18 @@ class MegatronEngine(LearningRate):
         trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
         by_name = {trainable[index]: entry for index, entry in state.items()}
         step = next(iter(state.values()))["step"]  # (one count: every parameter steps together)
-        shards = {
-            key: encoder_to_megatron(
-                {k[len(prefix) :]: by_name[k][key] for k in by_name if k.startswith(prefix)},
-                layers=self.fusion.num_layers,
-                heads=self.fusion.heads,
-                tp=parallel.tp_size(),
-            )[parallel.tp_rank()]
-            for key in MOMENTS
-        }
+        sharded: dict[str, dict[str, torch.Tensor]] = {}  # megatron parameter -> its moments
+        for name, part in self.parts.items():
+            start = f"{name}."
+            own = [k for k in by_name if k.startswith(start)]
+            for kind in MOMENTS:
+                values = {k[len(start) :]: by_name[k][kind] for k in own}
+                if not values:  # (a frozen module)
+                    continue
+                tp = parallel.tp_size()
+                mine = to_megatron(part.layout, values, tp=tp, **part.shape())[parallel.tp_rank()]
+                for key, tensor in mine.items():
+                    sharded.setdefault(self.shard_prefixes[name] + key, {})[kind] = tensor
         for optimizer in self.optimizer.chained_optimizers:
             if not optimizer.optimizer.state:
                 optimizer._init_optimizer_states_with_dummy_values()
@@ -321,20 +357,20 @@ class MegatronEngine(LearningRate):
             if not param.requires_grad:
                 continue
             tensors = {"param": param.detach().view(-1), "step": step.clone()}
-            for key in MOMENTS:
-                if name.startswith(FUSION_SHARD):
-                    value = shards[key][name[len(FUSION_SHARD) :]]
+            for kind in MOMENTS:
+                if name in sharded:
+                    value = sharded[name][kind]
                 elif name in by_name:
-                    value = by_name[name][key]
+                    value = by_name[name][kind]
                 else:  # (torch's Adam keeps none for a weight no loss reached: GRPO's critic)
                     value = torch.zeros_like(param)
-                tensors[key] = value.reshape(-1)
+                tensors[kind] = value.reshape(-1)
             self._set_adam_state(param, tensors)
 
 
 class TorchLayoutOptimizer:
     """What a checkpoint saves as the optimizer: ``MegatronEngine.optimizer_state_dict`` (the
-    fusion's moments go into the shards)."""
+    sharded modules' moments go into the shard files)."""
 
     def __init__(self, engine: MegatronEngine):
         self.engine = engine

@@ -55,12 +55,18 @@ class MegatronFusion(nn.Module):
     """This TP rank's shard of the fusion transformer; ``forward`` as ``nn.TransformerEncoder``'s
     with ``batch_first=True``."""
 
+    layout = "transformer_encoder"
+    shard_prefix = "block."  # the names of the shard's parameters (megatron's)
+
     def __init__(self, d_model: int, heads: int, layers: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.heads = heads
         self.num_layers = layers
         self.config = fusion_config(d_model, heads, layers, dtype)
         self.block = TransformerBlock(self.config, fusion_spec(), post_layer_norm=False)
+
+    def shape(self) -> dict:
+        return {"layers": self.num_layers, "heads": self.heads}
 
     def forward(self, x: torch.Tensor, src_key_padding_mask: torch.Tensor | None = None):
         """x f32 [B, N, d]; src_key_padding_mask bool [B, N], True at padding -> f32 [B, N, d]."""

@@ -175,3 +175,40 @@ def qwen2_from_megatron(
     else:
         state["lm_head.weight"] = cat("output_layer.weight")
     return state
+
+
+def qwen2_text_to_megatron(
+    state: dict[str, Tensor], *, layers: int, heads: int, groups: int, tp: int
+) -> list[dict[str, Tensor]]:
+    """A Qwen2-VL family's language model state dict (Hugging Face ``…TextModel``:
+    ``embed_tokens.weight``, ``layers.{i}.…``, ``norm.weight``) as one megatron ``GPTModel``
+    state dict per TP rank, without output weights."""
+    state = {f"model.{name}": tensor for name, tensor in state.items()}
+    return qwen2_to_megatron(state, layers=layers, heads=heads, groups=groups, tp=tp, tied=True)
+
+
+def qwen2_text_from_megatron(
+    shards: list[dict[str, Tensor]], *, layers: int, heads: int, groups: int
+) -> dict[str, Tensor]:
+    """The language model's state dict from every TP rank's: ``qwen2_text_to_megatron``'s
+    inverse."""
+    state = qwen2_from_megatron(shards, layers=layers, heads=heads, groups=groups, tied=True)
+    prefix = "model."
+    return {name[len(prefix) :]: t for name, t in state.items() if name.startswith(prefix)}
+
+
+# layout name (meta.json's "shards") -> (torch state -> per-rank shards, shards -> torch state)
+LAYOUTS = {
+    "transformer_encoder": (encoder_to_megatron, encoder_from_megatron),
+    "qwen2_text": (qwen2_text_to_megatron, qwen2_text_from_megatron),
+}
+
+
+def to_megatron(layout: str, state: dict[str, Tensor], *, tp: int, **shape) -> list[dict]:
+    """A module's torch-layout state dict as one megatron state dict per TP rank."""
+    return LAYOUTS[layout][0](state, tp=tp, **shape)
+
+
+def from_megatron(layout: str, shards: list[dict], **shape) -> dict[str, Tensor]:
+    """The module's torch-layout state dict from every TP rank's: ``to_megatron``'s inverse."""
+    return LAYOUTS[layout][1](shards, **shape)

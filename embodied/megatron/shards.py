@@ -1,11 +1,13 @@
 """Tensor-parallel checkpoint shards on disk (torch and safetensors only: every tool reads them
 without megatron-core or process groups).
 
-A checkpoint of the megatron backend keeps the sharded module (the VLA's fusion transformer)
-as one file per TP rank, in megatron's layout, written by that rank::
+A checkpoint of the megatron backend keeps the sharded modules (the VLA's fusion transformer;
+the language model of a Qwen2-VL family VLM, when trained) as one file per TP rank, in
+megatron's layout, written by that rank::
 
-    iter_000010/model-tp00-of-02.safetensors   rank 0's shard: weight/<name>, exp_avg/<name>,
-    iter_000010/model-tp01-of-02.safetensors   exp_avg_sq/<name> (after the first step), step
+    iter_000010/model-tp00-of-02.safetensors   rank 0's shards: weight/<module>/<name>,
+    iter_000010/model-tp01-of-02.safetensors   exp_avg/<module>/<name>, exp_avg_sq/...
+                                               (after the first step), step
     iter_000010/model.safetensors              everything else, whole, in the torch layout
     iter_000010/trainer.pt                     Adam's state of everything else
     iter_000010/meta.json                      "shards": what ``join`` needs (below)
@@ -19,29 +21,89 @@ embodied/checkpoint.py (``write_shard``, ``read_shards``).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from embodied.megatron.layout import encoder_from_megatron, encoder_to_megatron
+from embodied.megatron.layout import from_megatron, to_megatron
 
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
+TEXT_FAMILIES = ("qwen2_vl_text", "qwen2_5_vl_text")  # the VLM language models megatron shards
 
 
 def shard_file(rank: int, size: int) -> str:
     return f"model-tp{rank:02d}-of-{size:02d}.safetensors"
 
 
-def shard_info(module: str, *, layers: int, heads: int, tp: int, trainable: list[str]) -> dict:
-    """meta.json's "shards": the sharded module's state-dict prefix and shape, the TP size, the
-    files, and the names of the torch policy's trainable parameters in optimizer order (Adam's
-    state is indexed by position)."""
+def modules(policy: nn.Module) -> list[dict]:
+    """What the megatron backend shards of a torch ``policy``: per module, its state-dict prefix
+    and the shape its layout needs (embodied/megatron/layout.py): the VLA's fusion transformer,
+    and the language model of a Qwen2-VL family VLM."""
+    out = []
+    fusion = getattr(policy, "fusion", None)
+    if isinstance(fusion, nn.TransformerEncoder):
+        layer = fusion.layers[0]
+        out.append(
+            {
+                "module": "fusion",
+                "layout": "transformer_encoder",
+                "layers": len(fusion.layers),
+                "heads": layer.self_attn.num_heads,
+            }
+        )
+    vlm = getattr(policy, "vlm", None)
+    text = getattr(getattr(vlm, "model", None), "language_model", None)
+    config = getattr(text, "config", None)
+    if getattr(config, "model_type", None) in TEXT_FAMILIES:
+        out.append(
+            {
+                "module": "vlm.model.language_model",
+                "layout": "qwen2_text",
+                "layers": config.num_hidden_layers,
+                "heads": config.num_attention_heads,
+                "groups": config.num_key_value_heads,
+            }
+        )
+    return out
+
+
+def trainable_modules(policy: nn.Module) -> list[dict]:
+    """``modules(policy)`` with trainable weights: what a checkpoint's shard files hold (frozen
+    weights are saved whole, once, as every frozen weight is)."""
+
+    def trainable(module: str) -> bool:
+        return any(p.requires_grad for p in policy.get_submodule(module).parameters())
+
+    return [info for info in modules(policy) if trainable(info["module"])]
+
+
+def shape_of(info: dict) -> dict:
+    """A module's shape as its layout's functions take it."""
+    return {k: v for k, v in info.items() if k not in ("module", "layout")}
+
+
+def shard_info(modules: list[dict], *, tp: int, trainable: list[str]) -> dict:
+    """meta.json's "shards": the sharded modules (``modules``), the TP size, the files, and the
+    names of the torch policy's trainable parameters in optimizer order (Adam's state is indexed
+    by position)."""
     return {
-        "module": module,
-        "layout": "transformer_encoder",
-        "layers": layers,
-        "heads": heads,
+        "modules": modules,
         "tensor_parallel": tp,
         "files": [shard_file(rank, tp) for rank in range(tp)],
         "trainable": trainable,
     }
+
+
+def module_prefixes(info: dict) -> list[str]:
+    """The state-dict prefixes of the sharded modules (what model.safetensors leaves out)."""
+    return [module["module"] + "." for module, _ in _modules(info)]
+
+
+def _modules(info: dict) -> list[tuple[dict, str]]:
+    """(module, its key prefix in a file after "<kind>/") per sharded module of meta.json's
+    "shards" (a checkpoint of one sharded module, the fusion, names its tensors "<kind>/<name>")."""
+    if "module" in info:
+        module = {k: info[k] for k in ("module", "layers", "heads")}
+        return [({**module, "layout": info["layout"]}, "")]
+    return [(module, module["module"] + "/") for module in info["modules"]]
 
 
 def shard_tensors(
@@ -50,7 +112,7 @@ def shard_tensors(
     step: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
     """One rank's file content from its weights and Adam moments ({"exp_avg": {name: ..},
-    "exp_avg_sq": ..}; None before the first step), keyed by megatron's names."""
+    "exp_avg_sq": ..}; None before the first step), keyed "<module>/<megatron name>"."""
     out = {f"weight/{name}": tensor for name, tensor in weights.items()}
     if moments is not None:
         for kind, values in moments.items():
@@ -64,55 +126,58 @@ def split(
 ) -> tuple[dict, dict | None, list[dict[str, torch.Tensor]]]:
     """A torch-layout checkpoint's model state and optimizer state dict as (the rest of the
     model, the rest of the optimizer, one file content per rank of ``info``)."""
-    prefix = info["module"] + "."
     tp = info["tensor_parallel"]
-    layout = {"layers": info["layers"], "heads": info["heads"], "tp": tp}
-    module = {k[len(prefix) :]: v for k, v in model.items() if k.startswith(prefix)}
-    rest = {k: v for k, v in model.items() if not k.startswith(prefix)}
-    weights = encoder_to_megatron(module, **layout)
-    moments = [None] * tp
-    step = None
-    if optimizer is not None and optimizer["state"]:
-        index = {name: i for i, name in enumerate(info["trainable"])}
-        state = optimizer["state"]
-        step = next(iter(state.values()))["step"]
-        per_kind = {
-            kind: encoder_to_megatron(
-                {name: state[index[prefix + name]][kind] for name in module}, **layout
-            )
-            for kind in KINDS[1:]
-        }
-        moments = [{kind: per_kind[kind][rank] for kind in per_kind} for rank in range(tp)]
-        sharded = {index[prefix + name] for name in module}
-        optimizer = {
-            **optimizer,
-            "state": {i: entry for i, entry in state.items() if i not in sharded},
-        }
-    files = [shard_tensors(weights[rank], moments[rank], step) for rank in range(tp)]
-    return rest, optimizer, files
+    index = {name: i for i, name in enumerate(info["trainable"])}
+    state = optimizer["state"] if optimizer is not None else {}
+    step = next(iter(state.values()))["step"] if state else None
+    weights = [{} for _ in range(tp)]
+    moments = [{kind: {} for kind in KINDS[1:]} for _ in range(tp)]
+    sharded = set()
+    for module, key in _modules(info):
+        prefix = module["module"] + "."
+        own = {k[len(prefix) :]: v for k, v in model.items() if k.startswith(prefix)}
+        model = {k: v for k, v in model.items() if not k.startswith(prefix)}
+        shape = shape_of(module)
+        for rank, part in enumerate(to_megatron(module["layout"], own, tp=tp, **shape)):
+            weights[rank].update({key + name: t for name, t in part.items()})
+        if not state:
+            continue
+        for kind in KINDS[1:]:
+            values = {name: state[index[prefix + name]][kind] for name in own}
+            for rank, part in enumerate(to_megatron(module["layout"], values, tp=tp, **shape)):
+                moments[rank][kind].update({key + name: t for name, t in part.items()})
+        sharded.update(index[prefix + name] for name in own)
+    if state:
+        rest = {i: entry for i, entry in state.items() if i not in sharded}
+        optimizer = {**optimizer, "state": rest}
+    files = [
+        shard_tensors(weights[rank], moments[rank] if state else None, step) for rank in range(tp)
+    ]
+    return model, optimizer, files
 
 
 def join(
     files: list[dict[str, torch.Tensor]], info: dict, model: dict, optimizer: dict | None
 ) -> None:
-    """Put every rank's shard back into the torch-layout ``model`` state and, when given,
+    """Put every rank's shards back into the torch-layout ``model`` state and, when given,
     ``optimizer``'s state (in place): ``split``'s inverse."""
-    prefix = info["module"] + "."
-    layout = {"layers": info["layers"], "heads": info["heads"]}
-
-    def kind_of(kind: str) -> list[dict[str, torch.Tensor]]:
-        start = kind + "/"
-        return [{k[len(start) :]: v for k, v in f.items() if k.startswith(start)} for f in files]
-
-    weights = encoder_from_megatron(kind_of("weight"), **layout)
-    model.update({prefix + name: tensor for name, tensor in weights.items()})
-    if optimizer is None or "step" not in files[0]:
-        return
-    moments = {kind: encoder_from_megatron(kind_of(kind), **layout) for kind in KINDS[1:]}
     index = {name: i for i, name in enumerate(info["trainable"])}
-    step = files[0]["step"].clone()
-    for name in weights:
-        optimizer["state"][index[prefix + name]] = {
-            "step": step.clone(),
-            **{kind: moments[kind][name] for kind in KINDS[1:]},
-        }
+    with_moments = optimizer is not None and "step" in files[0]
+    kinds = KINDS if with_moments else KINDS[:1]
+    for module, key in _modules(info):
+        prefix = module["module"] + "."
+        joined = {}
+        for kind in kinds:
+            start = f"{kind}/{key}"
+            parts = [
+                {k[len(start) :]: v for k, v in f.items() if k.startswith(start)} for f in files
+            ]
+            joined[kind] = from_megatron(module["layout"], parts, **shape_of(module))
+        model.update({prefix + name: tensor for name, tensor in joined["weight"].items()})
+        if not with_moments:
+            continue
+        for name in joined["weight"]:
+            optimizer["state"][index[prefix + name]] = {
+                "step": files[0]["step"].clone(),
+                **{kind: joined[kind][name] for kind in KINDS[1:]},
+            }

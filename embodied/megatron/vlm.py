@@ -1,0 +1,115 @@
+"""A Qwen2-VL family VLM's language model on megatron-core, inside the VLA.
+
+A VLA on a Hugging Face VLM (``policy.vlm_path``, models/vla/hf_vlm.py) keeps that model's own
+``…VLModel``: its vision tower, the merge of the image features into the token embeddings at
+the image placeholders, and its 3-D (time, height, width) rotary positions. Its language model
+(``language_model``, a ``Qwen2_5_VLTextModel`` / ``Qwen2VLTextModel``), the large part of the
+VLA's weights, is replaced by ``MegatronTextModel``: this TP rank's shard of it, called as the
+Hugging Face one is (``get_input_embeddings``; ``forward(inputs_embeds=, position_ids=,
+attention_mask=)`` -> ``.last_hidden_state``).
+
+- The embedding rows (the vocabulary) split over the ranks; each rank looks up its rows and the
+  embeddings are summed over the ranks (megatron's ``VocabParallelEmbedding``).
+- The transformer is megatron's (embodied/megatron/qwen2.py) with its multimodal rotary
+  embedding over the positions the ``…VLModel`` computes.
+- The vision tower stays whole on every rank: its input and output are the same there, so its
+  gradients are too (the decoder's input gradient is summed over the ranks by megatron's
+  column-parallel linears).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from embodied.megatron import parallel
+from embodied.megatron.layout import qwen2_text_from_megatron, qwen2_text_to_megatron
+from embodied.megatron.qwen2 import Qwen2Megatron
+
+FAMILIES = ("qwen2_vl_text", "qwen2_5_vl_text")  # the text models' ``model_type``
+
+
+def shardable(language_model: nn.Module) -> bool:
+    """Whether megatron has this VLM's language model (the Qwen2-VL families)."""
+    return getattr(getattr(language_model, "config", None), "model_type", None) in FAMILIES
+
+
+class MegatronTextModel(nn.Module):
+    """This TP rank's shard of a Qwen2-VL family's language model."""
+
+    layout = "qwen2_text"
+    shard_prefix = "lm.model."  # the names of the shard's parameters (megatron's)
+
+    def __init__(self, text_config, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.lm = Qwen2Megatron(text_config, dtype, lm_head=False)
+        self.pad_token_id = text_config.pad_token_id
+
+    def shape(self) -> dict:
+        lm = self.lm
+        return {"layers": lm.num_layers, "heads": lm.heads, "groups": lm.groups}
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """long [B, L] -> f32 [B, L, D], summed over the ranks' vocabulary slices."""
+        embeddings = self.lm.model.embedding.word_embeddings(input_ids)
+        if self.pad_token_id is None:
+            return embeddings
+        # as nn.Embedding's padding_idx: the padding token's row gets no gradient
+        return torch.where(
+            (input_ids == self.pad_token_id)[..., None], embeddings.detach(), embeddings
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ):
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        if past_key_values is not None or use_cache:
+            raise ValueError("the megatron language model keeps no key-value cache")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed(input_ids)
+        batch, length = inputs_embeds.shape[:2]
+        if position_ids is None:  # (as the Hugging Face model: 0.. on every axis)
+            position_ids = torch.arange(length, device=inputs_embeds.device)
+            position_ids = position_ids.view(1, 1, -1).expand(3, batch, -1)
+        elif position_ids.ndim == 2:
+            position_ids = position_ids[None].expand(3, -1, -1)
+        elif position_ids.shape[0] == 4:  # (text positions first: for packed masks only)
+            position_ids = position_ids[1:]
+        if attention_mask is None:
+            attention_mask = torch.ones(
+                batch, length, dtype=torch.long, device=inputs_embeds.device
+            )
+        hidden = self.lm.hidden_states(inputs_embeds, position_ids, attention_mask)
+        return BaseModelOutputWithPast(last_hidden_state=hidden)
+
+    def load_torch_state(self, state: dict[str, torch.Tensor]) -> None:
+        """This rank's shard of the Hugging Face language model's state dict."""
+        shards = qwen2_text_to_megatron(state, tp=parallel.tp_size(), **self.shape())
+        self.lm.model.load_state_dict(_with_extra_state(shards[parallel.tp_rank()], self.lm.model))
+
+    def torch_state(self, values=None) -> dict[str, torch.Tensor]:
+        """The Hugging Face language model's state dict, gathered from every TP rank (every rank
+        calls this). ``values``: {megatron name: this rank's tensor} to gather instead of the
+        weights (e.g. their gradients)."""
+        mine = {k: p.detach() for k, p in self.lm.model.named_parameters()}
+        if values is not None:
+            mine = {k: values[k] for k in mine}
+        return qwen2_text_from_megatron(parallel.gather_shards(mine), **self.shape())
+
+
+def _with_extra_state(state: dict, model: nn.Module) -> dict:
+    """``state`` with the ``_extra_state`` entries megatron's linears keep for Transformer Engine
+    (None here) taken from ``model``, so that a strict load checks every weight."""
+    extra = {k: v for k, v in model.state_dict().items() if k.endswith("._extra_state")}
+    return {**extra, **state}
