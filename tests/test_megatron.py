@@ -237,9 +237,10 @@ def test_nothing_of_megatron_is_imported_by_the_torch_backend():
 
 
 # --- the update: one PPO and one GRPO step on megatron against the torch engine ---------------
-def vla_samples(name: str):
+def vla_samples(name: str, vlm: str = ""):
     """(tiny VLA, algorithm, prepared samples): one round of the test task (8 environments,
-    cameras and state), the fusion transformer 2 layers of 2 heads."""
+    cameras and state), the fusion transformer 2 layers of 2 heads; with ``vlm``, on that
+    Qwen2.5-VL directory, trained (``tiny_vl``'s weights)."""
     from scripted_envs import TINY_VLA, PushRightEnv, prepared_samples
 
     from embodied.env_group import EnvGroup
@@ -249,8 +250,12 @@ def vla_samples(name: str):
 
     torch.manual_seed(0)
     envs = EnvGroup(PushRightEnv(8))
-    config = VLAConfig(**{**TINY_VLA, "layers": 2, "value_head": name == "ppo"})
-    policy = VLA(envs.spec, config).eval()
+    config = {**TINY_VLA, "layers": 2, "value_head": name == "ppo"}
+    if vlm:
+        config.update(vlm_path=vlm, freeze_vlm=False)
+    policy = VLA(envs.spec, VLAConfig(**config)).eval()
+    if vlm:
+        perturb_biases_and_norms(policy.vlm.model.language_model)
     if name == "ppo":
         ppo = PPOConfig(num_steps=3, logprob_level="token", vf_clip=0.2, ent_coef=0.01)
         algorithm = PPO(ppo, seed=0, num_envs=envs.num_envs)
@@ -285,20 +290,23 @@ def two_steps(engine, algorithm, samples, grads_of) -> dict:
 
 
 NAMES = ("ppo", "grpo")
+CASES = [(name, vlm) for vlm in ("", "_vlm") for name in NAMES]  # ("_vlm": on a Qwen2.5-VL)
 
 
 def engine_rank(rank: int, tp: int, out: str) -> None:
     """One TP rank: PPO's and GRPO's two steps on megatron, saved in the torch layout."""
     from embodied.megatron.engine import MegatronEngine
 
-    for name in NAMES:
-        policy, algorithm, samples = vla_samples(name)
+    for name, vlm in CASES:
+        policy, algorithm, samples = vla_samples(name, vlm and f"{out}/vlm")
         engine = MegatronEngine(
             policy, learning_rate=1e-3, max_grad_norm=0.5, with_value=algorithm.has_critic
         )
+        if vlm:  # (the VLM's language model is sharded too)
+            assert list(engine.parts) == ["fusion", "vlm.model.language_model"]
         result = two_steps(engine, algorithm, samples, lambda e: e.torch_grads())
         result["state"] = engine.torch_state()
-        torch.save(result, f"{out}/{name}{rank}.pt")
+        torch.save(result, f"{out}/{name}{vlm}{rank}.pt")
 
 
 def bc_steps(backend: str) -> dict:
@@ -361,35 +369,38 @@ def torch_grads(engine) -> dict[str, torch.Tensor]:
     }
 
 
-def test_megatron_updates_are_the_torch_updates(ranks):
-    """PPO and GRPO: the same loss, gradients (to 1e-5) and gradient norms, and the same
-    weights after two clipped Adam steps, at TP=1 and TP=2 (two processes)."""
+@pytest.mark.parametrize("name,vlm", CASES, ids=[name + vlm for name, vlm in CASES])
+def test_megatron_updates_are_the_torch_updates(ranks, name, vlm):
+    """PPO and GRPO, of the tiny VLA and of one on a tiny Qwen2.5-VL trained with it (its
+    language model sharded too): the same loss, gradients (to 1e-5) and gradient norms, and the
+    same weights after two clipped Adam steps, at TP=1 and TP=2 (two processes)."""
     from embodied.learner import TorchEngine
 
     tp, tmp_path = ranks
-    for name in NAMES:
-        policy, algorithm, samples = vla_samples(name)
-        before = {k: v.clone() for k, v in policy.state_dict().items()}
-        engine = TorchEngine(policy, learning_rate=1e-3, max_grad_norm=0.5)
-        want = two_steps(engine, algorithm, samples, torch_grads)
-        want["state"] = policy.state_dict()
-        assert min(want["grad_norm0"], want["grad_norm1"]) > 0.5  # both steps are clipped
-        moved = (
-            want["state"]["fusion.layers.1.linear2.weight"]
-            - before["fusion.layers.1.linear2.weight"]
-        )
-        assert moved.abs().max() > 1e-3  # (the fusion's weights moved)
-        for rank in range(tp):
-            got = torch.load(tmp_path / f"{name}{rank}.pt")
-            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6), name
-            for step in ("grad_norm0", "grad_norm1"):
-                assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
-            assert got["grads"].keys() == want["grads"].keys()
-            for key, grad in want["grads"].items():
-                torch.testing.assert_close(got["grads"][key], grad, rtol=1e-5, atol=1e-5)
-            assert got["state"].keys() == want["state"].keys()
-            for key, value in want["state"].items():
-                torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-5)
+    policy, algorithm, samples = vla_samples(name, vlm and str(tmp_path / "vlm"))
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    engine = TorchEngine(policy, learning_rate=1e-3, max_grad_norm=0.5)
+    want = two_steps(engine, algorithm, samples, torch_grads)
+    want["state"] = policy.state_dict()
+    assert min(want["grad_norm0"], want["grad_norm1"]) > 0.5  # both steps are clipped
+    moving = ["fusion.layers.1.linear2.weight"]
+    if vlm:  # (and the language model's, the vision tower's)
+        text = "vlm.model.language_model."
+        moving += [f"{text}layers.1.self_attn.q_proj.bias", f"{text}embed_tokens.weight"]
+        moving += ["vlm.model.visual.blocks.0.mlp.up_proj.weight"]
+    for key in moving:
+        assert (want["state"][key] - before[key]).abs().max() > 1e-4, key
+    for rank in range(tp):
+        got = torch.load(tmp_path / f"{name}{vlm}{rank}.pt")
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6)
+        for step in ("grad_norm0", "grad_norm1"):
+            assert got[step] == pytest.approx(want[step], rel=1e-5), step
+        assert got["grads"].keys() == want["grads"].keys()
+        for key, grad in want["grads"].items():
+            torch.testing.assert_close(got["grads"][key], grad, rtol=1e-5, atol=1e-5)
+        assert got["state"].keys() == want["state"].keys()
+        for key, value in want["state"].items():
+            torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-5)
 
 
 # --- the Qwen2 family's language model ----------------------------------------------------------
@@ -498,6 +509,106 @@ def test_megatron_qwen2_gives_the_hugging_face_logits(ranks):
             assert all(torch.equal(got["state"][k], state[k]) for k in state)
 
 
+# --- a Qwen2.5-VL's language model inside the VLA -------------------------------------------------
+# 2 layers of 4 query heads in 2 key-value groups (head size 8: 4 rotary frequencies, turned by
+# the time, height and width positions 2, 1 and 1)
+QWEN_VL_TEXT = {
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1000.0},
+}
+
+
+def tiny_qwen2_5_vl(path):
+    from tiny_vlms import qwen2_5_vl
+
+    return qwen2_5_vl(path, text=QWEN_VL_TEXT)
+
+
+def perturb_biases_and_norms(model: nn.Module) -> None:
+    """Biases and norms away from their initial zeros and ones (a mapping that mixed them up
+    would pass with those), the same draw on every rank."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                noise = torch.randn(param.shape, generator=generator) * 0.1
+                param.add_(noise)
+
+
+def vl_inputs() -> tuple[list[torch.Tensor], list[str]]:
+    """Two cameras' images for 3 samples and instructions of different lengths (padding)."""
+    generator = torch.Generator().manual_seed(4)
+    images = [torch.randint(0, 256, (3, 32, 32, 3), generator=generator, dtype=torch.uint8)]
+    images.append(torch.randint(0, 256, (3, 32, 32, 3), generator=generator, dtype=torch.uint8))
+    return images, ["push the cube", "pick the red cube to the white target", "a"]
+
+
+def vl_forward(vlm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VLM's last hidden states and mask, and a loss (a mean over the tokens)
+    backpropagated."""
+    hidden, mask = vlm(*vl_inputs())
+    weights = torch.linspace(-1, 1, hidden.shape[-1])
+    loss = ((hidden * weights).square() * mask[..., None]).sum() / mask.sum()
+    loss.backward()
+    return hidden.detach(), mask
+
+
+def vlm_rank(rank: int, tp: int, out: str) -> None:
+    """One TP rank: the VLM with its language model on megatron; its hidden states, every
+    gradient (the language model's gathered into the Hugging Face layout) and weights."""
+    from embodied.megatron.vlm import MegatronTextModel
+    from embodied.models.vla.hf_vlm import HFVisionLanguage
+
+    vlm = HFVisionLanguage(f"{out}/vlm", freeze=False)
+    original = vlm.model.language_model
+    perturb_biases_and_norms(original)
+    text = MegatronTextModel(original.config)
+    text.load_torch_state(original.state_dict())
+    vlm.model.language_model = text
+    hidden, mask = vl_forward(vlm)
+    grads = {k: p.grad for k, p in text.lm.model.named_parameters()}
+    result = {
+        "hidden": hidden,
+        "mask": mask,
+        "text_grads": text.torch_state(grads),
+        "vision_grads": {k: p.grad for k, p in vlm.model.visual.named_parameters()},
+        "text_weights": text.torch_state(),
+        "vocabulary_slice": text.lm.model.embedding.word_embeddings.weight.shape[0],
+    }
+    torch.save(result, f"{out}/vl{rank}.pt")
+
+
+def test_a_qwen2_5_vl_language_model_on_megatron_gives_the_hugging_face_states(ranks):
+    """At TP=1 and TP=2: images and instructions through the VLM with its language model on
+    megatron (3-D rotary positions over the images' patches) give the Hugging Face model's last
+    hidden states and the same gradients, for the language model (each rank holding half the
+    vocabulary at TP=2) and for the vision tower, to 1e-5; the weights gather back bit for bit."""
+    from embodied.models.vla.hf_vlm import HFVisionLanguage
+
+    tp, out = ranks
+    vlm = HFVisionLanguage(out / "vlm", freeze=False)
+    text = vlm.model.language_model
+    perturb_biases_and_norms(text)
+    hidden, mask = vl_forward(vlm)
+    assert mask.sum(1).tolist() == [15, 20, 13]  # (two images' 4 tokens each, marks, words)
+    vocabulary = text.embed_tokens.weight.shape[0]
+    for rank in range(tp):
+        got = torch.load(out / f"vl{rank}.pt")
+        assert torch.equal(got["mask"], mask)
+        torch.testing.assert_close(got["hidden"][mask], hidden[mask], rtol=1e-5, atol=1e-5)
+        assert torch.isfinite(got["hidden"]).all()
+        assert got["vocabulary_slice"] == vocabulary // tp
+        want = {k: p.grad for k, p in text.named_parameters()}
+        assert got["text_grads"].keys() == want.keys()
+        for name, grad in want.items():
+            torch.testing.assert_close(got["text_grads"][name], grad, rtol=1e-5, atol=1e-5)
+        for name, param in vlm.model.visual.named_parameters():
+            torch.testing.assert_close(got["vision_grads"][name], param.grad, rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(got["text_weights"][k], v) for k, v in text.state_dict().items())
+
+
 def rank_main(rank: int, tp: int, port: int, out: str) -> None:
     """One TP rank's part of every test above (one process group: megatron is imported and
     set up once per TP size)."""
@@ -506,6 +617,7 @@ def rank_main(rank: int, tp: int, port: int, out: str) -> None:
         engine_rank(rank, tp, out)
         bc_rank(rank, tp, out)
         qwen2_rank(rank, tp, out)
+        vlm_rank(rank, tp, out)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
@@ -514,6 +626,7 @@ def ranks(request, tmp_path_factory):
     pytest.importorskip("megatron.core")
     tp = request.param
     out = tmp_path_factory.mktemp(f"tp{tp}")
+    tiny_qwen2_5_vl(out / "vlm")
     torch.multiprocessing.spawn(rank_main, args=(tp, free_port(), str(out)), nprocs=tp)
     return tp, out
 
@@ -523,16 +636,24 @@ E2E_POLICY = {"layers": 2}  # (over the tests' tiny VLA)
 E2E_ITERATIONS = 3
 
 
-def e2e_run(run_dir, trainer: dict | None, resume: str | None = None) -> dict:
-    """GRPO on the test task, one round per update, a checkpoint per iteration."""
+def e2e_run(
+    run_dir,
+    trainer: dict | None,
+    resume: str | None = None,
+    *,
+    policy: dict | None = None,
+    iterations: int = E2E_ITERATIONS,
+) -> dict:
+    """GRPO on the test task, one round per update, a checkpoint per iteration; ``policy``
+    over the tiny VLA's config."""
     from scripted_envs import GRPO, TINY_VLA, PushRightEnv, run_on
 
     torch.manual_seed(0)  # (as ``train`` seeds before it builds the roles)
     return run_on(
         PushRightEnv(8),
         run_dir,
-        total_env_steps=8 * 3 * E2E_ITERATIONS,
-        policy={**TINY_VLA, **E2E_POLICY},
+        total_env_steps=8 * 3 * iterations,
+        policy={**TINY_VLA, **E2E_POLICY, **(policy or {})},
         algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
         save_every=1,
         trainer=trainer,
@@ -540,16 +661,16 @@ def e2e_run(run_dir, trainer: dict | None, resume: str | None = None) -> dict:
     )
 
 
-def resume_copy(tmp_path, source: str, name: str) -> str:
-    """A copy of the run ``source`` as ``name``, its rows after iteration 2 dropped (as
-    ``train`` does when it resumes); the checkpoint of iteration 2 to resume from."""
+def resume_copy(tmp_path, source: str, name: str, iteration: int = 2) -> str:
+    """A copy of the run ``source`` as ``name``, its rows after ``iteration`` dropped (as
+    ``train`` does when it resumes); the checkpoint of that iteration to resume from."""
     import shutil
 
     from embodied.run import trim_metrics
 
     shutil.copytree(tmp_path / source, tmp_path / name, symlinks=True)
-    trim_metrics(tmp_path / name, 2)
-    return str(tmp_path / name / "checkpoints" / "iter_000002")
+    trim_metrics(tmp_path / name, iteration)
+    return str(tmp_path / name / "checkpoints" / f"iter_{iteration:06d}")
 
 
 def e2e_child(rank: int, tmp_path) -> None:
@@ -625,6 +746,54 @@ def test_a_run_on_megatron_follows_the_torch_run_and_resumes_at_any_tp_or_on_tor
     e2e_run(tmp_path / "again_torch", None, resume=again)
     for name in ("megatron_tp2", "tp2_then_tp1", "again_torch"):
         assert_rows_close(metric_table(tmp_path / name), want)
+
+
+def vlm_e2e_child(rank: int, tmp_path) -> None:
+    """The VLA on a Qwen2.5-VL, trained and frozen, at TP=2; the trained run resumed at TP=1."""
+    torch.set_num_threads(1)
+    for frozen in (False, True):
+        policy = {"vlm_path": str(tmp_path / "vlm"), "freeze_vlm": frozen}
+        trainer = {"backend": "megatron", "tensor_parallel": 2}
+        e2e_run(tmp_path / f"megatron{frozen}", trainer, policy=policy, iterations=2)
+    again = resume_copy(tmp_path, "megatronFalse", "again", iteration=1)
+    policy = {"vlm_path": str(tmp_path / "vlm"), "freeze_vlm": False}
+    e2e_run(tmp_path / "again", {"backend": "megatron"}, again, policy=policy, iterations=2)
+
+
+@pytest.mark.slow  # (31 s; the update's parity with the language model sharded is in the suite)
+def test_a_vla_on_a_qwen2_5_vl_trains_on_megatron_as_on_torch(tmp_path):
+    """GRPO of the VLA on a tiny Qwen2.5-VL, 2 iterations at TP=2, its VLM trained and frozen:
+    every logged number equals the torch run's to 1e-5. Trained, the checkpoint's shard files
+    hold the fusion and the language model (model.safetensors neither); frozen, the language
+    model is saved whole with the frozen weights. Joined, the weights equal the torch run's; the
+    trained run resumed at TP=1 after iteration 1 gives iteration 2 again."""
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
+
+    from embodied.checkpoint import load_checkpoint
+
+    torch.set_num_threads(1)
+    tiny_qwen2_5_vl(tmp_path / "vlm")
+    for frozen in (False, True):
+        policy = {"vlm_path": str(tmp_path / "vlm"), "freeze_vlm": frozen}
+        e2e_run(tmp_path / f"torch{frozen}", None, policy=policy, iterations=2)
+    torch.multiprocessing.spawn(vlm_e2e_child, args=(tmp_path,), nprocs=1)
+    for frozen in (False, True):
+        want = metric_table(tmp_path / f"torch{frozen}")
+        assert_rows_close(metric_table(tmp_path / f"megatron{frozen}"), want)
+        last = tmp_path / f"megatron{frozen}" / "checkpoints" / "iter_000002"
+        shard = load_file(last / "model-tp01-of-02.safetensors")
+        text = "weight/vlm.model.language_model/decoder.layers.1.mlp.linear_fc2.weight"
+        assert (text in shard) == (not frozen)
+        assert "weight/fusion/layers.1.mlp.linear_fc2.weight" in shard
+        whole = load_file(last / "model.safetensors")
+        assert not [k for k in whole if k.startswith(("fusion.", "vlm.model.language_model."))]
+        saved = load_checkpoint(last)["model"]
+        reference = load_checkpoint(tmp_path / f"torch{frozen}" / "last")["model"]
+        assert saved.keys() == reference.keys()
+        for key, value in reference.items():
+            torch.testing.assert_close(saved[key], value, rtol=1e-5, atol=1e-5)
+    assert_rows_close(metric_table(tmp_path / "again"), metric_table(tmp_path / "torchFalse"))
 
 
 def failing_child(rank: int, tmp_path) -> None:

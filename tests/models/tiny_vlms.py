@@ -83,7 +83,9 @@ def paligemma(path: Path) -> Path:
     return path
 
 
-def qwen2_5_vl(path: Path) -> Path:
+def qwen2_5_vl(path: Path, *, text: dict | None = None) -> Path:
+    """A Qwen2.5-VL directory; ``text`` overrides the language model's config (its sizes, its
+    rotary sections)."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -120,14 +122,17 @@ def qwen2_5_vl(path: Path) -> Path:
             window_size=16,
             fullatt_block_indexes=[0],
         ),
-        text_config=_text(
-            len(tok),
-            rope_parameters={
-                "rope_type": "default",
-                "mrope_section": [2, 3, 3],
-                "rope_theta": 10000.0,
-            },
-        ),
+        text_config={
+            **_text(
+                len(tok),
+                rope_parameters={
+                    "rope_type": "default",
+                    "mrope_section": [2, 3, 3],
+                    "rope_theta": 10000.0,
+                },
+            ),
+            **(text or {}),
+        },
         **ids,
     )
     Qwen2_5_VLForConditionalGeneration(cfg).save_pretrained(path)
