@@ -159,7 +159,7 @@ def _check_module_split(module: dict, tp: int, model: dict) -> None:
     """A sharded module of a checkpoint (shards.modules) splits over ``tp`` ranks."""
     if module["layout"] == "qwen2_text":
         prefix = module["module"] + "."
-        state = {f"model.{k[len(prefix):]}": v for k, v in model.items() if k.startswith(prefix)}
+        state = {f"model.{k[len(prefix) :]}": v for k, v in model.items() if k.startswith(prefix)}
         _check_split(module, tp, state)
     elif module["heads"] % tp:
         raise ConvertError(

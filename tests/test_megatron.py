@@ -942,6 +942,7 @@ def test_convert_writes_a_vlas_hugging_face_model_with_the_trained_weights(tmp_p
     """A VLA on a Qwen2.5-VL directory, trained one update with the VLM unfrozen -> --to hf:
     the directory loads with transformers and holds the checkpoint's VLM weights (not the
     original's), with the processor files beside them."""
+    from safetensors.torch import load_file
     from scripted_envs import GRPO, TINY_VLA, PushRightEnv, run_on
     from tiny_vlms import qwen2_5_vl
     from transformers import AutoModelForImageTextToText, AutoTokenizer
@@ -970,3 +971,14 @@ def test_convert_writes_a_vlas_hugging_face_model_with_the_trained_weights(tmp_p
         AutoTokenizer.from_pretrained(tmp_path / "hf").vocab
         == AutoTokenizer.from_pretrained(vlm).vocab
     )
+    # to megatron shards (the fusion and the language model), and from them to hf the same
+    code, err = convert_cli(
+        tmp_path / "run", "--to", "megatron", "--tensor-parallel", 2, tmp_path / "mg2"
+    )
+    assert code == 2 and "--tensor-parallel 2: 1 query groups" in err  # (one key-value head)
+    assert convert_cli(tmp_path / "run", "--to", "megatron", tmp_path / "mg")[0] == 0
+    shard = load_file(tmp_path / "mg" / "model-tp00-of-01.safetensors")
+    assert "weight/vlm.model.language_model/embedding.word_embeddings.weight" in shard
+    assert convert_cli(tmp_path / "mg", "--to", "hf", tmp_path / "hf2")[0] == 0
+    again = load(tmp_path / "hf2", local_files_only=True).model.state_dict()
+    assert all(torch.equal(again[k], converted[k]) for k in converted)
