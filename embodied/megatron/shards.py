@@ -26,7 +26,8 @@ from torch import nn
 from embodied.megatron.layout import from_megatron, to_megatron
 
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
-TEXT_FAMILIES = ("qwen2_vl_text", "qwen2_5_vl_text")  # the VLM language models megatron shards
+# the VLM language models megatron shards (Qwen2-VL's is the same model: untested, not listed)
+TEXT_FAMILIES = ("qwen2_5_vl_text",)
 
 
 def shard_file(rank: int, size: int) -> str:

@@ -3,7 +3,7 @@
 A VLA on a Hugging Face VLM (``policy.vlm_path``, models/vla/hf_vlm.py) keeps that model's own
 ``…VLModel``: its vision tower, the merge of the image features into the token embeddings at
 the image placeholders, and its 3-D (time, height, width) rotary positions. Its language model
-(``language_model``, a ``Qwen2_5_VLTextModel`` / ``Qwen2VLTextModel``), the large part of the
+(``language_model``, a ``Qwen2_5_VLTextModel``), the large part of the
 VLA's weights, is replaced by ``MegatronTextModel``: this TP rank's shard of it, called as the
 Hugging Face one is (``get_input_embeddings``; ``forward(inputs_embeds=, position_ids=,
 attention_mask=)`` -> ``.last_hidden_state``).
@@ -25,13 +25,6 @@ from torch import nn
 from embodied.megatron import parallel
 from embodied.megatron.layout import qwen2_text_from_megatron, qwen2_text_to_megatron
 from embodied.megatron.qwen2 import Qwen2Megatron
-
-FAMILIES = ("qwen2_vl_text", "qwen2_5_vl_text")  # the text models' ``model_type``
-
-
-def shardable(language_model: nn.Module) -> bool:
-    """Whether megatron has this VLM's language model (the Qwen2-VL families)."""
-    return getattr(getattr(language_model, "config", None), "model_type", None) in FAMILIES
 
 
 class MegatronTextModel(nn.Module):
