@@ -9,7 +9,8 @@ step over the whole batch) after ``--warmup`` steps:
 - samples/s;
 - per rank, the peak resident set size (ru_maxrss) minus the resident size before the engine
   was built: the engine's copies and buffers, activations, gradients and Adam's state.
-The torch engine and megatron at TP=1 get all ``--threads``; each TP=2 rank gets half.
+The torch engine and megatron at TP=1 get all ``--threads``; each TP=2 rank gets half. Megatron
+runs once more with activation recomputation (``trainer.recompute``) at each TP size.
 
     python benchmarks/megatron.py [--steps 10] [--envs 64] [--d-model 512] [--layers 4]
 """
@@ -40,7 +41,7 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # (KiB on Linux)
 
 
-def run_rank(rank: int, backend: str, tp: int, port: int, args, out: str) -> None:
+def run_rank(rank: int, backend: str, tp: int, recompute: bool, port: int, args, out: str) -> None:
     """One rank: build, warm up, time; its numbers to ``out/rank.json``."""
     sys.path.insert(0, str(ROOT / "tests"))
     warnings.filterwarnings("ignore")
@@ -79,7 +80,13 @@ def run_rank(rank: int, backend: str, tp: int, port: int, args, out: str) -> Non
     if backend == "megatron":
         from embodied.megatron.engine import MegatronEngine
 
-        engine = MegatronEngine(policy, learning_rate=1e-4, max_grad_norm=1.0, with_value=False)
+        engine = MegatronEngine(
+            policy,
+            learning_rate=1e-4,
+            max_grad_norm=1.0,
+            with_value=False,
+            recompute=recompute,
+        )
     else:
         engine = TorchEngine(policy, learning_rate=1e-4, max_grad_norm=1.0)
 
@@ -105,13 +112,14 @@ def run_rank(rank: int, backend: str, tp: int, port: int, args, out: str) -> Non
         engine.close()
 
 
-def measure(backend: str, tp: int, args) -> list[dict]:
+def measure(backend: str, tp: int, recompute: bool, args) -> list[dict]:
     """Every rank's numbers for one configuration, each run in fresh processes."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        torch.multiprocessing.spawn(run_rank, args=(backend, tp, port, args, out), nprocs=tp)
+        spawn_args = (backend, tp, recompute, port, args, out)
+        torch.multiprocessing.spawn(run_rank, args=spawn_args, nprocs=tp)
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(tp)]
 
 
@@ -131,17 +139,20 @@ def main() -> None:
         f"{args.heads} heads; {args.envs} envs x 3 steps per batch; {args.steps} steps timed"
     )
     rows = []
-    for backend, tp in (("torch", 1), ("megatron", 1), ("megatron", 2)):
-        ranks = measure(backend, tp, args)
-        rows.append((backend, tp, ranks))
-        print(f"  {backend} TP={tp}: {ranks[0]['samples_per_s']:.0f} samples/s", flush=True)
+    configurations = [("torch", 1, False), ("megatron", 1, False), ("megatron", 2, False)]
+    configurations += [("megatron", 1, True), ("megatron", 2, True)]
+    for backend, tp, recompute in configurations:
+        ranks = measure(backend, tp, recompute, args)
+        name = backend + " + recompute" * recompute
+        rows.append((name, tp, ranks))
+        print(f"  {name} TP={tp}: {ranks[0]['samples_per_s']:.0f} samples/s", flush=True)
     base = rows[0][2][0]["samples_per_s"]
     print("\n| engine | TP | samples/s | vs torch | peak MB per rank (above the model) |")
     print("|---|---|---|---|---|")
-    for backend, tp, ranks in rows:
+    for name, tp, ranks in rows:
         rate = ranks[0]["samples_per_s"]
         peaks = ", ".join(f"{r['peak_mb']:.0f}" for r in ranks)
-        print(f"| {backend} | {tp} | {rate:.0f} | {rate / base:.2f}x | {peaks} |")
+        print(f"| {name} | {tp} | {rate:.0f} | {rate / base:.2f}x | {peaks} |")
     first = rows[0][2][0]
     print(f"\nfusion parameters: {first['fusion_params']:,}; {first['samples']} samples a batch")
 

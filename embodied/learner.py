@@ -22,6 +22,9 @@ class TrainerConfig:
     # megatron-core (embodied/megatron/), the same updates
     backend: str = "torch"
     tensor_parallel: int = 1  # megatron: the ranks the transformer is sharded over
+    # megatron: recompute each transformer layer's activations in the backward instead of
+    # keeping them (less memory, one more forward); the same numbers
+    recompute: bool = False
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
@@ -30,6 +33,8 @@ class TrainerConfig:
             raise ValueError(f"tensor_parallel: must be >= 1, got {self.tensor_parallel}")
         if self.tensor_parallel > 1 and self.backend != "megatron":
             raise ValueError("tensor_parallel: > 1 needs backend=megatron")
+        if self.recompute and self.backend != "megatron":
+            raise ValueError("recompute: needs backend=megatron")
 
 
 class TrainEngine(Protocol):

@@ -167,7 +167,10 @@ class BCLearner:
             from embodied.megatron.engine import MegatronEngine, join_ranks
 
             join_ranks(self.policy, cfg)
-            self.engine = MegatronEngine(self.policy, with_value=False, **options)
+            recompute = cfg.trainer.recompute
+            self.engine = MegatronEngine(
+                self.policy, with_value=False, recompute=recompute, **options
+            )
         else:
             self.engine = TorchEngine(self.policy, **options)
 

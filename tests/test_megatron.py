@@ -294,19 +294,32 @@ CASES = [(name, vlm) for vlm in ("", "_vlm") for name in NAMES]  # ("_vlm": on a
 
 
 def engine_rank(rank: int, tp: int, out: str) -> None:
-    """One TP rank: PPO's and GRPO's two steps on megatron, saved in the torch layout."""
+    """One TP rank: PPO's and GRPO's two steps on megatron, saved in the torch layout (and
+    GRPO's on the VLM with activation recomputation)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
     from embodied.megatron.engine import MegatronEngine
 
-    for name, vlm in CASES:
+    cases = [(name, vlm, False) for name, vlm in CASES] + [("grpo", "_vlm", True)]
+    for name, vlm, recompute in cases:
         policy, algorithm, samples = vla_samples(name, vlm and f"{out}/vlm")
         engine = MegatronEngine(
-            policy, learning_rate=1e-3, max_grad_norm=0.5, with_value=algorithm.has_critic
+            policy,
+            learning_rate=1e-3,
+            max_grad_norm=0.5,
+            with_value=algorithm.has_critic,
+            recompute=recompute,
         )
         if vlm:  # (the VLM's language model is sharded too)
             assert list(engine.parts) == ["fusion", "vlm.model.language_model"]
+        layers = [m for m in policy.modules() if isinstance(m, TransformerLayer)]
+        calls = []
+        for layer in layers:
+            layer.register_forward_hook(lambda *_, calls=calls: calls.append(1))
         result = two_steps(engine, algorithm, samples, lambda e: e.torch_grads())
         result["state"] = engine.torch_state()
-        torch.save(result, f"{out}/{name}{vlm}{rank}.pt")
+        result["layer_calls"] = len(calls) / len(layers)
+        torch.save(result, f"{out}/{name}{vlm}{'_recompute' * recompute}{rank}.pt")
 
 
 def bc_steps(backend: str) -> dict:
@@ -390,8 +403,14 @@ def test_megatron_updates_are_the_torch_updates(ranks, name, vlm):
         moving += ["vlm.model.visual.blocks.0.mlp.up_proj.weight"]
     for key in moving:
         assert (want["state"][key] - before[key]).abs().max() > 1e-4, key
-    for rank in range(tp):
-        got = torch.load(tmp_path / f"{name}{vlm}{rank}.pt")
+    runs = [f"{name}{vlm}{rank}" for rank in range(tp)]
+    if name + vlm == "grpo_vlm":  # (with activation recomputation too)
+        runs += [f"{name}{vlm}_recompute{rank}" for rank in range(tp)]
+        plain = torch.load(tmp_path / f"{name}{vlm}0.pt")["layer_calls"]
+        recomputed = torch.load(tmp_path / f"{name}{vlm}_recompute0.pt")["layer_calls"]
+        assert (plain, recomputed) == (2, 4)  # (each layer's forward again in the backward)
+    for run in runs:
+        got = torch.load(tmp_path / f"{run}.pt")
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6)
         for step in ("grad_norm0", "grad_norm1"):
             assert got[step] == pytest.approx(want[step], rel=1e-5), step

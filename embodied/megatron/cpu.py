@@ -19,8 +19,13 @@
   first call: ``rotary_on_cpu(model)`` runs it in ``cuda_corners()`` (once per sequence length:
   megatron caches the result).
 
-``use_cpu_corners()`` installs the first two; the process group set-up calls it when there is no
-GPU, so tests and CPU runs take the same path. On a GPU nothing here is used.
+- Activation recomputation (``tensor_parallel.checkpoint``) saves the CPU, the CUDA and the
+  tracker's RNG states before a layer's forward and restores them before it runs again in the
+  backward. The CUDA state is read and set by two module functions that call CUDA; without a
+  GPU there is none to keep, and they read an empty state and set nothing.
+
+``use_cpu_corners()`` installs the first two and the last; the process group set-up calls it
+when there is no GPU, so tests and CPU runs take the same path. On a GPU nothing here is used.
 """
 
 from __future__ import annotations
@@ -83,6 +88,17 @@ def use_cpu_corners(seed: int) -> None:
     tracker.add(megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
     megatron_random._CUDA_RNG_STATE_TRACKER = tracker
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # (activation recomputation keeps the CUDA generator's state: there is none)
+    megatron_random._get_cuda_rng_state = _no_cuda_rng_state
+    megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state
+
+
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(*args, **kwargs) -> None:
+    return None
 
 
 def _is_cuda(device) -> bool:

@@ -39,7 +39,9 @@ from embodied.rollout import Samples, logprob_at
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def shard_policy(policy: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict:
+def shard_policy(
+    policy: torch.nn.Module, dtype: torch.dtype = torch.float32, *, recompute: bool = False
+) -> dict:
     """Replace the policy's sharded modules (torch) by this TP rank's shards of the same weights,
     trainable as they were: {module path: shard}. A shard's ``shard_prefix`` names the module
     holding its megatron parameters; ``torch_state`` / ``load_torch_state`` give / take the
@@ -50,9 +52,10 @@ def shard_policy(policy: torch.nn.Module, dtype: torch.dtype = torch.float32) ->
         original = policy.get_submodule(name)
         device = next(original.parameters()).device
         if info["layout"] == "transformer_encoder":
-            shard = MegatronFusion(policy.cfg.d_model, info["heads"], info["layers"], dtype)
+            shape = (policy.cfg.d_model, info["heads"], info["layers"])
+            shard = MegatronFusion(*shape, dtype, recompute=recompute)
         else:
-            shard = MegatronTextModel(original.config, dtype)
+            shard = MegatronTextModel(original.config, dtype, recompute=recompute)
         shard = shard.to(device)
         shard.load_torch_state(original.state_dict())
         shard.requires_grad_(any(p.requires_grad for p in original.parameters()))
@@ -90,6 +93,7 @@ def megatron_engine(policy: torch.nn.Module, cfg, *, with_value: bool) -> Megatr
         learning_rate=alg.learning_rate,
         max_grad_norm=alg.max_grad_norm,
         with_value=with_value,
+        recompute=cfg.trainer.recompute,
     )
 
 
@@ -103,13 +107,14 @@ class MegatronEngine(LearningRate):
         with_value: bool = True,
         weight_decay: float = 0.0,
         adam_eps: float = 1e-5,
+        recompute: bool = False,
     ):
         self.policy = policy
         # the policy in the torch layout, whole: what inference, checkpoints and weight syncs
         # read (``refresh`` after every change)
         self.torch_policy = copy.deepcopy(policy)
         with torch.random.fork_rng(devices=[]):  # (megatron draws initial weights: not ours)
-            self.parts = shard_policy(policy)
+            self.parts = shard_policy(policy, recompute=recompute)
         # the megatron parameters' names in the policy, per sharded module
         self.shard_prefixes = {
             name: f"{name}.{part.shard_prefix}" for name, part in self.parts.items()

@@ -24,11 +24,14 @@ from embodied.megatron import parallel
 from embodied.megatron.layout import encoder_from_megatron, encoder_to_megatron
 
 
-def fusion_config(d_model: int, heads: int, layers: int, dtype: torch.dtype) -> TransformerConfig:
+def fusion_config(
+    d_model: int, heads: int, layers: int, dtype: torch.dtype, recompute: bool = False
+) -> TransformerConfig:
     """nn.TransformerEncoderLayer(d, heads, 4 d, dropout=0, gelu, norm_first) in megatron's
     terms, over this process's TP group."""
     return parallel.transformer_config(
         dtype,
+        recompute,
         num_layers=layers,
         hidden_size=d_model,
         num_attention_heads=heads,
@@ -58,11 +61,19 @@ class MegatronFusion(nn.Module):
     layout = "transformer_encoder"
     shard_prefix = "block."  # the names of the shard's parameters (megatron's)
 
-    def __init__(self, d_model: int, heads: int, layers: int, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        layers: int,
+        dtype: torch.dtype = torch.float32,
+        *,
+        recompute: bool = False,
+    ):
         super().__init__()
         self.heads = heads
         self.num_layers = layers
-        self.config = fusion_config(d_model, heads, layers, dtype)
+        self.config = fusion_config(d_model, heads, layers, dtype, recompute)
         self.block = TransformerBlock(self.config, fusion_spec(), post_layer_norm=False)
 
     def shape(self) -> dict:

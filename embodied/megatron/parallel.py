@@ -50,10 +50,14 @@ def gather_shards(mine: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]
     return shards
 
 
-def transformer_config(dtype: torch.dtype, **fields) -> TransformerConfig:
+def transformer_config(dtype: torch.dtype, recompute: bool = False, **fields) -> TransformerConfig:
     """A ``TransformerConfig`` of ``fields`` over this process's TP group, with no dropout (the
     policy's forward must be the same when it acts and when it is scored) and none of megatron's
-    fused kernels, which are CUDA (or Apex) only."""
+    fused kernels, which are CUDA (or Apex) only. ``recompute``: each layer's activations are
+    recomputed in the backward instead of kept (megatron's full, uniform recomputation)."""
+    if recompute:
+        fields.update(recompute_granularity="full", recompute_method="uniform")
+        fields.update(recompute_num_layers=1)
     return TransformerConfig(
         **fields,
         tensor_model_parallel_size=tp_size(),

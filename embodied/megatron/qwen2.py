@@ -23,7 +23,9 @@ from embodied.megatron.cpu import cuda_corners, rotary_on_cpu
 from embodied.megatron.layout import qwen2_from_megatron, qwen2_to_megatron
 
 
-def qwen2_config(hf_config, dtype: torch.dtype = torch.float32) -> TransformerConfig:
+def qwen2_config(
+    hf_config, dtype: torch.dtype = torch.float32, recompute: bool = False
+) -> TransformerConfig:
     """A Hugging Face ``Qwen2Config`` (or a Qwen2-VL family's text config) in megatron's terms,
     over this process's TP group."""
     text = hf_config.get_text_config()
@@ -35,6 +37,7 @@ def qwen2_config(hf_config, dtype: torch.dtype = torch.float32) -> TransformerCo
         raise ValueError("sliding-window attention is not supported on megatron")
     return parallel.transformer_config(
         dtype,
+        recompute,
         num_layers=text.num_hidden_layers,
         hidden_size=text.hidden_size,
         num_attention_heads=heads,
@@ -70,10 +73,17 @@ class Qwen2Megatron(nn.Module):
     multimodal rotary embedding). ``lm_head=False``: the transformer without output weights
     (``hidden_states``; a VLA reads the last hidden states)."""
 
-    def __init__(self, hf_config, dtype: torch.dtype = torch.float32, *, lm_head: bool = True):
+    def __init__(
+        self,
+        hf_config,
+        dtype: torch.dtype = torch.float32,
+        *,
+        lm_head: bool = True,
+        recompute: bool = False,
+    ):
         super().__init__()
         text = hf_config.get_text_config()
-        self.config = qwen2_config(hf_config, dtype)
+        self.config = qwen2_config(hf_config, dtype, recompute)
         self.heads = text.num_attention_heads
         self.groups = text.num_key_value_heads
         self.num_layers = text.num_hidden_layers

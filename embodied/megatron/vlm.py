@@ -33,9 +33,9 @@ class MegatronTextModel(nn.Module):
     layout = "qwen2_text"
     shard_prefix = "lm.model."  # the names of the shard's parameters (megatron's)
 
-    def __init__(self, text_config, dtype: torch.dtype = torch.float32):
+    def __init__(self, text_config, dtype: torch.dtype = torch.float32, *, recompute: bool = False):
         super().__init__()
-        self.lm = Qwen2Megatron(text_config, dtype, lm_head=False)
+        self.lm = Qwen2Megatron(text_config, dtype, lm_head=False, recompute=recompute)
         self.pad_token_id = text_config.pad_token_id
 
     def shape(self) -> dict:
