@@ -143,7 +143,7 @@ def main() -> None:
     configurations += [("megatron", 1, True), ("megatron", 2, True)]
     for backend, tp, recompute in configurations:
         ranks = measure(backend, tp, recompute, args)
-        name = backend + " + recompute" * recompute
+        name = f"{backend} + recompute" if recompute else backend
         rows.append((name, tp, ranks))
         print(f"  {name} TP={tp}: {ranks[0]['samples_per_s']:.0f} samples/s", flush=True)
     base = rows[0][2][0]["samples_per_s"]

@@ -173,7 +173,7 @@ def _check_split(layout: dict, tp: int, state: dict) -> None:
     ffn = state["model.layers.0.mlp.up_proj.weight"].shape[0]
     if layout["groups"] % tp or vocab % tp or ffn % tp:
         raise ConvertError(
-            f"--tensor-parallel {tp}: {layout['groups']} query groups, a vocabulary of {vocab} "
+            f"--tensor-parallel {tp}: key-value groups {layout['groups']}, a vocabulary of {vocab} "
             f"and an MLP of {ffn} must split evenly over the ranks"
         )
 

@@ -312,6 +312,8 @@ def engine_rank(rank: int, tp: int, out: str) -> None:
         )
         if vlm:  # (the VLM's language model is sharded too)
             assert list(engine.parts) == ["fusion", "vlm.model.language_model"]
+        policy.eval()
+        policy.train()  # (as the learner does before an update)
         layers = [m for m in policy.modules() if isinstance(m, TransformerLayer)]
         calls = []
         for layer in layers:
@@ -319,7 +321,8 @@ def engine_rank(rank: int, tp: int, out: str) -> None:
         result = two_steps(engine, algorithm, samples, lambda e: e.torch_grads())
         result["state"] = engine.torch_state()
         result["layer_calls"] = len(calls) / len(layers)
-        torch.save(result, f"{out}/{name}{vlm}{'_recompute' * recompute}{rank}.pt")
+        suffix = "_recompute" if recompute else ""
+        torch.save(result, f"{out}/{name}{vlm}{suffix}{rank}.pt")
 
 
 def bc_steps(backend: str) -> dict:
@@ -626,6 +629,24 @@ def test_a_qwen2_5_vl_language_model_on_megatron_gives_the_hugging_face_states(r
         for name, param in vlm.model.visual.named_parameters():
             torch.testing.assert_close(got["vision_grads"][name], param.grad, rtol=1e-5, atol=1e-5)
         assert all(torch.equal(got["text_weights"][k], v) for k, v in text.state_dict().items())
+
+
+def test_a_partly_frozen_language_model_is_a_one_line_error(tmp_path):
+    """Megatron shards a module whole: trained or frozen, not half of each."""
+    pytest.importorskip("megatron.core")
+    from scripted_envs import TINY_VLA, PushRightEnv
+
+    from embodied.env_group import EnvGroup
+    from embodied.megatron.engine import shard_policy
+    from embodied.models.vla import VLA, VLAConfig
+
+    config = VLAConfig(**{**TINY_VLA, "vlm_path": str(tiny_qwen2_5_vl(tmp_path / "vlm"))})
+    policy = VLA(EnvGroup(PushRightEnv(2)).spec, config)
+    policy.requires_grad_(True)
+    policy.vlm.model.language_model.norm.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="^vlm.model.language_model: a module partly frozen"):
+        shard_policy(policy)
+    assert isinstance(policy.fusion, nn.TransformerEncoder)  # (nothing swapped before the error)
 
 
 def rank_main(rank: int, tp: int, port: int, out: str) -> None:
@@ -953,7 +974,7 @@ def test_convert_takes_a_hugging_face_qwen2_to_megatron_shards_and_back_bit_exac
     code, err = convert_cli(
         tmp_path / "tp1", "--to", "megatron", "--tensor-parallel", 4, tmp_path / "x"
     )
-    assert code == 2 and "2 query groups, a vocabulary of 64 and an MLP of 48 must" in err
+    assert code == 2 and "key-value groups 2, a vocabulary of 64 and an MLP of 48 must" in err
 
 
 @pytest.mark.slow  # (8 s; the conversions' bit-exactness is tested in the default suite above)
@@ -994,10 +1015,11 @@ def test_convert_writes_a_vlas_hugging_face_model_with_the_trained_weights(tmp_p
     code, err = convert_cli(
         tmp_path / "run", "--to", "megatron", "--tensor-parallel", 2, tmp_path / "mg2"
     )
-    assert code == 2 and "--tensor-parallel 2: 1 query groups" in err  # (one key-value head)
+    assert code == 2 and "--tensor-parallel 2: key-value groups 1," in err
     assert convert_cli(tmp_path / "run", "--to", "megatron", tmp_path / "mg")[0] == 0
     shard = load_file(tmp_path / "mg" / "model-tp00-of-01.safetensors")
     assert "weight/vlm.model.language_model/embedding.word_embeddings.weight" in shard
     assert convert_cli(tmp_path / "mg", "--to", "hf", tmp_path / "hf2")[0] == 0
     again = load(tmp_path / "hf2", local_files_only=True).model.state_dict()
+    assert again.keys() == converted.keys()
     assert all(torch.equal(again[k], converted[k]) for k in converted)

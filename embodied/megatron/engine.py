@@ -46,10 +46,18 @@ def shard_policy(
     trainable as they were: {module path: shard}. A shard's ``shard_prefix`` names the module
     holding its megatron parameters; ``torch_state`` / ``load_torch_state`` give / take the
     torch layout."""
+    sharded = modules(policy)
+    if "fusion" not in [info["module"] for info in sharded]:
+        raise ValueError("the megatron backend trains the VLA policy (its fusion transformer)")
+    for info in sharded:
+        trainable = [p.requires_grad for p in policy.get_submodule(info["module"]).parameters()]
+        if any(trainable) != all(trainable):
+            raise ValueError(f"{info['module']}: a module partly frozen cannot be sharded")
     parts = {}
-    for info in modules(policy):
+    for info in sharded:
         name = info["module"]
         original = policy.get_submodule(name)
+        trained = _trained(original)
         device = next(original.parameters()).device
         if info["layout"] == "transformer_encoder":
             shape = (policy.cfg.d_model, info["heads"], info["layers"])
@@ -58,12 +66,10 @@ def shard_policy(
             shard = MegatronTextModel(original.config, dtype, recompute=recompute)
         shard = shard.to(device)
         shard.load_torch_state(original.state_dict())
-        shard.requires_grad_(any(p.requires_grad for p in original.parameters()))
+        shard.requires_grad_(trained)
         parent, _, attribute = name.rpartition(".")
         setattr(policy.get_submodule(parent), attribute, shard)
         parts[name] = shard
-    if "fusion" not in parts:
-        raise ValueError("the megatron backend trains the VLA policy (its fusion transformer)")
     return parts
 
 
@@ -202,10 +208,18 @@ class MegatronEngine(LearningRate):
         ones (``load_state_dict`` copies them)."""
         prefixes = tuple(f"{name}." for name in self.parts)
         state = {k: v for k, v in self.policy.state_dict().items() if not k.startswith(prefixes)}
+        frozen = [name for name, part in self.parts.items() if not _trained(part)]
         for name, part in self.parts.items():
+            if name in frozen:  # (the torch copy holds the same weights: nothing to gather)
+                continue
             for key, param in part.named_parameters():
                 state[f"{name}.{key}"] = param.detach()
-        return self._torch_layout(state)
+        state = self._torch_layout(state)
+        for name in frozen:
+            start = f"{name}."
+            copy_state = self.torch_policy.state_dict()
+            state.update({k: v for k, v in copy_state.items() if k.startswith(start)})
+        return state
 
     def torch_grads(self) -> dict[str, torch.Tensor]:
         """The trainable weights' gradients since the last step, in the torch layout (gathered
@@ -371,6 +385,10 @@ class MegatronEngine(LearningRate):
                     value = torch.zeros_like(param)
                 tensors[kind] = value.reshape(-1)
             self._set_adam_state(param, tensors)
+
+
+def _trained(module: torch.nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
 
 
 class TorchLayoutOptimizer:

@@ -136,8 +136,8 @@ class Qwen2Megatron(nn.Module):
         self, embeddings: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """The last hidden states (after the final norm) f32 [B, L, D] of input embeddings
-        [B, L, D] (the image features already in place), positions long [3, B, L] (multimodal)
-        or [B, L], mask [B, L] (1 = token)."""
+        [B, L, D] (the image features already in place), positions long [3, B, L] (multimodal;
+        a text-only model takes 0.. at every sample, ``positions``), mask [B, L] (1 = token)."""
         model = self.model
         if self.mrope:
             rotary = model.rotary_pos_emb(positions, model.mrope_section)  # [L, B, 1, hd]

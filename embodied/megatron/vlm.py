@@ -42,6 +42,12 @@ class MegatronTextModel(nn.Module):
         lm = self.lm
         return {"layers": lm.num_layers, "heads": lm.heads, "groups": lm.groups}
 
+    def train(self, mode: bool = True):
+        # always in training mode: megatron recomputes activations (``recompute``) only there,
+        # and there is no dropout to switch off (the Hugging Face VLM wrapper sets its whole
+        # model to eval)
+        return super().train(True)
+
     def get_input_embeddings(self):
         return self.embed
 
@@ -69,6 +75,9 @@ class MegatronTextModel(nn.Module):
 
         if past_key_values is not None or use_cache:
             raise ValueError("the megatron language model keeps no key-value cache")
+        asked = [key for key, value in kwargs.items() if value]
+        if asked:
+            raise ValueError(f"the megatron language model does not give {asked}")
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids)
         batch, length = inputs_embeds.shape[:2]
@@ -78,6 +87,8 @@ class MegatronTextModel(nn.Module):
         elif position_ids.ndim == 2:
             position_ids = position_ids[None].expand(3, -1, -1)
         elif position_ids.shape[0] == 4:  # (text positions first: for packed masks only)
+            if attention_mask is None:
+                raise ValueError("packed sequences need an attention_mask on megatron")
             position_ids = position_ids[1:]
         if attention_mask is None:
             attention_mask = torch.ones(
