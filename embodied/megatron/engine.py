@@ -206,20 +206,26 @@ class MegatronEngine(LearningRate):
         """The whole policy's state dict in the torch layout (every rank calls this): what a
         rollout copy or the torch backend loads. Outside the shards the tensors are the live
         ones (``load_state_dict`` copies them)."""
+        state = self._changing_state()
+        frozen = self._frozen_prefixes()
+        if frozen:  # (the torch copy holds the same weights: nothing to gather)
+            copy_state = self.torch_policy.state_dict()
+            state.update({k: v for k, v in copy_state.items() if k.startswith(frozen)})
+        return state
+
+    def _frozen_prefixes(self) -> tuple[str, ...]:
+        """The state-dict prefixes of the sharded modules nothing trains."""
+        return tuple(f"{name}." for name, part in self.parts.items() if not _trained(part))
+
+    def _changing_state(self) -> dict[str, torch.Tensor]:
+        """``torch_state`` without the frozen sharded modules (every rank calls this)."""
         prefixes = tuple(f"{name}." for name in self.parts)
         state = {k: v for k, v in self.policy.state_dict().items() if not k.startswith(prefixes)}
-        frozen = [name for name, part in self.parts.items() if not _trained(part)]
         for name, part in self.parts.items():
-            if name in frozen:  # (the torch copy holds the same weights: nothing to gather)
-                continue
-            for key, param in part.named_parameters():
-                state[f"{name}.{key}"] = param.detach()
-        state = self._torch_layout(state)
-        for name in frozen:
-            start = f"{name}."
-            copy_state = self.torch_policy.state_dict()
-            state.update({k: v for k, v in copy_state.items() if k.startswith(start)})
-        return state
+            if _trained(part):
+                for key, param in part.named_parameters():
+                    state[f"{name}.{key}"] = param.detach()
+        return self._torch_layout(state)
 
     def torch_grads(self) -> dict[str, torch.Tensor]:
         """The trainable weights' gradients since the last step, in the torch layout (gathered
@@ -253,8 +259,14 @@ class MegatronEngine(LearningRate):
         dist.destroy_process_group()
 
     def refresh(self) -> None:
-        """The torch copy gets the current weights and buffers (every TP rank calls this)."""
-        self.torch_policy.load_state_dict(self.torch_state())
+        """The torch copy gets the current weights and buffers (every TP rank calls this); a
+        frozen sharded module's weights are there already (a VLM's: not copied onto themselves
+        after every update)."""
+        loaded = self.torch_policy.load_state_dict(self._changing_state(), strict=False)
+        frozen = self._frozen_prefixes()
+        missing = [k for k in loaded.missing_keys if not k.startswith(frozen)]
+        if missing or loaded.unexpected_keys:
+            raise ValueError(f"the torch copy does not fit: {missing + loaded.unexpected_keys}")
 
     def _adam_state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor] | None:
         """Megatron's Adam state of ``param`` (this data-parallel rank's range: all of it with
