@@ -328,10 +328,9 @@ class MegatronEngine(LearningRate):
         step = None
         for info in trained:
             name = info["module"]
-            for key, param in self.policy.named_parameters():
-                if not key.startswith(self.shard_prefixes[name]):
-                    continue
-                key = f"{name}/{key[len(self.shard_prefixes[name]) :]}"
+            part = self.parts[name]
+            for key, param in part.named_parameters():
+                key = f"{name}/{key[len(part.shard_prefix) :]}"
                 weights[key] = param.detach()
                 state = self._adam_state(param)
                 if state is not None:
