@@ -169,7 +169,11 @@ class Qwen2Megatron(nn.Module):
             tp=parallel.tp_size(),
             tied=self.tied,
         )
-        loaded = self.model.load_state_dict(shards[parallel.tp_rank()], strict=False)
+        self.load_shard(shards[parallel.tp_rank()])
+
+    def load_shard(self, shard: dict[str, torch.Tensor]) -> None:
+        """This rank's ``GPTModel`` state dict (every weight of it)."""
+        loaded = self.model.load_state_dict(shard, strict=False)
         # (megatron's linears keep an ``_extra_state`` entry for Transformer Engine: none here)
         missing = [k for k in loaded.missing_keys if not k.endswith("._extra_state")]
         if missing or loaded.unexpected_keys:

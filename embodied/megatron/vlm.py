@@ -100,7 +100,7 @@ class MegatronTextModel(nn.Module):
     def load_torch_state(self, state: dict[str, torch.Tensor]) -> None:
         """This rank's shard of the Hugging Face language model's state dict."""
         shards = qwen2_text_to_megatron(state, tp=parallel.tp_size(), **self.shape())
-        self.lm.model.load_state_dict(_with_extra_state(shards[parallel.tp_rank()], self.lm.model))
+        self.lm.load_shard(shards[parallel.tp_rank()])
 
     def torch_state(self, values=None) -> dict[str, torch.Tensor]:
         """The Hugging Face language model's state dict, gathered from every TP rank (every rank
@@ -110,10 +110,3 @@ class MegatronTextModel(nn.Module):
         if values is not None:
             mine = {k: values[k] for k in mine}
         return qwen2_text_from_megatron(parallel.gather_shards(mine), **self.shape())
-
-
-def _with_extra_state(state: dict, model: nn.Module) -> dict:
-    """``state`` with the ``_extra_state`` entries megatron's linears keep for Transformer Engine
-    (None here) taken from ``model``, so that a strict load checks every weight."""
-    extra = {k: v for k, v in model.state_dict().items() if k.endswith("._extra_state")}
-    return {**extra, **state}
