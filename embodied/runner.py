@@ -153,16 +153,19 @@ def check_megatron(trainer: TrainerConfig, policy: PolicyConfig, cluster: Cluste
             f"trainer.backend: megatron trains a VLA's transformer; policy {policy.name!r} has "
             "none (use policy.name=vla or trainer.backend=torch)"
         )
-    if policy.vlm_path:
-        raise ValueError(
-            "trainer.backend: megatron does not yet shard a Hugging Face VLM (policy.vlm_path); "
-            "use trainer.backend=torch"
-        )
-    if policy.heads % trainer.tensor_parallel:
+    tp = trainer.tensor_parallel
+    if policy.heads % tp:
         raise ValueError(
             f"trainer.tensor_parallel: {policy.heads} attention heads (policy.heads) do not "
-            f"split over {trainer.tensor_parallel} ranks"
+            f"split over {tp} ranks"
         )
+    if policy.head == "discrete" and policy.bins % tp:
+        raise ValueError(
+            f"trainer.tensor_parallel: the discrete head's {policy.bins} bins (policy.bins) do "
+            f"not split over {tp} ranks"
+        )
+    if policy.vlm_path:
+        _check_vlm_split(Path(policy.vlm_path), tp)
     if cluster.offload_optimizer:
         raise ValueError(
             "cluster.offload_optimizer: not built for trainer.backend=megatron yet (torch only)"
@@ -171,6 +174,27 @@ def check_megatron(trainer: TrainerConfig, policy: PolicyConfig, cluster: Cluste
         raise ValueError(
             "trainer.backend: on a cluster, megatron runs on one actor worker at "
             "trainer.tensor_parallel=1, for now"
+        )
+
+
+def _check_vlm_split(path: Path, tp: int) -> None:
+    """A VLM language model megatron shards (embodied/megatron/shards.py) splits over ``tp``
+    ranks; another family's stays whole."""
+    from transformers import AutoConfig
+
+    from embodied.megatron.shards import TEXT_FAMILIES
+
+    if not (path / "config.json").is_file():
+        return  # (the policy's build names the missing directory)
+    text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+    if text.model_type not in TEXT_FAMILIES:
+        return
+    sizes = (text.num_key_value_heads, text.vocab_size, text.intermediate_size)
+    if any(size % tp for size in sizes):
+        raise ValueError(
+            f"trainer.tensor_parallel: the language model of policy.vlm_path has "
+            f"{sizes[0]} key-value groups, a vocabulary of {sizes[1]} and an MLP of {sizes[2]}: "
+            f"each must split evenly over {tp} ranks"
         )
 
 

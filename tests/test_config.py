@@ -178,3 +178,31 @@ def test_policy_name_selects_the_policy_schema(tmp_path):
         load_config(TrainConfig, cfg_file, ["policy.name=transformer"])
     with pytest.raises(ConfigError, match=r"policy.head: must be one of"):
         load_config(TrainConfig, cfg_file, ["policy.head=diffusion"])
+
+
+def test_megatron_takes_a_vla_on_a_qwen2_5_vl_whose_language_model_splits(tmp_path):
+    """`embodied train|sft CONFIG policy.vlm_path=DIR trainer.backend=megatron
+    trainer.tensor_parallel=2` validates (it once refused every VLM); a TP size its language
+    model's key-value groups do not split over is one error naming the key. The discrete head's
+    bins must split as well."""
+    from transformers import Qwen2_5_VLConfig
+
+    from embodied.sft import SFTConfig
+
+    text = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
+    text.update(vocab_size=64, intermediate_size=96)
+    Qwen2_5_VLConfig(text_config=text).save_pretrained(tmp_path)
+    megatron = [f"policy.vlm_path={tmp_path}", "trainer.backend=megatron"]
+    for name, schema in (("multitask_vla_grpo", TrainConfig), ("multitask_vla_sft", SFTConfig)):
+        path = f"configs/maniskill/{name}.yaml"
+        cfg, _ = load_config(schema, path, [*megatron, "trainer.tensor_parallel=2"])
+        assert cfg.trainer.tensor_parallel == 2 and cfg.policy.vlm_path == str(tmp_path)
+        with pytest.raises(ConfigError, match=r"^trainer.tensor_parallel: .* 2 key-value groups"):
+            load_config(schema, path, [*megatron, "trainer.tensor_parallel=4"])
+    with pytest.raises(ConfigError, match=r"^trainer.tensor_parallel: .* 100 bins .* 3 ranks"):
+        load_config(
+            TrainConfig,
+            "configs/maniskill/multitask_vla_grpo.yaml",
+            ["trainer.backend=megatron", "trainer.tensor_parallel=3"]
+            + ["policy.heads=3", "policy.d_model=96", "policy.head=discrete", "policy.bins=100"],
+        )
