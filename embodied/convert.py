@@ -161,6 +161,12 @@ def _check_module_split(module: dict, tp: int, model: dict) -> None:
         prefix = module["module"] + "."
         state = {f"model.{k[len(prefix) :]}": v for k, v in model.items() if k.startswith(prefix)}
         _check_split(module, tp, state)
+    elif module["layout"] == "discrete_head":
+        if module["bins"] % tp:
+            raise ConvertError(
+                f"--tensor-parallel {tp}: the discrete head's {module['bins']} bins must split "
+                "evenly over the ranks"
+            )
     elif module["heads"] % tp:
         raise ConvertError(
             f"--tensor-parallel {tp}: the {module['module']} transformer's {module['heads']} "

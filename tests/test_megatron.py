@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from embodied.megatron.layout import (
+    discrete_head_from_megatron,
+    discrete_head_to_megatron,
     encoder_from_megatron,
     encoder_to_megatron,
     qkv_from_megatron,
@@ -67,6 +69,20 @@ def test_the_fusion_converts_to_megatron_shards_and_back_bit_exact():
         back = encoder_from_megatron(shards, layers=LAYERS, heads=HEADS)
         assert back.keys() == state.keys()
         assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_the_discrete_heads_bins_split_over_the_ranks_dimension_by_dimension():
+    """2 action dimensions of 4 bins (rows 0-3, 4-7) over 2 ranks: rank 0 holds bins 0-1 of each
+    dimension [0, 1, 4, 5], rank 1 bins 2-3 [2, 3, 6, 7], for the weight and the bias; and back
+    bit for bit. 4 bins do not split over 3 ranks."""
+    state = {"logits.weight": torch.arange(8.0).view(8, 1), "logits.bias": torch.arange(8.0)}
+    shards = discrete_head_to_megatron(state, actions=2, bins=4, tp=2)
+    for name in state:
+        assert [s[name].flatten().tolist() for s in shards] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    back = discrete_head_from_megatron(shards, actions=2, bins=4)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    with pytest.raises(ValueError, match="4 bins do not split over TP=3"):
+        discrete_head_to_megatron(state, actions=2, bins=4, tp=3)
 
 
 class FusionPolicy(nn.Module):
@@ -227,6 +243,95 @@ def test_the_megatron_fusion_gives_the_torch_fusion_outputs_and_gradients(ranks)
         assert all(torch.equal(got["weights"][k], state[k]) for k in state)
 
 
+def torch_head():
+    """The VLA's discrete head at test size: 3 action dimensions of 8 bins, logits of size ~6
+    (a peaked softmax, bins far from uniform)."""
+    from embodied.models.vla.heads import DiscreteTokenHead
+
+    torch.manual_seed(2)
+    head = DiscreteTokenHead(D, 3, 8)
+    nn.init.normal_(head.logits.weight, std=1.0)
+    nn.init.normal_(head.logits.bias, std=1.0)
+    return head
+
+
+def head_inputs():
+    """Context tokens f32 [4, 2, D] (requiring their gradient), bins long [4, 2, 3] and the
+    weights of a loss over log-probabilities f32 [4, 2, 3] and entropies f32 [4]."""
+    generator = torch.Generator().manual_seed(3)
+    ctx = torch.randn(4, 2, D, generator=generator).requires_grad_()
+    tokens = torch.randint(0, 8, (4, 2, 3), generator=generator)
+    return (
+        ctx,
+        tokens,
+        torch.randn(4, 2, 3, generator=generator),
+        torch.randn(4, generator=generator),
+    )
+
+
+def head_outputs(head, ctx, tokens, weigh_logp, weigh_entropy, grads_of) -> dict:
+    """The head's log-probabilities of ``tokens``, entropies, the gradients of a loss over both
+    (context and weights), its behaviour-cloning loss and token accuracy towards targets half of
+    which are its most likely bins, and its deterministic sample."""
+    logp, entropy = head.log_prob(ctx, {"tokens": tokens})
+    ((logp * weigh_logp).sum() + (entropy * weigh_entropy).sum()).backward()
+    out = {"logp": logp.detach(), "entropy": entropy.detach(), "ctx_grad": ctx.grad}
+    out["grads"] = grads_of(head)
+    with torch.no_grad():
+        actions, sampled_logp, extras = head.sample(ctx, deterministic=True)
+        target = torch.where(torch.arange(3) < 2, actions, head.centers[tokens])
+        mask = torch.ones(4, 2)
+        loss, metrics = head.bc_loss(ctx, target, mask)
+    out.update(actions=actions, sampled_logp=sampled_logp, tokens=extras["tokens"])
+    out.update(bc_loss=loss, accuracy=metrics["sft/token_accuracy"])
+    return out
+
+
+def head_rank(rank: int, tp: int, out: str) -> None:
+    """One TP rank: the megatron discrete head loaded from the torch one (``head_outputs``,
+    the weight gradients gathered into the torch layout); and its argmax over the ranks on
+    hand-built logits."""
+    from embodied.megatron.heads import MegatronDiscreteHead
+
+    head = MegatronDiscreteHead(D, 3, 8)
+    head.load_torch_state(torch_head().state_dict())
+    result = head_outputs(
+        head,
+        *head_inputs(),
+        lambda h: h.torch_state({k: p.grad for k, p in h.named_parameters()}),
+    )
+    # the largest logit twice, at bins 1 and 6 (ranks 0 and 1 at TP=2), then once at bin 4
+    logits = torch.tensor([[0.0, 5, 1, 2, 3, 4, 5, 0], [0, 1, 2, 3, 9, 4, 5, 6]]).view(1, 1, 2, 8)
+    mine = logits.chunk(tp, dim=-1)[rank]
+    result["argmax"] = head._argmax(mine)
+    torch.save(result, f"{out}/head{rank}.pt")
+
+
+def test_the_megatron_discrete_head_gives_the_torch_heads_numbers(ranks):
+    """At TP=1 and TP=2, each rank holding its share of every dimension's bins: the
+    log-probabilities (megatron's vocabulary-parallel cross-entropy), the entropies, the
+    gradients of both (context, weights) to 1e-5; the behaviour-cloning loss and accuracy, the
+    deterministic sample; and the first of tied largest logits, as torch's argmax."""
+    tp, tmp_path = ranks
+    head = torch_head()
+    want = head_outputs(
+        head,
+        *head_inputs(),
+        lambda h: {k: p.grad for k, p in h.named_parameters()},
+    )
+    assert 2 / 3 <= want["accuracy"] < 1  # (two dimensions of three hit; the third by chance)
+    for rank in range(tp):
+        got = torch.load(tmp_path / f"head{rank}.pt")
+        assert torch.equal(got["argmax"], torch.tensor([[[1, 4]]]))
+        assert torch.equal(got["tokens"], want["tokens"])
+        assert got["accuracy"] == want["accuracy"]
+        for key in ("logp", "entropy", "ctx_grad", "actions", "sampled_logp", "bc_loss"):
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
+        assert got["grads"].keys() == want["grads"].keys()
+        for name, grad in want["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-5)
+
+
 def test_nothing_of_megatron_is_imported_by_the_torch_backend():
     code = (
         "import sys, embodied.cli, embodied.runner, embodied.sft, embodied.models.vla\n"
@@ -237,10 +342,10 @@ def test_nothing_of_megatron_is_imported_by_the_torch_backend():
 
 
 # --- the update: one PPO and one GRPO step on megatron against the torch engine ---------------
-def vla_samples(name: str, vlm: str = ""):
+def vla_samples(name: str, vlm: str = "", head: str = "gaussian"):
     """(tiny VLA, algorithm, prepared samples): one round of the test task (8 environments,
-    cameras and state), the fusion transformer 2 layers of 2 heads; with ``vlm``, on that
-    Qwen2.5-VL directory, trained (``tiny_vl``'s weights)."""
+    cameras and state), the fusion transformer 2 layers of 2 heads, the action ``head``; with
+    ``vlm``, on that Qwen2.5-VL directory, trained (``tiny_vl``'s weights)."""
     from scripted_envs import TINY_VLA, PushRightEnv, prepared_samples
 
     from embodied.env_group import EnvGroup
@@ -250,7 +355,7 @@ def vla_samples(name: str, vlm: str = ""):
 
     torch.manual_seed(0)
     envs = EnvGroup(PushRightEnv(8))
-    config = {**TINY_VLA, "layers": 2, "value_head": name == "ppo"}
+    config = {**TINY_VLA, "layers": 2, "value_head": name == "ppo", "head": head}
     if vlm:
         config.update(vlm_path=vlm, freeze_vlm=False)
     policy = VLA(envs.spec, VLAConfig(**config)).eval()
@@ -290,7 +395,17 @@ def two_steps(engine, algorithm, samples, grads_of) -> dict:
 
 
 NAMES = ("ppo", "grpo")
-CASES = [(name, vlm) for vlm in ("", "_vlm") for name in NAMES]  # ("_vlm": on a Qwen2.5-VL)
+# "_vlm": the VLA on a Qwen2.5-VL (its language model sharded); "_discrete": the discrete head
+# (its bins sharded)
+VARIANTS = ("", "_vlm", "_discrete")
+CASES = [(name, variant) for variant in VARIANTS for name in NAMES]
+
+
+def variant_samples(name: str, variant: str, out):
+    """``vla_samples`` of a case."""
+    if variant == "_vlm":
+        return vla_samples(name, f"{out}/vlm")
+    return vla_samples(name, head="discrete" if variant == "_discrete" else "gaussian")
 
 
 def engine_rank(rank: int, tp: int, out: str) -> None:
@@ -302,7 +417,7 @@ def engine_rank(rank: int, tp: int, out: str) -> None:
 
     cases = [(name, vlm, False) for name, vlm in CASES] + [("grpo", "_vlm", True)]
     for name, vlm, recompute in cases:
-        policy, algorithm, samples = vla_samples(name, vlm and f"{out}/vlm")
+        policy, algorithm, samples = variant_samples(name, vlm, out)
         engine = MegatronEngine(
             policy,
             learning_rate=1e-3,
@@ -310,8 +425,8 @@ def engine_rank(rank: int, tp: int, out: str) -> None:
             with_value=algorithm.has_critic,
             recompute=recompute,
         )
-        if vlm:  # (the VLM's language model is sharded too)
-            assert list(engine.parts) == ["fusion", "vlm.model.language_model"]
+        sharded = {"": [], "_vlm": ["vlm.model.language_model"], "_discrete": ["head"]}[vlm]
+        assert list(engine.parts) == ["fusion", *sharded]
         policy.eval()
         policy.train()  # (as the learner does before an update)
         layers = [m for m in policy.modules() if isinstance(m, TransformerLayer)]
@@ -325,7 +440,7 @@ def engine_rank(rank: int, tp: int, out: str) -> None:
         torch.save(result, f"{out}/{name}{vlm}{suffix}{rank}.pt")
 
 
-def bc_steps(backend: str) -> dict:
+def bc_steps(backend: str, head: str = "gaussian") -> dict:
     """SFT's learner (``BCLearner``) on ``backend``: two clipped AdamW steps (weight decay 0.1,
     the clip at 0.05: both steps clip) of the tiny VLA's behaviour-cloning loss on the test
     task's observations -> each step's loss and gradient norm, the weights after both."""
@@ -333,7 +448,7 @@ def bc_steps(backend: str) -> dict:
     from embodied.models.vla import VLAConfig
     from embodied.sft import BCLearner, SFTConfig
 
-    policy, _, samples = vla_samples("grpo")
+    policy, _, samples = vla_samples("grpo", head=head)
     obs = samples.obs
     actions = torch.rand(len(samples), 1, 2, generator=torch.Generator().manual_seed(1)) * 2 - 1
     mask = torch.ones(len(samples), 1, dtype=torch.bool)
@@ -352,24 +467,31 @@ def bc_steps(backend: str) -> dict:
         metrics = learner.bc_step(obs, actions, mask, None, 1e-3 / (1 + step))
         out[f"loss{step}"] = metrics["sft/loss"].item()
         out[f"grad_norm{step}"] = metrics["sft/grad_norm"].item()
+        out[f"accuracy{step}"] = metrics.get("sft/token_accuracy", torch.tensor(0.0)).item()
     learner.refresh()
     out["state"] = learner.engine.torch_policy.state_dict()
     return out
 
 
 def bc_rank(rank: int, tp: int, out: str) -> None:
-    torch.save(bc_steps("megatron"), f"{out}/bc{rank}.pt")
+    for head in BC_HEADS:
+        torch.save(bc_steps("megatron", head), f"{out}/bc_{head}{rank}.pt")
 
 
-def test_sft_steps_on_megatron_are_the_torch_steps(ranks):
+BC_HEADS = ("gaussian", "discrete")
+
+
+@pytest.mark.parametrize("head", BC_HEADS)
+def test_sft_steps_on_megatron_are_the_torch_steps(ranks, head):
     """SFT's AdamW (decay on every weight, biases and norms too), clipped: the same losses,
-    gradient norms and weights at TP=1 and TP=2."""
+    gradient norms and weights at TP=1 and TP=2; with the Gaussian head and with the discrete
+    head (its bins sharded: cross-entropy over the ranks' logits)."""
     tp, out = ranks
-    want = bc_steps("torch")
+    want = bc_steps("torch", head)
     assert want["grad_norm0"] > 0.05 and want["grad_norm1"] > 0.05  # (both steps clip)
     for rank in range(tp):
-        got = torch.load(f"{out}/bc{rank}.pt")
-        for key in ("loss0", "loss1", "grad_norm0", "grad_norm1"):
+        got = torch.load(f"{out}/bc_{head}{rank}.pt")
+        for key in ("loss0", "loss1", "grad_norm0", "grad_norm1", "accuracy0", "accuracy1"):
             assert got[key] == pytest.approx(want[key], rel=1e-5), key
         # (to 1e-5: with eps 1e-8, Adam scales a gradient near 0 by its own size, so its
         # rounding moves a weight by up to 1.2e-6 here)
@@ -387,20 +509,23 @@ def torch_grads(engine) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name,vlm", CASES, ids=[name + vlm for name, vlm in CASES])
 def test_megatron_updates_are_the_torch_updates(ranks, name, vlm):
-    """PPO and GRPO, of the tiny VLA and of one on a tiny Qwen2.5-VL trained with it (its
-    language model sharded too): the same loss, gradients (to 1e-5) and gradient norms, and the
-    same weights after two clipped Adam steps, at TP=1 and TP=2 (two processes)."""
+    """PPO and GRPO, of the tiny VLA, of one on a tiny Qwen2.5-VL trained with it (its
+    language model sharded too) and of one with the discrete head (its bins sharded): the same
+    loss, gradients (to 1e-5) and gradient norms, and the same weights after two clipped Adam
+    steps, at TP=1 and TP=2 (two processes)."""
     from embodied.learner import TorchEngine
 
     tp, tmp_path = ranks
-    policy, algorithm, samples = vla_samples(name, vlm and str(tmp_path / "vlm"))
+    policy, algorithm, samples = variant_samples(name, vlm, tmp_path)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     engine = TorchEngine(policy, learning_rate=1e-3, max_grad_norm=0.5)
     want = two_steps(engine, algorithm, samples, torch_grads)
     want["state"] = policy.state_dict()
     assert min(want["grad_norm0"], want["grad_norm1"]) > 0.5  # both steps are clipped
     moving = ["fusion.layers.1.linear2.weight"]
-    if vlm:  # (and the language model's, the vision tower's)
+    if vlm == "_discrete":
+        moving += ["head.logits.weight"]
+    if vlm == "_vlm":  # (and the language model's, the vision tower's)
         text = "vlm.model.language_model."
         moving += [f"{text}layers.1.self_attn.q_proj.bias", f"{text}embed_tokens.weight"]
         moving += ["vlm.model.visual.blocks.0.mlp.up_proj.weight"]
@@ -654,6 +779,7 @@ def rank_main(rank: int, tp: int, port: int, out: str) -> None:
     set up once per TP size)."""
     with tp_process(rank, tp, port):
         fusion_rank(rank, tp, out)
+        head_rank(rank, tp, out)
         engine_rank(rank, tp, out)
         bc_rank(rank, tp, out)
         qwen2_rank(rank, tp, out)
@@ -834,6 +960,57 @@ def test_a_vla_on_a_qwen2_5_vl_trains_on_megatron_as_on_torch(tmp_path):
         for key, value in reference.items():
             torch.testing.assert_close(saved[key], value, rtol=1e-5, atol=1e-5)
     assert_rows_close(metric_table(tmp_path / "again"), metric_table(tmp_path / "torchFalse"))
+
+
+def discrete_e2e_child(rank: int, tmp_path) -> None:
+    """The VLA with the discrete head at TP=2, and resumed at TP=1 after iteration 1."""
+    torch.set_num_threads(1)
+    policy = {"head": "discrete"}
+    trainer = {"backend": "megatron", "tensor_parallel": 2}
+    e2e_run(tmp_path / "megatron", trainer, policy=policy, iterations=2)
+    again = resume_copy(tmp_path, "megatron", "again", iteration=1)
+    e2e_run(tmp_path / "again", {"backend": "megatron"}, again, policy=policy, iterations=2)
+
+
+@pytest.mark.slow  # (19 s; the discrete head's update parity is in the suite)
+def test_a_vla_with_the_discrete_head_trains_on_megatron_as_on_torch(tmp_path):
+    """GRPO of the VLA with the discrete head, 2 iterations at TP=2: every logged number equals
+    the torch run's to 1e-5; each rank's shard file holds half of every dimension's bins, and
+    joined, the weights equal the torch run's; resumed at TP=1 after iteration 1, iteration 2
+    again."""
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
+
+    from embodied.checkpoint import load_checkpoint
+    from embodied.convert import ConvertError, _check_module_split
+
+    torch.set_num_threads(1)
+    e2e_run(tmp_path / "torch", None, policy={"head": "discrete"}, iterations=2)
+    torch.multiprocessing.spawn(discrete_e2e_child, args=(tmp_path,), nprocs=1)
+    want = metric_table(tmp_path / "torch")
+    assert_rows_close(metric_table(tmp_path / "megatron"), want)
+    last = tmp_path / "megatron" / "checkpoints" / "iter_000002"
+    reference = load_checkpoint(tmp_path / "torch" / "last")["model"]
+    whole = reference["head.logits.weight"]  # [2 dimensions x 256 bins, d]
+    shard = load_file(last / "model-tp01-of-02.safetensors")["weight/head/logits.weight"]
+    assert shard.shape == (2 * 128, whole.shape[1])
+    torch.testing.assert_close(shard[:128], whole[128:256], rtol=1e-5, atol=1e-5)
+    assert not [k for k in load_file(last / "model.safetensors") if k.startswith("head.")]
+    saved = load_checkpoint(last)["model"]
+    assert saved.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(saved[key], value, rtol=1e-5, atol=1e-5)
+    assert_rows_close(metric_table(tmp_path / "again"), want)
+    # the torch run's checkpoint -> TP=2 shards: the run's files' layout; joined, bit-exact
+    source = tmp_path / "torch" / "last"
+    assert convert_cli(source, "--to", "megatron", "--tensor-parallel", 2, tmp_path / "mg")[0] == 0
+    converted = load_file(tmp_path / "mg" / "model-tp01-of-02.safetensors")
+    torch.testing.assert_close(converted["weight/head/logits.weight"][:128], whole[128:256])
+    assert_same_checkpoint(load_checkpoint(tmp_path / "mg"), load_checkpoint(source))
+    # (the fusion's 2 heads split over no TP size that 256 bins do not: the check alone)
+    head = {"module": "head", "layout": "discrete_head", "actions": 2, "bins": 256}
+    with pytest.raises(ConvertError, match="^--tensor-parallel 3: the discrete head's 256 bins"):
+        _check_module_split(head, 3, {})
 
 
 def failing_child(rank: int, tmp_path) -> None:

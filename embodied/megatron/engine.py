@@ -4,8 +4,8 @@ optimizer.
 
 - The policy's sharded modules (embodied/megatron/shards.py ``modules``) are replaced by this
   rank's shards of the same weights: the torch fusion by ``MegatronFusion``, a Qwen2-VL family
-  VLM's language model by ``MegatronTextModel``; every other module stays whole on every rank
-  (design note 49).
+  VLM's language model by ``MegatronTextModel``, the discrete action head by
+  ``MegatronDiscreteHead``; every other module stays whole on every rank (design note 49).
 - ``DistributedDataParallel`` (megatron's) keeps the gradients in contiguous buffers and
   averages them over the data-parallel ranks; the optimizer is megatron's Adam with the
   distributed optimizer (its state sharded over the data-parallel ranks), gradient clipping by
@@ -31,6 +31,7 @@ from embodied.learner import Evaluate, LearningRate, average_over
 from embodied.megatron import parallel
 from embodied.megatron.cpu import cuda_corners
 from embodied.megatron.fusion import MegatronFusion
+from embodied.megatron.heads import MegatronDiscreteHead
 from embodied.megatron.layout import to_megatron
 from embodied.megatron.shards import modules, shard_info, trainable_modules
 from embodied.megatron.vlm import MegatronTextModel
@@ -62,8 +63,11 @@ def shard_policy(
         if info["layout"] == "transformer_encoder":
             shape = (policy.cfg.d_model, info["heads"], info["layers"])
             shard = MegatronFusion(*shape, dtype, recompute=recompute)
-        else:
+        elif info["layout"] == "qwen2_text":
             shard = MegatronTextModel(original.config, dtype, recompute=recompute)
+        else:
+            shape = (policy.cfg.d_model, info["actions"], info["bins"])
+            shard = MegatronDiscreteHead(*shape, dtype)
         shard = shard.to(device)
         shard.load_torch_state(original.state_dict())
         shard.requires_grad_(trained)

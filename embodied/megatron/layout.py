@@ -197,10 +197,41 @@ def qwen2_text_from_megatron(
     return {name[len(prefix) :]: t for name, t in state.items() if name.startswith(prefix)}
 
 
+# --- the VLA's discrete action head (models/vla/heads.py ``DiscreteTokenHead``) -----------------
+def discrete_head_to_megatron(
+    state: dict[str, Tensor], *, actions: int, bins: int, tp: int
+) -> list[dict[str, Tensor]]:
+    """The head's state dict (``logits.weight`` [actions * bins, d], ``logits.bias``, rows by
+    action dimension, then bin) as one ``ColumnParallelLinear`` state dict per TP rank: rank j
+    holds bins ``j * bins / tp`` onwards of every dimension, its share of each vocabulary."""
+    if bins % tp:
+        raise ValueError(f"{bins} bins do not split over TP={tp}")
+    shards: list[dict[str, Tensor]] = [{} for _ in range(tp)]
+    for name, tensor in state.items():
+        rest = tensor.shape[1:]
+        per_dimension = tensor.reshape(actions, bins, *rest)
+        for shard, part in zip(shards, per_dimension.chunk(tp, dim=1)):
+            shard[name] = part.reshape(-1, *rest).clone()
+    return shards
+
+
+def discrete_head_from_megatron(
+    shards: list[dict[str, Tensor]], *, actions: int, bins: int
+) -> dict[str, Tensor]:
+    """The head's state dict from every TP rank's: ``discrete_head_to_megatron``'s inverse."""
+    state = {}
+    for name in shards[0]:
+        rest = shards[0][name].shape[1:]
+        parts = [shard[name].reshape(actions, -1, *rest) for shard in shards]
+        state[name] = torch.cat(parts, dim=1).reshape(actions * bins, *rest)
+    return state
+
+
 # layout name (meta.json's "shards") -> (torch state -> per-rank shards, shards -> torch state)
 LAYOUTS = {
     "transformer_encoder": (encoder_to_megatron, encoder_from_megatron),
     "qwen2_text": (qwen2_text_to_megatron, qwen2_text_from_megatron),
+    "discrete_head": (discrete_head_to_megatron, discrete_head_from_megatron),
 }
 
 

@@ -2,8 +2,8 @@
 without megatron-core or process groups).
 
 A checkpoint of the megatron backend keeps the sharded modules (the VLA's fusion transformer;
-the language model of a Qwen2-VL family VLM, when trained) as one file per TP rank, in
-megatron's layout, written by that rank::
+the language model of a Qwen2-VL family VLM, when trained; the discrete head) as one file per
+TP rank, in megatron's layout, written by that rank::
 
     iter_000010/model-tp00-of-02.safetensors   rank 0's shards: weight/<module>/<name>,
     iter_000010/model-tp01-of-02.safetensors   exp_avg/<module>/<name>, exp_avg_sq/...
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from embodied.megatron.layout import from_megatron, to_megatron
+from embodied.models.vla.heads import DiscreteTokenHead
 
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
 # the VLM language models megatron shards (Qwen2-VL's is the same model: untested, not listed)
@@ -37,7 +38,7 @@ def shard_file(rank: int, size: int) -> str:
 def modules(policy: nn.Module) -> list[dict]:
     """What the megatron backend shards of a torch ``policy``: per module, its state-dict prefix
     and the shape its layout needs (embodied/megatron/layout.py): the VLA's fusion transformer,
-    and the language model of a Qwen2-VL family VLM."""
+    the language model of a Qwen2-VL family VLM, and the discrete action head."""
     out = []
     fusion = getattr(policy, "fusion", None)
     if isinstance(fusion, nn.TransformerEncoder):
@@ -62,6 +63,11 @@ def modules(policy: nn.Module) -> list[dict]:
                 "heads": config.num_attention_heads,
                 "groups": config.num_key_value_heads,
             }
+        )
+    head = getattr(policy, "head", None)
+    if isinstance(head, DiscreteTokenHead):
+        out.append(
+            {"module": "head", "layout": "discrete_head", "actions": head.A, "bins": head.bins}
         )
     return out
 

@@ -19,7 +19,7 @@ from torch import nn
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of x f32 [B, K, ...] over the entries whose chunk step is valid (mask f32 [B, K])."""
     m = mask.view(*mask.shape, *([1] * (x.dim() - 2))).expand_as(x)
     return (x * m).sum() / m.sum().clamp(min=1.0)
@@ -59,8 +59,14 @@ class GaussianChunkHead(nn.Module):
 
     def bc_loss(self, ctx, target, mask):
         pred = torch.tanh(self.mean(ctx))
-        loss = _masked_mean((pred - target).abs(), mask)
+        loss = masked_mean((pred - target).abs(), mask)
         return loss, {"sft/l1": loss.detach()}
+
+
+def action_bins(a: torch.Tensor, bins: int) -> torch.Tensor:
+    """Normalized actions f32 [...] -> the indices long [...] of their bins among ``bins``
+    uniform bins over [-1, 1]."""
+    return ((a.clamp(-1, 1) + 1) * 0.5 * bins).long().clamp(0, bins - 1)
 
 
 class DiscreteTokenHead(nn.Module):
@@ -86,8 +92,7 @@ class DiscreteTokenHead(nn.Module):
         )  # f32 [B, K, A, bins]
 
     def tokenize(self, a: torch.Tensor) -> torch.Tensor:
-        """Normalized actions f32 [...] -> bin indices long [...]."""
-        return ((a.clamp(-1, 1) + 1) * 0.5 * self.bins).long().clamp(0, self.bins - 1)
+        return action_bins(a, self.bins)
 
     def sample(self, ctx, deterministic=False):
         logp_all = self._log_softmax(ctx)
@@ -109,8 +114,8 @@ class DiscreteTokenHead(nn.Module):
     def bc_loss(self, ctx, target, mask):
         logp_all = self._log_softmax(ctx)
         nll = -logp_all.gather(-1, self.tokenize(target).unsqueeze(-1)).squeeze(-1)  # f32 [B, K, A]
-        loss = _masked_mean(nll, mask)
-        acc = _masked_mean((logp_all.argmax(-1) == self.tokenize(target)).float(), mask)
+        loss = masked_mean(nll, mask)
+        acc = masked_mean((logp_all.argmax(-1) == self.tokenize(target)).float(), mask)
         return loss, {"sft/ce": loss.detach(), "sft/token_accuracy": acc.detach()}
 
 
@@ -210,7 +215,7 @@ class FlowMatchingHead(nn.Module):
         tau = torch.rand(B, device=ctx.device)
         x0 = torch.randn_like(target)
         x_tau = (1 - tau[:, None, None]) * x0 + tau[:, None, None] * target
-        loss = _masked_mean((self.velocity(x_tau, tau, ctx) - (target - x0)) ** 2, mask)
+        loss = masked_mean((self.velocity(x_tau, tau, ctx) - (target - x0)) ** 2, mask)
         return loss, {"sft/flow_mse": loss.detach()}
 
 

@@ -1,0 +1,148 @@
+"""The VLA's discrete action head on megatron-core: each action dimension's bins split over the
+tensor-parallel ranks (its vocabulary, as megatron splits a language model's), the log-softmax
+taken across the ranks without gathering the logits.
+
+The torch head (models/vla/heads.py ``DiscreteTokenHead``) is one linear from the context token
+to ``actions * bins`` logits. Here it is a ``ColumnParallelLinear`` whose rank j holds bins
+``j * bins / tp`` onwards of every dimension (embodied/megatron/layout.py). The log-probability
+of a bin is megatron's vocabulary-parallel cross-entropy; the entropy is the same all-reduces
+(megatron-core has none), with its gradient written out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import ModelParallelConfig
+from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
+from torch import nn
+
+from embodied.megatron import parallel
+from embodied.megatron.layout import discrete_head_from_megatron, discrete_head_to_megatron
+from embodied.models.vla.heads import action_bins, masked_mean
+
+
+class VocabParallelEntropy(torch.autograd.Function):
+    """The entropy f32 [...] of the softmax over logits split over the TP ranks (this rank's
+    f32 [..., V / tp]); every rank gets the whole of it, and the gradient of its own logits."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        group = parallel.tp_group()
+        logits = logits.float()
+        top = logits.max(-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(-1)
+        dist.all_reduce(total, group=group)
+        logp = shifted - total.log().unsqueeze(-1)  # f32 [..., V / tp]
+        p = exp / total.unsqueeze(-1)
+        entropy = -(p * logp).sum(-1)
+        dist.all_reduce(entropy, group=group)
+        ctx.save_for_backward(p, logp, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        # dH/dz_v = -p_v (log p_v + H); the gradient of H is the same on every rank
+        p, logp, entropy = ctx.saved_tensors
+        return -grad.unsqueeze(-1) * p * (logp + entropy.unsqueeze(-1))
+
+
+class MegatronDiscreteHead(nn.Module):
+    """This TP rank's share of the discrete head's bins; ``sample``, ``log_prob`` and
+    ``bc_loss`` as ``DiscreteTokenHead``'s (models/vla/heads.py)."""
+
+    layout = "discrete_head"
+    shard_prefix = ""  # the names of the shard's parameters (``logits.weight``, ``logits.bias``)
+
+    def __init__(self, d_model: int, actions: int, bins: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.A = actions
+        self.bins = bins
+        config = ModelParallelConfig(
+            tensor_model_parallel_size=parallel.tp_size(),
+            params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            use_cpu_initialization=not torch.cuda.is_available(),
+            gradient_accumulation_fusion=False,
+            # (initialised, then overwritten by ``load_torch_state``: megatron marks a parallel
+            # linear's weight as sharded only where it initialises it, and the gradient norm
+            # needs that mark)
+            perform_initialization=True,
+        )
+        self.logits = ColumnParallelLinear(
+            d_model, actions * bins, config=config, init_method=nn.init.zeros_, bias=True
+        )
+        self.register_buffer(
+            "centers", torch.linspace(-1 + 1 / bins, 1 - 1 / bins, bins), persistent=False
+        )
+
+    def shape(self) -> dict:
+        return {"actions": self.A, "bins": self.bins}
+
+    def _logits(self, ctx: torch.Tensor) -> torch.Tensor:
+        """ctx f32 [B, K, d] -> this rank's logits f32 [B, K, A, bins / tp]."""
+        logits, _ = self.logits(ctx)
+        return logits.view(*ctx.shape[:2], self.A, -1)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The first bin of the largest logit over the ranks long [B, K, A], as torch's argmax."""
+        local = logits.shape[-1]
+        index = logits.argmax(-1)
+        value = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+        top = value.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=parallel.tp_group())
+        index = torch.where(value == top, index + parallel.tp_rank() * local, self.bins)
+        dist.all_reduce(index, op=dist.ReduceOp.MIN, group=parallel.tp_group())
+        return index
+
+    @torch.no_grad()
+    def sample(self, ctx, deterministic=False):
+        """As the torch head's, over the logits gathered from every rank, without gradient
+        (rollouts run on the torch copy: this is for completeness, not the update's path)."""
+        # (rank j's bins follow rank j - 1's in each dimension: the gather is the bin order)
+        shards = parallel.gather_shards({"logits": self._logits(ctx)})
+        logits = torch.cat([shard["logits"] for shard in shards], dim=-1)  # f32 [B, K, A, bins]
+        logp_all = torch.log_softmax(logits, dim=-1)
+        if deterministic:
+            tokens = logp_all.argmax(-1)
+        else:
+            flat = logp_all.exp().view(-1, self.bins)
+            tokens = torch.multinomial(flat, 1).view(logp_all.shape[:-1])
+        logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # f32 [B, K, A]
+        return self.centers[tokens], logp, {"tokens": tokens}
+
+    def log_prob(self, ctx, extras):
+        logits = self._logits(ctx)
+        # (megatron's cross-entropy works in place on its input)
+        logp = -vocab_parallel_cross_entropy(logits.clone(), extras["tokens"])  # f32 [B, K, A]
+        entropy = VocabParallelEntropy.apply(logits).sum((1, 2))  # f32 [B]
+        return logp, entropy
+
+    def bc_loss(self, ctx, target, mask):
+        logits = self._logits(ctx)
+        tokens = action_bins(target, self.bins)  # long [B, K, A]
+        nll = vocab_parallel_cross_entropy(logits.clone(), tokens)
+        loss = masked_mean(nll, mask)
+        hits = self._argmax(logits.detach()) == tokens
+        accuracy = masked_mean(hits.float(), mask)
+        return loss, {"sft/ce": loss.detach(), "sft/token_accuracy": accuracy.detach()}
+
+    def load_torch_state(self, state: dict[str, torch.Tensor]) -> None:
+        """This rank's share of a torch head's state dict (``logits.weight``, ``logits.bias``)."""
+        shards = discrete_head_to_megatron(state, tp=parallel.tp_size(), **self.shape())
+        loaded = self.load_state_dict(shards[parallel.tp_rank()], strict=False)
+        # (megatron's linears keep an ``_extra_state`` entry for Transformer Engine: none here)
+        missing = [k for k in loaded.missing_keys if not k.endswith("._extra_state")]
+        if missing or loaded.unexpected_keys:
+            raise ValueError(f"the discrete head does not fit: {missing + loaded.unexpected_keys}")
+
+    def torch_state(self, values=None) -> dict[str, torch.Tensor]:
+        """The whole head in the torch layout, gathered from every TP rank (every rank calls
+        this). ``values``: {name: this rank's tensor} to gather instead of the weights."""
+        mine = {k: p.detach() for k, p in self.named_parameters()}
+        if values is not None:
+            mine = {k: values[k] for k in mine}
+        return discrete_head_from_megatron(parallel.gather_shards(mine), **self.shape())
