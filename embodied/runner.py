@@ -170,10 +170,10 @@ def check_megatron(trainer: TrainerConfig, policy: PolicyConfig, cluster: Cluste
         raise ValueError(
             "cluster.offload_optimizer: not built for trainer.backend=megatron yet (torch only)"
         )
-    if cluster.enabled and (trainer.tensor_parallel > 1 or cluster.actor.workers > 1):
+    if cluster.enabled and cluster.actor.workers != tp:
         raise ValueError(
-            "trainer.backend: on a cluster, megatron runs on one actor worker at "
-            "trainer.tensor_parallel=1, for now"
+            f"cluster.actor.workers: on a cluster each megatron TP rank is an actor worker; set "
+            f"it to {tp} (trainer.tensor_parallel): data-parallel megatron ranks are not built yet"
         )
 
 

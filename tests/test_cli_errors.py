@@ -292,7 +292,7 @@ CASES = [
             "trainer.tensor_parallel=2",
             "cluster.enabled=true",
         ],
-        ["trainer.backend", "one actor worker"],
+        ["cluster.actor.workers", "each megatron TP rank is an actor worker", "set it to 2"],
     ),
     (
         ["train", V, "trainer.backend=megatron", "cluster.offload_optimizer=true"],

@@ -538,6 +538,39 @@ def test_data_parallel_actor_workers_give_the_embedded_numbers_and_a_lost_one_st
     assert_same_numbers(rows(tmp_path / "embedded"), table, rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow  # (27 s; megatron's TP=2 parity is in the suite, in process)
+def test_megatron_tp_ranks_as_actor_workers_give_the_embedded_numbers(
+    local_ray, tmp_path, one_thread
+):
+    """`trainer.backend=megatron trainer.tensor_parallel=2 cluster.actor.workers=2`: each actor
+    worker is a TP rank holding its shard of the VLA's learner (gloo). GRPO's logged numbers are
+    the embedded torch run's to float rounding; each rank writes its shard file of every
+    checkpoint, and joined, the weights are the torch run's."""
+    pytest.importorskip("megatron.core")
+    iterations = 2
+    steps = 8 * 3 * iterations
+    kw = dict(total_env_steps=steps, algorithm=ONE_ROUND, save_every=1)
+    torch.manual_seed(0)
+    run_on(PushRightEnv(8), tmp_path / "embedded", **kw)
+    cluster = {**CLUSTER, "actor": dict(workers=2, num_cpus=0.25)}
+    trainer = {"backend": "megatron", "tensor_parallel": 2}
+    torch.manual_seed(0)
+    run_on(
+        None, tmp_path / "ray", cluster=cluster, env_factory=push_right_envs, trainer=trainer, **kw
+    )
+    table = rows(tmp_path / "ray")
+    assert [r["iteration"] for r in table if "policy/loss" in r] == [1, 2]
+    assert_same_numbers(rows(tmp_path / "embedded"), table, rel=1e-5, abs=1e-6)
+    last = tmp_path / "ray" / "checkpoints" / "iter_000002"
+    shard = load_file(last / "model-tp01-of-02.safetensors")
+    assert "weight/fusion/layers.0.mlp.linear_fc1.weight" in shard
+    joined = load_checkpoint(last)["model"]
+    want = load_checkpoint(tmp_path / "embedded" / "checkpoints" / "iter_000002")["model"]
+    assert joined.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(joined[key], value, rtol=1e-5, atol=1e-5)
+
+
 def test_an_evaluation_worker_answers_while_it_evaluates_and_its_loss_loses_one_evaluation(
     local_ray, tmp_path
 ):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from embodied.checkpoint import rng_state
+from embodied.checkpoint import rng_state, staging_dir
 from embodied.cluster.config import ROLES, ClusterConfig
 from embodied.cluster.placement import place
 from embodied.cluster.status import STATUS_FILE
@@ -446,8 +446,11 @@ class RemoteLearner:
     """The actor workers as the ``Learner``: rank 0 saves and sends the weights; every rank
     gets the batch (one copy in the object store) and the calls that change its state."""
 
-    def __init__(self, workers: list, baton: Baton, lr: float, num_minibatches: int):
+    def __init__(
+        self, workers: list, baton: Baton, lr: float, num_minibatches: int, sharded: bool = False
+    ):
         self.workers = workers
+        self.sharded = sharded  # megatron's TP ranks: each saves its shard of a checkpoint
         self.num_minibatches = num_minibatches
         self.baton = baton
         self._lr = lr
@@ -464,7 +467,7 @@ class RemoteLearner:
         """The update, running in the actor workers; the handle's ``result()`` waits for it."""
         import ray
 
-        ranks = len(self.workers)
+        ranks = 1 if self.sharded else len(self.workers)  # (TP ranks score the same rows)
         minibatch = max(1, len(samples) // self.num_minibatches) if samples is not None else 0
         if 0 < minibatch < ranks:  # (as update() cuts minibatches)
             raise ConfigError(
@@ -489,8 +492,14 @@ class RemoteLearner:
         return self._lr
 
     def save(self, run_dir: Path, iteration: int, **kw) -> None:
-        """Rank 0's state: every rank holds the same weights and optimizer state."""
-        _get(self.workers[0].save.remote(str(run_dir), iteration, kw), "actor")
+        """Rank 0's state: data-parallel ranks hold the same weights and optimizer state. TP
+        ranks write their shards where rank 0 stages the checkpoint (a file system they
+        share)."""
+        calls = [self.workers[0].save.remote(str(run_dir), iteration, kw)]
+        if self.sharded:
+            directory = str(staging_dir(run_dir, iteration))
+            calls += [w.write_shards.remote(directory) for w in self.workers[1:]]
+        _get(calls, "actor")
 
 
 class Evaluation:
@@ -621,7 +630,11 @@ class RayRoles(Roles):
                 self.baton.state = self.baton.last = resume["rng"]
             self.actor = actor
             self.learner = RemoteLearner(
-                actors, self.baton, cfg.algorithm.learning_rate, cfg.algorithm.num_minibatches
+                actors,
+                self.baton,
+                cfg.algorithm.learning_rate,
+                cfg.algorithm.num_minibatches,
+                sharded=cfg.trainer.backend == "megatron",
             )
             has_critic = _get(inferring[0].has_critic.remote(), "rollout")
             role = "env" if self.in_env else "rollout"

@@ -13,6 +13,7 @@ import datetime
 import functools
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -255,16 +256,26 @@ class EvalWorker(_Worker):
 
 class ActorWorker(_Worker):
     """The learner: the algorithm's update, the normaliser, the optimizer, checkpoints. Several
-    actor workers are data-parallel ranks (``join``): each gets the whole batch, takes its share
-    of every minibatch, and the gradients are averaged (torch DDP)."""
+    actor workers are one process group (``join``). On the torch backend they are data-parallel
+    ranks: each gets the whole batch, takes its share of every minibatch, and the gradients are
+    averaged (torch DDP). On the megatron backend they are its tensor-parallel ranks: each holds
+    its shard of the learner, built once the group exists."""
 
     def __init__(self, cfg, spec, task_of_env: list[int], device: str, rng: dict | None):
         self.spans = []
         torch.set_num_threads(cfg.runner.torch_threads)
+        self.device = torch.device(device)
+        self.learner_args = (cfg, spec, torch.tensor(task_of_env, dtype=torch.long), rng)
+        self.learner = None
+        # (megatron's ranks shard the learner over their group: built in ``join``)
+        if not (cfg.trainer.backend == "megatron" and cfg.cluster.actor.workers > 1):
+            self._build()
+
+    def _build(self) -> None:
+        cfg, spec, task_ids, rng = self.learner_args
         if rng is not None:  # the run's generator, as the embedded run has it here
             set_rng_state(rng)
-        task_ids = torch.tensor(task_of_env, dtype=torch.long)
-        self.learner = Learner(cfg, spec, task_ids, torch.device(device))
+        self.learner = Learner(cfg, spec, task_ids, self.device)
         self.sync_keys = _sync_keys(self.learner.engine.torch_policy)
 
     def address(self) -> str:
@@ -283,7 +294,7 @@ class ActorWorker(_Worker):
         from here on every update is shared with the other ranks."""
         import torch.distributed as dist
 
-        backend = "nccl" if self.learner.device.type == "cuda" else "gloo"
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
             init_method=address,
@@ -293,7 +304,10 @@ class ActorWorker(_Worker):
             # death at once and stops the run, this only bounds a worker left behind
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
-        self.learner.distribute(dist.group.WORLD)
+        if self.learner is None:  # megatron: this rank's shard of the learner, over the group
+            self._build()
+        else:
+            self.learner.distribute(dist.group.WORLD)
 
     def data_parallel(self) -> tuple[int, int]:
         """(this worker's rank, the number of ranks)."""
@@ -342,6 +356,12 @@ class ActorWorker(_Worker):
     @timed
     def save(self, run_dir, iteration: int, kw: dict) -> None:
         self.learner.save(run_dir, iteration, **kw)
+
+    @timed
+    def write_shards(self, directory: str) -> None:
+        """A megatron TP rank past the first: its shard of the checkpoint rank 0 stages in
+        ``directory`` (rank 0 writes its own and the rest in ``save``)."""
+        self.learner.engine.write_shards(Path(directory))
 
 
 def _to_sync(policy: torch.nn.Module, sync_keys: set[str], full: bool) -> dict:
