@@ -14,6 +14,9 @@ from embodied.rollout import Samples, logprob_at
 BACKENDS = ("torch", "megatron")
 
 
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
 @dataclass
 class TrainerConfig:
     """Which implementation of the learner trains the policy."""
@@ -25,6 +28,9 @@ class TrainerConfig:
     # megatron: recompute each transformer layer's activations in the backward instead of
     # keeping them (less memory, one more forward); the same numbers
     recompute: bool = False
+    # megatron: the sharded modules' weights and compute in bf16 (float32 main weights and
+    # gradients in the optimizer) or float32; auto: bf16 on GPUs, float32 on the CPU
+    precision: str = "auto"
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
@@ -35,6 +41,16 @@ class TrainerConfig:
             raise ValueError("tensor_parallel: > 1 needs backend=megatron")
         if self.recompute and self.backend != "megatron":
             raise ValueError("recompute: needs backend=megatron")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision == "bf16" and self.backend != "megatron":
+            raise ValueError("precision: bf16 needs backend=megatron (torch trains in float32)")
+
+    def dtype(self, device: torch.device) -> torch.dtype:
+        """The megatron shards' dtype on ``device``."""
+        if self.precision == "bf16" or (self.precision == "auto" and device.type == "cuda"):
+            return torch.bfloat16
+        return torch.float32
 
 
 class TrainEngine(Protocol):

@@ -167,9 +167,12 @@ class BCLearner:
             from embodied.megatron.engine import MegatronEngine, join_ranks
 
             join_ranks(self.policy, cfg)
-            recompute = cfg.trainer.recompute
             self.engine = MegatronEngine(
-                self.policy, with_value=False, recompute=recompute, **options
+                self.policy,
+                with_value=False,
+                recompute=cfg.trainer.recompute,
+                dtype=cfg.trainer.dtype(device),
+                **options,
             )
         else:
             self.engine = TorchEngine(self.policy, **options)

@@ -60,6 +60,8 @@ def test_defaults_list_and_overrides_compose(tmp_path):
         ("env: {backend: tpu}", [], "env.backend", "exp.yaml"),
         ("runner: {total_env_steps: 0}", [], "runner.total_env_steps", "exp.yaml"),
         ("trainer: {recompute: true}", [], "trainer.recompute", "exp.yaml"),
+        ("trainer: {precision: bf16}", [], "trainer.precision", "exp.yaml"),
+        ("seed: 1", ["trainer.precision=fp16"], "trainer.precision", "command line"),
     ],
 )
 def test_bad_keys_and_values_name_key_and_file(tmp_path, text, overrides, key, source):

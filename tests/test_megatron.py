@@ -440,6 +440,72 @@ def engine_rank(rank: int, tp: int, out: str) -> None:
         torch.save(result, f"{out}/{name}{vlm}{suffix}{rank}.pt")
 
 
+def bf16_rank(rank: int, tp: int, out: str) -> None:
+    """One TP rank: GRPO's two steps of the tiny VLA with the discrete head, its shards (the
+    fusion, the head) in bf16: their dtypes, the optimizer's main weights before and after
+    (gathered, torch layout), the weights after, the loss and the norms."""
+    from embodied.megatron.engine import MegatronEngine
+
+    policy, algorithm, samples = vla_samples("grpo", head="discrete")
+    engine = MegatronEngine(
+        policy, learning_rate=1e-3, max_grad_norm=0.5, with_value=False, dtype=torch.bfloat16
+    )
+    trained = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
+
+    def main_weights():
+        mains = {n: engine._main_param(p).detach().clone().view(p.shape) for n, p in trained}
+        return engine._torch_layout(mains)
+
+    result = {"dtypes": {name: p.dtype for name, p in policy.named_parameters()}}
+    result["main_before"] = main_weights()
+    result.update(two_steps(engine, algorithm, samples, lambda e: {}))
+    result["main_after"] = main_weights()
+    result["weights_after"] = engine.torch_state()
+    torch.save(result, f"{out}/bf16{rank}.pt")
+
+
+def test_bf16_shards_keep_float32_main_weights_and_follow_the_float32_update(ranks):
+    """Mixed precision at TP=1 and TP=2 (bf16 on the CPU here; a GPU run's default): the
+    sharded modules' linear weights are bf16, everything else float32. The optimizer's main weights
+    start at the float32 values (not their bf16 rounding) and stay float32: after two Adam
+    steps they hold what bf16 cannot, and the bf16 weights are their rounding. The loss and
+    norms are the float32 run's to bf16's precision, and so are the weights after."""
+    from embodied.learner import TorchEngine
+
+    tp, tmp_path = ranks
+    policy, algorithm, samples = vla_samples("grpo", head="discrete")
+    start = {k: v.clone() for k, v in policy.state_dict().items()}
+    want = two_steps(
+        TorchEngine(policy, learning_rate=1e-3, max_grad_norm=0.5), algorithm, samples, lambda e: {}
+    )
+    after = policy.state_dict()
+    sharded = ("fusion.", "head.")
+    for rank in range(tp):
+        got = torch.load(tmp_path / f"bf16{rank}.pt")
+        for name, dtype in got["dtypes"].items():
+            if not name.startswith(sharded):
+                assert dtype == torch.float32, name
+            elif "linear" in name or "logits" in name:  # (megatron keeps its norms float32)
+                assert dtype == torch.bfloat16, name
+        assert got["main_before"].keys() == {
+            n for n, p in policy.named_parameters() if p.requires_grad
+        }
+        for name, value in got["main_before"].items():
+            assert value.dtype == torch.float32 and torch.equal(value, start[name]), name
+        # (GRPO's first loss is near 0: its ratios are 1 and its advantages centred)
+        assert got["loss"] == pytest.approx(want["loss"], rel=2e-2, abs=1e-3)
+        for step in ("grad_norm0", "grad_norm1"):
+            assert got[step] == pytest.approx(want[step], rel=5e-2), step
+        for name, main in got["main_after"].items():
+            # (two Adam steps of at most 1e-3 each; a gradient near 0 may take either sign)
+            torch.testing.assert_close(main, after[name], rtol=0, atol=2.1e-3)
+            weight = got["weights_after"][name]  # (bf16 or float32: main, rounded)
+            assert torch.equal(weight.float(), main.to(weight.dtype).float()), name
+        qkv = got["main_after"]["fusion.layers.0.self_attn.in_proj_weight"]
+        below_bf16 = qkv != qkv.to(torch.bfloat16).float()
+        assert below_bf16.float().mean() > 0.9  # (float32 main weights, not bf16's)
+
+
 def bc_steps(backend: str, head: str = "gaussian") -> dict:
     """SFT's learner (``BCLearner``) on ``backend``: two clipped AdamW steps (weight decay 0.1,
     the clip at 0.05: both steps clip) of the tiny VLA's behaviour-cloning loss on the test
@@ -781,6 +847,7 @@ def rank_main(rank: int, tp: int, port: int, out: str) -> None:
         fusion_rank(rank, tp, out)
         head_rank(rank, tp, out)
         engine_rank(rank, tp, out)
+        bf16_rank(rank, tp, out)
         bc_rank(rank, tp, out)
         qwen2_rank(rank, tp, out)
         vlm_rank(rank, tp, out)

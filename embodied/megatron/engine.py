@@ -104,6 +104,7 @@ def megatron_engine(policy: torch.nn.Module, cfg, *, with_value: bool) -> Megatr
         max_grad_norm=alg.max_grad_norm,
         with_value=with_value,
         recompute=cfg.trainer.recompute,
+        dtype=cfg.trainer.dtype(next(policy.parameters()).device),
     )
 
 
@@ -118,13 +119,14 @@ class MegatronEngine(LearningRate):
         weight_decay: float = 0.0,
         adam_eps: float = 1e-5,
         recompute: bool = False,
+        dtype: torch.dtype = torch.float32,
     ):
         self.policy = policy
         # the policy in the torch layout, whole: what inference, checkpoints and weight syncs
         # read (``refresh`` after every change)
         self.torch_policy = copy.deepcopy(policy)
         with torch.random.fork_rng(devices=[]):  # (megatron draws initial weights: not ours)
-            self.parts = shard_policy(policy, recompute=recompute)
+            self.parts = shard_policy(policy, dtype, recompute=recompute)
         # the megatron parameters' names in the policy, per sharded module
         self.shard_prefixes = {
             name: f"{name}.{part.shard_prefix}" for name, part in self.parts.items()
@@ -156,6 +158,7 @@ class MegatronEngine(LearningRate):
                 # by default)
                 config_overrides={},
             )
+        self._set_main_params(self.torch_policy.state_dict())
         self.adam = {"eps": adam_eps, "weight_decay": weight_decay}
         self.params = [p for p in policy.parameters() if p.requires_grad]
         # torch's AdamW skips a weight without a gradient, decay included; megatron's gradient
@@ -335,7 +338,8 @@ class MegatronEngine(LearningRate):
             part = self.parts[name]
             for key, param in part.named_parameters():
                 key = f"{name}/{key[len(part.shard_prefix) :]}"
-                weights[key] = param.detach()
+                # the float32 main weight (a bf16 run's weights are its rounding)
+                weights[key] = self._main_param(param).detach().view(param.shape)
                 state = self._adam_state(param)
                 if state is not None:
                     step = state["step"]
@@ -353,7 +357,8 @@ class MegatronEngine(LearningRate):
     @torch.no_grad()
     def load_state_dict(self, checkpoint: dict) -> None:
         """Weights (torch layout) and the optimizer state ``optimizer_state_dict`` wrote, at
-        this run's TP size."""
+        this run's TP size. The optimizer's float32 main weights take the checkpoint's values,
+        not the (bf16) weights'."""
         model = checkpoint["model"]
         self.torch_policy.load_state_dict(model)
         prefixes = tuple(f"{name}." for name in self.parts)
@@ -366,40 +371,65 @@ class MegatronEngine(LearningRate):
         loaded = self.policy.load_state_dict(rest, strict=False)
         if loaded.unexpected_keys or [k for k in loaded.missing_keys if not k.startswith(prefixes)]:
             raise ValueError(f"the checkpoint does not fit the policy: {loaded}")
+        self._set_main_params(model)
         state = checkpoint["optimizer"]["state"]
         if not state:
             return
         trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
         by_name = {trainable[index]: entry for index, entry in state.items()}
         step = next(iter(state.values()))["step"]  # (one count: every parameter steps together)
-        sharded: dict[str, dict[str, torch.Tensor]] = {}  # megatron parameter -> its moments
-        for name, part in self.parts.items():
-            start = f"{name}."
-            own = [k for k in by_name if k.startswith(start)]
-            for kind in MOMENTS:
-                values = {k[len(start) :]: by_name[k][kind] for k in own}
-                if not values:  # (a frozen module)
-                    continue
-                tp = parallel.tp_size()
-                mine = to_megatron(part.layout, values, tp=tp, **part.shape())[parallel.tp_rank()]
-                for key, tensor in mine.items():
-                    sharded.setdefault(self.shard_prefixes[name] + key, {})[kind] = tensor
+        moments = {
+            kind: self._rank_layout({k: e[kind] for k, e in by_name.items()}) for kind in MOMENTS
+        }
         for optimizer in self.optimizer.chained_optimizers:
             if not optimizer.optimizer.state:
                 optimizer._init_optimizer_states_with_dummy_values()
         for name, param in self.policy.named_parameters():
             if not param.requires_grad:
                 continue
-            tensors = {"param": param.detach().view(-1), "step": step.clone()}
+            tensors = {"param": self._main_param(param).clone(), "step": step.clone()}
             for kind in MOMENTS:
-                if name in sharded:
-                    value = sharded[name][kind]
-                elif name in by_name:
-                    value = by_name[name][kind]
-                else:  # (torch's Adam keeps none for a weight no loss reached: GRPO's critic)
-                    value = torch.zeros_like(param)
+                # (torch's Adam keeps none for a weight no loss reached: GRPO's critic)
+                value = moments[kind].get(name, torch.zeros_like(param, dtype=torch.float32))
                 tensors[kind] = value.reshape(-1)
             self._set_adam_state(param, tensors)
+
+    def _rank_layout(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Torch-layout ``values`` (named as the torch copy's parameters) as this rank's: named as
+        this policy's parameters, the sharded modules' in megatron's layout, this rank's shard
+        (``_torch_layout``'s inverse; no collective)."""
+        prefixes = tuple(f"{name}." for name in self.parts)
+        out = {k: v for k, v in values.items() if not k.startswith(prefixes)}
+        tp = parallel.tp_size()
+        for name, part in self.parts.items():
+            start = f"{name}."
+            own = {k[len(start) :]: v for k, v in values.items() if k.startswith(start)}
+            if not own:  # (a frozen module)
+                continue
+            mine = to_megatron(part.layout, own, tp=tp, **part.shape())[parallel.tp_rank()]
+            out.update({self.shard_prefixes[name] + key: t for key, t in mine.items()})
+        return out
+
+    def _main_param(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The optimizer's float32 copy of ``param``, flat (the weight itself when it is
+        float32; with one data-parallel rank, all of it)."""
+        for optimizer in self.optimizer.chained_optimizers:
+            if param in optimizer.model_param_group_index_map:
+                # (as ``_get_main_param_and_optimizer_states``, which would also add an empty
+                # Adam state for it: the optimizer would seem to have stepped)
+                group, order = optimizer.model_param_group_index_map[param]
+                return optimizer.optimizer.param_groups[group]["params"][order]
+        raise KeyError("a trainable parameter the optimizer does not hold")
+
+    @torch.no_grad()
+    def _set_main_params(self, model: dict[str, torch.Tensor]) -> None:
+        """Every trainable weight's main copy from the torch-layout state ``model`` (float32):
+        a bf16 run starts from, and resumes at, the float32 values, not their bf16 rounding."""
+        trainable = {n for n, p in self.torch_policy.named_parameters() if p.requires_grad}
+        values = self._rank_layout({k: v for k, v in model.items() if k in trainable})
+        for name, param in self.policy.named_parameters():
+            if param.requires_grad:
+                self._main_param(param).copy_(values[name].reshape(-1))
 
 
 def _trained(module: torch.nn.Module) -> bool:

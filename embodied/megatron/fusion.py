@@ -83,8 +83,9 @@ class MegatronFusion(nn.Module):
         """x f32 [B, N, d]; src_key_padding_mask bool [B, N], True at padding -> f32 [B, N, d]."""
         # megatron masks where the mask is True, over [B, heads, N (queries), N (keys)]
         mask = None if src_key_padding_mask is None else src_key_padding_mask[:, None, None, :]
-        hidden = self.block(x.transpose(0, 1).contiguous(), attention_mask=mask)  # [N, B, d]
-        return hidden.transpose(0, 1)
+        inputs = x.to(self.config.params_dtype).transpose(0, 1).contiguous()  # (bf16 runs)
+        hidden = self.block(inputs, attention_mask=mask)  # [N, B, d]
+        return hidden.transpose(0, 1).to(x.dtype)
 
     def load_torch_state(self, state: dict[str, torch.Tensor]) -> None:
         """This rank's shard of a torch fusion's state dict (``layers.{i}.…``)."""

@@ -83,9 +83,10 @@ class MegatronDiscreteHead(nn.Module):
         return {"actions": self.A, "bins": self.bins}
 
     def _logits(self, ctx: torch.Tensor) -> torch.Tensor:
-        """ctx f32 [B, K, d] -> this rank's logits f32 [B, K, A, bins / tp]."""
-        logits, _ = self.logits(ctx)
-        return logits.view(*ctx.shape[:2], self.A, -1)
+        """ctx f32 [B, K, d] -> this rank's logits f32 [B, K, A, bins / tp] (computed in the
+        weights' dtype)."""
+        logits, _ = self.logits(ctx.to(self.logits.weight.dtype))  # (bf16 runs)
+        return logits.float().view(*ctx.shape[:2], self.A, -1)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """The first bin of the largest logit over the ranks long [B, K, A], as torch's argmax."""

@@ -94,8 +94,10 @@ class MegatronTextModel(nn.Module):
             attention_mask = torch.ones(
                 batch, length, dtype=torch.long, device=inputs_embeds.device
             )
-        hidden = self.lm.hidden_states(inputs_embeds, position_ids, attention_mask)
-        return BaseModelOutputWithPast(last_hidden_state=hidden)
+        dtype = self.lm.model.embedding.word_embeddings.weight.dtype
+        hidden = self.lm.hidden_states(inputs_embeds.to(dtype), position_ids, attention_mask)
+        # (the rest of the policy is float32; a bf16 run computes the language model in bf16)
+        return BaseModelOutputWithPast(last_hidden_state=hidden.float())
 
     def load_torch_state(self, state: dict[str, torch.Tensor]) -> None:
         """This rank's shard of the Hugging Face language model's state dict."""
