@@ -1080,6 +1080,34 @@ def test_a_vla_with_the_discrete_head_trains_on_megatron_as_on_torch(tmp_path):
         _check_module_split(head, 3, {})
 
 
+def bf16_e2e_child(rank: int, tmp_path) -> None:
+    """A bf16 run at TP=2, and the same resumed at TP=2 after iteration 1."""
+    torch.set_num_threads(1)
+    trainer = {"backend": "megatron", "tensor_parallel": 2, "precision": "bf16"}
+    e2e_run(tmp_path / "bf16", trainer, iterations=2)
+    again = resume_copy(tmp_path, "bf16", "again", iteration=1)
+    e2e_run(tmp_path / "again", trainer, again, iterations=2)
+
+
+@pytest.mark.slow  # (22 s; bf16's update is in the suite)
+def test_a_bf16_run_saves_its_float32_main_weights_and_resumes_to_the_same_numbers(tmp_path):
+    """`trainer.precision=bf16` at TP=2: the shard files hold the float32 main weights (not
+    bf16-representable), and the run resumed after iteration 1 logs iteration 2 again to
+    1e-5: the main weights come back exact (resumed from their bf16 rounding, it would not)."""
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    torch.multiprocessing.spawn(bf16_e2e_child, args=(tmp_path,), nprocs=1)
+    last = tmp_path / "bf16" / "checkpoints" / "iter_000002"
+    qkv = load_file(last / "model-tp01-of-02.safetensors")[
+        "weight/fusion/layers.0.self_attention.linear_qkv.weight"
+    ]
+    assert qkv.dtype == torch.float32
+    assert (qkv != qkv.to(torch.bfloat16).float()).float().mean() > 0.9
+    assert_rows_close(metric_table(tmp_path / "again"), metric_table(tmp_path / "bf16"))
+
+
 def failing_child(rank: int, tmp_path) -> None:
     """A TP=2 run whose rank 0 fails inside its second update, while its helper rank waits in
     a collective; writes the error it ended with and how many child processes are left."""

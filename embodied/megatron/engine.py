@@ -159,6 +159,8 @@ class MegatronEngine(LearningRate):
                 config_overrides={},
             )
         self._set_main_params(self.torch_policy.state_dict())
+        self.dtype = dtype
+        self._round_torch_copy()
         self.adam = {"eps": adam_eps, "weight_decay": weight_decay}
         self.params = [p for p in policy.parameters() if p.requires_grad]
         # torch's AdamW skips a weight without a gradient, decay included; megatron's gradient
@@ -372,6 +374,7 @@ class MegatronEngine(LearningRate):
         if loaded.unexpected_keys or [k for k in loaded.missing_keys if not k.startswith(prefixes)]:
             raise ValueError(f"the checkpoint does not fit the policy: {loaded}")
         self._set_main_params(model)
+        self._round_torch_copy()
         state = checkpoint["optimizer"]["state"]
         if not state:
             return
@@ -393,6 +396,12 @@ class MegatronEngine(LearningRate):
                 value = moments[kind].get(name, torch.zeros_like(param, dtype=torch.float32))
                 tensors[kind] = value.reshape(-1)
             self._set_adam_state(param, tensors)
+
+    def _round_torch_copy(self) -> None:
+        """In a bf16 run, the torch copy (what acts) holds the bf16 weights, as after every
+        update, not the float32 values it was loaded with (every rank calls this)."""
+        if self.dtype != torch.float32:
+            self.refresh()
 
     def _rank_layout(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Torch-layout ``values`` (named as the torch copy's parameters) as this rank's: named as
