@@ -186,7 +186,11 @@ def _check_vlm_split(path: Path, tp: int) -> None:
 
     if not (path / "config.json").is_file():
         return  # (the policy's build names the missing directory)
-    text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+    try:
+        text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+    except (OSError, ValueError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"policy.vlm_path: {path}/config.json does not load ({reason})") from None
     if text.model_type not in TEXT_FAMILIES:
         return
     sizes = (text.num_key_value_heads, text.vocab_size, text.intermediate_size)

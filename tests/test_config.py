@@ -201,10 +201,22 @@ def test_megatron_takes_a_vla_on_a_qwen2_5_vl_whose_language_model_splits(tmp_pa
         assert cfg.trainer.tensor_parallel == 2 and cfg.policy.vlm_path == str(tmp_path)
         with pytest.raises(ConfigError, match=r"^trainer.tensor_parallel: .* 2 key-value groups"):
             load_config(schema, path, [*megatron, "trainer.tensor_parallel=4"])
+    # a vocabulary, or an MLP, that does not split; a config.json that does not load
+    path = "configs/maniskill/multitask_vla_grpo.yaml"
+    for key, size in (("vocab_size", 66), ("intermediate_size", 98)):
+        Qwen2_5_VLConfig(text_config={**text, key: size}).save_pretrained(tmp_path / key)
+        overrides = [f"policy.vlm_path={tmp_path / key}", "trainer.backend=megatron"]
+        with pytest.raises(ConfigError, match=rf"^trainer.tensor_parallel: .*\b{size}\b"):
+            load_config(TrainConfig, path, [*overrides, "trainer.tensor_parallel=4"])
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    overrides = [f"policy.vlm_path={tmp_path / 'broken'}", "trainer.backend=megatron"]
+    with pytest.raises(ConfigError, match=r"^policy.vlm_path: .*config.json does not load"):
+        load_config(TrainConfig, path, overrides)
     with pytest.raises(ConfigError, match=r"^trainer.tensor_parallel: .* 100 bins .* 3 ranks"):
         load_config(
             TrainConfig,
-            "configs/maniskill/multitask_vla_grpo.yaml",
+            path,
             ["trainer.backend=megatron", "trainer.tensor_parallel=3"]
             + ["policy.heads=3", "policy.d_model=96", "policy.head=discrete", "policy.bins=100"],
         )

@@ -625,7 +625,8 @@ class RayRoles(Roles):
                     "rollout",
                 )
             if resume is not None:
-                _get([a.load.remote(resume) for a in actors], "actor")
+                checkpoint = ray.put(resume)  # (one copy for every rank)
+                _get([a.load.remote(checkpoint) for a in actors], "actor")
                 self.baton.holder = None
                 self.baton.state = self.baton.last = resume["rng"]
             self.actor = actor
@@ -947,7 +948,7 @@ def _join_ranks(actors: list, placed: list[dict], device: str) -> None:
         if len(set(ids)) < len(ids):
             raise ConfigError(
                 f"cluster.actor: {len(actors)} actor workers share GPU(s) {ids}; data-parallel "
-                "actor workers need a GPU each (cluster.actor.num_gpus=1)"
+                "ranks and megatron's TP ranks need a GPU each (cluster.actor.num_gpus=1)"
             )
     address = _get(actors[0].address.remote(), "actor")
     _get([a.join.remote(rank, len(actors), address) for rank, a in enumerate(actors)], "actor")

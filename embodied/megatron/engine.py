@@ -327,7 +327,7 @@ class MegatronEngine(LearningRate):
         import torch.distributed as dist
 
         from embodied.checkpoint import write_shard
-        from embodied.megatron.shards import shard_tensors
+        from embodied.megatron.shards import shard_files, shard_tensors
 
         if self.world_size > 1:
             raise NotImplementedError("checkpoints of data-parallel megatron ranks")
@@ -353,6 +353,12 @@ class MegatronEngine(LearningRate):
         tensors = shard_tensors(weights, None if step is None else moments, step)
         write_shard(directory, parallel.tp_rank(), tp, tensors)
         dist.barrier(group=group)  # (every file is written)
+        missing = [name for name in shard_files(tp) if not (directory / name).is_file()]
+        if missing:  # (ranks on nodes that do not share the run directory's file system)
+            raise RuntimeError(
+                f"{directory}: the shard files {missing} of other TP ranks are not here; the "
+                "ranks of a megatron run need a file system they share with the run directory"
+            )
         trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
         return shard_info(trained, tp=tp, trainable=trainable)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import ModelParallelConfig
+from megatron.core import ModelParallelConfig, parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
 from torch import nn
 
@@ -37,17 +37,16 @@ class VocabParallelEntropy(torch.autograd.Function):
         total = exp.sum(-1)
         dist.all_reduce(total, group=group)
         logp = shifted - total.log().unsqueeze(-1)  # f32 [..., V / tp]
-        p = exp / total.unsqueeze(-1)
-        entropy = -(p * logp).sum(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
         dist.all_reduce(entropy, group=group)
-        ctx.save_for_backward(p, logp, entropy)
+        ctx.save_for_backward(logp, entropy)  # (p is exp(log p): one copy of the logits kept)
         return entropy
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         # dH/dz_v = -p_v (log p_v + H); the gradient of H is the same on every rank
-        p, logp, entropy = ctx.saved_tensors
-        return -grad.unsqueeze(-1) * p * (logp + entropy.unsqueeze(-1))
+        logp, entropy = ctx.saved_tensors
+        return -grad.unsqueeze(-1) * logp.exp() * (logp + entropy.unsqueeze(-1))
 
 
 class MegatronDiscreteHead(nn.Module):
@@ -112,6 +111,9 @@ class MegatronDiscreteHead(nn.Module):
         else:
             flat = logp_all.exp().view(-1, self.bins)
             tokens = torch.multinomial(flat, 1).view(logp_all.shape[:-1])
+            # (every rank acts on TP rank 0's draw, whatever their generators hold)
+            source = parallel_state.get_tensor_model_parallel_src_rank()
+            dist.broadcast(tokens, src=source, group=parallel.tp_group())
         logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # f32 [B, K, A]
         return self.centers[tokens], logp, {"tokens": tokens}
 

@@ -10,11 +10,17 @@ from megatron.core.transformer import TransformerConfig
 
 from embodied.megatron.cpu import use_cpu_corners
 
+COLLECTIVE_TIMEOUT_MINUTES = 10  # as the default group's (the lockstep and Ray process groups)
+
 
 def initialize(tensor_parallel: int, seed: int) -> None:
     """Tensor-parallel groups of ``tensor_parallel`` consecutive ranks of the default group
     (initialised: gloo on CPU, NCCL on GPUs); the rest of the world is data-parallel."""
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    # (megatron's groups would wait 30 minutes for a lost rank; the default group waits 10)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        distributed_timeout_minutes=COLLECTIVE_TIMEOUT_MINUTES,
+    )
     if torch.cuda.is_available():
         model_parallel_cuda_manual_seed(seed)
     else:

@@ -35,6 +35,11 @@ def shard_file(rank: int, size: int) -> str:
     return f"model-tp{rank:02d}-of-{size:02d}.safetensors"
 
 
+def shard_files(size: int) -> list[str]:
+    """Every TP rank's file name."""
+    return [shard_file(rank, size) for rank in range(size)]
+
+
 def modules(policy: nn.Module) -> list[dict]:
     """What the megatron backend shards of a torch ``policy``: per module, its state-dict prefix
     and the shape its layout needs (embodied/megatron/layout.py): the VLA's fusion transformer,
@@ -94,7 +99,7 @@ def shard_info(modules: list[dict], *, tp: int, trainable: list[str]) -> dict:
     return {
         "modules": modules,
         "tensor_parallel": tp,
-        "files": [shard_file(rank, tp) for rank in range(tp)],
+        "files": shard_files(tp),
         "trainable": trainable,
     }
 
