@@ -571,6 +571,7 @@ def test_megatron_tp_ranks_as_actor_workers_give_the_embedded_numbers(
         torch.testing.assert_close(joined[key], value, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # (22 s; the evaluation worker's numbers are in the suite, below)
 def test_an_evaluation_worker_answers_while_it_evaluates_and_its_loss_loses_one_evaluation(
     local_ray, tmp_path
 ):
