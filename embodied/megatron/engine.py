@@ -131,6 +131,10 @@ class MegatronEngine(LearningRate):
         self.shard_prefixes = {
             name: f"{name}.{part.shard_prefix}" for name, part in self.parts.items()
         }
+        # the sharded modules' state-dict prefixes in the torch layout
+        self.part_prefixes = tuple(f"{name}." for name in self.parts)
+        # the torch copy's trainable parameters in optimizer order (Adam's state is by position)
+        self.trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
         config = self.parts["fusion"].config
         with cuda_corners():
             self.model = DistributedDataParallel(
@@ -228,8 +232,11 @@ class MegatronEngine(LearningRate):
 
     def _changing_state(self) -> dict[str, torch.Tensor]:
         """``torch_state`` without the frozen sharded modules (every rank calls this)."""
-        prefixes = tuple(f"{name}." for name in self.parts)
-        state = {k: v for k, v in self.policy.state_dict().items() if not k.startswith(prefixes)}
+        state = {
+            k: v
+            for k, v in self.policy.state_dict().items()
+            if not k.startswith(self.part_prefixes)
+        }
         for name, part in self.parts.items():
             if _trained(part):
                 for key, param in part.named_parameters():
@@ -249,8 +256,7 @@ class MegatronEngine(LearningRate):
     def _torch_layout(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``values`` named as this policy's parameters (the sharded modules' this rank's shards)
         in the torch layout: the shards gathered from every TP rank (every rank calls this)."""
-        prefixes = tuple(f"{name}." for name in self.parts)
-        out = {k: v for k, v in values.items() if not k.startswith(prefixes)}
+        out = {k: v for k, v in values.items() if not k.startswith(self.part_prefixes)}
         for name, part in self.parts.items():
             start = self.shard_prefixes[name]
             shard = {k[len(start) :]: v for k, v in values.items() if k.startswith(start)}
@@ -277,21 +283,24 @@ class MegatronEngine(LearningRate):
         if missing or loaded.unexpected_keys:
             raise ValueError(f"the torch copy does not fit: {missing + loaded.unexpected_keys}")
 
+    def _holder(self, param: torch.nn.Parameter):
+        """The one of megatron's chained optimizers that holds ``param``."""
+        for optimizer in self.optimizer.chained_optimizers:
+            if param in optimizer.model_param_group_index_map:
+                return optimizer
+        raise KeyError("a trainable parameter the optimizer does not hold")
+
     def _adam_state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor] | None:
         """Megatron's Adam state of ``param`` (this data-parallel rank's range: all of it with
         one rank), or None before the first step."""
-        for optimizer in self.optimizer.chained_optimizers:
-            if param in optimizer.model_param_group_index_map:
-                if not optimizer.optimizer.state:
-                    return None
-                return optimizer._get_main_param_and_optimizer_states(param)
-        raise KeyError("a trainable parameter the optimizer does not hold")
+        optimizer = self._holder(param)
+        if not optimizer.optimizer.state:
+            return None
+        return optimizer._get_main_param_and_optimizer_states(param)
 
     def _set_adam_state(self, param: torch.nn.Parameter, tensors: dict) -> None:
         """Set ``param``'s main weight and Adam state (``_adam_state``'s keys)."""
-        for optimizer in self.optimizer.chained_optimizers:
-            if param in optimizer.model_param_group_index_map:
-                optimizer._set_main_param_and_optimizer_states(param, tensors)
+        self._holder(param)._set_main_param_and_optimizer_states(param, tensors)
 
     def optimizer_state_dict(self) -> dict:
         """Megatron's Adam state as ``torch.optim.Adam``'s state dict over the torch copy's
@@ -300,13 +309,12 @@ class MegatronEngine(LearningRate):
         this needs no collective."""
         if self.world_size > 1:
             raise NotImplementedError("checkpoints of data-parallel megatron ranks")
-        trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
         adam = torch.optim.AdamW if self.adam["weight_decay"] else torch.optim.Adam
         template = adam(
             [p for p in self.torch_policy.parameters() if p.requires_grad], lr=self.lr, **self.adam
         )
         out = template.state_dict()
-        index = {name: i for i, name in enumerate(trainable)}
+        index = {name: i for i, name in enumerate(self.trainable)}
         sharded = tuple(self.shard_prefixes.values())
         for name, param in self.policy.named_parameters():
             if not param.requires_grad or name.startswith(sharded):
@@ -359,8 +367,7 @@ class MegatronEngine(LearningRate):
                 f"{directory}: the shard files {missing} of other TP ranks are not here; the "
                 "ranks of a megatron run need a file system they share with the run directory"
             )
-        trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
-        return shard_info(trained, tp=tp, trainable=trainable)
+        return shard_info(trained, tp=tp, trainable=self.trainable)
 
     @torch.no_grad()
     def load_state_dict(self, checkpoint: dict) -> None:
@@ -369,23 +376,23 @@ class MegatronEngine(LearningRate):
         not the (bf16) weights'."""
         model = checkpoint["model"]
         self.torch_policy.load_state_dict(model)
-        prefixes = tuple(f"{name}." for name in self.parts)
         for name, part in self.parts.items():
             start = f"{name}."
             part.load_torch_state(
                 {k[len(start) :]: v for k, v in model.items() if k.startswith(start)}
             )
-        rest = {k: v for k, v in model.items() if not k.startswith(prefixes)}
+        rest = {k: v for k, v in model.items() if not k.startswith(self.part_prefixes)}
         loaded = self.policy.load_state_dict(rest, strict=False)
-        if loaded.unexpected_keys or [k for k in loaded.missing_keys if not k.startswith(prefixes)]:
+        if loaded.unexpected_keys or [
+            k for k in loaded.missing_keys if not k.startswith(self.part_prefixes)
+        ]:
             raise ValueError(f"the checkpoint does not fit the policy: {loaded}")
         self._set_main_params(model)
         self._round_torch_copy()
         state = checkpoint["optimizer"]["state"]
         if not state:
             return
-        trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
-        by_name = {trainable[index]: entry for index, entry in state.items()}
+        by_name = {self.trainable[index]: entry for index, entry in state.items()}
         step = next(iter(state.values()))["step"]  # (one count: every parameter steps together)
         moments = {
             kind: self._rank_layout({k: e[kind] for k, e in by_name.items()}) for kind in MOMENTS
@@ -413,8 +420,7 @@ class MegatronEngine(LearningRate):
         """Torch-layout ``values`` (named as the torch copy's parameters) as this rank's: named as
         this policy's parameters, the sharded modules' in megatron's layout, this rank's shard
         (``_torch_layout``'s inverse; no collective)."""
-        prefixes = tuple(f"{name}." for name in self.parts)
-        out = {k: v for k, v in values.items() if not k.startswith(prefixes)}
+        out = {k: v for k, v in values.items() if not k.startswith(self.part_prefixes)}
         tp = parallel.tp_size()
         for name, part in self.parts.items():
             start = f"{name}."
@@ -428,19 +434,17 @@ class MegatronEngine(LearningRate):
     def _main_param(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The optimizer's float32 copy of ``param``, flat (the weight itself when it is
         float32; with one data-parallel rank, all of it)."""
-        for optimizer in self.optimizer.chained_optimizers:
-            if param in optimizer.model_param_group_index_map:
-                # (as ``_get_main_param_and_optimizer_states``, which would also add an empty
-                # Adam state for it: the optimizer would seem to have stepped)
-                group, order = optimizer.model_param_group_index_map[param]
-                return optimizer.optimizer.param_groups[group]["params"][order]
-        raise KeyError("a trainable parameter the optimizer does not hold")
+        optimizer = self._holder(param)
+        # (as ``_get_main_param_and_optimizer_states``, which would also add an empty Adam state
+        # for it: the optimizer would seem to have stepped)
+        group, order = optimizer.model_param_group_index_map[param]
+        return optimizer.optimizer.param_groups[group]["params"][order]
 
     @torch.no_grad()
     def _set_main_params(self, model: dict[str, torch.Tensor]) -> None:
         """Every trainable weight's main copy from the torch-layout state ``model`` (float32):
         a bf16 run starts from, and resumes at, the float32 values, not their bf16 rounding."""
-        trainable = {n for n, p in self.torch_policy.named_parameters() if p.requires_grad}
+        trainable = set(self.trainable)
         values = self._rank_layout({k: v for k, v in model.items() if k in trainable})
         for name, param in self.policy.named_parameters():
             if param.requires_grad:

@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
 from embodied.megatron import parallel
-from embodied.megatron.layout import encoder_from_megatron, encoder_to_megatron
+from embodied.megatron.layout import encoder_to_megatron
 
 
 def fusion_config(
@@ -98,8 +98,4 @@ class MegatronFusion(nn.Module):
         """The whole fusion in the torch layout, gathered from every TP rank (every rank calls
         this). ``values``: {megatron name: this rank's tensor} to gather instead of the weights
         (e.g. their gradients)."""
-        mine = {k: p.detach() for k, p in self.block.named_parameters()}
-        if values is not None:
-            mine = {k: values[k] for k in mine}
-        shards = parallel.gather_shards(mine)
-        return encoder_from_megatron(shards, layers=self.num_layers, heads=self.heads)
+        return parallel.gather_torch_state(self.layout, self.block, self.shape(), values)

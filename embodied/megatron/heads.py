@@ -18,7 +18,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_c
 from torch import nn
 
 from embodied.megatron import parallel
-from embodied.megatron.layout import discrete_head_from_megatron, discrete_head_to_megatron
+from embodied.megatron.layout import discrete_head_to_megatron
 from embodied.models.vla.heads import action_bins, masked_mean
 
 
@@ -136,16 +136,9 @@ class MegatronDiscreteHead(nn.Module):
     def load_torch_state(self, state: dict[str, torch.Tensor]) -> None:
         """This rank's share of a torch head's state dict (``logits.weight``, ``logits.bias``)."""
         shards = discrete_head_to_megatron(state, tp=parallel.tp_size(), **self.shape())
-        loaded = self.load_state_dict(shards[parallel.tp_rank()], strict=False)
-        # (megatron's linears keep an ``_extra_state`` entry for Transformer Engine: none here)
-        missing = [k for k in loaded.missing_keys if not k.endswith("._extra_state")]
-        if missing or loaded.unexpected_keys:
-            raise ValueError(f"the discrete head does not fit: {missing + loaded.unexpected_keys}")
+        parallel.load_shard(self, shards[parallel.tp_rank()], "the discrete head does not fit")
 
     def torch_state(self, values=None) -> dict[str, torch.Tensor]:
         """The whole head in the torch layout, gathered from every TP rank (every rank calls
         this). ``values``: {name: this rank's tensor} to gather instead of the weights."""
-        mine = {k: p.detach() for k, p in self.named_parameters()}
-        if values is not None:
-            mine = {k: values[k] for k in mine}
-        return discrete_head_from_megatron(parallel.gather_shards(mine), **self.shape())
+        return parallel.gather_torch_state(self.layout, self, self.shape(), values)

@@ -9,6 +9,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
 from embodied.megatron.cpu import use_cpu_corners
+from embodied.megatron.layout import from_megatron
 
 COLLECTIVE_TIMEOUT_MINUTES = 10  # as the default group's (the lockstep and Ray process groups)
 
@@ -54,6 +55,27 @@ def gather_shards(mine: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]
         for shard, part in zip(shards, gathered):
             shard[name] = part
     return shards
+
+
+def gather_torch_state(
+    layout: str, module: torch.nn.Module, shape: dict, values: dict | None = None
+) -> dict[str, torch.Tensor]:
+    """A sharded module's whole torch-layout state dict (``layout``), gathered from every TP
+    rank's ``module`` parameters (every rank calls this). ``values``: {megatron name: this
+    rank's tensor} to gather instead of the weights (e.g. their gradients)."""
+    mine = {k: p.detach() for k, p in module.named_parameters()}
+    if values is not None:
+        mine = {k: values[k] for k in mine}
+    return from_megatron(layout, gather_shards(mine), **shape)
+
+
+def load_shard(module: torch.nn.Module, shard: dict[str, torch.Tensor], what: str) -> None:
+    """``module``'s every weight from this rank's ``shard`` (ValueError naming ``what``)."""
+    loaded = module.load_state_dict(shard, strict=False)
+    # (megatron's linears keep an ``_extra_state`` entry for Transformer Engine: none here)
+    missing = [k for k in loaded.missing_keys if not k.endswith("._extra_state")]
+    if missing or loaded.unexpected_keys:
+        raise ValueError(f"{what}: {missing + loaded.unexpected_keys}")
 
 
 def transformer_config(dtype: torch.dtype, recompute: bool = False, **fields) -> TransformerConfig:

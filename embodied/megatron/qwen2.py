@@ -173,11 +173,7 @@ class Qwen2Megatron(nn.Module):
 
     def load_shard(self, shard: dict[str, torch.Tensor]) -> None:
         """This rank's ``GPTModel`` state dict (every weight of it)."""
-        loaded = self.model.load_state_dict(shard, strict=False)
-        # (megatron's linears keep an ``_extra_state`` entry for Transformer Engine: none here)
-        missing = [k for k in loaded.missing_keys if not k.endswith("._extra_state")]
-        if missing or loaded.unexpected_keys:
-            raise ValueError(f"Qwen2 weights do not fit: {missing + loaded.unexpected_keys}")
+        parallel.load_shard(self.model, shard, "Qwen2 weights do not fit")
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The Hugging Face state dict, gathered from every TP rank (every rank calls this)."""

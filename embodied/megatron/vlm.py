@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from embodied.megatron import parallel
-from embodied.megatron.layout import qwen2_text_from_megatron, qwen2_text_to_megatron
+from embodied.megatron.layout import qwen2_text_to_megatron
 from embodied.megatron.qwen2 import Qwen2Megatron
 
 
@@ -108,7 +108,4 @@ class MegatronTextModel(nn.Module):
         """The Hugging Face language model's state dict, gathered from every TP rank (every rank
         calls this). ``values``: {megatron name: this rank's tensor} to gather instead of the
         weights (e.g. their gradients)."""
-        mine = {k: p.detach() for k, p in self.lm.model.named_parameters()}
-        if values is not None:
-            mine = {k: values[k] for k in mine}
-        return qwen2_text_from_megatron(parallel.gather_shards(mine), **self.shape())
+        return parallel.gather_torch_state(self.layout, self.lm.model, self.shape(), values)
