@@ -43,6 +43,7 @@ def ppo_policy_loss(
     clip_high: float | None = None,
     mask: torch.Tensor | None = None,
     prox_logprob: torch.Tensor | None = None,
+    behaviour_weight_cap: float | None = None,
     count: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-ratio PPO surrogate (Schulman et al. 2017), asymmetric clip allowed (DAPO's
@@ -53,7 +54,11 @@ def ppo_policy_loss(
     ratio is taken to the proximal policy (the weights the update started from) and clipped
     there, and every term is weighted by pi_prox / pi_old (no gradient), old being the
     behaviour policy that collected the data. Without it the proximal policy is the behaviour
-    policy (weight 1): the standard surrogate."""
+    policy (weight 1): the standard surrogate.
+
+    ``behaviour_weight_cap`` (with ``prox_logprob``; AReaL's filter): entries whose weight
+    exceeds it are left out of the loss (weight 0, still counted in the mean's denominator),
+    so that a few entries the behaviour policy found unlikely cannot dominate the update."""
     clip_high = clip_low if clip_high is None else clip_high
     anchor = old_logprob if prox_logprob is None else prox_logprob
     log_ratio = logprob - anchor
@@ -63,7 +68,12 @@ def ppo_policy_loss(
     surrogate = torch.max(pg_loss1, pg_loss2)
     if prox_logprob is not None:
         behaviour_weight = (prox_logprob - old_logprob).detach().exp()
-        surrogate = behaviour_weight * surrogate
+        over_cap = torch.zeros_like(behaviour_weight, dtype=torch.bool)
+        if behaviour_weight_cap is not None:
+            over_cap = behaviour_weight > behaviour_weight_cap
+            behaviour_weight = torch.where(over_cap, 0.0, behaviour_weight)
+        # where, not only the product: a filtered entry's inf must not make a NaN (inf * 0)
+        surrogate = torch.where(over_cap, 0.0, behaviour_weight * surrogate)
     loss = masked_mean(surrogate, mask, count)
     with torch.no_grad():
         clipped = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
@@ -75,6 +85,7 @@ def ppo_policy_loss(
         }
         if prox_logprob is not None:
             metrics["policy/behaviour_weight"] = masked_mean(behaviour_weight, mask, count)
+            metrics["policy/behaviour_filtered"] = masked_mean(over_cap.float(), mask, count)
     return loss, metrics
 
 

@@ -27,6 +27,12 @@ def check_level(level: str) -> None:
         raise ValueError(f"logprob_level: must be chunk, action or token, got {level!r}")
 
 
+def check_behaviour_weight_cap(cap: float | None) -> None:
+    # a cap of 1 or less would drop every entry the update has moved towards (weight > 1)
+    if cap is not None and cap <= 1:
+        raise ValueError(f"behaviour_weight_cap: must be > 1 or null, got {cap}")
+
+
 class Algorithm(Protocol):
     has_critic: bool
     max_rounds: int  # collection rounds per update at most

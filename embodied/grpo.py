@@ -20,7 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied.algorithm import AlgorithmConfig, broadcast, check_level, in_pieces
+from embodied.algorithm import (
+    AlgorithmConfig,
+    broadcast,
+    check_behaviour_weight_cap,
+    check_level,
+    in_pieces,
+)
 from embodied.algorithms import (
     grpo_advantages,
     informative_groups,
@@ -54,6 +60,9 @@ class GRPOConfig(AlgorithmConfig):
     num_minibatches: int = 2
     clip_coef: float = 0.2
     clip_coef_high: float | None = 0.28  # DAPO clip-higher
+    # decoupled PPO (cluster.max_staleness > 0): entries whose behaviour weight pi_prox / pi_old
+    # exceeds this are left out of the loss (AReaL's filter); null: no cap
+    behaviour_weight_cap: float | None = 5.0
     kl_coef: float = 0.0  # > 0: penalty KL(pi || initial policy), k3 estimator
     max_grad_norm: float = 1.0
 
@@ -61,6 +70,7 @@ class GRPOConfig(AlgorithmConfig):
         if self.group_size < 2:
             raise ValueError(f"group_size: must be >= 2, got {self.group_size}")
         check_level(self.logprob_level)
+        check_behaviour_weight_cap(self.behaviour_weight_cap)
         for key in ("groups_per_batch", "max_rounds", "update_epochs", "num_minibatches"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
@@ -209,6 +219,7 @@ class GRPO:
             clip_high=cfg.clip_coef_high,
             mask=mask,
             prox_logprob=minibatch.prox_logprob,
+            behaviour_weight_cap=cfg.behaviour_weight_cap,
             count=count,
         )
         if minibatch.ref_logprob is not None:

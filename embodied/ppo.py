@@ -17,7 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied.algorithm import AlgorithmConfig, broadcast, check_level
+from embodied.algorithm import (
+    AlgorithmConfig,
+    broadcast,
+    check_behaviour_weight_cap,
+    check_level,
+)
 from embodied.algorithms import chunk_returns, entropy, gae, ppo_policy_loss, value_loss
 from embodied.learner import TrainEngine
 from embodied.rollout import CollectPlan, RolloutBatch, Samples
@@ -37,6 +42,9 @@ class PPOConfig(AlgorithmConfig):
     num_minibatches: int = 4
     clip_coef: float = 0.2  # ratio clipped to [1 - clip_coef, 1 + clip_coef_high]
     clip_coef_high: float | None = None  # None: symmetric
+    # decoupled PPO (cluster.max_staleness > 0): entries whose behaviour weight pi_prox / pi_old
+    # exceeds this are left out of the loss (AReaL's filter); null: no cap
+    behaviour_weight_cap: float | None = 5.0
     # where the ratio is taken: chunk (one ratio over the K x A dimensions of a chunk: clips at
     # the smallest change) | action | token; the same for K = 1 policies' chunk and action
     logprob_level: str = "action"
@@ -59,6 +67,7 @@ class PPOConfig(AlgorithmConfig):
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")
         check_level(self.logprob_level)
+        check_behaviour_weight_cap(self.behaviour_weight_cap)
 
 
 class PPO:
@@ -118,6 +127,7 @@ class PPO:
             clip_high=cfg.clip_coef_high,
             mask=minibatch.mask(level),
             prox_logprob=minibatch.prox_logprob,
+            behaviour_weight_cap=cfg.behaviour_weight_cap,
             count=minibatch.mean_count(level),
         )
         per_row = minibatch.mean_count(None)

@@ -62,6 +62,12 @@ def test_defaults_list_and_overrides_compose(tmp_path):
         ("trainer: {recompute: true}", [], "trainer.recompute", "exp.yaml"),
         ("trainer: {precision: bf16}", [], "trainer.precision", "exp.yaml"),
         ("seed: 1", ["trainer.precision=fp16"], "trainer.precision", "command line"),
+        (
+            "algorithm: {name: grpo}",
+            ["algorithm.behaviour_weight_cap=1.0"],
+            "algorithm.behaviour_weight_cap",
+            "command line",
+        ),
     ],
 )
 def test_bad_keys_and_values_name_key_and_file(tmp_path, text, overrides, key, source):

@@ -126,3 +126,50 @@ def test_decoupled_ppo_with_the_proximal_policy_equal_to_the_behaviour_one_is_pp
     )
     assert decoupled.item() == pytest.approx(plain.item(), rel=1e-6)
     assert m["policy/behaviour_weight"].item() == pytest.approx(1.0)
+
+
+def test_decoupled_ppo_leaves_out_entries_whose_behaviour_weight_exceeds_the_cap():
+    """Hand-computed: weights pi_prox / pi_old of 2, 8 and e^100 (an action the behaviour
+    policy all but never took); with cap 5 the last two are left out of the loss but not of
+    its denominator, and their gradient is 0, not NaN."""
+    logprob = torch.tensor([0.0, 0.0, 0.0], requires_grad=True)
+    old = torch.tensor([math.log(0.5), math.log(0.125), -100.0])
+    prox = torch.zeros(3)
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    loss, m = ppo_policy_loss(
+        logprob=logprob,
+        old_logprob=old,
+        advantages=adv,
+        clip_low=0.2,
+        prox_logprob=prox,
+        behaviour_weight_cap=5.0,
+    )
+    # ratios are 1 (logprob = prox): entry 0 gives -adv * 1 * weight 2; the others 0
+    assert loss.item() == pytest.approx(-2.0 / 3)
+    assert m["policy/behaviour_filtered"].item() == pytest.approx(2 / 3)
+    assert m["policy/behaviour_weight"].item() == pytest.approx(2 / 3)
+    loss.backward()
+    assert logprob.grad.tolist() == pytest.approx([-2.0 / 3, 0.0, 0.0])
+    # without the cap the unlikely entry dominates: weight e^100 on its term
+    uncapped, m = ppo_policy_loss(
+        logprob=logprob, old_logprob=old, advantages=adv, clip_low=0.2, prox_logprob=prox
+    )
+    assert uncapped.item() > 1e40
+    assert m["policy/behaviour_filtered"].item() == 0.0
+    # a cap no entry exceeds changes nothing
+    capped_high, _ = ppo_policy_loss(
+        logprob=logprob[:2],
+        old_logprob=old[:2],
+        advantages=adv[:2],
+        clip_low=0.2,
+        prox_logprob=prox[:2],
+        behaviour_weight_cap=10.0,
+    )
+    plain, _ = ppo_policy_loss(
+        logprob=logprob[:2],
+        old_logprob=old[:2],
+        advantages=adv[:2],
+        clip_low=0.2,
+        prox_logprob=prox[:2],
+    )
+    assert capped_high.item() == plain.item() == pytest.approx((-2.0 - 8.0) / 2)
