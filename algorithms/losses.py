@@ -96,10 +96,20 @@ def value_loss(
     old_values: torch.Tensor | None = None,
     clip: float | None = None,
     count: float | None = None,
+    whole_returns: torch.Tensor | None = None,
+    whole_old_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """0.5 * (V - R)^2, optionally clipped around the rollout's values (PPO2 style):
-    max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). All inputs float32 [N]. The
-    explained variance is this share's own (a rank's, with ``count``)."""
+    max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). All inputs float32 [N].
+
+    The explained variance 1 - Var(R - V) / Var(R) is no mean over entries, so a data-parallel
+    rank (``count``) cannot report its share of it. It reports instead the first two moments
+    of R and of R - V (``EXPLAINED_VARIANCE_MOMENTS``) as means over the whole minibatch
+    divided by the ranks, which average over the ranks like every other metric;
+    ``explained_variance`` makes the whole minibatch's value of them. They are centred at the
+    whole minibatch's mean return and mean residual R - V_old (``whole_returns``,
+    ``whole_old_values``: every rank has them), so that no precision is lost taking E[x^2] -
+    E[x]^2."""
     squared = (values - returns) ** 2
     if clip is not None:
         if old_values is None:
@@ -107,12 +117,43 @@ def value_loss(
         v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
         squared = torch.max(squared, (v_clipped - returns) ** 2)
     loss = 0.5 * masked_mean(squared, None, count)
+    metrics = {"value/loss": loss.detach()}
     with torch.no_grad():
-        var = returns.var(unbiased=False)
-        # NaN where the returns do not vary (no variance to explain), without a host branch
-        explained = 1 - (returns - values).var(unbiased=False) / var
-        explained = torch.where(var > 0, explained, torch.full_like(explained, float("nan")))
-    return loss, {"value/loss": loss.detach(), "value/explained_variance": explained}
+        if count is None:
+            var = returns.var(unbiased=False)
+            explained = 1 - (returns - values).var(unbiased=False) / var
+            metrics["value/explained_variance"] = torch.where(
+                var > 0, explained, torch.full_like(explained, float("nan"))
+            )
+        else:
+            centred_returns = returns - whole_returns.mean()
+            centred_residuals = (returns - values) - (whole_returns - whole_old_values).mean()
+            parts = (centred_returns, centred_returns**2, centred_residuals, centred_residuals**2)
+            for key, part in zip(EXPLAINED_VARIANCE_MOMENTS, parts):
+                metrics[key] = masked_mean(part, None, count)
+    return loss, metrics
+
+
+# a data-parallel rank's share of the explained variance (see value_loss)
+EXPLAINED_VARIANCE_MOMENTS = (
+    "value/ev_returns",
+    "value/ev_returns_sq",
+    "value/ev_residuals",
+    "value/ev_residuals_sq",
+)
+
+
+def explained_variance(
+    returns: torch.Tensor,
+    returns_sq: torch.Tensor,
+    residuals: torch.Tensor,
+    residuals_sq: torch.Tensor,
+) -> torch.Tensor:
+    """1 - Var(R - V) / Var(R) from the moments ``value_loss`` reports on a data-parallel
+    rank, averaged over the ranks; NaN where the returns do not vary."""
+    var = returns_sq - returns**2
+    explained = 1 - (residuals_sq - residuals**2) / var
+    return torch.where(var > 0, explained, torch.full_like(explained, float("nan")))
 
 
 def entropy(

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from embodied.algorithms import EXPLAINED_VARIANCE_MOMENTS, explained_variance
 from embodied.learner import TrainEngine
 from embodied.rollout import LEVELS, CollectPlan, RolloutBatch, Samples
 
@@ -83,6 +84,21 @@ def proximal_logprob(
     return in_pieces(samples, num_minibatches, lambda piece: learner.logprob(piece, level)[0])
 
 
+def explained_variance_of_shares(
+    keys: list[str], table: torch.Tensor
+) -> tuple[list[str], torch.Tensor]:
+    """The metric table ([minibatches, metrics], averaged over the data-parallel ranks) with
+    the explained-variance moments the ranks reported (``value_loss``) made into each whole
+    minibatch's ``value/explained_variance``; unchanged without them."""
+    if EXPLAINED_VARIANCE_MOMENTS[0] not in keys:
+        return keys, table
+    moments = [table[:, keys.index(key)] for key in EXPLAINED_VARIANCE_MOMENTS]
+    kept = [i for i, key in enumerate(keys) if key not in EXPLAINED_VARIANCE_MOMENTS]
+    explained = explained_variance(*moments)  # f32 [minibatches]
+    table = torch.cat([table[:, kept], explained[:, None]], dim=1)
+    return [keys[i] for i in kept] + ["value/explained_variance"], table
+
+
 def update(
     learner: TrainEngine,
     algorithm: Algorithm,
@@ -120,6 +136,7 @@ def update(
         keys = list(epoch[0])
         table = torch.stack([torch.stack([m[k].float() for k in keys]) for m in epoch])
         table = learner.average(table)  # every rank's share: the whole minibatches' metrics
+        keys, table = explained_variance_of_shares(keys, table)
         rows_host = table.tolist()  # the epoch's one transfer: [minibatches][metrics]
         for values in rows_host:
             for key, value in zip(keys, values):

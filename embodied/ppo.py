@@ -116,7 +116,8 @@ class PPO:
         level = cfg.logprob_level
         logprob, ent, value = learner.logprob(minibatch, level)
         adv = minibatch.advantages  # f32 [N]
-        whole_adv = minibatch.whole().advantages  # a rank's share: the minibatch's statistics
+        whole = minibatch.whole()  # a rank's share: the minibatch's statistics
+        whole_adv = whole.advantages
         if cfg.norm_adv and len(whole_adv) > 1:
             adv = (adv - whole_adv.mean()) / (whole_adv.std() + 1e-8)
         pg_loss, pg_metrics = ppo_policy_loss(
@@ -137,6 +138,8 @@ class PPO:
             old_values=minibatch.values,
             clip=cfg.vf_clip,
             count=per_row,
+            whole_returns=whole.returns,
+            whole_old_values=whole.values,
         )
         ent_loss, ent_metrics = entropy(entropies=ent, count=per_row)
         loss = pg_loss - cfg.ent_coef * ent_loss + cfg.vf_coef * v_loss

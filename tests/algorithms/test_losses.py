@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from embodied.algorithms import approx_kl, entropy, ppo_policy_loss, value_loss
+from embodied.algorithms import (
+    EXPLAINED_VARIANCE_MOMENTS,
+    approx_kl,
+    entropy,
+    explained_variance,
+    ppo_policy_loss,
+    value_loss,
+)
 
 
 def test_ppo_policy_loss_symmetric_clip():
@@ -173,3 +180,21 @@ def test_decoupled_ppo_leaves_out_entries_whose_behaviour_weight_exceeds_the_cap
         prox_logprob=prox[:2],
     )
     assert capped_high.item() == plain.item() == pytest.approx((-2.0 - 8.0) / 2)
+
+
+def test_explained_variance_from_two_ranks_moments():
+    """Returns [1, 3] and values [0.5, 3.5] split over two ranks (one row each, count 1):
+    Var(R) = 1, Var(R - V) = 0.25, so 0.75 as the one-process value; constant returns: NaN."""
+    returns = torch.tensor([1.0, 3.0])
+    values = torch.tensor([0.5, 3.5])
+    whole = dict(whole_returns=returns, whole_old_values=values)
+    shares = [
+        value_loss(values=values[i : i + 1], returns=returns[i : i + 1], count=1.0, **whole)[1]
+        for i in range(2)
+    ]
+    averaged = [sum(share[key] for share in shares) / 2 for key in EXPLAINED_VARIANCE_MOMENTS]
+    assert explained_variance(*averaged).item() == pytest.approx(0.75)
+    _, alone = value_loss(values=values, returns=returns)
+    assert alone["value/explained_variance"].item() == pytest.approx(0.75)
+    constant = [torch.tensor(0.0), torch.tensor(0.0), torch.tensor(0.5), torch.tensor(1.0)]
+    assert math.isnan(explained_variance(*constant).item())
