@@ -46,8 +46,9 @@ class Algorithm(Protocol):
     def enough(self, metrics: list[dict[str, torch.Tensor]]) -> bool:
         """Whether the rounds collected so far (their advantages() metrics) make an update."""
 
-    def prepare(self, samples: Samples) -> None:
-        """Per-batch work before the epochs (e.g. reference log-probabilities, once)."""
+    def prepare(self, samples: Samples, learner: TrainEngine | None = None) -> None:
+        """Per-batch work before the epochs (e.g. reference log-probabilities, once; each of
+        ``learner``'s data-parallel ranks scores its share; None: one process)."""
 
     def loss(
         self, learner: TrainEngine, minibatch: Samples
@@ -63,25 +64,41 @@ def broadcast(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def in_pieces(
-    samples: Samples, num_minibatches: int, score: Callable[[Samples], torch.Tensor]
+    samples: Samples,
+    num_minibatches: int,
+    score: Callable[[Samples], torch.Tensor],
+    learner: TrainEngine | None = None,
 ) -> torch.Tensor:
     """``score`` of each minibatch-sized piece of ``samples``, in order, joined: a forward pass
-    over the whole batch without holding all of its activations at once."""
-    size = max(1, len(samples) // num_minibatches)
+    over the whole batch without holding all of its activations at once. With a data-parallel
+    ``learner`` each rank scores only its contiguous share of the rows and the ranks gather
+    the shares: every rank gets the whole result for 1/N of the forward passes."""
+    n = len(samples)
+    size = max(1, n // num_minibatches)
+    first, end = 0, n
+    sharded = learner is not None and learner.world_size > 1 and n >= learner.world_size
+    if sharded:
+        first = n * learner.rank // learner.world_size
+        end = n * (learner.rank + 1) // learner.world_size
     parts = []
-    for start in range(0, len(samples), size):
-        rows_host = torch.arange(start, min(len(samples), start + size))
+    for start in range(first, end, size):
+        rows_host = torch.arange(start, min(end, start + size))
         piece = samples.index(rows_host.to(samples.advantages.device), rows_host)
         parts.append(score(piece))
-    return torch.cat(parts)
+    joined = torch.cat(parts)
+    return learner.gather_shares(joined, n) if sharded else joined
 
 
 def proximal_logprob(
     learner: TrainEngine, samples: Samples, *, level: str, num_minibatches: int
 ) -> torch.Tensor:
     """The samples' log-probabilities at ``level`` under the learner's current weights (the
-    update's proximal policy)."""
-    return in_pieces(samples, num_minibatches, lambda piece: learner.logprob(piece, level)[0])
+    update's proximal policy); each data-parallel rank scores its share."""
+
+    def score(piece: Samples) -> torch.Tensor:
+        return learner.logprob(piece, level)[0]
+
+    return in_pieces(samples, num_minibatches, score, learner)
 
 
 def explained_variance_of_shares(

@@ -187,7 +187,7 @@ class GRPO:
         return kept >= self.cfg.groups_per_batch
 
     @torch.no_grad()
-    def prepare(self, samples: Samples) -> None:
+    def prepare(self, samples: Samples, learner: TrainEngine | None = None) -> None:
         """Reference log-probabilities (KL penalty), once per batch, in minibatch-sized pieces."""
         if self.reference is None:
             return
@@ -202,7 +202,8 @@ class GRPO:
             token, _, _ = self.reference.evaluate(piece.obs, piece.output, level="token")
             return logprob_at(token, level, piece.valid)
 
-        samples.ref_logprob = in_pieces(samples, self.cfg.num_minibatches, reference_logprob)
+        num_minibatches = self.cfg.num_minibatches
+        samples.ref_logprob = in_pieces(samples, num_minibatches, reference_logprob, learner)
 
     def loss(self, learner: TrainEngine, minibatch: Samples):
         cfg = self.cfg

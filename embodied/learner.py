@@ -71,6 +71,11 @@ class TrainEngine(Protocol):
     def average(self, values: torch.Tensor) -> torch.Tensor:
         """The mean of ``values`` over the data-parallel ranks (itself when alone)."""
 
+    def gather_shares(self, part: torch.Tensor, total: int) -> torch.Tensor:
+        """Every data-parallel rank's ``part``, its contiguous share of ``total`` rows (as
+        ``Samples.shard`` splits them), joined in rank order on every rank (itself when
+        alone)."""
+
     def set_lr(self, lr: float) -> None: ...
 
     # the policy whole, in the torch layout: what inference, checkpoints and syncs read
@@ -98,6 +103,22 @@ def average_over(values: torch.Tensor, group, world_size: int) -> torch.Tensor:
     values = values.clone()
     dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
     return values / world_size
+
+
+def gather_over(part: torch.Tensor, total: int, group, world_size: int) -> torch.Tensor:
+    """The ``world_size`` ranks' contiguous shares of ``total`` rows, joined in rank order on
+    every rank of ``group`` (``part`` itself when alone)."""
+    if world_size == 1:
+        return part
+    import torch.distributed as dist
+
+    # every rank knows every share's size: all-gather takes equal shapes, so pad to the largest
+    sizes = [total * (r + 1) // world_size - total * r // world_size for r in range(world_size)]
+    padded = part.new_zeros((max(sizes), *part.shape[1:]))
+    padded[: len(part)] = part
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded, group=group)
+    return torch.cat([rows[:size] for rows, size in zip(gathered, sizes)])
 
 
 class Evaluate(torch.nn.Module):
@@ -201,6 +222,9 @@ class TorchEngine(LearningRate):
 
     def average(self, values: torch.Tensor) -> torch.Tensor:
         return average_over(values, self.process_group, self.world_size)
+
+    def gather_shares(self, part: torch.Tensor, total: int) -> torch.Tensor:
+        return gather_over(part, total, self.process_group, self.world_size)
 
     def offload_optimizer(self) -> int:
         """The optimizer's state (Adam's two moments: twice the trainable parameters) to host

@@ -108,7 +108,7 @@ class PPO:
     def enough(self, metrics: list[dict[str, torch.Tensor]]) -> bool:
         return True
 
-    def prepare(self, samples: Samples) -> None:
+    def prepare(self, samples: Samples, learner: TrainEngine | None = None) -> None:
         pass
 
     def loss(self, learner: TrainEngine, minibatch: Samples):

@@ -156,7 +156,7 @@ class Learner:
             if offload:
                 self.engine.restore_optimizer()
             self.policy.train()
-            self.algorithm.prepare(samples)
+            self.algorithm.prepare(samples, self.engine)
             if self.cfg.cluster.max_staleness > 0:  # data from older weights: decoupled PPO
                 samples.prox_logprob = proximal_logprob(
                     self.engine,

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from scripted_envs import prepared_samples
 from test_grpo_bookkeeping import MAX_STEPS, K, make_env
 
-from embodied.algorithm import explained_variance_of_shares, update
+from embodied.algorithm import explained_variance_of_shares, proximal_logprob, update
 from embodied.env_group import EnvGroup
 from embodied.grpo import GRPO, GRPOConfig
 from embodied.learner import TorchEngine
@@ -110,6 +110,17 @@ def count_rows(engine) -> list[int]:
     return scored
 
 
+def prepare_and_update(engine, algorithm, samples) -> dict:
+    """GRPO's reference log-probabilities and decoupled PPO's proximal ones (each rank scores
+    its share of the batch), then two epochs of two minibatches."""
+    samples.ref_logprob = None
+    algorithm.prepare(samples, engine)
+    level = algorithm.cfg.logprob_level
+    samples.prox_logprob = proximal_logprob(engine, samples, level=level, num_minibatches=2)
+    torch.manual_seed(7)
+    return update(engine, algorithm, samples, epochs=2, num_minibatches=2)
+
+
 def _rank_update(rank: int, world_size: int, name: str, address: str, out: str) -> None:
     """One rank of a data-parallel update: the same samples and generator state everywhere."""
     import torch.distributed as dist
@@ -121,9 +132,14 @@ def _rank_update(rank: int, world_size: int, name: str, address: str, out: str) 
         engine = TorchEngine(policy, learning_rate=1e-2, max_grad_norm=0.5)
         engine.distribute(dist.group.WORLD, with_value=algorithm.has_critic)
         scored = count_rows(engine)
-        torch.manual_seed(7)
-        metrics = update(engine, algorithm, samples, epochs=2, num_minibatches=2)
-        result = {"state": policy.state_dict(), "metrics": metrics, "scored": scored}
+        metrics = prepare_and_update(engine, algorithm, samples)
+        result = {
+            "state": policy.state_dict(),
+            "metrics": metrics,
+            "scored": scored,
+            "prox": samples.prox_logprob,
+            "ref": samples.ref_logprob,
+        }
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -132,22 +148,31 @@ def _rank_update(rank: int, world_size: int, name: str, address: str, out: str) 
 # (PPO's shares are checked by hand above; its two processes take 6 s)
 @pytest.mark.parametrize("name", [pytest.param("ppo", marks=pytest.mark.slow), "grpo"])
 def test_two_gloo_ranks_update_as_one_process_does(name, tmp_path):
-    """torch DDP over gloo, two processes: the weights after two epochs of two minibatches and
-    the metrics are the one-process update's."""
+    """torch DDP over gloo, two processes: the proximal and reference log-probabilities (each
+    rank scored half of the batch), the weights after two epochs of two minibatches and the
+    metrics are the one-process update's."""
     torch.set_num_threads(1)
     policy, algorithm, samples = samples_for(name)
     engine = TorchEngine(policy, learning_rate=1e-2, max_grad_norm=0.5)
     start = {k: v.clone() for k, v in policy.state_dict().items()}
     scored = count_rows(engine)
-    torch.manual_seed(7)
-    alone = update(engine, algorithm, samples, epochs=2, num_minibatches=2)
+    alone = prepare_and_update(engine, algorithm, samples)
     out = str(tmp_path / "rank")
     address = f"file://{tmp_path / 'rendezvous'}"
     mp.spawn(_rank_update, args=(2, name, address, out), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
-    # each rank scored its half of every minibatch (not the whole one)
-    halves = [[n // 2 for n in scored], [n - n // 2 for n in scored]]
-    assert [rank["scored"] for rank in ranks] == halves
+    # the proximal log-probabilities, in minibatch-sized pieces: each rank scored its half of
+    # the batch; then the 4 minibatches (2 epochs of 2), each rank its half of each
+    n = len(samples)
+    assert sum(scored[:-4]) == n
+    assert [sum(rank["scored"][:-4]) for rank in ranks] == [n // 2, n - n // 2]
+    for rank in ranks:
+        torch.testing.assert_close(rank["prox"], samples.prox_logprob, rtol=1e-6, atol=1e-6)
+        if name == "grpo":
+            torch.testing.assert_close(rank["ref"], samples.ref_logprob, rtol=1e-6, atol=1e-6)
+    minibatches = scored[-4:]
+    halves = [[m // 2 for m in minibatches], [m - m // 2 for m in minibatches]]
+    assert [rank["scored"][-4:] for rank in ranks] == halves
     moved = False
     for key, value in policy.state_dict().items():
         for rank in ranks:

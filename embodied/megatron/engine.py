@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from embodied.learner import Evaluate, LearningRate, average_over
+from embodied.learner import Evaluate, LearningRate, average_over, gather_over
 from embodied.megatron import parallel
 from embodied.megatron.cpu import cuda_corners
 from embodied.megatron.fusion import MegatronFusion
@@ -214,6 +214,10 @@ class MegatronEngine(LearningRate):
     def average(self, values: torch.Tensor) -> torch.Tensor:
         group = parallel_state.get_data_parallel_group()
         return average_over(values, group, self.world_size)
+
+    def gather_shares(self, part: torch.Tensor, total: int) -> torch.Tensor:
+        group = parallel_state.get_data_parallel_group()
+        return gather_over(part, total, group, self.world_size)
 
     def torch_state(self) -> dict[str, torch.Tensor]:
         """The whole policy's state dict in the torch layout (every rank calls this): what a
