@@ -200,9 +200,23 @@ def _summary(results: list[dict]) -> dict:
 
 def overall(results: dict[str, dict]) -> dict:
     """The summaries of several tasks as one (episodes pooled); one task's summary as it is."""
-    if len(results) == 1:
-        return dict(next(iter(results.values())))
-    summaries = list(results.values())
+    return pooled_summary(list(results.values()))
+
+
+def split_episodes(episodes: int, seed: int, parts: int) -> list[tuple[int, int]]:
+    """(episodes, seed) of each of up to ``parts`` evaluations that together run the episodes
+    of one evaluation of ``episodes`` at ``seed``: episode i's reset seed is the seed plus i,
+    so the part that starts at episode j takes the seed plus j."""
+    parts = min(parts, episodes)
+    firsts = [episodes * part // parts for part in range(parts + 1)]
+    return [(firsts[i + 1] - firsts[i], seed + firsts[i]) for i in range(parts)]
+
+
+def pooled_summary(summaries: list[dict]) -> dict:
+    """Several summaries as one, their episodes pooled (tasks, or the parts of one evaluation
+    that ``split_episodes`` made); one summary as it is. Timings are the first summary's."""
+    if len(summaries) == 1:
+        return dict(summaries[0])
     n = sum(r["eval/episodes"] for r in summaries)
     wins = round(sum(r["eval/success_rate"] * r["eval/episodes"] for r in summaries))
     lo, hi = wilson_interval(wins, n)

@@ -25,6 +25,7 @@ from scripted_envs import (
 
 from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
+from embodied.cluster import roles as cluster_roles
 from embodied.cluster.config import ClusterConfig, RoleConfig
 from embodied.cluster.roles import (
     Pending,
@@ -671,9 +672,9 @@ def test_auto_stages_are_the_splits_where_the_rounds_are_collected(local_ray, tm
 def test_evaluations_beside_training_give_the_embedded_evaluations(
     local_ray, tmp_path, monkeypatch, one_thread
 ):
-    """An evaluation worker evaluates iterations 1 and 2 while training goes on: every row (the
-    evaluations' too, logged at their iteration) is the embedded run's, in which training
-    waited for each evaluation."""
+    """Two evaluation workers evaluate iterations 1 and 2 while training goes on, each half of
+    the episodes: every row (the evaluations' too, logged at their iteration) is the embedded
+    run's, in which training waited for each evaluation."""
     iterations = 3
     kw = dict(total_env_steps=8 * 3 * iterations, algorithm=ONE_ROUND, eval_every=1)
     torch.manual_seed(0)
@@ -686,12 +687,21 @@ def test_evaluations_beside_training_give_the_embedded_evaluations(
         return original(roles, **call)
 
     monkeypatch.setattr(RayRoles, "start_evaluation", start_evaluation)
+    shares = []  # the (episodes, seed) of each evaluation worker, per evaluation
+
+    def split_episodes(episodes, seed, parts):
+        shares.append(split_whole(episodes, seed, parts))
+        return shares[-1]
+
+    split_whole = cluster_roles.split_episodes
+    monkeypatch.setattr(cluster_roles, "split_episodes", split_episodes)
     torch.manual_seed(0)
-    cluster = {**CLUSTER, "env": dict(num_cpus=0.5), "eval": dict(workers=1, num_cpus=0.5)}
+    cluster = {**CLUSTER, "env": dict(num_cpus=0.5), "eval": dict(workers=2, num_cpus=0.25)}
     beside = run_on(
         None, tmp_path / "ray", cluster=cluster, env_factory=push_right_envs, trace=True, **kw
     )
     assert started == [1, 2]
+    assert shares == [[(8, 0), (8, 8)]] * 2  # 16 episodes from seed 0: 8 each
     table = rows(tmp_path / "ray")
     evaluations = [r["iteration"] for r in table if "eval/success_rate" in r]
     assert evaluations == [0, 1, 2, 3]  # before RL, beside training (1 and 2), the final one
@@ -716,10 +726,11 @@ def test_evaluations_beside_training_give_the_embedded_evaluations(
     trace = json.loads((tmp_path / "ray" / "trace.json").read_text())["traceEvents"]
     role = {e["pid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
     spans = [e for e in trace if e["ph"] == "X"]
-    (evaluation,) = [e for e in spans if role[e["pid"]] == "eval" and e["name"] == "evaluate"]
+    evaluations = [e for e in spans if role[e["pid"]] == "eval" and e["name"] == "evaluate"]
     (collection,) = [e for e in spans if role[e["pid"]] == "runner" and e["name"] == "collect"]
-    assert evaluation["ts"] < collection["ts"] + collection["dur"]
-    assert collection["ts"] < evaluation["ts"] + evaluation["dur"]
+    assert len(evaluations) == 2  # one per worker
+    end = collection["ts"] + collection["dur"]
+    assert any(e["ts"] < end and collection["ts"] < e["ts"] + e["dur"] for e in evaluations)
 
 
 def test_an_impossible_placement_is_one_line_before_any_worker_starts(local_ray, tmp_path, capsys):

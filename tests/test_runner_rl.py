@@ -2,11 +2,18 @@
 (no critic, also through SmolVLA's stochastic flow) and PPO (value head) raise the success rate;
 per-task evaluation equals each task alone."""
 
+import pytest
 import torch
 from scripted_envs import PPO, TINY_VLA, PushRightEnv, metric_rows, run_on
 
 from embodied.contract import check_env
-from embodied.evaluate import evaluate, evaluate_by_task, wilson_interval
+from embodied.evaluate import (
+    evaluate,
+    evaluate_by_task,
+    pooled_summary,
+    split_episodes,
+    wilson_interval,
+)
 from embodied.multitask import MultiTaskEnv
 from embodied.schema import (
     PolicyOutput,
@@ -68,6 +75,28 @@ def test_evaluation_by_task_equals_each_task_alone():
         }
         assert alone["eval/episodes"] == 10 and all(together[name][k] > 0 for k in timing)
     assert 0 < together["a"]["eval/success_rate"] < together["b"]["eval/success_rate"] < 1
+
+
+def test_an_evaluation_split_between_workers_pools_to_the_whole_one():
+    """Episodes 0-9 from seed 3, run as parts of 3, 3 and 4 (cluster.eval.workers 3), pool to
+    the whole evaluation: each episode's reset seed is the seed plus its index."""
+    shares = split_episodes(10, 3, 3)
+    assert shares == [(3, 3), (3, 6), (4, 9)]
+    assert split_episodes(2, 0, 4) == [(1, 0), (1, 1)]  # more workers than episodes
+    env = PushRightEnv(4, threshold=0.0)
+    whole = evaluate(env, PixelPolicy(), episodes=10, seed=3)
+    parts = [evaluate(env, PixelPolicy(), episodes=n, seed=seed) for n, seed in shares]
+    pooled = pooled_summary(parts)
+    timing = ("eval/env_steps_per_s", "eval/policy_ms")
+    for key, value in whole.items():
+        if key not in timing:
+            assert pooled[key] == pytest.approx(value, rel=1e-12), key
+    assert 0 < whole["eval/success_rate"] < 1
+    # a wrong seed for a part (each part from the evaluation's seed) changes the result
+    unshifted = pooled_summary(
+        [evaluate(env, PixelPolicy(), episodes=n, seed=3) for n, _ in shares]
+    )
+    assert unshifted["eval/return"] != pytest.approx(whole["eval/return"], rel=1e-12)
 
 
 def test_wilson_interval_golden():

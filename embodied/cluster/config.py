@@ -7,7 +7,7 @@
       env:     {workers: 2, num_cpus: 1}
       rollout: {workers: 1, num_cpus: 1, num_gpus: 0.5}   # workers 0: in the env workers
       actor:   {workers: 1, num_cpus: 1, num_gpus: 0.5}
-      eval:    {workers: 1, num_cpus: 1}   # evaluations beside training (default 0: in line)
+      eval:    {workers: 2, num_cpus: 1}   # evaluations beside training (default 0: in line)
 
 Each worker of a role asks for ``num_cpus``/``num_gpus`` (fractions allowed) and any custom
 resources (``resources: {sim_node: 1}`` pins it to the nodes that offer them). ``collocated``
@@ -63,8 +63,9 @@ class ClusterConfig:
     env: RoleConfig = field(default_factory=RoleConfig)
     rollout: RoleConfig = field(default_factory=RoleConfig)
     actor: RoleConfig = field(default_factory=RoleConfig)
-    # 1: evaluations during training run in a worker of their own (environments and a policy
-    # copy), beside training instead of stopping it; 0: the env and rollout workers run them
+    # >= 1: evaluations during training run in workers of their own (environments and a policy
+    # copy each, the episodes split between them), beside training instead of stopping it;
+    # 0: the env and rollout workers run them
     eval: RoleConfig = field(default_factory=lambda: RoleConfig(workers=0))
     # 0: every chunk comes from the weights of the last update; 1: the next iteration is
     # collected while the update runs (its chunks are one update old; decoupled PPO corrects)
@@ -109,11 +110,6 @@ class ClusterConfig:
             raise ValueError(
                 "eval.workers: an evaluation worker runs beside training in a process of its "
                 "own; it needs the roles on Ray (cluster.enabled=true)"
-            )
-        if self.eval.workers > 1:
-            raise ValueError(
-                f"eval.workers: 0 (evaluate in the training workers) or 1 (beside training), "
-                f"got {self.eval.workers}"
             )
         if self.weight_sync not in WEIGHT_SYNCS:
             raise ValueError(

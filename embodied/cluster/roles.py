@@ -41,7 +41,7 @@ from embodied.cluster.workers import (
 )
 from embodied.config import ConfigError, to_dict
 from embodied.env_group import ChunkStep, strided_stages
-from embodied.evaluate import evaluate_by_task
+from embodied.evaluate import evaluate_by_task, pooled_summary, split_episodes
 from embodied.multitask import join_steps
 from embodied.roles import Roles, WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats, RolloutBatch
@@ -503,25 +503,28 @@ class RemoteLearner:
 
 
 class Evaluation:
-    """An evaluation running in the evaluation worker."""
+    """An evaluation running in the evaluation workers, each on its share of the episodes."""
 
-    def __init__(self, roles: RayRoles, ref):
+    def __init__(self, roles: RayRoles, refs: list):
         self.roles = roles
-        self.ref = ref
+        self.refs = refs
 
     def ready(self) -> bool:
         import ray
 
-        done, _ = ray.wait([self.ref], timeout=0)
-        return bool(done)
+        done, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(done) == len(self.refs)
 
     def result(self) -> dict[str, dict]:
+        """{task: summary} over every worker's episodes, as one worker evaluating them all
+        would give; ``WorkerLost`` if any worker was lost (the evaluation is lost)."""
         try:
-            return _get(self.ref, "eval")
+            parts = _get(self.refs, "eval")
         except WorkerLost as lost:
             self.roles.events.append({"time": time.time(), "role": "eval", "detail": lost.detail})
             self.roles.eval_lost = True
             raise
+        return {task: pooled_summary([part[task] for part in parts]) for task in parts[0]}
 
 
 class RayRoles(Roles):
@@ -765,19 +768,25 @@ class RayRoles(Roles):
         return "eval" in self.workers
 
     def start_evaluation(self, *, episodes: int, seed: int) -> Evaluation:
-        """An evaluation of the current weights in the evaluation worker, beside training: a
-        handle whose ``result()`` is {task: summary} (``WorkerLost`` if the worker died; Ray
-        restarts it)."""
-        worker = self.workers["eval"][0]
+        """An evaluation of the current weights in the evaluation workers, beside training, the
+        episodes split between them (``split_episodes``): a handle whose ``result()`` is {task:
+        summary} (``WorkerLost`` if a worker died; Ray restarts it)."""
+        evaluators = self.workers["eval"]
         if self.eval_lost:  # Ray restarts it: the next evaluation waits until it is back
-            self._wait_alive("eval", worker)
+            for worker in evaluators:
+                self._wait_alive("eval", worker)
             self.eval_lost = False
             self.placed["eval"] = self._ask("eval", "where") or self.placed["eval"]
             self._write_status()
         # all the weights every time: a worker Ray restarted between evaluations has lost them
         weights, _ = self.actor.weights.options(num_returns=2).remote(True)
-        ref = worker.evaluate.remote(weights, self.inference.version, episodes, seed)
-        return Evaluation(self, ref)
+        version = self.inference.version
+        shares = split_episodes(episodes, seed, len(evaluators))
+        refs = [
+            worker.evaluate.remote(weights, version, share_episodes, share_seed)
+            for worker, (share_episodes, share_seed) in zip(evaluators, shares)
+        ]
+        return Evaluation(self, refs)
 
     def metrics(self) -> tuple[dict[str, float], list[tuple]]:
         """Since the last call (an iteration): per role its workers' busy seconds (the busiest
