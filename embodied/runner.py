@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from embodied.algorithm import AlgorithmConfig
-from embodied.checkpoint import drop_checkpoints_after, mark_best
+from embodied.checkpoint import drop_checkpoints_after, load_checkpoint, mark_best
 from embodied.cluster.config import ClusterConfig
 from embodied.config import ConfigError, save_config, to_dict
 from embodied.evaluate import overall, per_task
@@ -307,6 +307,12 @@ def _clear_run(run_dir: Path) -> None:
             shutil.rmtree(path)
 
 
+# the counters an evaluation is recorded at (``_record_evaluation``)
+EVALUATED_AT = ("iteration", "env_steps", "train_seconds")
+# RUN/evaluating.json: the evaluation beside training in flight (a resume runs it again)
+EVALUATING = "evaluating.json"
+
+
 class Runner:
     def __init__(self, cfg: TrainConfig, roles: Roles, run_dir: Path, resume: dict | None):
         self.cfg = cfg
@@ -350,6 +356,7 @@ class Runner:
         }
         if resume is not None:
             self.counters.update(resume["counters"])
+        if resume is not None:
             print(
                 f"resuming {run_dir} from iteration {self.counters['iteration']} "
                 f"({self.counters['env_steps']} env steps)"
@@ -417,6 +424,10 @@ class Runner:
             self.end_counters = json.loads(json.dumps(counters))
         self.clock = Clock(counters["train_seconds"], run.max_minutes)
         budget = run.total_env_steps
+        unfinished = self._unfinished_evaluation()
+        more = counters["env_steps"] < budget and not self.clock.out_of_time
+        if unfinished is not None and more:  # (else the final evaluation follows)
+            self._evaluate_again(unfinished)
         self.first_iteration = counters["iteration"] + 1
         # cluster.max_staleness 1: the next iteration is collected while the update runs
         asynchronous = cfg.cluster.max_staleness > 0
@@ -548,8 +559,7 @@ class Runner:
             if self.roles.evaluates_beside:  # its checkpoint first, in case it is the best
                 if self.saved != iteration:
                     self._save()
-                handle = self.roles.start_evaluation(episodes=run.eval_episodes, seed=self.cfg.seed)
-                self.evaluating = (handle, self.end_counters)
+                self._start_evaluation(self.end_counters)
             else:
                 results = self._evaluate(run.eval_episodes)
                 self._record_evaluation(results, self.counters)
@@ -681,6 +691,11 @@ class Runner:
             protect=protect,
         )
         self.saved = iteration
+        marker = self.run_dir / EVALUATING
+        if marker.is_file():  # its result is in a checkpoint now: a resume need not run it again
+            evaluated = json.loads(marker.read_text())["iteration"]
+            if evaluated in [e["iteration"] for e in self.end_counters["evals"]]:
+                marker.unlink()
 
     def _save_completed(self) -> None:
         """Save the last completed iteration unless it is saved already (collection and
@@ -717,6 +732,53 @@ class Runner:
                 should_stop=lambda: self.stop.requested,
             )
 
+    def _unfinished_evaluation(self) -> dict | None:
+        """The counters of the evaluation beside training that was running when the run
+        stopped (RUN/evaluating.json), if the resumed checkpoint has its iteration and not its
+        result; None otherwise."""
+        marker = self.run_dir / EVALUATING
+        if self.fresh or not marker.is_file():
+            return None
+        at = json.loads(marker.read_text())
+        recorded = [e["iteration"] for e in self.counters["evals"]]
+        if at["iteration"] > self.counters["iteration"] or at["iteration"] in recorded:
+            marker.unlink()  # (resumed from before it, or its result was saved)
+            return None
+        return at
+
+    def _start_evaluation(self, at: dict, weights: dict | None = None) -> None:
+        """An evaluation beside training of the iteration whose counters are ``at``: of the
+        current weights, or ``weights`` (its checkpoint's). RUN/evaluating.json says which
+        until a checkpoint holds its result, so that a stop or a crash before then does not
+        lose it: a resumed run evaluates that iteration again."""
+        run = self.cfg.runner
+        self.evaluating = (
+            self.roles.start_evaluation(
+                episodes=run.eval_episodes, seed=self.cfg.seed, weights=weights
+            ),
+            at,
+        )
+        marker = self.run_dir / EVALUATING
+        staged = marker.with_suffix(".tmp")
+        staged.write_text(json.dumps({key: at[key] for key in EVALUATED_AT}))
+        staged.replace(marker)  # (atomic: a crash leaves the old file or the new one)
+
+    def _evaluate_again(self, at: dict) -> None:
+        """Start again, beside training, the evaluation that was running when the run stopped,
+        on its iteration's weights (that checkpoint was kept for it); its result is recorded
+        at that iteration as it would have been."""
+        iteration = at["iteration"]
+        if not self.roles.evaluates_beside:
+            self.bar.write(
+                f"the evaluation of iteration {iteration} was unfinished when the run stopped; "
+                "it runs again only with cluster.eval.workers"
+            )
+            return
+        path = self.run_dir / "checkpoints" / f"iter_{iteration:06d}"
+        weights = load_checkpoint(path, with_trainer_state=False)["model"]
+        self._start_evaluation(at, weights)
+        self.bar.write(f"evaluating iteration {iteration} again (unfinished when the run stopped)")
+
     def _take_evaluation(self, wait: bool) -> None:
         """Record the evaluation running beside training once it is done (``wait``: wait for
         it). A lost evaluation worker loses that evaluation only."""
@@ -730,6 +792,7 @@ class Runner:
             results = handle.result()
         except WorkerLost as lost:
             self.bar.write(f"evaluation of iteration {at['iteration']}: {lost}; skipped")
+            (self.run_dir / EVALUATING).unlink(missing_ok=True)
             return
         self._record_evaluation(results, at)
 

@@ -848,3 +848,56 @@ def test_env_configs_split_by_rows_and_tasks():
         split_env(one, 3)
     with pytest.raises(ConfigError, match="cannot share 3 tasks of 4"):
         split_env(three, 2)
+
+
+@pytest.mark.slow  # (about 30 s: an embedded run, a Ray run and its resume)
+def test_an_evaluation_unfinished_when_the_run_fails_runs_again_on_resume(
+    local_ray, tmp_path, monkeypatch, one_thread
+):
+    """The run fails while iteration 2 is collected and iteration 1's evaluation runs beside
+    it: RUN/evaluating.json keeps iteration 1. The resumed run evaluates iteration 1's
+    checkpoint again, and its evaluations are the embedded run's."""
+    iterations = 3
+    kw = dict(total_env_steps=8 * 3 * iterations, algorithm=ONE_ROUND, eval_every=1)
+    torch.manual_seed(0)
+    embedded = run_on(PushRightEnv(8), tmp_path / "embedded", **kw)
+    original = RayRoles.collect
+    calls = []
+
+    def collect(roles, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # iteration 2, with iteration 1's evaluation just sent
+            raise RuntimeError("a crash while collecting")
+        return original(roles, *args, **kwargs)
+
+    monkeypatch.setattr(RayRoles, "collect", collect)
+    cluster = {**CLUSTER, "env": dict(num_cpus=0.5), "eval": dict(workers=1, num_cpus=0.5)}
+    run_dir = tmp_path / "run"
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="a crash while collecting"):
+        run_on(None, run_dir, cluster=cluster, env_factory=push_right_envs, **kw)
+    assert json.loads((run_dir / "evaluating.json").read_text())["iteration"] == 1
+    assert load_checkpoint(run_dir)["counters"]["evals"] == []
+    monkeypatch.setattr(RayRoles, "collect", original)
+    sent = []  # whether each evaluation got a checkpoint's weights
+    start = RayRoles.start_evaluation
+
+    def start_evaluation(roles, **call):
+        sent.append(call.get("weights") is not None)
+        return start(roles, **call)
+
+    monkeypatch.setattr(RayRoles, "start_evaluation", start_evaluation)
+    resumed = run_on(
+        None, run_dir, cluster=cluster, env_factory=push_right_envs, resume=str(run_dir), **kw
+    )
+    assert sent == [True, False]  # iteration 1 again from its checkpoint, then iteration 2
+
+    def untimed_evals(summary):
+        return [
+            (e["iteration"], e["success_rate"], untimed(e["tasks"]["all"]))
+            for e in summary["evals"]
+        ]
+
+    assert untimed_evals(resumed) == untimed_evals(embedded)
+    assert [e["iteration"] for e in resumed["evals"]] == [1, 2]
+    assert not (run_dir / "evaluating.json").exists()

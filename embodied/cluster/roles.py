@@ -767,10 +767,15 @@ class RayRoles(Roles):
         """Whether an evaluation worker runs evaluations beside training."""
         return "eval" in self.workers
 
-    def start_evaluation(self, *, episodes: int, seed: int) -> Evaluation:
+    def start_evaluation(
+        self, *, episodes: int, seed: int, weights: dict[str, torch.Tensor] | None = None
+    ) -> Evaluation:
         """An evaluation of the current weights in the evaluation workers, beside training, the
         episodes split between them (``split_episodes``): a handle whose ``result()`` is {task:
-        summary} (``WorkerLost`` if a worker died; Ray restarts it)."""
+        summary} (``WorkerLost`` if a worker died; Ray restarts it). ``weights``: a
+        checkpoint's (its whole state dict) instead of the actor's current ones."""
+        import ray
+
         evaluators = self.workers["eval"]
         if self.eval_lost:  # Ray restarts it: the next evaluation waits until it is back
             for worker in evaluators:
@@ -778,8 +783,11 @@ class RayRoles(Roles):
             self.eval_lost = False
             self.placed["eval"] = self._ask("eval", "where") or self.placed["eval"]
             self._write_status()
-        # all the weights every time: a worker Ray restarted between evaluations has lost them
-        weights, _ = self.actor.weights.options(num_returns=2).remote(True)
+        if weights is None:
+            # all the weights every time: a worker Ray restarted between evaluations lost them
+            weights, _ = self.actor.weights.options(num_returns=2).remote(True)
+        else:
+            weights = ray.put(to_wire(weights))
         version = self.inference.version
         shares = split_episodes(episodes, seed, len(evaluators))
         refs = [
