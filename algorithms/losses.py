@@ -102,14 +102,14 @@ def value_loss(
     """0.5 * (V - R)^2, optionally clipped around the rollout's values (PPO2 style):
     max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). All inputs float32 [N].
 
-    The explained variance 1 - Var(R - V) / Var(R) is no mean over entries, so a data-parallel
-    rank (``count``) cannot report its share of it. It reports instead the first two moments
-    of R and of R - V (``EXPLAINED_VARIANCE_MOMENTS``) as means over the whole minibatch
-    divided by the ranks, which average over the ranks like every other metric;
-    ``explained_variance`` makes the whole minibatch's value of them. They are centred at the
-    whole minibatch's mean return and mean residual R - V_old (``whole_returns``,
-    ``whole_old_values``: every rank has them), so that no precision is lost taking E[x^2] -
-    E[x]^2."""
+    The explained variance 1 - Var(R - V) / Var(R) comes from the first two moments of R and
+    of R - V, centred at the mean return and mean residual R - V_old, so that E[x^2] - E[x]^2
+    loses no precision (``explained_variance``). It is no mean over entries, so a data-parallel
+    rank (``count``) reports those moments instead (``EXPLAINED_VARIANCE_MOMENTS``), as means
+    over the whole minibatch divided by the ranks: they average over the ranks like every other
+    metric, and ``explained_variance`` makes the whole minibatch's value of them. A rank
+    centres at the whole minibatch's means (``whole_returns``, ``whole_old_values``: every
+    rank has them); without them, at its own."""
     squared = (values - returns) ** 2
     if clip is not None:
         if old_values is None:
@@ -119,18 +119,22 @@ def value_loss(
     loss = 0.5 * masked_mean(squared, None, count)
     metrics = {"value/loss": loss.detach()}
     with torch.no_grad():
-        if count is None:
-            var = returns.var(unbiased=False)
-            explained = 1 - (returns - values).var(unbiased=False) / var
-            metrics["value/explained_variance"] = torch.where(
-                var > 0, explained, torch.full_like(explained, float("nan"))
-            )
+        whole_returns = returns if whole_returns is None else whole_returns
+        centre = whole_returns.mean()
+        if whole_old_values is not None:
+            residual_centre = (whole_returns - whole_old_values).mean()
+        elif old_values is not None:
+            residual_centre = (returns - old_values).mean()
         else:
-            centred_returns = returns - whole_returns.mean()
-            centred_residuals = (returns - values) - (whole_returns - whole_old_values).mean()
-            parts = (centred_returns, centred_returns**2, centred_residuals, centred_residuals**2)
-            for key, part in zip(EXPLAINED_VARIANCE_MOMENTS, parts):
-                metrics[key] = masked_mean(part, None, count)
+            residual_centre = (returns - values).mean()
+        centred_returns = returns - centre
+        centred_residuals = (returns - values) - residual_centre
+        parts = (centred_returns, centred_returns**2, centred_residuals, centred_residuals**2)
+        moments = [masked_mean(part, None, count) for part in parts]
+        if count is None:
+            metrics["value/explained_variance"] = explained_variance(*moments)
+        else:
+            metrics.update(zip(EXPLAINED_VARIANCE_MOMENTS, moments))
     return loss, metrics
 
 
@@ -149,11 +153,14 @@ def explained_variance(
     residuals: torch.Tensor,
     residuals_sq: torch.Tensor,
 ) -> torch.Tensor:
-    """1 - Var(R - V) / Var(R) from the moments ``value_loss`` reports on a data-parallel
-    rank, averaged over the ranks; NaN where the returns do not vary."""
+    """1 - Var(R - V) / Var(R) from the centred moments ``value_loss`` takes (a data-parallel
+    rank's, averaged over the ranks); NaN where the returns do not vary: where their variance
+    is no more than the rounding of E[x^2] - E[x]^2 (constant returns whose float mean is off
+    by a rounding error have a tiny variance that would make the ratio huge)."""
     var = returns_sq - returns**2
     explained = 1 - (residuals_sq - residuals**2) / var
-    return torch.where(var > 0, explained, torch.full_like(explained, float("nan")))
+    rounding = 16 * torch.finfo(var.dtype).eps * returns_sq
+    return torch.where(var > rounding, explained, torch.full_like(explained, float("nan")))
 
 
 def entropy(

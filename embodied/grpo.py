@@ -61,7 +61,8 @@ class GRPOConfig(AlgorithmConfig):
     clip_coef: float = 0.2
     clip_coef_high: float | None = 0.28  # DAPO clip-higher
     # decoupled PPO (cluster.max_staleness > 0): entries whose behaviour weight pi_prox / pi_old
-    # exceeds this are left out of the loss (AReaL's filter); null: no cap
+    # exceeds this are left out of the loss (AReaL's filter; at logprob_level chunk the weight is
+    # a product over K x A dimensions, so watch policy/behaviour_filtered); null: no cap
     behaviour_weight_cap: float | None = 5.0
     kl_coef: float = 0.0  # > 0: penalty KL(pi || initial policy), k3 estimator
     max_grad_norm: float = 1.0

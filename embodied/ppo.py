@@ -43,7 +43,8 @@ class PPOConfig(AlgorithmConfig):
     clip_coef: float = 0.2  # ratio clipped to [1 - clip_coef, 1 + clip_coef_high]
     clip_coef_high: float | None = None  # None: symmetric
     # decoupled PPO (cluster.max_staleness > 0): entries whose behaviour weight pi_prox / pi_old
-    # exceeds this are left out of the loss (AReaL's filter); null: no cap
+    # exceeds this are left out of the loss (AReaL's filter; at logprob_level chunk the weight is
+    # a product over K x A dimensions, so watch policy/behaviour_filtered); null: no cap
     behaviour_weight_cap: float | None = 5.0
     # where the ratio is taken: chunk (one ratio over the K x A dimensions of a chunk: clips at
     # the smallest change) | action | token; the same for K = 1 policies' chunk and action

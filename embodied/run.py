@@ -110,15 +110,17 @@ RESUME_BOUND = ("cluster.max_staleness",)
 
 def check_resume(saved: dict, current: dict, checkpoint: Path, force: bool) -> None:
     """Refuse to resume when a key that changes the run's numbers differs from the checkpoint's
-    config. ``runner.total_env_steps`` may grow unless the learning rate anneals over it."""
+    config. ``runner.total_env_steps`` may grow unless the learning rate anneals over it. Keys
+    newer than the checkpoint (not in its config) are not compared."""
     before = flatten(saved)
     now = flatten(current)
     free = set(RESUME_FREE)
     if not now.get("algorithm.anneal_lr", False):
         free.add("runner.total_env_steps")
+    # (a key the checkpoint's config lacks is newer than the run: it takes its default)
     changed = [
         k
-        for k in sorted(set(before) | set(now))
+        for k in sorted(before)
         if k not in free
         and (not k.startswith(RESUME_FREE_PREFIX) or k in RESUME_BOUND)
         and before.get(k) != now.get(k)

@@ -262,7 +262,14 @@ def train(cfg: TrainConfig) -> dict:
         roles.close()
 
 
+# the counters an evaluation is recorded at (``_record_evaluation``)
+EVALUATED_AT = ("iteration", "env_steps", "train_seconds")
+# RUN/evaluating.json: the evaluation beside training in flight (a resume runs it again)
+EVALUATING = "evaluating.json"
+
+
 RUN_FILES = (
+    EVALUATING,
     "metrics.jsonl",
     "metrics.json",
     "checkpoints",
@@ -305,12 +312,6 @@ def _clear_run(run_dir: Path) -> None:
             path.unlink()
         elif path.is_dir():
             shutil.rmtree(path)
-
-
-# the counters an evaluation is recorded at (``_record_evaluation``)
-EVALUATED_AT = ("iteration", "env_steps", "train_seconds")
-# RUN/evaluating.json: the evaluation beside training in flight (a resume runs it again)
-EVALUATING = "evaluating.json"
 
 
 class Runner:
@@ -356,7 +357,6 @@ class Runner:
         }
         if resume is not None:
             self.counters.update(resume["counters"])
-        if resume is not None:
             print(
                 f"resuming {run_dir} from iteration {self.counters['iteration']} "
                 f"({self.counters['env_steps']} env steps)"
@@ -425,8 +425,7 @@ class Runner:
         self.clock = Clock(counters["train_seconds"], run.max_minutes)
         budget = run.total_env_steps
         unfinished = self._unfinished_evaluation()
-        more = counters["env_steps"] < budget and not self.clock.out_of_time
-        if unfinished is not None and more:  # (else the final evaluation follows)
+        if unfinished is not None:
             self._evaluate_again(unfinished)
         self.first_iteration = counters["iteration"] + 1
         # cluster.max_staleness 1: the next iteration is collected while the update runs
@@ -766,15 +765,22 @@ class Runner:
     def _evaluate_again(self, at: dict) -> None:
         """Start again, beside training, the evaluation that was running when the run stopped,
         on its iteration's weights (that checkpoint was kept for it); its result is recorded
-        at that iteration as it would have been."""
+        at that iteration as it would have been. Where it cannot run again, say so once."""
         iteration = at["iteration"]
-        if not self.roles.evaluates_beside:
-            self.bar.write(
-                f"the evaluation of iteration {iteration} was unfinished when the run stopped; "
-                "it runs again only with cluster.eval.workers"
-            )
-            return
         path = self.run_dir / "checkpoints" / f"iter_{iteration:06d}"
+        budget = self.cfg.runner.total_env_steps
+        more = self.counters["env_steps"] < budget and not self.clock.out_of_time
+        why = None
+        if not self.roles.evaluates_beside:
+            why = "it runs again only with cluster.eval.workers"
+        elif not more:
+            why = "no iteration is left to run it beside"
+        elif not (path / "meta.json").is_file():
+            why = f"its checkpoint {path} is gone"
+        if why is not None:
+            (self.run_dir / EVALUATING).unlink()
+            self.bar.write(f"the evaluation of iteration {iteration} was unfinished: {why}")
+            return
         weights = load_checkpoint(path, with_trainer_state=False)["model"]
         self._start_evaluation(at, weights)
         self.bar.write(f"evaluating iteration {iteration} again (unfinished when the run stopped)")

@@ -226,3 +226,16 @@ def test_megatron_takes_a_vla_on_a_qwen2_5_vl_whose_language_model_splits(tmp_pa
             ["trainer.backend=megatron", "trainer.tensor_parallel=3"]
             + ["policy.heads=3", "policy.d_model=96", "policy.head=discrete", "policy.bins=100"],
         )
+
+
+def test_resume_compares_only_the_keys_the_checkpoint_has(tmp_path):
+    """A key newer than the checkpoint (its config lacks it) takes its default on resume; a key
+    both have that changes the run's numbers is refused."""
+    from embodied.run import check_resume
+
+    saved = {"algorithm": {"gamma": 0.8}}
+    check_resume(saved, {"algorithm": {"gamma": 0.8, "behaviour_weight_cap": 5.0}}, tmp_path, False)
+    with pytest.raises(ConfigError, match="algorithm.gamma is 0.5 here but 0.8"):
+        check_resume(
+            saved, {"algorithm": {"gamma": 0.5, "behaviour_weight_cap": 5.0}}, tmp_path, False
+        )

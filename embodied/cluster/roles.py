@@ -518,9 +518,14 @@ class Evaluation:
     def result(self) -> dict[str, dict]:
         """{task: summary} over every worker's episodes, as one worker evaluating them all
         would give; ``WorkerLost`` if any worker was lost (the evaluation is lost)."""
+        import ray
+
         try:
             parts = _get(self.refs, "eval")
         except WorkerLost as lost:
+            # the others finish their shares first: the next evaluation must not find one
+            # still running (it would share that worker's environments and policy)
+            ray.wait(self.refs, num_returns=len(self.refs))
             self.roles.events.append({"time": time.time(), "role": "eval", "detail": lost.detail})
             self.roles.eval_lost = True
             raise

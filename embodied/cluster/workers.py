@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -242,13 +243,17 @@ class EvalWorker(_Worker):
         self.env = factory(env_cfg)
         self.device = torch.device(device)
         self.inference = InferencePolicy(build_policy(spec, policy_cfg).to(self.device).eval())
+        # one evaluation at a time: the second concurrent call slot is for timing calls
+        self.evaluating = threading.Lock()
 
     @timed
     def evaluate(self, weights, version: int, episodes: int, seed: int) -> dict[str, dict]:
         """``evaluate_by_task`` at the weights ``weights`` (all of them the first time, then
         the ones that change): {task: summary}."""
-        self.inference.sync(from_wire(weights, self.device), version)
-        return evaluate_by_task(self.env, self.inference.policy, episodes=episodes, seed=seed)
+        with self.evaluating:
+            self.inference.sync(from_wire(weights, self.device), version)
+            policy = self.inference.policy
+            return evaluate_by_task(self.env, policy, episodes=episodes, seed=seed)
 
     def close(self) -> None:
         self.env.close()

@@ -96,6 +96,15 @@ def test_masked_entries_do_not_count():
 def test_value_loss_explained_variance_is_nan_without_variance():
     _, m = value_loss(values=torch.tensor([1.0, 2.0]), returns=torch.tensor([3.0, 3.0]))
     assert math.isnan(m["value/explained_variance"].item())
+    # seven returns of 0.1: their float32 mean is off by a rounding error, and a two-pass
+    # variance of ~1e-18 made the explained variance about -1e16
+    returns = torch.full((7,), 0.1)
+    _, m = value_loss(values=torch.linspace(0, 1, 7), returns=returns)
+    assert math.isnan(m["value/explained_variance"].item())
+    # a small variance that float32 holds is kept: 1 - Var(R - V) / Var(R) = 1 - 0.25
+    returns = torch.tensor([10.0, 10.002])
+    _, m = value_loss(values=torch.tensor([10.0005, 10.0015]), returns=returns)
+    assert m["value/explained_variance"].item() == pytest.approx(0.75, abs=2e-3)
 
 
 def test_decoupled_ppo_clips_at_the_proximal_policy_and_weights_by_it():
