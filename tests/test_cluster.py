@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -916,3 +917,57 @@ def test_an_evaluation_unfinished_when_the_run_fails_runs_again_on_resume(
     assert untimed_evals(resumed) == untimed_evals(embedded)
     assert [e["iteration"] for e in resumed["evals"]] == [1, 2]
     assert not (run_dir / "evaluating.json").exists()
+
+
+@pytest.mark.slow  # (about 20 s)
+def test_a_rank_lost_inside_the_update_collective_stops_the_run_with_one_line(
+    local_ray, tmp_path, monkeypatch, one_thread
+):
+    """Rank 1 of two actor workers SIGKILLed a second into iteration 2's update (300 epochs:
+    seconds of all-reduces): rank 0's collective fails, the update's result is the lost worker
+    (not a hang until the gloo timeout), and the run stops with one line and iteration 1's
+    checkpoint."""
+    original = RemoteLearner.start_update
+    result_whole = Pending.result
+    killed = []
+    outcomes = []  # what each awaited update gave: "metrics" or the error's type
+
+    def start_update(learner, samples, observations):
+        if len(outcomes) != 1:
+            return original(learner, samples, observations)
+        # iteration 2's update: rank 1's process id first (a ping would queue behind it)
+        killed.append(ray.get(learner.workers[1].ping.remote()))
+        pending = original(learner, samples, observations)
+        time.sleep(1.0)
+        os.kill(killed[0], signal.SIGKILL)
+        return pending
+
+    def result(pending):
+        try:
+            metrics = result_whole(pending)
+        except Exception as error:
+            outcomes.append(type(error).__name__)
+            raise
+        outcomes.append("metrics")
+        return metrics
+
+    monkeypatch.setattr(RemoteLearner, "start_update", start_update)
+    monkeypatch.setattr(Pending, "result", result)
+    cluster = {**CLUSTER, "actor": dict(workers=2, num_cpus=0.25)}
+    started = time.time()
+    with pytest.raises(WorkerLost) as lost:
+        run_on(
+            None,
+            tmp_path / "ray",
+            total_env_steps=8 * 3 * 3,
+            cluster=cluster,
+            env_factory=push_right_envs,
+            algorithm={**ONE_ROUND, "update_epochs": 300},
+            save_every=1,
+        )
+    assert time.time() - started < 120  # (the gloo timeout is 600 s)
+    message = str(lost.value)
+    assert killed and "\n" not in message
+    assert message.startswith("actor worker lost: ")
+    assert outcomes == ["metrics", "WorkerLost"]  # lost inside update 2, not after it
+    assert load_checkpoint(tmp_path / "ray")["counters"]["iteration"] == 1
