@@ -135,16 +135,20 @@ def check_resume(saved: dict, current: dict, checkpoint: Path, force: bool) -> N
     )
 
 
-def trim_metrics(run_dir: Path, iteration: int) -> None:
+def trim_metrics(run_dir: Path, iteration: int, evaluated: int | None = None) -> None:
     """Drop the metrics.jsonl rows logged after ``iteration`` (by a run that went on past its
-    last checkpoint), so a resumed run logs each iteration once."""
+    last checkpoint), so a resumed run logs each iteration once; also the evaluation rows of
+    iteration ``evaluated`` (an evaluation beside training whose result no checkpoint holds:
+    the resumed run evaluates it again)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return
     kept = []
     for line in path.read_text().splitlines():
         row = json.loads(line)
-        if row.get("iteration", 0) <= iteration:
+        at = row.get("iteration", 0)
+        evaluation = any(key.startswith("eval/") for key in row)
+        if at <= iteration and not (evaluation and at == evaluated):
             kept.append(line)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))

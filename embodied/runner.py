@@ -249,7 +249,9 @@ def train(cfg: TrainConfig) -> dict:
     try:
         if resume is not None:
             done = resume["counters"]["iteration"]
-            trim_metrics(run_dir, done)  # rows logged past the checkpoint go
+            marker = run_dir / EVALUATING  # (an evaluation beside training runs again)
+            evaluated = json.loads(marker.read_text())["iteration"] if marker.is_file() else None
+            trim_metrics(run_dir, done, evaluated)  # rows logged past the checkpoint go
             abandoned = drop_checkpoints_after(run_dir, done)
             if abandoned:
                 print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")

@@ -362,3 +362,27 @@ def test_dropping_the_checkpoints_after_an_iteration(tmp_path):
     assert ck.drop_checkpoints_after(tmp_path, 2) == []
     assert best_iteration(tmp_path) == 1
     assert ck.drop_checkpoints_after(tmp_path / "no_run", 2) == []
+
+
+def test_trim_metrics_drops_rows_past_the_checkpoint_and_an_unsaved_evaluation(tmp_path):
+    """Rows of iterations 1-3, the checkpoint at 2, and iteration 1's evaluation (beside
+    training) logged but in no checkpoint: its row goes, so that its re-run logs it once."""
+
+    from embodied.run import trim_metrics
+
+    rows = [
+        {"iteration": 0, "eval/success_rate": 0.1},  # before RL
+        {"iteration": 1, "policy/loss": 0.5},
+        {"iteration": 2, "policy/loss": 0.4},
+        {"iteration": 1, "eval/success_rate": 0.3},  # logged at its iteration, later
+        {"iteration": 1, "eval/a/success_rate": 0.3},
+        {"iteration": 3, "policy/loss": 0.3},
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    trim_metrics(tmp_path, 2, evaluated=1)
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert kept == rows[:3]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    trim_metrics(tmp_path, 2)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:5]
