@@ -249,9 +249,7 @@ def train(cfg: TrainConfig) -> dict:
     try:
         if resume is not None:
             done = resume["counters"]["iteration"]
-            marker = run_dir / EVALUATING  # (an evaluation beside training runs again)
-            evaluated = json.loads(marker.read_text())["iteration"] if marker.is_file() else None
-            trim_metrics(run_dir, done, evaluated)  # rows logged past the checkpoint go
+            trim_metrics(run_dir, done, _unsaved_evaluation(run_dir, resume["counters"]))
             abandoned = drop_checkpoints_after(run_dir, done)
             if abandoned:
                 print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
@@ -282,6 +280,17 @@ RUN_FILES = (
     "cluster.json",
     "trace.json",
 )
+
+
+def _unsaved_evaluation(run_dir: Path, counters: dict) -> int | None:
+    """The iteration of the evaluation beside training that RUN/evaluating.json names, if the
+    checkpoint's counters lack its result (a resumed run evaluates it again)."""
+    marker = run_dir / EVALUATING
+    if not marker.is_file():
+        return None
+    iteration = json.loads(marker.read_text())["iteration"]
+    recorded = [e["iteration"] for e in counters.get("evals", [])]
+    return None if iteration in recorded else iteration
 
 
 def _run_dir_of(checkpoint: Path, given: str) -> Path:

@@ -63,6 +63,8 @@ def _demos(tmp_path, expert, *extra):
     return main(["demos", str(cfg), *extra])
 
 
+# (22 s: the default suite's time budget; `embodied demos` runs in the two tests below)
+@pytest.mark.slow
 def test_records_episodes_with_cameras_and_success(tmp_path, expert, capsys):
     rc = _demos(
         tmp_path,
