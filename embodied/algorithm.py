@@ -15,7 +15,7 @@ import torch
 
 from embodied.algorithms import EXPLAINED_VARIANCE_MOMENTS, explained_variance
 from embodied.learner import TrainEngine
-from embodied.rollout import LEVELS, CollectPlan, RolloutBatch, Samples
+from embodied.rollout import LEVELS, CollectPlan, RolloutBatch, Samples, share_bounds
 
 
 @dataclass
@@ -78,8 +78,7 @@ def in_pieces(
     first, end = 0, n
     sharded = learner is not None and learner.world_size > 1 and n >= learner.world_size
     if sharded:
-        first = n * learner.rank // learner.world_size
-        end = n * (learner.rank + 1) // learner.world_size
+        first, end = share_bounds(n, learner.rank, learner.world_size)
     parts = []
     for start in range(first, end, size):
         rows_host = torch.arange(start, min(end, start + size))

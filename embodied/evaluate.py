@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from embodied.rollout import share_bounds
 from embodied.run import Interrupted
 from embodied.video import tile, write_mp4
 
@@ -208,8 +209,8 @@ def split_episodes(episodes: int, seed: int, parts: int) -> list[tuple[int, int]
     of one evaluation of ``episodes`` at ``seed``: episode i's reset seed is the seed plus i,
     so the part that starts at episode j takes the seed plus j."""
     parts = min(parts, episodes)
-    firsts = [episodes * part // parts for part in range(parts + 1)]
-    return [(firsts[i + 1] - firsts[i], seed + firsts[i]) for i in range(parts)]
+    bounds = [share_bounds(episodes, part, parts) for part in range(parts)]
+    return [(end - first, seed + first) for first, end in bounds]
 
 
 def pooled_summary(summaries: list[dict]) -> dict:

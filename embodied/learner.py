@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from embodied.rollout import Samples, logprob_at
+from embodied.rollout import Samples, logprob_at, share_bounds
 
 BACKENDS = ("torch", "megatron")
 
@@ -113,7 +113,8 @@ def gather_over(part: torch.Tensor, total: int, group, world_size: int) -> torch
     import torch.distributed as dist
 
     # every rank knows every share's size: all-gather takes equal shapes, so pad to the largest
-    sizes = [total * (r + 1) // world_size - total * r // world_size for r in range(world_size)]
+    bounds = [share_bounds(total, rank, world_size) for rank in range(world_size)]
+    sizes = [end - first for first, end in bounds]
     padded = part.new_zeros((max(sizes), *part.shape[1:]))
     padded[: len(part)] = part
     gathered = [torch.empty_like(padded) for _ in sizes]

@@ -121,6 +121,13 @@ class RolloutBatch:
         )
 
 
+def share_bounds(total: int, index: int, parts: int) -> tuple[int, int]:
+    """[first, end) of part ``index`` when ``total`` rows are cut into ``parts`` contiguous
+    parts whose sizes differ by one at most (a data-parallel rank's rows, an evaluation
+    worker's episodes)."""
+    return total * index // parts, total * (index + 1) // parts
+
+
 @dataclass
 class Share:
     """What a data-parallel rank's rows are a share of."""
@@ -163,7 +170,7 @@ class Samples:
                 f"a minibatch of {n} samples cannot be shared by {world_size} actor workers; "
                 "use fewer algorithm.num_minibatches or cluster.actor.workers"
             )
-        rows_host = torch.arange(n * rank // world_size, n * (rank + 1) // world_size)
+        rows_host = torch.arange(*share_bounds(n, rank, world_size))
         part = self.index(rows_host.to(self.advantages.device), rows_host)
         part.share = Share(whole=self, world_size=world_size)
         return part
