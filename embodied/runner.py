@@ -249,7 +249,8 @@ def train(cfg: TrainConfig) -> dict:
     try:
         if resume is not None:
             done = resume["counters"]["iteration"]
-            trim_metrics(run_dir, done, _unsaved_evaluation(run_dir, resume["counters"]))
+            unsaved = _unsaved_evaluation(run_dir, resume["counters"])
+            trim_metrics(run_dir, done, None if unsaved is None else unsaved["iteration"])
             abandoned = drop_checkpoints_after(run_dir, done)
             if abandoned:
                 print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
@@ -282,15 +283,15 @@ RUN_FILES = (
 )
 
 
-def _unsaved_evaluation(run_dir: Path, counters: dict) -> int | None:
-    """The iteration of the evaluation beside training that RUN/evaluating.json names, if the
-    checkpoint's counters lack its result (a resumed run evaluates it again)."""
+def _unsaved_evaluation(run_dir: Path, counters: dict) -> dict | None:
+    """The counters of the evaluation beside training that RUN/evaluating.json names, if
+    ``counters`` (a checkpoint's) lack its result; None without the file or with the result."""
     marker = run_dir / EVALUATING
     if not marker.is_file():
         return None
-    iteration = json.loads(marker.read_text())["iteration"]
+    at = json.loads(marker.read_text())
     recorded = [e["iteration"] for e in counters.get("evals", [])]
-    return None if iteration in recorded else iteration
+    return None if at["iteration"] in recorded else at
 
 
 def _run_dir_of(checkpoint: Path, given: str) -> Path:
@@ -701,11 +702,9 @@ class Runner:
             protect=protect,
         )
         self.saved = iteration
-        marker = self.run_dir / EVALUATING
-        if marker.is_file():  # its result is in a checkpoint now: a resume need not run it again
-            evaluated = json.loads(marker.read_text())["iteration"]
-            if evaluated in [e["iteration"] for e in self.end_counters["evals"]]:
-                marker.unlink()
+        if _unsaved_evaluation(self.run_dir, self.end_counters) is None:
+            # (its result is in a checkpoint now: a resume need not run it again)
+            (self.run_dir / EVALUATING).unlink(missing_ok=True)
 
     def _save_completed(self) -> None:
         """Save the last completed iteration unless it is saved already (collection and
@@ -746,13 +745,12 @@ class Runner:
         """The counters of the evaluation beside training that was running when the run
         stopped (RUN/evaluating.json), if the resumed checkpoint has its iteration and not its
         result; None otherwise."""
-        marker = self.run_dir / EVALUATING
-        if self.fresh or not marker.is_file():
+        if self.fresh:
             return None
-        at = json.loads(marker.read_text())
-        recorded = [e["iteration"] for e in self.counters["evals"]]
-        if at["iteration"] > self.counters["iteration"] or at["iteration"] in recorded:
-            marker.unlink()  # (resumed from before it, or its result was saved)
+        at = _unsaved_evaluation(self.run_dir, self.counters)
+        if at is None or at["iteration"] > self.counters["iteration"]:
+            # (none, its result was saved, or resumed from before it)
+            (self.run_dir / EVALUATING).unlink(missing_ok=True)
             return None
         return at
 
