@@ -109,7 +109,7 @@ def value_loss(
     over the whole minibatch divided by the ranks: they average over the ranks like every other
     metric, and ``explained_variance`` makes the whole minibatch's value of them. A rank
     centres at the whole minibatch's means (``whole_returns``, ``whole_old_values``: every
-    rank has them); without them, at its own."""
+    rank has them); without them, at its own mean return and residual R - V."""
     squared = (values - returns) ** 2
     if clip is not None:
         if old_values is None:
@@ -119,14 +119,10 @@ def value_loss(
     loss = 0.5 * masked_mean(squared, None, count)
     metrics = {"value/loss": loss.detach()}
     with torch.no_grad():
-        whole_returns = returns if whole_returns is None else whole_returns
+        if whole_returns is None or whole_old_values is None:  # (centred at its own means)
+            whole_returns, whole_old_values = returns, values
         centre = whole_returns.mean()
-        if whole_old_values is not None:
-            residual_centre = (whole_returns - whole_old_values).mean()
-        elif old_values is not None:
-            residual_centre = (returns - old_values).mean()
-        else:
-            residual_centre = (returns - values).mean()
+        residual_centre = (whole_returns - whole_old_values).mean()
         centred_returns = returns - centre
         centred_residuals = (returns - values) - residual_centre
         parts = (centred_returns, centred_returns**2, centred_residuals, centred_residuals**2)
