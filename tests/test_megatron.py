@@ -300,8 +300,11 @@ def head_rank(rank: int, tp: int, out: str) -> None:
         *head_inputs(),
         lambda h: h.torch_state({k: p.grad for k, p in h.named_parameters()}),
     )
-    # the largest logit twice, at bins 1 and 6 (ranks 0 and 1 at TP=2), then once at bin 4
-    logits = torch.tensor([[0.0, 5, 1, 2, 3, 4, 5, 0], [0, 1, 2, 3, 9, 4, 5, 6]]).view(1, 1, 2, 8)
+    # the largest logit twice, at bins 1 and 6 (ranks 0 and 1 at TP=2), then once at bin 4;
+    # then 0 at bin 3 and 1e-8 at bin 4, which log-softmax would round equal
+    logits = torch.tensor(
+        [[0.0, 5, 1, 2, 3, 4, 5, 0], [0, 1, 2, 3, 9, 4, 5, 6], [-9, -9, -9, 0, 1e-8, -9, -9, -9]]
+    ).view(1, 1, 3, 8)
     mine = logits.chunk(tp, dim=-1)[rank]
     result["argmax"] = head._argmax(mine)
     torch.save(result, f"{out}/head{rank}.pt")
@@ -322,7 +325,7 @@ def test_the_megatron_discrete_head_gives_the_torch_heads_numbers(ranks):
     assert 2 / 3 <= want["accuracy"] < 1  # (two dimensions of three hit; the third by chance)
     for rank in range(tp):
         got = torch.load(tmp_path / f"head{rank}.pt")
-        assert torch.equal(got["argmax"], torch.tensor([[[1, 4]]]))
+        assert torch.equal(got["argmax"], torch.tensor([[[1, 4, 4]]]))
         assert torch.equal(got["tokens"], want["tokens"])
         assert got["accuracy"] == want["accuracy"]
         for key in ("logp", "entropy", "ctx_grad", "actions", "sampled_logp", "bc_loss"):

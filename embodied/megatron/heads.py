@@ -107,7 +107,7 @@ class MegatronDiscreteHead(nn.Module):
         logits = torch.cat([shard["logits"] for shard in shards], dim=-1)  # f32 [B, K, A, bins]
         logp_all = torch.log_softmax(logits, dim=-1)
         if deterministic:
-            tokens = logp_all.argmax(-1)
+            tokens = logits.argmax(-1)  # (the raw logits, as the torch head)
         else:
             flat = logp_all.exp().view(-1, self.bins)
             tokens = torch.multinomial(flat, 1).view(logp_all.shape[:-1])

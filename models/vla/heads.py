@@ -85,19 +85,22 @@ class DiscreteTokenHead(nn.Module):
             "centers", torch.linspace(-1 + 1 / bins, 1 - 1 / bins, bins), persistent=False
         )
 
-    def _log_softmax(self, ctx):
+    def _logits(self, ctx):
         B, K, _ = ctx.shape
-        return torch.log_softmax(
-            self.logits(ctx).view(B, K, self.A, self.bins), dim=-1
-        )  # f32 [B, K, A, bins]
+        return self.logits(ctx).view(B, K, self.A, self.bins)  # f32 [B, K, A, bins]
+
+    def _log_softmax(self, ctx):
+        return torch.log_softmax(self._logits(ctx), dim=-1)  # f32 [B, K, A, bins]
 
     def tokenize(self, a: torch.Tensor) -> torch.Tensor:
         return action_bins(a, self.bins)
 
     def sample(self, ctx, deterministic=False):
-        logp_all = self._log_softmax(ctx)
+        logits = self._logits(ctx)
+        logp_all = torch.log_softmax(logits, dim=-1)
         if deterministic:
-            tokens = logp_all.argmax(-1)
+            # (the raw logits: log-softmax's shift can round two near-equal logits equal)
+            tokens = logits.argmax(-1)
         else:
             tokens = torch.multinomial(logp_all.exp().view(-1, self.bins), 1).view(
                 logp_all.shape[:-1]
@@ -112,10 +115,11 @@ class DiscreteTokenHead(nn.Module):
         return logp, entropy
 
     def bc_loss(self, ctx, target, mask):
-        logp_all = self._log_softmax(ctx)
-        nll = -logp_all.gather(-1, self.tokenize(target).unsqueeze(-1)).squeeze(-1)  # f32 [B, K, A]
+        logits = self._logits(ctx)
+        tokens = self.tokenize(target)  # long [B, K, A]
+        nll = -torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         loss = masked_mean(nll, mask)
-        acc = masked_mean((logp_all.argmax(-1) == self.tokenize(target)).float(), mask)
+        acc = masked_mean((logits.argmax(-1) == tokens).float(), mask)
         return loss, {"sft/ce": loss.detach(), "sft/token_accuracy": acc.detach()}
 
 

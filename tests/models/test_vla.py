@@ -112,6 +112,29 @@ def test_discrete_tokens_and_their_logprob():
     assert torch.equal(policy.head.tokenize(centers), tokens)
 
 
+def test_the_discrete_heads_first_choice_is_the_largest_raw_logit():
+    """Bins 1 and 2 hold logits 0 and 1e-8: log-softmax rounds both to -log 2 (float32), where
+    an argmax would take bin 1, the first of the tie. The deterministic action and the
+    behaviour-cloning accuracy take bin 2, as megatron's head does across its ranks."""
+    from embodied.models.vla.heads import DiscreteTokenHead
+
+    head = DiscreteTokenHead(d_model=1, action_dim=1, bins=4)
+    with torch.no_grad():
+        head.logits.weight.zero_()
+        head.logits.bias.copy_(torch.tensor([-100.0, 0.0, 1e-8, -100.0]))
+    ctx = torch.zeros(1, 1, 1)
+    logp_all = torch.log_softmax(head.logits(ctx), dim=-1)
+    assert logp_all[0, 0, 1] == logp_all[0, 0, 2]  # (the tie the shift makes)
+    actions, _, extras = head.sample(ctx, deterministic=True)
+    assert extras["tokens"].item() == 2
+    assert actions.item() == head.centers[2].item()
+    mask = torch.ones(1, 1)
+    _, hit = head.bc_loss(ctx, head.centers[2].view(1, 1, 1), mask)
+    _, miss = head.bc_loss(ctx, head.centers[1].view(1, 1, 1), mask)
+    assert hit["sft/token_accuracy"].item() == 1.0
+    assert miss["sft/token_accuracy"].item() == 0.0
+
+
 def test_flow_logprob_matches_an_independent_reference():
     """Recompute log p(chain) transition by transition with torch.distributions."""
     torch.manual_seed(4)
