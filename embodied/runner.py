@@ -248,12 +248,7 @@ def train(cfg: TrainConfig) -> dict:
             raise
     try:
         if resume is not None:
-            done = resume["counters"]["iteration"]
-            unsaved = _unsaved_evaluation(run_dir, resume["counters"])
-            trim_metrics(run_dir, done, None if unsaved is None else unsaved["iteration"])
-            abandoned = drop_checkpoints_after(run_dir, done)
-            if abandoned:
-                print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
+            rewind(run_dir, resume)
         elif cfg.runner.overwrite:
             _clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -265,12 +260,9 @@ def train(cfg: TrainConfig) -> dict:
 
 # the counters an evaluation is recorded at (``_record_evaluation``)
 EVALUATED_AT = ("iteration", "env_steps", "train_seconds")
-# RUN/evaluating.json: the evaluation beside training in flight (a resume runs it again)
-EVALUATING = "evaluating.json"
 
 
 RUN_FILES = (
-    EVALUATING,
     "metrics.jsonl",
     "metrics.json",
     "checkpoints",
@@ -283,15 +275,24 @@ RUN_FILES = (
 )
 
 
-def _unsaved_evaluation(run_dir: Path, counters: dict) -> dict | None:
-    """The counters of the evaluation beside training that RUN/evaluating.json names, if
-    ``counters`` (a checkpoint's) lack its result; None without the file or with the result."""
-    marker = run_dir / EVALUATING
-    if not marker.is_file():
-        return None
-    at = json.loads(marker.read_text())
+def rewind(run_dir: Path, resume: dict) -> None:
+    """Take the run back to the checkpoint ``resume`` (loaded) before it goes on from there:
+    the metrics rows logged after it, those of the evaluation it will run again, and the later
+    checkpoints go."""
+    done = resume["counters"]["iteration"]
+    unsaved = _unsaved_evaluation(resume["counters"])
+    trim_metrics(run_dir, done, None if unsaved is None else unsaved["iteration"])
+    abandoned = drop_checkpoints_after(run_dir, done)
+    if abandoned:
+        print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
+
+
+def _unsaved_evaluation(counters: dict) -> dict | None:
+    """The counters of the evaluation beside training that was in flight when ``counters`` (a
+    checkpoint's) were saved, where they lack its result: a resume from them runs it again."""
+    at = counters.get("evaluating")
     recorded = [e["iteration"] for e in counters.get("evals", [])]
-    return None if at["iteration"] in recorded else at
+    return None if at is None or at["iteration"] in recorded else at
 
 
 def _run_dir_of(checkpoint: Path, given: str) -> Path:
@@ -567,10 +568,12 @@ class Runner:
             if self.stop.requested:
                 raise Interrupted
             self._take_evaluation(wait=True)  # (one at a time)
-            if self.roles.evaluates_beside:  # its checkpoint first, in case it is the best
-                if self.saved != iteration:
-                    self._save()
-                self._start_evaluation(self.end_counters)
+            if self.roles.evaluates_beside:
+                # its checkpoint first, in case it is the best; the checkpoint names it as in
+                # flight (saved again where the last evaluation's new best saved it already)
+                at = self._in_flight({key: self.end_counters[key] for key in EVALUATED_AT})
+                self._save()
+                self._start_evaluation(at)
             else:
                 results = self._evaluate(run.eval_episodes)
                 self._record_evaluation(results, self.counters)
@@ -702,9 +705,6 @@ class Runner:
             protect=protect,
         )
         self.saved = iteration
-        if _unsaved_evaluation(self.run_dir, self.end_counters) is None:
-            # (its result is in a checkpoint now: a resume need not run it again)
-            (self.run_dir / EVALUATING).unlink(missing_ok=True)
 
     def _save_completed(self) -> None:
         """Save the last completed iteration unless it is saved already (collection and
@@ -742,23 +742,24 @@ class Runner:
             )
 
     def _unfinished_evaluation(self) -> dict | None:
-        """The counters of the evaluation beside training that was running when the run
-        stopped (RUN/evaluating.json), if the resumed checkpoint has its iteration and not its
-        result; None otherwise."""
-        if self.fresh:
-            return None
-        at = _unsaved_evaluation(self.run_dir, self.counters)
-        if at is None or at["iteration"] > self.counters["iteration"]:
-            # (none, its result was saved, or resumed from before it)
-            (self.run_dir / EVALUATING).unlink(missing_ok=True)
-            return None
+        """The counters of the evaluation beside training that was in flight when the resumed
+        checkpoint was saved, without its result there; None otherwise."""
+        return None if self.fresh else _unsaved_evaluation(self.counters)
+
+    def _in_flight(self, at: dict | None) -> dict | None:
+        """Mark the evaluation of the iteration whose counters are ``at`` (None: none) as in
+        flight in the counters that checkpoints save, until one holds its result: a stop or a
+        crash before then does not lose it, since a resume from any of them runs it again."""
+        for counters in (self.counters, self.end_counters):
+            if at is None:
+                counters.pop("evaluating", None)
+            else:
+                counters["evaluating"] = dict(at)
         return at
 
     def _start_evaluation(self, at: dict, weights: dict | None = None) -> None:
         """An evaluation beside training of the iteration whose counters are ``at``: of the
-        current weights, or ``weights`` (its checkpoint's). RUN/evaluating.json says which
-        until a checkpoint holds its result, so that a stop or a crash before then does not
-        lose it: a resumed run evaluates that iteration again."""
+        current weights, or ``weights`` (its checkpoint's)."""
         run = self.cfg.runner
         self.evaluating = (
             self.roles.start_evaluation(
@@ -766,10 +767,6 @@ class Runner:
             ),
             at,
         )
-        marker = self.run_dir / EVALUATING
-        staged = marker.with_suffix(".tmp")
-        staged.write_text(json.dumps({key: at[key] for key in EVALUATED_AT}))
-        staged.replace(marker)  # (atomic: a crash leaves the old file or the new one)
 
     def _evaluate_again(self, at: dict) -> None:
         """Start again, beside training, the evaluation that was running when the run stopped,
@@ -787,7 +784,7 @@ class Runner:
         elif not (path / "meta.json").is_file():
             why = f"its checkpoint {path} is gone"
         if why is not None:
-            (self.run_dir / EVALUATING).unlink()
+            self._in_flight(None)
             self.bar.write(f"the evaluation of iteration {iteration} was unfinished: {why}")
             return
         weights = load_checkpoint(path, with_trainer_state=False)["model"]
@@ -807,7 +804,7 @@ class Runner:
             results = handle.result()
         except WorkerLost as lost:
             self.bar.write(f"evaluation of iteration {at['iteration']}: {lost}; skipped")
-            (self.run_dir / EVALUATING).unlink(missing_ok=True)
+            self._in_flight(None)
             return
         self._record_evaluation(results, at)
 
@@ -829,6 +826,7 @@ class Runner:
     def _record_evaluation(self, results: dict[str, dict], at: dict) -> None:
         """Record the evaluation of the iteration whose counters are ``at`` (this one's, or an
         earlier one's evaluated beside training: its checkpoint is saved already)."""
+        self._in_flight(None)  # (its result goes into the counters: a resume keeps it)
         counters = self.counters
         iteration = at["iteration"]
         success = overall(results)["eval/success_rate"]

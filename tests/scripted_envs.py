@@ -321,7 +321,7 @@ def run_on(
     8 environments in all. ``resume``: a checkpoint of the run to go on from."""
     from embodied.config import compose
     from embodied.roles import load_checkpoint_for, local_roles
-    from embodied.runner import Runner, TrainConfig
+    from embodied.runner import Runner, TrainConfig, rewind
 
     runner = {
         "name": "run",
@@ -344,6 +344,8 @@ def run_on(
     cfg = compose(TrainConfig, [("test", source)])
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = None if resume is None else load_checkpoint_for(resume, "runner.resume")
+    if checkpoint is not None:
+        rewind(run_dir, checkpoint)  # (as ``train`` does)
     if cluster is None:
         roles = local_roles(cfg, env, checkpoint)
     else:

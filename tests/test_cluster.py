@@ -866,13 +866,15 @@ def test_env_configs_split_by_rows_and_tasks():
         split_env(three, 2)
 
 
-@pytest.mark.slow  # (about 30 s: an embedded run, a Ray run and its resume)
+@pytest.mark.slow  # (about 50 s: an embedded run, a Ray run and two resumes)
 def test_an_evaluation_unfinished_when_the_run_fails_runs_again_on_resume(
     local_ray, tmp_path, monkeypatch, one_thread
 ):
     """The run fails while iteration 2 is collected and iteration 1's evaluation runs beside
-    it: RUN/evaluating.json keeps iteration 1. The resumed run evaluates iteration 1's
-    checkpoint again, and its evaluations are the embedded run's."""
+    it: iteration 1's checkpoint names that evaluation as in flight. The resumed run evaluates
+    iteration 1's checkpoint again, and its evaluations are the embedded run's. So does a
+    resume from the older checkpoint of iteration 2, whose evaluation's result only iteration
+    3's checkpoint held."""
     iterations = 3
     kw = dict(total_env_steps=8 * 3 * iterations, algorithm=ONE_ROUND, eval_every=1)
     torch.manual_seed(0)
@@ -892,8 +894,10 @@ def test_an_evaluation_unfinished_when_the_run_fails_runs_again_on_resume(
     torch.manual_seed(0)
     with pytest.raises(RuntimeError, match="a crash while collecting"):
         run_on(None, run_dir, cluster=cluster, env_factory=push_right_envs, **kw)
-    assert json.loads((run_dir / "evaluating.json").read_text())["iteration"] == 1
-    assert load_checkpoint(run_dir)["counters"]["evals"] == []
+    counters = load_checkpoint(run_dir)["counters"]
+    assert counters["iteration"] == 1
+    assert counters["evaluating"]["iteration"] == 1
+    assert counters["evals"] == []
     monkeypatch.setattr(RayRoles, "collect", original)
     sent = []  # whether each evaluation got a checkpoint's weights
     start = RayRoles.start_evaluation
@@ -916,7 +920,21 @@ def test_an_evaluation_unfinished_when_the_run_fails_runs_again_on_resume(
 
     assert untimed_evals(resumed) == untimed_evals(embedded)
     assert [e["iteration"] for e in resumed["evals"]] == [1, 2]
-    assert not (run_dir / "evaluating.json").exists()
+    assert "evaluating" not in load_checkpoint(run_dir)["counters"]
+    # iteration 2's checkpoint was saved as its evaluation started: it lacks the result
+    older = run_dir / "checkpoints" / "iter_000002"
+    counters = load_checkpoint(older)["counters"]
+    assert counters["evaluating"]["iteration"] == 2
+    assert [e["iteration"] for e in counters["evals"]] == [1]
+    sent.clear()
+    again = run_on(
+        None, run_dir, cluster=cluster, env_factory=push_right_envs, resume=str(older), **kw
+    )
+    assert sent == [True]  # iteration 2 again from its checkpoint
+    assert untimed_evals(again) == untimed_evals(embedded)
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [row["iteration"] for row in logged if "eval/success_rate" in row]
+    assert evaluated.count(2) == 1  # (the old row of iteration 2's evaluation was dropped)
 
 
 @pytest.mark.slow  # (about 20 s)
