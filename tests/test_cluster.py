@@ -614,7 +614,18 @@ def test_an_evaluation_worker_answers_while_it_evaluates_and_its_loss_loses_one_
         os.kill(ray.get(evaluator.ping.remote()), signal.SIGKILL)
         with pytest.raises(WorkerLost, match="^eval worker lost: "):
             long.result()
+        before = dict(roles.heartbeat)
+        roles.eval_lost = False
         roles.metrics()  # a lost evaluation worker fails no other call
+        roles.sync(3)
+        # its heartbeat is when it last answered: before the kill where this timing call
+        # found it lost, else (Ray restarted it first) now, with the others'
+        assert roles.heartbeat["env"] > before["env"]
+        assert roles.heartbeat["actor"] > before["actor"]
+        if roles.eval_lost:
+            assert roles.heartbeat["eval"] == before["eval"]
+        else:
+            assert roles.heartbeat["eval"] > before["eval"]
         short = roles.start_evaluation(episodes=8, seed=0)
         assert short.result()["all"]["eval/episodes"] == 8
         assert [event["role"] for event in roles.events] == ["eval"]

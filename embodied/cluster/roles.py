@@ -675,7 +675,7 @@ class RayRoles(Roles):
                 failures += 1
                 self.recover(lost, failures)
         now = time.time()
-        self.heartbeat.update({role: now for role in self.workers})
+        self.heartbeat.update({role: now for role in ("actor", self.inference.role)})
         self._write_status()
         return {
             "cluster/sync_ms": 1000 * (time.perf_counter() - t0),
@@ -812,7 +812,11 @@ class RayRoles(Roles):
         out: dict[str, float] = {}
         spans: list[tuple] = []
         for role in self.workers:
-            answers = self._ask(role, "timing") or [(0.0, [])]
+            answers = self._ask(role, "timing")
+            if answers is None:  # (a lost evaluation worker: its heartbeat stays its last)
+                answers = [(0.0, [])]
+            else:
+                self.heartbeat[role] = now
             busy = max(b for b, _ in answers)
             out[f"cluster/{role}_busy_s"] = busy
             out[f"cluster/{role}_idle"] = max(0.0, 1.0 - busy / wall)
@@ -911,7 +915,8 @@ class RayRoles(Roles):
 
     def _write_status(self) -> None:
         """RUN/cluster.json: each worker's role, node, process and resources, each role's last
-        heartbeat, the faults so far (``embodied cluster status RUN`` reads it)."""
+        heartbeat (when its workers last answered a timing call or a weight sync), the faults so
+        far (``embodied cluster status RUN`` reads it)."""
         rows = []
         for slot in self.slots:
             placed = self.placed[slot.role][slot.index]
