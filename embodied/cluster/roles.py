@@ -813,10 +813,10 @@ class RayRoles(Roles):
         spans: list[tuple] = []
         for role in self.workers:
             answers = self._ask(role, "timing")
-            if answers is None:  # (a lost evaluation worker: its heartbeat stays its last)
-                answers = [(0.0, [])]
-            else:
+            if answers:
                 self.heartbeat[role] = now
+            else:  # (no workers in the role, or a lost evaluation worker: its heartbeat stays)
+                answers = [(0.0, [])]
             busy = max(b for b, _ in answers)
             out[f"cluster/{role}_busy_s"] = busy
             out[f"cluster/{role}_idle"] = max(0.0, 1.0 - busy / wall)
