@@ -153,6 +153,21 @@ def mark_best(run_dir: str | Path, iteration: int) -> Path:
     return ckpt
 
 
+def point_best(run_dir: str | Path, iteration: int | None) -> None:
+    """``RUN/best`` at the checkpoint of ``iteration`` where it exists, else no ``best``: a run
+    resumed from an older checkpoint takes that checkpoint's best, which a later checkpoint's
+    may have replaced."""
+    run_dir = Path(run_dir)
+    if (
+        iteration is not None
+        and (run_dir / "checkpoints" / f"iter_{iteration:06d}" / META).is_file()
+    ):
+        mark_best(run_dir, iteration)
+    elif (run_dir / BEST).is_symlink():
+        (run_dir / BEST).unlink()
+        _fsync(run_dir)
+
+
 def drop_checkpoints_after(run_dir: str | Path, iteration: int) -> list[str]:
     """Remove the checkpoints newer than ``iteration`` (a run resumed from an older checkpoint
     abandons them: left, they would count as the newest and the best); returns their names.

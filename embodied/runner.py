@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from embodied.algorithm import AlgorithmConfig
-from embodied.checkpoint import drop_checkpoints_after, load_checkpoint, mark_best
+from embodied.checkpoint import drop_checkpoints_after, load_checkpoint, mark_best, point_best
 from embodied.cluster.config import ClusterConfig
 from embodied.config import ConfigError, save_config, to_dict
 from embodied.evaluate import overall, per_task
@@ -278,13 +278,16 @@ RUN_FILES = (
 def rewind(run_dir: Path, resume: dict) -> None:
     """Take the run back to the checkpoint ``resume`` (loaded) before it goes on from there:
     the metrics rows logged after it, those of the evaluation it will run again, and the later
-    checkpoints go."""
-    done = resume["counters"]["iteration"]
-    unsaved = _unsaved_evaluation(resume["counters"])
+    checkpoints go; ``RUN/best`` is its best."""
+    counters = resume["counters"]
+    done = counters["iteration"]
+    unsaved = _unsaved_evaluation(counters)
     trim_metrics(run_dir, done, None if unsaved is None else unsaved["iteration"])
     abandoned = drop_checkpoints_after(run_dir, done)
     if abandoned:
         print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
+    best = counters.get("best")
+    point_best(run_dir, None if best is None else best["iteration"])
 
 
 def _unsaved_evaluation(counters: dict) -> dict | None:
@@ -379,6 +382,7 @@ class Runner:
         self.phase = "start"
         self.pending = None  # an iteration whose update runs while the next one is collected
         self.evaluating = None  # (handle, the iteration's counters): an evaluation beside training
+        self.starting = None  # the counters of an evaluation beside training about to start
         self.saved = self.counters["iteration"]  # the newest checkpoint's iteration
         self.end_rng = roles.rng_state()  # the RNG as the last completed iteration left it
         self.end_counters = json.loads(json.dumps(self.counters))
@@ -561,19 +565,25 @@ class Runner:
             last = env_steps >= budget or clock.out_of_time
         self.phase = "evaluate"
         # 4. evaluate (the best evaluation's weights are kept as a checkpoint)
+        due = run.eval_every and iteration % run.eval_every == 0 and not last
+        self.starting = None
+        if due and self.roles.evaluates_beside:
+            # (the checkpoint an earlier evaluation's new best saves below names it in flight)
+            self.starting = {key: self.end_counters[key] for key in EVALUATED_AT}
         # one that ran beside training, if it is done (the last iteration's checkpoint waits
         # for it: it holds the evaluations)
         self._take_evaluation(wait=last)
-        if run.eval_every and iteration % run.eval_every == 0 and not last:
+        if due:
             if self.stop.requested:
                 raise Interrupted
             self._take_evaluation(wait=True)  # (one at a time)
-            if self.roles.evaluates_beside:
-                # its checkpoint first, in case it is the best; the checkpoint names it as in
-                # flight (saved again where the last evaluation's new best saved it already)
-                at = self._in_flight({key: self.end_counters[key] for key in EVALUATED_AT})
-                self._save()
+            if self.starting is not None:
+                # its checkpoint first, in case it is the best; it names the evaluation in flight
+                at = self._in_flight(self.starting)
+                if self.saved != iteration:
+                    self._save()
                 self._start_evaluation(at)
+                self.starting = None
             else:
                 results = self._evaluate(run.eval_episodes)
                 self._record_evaluation(results, self.counters)
@@ -746,16 +756,19 @@ class Runner:
         checkpoint was saved, without its result there; None otherwise."""
         return None if self.fresh else _unsaved_evaluation(self.counters)
 
-    def _in_flight(self, at: dict | None) -> dict | None:
-        """Mark the evaluation of the iteration whose counters are ``at`` (None: none) as in
-        flight in the counters that checkpoints save, until one holds its result: a stop or a
-        crash before then does not lose it, since a resume from any of them runs it again."""
+    def _in_flight(self, at: dict) -> dict:
+        """Mark the evaluation of the iteration whose counters are ``at`` as in flight in the
+        counters that checkpoints save, until one holds its result: a stop or a crash before
+        then does not lose it, since a resume from any of them runs it again."""
         for counters in (self.counters, self.end_counters):
-            if at is None:
-                counters.pop("evaluating", None)
-            else:
-                counters["evaluating"] = dict(at)
+            counters["evaluating"] = dict(at)
         return at
+
+    def _landed(self, iteration: int) -> None:
+        """The evaluation of ``iteration`` is no longer in flight (recorded, or lost)."""
+        for counters in (self.counters, self.end_counters):
+            if counters.get("evaluating", {}).get("iteration") == iteration:
+                del counters["evaluating"]
 
     def _start_evaluation(self, at: dict, weights: dict | None = None) -> None:
         """An evaluation beside training of the iteration whose counters are ``at``: of the
@@ -784,7 +797,7 @@ class Runner:
         elif not (path / "meta.json").is_file():
             why = f"its checkpoint {path} is gone"
         if why is not None:
-            self._in_flight(None)
+            self._landed(iteration)
             self.bar.write(f"the evaluation of iteration {iteration} was unfinished: {why}")
             return
         weights = load_checkpoint(path, with_trainer_state=False)["model"]
@@ -804,7 +817,7 @@ class Runner:
             results = handle.result()
         except WorkerLost as lost:
             self.bar.write(f"evaluation of iteration {at['iteration']}: {lost}; skipped")
-            self._in_flight(None)
+            self._landed(at["iteration"])
             return
         self._record_evaluation(results, at)
 
@@ -826,9 +839,12 @@ class Runner:
     def _record_evaluation(self, results: dict[str, dict], at: dict) -> None:
         """Record the evaluation of the iteration whose counters are ``at`` (this one's, or an
         earlier one's evaluated beside training: its checkpoint is saved already)."""
-        self._in_flight(None)  # (its result goes into the counters: a resume keeps it)
-        counters = self.counters
         iteration = at["iteration"]
+        self._landed(iteration)  # (its result goes into the counters: a resume keeps it)
+        if self.starting is not None:
+            # this iteration's evaluation starts next, from the checkpoint a new best saves below
+            self._in_flight(self.starting)
+        counters = self.counters
         success = overall(results)["eval/success_rate"]
         counters["evals"].append(
             {

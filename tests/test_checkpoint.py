@@ -344,7 +344,7 @@ def test_the_deploy_contract_covers_the_frozen_weights(tmp_path):
     assert digests[0] == digests[1] != digests[2]
 
 
-def test_dropping_the_checkpoints_after_an_iteration(tmp_path):
+def test_dropping_the_checkpoints_after_an_iteration_and_pointing_the_best(tmp_path):
     # a run resumed from iteration 2 abandons 3-5: the best (4) goes with them, last points at 2
     net, opt = make()
     for it in range(1, 6):
@@ -362,6 +362,14 @@ def test_dropping_the_checkpoints_after_an_iteration(tmp_path):
     assert ck.drop_checkpoints_after(tmp_path, 2) == []
     assert best_iteration(tmp_path) == 1
     assert ck.drop_checkpoints_after(tmp_path / "no_run", 2) == []
+    # a resume takes its checkpoint's best: another one, none, or one whose checkpoint is gone
+    ck.point_best(tmp_path, 2)
+    assert best_iteration(tmp_path) == 2
+    ck.point_best(tmp_path, None)
+    assert best_iteration(tmp_path) is None and not (tmp_path / "best").is_symlink()
+    ck.point_best(tmp_path, 1)
+    ck.point_best(tmp_path, 4)
+    assert best_iteration(tmp_path) is None and not (tmp_path / "best").is_symlink()
 
 
 def test_trim_metrics_drops_rows_past_the_checkpoint_and_an_unsaved_evaluation(tmp_path):
