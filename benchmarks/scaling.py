@@ -13,9 +13,10 @@ the shared machine's drift hits them alike; the median over repeats is reported)
 Each measurement is one collection round of the PPO config (no update), from a seeded reset.
 
 ``--vla``: the multi-task VLA (EfficientNet-Lite0 + MiniLM, chunks of 4) on rgb, 2 tasks x 4
-environments, on Ray with 2 env workers (one task each), collected in lockstep and with 2
-pipeline stages (a worker simulates its chunk while the rollout worker acts for the other); then
-one sequential round's busy seconds per role (what pipelining can hide is the smaller of them).
+environments, on Ray with 2 env workers (one task each): rounds collected in lockstep and with 2
+pipeline stages (a worker simulates its chunk while the rollout worker acts for the other)
+alternate. Each pair gives a speedup; the lockstep round's busy seconds per role give the most
+that 2 stages could gain (``pipelining_bound``).
 
     python benchmarks/scaling.py [--workers 1 2] [--repeats 5] [--png docs/scaling.png]
     python benchmarks/scaling.py --vla [--repeats 3] [config overrides]
@@ -80,6 +81,13 @@ def build(cfg, on_ray: bool):
 
 def round_rate(cfg, roles, stages: int = 1) -> float:
     """Env steps/s of one collection round (seeded reset excluded)."""
+    steps, seconds = collect_round(cfg, roles, stages)
+    return steps / seconds
+
+
+def collect_round(cfg, roles, stages: int, after_reset=None) -> tuple[int, float]:
+    """One collection round: its env steps and wall seconds (seeded reset excluded; then
+    ``after_reset()`` is called where given)."""
     from embodied.roles import build_algorithm
     from embodied.rollout import EpisodeStats
 
@@ -88,11 +96,13 @@ def round_rate(cfg, roles, stages: int = 1) -> float:
     plan = algorithm.plan(1, 0, 0)
     stats = EpisodeStats(envs.num_envs, envs.task_names, roles.inference.device)
     obs = envs.reset(seed=plan.seeds)
+    if after_reset is not None:
+        after_reset()
     K = cfg.policy.chunk_size
     t0 = time.perf_counter()
     roles.collect(obs, plan, stats, stages=stages, chunk_size=K)
     seconds = time.perf_counter() - t0
-    return envs.num_envs * K * plan.num_chunks / seconds
+    return envs.num_envs * K * plan.num_chunks, seconds
 
 
 def hardware() -> str:
@@ -200,7 +210,35 @@ def plot(rows: list[dict], path: Path) -> None:
     print(f"plot: {path}")
 
 
+def pipelining_bound(simulate_s: float, infer_s: float, round_s: float | None = None) -> float:
+    """The most that 2 stages of one env worker each can gain over a lockstep round:
+    ``simulate_s``, each env worker's busy seconds (they simulate side by side);
+    ``infer_s``, the one rollout worker's busy seconds in the pipelined round (it acts for
+    one stage at a time, one call at a time: I/2 per stage); ``round_s``, the lockstep
+    round's wall time (default: S + I, no time lost between calls).
+
+    Pipelined, a stage's chunk still waits for its own simulation and its half of the
+    inference (S + I/2), and the one rollout worker still does all of it (I). So the gain is
+    at most round_s / max(S + I/2, I); without time between calls, and with an inference that
+    costs the same in two halves, it is (S + I) / max(S + I/2, I) <= 1.5, reached at
+    S = I / 2. On 2 cores for the 2 simulators and the rollout worker, the cores give the same
+    limit ((2 S + I) / 2 per round)."""
+    if round_s is None:
+        round_s = simulate_s + infer_s
+    return round_s / max(simulate_s + infer_s / 2, infer_s)
+
+
+def timed_round(cfg, roles, stages: int) -> tuple[float, dict[str, float]]:
+    """One collection round's wall seconds and the roles' busy seconds in it (its reset
+    excluded from both)."""
+    _, seconds = collect_round(cfg, roles, stages, after_reset=roles.metrics)
+    busy, _ = roles.metrics()
+    return seconds, busy
+
+
 def pipelining(args) -> dict:
+    """Lockstep and pipelined rounds alternate; each pair gives a speedup, and the lockstep
+    round's busy seconds give its bound."""
     from embodied.cluster.config import ClusterConfig
     from embodied.cluster.roles import start_ray
 
@@ -208,31 +246,49 @@ def pipelining(args) -> dict:
     overrides = [*VLA, "cluster.enabled=true", *args.overrides]
     cfg = config("configs/maniskill/multitask_vla_grpo.yaml", overrides)
     roles = build(cfg, on_ray=True)
+    pairs = []
     try:
-        rates = measure({"sequential": (cfg, roles, 1), "pipelined": (cfg, roles, 2)}, args.repeats)
-        roles.metrics()
-        round_rate(cfg, roles, 1)  # one sequential round: where its time goes
-        busy, _ = roles.metrics()
+        for stages in (1, 2):  # warm up: first resets, first weights
+            roles.sync(0)
+            round_rate(cfg, roles, stages)
+        for r in range(args.repeats):
+            order = (1, 2) if r % 2 == 0 else (2, 1)  # (alternated: drift hits both alike)
+            timed = {stages: timed_round(cfg, roles, stages) for stages in order}
+            sequential_s, busy = timed[1]
+            pipelined_s, pipelined_busy = timed[2]
+            simulate_s = busy["cluster/env_busy_s"]
+            infer_s = busy["cluster/rollout_busy_s"]
+            halves_s = pipelined_busy["cluster/rollout_busy_s"]
+            pair = {
+                "sequential_s": sequential_s,
+                "pipelined_s": pipelined_s,
+                "simulate_s": simulate_s,
+                "infer_s": infer_s,
+                "infer_halves_s": halves_s,
+                "between_calls_s": sequential_s - simulate_s - infer_s,
+                "speedup": sequential_s / pipelined_s,
+                "bound": pipelining_bound(simulate_s, halves_s, sequential_s),
+            }
+            pairs.append(pair)
+            print(
+                f"repeat {r + 1}/{args.repeats}: lockstep {sequential_s:.2f} s (env workers "
+                f"{simulate_s:.2f} s busy, the busier; rollout worker {infer_s:.2f} s), "
+                f"pipelined {pipelined_s:.2f} s (rollout worker {halves_s:.2f} s): "
+                f"{pair['speedup']:.2f}x, bound {pair['bound']:.2f}x",
+                flush=True,
+            )
     finally:
         roles.close()
-    print(
-        f"one sequential round: env workers busy {busy['cluster/env_busy_s']:.2f} s (the "
-        f"busier), rollout worker {busy['cluster/rollout_busy_s']:.2f} s"
-    )
-    median = {k: statistics.median(v) for k, v in rates.items()}
-    speedup = median["pipelined"] / median["sequential"]
+    median = {key: statistics.median(p[key] for p in pairs) for key in pairs[0]}
     print(
         f"\nVLA rgb 128 px, 2 tasks x 4 envs, chunks of 4, 2 env workers on Ray; {hardware()}\n"
-        f"sequential {median['sequential']:.1f} steps/s, pipelined (2 stages) "
-        f"{median['pipelined']:.1f} steps/s: {speedup:.2f}x"
+        f"medians: lockstep {median['sequential_s']:.2f} s, pipelined (2 stages) "
+        f"{median['pipelined_s']:.2f} s a round: {median['speedup']:.2f}x (bound "
+        f"{median['bound']:.2f}x; env workers {median['simulate_s']:.2f} s busy, rollout "
+        f"worker {median['infer_s']:.2f} s in lockstep and {median['infer_halves_s']:.2f} s "
+        f"pipelined, {median['between_calls_s']:.2f} s between calls)"
     )
-    return {
-        "median": median,
-        "speedup": speedup,
-        "rates": rates,
-        "busy": busy,
-        "hardware": hardware(),
-    }
+    return {"median": median, "pairs": pairs, "hardware": hardware()}
 
 
 def main() -> None:

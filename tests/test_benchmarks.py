@@ -1,0 +1,29 @@
+"""Numbers the benchmark scripts derive from their measurements, on hand-computed cases."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_pipelining_bound_peaks_at_1_5_where_simulation_is_half_the_inference():
+    """2 stages, lockstep S + I: a stage waits for its simulation and half the inference
+    (S + I/2), and the one rollout worker still infers for all (I)."""
+    bound = load("scaling").pipelining_bound
+    assert bound(1.0, 2.0) == pytest.approx(1.5)  # S = I/2: both limits are 2 (3 / 2)
+    assert bound(11.0, 1.5) == pytest.approx(12.5 / 11.75)  # simulation-bound (the default VLA)
+    assert bound(1.0, 10.0) == pytest.approx(11.0 / 10.0)  # inference-bound
+    assert bound(9.69, 8.28) == pytest.approx(17.97 / 13.83)
+    grid = [bound(s / 10, 1.0) for s in range(1, 40)]
+    assert max(grid) == pytest.approx(1.5)  # (at s = 0.5)
+    # a lockstep round of 12 s with 1 s lost between calls: that second can be hidden too
+    assert bound(9.0, 2.0, 12.0) == pytest.approx(12.0 / 10.0)
