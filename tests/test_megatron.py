@@ -307,6 +307,14 @@ def head_rank(rank: int, tp: int, out: str) -> None:
     ).view(1, 1, 3, 8)
     mine = logits.chunk(tp, dim=-1)[rank]
     result["argmax"] = head._argmax(mine)
+    # the deterministic action on the same logits, as the head's biases (no weights)
+    tie = torch_head()
+    with torch.no_grad():
+        tie.logits.weight.zero_()
+        tie.logits.bias.copy_(logits.view(-1))
+    head.load_torch_state(tie.state_dict())
+    _, _, extras = head.sample(torch.zeros(1, 1, D), deterministic=True)
+    result["deterministic"] = extras["tokens"]
     torch.save(result, f"{out}/head{rank}.pt")
 
 
@@ -326,6 +334,7 @@ def test_the_megatron_discrete_head_gives_the_torch_heads_numbers(ranks):
     for rank in range(tp):
         got = torch.load(tmp_path / f"head{rank}.pt")
         assert torch.equal(got["argmax"], torch.tensor([[[1, 4, 4]]]))
+        assert torch.equal(got["deterministic"], torch.tensor([[[1, 4, 4]]]))
         assert torch.equal(got["tokens"], want["tokens"])
         assert got["accuracy"] == want["accuracy"]
         for key in ("logp", "entropy", "ctx_grad", "actions", "sampled_logp", "bc_loss"):
