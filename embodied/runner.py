@@ -441,7 +441,7 @@ class Runner:
             self.end_counters = json.loads(json.dumps(counters))
         self.clock = Clock(counters["train_seconds"], run.max_minutes)
         budget = run.total_env_steps
-        unfinished = self._unfinished_evaluation()
+        unfinished = _unsaved_evaluation(counters)  # (a resumed checkpoint's; none when fresh)
         if unfinished is not None:
             self._evaluate_again(unfinished)
         self.first_iteration = counters["iteration"] + 1
@@ -750,11 +750,6 @@ class Runner:
                 progress=progress,
                 should_stop=lambda: self.stop.requested,
             )
-
-    def _unfinished_evaluation(self) -> dict | None:
-        """The counters of the evaluation beside training that was in flight when the resumed
-        checkpoint was saved, without its result there; None otherwise."""
-        return None if self.fresh else _unsaved_evaluation(self.counters)
 
     def _in_flight(self, at: dict) -> dict:
         """Mark the evaluation of the iteration whose counters are ``at`` as in flight in the
