@@ -173,21 +173,11 @@ def test_decoupled_ppo_leaves_out_entries_whose_behaviour_weight_exceeds_the_cap
     assert uncapped.item() > 1e40
     assert m["policy/behaviour_filtered"].item() == 0.0
     # a cap no entry exceeds changes nothing
-    capped_high, _ = ppo_policy_loss(
-        logprob=logprob[:2],
-        old_logprob=old[:2],
-        advantages=adv[:2],
-        clip_low=0.2,
-        prox_logprob=prox[:2],
-        behaviour_weight_cap=10.0,
+    first_two = dict(
+        logprob=logprob[:2], old_logprob=old[:2], advantages=adv[:2], prox_logprob=prox[:2]
     )
-    plain, _ = ppo_policy_loss(
-        logprob=logprob[:2],
-        old_logprob=old[:2],
-        advantages=adv[:2],
-        clip_low=0.2,
-        prox_logprob=prox[:2],
-    )
+    capped_high, _ = ppo_policy_loss(**first_two, clip_low=0.2, behaviour_weight_cap=10.0)
+    plain, _ = ppo_policy_loss(**first_two, clip_low=0.2)
     assert capped_high.item() == plain.item() == pytest.approx((-2.0 - 8.0) / 2)
 
 
