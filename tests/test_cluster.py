@@ -307,6 +307,17 @@ def test_grpo_on_two_env_workers_gives_the_embedded_numbers(local_ray, tmp_path,
     assert synced and all(b == trainable for b in synced)
 
 
+def record_calls(monkeypatch, order: list, cls, name: str, label: str) -> None:
+    """Each call of ``cls.name`` (a driver-side method) first appends ``label`` to ``order``."""
+    whole = getattr(cls, name)
+
+    def recorded(*args, **kwargs):
+        order.append(label)
+        return whole(*args, **kwargs)
+
+    monkeypatch.setattr(cls, name, recorded)
+
+
 class Recorder:
     """Keeps what the learner is sent (the batches of every update)."""
 
@@ -465,19 +476,9 @@ def test_asynchronous_collection_overlaps_the_update_one_version_behind(
         order.append("update")
         return recorder.start_update(learner, samples, observations)
 
-    def collect(roles, *args, **kwargs):
-        order.append("collect")
-        return collect_whole(roles, *args, **kwargs)
-
-    def result(pending):
-        order.append("wait")
-        return result_whole(pending)
-
-    collect_whole = RayRoles.collect
-    result_whole = Pending.result
     monkeypatch.setattr(RemoteLearner, "start_update", start_update)
-    monkeypatch.setattr(RayRoles, "collect", collect)
-    monkeypatch.setattr(Pending, "result", result)
+    record_calls(monkeypatch, order, RayRoles, "collect", "collect")
+    record_calls(monkeypatch, order, Pending, "result", "wait")
     iterations = 4
     summary = run_on(
         None,
@@ -695,25 +696,15 @@ def test_evaluations_beside_training_give_the_embedded_evaluations(
     started = []  # the weight version each evaluation was sent
     order = []  # the driver's calls: evaluations started and taken, rounds collected
     original = RayRoles.start_evaluation
-    collect_whole = RayRoles.collect
-    result_whole = Evaluation.result
 
     def start_evaluation(roles, **call):
         started.append(roles.inference.version)
         order.append("evaluate")
         return original(roles, **call)
 
-    def collect(roles, *args, **kwargs):
-        order.append("collect")
-        return collect_whole(roles, *args, **kwargs)
-
-    def result(evaluation):
-        order.append("result")
-        return result_whole(evaluation)
-
     monkeypatch.setattr(RayRoles, "start_evaluation", start_evaluation)
-    monkeypatch.setattr(RayRoles, "collect", collect)
-    monkeypatch.setattr(Evaluation, "result", result)
+    record_calls(monkeypatch, order, RayRoles, "collect", "collect")
+    record_calls(monkeypatch, order, Evaluation, "result", "result")
     shares = []  # the (episodes, seed) of each evaluation worker, per evaluation
 
     def split_episodes(episodes, seed, parts):
