@@ -15,11 +15,13 @@ Each measurement is one collection round of the PPO config (no update), from a s
 ``--vla``: the multi-task VLA (EfficientNet-Lite0 + MiniLM, chunks of 4) on rgb, 2 tasks x 4
 environments, on Ray with 2 env workers (one task each): rounds collected in lockstep and with 2
 pipeline stages (a worker simulates its chunk while the rollout worker acts for the other)
-alternate. Each pair gives a speedup; the lockstep round's busy seconds per role give the most
-that 2 stages could gain (``pipelining_bound``).
+alternate. With ``cluster.env.workers=1 env.num_workers=1`` one env worker simulates all 8
+environments in its own process, and a stage is half of its rows. Each pair gives a speedup;
+the rounds' busy seconds per role give the most that 2 stages could gain (``pipelining_bound``).
 
     python benchmarks/scaling.py [--workers 1 2] [--repeats 5] [--png docs/scaling.png]
     python benchmarks/scaling.py --vla [--repeats 3] [config overrides]
+    python benchmarks/scaling.py --vla cluster.env.workers=1 env.num_workers=1 [overrides]
 """
 
 from __future__ import annotations
@@ -210,21 +212,32 @@ def plot(rows: list[dict], path: Path) -> None:
     print(f"plot: {path}")
 
 
-def pipelining_bound(simulate_s: float, infer_s: float, round_s: float | None = None) -> float:
-    """The most that 2 stages of one env worker each can gain over a lockstep round:
-    ``simulate_s``, each env worker's busy seconds (they simulate side by side);
-    ``infer_s``, the one rollout worker's busy seconds in the pipelined round (it acts for
-    one stage at a time, one call at a time: I/2 per stage); ``round_s``, the lockstep
-    round's wall time (default: S + I, no time lost between calls).
+def pipelining_bound(
+    simulate_s: float,
+    infer_s: float,
+    round_s: float | None = None,
+    *,
+    stages_in_worker: bool = False,
+) -> float:
+    """The most that 2 stages can gain over a lockstep round: ``simulate_s``, each env worker's
+    busy seconds; ``infer_s``, the one rollout worker's busy seconds in the pipelined round
+    (it acts for one stage at a time, one call at a time: I/2 per stage); ``round_s``, the
+    lockstep round's wall time (default: S + I, no time lost between calls).
 
-    Pipelined, a stage's chunk still waits for its own simulation and its half of the
-    inference (S + I/2), and the one rollout worker still does all of it (I). So the gain is
-    at most round_s / max(S + I/2, I); without time between calls, and with an inference that
-    costs the same in two halves, it is (S + I) / max(S + I/2, I) <= 1.5, reached at
-    S = I / 2. On 2 cores for the 2 simulators and the rollout worker, the cores give the same
-    limit ((2 S + I) / 2 per round)."""
+    A stage of whole env workers (2 workers, one stage each): a stage's chunk still waits for
+    its own simulation and its half of the inference (S + I/2), and the one rollout worker
+    still does all of it (I). So the gain is at most round_s / max(S + I/2, I); without time
+    between calls, (S + I) / max(S + I/2, I) <= 1.5, reached at S = I / 2. On 2 cores for the
+    2 simulators and the rollout worker, the cores give the same limit ((2 S + I) / 2).
+
+    ``stages_in_worker`` (one env worker, each stage half of its rows): the worker simulates
+    one stage while the rollout worker acts for the other, so a round takes at least the
+    busier of the two, max(S, I): (S + I) / max(S, I) <= 2, reached at S = I. One process
+    per core on 2 cores."""
     if round_s is None:
         round_s = simulate_s + infer_s
+    if stages_in_worker:
+        return round_s / max(simulate_s, infer_s)
     return round_s / max(simulate_s + infer_s / 2, infer_s)
 
 
@@ -245,6 +258,8 @@ def pipelining(args) -> dict:
     start_ray(ClusterConfig(num_cpus=8))
     overrides = [*VLA, "cluster.enabled=true", *args.overrides]
     cfg = config("configs/maniskill/multitask_vla_grpo.yaml", overrides)
+    workers = cfg.cluster.env.workers
+    stages_in_worker = workers % 2 != 0  # (2 stages of whole workers need an even count)
     roles = build(cfg, on_ray=True)
     pairs = []
     try:
@@ -267,7 +282,9 @@ def pipelining(args) -> dict:
                 "infer_halves_s": halves_s,
                 "between_calls_s": sequential_s - simulate_s - infer_s,
                 "speedup": sequential_s / pipelined_s,
-                "bound": pipelining_bound(simulate_s, halves_s, sequential_s),
+                "bound": pipelining_bound(
+                    simulate_s, halves_s, sequential_s, stages_in_worker=stages_in_worker
+                ),
             }
             pairs.append(pair)
             print(
@@ -281,14 +298,22 @@ def pipelining(args) -> dict:
         roles.close()
     median = {key: statistics.median(p[key] for p in pairs) for key in pairs[0]}
     print(
-        f"\nVLA rgb 128 px, 2 tasks x 4 envs, chunks of 4, 2 env workers on Ray; {hardware()}\n"
+        f"\nVLA rgb 128 px, 2 tasks x 4 envs, chunks of 4, {workers} env worker(s) on Ray "
+        f"({'stages of rows in each' if stages_in_worker else 'a stage of whole workers'}); "
+        f"{hardware()}\n"
         f"medians: lockstep {median['sequential_s']:.2f} s, pipelined (2 stages) "
         f"{median['pipelined_s']:.2f} s a round: {median['speedup']:.2f}x (bound "
         f"{median['bound']:.2f}x; env workers {median['simulate_s']:.2f} s busy, rollout "
         f"worker {median['infer_s']:.2f} s in lockstep and {median['infer_halves_s']:.2f} s "
         f"pipelined, {median['between_calls_s']:.2f} s between calls)"
     )
-    return {"median": median, "pairs": pairs, "hardware": hardware()}
+    return {
+        "median": median,
+        "pairs": pairs,
+        "env_workers": workers,
+        "stages_in_worker": stages_in_worker,
+        "hardware": hardware(),
+    }
 
 
 def main() -> None:

@@ -96,7 +96,7 @@ class EnvGroup:
             return
         if rows is not None:
             raise ValueError("pipelined collection executes chunks of one action (K = 1)")
-        self._pending.append(self._execute(actions))
+        self._pending.append(self.execute(actions))
 
     def receive(self, rows: torch.Tensor | None = None) -> ChunkStep:
         """The result of the oldest ``send`` for the same rows."""
@@ -105,7 +105,13 @@ class EnvGroup:
         step = self.env.step_wait(rows)
         return _chunk_of(step, n=len(rows))
 
-    def _execute(self, actions: torch.Tensor) -> ChunkStep:
+    def execute(self, actions: torch.Tensor, rows: torch.Tensor | None = None) -> ChunkStep:
+        """Run a chunk now: actions f32 [n, K, A] for all environments or for ``rows`` (long [n],
+        ascending, on the CPU; environments that step subsets only), the others left as they
+        are. A cluster env worker runs one pipeline stage's chunk so, while the rollout workers
+        act for another stage."""
+        if rows is not None and not self.can_pipeline:
+            raise ValueError("these environments step all together; a chunk cannot run for rows")
         B, K = actions.shape[:2]
         reward = torch.empty(B, K, device=self.device)
         terminated = torch.empty(B, K, dtype=torch.bool, device=self.device)
@@ -116,22 +122,29 @@ class EnvGroup:
         final_parts: list[Observation] = []
         obs = None
         for k in range(K):
-            out = self.env.step(actions[:, k])
+            out = self._step(actions[:, k], rows)
             reward[:, k] = out.reward
             terminated[:, k] = out.terminated
             truncated[:, k] = out.truncated
             success[:, k] = out.success
             if out.ended is not None:
-                rows = out.ended.numpy()
-                first = torch.from_numpy(rows[alive[rows]])  # episodes the chunk started in
+                ended_now = out.ended.numpy()  # positions in the n rows
+                first = torch.from_numpy(ended_now[alive[ended_now]])  # the chunk's own episodes
                 if len(first):
                     ended_parts.append(first)
                     final_parts.append(out.final_obs.index(first))
-                alive[rows] = False
+                alive[ended_now] = False
             obs = out.obs
         ended = torch.cat(ended_parts) if ended_parts else torch.zeros(0, dtype=torch.long)
         final_obs = Observation.cat(final_parts) if final_parts else None
         return ChunkStep(obs, reward, terminated, truncated, success, ended, final_obs)
+
+    def _step(self, actions: torch.Tensor, rows: torch.Tensor | None):
+        """One action (f32 [n, A]) for every environment or for ``rows``."""
+        if rows is None:
+            return self.env.step(actions)
+        self.env.step_async(actions, rows)
+        return self.env.step_wait(rows)
 
     def render(self) -> torch.Tensor | None:
         return self.env.render()

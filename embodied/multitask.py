@@ -55,6 +55,8 @@ class MultiTaskEnv:
         self.task_ranges = list(zip(bounds[:-1], bounds[1:]))  # env rows of each task
         self.task_of_env = [name for name, e in zip(self.names, envs) for _ in range(e.num_envs)]
         self._last: list[Observation] | None = None  # each task's latest observation
+        # subsets step where every task's environments can (a cluster env worker's stages)
+        self.can_step_subsets = all(getattr(e, "can_step_subsets", False) for e in envs)
 
     def _join(self, parts: list[Observation]) -> Observation:
         for p in parts:
@@ -89,17 +91,39 @@ class MultiTaskEnv:
 
     def step(self, actions: torch.Tensor) -> StepOutput:
         """actions: f32 [B, A] physical units, rows in task order."""
-        rows = [actions[lo:hi] for lo, hi in self.task_ranges]
-        asynchronous = all(getattr(e, "can_step_subsets", False) for e in self.envs)
-        if asynchronous:
-            everyone = [torch.arange(e.num_envs) for e in self.envs]
-            for e, a, ids in zip(self.envs, rows, everyone):
-                e.step_async(a, ids)
-            outs = [e.step_wait(ids) for e, ids in zip(self.envs, everyone)]
-        else:
-            outs = [e.step(a) for e, a in zip(self.envs, rows)]
+        if self.can_step_subsets:  # every task's workers step at the same time
+            everyone = torch.arange(self.num_envs)
+            self.step_async(actions, everyone)
+            return self.step_wait(everyone)
+        outs = [e.step(actions[lo:hi]) for e, (lo, hi) in zip(self.envs, self.task_ranges)]
         self._last = [o.obs for o in outs]
         return join_steps(outs, [lo for lo, _ in self.task_ranges], self._join)
+
+    def _by_task(self, env_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, slice]]:
+        """(task, its local ids, their positions in ``env_ids``) for each task that holds some of
+        ``env_ids`` (long [N], ascending, on the CPU)."""
+        bounds = torch.tensor([lo for lo, _ in self.task_ranges] + [self.num_envs])
+        cuts = torch.searchsorted(env_ids, bounds).tolist()
+        return [
+            (task, env_ids[start:stop] - lo, slice(start, stop))
+            for task, ((lo, _), start, stop) in enumerate(zip(self.task_ranges, cuts, cuts[1:]))
+            if stop > start
+        ]
+
+    def step_async(self, actions: torch.Tensor, env_ids: torch.Tensor) -> None:
+        """Start stepping environments ``env_ids`` (long [N], ascending) with actions f32 [N, A];
+        each task's share goes to its own environments."""
+        for task, local, at in self._by_task(env_ids):
+            self.envs[task].step_async(actions[at], local)
+
+    def step_wait(self, env_ids: torch.Tensor) -> StepOutput:
+        """Finish the ``step_async`` of ``env_ids``: every tensor has N rows."""
+        parts = self._by_task(env_ids)
+        outs = [self.envs[task].step_wait(local) for task, local, _ in parts]
+        if self._last is not None:
+            for (task, local, _), out in zip(parts, outs):
+                self._last[task] = _overwrite(self._last[task], local, out.obs)
+        return join_steps(outs, [at.start for _, _, at in parts], self._join)
 
     def render(self) -> torch.Tensor:
         return torch.cat([e.render() for e in self.envs])
@@ -113,6 +137,18 @@ class MultiTaskEnv:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _overwrite(last: Observation, rows: torch.Tensor, new: Observation) -> Observation:
+    """``last`` with its rows ``rows`` (long [n]) replaced by the n rows of ``new`` (a copy when
+    some rows stay; the keys of ``last``)."""
+    if len(rows) == last.batch_size:
+        return new
+    merged = last.map(torch.clone)
+    fresh = new.tensors()
+    for name, tensor in merged.tensors().items():
+        tensor[rows.to(tensor.device)] = fresh[name]
+    return merged
 
 
 def join_steps(outs: list[StepOutput], offsets: list[int], join=Observation.cat) -> StepOutput:

@@ -27,3 +27,15 @@ def test_the_pipelining_bound_peaks_at_1_5_where_simulation_is_half_the_inferenc
     assert max(grid) == pytest.approx(1.5)  # (at s = 0.5)
     # a lockstep round of 12 s with 1 s lost between calls: that second can be hidden too
     assert bound(9.0, 2.0, 12.0) == pytest.approx(12.0 / 10.0)
+
+
+def test_stages_inside_one_env_worker_can_gain_up_to_2x_where_simulation_equals_inference():
+    """One env worker simulates a stage while the rollout worker acts for the other: a round
+    takes the busier of the two, max(S, I)."""
+    bound = load("scaling").pipelining_bound
+    assert bound(1.0, 1.0, stages_in_worker=True) == pytest.approx(2.0)
+    assert bound(3.0, 1.0, stages_in_worker=True) == pytest.approx(4.0 / 3.0)  # simulation-bound
+    assert bound(1.0, 4.0, stages_in_worker=True) == pytest.approx(5.0 / 4.0)  # inference-bound
+    grid = [bound(s / 10, 1.0, stages_in_worker=True) for s in range(1, 40)]
+    assert max(grid) == pytest.approx(2.0)  # (at s = 1)
+    assert bound(2.0, 2.0, 4.5, stages_in_worker=True) == pytest.approx(4.5 / 2.0)

@@ -38,6 +38,7 @@ from embodied.cluster.roles import (
 )
 from embodied.config import load_config
 from embodied.roles import WorkerLost
+from embodied.rollout import CollectPlan, EpisodeStats
 from embodied.runner import TrainConfig, train
 
 ray = pytest.importorskip("ray")
@@ -658,20 +659,23 @@ def test_pipeline_stages_auto_times_each_split_and_keeps_the_fastest(local_ray, 
     )
 
 
-@pytest.mark.slow  # (18 s: three sets of roles; the default suite is at its 15-minute budget)
+@pytest.mark.slow  # (30 s: four sets of roles; the default suite is at its 15-minute budget)
 def test_auto_stages_are_the_splits_where_the_rounds_are_collected(local_ray, tmp_path):
-    """Relayed, a stage is an env worker (2 workers: 1 or 2 stages, chunks of any length). With
+    """Relayed, a stage is an env worker, or else rows of every env worker where their
+    environments step subsets (a worker runs a stage's chunk, of any length, in one call). With
     inference in the env workers each worker splits its own 4 rows: only where its environments
     step subsets, one action at a time."""
-    # (factory, rollout workers, candidates for chunks of 1 action, for chunks of 2)
+    # (factory, env workers, rollout workers, candidates for chunks of 1 action, for chunks of 2)
     cases = [
-        (push_right_envs, 1, [1, 2], [1, 2]),
-        (push_right_envs, 0, [1], [1]),
-        (subset_stepping_envs, 0, [1, 2, 4], [1]),
+        (push_right_envs, 2, 1, [1, 2], [1, 2]),
+        (subset_stepping_envs, 1, 1, [1, 2, 4, 8], [1, 2, 4, 8]),
+        (push_right_envs, 2, 0, [1], [1]),
+        (subset_stepping_envs, 2, 0, [1, 2, 4], [1]),
     ]
-    for factory, rollout_workers, for_one, for_two in cases:
+    for factory, env_workers, rollout_workers, for_one, for_two in cases:
         cluster = {
-            **TWO_ENV_WORKERS,
+            **CLUSTER,
+            "env": dict(workers=env_workers, num_cpus=0.5),
             "rollout": dict(workers=rollout_workers, num_cpus=0.5 if rollout_workers else 0),
         }
         policy = {"name": "actor_critic", "hidden_sizes": [8], "use_images": False}  # (state)
@@ -681,6 +685,40 @@ def test_auto_stages_are_the_splits_where_the_rounds_are_collected(local_ray, tm
             assert roles.stage_candidates(chunk_size=2) == for_two
         finally:
             roles.close()
+
+
+@pytest.mark.slow  # (8 s: a set of roles)
+def test_one_env_worker_pipelines_its_own_rows_into_the_lockstep_round(local_ray, tmp_path):
+    """One env worker whose environments step subsets runs each stage's chunk of 2 actions in
+    one call while the rollout worker acts for the other stage. The round equals the lockstep
+    one (the scripted environments' rewards and ends do not depend on the actions), episodes
+    that end mid-chunk and on a chunk's last action included."""
+    cluster = {**CLUSTER, "env": dict(workers=1, num_cpus=0.5)}
+    policy = {"name": "actor_critic", "hidden_sizes": [8], "use_images": False, "chunk_size": 2}
+    roles = roles_on(tmp_path, cluster, policy, subset_stepping_envs)
+    plan = CollectPlan(seeds=3, group_of_env=torch.full((8,), -1), num_chunks=4, episode_base=0)
+    rounds = {}
+    try:
+        roles.sync(0)
+        for stages in (1, 2):
+            envs = roles.envs
+            stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
+            obs = envs.reset(seed=plan.seeds)
+            rounds[stages] = (roles.collect(obs, plan, stats, stages=stages, chunk_size=2), stats)
+        assert [len(rows) for rows, _ in roles.envs.stage_split(2, 2)] == [4, 4]
+    finally:
+        roles.close()
+    (lockstep, lockstep_stats), (staged, staged_stats) = rounds[1], rounds[2]
+    # episodes of 3 steps: they end on a chunk's first action, then on its last
+    assert staged.truncated[:, 0].tolist() == [[False, False], [True, False], [False, True]] + [
+        [False, False]
+    ]
+    for name in ("rewards", "terminated", "truncated", "valid", "episode_id", "group_id"):
+        assert torch.equal(getattr(staged, name), getattr(lockstep, name)), name
+    for name in ("values", "next_values"):
+        torch.testing.assert_close(getattr(staged, name), getattr(lockstep, name), msg=name)
+    assert torch.equal(staged.obs.state, lockstep.obs.state)
+    assert staged_stats.summary() == lockstep_stats.summary()
 
 
 def test_evaluations_beside_training_give_the_embedded_evaluations(

@@ -32,6 +32,16 @@ def test_two_tasks_pass_the_contract_with_their_instructions():
         torch.testing.assert_close(again.images["base_camera"][:3], obs.images["base_camera"][:3])
         step = env.step(torch.zeros(4, env.spec.action.dim))
         assert step.reward.shape == (4,) and step.obs.instruction == obs.instruction
+        # one environment of each task steps alone (a pipeline stage); the others stay as they were
+        assert env.can_step_subsets
+        rows = torch.tensor([1, 2])
+        env.step_async(torch.zeros(2, env.spec.action.dim), rows)
+        part = env.step_wait(rows)
+        assert part.reward.shape == (2,) and part.obs.instruction == obs.instruction[1:3]
+        last = env.reset(seed=[5], env_ids=torch.tensor([0]))
+        camera = "base_camera"
+        torch.testing.assert_close(last.images[camera][1:3], part.obs.images[camera])
+        torch.testing.assert_close(last.images[camera][3], step.obs.images[camera][3])
 
 
 def test_partial_reset_before_any_reset_is_an_error():
@@ -58,3 +68,43 @@ def test_reset_seeds_golden():
     assert reset_seeds(None, [1, 2]) == [None, None]
     with pytest.raises(ValueError, match="1 seeds for 2 environments"):
         reset_seeds([1], [0, 1])
+
+
+def test_a_subset_of_rows_steps_in_its_own_tasks_and_the_other_rows_stay():
+    """Rows of both tasks step alone (a cluster env worker's pipeline stage): the answer has
+    those rows in order, an episode that ends among them is named by its position, and a later
+    partial reset of one task reports the other task's rows as its last step left them."""
+    from scripted_envs import ScriptedEnv
+
+    push = ScriptedEnv([2, 0, 3], max_episode_steps=5, instruction="push", can_step_subsets=True)
+    pull = ScriptedEnv([0, 0], max_episode_steps=5, instruction="pull", can_step_subsets=True)
+    env = MultiTaskEnv([push, pull], ["push", "pull"])
+    assert env.can_step_subsets
+    env.reset(seed=0)  # state of each row: [steps, its index in its task, its seed]
+
+    def step(rows: list[int]):
+        ids = torch.tensor(rows)
+        env.step_async(torch.zeros(len(rows), 1), ids)
+        return env.step_wait(ids)
+
+    first = step([0, 2, 4])
+    assert first.obs.state.tolist() == [[1, 0, 0], [1, 2, 2], [1, 1, 4]]
+    assert first.obs.instruction == ["push", "push", "pull"] and first.ended is None
+    second = step([0, 4])  # row 0 terminates on its second step and starts again
+    assert second.terminated.tolist() == [True, False] and second.ended.tolist() == [0]
+    assert second.final_obs.state[0].tolist() == [2, 0, 0]
+    assert second.obs.state.tolist() == [[0, 0, 0], [2, 1, 4]]
+    after = env.reset(seed=10, env_ids=torch.tensor([1]))
+    assert after.state.tolist() == [[0, 0, 0], [0, 1, 11], [1, 2, 2], [0, 0, 3], [2, 1, 4]]
+    assert after.instruction == ["push"] * 3 + ["pull"] * 2
+
+
+def test_tasks_that_step_only_all_together_step_each_with_its_own_actions():
+    """(ManiSkill's GPU backend steps every environment of a task at once.)"""
+    from scripted_envs import PushRightEnv
+
+    env = MultiTaskEnv([PushRightEnv(2, threshold=0.5), PushRightEnv(1, threshold=2.0)], ["a", "b"])
+    assert not env.can_step_subsets
+    env.reset(seed=0)
+    out = env.step(torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.0]]))
+    assert out.success.tolist() == [True, False, False]  # row 2 is task b's: 1 < its threshold

@@ -11,7 +11,7 @@ from scripted_envs import PPO as PPO_CONFIG
 from scripted_envs import ScriptedEnv, ScriptedPolicy, run_on
 
 from embodied.contract import check_env, check_policy
-from embodied.env_group import EnvGroup
+from embodied.env_group import EnvGroup, strided_stages
 from embodied.inference import InferencePolicy
 from embodied.ppo import PPO, PPOConfig
 from embodied.rollout import (
@@ -146,6 +146,34 @@ def test_pipelined_collection_equals_lockstep():
         torch.testing.assert_close(got.obs.state, ref.obs.state)
         torch.testing.assert_close(last.state, ref_last.state)
         assert stats.summary() == ref_stats.summary()
+
+
+def test_a_chunk_for_some_rows_is_those_rows_of_the_chunk_for_all():
+    """A cluster env worker runs a pipeline stage's chunk of K actions for its rows alone
+    (``EnvGroup.execute``): every field is those rows of the chunk run for every environment,
+    and an episode that ends in it (twice, mid-chunk or on its last action) is named by its
+    position in the stage's rows, with its last observation."""
+    whole = EnvGroup(ScriptedEnv(TERM_AT, max_episode_steps=7))
+    staged = EnvGroup(ScriptedEnv(TERM_AT, max_episode_steps=7, can_step_subsets=True))
+    whole.reset(seed=0)
+    staged.reset(seed=0)
+    actions = torch.zeros(4, K, 1)
+    # per chunk, per stage (envs 0, 2 and envs 1, 3): the positions of the episodes that ended
+    # (envs 0 and 2 end in every chunk, env 3 too, and env 1 is truncated in the second)
+    expected_ended = [[[0, 1], [1]], [[0, 1], [1, 0]], [[0, 1], [1]]]
+    for chunk in range(T):
+        ref = whole.execute(actions)
+        ends = {int(e): ref.final_obs.state[j] for j, e in enumerate(ref.ended)}
+        for (rows, at), expected in zip(strided_stages(4, 2), expected_ended[chunk]):
+            got = staged.execute(actions[at], rows)
+            for name in ("reward", "terminated", "truncated", "success"):
+                assert torch.equal(getattr(got, name), getattr(ref, name)[at]), name
+            assert torch.equal(got.obs.state, ref.obs.state[at])
+            assert got.ended.tolist() == expected
+            for j, position in enumerate(got.ended.tolist()):
+                assert torch.equal(got.final_obs.state[j], ends[int(rows[position])])
+    with pytest.raises(ValueError, match="step all together"):
+        whole.execute(actions[:2], torch.tensor([0, 1]))
 
 
 def test_environments_collected_in_parts_join_into_the_whole_round():

@@ -241,16 +241,16 @@ class RemoteEnvGroup:
         return parts
 
     def stage_split(self, stages: int, chunk_size: int) -> list[tuple[torch.Tensor | None, slice]]:
-        """Pipeline stages of whole env workers when their count divides into ``stages`` (a
-        worker runs a chunk of any length while the rollout workers act for another stage);
-        else strided rows where every worker's environments step subsets (chunks of one action);
-        else lockstep."""
+        """Pipeline stages of whole env workers when their count divides into ``stages``; else
+        strided rows where every worker's environments step subsets; else lockstep. A worker
+        runs a stage's chunk (of any length) in one call while the rollout workers act for
+        another stage, so one env worker can pipeline its own environments."""
         W = len(self.workers)
         if stages > 1 and W >= stages and W % stages == 0:
             per = W // stages
             blocks = [(self.bounds[s * per], self.bounds[(s + 1) * per]) for s in range(stages)]
             return [(torch.arange(lo, hi), slice(lo, hi)) for lo, hi in blocks]
-        if stages <= 1 or not self.can_pipeline or chunk_size != 1:
+        if stages <= 1 or not self.can_pipeline:
             return [(None, slice(None))]
         return strided_stages(self.num_envs, stages)
 

@@ -136,9 +136,7 @@ class EnvWorker(_Worker):
         """Execute a chunk: actions f32 [n, K, A] for the rows ``rows`` (long [n] local, or None
         for all) -> ChunkStep."""
         actions = from_wire(actions, self.group.device).clone()  # the env may write into it
-        rows = from_wire(rows)
-        self.group.send(actions, rows)
-        return to_wire(self.group.receive(rows))
+        return to_wire(self.group.execute(actions, from_wire(rows)))
 
     # --- the VecEnv view (evaluation steps one action at a time) ------------------------------
     @timed
