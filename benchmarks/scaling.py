@@ -18,10 +18,13 @@ pipeline stages (a worker simulates its chunk while the rollout worker acts for 
 alternate. With ``cluster.env.workers=1 env.num_workers=1`` one env worker simulates all 8
 environments in its own process, and a stage is half of its rows. Each pair gives a speedup;
 the rounds' busy seconds per role give the most that 2 stages could gain (``pipelining_bound``).
+``--lockstep-workers N`` also times, in the same alternation, lockstep rounds of a second set of
+roles with N env workers: the layout that pipelining inside one worker competes with.
 
     python benchmarks/scaling.py [--workers 1 2] [--repeats 5] [--png docs/scaling.png]
     python benchmarks/scaling.py --vla [--repeats 3] [config overrides]
-    python benchmarks/scaling.py --vla cluster.env.workers=1 env.num_workers=1 [overrides]
+    python benchmarks/scaling.py --vla [--lockstep-workers 2] cluster.env.workers=1 \
+        env.num_workers=1 [overrides]
 """
 
 from __future__ import annotations
@@ -220,9 +223,9 @@ def pipelining_bound(
     stages_in_worker: bool = False,
 ) -> float:
     """The most that 2 stages can gain over a lockstep round: ``simulate_s``, each env worker's
-    busy seconds; ``infer_s``, the one rollout worker's busy seconds in the pipelined round
-    (it acts for one stage at a time, one call at a time: I/2 per stage); ``round_s``, the
-    lockstep round's wall time (default: S + I, no time lost between calls).
+    busy seconds, and ``infer_s``, the one rollout worker's, in the pipelined round (it acts
+    for one stage at a time, one call at a time: I/2 per stage); ``round_s``, the lockstep
+    round's wall time (default: S + I, no time lost between calls).
 
     A stage of whole env workers (2 workers, one stage each): a stage's chunk still waits for
     its own simulation and its half of the inference (S + I/2), and the one rollout worker
@@ -261,41 +264,72 @@ def pipelining(args) -> dict:
     workers = cfg.cluster.env.workers
     stages_in_worker = workers % 2 != 0  # (2 stages of whole workers need an even count)
     roles = build(cfg, on_ray=True)
+    other = None  # (config, roles) of the other layout, timed in lockstep beside these
     pairs = []
     try:
+        if roles.envs.stage_split(2, cfg.policy.chunk_size)[0][0] is None:
+            raise SystemExit("these environments cannot step in 2 stages (they step all at once)")
+        if args.lockstep_workers:
+            n = args.lockstep_workers
+            layout = [f"cluster.env.workers={n}", f"env.num_workers={n}"]
+            other_cfg = config("configs/maniskill/multitask_vla_grpo.yaml", [*overrides, *layout])
+            other = (other_cfg, build(other_cfg, on_ray=True))
         for stages in (1, 2):  # warm up: first resets, first weights
             roles.sync(0)
             round_rate(cfg, roles, stages)
+        if other is not None:
+            other[1].sync(0)
+            round_rate(*other)
         for r in range(args.repeats):
             order = (1, 2) if r % 2 == 0 else (2, 1)  # (alternated: drift hits both alike)
+            if other is not None and r % 2 == 0:
+                other_s, _ = timed_round(*other, 1)
             timed = {stages: timed_round(cfg, roles, stages) for stages in order}
+            if other is not None and r % 2 == 1:
+                other_s, _ = timed_round(*other, 1)
             sequential_s, busy = timed[1]
             pipelined_s, pipelined_busy = timed[2]
             simulate_s = busy["cluster/env_busy_s"]
             infer_s = busy["cluster/rollout_busy_s"]
             halves_s = pipelined_busy["cluster/rollout_busy_s"]
+            # the bound from the pipelined round's own busy seconds (what it had to do)
+            bound = pipelining_bound(
+                pipelined_busy["cluster/env_busy_s"],
+                halves_s,
+                sequential_s,
+                stages_in_worker=stages_in_worker,
+            )
             pair = {
                 "sequential_s": sequential_s,
                 "pipelined_s": pipelined_s,
                 "simulate_s": simulate_s,
                 "infer_s": infer_s,
                 "infer_halves_s": halves_s,
+                "simulate_pipelined_s": pipelined_busy["cluster/env_busy_s"],
                 "between_calls_s": sequential_s - simulate_s - infer_s,
                 "speedup": sequential_s / pipelined_s,
-                "bound": pipelining_bound(
-                    simulate_s, halves_s, sequential_s, stages_in_worker=stages_in_worker
-                ),
+                "bound": bound,
             }
+            other_line = ""
+            if other is not None:
+                pair["other_lockstep_s"] = other_s
+                pair["speedup_over_other"] = other_s / pipelined_s
+                other_line = (
+                    f"; lockstep on {args.lockstep_workers} env workers {other_s:.2f} s: "
+                    f"{pair['speedup_over_other']:.2f}x"
+                )
             pairs.append(pair)
             print(
                 f"repeat {r + 1}/{args.repeats}: lockstep {sequential_s:.2f} s (env workers "
                 f"{simulate_s:.2f} s busy, the busier; rollout worker {infer_s:.2f} s), "
                 f"pipelined {pipelined_s:.2f} s (rollout worker {halves_s:.2f} s): "
-                f"{pair['speedup']:.2f}x, bound {pair['bound']:.2f}x",
+                f"{pair['speedup']:.2f}x, bound {pair['bound']:.2f}x{other_line}",
                 flush=True,
             )
     finally:
         roles.close()
+        if other is not None:
+            other[1].close()
     median = {key: statistics.median(p[key] for p in pairs) for key in pairs[0]}
     print(
         f"\nVLA rgb 128 px, 2 tasks x 4 envs, chunks of 4, {workers} env worker(s) on Ray "
@@ -307,10 +341,16 @@ def pipelining(args) -> dict:
         f"worker {median['infer_s']:.2f} s in lockstep and {median['infer_halves_s']:.2f} s "
         f"pipelined, {median['between_calls_s']:.2f} s between calls)"
     )
+    if other is not None:
+        print(
+            f"lockstep on {args.lockstep_workers} env workers {median['other_lockstep_s']:.2f} s "
+            f"a round: the pipelined round is {median['speedup_over_other']:.2f}x faster"
+        )
     return {
         "median": median,
         "pairs": pairs,
         "env_workers": workers,
+        "lockstep_workers": args.lockstep_workers,
         "stages_in_worker": stages_in_worker,
         "hardware": hardware(),
     }
@@ -325,6 +365,11 @@ def main() -> None:
     ap.add_argument("--png", help="write the scaling plot here")
     ap.add_argument("--vla", action="store_true", help="pipelined vs sequential, VLA on rgb")
     ap.add_argument("--json", help="write the numbers here")
+    ap.add_argument(
+        "--lockstep-workers",
+        type=int,
+        help="--vla: also time lockstep rounds on this many env workers (a layout of its own)",
+    )
     ap.add_argument("overrides", nargs="*", help="config overrides for the --vla run")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

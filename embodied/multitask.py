@@ -55,6 +55,7 @@ class MultiTaskEnv:
         self.task_ranges = list(zip(bounds[:-1], bounds[1:]))  # env rows of each task
         self.task_of_env = [name for name, e in zip(self.names, envs) for _ in range(e.num_envs)]
         self._last: list[Observation] | None = None  # each task's latest observation
+        self._copied = [False] * len(envs)  # whether it is a copy of ours (rows written in place)
         # subsets step where every task's environments can (a cluster env worker's stages)
         self.can_step_subsets = all(getattr(e, "can_step_subsets", False) for e in envs)
 
@@ -85,8 +86,10 @@ class MultiTaskEnv:
             )
         if any(p is None for p in parts):  # untouched tasks report their current observation
             self._last = [p if p is not None else last for p, last in zip(parts, self._last)]
+            self._copied = [c and p is None for p, c in zip(parts, self._copied)]
         else:
             self._last = parts
+            self._copied = [False] * len(parts)
         return self._join(list(self._last))
 
     def step(self, actions: torch.Tensor) -> StepOutput:
@@ -97,6 +100,7 @@ class MultiTaskEnv:
             return self.step_wait(everyone)
         outs = [e.step(actions[lo:hi]) for e, (lo, hi) in zip(self.envs, self.task_ranges)]
         self._last = [o.obs for o in outs]
+        self._copied = [False] * len(outs)
         return join_steps(outs, [lo for lo, _ in self.task_ranges], self._join)
 
     def _by_task(self, env_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, slice]]:
@@ -122,8 +126,22 @@ class MultiTaskEnv:
         outs = [self.envs[task].step_wait(local) for task, local, _ in parts]
         if self._last is not None:
             for (task, local, _), out in zip(parts, outs):
-                self._last[task] = _overwrite(self._last[task], local, out.obs)
+                self._remember(task, local, out.obs)
         return join_steps(outs, [at.start for _, _, at in parts], self._join)
+
+    def _remember(self, task: int, rows: torch.Tensor, obs: Observation) -> None:
+        """Keep ``obs`` as the latest observation of the task's rows ``rows`` (long [n])."""
+        last = self._last[task]
+        if len(rows) == last.batch_size:
+            self._last[task] = obs
+            self._copied[task] = False
+            return
+        if not self._copied[task]:  # (the environment's own tensors are not ours to write)
+            last = self._last[task] = last.map(torch.clone)
+            self._copied[task] = True
+        fresh = obs.tensors()
+        for name, tensor in last.tensors().items():
+            tensor[rows.to(tensor.device)] = fresh[name]
 
     def render(self) -> torch.Tensor:
         return torch.cat([e.render() for e in self.envs])
@@ -137,18 +155,6 @@ class MultiTaskEnv:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _overwrite(last: Observation, rows: torch.Tensor, new: Observation) -> Observation:
-    """``last`` with its rows ``rows`` (long [n]) replaced by the n rows of ``new`` (a copy when
-    some rows stay; the keys of ``last``)."""
-    if len(rows) == last.batch_size:
-        return new
-    merged = last.map(torch.clone)
-    fresh = new.tensors()
-    for name, tensor in merged.tensors().items():
-        tensor[rows.to(tensor.device)] = fresh[name]
-    return merged
 
 
 def join_steps(outs: list[StepOutput], offsets: list[int], join=Observation.cat) -> StepOutput:

@@ -65,8 +65,10 @@ class ScriptedEnv:
         self.t = torch.zeros(self.num_envs, device=self.device)
         self.seed = torch.zeros(self.num_envs, device=self.device)
         self.can_step_subsets = can_step_subsets
-        self.pending: list[torch.Tensor] = []
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.resets = 0
+        # per step: its environments (long [n] on the CPU) and their actions (f32 [n], a copy)
+        self.actions_log: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _obs(self, rows=slice(None)) -> Observation:
         index = torch.arange(self.num_envs, dtype=torch.float32, device=self.device)
@@ -117,15 +119,18 @@ class ScriptedEnv:
 
     def step(self, actions):
         assert actions.shape == (self.num_envs, 1) and actions.device.type == self.device.type
+        self.actions_log.append((torch.arange(self.num_envs), actions[:, 0].clone()))
         return self._advance(None)
 
     # --- the pipelining interface (a subset of environments, answered in order) ---------------
     def step_async(self, actions, env_ids):
         assert actions.shape == (len(env_ids), 1)
-        self.pending.append(env_ids)
+        self.pending.append((env_ids, actions[:, 0].clone()))
 
     def step_wait(self, env_ids):
-        assert torch.equal(env_ids, self.pending.pop(0))
+        sent_ids, actions = self.pending.pop(0)
+        assert torch.equal(env_ids, sent_ids)
+        self.actions_log.append((env_ids, actions))
         return self._advance(env_ids)
 
     def render(self):

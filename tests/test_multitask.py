@@ -71,20 +71,21 @@ def test_reset_seeds_golden():
 
 
 def test_a_subset_of_rows_steps_in_its_own_tasks_and_the_other_rows_stay():
-    """Rows of both tasks step alone (a cluster env worker's pipeline stage): the answer has
-    those rows in order, an episode that ends among them is named by its position, and a later
-    partial reset of one task reports the other task's rows as its last step left them."""
+    """Rows of both tasks step alone (a cluster env worker's pipeline stage): each task's
+    environments get their own rows' actions, the answer has those rows in order, an episode
+    that ends among them is named by its position there, and a later partial reset of one task
+    reports the other task's rows as their last steps left them."""
     from scripted_envs import ScriptedEnv
 
     push = ScriptedEnv([2, 0, 3], max_episode_steps=5, instruction="push", can_step_subsets=True)
-    pull = ScriptedEnv([0, 0], max_episode_steps=5, instruction="pull", can_step_subsets=True)
+    pull = ScriptedEnv([0, 3], max_episode_steps=5, instruction="pull", can_step_subsets=True)
     env = MultiTaskEnv([push, pull], ["push", "pull"])
     assert env.can_step_subsets
     env.reset(seed=0)  # state of each row: [steps, its index in its task, its seed]
 
     def step(rows: list[int]):
         ids = torch.tensor(rows)
-        env.step_async(torch.zeros(len(rows), 1), ids)
+        env.step_async(10.0 * ids[:, None] + 1, ids)  # f32 [n, 1]: each row's own action
         return env.step_wait(ids)
 
     first = step([0, 2, 4])
@@ -92,11 +93,19 @@ def test_a_subset_of_rows_steps_in_its_own_tasks_and_the_other_rows_stay():
     assert first.obs.instruction == ["push", "push", "pull"] and first.ended is None
     second = step([0, 4])  # row 0 terminates on its second step and starts again
     assert second.terminated.tolist() == [True, False] and second.ended.tolist() == [0]
-    assert second.final_obs.state[0].tolist() == [2, 0, 0]
+    assert second.final_obs.state[0].tolist() == [2, 0, 0]  # (final_obs: a row for every row)
     assert second.obs.state.tolist() == [[0, 0, 0], [2, 1, 4]]
+    third = step([2, 4])  # row 4, the second of these and the pull task's, on its third
+    assert third.terminated.tolist() == [False, True] and third.ended.tolist() == [1]
+    assert third.final_obs.state[1].tolist() == [3, 1, 4]
+    step([4])
     after = env.reset(seed=10, env_ids=torch.tensor([1]))
-    assert after.state.tolist() == [[0, 0, 0], [0, 1, 11], [1, 2, 2], [0, 0, 3], [2, 1, 4]]
+    assert after.state.tolist() == [[0, 0, 0], [0, 1, 11], [2, 2, 2], [0, 0, 3], [1, 1, 4]]
     assert after.instruction == ["push"] * 3 + ["pull"] * 2
+    # each task's environments (local indices) got their own rows' actions
+    sent = [[(ids.tolist(), a.tolist()) for ids, a in e.actions_log] for e in (push, pull)]
+    assert sent[0] == [([0, 2], [1.0, 21.0]), ([0], [1.0]), ([2], [21.0])]
+    assert sent[1] == [([1], [41.0])] * 4
 
 
 def test_tasks_that_step_only_all_together_step_each_with_its_own_actions():

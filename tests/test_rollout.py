@@ -13,6 +13,7 @@ from scripted_envs import ScriptedEnv, ScriptedPolicy, run_on
 from embodied.contract import check_env, check_policy
 from embodied.env_group import EnvGroup, strided_stages
 from embodied.inference import InferencePolicy
+from embodied.multitask import MultiTaskEnv
 from embodied.ppo import PPO, PPOConfig
 from embodied.rollout import (
     CollectPlan,
@@ -31,8 +32,9 @@ K = 4
 T = 3
 
 
-def run_rollout(term_at=TERM_AT, chunk=K, chunks=T, stages=1, subsets=False):
-    env = ScriptedEnv(term_at, max_episode_steps=7, can_step_subsets=subsets)
+def run_rollout(term_at=TERM_AT, chunk=K, chunks=T, stages=1, subsets=False, env=None):
+    if env is None:
+        env = ScriptedEnv(term_at, max_episode_steps=7, can_step_subsets=subsets)
     envs = EnvGroup(env)
     policy = InferencePolicy(ScriptedPolicy(chunk))
     stats = EpisodeStats(env.num_envs, envs.task_names, torch.device("cpu"))
@@ -157,7 +159,7 @@ def test_a_chunk_for_some_rows_is_those_rows_of_the_chunk_for_all():
     staged = EnvGroup(ScriptedEnv(TERM_AT, max_episode_steps=7, can_step_subsets=True))
     whole.reset(seed=0)
     staged.reset(seed=0)
-    actions = torch.zeros(4, K, 1)
+    actions = 10.0 * torch.arange(4.0)[:, None, None] + torch.arange(K)[None, :, None]  # [4, K, 1]
     # per chunk, per stage (envs 0, 2 and envs 1, 3): the positions of the episodes that ended
     # (envs 0 and 2 end in every chunk, env 3 too, and env 1 is truncated in the second)
     expected_ended = [[[0, 1], [1]], [[0, 1], [1, 0]], [[0, 1], [1]]]
@@ -166,6 +168,9 @@ def test_a_chunk_for_some_rows_is_those_rows_of_the_chunk_for_all():
         ends = {int(e): ref.final_obs.state[j] for j, e in enumerate(ref.ended)}
         for (rows, at), expected in zip(strided_stages(4, 2), expected_ended[chunk]):
             got = staged.execute(actions[at], rows)
+            sent = staged.env.actions_log[-K:]  # the chunk's K steps, for these rows only
+            assert [ids.tolist() for ids, _ in sent] == [rows.tolist()] * K
+            assert torch.equal(torch.stack([a for _, a in sent], 1), actions[at][..., 0])
             for name in ("reward", "terminated", "truncated", "success"):
                 assert torch.equal(getattr(got, name), getattr(ref, name)[at]), name
             assert torch.equal(got.obs.state, ref.obs.state[at])
@@ -174,6 +179,30 @@ def test_a_chunk_for_some_rows_is_those_rows_of_the_chunk_for_all():
                 assert torch.equal(got.final_obs.state[j], ends[int(rows[position])])
     with pytest.raises(ValueError, match="step all together"):
         whole.execute(actions[:2], torch.tensor([0, 1]))
+
+
+def test_pipelined_collection_over_two_tasks_equals_lockstep():
+    """A MultiTaskEnv whose tasks step subsets pipelines too: each stage holds rows of both."""
+
+    def two_tasks(subsets: bool) -> MultiTaskEnv:
+        tasks = [([3, 0, 2], "push"), ([4, 0], "pull")]
+        envs = [
+            ScriptedEnv(term_at, max_episode_steps=7, instruction=name, can_step_subsets=subsets)
+            for term_at, name in tasks
+        ]
+        return MultiTaskEnv(envs, [name for _, name in tasks])
+
+    assert len(EnvGroup(two_tasks(True)).stage_split(2, chunk_size=1)) == 2
+    ref, ref_last, ref_stats = run_rollout(chunk=1, chunks=9, env=two_tasks(False))
+    for stages in (2, 3):
+        got, last, stats = run_rollout(chunk=1, chunks=9, stages=stages, env=two_tasks(True))
+        for name in ("rewards", "terminated", "truncated", "valid", "values", "next_values"):
+            torch.testing.assert_close(getattr(got, name), getattr(ref, name), msg=name)
+        for name in ("episode_id", "task_id", "actions"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), name
+        torch.testing.assert_close(got.obs.state, ref.obs.state)
+        torch.testing.assert_close(last.state, ref_last.state)
+        assert stats.summary() == ref_stats.summary()
 
 
 def test_environments_collected_in_parts_join_into_the_whole_round():
