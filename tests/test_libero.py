@@ -72,6 +72,7 @@ def test_same_seed_same_episode_and_fifty_initial_states():
         core.close()
 
 
+@pytest.mark.slow  # (18 s; LIBERO's training and contract tests stay in the default run)
 def test_actions_move_the_end_effector_along_the_commanded_axis():
     core = LiberoCore(LiberoConfig(num_envs=1, **FAST), 1)
     try:
