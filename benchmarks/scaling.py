@@ -253,7 +253,7 @@ def timed_round(cfg, roles, stages: int) -> tuple[float, dict[str, float]]:
 
 
 def pipelining(args) -> dict:
-    """Lockstep and pipelined rounds alternate; each pair gives a speedup, and the lockstep
+    """Lockstep and pipelined rounds alternate; each pair gives a speedup, and the pipelined
     round's busy seconds give its bound."""
     from embodied.cluster.config import ClusterConfig
     from embodied.cluster.roles import start_ray
@@ -280,24 +280,22 @@ def pipelining(args) -> dict:
         if other is not None:
             other[1].sync(0)
             round_rate(*other)
+        cases = [1, 2] if other is None else [1, 2, "other"]  # stage counts, the other layout
         for r in range(args.repeats):
-            order = (1, 2) if r % 2 == 0 else (2, 1)  # (alternated: drift hits both alike)
-            if other is not None and r % 2 == 0:
-                other_s, _ = timed_round(*other, 1)
-            timed = {stages: timed_round(cfg, roles, stages) for stages in order}
-            if other is not None and r % 2 == 1:
-                other_s, _ = timed_round(*other, 1)
+            order = cases if r % 2 == 0 else cases[::-1]  # (alternated: drift hits all alike)
+            timed = {
+                case: timed_round(*other, 1) if case == "other" else timed_round(cfg, roles, case)
+                for case in order
+            }
             sequential_s, busy = timed[1]
             pipelined_s, pipelined_busy = timed[2]
             simulate_s = busy["cluster/env_busy_s"]
             infer_s = busy["cluster/rollout_busy_s"]
             halves_s = pipelined_busy["cluster/rollout_busy_s"]
+            simulate_pipelined_s = pipelined_busy["cluster/env_busy_s"]
             # the bound from the pipelined round's own busy seconds (what it had to do)
             bound = pipelining_bound(
-                pipelined_busy["cluster/env_busy_s"],
-                halves_s,
-                sequential_s,
-                stages_in_worker=stages_in_worker,
+                simulate_pipelined_s, halves_s, sequential_s, stages_in_worker=stages_in_worker
             )
             pair = {
                 "sequential_s": sequential_s,
@@ -305,13 +303,14 @@ def pipelining(args) -> dict:
                 "simulate_s": simulate_s,
                 "infer_s": infer_s,
                 "infer_halves_s": halves_s,
-                "simulate_pipelined_s": pipelined_busy["cluster/env_busy_s"],
+                "simulate_pipelined_s": simulate_pipelined_s,
                 "between_calls_s": sequential_s - simulate_s - infer_s,
                 "speedup": sequential_s / pipelined_s,
                 "bound": bound,
             }
             other_line = ""
             if other is not None:
+                other_s, _ = timed["other"]
                 pair["other_lockstep_s"] = other_s
                 pair["speedup_over_other"] = other_s / pipelined_s
                 other_line = (

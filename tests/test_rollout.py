@@ -136,18 +136,24 @@ def test_behaviour_logprob_at_chunk_level_sums_the_valid_actions_only():
     assert samples.behaviour_logprob("token").shape == (12, 4, 1)
 
 
+def assert_same_round(staged, lockstep) -> None:
+    """Two ``run_rollout`` results (batch, last observation, statistics) hold the same round."""
+    (got, last, stats), (ref, ref_last, ref_stats) = staged, lockstep
+    for name in ("rewards", "terminated", "truncated", "valid", "values", "next_values"):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), msg=name)
+    for name in ("episode_id", "task_id", "actions"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    torch.testing.assert_close(got.obs.state, ref.obs.state)
+    torch.testing.assert_close(last.state, ref_last.state)
+    assert stats.summary() == ref_stats.summary()
+
+
 def test_pipelined_collection_equals_lockstep():
     term_at = [3, 0, 2, 4, 0]
-    ref, ref_last, ref_stats = run_rollout(term_at, chunk=1, chunks=9)
+    lockstep = run_rollout(term_at, chunk=1, chunks=9)
     for stages in (2, 3):
-        got, last, stats = run_rollout(term_at, chunk=1, chunks=9, stages=stages, subsets=True)
-        for name in ("rewards", "terminated", "truncated", "valid", "values", "next_values"):
-            torch.testing.assert_close(getattr(got, name), getattr(ref, name), msg=name)
-        for name in ("episode_id", "actions"):
-            assert torch.equal(getattr(got, name), getattr(ref, name)), name
-        torch.testing.assert_close(got.obs.state, ref.obs.state)
-        torch.testing.assert_close(last.state, ref_last.state)
-        assert stats.summary() == ref_stats.summary()
+        staged = run_rollout(term_at, chunk=1, chunks=9, stages=stages, subsets=True)
+        assert_same_round(staged, lockstep)
 
 
 def test_a_chunk_for_some_rows_is_those_rows_of_the_chunk_for_all():
@@ -193,16 +199,11 @@ def test_pipelined_collection_over_two_tasks_equals_lockstep():
         return MultiTaskEnv(envs, [name for _, name in tasks])
 
     assert len(EnvGroup(two_tasks(True)).stage_split(2, chunk_size=1)) == 2
-    ref, ref_last, ref_stats = run_rollout(chunk=1, chunks=9, env=two_tasks(False))
+    lockstep = run_rollout(chunk=1, chunks=9, env=two_tasks(False))
     for stages in (2, 3):
-        got, last, stats = run_rollout(chunk=1, chunks=9, stages=stages, env=two_tasks(True))
-        for name in ("rewards", "terminated", "truncated", "valid", "values", "next_values"):
-            torch.testing.assert_close(getattr(got, name), getattr(ref, name), msg=name)
-        for name in ("episode_id", "task_id", "actions"):
-            assert torch.equal(getattr(got, name), getattr(ref, name)), name
-        torch.testing.assert_close(got.obs.state, ref.obs.state)
-        torch.testing.assert_close(last.state, ref_last.state)
-        assert stats.summary() == ref_stats.summary()
+        assert_same_round(
+            run_rollout(chunk=1, chunks=9, stages=stages, env=two_tasks(True)), lockstep
+        )
 
 
 def test_environments_collected_in_parts_join_into_the_whole_round():
