@@ -34,6 +34,7 @@ TINY = [
     "runner.final_eval_episodes=2",
     "runner.save_every=1",
     "runner.progress=false",
+    "runner.video=false",  # rendering is most of a tiny run: only the "full" run records one
 ]
 STEPS_PER_ITER = 2 * 8
 COMPARED = (
@@ -93,7 +94,7 @@ class CrashingLogger(embodied.runner.RunLogger):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
-    full = train(tiny_config(tmp, "full", 4))
+    full = train(tiny_config(tmp, "full", 4, ["runner.video=true"]))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(embodied.runner, "RunLogger", SignallingLogger)
         with pytest.raises(Stopped) as stopped:
