@@ -47,7 +47,8 @@ def test_two_tasks_pass_the_contract_with_their_instructions():
 def test_partial_reset_before_any_reset_is_an_error():
     import pytest
 
-    cfg = ManiSkillConfig(**{**CFG.__dict__, "obs_mode": "state"})
+    # (MultiTaskEnv's own check: the tasks' simulators run in this process)
+    cfg = ManiSkillConfig(**{**CFG.__dict__, "obs_mode": "state", "num_workers": 0})
     with make_env(cfg) as env, pytest.raises(RuntimeError, match="reset all environments once"):
         env.reset(seed=[1], env_ids=torch.tensor([0]))
 

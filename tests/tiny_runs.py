@@ -9,4 +9,5 @@ TINY_REACH = [
     "runner.final_eval_episodes=2",
     "runner.progress=false",
     "env.render_size=32",
+    "runner.video=false",  # (rendering would be most of such a run)
 ]
