@@ -29,7 +29,9 @@ ENV = dict(
 @pytest.fixture(scope="module")
 def expert(tmp_path_factory):
     """An (untrained) state-based actor-critic saved as a training run would save it."""
-    with ManiSkillEnv(ManiSkillConfig(obs_mode="rgb+state", **ENV)) as env:
+    # (the spec only: the simulator in this process, no worker to start)
+    spec_env = ManiSkillConfig(obs_mode="rgb+state", **{**ENV, "num_workers": 0})
+    with ManiSkillEnv(spec_env) as env:
         state_spec = EnvSpec(
             obs=ObsSpec(state_names=env.spec.obs.state_names, privileged=env.spec.obs.privileged),
             action=env.spec.action,
