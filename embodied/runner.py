@@ -248,7 +248,7 @@ def train(cfg: TrainConfig) -> dict:
             raise
     try:
         if resume is not None:
-            rewind(run_dir, resume)
+            rewind(run_dir, resume, cfg, roles.evaluates_beside)
         elif cfg.runner.overwrite:
             _clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -275,13 +275,16 @@ RUN_FILES = (
 )
 
 
-def rewind(run_dir: Path, resume: dict) -> None:
+def rewind(run_dir: Path, resume: dict, cfg: TrainConfig, evaluates_beside: bool) -> None:
     """Take the run back to the checkpoint ``resume`` (loaded) before it goes on from there:
     the metrics rows logged after it, those of the evaluation it will run again, and the later
-    checkpoints go; ``RUN/best`` is its best."""
+    checkpoints go; ``RUN/best`` is its best. An unfinished evaluation that cannot run again
+    (``_why_not_again``) keeps the rows it logged."""
     counters = resume["counters"]
     done = counters["iteration"]
     unsaved = _unsaved_evaluation(counters)
+    if unsaved is not None and _why_not_again(cfg, evaluates_beside, run_dir, counters, unsaved):
+        unsaved = None
     trim_metrics(run_dir, done, None if unsaved is None else unsaved["iteration"])
     abandoned = drop_checkpoints_after(run_dir, done)
     if abandoned:
@@ -296,6 +299,24 @@ def _unsaved_evaluation(counters: dict) -> dict | None:
     at = counters.get("evaluating")
     recorded = [e["iteration"] for e in counters.get("evals", [])]
     return None if at is None or at["iteration"] in recorded else at
+
+
+def _why_not_again(
+    cfg: TrainConfig, evaluates_beside: bool, run_dir: Path, counters: dict, at: dict
+) -> str | None:
+    """Why the unfinished evaluation ``at`` of a resumed checkpoint (``counters``) cannot run
+    again beside training; None where it can. Decided from the checkpoint alone, so that
+    ``rewind`` and the resumed run agree."""
+    run = cfg.runner
+    out_of_time = run.max_minutes is not None and counters["train_seconds"] >= run.max_minutes * 60
+    path = Path(run_dir) / "checkpoints" / f"iter_{at['iteration']:06d}"
+    if not evaluates_beside:
+        return "it runs again only with cluster.eval.workers"
+    if counters["env_steps"] >= run.total_env_steps or out_of_time:
+        return "no iteration is left to run it beside"
+    if not (path / "meta.json").is_file():
+        return f"its checkpoint {path} is gone"
+    return None
 
 
 def _run_dir_of(checkpoint: Path, given: str) -> Path:
@@ -782,18 +803,13 @@ class Runner:
         at that iteration as it would have been. Where it cannot run again, say so once."""
         iteration = at["iteration"]
         path = self.run_dir / "checkpoints" / f"iter_{iteration:06d}"
-        budget = self.cfg.runner.total_env_steps
-        more = self.counters["env_steps"] < budget and not self.clock.out_of_time
-        why = None
-        if not self.roles.evaluates_beside:
-            why = "it runs again only with cluster.eval.workers"
-        elif not more:
-            why = "no iteration is left to run it beside"
-        elif not (path / "meta.json").is_file():
-            why = f"its checkpoint {path} is gone"
+        why = _why_not_again(self.cfg, self.roles.evaluates_beside, self.run_dir, self.counters, at)
         if why is not None:
             self._landed(iteration)
-            self.bar.write(f"the evaluation of iteration {iteration} was unfinished: {why}")
+            self.bar.write(
+                f"the evaluation of iteration {iteration} was unfinished: {why} "
+                "(rows it logged before the stop, if any, are kept)"
+            )
             return
         weights = load_checkpoint(path, with_trainer_state=False)["model"]
         self._start_evaluation(at, weights)

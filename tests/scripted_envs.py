@@ -349,8 +349,6 @@ def run_on(
     cfg = compose(TrainConfig, [("test", source)])
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = None if resume is None else load_checkpoint_for(resume, "runner.resume")
-    if checkpoint is not None:
-        rewind(run_dir, checkpoint)  # (as ``train`` does)
     if cluster is None:
         roles = local_roles(cfg, env, checkpoint)
     else:
@@ -358,6 +356,8 @@ def run_on(
 
         roles = ray_roles(cfg, checkpoint, run_dir, env_factory=env_factory)
     try:
+        if checkpoint is not None:
+            rewind(run_dir, checkpoint, cfg, roles.evaluates_beside)  # (as ``train`` does)
         return Runner(cfg, roles, run_dir, checkpoint).run()
     finally:
         if cluster is not None:

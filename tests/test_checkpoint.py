@@ -4,6 +4,7 @@ checkpoint; checkpoints from before the frozen file still load."""
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -394,3 +395,68 @@ def test_trim_metrics_drops_rows_past_the_checkpoint_and_an_unsaved_evaluation(t
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     trim_metrics(tmp_path, 2)
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:5]
+
+
+def test_an_unfinished_evaluation_keeps_its_rows_unless_it_runs_again(tmp_path, capsys):
+    """Iteration 1's checkpoint names its evaluation beside training as in flight, and that
+    evaluation's row was logged after iteration 2's (hand-built from a real run). An embedded
+    resume has no evaluation worker to run it again: its row stays, once, and the run says why;
+    the later iterations' rows and checkpoints go. Where it can run again, rewind drops the row
+    for the re-run, and each reason it cannot keeps it."""
+    from scripted_envs import PPO, TINY_VLA, PushRightEnv, run_on
+
+    from embodied.config import compose
+    from embodied.runner import TrainConfig, _why_not_again, rewind
+
+    run = tmp_path / "run"
+    steps = 8 * PPO["num_steps"]  # 8 environments
+    kw = dict(total_env_steps=3 * steps, algorithm=PPO, policy={**TINY_VLA, "value_head": True})
+    torch.manual_seed(0)
+    run_on(PushRightEnv(8), run, save_every=1, **kw)
+    first = run / "checkpoints" / "iter_000001"
+    trainer = torch.load(first / "trainer.pt", weights_only=False)
+    counters = trainer["counters"]
+    at = {key: counters[key] for key in ("iteration", "env_steps", "train_seconds")}
+    counters["evaluating"] = at
+    torch.save(trainer, first / "trainer.pt")
+    metrics = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    evaluation = {"iteration": 1, "env_steps": steps, "eval/success_rate": 0.25}
+    late = [rows[0], rows[1], evaluation, *rows[2:]]  # logged as iteration 2 was collected
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in late))
+    torch.manual_seed(0)
+    run_on(PushRightEnv(8), run, resume=str(first), **kw)
+    out = capsys.readouterr()
+    said = "the evaluation of iteration 1 was unfinished: it runs again only with cluster.eval"
+    assert said in out.out + out.err
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row for row in logged if "eval/success_rate" in row and row["iteration"] == 1] == [
+        evaluation
+    ]
+    assert [row["iteration"] for row in logged if "policy/loss" in row] == [1, 2, 3]
+    assert "evaluating" not in load_checkpoint(run)["counters"]
+
+    # rewind alone, on the hand-built rows again: each reason keeps the row
+    def cfg(**runner):
+        return compose(
+            TrainConfig, [("test", {"runner": {"total_env_steps": 3 * steps, **runner}})]
+        )
+
+    resume = {"counters": counters}
+    assert _why_not_again(cfg(), True, run, counters, at) is None
+    reasons = [
+        (cfg(), False, run, "it runs again only with cluster.eval.workers"),
+        (cfg(total_env_steps=steps), True, run, "no iteration is left to run it beside"),
+        (cfg(max_minutes=counters["train_seconds"] / 60), True, run, "no iteration is left"),
+        (cfg(), True, tmp_path / "elsewhere", "its checkpoint .*iter_000001 is gone"),
+    ]
+    for config, beside, run_dir, why in reasons:
+        assert re.match(why, _why_not_again(config, beside, run_dir, counters, at))
+    for config, beside, _, _ in reasons[:3]:
+        metrics.write_text("".join(json.dumps(row) + "\n" for row in late))
+        rewind(run, resume, config, beside)
+        kept = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert kept == [rows[0], evaluation]  # iteration 1's rows; iteration 2's went
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in late))
+    rewind(run, resume, cfg(), True)  # it runs again: its row goes, the re-run logs it once
+    assert [json.loads(line) for line in metrics.read_text().splitlines()] == [rows[0]]
