@@ -400,9 +400,9 @@ def test_trim_metrics_drops_rows_past_the_checkpoint_and_an_unsaved_evaluation(t
 def test_an_unfinished_evaluation_keeps_its_rows_unless_it_runs_again(tmp_path, capsys):
     """Iteration 1's checkpoint names its evaluation beside training as in flight, and that
     evaluation's row was logged after iteration 2's (hand-built from a real run). An embedded
-    resume has no evaluation worker to run it again: its row stays, once, and the run says why;
-    the later iterations' rows and checkpoints go. Where it can run again, rewind drops the row
-    for the re-run, and each reason it cannot keeps it."""
+    resume has no evaluation worker to run it again: its row stays, once, and the run says why.
+    rewind alone: each reason it cannot run again keeps the row, the later iterations' rows and
+    checkpoints go, and where it can run again the row goes too, for the re-run."""
     from scripted_envs import PPO, TINY_VLA, PushRightEnv, run_on
 
     from embodied.config import compose
@@ -422,7 +422,7 @@ def test_an_unfinished_evaluation_keeps_its_rows_unless_it_runs_again(tmp_path, 
     metrics = run / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     evaluation = {"iteration": 1, "env_steps": steps, "eval/success_rate": 0.25}
-    late = [rows[0], rows[1], evaluation, *rows[2:]]  # logged as iteration 2 was collected
+    late = [rows[0], rows[1], evaluation, *rows[2:]]  # logged after iteration 2's row
     metrics.write_text("".join(json.dumps(row) + "\n" for row in late))
     torch.manual_seed(0)
     run_on(PushRightEnv(8), run, resume=str(first), **kw)
@@ -442,21 +442,24 @@ def test_an_unfinished_evaluation_keeps_its_rows_unless_it_runs_again(tmp_path, 
             TrainConfig, [("test", {"runner": {"total_env_steps": 3 * steps, **runner}})]
         )
 
-    resume = {"counters": counters}
-    assert _why_not_again(cfg(), True, run, counters, at) is None
-    reasons = [
-        (cfg(), False, run, "it runs again only with cluster.eval.workers"),
-        (cfg(total_env_steps=steps), True, run, "no iteration is left to run it beside"),
-        (cfg(max_minutes=counters["train_seconds"] / 60), True, run, "no iteration is left"),
-        (cfg(), True, tmp_path / "elsewhere", "its checkpoint .*iter_000001 is gone"),
-    ]
-    for config, beside, run_dir, why in reasons:
-        assert re.match(why, _why_not_again(config, beside, run_dir, counters, at))
-    for config, beside, _, _ in reasons[:3]:
+    def rewound(config, beside: bool) -> list[dict]:
         metrics.write_text("".join(json.dumps(row) + "\n" for row in late))
-        rewind(run, resume, config, beside)
-        kept = [json.loads(line) for line in metrics.read_text().splitlines()]
-        assert kept == [rows[0], evaluation]  # iteration 1's rows; iteration 2's went
-    metrics.write_text("".join(json.dumps(row) + "\n" for row in late))
-    rewind(run, resume, cfg(), True)  # it runs again: its row goes, the re-run logs it once
-    assert [json.loads(line) for line in metrics.read_text().splitlines()] == [rows[0]]
+        rewind(run, {"counters": counters}, config, beside)
+        return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+    spent = counters["train_seconds"] / 120  # (minutes: half the training time)
+    reasons = [
+        (cfg(), False, "it runs again only with cluster.eval.workers"),
+        (cfg(total_env_steps=steps), True, "no iteration is left to run it beside"),
+        (cfg(max_minutes=spent), True, "no iteration is left to run it beside"),
+    ]
+    for config, beside, why in reasons:
+        assert _why_not_again(config, beside, run, counters, at) == why
+        assert rewound(config, beside) == [rows[0], evaluation]  # iteration 2's row went
+    assert [p.name for p in (run / "checkpoints").glob("iter_*")] == ["iter_000001"]
+    os.replace(first / "meta.json", tmp_path / "meta.json")  # its checkpoint is gone
+    assert re.fullmatch(".*iter_000001 is gone", _why_not_again(cfg(), True, run, counters, at))
+    assert rewound(cfg(), True) == [rows[0], evaluation]
+    os.replace(tmp_path / "meta.json", first / "meta.json")
+    assert _why_not_again(cfg(), True, run, counters, at) is None
+    assert rewound(cfg(), True) == [rows[0]]  # it runs again: its row goes, the re-run logs it
