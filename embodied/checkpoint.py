@@ -101,7 +101,7 @@ def save_checkpoint(
     run_dir = Path(run_dir)
     ckpts = run_dir / "checkpoints"
     ckpts.mkdir(parents=True, exist_ok=True)
-    final = ckpts / f"iter_{iteration:06d}"
+    final = checkpoint_dir(run_dir, iteration)
     state = model.state_dict(keep_vars=True)
     frozen_names = frozen_keys(model)
     frozen = {k: v for k, v in state.items() if k in frozen_names}
@@ -137,6 +137,11 @@ def save_checkpoint(
     return final
 
 
+def checkpoint_dir(run_dir: str | Path, iteration: int) -> Path:
+    """``RUN/checkpoints/iter_{iteration:06d}``: where the checkpoint of ``iteration`` lives."""
+    return Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
+
+
 def staging_dir(run_dir: str | Path, iteration: int) -> Path:
     """Where ``save_checkpoint`` writes the checkpoint of ``iteration`` before renaming it into
     place (other ranks write their shards there)."""
@@ -146,7 +151,7 @@ def staging_dir(run_dir: str | Path, iteration: int) -> Path:
 def mark_best(run_dir: str | Path, iteration: int) -> Path:
     """Point ``RUN/best`` at the checkpoint of ``iteration`` (which must exist)."""
     run_dir = Path(run_dir)
-    ckpt = run_dir / "checkpoints" / f"iter_{iteration:06d}"
+    ckpt = checkpoint_dir(run_dir, iteration)
     if not (ckpt / META).is_file():
         raise FileNotFoundError(f"no checkpoint {ckpt} to mark as the best")
     _point(run_dir / BEST, ckpt)
@@ -158,10 +163,7 @@ def point_best(run_dir: str | Path, iteration: int | None) -> None:
     resumed from an older checkpoint takes that checkpoint's best, which a later checkpoint's
     may have replaced."""
     run_dir = Path(run_dir)
-    if (
-        iteration is not None
-        and (run_dir / "checkpoints" / f"iter_{iteration:06d}" / META).is_file()
-    ):
+    if iteration is not None and (checkpoint_dir(run_dir, iteration) / META).is_file():
         mark_best(run_dir, iteration)
     elif (run_dir / BEST).is_symlink():
         (run_dir / BEST).unlink()
@@ -180,7 +182,7 @@ def drop_checkpoints_after(run_dir: str | Path, iteration: int) -> list[str]:
     if not later:
         return []
     # the links first: a crash at any point leaves them at complete checkpoints
-    _point(run_dir / LAST, ckpts / f"iter_{iteration:06d}")
+    _point(run_dir / LAST, checkpoint_dir(run_dir, iteration))
     best = _target(run_dir / BEST)
     if best is not None and best in {path.resolve() for path in later}:
         (run_dir / BEST).unlink()

@@ -24,7 +24,14 @@ import torch
 from tqdm import tqdm
 
 from embodied.algorithm import AlgorithmConfig
-from embodied.checkpoint import drop_checkpoints_after, load_checkpoint, mark_best, point_best
+from embodied.checkpoint import (
+    META,
+    checkpoint_dir,
+    drop_checkpoints_after,
+    load_checkpoint,
+    mark_best,
+    point_best,
+)
 from embodied.cluster.config import ClusterConfig
 from embodied.config import ConfigError, save_config, to_dict
 from embodied.evaluate import overall, per_task
@@ -309,12 +316,12 @@ def _why_not_again(
     ``rewind`` and the resumed run agree."""
     run = cfg.runner
     out_of_time = run.max_minutes is not None and counters["train_seconds"] >= run.max_minutes * 60
-    path = Path(run_dir) / "checkpoints" / f"iter_{at['iteration']:06d}"
+    path = checkpoint_dir(run_dir, at["iteration"])
     if not evaluates_beside:
         return "it runs again only with cluster.eval.workers"
     if counters["env_steps"] >= run.total_env_steps or out_of_time:
         return "no iteration is left to run it beside"
-    if not (path / "meta.json").is_file():
+    if not (path / META).is_file():
         return f"its checkpoint {path} is gone"
     return None
 
@@ -802,7 +809,6 @@ class Runner:
         on its iteration's weights (that checkpoint was kept for it); its result is recorded
         at that iteration as it would have been. Where it cannot run again, say so once."""
         iteration = at["iteration"]
-        path = self.run_dir / "checkpoints" / f"iter_{iteration:06d}"
         why = _why_not_again(self.cfg, self.roles.evaluates_beside, self.run_dir, self.counters, at)
         if why is not None:
             self._landed(iteration)
@@ -811,6 +817,7 @@ class Runner:
                 "(rows it logged before the stop, if any, are kept)"
             )
             return
+        path = checkpoint_dir(self.run_dir, iteration)
         weights = load_checkpoint(path, with_trainer_state=False)["model"]
         self._start_evaluation(at, weights)
         self.bar.write(f"evaluating iteration {iteration} again (unfinished when the run stopped)")
