@@ -276,6 +276,9 @@ def sft(cfg: SFTConfig) -> dict:
                 "seed": cfg.seed,
                 "env": to_dict(env_cfgs[tasks[0]]),
                 "policy": to_dict(cfg.policy),
+                # `embodied eval` acts with this many threads, as this run's evaluations did:
+                # MKL and torch split their sums by thread, so another count rounds otherwise
+                "runner": {"torch_threads": cfg.runner.torch_threads},
             },
             "sft": to_dict(cfg),
             "spec": spec.to_dict(),

@@ -97,7 +97,9 @@ def test_sft_trains_evaluates_and_saves_a_loadable_checkpoint(tmp_path, dataset,
     capsys.readouterr()
     assert main(["eval", str(tmp_path / "sft" / "last"), "--episodes", "2"]) == 0
     again = json.loads(capsys.readouterr().out)
-    # the same weights, seeds and deterministic actions: the SFT run's own evaluation again
+    # the same weights, seeds, deterministic actions and thread count (the checkpoint names
+    # the run's: MKL and torch split their sums by thread): the SFT run's evaluation bit for bit
+    assert ckpt["meta"]["config"]["runner"]["torch_threads"] == 2
     for key in ("eval/episodes", "eval/success_rate", "eval/return", "eval/length"):
         assert again[key] == result[key], key
 
