@@ -39,7 +39,8 @@ MAX_CATCH_UP_S = 1.0  # simulate at most this much at once after a long pause (a
 class ArmTwin:
     """MuJoCo arm whose servos take goals in encoder ticks (``ServoPhysics`` of the fake port)."""
 
-    def __init__(self, task: str = "push", start: dict[str, float] | None = None):
+    def __init__(self, task: str = "push", start: dict[str, float] | None = None, clock=time):
+        self.clock = clock  # simulated time follows it (``control.Clock``): the wall's, or a test's
         self.model = mujoco.MjModel.from_xml_string(scene(TASKS[task].bodies, TASKS[task].sensors))
         self.data = mujoco.MjData(self.model)
         self._qpos = [self.model.jnt_qposadr[self.model.joint(j).id] for j in JOINTS]
@@ -54,7 +55,7 @@ class ArmTwin:
         }  # it starts holding its start pose, as if resting there
         self._set_gains()
         self._lock = threading.Lock()
-        self._t = time.monotonic()
+        self._t = clock.monotonic()
         self.frozen = False
 
     def _set_gains(self) -> None:
@@ -65,9 +66,9 @@ class ArmTwin:
             self.model.actuator_biasprm[a, 1] = -self._kp[JOINTS.index(j)] if on else 0.0
 
     def advance(self) -> None:
-        """Simulate up to now (wall clock); a frozen twin stands still (exact comparisons in
+        """Simulate up to now (its clock's); a frozen twin stands still (exact comparisons in
         tests)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if self.frozen:
             self._t = now
             return
@@ -204,9 +205,11 @@ def twin_calibration() -> dict[str, dict]:
     return out
 
 
-def make_twin_robot(cfg: ArmConfig, task: str = "push", start: dict[str, float] | None = None):
+def make_twin_robot(
+    cfg: ArmConfig, task: str = "push", start: dict[str, float] | None = None, clock=time
+):
     """(LeRobot SOFollower wired to the twin, the twin, its serial port). ``cfg.cameras`` maps the
-    policy's camera names to twin cameras ("front", "wrist")."""
+    policy's camera names to twin cameras ("front", "wrist"); the twin simulates on ``clock``."""
     # NAME=SOURCE: the policy's camera NAME shows the twin camera SOURCE ("front" or "wrist"), or
     # the twin camera called NAME when SOURCE is not one of them
     views = {name: src if src in TWIN_CAMERAS else name for name, src in cfg.cameras.items()}
@@ -236,7 +239,7 @@ def make_twin_robot(cfg: ArmConfig, task: str = "push", start: dict[str, float] 
         calibration_dir=str(cal_dir),
     )
     robot = make_robot(real_cfg)
-    twin = ArmTwin(task, start)
+    twin = ArmTwin(task, start, clock)
     ranges = {SERVO_IDS[j]: (c["range_min"], c["range_max"]) for j, c in twin_calibration().items()}
     port = FeetechPort(ranges, physics=twin)
     attach(robot.bus, port)

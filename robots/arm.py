@@ -200,8 +200,9 @@ class RobotEnv:
     num_envs = 1
     device = torch.device("cpu")
 
-    def __init__(self, robot, cfg: ArmConfig, safety: SafetyLayer):
+    def __init__(self, robot, cfg: ArmConfig, safety: SafetyLayer, clock=time):
         self.robot = robot
+        self.clock = clock  # what joint velocities are measured against (``control.Clock``)
         self.cfg = cfg
         self.safety = safety
         self.signs = np.asarray(cfg.joint_signs, float)  # f64 [6]
@@ -241,7 +242,7 @@ class RobotEnv:
     def observe(self) -> Observation:
         """Read the arm and cameras (present joint positions in ``self.present``, radians)."""
         raw = self.robot.get_observation()
-        t = time.monotonic()
+        t = self.clock.monotonic()
         q = to_radians(raw, self.cfg.gripper_range)
         vel = (
             np.zeros_like(q)

@@ -2,6 +2,8 @@
 inferred in the background, the watchdog, the emergency stop and the shutdown to a safe pose.
 
 Timing: ``RateTimer`` keeps absolute deadlines (no drift) and records how late each tick was.
+Every deadline, the watchdog and the shutdown's time limit read one ``Clock``: the ``time`` module
+itself, or a test's clock whose time passes only when slept through (exact, on any machine).
 Chunks: ``ChunkExecutor`` asks for the next chunk when ``request_when_left`` actions of the current
 one remain, so inference overlaps execution; a chunk inferred from the observation of step s
 covers steps s, s+1, ...: the steps that passed while it was computed are dropped, and the first
@@ -23,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,23 +33,32 @@ import torch
 log = logging.getLogger(__name__)
 
 
+class Clock(Protocol):
+    """Where the loop reads the time and waits: the ``time`` module, or a test's clock."""
+
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
 class RateTimer:
     """Ticks at ``hz`` on absolute deadlines; ``lateness`` holds seconds past each deadline."""
 
-    def __init__(self, hz: float):
+    def __init__(self, hz: float, clock: Clock = time):
+        self.clock = clock
         self.period = 1.0 / hz
-        self.deadline = time.monotonic()
+        self.deadline = clock.monotonic()
         self.lateness: list[float] = []
 
     def wait(self) -> None:
         self.deadline += self.period
-        delay = self.deadline - time.monotonic()
+        delay = self.deadline - self.clock.monotonic()
         if delay > 0:
-            time.sleep(delay)
-        late = time.monotonic() - self.deadline
+            self.clock.sleep(delay)
+        late = self.clock.monotonic() - self.deadline
         self.lateness.append(late)
         if late > self.period:  # missed a whole tick: start over rather than rush to catch up
-            self.deadline = time.monotonic()
+            self.deadline = self.clock.monotonic()
 
     def stats(self) -> dict:
         """Achieved rate and jitter (milliseconds past the deadline, p50/p99/max)."""
@@ -205,23 +217,29 @@ class EpisodeResult:
 
 
 def run_episode(
-    env, executor: ChunkExecutor, estop: EmergencyStop, *, hz: float, max_steps: int
+    env,
+    executor: ChunkExecutor,
+    estop: EmergencyStop,
+    *,
+    hz: float,
+    max_steps: int,
+    clock: Clock = time,
 ) -> EpisodeResult:
     """Drive ``env`` (a RobotEnv) at ``hz`` for up to ``max_steps`` steps. Without a fresh action
     for ``hold_after_s`` the arm holds its last command; after ``stop_after_s`` the episode ends
     with reason "watchdog" (the caller then shuts down to the safe pose)."""
     cfg = env.safety.cfg
     obs = env.reset()
-    timer = RateTimer(hz)
+    timer = RateTimer(hz, clock)
     result = EpisodeResult(0, "done")
-    last_fresh = time.monotonic()
+    last_fresh = clock.monotonic()
     holding = False
     for step in range(max_steps):
         if estop.is_set():
             result.reason = "estop"
             break
         action = executor.action(step, obs)
-        now = time.monotonic()
+        now = clock.monotonic()
         if action is not None:
             last_fresh = now
             holding = False
@@ -302,14 +320,14 @@ def _step_toward(env, safe: np.ndarray, tolerance: float) -> bool:
     return bool(np.all(np.abs(env.present - safe) < tolerance))
 
 
-def _move_to_safe_pose(env, report: ShutdownReport, *, hz, timeout_s, tolerance) -> bool:
+def _move_to_safe_pose(env, report: ShutdownReport, *, hz, timeout_s, tolerance, clock) -> bool:
     """Step toward the safe pose until the arm is there (True) or ``timeout_s`` passes. A bus
     error costs its tick and is retried; MOVE_ERRORS_MAX in a row end the move (False)."""
     safe = np.asarray(env.safety.cfg.safe_pose, float)
-    timer = RateTimer(hz)
-    t_end = time.monotonic() + timeout_s
+    timer = RateTimer(hz, clock)
+    t_end = clock.monotonic() + timeout_s
     errors_in_a_row = 0
-    while time.monotonic() < t_end:
+    while clock.monotonic() < t_end:
         try:
             if _step_toward(env, safe, tolerance):
                 return True
@@ -345,14 +363,22 @@ def _disconnect(env, report: ShutdownReport) -> None:
 
 
 def shut_down(
-    env, *, hz: float, timeout_s: float = 10.0, tolerance: float = 0.05, disconnect: bool = True
+    env,
+    *,
+    hz: float,
+    timeout_s: float = 10.0,
+    tolerance: float = 0.05,
+    disconnect: bool = True,
+    clock: Clock = time,
 ) -> ShutdownReport:
     """Move to the safe pose (rate-limited, inside the workspace), switch torque off there and
     disconnect. Every stage runs guarded: its errors are logged and reported, never raised. Torque
     goes off only at the safe pose (elsewhere the arm would drop: it stays on, holding); the
     disconnect is tried whatever happened before it (the servos keep holding their last goal)."""
     report = ShutdownReport()
-    at_safe_pose = _move_to_safe_pose(env, report, hz=hz, timeout_s=timeout_s, tolerance=tolerance)
+    at_safe_pose = _move_to_safe_pose(
+        env, report, hz=hz, timeout_s=timeout_s, tolerance=tolerance, clock=clock
+    )
     if at_safe_pose:
         _torque_off(env, report)
     if disconnect:
@@ -360,10 +386,14 @@ def shut_down(
     return report
 
 
-def safe_shutdown(env, *, hz: float, timeout_s: float = 10.0, tolerance: float = 0.05) -> bool:
+def safe_shutdown(
+    env, *, hz: float, timeout_s: float = 10.0, tolerance: float = 0.05, clock: Clock = time
+) -> bool:
     """``shut_down`` without the disconnect; returns whether torque was switched off, or raises
     the first error of its stages (the later ones noted on it)."""
-    report = shut_down(env, hz=hz, timeout_s=timeout_s, tolerance=tolerance, disconnect=False)
+    report = shut_down(
+        env, hz=hz, timeout_s=timeout_s, tolerance=tolerance, disconnect=False, clock=clock
+    )
     report.raise_first()
     return report.torque_off
 
@@ -375,11 +405,20 @@ class SafeShutdown:
     never in its place; without one, the shutdown's first error is raised. Afterwards
     ``shutdown.torque_off`` says whether torque went off at the safe pose."""
 
-    def __init__(self, env, *, hz: float, timeout_s: float = 10.0, tolerance: float = 0.05):
+    def __init__(
+        self,
+        env,
+        *,
+        hz: float,
+        timeout_s: float = 10.0,
+        tolerance: float = 0.05,
+        clock: Clock = time,
+    ):
         self.env = env
         self.hz = hz
         self.timeout_s = timeout_s
         self.tolerance = tolerance
+        self.clock = clock
         self.report: ShutdownReport | None = None
 
     @property
@@ -393,7 +432,11 @@ class SafeShutdown:
         if error is not None:
             log.error("stopping on %r: shutting down to the safe pose", error)
         self.report = shut_down(
-            self.env, hz=self.hz, timeout_s=self.timeout_s, tolerance=self.tolerance
+            self.env,
+            hz=self.hz,
+            timeout_s=self.timeout_s,
+            tolerance=self.tolerance,
+            clock=self.clock,
         )
         if error is None:
             self.report.raise_first()

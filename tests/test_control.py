@@ -1,44 +1,47 @@
-"""The control loop on the digital twin: chunk seams, watchdog, emergency stop, safe shutdown."""
+"""The control loop on the digital twin: chunk seams, watchdog, emergency stop, safe shutdown.
+
+The loop, the arm and the twin read a ``FakeClock``: a tick passes only when the loop sleeps
+through it, so the watchdog holds and stops at exact steps and the twin moves exactly a period per
+tick, however busy the machine is. Where a chunk is inferred on the executor's thread, the test
+waits for it (``settle``) or the executor waits for it (``wait_s``, a ceiling), never a time."""
 
 import os
 import signal
-import threading
-import time
 
 import numpy as np
 import pytest
+from clocks import CEILING_S, FakeClock, wait_until
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 from embodied.robots.arm import ArmConfig, RobotEnv, connect, default_safety  # noqa: E402
-from embodied.robots.control import (
+from embodied.robots.control import (  # noqa: E402
     ChunkExecutor,
     EmergencyStop,
     RateTimer,
     run_episode,
     safe_shutdown,
-)  # noqa: E402
+)
+from embodied.robots.safety import SafetyLayer  # noqa: E402
 from embodied.robots.servo_port import FEETECH_STS, ticks_to_rad  # noqa: E402
 
 TORQUE_ENABLE = FEETECH_STS.torque[0]
-from embodied.robots.safety import SafetyLayer  # noqa: E402
-
 HZ = 30.0
 
 
-def twin_env(tmp_path, **safety):
+def twin_env(tmp_path, clock, **safety):
     from embodied.twin import make_twin_robot
 
     cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"), control_hz=HZ)
-    robot, twin, port = make_twin_robot(cfg)
+    robot, twin, port = make_twin_robot(cfg, clock=clock)
     connect(robot, cfg)
-    return RobotEnv(robot, cfg, SafetyLayer(default_safety(robot, cfg, **safety))), twin, port
+    layer = SafetyLayer(default_safety(robot, cfg, **safety))
+    return RobotEnv(robot, cfg, layer, clock), twin, port
 
 
-def _wait(ex: ChunkExecutor) -> None:
-    deadline = time.monotonic() + 5
-    while ex._results.empty() and time.monotonic() < deadline:
-        time.sleep(0.001)
+def settle(ex: ChunkExecutor) -> None:
+    """Until the chunk asked for, if any, has come back: the next ``action`` takes it."""
+    wait_until(lambda: not ex.pending or not ex._results.empty(), "the chunk in flight")
 
 
 def test_chunks_are_requested_ahead_aligned_and_blended_at_the_seam():
@@ -51,10 +54,10 @@ def test_chunks_are_requested_ahead_aligned_and_blended_at_the_seam():
     ex = ChunkExecutor(infer, request_when_left=2, blend_steps=2)
     try:
         assert ex.action(0, 0) is None  # nothing yet: asked for the first chunk
-        _wait(ex)
+        settle(ex)
         assert ex.action(1, 1)[0] == 101  # chunk 1 came a step late: step 0's action is dropped
         assert ex.action(2, 2)[0] == 102 and ex.pending  # 2 left: the next chunk is asked for now
-        _wait(ex)
+        settle(ex)
         # the seam: step 3 was planned as 103 by chunk 1 and as 203 by chunk 2; blended 2/3 : 1/3
         assert calls == [0, 2] and ex.action(3, 3)[0] == pytest.approx(2 / 3 * 103 + 1 / 3 * 203)
         assert ex.action(4, 4)[0] == 204  # chunk 1 planned nothing for step 4: chunk 2 alone
@@ -62,82 +65,76 @@ def test_chunks_are_requested_ahead_aligned_and_blended_at_the_seam():
         ex.close()
 
 
-def test_second_seam_weight_and_a_failed_inference_is_counted():
+def test_second_seam_weight_and_each_failed_inference_is_counted():
     def infer(step):
         if step >= 4:
             raise ConnectionError("server gone")
         return np.full((6, 1), 10.0 * (step + 1))
 
     ex = ChunkExecutor(infer, request_when_left=4, blend_steps=2)
+    actions = []
     try:
-        ex.action(0, 0)
-        _wait(ex)
-        assert ex.action(1, 1)[0] == 10.0  # chunk of step 0 (value 10), 5 of 6 left
-        assert ex.action(2, 2)[0] == 10.0  # 4 left: ask (step 2 -> value 30)
-        _wait(ex)
-        assert ex.action(3, 3)[0] == pytest.approx(2 / 3 * 10 + 1 / 3 * 30)
-        assert ex.action(4, 4)[0] == pytest.approx(1 / 3 * 10 + 2 / 3 * 30)  # second blended step
-        assert ex.action(5, 5)[0] == 30.0
-        for step in range(6, 9):
-            ex.action(step, step)
-            _wait(ex)
-        assert ex.errors >= 1
+        for step in range(9):  # each chunk asked for at step s is taken at step s + 1
+            actions.append(ex.action(step, step))
+            settle(ex)
     finally:
         ex.close()
+    assert actions[0] is None and actions[8] is None
+    assert [a[0] for a in actions[1:3]] == [10.0, 10.0]  # chunk of step 0 (value 10); 2: ask
+    # chunk of step 2 (value 30), its first two steps blended with what chunk 0 planned
+    assert actions[3][0] == pytest.approx(2 / 3 * 10 + 1 / 3 * 30)
+    assert actions[4][0] == pytest.approx(1 / 3 * 10 + 2 / 3 * 30)
+    assert [a[0] for a in actions[5:8]] == [30.0, 30.0, 30.0]
+    # asked at steps 4, 5, 6, 7 (4 or fewer left, none in flight), each failed; step 8 had none
+    assert ex.errors == 4 and len(ex.latencies) == 6
 
 
 def test_one_action_chunks_are_used_within_their_step_or_a_step_late():
-    ex = ChunkExecutor(lambda step: np.array([[float(step)]]), request_when_left=0, wait_s=1.0)
-    try:
-        assert [ex.action(t, t)[0] for t in range(5)] == [
-            0.0,
-            1.0,
-            2.0,
-            3.0,
-            4.0,
-        ]  # waited for: fresh each step
+    waited = ChunkExecutor(
+        lambda step: np.array([[float(step)]]), request_when_left=0, wait_s=CEILING_S
+    )
+    try:  # waited for: fresh each step
+        assert [waited.action(t, t)[0] for t in range(5)] == [0.0, 1.0, 2.0, 3.0, 4.0]
     finally:
-        ex.close()
+        waited.close()
     late = ChunkExecutor(lambda step: np.array([[float(step)]]), request_when_left=0)
     try:
         assert late.action(0, 0) is None
-        _wait(late)
+        settle(late)
         assert late.action(1, 1)[0] == 0.0  # the step-0 action, a step late, rather than nothing
     finally:
         late.close()
 
 
-def test_watchdog_holds_then_stops_and_the_arm_reaches_the_safe_pose_before_torque_off(tmp_path):
-    env, twin, port = twin_env(tmp_path, hold_after_s=0.15, stop_after_s=0.6)
-    served = threading.Event()
+def test_watchdog_holds_then_stops_at_exact_steps_then_the_safe_pose_before_torque_off(tmp_path):
+    clock = FakeClock()
+    env, twin, port = twin_env(tmp_path, clock, hold_after_s=0.15, stop_after_s=0.61)
+    chunk = 8
+    calls = []
 
-    def infer(obs):  # the "server" answers three times, then stops answering
-        if served.is_set():
-            time.sleep(5)
+    def infer(obs):  # the "server" answers three chunks, then it is gone
+        calls.append(obs)
+        if len(calls) > 3:
+            raise ConnectionError("server gone")
         target = env.safety.last.copy()
         target[0] += 0.2
-        return np.repeat(target[None], 8, 0)
+        return np.repeat(target[None], chunk, 0)
 
-    calls = {"n": 0}
-
-    def counting(obs):
-        calls["n"] += 1
-        if calls["n"] > 3:
-            served.set()
-        return infer(obs)
-
-    ex = ChunkExecutor(counting, request_when_left=2)
+    # every chunk is waited for when the last one runs out: steps 0-23 act
+    ex = ChunkExecutor(infer, request_when_left=0, wait_s=CEILING_S)
     try:
         with EmergencyStop(keyboard=False) as stop:
-            result = run_episode(env, ex, stop, hz=HZ, max_steps=200)
+            result = run_episode(env, ex, stop, hz=HZ, max_steps=200, clock=clock)
+        # no action after step 23: at step s it is (s - 23) / 30 s old; held from step 28
+        # (0.167 s > 0.15 s), stopped at step 42 (0.633 s > 0.61 s) before acting
         assert result.reason == "watchdog" and result.watchdog == {"hold": 1, "stop": 1}
-        held = [f["sent"] for f in result.frames if f["interventions"] == ["watchdog_hold"]]
-        assert len(held) >= 3 and all(
-            np.array_equal(h, held[0]) for h in held
-        )  # holding: the same command
-        assert result.steps < 200
+        assert result.acted == 3 * chunk and result.steps == 42
+        kinds = [f["interventions"] for f in result.frames]
+        assert kinds[24:] == [[]] * 4 + [["watchdog_hold"]] * 14
+        sent = [f["sent"] for f in result.frames]
+        assert all(np.array_equal(s, sent[23]) for s in sent[24:])  # holding the last command
         log_before = len(port.log)
-        assert safe_shutdown(env, hz=HZ, timeout_s=15)
+        assert safe_shutdown(env, hz=HZ, timeout_s=15, clock=clock)
         after = port.log[log_before:]
         torque_off = [i for i, c in enumerate(after) if c.address == TORQUE_ENABLE and c.value == 0]
         goals = [i for i, c in enumerate(after) if c.address != TORQUE_ENABLE]
@@ -147,24 +144,38 @@ def test_watchdog_holds_then_stops_and_the_arm_reaches_the_safe_pose_before_torq
         np.testing.assert_allclose(
             [ticks_to_rad(last_goal[i + 1]) for i in range(6)], safe, atol=0.01
         )
-        np.testing.assert_allclose(
-            twin.joints()[:5], safe[:5], atol=0.06
-        )  # it is there, not just told to go
+        # it is there, not just told to go
+        np.testing.assert_allclose(twin.joints()[:5], safe[:5], atol=0.06)
         assert not any(port.torque().values())
     finally:
         ex.close()
         env.close()
 
 
-def test_emergency_stop_by_signal_ends_the_episode(tmp_path):
-    env, twin, port = twin_env(tmp_path)
+class SignallingClock(FakeClock):
+    """A FakeClock that raises SIGUSR1 in its ``nth`` sleep: a signal that lands while the loop
+    waits for a tick."""
+
+    def __init__(self, nth: int):
+        super().__init__()
+        self.nth = nth
+
+    def sleep(self, seconds: float) -> None:
+        super().sleep(seconds)
+        if self.sleeps == self.nth:
+            signal.raise_signal(signal.SIGUSR1)
+
+
+def test_emergency_stop_by_signal_ends_the_episode_at_the_next_step(tmp_path):
+    clock = SignallingClock(nth=10)
+    env, twin, port = twin_env(tmp_path, clock)
     ex = ChunkExecutor(lambda obs: np.repeat(env.safety.last[None], 4, 0))
     original = signal.getsignal(signal.SIGUSR1)
     try:
         with EmergencyStop(keyboard=False) as stop:
-            threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
-            result = run_episode(env, ex, stop, hz=HZ, max_steps=300)
-        assert result.reason == "estop" and stop.reason == "SIGUSR1" and 3 <= result.steps < 300
+            result = run_episode(env, ex, stop, hz=HZ, max_steps=300, clock=clock)
+        # the signal came in the wait after step 9: step 10 never ran
+        assert result.reason == "estop" and stop.reason == "SIGUSR1" and result.steps == 10
         assert signal.getsignal(signal.SIGUSR1) == original  # handlers restored
     finally:
         ex.close()
@@ -172,30 +183,37 @@ def test_emergency_stop_by_signal_ends_the_episode(tmp_path):
 
 
 def test_a_nan_chunk_never_reaches_the_motors(tmp_path):
-    env, twin, port = twin_env(tmp_path)
-    ex = ChunkExecutor(lambda obs: np.full((4, 6), np.nan))
+    clock = FakeClock()
+    env, twin, port = twin_env(tmp_path, clock)
+    ex = ChunkExecutor(lambda obs: np.full((4, 6), np.nan), wait_s=CEILING_S)
     try:
         with EmergencyStop(keyboard=False) as stop:
-            result = run_episode(env, ex, stop, hz=HZ, max_steps=10)
-        assert env.safety.counts["nonfinite"] >= 5
+            result = run_episode(env, ex, stop, hz=HZ, max_steps=10, clock=clock)
+        assert result.reason == "done" and result.acted == 10  # every step had its (NaN) action
+        assert env.safety.counts["nonfinite"] == 10  # and every one was rejected
         assert all(np.all(np.isfinite(list(g.values()))) for g in port.goal_writes())
         start = port.goal_writes()[0]
         assert all(g == start for g in port.goal_writes())  # held where it started
-        assert result.reason == "done"
     finally:
         ex.close()
         env.close()
 
 
-def test_rate_timer_reports_its_ticks():
-    timer = RateTimer(200.0)
-    for _ in range(20):
+def test_rate_timer_keeps_absolute_deadlines_and_starts_over_after_a_missed_tick():
+    clock = FakeClock(overshoot=[0.0, 0.002, 0.001, 0.025, 0.0])  # how late each sleep wakes
+    timer = RateTimer(100.0, clock)
+    ticks = []
+    for _ in range(5):
         timer.wait()
+        ticks.append(clock.now)
+    # deadlines every 10 ms from 0, not from each wake-up; the fourth woke 25 ms late (more than
+    # a period), so the fifth is a period after it, not at 0.05 (two ticks rushed together)
+    assert ticks == pytest.approx([0.01, 0.022, 0.031, 0.065, 0.075])
     stats = timer.stats()
-    assert (
-        stats["ticks"] == 20
-        and stats["jitter_p50_ms"] <= stats["jitter_p99_ms"] <= stats["jitter_max_ms"]
-    )
+    assert stats["ticks"] == 5
+    assert stats["jitter_p50_ms"] == pytest.approx(1.0)  # of 0, 2, 1, 25, 0 ms
+    assert stats["jitter_p99_ms"] == pytest.approx(2 + 0.96 * 23)  # numpy's linear interpolation
+    assert stats["jitter_max_ms"] == pytest.approx(25.0)
 
 
 def test_emergency_stop_by_key(monkeypatch):
@@ -204,5 +222,5 @@ def test_emergency_stop_by_key(monkeypatch):
     with EmergencyStop(keyboard=True) as stop:
         assert not stop.is_set()
         os.write(write_end, b"\n")  # Enter
-        assert stop.event.wait(5) and stop.reason == "key"
+        assert stop.event.wait(CEILING_S) and stop.reason == "key"
     os.close(write_end)

@@ -1,6 +1,8 @@
 """The safe shutdown after a bus error, on the digital twin (LeRobot's driver over the software
 serial port): the control step's error is the one raised, the shutdown still runs every stage
-it safely can, and its own errors are logged and noted on the first one, never in its place."""
+it safely can, and its own errors are logged and noted on the first one, never in its place.
+The loop, the arm and the twin read a FakeClock: the steps and the move are the same on any
+machine (tests/test_control.py)."""
 
 import itertools
 import logging
@@ -8,6 +10,7 @@ import os
 
 import numpy as np
 import pytest
+from clocks import CEILING_S, FakeClock
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 
@@ -29,10 +32,11 @@ FAILING_STEP = 10  # the control step whose goal write fails
 def twin_env(tmp_path):
     from embodied.twin import make_twin_robot
 
+    clock = FakeClock()
     cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"), control_hz=HZ)
-    robot, twin, port = make_twin_robot(cfg)
+    robot, twin, port = make_twin_robot(cfg, clock=clock)
     connect(robot, cfg)
-    return RobotEnv(robot, cfg, SafetyLayer(default_safety(robot, cfg))), twin, port
+    return RobotEnv(robot, cfg, SafetyLayer(default_safety(robot, cfg)), clock), twin, port
 
 
 def fail_goal_writes(monkeypatch, port, fails) -> None:
@@ -69,17 +73,17 @@ def record_errors(monkeypatch, env, method: str) -> list[Exception]:
 def holding_policy() -> ChunkExecutor:
     """Chunks that hold the arm where it was observed; each step waits for its action, so every
     control step is a policy step (``env.step``)."""
-    return ChunkExecutor(lambda obs: np.repeat(obs.state[:, :6].numpy(), 50, 0), wait_s=1.0)
+    return ChunkExecutor(lambda obs: np.repeat(obs.state[:, :6].numpy(), 50, 0), wait_s=CEILING_S)
 
 
 def run_then_shut_down(env, *, max_steps: int = 100) -> SafeShutdown:
     """The episode inside a SafeShutdown, as a deploy runs it; raises what the shutdown lets out."""
     executor = holding_policy()
-    shutdown = SafeShutdown(env, hz=HZ, timeout_s=15)
+    shutdown = SafeShutdown(env, hz=HZ, timeout_s=15, clock=env.clock)
     try:
         with shutdown:
             with EmergencyStop(keyboard=False) as stop:
-                run_episode(env, executor, stop, hz=HZ, max_steps=max_steps)
+                run_episode(env, executor, stop, hz=HZ, max_steps=max_steps, clock=env.clock)
     finally:
         executor.close()
     return shutdown

@@ -1,4 +1,8 @@
-"""Waiting in tests for what another thread or process does, without timing it.
+"""Time in tests, without timing anything.
+
+``FakeClock`` stands in for the ``time`` module where code takes a clock (the control loop, the
+twin): its time passes only when slept through, so every tick is exactly on time and a watchdog
+fires at an exact step, on any machine and under any load.
 
 ``wait_until`` polls a condition and fails loudly, naming what it waited for, when its ceiling runs
 out. The ceiling only turns a hang into a failure: it is never a bound the behaviour must meet, so
@@ -28,3 +32,21 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up waiting for {what} after {ceiling_s:.0f} s")
         time.sleep(every_s)
+
+
+class FakeClock:
+    """``monotonic()`` and ``sleep()`` as the ``time`` module has them; time starts at 0 and moves
+    only in ``sleep``, by the seconds asked plus the next of ``overshoot`` (how late a real sleep
+    would wake), if any."""
+
+    def __init__(self, overshoot=()):
+        self.now = 0.0
+        self.overshoot = list(overshoot)
+        self.sleeps = 0  # how many times it was slept through
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds + (self.overshoot.pop(0) if self.overshoot else 0.0)
+        self.sleeps += 1
