@@ -193,13 +193,16 @@ class WorkerVecEnv:
         return payload
 
     # --- timeouts -------------------------------------------------------------------------
+    def _timeout(self, what: str) -> float:
+        """Seconds a worker has to answer a ``what`` ("step", "reset", "render")."""
+        return self.step_timeout_s * (1 if what == "step" else RESET_TIMEOUT_FACTOR)
+
     def _deadline(self, what: str) -> float | None:
-        """When answers to a ``what`` ("step", "reset", "render") sent now are due; None in
-        process (nothing can interrupt a core running in this thread)."""
+        """When answers to a ``what`` sent now are due; None in process (nothing can interrupt a
+        core running in this thread)."""
         if not self._procs:
             return None
-        factor = 1 if what == "step" else RESET_TIMEOUT_FACTOR
-        return time.monotonic() + factor * self.step_timeout_s
+        return time.monotonic() + self._timeout(what)
 
     def _recv(self, w: int, what: str, deadline: float | None):
         """Worker ``w``'s next answer; past ``deadline`` the worker is killed (WorkerTimeout)."""
@@ -209,10 +212,9 @@ class WorkerVecEnv:
         return self._payload(conn)
 
     def _time_out(self, w: int, what: str) -> None:
-        timeout = self.step_timeout_s * (1 if what == "step" else RESET_TIMEOUT_FACTOR)
         message = (
             f"{self._who()} worker {w} ({self._held(w)}) did not answer a {what} within "
-            f"{timeout:g} s; it was killed"
+            f"{self._timeout(what):g} s; it was killed"
         )
         self._kill(w)
         self.close()

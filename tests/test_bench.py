@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from clocks import wait_until
 
 pytest.importorskip("mujoco")
 
@@ -122,10 +122,7 @@ def test_killed_run_resumes_without_redoing_finished_tasks(tmp_path):
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
-        deadline = time.time() + 300
-        while not first.exists() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert first.exists(), proc.stdout.read().decode()[-2000:]
+        wait_until(first.exists, f"{first}", gone=lambda: proc.poll() is not None)
         os.killpg(proc.pid, signal.SIGKILL)  # killed in the middle of the second task
     finally:
         proc.wait()

@@ -6,9 +6,9 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
+from clocks import wait_until
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 
@@ -92,10 +92,10 @@ def test_deploy_through_the_server_and_the_watchdog_when_it_stops(checkpoints, c
     server = serve(checkpoints["state_only"], host="127.0.0.1", port=0)
 
     def stop_mid_run():  # the server goes away once it has answered 10 requests
-        deadline = time.monotonic() + 120
-        while server.stats["requests"] < 10 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        server.stop()
+        try:
+            wait_until(lambda: server.stats["requests"] >= 10, "10 requests to the server")
+        finally:
+            server.stop()
 
     threading.Thread(target=stop_mid_run, daemon=True).start()
     rc, summary = deploy(
@@ -104,7 +104,7 @@ def test_deploy_through_the_server_and_the_watchdog_when_it_stops(checkpoints, c
             "--robot",
             "so101-sim",
             "--episode-seconds",
-            "20",
+            "300",  # the watchdog ends it once the server is gone, however slow the machine
             "--server",
             f"ws://127.0.0.1:{server.port}",
         ],
@@ -112,10 +112,10 @@ def test_deploy_through_the_server_and_the_watchdog_when_it_stops(checkpoints, c
     )
     assert rc == 0, summary
     (episode,) = summary["episodes"]
-    assert episode["end"] == "watchdog" and episode["watchdog"] == {"hold": 1, "stop": 1}
-    assert (
-        10 < episode["steps"] < 600 and episode["inference_errors"] >= 1 and episode["acted"] >= 9
-    )  # it ran, then lost the server
+    # it ran, then lost the server and the watchdog stopped it (when it holds and stops, in steps,
+    # tests/test_control.py shows on a fake clock; here wall time decides, so only that it fired)
+    assert episode["end"] == "watchdog" and episode["watchdog"]["stop"] == 1
+    assert episode["inference_errors"] >= 1 and episode["acted"] >= 1
     assert summary["torque_off_at_safe_pose"] is True
 
 
@@ -187,12 +187,11 @@ def test_recordings_survive_a_crash_of_the_deploy_process(checkpoints, tmp_path)
         stdin=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 120
-        while (
-            not (rec / "episode_0001" / "meta" / "info.json").exists()
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.05)
+        wait_until(
+            (rec / "episode_0001" / "meta" / "info.json").exists,
+            "the second episode's recording",
+            gone=lambda: proc.poll() is not None,
+        )
         os.kill(proc.pid, signal.SIGKILL)  # no clean-up of any kind
     finally:
         proc.wait(30)

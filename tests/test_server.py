@@ -1,12 +1,15 @@
-"""The policy server on loopback: handshake, health, concurrency, bad input, disconnects, floods."""
+"""The policy server on loopback: handshake, health, concurrency, bad input, disconnects, floods.
+
+Where a test needs a request to be in flight, the model blocks on an event the test sets, never
+on a sleep: what is queued, refused or answered is then the same on any machine."""
 
 import json
 import threading
-import time
 import urllib.request
 
 import numpy as np
 import pytest
+from clocks import CEILING_S, wait_until
 from websockets.sync.client import connect
 
 from embodied.robots.server import PolicyClient, PolicyServer, pack, unpack
@@ -21,6 +24,19 @@ CONTRACT = {
 
 def doubling(obs):  # a chunk of 3 actions that shows which request it answers
     return np.repeat(np.asarray(obs["state"], np.float32)[None] * 2, 3, 0)
+
+
+def gated(gate: threading.Event, started: threading.Event | None = None):
+    """``doubling`` that waits until ``gate`` is set (a model busy until the test says); it sets
+    ``started`` when it takes a request."""
+
+    def infer(obs):
+        if started is not None:
+            started.set()
+        assert gate.wait(CEILING_S), "the test never opened the gate"
+        return doubling(obs)
+
+    return infer
 
 
 @pytest.fixture
@@ -45,7 +61,9 @@ def test_handshake_inference_timing_and_health(server):
         np.testing.assert_array_equal(out, [[2.0, -4.0]] * 3)
         assert out.dtype == np.float32 and set(client.last_timing) == {"queue_ms", "infer_ms"}
         health = json.loads(
-            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=5).read()
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{server.port}/health", timeout=CEILING_S
+            ).read()
         )
         assert health["ok"] and health["contract"] == CONTRACT and health["clients"] == 1
     finally:
@@ -73,80 +91,86 @@ def test_eight_concurrent_clients_each_get_their_own_answers(server):
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
     [t.start() for t in threads]
-    [t.join(20) for t in threads]
+    [t.join(CEILING_S) for t in threads]
     assert not errors and answers == {i: [0.0, 2.0, 4.0, 6.0, 8.0] for i in range(8)}
 
 
 def test_malformed_and_oversized_requests_get_error_replies_and_service_goes_on(server):
     with connect(url(server)) as ws:
         ws.send(pack({"type": "hello", "contract": CONTRACT}))
-        assert unpack(ws.recv(timeout=5))["type"] == "hello"
+        assert unpack(ws.recv(timeout=CEILING_S))["type"] == "hello"
         ws.send(b"\x00\xffnot msgpack")
-        assert "malformed" in unpack(ws.recv(timeout=5))["error"]
+        assert "malformed" in unpack(ws.recv(timeout=CEILING_S))["error"]
         ws.send(pack({"type": "infer"}))  # no observation
-        assert "malformed" in unpack(ws.recv(timeout=5))["error"]
+        assert "malformed" in unpack(ws.recv(timeout=CEILING_S))["error"]
         ws.send("a text frame")
-        assert "refused" in unpack(ws.recv(timeout=5))["error"]
+        assert "refused" in unpack(ws.recv(timeout=CEILING_S))["error"]
         ws.send(
             pack({"type": "infer", "obs": {"state": np.zeros(2000, np.float32)}})
         )  # 8 KB > 4 KB
-        assert "refused" in unpack(ws.recv(timeout=5))["error"]
+        assert "refused" in unpack(ws.recv(timeout=CEILING_S))["error"]
         ws.send(pack({"type": "infer", "id": 7, "obs": {"state": np.ones(2, np.float32)}}))
-        reply = unpack(ws.recv(timeout=5))
+        reply = unpack(ws.recv(timeout=CEILING_S))
         assert reply["type"] == "chunk" and reply["id"] == 7  # the same connection still served
     assert server.stats["errors"] == 4
 
 
 def test_a_client_that_disconnects_mid_request_does_not_hurt_others():
-    def slow(obs):
-        time.sleep(0.3)
-        return doubling(obs)
-
-    s = PolicyServer(slow, CONTRACT, port=0).start()
+    gate = threading.Event()
+    s = PolicyServer(gated(gate), CONTRACT, port=0).start()
     try:
         ws = connect(url(s))
         ws.send(pack({"type": "hello", "contract": CONTRACT}))
-        ws.recv(timeout=5)
+        ws.recv(timeout=CEILING_S)
         ws.send(pack({"type": "infer", "id": 1, "obs": {"state": np.ones(2, np.float32)}}))
-        ws.close()  # gone before the answer
-        client = PolicyClient(url(s), CONTRACT, timeout_s=5)
+        wait_until(lambda: s.stats["requests"] == 1, "the first request at the server")
+        ws.close()  # gone before the answer: the model is still on its request
+        client = PolicyClient(url(s), CONTRACT, timeout_s=CEILING_S)
+        wait_until(lambda: s.stats["clients"] == 2, "the second client's handshake")
+        gate.set()  # the first answer goes to a closed connection, the second to the client
         np.testing.assert_array_equal(
             client.infer({"state": np.array([3.0, 4.0], np.float32)})[0], [6.0, 8.0]
         )
         client.close()
+        assert s.stats["errors"] == 0 and s.stats["requests"] == 2
     finally:
+        gate.set()
         s.stop()
 
 
 def test_a_flood_is_shed_with_busy_replies_not_queued_without_bound():
-    def slow(obs):
-        time.sleep(0.05)
-        return doubling(obs)
+    """One request holds the model; then 6 connections send 10 requests each without waiting (a
+    connection's requests are answered in order, one at a time). The first 2 to arrive fill the
+    queue; the other 4 get "busy" for all 10 of theirs at once. Then the model goes on, and the 2
+    held connections never find the queue full again (1 in the model + 2 queued at most)."""
+    gate = threading.Event()
+    started = threading.Event()
+    s = PolicyServer(gated(gate, started), CONTRACT, port=0, queue_size=2).start()
+    replies = {}
 
-    s = PolicyServer(slow, CONTRACT, port=0, queue_size=2).start()
+    def flood(c: int, n: int) -> None:
+        with connect(url(s)) as ws:
+            ws.send(pack({"type": "hello", "contract": CONTRACT}))
+            ws.recv(timeout=CEILING_S)
+            for k in range(n):
+                ws.send(pack({"type": "infer", "id": k, "obs": {"state": np.ones(2, np.float32)}}))
+            replies[c] = [unpack(ws.recv(timeout=CEILING_S)) for _ in range(n)]
+
+    first = threading.Thread(target=flood, args=("first", 1))
+    threads = [threading.Thread(target=flood, args=(c, 10)) for c in range(6)]
     try:
-        replies = []
-
-        def flood(n):
-            with connect(url(s)) as ws:
-                ws.send(pack({"type": "hello", "contract": CONTRACT}))
-                ws.recv(timeout=5)
-                for k in range(
-                    n
-                ):  # sent without waiting; one connection's are answered in order...
-                    ws.send(
-                        pack({"type": "infer", "id": k, "obs": {"state": np.ones(2, np.float32)}})
-                    )
-                for _ in range(n):
-                    replies.append(unpack(ws.recv(timeout=10)))
-
-        threads = [
-            threading.Thread(target=flood, args=(10,)) for _ in range(6)
-        ]  # ...60 in flight at once
+        first.start()
+        assert started.wait(CEILING_S)  # the model holds the first request: the queue is empty
         [t.start() for t in threads]
-        [t.join(30) for t in threads]
-        kinds = [r["type"] if r["type"] == "chunk" else r["error"] for r in replies]
-        assert len(replies) == 60 and kinds.count("busy") > 0 and kinds.count("chunk") > 0
-        assert s.stats["busy"] == kinds.count("busy")
+        wait_until(lambda: s.stats["busy"] == 40, "40 busy replies while the model is held")
+        gate.set()
+        [t.join(CEILING_S) for t in [first, *threads]]
     finally:
+        gate.set()
         s.stop()
+    kinds = {c: [r.get("error", r["type"]) for r in got] for c, got in replies.items()}
+    assert kinds.pop("first") == ["chunk"]
+    assert sorted(kinds.values()) == [["busy"] * 10] * 4 + [["chunk"] * 10] * 2
+    served = [got for got in replies.values() if got[0]["type"] == "chunk"]
+    assert all([r["id"] for r in got] == list(range(len(got))) for got in served)  # in order
+    assert s.stats["busy"] == 40 and s.stats["requests"] == 61

@@ -10,9 +10,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from clocks import wait_until
 
 import embodied.runner
 from embodied.checkpoint import best_iteration, load_checkpoint
@@ -267,9 +267,11 @@ def test_sigterm_to_a_training_process(tmp_path):
         [sys.executable, "-m", "embodied.cli", *cmd, *overrides], stderr=subprocess.PIPE, text=True
     )
     log = tmp_path / "real" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (log.exists() and "policy/loss" in log.read_text()):
-        time.sleep(0.02)
+    wait_until(
+        lambda: log.exists() and "policy/loss" in log.read_text(),
+        "iteration 1's row",
+        gone=lambda: proc.poll() is not None,
+    )
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err

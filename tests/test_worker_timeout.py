@@ -1,7 +1,11 @@
 """WorkerVecEnv's timeouts: a worker that hangs is killed, the others are stopped, the env is
 closed, and the error names the simulator, the task, the worker, its environments and their
 seeds. The cores are small numpy counters defined here (module level: a spawned worker imports
-this module to build one)."""
+this module to build one).
+
+Real time must pass for a pipe's timeout to fire, so these tests assert only that it fired (the
+error, the killed worker), never how long it took; pytest-timeout's ceiling fails a timeout that
+never fires instead of letting it hang."""
 
 import os
 import time
@@ -18,6 +22,7 @@ from embodied.simulators.workers import WorkerTimeout, WorkerVecEnv
 HANG = 99.0  # an action that makes a core's step never return (a simulator stuck in its solver)
 HANG_SEED = 666  # a reset seed that makes a core's reset never return
 STEP_TIMEOUT_S = 1.5
+CEILING = pytest.mark.timeout(120)  # a timeout of seconds that never fires fails here
 
 
 def _forever() -> None:
@@ -77,6 +82,7 @@ def _counter_env(**kwargs) -> WorkerVecEnv:
     return WorkerVecEnv(CountingCore, 4, 2, name="Counter", task="Count-v0", **kwargs)
 
 
+@CEILING
 def test_a_worker_hung_in_a_step_is_killed_and_the_error_names_it():
     env = _counter_env(step_timeout_s=STEP_TIMEOUT_S)
     procs = list(env._procs)
@@ -86,13 +92,10 @@ def test_a_worker_hung_in_a_step_is_killed_and_the_error_names_it():
         out = env.step(torch.zeros(4, 1))
         assert out.obs.state[:, 0].tolist() == [1, 1, 1, 1]  # a normal step before the hang
         actions = torch.tensor([[0.0], [0.0], [0.0], [HANG]])  # environment 3: worker 1
-        t0 = time.monotonic()
         with pytest.raises(WorkerTimeout) as raised:
             env.step(actions)
-        waited = time.monotonic() - t0
     finally:
         env.close()
-    assert STEP_TIMEOUT_S <= waited < STEP_TIMEOUT_S + 5
     assert isinstance(raised.value, RuntimeError)
     assert str(raised.value) == (
         "Counter Count-v0 worker 1 (environments 2-3, last reset seeds [9, None]) did not answer "
@@ -106,17 +109,15 @@ def test_a_worker_hung_in_a_step_is_killed_and_the_error_names_it():
         env.step(torch.zeros(4, 1))
 
 
+@CEILING
 def test_a_hung_reset_gets_ten_times_the_step_timeout():
     env = _counter_env(step_timeout_s=0.2)
     procs = list(env._procs)
-    t0 = time.monotonic()
     try:
         with pytest.raises(WorkerTimeout) as raised:
             env.reset(seed=[1, 2, 3, HANG_SEED])
-        waited = time.monotonic() - t0
     finally:
         env.close()
-    assert 2.0 <= waited < 2.0 + 5
     assert str(raised.value) == (
         f"Counter Count-v0 worker 1 (environments 2-3, last reset seeds [3, {HANG_SEED}]) did "
         "not answer a reset within 2 s; it was killed"
