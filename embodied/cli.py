@@ -30,13 +30,50 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _load(schema, args):
+def _schema(command: str) -> type:
+    """The config schema of a CONFIG command."""
+    if command == "train":
+        from embodied.runner import TrainConfig
+
+        return TrainConfig
+    if command == "sft":
+        from embodied.sft import SFTConfig
+
+        return SFTConfig
+    if command == "demos":
+        from embodied.demos import DemosConfig
+
+        return DemosConfig
+    from embodied.bench import BenchConfig
+
+    return BenchConfig
+
+
+def check_config(args, *, files: bool = True):
+    """The config of a CONFIG command (train, sft, demos, bench), checked as the command checks it
+    before building anything: keys and values, the sections against each other, and the tasks its
+    simulators know (a bench suite's every task); ``files``: also that the local files the config
+    names exist. Raises ConfigError or UserError, one line each."""
+    from embodied.bench import expand
+    from embodied.config import load_config
+    from embodied.multitask import check_tasks
+
+    cfg = load_config(_schema(args.command), args.config, args.overrides, files=files)[0]
+    if args.command == "bench":
+        expand(cfg, args.config)
+    elif args.command != "sft":  # (SFT's tasks are its datasets')
+        check_tasks(cfg.env)
+    return cfg
+
+
+def _load(args):
     """The config of a CONFIG [overrides] command, or None after printing its one-line error."""
-    from embodied.config import ConfigError, load_config
+    from embodied.config import ConfigError
+    from embodied.schema import UserError
 
     try:
-        return load_config(schema, args.config, args.overrides)[0]
-    except ConfigError as e:
+        return check_config(args)
+    except (ConfigError, UserError) as e:
         _error(str(e))
         return None
 
@@ -45,9 +82,9 @@ def cmd_train(args) -> int:
     from embodied.config import ConfigError
     from embodied.roles import WorkerLost
     from embodied.run import Stopped
-    from embodied.runner import TrainConfig, train
+    from embodied.runner import train
 
-    if (cfg := _load(TrainConfig, args)) is None:
+    if (cfg := _load(args)) is None:
         return 2
     try:
         train(cfg)
@@ -108,9 +145,9 @@ def cmd_eval(args) -> int:
 
 
 def cmd_demos(args) -> int:
-    from embodied.demos import DemosConfig, record_demos
+    from embodied.demos import record_demos
 
-    if (cfg := _load(DemosConfig, args)) is None:
+    if (cfg := _load(args)) is None:
         return 2
     if Path(cfg.output, "meta", "info.json").exists():
         return _error(
@@ -127,9 +164,9 @@ def cmd_demos(args) -> int:
 
 
 def cmd_sft(args) -> int:
-    from embodied.sft import SFTConfig, sft
+    from embodied.sft import sft
 
-    if (cfg := _load(SFTConfig, args)) is None:
+    if (cfg := _load(args)) is None:
         return 2
     try:
         sft(cfg)
@@ -139,15 +176,16 @@ def cmd_sft(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from embodied.bench import BenchConfig, run_bench
-    from embodied.config import ConfigError, load_config
+    from embodied.bench import run_bench
+    from embodied.config import ConfigError
 
     if args.checkpoint and args.policy:
         return _error("give either --policy or --checkpoint, not both")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         return _error(f"--out {args.out}: is a file; give a directory for the report")
+    if (cfg := _load(args)) is None:
+        return 2
     try:
-        cfg, _ = load_config(BenchConfig, args.config, args.overrides)
         run_bench(
             cfg,
             args.config,
@@ -413,8 +451,8 @@ def cmd_cluster(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach for a model hub
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as ``main`` reads it; a usage error is one line and SystemExit(2)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may also follow the options (`bench SUITE --policy zero episodes=1`)
@@ -426,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach for a model hub
+    args = parse(argv)
     from embodied.config import ConfigError
     from embodied.schema import UserError
 

@@ -2,7 +2,9 @@
 dataclass schemas that live next to the code they configure, plus ``key.sub=value`` overrides.
 
 A bad config raises ``ConfigError`` with one line naming the key path and the file it came from;
-the CLI prints it and exits with code 2.
+the CLI prints it and exits with code 2. A schema's ``validate()`` checks the form of its values;
+its ``check_files()``, if it has one, that the local files they name exist (skipped with
+``files=False``: a config written for another machine can still be checked).
 """
 
 from __future__ import annotations
@@ -87,16 +89,20 @@ def _source_of(key: str, sources: list[tuple[str, dict]]) -> str:
     return files[-1] if files else COMMAND_LINE
 
 
-def _validate_tree(obj: Any, path: str, sources) -> None:
-    """Call ``validate()`` on every dataclass in the tree, prefixing errors with their key path;
-    sections first, so that a parent's checks across sections see valid sections."""
+def _validate_tree(obj: Any, path: str, sources, files: bool = True) -> None:
+    """Call ``validate()`` (and, with ``files``, ``check_files()``) on every dataclass in the
+    tree, prefixing errors with their key path; sections first, so that a parent's checks across
+    sections see valid sections."""
     if not dataclasses.is_dataclass(obj):
         return
     for f in dataclasses.fields(obj):
-        _validate_tree(getattr(obj, f.name), f"{path}{f.name}.", sources)
-    if hasattr(obj, "validate"):
+        _validate_tree(getattr(obj, f.name), f"{path}{f.name}.", sources, files)
+    checks = [getattr(obj, "validate", None)]
+    if files:
+        checks.append(getattr(obj, "check_files", None))
+    for check in filter(None, checks):
         try:
-            obj.validate()
+            check()
         except ValueError as e:
             field_name = str(e).split(":", 1)[0]
             key = f"{path}{field_name}"
@@ -176,14 +182,17 @@ def compose(schema: type, sources: list[tuple[str, dict]]):
         ) from None
 
 
-def load_config(schema: type, path: str | Path, overrides: list[str] | None = None):
-    """Compose ``path`` (and its defaults) with ``overrides`` into an instance of ``schema``.
-    Returns ``(config, sources)`` where sources lists (file, mapping) in merge order."""
+def load_config(
+    schema: type, path: str | Path, overrides: list[str] | None = None, *, files: bool = True
+):
+    """Compose ``path`` (and its defaults) with ``overrides`` into an instance of ``schema``,
+    validated (``files``: the local files it names too). Returns ``(config, sources)`` where
+    sources lists (file, mapping) in merge order."""
     sources = _read_yaml(Path(path), ())
     if overrides:
         sources.append((COMMAND_LINE, parse_overrides(overrides)))
     obj = compose(schema, sources)
-    _validate_tree(obj, "", sources)
+    _validate_tree(obj, "", sources, files)
     return obj, sources
 
 

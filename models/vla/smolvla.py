@@ -79,15 +79,17 @@ class SmolVLAConfig(PolicyConfig):
             raise ValueError(
                 "vlm_path: SmolVLA needs a local SmolVLM2 directory (nothing is downloaded)"
             )
+        if self.chunk_size < 1 or self.flow_steps < 1:
+            raise ValueError("chunk_size: chunk_size and flow_steps must be >= 1")
+        if self.flow_noise_std <= 0:
+            raise ValueError(f"flow_noise_std: must be > 0, got {self.flow_noise_std}")
+
+    def check_files(self) -> None:
         if not (Path(self.vlm_path) / "config.json").is_file():
             raise ValueError(
                 f"vlm_path: {self.vlm_path} is not a model directory (config.json, weights and "
                 "processor files, as save_pretrained writes them)"
             )
-        if self.chunk_size < 1 or self.flow_steps < 1:
-            raise ValueError("chunk_size: chunk_size and flow_steps must be >= 1")
-        if self.flow_noise_std <= 0:
-            raise ValueError(f"flow_noise_std: must be > 0, got {self.flow_noise_std}")
 
 
 def lerobot_smolvla():
@@ -111,6 +113,7 @@ class SmolVLA(NormalizedVLA):
 
     def __init__(self, spec: EnvSpec, cfg: SmolVLAConfig):
         cfg.validate()
+        cfg.check_files()
         if not spec.obs.cameras:
             raise ValueError(
                 "SmolVLA needs camera images: use an obs_mode with cameras (e.g. env.obs_mode=rgb)"
