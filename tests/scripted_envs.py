@@ -319,6 +319,7 @@ def run_on(
     eval_every: int = 0,
     resume: str | None = None,
     trainer: dict | None = None,
+    max_minutes: float | None = None,
 ) -> dict:
     """The runner over ``env`` with a config written here (16 evaluation episodes, no video);
     returns its summary. The metrics are in ``run_dir/metrics.jsonl``. With ``cluster`` (the
@@ -340,6 +341,7 @@ def run_on(
         "video": False,
         "pipeline_stages": pipeline_stages,
         "trace": trace,
+        "max_minutes": max_minutes,
     }
     source = {"seed": 0, "policy": policy, "algorithm": algorithm, "runner": runner}
     if trainer is not None:

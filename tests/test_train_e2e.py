@@ -220,17 +220,38 @@ def test_a_new_run_into_an_earlier_one_is_refused_unless_overwritten(runs, tmp_p
     assert best_iteration(run) is None
 
 
-def test_chunks_of_four_with_pipeline_stages_collect_in_lockstep(tmp_path):
-    # pipelined collection steps one action at a time: chunks of K > 1 run in lockstep instead
+def test_chunks_of_four_with_pipeline_stages_collect_in_lockstep(tmp_path, monkeypatch):
+    """In process, pipelined collection steps one action at a time: with chunks of K > 1 a run
+    asked for 2 stages steps every environment together, and its numbers are the lockstep run's."""
+    from embodied.simulators.workers import WorkerVecEnv
+
+    stepped = []  # environments in each step the worker is sent
+    step_async = WorkerVecEnv.step_async
+
+    def recorded(env, actions, env_ids):
+        stepped.append(len(env_ids))
+        return step_async(env, actions, env_ids)
+
+    monkeypatch.setattr(WorkerVecEnv, "step_async", recorded)
     extra = [
         "policy.chunk_size=4",
-        "runner.pipeline_stages=2",
         "runner.eval_every=0",
         "env.num_workers=1",  # a worker that could step subsets
     ]
-    summary = train(tiny_config(tmp_path, "chunks", 2 * 4, extra))
-    assert summary["final"]["iteration"] == 2
-    assert summary["final"]["env_steps"] == 2 * 4 * STEPS_PER_ITER  # 2 envs x 8 chunks of 4
+    staged = train(tiny_config(tmp_path, "staged", 4, [*extra, "runner.pipeline_stages=2"]))
+    assert stepped[: 8 * 4] == [2] * 8 * 4  # 8 chunks of 4 actions, each stepping both envs
+    lockstep = train(tiny_config(tmp_path, "lockstep", 4, [*extra, "runner.pipeline_stages=1"]))
+    assert staged["final"]["env_steps"] == 4 * STEPS_PER_ITER  # 2 envs x 8 chunks of 4
+    a = iteration_rows(tmp_path / "staged")[1]
+    b = iteration_rows(tmp_path / "lockstep")[1]
+    untimed = [key for key in a if not key.startswith("time/")]
+    assert {key: a[key] for key in untimed} == {key: b[key] for key in untimed}
+    untimed_final = {
+        k: v
+        for k, v in staged["final"].items()
+        if not k.startswith(("time/", "eval/policy_ms", "eval/env_steps_per_s", "minutes"))
+    }
+    assert untimed_final == {k: lockstep["final"][k] for k in untimed_final}
 
 
 def test_cli_eval_reproduces_the_final_evaluation(runs, capsys):
