@@ -109,12 +109,6 @@ def test_cli_config_error_exits_2_with_one_line_and_no_traceback(tmp_path, capsy
     )
 
 
-def test_shipped_configs_load():
-    for name in ("pushcube_ppo", "pickcube_ppo", "pickcube_rgb_ppo"):
-        cfg, _ = load_config(TrainConfig, f"configs/maniskill/{name}.yaml")
-        assert cfg.env.simulator == "maniskill" and cfg.runner.name == name
-
-
 def test_shipped_vla_configs_load_and_smolvla_asks_for_its_model(tmp_path, capsys):
     from embodied.models import SmolVLAConfig, VLAConfig
     from embodied.sft import SFTConfig
