@@ -66,6 +66,15 @@ def check_config(args, *, files: bool = True):
     return cfg
 
 
+def _pinned(args, deterministic: bool) -> None:
+    """A deterministic run from the command line starts over in a process pinned from its first
+    line (numpy and glibc choose their code then); called from Python, it pins what it can."""
+    from embodied import numerics
+
+    if deterministic and args.restartable and not numerics.started_pinned():
+        numerics.restart()
+
+
 def _load(args):
     """The config of a CONFIG [overrides] command, or None after printing its one-line error."""
     from embodied.config import ConfigError
@@ -86,6 +95,7 @@ def cmd_train(args) -> int:
 
     if (cfg := _load(args)) is None:
         return 2
+    _pinned(args, cfg.runner.deterministic)
     try:
         train(cfg)
     except ConfigError as e:
@@ -104,8 +114,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    import torch
-
+    from embodied import numerics
     from embodied.checkpoint import load_policy_checkpoint
     from embodied.config import compose
     from embodied.evaluate import evaluate
@@ -128,7 +137,10 @@ def cmd_eval(args) -> int:
             cfg.env.validate()
         except ValueError as e:
             return _error(f"--num-envs {args.num_envs}: {e}")
-    torch.set_num_threads(cfg.runner.torch_threads)
+    if cfg.runner.deterministic:  # the run's floats again, on any CPU
+        _pinned(args, True)
+        numerics.pin()
+    numerics.setup(cfg.runner.torch_threads)
     env = make_env(cfg.env)
     try:
         policy = build_policy(env.spec, cfg.policy).to(env.device)
@@ -168,6 +180,7 @@ def cmd_sft(args) -> int:
 
     if (cfg := _load(args)) is None:
         return 2
+    _pinned(args, cfg.runner.deterministic)
     try:
         sft(cfg)
     except (FileNotFoundError, ValueError) as e:
@@ -470,6 +483,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach for a model hub
     args = parse(argv)
+    args.restartable = argv is None  # the process's own command line: it may start over
     from embodied.config import ConfigError
     from embodied.schema import UserError
 

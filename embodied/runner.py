@@ -23,6 +23,7 @@ from typing import ClassVar
 import torch
 from tqdm import tqdm
 
+from embodied import numerics
 from embodied.algorithm import AlgorithmConfig
 from embodied.checkpoint import (
     META,
@@ -92,6 +93,9 @@ class RunnerConfig:
     pipeline_stages: int | str = 1
     progress: bool = True  # show a progress bar
     trace: bool = False  # RUN/trace.json: a Chrome/Perfetto trace of an iteration (the second)
+    # the same floats on every x86 CPU: MKL, torch's kernels and convolutions on portable code
+    # paths (embodied/numerics.py); off by default: the README run trains ~30% slower so
+    deterministic: bool = False
 
     def validate(self) -> None:
         if self.total_env_steps < 1:
@@ -226,7 +230,9 @@ def run_meta(cfg: TrainConfig, spec) -> dict:
 
 def train(cfg: TrainConfig) -> dict:
     """Train as ``cfg`` says; returns the run's summary (also written to metrics.json)."""
-    torch.set_num_threads(cfg.runner.torch_threads)
+    if cfg.runner.deterministic:  # first: before a torch op chooses a code path or a worker starts
+        numerics.pin()
+    numerics.setup(cfg.runner.torch_threads)
     resume = load_checkpoint_for(cfg.runner.resume, "runner.resume") if cfg.runner.resume else None
     if resume is not None:
         check_resume(
@@ -260,6 +266,8 @@ def train(cfg: TrainConfig) -> dict:
             _clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+        start = 0 if resume is None else resume["counters"]["iteration"]
+        numerics.record(run_dir, iteration=start, deterministic=cfg.runner.deterministic)
         return Runner(cfg, roles, run_dir, resume).run()
     finally:
         roles.close()
@@ -279,6 +287,7 @@ RUN_FILES = (
     "videos",
     "cluster.json",
     "trace.json",
+    "host.json",
 )
 
 

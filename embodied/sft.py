@@ -25,6 +25,7 @@ from typing import ClassVar
 import torch
 from tqdm import tqdm
 
+from embodied import numerics
 from embodied.cluster.config import ClusterConfig
 from embodied.config import save_config, to_dict
 from embodied.dataset import DemoDataset
@@ -51,6 +52,7 @@ class SFTRunnerConfig:
     keep_checkpoints: int = 3  # the newest N checkpoints stay
     torch_threads: int = 2
     progress: bool = True
+    deterministic: bool = False  # the same floats on every x86 CPU (as runner.deterministic)
 
 
 @dataclass
@@ -239,12 +241,15 @@ def _cached_features(policy, frames: _Frames, batch: int = 64) -> torch.Tensor:
 
 
 def sft(cfg: SFTConfig) -> dict:
-    torch.set_num_threads(cfg.runner.torch_threads)
+    if cfg.runner.deterministic:  # first: before a torch op chooses a code path or a worker starts
+        numerics.pin()
+    numerics.setup(cfg.runner.torch_threads)
     torch.manual_seed(cfg.seed)
     frames = _load(cfg.datasets, cfg.episodes_per_dataset)  # a bad dataset fails before the run
     run_dir = Path(cfg.runner.output_dir) / cfg.runner.name
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
+    numerics.record(run_dir, iteration=0, deterministic=cfg.runner.deterministic)
     tasks = [t or cfg.env.task for t in frames.tasks]
     env_cfgs = {t: ManiSkillConfig(**{**to_dict(cfg.env), "task": t}) for t in dict.fromkeys(tasks)}
     with make_env(
@@ -276,9 +281,12 @@ def sft(cfg: SFTConfig) -> dict:
                 "seed": cfg.seed,
                 "env": to_dict(env_cfgs[tasks[0]]),
                 "policy": to_dict(cfg.policy),
-                # `embodied eval` acts with this many threads, as this run's evaluations did:
-                # MKL and torch split their sums by thread, so another count rounds otherwise
-                "runner": {"torch_threads": cfg.runner.torch_threads},
+                # `embodied eval` acts with this many threads and pins, as this run's
+                # evaluations did: another count or code path rounds otherwise
+                "runner": {
+                    "torch_threads": cfg.runner.torch_threads,
+                    "deterministic": cfg.runner.deterministic,
+                },
             },
             "sft": to_dict(cfg),
             "spec": spec.to_dict(),

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from clocks import wait_until
 
 import embodied.runner
@@ -134,6 +135,14 @@ def test_run_directory_holds_everything(runs):
     assert ckpt["counters"]["iteration"] == 4 and "state_encoder.norm.mean" in ckpt["model"]
     # normalisation: the first reset's 2 observations, then every iteration's 2 x 8
     assert float(ckpt["model"]["state_encoder.norm.count"]) == 2 + 4 * STEPS_PER_ITER
+    # the host it ran on, beside the config (not in it: a resume elsewhere is the same run)
+    (start,) = json.loads((run / "host.json").read_text())["starts"]
+    assert start["iteration"] == 0 and start["deterministic"] is False  # (the default)
+    paths = start["code_paths"]  # this process's, unpinned: torch's widest kernels
+    assert paths["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert paths["mkl_branch"] == "OFF" and paths["torch_threads"] == 1
+    assert start["cpu"]["model"] and start["versions"]["torch"] == torch.__version__
+    assert "code_paths" not in (run / "config.yaml").read_text()
 
 
 def test_retention_keeps_the_newest_and_the_best(runs):
@@ -156,6 +165,8 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_uninterrupted_run(runs):
             assert a[it][key] == b[it][key], (it, key)
     assert resumed["final"]["eval/return"] == full["final"]["eval/return"]
     assert load_checkpoint(tmp / "sigterm")["counters"]["env_steps"] == 4 * STEPS_PER_ITER
+    starts = json.loads((tmp / "sigterm" / "host.json").read_text())["starts"]
+    assert [start["iteration"] for start in starts] == [0, 2]  # the resume added its start
 
 
 def test_a_crash_after_the_last_checkpoint_leaves_no_duplicate_rows(runs):
@@ -259,7 +270,8 @@ def test_cli_eval_reproduces_the_final_evaluation(runs, capsys):
     assert main(["eval", str(tmp / "full" / "last"), "--episodes", "2", "--video"]) == 0
     out = capsys.readouterr().out
     result = json.loads(out[out.index("{") :])
-    # the same weights, seeds and deterministic actions: the same episodes
+    # the same weights, seeds, deterministic actions and thread count (the checkpoint's
+    # runner.torch_threads: sums split by thread round otherwise): the final evaluation bit for bit
     for key in ("eval/episodes", "eval/success_rate", "eval/return", "eval/length"):
         assert result[key] == full["final"][key], key
     ckpt_dir = load_checkpoint(tmp / "full")["path"]

@@ -43,6 +43,7 @@ from embodied.config import ConfigError, to_dict
 from embodied.env_group import ChunkStep, strided_stages
 from embodied.evaluate import evaluate_by_task, pooled_summary, split_episodes
 from embodied.multitask import join_steps
+from embodied.numerics import PINNED_ENV
 from embodied.roles import Roles, WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats, RolloutBatch
 from embodied.run import Interrupted
@@ -50,7 +51,14 @@ from embodied.schema import Observation, PolicyOutput, StepOutput
 
 RESTART_TIMEOUT_S = 300.0  # how long a lost worker may take to come back
 # environment variables the workers need as the driver has them (hub access, renderers)
-PASSED_ENV = ("HF_HUB_OFFLINE", "MUJOCO_GL", "PYOPENGL_PLATFORM", "LIBERO_CONFIG_PATH")
+# (and a pinned driver's numerics: every worker starts with MKL's and torch's code paths pinned)
+PASSED_ENV = (
+    "HF_HUB_OFFLINE",
+    "MUJOCO_GL",
+    "PYOPENGL_PLATFORM",
+    "LIBERO_CONFIG_PATH",
+    *PINNED_ENV,
+)
 
 
 def start_ray(cfg: ClusterConfig) -> bool:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from embodied import numerics
 from embodied.checkpoint import frozen_keys, rng_state, set_rng_state
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.env_group import EnvGroup
@@ -105,7 +106,7 @@ class EnvWorker(_Worker):
 
     def __init__(self, env_cfg, factory, torch_threads: int = 1):
         self.spans = []
-        torch.set_num_threads(torch_threads)
+        numerics.setup(torch_threads)
         if factory is None:
             from embodied.multitask import make_env
 
@@ -157,7 +158,7 @@ class RolloutWorker(_Worker):
 
     def __init__(self, policy_cfg, spec, device: str, torch_threads: int = 1):
         self.spans = []
-        torch.set_num_threads(torch_threads)
+        numerics.setup(torch_threads)
         self.device = torch.device(device)
         self.inference = InferencePolicy(build_policy(spec, policy_cfg).to(self.device).eval())
         self.sync_keys = _sync_keys(self.inference.policy)
@@ -233,7 +234,7 @@ class EvalWorker(_Worker):
 
     def __init__(self, env_cfg, factory, policy_cfg, spec, device: str, torch_threads: int = 1):
         self.spans = []
-        torch.set_num_threads(torch_threads)
+        numerics.setup(torch_threads)
         if factory is None:
             from embodied.multitask import make_env
 
@@ -266,7 +267,7 @@ class ActorWorker(_Worker):
 
     def __init__(self, cfg, spec, task_of_env: list[int], device: str, rng: dict | None):
         self.spans = []
-        torch.set_num_threads(cfg.runner.torch_threads)
+        numerics.setup(cfg.runner.torch_threads)
         self.device = torch.device(device)
         self.learner_args = (cfg, spec, torch.tensor(task_of_env, dtype=torch.long), rng)
         self.learner = None

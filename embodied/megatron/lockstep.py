@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from embodied import numerics
 from embodied.checkpoint import rng_state, set_rng_state, staging_dir
 from embodied.config import ConfigError
 
@@ -85,7 +86,7 @@ def serve(
     # stop (it saves first, which needs every rank), and ends the helpers itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.set_num_threads(cfg.runner.torch_threads)
+    numerics.setup(cfg.runner.torch_threads)  # (and the pins of the run that started it)
     _join(rank, size, address, device)
     learner = learner_class(cfg, *args, torch.device(device))
     while True:
