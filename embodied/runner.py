@@ -94,7 +94,7 @@ class RunnerConfig:
     progress: bool = True  # show a progress bar
     trace: bool = False  # RUN/trace.json: a Chrome/Perfetto trace of an iteration (the second)
     # the same floats on every x86 CPU: MKL, torch's kernels and convolutions on portable code
-    # paths (embodied/numerics.py); off by default: the README run trains ~30% slower so
+    # paths (embodied/numerics.py); off by default: the README run trains 27% slower so
     deterministic: bool = False
 
     def validate(self) -> None:
