@@ -52,8 +52,8 @@ def _schema(command: str) -> type:
 def check_config(args, *, files: bool = True):
     """The config of a CONFIG command (train, sft, demos, bench), checked as the command checks it
     before building anything: keys and values, the sections against each other, and the tasks its
-    simulators know (a bench suite's every task); ``files``: also that the local files the config
-    names exist. Raises ConfigError or UserError, one line each."""
+    simulators know (a bench suite's every task); ``files``: also the local files a schema checks
+    before the run (a model directory). Raises ConfigError or UserError, one line each."""
     from embodied.bench import expand
     from embodied.config import load_config
     from embodied.multitask import check_tasks
@@ -68,10 +68,12 @@ def check_config(args, *, files: bool = True):
 
 def _pinned(args, deterministic: bool) -> None:
     """A deterministic run from the command line starts over in a process pinned from its first
-    line (numpy and glibc choose their code then); called from Python, it pins what it can."""
+    line (numpy and glibc choose their code then); called from Python, the run itself refuses a
+    process that did not start pinned (``numerics.pin``)."""
     from embodied import numerics
 
-    if deterministic and args.restartable and not numerics.started_pinned():
+    restartable = getattr(args, "restartable", False)
+    if deterministic and restartable and not numerics.started_pinned():
         numerics.restart()
 
 
@@ -131,6 +133,9 @@ def cmd_eval(args) -> int:
     except FileNotFoundError as e:
         return _error(str(e))
     cfg = compose(TrainConfig, [(str(ckpt["path"]), ckpt["meta"]["config"])])
+    sft_runner = ckpt["meta"].get("sft", {}).get("runner", {})
+    if "runner" not in ckpt["meta"]["config"] and "torch_threads" in sft_runner:
+        cfg.runner.torch_threads = sft_runner["torch_threads"]  # (SFT's, before it named them)
     if args.num_envs is not None:
         cfg.env.num_envs = args.num_envs
         try:

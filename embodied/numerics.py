@@ -16,8 +16,9 @@ deterministic algorithms. The number of threads changes sums too: a run fixes it
 numpy and glibc read their switches when a process starts, MKL and torch at their first use, so
 the pins are environment variables (``PINNED_ENV``): ``restart`` runs the command line again in a
 process started with them, and a pinned process passes them to those it starts (simulator, Ray and
-tensor-parallel workers). There ``pin``/``follow`` check that every library took its portable
-path and switch what is switched at run time (oneDNN, deterministic algorithms).
+tensor-parallel workers). The learner's and the policy's processes (``pin``, ``follow``: the run,
+Ray workers, TP ranks) check that every library took its portable path and switch what is
+switched at run time (oneDNN, deterministic algorithms); simulator workers inherit the pins.
 """
 
 from __future__ import annotations
@@ -35,14 +36,25 @@ import torch
 
 from embodied.schema import UserError
 
-# MKL's COMPATIBLE branch; torch's portable kernels; numpy's baseline (x86-64-v2) without its
-# dispatched builds; libm without FMA variants (they need AVX2 too); EMBODIED_PINNED tells a
+GLIBC_MASKS = ("-AVX2", "-FMA", "-FMA4")  # libm's FMA variants (they need AVX2 too) are off
+
+
+def _numpy_umath():
+    try:  # numpy 2
+        from numpy._core import _multiarray_umath
+    except ImportError:  # numpy 1
+        from numpy.core import _multiarray_umath
+    return _multiarray_umath
+
+
+# MKL's COMPATIBLE branch; torch's portable kernels; numpy's baseline, each of its dispatched
+# builds off (their names are this numpy's); libm without FMA variants; EMBODIED_PINNED tells a
 # started process to ``follow``; cuBLAS needs a fixed workspace for deterministic algorithms
 PINNED_ENV = {
     "MKL_CBWR": "COMPATIBLE",
     "ATEN_CPU_CAPABILITY": "default",
-    "NPY_DISABLE_CPU_FEATURES": "X86_V3 X86_V4 AVX512_ICL AVX512_SPR",
-    "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2,-FMA,-FMA4",
+    "NPY_DISABLE_CPU_FEATURES": " ".join(_numpy_umath().__cpu_dispatch__),
+    "GLIBC_TUNABLES": "glibc.cpu.hwcaps=" + ",".join(GLIBC_MASKS),
     "EMBODIED_PINNED": "1",
     "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
 }
@@ -84,21 +96,30 @@ def restart() -> None:
     """Run this command line again in a new process started pinned, in place of this one (it
     never returns); numpy and glibc are then pinned from the start, which no running process can
     do for itself."""
-    command = [sys.executable, "-m", "embodied.cli", *sys.argv[1:]]
-    os.execve(sys.executable, command, pinned_environment(os.environ))
+    sys.stdout.flush()  # (what this process printed must not be lost with it)
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, pinned_environment(os.environ))
 
 
 def pinned_environment(environ) -> dict:
-    """``environ`` with the pins (glibc's added to tunables it already sets)."""
-    env = {**environ, **PINNED_ENV}
-    theirs = environ.get("GLIBC_TUNABLES", "")
-    if theirs and PINNED_ENV["GLIBC_TUNABLES"] not in theirs:
-        env["GLIBC_TUNABLES"] = f"{theirs}:{PINNED_ENV['GLIBC_TUNABLES']}"
-    return env
+    """``environ`` with the pins; glibc's masks join the tunables it sets (one hwcaps entry)."""
+    tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
+    hwcaps = "glibc.cpu.hwcaps="
+    masks = [m for t in tunables if t.startswith(hwcaps) for m in t[len(hwcaps) :].split(",")]
+    masks += [m for m in GLIBC_MASKS if m not in masks]
+    others = [t for t in tunables if not t.startswith(hwcaps)]
+    glibc = ":".join([*others, hwcaps + ",".join(m for m in masks if m)])
+    return {**environ, **PINNED_ENV, "GLIBC_TUNABLES": glibc}
 
 
 def started_pinned() -> bool:
-    return os.environ.get("EMBODIED_PINNED") == "1"
+    """Whether this process started with every pin in its environment."""
+    environ = os.environ
+    glibc = environ.get("GLIBC_TUNABLES", "")
+    ours = {k: v for k, v in PINNED_ENV.items() if k != "GLIBC_TUNABLES"}
+    return all(environ.get(k) == v for k, v in ours.items()) and all(
+        mask in glibc for mask in GLIBC_MASKS
+    )
 
 
 def pin() -> None:
@@ -140,9 +161,8 @@ def follow() -> None:
 
 def _numpy_builds() -> list[str]:
     """The dispatched builds of numpy's functions running in this process (none: its baseline)."""
-    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
-
-    return [build for build in __cpu_dispatch__ if __cpu_features__.get(build)]
+    umath = _numpy_umath()
+    return [build for build in umath.__cpu_dispatch__ if umath.__cpu_features__.get(build)]
 
 
 def _cpu() -> dict:
@@ -197,7 +217,9 @@ def host() -> dict:
         "torch_threads": torch.get_num_threads(),
         "environment": {k: os.environ[k] for k in sorted(PINNED_ENV) if k in os.environ},
     }
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    # names only where CUDA is up already: asking would start it in a driver that needs none
+    cuda = torch.cuda.is_initialized()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count() if cuda else 0)]
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
@@ -205,16 +227,17 @@ def host() -> dict:
         "cpu": _cpu(),
         "code_paths": paths,
         "gpus": gpus,
+        "cuda_devices": torch.cuda.device_count(),
         "versions": _versions(),
     }
 
 
 def record(run_dir: Path, *, iteration: int, deterministic: bool) -> None:
-    """Add this start of the run (at ``iteration``; a resume adds its own) to ``RUN/host.json``:
-    {"starts": [{"iteration", "deterministic", **host()}]}. Not in config.yaml: a resume on
-    another machine is the same run."""
+    """This start of the run (at ``iteration``) in ``RUN/host.json``: {"starts": [{"iteration",
+    "deterministic", **host()}]}, a new file at iteration 0, one start more at a resume. Not in
+    config.yaml: a resume on another machine is the same run."""
     path = Path(run_dir) / "host.json"
-    starts = json.loads(path.read_text())["starts"] if path.exists() else []
+    starts = json.loads(path.read_text())["starts"] if path.exists() and iteration else []
     starts.append({"iteration": iteration, "deterministic": deterministic, **host()})
     part = path.with_suffix(".json.part")
     part.write_text(json.dumps({"starts": starts}, indent=2))

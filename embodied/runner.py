@@ -287,7 +287,6 @@ RUN_FILES = (
     "videos",
     "cluster.json",
     "trace.json",
-    "host.json",
 )
 
 

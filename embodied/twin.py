@@ -4,9 +4,10 @@
 calibration code) and plugs a software serial port (robots/servo_port.py) where /dev/ttyACM0
 would be. Goal positions written on that port become the targets of the MuJoCo arm's position
 servos (simulators/mujoco/arm.py); present positions read from it are the simulated joints. The
-physics runs in wall-clock time, advanced whenever the driver reads, so a control loop sees the
-arm lag and move as a real one does. Cameras render the same scene ("front": the table camera,
-"wrist": on the hand). Nothing above the serial port knows it is not hardware.
+physics runs in its clock's time (the wall clock's, or a test's), advanced whenever the driver
+reads, so a control loop sees the arm lag and move as a real one does. Cameras render the same
+scene ("front": the table camera, "wrist": on the hand). Nothing above the serial port knows it is
+not hardware.
 """
 
 from __future__ import annotations

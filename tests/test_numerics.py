@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from tiny_runs import TINY_REACH
 
+from embodied import numerics
 from embodied.numerics import PINNED_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,27 +53,41 @@ def test_a_pinned_run_repeats_bit_for_bit_where_torch_would_choose_other_kernels
     portable = {"ATEN_CPU_CAPABILITY": "default"}
     pinned = [tiny_run(tmp_path, f"pinned-{n}", True, env) for n, env in enumerate((avx2, {}))]
     assert len(pinned[0]) == 2 and pinned[0] == pinned[1]
+    (start,) = json.loads((tmp_path / "pinned-0" / "host.json").read_text())["starts"]
+    paths = start["code_paths"]  # (the command restarted itself pinned)
+    assert start["deterministic"] and paths["torch_cpu_capability"] == "DEFAULT"
+    assert paths["numpy_builds"] == [] and paths["onednn"] is False
+    assert paths["deterministic_algorithms"] is True
+    assert paths["mkl_branch"] in ("COMPATIBLE", None)  # (None: a torch without MKL)
     free = [tiny_run(tmp_path, f"free-{n}", False, env) for n, env in enumerate((avx2, portable))]
     assert free[0] != free[1]
+
+
+LATE = "os.environ.update(numerics.pinned_environment(os.environ))\n"  # pins claimed too late
 
 
 @pytest.mark.parametrize(
     "env, before, said",
     [
         ({}, "", "this process did not start with its CPU code paths pinned; `embodied train`"),
+        ({}, "torch.ones(64, 64) @ torch.ones(64, 64)\n" + LATE, "MKL already runs on its OFF"),
+        ({}, LATE, "numpy runs its ["),
         (
-            {**PINNED_ENV, "MKL_CBWR": ""},
-            "torch.ones(64, 64) @ torch.ones(64, 64)",
-            "MKL already runs on its OFF branch here",
+            {"NPY_DISABLE_CPU_FEATURES": PINNED_ENV["NPY_DISABLE_CPU_FEATURES"]},
+            "torch.ones(4) * 2\n" + LATE,
+            "torch runs its CPU kernels for AVX2",
         ),
-        ({**PINNED_ENV, "ATEN_CPU_CAPABILITY": "avx2"}, "", "torch runs its CPU kernels for AVX2"),
     ],
-    ids=["not started pinned", "MKL used unpinned", "torch's kernels unpinned"],
+    ids=["not started pinned", "MKL used before", "numpy unpinned", "torch's kernels chosen"],
 )
 def test_a_process_not_started_pinned_is_refused_in_one_line(env, before, said):
+    """Pinned in its environment only after it started, a process cannot keep what it promises:
+    each library that already chose its code is named."""
     if "AVX2" in said and not has_avx2():
         pytest.skip("needs a CPU whose torch kernels can be AVX2")
-    code = f"import torch\n{before}\nfrom embodied import numerics\nnumerics.pin()\n"
+    if "MKL" in said and numerics._mkl() is None:
+        pytest.skip("needs torch with MKL inside")
+    code = f"import os\nimport torch\nfrom embodied import numerics\n{before}numerics.pin()\n"
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
@@ -82,3 +97,26 @@ def test_a_process_not_started_pinned_is_refused_in_one_line(env, before, said):
     )
     assert done.returncode == 1
     assert f"UserError: runner.deterministic: {said}" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "theirs, pinned",
+    [
+        (None, "glibc.cpu.hwcaps=-AVX2,-FMA,-FMA4"),
+        ("glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.cpu.hwcaps=-AVX2,-FMA,-FMA4"),
+        (  # the user's own masks stay, in the one hwcaps entry glibc reads
+            "glibc.cpu.hwcaps=-AVX512F,-FMA:glibc.malloc.arena_max=2",
+            "glibc.malloc.arena_max=2:glibc.cpu.hwcaps=-AVX512F,-FMA,-AVX2,-FMA4",
+        ),
+    ],
+)
+def test_the_pins_join_the_glibc_tunables_a_user_sets(theirs, pinned, monkeypatch):
+    environ = {"HOME": "/h"} if theirs is None else {"HOME": "/h", "GLIBC_TUNABLES": theirs}
+    env = numerics.pinned_environment(environ)
+    assert env["GLIBC_TUNABLES"] == pinned and env["HOME"] == "/h"
+    assert numerics.pinned_environment(env) == env  # (a restart of a restart adds nothing)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert numerics.started_pinned()
+    monkeypatch.setenv("GLIBC_TUNABLES", theirs or "")  # every pin but glibc's
+    assert not numerics.started_pinned()

@@ -16,6 +16,7 @@ import torch
 from clocks import wait_until
 
 import embodied.runner
+from embodied import numerics
 from embodied.checkpoint import best_iteration, load_checkpoint
 from embodied.cli import main
 from embodied.config import ConfigError, load_config
@@ -138,9 +139,11 @@ def test_run_directory_holds_everything(runs):
     # the host it ran on, beside the config (not in it: a resume elsewhere is the same run)
     (start,) = json.loads((run / "host.json").read_text())["starts"]
     assert start["iteration"] == 0 and start["deterministic"] is False  # (the default)
-    paths = start["code_paths"]  # this process's, unpinned: torch's widest kernels
-    assert paths["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert paths["mkl_branch"] == "OFF" and paths["torch_threads"] == 1
+    paths = start["code_paths"]  # this process's (the run trained here)
+    live = numerics.host()["code_paths"]
+    for key in ("torch_cpu_capability", "numpy_builds", "mkl_branch", "onednn"):
+        assert paths[key] == live[key], key
+    assert paths["torch_threads"] == 1
     assert start["cpu"]["model"] and start["versions"]["torch"] == torch.__version__
     assert "code_paths" not in (run / "config.yaml").read_text()
 
