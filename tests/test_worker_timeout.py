@@ -3,9 +3,10 @@ closed, and the error names the simulator, the task, the worker, its environment
 seeds. The cores are small numpy counters defined here (module level: a spawned worker imports
 this module to build one).
 
-Real time must pass for a pipe's timeout to fire, so these tests assert that it fired (the error,
-the killed worker) and that it waited at least its timeout, a bound that load can only help;
-pytest-timeout's ceiling fails a timeout that never fires instead of letting it hang."""
+Real time must pass for a pipe's timeout to fire, so these tests assert only that it fired (the
+error, the killed worker), never how long it took; pytest-timeout's ceiling fails a timeout that
+never fires instead of letting it hang. The seconds the error names are the deadline's own
+(``WorkerVecEnv._timeout``), so the message shows a reset's ten step timeouts."""
 
 import os
 import time
@@ -92,13 +93,10 @@ def test_a_worker_hung_in_a_step_is_killed_and_the_error_names_it():
         out = env.step(torch.zeros(4, 1))
         assert out.obs.state[:, 0].tolist() == [1, 1, 1, 1]  # a normal step before the hang
         actions = torch.tensor([[0.0], [0.0], [0.0], [HANG]])  # environment 3: worker 1
-        sent = time.monotonic()
         with pytest.raises(WorkerTimeout) as raised:
             env.step(actions)
-        waited = time.monotonic() - sent
     finally:
         env.close()
-    assert waited >= STEP_TIMEOUT_S  # (at least: a busy machine can only make it longer)
     assert isinstance(raised.value, RuntimeError)
     assert str(raised.value) == (
         "Counter Count-v0 worker 1 (environments 2-3, last reset seeds [9, None]) did not answer "
@@ -116,14 +114,11 @@ def test_a_worker_hung_in_a_step_is_killed_and_the_error_names_it():
 def test_a_hung_reset_gets_ten_times_the_step_timeout():
     env = _counter_env(step_timeout_s=0.2)
     procs = list(env._procs)
-    sent = time.monotonic()
     try:
         with pytest.raises(WorkerTimeout) as raised:
             env.reset(seed=[1, 2, 3, HANG_SEED])
-        waited = time.monotonic() - sent
     finally:
         env.close()
-    assert waited >= 10 * 0.2  # ten step timeouts (at least: load can only lengthen the wait)
     assert str(raised.value) == (
         f"Counter Count-v0 worker 1 (environments 2-3, last reset seeds [3, {HANG_SEED}]) did "
         "not answer a reset within 2 s; it was killed"
