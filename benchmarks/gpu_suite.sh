@@ -20,6 +20,12 @@ ldconfig -p | grep -i -e vulkan -e libEGL | head -4; ls /usr/lib/x86_64-linux-gn
 } 2>&1 | tee "$OUT/device.txt"
 timeout "${PYTEST_LIMIT:-420}" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
   tests/test_gpu.py tests/test_maniskill_seeds.py 2>&1 | tee "$OUT/pytest_gpu.log"
+# MuJoCo Warp, where its wheels were brought (.gpup parts, ../shared/GPU.md): the GPU test of the
+# warp backend (graph capture, no read of the device until episodes end, CPU-device agreement)
+if python3 -c "import mujoco_warp" >/dev/null 2>&1; then
+  timeout 400 python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_mujoco_warp.py \
+    2>&1 | tee "$OUT/pytest_warp.log"
+fi
 timeout 150 python3 benchmarks/host_syncs.py --env scripted --num-envs 4096 --steps 100 \
   --json "$OUT/host_syncs_scripted.json" 2>&1 | tee "$OUT/host_syncs.log"
 if ls ~/.sapien/physx/*/libPhysXGpu_64.so >/dev/null 2>&1; then

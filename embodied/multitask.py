@@ -195,9 +195,9 @@ def make_env(cfg):
     """The environment a simulator config describes: one task, or (ManiSkill) a MultiTaskEnv over
     ``cfg.tasks``."""
     if cfg.simulator == "mujoco":
-        from embodied.simulators.mujoco import MuJoCoEnv
+        from embodied.simulators.mujoco import make_env as make_mujoco
 
-        return MuJoCoEnv(cfg)
+        return make_mujoco(cfg)
     if cfg.simulator == "libero":
         from functools import partial
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up for embodied on Debian/Ubuntu with Python 3.11.
-#   scripts/setup.sh [EXTRAS]     EXTRAS defaults to "maniskill,vla,mujoco,libero,real,ray,megatron,dev"
+#   scripts/setup.sh [EXTRAS]     EXTRAS defaults to "maniskill,vla,mujoco,warp,libero,real,ray,megatron,dev"
 # 1. System: ManiSkill (SAPIEN) needs a Vulkan device even for state observations. Without an
 #    NVIDIA GPU that is Mesa's lavapipe, and only Mesa >= 24.3 works (Debian 12 ships 22.3), so
 #    Mesa comes from bookworm-backports there.
@@ -8,7 +8,7 @@
 #    (an unpinned torch pulls several GB of CUDA packages), then this package and its extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS="${1:-maniskill,vla,mujoco,libero,real,ray,megatron,dev}"
+EXTRAS="${1:-maniskill,vla,mujoco,warp,libero,real,ray,megatron,dev}"
 VENV="${EMBODIED_VENV:-.venv}"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
@@ -82,6 +82,14 @@ install_python() {
   log "python ready: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
 }
 
+warm_warp() {  # MuJoCo Warp's kernels into Warp's cache (~/.cache/warp): compiled once, not per run
+  local stamp="$VENV/.embodied-warp-warm-$(sha1sum simulators/mujoco/*.py | sha1sum | cut -c1-12)"
+  [ -f "$stamp" ] && return
+  log "compiling MuJoCo Warp's kernels for the MuJoCo tasks (once; ~2 minutes on 2 cores)"
+  "$VENV/bin/python" -m embodied.simulators.mujoco.warm && touch "$stamp"
+}
+
 case ",$EXTRAS," in *,maniskill,*) install_mesa ;; esac
-case ",$EXTRAS," in *,mujoco,*|*,libero,*) install_egl ;; esac
+case ",$EXTRAS," in *,mujoco,*|*,libero,*|*,warp,*) install_egl ;; esac
 install_python
+case ",$EXTRAS," in *,warp,*) warm_warp ;; esac

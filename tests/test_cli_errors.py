@@ -371,3 +371,17 @@ def test_no_traceback_reaches_the_terminal(argv, culprit, paths):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     one_line_error(res.returncode, res.stderr, culprit)
     assert res.stdout == ""
+
+
+def test_maniskill_on_the_gpu_backend_without_cuda_is_a_one_line_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from embodied.cli import main
+
+    assert main(["train", "configs/maniskill/pushcube_ppo.yaml", "env.backend=gpu"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "embodied: error: env.backend=gpu needs a CUDA GPU and this machine has none; use "
+        "env.backend=cpu"
+    )

@@ -63,19 +63,18 @@ def test_servos_follow_the_commanded_deltas():
 
 
 def test_reach_reward_and_success_golden():
-    goal = np.array([[0.2, 0.0, 0.1]] * 3)
-    tcp = goal + np.array([[0.0, 0.0, 0.0], [0.1, 0.0, 0.0], [0.0, 0.019, 0.0]])
+    goal = torch.tensor([[0.2, 0.0, 0.1]] * 3)
+    tcp = goal + torch.tensor([[0.0, 0.0, 0.0], [0.1, 0.0, 0.0], [0.0, 0.019, 0.0]])
     reward, success = TASKS["reach"].evaluate({"tcp_pos": tcp, "goal_pos": goal})
     assert success.tolist() == [True, False, True]
     np.testing.assert_allclose(reward, [1.0, 1.0 - math.tanh(1.0), 1.0], rtol=1e-6)
 
 
 def test_push_success_is_the_cube_on_the_target():
-    goal = np.array([[0.25, 0.0, 0.001], [0.25, 0.0, 0.001]])
-    cube = np.array([[0.26, 0.01, 0.015], [0.2, 0.0, 0.015]])
-    behind = np.array(
-        [[0.0, 0.0, 0.0], cube[1] - [0.035, 0.0, 0.0]]
-    )  # the tool right behind cube 1
+    goal = torch.tensor([[0.25, 0.0, 0.001], [0.25, 0.0, 0.001]])
+    cube = torch.tensor([[0.26, 0.01, 0.015], [0.2, 0.0, 0.015]])
+    behind = torch.stack([torch.zeros(3), cube[1] - torch.tensor([0.035, 0.0, 0.0])])
+    # the tool right behind cube 1
     reward, success = TASKS["push"].evaluate(
         {"tcp_pos": behind, "goal_pos": goal, "cube_pos": cube}
     )

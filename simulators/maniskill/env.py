@@ -14,7 +14,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from embodied.schema import Observation, SimulatorConfig, StepOutput, reset_seeds
+from embodied.schema import Observation, SimulatorConfig, StepOutput, UserError, reset_seeds
 from embodied.simulators.maniskill.core import CoreOptions, ManiSkillCore, check_assets
 from embodied.simulators.workers import WorkerVecEnv
 
@@ -156,8 +156,9 @@ class ManiSkillEnv:
         self._core = self._pool = None
         if cfg.backend == "gpu":
             if not torch.cuda.is_available():
-                raise RuntimeError(
-                    "env.backend=gpu needs a CUDA GPU; use env.backend=cpu on this machine"
+                raise UserError(
+                    "env.backend=gpu needs a CUDA GPU and this machine has none; use "
+                    "env.backend=cpu"
                 )
             self._core = ManiSkillCore(_core_options(cfg, cfg.num_envs, "physx_cuda"))
             self.device = torch.device(self._core.device)

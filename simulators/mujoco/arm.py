@@ -33,8 +33,14 @@ UPPER_ARM = 0.116
 FOREARM = 0.135
 WRIST_TO_TCP = 0.1
 
-_LINK = 'rgba="0.95 0.95 0.95 1"'
-_MOTOR = 'rgba="0.1 0.1 0.1 1"'
+# Collision bits: the arm's geoms (type 2, affinity 1) touch the table and the objects (type 1,
+# affinity 3) but never each other, as the real arm's links do not (its joint limits keep them
+# apart). Without this the wrist and the moving jaw touched at rest, and how two solvers resolve
+# such a standing contact is where MuJoCo and MuJoCo Warp differed most.
+ARM_COLLISION = 'contype="2" conaffinity="1"'
+WORLD_COLLISION = 'contype="1" conaffinity="3"'
+_LINK = f'rgba="0.95 0.95 0.95 1" {ARM_COLLISION}'
+_MOTOR = f'rgba="0.1 0.1 0.1 1" {ARM_COLLISION}'
 
 
 def _joint(name: str, axis: str) -> str:
@@ -105,7 +111,7 @@ def scene(task_bodies: str, task_sensors: str = "", camera_pos: str = "0.55 0 0.
   <visual><global offwidth="256" offheight="256"/></visual>
   <worldbody>
     <light pos="0.3 0 1.5" dir="0 0 -1" diffuse="0.8 0.8 0.8"/>
-    <geom name="table" type="plane" size="1 1 0.05" rgba="0.55 0.45 0.35 1"/>
+    <geom name="table" type="plane" size="1 1 0.05" rgba="0.55 0.45 0.35 1" {WORLD_COLLISION}/>
     <camera name="base_camera" pos="{camera_pos}" xyaxes="0 1 0 -0.6 0 0.8" fovy="60"/>
     {arm_body()}
     {task_bodies}

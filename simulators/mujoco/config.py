@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from embodied.schema import SimulatorConfig
 from embodied.simulators.mujoco.tasks import TASKS
+
+BACKENDS = ("rollout", "warp")
 
 
 @dataclass
@@ -21,6 +24,10 @@ class MuJoCoConfig(SimulatorConfig):
     max_episode_steps: int | None = None  # None: the task's own
     ignore_terminations: bool = True  # success does not end the episode (see ManiSkillConfig)
     home_noise: float = 0.1  # radians of uniform noise on the home pose at reset
+    backend: str = "rollout"  # rollout: mujoco.rollout on the CPU | warp: MuJoCo Warp
+    device: str = "cpu"  # the warp backend's device: cpu (Warp's CPU device) | cuda | cuda:N
+    nconmax: int | None = None  # warp: contacts per world (pooled over worlds); None: its default
+    njmax: int | None = None  # warp: constraints per world; None: MuJoCo Warp's default
 
     def validate(self) -> None:
         if self.task not in TASKS:
@@ -30,3 +37,16 @@ class MuJoCoConfig(SimulatorConfig):
         for name in ("num_envs", "image_size", "render_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device: must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.device != "cpu" and self.backend != "warp":
+            raise ValueError(
+                f"device: the {self.backend} backend runs on the CPU; env.backend=warp runs on "
+                f"{self.device}"
+            )
+        for name in ("nconmax", "njmax"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1 or null, got {value}")

@@ -22,21 +22,21 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mujoco import rollout  # noqa: E402
 
-from embodied.schema import (
-    ActionSpec,
-    CameraSpec,
-    EnvSpec,
-    Observation,
-    ObsSpec,
-    StepOutput,
-    reset_seeds,
-)  # noqa: E402
-from embodied.simulators.mujoco.arm import HOME, JOINTS, RANGES, scene  # noqa: E402
+from embodied.schema import Observation, StepOutput  # noqa: E402
+from embodied.simulators.mujoco.arm import JOINTS  # noqa: E402
 from embodied.simulators.mujoco.config import MuJoCoConfig  # noqa: E402
+from embodied.simulators.mujoco.streams import Streams  # noqa: E402
 from embodied.simulators.mujoco.tasks import TASKS  # noqa: E402
-
-CONTROL_HZ = 20.0
-MAX_DELTA = 0.1  # radians per control step (2 rad/s)
+from embodied.simulators.mujoco.worlds import (  # noqa: E402
+    HIGH,
+    LOW,
+    MAX_DELTA,
+    build_model,
+    draw_initial,
+    make_spec,
+    reseed,
+    substeps,
+)
 
 
 class MuJoCoEnv:
@@ -46,15 +46,12 @@ class MuJoCoEnv:
         self.task = TASKS[cfg.task]
         self.num_envs = cfg.num_envs
         self.device = torch.device("cpu")
-        self.model = mujoco.MjModel.from_xml_string(scene(self.task.bodies, self.task.sensors))
-        self.model.vis.global_.offwidth = self.model.vis.global_.offheight = max(
-            cfg.image_size, cfg.render_size
-        )
+        self.model = build_model(cfg, self.task)
         self._data = mujoco.MjData(self.model)  # scratch: resets, rendering
         self._rollout_data = [mujoco.MjData(self.model)]
         self._spec_state = mujoco.mjtState.mjSTATE_FULLPHYSICS
         self._control_spec = mujoco.mjtState.mjSTATE_CTRL | mujoco.mjtState.mjSTATE_MOCAP_POS
-        self._substeps = round(1.0 / (CONTROL_HZ * self.model.opt.timestep))
+        self._substeps = substeps(self.model)
         nstate = mujoco.mj_stateSize(self.model, self._spec_state)
         B = self.num_envs
         self._state = np.zeros((B, nstate))  # f64 [B, nstate]: each environment's physics
@@ -62,7 +59,7 @@ class MuJoCoEnv:
         self._mocap = np.zeros((B, 3 * self.model.nmocap))  # f64 [B, 3]: the goal marker
         self._sensors = np.zeros((B, self.model.nsensordata))
         self._elapsed = np.zeros(B, dtype=np.int64)
-        self._rngs = [np.random.default_rng() for _ in range(B)]
+        self._streams = Streams(B, self.device)
         self._slices = {
             self.model.sensor(i).name: slice(
                 self.model.sensor_adr[i], self.model.sensor_adr[i] + self.model.sensor_dim[i]
@@ -75,30 +72,9 @@ class MuJoCoEnv:
             [np.arange(self._slices[n].start, self._slices[n].stop) for n in names]
         )
         self._renderers: dict[int, mujoco.Renderer] = {}
-        self._low = np.array([RANGES[j][0] for j in JOINTS])
-        self._high = np.array([RANGES[j][1] for j in JOINTS])
-        cams = (
-            (CameraSpec("base_camera", cfg.image_size, cfg.image_size),)
-            if cfg.obs_mode == "rgb"
-            else ()
-        )
-        self.spec = EnvSpec(
-            obs=ObsSpec(
-                cameras=cams,
-                state_names=tuple(f"{j}.pos" for j in JOINTS) + tuple(f"{j}.vel" for j in JOINTS),
-                privileged={"tcp_pos": (3,), **{k: (n,) for k, n in self.task.privileged.items()}},
-            ),
-            action=ActionSpec(
-                "joint_delta",
-                JOINTS,
-                (-MAX_DELTA,) * len(JOINTS),
-                (MAX_DELTA,) * len(JOINTS),
-                gripper=JOINTS.index("gripper"),
-                control_hz=CONTROL_HZ,
-            ),
-            max_episode_steps=cfg.max_episode_steps or self.task.max_episode_steps,
-            instructions=(self.task.instruction,),
-        )
+        self._low = np.array(LOW)
+        self._high = np.array(HIGH)
+        self.spec = make_spec(cfg, self.task)
 
     # --- observations -------------------------------------------------------------------------
     def _read(self, name: str) -> np.ndarray:
@@ -106,9 +82,7 @@ class MuJoCoEnv:
 
     def _obs(self) -> Observation:
         state = self._sensors[:, self._state_cols]  # f64 [B, 12]: one gather
-        priv = {
-            k: torch.from_numpy(self._read(k).astype(np.float32)) for k in self.spec.obs.privileged
-        }
+        priv = {k: torch.from_numpy(self._read(k).astype(np.float32)) for k in self._priv_names}
         images = (
             {"base_camera": self._render_all(self.cfg.image_size)} if self.spec.obs.cameras else {}
         )
@@ -119,33 +93,38 @@ class MuJoCoEnv:
             privileged=priv,
         )
 
-    def _reward(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.task.evaluate({k: self._read(k) for k in self.spec.obs.privileged})
+    @property
+    def _priv_names(self) -> tuple[str, ...]:
+        return tuple(self.spec.obs.privileged)
+
+    def _reward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The task's reward and success (one torch implementation for both backends)."""
+        readings = {k: torch.from_numpy(self._read(k).astype(np.float32)) for k in self._priv_names}
+        return self.task.evaluate(readings)
 
     # --- reset / step -------------------------------------------------------------------------
-    def _reset_rows(self, ids: Sequence[int], seeds: Sequence[int | None]) -> None:
+    def _reset_rows(self, ids: Sequence[int]) -> None:
+        """Start new episodes in worlds ``ids`` from their streams (simulators/mujoco/worlds.py)."""
         d = self._data
         m = self.model
-        for i, seed in zip(ids, seeds):
-            if seed is not None:
-                self._rngs[i] = np.random.default_rng(seed)
-            rng = self._rngs[i]
+        init = draw_initial(
+            self._streams, self.task, torch.tensor(ids, dtype=torch.int64), self.cfg.home_noise
+        )
+        joints = init.joints.double().numpy()  # f64 [N, 6]: exactly the f32 draws
+        goal = init.goal.double().numpy()
+        cube = None if init.cube is None else init.cube.double().numpy()
+        for row, i in enumerate(ids):
             mujoco.mj_resetData(m, d)
-            home = np.array([HOME[j] for j in JOINTS]) + rng.uniform(
-                -self.cfg.home_noise, self.cfg.home_noise, len(JOINTS)
-            )
-            home = np.clip(home, self._low, self._high)
-            d.qpos[self._joint_qpos] = home
-            init = self.task.sample(rng)
-            if "cube" in init:
+            d.qpos[self._joint_qpos] = joints[row]
+            if cube is not None:
                 adr = m.jnt_qposadr[m.body("cube").jntadr[0]]
-                d.qpos[adr : adr + 3] = init["cube"]  # position
+                d.qpos[adr : adr + 3] = cube[row]  # position
                 d.qpos[adr + 3 : adr + 7] = [1, 0, 0, 0]  # quaternion (w, x, y, z): no rotation
-            d.mocap_pos[0] = init["goal"]
-            d.ctrl[:] = home
+            d.mocap_pos[0] = goal[row]
+            d.ctrl[:] = joints[row]
             mujoco.mj_forward(m, d)
             mujoco.mj_getState(m, d, self._state[i], self._spec_state)
-            self._target[i] = home
+            self._target[i] = joints[row]
             self._mocap[i] = d.mocap_pos.reshape(-1)
             self._sensors[i] = d.sensordata
             self._elapsed[i] = 0
@@ -154,7 +133,8 @@ class MuJoCoEnv:
         self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None
     ) -> Observation:
         ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids]
-        self._reset_rows(ids, reset_seeds(seed, ids))
+        reseed(self._streams, seed, ids)
+        self._reset_rows(ids)
         return self._obs()
 
     def step(self, actions: torch.Tensor) -> StepOutput:
@@ -177,23 +157,23 @@ class MuJoCoEnv:
         self._elapsed += 1
         reward, success = self._reward()
         terminated = success & (not self.cfg.ignore_terminations)
-        truncated = self._elapsed >= self.spec.max_episode_steps
+        truncated = torch.from_numpy(self._elapsed >= self.spec.max_episode_steps)
         done = terminated | truncated
         final = None
         if done.any():
             final = self._obs()
-            self._reset_rows(np.nonzero(done)[0].tolist(), [None] * int(done.sum()))
+            self._reset_rows(torch.nonzero(done)[:, 0].tolist())
         obs = self._obs()
         if final is not None:
-            final = final.where(torch.from_numpy(done), obs)  # ended rows: the last observation
+            final = final.where(done, obs)  # ended rows: the last observation
         return StepOutput(
             obs=obs,
-            reward=torch.from_numpy(reward),
-            terminated=torch.from_numpy(terminated),
-            truncated=torch.from_numpy(truncated),
-            success=torch.from_numpy(success),
+            reward=reward,
+            terminated=terminated,
+            truncated=truncated,
+            success=success,
             final_obs=final,
-            ended=torch.from_numpy(np.flatnonzero(done)) if final is not None else None,
+            ended=torch.nonzero(done)[:, 0] if final is not None else None,
         )
 
     # --- rendering ----------------------------------------------------------------------------

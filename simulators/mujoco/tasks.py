@@ -1,12 +1,15 @@
 """Table-top tasks for the MuJoCo desktop arm: what is in the scene, how an episode starts, the
-normalized dense reward (in [0, 1], 1 on success) and success, all vectorized over environments
-(numpy [B, ...] in, [B] out)."""
+normalized dense reward (in [0, 1], 1 on success) and success, vectorized over worlds in torch on
+the env's device. Both backends (``mujoco.rollout`` and MuJoCo Warp) call these very functions, so
+equal seeds give equal initial states on either, and a reward means the same on both."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
+import torch
+
+from embodied.simulators.mujoco.arm import WORLD_COLLISION
 
 GOAL_MARKER = (
     '<body name="goal" mocap="true" pos="0.2 0 0.1">'
@@ -29,40 +32,46 @@ class Task:
     sensors: str  # MJCF inside <sensor>: each privileged key is a sensor of the same name
     privileged: dict[str, int] = field(default_factory=dict)  # key -> size
     max_episode_steps: int = 50
+    num_draws: int = 3  # uniforms per reset that ``sample`` takes
 
-    def sample(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        """An initial state's task part: goal (mocap) position and object positions."""
+    def sample(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Uniforms f32 [N, num_draws] -> an initial state's task part, f32 [N, 3] each: the goal
+        (mocap) position and object positions ("cube")."""
         raise NotImplementedError
 
-    def evaluate(self, s: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Sensor readings f64 [B, 3] by name -> (reward f32 [B] in [0, 1], success bool [B])."""
+    def evaluate(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sensor readings f32 [B, 3] by name -> (reward f32 [B] in [0, 1], success bool [B])."""
         raise NotImplementedError
+
+
+def _between(u: torch.Tensor, low: tuple[float, ...], high: tuple[float, ...]) -> torch.Tensor:
+    """Uniforms f32 [N, D] in [0, 1) -> f32 [N, D] in [low, high) per column (Python floats:
+    no host-to-device copy in a reset)."""
+    columns = [lo + u[:, i] * (hi - lo) for i, (lo, hi) in enumerate(zip(low, high))]
+    return torch.stack(columns, 1)
 
 
 class Reach(Task):
     """Bring the gripper's tool point within 2 cm of a target in the air."""
 
-    def sample(self, rng):
-        return {
-            "goal": np.array(
-                [rng.uniform(0.14, 0.28), rng.uniform(-0.14, 0.14), rng.uniform(0.05, 0.2)]
-            )
-        }
+    def sample(self, u):
+        return {"goal": _between(u, (0.14, -0.14, 0.05), (0.28, 0.14, 0.2))}
 
     def evaluate(self, s):
-        d = np.linalg.norm(s["tcp_pos"] - s["goal_pos"], axis=-1)
+        d = torch.linalg.vector_norm(s["tcp_pos"] - s["goal_pos"], dim=-1)
         success = d < 0.02
-        return np.where(success, 1.0, 1.0 - np.tanh(10.0 * d)).astype(np.float32), success
+        return torch.where(success, 1.0, 1.0 - torch.tanh(10.0 * d)), success
 
 
 class Push(Task):
     """Push the cube into the red target region on the table (cube centre within 2.5 cm)."""
 
-    def sample(self, rng):
-        cube = np.array([rng.uniform(0.16, 0.22), rng.uniform(-0.08, 0.08), CUBE_HALF])
-        goal = cube + np.array(
-            [rng.uniform(0.05, 0.09), rng.uniform(-0.03, 0.03), -CUBE_HALF + 0.001]
-        )
+    def sample(self, u):
+        cube_xy = _between(u[:, :2], (0.16, -0.08), (0.22, 0.08))
+        offset = _between(u[:, 2:], (0.05, -0.03), (0.09, 0.03))
+        on_table = torch.full_like(u[:, :1], CUBE_HALF)
+        cube = torch.cat([cube_xy, on_table], 1)
+        goal = torch.cat([cube_xy + offset, torch.full_like(on_table, 0.001)], 1)
         return {"goal": goal, "cube": cube}
 
     def evaluate(self, s):
@@ -70,15 +79,15 @@ class Push(Task):
         goal = s["goal_pos"]
         tcp = s["tcp_pos"]
         to_goal = goal[:, :2] - cube[:, :2]
-        d_goal = np.linalg.norm(to_goal, axis=-1)
-        direction = to_goal / np.maximum(d_goal, 1e-6)[:, None]
-        behind = cube.copy()
+        d_goal = torch.linalg.vector_norm(to_goal, dim=-1)
+        direction = to_goal / d_goal.clamp_min(1e-6)[:, None]
         # where the tool should be to push towards the goal
-        behind[:, :2] -= direction * (CUBE_HALF + 0.02)
-        reach = 1.0 - np.tanh(10.0 * np.linalg.norm(tcp - behind, axis=-1))
-        place = 1.0 - np.tanh(10.0 * d_goal)
+        behind_xy = cube[:, :2] - direction * (CUBE_HALF + 0.02)
+        behind = torch.cat([behind_xy, cube[:, 2:]], 1)
+        reach = 1.0 - torch.tanh(10.0 * torch.linalg.vector_norm(tcp - behind, dim=-1))
+        place = 1.0 - torch.tanh(10.0 * d_goal)
         success = d_goal < 0.025
-        return np.where(success, 1.0, (reach + 2.0 * place) / 3.0).astype(np.float32), success
+        return torch.where(success, 1.0, (reach + 2.0 * place) / 3.0), success
 
 
 TASKS: dict[str, Task] = {
@@ -95,10 +104,11 @@ TASKS: dict[str, Task] = {
         bodies=GOAL_REGION
         + f'<body name="cube" pos="0.2 0 {CUBE_HALF}"><freejoint/><geom type="box" '
         f'size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}" rgba="0.2 0.3 0.9 1" mass="0.05" '
-        'friction="0.8"/></body>',
+        f'friction="0.8" {WORLD_COLLISION}/></body>',
         sensors='<framepos name="goal_pos" objtype="body" objname="goal"/>'
         '<framepos name="cube_pos" objtype="body" objname="cube"/>',
         privileged={"goal_pos": 3, "cube_pos": 3},
         max_episode_steps=80,
+        num_draws=4,
     ),
 }

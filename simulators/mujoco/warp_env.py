@@ -1,0 +1,317 @@
+"""``MuJoCoWarpEnv``: the MuJoCo arm tasks on MuJoCo Warp, all B worlds in one model and data on
+one device (``env.device``: Warp's CPU device, or a CUDA GPU).
+
+The same model, initial states, rewards and success as ``MuJoCoEnv`` (simulators/mujoco/
+worlds.py, tasks.py); only the physics differs. Observations, rewards and success are computed in
+torch on the device from zero-copy views of MuJoCo Warp's arrays (``wp.to_torch``), and actions
+are written into its ``ctrl`` in place. On a GPU the physics substeps of a control step run as
+one captured CUDA graph, launched on torch's current stream, so torch and Warp work stay in order
+without waiting on each other.
+
+Host synchronisation: none in a step where no episode ends; the host counts each world's steps,
+so it knows which truncate. With ``ignore_terminations=false`` the done mask is read once a step.
+Contact and constraint counts are tracked on the device at every substep and checked at episode
+ends (``check_buffers``), where the host waits anyway: an overflow is an error naming the task and
+the buffer, never a silent loss of contacts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from functools import cache
+
+import mujoco
+import numpy as np
+import torch
+
+from embodied.schema import Observation, StepOutput
+from embodied.simulators.mujoco.arm import JOINTS
+from embodied.simulators.mujoco.config import MuJoCoConfig
+from embodied.simulators.mujoco.streams import Streams
+from embodied.simulators.mujoco.tasks import TASKS
+from embodied.simulators.mujoco.warp_setup import require_warp, timed_first_step, torch_device
+from embodied.simulators.mujoco.worlds import (
+    HIGH,
+    LOW,
+    MAX_DELTA,
+    build_model,
+    draw_initial,
+    make_spec,
+    reseed,
+    substeps,
+)
+
+
+class BufferOverflow(RuntimeError):
+    """A world needed more contacts or constraints than MuJoCo Warp's buffers hold."""
+
+
+@cache
+def _peak_kernel():
+    """Warp kernel: peaks[0] = max(peaks[0], contacts of all worlds), peaks[1] = max(peaks[1],
+    constraints of any one world). Launched after every substep, so no overflow goes unseen."""
+    import warp as wp
+
+    @wp.kernel
+    def track_peaks(
+        nacon: wp.array(dtype=int), nefc: wp.array(dtype=int), peaks: wp.array(dtype=int)
+    ):
+        world = wp.tid()
+        wp.atomic_max(peaks, 1, nefc[world])
+        if world == 0:
+            wp.atomic_max(peaks, 0, nacon[0])
+
+    return track_peaks
+
+
+class MuJoCoWarpEnv:
+    def __init__(self, cfg: MuJoCoConfig):
+        cfg.validate()
+        self._wp, self._mjw = require_warp()
+        self.device = torch_device(cfg.device)
+        self.cfg = cfg
+        self.task = TASKS[cfg.task]
+        self.num_envs = B = cfg.num_envs
+        self.spec = make_spec(cfg, self.task)
+        self.host_model = build_model(cfg, self.task)
+        self._substeps = substeps(self.host_model)
+        wp = self._wp
+        self._wp_device = wp.device_from_torch(self.device)
+        with wp.ScopedDevice(self._wp_device):
+            self._m = self._mjw.put_model(self.host_model)
+            self._d = self._mjw.make_data(
+                self.host_model, nworld=B, nconmax=cfg.nconmax, njmax=cfg.njmax
+            )
+            self._peaks = wp.zeros(2, dtype=int)  # int32 [2]: contacts (all worlds), constraints
+        self._bind_views()
+        self._target = torch.zeros(B, len(JOINTS), device=self.device)  # f32 [B, 6]: servo targets
+        self._elapsed = np.zeros(B, dtype=np.int64)  # on the host: it knows every truncation
+        self._elapsed_device = torch.zeros(B, dtype=torch.int64, device=self.device)  # the same
+        self._quat_identity = torch.tensor([1.0, 0.0, 0.0, 0.0], device=self.device)
+        self._streams = Streams(B, self.device)
+        self._low = torch.tensor(LOW, device=self.device)
+        self._high = torch.tensor(HIGH, device=self.device)
+        self._graph = None
+        self._renderer: mujoco.Renderer | None = None
+        timed_first_step(self.task.name, self._substep_all)  # compile (or load) before capture
+        self._peaks.zero_()  # that step was from the model's own pose, not an episode's
+
+    def _bind_views(self) -> None:
+        """Torch views of MuJoCo Warp's arrays (no copies) and the columns read from them."""
+        m = self.host_model
+        to_torch = self._wp.to_torch
+        self._qpos = to_torch(self._d.qpos)  # f32 [B, nq]
+        self._ctrl = to_torch(self._d.ctrl)  # f32 [B, nu]
+        self._mocap = to_torch(self._d.mocap_pos)  # f32 [B, nmocap, 3]
+        self._sensors = to_torch(self._d.sensordata)  # f32 [B, nsensordata]
+        self._joint_qpos = torch.tensor(
+            [m.jnt_qposadr[m.joint(j).id] for j in JOINTS], device=self.device
+        )
+        self._cube_qpos = int(m.jnt_qposadr[m.body("cube").jntadr[0]]) if self._has_cube() else -1
+        cols = {}
+        for i in range(m.nsensor):
+            adr = int(m.sensor_adr[i])
+            cols[m.sensor(i).name] = list(range(adr, adr + int(m.sensor_dim[i])))
+        state_names = [f"{j}.pos" for j in JOINTS] + [f"{j}.vel" for j in JOINTS]
+        self._state_cols = torch.tensor(sum((cols[n] for n in state_names), []), device=self.device)
+        self._priv_cols = {
+            k: torch.tensor(cols[k], device=self.device) for k in self.spec.obs.privileged
+        }
+
+    def _has_cube(self) -> bool:
+        return mujoco.mj_name2id(self.host_model, mujoco.mjtObj.mjOBJ_BODY, "cube") >= 0
+
+    @contextlib.contextmanager
+    def _on_torch_stream(self):
+        """Warp work on the device queue torch uses, so both run in order without a wait."""
+        wp = self._wp
+        with wp.ScopedDevice(self._wp_device):
+            if self.device.type == "cuda":
+                with wp.ScopedStream(wp.stream_from_torch(torch.cuda.current_stream(self.device))):
+                    yield
+            else:
+                yield
+
+    # --- physics ------------------------------------------------------------------------------
+    def _substep_all(self) -> None:
+        wp = self._wp
+        with self._on_torch_stream():
+            for _ in range(self._substeps):
+                self._mjw.step(self._m, self._d)
+                wp.launch(
+                    _peak_kernel(),
+                    dim=self.num_envs,
+                    inputs=[self._d.nacon, self._d.nefc, self._peaks],
+                )
+
+    def _physics(self) -> None:
+        """One control step of physics: on a GPU one captured graph, else the substeps."""
+        if self.device.type != "cuda":
+            self._substep_all()
+            return
+        wp = self._wp
+        with self._on_torch_stream():
+            if self._graph is None:
+                stream = wp.get_stream(self._wp_device)
+                with wp.ScopedCapture(device=self._wp_device, stream=stream) as capture:
+                    self._substep_all()
+                self._graph = capture.graph
+            wp.capture_launch(self._graph)
+
+    def check_buffers(self) -> None:
+        """Raise BufferOverflow if any substep since construction needed more contacts or
+        constraints than the buffers hold (reads two ints from the device)."""
+        self._raise_on_overflow(*self.buffer_peaks)
+
+    def _raise_on_overflow(self, contacts: int, constraints: int) -> None:
+        task = self.task.name
+        if contacts > self._d.naconmax:
+            raise BufferOverflow(
+                f"MuJoCo Warp task {task!r}: {contacts} contacts in one substep (all worlds "
+                f"together), more than its contact buffer holds ({self._d.naconmax}); raise "
+                "env.nconmax (contacts per world)"
+            )
+        if constraints > self._d.njmax:
+            raise BufferOverflow(
+                f"MuJoCo Warp task {task!r}: {constraints} constraints in one world, more than "
+                f"its constraint buffer holds ({self._d.njmax}); raise env.njmax"
+            )
+
+    @property
+    def buffer_peaks(self) -> tuple[int, int]:
+        """(contacts of all worlds, constraints of one world): the largest counts seen so far."""
+        contacts, constraints = self._wp.to_torch(self._peaks).tolist()
+        return contacts, constraints
+
+    def _read_done_and_peaks(self, terminated: torch.Tensor) -> np.ndarray:
+        """The terminated mask on the host, with the buffer peaks checked in the same read."""
+        peaks = self._wp.to_torch(self._peaks)
+        flags = torch.cat([terminated.to(torch.int32), peaks]).cpu().numpy()  # one sync
+        self._raise_on_overflow(int(flags[-2]), int(flags[-1]))
+        return flags[:-2].astype(bool)
+
+    # --- observations -------------------------------------------------------------------------
+    def _obs(self) -> Observation:
+        sensors = self._sensors
+        return Observation(
+            state=sensors.index_select(1, self._state_cols),  # f32 [B, 12]: one gather (a copy)
+            instruction=[self.task.instruction] * self.num_envs,
+            images=self._images(),
+            privileged={k: sensors.index_select(1, c) for k, c in self._priv_cols.items()},
+        )
+
+    def _images(self) -> dict[str, torch.Tensor]:
+        if not self.spec.obs.cameras:
+            return {}
+        return {"base_camera": self._render_host(self.cfg.image_size).to(self.device)}
+
+    def _reward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        readings = {k: self._sensors.index_select(1, c) for k, c in self._priv_cols.items()}
+        return self.task.evaluate(readings)
+
+    # --- reset / step -------------------------------------------------------------------------
+    def _reset_rows(self, rows: np.ndarray) -> None:
+        """Start new episodes in worlds ``rows`` (int64 [N] on the host): MuJoCo Warp's masked
+        reset, then the drawn initial states, then one forward pass for the sensors."""
+        self._elapsed[rows] = 0
+        pinned = torch.from_numpy(rows).pin_memory() if self.device.type == "cuda" else None
+        ids = (
+            torch.from_numpy(rows) if pinned is None else pinned.to(self.device, non_blocking=True)
+        )
+        mask = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
+        mask[ids] = True
+        init = draw_initial(self._streams, self.task, ids, self.cfg.home_noise)
+        kept_sensors = self._sensors.clone()  # the other worlds keep their last substep's sensors
+        with self._on_torch_stream():
+            self._mjw.reset_data(self._m, self._d, reset=self._wp.from_torch(mask))
+        self._qpos[ids[:, None], self._joint_qpos] = init.joints
+        if init.cube is not None:
+            at = self._cube_qpos
+            self._qpos[ids, at : at + 3] = init.cube
+            self._qpos[ids, at + 3 : at + 7] = self._quat_identity
+        self._mocap[ids, 0] = init.goal
+        self._ctrl[ids] = init.joints
+        self._target[ids] = init.joints
+        with self._on_torch_stream():
+            self._mjw.forward(self._m, self._d)
+        self._sensors.copy_(torch.where(mask[:, None], self._sensors, kept_sensors))
+        self._elapsed_device[ids] = 0
+
+    def reset(
+        self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None
+    ) -> Observation:
+        ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids]
+        reseed(self._streams, seed, ids)
+        self._reset_rows(np.array(ids, dtype=np.int64))
+        return self._obs()
+
+    def step(self, actions: torch.Tensor) -> StepOutput:
+        """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA."""
+        delta = actions.to(self.device, torch.float32).clamp(-MAX_DELTA, MAX_DELTA)
+        self._target = torch.clamp(self._target + delta, self._low, self._high)
+        self._ctrl.copy_(self._target)  # held for every substep
+        self._physics()
+        self._elapsed += 1
+        self._elapsed_device += 1
+        reward, success = self._reward()
+        truncated = self._elapsed_device >= self.spec.max_episode_steps  # bool [B], device
+        done_host = self._elapsed >= self.spec.max_episode_steps  # the same rows, on the host
+        if self.cfg.ignore_terminations:
+            terminated = torch.zeros_like(success)
+        else:
+            terminated = success
+            done_host = done_host | self._read_done_and_peaks(terminated)  # a read every step
+        final = None
+        ended = None
+        if done_host.any():
+            if self.cfg.ignore_terminations:
+                self.check_buffers()  # the step's one read from the device
+            ended = torch.from_numpy(np.flatnonzero(done_host))  # long [n], CPU
+            done = terminated | truncated
+            final = self._obs()
+            self._reset_rows(ended.numpy())
+        obs = self._obs()
+        if final is not None:
+            final = final.where(done, obs)  # ended rows: the last observation
+        return StepOutput(
+            obs=obs,
+            reward=reward,
+            terminated=terminated,
+            truncated=truncated,
+            success=success,
+            final_obs=final,
+            ended=ended,
+        )
+
+    # --- rendering ----------------------------------------------------------------------------
+    def _render_host(self, size: int) -> torch.Tensor:
+        """uint8 [B, size, size, 3] through MuJoCo's own renderer, world by world on the host
+        (evaluation videos; batched ray-cast rendering on the device is still to come)."""
+        if self._renderer is None or self._renderer.width != size:
+            self._renderer = mujoco.Renderer(self.host_model, size, size)
+        data = mujoco.MjData(self.host_model)
+        qpos = self._qpos.double().cpu().numpy()
+        mocap = self._mocap.double().cpu().numpy()
+        frames = np.empty((self.num_envs, size, size, 3), dtype=np.uint8)  # uint8 [B, H, W, 3]
+        for i in range(self.num_envs):
+            data.qpos[:] = qpos[i]
+            data.mocap_pos[:] = mocap[i]
+            mujoco.mj_forward(self.host_model, data)
+            self._renderer.update_scene(data, camera="base_camera")
+            frames[i] = self._renderer.render()
+        return torch.from_numpy(frames)
+
+    def render(self) -> torch.Tensor:
+        return self._render_host(self.cfg.render_size)
+
+    def close(self) -> None:
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,168 @@
+"""The MuJoCo Warp backend (``env.backend=warp``) on Warp's CPU device: the very kernels a GPU
+runs. It passes the contract, starts from the same initial states as the ``mujoco.rollout``
+backend for the same seeds, follows the same trajectories under the same actions within measured
+tolerances, and fails in one line where a user can act (device, Warp version, contact buffers).
+
+Warp compiles its kernels once into its cache (~/.cache/warp; scripts/setup.sh warms it), so
+these tests load them instead of compiling."""
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("mujoco_warp")
+
+from embodied.contract import check_env  # noqa: E402
+from embodied.schema import UserError  # noqa: E402
+from embodied.simulators.mujoco import TASKS, MuJoCoConfig, make_env  # noqa: E402
+from embodied.simulators.mujoco.warp_env import BufferOverflow  # noqa: E402
+
+# Worst difference between the backends over 32 worlds x 60 steps of random deltas (seeds
+# 100-131, docs/benchmarks.md), with a margin of 2-3x. Free motion (reach) agrees to float32
+# precision; where the arm strikes the cube the two contact pipelines (MuJoCo's C collision
+# functions and solver in float64, MuJoCo Warp's in float32) part by millimetres. That is the
+# backends, not chaos: the rollout backend against itself with 1e-6 rad moved joints stays
+# within 3e-5 on the same actions.
+TOLERANCE = {
+    "reach": {"joint": 1e-4, "tcp_pos": 1e-4},
+    "push": {"joint": 0.04, "tcp_pos": 0.02, "cube_pos": 0.05},
+}
+
+
+def _pair(task: str, num_envs: int, **kw):
+    warp = make_env(MuJoCoConfig(task=task, num_envs=num_envs, backend="warp", **kw))
+    rollout = make_env(MuJoCoConfig(task=task, num_envs=num_envs, **kw))
+    return warp, rollout
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_contract_on_the_warp_backend(task):
+    with make_env(MuJoCoConfig(task=task, num_envs=3, backend="warp", max_episode_steps=6)) as env:
+        check_env(env, seed=1)  # keys, shapes, dtypes, partial reset, auto-reset with final_obs
+        assert env.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_both_backends_start_alike_and_follow_the_same_trajectories(task):
+    warp, rollout = _pair(task, num_envs=8)
+    seeds = list(range(100, 108))
+    first_w = warp.reset(seed=seeds)
+    first_r = rollout.reset(seed=seeds)
+    assert torch.equal(first_w.state[:, :6], first_r.state[:, :6])  # the very same f32 draws
+    for key in first_w.privileged:
+        torch.testing.assert_close(
+            first_w.privileged[key], first_r.privileged[key], atol=1e-6, rtol=0
+        )
+    g = torch.Generator().manual_seed(0)
+    worst = dict.fromkeys(TOLERANCE[task], 0.0)
+    for _ in range(50):
+        actions = torch.rand(8, 6, generator=g) * 0.2 - 0.1
+        out_w = warp.step(actions)
+        out_r = rollout.step(actions)
+        joint = (out_w.obs.state[:, :6] - out_r.obs.state[:, :6]).abs().max().item()
+        worst["joint"] = max(worst["joint"], joint)
+        for key in set(worst) - {"joint"}:
+            gap = (out_w.obs.privileged[key] - out_r.obs.privileged[key]).norm(dim=-1).max()
+            worst[key] = max(worst[key], gap.item())
+        assert torch.equal(out_w.truncated, out_r.truncated)
+    assert all(worst[k] <= TOLERANCE[task][k] for k in worst), worst
+
+
+def test_equal_seeds_give_equal_worlds_and_a_masked_reset_leaves_the_others():
+    with make_env(MuJoCoConfig(task="push", num_envs=4, backend="warp")) as env:
+        obs = env.reset(seed=[7, 7, 7, 8])
+        assert torch.equal(obs.privileged["cube_pos"][0], obs.privileged["cube_pos"][2])
+        assert not torch.equal(obs.privileged["cube_pos"][0], obs.privileged["cube_pos"][3])
+        moved = env.step(torch.full((4, 6), 0.1)).obs
+        again = env.reset(seed=[7], env_ids=torch.tensor([1]))
+        assert torch.equal(again.privileged["goal_pos"][1], obs.privileged["goal_pos"][1])
+        assert torch.equal(again.state[1], obs.state[1])  # world 1 starts over exactly
+        assert torch.equal(again.state[[0, 2, 3]], moved.state[[0, 2, 3]])  # the others go on
+
+
+def test_a_contact_buffer_overflow_is_an_error_naming_the_task_and_buffer():
+    # push's cube rests on the table with 4 contacts; 2 for all 4 worlds cannot hold them
+    with make_env(
+        MuJoCoConfig(task="push", num_envs=4, backend="warp", nconmax=1, max_episode_steps=2)
+    ) as env:
+        env.reset(seed=0)
+        env.step(torch.zeros(4, 6))  # no episode ends: nothing is read from the device
+        with pytest.raises(BufferOverflow) as raised:
+            env.step(torch.zeros(4, 6))  # episodes end: the peaks are checked
+    found = re.fullmatch(
+        r"MuJoCo Warp task 'push': (\d+) contacts in one substep \(all worlds together\), more "
+        r"than its contact buffer holds \(4\); raise env\.nconmax \(contacts per world\)",
+        str(raised.value),
+    )
+    assert found and int(found[1]) >= 16  # 4 worlds' cubes on the table: 4 contacts each
+
+
+def test_cuda_on_a_machine_without_it_is_a_one_line_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from embodied.cli import main
+
+    argv = ["train", "configs/mujoco/reach_ppo.yaml", "env.backend=warp", "env.device=cuda"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "embodied: error: env.device=cuda needs a CUDA GPU and this machine has none; use "
+        "env.device=cpu (the same kernels on Warp's CPU device, for correctness)"
+    )
+
+
+def test_another_warp_version_is_a_one_line_error_naming_both(monkeypatch):
+    import warp
+
+    monkeypatch.setattr(warp, "__version__", "1.19.0")
+    with pytest.raises(UserError) as raised:
+        make_env(MuJoCoConfig(task="reach", num_envs=1, backend="warp"))
+    assert str(raised.value) == (
+        "env.backend=warp: warp-lang 1.19.0 is installed, but mujoco-warp 3.8.1's kernels compile "
+        "with warp-lang 1.12.0: pip install warp-lang==1.12.0"
+    )
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("backend=physx", "backend: must be one of ['rollout', 'warp'], got 'physx'"),
+        ("device=gpu", "device: must be cpu, cuda or cuda:N, got 'gpu'"),
+        (
+            "device=cuda",
+            "device: the rollout backend runs on the CPU; env.backend=warp runs on cuda",
+        ),
+        ("njmax=0", "njmax: must be >= 1 or null, got 0"),
+    ],
+)
+def test_bad_backend_settings_are_config_errors(override, message):
+    key, value = override.split("=")
+    value = int(value) if value.isdigit() else value
+    with pytest.raises(ValueError) as raised:
+        MuJoCoConfig(**{key: value}).validate()
+    assert str(raised.value) == message
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_no_step_reads_the_device_until_episodes_end_and_cpu_agrees():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = dict(task="push", num_envs=64, backend="warp", max_episode_steps=5)
+    gpu = make_env(MuJoCoConfig(device="cuda", **cfg))
+    cpu = make_env(MuJoCoConfig(device="cpu", **cfg))
+    first = gpu.reset(seed=0)
+    assert torch.equal(first.state[:, :6].cpu(), cpu.reset(seed=0).state[:, :6])
+    actions = torch.full((64, 6), 0.05, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any read of the device raises
+    try:
+        for _ in range(4):  # one captured graph of substeps per step; no episode ends
+            out = gpu.step(actions)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for _ in range(4):
+        expected = cpu.step(actions.cpu())
+    torch.testing.assert_close(out.obs.state.cpu(), expected.obs.state, atol=1e-4, rtol=0)
+    last = gpu.step(actions)  # every episode ends: the peaks and the rows are read here
+    assert last.ended.tolist() == list(range(64)) and last.final_obs is not None
