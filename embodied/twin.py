@@ -191,17 +191,21 @@ def _twin_camera_class():
 
 
 def twin_calibration() -> dict[str, dict]:
-    """LeRobot calibration of the twin: each servo's range is its MuJoCo joint's range, the gripper
-    from closed (0 rad) to open; homing offset 0 (the simulated encoders read 2048 at 0 rad)."""
+    """LeRobot calibration of the twin, as ``lerobot-calibrate`` records an SO-101: each servo's
+    range is its MuJoCo joint's range (the gripper from closed to open), except the wrist roll's,
+    which LeRobot records as the full turn (0-4095); homing offset 0 (the simulated encoders read
+    2048 at 0 rad). LeRobot reads degrees from the middle of each range, so the twin's joint zeros
+    are LeRobot's (docs/so101.md)."""
     out = {}
     for j in JOINTS:
         lo, hi = RANGES[j]
+        full_turn = j == "wrist_roll"
         out[j] = {
             "id": SERVO_IDS[j],
             "drive_mode": 0,
             "homing_offset": 0,
-            "range_min": rad_to_ticks(lo),
-            "range_max": rad_to_ticks(hi),
+            "range_min": 0 if full_turn else rad_to_ticks(lo),
+            "range_max": 4095 if full_turn else rad_to_ticks(hi),
         }
     return out
 

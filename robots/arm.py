@@ -46,7 +46,8 @@ class ArmConfig:
     camera_height: int = 480
     camera_fps: int = 30
     image_size: int = 128  # frames are resized to image_size x image_size for the policy
-    gripper_range: tuple[float, float] = (0.0, 1.7)  # radians that LeRobot's gripper 0..100 maps to
+    # radians that LeRobot's gripper 0..100 maps to (the SO-101 description's gripper range)
+    gripper_range: tuple[float, float] = (-0.17453, 1.74533)
     control_hz: float = 30.0
     max_episode_steps: int = 900  # 30 s at 30 Hz
     instruction: str = ""
@@ -178,9 +179,10 @@ def calibrated_limits(robot, cfg: ArmConfig) -> tuple[np.ndarray, np.ndarray]:
 
 def default_safety(robot, cfg: ArmConfig, **overrides) -> SafetyConfig:
     low, high = calibrated_limits(robot, cfg)
-    safe = np.clip(
-        np.array([0.0, -1.3, 1.2, 0.6, 0.0, cfg.gripper_range[0]]), low, high
-    )  # folded back, low, gripper shut
+    # the SO-101's rest pose: the upper arm laid back, the forearm folded over it, the gripper
+    # tilted down in front (tool point 7 cm above the table), shut
+    rest = np.array([0.0, -1.6, 1.6, 0.6, 0.0, cfg.gripper_range[0]])
+    safe = np.clip(rest, low, high)
     return SafetyConfig(
         **{
             "joint_low": tuple(low),

@@ -31,8 +31,10 @@ class SafetyConfig:
     joint_low: tuple[float, ...]
     joint_high: tuple[float, ...]
     max_step: float | tuple[float, ...] = 0.05  # radians per control step (1.5 rad/s at 30 Hz)
-    workspace_low: tuple[float, float, float] = (-0.35, -0.35, 0.01)  # tool point box, base frame
-    workspace_high: tuple[float, float, float] = (0.35, 0.35, 0.40)
+    # tool point box in the base frame: above the table, within the SO-101's reach (0.4 m out at
+    # its zero pose, 0.53 m up with the arm straight)
+    workspace_low: tuple[float, float, float] = (-0.45, -0.45, 0.01)
+    workspace_high: tuple[float, float, float] = (0.45, 0.45, 0.55)
     safe_pose: tuple[float, ...] = ()  # where torque may be switched off (the arm rests folded)
     geometry: ArmGeometry = field(default_factory=ArmGeometry)
     hold_after_s: float = 0.25  # watchdog: no fresh action for this long -> hold position

@@ -19,14 +19,15 @@ from embodied.simulators.mujoco import TASKS, MuJoCoConfig, make_env  # noqa: E4
 from embodied.simulators.mujoco.warp_env import BufferOverflow  # noqa: E402
 
 # Worst difference between the backends over 32 worlds x 60 steps of random deltas (seeds
-# 100-131, docs/benchmarks.md), with a margin of 2-3x. Free motion (reach) agrees to float32
-# precision; where the arm strikes the cube the two contact pipelines (MuJoCo's C collision
-# functions and solver in float64, MuJoCo Warp's in float32) part by millimetres. That is the
-# backends, not chaos: the rollout backend against itself with 1e-6 rad moved joints stays
-# within 3e-5 on the same actions.
+# 100-131, docs/benchmarks.md), with a margin of about 2x. Free motion (reach) agrees to float32
+# precision; where the arm strikes the cube or the table, the two contact pipelines (MuJoCo's C
+# collision functions and solver in float64, MuJoCo Warp's in float32) part by millimetres to
+# centimetres in a few worlds (the median world: 1e-7 m). That is the backends, not chaos: the
+# rollout backend against itself with 1e-6 rad moved joints stays within 4e-6 on the same actions.
 TOLERANCE = {
     "reach": {"joint": 1e-4, "tcp_pos": 1e-4},
-    "push": {"joint": 0.04, "tcp_pos": 0.02, "cube_pos": 0.05},
+    "push": {"joint": 0.05, "tcp_pos": 0.015, "cube_pos": 0.075},
+    "pick": {"joint": 0.15, "tcp_pos": 0.045, "cube_pos": 0.08},
 }
 
 

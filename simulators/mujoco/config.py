@@ -16,7 +16,7 @@ class MuJoCoConfig(SimulatorConfig):
     """Which MuJoCo arm task to run and how."""
 
     simulator: str = "mujoco"
-    task: str = "reach"  # reach | push
+    task: str = "reach"  # reach | push | pick
     num_envs: int = 8
     obs_mode: str = "state"  # state (proprioception + privileged) | rgb (adds base_camera)
     image_size: int = 64

@@ -99,7 +99,8 @@ class MuJoCoEnv:
 
     def _reward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The task's reward and success (one torch implementation for both backends)."""
-        readings = {k: torch.from_numpy(self._read(k).astype(np.float32)) for k in self._priv_names}
+        names = self._priv_names + self.task.reads
+        readings = {k: torch.from_numpy(self._read(k).astype(np.float32)) for k in names}
         return self.task.evaluate(readings)
 
     # --- reset / step -------------------------------------------------------------------------

@@ -22,6 +22,7 @@ GOAL_REGION = (
     "</body>"
 )
 CUBE_HALF = 0.015  # metres
+LIFT = 0.05  # metres the pick task lifts the cube
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Task:
     privileged: dict[str, int] = field(default_factory=dict)  # key -> size
     max_episode_steps: int = 50
     num_draws: int = 3  # uniforms per reset that ``sample`` takes
+    reads: tuple[str, ...] = ()  # sensors ``evaluate`` reads besides the privileged ones
 
     def sample(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
         """Uniforms f32 [N, num_draws] -> an initial state's task part, f32 [N, 3] each: the goal
@@ -40,7 +42,8 @@ class Task:
         raise NotImplementedError
 
     def evaluate(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sensor readings f32 [B, 3] by name -> (reward f32 [B] in [0, 1], success bool [B])."""
+        """Sensor readings by name (f32 [B, 3] positions, f32 [B, 1] joints) -> (reward f32 [B]
+        in [0, 1], success bool [B])."""
         raise NotImplementedError
 
 
@@ -55,7 +58,7 @@ class Reach(Task):
     """Bring the gripper's tool point within 2 cm of a target in the air."""
 
     def sample(self, u):
-        return {"goal": _between(u, (0.14, -0.14, 0.05), (0.28, 0.14, 0.2))}
+        return {"goal": _between(u, (0.14, -0.12, 0.04), (0.3, 0.12, 0.18))}
 
     def evaluate(self, s):
         d = torch.linalg.vector_norm(s["tcp_pos"] - s["goal_pos"], dim=-1)
@@ -67,8 +70,8 @@ class Push(Task):
     """Push the cube into the red target region on the table (cube centre within 2.5 cm)."""
 
     def sample(self, u):
-        cube_xy = _between(u[:, :2], (0.16, -0.08), (0.22, 0.08))
-        offset = _between(u[:, 2:], (0.05, -0.03), (0.09, 0.03))
+        cube_xy = _between(u[:, :2], (0.17, -0.08), (0.22, 0.08))
+        offset = _between(u[:, 2:], (0.05, -0.03), (0.08, 0.03))
         on_table = torch.full_like(u[:, :1], CUBE_HALF)
         cube = torch.cat([cube_xy, on_table], 1)
         goal = torch.cat([cube_xy + offset, torch.full_like(on_table, 0.001)], 1)
@@ -90,6 +93,38 @@ class Push(Task):
         return torch.where(success, 1.0, (reach + 2.0 * place) / 3.0), success
 
 
+class Pick(Task):
+    """Pick the cube up and lift it: success once its centre is LIFT above where it rested. The
+    goal marks that height above the cube's start (a hint for the eye, not an input)."""
+
+    def sample(self, u):
+        cube_xy = _between(u, (0.16, -0.08), (0.25, 0.08))
+        on_table = torch.full_like(u[:, :1], CUBE_HALF)
+        return {
+            "goal": torch.cat([cube_xy, on_table + LIFT], 1),
+            "cube": torch.cat([cube_xy, on_table], 1),
+        }
+
+    def evaluate(self, s):
+        cube = s["cube_pos"]
+        d_cube = torch.linalg.vector_norm(s["tcp_pos"] - cube, dim=-1)
+        reach = 1.0 - torch.tanh(10.0 * d_cube)
+        # the jaws stopped by the cube around the tool point: it is held
+        grasped = (d_cube < 0.015) & (s["gripper.pos"][:, 0] < 0.45)
+        lift = ((cube[:, 2] - CUBE_HALF) / LIFT).clamp(0.0, 1.0)
+        success = cube[:, 2] >= CUBE_HALF + LIFT
+        dense = (reach + grasped.float() + 2.0 * lift) / 4.0
+        return torch.where(success, 1.0, dense), success
+
+
+def _cube(rgba: str) -> str:
+    return (
+        f'<body name="cube" pos="0.2 0 {CUBE_HALF}"><freejoint/><geom type="box" '
+        f'size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}" rgba="{rgba}" mass="0.03" friction="1 0.01 '
+        f'0.001" {WORLD_COLLISION}/></body>'
+    )
+
+
 TASKS: dict[str, Task] = {
     "reach": Reach(
         name="reach",
@@ -101,14 +136,22 @@ TASKS: dict[str, Task] = {
     "push": Push(
         name="push",
         instruction="push the cube to the red target",
-        bodies=GOAL_REGION
-        + f'<body name="cube" pos="0.2 0 {CUBE_HALF}"><freejoint/><geom type="box" '
-        f'size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}" rgba="0.2 0.3 0.9 1" mass="0.05" '
-        f'friction="0.8" {WORLD_COLLISION}/></body>',
+        bodies=GOAL_REGION + _cube("0.2 0.3 0.9 1"),
         sensors='<framepos name="goal_pos" objtype="body" objname="goal"/>'
         '<framepos name="cube_pos" objtype="body" objname="cube"/>',
         privileged={"goal_pos": 3, "cube_pos": 3},
         max_episode_steps=80,
         num_draws=4,
+    ),
+    "pick": Pick(
+        name="pick",
+        instruction="pick up the cube and lift it",
+        bodies=GOAL_MARKER + _cube("0.9 0.5 0.1 1"),
+        sensors='<framepos name="goal_pos" objtype="body" objname="goal"/>'
+        '<framepos name="cube_pos" objtype="body" objname="cube"/>',
+        privileged={"goal_pos": 3, "cube_pos": 3},
+        max_episode_steps=100,
+        num_draws=2,
+        reads=("gripper.pos",),
     ),
 }

@@ -118,6 +118,10 @@ class MuJoCoWarpEnv:
         self._priv_cols = {
             k: torch.tensor(cols[k], device=self.device) for k in self.spec.obs.privileged
         }
+        self._read_cols = {  # what the task's reward reads
+            k: torch.tensor(cols[k], device=self.device)
+            for k in (*self.spec.obs.privileged, *self.task.reads)
+        }
 
     def _has_cube(self) -> bool:
         return mujoco.mj_name2id(self.host_model, mujoco.mjtObj.mjOBJ_BODY, "cube") >= 0
@@ -207,7 +211,7 @@ class MuJoCoWarpEnv:
         return {"base_camera": self._render_host(self.cfg.image_size).to(self.device)}
 
     def _reward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        readings = {k: self._sensors.index_select(1, c) for k, c in self._priv_cols.items()}
+        readings = {k: self._sensors.index_select(1, c) for k, c in self._read_cols.items()}
         return self.task.evaluate(readings)
 
     # --- reset / step -------------------------------------------------------------------------
