@@ -1,11 +1,12 @@
 """``embodied demos``: record demonstrations offline into a LeRobot v3.0 dataset.
 
 The demonstrator is a trained checkpoint (typically our state-based PPO expert acting on
-privileged object/goal state) driving the environment with obs_mode ``rgb+state``, so the
-cameras record what it does. Episodes run in rounds of B environments, each environment's first
-episode per round counted, reset with seeds ``DEMO_SEED_OFFSET + seed + i`` (disjoint from the
-training and evaluation seeds). Success is recorded per frame and per episode; failed episodes are
-dropped unless ``keep_failed``.
+privileged object/goal state) or, with ``expert: scripted``, the simulator's own scripted expert
+(the MuJoCo tasks'), driving an environment whose cameras record what it does (ManiSkill's
+obs_mode ``rgb+state``, MuJoCo's ``rgb``). Episodes run in rounds of B environments, each
+environment's first episode per round counted, reset with seeds ``DEMO_SEED_OFFSET + seed + i``
+(disjoint from the training and evaluation seeds). Success is recorded per frame and per episode;
+failed episodes are dropped unless ``keep_failed``.
 """
 
 from __future__ import annotations
@@ -13,22 +14,28 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from embodied.schema import UserError
+from embodied.multitask import SIMULATOR_CONFIGS
+from embodied.schema import SimulatorConfig, UserError
 from embodied.simulators.maniskill import ManiSkillConfig
 
 DEMO_SEED_OFFSET = 2_000_000
+SCRIPTED = "scripted"  # ``expert``: the simulator's own scripted expert for the task
 
 
 @dataclass
 class DemosConfig:
     """Which expert records which task, how many episodes, and where they go."""
 
-    expert: str = ""  # checkpoint of the demonstrator (a run directory, RUN/last or a checkpoint)
-    env: ManiSkillConfig = field(default_factory=lambda: ManiSkillConfig(obs_mode="rgb+state"))
+    CHOICES: ClassVar[dict] = {"env": SIMULATOR_CONFIGS}
+    CHOICE_KEYS: ClassVar[dict] = {"env": "simulator"}
+    # the demonstrator: a checkpoint (a run directory, RUN/last or a checkpoint), or "scripted"
+    expert: str = ""
+    env: SimulatorConfig = field(default_factory=lambda: ManiSkillConfig(obs_mode="rgb+state"))
     episodes: int = 100  # successful episodes wanted (all episodes with keep_failed)
     max_attempts: int = 300  # stop after this many episodes even if fewer succeeded
     keep_failed: bool = False
@@ -46,9 +53,21 @@ class DemosConfig:
             raise ValueError("episodes: need 1 <= episodes <= max_attempts")
         if "rgb" not in self.env.obs_mode:
             raise ValueError(
-                "env.obs_mode: demonstrations need cameras ('rgb+state'), "
-                f"got {self.env.obs_mode!r}"
+                "env.obs_mode: demonstrations need cameras (ManiSkill's 'rgb+state', MuJoCo's "
+                f"'rgb'), got {self.env.obs_mode!r}"
             )
+        if self.expert == SCRIPTED and self.env.simulator != "mujoco":
+            raise ValueError(
+                f"expert: scripted experts exist for the MuJoCo tasks, not for {self.env.simulator}"
+                "; give a checkpoint"
+            )
+
+
+def scripted_expert(env_cfg, device):
+    """The simulator's scripted expert for ``env_cfg``'s task (an ``act(obs)`` policy)."""
+    from embodied.simulators.mujoco.experts import EXPERTS
+
+    return EXPERTS[env_cfg.task](device)
 
 
 def load_policy(checkpoint: str | Path | dict, device="cpu"):
@@ -75,11 +94,16 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
     from embodied.multitask import make_env
 
     cfg.validate()
-    try:
-        expert, expert_cfg = load_policy(cfg.expert)
-    except (FileNotFoundError, UserError) as e:
-        raise UserError(f"expert: {e}") from None
+    expert_task = cfg.env.task
+    if cfg.expert != SCRIPTED:
+        try:
+            expert, expert_cfg = load_policy(cfg.expert)
+        except (FileNotFoundError, UserError) as e:
+            raise UserError(f"expert: {e}") from None
+        expert_task = expert_cfg.env.task
     env = make_env(cfg.env)
+    if cfg.expert == SCRIPTED:
+        expert = scripted_expert(cfg.env, env.device)
     spec = env.spec
     missing = sorted(set(cfg.privileged_keys) - set(spec.obs.privileged))
     if missing:
@@ -98,7 +122,7 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
         source={
             "simulator": cfg.env.simulator,
             "task": cfg.env.task,
-            "control_mode": cfg.env.control_mode,
+            "control_mode": getattr(cfg.env, "control_mode", spec.action.space),
             "expert": str(cfg.expert),
             "seed": cfg.seed,
         },
@@ -138,11 +162,13 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
                     ):  # offline recording: a loop is fine here
                         f = frames[i]
                         for c in obs.images:
-                            f["images"][c].append(obs.images[c][i].numpy())
+                            f["images"][c].append(obs.images[c][i].cpu().numpy())
                         for key in cfg.privileged_keys:
-                            f["privileged"][key].append(obs.privileged[key][i].reshape(-1).numpy())
-                        f["state"].append(obs.state[i].numpy())
-                        f["actions"].append(action[i].numpy())
+                            f["privileged"][key].append(
+                                obs.privileged[key][i].reshape(-1).cpu().numpy()
+                            )
+                        f["state"].append(obs.state[i].cpu().numpy())
+                        f["actions"].append(action[i].cpu().numpy())
                         f["rewards"].append(float(step.reward[i]))
                         f["success"].append(bool(step.success[i]))
                     active &= ~done
@@ -183,5 +209,5 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
         "output": str(root),
         "minutes": (time.time() - t0) / 60,
         "expert": str(cfg.expert),
-        "expert_task": expert_cfg.env.task,
+        "expert_task": expert_task,
     }

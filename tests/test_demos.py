@@ -124,3 +124,36 @@ def test_config_errors(tmp_path, expert, capsys):
     assert "episodes" in capsys.readouterr().err
     assert _demos(tmp_path, expert, "env.obs_mode=state") == 2
     assert "cameras" in capsys.readouterr().err
+
+
+def test_the_scripted_expert_records_the_mujoco_pick_task(tmp_path, capsys):
+    # the shipped config as the README runs it, smaller: the expert needs no checkpoint
+    argv = [
+        "demos",
+        "configs/mujoco/demos_pick.yaml",
+        "episodes=2",
+        "max_attempts=2",
+        "env.num_envs=2",
+        "env.image_size=32",
+        f"output={tmp_path / 'ds'}",
+    ]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["expert"] == "scripted" and summary["expert_task"] == "pick"
+    assert summary["episodes"] == 2 and summary["expert_success_rate"] == 1.0
+    ds = DemoDataset.load(tmp_path / "ds")
+    assert len(ds) == 200 and ds.starts.tolist() == [0, 100]  # two whole 100-step episodes
+    assert ds.images["base_camera"].shape == (200, 32, 32, 3)
+    assert ds.tasks == ["pick up the cube and lift it"]
+    assert ds.actions.abs().max() <= 0.1 + 1e-6  # joint deltas within the action limit
+    assert ds.privileged["goal_pos"].shape == (200, 3)
+
+
+def test_scripted_experts_exist_for_mujoco_only(tmp_path, capsys):
+    cfg = tmp_path / "demos.yaml"
+    cfg.write_text(json.dumps({"expert": "scripted", "env": {**ENV, "obs_mode": "rgb+state"}}))
+    assert main(["demos", str(cfg)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "embodied: error: expert: scripted experts exist for the MuJoCo tasks, not for maniskill; "
+        "give a checkpoint (in " + str(cfg) + ")"
+    )
