@@ -231,15 +231,16 @@ def _cameras(values: list[str]) -> dict[str, str]:
     return out
 
 
-def _floats(option: str, text: str | None, default: float) -> tuple[float, ...]:
+def _floats(option: str, text: str | None, default: float, n: int = 6, what: str = "joint"):
+    """``n`` comma-separated numbers (a tuple of floats), ``default`` n times where none given."""
     if not text:
-        return (default,) * 6
+        return (default,) * n
     try:
         values = tuple(float(v) for v in text.split(","))
     except ValueError:
         values = ()
-    if len(values) != 6:
-        raise ValueError(f"{option} {text!r}: expected 6 comma-separated numbers, one per joint")
+    if len(values) != n:
+        raise ValueError(f"{option} {text!r}: expected {n} comma-separated numbers, one per {what}")
     return values
 
 
@@ -297,6 +298,9 @@ def cmd_deploy(args) -> int:
             joint_signs=_floats("--robot.joint-signs", args.joint_signs, 1.0),
             joint_offsets=_floats("--robot.joint-offsets", args.joint_offsets, 0.0),
         )
+        goal = None
+        if args.goal:
+            goal = _floats("--goal", args.goal, 0.0, n=3, what="axis (metres: x,y,z)")
         summary = run_deploy(
             args.checkpoint,
             arm,
@@ -305,6 +309,8 @@ def cmd_deploy(args) -> int:
             server=args.server,
             episodes=args.episodes,
             record=args.record,
+            goal=goal,
+            seed=args.seed,
         )
     except (DeployError, RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
         return _error(str(e))
@@ -417,6 +423,14 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--episodes", type=int, default=1)
     y.add_argument("--episode-seconds", type=float, default=30.0)
     y.add_argument("--record", help="directory for one LeRobot dataset per episode")
+    y.add_argument(
+        "--goal",
+        help="X,Y,Z: the goal the policy is given (metres, the arm's base frame), for policies "
+        "trained with policy.privileged_keys=[goal_pos]; the twin draws one per episode without",
+    )
+    y.add_argument(
+        "--seed", type=int, default=0, help="the twin's scenes: episode e is the task's seed+e"
+    )
     y.add_argument(
         "--robot.joint-signs",
         dest="joint_signs",

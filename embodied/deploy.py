@@ -31,14 +31,15 @@ class DeployError(ValueError):
 
 
 def load_deployable(checkpoint: str | Path):
-    """(policy in eval mode, its EnvSpec, contract dict) of a checkpoint."""
+    """(policy in eval mode, its EnvSpec, contract dict, the config it was trained with) of a
+    checkpoint."""
     from embodied.checkpoint import resolve_checkpoint
     from embodied.demos import load_policy
 
     path = resolve_checkpoint(checkpoint)
-    policy, _ = load_policy(path)
+    policy, train_cfg = load_policy(path)
     spec = EnvSpec.from_dict(json.loads((path / "meta.json").read_text())["spec"])
-    return policy, spec, contract(spec, path)
+    return policy, spec, contract(spec, path), train_cfg
 
 
 def contract(spec: EnvSpec, path: Path) -> dict:
@@ -64,9 +65,13 @@ def contract(spec: EnvSpec, path: Path) -> dict:
     return json.loads(json.dumps(agreed))  # lists, not tuples: as it arrives through msgpack
 
 
-def check_fits(policy, spec: EnvSpec, cameras) -> None:
-    """Refuse a checkpoint that cannot act on an arm with these cameras (names), naming every
-    reason; it needs nothing connected, so it runs before anything is."""
+GOAL = "goal_pos"  # the one privileged input an arm can have: a goal its user gives
+
+
+def check_fits(policy, spec: EnvSpec, cameras, *, goal: bool = False) -> None:
+    """Refuse a checkpoint that cannot act on an arm with these cameras (names), and a goal
+    (``goal``: given, or drawn by the twin), naming every reason; it needs nothing connected, so
+    it runs before anything is."""
     from embodied.robots.arm import JOINTS, STATE_NAMES
 
     problems = []
@@ -79,11 +84,14 @@ def check_fits(policy, spec: EnvSpec, cameras) -> None:
     missing = [n for n in spec.obs.state_names if n not in STATE_NAMES]
     if missing:
         problems.append(f"state columns {missing} that the arm does not measure")
-    need = getattr(policy, "privileged_inputs", tuple(spec.obs.privileged))
-    if need:
+    need = set(getattr(policy, "privileged_inputs", tuple(spec.obs.privileged)))
+    if need - {GOAL}:
         problems.append(
-            f"simulator-only inputs {sorted(need)} (train with policy.use_privileged=false)"
+            f"simulator-only inputs {sorted(need - {GOAL})} (train with "
+            f"policy.use_privileged=false, or policy.privileged_keys=[{GOAL}])"
         )
+    if GOAL in need and not goal:
+        problems.append(f"the input {GOAL} (give --goal X,Y,Z: metres in the arm's base frame)")
     lacking = [c.name for c in spec.obs.cameras if c.name not in set(cameras)]
     if lacking:
         problems.append(f"cameras {lacking} (give --camera NAME=SOURCE for each)")
@@ -96,6 +104,7 @@ def obs_to_wire(obs: Observation) -> dict:
         "state": obs.state[0].numpy(),
         "images": {k: v[0].numpy() for k, v in obs.images.items()},
         "instruction": obs.instruction[0],
+        "privileged": {k: v[0].numpy() for k, v in obs.privileged.items()},  # a given goal
     }
 
 
@@ -112,7 +121,16 @@ def wire_to_obs(msg: dict, spec: EnvSpec) -> Observation:
             f"observation has {state.shape[1]} state columns and cameras {sorted(images)}; "
             f"the policy needs {spec.obs.state_dim} and {[c.name for c in spec.obs.cameras]}"
         )
-    return Observation(state=state, instruction=[str(msg.get("instruction", ""))], images=images)
+    privileged = {
+        k: torch.from_numpy(np.array(v, np.float32))[None]
+        for k, v in (msg.get("privileged") or {}).items()
+    }  # f32 [1, D] each
+    return Observation(
+        state=state,
+        instruction=[str(msg.get("instruction", ""))],
+        images=images,
+        privileged=privileged,
+    )
 
 
 def policy_chunk(policy, obs: Observation) -> np.ndarray:
@@ -127,6 +145,7 @@ def _select_columns(obs: Observation, spec: EnvSpec, robot_spec: EnvSpec) -> Obs
         state=obs.state[:, cols],
         instruction=obs.instruction,
         images={c.name: obs.images[c.name] for c in spec.obs.cameras},
+        privileged=dict(obs.privileged),
     )
 
 
@@ -200,7 +219,7 @@ def serve(checkpoint: str, *, host: str = "0.0.0.0", port: int = 8765, queue_siz
     """A started PolicyServer for the checkpoint (``.stop()`` ends it)."""
     from embodied.robots.server import PolicyServer
 
-    policy, spec, agreed = load_deployable(checkpoint)
+    policy, spec, agreed, _ = load_deployable(checkpoint)
     return PolicyServer(
         lambda msg: policy_chunk(policy, wire_to_obs(msg, spec)),
         agreed,
@@ -208,6 +227,48 @@ def serve(checkpoint: str, *, host: str = "0.0.0.0", port: int = 8765, queue_siz
         port=port,
         queue_size=queue_size,
     ).start()
+
+
+@dataclass
+class Scene:
+    """How an episode starts: the goal the policy is given (f64 [3], metres, base frame, or None)
+    and, on the twin, the cube's place (f64 [3] or None)."""
+
+    goal: np.ndarray | None
+    cube: np.ndarray | None = None
+
+
+def episode_scenes(train_cfg, goal, twin: bool, episodes: int, seed: int) -> list[Scene]:
+    """One Scene per episode. On the twin the MuJoCo task's own sampler draws goal and cube from
+    ``seed + episode`` (a given goal replaces the drawn one); a real arm gets the given goal."""
+    given = None if goal is None else np.asarray(goal, np.float64)
+    if not twin or train_cfg.env.simulator != "mujoco":
+        return [Scene(given) for _ in range(episodes)]
+    from embodied.simulators.mujoco.streams import Streams
+    from embodied.simulators.mujoco.tasks import TASKS
+    from embodied.simulators.mujoco.worlds import draw_initial, reseed
+
+    streams = Streams(episodes, torch.device("cpu"))
+    reseed(streams, [seed + e for e in range(episodes)], list(range(episodes)))
+    drawn = draw_initial(streams, TASKS[train_cfg.env.task], torch.arange(episodes), 0.0)
+    cubes = None if drawn.cube is None else drawn.cube.double().numpy()
+    return [
+        Scene(
+            drawn.goal[e].double().numpy() if given is None else given,
+            None if cubes is None else cubes[e],
+        )
+        for e in range(episodes)
+    ]
+
+
+def start_pose(train_cfg) -> np.ndarray | None:
+    """Where episodes of a MuJoCo-trained policy begin (radians [6], the policy's frame): the
+    SO-101's home pose its training started from; None for other simulators."""
+    if train_cfg.env.simulator != "mujoco":
+        return None
+    from embodied.simulators.mujoco.worlds import HOME_POSE
+
+    return np.asarray(HOME_POSE, np.float64)
 
 
 def run_deploy(
@@ -222,15 +283,90 @@ def run_deploy(
     request_when_left: int = 2,
     blend_steps: int = 2,
     keyboard: bool | None = None,
-    twin_task: str = "push",
+    goal: tuple[float, float, float] | None = None,
+    seed: int = 0,
 ) -> dict:
     """Deploy ``checkpoint`` on the arm of ``arm`` (ArmConfig) for ``episodes`` episodes of
-    ``episode_seconds``, at ``hz`` (None: the rate the policy was trained at)."""
+    ``episode_seconds``, at ``hz`` (None: the rate the policy was trained at). Each episode starts
+    at the policy's start pose (MuJoCo-trained policies); on the twin the task's scene is set up
+    for it and its success judged."""
     from embodied.robots.arm import RobotEnv, connect, default_safety, make_robot
-    from embodied.robots.control import ChunkExecutor, EmergencyStop, SafeShutdown, run_episode
+    from embodied.robots.control import ChunkExecutor, EmergencyStop, SafeShutdown
     from embodied.robots.safety import SafetyLayer
 
-    policy, spec, agreed = load_deployable(checkpoint)
+    policy, spec, agreed, train_cfg = load_deployable(checkpoint)
+    _fit_rate(arm, spec, hz, episode_seconds)
+    twin = arm.robot.endswith("-sim")
+    # what can refuse the run does so before the arm is touched: the policy's inputs, the server
+    reads_goal = GOAL in set(getattr(policy, "privileged_inputs", ()))
+    scene_goal = goal is not None or (twin and train_cfg.env.simulator == "mujoco")
+    check_fits(policy, spec, arm.cameras, goal=scene_goal)
+    scenes = episode_scenes(train_cfg, goal, twin, episodes, seed)
+    client = None
+    if server:
+        from embodied.robots.server import PolicyClient
+
+        client = PolicyClient(server, agreed)
+    try:
+        judge = None
+        sim = None
+        if twin:
+            from embodied.twin import make_twin_robot
+
+            task = train_cfg.env.task if train_cfg.env.simulator == "mujoco" else "push"
+            robot, sim, _ = make_twin_robot(arm, task=task)
+            judge = sim.success if train_cfg.env.simulator == "mujoco" else None
+        else:
+            robot = make_robot(arm)
+        connect(robot, arm)
+        safety = SafetyLayer(default_safety(robot, arm))
+        env = RobotEnv(robot, arm, safety, goal_input=reads_goal, judge=judge)
+        summary = {"episodes": [], "robot": arm.robot, "hz": arm.control_hz}
+        if client is not None:
+            chunk_of = lambda obs: client.infer(obs_to_wire(obs))  # noqa: E731
+        else:
+            chunk_of = lambda obs: policy_chunk(policy, obs)  # noqa: E731
+        # safe pose, torque off there, disconnect: always, and a bus error in a step stays the
+        # error reported (the shutdown's own failures are noted on it)
+        with SafeShutdown(env, hz=arm.control_hz) as shutdown:
+            infer = robot_infer(chunk_of, spec, env)
+            recorder = (
+                EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot)
+                if record
+                else None
+            )
+            start = start_pose(train_cfg)
+            with EmergencyStop(keyboard=keyboard) as stop:
+                for ep, scene in enumerate(scenes):
+                    if not _begin(env, sim, scene, start, arm.control_hz):
+                        raise DeployError(f"episode {ep}: the arm did not reach its start pose")
+                    executor = ChunkExecutor(
+                        infer,
+                        request_when_left=request_when_left,
+                        blend_steps=blend_steps,
+                        wait_s=0.5 / arm.control_hz,
+                    )  # up to half a period for a late chunk
+                    result = _episode(env, executor, stop, arm)
+                    saved = recorder.finish(result) if recorder else None
+                    summary["episodes"].append(
+                        _episode_summary(result, executor, saved, scene, judged=judge is not None)
+                    )
+                    log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
+                    if result.reason != "done":
+                        break
+    finally:
+        if client is not None:
+            client.close()
+    if judge is not None:
+        done = summary["episodes"]
+        summary["success_rate"] = sum(e["success"] for e in done) / len(done)
+    summary["interventions"] = dict(env.safety.counts)
+    summary["torque_off_at_safe_pose"] = shutdown.torque_off
+    return summary
+
+
+def _fit_rate(arm, spec: EnvSpec, hz: float | None, episode_seconds: float) -> None:
+    """The arm's control rate, episode length and camera size from the policy's."""
     trained_hz = spec.action.control_hz
     if hz is not None and spec.action.space == "joint_delta" and abs(hz - trained_hz) > 1e-6:
         raise DeployError(
@@ -246,68 +382,56 @@ def run_deploy(
     if sizes:
         arm.image_size = next(iter(sizes))[0]
     arm.validate()
-    # what can refuse the run does so before the arm is touched: the policy's inputs, the server
-    check_fits(policy, spec, arm.cameras)
-    client = None
-    if server:
-        from embodied.robots.server import PolicyClient
 
-        client = PolicyClient(server, agreed)
+
+def _begin(env, sim, scene: Scene, start: np.ndarray | None, hz: float) -> bool:
+    """Before an episode: the arm to the start pose (rate-limited, through the safety layer),
+    then the twin's scene; the goal the policy is given. Whether the arm got there."""
+    from embodied.robots.control import ShutdownReport, move_to_pose
+
+    env.goal = scene.goal
+    if start is not None:
+        report = ShutdownReport()
+        arrived = move_to_pose(
+            env,
+            env.to_arm(start),
+            report,
+            hz=hz,
+            timeout_s=10.0,
+            tolerance=0.05,
+            clock=env.clock,
+            what="move to the start pose",
+        )
+        report.raise_first()
+        if not arrived:
+            return False
+    if sim is not None and scene.goal is not None:
+        sim.place(scene.goal, scene.cube)
+    return True
+
+
+def _episode(env, executor, stop, arm):
+    from embodied.robots.control import run_episode
+
     try:
-        if arm.robot.endswith("-sim"):
-            from embodied.twin import make_twin_robot
-
-            robot, _, _ = make_twin_robot(arm, task=twin_task)
-        else:
-            robot = make_robot(arm)
-        connect(robot, arm)
-        env = RobotEnv(robot, arm, SafetyLayer(default_safety(robot, arm)))
-        summary = {"episodes": [], "robot": arm.robot, "hz": arm.control_hz}
-        if client is not None:
-            chunk_of = lambda obs: client.infer(obs_to_wire(obs))  # noqa: E731
-        else:
-            chunk_of = lambda obs: policy_chunk(policy, obs)  # noqa: E731
-        # safe pose, torque off there, disconnect: always, and a bus error in a step stays the
-        # error reported (the shutdown's own failures are noted on it)
-        with SafeShutdown(env, hz=arm.control_hz) as shutdown:
-            infer = robot_infer(chunk_of, spec, env)
-            recorder = (
-                EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot)
-                if record
-                else None
-            )
-            with EmergencyStop(keyboard=keyboard) as stop:
-                for ep in range(episodes):
-                    executor = ChunkExecutor(
-                        infer,
-                        request_when_left=request_when_left,
-                        blend_steps=blend_steps,
-                        wait_s=0.5 / arm.control_hz,
-                    )  # up to half a period for a late chunk
-                    try:
-                        result = run_episode(
-                            env, executor, stop, hz=arm.control_hz, max_steps=arm.max_episode_steps
-                        )
-                    finally:
-                        executor.close()
-                    saved = recorder.finish(result) if recorder else None
-                    summary["episodes"].append(
-                        {
-                            "steps": result.steps,
-                            "acted": result.acted,
-                            "end": result.reason,
-                            **result.timing,
-                            "watchdog": dict(result.watchdog),
-                            "inference_errors": executor.errors,
-                            "recording": str(saved) if saved else None,
-                        }
-                    )
-                    log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
-                    if result.reason != "done":
-                        break
+        return run_episode(env, executor, stop, hz=arm.control_hz, max_steps=arm.max_episode_steps)
     finally:
-        if client is not None:
-            client.close()
-    summary["interventions"] = dict(env.safety.counts)
-    summary["torque_off_at_safe_pose"] = shutdown.torque_off
-    return summary
+        executor.close()
+
+
+def _episode_summary(result, executor, saved, scene: Scene, *, judged: bool) -> dict:
+    out = {
+        "steps": result.steps,
+        "acted": result.acted,
+        "end": result.reason,
+        **result.timing,
+        "watchdog": dict(result.watchdog),
+        "inference_errors": executor.errors,
+        "recording": str(saved) if saved else None,
+    }
+    if scene.goal is not None:
+        out["goal"] = [round(float(v), 4) for v in scene.goal]
+    if judged:  # the twin's simulator says whether the task was done
+        out["success"] = result.success
+        out["success_at_end"] = bool(result.successes and result.successes[-1])
+    return out

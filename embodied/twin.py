@@ -24,6 +24,7 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 import mujoco  # noqa: E402
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from embodied.robots.arm import JOINTS, ArmConfig, make_robot  # noqa: E402
 from embodied.robots.servo_port import FeetechPort, attach, rad_to_ticks, ticks_to_rad  # noqa: E402
@@ -42,8 +43,15 @@ class ArmTwin:
 
     def __init__(self, task: str = "push", start: dict[str, float] | None = None, clock=time):
         self.clock = clock  # simulated time follows it (``control.Clock``): the wall's, or a test's
-        self.model = mujoco.MjModel.from_xml_string(scene(TASKS[task].bodies, TASKS[task].sensors))
+        self.task = TASKS[task]
+        self.model = mujoco.MjModel.from_xml_string(scene(self.task.bodies, self.task.sensors))
         self.data = mujoco.MjData(self.model)
+        self._sensors = {
+            self.model.sensor(i).name: slice(
+                self.model.sensor_adr[i], self.model.sensor_adr[i] + self.model.sensor_dim[i]
+            )
+            for i in range(self.model.nsensor)
+        }
         self._qpos = [self.model.jnt_qposadr[self.model.joint(j).id] for j in JOINTS]
         self._act = [self.model.actuator(j).id for j in JOINTS]
         self._kp = self.model.actuator_gainprm[self._act, 0].copy()
@@ -79,6 +87,34 @@ class ArmTwin:
             self._t += (
                 n * self.model.opt.timestep if now - self._t <= MAX_CATCH_UP_S else now - self._t
             )
+
+    # --- the task's scene --------------------------------------------------------------------
+    def place(self, goal: np.ndarray, cube: np.ndarray | None = None) -> None:
+        """Start an episode's scene: the goal marker (f64 [3], metres) and the cube, upright and at
+        rest (f64 [3]), as a person sets up a table; the arm stays where it is."""
+        with self._lock:
+            self.advance()
+            self.data.mocap_pos[0] = goal
+            if cube is not None:
+                joint = self.model.body("cube").jntadr[0]
+                adr = self.model.jnt_qposadr[joint]
+                self.data.qpos[adr : adr + 7] = [*cube, 1.0, 0.0, 0.0, 0.0]
+                dof = self.model.jnt_dofadr[joint]
+                self.data.qvel[dof : dof + 6] = 0.0
+            mujoco.mj_forward(self.model, self.data)
+
+    def success(self) -> bool:
+        """Whether the task is done now, by the task's own success (simulators/mujoco/tasks.py)
+        on the twin's sensors: the number sim-to-sim transfer is measured by."""
+        with self._lock:
+            self.advance()
+            names = ("tcp_pos", *self.task.privileged, *self.task.reads)
+            readings = {
+                n: torch.from_numpy(self.data.sensordata[self._sensors[n]].astype(np.float32))[None]
+                for n in names
+            }  # f32 [1, D] each
+        _, success = self.task.evaluate(readings)
+        return bool(success[0])
 
     # --- ServoPhysics -------------------------------------------------------------------------
     def command(self, goals: dict[int, int], torque: dict[int, bool]) -> None:

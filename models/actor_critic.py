@@ -37,6 +37,9 @@ class ActorCriticConfig(PolicyConfig):
     init_log_std: float = -0.5  # initial log standard deviation in normalized action units
     chunk_size: int = 1  # K: actions per policy call
     use_privileged: bool = True  # feed simulator-only state (object/goal poses) to actor and critic
+    # with use_privileged, only these keys (e.g. [goal_pos]: a goal a user gives a real arm);
+    # None: all of the environment's
+    privileged_keys: list[str] | None = None
     use_images: bool = True  # encode the spec's cameras with a CNN (if it has any)
     normalize_obs: bool = True  # running mean/std normalization of the state vector
     image_features: int = 256  # CNN output size per camera
@@ -50,6 +53,16 @@ class ActorCriticConfig(PolicyConfig):
             raise ValueError(f"chunk_size: must be >= 1, got {self.chunk_size}")
         if not self.hidden_sizes or min(self.hidden_sizes) < 1:
             raise ValueError("hidden_sizes: must be a non-empty list of positive sizes")
+        if self.privileged_keys is not None and not self.use_privileged:
+            raise ValueError("privileged_keys: the policy reads them only with use_privileged=true")
+
+    def read_privileged(self, spec: EnvSpec) -> tuple[str, ...]:
+        """The privileged keys of ``spec`` the policy reads."""
+        if not self.use_privileged:
+            return ()
+        if self.privileged_keys is None:
+            return tuple(spec.obs.privileged)
+        return tuple(self.privileged_keys)
 
 
 def _mlp(sizes: list[int], activation: str, out_std: float) -> nn.Sequential:
@@ -71,7 +84,7 @@ class ActorCritic(nn.Module):
         self.cfg = cfg
         self.K = cfg.chunk_size
         self.A = spec.action.dim
-        self.state_encoder = StateEncoder(spec, cfg.use_privileged, cfg.normalize_obs)
+        self.state_encoder = StateEncoder(spec, cfg.read_privileged(spec), cfg.normalize_obs)
         cams = spec.obs.cameras if cfg.use_images else ()
         self.cnns = nn.ModuleDict(
             {c.name: CNNEncoder(c.height, c.width, cfg.image_features) for c in cams}

@@ -12,9 +12,15 @@ from embodied.schema import EnvSpec, Observation
 class StateEncoder(nn.Module):
     """Concatenates state and (optionally) privileged tensors in spec order, then normalizes."""
 
-    def __init__(self, spec: EnvSpec, use_privileged: bool, normalize: bool):
+    def __init__(self, spec: EnvSpec, keys: tuple[str, ...], normalize: bool):
         super().__init__()
-        self.keys = tuple(sorted(spec.obs.privileged)) if use_privileged else ()
+        unknown = sorted(set(keys) - set(spec.obs.privileged))
+        if unknown:
+            raise ValueError(
+                f"policy.privileged_keys: {unknown} not among the environment's "
+                f"{sorted(spec.obs.privileged)}"
+            )
+        self.keys = tuple(sorted(keys))
         self.key_dims = {
             k: len(spec.obs.privileged[k]) for k in self.keys
         }  # per-env dims to flatten

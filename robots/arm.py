@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,16 +198,32 @@ def default_safety(robot, cfg: ArmConfig, **overrides) -> SafetyConfig:
 class RobotEnv:
     """A connected arm as a VecEnv with B = 1. Actions: float32 [1, 6] joint positions (radians,
     gripper included). A real scene cannot be reset by software: ``reset`` starts a new episode
-    from wherever the arm is (the deploy loop first drives it to a start pose)."""
+    from wherever the arm is (the deploy loop first drives it to a start pose).
+
+    With ``goal_input`` the observation carries ``privileged["goal_pos"]``, a point in the arm's
+    base frame that the user gives (``goal``, metres), for policies trained to reach a goal they
+    are told. ``judge`` (if given) says whether the task is done (a simulated scene can: the
+    twin's), filling ``success``; a real scene has none and reports no success."""
 
     num_envs = 1
     device = torch.device("cpu")
 
-    def __init__(self, robot, cfg: ArmConfig, safety: SafetyLayer, clock=time):
+    def __init__(
+        self,
+        robot,
+        cfg: ArmConfig,
+        safety: SafetyLayer,
+        clock=time,
+        *,
+        goal_input: bool = False,
+        judge: Callable[[], bool] | None = None,
+    ):
         self.robot = robot
         self.clock = clock  # what joint velocities are measured against (``control.Clock``)
         self.cfg = cfg
         self.safety = safety
+        self.goal: np.ndarray | None = None  # f64 [3] metres, base frame: set per episode
+        self.judge = judge
         self.signs = np.asarray(cfg.joint_signs, float)  # f64 [6]
         self.offsets = np.asarray(cfg.joint_offsets, float)  # f64 [6]
         cams = tuple(CameraSpec(name, cfg.image_size, cfg.image_size) for name in robot.cameras)
@@ -217,6 +234,7 @@ class RobotEnv:
             obs=ObsSpec(
                 cameras=cams,
                 state_names=STATE_NAMES,
+                privileged={"goal_pos": (3,)} if goal_input else {},
             ),
             action=ActionSpec(
                 "joint_pos",
@@ -273,7 +291,14 @@ class RobotEnv:
                     .to(torch.uint8)
                 )
             images[name] = frame[None]  # uint8 [1, S, S, 3]
-        return Observation(state=state, instruction=[self.cfg.instruction], images=images)
+        privileged = {}
+        if self.spec.obs.privileged:
+            if self.goal is None:
+                raise RobotError("the policy reads a goal and none was given (--goal X,Y,Z)")
+            privileged["goal_pos"] = torch.tensor(self.goal, dtype=torch.float32)[None]  # [1, 3]
+        return Observation(
+            state=state, instruction=[self.cfg.instruction], images=images, privileged=privileged
+        )
 
     def reset(self, *, seed=None, env_ids=None) -> Observation:
         obs = self.observe()
@@ -301,12 +326,13 @@ class RobotEnv:
         self.elapsed += 1
         truncated = self.elapsed >= self.cfg.max_episode_steps
         false = torch.zeros(1, dtype=torch.bool)
+        done = self.judge is not None and self.judge()
         out = StepOutput(
             obs=obs,
             reward=torch.zeros(1),
             terminated=false,
             truncated=torch.tensor([truncated]),
-            success=false,
+            success=torch.tensor([done]),
             final_obs=obs if truncated else None,
             ended=torch.zeros(1, dtype=torch.long) if truncated else None,
             info={"sent": self.to_policy(sent), "interventions": list(self.interventions)},

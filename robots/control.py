@@ -214,6 +214,12 @@ class EpisodeResult:
     watchdog: Counter = field(default_factory=Counter)  # "hold" and "stop" events
     acted: int = 0  # steps that executed a policy action (the others held)
     timing: dict = field(default_factory=dict)
+    successes: list[bool] = field(default_factory=list)  # per step: the scene's judge (the twin)
+
+    @property
+    def success(self) -> bool:
+        """Whether the task was done at some step (never on a scene that cannot judge)."""
+        return any(self.successes)
 
 
 def run_episode(
@@ -248,6 +254,7 @@ def run_episode(
             obs = out.obs
             sent = out.info["sent"]
             kinds = out.info["interventions"]
+            result.successes.append(bool(out.success[0]))
         else:
             stale = now - last_fresh
             if stale > cfg.stop_after_s:
@@ -262,6 +269,7 @@ def run_episode(
             sent = env.to_policy(env.hold())
             kinds = ["watchdog_hold"] if holding else []
             obs = env.observe()
+            result.successes.append(env.judge is not None and env.judge())
         result.frames.append({"t": now, "obs": obs, "sent": sent, "interventions": kinds})
         result.steps = step + 1
         timer.wait()
@@ -320,29 +328,48 @@ def _step_toward(env, safe: np.ndarray, tolerance: float) -> bool:
     return bool(np.all(np.abs(env.present - safe) < tolerance))
 
 
-def _move_to_safe_pose(env, report: ShutdownReport, *, hz, timeout_s, tolerance, clock) -> bool:
-    """Step toward the safe pose until the arm is there (True) or ``timeout_s`` passes. A bus
-    error costs its tick and is retried; MOVE_ERRORS_MAX in a row end the move (False)."""
-    safe = np.asarray(env.safety.cfg.safe_pose, float)
+def move_to_pose(
+    env, pose: np.ndarray, report: ShutdownReport, *, hz, timeout_s, tolerance, clock, what
+) -> bool:
+    """Step toward ``pose`` (radians [6], the arm's frame) until the arm is there (True) or
+    ``timeout_s`` passes. A bus error costs its tick and is retried; MOVE_ERRORS_MAX in a row end
+    the move (False). ``what`` names the move in the report and the log."""
     timer = RateTimer(hz, clock)
     t_end = clock.monotonic() + timeout_s
     errors_in_a_row = 0
     while clock.monotonic() < t_end:
         try:
-            if _step_toward(env, safe, tolerance):
+            if _step_toward(env, pose, tolerance):
                 return True
             errors_in_a_row = 0
         except Exception as e:
-            report.failed("move to the safe pose", e)
+            report.failed(what, e)
             errors_in_a_row += 1
             if errors_in_a_row == MOVE_ERRORS_MAX:
-                log.error("the bus keeps failing: torque stays on, holding the last command")
+                log.error("the bus keeps failing during the %s: holding the last command", what)
                 return False
         timer.wait()
-    log.error(
-        "the safe pose was not reached within %.0f s: torque stays on, holding position", timeout_s
-    )
+    log.error("the %s did not arrive within %.0f s: holding position", what, timeout_s)
     return False
+
+
+def _move_to_safe_pose(env, report: ShutdownReport, *, hz, timeout_s, tolerance, clock) -> bool:
+    """Step toward the safe pose until the arm is there (True) or ``timeout_s`` passes; torque
+    stays on where it is not reached."""
+    safe = np.asarray(env.safety.cfg.safe_pose, float)
+    arrived = move_to_pose(
+        env,
+        safe,
+        report,
+        hz=hz,
+        timeout_s=timeout_s,
+        tolerance=tolerance,
+        clock=clock,
+        what="move to the safe pose",
+    )
+    if not arrived:
+        log.error("not at the safe pose: torque stays on")
+    return arrived
 
 
 def _torque_off(env, report: ShutdownReport) -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 from clocks import wait_until
 
@@ -22,23 +23,25 @@ TINY = [*TINY_REACH, "policy.hidden_sizes=[32]"]
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A reach policy on joint state only (deployable) and one that reads the goal (not)."""
+    """Reach policies on joint state only (deployable), on joints and the goal a user gives
+    (deployable with a goal) and on everything the simulator knows (not deployable)."""
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
-    for name, privileged in (("state_only", "false"), ("with_goal", "true")):
-        assert (
-            main(
-                [
-                    "train",
-                    "configs/mujoco/reach_ppo.yaml",
-                    f"runner.output_dir={root}",
-                    f"runner.name={name}",
-                    f"policy.use_privileged={privileged}",
-                    *TINY,
-                ]
-            )
-            == 0
-        )
+    inputs = {
+        "state_only": ["policy.use_privileged=false"],
+        "told_goal": ["policy.privileged_keys=[goal_pos]"],
+        "with_goal": ["policy.use_privileged=true"],
+    }
+    for name, overrides in inputs.items():
+        argv = [
+            "train",
+            "configs/mujoco/reach_ppo.yaml",
+            f"runner.output_dir={root}",
+            f"runner.name={name}",
+            *overrides,
+            *TINY,
+        ]
+        assert main(argv) == 0
         out[name] = str(root / name / "last")
     return out
 
@@ -146,7 +149,59 @@ def test_a_checkpoint_that_reads_simulator_state_is_refused(checkpoints, capsys)
     rc, err = deploy(
         [checkpoints["with_goal"], "--robot", "so101-sim", "--episode-seconds", "0.2"], capsys
     )
-    assert rc == 2 and "simulator-only inputs ['goal_pos', 'tcp_pos']" in err
+    assert rc == 2 and err.strip() == (
+        "embodied: error: the checkpoint cannot drive this arm: simulator-only inputs ['tcp_pos'] "
+        "(train with policy.use_privileged=false, or policy.privileged_keys=[goal_pos])"
+    )
+
+
+def test_a_policy_told_its_goal_needs_one_on_a_real_arm(checkpoints, capsys):
+    # refused before anything connects: no serial port is opened
+    argv = [checkpoints["told_goal"], "--robot", "so101", "--robot.port", "/dev/ttyNONE"]
+    rc, err = deploy(argv, capsys)
+    assert rc == 2 and err.strip() == (
+        "embodied: error: the checkpoint cannot drive this arm: the input goal_pos (give --goal "
+        "X,Y,Z: metres in the arm's base frame)"
+    )
+    rc, err = deploy([*argv, "--goal", "0.2,0.1"], capsys)
+    assert rc == 2 and err.strip() == (
+        "embodied: error: --goal '0.2,0.1': expected 3 comma-separated numbers, one per axis "
+        "(metres: x,y,z)"
+    )
+
+
+def test_the_twin_judges_each_episode_of_a_policy_told_its_goal(checkpoints, capsys):
+    argv = [checkpoints["told_goal"], "--robot", "so101-sim", "--episode-seconds", "0.5"]
+    rc, summary = deploy([*argv, "--episodes", "2", "--seed", "7"], capsys)
+    assert rc == 0, summary
+    from embodied.simulators.mujoco import MuJoCoConfig, make_env
+
+    with make_env(MuJoCoConfig(task="reach", num_envs=2)) as env:  # the training sim's draws
+        drawn = env.reset(seed=[7, 8]).privileged["goal_pos"]
+    for episode, goal in zip(summary["episodes"], drawn.tolist()):
+        assert episode["goal"] == pytest.approx(goal, abs=1e-4)  # the task's own scene per seed
+        assert isinstance(episode["success"], bool) and "success_at_end" in episode
+    assert summary["success_rate"] == sum(e["success"] for e in summary["episodes"]) / 2
+    rc, summary = deploy([*argv, "--goal", "0.2,0.05,0.1"], capsys)  # the user's goal instead
+    assert rc == 0 and summary["episodes"][0]["goal"] == [0.2, 0.05, 0.1]
+
+
+def test_the_twin_judges_success_by_the_tasks_own_rule():
+    from clocks import FakeClock
+
+    from embodied.twin import ArmTwin
+
+    reach = ArmTwin("reach", clock=FakeClock())  # no time passes: the arm stays at home
+    tcp = reach.data.site("tcp").xpos.copy()
+    reach.place(goal=tcp + [0.0, 0.0, 0.019])
+    assert reach.success()  # within 2 cm
+    reach.place(goal=tcp + [0.0, 0.0, 0.021])
+    assert not reach.success()
+    pick = ArmTwin("pick", clock=FakeClock())
+    pick.place(goal=np.array([0.2, 0.0, 0.065]), cube=np.array([0.2, 0.0, 0.066]))
+    assert pick.success()  # lifted 5 cm (its centre at 6.5 cm or more)
+    pick.place(goal=np.array([0.2, 0.0, 0.065]), cube=np.array([0.2, 0.0, 0.015]))
+    assert not pick.success()
 
 
 def test_a_mismatched_server_is_refused(checkpoints, capsys):
@@ -233,7 +288,7 @@ def test_a_pickcube_so100_policy_trained_in_maniskill_deploys_to_the_twin_unchan
     )
     from embodied.deploy import load_deployable
 
-    _, spec, _ = load_deployable(tmp_path / "so100" / "last")
+    _, spec, _, _ = load_deployable(tmp_path / "so100" / "last")
     assert (
         spec.obs.state_names[:2] == ("shoulder_pan.pos", "shoulder_lift.pos")
         and spec.action.names[-1] == "gripper"

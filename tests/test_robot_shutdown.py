@@ -152,7 +152,8 @@ def test_a_dead_bus_keeps_the_torque_on_but_still_disconnects(tmp_path, monkeypa
     ]
     assert not torque_off_writes(port, connected) and all(port.torque().values())  # not dropped
     assert not env.robot.is_connected  # the disconnect was still tried, and done
-    assert "the bus keeps failing: torque stays on" in caplog.text
+    assert "the bus keeps failing during the move to the safe pose" in caplog.text
+    assert "not at the safe pose: torque stays on" in caplog.text
 
 
 def test_a_failed_torque_off_is_raised_after_the_disconnect(tmp_path, monkeypatch):
