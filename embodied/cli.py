@@ -118,7 +118,7 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from embodied import numerics
     from embodied.checkpoint import load_policy_checkpoint
-    from embodied.config import compose
+    from embodied.config import COMMAND_LINE, ConfigError, compose, parse_overrides
     from embodied.evaluate import evaluate
     from embodied.models import build_policy
     from embodied.multitask import make_env
@@ -132,7 +132,22 @@ def cmd_eval(args) -> int:
         ckpt = load_policy_checkpoint(args.checkpoint)
     except FileNotFoundError as e:
         return _error(str(e))
-    cfg = compose(TrainConfig, [(str(ckpt["path"]), ckpt["meta"]["config"])])
+    not_env = [o for o in args.overrides if not o.startswith("env.")]
+    if not_env:
+        return _error(
+            f"{not_env[0]}: eval overrides env.* keys only (the policy is the checkpoint's)"
+        )
+    sources = [(str(ckpt["path"]), ckpt["meta"]["config"])]
+    try:
+        if args.overrides:
+            sources.append((COMMAND_LINE, parse_overrides(args.overrides)))
+        cfg = compose(TrainConfig, sources)
+    except ConfigError as e:
+        return _error(str(e))
+    try:
+        cfg.env.validate()
+    except ValueError as e:
+        return _error(f"env.{e}")
     sft_runner = ckpt["meta"].get("sft", {}).get("runner", {})
     if "runner" not in ckpt["meta"]["config"] and "torch_threads" in sft_runner:
         cfg.runner.torch_threads = sft_runner["torch_threads"]  # (SFT's, before it named them)
@@ -347,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0, help="evaluation seed (default 0)")
     e.add_argument(
         "--num-envs", type=int, default=None, help="environments in parallel (default: as trained)"
+    )
+    e.add_argument(
+        "overrides",
+        nargs="*",
+        default=[],
+        help="env.key=value: the same task another way (env.backend=warp env.device=cuda)",
     )
     e.set_defaults(func=cmd_eval)
     d = sub.add_parser(

@@ -53,7 +53,9 @@ class ArmConfig:
     max_episode_steps: int = 900  # 30 s at 30 Hz
     instruction: str = ""
     joint_margin: float = 0.05  # radians kept clear of each calibrated end of travel
-    max_step: float = 0.05  # radians per control step (safety rate limit)
+    # radians per second per joint (the safety layer's rate limit, per step at control_hz): the
+    # speed the MuJoCo tasks allow (0.1 rad a step at 20 Hz), a little under the STS3215's
+    max_speed: float = 2.0
     # The policy's joint frame, where it differs from the arm's (another simulator's conventions):
     # policy = sign * arm + offset, per joint. Safety works in the arm's frame.
     joint_signs: tuple[float, ...] = (1.0,) * 6
@@ -188,7 +190,7 @@ def default_safety(robot, cfg: ArmConfig, **overrides) -> SafetyConfig:
         **{
             "joint_low": tuple(low),
             "joint_high": tuple(high),
-            "max_step": cfg.max_step,
+            "max_step": cfg.max_speed / cfg.control_hz,
             "safe_pose": tuple(safe),
             **overrides,
         }

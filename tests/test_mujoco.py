@@ -114,6 +114,32 @@ def test_train_from_yaml_on_mujoco(tmp_path):
     assert (
         main(["eval", str(run / "last"), "--episodes", "2"]) == 0
     )  # rebuilds the MuJoCo env from the run
+    rollout = json.loads((run / "last" / "eval.json").read_text())
+    # the same checkpoint on the other backend (same seeds, same initial states)
+    assert main(["eval", str(run / "last"), "--episodes", "2", "env.backend=warp"]) == 0
+    warp = json.loads((run / "last" / "eval.json").read_text())
+    assert warp["eval/episodes"] == rollout["eval/episodes"] == 2
+    assert warp["eval/return"] == pytest.approx(rollout["eval/return"], rel=1e-3)  # free motion
+
+
+def test_eval_overrides_only_the_env(tmp_path, capsys):
+    from embodied.cli import main
+
+    run = tmp_path / "run"
+    argv = ["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={tmp_path}"]
+    argv += ["runner.name=run", "env.num_envs=2", "algorithm.num_steps=4"]
+    argv += ["runner.total_env_steps=8", "runner.final_eval_episodes=2", "runner.video=false"]
+    assert main([*argv, "runner.progress=false"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run / "last"), "policy.hidden_sizes=[8]"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "embodied: error: policy.hidden_sizes=[8]: eval overrides env.* keys only (the policy is "
+        "the checkpoint's)"
+    )
+    assert main(["eval", str(run / "last"), "env.backend=physx"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "embodied: error: env.backend: must be one of ['rollout', 'warp'], got 'physx'"
+    )
 
 
 def test_an_unknown_simulator_is_a_config_error(capsys):

@@ -22,8 +22,11 @@ from embodied.simulators.mujoco.tasks import Task
 CONTROL_HZ = 20.0
 MAX_DELTA = 0.1  # radians per control step (2 rad/s)
 HOME_POSE = tuple(HOME[j] for j in JOINTS)
-LOW = tuple(RANGES[j][0] for j in JOINTS)
-HIGH = tuple(RANGES[j][1] for j in JOINTS)
+# Servo targets stay this far inside each joint's range, as the deploy's safety layer keeps a real
+# arm's commands (robot.joint_margin): a policy learns the range it will be allowed.
+TARGET_MARGIN = 0.05  # radians
+LOW = tuple(RANGES[j][0] + TARGET_MARGIN for j in JOINTS)
+HIGH = tuple(RANGES[j][1] - TARGET_MARGIN for j in JOINTS)
 
 
 def build_model(cfg: MuJoCoConfig, task: Task) -> mujoco.MjModel:
