@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -298,9 +299,11 @@ class LeRobotWriter:
             "features": self.features,
             "embodied": self.source,
         }
-        (meta / "info.json").write_text(
-            json.dumps(info, indent=2)
-        )  # written last: marks the dataset complete
+        # written last, whole or not at all (a rename): it marks the dataset complete, so a
+        # process killed while writing it leaves no half-written marker
+        partial = meta / "info.json.partial"
+        partial.write_text(json.dumps(info, indent=2))
+        os.replace(partial, meta / "info.json")
         return self.root
 
 

@@ -250,7 +250,9 @@ def run_episode(
             last_fresh = now
             holding = False
             result.acted += 1
-            out = env.step(torch.from_numpy(np.asarray(action, np.float32))[None])  # f32 [1, 6]
+            command = torch.from_numpy(np.asarray(action, np.float32))[None]  # f32 [1, 6]
+            # read a period after the command: what the policy was trained to see next
+            out = env.step(command, settle=timer.wait)
             obs = out.obs
             sent = out.info["sent"]
             kinds = out.info["interventions"]
@@ -268,11 +270,11 @@ def run_episode(
                 log.warning("watchdog: no action for %.2f s: holding position", stale)
             sent = env.to_policy(env.hold())
             kinds = ["watchdog_hold"] if holding else []
+            timer.wait()
             obs = env.observe()
             result.successes.append(env.judge is not None and env.judge())
         result.frames.append({"t": now, "obs": obs, "sent": sent, "interventions": kinds})
         result.steps = step + 1
-        timer.wait()
     result.timing = {
         **timer.stats(),
         "inference_ms_p50": float(np.median(executor.latencies) * 1e3)

@@ -147,3 +147,22 @@ def test_an_unknown_simulator_is_a_config_error(capsys):
 
     assert main(["train", "configs/mujoco/reach_ppo.yaml", "env.simulator=isaac"]) == 2
     assert "env.simulator: unknown env 'isaac'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["rollout", "warp"])
+def test_joint_velocities_are_measured_as_an_arm_driver_measures_them(backend):
+    if backend == "warp":
+        pytest.importorskip("mujoco_warp")
+    from embodied.simulators.mujoco import make_env
+
+    with make_env(MuJoCoConfig(task="reach", num_envs=2, backend=backend)) as env:
+        first = env.reset(seed=[3, 4]).state
+        assert torch.equal(first[:, 6:], torch.zeros(2, 6))  # at rest after a reset
+        moved = env.step(torch.full((2, 6), 0.05)).obs.state
+        # the change of the joint positions over the step, times the control rate (20 Hz)
+        expected = (moved[:, :6] - first[:, :6]) * 20.0
+        torch.testing.assert_close(moved[:, 6:], expected, atol=1e-4, rtol=1e-4)
+        assert expected.abs().max() > 0.5  # they moved
+        again = env.reset(seed=[3], env_ids=torch.tensor([1])).state
+        assert torch.equal(again[1, 6:], torch.zeros(6))  # the reset world starts at rest
+        assert torch.equal(again[0], moved[0])  # the other goes on

@@ -212,10 +212,9 @@ def actuators() -> str:
 
 def scene(task_bodies: str, task_sensors: str = "") -> str:
     """A table-top scene: the floor at z = 0 as the table, the arm, the task's bodies, a front
-    camera ("base_camera") looking at the workspace, and sensors for every joint and the tool
-    point."""
+    camera ("base_camera") looking at the workspace, and sensors for every joint's position and
+    the tool point."""
     joint_sensors = "\n".join(f'<jointpos name="{j}.pos" joint="{j}"/>' for j in JOINTS)
-    joint_sensors += "\n" + "\n".join(f'<jointvel name="{j}.vel" joint="{j}"/>' for j in JOINTS)
     return f"""
 <mujoco model="so101_table">
   <compiler angle="radian"/>

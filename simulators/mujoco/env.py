@@ -2,10 +2,11 @@
 
 All B environments share one compiled model; their physics states are rows of one array and a
 step advances every row at once with ``mujoco.rollout`` (C++, no Python loop over environments).
-Observations are read from MuJoCo sensors (joint positions and velocities, tool point, task
-objects); the sensors of a step are those MuJoCo computes during its last physics substep, i.e.
-5 ms before the step ends. Cameras render offscreen through EGL (``MUJOCO_GL``), one environment
-at a time.
+Observations are read from MuJoCo sensors (joint positions, tool point, task objects); the
+sensors of a step are those MuJoCo computes during its last physics substep, i.e. 5 ms before the
+step ends. Joint velocities are what a real arm's driver gives: the change of the joint positions
+over the control step, times the control rate (LeRobot reads positions only). Cameras render
+offscreen through EGL (``MUJOCO_GL``), one environment at a time.
 
 Actions are joint-position deltas (radians per control step) added to each servo's target.
 """
@@ -28,6 +29,7 @@ from embodied.simulators.mujoco.config import MuJoCoConfig  # noqa: E402
 from embodied.simulators.mujoco.streams import Streams  # noqa: E402
 from embodied.simulators.mujoco.tasks import TASKS  # noqa: E402
 from embodied.simulators.mujoco.worlds import (  # noqa: E402
+    CONTROL_HZ,
     HIGH,
     LOW,
     MAX_DELTA,
@@ -67,10 +69,8 @@ class MuJoCoEnv:
             for i in range(self.model.nsensor)
         }
         self._joint_qpos = [self.model.jnt_qposadr[self.model.joint(j).id] for j in JOINTS]
-        names = [f"{j}.pos" for j in JOINTS] + [f"{j}.vel" for j in JOINTS]
-        self._state_cols = np.concatenate(
-            [np.arange(self._slices[n].start, self._slices[n].stop) for n in names]
-        )
+        self._pos_cols = np.array([self._slices[f"{j}.pos"].start for j in JOINTS])
+        self._previous = np.zeros((B, len(JOINTS)))  # f64 [B, 6]: joints at the step's start
         self._renderers: dict[int, mujoco.Renderer] = {}
         self._low = np.array(LOW)
         self._high = np.array(HIGH)
@@ -81,7 +81,9 @@ class MuJoCoEnv:
         return self._sensors[:, self._slices[name]]
 
     def _obs(self) -> Observation:
-        state = self._sensors[:, self._state_cols]  # f64 [B, 12]: one gather
+        joints = self._sensors[:, self._pos_cols]  # f64 [B, 6]
+        velocity = (joints - self._previous) * CONTROL_HZ  # f64 [B, 6]: as an arm measures it
+        state = np.concatenate([joints, velocity], 1)  # f64 [B, 12]
         priv = {k: torch.from_numpy(self._read(k).astype(np.float32)) for k in self._priv_names}
         images = (
             {"base_camera": self._render_all(self.cfg.image_size)} if self.spec.obs.cameras else {}
@@ -128,6 +130,7 @@ class MuJoCoEnv:
             self._target[i] = joints[row]
             self._mocap[i] = d.mocap_pos.reshape(-1)
             self._sensors[i] = d.sensordata
+            self._previous[i] = joints[row]  # at rest: zero velocity
             self._elapsed[i] = 0
 
     def reset(
@@ -145,6 +148,7 @@ class MuJoCoEnv:
         control = np.concatenate([self._target, self._mocap], 1)[
             :, None
         ]  # f64 [B, 1, nu + 3]: held for every substep
+        self._previous = self._sensors[:, self._pos_cols]  # f64 [B, 6] (a gather: a copy)
         states, sensors = rollout.rollout(
             self.model,
             self._rollout_data,

@@ -32,6 +32,7 @@ from embodied.simulators.mujoco.streams import Streams
 from embodied.simulators.mujoco.tasks import TASKS
 from embodied.simulators.mujoco.warp_setup import require_warp, timed_first_step, torch_device
 from embodied.simulators.mujoco.worlds import (
+    CONTROL_HZ,
     HIGH,
     LOW,
     MAX_DELTA,
@@ -113,8 +114,9 @@ class MuJoCoWarpEnv:
         for i in range(m.nsensor):
             adr = int(m.sensor_adr[i])
             cols[m.sensor(i).name] = list(range(adr, adr + int(m.sensor_dim[i])))
-        state_names = [f"{j}.pos" for j in JOINTS] + [f"{j}.vel" for j in JOINTS]
-        self._state_cols = torch.tensor(sum((cols[n] for n in state_names), []), device=self.device)
+        self._pos_cols = torch.tensor([cols[f"{j}.pos"][0] for j in JOINTS], device=self.device)
+        # f32 [B, 6]: the joints at the step's start (velocities as an arm measures them)
+        self._previous = torch.zeros(self.num_envs, len(JOINTS), device=self.device)
         self._priv_cols = {
             k: torch.tensor(cols[k], device=self.device) for k in self.spec.obs.privileged
         }
@@ -199,11 +201,16 @@ class MuJoCoWarpEnv:
     def _obs(self) -> Observation:
         sensors = self._sensors
         return Observation(
-            state=sensors.index_select(1, self._state_cols),  # f32 [B, 12]: one gather (a copy)
+            state=self._state(sensors),  # f32 [B, 12]
             instruction=[self.task.instruction] * self.num_envs,
             images=self._images(),
             privileged={k: sensors.index_select(1, c) for k, c in self._priv_cols.items()},
         )
+
+    def _state(self, sensors: torch.Tensor) -> torch.Tensor:
+        """f32 [B, 12]: joint positions, and their change over the step times the control rate."""
+        joints = sensors.index_select(1, self._pos_cols)  # f32 [B, 6]
+        return torch.cat([joints, (joints - self._previous) * CONTROL_HZ], 1)
 
     def _images(self) -> dict[str, torch.Tensor]:
         if not self.spec.obs.cameras:
@@ -240,6 +247,7 @@ class MuJoCoWarpEnv:
         with self._on_torch_stream():
             self._mjw.forward(self._m, self._d)
         self._sensors.copy_(torch.where(mask[:, None], self._sensors, kept_sensors))
+        self._previous[ids] = init.joints  # at rest: zero velocity
         self._elapsed_device[ids] = 0
 
     def reset(
@@ -255,6 +263,7 @@ class MuJoCoWarpEnv:
         delta = actions.to(self.device, torch.float32).clamp(-MAX_DELTA, MAX_DELTA)
         self._target = torch.clamp(self._target + delta, self._low, self._high)
         self._ctrl.copy_(self._target)  # held for every substep
+        self._previous.copy_(self._sensors.index_select(1, self._pos_cols))
         self._physics()
         self._elapsed += 1
         self._elapsed_device += 1
