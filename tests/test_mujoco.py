@@ -21,6 +21,7 @@ def test_contract(task, obs_mode):
         MuJoCoConfig(
             task=task,
             obs_mode=obs_mode,
+            cameras=["base_camera", "wrist_camera"],
             num_envs=3,
             image_size=32,
             render_size=32,
@@ -166,3 +167,11 @@ def test_joint_velocities_are_measured_as_an_arm_driver_measures_them(backend):
         again = env.reset(seed=[3], env_ids=torch.tensor([1])).state
         assert torch.equal(again[1, 6:], torch.zeros(6))  # the reset world starts at rest
         assert torch.equal(again[0], moved[0])  # the other goes on
+
+
+def test_an_unknown_camera_is_a_clear_error():
+    with pytest.raises(ValueError) as raised:
+        MuJoCoConfig(obs_mode="rgb", cameras=["top"]).validate()
+    assert str(raised.value) == (
+        "cameras: one or more of ['base_camera', 'wrist_camera'], each once, got ['top']"
+    )

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from embodied.schema import SimulatorConfig
 from embodied.simulators.mujoco.tasks import TASKS
 
 BACKENDS = ("rollout", "warp")
+CAMERAS = ("base_camera", "wrist_camera")  # the front camera on the table, the one on the gripper
 
 
 @dataclass
@@ -18,7 +19,8 @@ class MuJoCoConfig(SimulatorConfig):
     simulator: str = "mujoco"
     task: str = "reach"  # reach | push | pick
     num_envs: int = 8
-    obs_mode: str = "state"  # state (proprioception + privileged) | rgb (adds base_camera)
+    obs_mode: str = "state"  # state (proprioception + privileged) | rgb (adds the cameras)
+    cameras: list[str] = field(default_factory=lambda: ["base_camera"])  # rgb: and wrist_camera
     image_size: int = 64
     render_size: int = 128
     max_episode_steps: int | None = None  # None: the task's own
@@ -34,6 +36,11 @@ class MuJoCoConfig(SimulatorConfig):
             raise ValueError(f"task: unknown MuJoCo task {self.task!r}; available: {sorted(TASKS)}")
         if self.obs_mode not in ("state", "rgb"):
             raise ValueError(f"obs_mode: must be 'state' or 'rgb', got {self.obs_mode!r}")
+        unknown = [c for c in self.cameras if c not in CAMERAS]
+        if unknown or not self.cameras or len(set(self.cameras)) != len(self.cameras):
+            raise ValueError(
+                f"cameras: one or more of {list(CAMERAS)}, each once, got {list(self.cameras)}"
+            )
         for name in ("num_envs", "image_size", "render_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -85,9 +85,9 @@ class MuJoCoEnv:
         velocity = (joints - self._previous) * CONTROL_HZ  # f64 [B, 6]: as an arm measures it
         state = np.concatenate([joints, velocity], 1)  # f64 [B, 12]
         priv = {k: torch.from_numpy(self._read(k).astype(np.float32)) for k in self._priv_names}
-        images = (
-            {"base_camera": self._render_all(self.cfg.image_size)} if self.spec.obs.cameras else {}
-        )
+        images = {
+            c.name: self._render_all(self.cfg.image_size, c.name) for c in self.spec.obs.cameras
+        }
         return Observation(
             state=torch.from_numpy(state.astype(np.float32)),
             instruction=[self.task.instruction] * self.num_envs,
@@ -182,7 +182,7 @@ class MuJoCoEnv:
         )
 
     # --- rendering ----------------------------------------------------------------------------
-    def _render_all(self, size: int) -> torch.Tensor:
+    def _render_all(self, size: int, camera: str = "base_camera") -> torch.Tensor:
         if size not in self._renderers:
             self._renderers[size] = mujoco.Renderer(self.model, size, size)
         r = self._renderers[size]
@@ -192,7 +192,7 @@ class MuJoCoEnv:
             mujoco.mj_setState(self.model, d, self._state[i], self._spec_state)
             d.mocap_pos[:] = self._mocap[i].reshape(-1, 3)
             mujoco.mj_forward(self.model, d)
-            r.update_scene(d, camera="base_camera")
+            r.update_scene(d, camera=camera)
             frames[i] = r.render()
         return torch.from_numpy(frames)
 

@@ -30,6 +30,7 @@ from embodied.simulators.mujoco.arm import JOINTS
 from embodied.simulators.mujoco.config import MuJoCoConfig
 from embodied.simulators.mujoco.streams import Streams
 from embodied.simulators.mujoco.tasks import TASKS
+from embodied.simulators.mujoco.warp_render import WarpCameras
 from embodied.simulators.mujoco.warp_setup import require_warp, timed_first_step, torch_device
 from embodied.simulators.mujoco.worlds import (
     CONTROL_HZ,
@@ -94,7 +95,7 @@ class MuJoCoWarpEnv:
         self._low = torch.tensor(LOW, device=self.device)
         self._high = torch.tensor(HIGH, device=self.device)
         self._graph = None
-        self._renderer: mujoco.Renderer | None = None
+        self._cameras: dict[tuple, WarpCameras] = {}  # (size, camera names) -> render context
         timed_first_step(self.task.name, self._substep_all)  # compile (or load) before capture
         self._peaks.zero_()  # that step was from the model's own pose, not an episode's
 
@@ -215,7 +216,18 @@ class MuJoCoWarpEnv:
     def _images(self) -> dict[str, torch.Tensor]:
         if not self.spec.obs.cameras:
             return {}
-        return {"base_camera": self._render_host(self.cfg.image_size).to(self.device)}
+        return self._render(self.cfg.image_size, tuple(self.cfg.cameras))
+
+    def _render(self, size: int, cameras: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """camera -> uint8 [B, size, size, 3] on the device, all worlds in one ray-cast launch."""
+        key = (size, cameras)
+        if key not in self._cameras:
+            with self._wp.ScopedDevice(self._wp_device):
+                self._cameras[key] = WarpCameras(
+                    self._wp, self._mjw, self.host_model, self.num_envs, cameras, size
+                )
+        with self._on_torch_stream():
+            return self._cameras[key].images(self._m, self._d)
 
     def _reward(self) -> tuple[torch.Tensor, torch.Tensor]:
         readings = {k: self._sensors.index_select(1, c) for k, c in self._read_cols.items()}
@@ -298,30 +310,12 @@ class MuJoCoWarpEnv:
         )
 
     # --- rendering ----------------------------------------------------------------------------
-    def _render_host(self, size: int) -> torch.Tensor:
-        """uint8 [B, size, size, 3] through MuJoCo's own renderer, world by world on the host
-        (evaluation videos; batched ray-cast rendering on the device is still to come)."""
-        if self._renderer is None or self._renderer.width != size:
-            self._renderer = mujoco.Renderer(self.host_model, size, size)
-        data = mujoco.MjData(self.host_model)
-        qpos = self._qpos.double().cpu().numpy()
-        mocap = self._mocap.double().cpu().numpy()
-        frames = np.empty((self.num_envs, size, size, 3), dtype=np.uint8)  # uint8 [B, H, W, 3]
-        for i in range(self.num_envs):
-            data.qpos[:] = qpos[i]
-            data.mocap_pos[:] = mocap[i]
-            mujoco.mj_forward(self.host_model, data)
-            self._renderer.update_scene(data, camera="base_camera")
-            frames[i] = self._renderer.render()
-        return torch.from_numpy(frames)
-
     def render(self) -> torch.Tensor:
-        return self._render_host(self.cfg.render_size)
+        """uint8 [B, render_size, render_size, 3]: the front camera (evaluation videos)."""
+        return self._render(self.cfg.render_size, ("base_camera",))["base_camera"]
 
     def close(self) -> None:
-        if self._renderer is not None:
-            self._renderer.close()
-            self._renderer = None
+        self._cameras.clear()
 
     def __enter__(self):
         return self

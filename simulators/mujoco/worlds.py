@@ -44,7 +44,7 @@ def substeps(model: mujoco.MjModel) -> int:
 
 def make_spec(cfg: MuJoCoConfig, task: Task) -> EnvSpec:
     size = cfg.image_size
-    cams = (CameraSpec("base_camera", size, size),) if cfg.obs_mode == "rgb" else ()
+    cams = tuple(CameraSpec(c, size, size) for c in cfg.cameras) if cfg.obs_mode == "rgb" else ()
     return EnvSpec(
         obs=ObsSpec(
             cameras=cams,
