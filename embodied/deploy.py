@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -68,10 +69,10 @@ def contract(spec: EnvSpec, path: Path) -> dict:
 GOAL = "goal_pos"  # the one privileged input an arm can have: a goal its user gives
 
 
-def check_fits(policy, spec: EnvSpec, cameras, *, goal: bool = False) -> None:
-    """Refuse a checkpoint that cannot act on an arm with these cameras (names), and a goal
-    (``goal``: given, or drawn by the twin), naming every reason; it needs nothing connected, so
-    it runs before anything is."""
+def check_fits(policy, spec: EnvSpec, cameras, *, known: frozenset[str] = frozenset()) -> None:
+    """Refuse a checkpoint that cannot act on an arm with these cameras (names) and these
+    privileged inputs (``known``: a goal its user gives; on the twin whatever its simulator
+    knows), naming every reason; it needs nothing connected, so it runs before anything is."""
     from embodied.robots.arm import JOINTS, STATE_NAMES
 
     problems = []
@@ -84,19 +85,25 @@ def check_fits(policy, spec: EnvSpec, cameras, *, goal: bool = False) -> None:
     missing = [n for n in spec.obs.state_names if n not in STATE_NAMES]
     if missing:
         problems.append(f"state columns {missing} that the arm does not measure")
-    need = set(getattr(policy, "privileged_inputs", tuple(spec.obs.privileged)))
-    if need - {GOAL}:
+    need = set(privileged_inputs(policy, spec))
+    unknown = need - known - {GOAL}
+    if unknown:
         problems.append(
-            f"simulator-only inputs {sorted(need - {GOAL})} (train with "
+            f"simulator-only inputs {sorted(unknown)} (train with "
             f"policy.use_privileged=false, or policy.privileged_keys=[{GOAL}])"
         )
-    if GOAL in need and not goal:
+    if GOAL in need and GOAL not in known:
         problems.append(f"the input {GOAL} (give --goal X,Y,Z: metres in the arm's base frame)")
     lacking = [c.name for c in spec.obs.cameras if c.name not in set(cameras)]
     if lacking:
         problems.append(f"cameras {lacking} (give --camera NAME=SOURCE for each)")
     if problems:
         raise DeployError("the checkpoint cannot drive this arm: " + "; ".join(problems))
+
+
+def privileged_inputs(policy, spec: EnvSpec) -> tuple[str, ...]:
+    """The privileged keys the policy reads (all of its spec's where it does not say)."""
+    return tuple(getattr(policy, "privileged_inputs", tuple(spec.obs.privileged)))
 
 
 def obs_to_wire(obs: Observation) -> dict:
@@ -298,9 +305,10 @@ def run_deploy(
     _fit_rate(arm, spec, hz, episode_seconds)
     twin = arm.robot.endswith("-sim")
     # what can refuse the run does so before the arm is touched: the policy's inputs, the server
-    reads_goal = GOAL in set(getattr(policy, "privileged_inputs", ()))
-    scene_goal = goal is not None or (twin and train_cfg.env.simulator == "mujoco")
-    check_fits(policy, spec, arm.cameras, goal=scene_goal)
+    sim_scene = twin and train_cfg.env.simulator == "mujoco"  # the twin sets the task's scene
+    known = frozenset(spec.obs.privileged) if sim_scene else frozenset([GOAL] if goal else [])
+    check_fits(policy, spec, arm.cameras, known=known)
+    reads = privileged_inputs(policy, spec)
     scenes = episode_scenes(train_cfg, goal, twin, episodes, seed)
     client = None
     if server:
@@ -320,7 +328,15 @@ def run_deploy(
             robot = make_robot(arm)
         connect(robot, arm)
         safety = SafetyLayer(default_safety(robot, arm))
-        env = RobotEnv(robot, arm, safety, goal_input=reads_goal, judge=judge)
+        shapes = {k: spec.obs.privileged[k] for k in reads}
+        scene = Scene(None)  # the episode's, for a goal its user gives (read each step)
+
+        def given_goal() -> dict[str, np.ndarray]:
+            return {GOAL: scene.goal}
+
+        # on the twin its simulator knows every input; a real arm knows the goal it was given
+        read = partial(sim.readings, reads) if sim_scene else given_goal
+        env = RobotEnv(robot, arm, safety, privileged=shapes, read_privileged=read, judge=judge)
         summary = {"episodes": [], "robot": arm.robot, "hz": arm.control_hz}
         if client is not None:
             chunk_of = lambda obs: client.infer(obs_to_wire(obs))  # noqa: E731
@@ -337,8 +353,9 @@ def run_deploy(
             )
             start = start_pose(train_cfg)
             with EmergencyStop(keyboard=keyboard) as stop:
-                for ep, scene in enumerate(scenes):
-                    if not _begin(env, sim, scene, start, arm.control_hz):
+                for ep, episode_scene in enumerate(scenes):
+                    scene.goal = episode_scene.goal
+                    if not _begin(env, sim, episode_scene, start, arm.control_hz):
                         raise DeployError(f"episode {ep}: the arm did not reach its start pose")
                     executor = ChunkExecutor(
                         infer,
@@ -349,7 +366,9 @@ def run_deploy(
                     result = _episode(env, executor, stop, arm)
                     saved = recorder.finish(result) if recorder else None
                     summary["episodes"].append(
-                        _episode_summary(result, executor, saved, scene, judged=judge is not None)
+                        _episode_summary(
+                            result, executor, saved, episode_scene, judged=judge is not None
+                        )
                     )
                     log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
                     if result.reason != "done":
@@ -389,7 +408,6 @@ def _begin(env, sim, scene: Scene, start: np.ndarray | None, hz: float) -> bool:
     then the twin's scene; the goal the policy is given. Whether the arm got there."""
     from embodied.robots.control import ShutdownReport, move_to_pose
 
-    env.goal = scene.goal
     if start is not None:
         report = ShutdownReport()
         arrived = move_to_pose(

@@ -103,6 +103,13 @@ class ArmTwin:
                 self.data.qvel[dof : dof + 6] = 0.0
             mujoco.mj_forward(self.model, self.data)
 
+    def readings(self, names) -> dict[str, np.ndarray]:
+        """What the simulator knows now, by sensor name (f64 [D] each): the twin's privileged
+        observation (tool point, goal, cube)."""
+        with self._lock:
+            self.advance()
+            return {n: self.data.sensordata[self._sensors[n]].copy() for n in names}
+
     def success(self) -> bool:
         """Whether the task is done now, by the task's own success (simulators/mujoco/tasks.py)
         on the twin's sensors: the number sim-to-sim transfer is measured by."""

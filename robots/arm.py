@@ -202,10 +202,11 @@ class RobotEnv:
     gripper included). A real scene cannot be reset by software: ``reset`` starts a new episode
     from wherever the arm is (the deploy loop first drives it to a start pose).
 
-    With ``goal_input`` the observation carries ``privileged["goal_pos"]``, a point in the arm's
-    base frame that the user gives (``goal``, metres), for policies trained to reach a goal they
-    are told. ``judge`` (if given) says whether the task is done (a simulated scene can: the
-    twin's), filling ``success``; a real scene has none and reports no success."""
+    ``privileged`` names what the observation carries besides the arm's joints (key -> shape),
+    read each step by ``read_privileged``: on a real arm the goal its user gives
+    (``goal_pos``), on the twin whatever its simulator knows. ``judge`` (if given) says whether
+    the task is done (a simulated scene can: the twin's), filling ``success``; a real scene has
+    none and reports no success."""
 
     num_envs = 1
     device = torch.device("cpu")
@@ -217,14 +218,15 @@ class RobotEnv:
         safety: SafetyLayer,
         clock=time,
         *,
-        goal_input: bool = False,
+        privileged: dict[str, tuple[int, ...]] | None = None,
+        read_privileged: Callable[[], dict[str, np.ndarray]] | None = None,
         judge: Callable[[], bool] | None = None,
     ):
         self.robot = robot
         self.clock = clock  # what joint velocities are measured against (``control.Clock``)
         self.cfg = cfg
         self.safety = safety
-        self.goal: np.ndarray | None = None  # f64 [3] metres, base frame: set per episode
+        self.read_privileged = read_privileged
         self.judge = judge
         self.signs = np.asarray(cfg.joint_signs, float)  # f64 [6]
         self.offsets = np.asarray(cfg.joint_offsets, float)  # f64 [6]
@@ -236,7 +238,7 @@ class RobotEnv:
             obs=ObsSpec(
                 cameras=cams,
                 state_names=STATE_NAMES,
-                privileged={"goal_pos": (3,)} if goal_input else {},
+                privileged=dict(privileged or {}),
             ),
             action=ActionSpec(
                 "joint_pos",
@@ -295,9 +297,9 @@ class RobotEnv:
             images[name] = frame[None]  # uint8 [1, S, S, 3]
         privileged = {}
         if self.spec.obs.privileged:
-            if self.goal is None:
-                raise RobotError("the policy reads a goal and none was given (--goal X,Y,Z)")
-            privileged["goal_pos"] = torch.tensor(self.goal, dtype=torch.float32)[None]  # [1, 3]
+            values = self.read_privileged()
+            for key in self.spec.obs.privileged:
+                privileged[key] = torch.tensor(values[key], dtype=torch.float32)[None]  # [1, D]
         return Observation(
             state=state, instruction=[self.cfg.instruction], images=images, privileged=privileged
         )

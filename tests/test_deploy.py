@@ -145,14 +145,22 @@ def test_a_delta_policy_at_another_rate_is_refused(checkpoints, capsys):
     assert rc == 2 and "trained at 20 Hz" in err
 
 
-def test_a_checkpoint_that_reads_simulator_state_is_refused(checkpoints, capsys):
-    rc, err = deploy(
-        [checkpoints["with_goal"], "--robot", "so101-sim", "--episode-seconds", "0.2"], capsys
-    )
+def test_a_checkpoint_that_reads_simulator_state_is_refused_on_a_real_arm(checkpoints, capsys):
+    # refused before anything connects: no serial port is opened
+    argv = [checkpoints["with_goal"], "--robot", "so101", "--robot.port", "/dev/ttyNONE"]
+    rc, err = deploy([*argv, "--goal", "0.2,0,0.1"], capsys)
     assert rc == 2 and err.strip() == (
         "embodied: error: the checkpoint cannot drive this arm: simulator-only inputs ['tcp_pos'] "
         "(train with policy.use_privileged=false, or policy.privileged_keys=[goal_pos])"
     )
+
+
+def test_the_twin_gives_a_policy_what_its_simulator_knows(checkpoints, capsys):
+    # the tool point and the goal come from the twin's simulator, as in training
+    argv = [checkpoints["with_goal"], "--robot", "so101-sim", "--episode-seconds", "0.3"]
+    rc, summary = deploy(argv, capsys)
+    assert rc == 0, summary
+    assert summary["episodes"][0]["steps"] == 6 and "success" in summary["episodes"][0]
 
 
 def test_a_policy_told_its_goal_needs_one_on_a_real_arm(checkpoints, capsys):
