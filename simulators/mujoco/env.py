@@ -181,6 +181,21 @@ class MuJoCoEnv:
             ended=torch.nonzero(done)[:, 0] if final is not None else None,
         )
 
+    def simulate(self, targets: torch.Tensor) -> None:
+        """The simulator alone: servo targets (f32 [B, 6], radians) held for one control step of
+        physics through ``mujoco.rollout``; no observation, reward or reset (raw throughput)."""
+        self._target = targets.double().numpy()  # f64 [B, 6]: held from now on
+        control = np.concatenate([self._target, self._mocap], 1)[:, None]
+        states, _ = rollout.rollout(
+            self.model,
+            self._rollout_data,
+            self._state,
+            control,
+            control_spec=self._control_spec,
+            nstep=self._substeps,
+        )
+        self._state = states[:, -1].copy()
+
     # --- rendering ----------------------------------------------------------------------------
     def _render_all(self, size: int, camera: str = "base_camera") -> torch.Tensor:
         if size not in self._renderers:

@@ -166,6 +166,13 @@ class MuJoCoWarpEnv:
                 self._graph = capture.graph
             wp.capture_launch(self._graph)
 
+    def simulate(self, targets: torch.Tensor) -> None:
+        """The simulator alone: servo targets (f32 [B, 6], radians, on the device) held for one
+        control step of physics; no observation, reward or reset (raw throughput)."""
+        self._target = targets.to(self.device, torch.float32).clone()
+        self._ctrl.copy_(self._target)
+        self._physics()
+
     def check_buffers(self) -> None:
         """Raise BufferOverflow if any substep since construction needed more contacts or
         constraints than the buffers hold (reads two ints from the device)."""
