@@ -70,6 +70,11 @@ def scripted_expert(env_cfg, device):
     return EXPERTS[env_cfg.task](device)
 
 
+def _row(columns: dict[str, list], i: int) -> dict:
+    """World ``i`` of per-world lists."""
+    return {k: v[i] for k, v in columns.items()}
+
+
 def load_policy(checkpoint: str | Path | dict, device="cpu"):
     """A trained policy rebuilt on the spec it was trained with -> (policy in eval mode, train
     config). ``checkpoint``: a path, or what ``load_policy_checkpoint`` returned."""
@@ -137,6 +142,9 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
         while kept < cfg.episodes and attempts < cfg.max_attempts:
             base = DEMO_SEED_OFFSET + cfg.seed + attempts
             obs = env.reset(seed=[base + i for i in range(B)])
+            # each world's randomised parameters (MuJoCo), kept with its episode to re-simulate it
+            world = getattr(env, "world_params", None)
+            worlds = None if world is None else world.to_dict()
             n = min(B, cfg.max_attempts - attempts)
             frames = [
                 {
@@ -187,7 +195,11 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
                         success=success,
                         task=spec.instructions[0],
                         privileged={k: np.stack(v) for k, v in f["privileged"].items()},
-                        extra={"seed": base + i, "success_at_end": bool(success[-1])},
+                        extra={
+                            "seed": base + i,
+                            "success_at_end": bool(success[-1]),
+                            **({} if worlds is None else {"world": _row(worlds, i)}),
+                        },
                     )
                     kept += 1
                     bar.update(1)

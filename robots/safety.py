@@ -66,8 +66,14 @@ class SafetyLayer:
         self.last = np.clip(np.asarray(present, float), self.low, self.high)
 
     def inside(self, joints: np.ndarray) -> bool:
+        return self.outside(joints) == 0.0
+
+    def outside(self, joints: np.ndarray) -> float:
+        """How far the tool point is outside the workspace box (metres; 0 inside it)."""
         p = tool_point(joints, self.cfg.geometry)
-        return bool(np.all(p >= self.box[0]) and np.all(p <= self.box[1]))
+        below = np.maximum(self.box[0] - p, 0.0)
+        above = np.maximum(p - self.box[1], 0.0)
+        return float(np.linalg.norm(below + above))
 
     def _intervene(self, kind: str, detail: str) -> None:
         self.counts[kind] += 1
@@ -91,11 +97,12 @@ class SafetyLayer:
             kinds.append("rate_limit")
             self._intervene("rate_limit", f"max |step| {np.abs(clipped - self.last).max():.3f} rad")
         target = self.last + step
-        if not self.inside(target):
-            # the furthest point inside the box on the way there (bisection on the fraction)
+        if not self.inside(target) and self.outside(target) > self.outside(self.last):
+            # the furthest point inside the box on the way there (bisection on the fraction);
+            # from outside it (an arm that starts there, or pressed there), no step further out
             lo, hi = 0.0, 1.0
             if not self.inside(self.last):
-                lo = hi = 0.0  # already outside (started there): hold, never move further out
+                lo = hi = 0.0
             for _ in range(20):
                 mid = (lo + hi) / 2
                 lo, hi = (mid, hi) if self.inside(self.last + mid * step) else (lo, mid)

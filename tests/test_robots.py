@@ -284,3 +284,24 @@ def test_unit_conversions_round_trip():
         "shoulder_pan.pos"
     ] == pytest.approx(math.degrees(0.1))
     assert rad_to_ticks(0.0) == 2048 and abs(ticks_to_rad(rad_to_ticks(1.0)) - 1.0) <= TICK / 2
+
+
+def test_an_arm_outside_the_workspace_may_move_back_in_but_not_further_out():
+    # an arm pressed below the box's floor (the twin pushing on the table) starts an episode there:
+    # a command that raises the tool point goes through, one that lowers it further is held
+    from embodied.robots.safety import SafetyConfig, SafetyLayer
+
+    layer = SafetyLayer(SafetyConfig(joint_low=(-3.0,) * 6, joint_high=(3.0,) * 6, max_step=0.2))
+    low = np.array([0.0, 0.3, 0.9, 1.2, 0.0, 0.0])  # the tool point at the table
+    below = tool_point(low)[2]
+    assert below < layer.cfg.workspace_low[2]
+    layer.start(low)
+    up = low + np.array([0.0, 0.0, 0.0, 0.1, 0.0, 0.0])  # the wrist bends on: the tool rises
+    down = low + np.array([0.0, 0.0, 0.0, -0.1, 0.0, 0.0])
+    assert tool_point(up)[2] > below > tool_point(down)[2]
+    sent, kinds = layer.filter(up)
+    np.testing.assert_allclose(sent, up)  # back toward the box: allowed
+    assert kinds == []
+    sent, kinds = layer.filter(sent + (down - low) * 1.5)  # lower than where it started
+    np.testing.assert_allclose(sent, up)  # further out than it is: held
+    assert kinds == ["workspace"]

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from embodied.schema import SimulatorConfig
+from embodied.simulators.mujoco.randomize import RandomizeConfig
 from embodied.simulators.mujoco.tasks import TASKS
 
 BACKENDS = ("rollout", "warp")
@@ -30,6 +31,7 @@ class MuJoCoConfig(SimulatorConfig):
     device: str = "cpu"  # the warp backend's device: cpu (Warp's CPU device) | cuda | cuda:N
     nconmax: int | None = None  # warp: contacts per world (pooled over worlds); None: its default
     njmax: int | None = None  # warp: constraints per world; None: MuJoCo Warp's default
+    randomize: RandomizeConfig = field(default_factory=RandomizeConfig)  # per world, seeded
 
     def validate(self) -> None:
         if self.task not in TASKS:
@@ -53,6 +55,7 @@ class MuJoCoConfig(SimulatorConfig):
                 f"device: the {self.backend} backend runs on the CPU; env.backend=warp runs on "
                 f"{self.device}"
             )
+        self.randomize.validate()
         for name in ("nconmax", "njmax"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -13,6 +13,7 @@ Actions are joint-position deltas (radians per control step) added to each servo
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 
@@ -26,6 +27,7 @@ from mujoco import rollout  # noqa: E402
 from embodied.schema import Observation, StepOutput  # noqa: E402
 from embodied.simulators.mujoco.arm import JOINTS  # noqa: E402
 from embodied.simulators.mujoco.config import MuJoCoConfig  # noqa: E402
+from embodied.simulators.mujoco.randomize import nominal  # noqa: E402
 from embodied.simulators.mujoco.streams import Streams  # noqa: E402
 from embodied.simulators.mujoco.tasks import TASKS  # noqa: E402
 from embodied.simulators.mujoco.worlds import (  # noqa: E402
@@ -33,6 +35,7 @@ from embodied.simulators.mujoco.worlds import (  # noqa: E402
     HIGH,
     LOW,
     MAX_DELTA,
+    Randomized,
     build_model,
     draw_initial,
     make_spec,
@@ -62,6 +65,13 @@ class MuJoCoEnv:
         self._sensors = np.zeros((B, self.model.nsensordata))
         self._elapsed = np.zeros(B, dtype=np.int64)
         self._streams = Streams(B, self.device)
+        # domain randomisation: each world a model of its own (mujoco.rollout takes one a world)
+        self._randomized = Randomized.of(self.model)
+        self.world_params = nominal(B, self.device)  # each world's draw for its episode
+        active = cfg.randomize.active
+        self._models = [copy.deepcopy(self.model) for _ in range(B)] if active else None
+        # f64 [D + 1, B, 6]: the servo targets of the last steps; a world's delay picks its row
+        self._history = np.zeros((cfg.randomize.action_delay + 1, B, self.model.nu))
         self._slices = {
             self.model.sensor(i).name: slice(
                 self.model.sensor_adr[i], self.model.sensor_adr[i] + self.model.sensor_dim[i]
@@ -109,25 +119,30 @@ class MuJoCoEnv:
     def _reset_rows(self, ids: Sequence[int]) -> None:
         """Start new episodes in worlds ``ids`` from their streams (simulators/mujoco/worlds.py)."""
         d = self._data
-        m = self.model
-        init = draw_initial(
-            self._streams, self.task, torch.tensor(ids, dtype=torch.int64), self.cfg.home_noise
-        )
+        rows = torch.tensor(ids, dtype=torch.int64)
+        cfg = self.cfg
+        init = draw_initial(self._streams, self.task, rows, cfg.home_noise, cfg.randomize)
+        self.world_params.put(rows, init.params)
         joints = init.joints.double().numpy()  # f64 [N, 6]: exactly the f32 draws
         goal = init.goal.double().numpy()
         cube = None if init.cube is None else init.cube.double().numpy()
+        quat = None if init.cube_quat is None else init.cube_quat.double().numpy()
         for row, i in enumerate(ids):
+            m = self.model if self._models is None else self._models[i]
+            if self._models is not None:
+                self._randomized.apply(m, init.params, row)
             mujoco.mj_resetData(m, d)
             d.qpos[self._joint_qpos] = joints[row]
             if cube is not None:
                 adr = m.jnt_qposadr[m.body("cube").jntadr[0]]
                 d.qpos[adr : adr + 3] = cube[row]  # position
-                d.qpos[adr + 3 : adr + 7] = [1, 0, 0, 0]  # quaternion (w, x, y, z): no rotation
+                d.qpos[adr + 3 : adr + 7] = quat[row]  # (w, x, y, z): turned about z
             d.mocap_pos[0] = goal[row]
             d.ctrl[:] = joints[row]
             mujoco.mj_forward(m, d)
             mujoco.mj_getState(m, d, self._state[i], self._spec_state)
             self._target[i] = joints[row]
+            self._history[:, i] = joints[row]
             self._mocap[i] = d.mocap_pos.reshape(-1)
             self._sensors[i] = d.sensordata
             self._previous[i] = joints[row]  # at rest: zero velocity
@@ -145,12 +160,14 @@ class MuJoCoEnv:
         """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA."""
         a = np.clip(actions.detach().cpu().numpy().astype(np.float64), -MAX_DELTA, MAX_DELTA)
         self._target = np.clip(self._target + a, self._low, self._high)
-        control = np.concatenate([self._target, self._mocap], 1)[
-            :, None
-        ]  # f64 [B, 1, nu + 3]: held for every substep
+        self._history = np.roll(self._history, 1, axis=0)
+        self._history[0] = self._target
+        delay = self.world_params.delay.numpy()  # int64 [B]: 0 without randomisation
+        applied = self._history[delay, np.arange(self.num_envs)]  # f64 [B, 6]
+        control = np.concatenate([applied, self._mocap], 1)[:, None]  # f64 [B, 1, nu + 3]
         self._previous = self._sensors[:, self._pos_cols]  # f64 [B, 6] (a gather: a copy)
         states, sensors = rollout.rollout(
-            self.model,
+            self._models or self.model,
             self._rollout_data,
             self._state,
             control,
@@ -187,7 +204,7 @@ class MuJoCoEnv:
         self._target = targets.double().numpy()  # f64 [B, 6]: held from now on
         control = np.concatenate([self._target, self._mocap], 1)[:, None]
         states, _ = rollout.rollout(
-            self.model,
+            self._models or self.model,
             self._rollout_data,
             self._state,
             control,
@@ -204,11 +221,15 @@ class MuJoCoEnv:
         d = self._data
         frames = np.empty((self.num_envs, size, size, 3), dtype=np.uint8)  # uint8 [B, H, W, 3]
         for i in range(self.num_envs):  # one GL context renders each environment's state in turn
+            if self._models is not None:  # the world's cube, camera and light
+                self._randomized.apply(self.model, self.world_params, i)
             mujoco.mj_setState(self.model, d, self._state[i], self._spec_state)
             d.mocap_pos[:] = self._mocap[i].reshape(-1, 3)
             mujoco.mj_forward(self.model, d)
             r.update_scene(d, camera=camera)
             frames[i] = r.render()
+        if self._models is not None:
+            self._randomized.apply(self.model, nominal(1, self.device), 0)  # as written again
         return torch.from_numpy(frames)
 
     def render(self) -> torch.Tensor:

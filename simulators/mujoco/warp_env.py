@@ -28,8 +28,10 @@ import torch
 from embodied.schema import Observation, StepOutput
 from embodied.simulators.mujoco.arm import JOINTS
 from embodied.simulators.mujoco.config import MuJoCoConfig
+from embodied.simulators.mujoco.randomize import nominal
 from embodied.simulators.mujoco.streams import Streams
 from embodied.simulators.mujoco.tasks import TASKS
+from embodied.simulators.mujoco.warp_randomize import BatchedWorlds
 from embodied.simulators.mujoco.warp_render import WarpCameras
 from embodied.simulators.mujoco.warp_setup import require_warp, timed_first_step, torch_device
 from embodied.simulators.mujoco.worlds import (
@@ -37,6 +39,7 @@ from embodied.simulators.mujoco.worlds import (
     HIGH,
     LOW,
     MAX_DELTA,
+    Randomized,
     build_model,
     draw_initial,
     make_spec,
@@ -86,11 +89,20 @@ class MuJoCoWarpEnv:
                 self.host_model, nworld=B, nconmax=cfg.nconmax, njmax=cfg.njmax
             )
             self._peaks = wp.zeros(2, dtype=int)  # int32 [2]: contacts (all worlds), constraints
+            self._batched = None  # the randomised model fields, a row per world
+            if cfg.randomize.active:
+                nominal_fields = Randomized.of(self.host_model)
+                self._batched = BatchedWorlds(wp, self._m, nominal_fields, B, self.device)
+        self.world_params = nominal(B, self.device)  # each world's draw for its episode
+        # f32 [D + 1, B, 6]: the servo targets of the last steps; a world's delay picks its row
+        self._history = torch.zeros(
+            cfg.randomize.action_delay + 1, B, len(JOINTS), device=self.device
+        )
+        self._worlds = torch.arange(B, device=self.device)
         self._bind_views()
         self._target = torch.zeros(B, len(JOINTS), device=self.device)  # f32 [B, 6]: servo targets
         self._elapsed = np.zeros(B, dtype=np.int64)  # on the host: it knows every truncation
         self._elapsed_device = torch.zeros(B, dtype=torch.int64, device=self.device)  # the same
-        self._quat_identity = torch.tensor([1.0, 0.0, 0.0, 0.0], device=self.device)
         self._streams = Streams(B, self.device)
         self._low = torch.tensor(LOW, device=self.device)
         self._high = torch.tensor(HIGH, device=self.device)
@@ -251,7 +263,10 @@ class MuJoCoWarpEnv:
         )
         mask = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
         mask[ids] = True
-        init = draw_initial(self._streams, self.task, ids, self.cfg.home_noise)
+        init = draw_initial(self._streams, self.task, ids, self.cfg.home_noise, self.cfg.randomize)
+        self.world_params.put(ids, init.params)
+        if self._batched is not None:
+            self._batched.put(ids, init.params)
         kept_sensors = self._sensors.clone()  # the other worlds keep their last substep's sensors
         with self._on_torch_stream():
             self._mjw.reset_data(self._m, self._d, reset=self._wp.from_torch(mask))
@@ -259,10 +274,11 @@ class MuJoCoWarpEnv:
         if init.cube is not None:
             at = self._cube_qpos
             self._qpos[ids, at : at + 3] = init.cube
-            self._qpos[ids, at + 3 : at + 7] = self._quat_identity
+            self._qpos[ids, at + 3 : at + 7] = init.cube_quat
         self._mocap[ids, 0] = init.goal
         self._ctrl[ids] = init.joints
         self._target[ids] = init.joints
+        self._history[:, ids] = init.joints
         with self._on_torch_stream():
             self._mjw.forward(self._m, self._d)
         self._sensors.copy_(torch.where(mask[:, None], self._sensors, kept_sensors))
@@ -281,7 +297,10 @@ class MuJoCoWarpEnv:
         """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA."""
         delta = actions.to(self.device, torch.float32).clamp(-MAX_DELTA, MAX_DELTA)
         self._target = torch.clamp(self._target + delta, self._low, self._high)
-        self._ctrl.copy_(self._target)  # held for every substep
+        self._history = torch.roll(self._history, 1, 0)
+        self._history[0] = self._target
+        # held for every substep: each world's target of ``delay`` steps ago (0: this one)
+        self._ctrl.copy_(self._history[self.world_params.delay, self._worlds])
         self._previous.copy_(self._sensors.index_select(1, self._pos_cols))
         self._physics()
         self._elapsed += 1

@@ -11,11 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mujoco
+import numpy as np
 import torch
 
 from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, reset_seeds
 from embodied.simulators.mujoco.arm import HOME, JOINTS, RANGES, scene
 from embodied.simulators.mujoco.config import MuJoCoConfig
+from embodied.simulators.mujoco.randomize import NUM_DRAWS, RandomizeConfig, WorldParams, draw
 from embodied.simulators.mujoco.streams import Streams
 from embodied.simulators.mujoco.tasks import Task
 
@@ -67,11 +69,14 @@ def make_spec(cfg: MuJoCoConfig, task: Task) -> EnvSpec:
 @dataclass
 class InitialStates:
     """The start of N worlds' episodes, f32 on the env's device: servo targets and joint
-    positions [N, 6], the goal (mocap) position [N, 3], the cube's position [N, 3] or None."""
+    positions [N, 6], the goal (mocap) position [N, 3], the cube's position [N, 3] and orientation
+    [N, 4] (w, x, y, z) or None, and each world's randomised parameters."""
 
     joints: torch.Tensor
     goal: torch.Tensor
     cube: torch.Tensor | None
+    cube_quat: torch.Tensor | None
+    params: WorldParams
 
 
 def reseed(streams: Streams, seed: int | Sequence[int] | None, ids: Sequence[int]) -> None:
@@ -86,14 +91,90 @@ def reseed(streams: Streams, seed: int | Sequence[int] | None, ids: Sequence[int
 
 
 def draw_initial(
-    streams: Streams, task: Task, ids: torch.Tensor, home_noise: float
+    streams: Streams,
+    task: Task,
+    ids: torch.Tensor,
+    home_noise: float,
+    randomize: RandomizeConfig | None = None,
 ) -> InitialStates:
-    """The next episode's start for worlds ``ids`` (int64 [N]) from their streams."""
-    u = streams.uniform(ids, len(JOINTS) + task.num_draws)  # f32 [N, 6 + num_draws]
+    """The next episode's start for worlds ``ids`` (int64 [N]) from their streams: the arm's
+    pose, the task's goal and objects, then the randomisation (drawn even when it is off)."""
+    n_task = len(JOINTS) + task.num_draws
+    u = streams.uniform(ids, n_task + NUM_DRAWS)  # f32 [N, 6 + num_draws + NUM_DRAWS]
     noisy = [
         torch.clamp(HOME_POSE[j] + (2.0 * u[:, j] - 1.0) * home_noise, LOW[j], HIGH[j])
         for j in range(len(JOINTS))
     ]
     joints = torch.stack(noisy, 1)  # f32 [N, 6]; Python constants: no host-to-device copy
-    sampled = task.sample(u[:, len(JOINTS) :])
-    return InitialStates(joints=joints, goal=sampled["goal"], cube=sampled.get("cube"))
+    sampled = task.sample(u[:, len(JOINTS) : n_task])
+    params = draw(randomize or RandomizeConfig(), u[:, n_task:])
+    cube = sampled.get("cube")
+    quat = None
+    if cube is not None:
+        cube = torch.cat([cube[:, :2], cube[:, 2:] * params.cube_scale[:, None]], 1)  # resting
+        half = 0.5 * params.cube_yaw
+        zero = torch.zeros_like(half)
+        quat = torch.stack([torch.cos(half), zero, zero, torch.sin(half)], 1)  # about z
+    return InitialStates(joints, sampled["goal"], cube, quat, params)
+
+
+@dataclass(frozen=True)
+class Randomized:
+    """Where the randomised quantities of a scene live in its model (ids; -1 where the scene has
+    no cube), and their values as written (numpy, float64)."""
+
+    cube_body: int
+    cube_geom: int
+    friction_geoms: tuple[int, ...]  # the cube's and the pads': their sliding friction scales
+    camera: int  # the front camera
+    half: float  # the cube's half-size, metres
+    mass: float
+    inertia: np.ndarray  # [3]
+    friction: np.ndarray  # [len(friction_geoms)]
+    kp: np.ndarray  # [6] the servos' gains
+    camera_pos: np.ndarray  # [3]
+    light_pos: np.ndarray  # [3], light 0
+    light_diffuse: np.ndarray  # [3]
+
+    @classmethod
+    def of(cls, model: mujoco.MjModel) -> Randomized:
+        body = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_BODY, "cube")
+        geom = int(model.body_geomadr[body]) if body >= 0 else -1
+        pads = [model.geom(name).id for name in ("fixed_jaw_pad", "moving_jaw_pad")]
+        geoms = tuple(([geom] if geom >= 0 else []) + pads)
+        camera = model.camera("base_camera").id
+        return cls(
+            cube_body=body,
+            cube_geom=geom,
+            friction_geoms=geoms,
+            camera=camera,
+            half=float(model.geom_size[geom, 0]) if geom >= 0 else 0.0,
+            mass=float(model.body_mass[body]) if body >= 0 else 0.0,
+            inertia=model.body_inertia[body].copy() if body >= 0 else np.zeros(3),
+            friction=model.geom_friction[list(geoms), 0].copy(),
+            kp=model.actuator_gainprm[:, 0].copy(),
+            camera_pos=model.cam_pos[camera].copy(),
+            light_pos=model.light_pos[0].copy(),
+            light_diffuse=model.light_diffuse[0].copy(),
+        )
+
+    def apply(self, model: mujoco.MjModel, p: WorldParams, row: int) -> None:
+        """Write world ``row`` of ``p`` into ``model`` (a world's own copy on the rollout backend;
+        the shared model, briefly, to render a world)."""
+        if self.cube_body >= 0:
+            half = self.half * float(p.cube_scale[row])
+            model.geom_size[self.cube_geom] = half
+            model.geom_rbound[self.cube_geom] = half * np.sqrt(3.0)
+            model.geom_aabb[self.cube_geom, 3:] = half
+            scale = float(p.mass_scale[row])
+            model.body_mass[self.cube_body] = self.mass * scale
+            model.body_inertia[self.cube_body] = self.inertia * scale
+        model.geom_friction[list(self.friction_geoms), 0] = self.friction * float(
+            p.friction_scale[row]
+        )
+        kp = self.kp * p.gain_scale[row].double().cpu().numpy()  # f64 [6]
+        model.actuator_gainprm[:, 0] = kp
+        model.actuator_biasprm[:, 1] = -kp
+        model.cam_pos[self.camera] = self.camera_pos + p.camera_offset[row].double().cpu().numpy()
+        model.light_pos[0] = self.light_pos + p.light_offset[row].double().cpu().numpy()
+        model.light_diffuse[0] = self.light_diffuse * float(p.light_scale[row])

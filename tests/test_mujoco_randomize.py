@@ -1,0 +1,138 @@
+"""Domain randomisation per world on both MuJoCo backends: drawn from each world's stream (seeded,
+equal on both backends), each range doing what it says in the physics, and kept with recorded
+episodes."""
+
+import pytest
+import torch
+
+from embodied.simulators.mujoco import MuJoCoConfig, make_env
+from embodied.simulators.mujoco.randomize import NUM_DRAWS, RandomizeConfig, draw
+from embodied.simulators.mujoco.tasks import CUBE_HALF
+
+BACKENDS = ["rollout", "warp"]
+WIDE = RandomizeConfig(
+    cube_size=0.2,
+    cube_yaw=0.5,
+    friction=0.3,
+    mass=0.3,
+    servo_gain=0.3,
+    action_delay=2,
+    camera_pos=0.02,
+    light_pos=0.1,
+    light=0.3,
+)
+
+
+def _env(backend: str, task: str, randomize: RandomizeConfig, n: int = 8):
+    if backend == "warp":
+        pytest.importorskip("mujoco_warp")
+    return make_env(MuJoCoConfig(task=task, num_envs=n, backend=backend, randomize=randomize))
+
+
+def test_uniforms_become_the_ranges_golden():
+    u = torch.zeros(3, NUM_DRAWS)
+    u[1] = 0.5
+    u[2] = 0.999
+    p = draw(WIDE, u)
+    torch.testing.assert_close(p.cube_scale, torch.tensor([0.8, 1.0, 1.1996]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(p.cube_yaw, torch.tensor([-0.5, 0.0, 0.499]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        p.gain_scale[:, 0], torch.tensor([0.7, 1.0, 1.2994]), atol=1e-4, rtol=0
+    )
+    assert p.delay.tolist() == [0, 1, 2]  # 0 .. action_delay, each a third of [0, 1)
+    torch.testing.assert_close(p.camera_offset[0], torch.full((3,), -0.02))
+    off = draw(RandomizeConfig(), torch.rand(4, NUM_DRAWS))  # ranges of 0: the model as written
+    assert torch.equal(off.cube_scale, torch.ones(4)) and torch.equal(
+        off.delay, torch.zeros(4).long()
+    )
+    assert torch.equal(off.gain_scale, torch.ones(4, 6))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_turning_randomisation_on_changes_no_initial_place(backend):
+    with _env(backend, "push", RandomizeConfig()) as plain, _env(backend, "push", WIDE) as wide:
+        a = plain.reset(seed=list(range(8))).privileged
+        b = wide.reset(seed=list(range(8))).privileged
+        torch.testing.assert_close(a["goal_pos"], b["goal_pos"])
+        torch.testing.assert_close(a["cube_pos"][:, :2], b["cube_pos"][:, :2])
+        # resting on the table at its own half-size
+        expected = CUBE_HALF * wide.world_params.cube_scale
+        torch.testing.assert_close(b["cube_pos"][:, 2], expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_resized_cube_rests_at_its_size_in_the_physics(backend):
+    with _env(backend, "push", RandomizeConfig(cube_size=0.3)) as env:
+        env.reset(seed=list(range(8)))
+        for _ in range(5):  # the cube settles on the table: its collision box has that size
+            obs = env.step(torch.zeros(8, 6)).obs
+        half = CUBE_HALF * env.world_params.cube_scale
+        assert (half.max() - half.min()) > 0.004  # 4 mm apart at least
+        torch.testing.assert_close(obs.privileged["cube_pos"][:, 2], half, atol=5e-4, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_delayed_world_takes_its_command_steps_late(backend):
+    with _env(backend, "reach", RandomizeConfig(action_delay=2), n=16) as env:
+        start = env.reset(seed=list(range(16))).state[:, 0]  # shoulder_pan
+        delay = env.world_params.delay
+        assert set(delay.tolist()) == {0, 1, 2}
+        push = torch.zeros(16, 6)
+        push[:, 0] = 0.1
+        moved = []
+        for _ in range(3):
+            moved.append(env.step(push).obs.state[:, 0] - start)
+            push = torch.zeros(16, 6)  # one command, then none
+        moved = torch.stack(moved)  # f32 [3, 16]: the pan's motion after each step
+        for step in range(3):  # a world with delay d moves in step d (0-based), not before
+            still = delay > step
+            assert torch.all(moved[step][still].abs() < 1e-3)
+            assert moved[step][~still].min() > 0.03
+
+
+def test_both_backends_randomise_alike():
+    # free motion under randomised gains and delays agrees to float32 precision across the
+    # backends (the same draws, applied the same way), and differs from the model as written
+    seeds = list(range(8))
+    cfg = RandomizeConfig(servo_gain=0.3, action_delay=2)
+    with _env("warp", "reach", cfg) as warp, _env("rollout", "reach", cfg) as rollout:
+        with _env("rollout", "reach", RandomizeConfig()) as plain:
+            for env in (warp, rollout, plain):
+                env.reset(seed=seeds)
+            for name in ("gain_scale", "delay"):
+                assert torch.equal(
+                    getattr(warp.world_params, name), getattr(rollout.world_params, name)
+                )
+            g = torch.Generator().manual_seed(0)
+            gap = 0.0
+            apart = 0.0
+            for _ in range(30):
+                a = torch.rand(8, 6, generator=g) * 0.2 - 0.1
+                w, r, p = (env.step(a).obs.state[:, :6] for env in (warp, rollout, plain))
+                gap = max(gap, (w - r).abs().max().item())
+                apart = max(apart, (r - p).abs().max().item())
+    assert gap < 1e-4 and apart > 0.05
+
+
+def test_each_world_draw_is_kept_with_its_recorded_episode(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    from embodied.cli import main
+
+    randomize = ["env.randomize.servo_gain=0.2", "env.randomize.action_delay=1"]
+    argv = ["demos", "configs/mujoco/demos_reach.yaml", "episodes=2", "max_attempts=2"]
+    argv += ["env.num_envs=2", "env.image_size=16", *randomize, f"output={tmp_path / 'ds'}"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    episodes = tmp_path / "ds" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(episodes)
+    worlds = table.column("world").to_pylist()
+    seeds = [int(s) for s in table.column("seed").to_pylist()]
+    cfg = MuJoCoConfig(task="reach", num_envs=2, randomize=RandomizeConfig(0, 0, 0, 0, 0.2, 1))
+    with make_env(cfg) as env:  # the same seed draws the same world: the episode can be re-run
+        env.reset(seed=seeds)
+        again = env.world_params.to_dict()
+    for i, world in enumerate(worlds):
+        assert world["gain_scale"] == pytest.approx(again["gain_scale"][i])
+        assert world["delay"] == again["delay"][i]
+    assert len({tuple(w["gain_scale"]) for w in worlds}) == 2  # each world its own
