@@ -31,9 +31,10 @@ class SafetyConfig:
     joint_low: tuple[float, ...]
     joint_high: tuple[float, ...]
     max_step: float | tuple[float, ...] = 0.05  # radians per control step (1.5 rad/s at 30 Hz)
-    # tool point box in the base frame: above the table, within the SO-101's reach (0.4 m out at
-    # its zero pose, 0.53 m up with the arm straight)
-    workspace_low: tuple[float, float, float] = (-0.45, -0.45, 0.01)
+    # tool point box in the base frame: the fingertips (6 mm below the tool point) down to the
+    # table and no lower, within the SO-101's reach (0.4 m out at its zero pose, 0.53 m up with
+    # the arm straight)
+    workspace_low: tuple[float, float, float] = (-0.45, -0.45, 0.006)
     workspace_high: tuple[float, float, float] = (0.45, 0.45, 0.55)
     safe_pose: tuple[float, ...] = ()  # where torque may be switched off (the arm rests folded)
     geometry: ArmGeometry = field(default_factory=ArmGeometry)
@@ -116,7 +117,17 @@ class SafetyLayer:
         return target.copy(), kinds
 
     def toward(self, pose: np.ndarray) -> np.ndarray:
-        """One rate-limited step from the last command toward ``pose`` (watchdog, shutdown): the
-        rate limit is the plan here, not an intervention; the workspace box still applies."""
+        """One rate-limited step from the last command toward ``pose`` (a start pose, the safe
+        pose): the rate limit is the plan here, not an intervention. Joint by joint, each part of
+        the step that keeps the tool point in the box (or no further out) is taken, so that a
+        straight line in joint space that dips out of the box (from a pose at the table, say)
+        still makes headway instead of holding forever."""
         goal = np.clip(np.asarray(pose, float), self.low, self.high)
-        return self.filter(self.last + np.clip(goal - self.last, -self.max_step, self.max_step))[0]
+        step = np.clip(goal - self.last, -self.max_step, self.max_step)
+        q = self.last.copy()
+        for j in np.flatnonzero(step):
+            trial = q.copy()
+            trial[j] += step[j]
+            if self.inside(trial) or self.outside(trial) <= self.outside(q):
+                q = trial
+        return self.filter(q)[0]

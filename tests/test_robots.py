@@ -305,3 +305,21 @@ def test_an_arm_outside_the_workspace_may_move_back_in_but_not_further_out():
     sent, kinds = layer.filter(sent + (down - low) * 1.5)  # lower than where it started
     np.testing.assert_allclose(sent, up)  # further out than it is: held
     assert kinds == ["workspace"]
+
+
+def test_moving_to_a_pose_makes_headway_where_the_straight_way_dips_out_of_the_box():
+    # from the fingers at the table to the home pose: the straight line in joint space first
+    # lowers the tool into the table; joint by joint the layer still gets there, staying in
+    from embodied.robots.safety import SafetyConfig, SafetyLayer
+    from embodied.simulators.mujoco.arm import HOME
+
+    home = np.array([HOME[j] for j in JOINTS])
+    low = np.array([-0.12, 0.24, 1.12, 1.33, 0.07, 0.6])  # the tool point 7.7 mm up
+    layer = SafetyLayer(SafetyConfig(joint_low=(-3.0,) * 6, joint_high=(3.0,) * 6, max_step=0.1))
+    floor = layer.cfg.workspace_low[2]
+    line = [low + t * (home - low) for t in np.linspace(0, 1, 50)]
+    assert tool_point(low)[2] > floor > min(tool_point(q)[2] for q in line)  # it dips out
+    layer.start(low)
+    heights = [tool_point(layer.toward(home))[2] for _ in range(100)]
+    np.testing.assert_allclose(layer.last, home, atol=1e-9)  # it arrived
+    assert min(heights) >= floor - 1e-9  # never out of the box on the way
