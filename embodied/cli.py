@@ -14,12 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-
-def _error(msg: str) -> int:
-    # one line, whatever the message (a driver's may span several)
-    line = " ".join(part.strip() for part in str(msg).splitlines() if part.strip())
-    print(f"embodied: error: {line}", file=sys.stderr)
-    return 2
+from embodied.cli_errors import error as _error
 
 
 class _Parser(argparse.ArgumentParser):
@@ -233,107 +228,9 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _cameras(values: list[str]) -> dict[str, str]:
-    out = {}
-    for v in values or []:
-        name, sep, source = v.partition("=")
-        if not sep or not name:
-            raise ValueError(
-                f"--camera {v!r}: expected NAME=SOURCE "
-                "(an OpenCV index or device; the twin: front or wrist)"
-            )
-        out[name] = source
-    return out
-
-
-def _floats(option: str, text: str | None, default: float, n: int = 6, what: str = "joint"):
-    """``n`` comma-separated numbers (a tuple of floats), ``default`` n times where none given."""
-    if not text:
-        return (default,) * n
-    try:
-        values = tuple(float(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if len(values) != n:
-        raise ValueError(f"{option} {text!r}: expected {n} comma-separated numbers, one per {what}")
-    return values
-
-
-def cmd_serve(args) -> int:
-    import time
-
-    from embodied.deploy import serve
-
-    if not 0 <= args.port <= 65535:
-        return _error(f"--port: must be 0..65535 (0: any free port), got {args.port}")
-    if args.queue < 1:
-        return _error(f"--queue: must be >= 1, got {args.queue}")
-    try:
-        server = serve(args.checkpoint, host=args.host, port=args.port, queue_size=args.queue)
-    except FileNotFoundError as e:
-        return _error(str(e))
-    print(
-        f"serving {args.checkpoint} on ws://{args.host}:{server.port} (health: http://{args.host}:{server.port}/health)"
-    )
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        server.stop()
-    return 0
-
-
-def cmd_deploy(args) -> int:
-    import logging
-
-    from embodied.deploy import DeployError, run_deploy
-    from embodied.robots.arm import ArmConfig, RobotError
-
-    # what the options alone decide, before the checkpoint is read or anything connects
-    if args.hz is not None and not args.hz > 0:
-        return _error(f"--hz: must be > 0 (Hz), got {args.hz:g}")
-    if args.episodes < 1:
-        return _error(f"--episodes: must be >= 1, got {args.episodes}")
-    if not args.episode_seconds > 0:
-        return _error(f"--episode-seconds: must be > 0, got {args.episode_seconds:g}")
-    if args.server and not args.server.startswith(("ws://", "wss://")):
-        return _error(f"--server {args.server!r}: expected ws://HOST:PORT (or wss://)")
-    record = Path(args.record) if args.record else None
-    if record is not None and record.exists() and (not record.is_dir() or any(record.iterdir())):
-        # the episodes would run on the arm and then fail to be written
-        return _error(f"--record {record}: not empty; give a new directory for the recordings")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        arm = ArmConfig(
-            robot=args.robot,
-            port=args.robot_port or "",
-            id=args.robot_id,
-            cameras=_cameras(args.camera),
-            instruction=args.instruction,
-            joint_signs=_floats("--robot.joint-signs", args.joint_signs, 1.0),
-            joint_offsets=_floats("--robot.joint-offsets", args.joint_offsets, 0.0),
-        )
-        goal = None
-        if args.goal:
-            goal = _floats("--goal", args.goal, 0.0, n=3, what="axis (metres: x,y,z)")
-        summary = run_deploy(
-            args.checkpoint,
-            arm,
-            hz=args.hz,
-            episode_seconds=args.episode_seconds,
-            server=args.server,
-            episodes=args.episodes,
-            record=args.record,
-            goal=goal,
-            seed=args.seed,
-        )
-    except (DeployError, RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
-        return _error(str(e))
-    print(json.dumps(summary, indent=2))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from embodied.cli_robot import add_robot_commands
+
     p = _Parser(
         prog="embodied", description="Fine-tune robot policies with RL in vectorized simulators."
     )
@@ -404,64 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--checkpoint", help="a checkpoint directory or RUN/last")
     b.add_argument("--out", help="report directory (default: output_dir/NAME/POLICY)")
     b.set_defaults(func=cmd_bench)
-    v = sub.add_parser(
-        "serve",
-        help="serve a checkpoint's policy over a websocket",
-        description="Serve CHECKPOINT's policy (msgpack over websocket) to "
-        "`embodied deploy --server`.",
-    )
-    v.add_argument("checkpoint", help="a checkpoint directory or RUN/last")
-    v.add_argument("--host", default="0.0.0.0")
-    v.add_argument("--port", type=int, default=8765)
-    v.add_argument(
-        "--queue", type=int, default=8, help="requests waiting at most; more get a 'busy' reply"
-    )
-    v.set_defaults(func=cmd_serve)
-    y = sub.add_parser(
-        "deploy",
-        help="drive a robot arm (or its digital twin) with a checkpoint",
-        description="Run CHECKPOINT on an SO-100/SO-101/Koch arm through LeRobot's drivers (or "
-        "so101-sim, the MuJoCo twin), every command through the safety layer. Enter, "
-        "Ctrl-C or SIGTERM stops; the arm then goes to its safe pose and torque is "
-        "switched off there.",
-    )
-    y.add_argument("checkpoint", help="a checkpoint directory or RUN/last")
-    y.add_argument("--robot", default="so101", help="so100 | so101 | koch | so100-sim | so101-sim")
-    y.add_argument(
-        "--robot.port", dest="robot_port", help="the arm's serial port, e.g. /dev/ttyACM0"
-    )
-    y.add_argument("--robot.id", dest="robot_id", default="embodied", help="LeRobot calibration id")
-    y.add_argument("--camera", action="append", help="NAME=SOURCE, once per camera the policy uses")
-    y.add_argument(
-        "--server", help="ws://HOST:PORT of `embodied serve` (default: infer in this process)"
-    )
-    y.add_argument(
-        "--instruction", default="", help="the task in words (for language-conditioned policies)"
-    )
-    y.add_argument(
-        "--hz", type=float, help="control rate (default: the rate the policy was trained at)"
-    )
-    y.add_argument("--episodes", type=int, default=1)
-    y.add_argument("--episode-seconds", type=float, default=30.0)
-    y.add_argument("--record", help="directory for one LeRobot dataset per episode")
-    y.add_argument(
-        "--goal",
-        help="X,Y,Z: the goal the policy is given (metres, the arm's base frame), for policies "
-        "trained with policy.privileged_keys=[goal_pos]; the twin draws one per episode without",
-    )
-    y.add_argument(
-        "--seed", type=int, default=0, help="the twin's scenes: episode e is the task's seed+e"
-    )
-    y.add_argument(
-        "--robot.joint-signs",
-        dest="joint_signs",
-        help="policy = sign * arm + offset per joint, e.g. -1,1,1,1,1,1 "
-        "(a policy trained with another simulator's joint conventions)",
-    )
-    y.add_argument(
-        "--robot.joint-offsets", dest="joint_offsets", help="radians, 6 comma-separated values"
-    )
-    y.set_defaults(func=cmd_deploy)
+    add_robot_commands(sub)
     c = sub.add_parser(
         "cluster",
         help="what a cluster run's roles run on",
