@@ -737,12 +737,29 @@ def test_evaluations_beside_training_give_the_embedded_evaluations(
     order = []  # the driver's calls: evaluations started and taken, rounds collected
     original = RayRoles.start_evaluation
 
+    in_flight = []  # the evaluations sent
+
     def start_evaluation(roles, **call):
         started.append(roles.inference.version)
         order.append("evaluate")
-        return original(roles, **call)
+        in_flight.append(original(roles, **call))
+        return in_flight[-1]
 
     monkeypatch.setattr(RayRoles, "start_evaluation", start_evaluation)
+    # the trace keeps the second iteration's worker calls: the evaluation sent after the first
+    # lands in it when both of its workers finished before that iteration's metrics are read.
+    # That is the order of events, not of seconds: the metrics wait for it here (its result is
+    # still taken where the runner takes it)
+    original_metrics = RayRoles.metrics
+
+    def metrics_after_the_evaluation(roles):
+        import ray
+
+        if in_flight:
+            ray.wait(in_flight[-1].refs, num_returns=len(in_flight[-1].refs))
+        return original_metrics(roles)
+
+    monkeypatch.setattr(RayRoles, "metrics", metrics_after_the_evaluation)
     record_calls(monkeypatch, order, RayRoles, "collect", "collect")
     record_calls(monkeypatch, order, Evaluation, "result", "result")
     shares = []  # the (episodes, seed) of each evaluation worker, per evaluation
