@@ -113,13 +113,11 @@ class ArmTwin:
     def success(self) -> bool:
         """Whether the task is done now, by the task's own success (simulators/mujoco/tasks.py)
         on the twin's sensors: the number sim-to-sim transfer is measured by."""
-        with self._lock:
-            self.advance()
-            names = ("tcp_pos", *self.task.privileged, *self.task.reads)
-            readings = {
-                n: torch.from_numpy(self.data.sensordata[self._sensors[n]].astype(np.float32))[None]
-                for n in names
-            }  # f32 [1, D] each
+        names = ("tcp_pos", *self.task.privileged, *self.task.reads)
+        readings = {
+            n: torch.from_numpy(v.astype(np.float32))[None]  # f32 [1, D]
+            for n, v in self.readings(names).items()
+        }
         _, success = self.task.evaluate(readings)
         return bool(success[0])
 

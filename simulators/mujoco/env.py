@@ -160,20 +160,8 @@ class MuJoCoEnv:
         """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA."""
         a = np.clip(actions.detach().cpu().numpy().astype(np.float64), -MAX_DELTA, MAX_DELTA)
         self._target = np.clip(self._target + a, self._low, self._high)
-        self._history = np.roll(self._history, 1, axis=0)
-        self._history[0] = self._target
-        delay = self.world_params.delay.numpy()  # int64 [B]: 0 without randomisation
-        applied = self._history[delay, np.arange(self.num_envs)]  # f64 [B, 6]
-        control = np.concatenate([applied, self._mocap], 1)[:, None]  # f64 [B, 1, nu + 3]
         self._previous = self._sensors[:, self._pos_cols]  # f64 [B, 6] (a gather: a copy)
-        states, sensors = rollout.rollout(
-            self._models or self.model,
-            self._rollout_data,
-            self._state,
-            control,
-            control_spec=self._control_spec,
-            nstep=self._substeps,
-        )
+        states, sensors = self._roll(self._delayed())
         self._state = states[:, -1].copy()  # f64 [B, nstate]
         self._sensors = sensors[:, -1].copy()  # f64 [B, nsensordata]
         self._elapsed += 1
@@ -202,8 +190,24 @@ class MuJoCoEnv:
         """The simulator alone: servo targets (f32 [B, 6], radians) held for one control step of
         physics through ``mujoco.rollout``; no observation, reward or reset (raw throughput)."""
         self._target = targets.double().numpy()  # f64 [B, 6]: held from now on
-        control = np.concatenate([self._target, self._mocap], 1)[:, None]
-        states, _ = rollout.rollout(
+        states, _ = self._roll(self._target)
+        self._state = states[:, -1].copy()
+
+    def _delayed(self) -> np.ndarray:
+        """f64 [B, 6]: the servo targets to hold, each world's of its ``delay`` steps ago (with
+        no command delay configured, the targets themselves: no history is kept)."""
+        if len(self._history) == 1:
+            return self._target
+        self._history = np.roll(self._history, 1, axis=0)
+        self._history[0] = self._target
+        delay = self.world_params.delay.numpy()  # int64 [B]
+        return self._history[delay, np.arange(self.num_envs)]
+
+    def _roll(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One control step of physics with ``targets`` (f64 [B, 6]) held for every substep:
+        (states f64 [B, nstep, nstate], sensors f64 [B, nstep, nsensordata])."""
+        control = np.concatenate([targets, self._mocap], 1)[:, None]  # f64 [B, 1, nu + 3]
+        return rollout.rollout(
             self._models or self.model,
             self._rollout_data,
             self._state,
@@ -211,7 +215,6 @@ class MuJoCoEnv:
             control_spec=self._control_spec,
             nstep=self._substeps,
         )
-        self._state = states[:, -1].copy()
 
     # --- rendering ----------------------------------------------------------------------------
     def _render_all(self, size: int, camera: str = "base_camera") -> torch.Tensor:

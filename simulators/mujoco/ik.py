@@ -10,6 +10,8 @@ worlds and all perturbations in one batch.
 
 from __future__ import annotations
 
+import mujoco
+import numpy as np
 import torch
 
 from embodied.simulators.mujoco.arm import BODIES, JOINTS, RANGES, TCP
@@ -22,16 +24,12 @@ def _floats(text: str) -> list[float]:
 
 
 def _quat_matrix(q: list[float]) -> torch.Tensor:
-    """f64 [3, 3] rotation of a unit quaternion (w, x, y, z)."""
-    w, x, y, z = (torch.tensor(q, dtype=torch.float64) / torch.tensor(q).norm()).tolist()
-    return torch.tensor(
-        [
-            [1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)],
-            [2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)],
-            [2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)],
-        ],
-        dtype=torch.float64,
-    )
+    """f64 [3, 3] rotation of a quaternion (w, x, y, z), normalised first (MuJoCo's own)."""
+    quat = np.array(q, dtype=np.float64)
+    mujoco.mju_normalize4(quat)
+    matrix = np.zeros(9)
+    mujoco.mju_quat2Mat(matrix, quat)
+    return torch.from_numpy(matrix.reshape(3, 3))
 
 
 class Chain:

@@ -117,6 +117,12 @@ class Pick(Task):
         return torch.where(success, 1.0, dense), success
 
 
+GOAL_AND_CUBE = (  # the sensors of the tasks with a cube, each a privileged key of its name
+    '<framepos name="goal_pos" objtype="body" objname="goal"/>'
+    '<framepos name="cube_pos" objtype="body" objname="cube"/>'
+)
+
+
 def _cube(rgba: str) -> str:
     return (
         f'<body name="cube" pos="0.2 0 {CUBE_HALF}"><freejoint/><geom type="box" '
@@ -137,8 +143,7 @@ TASKS: dict[str, Task] = {
         name="push",
         instruction="push the cube to the red target",
         bodies=GOAL_REGION + _cube("0.2 0.3 0.9 1"),
-        sensors='<framepos name="goal_pos" objtype="body" objname="goal"/>'
-        '<framepos name="cube_pos" objtype="body" objname="cube"/>',
+        sensors=GOAL_AND_CUBE,
         privileged={"goal_pos": 3, "cube_pos": 3},
         max_episode_steps=80,
         num_draws=4,
@@ -147,8 +152,7 @@ TASKS: dict[str, Task] = {
         name="pick",
         instruction="pick up the cube and lift it",
         bodies=GOAL_MARKER + _cube("0.9 0.5 0.1 1"),
-        sensors='<framepos name="goal_pos" objtype="body" objname="goal"/>'
-        '<framepos name="cube_pos" objtype="body" objname="cube"/>',
+        sensors=GOAL_AND_CUBE,
         privileged={"goal_pos": 3, "cube_pos": 3},
         max_episode_steps=100,
         num_draws=2,

@@ -185,6 +185,15 @@ class MuJoCoWarpEnv:
         self._ctrl.copy_(self._target)
         self._physics()
 
+    def _delayed(self) -> torch.Tensor:
+        """f32 [B, 6]: the servo targets to hold, each world's of its ``delay`` steps ago (with
+        no command delay configured, the targets themselves: no history is kept)."""
+        if len(self._history) == 1:
+            return self._target
+        self._history = torch.roll(self._history, 1, 0)
+        self._history[0] = self._target
+        return self._history[self.world_params.delay, self._worlds]
+
     def check_buffers(self) -> None:
         """Raise BufferOverflow if any substep since construction needed more contacts or
         constraints than the buffers hold (reads two ints from the device)."""
@@ -297,10 +306,7 @@ class MuJoCoWarpEnv:
         """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA."""
         delta = actions.to(self.device, torch.float32).clamp(-MAX_DELTA, MAX_DELTA)
         self._target = torch.clamp(self._target + delta, self._low, self._high)
-        self._history = torch.roll(self._history, 1, 0)
-        self._history[0] = self._target
-        # held for every substep: each world's target of ``delay`` steps ago (0: this one)
-        self._ctrl.copy_(self._history[self.world_params.delay, self._worlds])
+        self._ctrl.copy_(self._delayed())  # held for every substep
         self._previous.copy_(self._sensors.index_select(1, self._pos_cols))
         self._physics()
         self._elapsed += 1
