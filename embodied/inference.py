@@ -4,15 +4,19 @@ distributed runner holds a copy in another process and receives the learner's we
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from embodied.schema import Observation, PolicyOutput
+from embodied.streams import Stream
 
 
 class InferencePolicy:
-    def __init__(self, policy: torch.nn.Module, version: int = 0):
+    def __init__(self, policy: torch.nn.Module, version: int = 0, stream: Stream | None = None):
         self.policy = policy
         self.version = version  # the learner update that produced these weights
+        self.stream = stream  # what sampled actions draw from (None: the process's generators)
         self.has_critic = getattr(policy, "has_critic", True)
 
     @property
@@ -21,8 +25,11 @@ class InferencePolicy:
 
     @torch.no_grad()
     def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
-        """A chunk for every row; ``value`` is zeros f32 [B] for policies without a critic."""
-        out = self.policy.act(obs, deterministic=deterministic)
+        """A chunk for every row; ``value`` is zeros f32 [B] for policies without a critic.
+        Sampled actions draw from the stream; deterministic ones draw nothing."""
+        sampling = self.stream is not None and not deterministic
+        with self.stream.drawing() if sampling else nullcontext():
+            out = self.policy.act(obs, deterministic=deterministic)
         if out.value is None:
             out.value = torch.zeros_like(out.logprob)
         return out

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from embodied.algorithm import proximal_logprob, update
-from embodied.checkpoint import load_policy_checkpoint, rng_state, save_checkpoint, set_rng_state
+from embodied.checkpoint import load_policy_checkpoint, save_checkpoint
 from embodied.config import ConfigError
 from embodied.env_group import EnvGroup
 from embodied.evaluate import evaluate_by_task
@@ -32,6 +32,7 @@ from embodied.rollout import (
     stage_candidates,
 )
 from embodied.schema import EnvSpec, Observation, UserError
+from embodied.streams import Stream, resumed
 
 
 class WorkerLost(RuntimeError):
@@ -100,6 +101,13 @@ class Learner:
     the observation normaliser, the optimizer, checkpoints, and the weights inference copies."""
 
     def __init__(self, cfg, spec: EnvSpec, task_of_env: torch.Tensor, device):
+        # the learner's stream (every data-parallel or TP rank derives the same one): the
+        # policy's initial weights and the minibatch shuffles
+        self.stream = Stream.derived(cfg.seed, "actor", 0)
+        with self.stream.drawing():
+            self._build(cfg, spec, task_of_env, device)
+
+    def _build(self, cfg, spec: EnvSpec, task_of_env: torch.Tensor, device) -> None:
         alg = cfg.algorithm
         self.cfg = cfg
         # acting in eval mode from the first chunk, as after every update (a transformer's
@@ -149,6 +157,10 @@ class Learner:
     def update(self, samples: Samples | None, observations: list[Observation]) -> dict:
         """The algorithm's epochs over ``samples`` (None or empty: no update), then this
         iteration's observations folded into the normaliser; returns the update's metrics."""
+        with self.stream.drawing():
+            return self._update(samples, observations)
+
+    def _update(self, samples: Samples | None, observations: list[Observation]) -> dict:
         metrics = {}
         if samples is not None and len(samples):
             alg = self.cfg.algorithm
@@ -191,9 +203,11 @@ class Learner:
         return self.engine.lr
 
     def load(self, checkpoint: dict) -> None:
-        """Weights and optimizer state of a resumed run, at the configured learning rate (a
-        forced resume may have changed it)."""
+        """Weights, optimizer state and random stream of a resumed run, at the configured
+        learning rate (a forced resume may have changed it)."""
         self.engine.load_state_dict(checkpoint)
+        iteration = (checkpoint.get("counters") or {}).get("iteration", 0)
+        resumed(self.stream, checkpoint.get("rng"), self.cfg.seed, iteration)
         self.engine.set_lr(self.cfg.algorithm.learning_rate)
         if self.cfg.cluster.offload_optimizer:  # (loaded beside the parameters)
             self.engine.offload_optimizer()
@@ -238,10 +252,12 @@ class Roles:
         self.spec: EnvSpec = env.spec
         device = env.device if cfg.runner.device == "auto" else torch.device(cfg.runner.device)
         self.learner = learner_for(cfg, env.spec, self.envs.task_of_env, device)
-        self.inference = InferencePolicy(self.learner.engine.torch_policy)
+        # the one inference shard's stream: rollout worker 0's on Ray
+        stream = Stream.derived(cfg.seed, "rollout", 0)
+        self.inference = InferencePolicy(self.learner.engine.torch_policy, stream=stream)
         if resume is not None:
             self.learner.load(resume)
-            set_rng_state(resume["rng"])
+            resumed(stream, resume["rng"], cfg.seed, resume["counters"]["iteration"])
 
     def sync(self, version: int) -> dict[str, float]:
         """The learner's weights to inference (shared here: only the version); sync metrics."""
@@ -289,8 +305,9 @@ class Roles:
         return {}, []
 
     def rng_state(self) -> dict:
-        """The run's random number generators, as a checkpoint stores them."""
-        return rng_state()
+        """The run's random streams, as a checkpoint stores them."""
+        streams = (self.learner.stream, self.inference.stream)
+        return {"streams": {stream.key: stream.state() for stream in streams}}
 
     def recover(self, error: WorkerLost, failures: int) -> None:
         """Replace the lost worker (``failures``: how many rounds in a row were lost). Nothing

@@ -63,6 +63,7 @@ from embodied.run import (
 )
 from embodied.schema import SimulatorConfig
 from embodied.simulators.maniskill import ManiSkillConfig
+from embodied.streams import saved_streams
 
 ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
 
@@ -239,6 +240,11 @@ def train(cfg: TrainConfig) -> dict:
             resume["meta"]["config"], to_dict(cfg), resume["path"], cfg.runner.resume_force
         )
         run_dir = _run_dir_of(resume["path"], cfg.runner.resume)
+        if saved_streams(resume["rng"]) is None:
+            print(
+                f"resuming {resume['path']}: written before random streams per worker, so the "
+                "run's random streams restart here (derived afresh at its iteration)"
+            )
     else:
         run_dir = Path(cfg.runner.output_dir) / cfg.runner.name
         _check_fresh(run_dir, cfg.runner.overwrite)

@@ -6,13 +6,13 @@ sends observation batches to the rollout workers, ``RemoteLearner`` sends the ba
 worker. Tensors travel as numpy arrays through Ray's object store (embodied/cluster/wire.py);
 the rollout buffers live on the driver's host.
 
-One random number stream, as in the embedded run: its state (the "baton") moves to the worker
-that draws next (the actor builds the policy and shuffles minibatches, rollout worker 0 samples
-actions), so a run with one worker per role draws exactly what the embedded run draws.
+Each worker draws from a random stream of its own, derived from (seed, role, rank) as the
+embedded run derives its one shard's (embodied/streams.py): a run with one worker per role draws
+exactly what the embedded run draws, and a fixed worker count gives a reproducible run.
 
 A worker that dies is restarted by Ray; its call raises ``WorkerLost`` here, the runner discards
 the round and collects it again, and ``recover`` brings the restarted worker up to date (a
-rollout worker gets the full weights and the generator state of the last completed iteration).
+rollout worker gets the full weights and its stream as the last completed iteration left it).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from embodied.checkpoint import rng_state, staging_dir
+from embodied.checkpoint import staging_dir
 from embodied.cluster.config import ROLES, ClusterConfig
 from embodied.cluster.placement import place
 from embodied.cluster.status import STATUS_FILE
@@ -48,6 +48,7 @@ from embodied.roles import Roles, WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats, RolloutBatch
 from embodied.run import Interrupted
 from embodied.schema import Observation, PolicyOutput, StepOutput
+from embodied.streams import Stream, resumed
 
 RESTART_TIMEOUT_S = 300.0  # how long a lost worker may take to come back
 # environment variables the workers need as the driver has them (hub access, renderers)
@@ -148,42 +149,6 @@ def _lost(role: str, error: Exception) -> WorkerLost:
     if role == "actor":
         detail += "; the learner's state is lost: resume from the run's last checkpoint"
     return WorkerLost(role, detail)
-
-
-class Baton:
-    """Where the run's random number generator state is: in this process (``holder`` None) or
-    in a worker. ``to(worker)`` moves it there before that worker draws."""
-
-    def __init__(self, state: dict, moves: bool = True):
-        self.holder = None
-        self.holder_role = ""  # the holder's role, named when it is lost
-        self.state = state
-        self.last = state  # the state of the last completed iteration (a lost holder's fallback)
-        self.moves = moves  # False: every worker draws from a stream of its own
-
-    def to(self, worker, role: str, followers: tuple = ()) -> None:
-        """Move the state to ``worker``, and a copy to each of ``followers`` (the other
-        data-parallel actor workers: every time, so that they draw what it draws)."""
-        holds = self.holder is worker
-        if not self.moves or (holds and not followers):
-            return
-        state = self.fetch()
-        targets = followers if holds else (worker, *followers)
-        _get([w.set_rng.remote(state) for w in targets], role)
-        self.holder = worker
-        self.holder_role = role
-        self.state = None
-
-    def fetch(self) -> dict:
-        if self.holder is None:
-            return self.state
-        return _get(self.holder.get_rng.remote(), self.holder_role)
-
-    def lost(self, worker) -> None:
-        """The holder died: the stream goes on from the last completed iteration's state."""
-        if self.holder is worker:
-            self.holder = None
-            self.state = self.last
 
 
 class Traffic:
@@ -375,17 +340,15 @@ class RemoteVecEnv:
 class RemoteInference:
     """The rollout workers as one ``InferencePolicy``: a batch is split across them by rows."""
 
-    def __init__(self, workers: list, baton: Baton, has_critic: bool, role: str = "rollout"):
+    def __init__(self, workers: list, has_critic: bool, role: str = "rollout"):
         self.workers = workers
         self.role = role  # "env": the inference copies live in the env workers
-        self.baton = baton
         self.version = 0
         self.device = torch.device("cpu")  # the rollout buffers live on the driver's host
         self.has_critic = has_critic
         self.traffic = Traffic()
 
     def _call(self, method: str, obs: Observation, **kw):
-        self.baton.to(self.workers[0], self.role)
         t0 = time.perf_counter()
         n = len(self.workers)
         B = obs.batch_size
@@ -454,13 +417,10 @@ class RemoteLearner:
     """The actor workers as the ``Learner``: rank 0 saves and sends the weights; every rank
     gets the batch (one copy in the object store) and the calls that change its state."""
 
-    def __init__(
-        self, workers: list, baton: Baton, lr: float, num_minibatches: int, sharded: bool = False
-    ):
+    def __init__(self, workers: list, lr: float, num_minibatches: int, sharded: bool = False):
         self.workers = workers
         self.sharded = sharded  # megatron's TP ranks: each saves its shard of a checkpoint
         self.num_minibatches = num_minibatches
-        self.baton = baton
         self._lr = lr
         self.device = torch.device("cpu")
 
@@ -482,8 +442,6 @@ class RemoteLearner:
                 f"cluster.actor.workers: a minibatch of {minibatch} samples cannot be shared by "
                 f"{ranks} actor workers; use fewer actor workers or algorithm.num_minibatches"
             )
-        first, rest = self.workers[0], tuple(self.workers[1:])
-        self.baton.to(first, "actor", followers=rest)  # the ranks shuffle alike
         batch = ray.put(to_wire(samples))
         seen = ray.put(to_wire(observations))
         return Pending(self.workers, [w.update.remote(batch, seen) for w in self.workers])
@@ -560,11 +518,10 @@ class RayRoles(Roles):
             self.group, self.slots = place(cluster)
 
             def make(cls, slot):
-                role = getattr(cluster, slot.role)
                 custom = {k: v for k, v in slot.resources.items() if k not in ("CPU", "GPU")}
                 actor = ray.remote(cls).options(
-                    num_cpus=role.num_cpus,
-                    num_gpus=role.num_gpus,
+                    num_cpus=slot.resources.get("CPU", 0.0),
+                    num_gpus=slot.resources.get("GPU", 0.0),
                     resources=custom or None,
                     # the runner counts failures in a row itself; the actor's optimizer state
                     # lives only in its process: a lost actor stops the run
@@ -586,9 +543,9 @@ class RayRoles(Roles):
                 rollout_device = _device(cfg, cluster.env.num_gpus)
                 env_workers = [
                     make(EnvRolloutWorker, slot).remote(
-                        env_cfg, env_factory, cfg.policy, rollout_device, threads
+                        env_cfg, env_factory, cfg.policy, rollout_device, threads, cfg.seed, rank
                     )
-                    for slot, env_cfg in zip(slots["env"], env_cfgs)
+                    for rank, (slot, env_cfg) in enumerate(zip(slots["env"], env_cfgs))
                 ]
             else:
                 rollout_device = _device(cfg, cluster.rollout.num_gpus)
@@ -601,18 +558,19 @@ class RayRoles(Roles):
             self.spec = self.envs.spec
             device = _device(cfg, cluster.actor.num_gpus)
             task_of_env = self.envs.task_of_env.tolist()
-            # every actor worker from the same generator state: the same policy, the same
+            # every actor worker derives the stream actor/0: the same policy, the same
             # minibatch permutations (data-parallel ranks)
-            start_rng = rng_state()
             actors = [
-                make(ActorWorker, slot).remote(cfg, self.spec, task_of_env, device, start_rng)
+                make(ActorWorker, slot).remote(cfg, self.spec, task_of_env, device)
                 for slot in slots["actor"]
             ]
             actor = actors[0]
             eval_device = _device(cfg, cluster.eval.num_gpus)
             rollouts = [
-                make(RolloutWorker, slot).remote(cfg.policy, self.spec, rollout_device, threads)
-                for slot in slots["rollout"]
+                make(RolloutWorker, slot).remote(
+                    cfg.policy, self.spec, rollout_device, threads, cfg.seed, rank
+                )
+                for rank, slot in enumerate(slots["rollout"])
             ]
             inferring = env_workers if self.in_env else rollouts  # the policy copies that act
             evaluators = [
@@ -628,34 +586,23 @@ class RayRoles(Roles):
             self.placed = {role: self._ask(role, "where") for role in self.workers}
             if len(actors) > 1:
                 _join_ranks(actors, self.placed["actor"], device)
-            if cluster.max_staleness:  # collection and update overlap: a stream each
-                self.baton = Baton(rng_state(), moves=False)
-                _get([w.seed.remote(cfg.seed + 1 + i) for i, w in enumerate(inferring)], "rollout")
-            else:
-                self.baton = Baton(None)
-                self.baton.holder = actor  # the actor built the policy: the stream is there now
-                self.baton.holder_role = "actor"
-                # rollout workers past the first never hold the baton: streams of their own
-                _get(
-                    [w.seed.remote(cfg.seed + 1 + i) for i, w in enumerate(inferring) if i],
-                    "rollout",
-                )
+            role = "env" if self.in_env else "rollout"
             if resume is not None:
-                checkpoint = ray.put(resume)  # (one copy for every rank)
+                checkpoint = ray.put(resume)  # (one copy for every rank; their streams in it)
                 _get([a.load.remote(checkpoint) for a in actors], "actor")
-                self.baton.holder = None
-                self.baton.state = self.baton.last = resume["rng"]
+                iteration = resume["counters"]["iteration"]
+                self._resume_streams(inferring, role, resume["rng"], iteration)
             self.actor = actor
             self.learner = RemoteLearner(
                 actors,
-                self.baton,
                 cfg.algorithm.learning_rate,
                 cfg.algorithm.num_minibatches,
                 sharded=cfg.trainer.backend == "megatron",
             )
             has_critic = _get(inferring[0].has_critic.remote(), "rollout")
-            role = "env" if self.in_env else "rollout"
-            self.inference = RemoteInference(inferring, self.baton, has_critic, role)
+            self.inference = RemoteInference(inferring, has_critic, role)
+            self.streams: dict[str, dict] = {}  # each worker's as the last round left it
+            self._collected(_get([w.stream_state.remote() for w in inferring], role))
             self.full_sync = True  # the rollout workers hold random weights until the first sync
             self.sync_epoch = 0  # weight-sync groups made so far (broadcast)
             if cluster.weight_sync == "broadcast":
@@ -731,13 +678,15 @@ class RayRoles(Roles):
         relays every chunk between the env and rollout workers, or (``rollout.workers: 0``)
         each env worker collects its rows' round with its own policy copy."""
         if not self.in_env:
-            return super().collect(
+            batch = super().collect(
                 obs, plan, stats, stages=stages, chunk_size=chunk_size, should_stop=should_stop
             )
+            calls = [w.stream_state.remote() for w in self.inference.workers]
+            self._collected(_get(calls, "rollout"))
+            return batch
         import ray
 
         envs = self.envs
-        self.baton.to(envs.workers[0], "env")  # worker 0 samples from the run's stream
         parts = [plan.part(lo, hi) for lo, hi in zip(envs.bounds, envs.bounds[1:])]
         sent = [to_wire(part) for part in parts]
         refs = [
@@ -753,10 +702,13 @@ class RayRoles(Roles):
         envs.traffic.bytes += wire_bytes(sent) + wire_bytes(answers)
         envs.traffic.rows += envs.num_envs * plan.num_chunks
         batches = []
-        for index, (batch, totals) in zip(envs.task_index, map(from_wire, answers)):
+        streams = []
+        for index, (batch, totals, stream) in zip(envs.task_index, map(from_wire, answers)):
             batch.task_id = index[batch.task_id]  # the worker's task ids -> the run's
             stats.totals.index_add_(1, index.to(stats.totals.device), totals)
             batches.append(batch)
+            streams.append(stream)
+        self._collected(streams)
         merged = RolloutBatch.cat_envs(batches)
         merged.instructions = envs.instructions
         return merged
@@ -838,10 +790,27 @@ class RayRoles(Roles):
             out[f"cluster/{role}_wait_ms_per_step"] = 1000 * wait_s / steps
         return out, spans
 
+    def _collected(self, states: list[dict]) -> None:
+        """The inference workers' streams after a round: where the next round starts, and so
+        what a worker restarted before it ends continues from (the others too: the lost round
+        moved theirs on), so the round collected again draws what the lost one drew."""
+        self.streams.update({f"rollout/{i}": state for i, state in enumerate(states)})
+
     def rng_state(self) -> dict:
-        state = self.baton.fetch()
-        self.baton.last = state
-        return state
+        """Every worker's stream (the actor ranks share actor/0: rank 0's), as a checkpoint
+        stores them."""
+        self.streams["actor/0"] = _get(self.actor.stream_state.remote(), "actor")
+        return {"streams": dict(self.streams)}
+
+    def _resume_streams(self, inferring: list, role: str, rng: dict, iteration: int) -> None:
+        """The inference workers' streams from a resumed checkpoint (the actors load theirs);
+        one derived afresh for each the checkpoint lacks (``streams.resumed``)."""
+        calls = []
+        for rank, worker in enumerate(inferring):
+            stream = Stream.derived(self.cfg.seed, "rollout", rank)
+            resumed(stream, rng, self.cfg.seed, iteration)
+            calls.append(worker.set_stream.remote(stream.state()))
+        _get(calls, role)
 
     def recover(self, error: WorkerLost, failures: int) -> None:
         """Wait for Ray to restart the lost role's workers, then bring them up to date (a worker
@@ -871,11 +840,13 @@ class RayRoles(Roles):
         for role in ("env", "rollout"):
             for worker in self.workers[role]:
                 self._wait_alive(role, worker)
-        for i, worker in enumerate(self.inference.workers):
-            self.baton.lost(worker)  # a restarted rollout worker's generator is fresh
-            if not self.baton.moves or i:  # streams of their own: a fresh seed each
-                seed = self.cfg.seed + 1 + i + 1000 * len(self.events)
-                _get(worker.seed.remote(seed), self.inference.role)
+        # every inference copy continues its stream from the last completed iteration (a
+        # restarted one's is fresh, the others' moved on in the lost round)
+        calls = [
+            worker.set_stream.remote(self.streams[f"rollout/{rank}"])
+            for rank, worker in enumerate(self.inference.workers)
+        ]
+        _get(calls, self.inference.role)
         if self.cfg.cluster.weight_sync == "broadcast":  # a new group, the new worker in it
             self._join_sync()
         self.full_sync = True

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from embodied import numerics
-from embodied.checkpoint import frozen_keys, rng_state, set_rng_state
+from embodied.checkpoint import frozen_keys
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.env_group import EnvGroup
 from embodied.evaluate import evaluate_by_task
@@ -27,6 +27,7 @@ from embodied.inference import InferencePolicy
 from embodied.models import build_policy
 from embodied.roles import Learner
 from embodied.rollout import EpisodeStats, collect, stage_candidates
+from embodied.streams import Stream
 
 COLLECTIVE_TIMEOUT_S = 600  # how long an actor worker waits for the others in a collective
 
@@ -62,7 +63,8 @@ def timed(method):
 
 
 class _Worker:
-    """What every worker answers: where it runs, a liveness ping, the RNG baton, its timing."""
+    """What every worker answers: where it runs, a liveness ping, its random stream, its
+    timing."""
 
     busy_s = 0.0  # seconds spent in calls since the last ``timing()``
     spans: list  # (method, start, end) since the last ``timing()``
@@ -73,15 +75,14 @@ class _Worker:
     def ping(self) -> int:
         return os.getpid()
 
-    def get_rng(self) -> dict:
-        return rng_state()
+    stream: Stream  # what this worker's role draws from (embodied/streams.py)
 
-    def set_rng(self, state: dict) -> None:
-        set_rng_state(state)
+    def stream_state(self) -> dict:
+        return self.stream.state()
 
-    def seed(self, seed: int) -> None:
-        """A generator stream of this worker's own (asynchronous runs: no baton)."""
-        torch.manual_seed(seed)
+    def set_stream(self, state: dict) -> None:
+        """Continue from ``state`` (a restarted worker: the last completed iteration's)."""
+        self.stream.load(state)
 
     def join_sync(self, address: str, rank: int, size: int, epoch: int) -> None:
         """Join the weight-sync group (``cluster.weight_sync: broadcast``) at the actor's store
@@ -156,11 +157,13 @@ class RolloutWorker(_Worker):
     """An inference copy of the policy at a known weight version, acting on observation batches.
     It is built from the spec with random weights and acts only after a full sync."""
 
-    def __init__(self, policy_cfg, spec, device: str, torch_threads: int = 1):
+    def __init__(self, policy_cfg, spec, device: str, torch_threads: int, seed: int, rank: int):
         self.spans = []
         numerics.setup(torch_threads)
         self.device = torch.device(device)
-        self.inference = InferencePolicy(build_policy(spec, policy_cfg).to(self.device).eval())
+        self.stream = Stream.derived(seed, "rollout", rank)
+        policy = build_policy(spec, policy_cfg).to(self.device).eval()
+        self.inference = InferencePolicy(policy, stream=self.stream)
         self.sync_keys = _sync_keys(self.inference.policy)
         self.version = -1  # no weights from the learner yet
 
@@ -204,9 +207,12 @@ class EnvRolloutWorker(EnvWorker, RolloutWorker):
     chunk. For policies that infer quickly on the env worker's device; a large VLA wants rollout
     workers of its own, on a GPU, batching the observations of several env workers."""
 
-    def __init__(self, env_cfg, factory, policy_cfg, device: str, torch_threads: int = 1):
+    def __init__(
+        self, env_cfg, factory, policy_cfg, device: str, torch_threads: int, seed: int, rank: int
+    ):
         EnvWorker.__init__(self, env_cfg, factory, torch_threads)
-        RolloutWorker.__init__(self, policy_cfg, self.group.spec, device, torch_threads)
+        spec = self.group.spec
+        RolloutWorker.__init__(self, policy_cfg, spec, device, torch_threads, seed, rank)
 
     def stage_candidates(self, chunk_size: int) -> list[int]:
         return stage_candidates(self.group, chunk_size)
@@ -214,7 +220,8 @@ class EnvRolloutWorker(EnvWorker, RolloutWorker):
     @timed
     def collect(self, plan, stages: int, chunk_size: int):
         """A round from the last reset: (RolloutBatch, its finished episodes' totals f32
-        [4, this worker's tasks]); task ids in the batch are this worker's."""
+        [4, this worker's tasks], the stream's state after it); task ids in the batch are this
+        worker's."""
         stats = EpisodeStats(self.group.num_envs, self.group.task_names, self.device)
         batch, _ = collect(
             self.group,
@@ -225,7 +232,7 @@ class EnvRolloutWorker(EnvWorker, RolloutWorker):
             stages=stages,
             chunk_size=chunk_size,
         )
-        return to_wire((batch, stats.totals))
+        return to_wire((batch, stats.totals, self.stream.state()))
 
 
 class EvalWorker(_Worker):
@@ -265,21 +272,20 @@ class ActorWorker(_Worker):
     averaged (torch DDP). On the megatron backend they are its tensor-parallel ranks: each holds
     its shard of the learner, built once the group exists."""
 
-    def __init__(self, cfg, spec, task_of_env: list[int], device: str, rng: dict | None):
+    def __init__(self, cfg, spec, task_of_env: list[int], device: str):
         self.spans = []
         numerics.setup(cfg.runner.torch_threads)
         self.device = torch.device(device)
-        self.learner_args = (cfg, spec, torch.tensor(task_of_env, dtype=torch.long), rng)
+        self.learner_args = (cfg, spec, torch.tensor(task_of_env, dtype=torch.long))
         self.learner = None
         # (megatron's ranks shard the learner over their group: built in ``join``)
         if not (cfg.trainer.backend == "megatron" and cfg.cluster.actor.workers > 1):
             self._build()
 
     def _build(self) -> None:
-        cfg, spec, task_ids, rng = self.learner_args
-        if rng is not None:  # the run's generator, as the embedded run has it here
-            set_rng_state(rng)
-        self.learner = Learner(cfg, spec, task_ids, self.device)
+        cfg, spec, task_ids = self.learner_args
+        self.learner = Learner(cfg, spec, task_ids, self.device)  # (every rank: stream actor/0)
+        self.stream = self.learner.stream
         self.sync_keys = _sync_keys(self.learner.engine.torch_policy)
 
     def address(self) -> str:
