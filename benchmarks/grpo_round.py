@@ -87,7 +87,7 @@ def main() -> None:
     from embodied.config import load_config
 
     try:
-        from embodied.runner import TrainConfig
+        from embodied.train_config import TrainConfig
 
         measure = rounds_new
         code = "runner"

@@ -64,7 +64,7 @@ VLA = [
 
 def config(path: str, overrides: list[str]):
     from embodied.config import load_config
-    from embodied.runner import TrainConfig
+    from embodied.train_config import TrainConfig
 
     return load_config(TrainConfig, ROOT / path, overrides)[0]
 

@@ -37,6 +37,11 @@ def check_behaviour_weight_cap(cap: float | None) -> None:
 class Algorithm(Protocol):
     has_critic: bool
     max_rounds: int  # collection rounds per update at most
+    num_chunks: int  # chunks per round
+    evaluates_before: bool  # evaluate before the first update (fine-tuning a trained policy)
+
+    def notes(self) -> list[str]:
+        """Lines the run prints once about how the algorithm uses the environments."""
 
     def plan(self, iteration: int, round_index: int, episode_base: int) -> CollectPlan: ...
 
@@ -45,6 +50,9 @@ class Algorithm(Protocol):
 
     def enough(self, metrics: list[dict[str, torch.Tensor]]) -> bool:
         """Whether the rounds collected so far (their advantages() metrics) make an update."""
+
+    def collected(self, rounds: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """The iteration's metrics from its rounds' advantages() metrics, on the host."""
 
     def prepare(self, samples: Samples, learner: TrainEngine | None = None) -> None:
         """Per-batch work before the epochs (e.g. reference log-probabilities, once; each of
@@ -55,6 +63,22 @@ class Algorithm(Protocol):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
     def stop_early(self, last_minibatch: dict[str, float]) -> bool: ...
+
+
+def mean_over_rounds(
+    rounds: list[dict[str, torch.Tensor]], summed: tuple[str, ...] = ()
+) -> dict[str, float]:
+    """Rounds' 0-dim metrics on the host (one transfer): those in ``summed`` added (counts), the
+    others averaged (rates)."""
+    if not rounds or not rounds[0]:
+        return {}
+    keys = list(rounds[0])
+    table = torch.stack([torch.stack([r[k].float() for k in keys]) for r in rounds]).tolist()
+    out = {}
+    for j, key in enumerate(keys):
+        column = [row[j] for row in table]
+        out[key] = sum(column) if key in summed else sum(column) / len(column)
+    return out
 
 
 def broadcast(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

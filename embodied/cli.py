@@ -28,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 def _schema(command: str) -> type:
     """The config schema of a CONFIG command."""
     if command == "train":
-        from embodied.runner import TrainConfig
+        from embodied.train_config import TrainConfig
 
         return TrainConfig
     if command == "sft":
@@ -117,7 +117,7 @@ def cmd_eval(args) -> int:
     from embodied.evaluate import evaluate
     from embodied.models import build_policy
     from embodied.multitask import make_env
-    from embodied.runner import TrainConfig
+    from embodied.train_config import TrainConfig
 
     if args.episodes < 1:
         return _error(f"--episodes: must be >= 1, got {args.episodes}")

@@ -81,8 +81,8 @@ def load_policy(checkpoint: str | Path | dict, device="cpu"):
     from embodied.checkpoint import load_policy_checkpoint
     from embodied.config import compose
     from embodied.models import build_policy
-    from embodied.runner import TrainConfig
     from embodied.schema import EnvSpec
+    from embodied.train_config import TrainConfig
 
     ckpt = checkpoint if isinstance(checkpoint, dict) else load_policy_checkpoint(checkpoint)
     cfg = compose(TrainConfig, [(str(ckpt["path"]), ckpt["meta"]["config"])])

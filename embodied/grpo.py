@@ -26,6 +26,7 @@ from embodied.algorithm import (
     check_behaviour_weight_cap,
     check_level,
     in_pieces,
+    mean_over_rounds,
 )
 from embodied.algorithms import (
     grpo_advantages,
@@ -97,6 +98,7 @@ def groups_by_task(task_of_env: torch.Tensor, group_size: int) -> torch.Tensor:
 
 class GRPO:
     has_critic = False
+    evaluates_before = True  # (it fine-tunes a trained policy: success before RL is the baseline)
 
     def __init__(
         self,
@@ -186,6 +188,19 @@ class GRPO:
     def enough(self, metrics: list[dict[str, torch.Tensor]]) -> bool:
         kept = int(sum(m["grpo/kept_groups"] for m in metrics))  # one sync per round
         return kept >= self.cfg.groups_per_batch
+
+    def collected(self, rounds: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        metrics = mean_over_rounds(rounds, summed=("grpo/kept_groups",))
+        metrics["grpo/rounds"] = len(rounds)
+        return metrics
+
+    def notes(self) -> list[str]:
+        if not self.idle_envs:
+            return []
+        return [
+            f"GRPO: {self.idle_envs} environment(s) fill no group of {self.cfg.group_size} "
+            "within their task and are not trained on"
+        ]
 
     @torch.no_grad()
     def prepare(self, samples: Samples, learner: TrainEngine | None = None) -> None:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from embodied.schema import Observation, StepOutput, reset_seeds
+from embodied.schema import EnvSpec, Observation, StepOutput, reset_seeds
 
 
 def _compatible(specs) -> None:
@@ -34,6 +34,23 @@ def _compatible(specs) -> None:
             )
 
 
+def shared_privileged(specs: list[EnvSpec]) -> list[str]:
+    """The privileged keys every task observes (a multi-task observation keeps only those)."""
+    return sorted(set.intersection(*[set(spec.obs.privileged) for spec in specs]))
+
+
+def joined_spec(specs: list[EnvSpec], privileged: list[str]) -> EnvSpec:
+    """The spec of the tasks ``specs`` side by side: the first's, with the privileged keys
+    ``privileged`` and every task's instructions."""
+    first = specs[0]
+    kept = {k: first.obs.privileged[k] for k in privileged}
+    return replace(
+        first,
+        obs=replace(first.obs, privileged=kept),
+        instructions=tuple(i for spec in specs for i in spec.instructions),
+    )
+
+
 class MultiTaskEnv:
     def __init__(self, envs: list, names: list[str]):
         if not envs:
@@ -43,14 +60,8 @@ class MultiTaskEnv:
         self.names = list(names)
         self.num_envs = sum(e.num_envs for e in envs)
         self.device = envs[0].device
-        keys = set.intersection(*[set(e.spec.obs.privileged) for e in envs])
-        first = envs[0].spec
-        self._keys = sorted(keys)
-        self.spec = replace(
-            first,
-            obs=replace(first.obs, privileged={k: first.obs.privileged[k] for k in self._keys}),
-            instructions=tuple(i for e in envs for i in e.spec.instructions),
-        )
+        self._keys = shared_privileged([e.spec for e in envs])
+        self.spec = joined_spec([e.spec for e in envs], self._keys)
         bounds = torch.tensor([0] + [e.num_envs for e in envs]).cumsum(0).tolist()
         self.task_ranges = list(zip(bounds[:-1], bounds[1:]))  # env rows of each task
         self.task_of_env = [name for name, e in zip(self.names, envs) for _ in range(e.num_envs)]
@@ -58,6 +69,12 @@ class MultiTaskEnv:
         self._copied = [False] * len(envs)  # whether it is a copy of ours (rows written in place)
         # subsets step where every task's environments can (a cluster env worker's stages)
         self.can_step_subsets = all(getattr(e, "can_step_subsets", False) for e in envs)
+
+    def keep_privileged(self, keys: list[str]) -> None:
+        """Observe only the privileged ``keys`` (a cluster env worker: those every worker's
+        tasks have)."""
+        self._keys = sorted(keys)
+        self.spec = joined_spec([e.spec for e in self.envs], self._keys)
 
     def _join(self, parts: list[Observation]) -> Observation:
         for p in parts:

@@ -22,6 +22,7 @@ from embodied.algorithm import (
     broadcast,
     check_behaviour_weight_cap,
     check_level,
+    mean_over_rounds,
 )
 from embodied.algorithms import chunk_returns, entropy, gae, ppo_policy_loss, value_loss
 from embodied.learner import TrainEngine
@@ -74,11 +75,16 @@ class PPOConfig(AlgorithmConfig):
 class PPO:
     has_critic = True
     max_rounds = 1
+    evaluates_before = False  # (from scratch: evaluated before RL only with runner.init_from)
 
     def __init__(self, cfg: PPOConfig, *, seed: int, num_envs: int):
         self.cfg = cfg
         self.seed = seed
         self.num_envs = num_envs
+        self.num_chunks = cfg.num_steps
+
+    def notes(self) -> list[str]:
+        return []
 
     def plan(self, iteration: int, round_index: int, episode_base: int) -> CollectPlan:
         return CollectPlan(
@@ -108,6 +114,9 @@ class PPO:
 
     def enough(self, metrics: list[dict[str, torch.Tensor]]) -> bool:
         return True
+
+    def collected(self, rounds: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        return mean_over_rounds(rounds)
 
     def prepare(self, samples: Samples, learner: TrainEngine | None = None) -> None:
         pass

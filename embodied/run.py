@@ -1,4 +1,5 @@
-"""What every training command shares around its loop: the run directory, resuming (with a check
+"""What every training command shares around its loop: the run directory's lifecycle (a fresh
+run, an overwrite, a rewind to the checkpoint a resume starts from), resuming (with a check
 that the config still describes the same run), the metrics log without duplicate rows, the
 checkpoints, the time limit, and stopping on Ctrl-C or SIGTERM at a consistent point.
 """
@@ -7,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
+from embodied.checkpoint import META, checkpoint_dir, drop_checkpoints_after, point_best
 from embodied.config import ConfigError
 
 
@@ -207,3 +210,96 @@ def write_trace(path: Path, spans: list[tuple[str, str, int, float, float]]) -> 
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     tmp.replace(path)
+
+
+# the counters an evaluation is recorded at (``_record_evaluation``)
+EVALUATED_AT = ("iteration", "env_steps", "train_seconds")
+
+
+RUN_FILES = (
+    "metrics.jsonl",
+    "metrics.json",
+    "checkpoints",
+    "tb",
+    "last",
+    "best",
+    "videos",
+    "cluster.json",
+    "trace.json",
+)
+
+
+def rewind(run_dir: Path, resume: dict, cfg, evaluates_beside: bool) -> None:
+    """Take the run back to the checkpoint ``resume`` (loaded) before it goes on from there:
+    the metrics rows logged after it, those of the evaluation it will run again, and the later
+    checkpoints go; ``RUN/best`` is its best. An unfinished evaluation that cannot run again
+    (``why_not_again``) keeps the rows it logged."""
+    counters = resume["counters"]
+    done = counters["iteration"]
+    unsaved = unsaved_evaluation(counters)
+    if unsaved is not None and why_not_again(cfg, evaluates_beside, run_dir, counters, unsaved):
+        unsaved = None
+    trim_metrics(run_dir, done, None if unsaved is None else unsaved["iteration"])
+    abandoned = drop_checkpoints_after(run_dir, done)
+    if abandoned:
+        print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
+    best = counters.get("best")
+    point_best(run_dir, None if best is None else best["iteration"])
+
+
+def unsaved_evaluation(counters: dict) -> dict | None:
+    """The counters of the evaluation beside training that was in flight when ``counters`` (a
+    checkpoint's) were saved, where they lack its result: a resume from them runs it again."""
+    at = counters.get("evaluating")
+    recorded = [e["iteration"] for e in counters.get("evals", [])]
+    return None if at is None or at["iteration"] in recorded else at
+
+
+def why_not_again(
+    cfg, evaluates_beside: bool, run_dir: Path, counters: dict, at: dict
+) -> str | None:
+    """Why the unfinished evaluation ``at`` of a resumed checkpoint (``counters``) cannot run
+    again beside training; None where it can. Decided from the checkpoint alone, so that
+    ``rewind`` and the resumed run agree."""
+    run = cfg.runner
+    out_of_time = run.max_minutes is not None and counters["train_seconds"] >= run.max_minutes * 60
+    path = checkpoint_dir(run_dir, at["iteration"])
+    if not evaluates_beside:
+        return "it runs again only with cluster.eval.workers"
+    if counters["env_steps"] >= run.total_env_steps or out_of_time:
+        return "no iteration is left to run it beside"
+    if not (path / META).is_file():
+        return f"its checkpoint {path} is gone"
+    return None
+
+
+def run_dir_of(checkpoint: Path, given: str) -> Path:
+    """A checkpoint lives in RUN/checkpoints/iter_N: a resumed run keeps writing to RUN."""
+    if checkpoint.parent.name != "checkpoints":
+        raise ConfigError(
+            f"runner.resume: {given} is not inside a run directory (RUN/checkpoints/iter_N); "
+            "resume from the run directory or one of its checkpoints"
+        )
+    return checkpoint.parent.parent
+
+
+def check_fresh(run_dir: Path, overwrite: bool) -> None:
+    """A new run never mixes into an earlier one's metrics, checkpoints or best link."""
+    found = [
+        name for name in RUN_FILES if (run_dir / name).exists() or (run_dir / name).is_symlink()
+    ]
+    if found and not overwrite:
+        raise ConfigError(
+            f"runner.name: {run_dir} already holds a run ({', '.join(found)}); continue it with "
+            f"runner.resume={run_dir}, start over with runner.overwrite=true, or choose another "
+            "runner.name"
+        )
+
+
+def clear_run(run_dir: Path) -> None:
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)

@@ -14,34 +14,22 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 from tqdm import tqdm
 
 from embodied import numerics
-from embodied.algorithm import AlgorithmConfig
 from embodied.checkpoint import (
-    META,
     checkpoint_dir,
-    drop_checkpoints_after,
     load_checkpoint,
     mark_best,
-    point_best,
 )
-from embodied.cluster.config import ClusterConfig
-from embodied.config import ConfigError, save_config, to_dict
+from embodied.config import save_config, to_dict
 from embodied.evaluate import overall, per_task
-from embodied.grpo import GRPOConfig
-from embodied.learner import TrainerConfig
 from embodied.logger import RunLogger
-from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig
-from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
-from embodied.ppo import PPOConfig
+from embodied.multitask import check_tasks, make_env
 from embodied.roles import (
     Roles,
     WorkerLost,
@@ -52,181 +40,23 @@ from embodied.roles import (
 )
 from embodied.rollout import EpisodeStats, Samples, StageTuner
 from embodied.run import (
+    EVALUATED_AT,
     Clock,
     Interrupted,
     Stopped,
     StopSignals,
     bar_interval,
+    check_fresh,
     check_resume,
-    trim_metrics,
+    clear_run,
+    rewind,
+    run_dir_of,
+    unsaved_evaluation,
+    why_not_again,
     write_trace,
 )
-from embodied.schema import SimulatorConfig
-from embodied.simulators.maniskill import ManiSkillConfig
 from embodied.streams import saved_streams
-
-ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
-
-
-@dataclass
-class RunnerConfig:
-    """Where the run goes, how long it lasts, what it keeps."""
-
-    name: str = "run"  # run directory: output_dir/name
-    output_dir: str = "runs"
-    total_env_steps: int = 1_000_000  # environment steps over all environments
-    max_minutes: float | None = None  # stop training after this wall-clock time (then evaluate)
-    eval_every: int = 10  # iterations between evaluations (0: only at the end)
-    eval_episodes: int = 50  # episodes per task per evaluation during training
-    final_eval_episodes: int = 100  # episodes per task of the final evaluation
-    save_every: int = 10  # iterations between checkpoints (always at the end)
-    keep_checkpoints: int = 3  # the newest N checkpoints stay, plus the best by evaluation
-    video: bool = True  # record the final evaluation as mp4
-    resume: str | None = None  # a run directory (or checkpoint) to continue from
-    resume_force: bool = False  # resume even though a key that changes the run differs
-    overwrite: bool = False  # a new run in a directory that holds one: remove the earlier run
-    # start from these policy weights (e.g. an SFT checkpoint) with a fresh optimizer
-    init_from: str | None = None
-    device: str = "auto"  # "auto": the environment's device
-    torch_threads: int = 1  # intra-op threads for the policy (the simulators use the other cores)
-    # > 1: the policy acts for one group of envs while others simulate; "auto": try the stage
-    # counts the envs can split into in the first iterations and keep the fastest
-    pipeline_stages: int | str = 1
-    progress: bool = True  # show a progress bar
-    trace: bool = False  # RUN/trace.json: a Chrome/Perfetto trace of an iteration (the second)
-    # the same floats on every x86 CPU: MKL, torch's kernels and convolutions on portable code
-    # paths (embodied/numerics.py); off by default: the README run trains 27% slower so
-    deterministic: bool = False
-
-    def validate(self) -> None:
-        if self.total_env_steps < 1:
-            raise ValueError(f"total_env_steps: must be >= 1, got {self.total_env_steps}")
-        stages = self.pipeline_stages
-        if stages != "auto" and (not isinstance(stages, int) or stages < 1):
-            raise ValueError(f"pipeline_stages: must be >= 1 or auto, got {stages!r}")
-        if self.eval_episodes < 1:
-            raise ValueError(f"eval_episodes: must be >= 1, got {self.eval_episodes}")
-        if self.final_eval_episodes < 1:
-            raise ValueError(f"final_eval_episodes: must be >= 1, got {self.final_eval_episodes}")
-        if self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
-        for key in ("eval_every", "save_every"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
-        if self.torch_threads < 1:
-            raise ValueError(f"torch_threads: must be >= 1, got {self.torch_threads}")
-        if self.max_minutes is not None and self.max_minutes <= 0:
-            raise ValueError(f"max_minutes: must be > 0, got {self.max_minutes}")
-
-
-@dataclass
-class TrainConfig:
-    # policy.name / algorithm.name / env.simulator select the config schema of that section
-    CHOICES: ClassVar[dict] = {
-        "policy": POLICY_CONFIGS,
-        "algorithm": ALGORITHMS,
-        "env": SIMULATOR_CONFIGS,
-    }
-    CHOICE_KEYS: ClassVar[dict] = {"env": "simulator"}
-    seed: int = 0
-    env: SimulatorConfig = field(default_factory=ManiSkillConfig)  # env.simulator picks the schema
-    policy: PolicyConfig = field(default_factory=ActorCriticConfig)  # policy.name picks it
-    algorithm: AlgorithmConfig = field(default_factory=PPOConfig)
-    runner: RunnerConfig = field(default_factory=RunnerConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # enabled: the roles on Ray
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # backend: torch | megatron
-
-    def validate(self) -> None:
-        """What the sections ask of each other, before anything is built."""
-        check_cameras(self.policy, self.env)
-        if self.algorithm.name == "ppo" and not self.policy.has_critic():
-            fix = "set policy.value_head=true" if hasattr(self.policy, "value_head") else ""
-            raise ValueError(
-                f"algorithm.name: ppo needs a critic, and policy {self.policy.name!r} has none; "
-                f"{fix + ' or ' if fix else ''}train with algorithm.name=grpo"
-            )
-        if self.trainer.backend == "megatron":
-            check_megatron(self.trainer, self.policy, self.cluster)
-        if self.algorithm.name == "grpo":
-            tasks = len(getattr(self.env, "tasks", None) or []) or 1
-            per_task = self.env.num_envs // tasks
-            if per_task < self.algorithm.group_size:
-                raise ValueError(
-                    f"algorithm.group_size: groups of {self.algorithm.group_size} need that many "
-                    f"environments per task, and each task has {per_task} "
-                    f"(env.num_envs={self.env.num_envs} over {tasks} task(s))"
-                )
-
-
-def check_megatron(trainer: TrainerConfig, policy: PolicyConfig, cluster: ClusterConfig) -> None:
-    """What the megatron backend trains today (ValueError naming the key otherwise)."""
-    if policy.name != "vla":
-        raise ValueError(
-            f"trainer.backend: megatron trains a VLA's transformer; policy {policy.name!r} has "
-            "none (use policy.name=vla or trainer.backend=torch)"
-        )
-    tp = trainer.tensor_parallel
-    if policy.heads % tp:
-        raise ValueError(
-            f"trainer.tensor_parallel: {policy.heads} attention heads (policy.heads) do not "
-            f"split over {tp} ranks"
-        )
-    if policy.head == "discrete" and policy.bins % tp:
-        raise ValueError(
-            f"trainer.tensor_parallel: the discrete head's {policy.bins} bins (policy.bins) do "
-            f"not split over {tp} ranks"
-        )
-    if policy.vlm_path:
-        _check_vlm_split(Path(policy.vlm_path), tp)
-    if cluster.offload_optimizer:
-        raise ValueError(
-            "cluster.offload_optimizer: not built for trainer.backend=megatron yet (torch only)"
-        )
-    if cluster.enabled and cluster.actor.workers != tp:
-        raise ValueError(
-            f"cluster.actor.workers: on a cluster each megatron TP rank is an actor worker; set "
-            f"it to {tp} (trainer.tensor_parallel): data-parallel megatron ranks are not built yet"
-        )
-
-
-def _check_vlm_split(path: Path, tp: int) -> None:
-    """A VLM language model megatron shards (embodied/megatron/shards.py) splits over ``tp``
-    ranks; another family's stays whole."""
-    from transformers import AutoConfig
-
-    from embodied.megatron.shards import TEXT_FAMILIES
-
-    if not (path / "config.json").is_file():
-        return  # (the policy's build names the missing directory)
-    try:
-        text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
-    except (OSError, ValueError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ValueError(f"policy.vlm_path: {path}/config.json does not load ({reason})") from None
-    if text.model_type not in TEXT_FAMILIES:
-        return
-    sizes = (text.num_key_value_heads, text.vocab_size, text.intermediate_size)
-    if any(size % tp for size in sizes):
-        raise ValueError(
-            f"trainer.tensor_parallel: the language model of policy.vlm_path has "
-            f"{sizes[0]} key-value groups, a vocabulary of {sizes[1]} and an MLP of {sizes[2]}: "
-            f"each must split evenly over {tp} ranks"
-        )
-
-
-def check_cameras(policy: PolicyConfig, env: SimulatorConfig) -> None:
-    """A policy that reads cameras needs an observation with them (ValueError "env.obs_mode: ...",
-    as a ``validate()`` raises it)."""
-    obs_mode = getattr(env, "obs_mode", "rgb")
-    if policy.needs_cameras and "rgb" not in obs_mode:
-        raise ValueError(
-            f"env.obs_mode: policy {policy.name!r} reads camera images and obs_mode "
-            f"{obs_mode!r} has none; use env.obs_mode=rgb"
-        )
-
-
-def run_meta(cfg: TrainConfig, spec) -> dict:
-    return {"config": to_dict(cfg), "spec": spec.to_dict(), "format": "embodied-checkpoint-v1"}
+from embodied.train_config import TrainConfig, run_meta
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -239,7 +69,7 @@ def train(cfg: TrainConfig) -> dict:
         check_resume(
             resume["meta"]["config"], to_dict(cfg), resume["path"], cfg.runner.resume_force
         )
-        run_dir = _run_dir_of(resume["path"], cfg.runner.resume)
+        run_dir = run_dir_of(resume["path"], cfg.runner.resume)
         if saved_streams(resume["rng"]) is None:
             print(
                 f"resuming {resume['path']}: written before random streams per worker, so the "
@@ -247,7 +77,7 @@ def train(cfg: TrainConfig) -> dict:
             )
     else:
         run_dir = Path(cfg.runner.output_dir) / cfg.runner.name
-        _check_fresh(run_dir, cfg.runner.overwrite)
+        check_fresh(run_dir, cfg.runner.overwrite)
     # a bad checkpoint or task fails before the run directory and the environments are made
     if cfg.runner.init_from:
         load_checkpoint_for(cfg.runner.init_from, "runner.init_from", trainer_state=False)
@@ -269,7 +99,7 @@ def train(cfg: TrainConfig) -> dict:
         if resume is not None:
             rewind(run_dir, resume, cfg, roles.evaluates_beside)
         elif cfg.runner.overwrite:
-            _clear_run(run_dir)
+            clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
         start = 0 if resume is None else resume["counters"]["iteration"]
@@ -277,99 +107,6 @@ def train(cfg: TrainConfig) -> dict:
         return Runner(cfg, roles, run_dir, resume).run()
     finally:
         roles.close()
-
-
-# the counters an evaluation is recorded at (``_record_evaluation``)
-EVALUATED_AT = ("iteration", "env_steps", "train_seconds")
-
-
-RUN_FILES = (
-    "metrics.jsonl",
-    "metrics.json",
-    "checkpoints",
-    "tb",
-    "last",
-    "best",
-    "videos",
-    "cluster.json",
-    "trace.json",
-)
-
-
-def rewind(run_dir: Path, resume: dict, cfg: TrainConfig, evaluates_beside: bool) -> None:
-    """Take the run back to the checkpoint ``resume`` (loaded) before it goes on from there:
-    the metrics rows logged after it, those of the evaluation it will run again, and the later
-    checkpoints go; ``RUN/best`` is its best. An unfinished evaluation that cannot run again
-    (``_why_not_again``) keeps the rows it logged."""
-    counters = resume["counters"]
-    done = counters["iteration"]
-    unsaved = _unsaved_evaluation(counters)
-    if unsaved is not None and _why_not_again(cfg, evaluates_beside, run_dir, counters, unsaved):
-        unsaved = None
-    trim_metrics(run_dir, done, None if unsaved is None else unsaved["iteration"])
-    abandoned = drop_checkpoints_after(run_dir, done)
-    if abandoned:
-        print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
-    best = counters.get("best")
-    point_best(run_dir, None if best is None else best["iteration"])
-
-
-def _unsaved_evaluation(counters: dict) -> dict | None:
-    """The counters of the evaluation beside training that was in flight when ``counters`` (a
-    checkpoint's) were saved, where they lack its result: a resume from them runs it again."""
-    at = counters.get("evaluating")
-    recorded = [e["iteration"] for e in counters.get("evals", [])]
-    return None if at is None or at["iteration"] in recorded else at
-
-
-def _why_not_again(
-    cfg: TrainConfig, evaluates_beside: bool, run_dir: Path, counters: dict, at: dict
-) -> str | None:
-    """Why the unfinished evaluation ``at`` of a resumed checkpoint (``counters``) cannot run
-    again beside training; None where it can. Decided from the checkpoint alone, so that
-    ``rewind`` and the resumed run agree."""
-    run = cfg.runner
-    out_of_time = run.max_minutes is not None and counters["train_seconds"] >= run.max_minutes * 60
-    path = checkpoint_dir(run_dir, at["iteration"])
-    if not evaluates_beside:
-        return "it runs again only with cluster.eval.workers"
-    if counters["env_steps"] >= run.total_env_steps or out_of_time:
-        return "no iteration is left to run it beside"
-    if not (path / META).is_file():
-        return f"its checkpoint {path} is gone"
-    return None
-
-
-def _run_dir_of(checkpoint: Path, given: str) -> Path:
-    """A checkpoint lives in RUN/checkpoints/iter_N: a resumed run keeps writing to RUN."""
-    if checkpoint.parent.name != "checkpoints":
-        raise ConfigError(
-            f"runner.resume: {given} is not inside a run directory (RUN/checkpoints/iter_N); "
-            "resume from the run directory or one of its checkpoints"
-        )
-    return checkpoint.parent.parent
-
-
-def _check_fresh(run_dir: Path, overwrite: bool) -> None:
-    """A new run never mixes into an earlier one's metrics, checkpoints or best link."""
-    found = [
-        name for name in RUN_FILES if (run_dir / name).exists() or (run_dir / name).is_symlink()
-    ]
-    if found and not overwrite:
-        raise ConfigError(
-            f"runner.name: {run_dir} already holds a run ({', '.join(found)}); continue it with "
-            f"runner.resume={run_dir}, start over with runner.overwrite=true, or choose another "
-            "runner.name"
-        )
-
-
-def _clear_run(run_dir: Path) -> None:
-    for name in RUN_FILES:
-        path = run_dir / name
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-        elif path.is_dir():
-            shutil.rmtree(path)
 
 
 class Runner:
@@ -380,21 +117,13 @@ class Runner:
         self.envs = roles.envs
         self.inference = roles.inference
         self.learner = roles.learner
-        alg = cfg.algorithm
         B = self.envs.num_envs
         K = cfg.policy.chunk_size
         # the runner's copy of the algorithm plans rounds and computes advantages
         self.algorithm = build_algorithm(cfg, roles.spec, self.envs.task_of_env)
-        if alg.name == "ppo":
-            chunks_per_round = alg.num_steps
-        else:
-            chunks_per_round = self.algorithm.num_chunks
-            if self.algorithm.idle_envs:
-                print(
-                    f"GRPO: {self.algorithm.idle_envs} environment(s) fill no group of "
-                    f"{alg.group_size} within their task and are not trained on"
-                )
-        self.steps_per_round = B * K * chunks_per_round
+        for note in self.algorithm.notes():
+            print(note)
+        self.steps_per_round = B * K * self.algorithm.num_chunks
         # the environment group says whether it can pipeline chunks of K (stage_split)
         self.stages = cfg.runner.pipeline_stages
         self.tuner = None
@@ -476,14 +205,14 @@ class Runner:
         run = cfg.runner
         alg = cfg.algorithm
         counters = self.counters
-        if counters["iteration"] == 0 and (alg.name == "grpo" or run.init_from):
+        if counters["iteration"] == 0 and (self.algorithm.evaluates_before or run.init_from):
             # success before RL, on the evaluation seeds
             counters["before"] = self._evaluate(run.eval_episodes)
             self._log_evaluation(counters["before"], "before RL")
             self.end_counters = json.loads(json.dumps(counters))
         self.clock = Clock(counters["train_seconds"], run.max_minutes)
         budget = run.total_env_steps
-        unfinished = _unsaved_evaluation(counters)  # (a resumed checkpoint's; none when fresh)
+        unfinished = unsaved_evaluation(counters)  # (a resumed checkpoint's; none when fresh)
         if unfinished is not None:
             self._evaluate_again(unfinished)
         self.first_iteration = counters["iteration"] + 1
@@ -667,9 +396,7 @@ class Runner:
             batches.append(batch)
             if self.algorithm.enough(round_metrics):
                 break
-        metrics = _mean_metrics(round_metrics)
-        if self.cfg.algorithm.name == "grpo":
-            metrics["grpo/rounds"] = len(batches)
+        metrics = self.algorithm.collected(round_metrics)
         parts = [b.samples() for b in batches]
         parts = [p for p in parts if len(p)]
         return (Samples.cat(parts) if parts else None), metrics, batches
@@ -823,7 +550,7 @@ class Runner:
         on its iteration's weights (that checkpoint was kept for it); its result is recorded
         at that iteration as it would have been. Where it cannot run again, say so once."""
         iteration = at["iteration"]
-        why = _why_not_again(self.cfg, self.roles.evaluates_beside, self.run_dir, self.counters, at)
+        why = why_not_again(self.cfg, self.roles.evaluates_beside, self.run_dir, self.counters, at)
         if why is not None:
             self._landed(iteration)
             self.bar.write(
@@ -937,16 +664,3 @@ class Runner:
             f"run in {self.run_dir}"
         )
         return summary
-
-
-def _mean_metrics(rounds: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """The rounds' advantage metrics on the host (one transfer): counts summed, rates averaged."""
-    if not rounds or not rounds[0]:
-        return {}
-    keys = list(rounds[0])
-    table = torch.stack([torch.stack([r[k].float() for k in keys]) for r in rounds]).tolist()
-    out = {}
-    for j, key in enumerate(keys):
-        column = [row[j] for row in table]
-        out[key] = sum(column) if key == "grpo/kept_groups" else sum(column) / len(column)
-    return out

@@ -36,9 +36,9 @@ from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_polic
 from embodied.multitask import make_env
 from embodied.roles import save_engine
 from embodied.run import Clock, Stopped, StopSignals, bar_interval
-from embodied.runner import check_cameras, check_megatron
 from embodied.schema import NormStats, Observation
 from embodied.simulators.maniskill import ManiSkillConfig
+from embodied.train_config import check_cameras, check_megatron
 
 
 @dataclass

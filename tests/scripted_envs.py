@@ -327,7 +327,9 @@ def run_on(
     8 environments in all. ``resume``: a checkpoint of the run to go on from."""
     from embodied.config import compose
     from embodied.roles import load_checkpoint_for, local_roles
-    from embodied.runner import Runner, TrainConfig, rewind
+    from embodied.run import rewind
+    from embodied.runner import Runner
+    from embodied.train_config import TrainConfig
 
     runner = {
         "name": "run",

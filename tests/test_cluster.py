@@ -41,7 +41,9 @@ from embodied.cluster.roles import (
 from embodied.config import load_config
 from embodied.roles import WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats
-from embodied.runner import EVALUATED_AT, TrainConfig, train
+from embodied.run import EVALUATED_AT
+from embodied.runner import train
+from embodied.train_config import TrainConfig
 
 ray = pytest.importorskip("ray")
 
@@ -901,6 +903,44 @@ def test_a_placement_that_fits_passes_and_gives_one_bundle_per_worker():
     assert slots[2].resources == {"CPU": 1.0, "GPU": 0.5}
 
 
+@pytest.mark.parametrize(
+    "roles, nodes, placement, cpus",
+    [
+        # the README's first cluster command on 2 cores: env, rollout and actor at 2/3 each
+        (dict(), [{"CPU": 2.0}], "collocated", [0.666, 0.666, 0.666]),
+        # what explicit requests leave is shared by the others
+        (dict(env=dict(num_cpus=1)), [{"CPU": 2.0}], "collocated", [1.0, 0.5, 0.5]),
+        # one CPU each where the cluster has them
+        (dict(env=dict(workers=3)), [{"CPU": 16.0}], "collocated", [1.0] * 5),
+        # collocated counts the largest node; spread placements the whole cluster
+        (dict(), [{"CPU": 1.0}, {"CPU": 2.0}], "collocated", [0.666] * 3),
+        (dict(), [{"CPU": 1.0}, {"CPU": 2.0}], "disaggregated", [1.0] * 3),
+        # explicit requests that take everything: the others ask for one (check_fits names it)
+        (dict(actor=dict(num_cpus=2)), [{"CPU": 2.0}], "collocated", [1.0, 1.0, 2.0]),
+    ],
+)
+def test_roles_without_num_cpus_share_the_cpus_the_cluster_has(roles, nodes, placement, cpus):
+    from embodied.cluster.placement import check_fits, plan_slots
+
+    cfg = ClusterConfig(enabled=True, placement=placement)
+    for role, values in roles.items():
+        setattr(cfg, role, RoleConfig(**values))
+    slots = plan_slots(cfg, nodes)
+    assert [s.resources["CPU"] for s in slots] == cpus
+    if sum(cpus) <= max(n["CPU"] for n in nodes) or placement != "collocated":
+        check_fits(cfg, slots, nodes)
+    else:
+        from embodied.config import ConfigError
+
+        with pytest.raises(ConfigError, match="cluster.actor: 1 actor worker"):
+            check_fits(cfg, slots, nodes)
+    assert [s.resources["CPU"] for s in plan_slots(cfg)] == [  # (no cluster to fit: one each)
+        1.0 if role.num_cpus is None else role.num_cpus
+        for role in (cfg.env, cfg.rollout, cfg.actor)
+        for _ in range(role.workers)
+    ]
+
+
 def test_env_configs_split_by_rows_and_tasks():
     from embodied.cluster.roles import split_env
     from embodied.config import ConfigError
@@ -916,8 +956,8 @@ def test_env_configs_split_by_rows_and_tasks():
     parts = split_env(three, 3)
     assert [(c.tasks, c.num_envs) for c in parts] == [(["A"], 4), (["B"], 4), (["C"], 4)]
     parts = split_env(three, 6)
-    assert [(c.task, c.tasks, c.num_envs) for c in parts] == [
-        (t, [], 2) for t in ("A", "A", "B", "B", "C", "C")
+    assert [(c.tasks, c.num_envs) for c in parts] == [  # (one-task lists: named by the task)
+        ([t], 2) for t in ("A", "A", "B", "B", "C", "C")
     ]
     with pytest.raises(ConfigError, match="cluster.env.workers: 3 env workers cannot share"):
         split_env(one, 3)

@@ -6,7 +6,7 @@ import pytest
 
 from embodied.cli import main
 from embodied.config import ConfigError, load_config
-from embodied.runner import TrainConfig
+from embodied.train_config import TrainConfig
 
 
 def write(tmp_path, name, text):

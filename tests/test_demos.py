@@ -10,9 +10,9 @@ from embodied.checkpoint import save_checkpoint
 from embodied.cli import main
 from embodied.dataset import DemoDataset
 from embodied.models import ActorCritic, ActorCriticConfig
-from embodied.runner import TrainConfig, run_meta
 from embodied.schema import EnvSpec, ObsSpec
 from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
+from embodied.train_config import TrainConfig, run_meta
 
 ENV = dict(
     task="PushCube-v1",

@@ -18,8 +18,9 @@ from embodied.env_group import EnvGroup
 from embodied.inference import InferencePolicy
 from embodied.models import ActorCritic, ActorCriticConfig
 from embodied.rollout import CollectPlan, EpisodeStats, collect
-from embodied.runner import TrainConfig, train
+from embodied.runner import train
 from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
+from embodied.train_config import TrainConfig
 
 pytestmark = pytest.mark.gpu
 

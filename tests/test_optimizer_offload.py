@@ -14,7 +14,8 @@ import torch
 
 from embodied.config import load_config
 from embodied.learner import TorchEngine
-from embodied.runner import TrainConfig, train
+from embodied.runner import train
+from embodied.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [

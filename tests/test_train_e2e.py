@@ -21,7 +21,8 @@ from embodied.checkpoint import best_iteration, load_checkpoint
 from embodied.cli import main
 from embodied.config import ConfigError, load_config
 from embodied.run import Stopped
-from embodied.runner import TrainConfig, train
+from embodied.runner import train
+from embodied.train_config import TrainConfig
 
 TINY = [
     "env.num_envs=2",

@@ -9,7 +9,8 @@
       actor:   {workers: 1, num_cpus: 1, num_gpus: 0.5}
       eval:    {workers: 2, num_cpus: 1}   # evaluations beside training (default 0: in line)
 
-Each worker of a role asks for ``num_cpus``/``num_gpus`` (fractions allowed) and any custom
+Each worker of a role asks for ``num_cpus``/``num_gpus`` (fractions allowed; ``num_cpus`` left
+unset: one CPU, or an equal share of the CPUs where the cluster has fewer) and any custom
 resources (``resources: {sim_node: 1}`` pins it to the nodes that offer them). ``collocated``
 packs every worker on one node, and a rollout worker shares a bundle with an actor worker (one
 device for both); ``disaggregated`` gives every worker a bundle of its own, spread over nodes
@@ -35,14 +36,15 @@ class RoleConfig:
     """One role's workers and what each asks for."""
 
     workers: int = 1
-    num_cpus: float = 1.0
+    # None: one CPU per worker, or an equal share where the cluster has fewer (placement.py)
+    num_cpus: float | None = None
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker
 
     def validate(self) -> None:
         if self.workers < 0:
             raise ValueError(f"workers: must be >= 0, got {self.workers}")
-        if self.num_cpus < 0:
+        if self.num_cpus is not None and self.num_cpus < 0:
             raise ValueError(f"num_cpus: must be >= 0, got {self.num_cpus}")
         if self.num_gpus < 0:
             raise ValueError(f"num_gpus: must be >= 0, got {self.num_gpus}")

@@ -1,7 +1,8 @@
 """Placement: the ``cluster:`` block turned into one Ray placement group, checked against the
 resources Ray reports before any worker starts.
 
-Every worker gets a bundle of its own (``num_cpus``, ``num_gpus``, custom resources). The
+Every worker gets a bundle of its own (``num_cpus``, ``num_gpus``, custom resources; a role that
+leaves ``num_cpus`` unset gets a share that fits the cluster, ``fitted_cpus``). The
 strategy says where bundles may go: ``collocated`` STRICT_PACK (one node: fractional GPUs of the
 rollout and actor workers share a device), ``hybrid`` PACK (together where they fit),
 ``disaggregated`` SPREAD (over the nodes where it can).
@@ -9,6 +10,7 @@ rollout and actor workers share a device), ``hybrid`` PACK (together where they 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from embodied.cluster.config import ROLES, ClusterConfig
@@ -28,14 +30,34 @@ class Slot:
     resources: dict[str, float]
 
 
-def plan_slots(cfg: ClusterConfig) -> list[Slot]:
-    """One bundle per worker, in role order (env, rollout, actor, eval)."""
+def fitted_cpus(cfg: ClusterConfig, nodes: list[dict[str, float]] | None) -> float:
+    """The CPUs each worker asks for whose role leaves ``num_cpus`` unset: one where the
+    cluster has one for each beside the explicit requests (a collocated run: on its largest
+    node), else an equal share of what is left, so that the README's three roles fit a 2-core
+    machine at 2/3 CPU each. Explicit requests are taken as they are and checked."""
+    roles = [getattr(cfg, role) for role in ROLES]
+    unset = sum(r.workers for r in roles if r.num_cpus is None)
+    if nodes is None or unset == 0:
+        return 1.0
+    cpus = [node.get("CPU", 0.0) for node in nodes] or [0.0]
+    have = max(cpus) if cfg.placement == "collocated" else sum(cpus)
+    left = have - sum(r.workers * r.num_cpus for r in roles if r.num_cpus is not None)
+    if left <= 0:
+        return 1.0  # (``check_fits`` names the role that does not fit)
+    return min(1.0, math.floor(1000 * left / unset) / 1000)  # (Ray counts in 1e-4 CPU)
+
+
+def plan_slots(cfg: ClusterConfig, nodes: list[dict[str, float]] | None = None) -> list[Slot]:
+    """One bundle per worker, in role order (env, rollout, actor, eval); a role without
+    ``num_cpus`` asks for ``fitted_cpus`` on ``nodes`` (None: one CPU)."""
+    fitted = fitted_cpus(cfg, nodes)
     slots = []
     for role in ROLES:
         role_cfg = getattr(cfg, role)
         if role_cfg.workers == 0:
             continue
-        resources = {"CPU": float(role_cfg.num_cpus), "GPU": float(role_cfg.num_gpus)}
+        cpus = fitted if role_cfg.num_cpus is None else role_cfg.num_cpus
+        resources = {"CPU": float(cpus), "GPU": float(role_cfg.num_gpus)}
         resources.update({k: float(v) for k, v in role_cfg.resources.items()})
         resources = {k: v for k, v in resources.items() if v > 0}
         if not resources:
@@ -119,8 +141,9 @@ def place(cfg: ClusterConfig):
     import ray
     from ray.util.placement_group import placement_group
 
-    slots = plan_slots(cfg)
-    check_fits(cfg, slots, alive_nodes())
+    nodes = alive_nodes()
+    slots = plan_slots(cfg, nodes)
+    check_fits(cfg, slots, nodes)
     group = placement_group(
         [slot.resources for slot in slots], strategy=STRATEGIES[cfg.placement], name=""
     )

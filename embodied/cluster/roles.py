@@ -33,6 +33,7 @@ from embodied.cluster.placement import place
 from embodied.cluster.status import STATUS_FILE
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.cluster.workers import (
+    DRIVER_CWD,
     ActorWorker,
     EnvRolloutWorker,
     EnvWorker,
@@ -42,7 +43,7 @@ from embodied.cluster.workers import (
 from embodied.config import ConfigError, to_dict
 from embodied.env_group import ChunkStep, strided_stages
 from embodied.evaluate import evaluate_by_task, pooled_summary, split_episodes
-from embodied.multitask import join_steps
+from embodied.multitask import join_steps, joined_spec, shared_privileged
 from embodied.numerics import PINNED_ENV
 from embodied.roles import Roles, WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats, RolloutBatch
@@ -72,6 +73,7 @@ def start_ray(cfg: ClusterConfig) -> bool:
         return False
     env_vars = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
     env_vars["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    env_vars[DRIVER_CWD] = os.getcwd()  # (relative paths in the config: workers.py's _start)
     runtime_env = {"env_vars": env_vars}
     if cfg.address:
         try:
@@ -80,6 +82,9 @@ def start_ray(cfg: ClusterConfig) -> bool:
             raise ConfigError(f"cluster.address: cannot join {cfg.address!r}: {e}") from None
     else:
         ray.init(
+            # a Ray of this run's own, even where another runs on the machine (`ray.init()`
+            # without an address would join one started by `ray start`)
+            address="local",
             num_cpus=cfg.num_cpus,
             num_gpus=cfg.num_gpus,
             include_dashboard=False,
@@ -115,8 +120,8 @@ def split_env(env_cfg, workers: int) -> list:
             ]
         if workers % len(tasks) == 0 and per_task % (workers // len(tasks)) == 0:
             each = per_task // (workers // len(tasks))
-            return [
-                dataclasses.replace(env_cfg, task=task, tasks=[], num_envs=each, **share)
+            return [  # (a one-task list: the worker's environment is named by its task)
+                dataclasses.replace(env_cfg, tasks=[task], num_envs=each, **share)
                 for task in tasks
                 for _ in range(workers // len(tasks))
             ]
@@ -175,11 +180,17 @@ class RemoteEnvGroup:
         self.bounds = [sum(counts[:w]) for w in range(len(counts) + 1)]
         self.num_envs = self.bounds[-1]
         self.device = torch.device("cpu")  # what the workers send arrives on this host
-        self.spec = facts[0]["spec"]
         names: list[str] = []
         for f in facts:
             names += [name for name in f["task_names"] if name not in names]
         self.task_names = names
+        # the privileged keys every task has, and each task's instructions, as one multi-task
+        # environment of all of them would observe (each worker's is one of its tasks)
+        specs = {name: f["spec"] for f in facts for name in f["task_names"]}
+        keys = shared_privileged(list(specs.values()))
+        self.spec = joined_spec([specs[name] for name in names], keys)
+        extra = [w for w, f in zip(workers, facts) if sorted(f["spec"].obs.privileged) != keys]
+        _get([w.keep_privileged.remote(keys) for w in extra], "env")
         of_env = [names.index(f["task_names"][t]) for f in facts for t in f["task_of_env"]]
         self.task_of_env = torch.tensor(of_env, dtype=torch.long)  # long [B] on the CPU
         self.task_ids = self.task_of_env

@@ -45,6 +45,20 @@ def where() -> dict:
     }
 
 
+DRIVER_CWD = "EMBODIED_DRIVER_CWD"  # the driver's working directory (start_ray passes it)
+
+
+def _start(torch_threads: int) -> None:
+    """What every worker does first: torch's threads (and the run's numeric pins), and the
+    driver's working directory where this node has it, so that the paths a config gives
+    relative to it (``runner.init_from``, ``policy.vlm_path``, the run directory) name the same
+    files here as in the driver, also in a cluster started elsewhere."""
+    numerics.setup(torch_threads)
+    cwd = os.environ.get(DRIVER_CWD)
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
+
+
 def timed(method):
     """Count a call's seconds as the worker's busy time, and keep its span (wall clock, for
     ``runner.trace``)."""
@@ -107,7 +121,7 @@ class EnvWorker(_Worker):
 
     def __init__(self, env_cfg, factory, torch_threads: int = 1):
         self.spans = []
-        numerics.setup(torch_threads)
+        _start(torch_threads)
         if factory is None:
             from embodied.multitask import make_env
 
@@ -126,6 +140,12 @@ class EnvWorker(_Worker):
             "can_pipeline": group.can_pipeline,
             **where(),
         }
+
+    def keep_privileged(self, keys: list[str]) -> None:
+        """Observe only the privileged ``keys``: those every env worker's tasks have, as one
+        multi-task environment of all of them would (this worker's is one of its tasks)."""
+        self.env.keep_privileged(keys)
+        self.group = EnvGroup(self.env)
 
     @timed
     def reset(self, seeds: list[int] | None):
@@ -159,7 +179,7 @@ class RolloutWorker(_Worker):
 
     def __init__(self, policy_cfg, spec, device: str, torch_threads: int, seed: int, rank: int):
         self.spans = []
-        numerics.setup(torch_threads)
+        _start(torch_threads)
         self.device = torch.device(device)
         self.stream = Stream.derived(seed, "rollout", rank)
         policy = build_policy(spec, policy_cfg).to(self.device).eval()
@@ -241,7 +261,7 @@ class EvalWorker(_Worker):
 
     def __init__(self, env_cfg, factory, policy_cfg, spec, device: str, torch_threads: int = 1):
         self.spans = []
-        numerics.setup(torch_threads)
+        _start(torch_threads)
         if factory is None:
             from embodied.multitask import make_env
 
@@ -274,7 +294,7 @@ class ActorWorker(_Worker):
 
     def __init__(self, cfg, spec, task_of_env: list[int], device: str):
         self.spans = []
-        numerics.setup(cfg.runner.torch_threads)
+        _start(cfg.runner.torch_threads)
         self.device = torch.device(device)
         self.learner_args = (cfg, spec, torch.tensor(task_of_env, dtype=torch.long))
         self.learner = None

@@ -1,0 +1,182 @@
+"""The train config: every section of ``embodied train``'s YAML as one dataclass, and what the
+sections ask of each other, checked before anything is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from embodied.algorithm import AlgorithmConfig
+from embodied.cluster.config import ClusterConfig
+from embodied.config import to_dict
+from embodied.grpo import GRPOConfig
+from embodied.learner import TrainerConfig
+from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig
+from embodied.multitask import SIMULATOR_CONFIGS
+from embodied.ppo import PPOConfig
+from embodied.schema import SimulatorConfig
+from embodied.simulators.maniskill import ManiSkillConfig
+
+ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
+
+
+@dataclass
+class RunnerConfig:
+    """Where the run goes, how long it lasts, what it keeps."""
+
+    name: str = "run"  # run directory: output_dir/name
+    output_dir: str = "runs"
+    total_env_steps: int = 1_000_000  # environment steps over all environments
+    max_minutes: float | None = None  # stop training after this wall-clock time (then evaluate)
+    eval_every: int = 10  # iterations between evaluations (0: only at the end)
+    eval_episodes: int = 50  # episodes per task per evaluation during training
+    final_eval_episodes: int = 100  # episodes per task of the final evaluation
+    save_every: int = 10  # iterations between checkpoints (always at the end)
+    keep_checkpoints: int = 3  # the newest N checkpoints stay, plus the best by evaluation
+    video: bool = True  # record the final evaluation as mp4
+    resume: str | None = None  # a run directory (or checkpoint) to continue from
+    resume_force: bool = False  # resume even though a key that changes the run differs
+    overwrite: bool = False  # a new run in a directory that holds one: remove the earlier run
+    # start from these policy weights (e.g. an SFT checkpoint) with a fresh optimizer
+    init_from: str | None = None
+    device: str = "auto"  # "auto": the environment's device
+    torch_threads: int = 1  # intra-op threads for the policy (the simulators use the other cores)
+    # > 1: the policy acts for one group of envs while others simulate; "auto": try the stage
+    # counts the envs can split into in the first iterations and keep the fastest
+    pipeline_stages: int | str = 1
+    progress: bool = True  # show a progress bar
+    trace: bool = False  # RUN/trace.json: a Chrome/Perfetto trace of an iteration (the second)
+    # the same floats on every x86 CPU: MKL, torch's kernels and convolutions on portable code
+    # paths (embodied/numerics.py); off by default: the README run trains 27% slower so
+    deterministic: bool = False
+
+    def validate(self) -> None:
+        if self.total_env_steps < 1:
+            raise ValueError(f"total_env_steps: must be >= 1, got {self.total_env_steps}")
+        stages = self.pipeline_stages
+        if stages != "auto" and (not isinstance(stages, int) or stages < 1):
+            raise ValueError(f"pipeline_stages: must be >= 1 or auto, got {stages!r}")
+        if self.eval_episodes < 1:
+            raise ValueError(f"eval_episodes: must be >= 1, got {self.eval_episodes}")
+        if self.final_eval_episodes < 1:
+            raise ValueError(f"final_eval_episodes: must be >= 1, got {self.final_eval_episodes}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
+        for key in ("eval_every", "save_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
+        if self.torch_threads < 1:
+            raise ValueError(f"torch_threads: must be >= 1, got {self.torch_threads}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"max_minutes: must be > 0, got {self.max_minutes}")
+
+
+@dataclass
+class TrainConfig:
+    # policy.name / algorithm.name / env.simulator select the config schema of that section
+    CHOICES: ClassVar[dict] = {
+        "policy": POLICY_CONFIGS,
+        "algorithm": ALGORITHMS,
+        "env": SIMULATOR_CONFIGS,
+    }
+    CHOICE_KEYS: ClassVar[dict] = {"env": "simulator"}
+    seed: int = 0
+    env: SimulatorConfig = field(default_factory=ManiSkillConfig)  # env.simulator picks the schema
+    policy: PolicyConfig = field(default_factory=ActorCriticConfig)  # policy.name picks it
+    algorithm: AlgorithmConfig = field(default_factory=PPOConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # enabled: the roles on Ray
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # backend: torch | megatron
+
+    def validate(self) -> None:
+        """What the sections ask of each other, before anything is built."""
+        check_cameras(self.policy, self.env)
+        if self.algorithm.name == "ppo" and not self.policy.has_critic():
+            fix = "set policy.value_head=true" if hasattr(self.policy, "value_head") else ""
+            raise ValueError(
+                f"algorithm.name: ppo needs a critic, and policy {self.policy.name!r} has none; "
+                f"{fix + ' or ' if fix else ''}train with algorithm.name=grpo"
+            )
+        if self.trainer.backend == "megatron":
+            check_megatron(self.trainer, self.policy, self.cluster)
+        if self.algorithm.name == "grpo":
+            tasks = len(getattr(self.env, "tasks", None) or []) or 1
+            per_task = self.env.num_envs // tasks
+            if per_task < self.algorithm.group_size:
+                raise ValueError(
+                    f"algorithm.group_size: groups of {self.algorithm.group_size} need that many "
+                    f"environments per task, and each task has {per_task} "
+                    f"(env.num_envs={self.env.num_envs} over {tasks} task(s))"
+                )
+
+
+def check_megatron(trainer: TrainerConfig, policy: PolicyConfig, cluster: ClusterConfig) -> None:
+    """What the megatron backend trains today (ValueError naming the key otherwise)."""
+    if policy.name != "vla":
+        raise ValueError(
+            f"trainer.backend: megatron trains a VLA's transformer; policy {policy.name!r} has "
+            "none (use policy.name=vla or trainer.backend=torch)"
+        )
+    tp = trainer.tensor_parallel
+    if policy.heads % tp:
+        raise ValueError(
+            f"trainer.tensor_parallel: {policy.heads} attention heads (policy.heads) do not "
+            f"split over {tp} ranks"
+        )
+    if policy.head == "discrete" and policy.bins % tp:
+        raise ValueError(
+            f"trainer.tensor_parallel: the discrete head's {policy.bins} bins (policy.bins) do "
+            f"not split over {tp} ranks"
+        )
+    if policy.vlm_path:
+        _check_vlm_split(Path(policy.vlm_path), tp)
+    if cluster.offload_optimizer:
+        raise ValueError(
+            "cluster.offload_optimizer: not built for trainer.backend=megatron yet (torch only)"
+        )
+    if cluster.enabled and cluster.actor.workers != tp:
+        raise ValueError(
+            f"cluster.actor.workers: on a cluster each megatron TP rank is an actor worker; set "
+            f"it to {tp} (trainer.tensor_parallel): data-parallel megatron ranks are not built yet"
+        )
+
+
+def _check_vlm_split(path: Path, tp: int) -> None:
+    """A VLM language model megatron shards (embodied/megatron/shards.py) splits over ``tp``
+    ranks; another family's stays whole."""
+    from transformers import AutoConfig
+
+    from embodied.megatron.shards import TEXT_FAMILIES
+
+    if not (path / "config.json").is_file():
+        return  # (the policy's build names the missing directory)
+    try:
+        text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+    except (OSError, ValueError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"policy.vlm_path: {path}/config.json does not load ({reason})") from None
+    if text.model_type not in TEXT_FAMILIES:
+        return
+    sizes = (text.num_key_value_heads, text.vocab_size, text.intermediate_size)
+    if any(size % tp for size in sizes):
+        raise ValueError(
+            f"trainer.tensor_parallel: the language model of policy.vlm_path has "
+            f"{sizes[0]} key-value groups, a vocabulary of {sizes[1]} and an MLP of {sizes[2]}: "
+            f"each must split evenly over {tp} ranks"
+        )
+
+
+def check_cameras(policy: PolicyConfig, env: SimulatorConfig) -> None:
+    """A policy that reads cameras needs an observation with them (ValueError "env.obs_mode: ...",
+    as a ``validate()`` raises it)."""
+    obs_mode = getattr(env, "obs_mode", "rgb")
+    if policy.needs_cameras and "rgb" not in obs_mode:
+        raise ValueError(
+            f"env.obs_mode: policy {policy.name!r} reads camera images and obs_mode "
+            f"{obs_mode!r} has none; use env.obs_mode=rgb"
+        )
+
+
+def run_meta(cfg: TrainConfig, spec) -> dict:
+    return {"config": to_dict(cfg), "spec": spec.to_dict(), "format": "embodied-checkpoint-v1"}
