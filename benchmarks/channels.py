@@ -50,7 +50,7 @@ def reply() -> dict:
 
 class Side:
     """What both sides do: make a channel that they write and ``reader`` reads (Ray's channels
-    are made by their writer)."""
+    are made by their writer), listen on a Unix socket."""
 
     def channel_to(self, reader, size: int):
         import ray
@@ -58,6 +58,51 @@ class Side:
 
         context = ray.get_runtime_context()
         return Channel(context.current_actor, [(reader, context.get_node_id())], size)
+
+    def listen(self) -> str:
+        from multiprocessing.connection import Listener
+
+        path = os.path.join(tempfile.mkdtemp(), "rollout.sock")
+        self.listener = Listener(path, family="AF_UNIX")
+        return path
+
+
+class Waiter(Side):
+    """The CPU a side burns while it waits ``seconds`` for a message that does not come."""
+
+    def share(self, start_time: float, start_cpu: float) -> float:
+        return (time.process_time() - start_cpu) / (time.time() - start_time)
+
+    def wait_channel(self, inbox, seconds: float) -> float:
+        inbox.ensure_registered_as_reader()
+        start = (time.time(), time.process_time())
+        try:
+            inbox.read(timeout=seconds)
+        except Exception:  # (the timeout: nothing was written)
+            pass
+        return self.share(*start)
+
+    def wait_socket(self, seconds: float) -> float:
+        with self.listener.accept() as conn:
+            start = (time.time(), time.process_time())
+            conn.poll(seconds)
+            return self.share(*start)
+
+    def wait_call(self, other, seconds: float) -> float:
+        import ray
+
+        start = (time.time(), time.process_time())
+        ray.get(other.sleep.remote(seconds))
+        return self.share(*start)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def hold_socket(self, path: str, seconds: float) -> None:
+        from multiprocessing.connection import Client
+
+        with Client(path, family="AF_UNIX"):
+            time.sleep(seconds + 0.5)
 
 
 class Rollout(Side):
@@ -72,13 +117,6 @@ class Rollout(Side):
         for _ in range(exchanges):
             self.act(inbox.read())
             outbox.write(reply())
-
-    def listen(self) -> str:
-        from multiprocessing.connection import Listener
-
-        path = os.path.join(tempfile.mkdtemp(), "rollout.sock")
-        self.listener = Listener(path, family="AF_UNIX")
-        return path
 
     def serve_socket(self, exchanges: int) -> None:
         with self.listener.accept() as conn:
@@ -169,6 +207,24 @@ def socket(env, rollout, exchanges: int) -> float:
     return seconds
 
 
+def waiting_cpu(seconds: float = 2.0) -> dict[str, float]:
+    """Per mechanism, the share of a core the waiting side uses while nothing comes."""
+    import ray
+
+    waiter = ray.remote(Waiter).options(num_cpus=0.5).remote()
+    other = ray.remote(Waiter).options(num_cpus=0.5).remote()
+    channel = ray.get(other.channel_to.remote(waiter, 10_000))
+    path = ray.get(waiter.listen.remote())
+    socket_wait = waiter.wait_socket.remote(seconds)
+    other.hold_socket.remote(path, seconds)
+    return {
+        "relay": ray.get(waiter.wait_call.remote(other, seconds)),  # (a ray.get, as relays do)
+        "actor call": ray.get(waiter.wait_call.remote(other, seconds)),
+        "ray channel": ray.get(waiter.wait_channel.remote(channel, seconds)),
+        "socket": ray.get(socket_wait),
+    }
+
+
 MECHANISMS = {
     "relay": relay,
     "actor call": actor_call,
@@ -196,12 +252,13 @@ def main() -> None:
             times[name].append(mechanism(env, rollout, args.exchanges) / args.exchanges)
     payload = sum(a.nbytes for a in observation(args.images).values())
     print(f"{args.exchanges} exchanges x {args.repeats} repeats; observations {payload} B")
-    print("| mechanism | ms per exchange (median) | range |")
-    print("|---|---|---|")
+    idle = waiting_cpu()
+    print("| mechanism | ms per exchange (median) | range | CPU of the side that waits |")
+    print("|---|---|---|---|")
     for name, values in times.items():
         low, high = min(values) * 1e3, max(values) * 1e3
         median = statistics.median(values) * 1e3
-        print(f"| {name} | {median:.3f} | {low:.3f}-{high:.3f} |")
+        print(f"| {name} | {median:.3f} | {low:.3f}-{high:.3f} | {idle[name]:.0%} |")
     ray.shutdown()
 
 
