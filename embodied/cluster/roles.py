@@ -49,7 +49,6 @@ from embodied.roles import Roles, WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats, RolloutBatch
 from embodied.run import Interrupted
 from embodied.schema import Observation, PolicyOutput, StepOutput
-from embodied.streams import Stream, resumed
 
 RESTART_TIMEOUT_S = 300.0  # how long a lost worker may take to come back
 # environment variables the workers need as the driver has them (hub access, renderers)
@@ -601,8 +600,10 @@ class RayRoles(Roles):
             if resume is not None:
                 checkpoint = ray.put(resume)  # (one copy for every rank; their streams in it)
                 _get([a.load.remote(checkpoint) for a in actors], "actor")
+                # each inference copy takes its stream from the checkpoint, as the actors do
                 iteration = resume["counters"]["iteration"]
-                self._resume_streams(inferring, role, resume["rng"], iteration)
+                calls = [w.resume_stream.remote(resume["rng"], iteration) for w in inferring]
+                _get(calls, role)
             self.actor = actor
             self.learner = RemoteLearner(
                 actors,
@@ -812,16 +813,6 @@ class RayRoles(Roles):
         stores them."""
         self.streams["actor/0"] = _get(self.actor.stream_state.remote(), "actor")
         return {"streams": dict(self.streams)}
-
-    def _resume_streams(self, inferring: list, role: str, rng: dict, iteration: int) -> None:
-        """The inference workers' streams from a resumed checkpoint (the actors load theirs);
-        one derived afresh for each the checkpoint lacks (``streams.resumed``)."""
-        calls = []
-        for rank, worker in enumerate(inferring):
-            stream = Stream.derived(self.cfg.seed, "rollout", rank)
-            resumed(stream, rng, self.cfg.seed, iteration)
-            calls.append(worker.set_stream.remote(stream.state()))
-        _get(calls, role)
 
     def recover(self, error: WorkerLost, failures: int) -> None:
         """Wait for Ray to restart the lost role's workers, then bring them up to date (a worker

@@ -27,7 +27,7 @@ from embodied.inference import InferencePolicy
 from embodied.models import build_policy
 from embodied.roles import Learner
 from embodied.rollout import EpisodeStats, collect, stage_candidates
-from embodied.streams import Stream
+from embodied.streams import Stream, resumed
 
 COLLECTIVE_TIMEOUT_S = 600  # how long an actor worker waits for the others in a collective
 
@@ -97,6 +97,11 @@ class _Worker:
     def set_stream(self, state: dict) -> None:
         """Continue from ``state`` (a restarted worker: the last completed iteration's)."""
         self.stream.load(state)
+
+    def resume_stream(self, rng: dict, iteration: int) -> None:
+        """The stream as a resumed run continues it from a checkpoint's ``rng`` saved at
+        ``iteration`` (``streams.resumed``)."""
+        resumed(self.stream, rng, self.seed, iteration)
 
     def join_sync(self, address: str, rank: int, size: int, epoch: int) -> None:
         """Join the weight-sync group (``cluster.weight_sync: broadcast``) at the actor's store
@@ -181,6 +186,7 @@ class RolloutWorker(_Worker):
         self.spans = []
         _start(torch_threads)
         self.device = torch.device(device)
+        self.seed = seed
         self.stream = Stream.derived(seed, "rollout", rank)
         policy = build_policy(spec, policy_cfg).to(self.device).eval()
         self.inference = InferencePolicy(policy, stream=self.stream)
