@@ -110,6 +110,26 @@ def collect_round(cfg, roles, stages: int, after_reset=None) -> tuple[int, float
     return envs.num_envs * K * plan.num_chunks, seconds
 
 
+def driver_tcp_bytes() -> int:
+    """Bytes sent and received on this process's TCP sockets (``ss``'s counters for the sockets
+    this pid holds): what passed through the driver at the process level, Ray's gRPC calls and
+    the objects they carry inline included, whatever our own counters say. Objects that Ray
+    hands over in shared memory on the node are not in it (the run's counters have those)."""
+    import re
+    import subprocess
+
+    listing = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
+    owner = f"pid={os.getpid()},"
+    total = 0
+    mine = False
+    for line in listing.splitlines():
+        if line and not line[0].isspace():  # a socket's line; its counters on the next
+            mine = owner in line
+        elif mine:
+            total += sum(int(n) for n in re.findall(r"bytes_(?:sent|received):(\d+)", line))
+    return total
+
+
 def hardware() -> str:
     cpu = platform.processor() or platform.machine()
     return f"{os.cpu_count()} cores, {cpu}, torch {torch.__version__}"
@@ -208,6 +228,11 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("env steps/s (rollout, lockstep)")
     ax.set_xticks(workers)
     ax.set_title(f"PushCube state, 8 envs; {os.cpu_count()} cores")
+    save(fig, ax, path)
+
+
+def save(fig, ax, path: Path) -> None:
+    """The plot with its legend, as a PNG at ``path``."""
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -262,12 +287,13 @@ def pipelining(args) -> dict:
     overrides = [*VLA, "cluster.enabled=true", *args.overrides]
     cfg = config("configs/maniskill/multitask_vla_grpo.yaml", overrides)
     workers = cfg.cluster.env.workers
-    stages_in_worker = workers % 2 != 0  # (2 stages of whole workers need an even count)
+    stages_in_worker = True  # (each env worker splits its own rows: stages of whole workers were
+    # the relay's, before env workers acted through their rollout worker directly)
     roles = build(cfg, on_ray=True)
     other = None  # (config, roles) of the other layout, timed in lockstep beside these
     pairs = []
     try:
-        if roles.envs.stage_split(2, cfg.policy.chunk_size)[0][0] is None:
+        if 2 not in roles.stage_candidates(cfg.policy.chunk_size):
             raise SystemExit("these environments cannot step in 2 stages (they step all at once)")
         if args.lockstep_workers:
             n = args.lockstep_workers
@@ -369,11 +395,20 @@ def main() -> None:
         type=int,
         help="--vla: also time lockstep rounds on this many env workers (a layout of its own)",
     )
+    ap.add_argument("--latency", action="store_true", help="env workers of a sleeping simulator")
+    ap.add_argument("--step-ms", type=float, nargs="+", default=[100.0, 20.0])
+    ap.add_argument("--latency-workers", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--envs-per-worker", type=int, default=2)
     ap.add_argument("overrides", nargs="*", help="config overrides for the --vla run")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
-    result = pipelining(args) if args.vla else scaling(args)
+    if args.latency:
+        from latency_scaling import latency  # (benchmarks/latency_scaling.py)
+
+        result = latency(args)
+    else:
+        result = pipelining(args) if args.vla else scaling(args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

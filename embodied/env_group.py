@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,9 +44,13 @@ class ChunkStep:
 
 
 class EnvGroup:
-    """A VecEnv (a MultiTaskEnv for several tasks) seen as the runner's environment group."""
+    """A VecEnv (a MultiTaskEnv for several tasks) seen as the runner's environment group.
 
-    def __init__(self, env):
+    ``chunks_in_thread``: a stage's chunk of several actions runs in a thread of this process
+    while the caller acts for another stage (a cluster env worker, whose policy answers from
+    another process: the thread simulates while this one waits for it)."""
+
+    def __init__(self, env, chunks_in_thread: bool = False):
         self.env = env
         self.num_envs = env.num_envs
         self.device = torch.device(env.device)
@@ -62,6 +67,9 @@ class EnvGroup:
         self._pending: deque[ChunkStep] = deque()
         # stepping subsets asynchronously (CPU workers) lets a rollout pipeline groups of envs
         self.can_pipeline = bool(getattr(env, "can_step_subsets", False))
+        self.chunks_in_thread = chunks_in_thread
+        self._executor = None  # (made at the first chunk run in a thread)
+        self._running: dict[int, deque[Future]] = {}  # a stage's first row -> its chunks
 
     def reset(self, seed: int | Sequence[int] | None = None) -> Observation:
         """Reset every environment (an int seed gives env b the seed ``seed + b``; a list, one
@@ -81,8 +89,9 @@ class EnvGroup:
         """The rows of each pipeline stage, as (long [n] CPU index, the same rows as a slice);
         [(None, all)] for lockstep. Stage s holds envs s, s + S, ...: every worker holds some of
         each stage, so it always has the next stage's request queued when it finishes one. Only
-        environments that step subsets asynchronously pipeline, one action at a time."""
-        if stages <= 1 or not self.can_pipeline or chunk_size != 1:
+        environments that step subsets asynchronously pipeline: one action at a time, or chunks
+        of any length run in a thread (``chunks_in_thread``)."""
+        if stages <= 1 or not self.can_pipeline or (chunk_size != 1 and not self.chunks_in_thread):
             return [(None, slice(None))]
         return strided_stages(self.num_envs, stages)
 
@@ -95,13 +104,22 @@ class EnvGroup:
             self.env.step_async(actions[:, 0], rows)
             return
         if rows is not None:
-            raise ValueError("pipelined collection executes chunks of one action (K = 1)")
+            if not self.chunks_in_thread:
+                raise ValueError("pipelined collection executes chunks of one action (K = 1)")
+            if self._executor is None:  # (one thread: the stages' chunks run in their order)
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="chunks")
+            running = self._running.setdefault(int(rows[0]), deque())
+            running.append(self._executor.submit(self.execute, actions, rows))
+            return
         self._pending.append(self.execute(actions))
 
     def receive(self, rows: torch.Tensor | None = None) -> ChunkStep:
         """The result of the oldest ``send`` for the same rows."""
         if rows is None:
             return self._pending.popleft()
+        running = self._running.get(int(rows[0]))
+        if running:
+            return running.popleft().result()
         step = self.env.step_wait(rows)
         return _chunk_of(step, n=len(rows))
 
@@ -150,6 +168,8 @@ class EnvGroup:
         return self.env.render()
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(cancel_futures=True)
         self.env.close()
 
 

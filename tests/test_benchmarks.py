@@ -60,3 +60,22 @@ def test_time_to_success_is_the_first_evaluation_at_the_threshold(tmp_path):
     assert got["lower_bound_minutes"] == pytest.approx(200 / 10 / 60)
     never = tts.reached(points, 0.99, raw_rate=None)  # "not reached" is a result: where it ended
     assert not never["reached"] and never["env_steps"] == 300 and never["success"] == 0.95
+
+
+def test_the_sleeping_simulator_passes_the_contract_and_pays_the_first_action():
+    """benchmarks/latency_env.py, the scaling benchmark's latency-bound simulator (0 s steps)."""
+    import torch
+
+    from embodied.contract import check_env
+
+    env = load("latency_env").SleepingEnv(3, step_s=0.0, episode_steps=4)
+    check_env(env)
+    env.reset(seed=0)
+    out = env.step(torch.tensor([[0.5, 0.0], [-1.0, 0.0], [0.25, 1.0]]))
+    assert out.reward.tolist() == [0.5, -1.0, 0.25]
+    assert out.obs.state.tolist() == [[1.0]] * 3
+    for _ in range(3):
+        out = env.step(torch.zeros(3, 2))
+    assert out.truncated.tolist() == [True] * 3 and out.ended.tolist() == [0, 1, 2]
+    assert out.final_obs.state[:, 0].tolist() == [4.0] * 3
+    assert out.obs.state[:, 0].tolist() == [0.0] * 3

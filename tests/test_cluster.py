@@ -21,6 +21,7 @@ from scripted_envs import (
     GRPO,
     TINY_VLA,
     PushRightEnv,
+    Saboteur,
     push_right_envs,
     run_on,
     subset_stepping_envs,
@@ -34,8 +35,6 @@ from embodied.cluster.roles import (
     Evaluation,
     Pending,
     RayRoles,
-    RemoteEnvGroup,
-    RemoteInference,
     RemoteLearner,
 )
 from embodied.config import load_config
@@ -132,15 +131,16 @@ def test_ppo_on_pushcube_gives_the_embedded_numbers(tmp_path, monkeypatch, reque
         for role in ("env", "rollout", "actor"):
             assert row[f"cluster/{role}_busy_s"] > 0
             assert 0 <= row[f"cluster/{role}_idle"] <= 1
-        # a step sends 2 x 8 actions (f32) and 2 observations to the rollout worker, and more
+        # the env worker acts through the rollout worker directly: no observation or action
+        # passes through this process; the round's batch does (a step's 2 x 8 actions, and more)
         assert row["cluster/env_bytes_per_step"] > 2 * 8 * 4
-        assert row["cluster/rollout_bytes_per_step"] > 0
+        assert row["cluster/rollout_bytes_per_step"] == 0
     # the trace of the second iteration: which role did what, when
     trace = json.loads((tmp_path / "ray" / "trace.json").read_text())["traceEvents"]
     names = {e["args"]["name"] for e in trace if e["ph"] == "M"}
     assert names == {"env", "rollout", "actor", "runner"}
     spans = {e["name"] for e in trace if e["ph"] == "X"}
-    assert {"chunk", "act", "update", "collect"} <= spans
+    assert {"serve", "update", "collect"} <= spans
 
 
 @pytest.mark.slow  # (45 s: with its sync fault; the default suite is at its 15-minute budget)
@@ -355,54 +355,52 @@ def roles_on(tmp_path, cluster: dict, policy: dict, env_factory) -> RayRoles:
     return ray_roles(cfg, None, tmp_path, env_factory=env_factory)
 
 
-class Killer:
-    """SIGKILL a role's first worker process on the ``nth`` call of ``method`` on its proxy (the
-    driver's side) after ``updates`` updates, then let the call go on: the worker dies
-    mid-rollout, as in a segfault."""
+class Arming(Recorder):
+    """A ``Recorder`` that arms the saboteur's gates as updates are sent: ``targets[k]`` (the
+    pid to kill, or a function of the run directory giving it) once the k-th update is sent,
+    so that the next round loses a worker at its second step."""
 
-    def __init__(self, proxy: type, method: str, recorder: Recorder, updates: int, nth: int):
-        self.killed = []
-        self.staged = []  # per call: whether it was for one stage's rows
-        original = getattr(proxy, method)
-        calls = []
+    def __init__(self, saboteur: Saboteur, run_dir: Path, targets: dict):
+        super().__init__()
+        recorded = self.start_update
 
-        def wrapped(proxy_self, *args, **kw):
-            self.staged.append(len(args) > 1 and args[1] is not None)
-            if len(recorder.samples) == updates:
-                calls.append(1)
-                if len(calls) == nth:
-                    pid = ray.get(proxy_self.workers[0].ping.remote())
-                    os.kill(pid, signal.SIGKILL)
-                    self.killed.append(pid)
-            return original(proxy_self, *args, **kw)
+        def start_update(learner_self, samples, observations):
+            pending = recorded(learner_self, samples, observations)
+            target = targets.get(len(self.samples))
+            if target is not None:
+                saboteur.arm(len(self.samples), target(run_dir) if callable(target) else target)
+            return pending
 
-        self.wrapped = wrapped
+        self.start_update = start_update
+
+
+def rollout_pid(run_dir: Path) -> int:
+    status = json.loads((run_dir / "cluster.json").read_text())
+    return next(w["pid"] for w in status["workers"] if w["role"] == "rollout")
 
 
 def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_again(
     local_ray, tmp_path, monkeypatch, capsys
 ):
-    """Two env workers, pipelined (each a stage): env worker 0 dies in the second iteration's
-    second chunk, the rollout worker in the third iteration's second chunk."""
-    recorder = Recorder()
-    env_killer = Killer(RemoteEnvGroup, "send", recorder, updates=1, nth=3)
-    rollout_killer = Killer(RemoteInference, "act", recorder, updates=2, nth=3)
+    """Two env workers acting through one rollout worker: an env worker dies at the second step
+    of the second iteration's round (SIGKILL, as in a segfault), the rollout worker at the
+    second step of the third's."""
+    run_dir = tmp_path / "ray"
+    saboteur = Saboteur(tmp_path)
+    recorder = Arming(saboteur, run_dir, {1: "self", 2: rollout_pid})
     monkeypatch.setattr(RemoteLearner, "start_update", recorder.start_update)
-    monkeypatch.setattr(RemoteEnvGroup, "send", env_killer.wrapped)
-    monkeypatch.setattr(RemoteInference, "act", rollout_killer.wrapped)
     iterations = 4
     summary = run_on(
         None,
-        tmp_path / "ray",
+        run_dir,
         total_env_steps=8 * 3 * iterations,
         cluster=TWO_ENV_WORKERS,
-        env_factory=push_right_envs,
+        env_factory=saboteur,
         algorithm=ONE_ROUND,
-        pipeline_stages=2,
     )
-    assert len(env_killer.killed) == 1 and len(rollout_killer.killed) == 1
-    assert all(env_killer.staged)  # each chunk went to one worker's stage while the other ran
-    table = rows(tmp_path / "ray")
+    killed_env, killed_rollout = saboteur.killed(1), saboteur.killed(2)
+    assert killed_env is not None and killed_rollout is not None
+    table = rows(run_dir)
     discarded = [
         (r["iteration"], r["cluster/discarded_rounds"])
         for r in table
@@ -413,14 +411,14 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     assert len([r for r in table if "policy/loss" in r]) == iterations
     assert summary["final"]["eval/episodes"] == 16
     assert summary["env_steps"] == 8 * 3 * iterations  # the lost rounds are not counted
-    status = json.loads((tmp_path / "ray" / "cluster.json").read_text())
+    status = json.loads((run_dir / "cluster.json").read_text())
     assert [e["role"] for e in status["events"]] == ["env", "rollout"]
     pids = {(w["role"], w["index"]): w["pid"] for w in status["workers"]}
-    assert pids[("env", 0)] != env_killer.killed[0]
-    assert pids[("rollout", 0)] != rollout_killer.killed[0]
+    assert killed_env not in (pids[("env", 0)], pids[("env", 1)])
+    assert pids[("rollout", 0)] != killed_rollout
     # `embodied cluster status` shows each worker and the faults
     capsys.readouterr()  # (what the run printed)
-    assert main(["cluster", "status", str(tmp_path / "ray")]) == 0
+    assert main(["cluster", "status", str(run_dir)]) == 0
     shown = capsys.readouterr().out.splitlines()
     assert shown[0].startswith("placement collocated, run ended")
     assert [line.split()[:2] for line in shown[2:6]] == [
@@ -447,17 +445,16 @@ def test_a_role_lost_too_often_stops_the_run_with_a_resumable_checkpoint(
 ):
     """cluster.max_restarts 0: the first lost round stops the run; the last completed
     iteration is saved first."""
-    recorder = Recorder()
-    killer = Killer(RemoteEnvGroup, "send", recorder, updates=1, nth=2)
+    saboteur = Saboteur(tmp_path)
+    recorder = Arming(saboteur, tmp_path / "ray", {1: "self"})
     monkeypatch.setattr(RemoteLearner, "start_update", recorder.start_update)
-    monkeypatch.setattr(RemoteEnvGroup, "send", killer.wrapped)
     with pytest.raises(WorkerLost) as lost:
         run_on(
             None,
             tmp_path / "ray",
             total_env_steps=8 * 3 * 4,
             cluster={**CLUSTER, "max_restarts": 0},
-            env_factory=push_right_envs,
+            env_factory=saboteur,
             algorithm=ONE_ROUND,
         )
     message = str(lost.value)
@@ -507,12 +504,12 @@ def test_asynchronous_collection_overlaps_the_update_one_version_behind(
     assert all(r["policy/behaviour_weight"] > 0 for r in training)
     assert summary["env_steps"] == 8 * 3 * iterations
     assert summary["final"]["eval/episodes"] == 16
-    # the trace shows both roles' calls: the actor's updates and the env worker's chunks
+    # the trace shows the roles' calls: the actor's updates, the env worker's rounds
     trace = json.loads((tmp_path / "ray" / "trace.json").read_text())["traceEvents"]
     role = {e["pid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
     spans = [(role[e["pid"]], e["name"]) for e in trace if e["ph"] == "X"]
     assert ("actor", "update") in spans
-    assert ("env", "chunk") in spans
+    assert ("env", "collect") in spans and ("rollout", "serve") in spans
 
 
 def test_data_parallel_actor_workers_give_the_embedded_numbers_and_a_lost_one_stops_the_run(
@@ -641,23 +638,25 @@ def test_an_evaluation_worker_answers_while_it_evaluates_and_its_loss_loses_one_
 
 @pytest.mark.slow  # (the runner's part is in test_rollout.py, in process)
 def test_pipeline_stages_auto_times_each_split_and_keeps_the_fastest(local_ray, tmp_path, capsys):
-    """Two env workers: lockstep, or two stages of a worker each. The first iteration warms up,
-    the next two time one and two stages, and the faster stays."""
-    iterations = 5
+    """Two env workers whose environments step subsets: lockstep, or 2 or 4 stages of each
+    worker's rows. The first iteration warms up, the next three time 1, 2 and 4 stages, and the
+    fastest stays."""
+    iterations = 6
     run_on(
         None,
         tmp_path / "ray",
         total_env_steps=8 * 3 * iterations,
+        policy={"name": "actor_critic", "hidden_sizes": [8], "use_images": False},
         cluster=TWO_ENV_WORKERS,
-        env_factory=push_right_envs,
+        env_factory=subset_stepping_envs,
         algorithm=ONE_ROUND,
         pipeline_stages="auto",
     )
     table = [r for r in rows(tmp_path / "ray") if "rollout/pipeline_stages" in r]
     used = [int(r["rollout/pipeline_stages"]) for r in table]
-    speed = {used[i]: table[i]["time/env_steps_per_s"] for i in (1, 2)}
+    speed = {used[i]: table[i]["time/env_steps_per_s"] for i in (1, 2, 3)}
     chosen = max(speed, key=speed.get)
-    assert used == [1, 1, 2, chosen, chosen]
+    assert used == [1, 1, 2, 4, chosen, chosen]
     assert f"pipeline_stages auto: {chosen} (collection per 1000 env steps: 1: " in (
         capsys.readouterr().out
     )
@@ -665,16 +664,16 @@ def test_pipeline_stages_auto_times_each_split_and_keeps_the_fastest(local_ray, 
 
 @pytest.mark.slow  # (30 s: four sets of roles; the default suite is at its 15-minute budget)
 def test_auto_stages_are_the_splits_where_the_rounds_are_collected(local_ray, tmp_path):
-    """Relayed, a stage is an env worker, or else rows of every env worker where their
-    environments step subsets (a worker runs a stage's chunk, of any length, in one call). With
-    inference in the env workers each worker splits its own 4 rows: only where its environments
-    step subsets, one action at a time."""
+    """Each env worker collects its own rows' round and splits them into stages where its
+    environments step subsets, chunks of any length (a stage's chunk runs in a thread while
+    the policy acts for another)."""
     # (factory, env workers, rollout workers, candidates for chunks of 1 action, for chunks of 2)
     cases = [
-        (push_right_envs, 2, 1, [1, 2], [1, 2]),
+        (push_right_envs, 2, 1, [1], [1]),
+        (subset_stepping_envs, 2, 1, [1, 2, 4], [1, 2, 4]),
         (subset_stepping_envs, 1, 1, [1, 2, 4, 8], [1, 2, 4, 8]),
         (push_right_envs, 2, 0, [1], [1]),
-        (subset_stepping_envs, 2, 0, [1, 2, 4], [1]),
+        (subset_stepping_envs, 2, 0, [1, 2, 4], [1, 2, 4]),
     ]
     for factory, env_workers, rollout_workers, for_one, for_two in cases:
         cluster = {
@@ -693,8 +692,8 @@ def test_auto_stages_are_the_splits_where_the_rounds_are_collected(local_ray, tm
 
 @pytest.mark.slow  # (8 s: a set of roles)
 def test_one_env_worker_pipelines_its_own_rows_into_the_lockstep_round(local_ray, tmp_path):
-    """One env worker whose environments step subsets runs each stage's chunk of 2 actions in
-    one call while the rollout worker acts for the other stage. The round equals the lockstep
+    """One env worker whose environments step subsets runs each stage's chunk of 2 actions in a
+    thread while the rollout worker acts for the other stage. The round equals the lockstep
     one (the scripted environments' rewards and ends do not depend on the actions), episodes
     that end mid-chunk and on a chunk's last action included."""
     cluster = {**CLUSTER, "env": dict(workers=1, num_cpus=0.5)}
@@ -704,12 +703,12 @@ def test_one_env_worker_pipelines_its_own_rows_into_the_lockstep_round(local_ray
     rounds = {}
     try:
         roles.sync(0)
+        assert 2 in roles.stage_candidates(chunk_size=2)
         for stages in (1, 2):
             envs = roles.envs
             stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
             obs = envs.reset(seed=plan.seeds)
             rounds[stages] = (roles.collect(obs, plan, stats, stages=stages, chunk_size=2), stats)
-        assert [len(rows) for rows, _ in roles.envs.stage_split(2, 2)] == [4, 4]
     finally:
         roles.close()
     (lockstep, lockstep_stats), (staged, staged_stats) = rounds[1], rounds[2]

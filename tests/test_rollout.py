@@ -32,10 +32,12 @@ K = 4
 T = 3
 
 
-def run_rollout(term_at=TERM_AT, chunk=K, chunks=T, stages=1, subsets=False, env=None):
+def run_rollout(
+    term_at=TERM_AT, chunk=K, chunks=T, stages=1, subsets=False, env=None, in_thread=False
+):
     if env is None:
         env = ScriptedEnv(term_at, max_episode_steps=7, can_step_subsets=subsets)
-    envs = EnvGroup(env)
+    envs = EnvGroup(env, chunks_in_thread=in_thread)
     policy = InferencePolicy(ScriptedPolicy(chunk))
     stats = EpisodeStats(env.num_envs, envs.task_names, torch.device("cpu"))
     plan = CollectPlan(
@@ -44,7 +46,9 @@ def run_rollout(term_at=TERM_AT, chunk=K, chunks=T, stages=1, subsets=False, env
         num_chunks=chunks,
         episode_base=0,
     )
-    batch, last = collect(envs, policy, envs.reset(seed=plan.seeds), plan, stats, stages=stages)
+    obs = envs.reset(seed=plan.seeds)
+    batch, last = collect(envs, policy, obs, plan, stats, stages=stages, chunk_size=chunk)
+    envs.close()
     return batch, last, stats
 
 
@@ -153,6 +157,21 @@ def test_pipelined_collection_equals_lockstep():
     lockstep = run_rollout(term_at, chunk=1, chunks=9)
     for stages in (2, 3):
         staged = run_rollout(term_at, chunk=1, chunks=9, stages=stages, subsets=True)
+        assert_same_round(staged, lockstep)
+
+
+def test_chunks_run_in_a_thread_pipeline_into_the_lockstep_round():
+    """A cluster env worker's stages of chunks of K actions: each stage's chunk runs in a thread
+    while the policy acts for another; episodes end mid-chunk and on a chunk's last action."""
+    term_at = [3, 0, 2, 4, 0]
+    lockstep = run_rollout(term_at, chunk=K, chunks=5)
+    for stages in (2, 3):
+        env = ScriptedEnv(term_at, can_step_subsets=True)
+        assert len(EnvGroup(env).stage_split(stages, K)) == 1  # (K > 1: not without a thread)
+        assert len(EnvGroup(env, chunks_in_thread=True).stage_split(stages, K)) == stages
+        staged = run_rollout(
+            term_at, chunk=K, chunks=5, stages=stages, subsets=True, in_thread=True
+        )
         assert_same_round(staged, lockstep)
 
 

@@ -103,6 +103,12 @@ class ClusterConfig:
         for role in ("env", "actor"):
             if getattr(self, role).workers < 1:
                 raise ValueError(f"{role}.workers: must be >= 1, got {getattr(self, role).workers}")
+        if self.rollout.workers > self.env.workers:
+            raise ValueError(
+                f"rollout.workers: each rollout worker serves env workers of its own; "
+                f"{self.rollout.workers} rollout workers for {self.env.workers} env worker(s) "
+                "leave some idle (at most env.workers)"
+            )
         if self.rollout.workers == 0 and self.rollout.num_gpus:
             raise ValueError(
                 "rollout.num_gpus: with rollout.workers 0 the policy infers in the env workers' "

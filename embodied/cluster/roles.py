@@ -1,10 +1,13 @@
 """The run's roles as Ray actors, behind the methods the embedded roles have (embodied/roles.py).
 
-The runner's process (the driver) keeps the loop. It holds proxies: ``RemoteEnvGroup`` fans a
-chunk out to the env workers that own its rows and joins their answers, ``RemoteInference``
-sends observation batches to the rollout workers, ``RemoteLearner`` sends the batch to the actor
-worker. Tensors travel as numpy arrays through Ray's object store (embodied/cluster/wire.py);
-the rollout buffers live on the driver's host.
+The runner's process (the driver) keeps the loop and sends each worker a few calls per
+iteration. A round is collected where the environments are: each env worker runs the embedded
+loop over its rows and acts through the rollout worker that serves it, directly
+(embodied/cluster/direct.py), or with a policy copy of its own (``rollout.workers: 0``); the
+driver sends the plan and gets the batch. ``RemoteLearner`` sends the batch to the actor
+workers. Evaluations step through ``RemoteVecEnv`` and ``RemoteInference`` from here, one
+action at a time. Tensors travel as numpy arrays through Ray's object store
+(embodied/cluster/wire.py).
 
 Each worker draws from a random stream of its own, derived from (seed, role, rank) as the
 embedded run derives its one shard's (embodied/streams.py): a run with one worker per role draws
@@ -22,13 +25,13 @@ import json
 import os
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
 
 from embodied.checkpoint import staging_dir
 from embodied.cluster.config import ROLES, ClusterConfig
+from embodied.cluster.direct import members_of
 from embodied.cluster.placement import place
 from embodied.cluster.status import STATUS_FILE
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
@@ -41,7 +44,6 @@ from embodied.cluster.workers import (
     RolloutWorker,
 )
 from embodied.config import ConfigError, to_dict
-from embodied.env_group import ChunkStep, strided_stages
 from embodied.evaluate import evaluate_by_task, pooled_summary, split_episodes
 from embodied.multitask import join_steps, joined_spec, shared_privileged
 from embodied.numerics import PINNED_ENV
@@ -199,43 +201,8 @@ class RemoteEnvGroup:
         ]
         # per worker: its task ids -> the run's (long [its tasks])
         self.task_index = [torch.tensor([names.index(n) for n in f["task_names"]]) for f in facts]
-        self.can_pipeline = all(f["can_pipeline"] for f in facts)
         self.instructions: tuple[str, ...] = ()
-        self._pending: dict = {}
         self.traffic = Traffic()
-
-    def _parts(self, rows: torch.Tensor | None) -> list[tuple[int, torch.Tensor | None, slice]]:
-        """(worker, its local rows or None for all, the positions in the request) per worker
-        that owns some of ``rows`` (long [n] ascending, or None for every row)."""
-        if rows is None:
-            return [
-                (w, None, slice(lo, hi))
-                for w, (lo, hi) in enumerate(zip(self.bounds, self.bounds[1:]))
-            ]
-        cuts = torch.searchsorted(rows, torch.tensor(self.bounds)).tolist()
-        parts = []
-        for w in range(len(self.workers)):
-            start, stop = cuts[w], cuts[w + 1]
-            if stop == start:
-                continue
-            whole = stop - start == self.bounds[w + 1] - self.bounds[w]
-            local = None if whole else rows[start:stop] - self.bounds[w]
-            parts.append((w, local, slice(start, stop)))
-        return parts
-
-    def stage_split(self, stages: int, chunk_size: int) -> list[tuple[torch.Tensor | None, slice]]:
-        """Pipeline stages of whole env workers when their count divides into ``stages``; else
-        strided rows where every worker's environments step subsets; else lockstep. A worker
-        runs a stage's chunk (of any length) in one call while the rollout workers act for
-        another stage, so one env worker can pipeline its own environments."""
-        W = len(self.workers)
-        if stages > 1 and W >= stages and W % stages == 0:
-            per = W // stages
-            blocks = [(self.bounds[s * per], self.bounds[(s + 1) * per]) for s in range(stages)]
-            return [(torch.arange(lo, hi), slice(lo, hi)) for lo, hi in blocks]
-        if stages <= 1 or not self.can_pipeline:
-            return [(None, slice(None))]
-        return strided_stages(self.num_envs, stages)
 
     def reset(self, seed=None) -> Observation:
         B = self.num_envs
@@ -261,28 +228,6 @@ class RemoteEnvGroup:
         lo, hi = self.bounds[w], self.bounds[w + 1]
         return list(dict.fromkeys(self.task_names[t] for t in self.task_of_env[lo:hi].tolist()))
 
-    def send(self, actions: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        key = None if rows is None else (int(rows[0]), len(rows))
-        calls = []
-        for w, local, at in self._parts(rows):
-            wired = to_wire(actions[at])
-            self.traffic.bytes += wire_bytes(wired)
-            calls.append((at, self.workers[w].chunk.remote(wired, to_wire(local))))
-        self._pending.setdefault(key, deque()).append(calls)
-
-    def receive(self, rows: torch.Tensor | None = None) -> ChunkStep:
-        key = None if rows is None else (int(rows[0]), len(rows))
-        calls = self._pending[key].popleft()
-        answers = self._wait([ref for _, ref in calls])
-        self.traffic.bytes += wire_bytes(answers)
-        self.traffic.rows += self.num_envs if rows is None else len(rows)
-        steps = [from_wire(s) for s in answers]
-        return _join_chunks([at.start for at, _ in calls], steps)
-
-    def drop_pending(self) -> None:
-        """Forget the chunks in flight (a worker was lost: the round starts again)."""
-        self._pending.clear()
-
     def _wait(self, refs: list):
         t0 = time.perf_counter()
         answers = _get(refs, "env")
@@ -296,23 +241,6 @@ class RemoteEnvGroup:
             ray.get([w.close.remote() for w in self.workers], timeout=30)
         except Exception:  # a dead or hung worker: it is killed with the rest
             pass
-
-
-def _join_chunks(starts: list[int], steps: list[ChunkStep]) -> ChunkStep:
-    """One ``ChunkStep`` from the parts of a request; ``starts``: each part's first position."""
-    if len(steps) == 1:
-        return steps[0]
-    ended = [s.ended + start for start, s in zip(starts, steps)]
-    finals = [s.final_obs for s in steps if s.final_obs is not None]
-    return ChunkStep(
-        obs=Observation.cat([s.obs for s in steps]),
-        reward=torch.cat([s.reward for s in steps]),
-        terminated=torch.cat([s.terminated for s in steps]),
-        truncated=torch.cat([s.truncated for s in steps]),
-        success=torch.cat([s.success for s in steps]),
-        ended=torch.cat(ended),
-        final_obs=Observation.cat(finals) if finals else None,
-    )
 
 
 class RemoteVecEnv:
@@ -613,6 +541,10 @@ class RayRoles(Roles):
             )
             has_critic = _get(inferring[0].has_critic.remote(), "rollout")
             self.inference = RemoteInference(inferring, has_critic, role)
+            # which env workers each rollout worker serves, in lockstep (direct.py)
+            self.members = members_of(len(rollouts), len(env_workers))
+            if not self.in_env:
+                self._connect()
             self.streams: dict[str, dict] = {}  # each worker's as the last round left it
             self._collected(_get([w.stream_state.remote() for w in inferring], role))
             self.full_sync = True  # the rollout workers hold random weights until the first sync
@@ -668,10 +600,8 @@ class RayRoles(Roles):
         return _get(nbytes, "actor")
 
     def stage_candidates(self, chunk_size: int) -> list[int]:
-        """With ``rollout.workers: 0`` each env worker splits its own rows into stages: the
-        counts that every worker's environments can split into."""
-        if not self.in_env:
-            return super().stage_candidates(chunk_size)
+        """Each env worker splits its own rows into stages: the counts that every worker's
+        environments can split into."""
         calls = [w.stage_candidates.remote(chunk_size) for w in self.envs.workers]
         answers = _get(calls, "env")
         return [s for s in answers[0] if all(s in theirs for theirs in answers)]
@@ -686,44 +616,56 @@ class RayRoles(Roles):
         chunk_size: int = 1,
         should_stop=None,
     ) -> RolloutBatch:
-        """A round from ``obs`` (after ``envs.reset``), as ``rollout.collect``: this process
-        relays every chunk between the env and rollout workers, or (``rollout.workers: 0``)
-        each env worker collects its rows' round with its own policy copy."""
-        if not self.in_env:
-            batch = super().collect(
-                obs, plan, stats, stages=stages, chunk_size=chunk_size, should_stop=should_stop
-            )
-            calls = [w.stream_state.remote() for w in self.inference.workers]
-            self._collected(_get(calls, "rollout"))
-            return batch
-        import ray
-
+        """A round from the last ``envs.reset``, as ``rollout.collect``: each env worker collects
+        its rows' round, acting through the rollout worker that serves it or (``rollout.workers:
+        0``) with its own policy copy; this process sends the plan and gets the batches."""
         envs = self.envs
         parts = [plan.part(lo, hi) for lo, hi in zip(envs.bounds, envs.bounds[1:])]
         sent = [to_wire(part) for part in parts]
-        refs = [
+        env_calls = [
             worker.collect.remote(wired, stages, chunk_size)
             for worker, wired in zip(envs.workers, sent)
         ]
-        waiting = refs
-        while waiting:
-            if should_stop is not None and should_stop():
-                raise Interrupted  # (the workers finish their round; nothing of it is kept)
-            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=0.2)
-        answers = envs._wait(refs)
+        serve_calls = [] if self.in_env else [w.serve.remote() for w in self.workers["rollout"]]
+        answers, served = self._wait_round(env_calls, serve_calls, should_stop)
         envs.traffic.bytes += wire_bytes(sent) + wire_bytes(answers)
         envs.traffic.rows += envs.num_envs * plan.num_chunks
         batches = []
-        streams = []
+        streams = served
         for index, (batch, totals, stream) in zip(envs.task_index, map(from_wire, answers)):
             batch.task_id = index[batch.task_id]  # the worker's task ids -> the run's
             stats.totals.index_add_(1, index.to(stats.totals.device), totals)
             batches.append(batch)
-            streams.append(stream)
+            if self.in_env:
+                streams.append(stream)
         self._collected(streams)
         merged = RolloutBatch.cat_envs(batches)
         merged.instructions = envs.instructions
         return merged
+
+    def _wait_round(self, env_calls: list, serve_calls: list, should_stop) -> tuple[list, list]:
+        """The answers of a round's calls: (the env workers', the rollout workers'). When a
+        worker dies its peers' calls end too (their connections close); the dead worker's role
+        is the one lost (``WorkerLost``), not the peers' broken connections."""
+        import ray
+
+        waiting = env_calls + serve_calls
+        while waiting:
+            if should_stop is not None and should_stop():
+                raise Interrupted  # (the workers finish their round; nothing of it is kept)
+            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=0.2)
+        for role, calls in (("env", env_calls), ("rollout", serve_calls)):
+            for call in calls:
+                try:
+                    ray.get(call)
+                except ray.exceptions.RayActorError as error:
+                    raise _lost(role, error) from None
+                except ray.exceptions.RayTaskError:
+                    pass  # (a broken connection to a lost peer, or the error raised below)
+        t0 = time.perf_counter()
+        answers = ray.get(env_calls)
+        self.envs.traffic.wait_s += time.perf_counter() - t0
+        return answers, ray.get(serve_calls)
 
     def evaluate(self, **kw) -> dict[str, dict]:
         """``evaluate_by_task`` through the env and rollout workers; a worker lost midway
@@ -838,7 +780,6 @@ class RayRoles(Roles):
 
     def _restore(self) -> None:
         """The restarted workers seeded, in the weight-sync group and holding the weights."""
-        self.envs.drop_pending()
         for role in ("env", "rollout"):
             for worker in self.workers[role]:
                 self._wait_alive(role, worker)
@@ -853,9 +794,25 @@ class RayRoles(Roles):
             self._join_sync()
         self.full_sync = True
         self._send_weights(self.inference.version)
+        if not self.in_env:
+            self._connect()
         for role in self.workers:
             self.placed[role] = self._ask(role, "where") or self.placed[role]
         self._write_status()
+
+    def _connect(self) -> None:
+        """Each env worker connects to the rollout worker that serves it (``members``), all of
+        them afresh (embodied/cluster/direct.py)."""
+        rollouts = self.workers["rollout"]
+        addresses = _get([w.listen.remote() for w in rollouts], "rollout")
+        accepted = [w.accept.remote(len(m)) for w, m in zip(rollouts, self.members)]
+        calls = [
+            self.envs.workers[env].connect.remote(address, key, member, self.inference.has_critic)
+            for (address, key), served in zip(addresses, self.members)
+            for member, env in enumerate(served)
+        ]
+        _get(calls, "env")
+        _get(accepted, "rollout")
 
     def _join_sync(self) -> None:
         """The actor (rank 0) and the inference workers form a new weight-sync group."""

@@ -20,6 +20,7 @@ import torch
 
 from embodied import numerics
 from embodied.checkpoint import frozen_keys
+from embodied.cluster import direct
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.env_group import EnvGroup
 from embodied.evaluate import evaluate_by_task
@@ -132,7 +133,7 @@ class EnvWorker(_Worker):
 
             factory = make_env
         self.env = factory(env_cfg)
-        self.group = EnvGroup(self.env)
+        self.group = EnvGroup(self.env, chunks_in_thread=True)
 
     def facts(self) -> dict:
         group = self.group
@@ -150,7 +151,7 @@ class EnvWorker(_Worker):
         """Observe only the privileged ``keys``: those every env worker's tasks have, as one
         multi-task environment of all of them would (this worker's is one of its tasks)."""
         self.env.keep_privileged(keys)
-        self.group = EnvGroup(self.env)
+        self.group = EnvGroup(self.env, chunks_in_thread=True)
 
     @timed
     def reset(self, seeds: list[int] | None):
@@ -173,6 +174,48 @@ class EnvWorker(_Worker):
     def render(self):
         frames = self.env.render()
         return None if frames is None else to_wire(frames)
+
+    # --- rounds collected here (the embedded loop), acting through the rollout worker -------
+    def connect(self, address, key: bytes, member: int, has_critic: bool) -> None:
+        """Act through the rollout worker listening at ``address``, as its ``member``-th env
+        worker (embodied/cluster/direct.py)."""
+        old = getattr(self, "inference", None)
+        if old is not None:
+            old.close()
+        connection = direct.connect(address, key, member)
+        self.inference = direct.DirectInference(connection, self.group.device, has_critic)
+
+    def stage_candidates(self, chunk_size: int) -> list[int]:
+        return stage_candidates(self.group, chunk_size)
+
+    @timed
+    def collect(self, plan, stages: int, chunk_size: int):
+        """A round from the last reset: (RolloutBatch, its finished episodes' totals f32
+        [4, this worker's tasks], the inference copy's stream after it where it lives here);
+        task ids in the batch are this worker's."""
+        inference = self.inference
+        stats = EpisodeStats(self.group.num_envs, self.group.task_names, inference.device)
+        try:
+            batch, _ = collect(
+                self.group,
+                inference,
+                self.obs,
+                from_wire(plan),
+                stats,
+                stages=stages,
+                chunk_size=chunk_size,
+            )
+        except BaseException:
+            if isinstance(inference, direct.DirectInference):
+                inference.close()  # (the rollout worker's round ends too)
+            raise
+        if isinstance(inference, direct.DirectInference):
+            inference.end_round()
+        return to_wire((batch, stats.totals, self.stream_after()))
+
+    def stream_after(self) -> dict | None:
+        """The stream of the inference copy in this process (none: it is a rollout worker's)."""
+        return None
 
     def close(self) -> None:
         self.group.close()
@@ -222,6 +265,34 @@ class RolloutWorker(_Worker):
     def get_version(self) -> int:
         return self.version
 
+    # --- serving env workers directly (embodied/cluster/direct.py) ----------------------------
+    def listen(self) -> tuple:
+        """Listen for this worker's env workers afresh (those of a lost round are dropped):
+        (address, key)."""
+        import ray
+
+        for connection in getattr(self, "members", []):
+            connection.close()
+        self.members = []
+        if getattr(self, "listener", None) is not None:
+            self.listener.close()
+        self.listener, address, key = direct.listen(ray.util.get_node_ip_address())
+        return address, key
+
+    def accept(self, members: int) -> None:
+        self.members = direct.accept(self.listener, members)
+
+    @timed
+    def serve(self) -> dict:
+        """One round of the env workers connected to this one; the stream's state after it."""
+        try:
+            direct.serve(self.members, self.inference)
+        except BaseException:
+            for connection in self.members:  # (the members' rounds end too)
+                connection.close()
+            raise
+        return self.stream.state()
+
     def has_critic(self) -> bool:
         return self.inference.has_critic
 
@@ -240,25 +311,8 @@ class EnvRolloutWorker(EnvWorker, RolloutWorker):
         spec = self.group.spec
         RolloutWorker.__init__(self, policy_cfg, spec, device, torch_threads, seed, rank)
 
-    def stage_candidates(self, chunk_size: int) -> list[int]:
-        return stage_candidates(self.group, chunk_size)
-
-    @timed
-    def collect(self, plan, stages: int, chunk_size: int):
-        """A round from the last reset: (RolloutBatch, its finished episodes' totals f32
-        [4, this worker's tasks], the stream's state after it); task ids in the batch are this
-        worker's."""
-        stats = EpisodeStats(self.group.num_envs, self.group.task_names, self.device)
-        batch, _ = collect(
-            self.group,
-            self.inference,
-            self.obs,
-            from_wire(plan),
-            stats,
-            stages=stages,
-            chunk_size=chunk_size,
-        )
-        return to_wire((batch, stats.totals, self.stream.state()))
+    def stream_after(self):
+        return self.stream.state()
 
 
 class EvalWorker(_Worker):

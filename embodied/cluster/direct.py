@@ -1,0 +1,136 @@
+"""Observations and actions between env workers and rollout workers, without the driver.
+
+An env worker collects its rows' round itself (``rollout.collect``, the embedded loop); where the
+policy lives in a rollout worker, its ``act`` and ``value`` go through a connection of its own to
+that worker (``multiprocessing.connection`` over TCP: one mechanism within a node and across
+nodes; the waiting side sleeps in the kernel, where a Ray channel's reader spins a core, and a
+worker-to-worker actor call costs 6x as much: docs/benchmarks.md, ``benchmarks/channels.py``).
+
+A rollout worker serves a fixed list of env workers (its members) in lockstep: it takes one act
+request from each member in order, acts once on their observations joined, and answers each its
+rows, so the batch and its draws are those of one policy acting on all their rows, whatever the
+timing. Value requests draw nothing: they are answered as they come. The round ends when every
+member has said so. A member lost midway closes its connection: the rollout worker's read ends
+and so does the round (and the reverse), so nothing waits for a dead peer.
+"""
+
+from __future__ import annotations
+
+import secrets
+from multiprocessing.connection import Client, Connection, Listener
+
+import torch
+
+from embodied.cluster.wire import from_wire, to_wire
+from embodied.inference import InferencePolicy
+from embodied.schema import Observation, PolicyOutput
+
+ACT = "act"
+VALUE = "value"
+END = "end"
+
+
+class DirectInference:
+    """An env worker's view of its rollout worker's policy: ``act`` and ``value`` as an
+    ``InferencePolicy`` has them, each a request and its answer over ``connection``. The
+    observations and the answers stay on ``device`` (the env worker's)."""
+
+    def __init__(self, connection: Connection, device: torch.device, has_critic: bool):
+        self.connection = connection
+        self.device = device
+        self.has_critic = has_critic
+        self.version = -1  # the weights' version, as the rollout worker's last answer gave it
+
+    def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
+        self.connection.send((ACT, to_wire(obs), deterministic))
+        out, self.version = self.connection.recv()
+        return from_wire(out, self.device)
+
+    def value(self, obs: Observation) -> torch.Tensor:
+        if not self.has_critic:
+            return torch.zeros(obs.batch_size, device=self.device)
+        self.connection.send((VALUE, to_wire(obs)))
+        return from_wire(self.connection.recv(), self.device)
+
+    def end_round(self) -> None:
+        """Tell the rollout worker that this member's round is over."""
+        self.connection.send((END,))
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def listen(host: str) -> tuple[Listener, tuple[str, int], bytes]:
+    """A listener at ``host`` (this node's address) for the members' connections: (it, its
+    address, the key a member must know to connect)."""
+    key = secrets.token_bytes(16)
+    listener = Listener((host, 0), authkey=key)
+    return listener, listener.address, key
+
+
+def connect(address: tuple[str, int], key: bytes, member: int) -> Connection:
+    """A member's connection to the rollout worker at ``address``; the first message says which
+    member it is (connections are accepted in any order)."""
+    connection = Client(tuple(address), authkey=key)
+    connection.send(member)
+    return connection
+
+
+def accept(listener: Listener, members: int) -> list[Connection]:
+    """The ``members`` connections, in member order."""
+    connections: dict[int, Connection] = {}
+    while len(connections) < members:
+        connection = listener.accept()
+        connections[connection.recv()] = connection
+    return [connections[m] for m in range(members)]
+
+
+def serve(connections: list[Connection], inference: InferencePolicy) -> int:
+    """One round for the members at ``connections`` (see the module docstring); returns the act
+    requests served. A member that asks for something else than the others, or leaves, ends it
+    with ``ConnectionError``."""
+    device = inference.device
+    served = 0
+    while True:
+        requests = [_next_act(member, c, inference) for member, c in enumerate(connections)]
+        kinds = {request[0] for request in requests}
+        if kinds == {END}:
+            return served
+        if kinds != {ACT} or len({request[2] for request in requests}) > 1:
+            raise ConnectionError(f"env workers out of step: {[r[0] for r in requests]}")
+        parts = [from_wire(request[1], device) for request in requests]
+        out = inference.act(Observation.cat(parts), deterministic=requests[0][2])
+        lo = 0
+        for connection, part in zip(connections, parts):
+            hi = lo + part.batch_size
+            connection.send((to_wire(_rows(out, lo, hi)), inference.version))
+            lo = hi
+        served += 1
+
+
+def _next_act(member: int, connection: Connection, inference: InferencePolicy) -> tuple:
+    """The member's next act (or end) request; value requests before it answered at once."""
+    while True:
+        try:
+            request = connection.recv()
+        except (EOFError, OSError):
+            raise ConnectionError(f"env worker {member} of this rollout worker left") from None
+        if request[0] != VALUE:
+            return request
+        value = inference.value(from_wire(request[1], inference.device))
+        connection.send(to_wire(value))
+
+
+def _rows(out: PolicyOutput, lo: int, hi: int) -> PolicyOutput:
+    return PolicyOutput(
+        actions=out.actions[lo:hi],
+        logprob=out.logprob[lo:hi],
+        value=out.value[lo:hi],
+        extras={k: v[lo:hi] for k, v in out.extras.items()},
+    )
+
+
+def members_of(rollout_workers: int, env_workers: int) -> list[range]:
+    """Which env workers each rollout worker serves: contiguous, as even as can be."""
+    R, W = rollout_workers, env_workers
+    return [range(W * r // R, W * (r + 1) // R) for r in range(R)]
