@@ -28,6 +28,7 @@ from embodied.schema import Observation, PolicyOutput
 ACT = "act"
 VALUE = "value"
 END = "end"
+BACKLOG = 1024  # connections a listener queues (the default, 1, loses some of 8 at once)
 
 
 class DirectInference:
@@ -64,7 +65,9 @@ def listen(host: str) -> tuple[Listener, tuple[str, int], bytes]:
     """A listener at ``host`` (this node's address) for the members' connections: (it, its
     address, the key a member must know to connect)."""
     key = secrets.token_bytes(16)
-    listener = Listener((host, 0), authkey=key)
+    # a backlog for every member connecting at once: beyond it a connection can be dropped
+    # after the member thinks it is made, and the member would wait for its handshake forever
+    listener = Listener((host, 0), backlog=BACKLOG, authkey=key)
     return listener, listener.address, key
 
 
