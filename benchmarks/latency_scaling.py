@@ -53,7 +53,7 @@ def latency(args) -> dict:
     """Env workers 1, 2, 4, ... of a latency-bound simulator against the ideal line (W times
     one worker's rate), per step time; and what passed through this process per step."""
     from embodied.cluster.config import ClusterConfig
-    from embodied.cluster.roles import start_ray
+    from embodied.cluster.start import start_ray
 
     start_ray(ClusterConfig(num_cpus=8))  # (logical CPUs: the sleeping workers need none)
     results = []

@@ -5,8 +5,8 @@ Side by side in one run (every configuration is built once and the measurements 
 the shared machine's drift hits them alike; the median over repeats is reported):
   embedded W   one process, the simulators in W subprocess workers (``env.num_workers: W``)
   ray W        the roles on a local Ray: W env workers (each simulating its share in its own
-               process), a rollout worker, an actor worker (``cluster.env.workers: W``); this
-               process relays every chunk between the env and rollout workers
+               process), a rollout worker, an actor worker (``cluster.env.workers: W``); each
+               env worker collects its round and acts through the rollout worker directly
   in-env W     the same with the policy's inference copy in each env worker's process
                (``cluster.rollout.workers: 0``): each env worker collects its round itself
   ideal        W times the 1-worker rate of the same kind
@@ -153,7 +153,7 @@ def measure(cases: dict, repeats: int) -> dict[str, list[float]]:
 
 def scaling(args) -> dict:
     from embodied.cluster.config import ClusterConfig
-    from embodied.cluster.roles import start_ray
+    from embodied.cluster.start import start_ray
 
     start_ray(ClusterConfig(num_cpus=8))  # logical CPUs: every configuration is placed at once
     cases = {}
@@ -197,7 +197,7 @@ def scaling(args) -> dict:
         )
     print("\nPushCube state, 8 envs, rounds of 50 steps, lockstep; " + hardware())
     print(
-        "| env workers | embedded steps/s | Ray, relayed | overhead | Ray, inference in the "
+        "| env workers | embedded steps/s | Ray, direct | overhead | Ray, inference in the "
         "env workers | overhead | ideal (embedded) |"
     )
     print("|---|---|---|---|---|---|---|")
@@ -221,7 +221,7 @@ def plot(rows: list[dict], path: Path) -> None:
     workers = [r["workers"] for r in rows]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(workers, [r["embedded"] for r in rows], "o-", label="embedded (subprocess workers)")
-    ax.plot(workers, [r["ray"] for r in rows], "s-", label="Ray, relayed per chunk")
+    ax.plot(workers, [r["ray"] for r in rows], "s-", label="Ray, acting through a rollout worker")
     ax.plot(workers, [r["in_env"] for r in rows], "^-", label="Ray, inference in env workers")
     ax.plot(workers, [r["ideal_embedded"] for r in rows], "k--", label="ideal")
     ax.set_xlabel("environment workers")
@@ -281,7 +281,7 @@ def pipelining(args) -> dict:
     """Lockstep and pipelined rounds alternate; each pair gives a speedup, and the pipelined
     round's busy seconds give its bound."""
     from embodied.cluster.config import ClusterConfig
-    from embodied.cluster.roles import start_ray
+    from embodied.cluster.start import start_ray
 
     start_ray(ClusterConfig(num_cpus=8))
     overrides = [*VLA, "cluster.enabled=true", *args.overrides]

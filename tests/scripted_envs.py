@@ -306,7 +306,8 @@ def push_right_envs(env_cfg) -> PushRightEnv:
 class Saboteur:
     """A cluster env worker's ``PushRightEnv`` that kills a process mid-round when the test arms
     it (a cluster's ``env_factory``). The test writes ``DIR/armed-<n>`` holding the pid to kill
-    (``self``: the env worker that finds it). The first environment that reaches the second step
+    (``self``: the env worker that finds it; ``raise``: no kill, the step raises, as a simulator
+    with a bug). The first environment that reaches the second step
     of a round claims it (``DIR/claimed-<n>``, its process id inside), sends SIGKILL and steps
     on; a process restarted afterwards finds it claimed."""
 
@@ -324,7 +325,8 @@ class Saboteur:
     def killed(self, n: int) -> int | None:
         """The pid of the process that claimed gate ``n`` (it killed itself, or the armed pid)."""
         path = Path(self.gate_dir) / f"claimed-{n}"
-        return int(path.read_text()) if path.exists() else None
+        text = path.read_text() if path.exists() else ""
+        return int(text) if text else None
 
 
 class SabotagedPushRightEnv(PushRightEnv):
@@ -348,6 +350,9 @@ class SabotagedPushRightEnv(PushRightEnv):
                 except FileExistsError:
                     continue
                 target = armed.read_text()
+                if target == "raise":
+                    os.close(handle)
+                    raise RuntimeError("the simulator broke")
                 pid = os.getpid() if target == "self" else int(target)
                 os.write(handle, str(pid).encode())
                 os.close(handle)

@@ -31,12 +31,9 @@ from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
 from embodied.cluster import roles as cluster_roles
 from embodied.cluster.config import ClusterConfig, RoleConfig
-from embodied.cluster.roles import (
-    Evaluation,
-    Pending,
-    RayRoles,
-    RemoteLearner,
-)
+from embodied.cluster.evaluation import Evaluation
+from embodied.cluster.learner import Pending, RemoteLearner
+from embodied.cluster.roles import RayRoles
 from embodied.config import load_config
 from embodied.roles import WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats
@@ -74,7 +71,7 @@ TIMING = ("time/", "cluster/", "eval/policy_ms", "eval/env_steps_per_s")
 
 @pytest.fixture(scope="module")
 def local_ray():
-    from embodied.cluster.roles import start_ray
+    from embodied.cluster.start import start_ray
 
     start_ray(ClusterConfig(num_cpus=2))
     yield
@@ -438,6 +435,29 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     # one episode per environment and round: nothing of the lost rounds was counted
     counts = [r["episode/count"] for r in table if "episode/count" in r]
     assert counts == [8.0] * iterations
+
+
+def test_a_simulator_error_mid_round_ends_the_round_with_that_error(local_ray, tmp_path):
+    """An env worker's simulator raises at a round's second step: its rollout worker and the
+    other env worker lose their links, and the round ends with the simulator's own error, not
+    theirs."""
+    import ray
+
+    saboteur = Saboteur(tmp_path)
+    policy = {"name": "actor_critic", "hidden_sizes": [8], "use_images": False}
+    roles = roles_on(tmp_path, TWO_ENV_WORKERS, policy, saboteur)
+    plan = CollectPlan(seeds=3, group_of_env=torch.full((8,), -1), num_chunks=3, episode_base=0)
+    try:
+        roles.sync(0)
+        saboteur.arm(1, "raise")
+        stats = EpisodeStats(8, roles.envs.task_names, torch.device("cpu"))
+        obs = roles.envs.reset(seed=plan.seeds)
+        with pytest.raises(ray.exceptions.RayTaskError, match="the simulator broke") as error:
+            roles.collect(obs, plan, stats)
+        assert isinstance(error.value.cause, RuntimeError)
+        assert (tmp_path / "claimed-1").exists() and saboteur.killed(1) is None  # (no kill)
+    finally:
+        roles.close()
 
 
 def test_a_role_lost_too_often_stops_the_run_with_a_resumable_checkpoint(
@@ -941,7 +961,7 @@ def test_roles_without_num_cpus_share_the_cpus_the_cluster_has(roles, nodes, pla
 
 
 def test_env_configs_split_by_rows_and_tasks():
-    from embodied.cluster.roles import split_env
+    from embodied.cluster.envs import split_env
     from embodied.config import ConfigError
     from embodied.simulators.maniskill import ManiSkillConfig
 

@@ -7,7 +7,7 @@ import pytest
 from scripted_envs import GRPO, push_right_envs, run_on
 
 from embodied.cluster.config import ClusterConfig
-from embodied.cluster.roles import start_ray
+from embodied.cluster.start import start_ray
 
 ray = pytest.importorskip("ray")
 

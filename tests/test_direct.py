@@ -68,7 +68,7 @@ def test_lockstep_serving_answers_each_member_its_rows_of_one_act():
     threads = [threading.Thread(target=member, args=(m,)) for m in range(2)]
     for thread in threads:
         thread.start()
-    served_acts = direct.serve(served, inference)
+    served_acts, _ = direct.serve(served, inference)
     for thread in threads:
         thread.join()
     assert served_acts == 3 and policy.calls == 3  # one call per lockstep act, not per member

@@ -17,6 +17,7 @@ and so does the round (and the reverse), so nothing waits for a dead peer.
 from __future__ import annotations
 
 import secrets
+import time
 from multiprocessing.connection import Client, Connection, Listener
 
 import torch
@@ -41,17 +42,24 @@ class DirectInference:
         self.device = device
         self.has_critic = has_critic
         self.version = -1  # the weights' version, as the rollout worker's last answer gave it
+        self.waited_s = 0.0  # seconds spent waiting for answers (not this worker's work)
 
     def act(self, obs: Observation, *, deterministic: bool = False) -> PolicyOutput:
         self.connection.send((ACT, to_wire(obs), deterministic))
-        out, self.version = self.connection.recv()
+        out, self.version = self._answer()
         return from_wire(out, self.device)
 
     def value(self, obs: Observation) -> torch.Tensor:
         if not self.has_critic:
             return torch.zeros(obs.batch_size, device=self.device)
         self.connection.send((VALUE, to_wire(obs)))
-        return from_wire(self.connection.recv(), self.device)
+        return from_wire(self._answer(), self.device)
+
+    def _answer(self):
+        t0 = time.perf_counter()
+        answer = self.connection.recv()
+        self.waited_s += time.perf_counter() - t0
+        return answer
 
     def end_round(self) -> None:
         """Tell the rollout worker that this member's round is over."""
@@ -88,17 +96,21 @@ def accept(listener: Listener, members: int) -> list[Connection]:
     return [connections[m] for m in range(members)]
 
 
-def serve(connections: list[Connection], inference: InferencePolicy) -> int:
+def serve(connections: list[Connection], inference: InferencePolicy) -> tuple[int, float]:
     """One round for the members at ``connections`` (see the module docstring); returns the act
-    requests served. A member that asks for something else than the others, or leaves, ends it
-    with ``ConnectionError``."""
+    requests served and the seconds spent waiting for requests (not this worker's work). A
+    member that asks for something else than the others, or leaves, ends it with
+    ``ConnectionError``."""
     device = inference.device
     served = 0
+    waited_s = 0.0
     while True:
+        t0 = time.perf_counter()
         requests = [_next_act(member, c, inference) for member, c in enumerate(connections)]
+        waited_s += time.perf_counter() - t0  # (value answers included: they are brief)
         kinds = {request[0] for request in requests}
         if kinds == {END}:
-            return served
+            return served, waited_s
         if kinds != {ACT} or len({request[2] for request in requests}) > 1:
             raise ConnectionError(f"env workers out of step: {[r[0] for r in requests]}")
         parts = [from_wire(request[1], device) for request in requests]

@@ -8,9 +8,27 @@ import json
 import time
 from pathlib import Path
 
+from embodied.config import to_dict
 from embodied.schema import UserError
 
 STATUS_FILE = "cluster.json"
+
+
+def write_status(run_dir: Path, workers: list[dict], cfg, events: list, ended: float | None):
+    """RUN/cluster.json, atomically: each worker's role, node, process and resources, each role's
+    last heartbeat (when its workers last answered a timing call or a weight sync), the faults so
+    far, when the run ended (None: it runs); ``embodied cluster status RUN`` reads it."""
+    status = {
+        "ended": ended,
+        "placement": cfg.cluster.placement,
+        "cluster": to_dict(cfg.cluster),
+        "workers": workers,
+        "events": events,
+        "updated": time.time(),
+    }
+    tmp = run_dir / (STATUS_FILE + ".tmp")
+    tmp.write_text(json.dumps(status, indent=2))
+    tmp.replace(run_dir / STATUS_FILE)
 
 
 def read_status(run_dir: str | Path) -> dict:

@@ -211,6 +211,8 @@ class EnvWorker(_Worker):
             raise
         if isinstance(inference, direct.DirectInference):
             inference.end_round()
+            self.busy_s -= inference.waited_s  # (waiting for the rollout worker: not busy)
+            inference.waited_s = 0.0
         return to_wire((batch, stats.totals, self.stream_after()))
 
     def stream_after(self) -> dict | None:
@@ -286,11 +288,12 @@ class RolloutWorker(_Worker):
     def serve(self) -> dict:
         """One round of the env workers connected to this one; the stream's state after it."""
         try:
-            direct.serve(self.members, self.inference)
+            _, waited_s = direct.serve(self.members, self.inference)
         except BaseException:
             for connection in self.members:  # (the members' rounds end too)
                 connection.close()
             raise
+        self.busy_s -= waited_s  # (waiting for the env workers' requests: not busy)
         return self.stream.state()
 
     def has_critic(self) -> bool:

@@ -1,0 +1,162 @@
+"""The env workers seen from the driver: the env config each one gets (``split_env``), the group
+as one environment group for resets and facts (``RemoteEnvGroup``), and as one ``VecEnv`` for
+evaluations, which step from here one action at a time (``RemoteVecEnv``). Rounds of training
+are collected in the env workers themselves (embodied/cluster/direct.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from embodied.cluster.calls import Traffic, get
+from embodied.cluster.wire import from_wire, to_wire
+from embodied.config import ConfigError
+from embodied.multitask import join_steps, joined_spec, shared_privileged
+from embodied.schema import Observation, StepOutput
+
+
+def split_env(env_cfg, workers: int) -> list:
+    """The env config of each env worker: its share of ``num_envs`` (and of the tasks, and of the
+    simulator's own subprocess workers: none when the share is one, the env worker simulates
+    itself), in row order."""
+    n = env_cfg.num_envs
+    tasks = list(getattr(env_cfg, "tasks", None) or [])
+    share = {}
+    if getattr(env_cfg, "num_workers", 0):
+        each = max(1, env_cfg.num_workers // workers)
+        # an env worker is a process of its own: a share of one simulator process runs in it
+        # (a subprocess adds a hop to every chunk: 438 vs 515 steps/s, docs/benchmarks.md)
+        share["num_workers"] = 0 if each == 1 else each
+    if workers == 1:
+        return [dataclasses.replace(env_cfg, **share)]
+    if tasks:
+        per_task = n // len(tasks)
+        if len(tasks) % workers == 0:
+            k = len(tasks) // workers
+            return [
+                dataclasses.replace(
+                    env_cfg, tasks=tasks[i * k : (i + 1) * k], num_envs=per_task * k, **share
+                )
+                for i in range(workers)
+            ]
+        if workers % len(tasks) == 0 and per_task % (workers // len(tasks)) == 0:
+            each = per_task // (workers // len(tasks))
+            return [  # (a one-task list: the worker's environment is named by its task)
+                dataclasses.replace(env_cfg, tasks=[task], num_envs=each, **share)
+                for task in tasks
+                for _ in range(workers // len(tasks))
+            ]
+        raise ConfigError(
+            f"cluster.env.workers: {workers} env workers cannot share {len(tasks)} tasks of "
+            f"{per_task} environments evenly; use a divisor or a multiple of the task count"
+        )
+    if n % workers:
+        raise ConfigError(
+            f"cluster.env.workers: {workers} env workers cannot share env.num_envs={n} evenly"
+        )
+    return [dataclasses.replace(env_cfg, num_envs=n // workers, **share) for _ in range(workers)]
+
+
+class RemoteEnvGroup:
+    """The env workers seen as one ``EnvGroup``: rows in worker order, tasks by name."""
+
+    def __init__(self, workers: list, facts: list[dict]):
+        self.workers = workers
+        counts = [f["num_envs"] for f in facts]
+        self.bounds = [sum(counts[:w]) for w in range(len(counts) + 1)]
+        self.num_envs = self.bounds[-1]
+        self.device = torch.device("cpu")  # what the workers send arrives on this host
+        names: list[str] = []
+        for f in facts:
+            names += [name for name in f["task_names"] if name not in names]
+        self.task_names = names
+        # the privileged keys every task has, and each task's instructions, as one multi-task
+        # environment of all of them would observe (each worker's is one of its tasks)
+        specs = {name: f["spec"] for f in facts for name in f["task_names"]}
+        keys = shared_privileged(list(specs.values()))
+        self.spec = joined_spec([specs[name] for name in names], keys)
+        extra = [w for w, f in zip(workers, facts) if sorted(f["spec"].obs.privileged) != keys]
+        get([w.keep_privileged.remote(keys) for w in extra], "env")
+        of_env = [names.index(f["task_names"][t]) for f in facts for t in f["task_of_env"]]
+        self.task_of_env = torch.tensor(of_env, dtype=torch.long)  # long [B] on the CPU
+        self.task_ids = self.task_of_env
+        self.task_ranges = [
+            (int(r[0]), int(r[-1]) + 1)
+            for r in (torch.nonzero(self.task_of_env == t).squeeze(1) for t in range(len(names)))
+        ]
+        # per worker: its task ids -> the run's (long [its tasks])
+        self.task_index = [torch.tensor([names.index(n) for n in f["task_names"]]) for f in facts]
+        self.instructions: tuple[str, ...] = ()
+        self.traffic = Traffic()
+
+    def reset(self, seed=None) -> Observation:
+        B = self.num_envs
+        seeds = [seed + b for b in range(B)] if isinstance(seed, int) else seed
+        refs = [
+            worker.reset.remote(None if seeds is None else list(seeds[lo:hi]))
+            for worker, lo, hi in zip(self.workers, self.bounds, self.bounds[1:])
+        ]
+        answers = [from_wire(a) for a in self._wait(refs)]
+        instructions: dict[str, str] = {}
+        for w, (_, theirs) in enumerate(answers):
+            local_names = self._local_names(w)
+            for name, text in zip(local_names, theirs):
+                if instructions.setdefault(name, text) != text:
+                    raise ValueError(
+                        f"task {name}: its environments have different instructions; the "
+                        "rollout stores one instruction per task"
+                    )
+        self.instructions = tuple(instructions[name] for name in self.task_names)
+        return Observation.cat([obs for obs, _ in answers])
+
+    def _local_names(self, w: int) -> list[str]:
+        lo, hi = self.bounds[w], self.bounds[w + 1]
+        return list(dict.fromkeys(self.task_names[t] for t in self.task_of_env[lo:hi].tolist()))
+
+    def _wait(self, refs: list):
+        t0 = time.perf_counter()
+        answers = get(refs, "env")
+        self.traffic.wait_s += time.perf_counter() - t0
+        return answers
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get([w.close.remote() for w in self.workers], timeout=30)
+        except Exception:  # a dead or hung worker: it is killed with the rest
+            pass
+
+
+class RemoteVecEnv:
+    """The env workers as one ``VecEnv`` (one action per call), for ``evaluate_by_task``."""
+
+    def __init__(self, group: RemoteEnvGroup):
+        self.group = group
+        self.num_envs = group.num_envs
+        self.device = group.device
+        self.spec = group.spec
+        self.names = group.task_names
+        self.task_ranges = group.task_ranges
+
+    def reset(self, *, seed=None, env_ids=None) -> Observation:
+        if env_ids is not None:
+            raise NotImplementedError("evaluation resets every environment")
+        return self.group.reset(seed)
+
+    def step(self, actions: torch.Tensor) -> StepOutput:
+        bounds = self.group.bounds
+        refs = [
+            worker.step.remote(to_wire(actions[lo:hi]))
+            for worker, lo, hi in zip(self.group.workers, bounds, bounds[1:])
+        ]
+        outs = [from_wire(o) for o in self.group._wait(refs)]
+        return outs[0] if len(outs) == 1 else join_steps(outs, bounds[:-1])
+
+    def render(self) -> torch.Tensor | None:
+        frames = self.group._wait([w.render.remote() for w in self.group.workers])
+        if any(f is None for f in frames):
+            return None
+        return torch.cat([from_wire(f) for f in frames])

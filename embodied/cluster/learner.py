@@ -1,0 +1,114 @@
+"""The actor workers seen from the driver: the learner's methods (``RemoteLearner``), an update
+in flight (``Pending``), the ranks joined into one process group (``join_ranks``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from embodied.checkpoint import staging_dir
+from embodied.cluster.calls import get
+from embodied.cluster.wire import to_wire
+from embodied.config import ConfigError
+from embodied.schema import Observation
+
+
+class Pending:
+    """An update running in the actor workers: ``result()`` is rank 0's metrics (every rank
+    has the same), or ``WorkerLost`` as soon as any rank is lost (the others would wait for it
+    in a collective, or fail in one)."""
+
+    def __init__(self, workers: list, refs: list):
+        self.workers = workers
+        self.refs = refs
+
+    def result(self) -> dict:
+        import ray
+
+        waiting = list(self.refs)
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1)
+            try:
+                get(ready[0], "actor")
+            except ray.exceptions.RayTaskError:
+                self._raise_if_one_died()  # a rank's collective failed because a peer died
+                raise
+        return get(self.refs[0], "actor")
+
+    def _raise_if_one_died(self) -> None:
+        import ray
+
+        pings = [worker.ping.remote() for worker in self.workers]
+        answered, _ = ray.wait(pings, num_returns=len(pings), timeout=30)  # busy ones: alive
+        for ping in answered:
+            get(ping, "actor")  # a dead rank's ping answers at once, with the error
+
+
+class RemoteLearner:
+    """The actor workers as the ``Learner``: rank 0 saves and sends the weights; every rank
+    gets the batch (one copy in the object store) and the calls that change its state."""
+
+    def __init__(self, workers: list, lr: float, num_minibatches: int, sharded: bool = False):
+        self.workers = workers
+        self.sharded = sharded  # megatron's TP ranks: each saves its shard of a checkpoint
+        self.num_minibatches = num_minibatches
+        self._lr = lr
+        self.device = torch.device("cpu")
+
+    def init_normalizer(self, obs: Observation) -> None:
+        wired = to_wire(obs)
+        get([w.init_normalizer.remote(wired) for w in self.workers], "actor")
+
+    def update(self, samples, observations: list[Observation]) -> dict:
+        return self.start_update(samples, observations).result()
+
+    def start_update(self, samples, observations: list[Observation]) -> Pending:
+        """The update, running in the actor workers; the handle's ``result()`` waits for it."""
+        import ray
+
+        ranks = 1 if self.sharded else len(self.workers)  # (TP ranks score the same rows)
+        minibatch = max(1, len(samples) // self.num_minibatches) if samples is not None else 0
+        if 0 < minibatch < ranks:  # (as update() cuts minibatches)
+            raise ConfigError(
+                f"cluster.actor.workers: a minibatch of {minibatch} samples cannot be shared by "
+                f"{ranks} actor workers; use fewer actor workers or algorithm.num_minibatches"
+            )
+        batch = ray.put(to_wire(samples))
+        seen = ray.put(to_wire(observations))
+        return Pending(self.workers, [w.update.remote(batch, seen) for w in self.workers])
+
+    def set_lr(self, lr: float) -> None:
+        """Queued behind the update in flight (an actor runs its calls in order): it applies
+        to the next one."""
+        for worker in self.workers:
+            worker.set_lr.remote(lr)
+        self._lr = lr
+
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    def save(self, run_dir: Path, iteration: int, **kw) -> None:
+        """Rank 0's state: data-parallel ranks hold the same weights and optimizer state. TP
+        ranks write their shards where rank 0 stages the checkpoint (a file system they
+        share)."""
+        calls = [self.workers[0].save.remote(str(run_dir), iteration, kw)]
+        if self.sharded:
+            directory = str(staging_dir(run_dir, iteration))
+            calls += [w.write_shards.remote(directory) for w in self.workers[1:]]
+        get(calls, "actor")
+
+
+def join_ranks(actors: list, placed: list[dict], device: str) -> None:
+    """Make the actor workers one process group (rank = index), rank 0's node the meeting
+    place. NCCL wants a GPU per rank: actor workers that share one are refused."""
+    if device.startswith("cuda"):
+        ids = [tuple(p["gpu_ids"]) for p in placed]
+        if len(set(ids)) < len(ids):
+            raise ConfigError(
+                f"cluster.actor: {len(actors)} actor workers share GPU(s) {ids}; data-parallel "
+                "ranks and megatron's TP ranks need a GPU each (cluster.actor.num_gpus=1)"
+            )
+    address = get(actors[0].address.remote(), "actor")
+    get([a.join.remote(rank, len(actors), address) for rank, a in enumerate(actors)], "actor")

@@ -1,0 +1,53 @@
+"""Starting (or joining) Ray for a run, with what its workers need from the driver's
+environment."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from embodied.cluster.config import ClusterConfig
+from embodied.cluster.workers import DRIVER_CWD
+from embodied.config import ConfigError
+from embodied.numerics import PINNED_ENV
+
+# environment variables the workers need as the driver has them (hub access, renderers)
+# (and a pinned driver's numerics: every worker starts with MKL's and torch's code paths pinned)
+PASSED_ENV = (
+    "HF_HUB_OFFLINE",
+    "MUJOCO_GL",
+    "PYOPENGL_PLATFORM",
+    "LIBERO_CONFIG_PATH",
+    *PINNED_ENV,
+)
+
+
+def start_ray(cfg: ClusterConfig) -> bool:
+    """Join ``cfg.address`` or start a local Ray (unless this process has one already); whether
+    this call started it. Workers get the driver's module path (a simulator registered in the
+    user's script imports there too) and the environment variables in ``PASSED_ENV``."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env_vars = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+    env_vars["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    env_vars[DRIVER_CWD] = os.getcwd()  # (relative paths in the config: workers.py's _start)
+    runtime_env = {"env_vars": env_vars}
+    if cfg.address:
+        try:
+            ray.init(address=cfg.address, runtime_env=runtime_env, logging_level="WARNING")
+        except ConnectionError as e:
+            raise ConfigError(f"cluster.address: cannot join {cfg.address!r}: {e}") from None
+    else:
+        ray.init(
+            # a Ray of this run's own, even where another runs on the machine (`ray.init()`
+            # without an address would join one started by `ray start`)
+            address="local",
+            num_cpus=cfg.num_cpus,
+            num_gpus=cfg.num_gpus,
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            logging_level="WARNING",
+        )
+    return True
