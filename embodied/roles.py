@@ -106,6 +106,7 @@ class Learner:
         self.stream = Stream.derived(cfg.seed, "actor", 0)
         with self.stream.drawing():
             self._build(cfg, spec, task_of_env, device)
+        self.rounds: list[RolloutBatch] = []  # the rounds collected for the next update
 
     def _build(self, cfg, spec: EnvSpec, task_of_env: torch.Tensor, device) -> None:
         alg = cfg.algorithm
@@ -154,11 +155,24 @@ class Learner:
         self.policy.update_normalizer(obs.map(lambda t: t.to(self.device)))
         self.engine.refresh()
 
-    def update(self, samples: Samples | None, observations: list[Observation]) -> dict:
-        """The algorithm's epochs over ``samples`` (None or empty: no update), then this
-        iteration's observations folded into the normaliser; returns the update's metrics."""
+    def add_round(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+        """A collected round for the next update, its advantages computed here, where the
+        update runs (the algorithm's ``advantages``); returns their 0-dim metrics."""
+        metrics = self.algorithm.advantages(batch)
+        self.rounds.append(batch)
+        return metrics
+
+    def update(self) -> dict:
+        """The algorithm's epochs over the rounds added since the last update (no samples in
+        them: no update), then their observations folded into the normaliser; returns the
+        update's metrics."""
+        rounds, self.rounds = self.rounds, []
+        parts = [part for part in (batch.samples() for batch in rounds) if len(part)]
+        samples = Samples.cat(parts) if parts else None
+        if samples is not None and self.cfg.trainer.backend != "megatron":
+            check_minibatch(len(samples), self.cfg.algorithm.num_minibatches, self.engine)
         with self.stream.drawing():
-            return self._update(samples, observations)
+            return self._update(samples, [batch.obs for batch in rounds])
 
     def _update(self, samples: Samples | None, observations: list[Observation]) -> dict:
         metrics = {}
@@ -191,9 +205,9 @@ class Learner:
         self.engine.refresh()
         return metrics
 
-    def start_update(self, samples: Samples | None, observations: list[Observation]) -> Done:
+    def start_update(self) -> Done:
         """``update`` (here it runs now); the handle's ``result()`` is its metrics."""
-        return Done(self.update(samples, observations))
+        return Done(self.update())
 
     def set_lr(self, lr: float) -> None:
         self.engine.set_lr(lr)
@@ -217,6 +231,18 @@ class Learner:
 
     def save(self, run_dir: Path, iteration: int, **kw) -> Path:
         return save_engine(self.engine, run_dir, iteration, **kw)
+
+
+def check_minibatch(samples: int, num_minibatches: int, engine) -> None:
+    """Data-parallel ranks share every minibatch: each needs a sample of it at least (megatron's
+    TP ranks score the same rows, and are not checked)."""
+    ranks = getattr(engine, "world_size", 1)
+    minibatch = max(1, samples // num_minibatches)
+    if minibatch < ranks:  # (as update() cuts minibatches)
+        raise ConfigError(
+            f"cluster.actor.workers: a minibatch of {minibatch} samples cannot be shared by "
+            f"{ranks} actor workers; use fewer actor workers or algorithm.num_minibatches"
+        )
 
 
 def save_engine(engine, run_dir: Path, iteration: int, **kw) -> Path:

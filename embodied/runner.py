@@ -38,7 +38,7 @@ from embodied.roles import (
     load_checkpoint_for,
     local_roles,
 )
-from embodied.rollout import EpisodeStats, Samples, StageTuner
+from embodied.rollout import EpisodeStats, StageTuner
 from embodied.run import (
     EVALUATED_AT,
     Clock,
@@ -119,7 +119,7 @@ class Runner:
         self.learner = roles.learner
         B = self.envs.num_envs
         K = cfg.policy.chunk_size
-        # the runner's copy of the algorithm plans rounds and computes advantages
+        # the runner's copy of the algorithm plans rounds (the learner's computes advantages)
         self.algorithm = build_algorithm(cfg, roles.spec, self.envs.task_of_env)
         for note in self.algorithm.notes():
             print(note)
@@ -230,7 +230,7 @@ class Runner:
             steps_before = counters["env_steps"]
             if self.tuner is not None:
                 self.stages = self.tuner.next()
-            samples, metrics, batches = self._collect(iteration, stats)
+            metrics = self._collect(iteration, stats)
             rollout_time = time.time() - t0
             if self.tuner is not None:
                 self._tune_stages(metrics, rollout_time, counters["env_steps"] - steps_before)
@@ -250,12 +250,12 @@ class Runner:
                     # out of time: this iteration's collection is dropped, uncounted
                     counters.update({k: self.end_counters[k] for k in ("env_steps", "rounds")})
                     break
-            # 2. update, then fold this iteration's observations into the normalizer
+            # 2. update (the learner holds the rounds), then fold their observations into the
+            # normalizer
             self.phase = "update"
             collected["t1"] = time.time()
             collected["lr"] = self.learner.lr
-            observations = [batch.obs for batch in batches]
-            collected["update"] = self.learner.start_update(samples, observations)
+            collected["update"] = self.learner.start_update()
             self.pending = collected
             if not asynchronous:
                 self.pending = None
@@ -381,25 +381,20 @@ class Runner:
         self._finish(pending, last=True, stopping=True)
         self.counters.update({k: self.end_counters[k] for k in ("env_steps", "rounds")})
 
-    def _collect(self, iteration: int, stats: EpisodeStats):
-        """Rounds of chunks until the algorithm has enough (PPO: one) -> (samples for the update
-        or None, metrics, the rounds' batches)."""
+    def _collect(self, iteration: int, stats: EpisodeStats) -> dict[str, float]:
+        """Rounds of chunks until the algorithm has enough (PPO: one), each added to the
+        learner, which computes its advantages -> the rounds' metrics."""
         counters = self.counters
-        batches = []
         round_metrics: list[dict[str, torch.Tensor]] = []
         for round_index in range(self.algorithm.max_rounds):
             plan = self.algorithm.plan(iteration, round_index, self._episode_base())
             batch = self._collect_round(iteration, round_index, plan, stats)
             counters["env_steps"] += self.steps_per_round
             counters["rounds"] += 1
-            round_metrics.append(self.algorithm.advantages(batch))
-            batches.append(batch)
+            round_metrics.append(self.learner.add_round(batch))
             if self.algorithm.enough(round_metrics):
                 break
-        metrics = self.algorithm.collected(round_metrics)
-        parts = [b.samples() for b in batches]
-        parts = [p for p in parts if len(p)]
-        return (Samples.cat(parts) if parts else None), metrics, batches
+        return self.algorithm.collected(round_metrics)
 
     def _collect_round(self, iteration: int, round_index: int, plan, stats: EpisodeStats):
         """One round of chunks from its seeded reset. A worker lost midway (a cluster run) loses

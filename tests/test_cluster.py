@@ -321,18 +321,32 @@ def record_calls(monkeypatch, order: list, cls, name: str, label: str) -> None:
 
 
 class Recorder:
-    """Keeps what the learner is sent (the batches of every update)."""
+    """Keeps what the learner is sent: each update's round (``samples``: the batch the driver
+    handed over; the tests here collect one round per update)."""
 
     def __init__(self):
         self.samples = []
+        self.rounds = []
+        self.add_original = RemoteLearner.add_round
         self.original = RemoteLearner.start_update
         recorder = self
 
-        def start_update(learner_self, samples, observations):
-            recorder.samples.append(samples)
-            return recorder.original(learner_self, samples, observations)
+        def add_round(learner_self, batch):
+            recorder.rounds.append(batch)
+            return recorder.add_original(learner_self, batch)
 
+        def start_update(learner_self):
+            (batch,) = recorder.rounds  # (one round per update)
+            recorder.samples.append(batch)
+            recorder.rounds = []
+            return recorder.original(learner_self)
+
+        self.add_round = add_round
         self.start_update = start_update
+
+    def patch(self, monkeypatch) -> None:
+        monkeypatch.setattr(RemoteLearner, "add_round", self.add_round)
+        monkeypatch.setattr(RemoteLearner, "start_update", self.start_update)
 
 
 def roles_on(tmp_path, cluster: dict, policy: dict, env_factory) -> RayRoles:
@@ -361,8 +375,8 @@ class Arming(Recorder):
         super().__init__()
         recorded = self.start_update
 
-        def start_update(learner_self, samples, observations):
-            pending = recorded(learner_self, samples, observations)
+        def start_update(learner_self):
+            pending = recorded(learner_self)
             target = targets.get(len(self.samples))
             if target is not None:
                 saboteur.arm(len(self.samples), target(run_dir) if callable(target) else target)
@@ -385,7 +399,7 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     run_dir = tmp_path / "ray"
     saboteur = Saboteur(tmp_path)
     recorder = Arming(saboteur, run_dir, {1: "self", 2: rollout_pid})
-    monkeypatch.setattr(RemoteLearner, "start_update", recorder.start_update)
+    recorder.patch(monkeypatch)
     iterations = 4
     summary = run_on(
         None,
@@ -467,7 +481,7 @@ def test_a_role_lost_too_often_stops_the_run_with_a_resumable_checkpoint(
     iteration is saved first."""
     saboteur = Saboteur(tmp_path)
     recorder = Arming(saboteur, tmp_path / "ray", {1: "self"})
-    monkeypatch.setattr(RemoteLearner, "start_update", recorder.start_update)
+    recorder.patch(monkeypatch)
     with pytest.raises(WorkerLost) as lost:
         run_on(
             None,
@@ -494,10 +508,11 @@ def test_asynchronous_collection_overlaps_the_update_one_version_behind(
     recorder = Recorder()
     order = []
 
-    def start_update(learner, samples, observations):
+    def start_update(learner):
         order.append("update")
-        return recorder.start_update(learner, samples, observations)
+        return recorder.start_update(learner)
 
+    recorder.patch(monkeypatch)
     monkeypatch.setattr(RemoteLearner, "start_update", start_update)
     record_calls(monkeypatch, order, RayRoles, "collect", "collect")
     record_calls(monkeypatch, order, Pending, "result", "wait")
@@ -547,13 +562,13 @@ def test_data_parallel_actor_workers_give_the_embedded_numbers_and_a_lost_one_st
     original = RemoteLearner.start_update
     killed = []
 
-    def start_update(learner, samples, observations):
+    def start_update(learner):
         ranks = ray.get([w.data_parallel.remote() for w in learner.workers])
         assert ranks == [(0, 2), (1, 2)]
         if not killed and len(rows(tmp_path / "ray")) == 3:  # before RL, iterations 1 and 2
             killed.append(ray.get(learner.workers[1].ping.remote()))
             os.kill(killed[0], signal.SIGKILL)  # (before it is sent: a tiny one is soon over)
-        return original(learner, samples, observations)
+        return original(learner)
 
     monkeypatch.setattr(RemoteLearner, "start_update", start_update)
     torch.manual_seed(0)
@@ -1131,10 +1146,10 @@ def test_a_rank_lost_inside_the_update_collective_stops_the_run_with_one_line(
     killed = []
     outcomes = []  # what each awaited update gave: "metrics" or the error's type
 
-    def start_update(learner, samples, observations):
+    def start_update(learner):
         # rank 1's process id first (a ping would queue behind the update)
         killed.append(ray.get(learner.workers[1].ping.remote()))
-        pending = original(learner, samples, observations)
+        pending = original(learner)
         time.sleep(1.0)  # (into the update: the kill's moment, asserted nowhere)
         os.kill(killed[0], signal.SIGKILL)
         return pending

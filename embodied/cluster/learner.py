@@ -9,7 +9,7 @@ import torch
 
 from embodied.checkpoint import staging_dir
 from embodied.cluster.calls import get
-from embodied.cluster.wire import to_wire
+from embodied.cluster.wire import from_wire, to_wire
 from embodied.config import ConfigError
 from embodied.schema import Observation
 
@@ -31,8 +31,10 @@ class Pending:
             ready, waiting = ray.wait(waiting, num_returns=1)
             try:
                 get(ready[0], "actor")
-            except ray.exceptions.RayTaskError:
+            except ray.exceptions.RayTaskError as error:
                 self._raise_if_one_died()  # a rank's collective failed because a peer died
+                if isinstance(error.cause, ConfigError):  # (one line: the user's to fix)
+                    raise error.cause from None
                 raise
         return get(self.refs[0], "actor")
 
@@ -49,10 +51,9 @@ class RemoteLearner:
     """The actor workers as the ``Learner``: rank 0 saves and sends the weights; every rank
     gets the batch (one copy in the object store) and the calls that change its state."""
 
-    def __init__(self, workers: list, lr: float, num_minibatches: int, sharded: bool = False):
+    def __init__(self, workers: list, lr: float, sharded: bool = False):
         self.workers = workers
         self.sharded = sharded  # megatron's TP ranks: each saves its shard of a checkpoint
-        self.num_minibatches = num_minibatches
         self._lr = lr
         self.device = torch.device("cpu")
 
@@ -60,23 +61,23 @@ class RemoteLearner:
         wired = to_wire(obs)
         get([w.init_normalizer.remote(wired) for w in self.workers], "actor")
 
-    def update(self, samples, observations: list[Observation]) -> dict:
-        return self.start_update(samples, observations).result()
-
-    def start_update(self, samples, observations: list[Observation]) -> Pending:
-        """The update, running in the actor workers; the handle's ``result()`` waits for it."""
+    def add_round(self, batch) -> dict:
+        """A collected round to every rank (one copy in the object store): each computes its
+        advantages, as the update needs them; rank 0's metrics (every rank has the same). Queued
+        behind an update in flight (cluster.max_staleness 1)."""
         import ray
 
-        ranks = 1 if self.sharded else len(self.workers)  # (TP ranks score the same rows)
-        minibatch = max(1, len(samples) // self.num_minibatches) if samples is not None else 0
-        if 0 < minibatch < ranks:  # (as update() cuts minibatches)
-            raise ConfigError(
-                f"cluster.actor.workers: a minibatch of {minibatch} samples cannot be shared by "
-                f"{ranks} actor workers; use fewer actor workers or algorithm.num_minibatches"
-            )
-        batch = ray.put(to_wire(samples))
-        seen = ray.put(to_wire(observations))
-        return Pending(self.workers, [w.update.remote(batch, seen) for w in self.workers])
+        wired = ray.put(to_wire(batch))
+        answers = get([w.add_round.remote(wired) for w in self.workers], "actor")
+        return from_wire(answers[0])
+
+    def update(self) -> dict:
+        return self.start_update().result()
+
+    def start_update(self) -> Pending:
+        """The update of the rounds added since the last one, running in the actor workers;
+        the handle's ``result()`` waits for it."""
+        return Pending(self.workers, [w.update.remote() for w in self.workers])
 
     def set_lr(self, lr: float) -> None:
         """Queued behind the update in flight (an actor runs its calls in order): it applies

@@ -147,12 +147,8 @@ class RayRoles(Roles):
                 calls = [w.resume_stream.remote(resume["rng"], iteration) for w in inferring]
                 get(calls, role)
             self.actor = actor
-            self.learner = RemoteLearner(
-                actors,
-                cfg.algorithm.learning_rate,
-                cfg.algorithm.num_minibatches,
-                sharded=cfg.trainer.backend == "megatron",
-            )
+            sharded = cfg.trainer.backend == "megatron"
+            self.learner = RemoteLearner(actors, cfg.algorithm.learning_rate, sharded)
             has_critic = get(inferring[0].has_critic.remote(), "rollout")
             self.inference = RemoteInference(inferring, has_critic, role)
             # which env workers each rollout worker serves, in lockstep (direct.py)

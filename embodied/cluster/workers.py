@@ -414,10 +414,12 @@ class ActorWorker(_Worker):
         self.learner.init_normalizer(from_wire(obs, self.learner.device))
 
     @timed
-    def update(self, samples, observations) -> dict:
-        device = self.learner.device
-        metrics = self.learner.update(from_wire(samples, device), from_wire(observations, device))
-        return metrics
+    def add_round(self, batch):
+        return to_wire(self.learner.add_round(from_wire(batch, self.learner.device)))
+
+    @timed
+    def update(self) -> dict:
+        return self.learner.update()
 
     def set_lr(self, lr: float) -> None:
         self.learner.set_lr(lr)

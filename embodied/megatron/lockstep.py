@@ -137,11 +137,14 @@ class Lockstep:
     def init_normalizer(self, obs) -> None:
         self._call("init_normalizer", obs)
 
-    def update(self, samples, observations) -> dict:
-        return self._call("update", samples, observations)
+    def add_round(self, batch) -> dict:
+        return self._call("add_round", batch)
 
-    def start_update(self, samples, observations):
-        return self._call("start_update", samples, observations)
+    def update(self) -> dict:
+        return self._call("update")
+
+    def start_update(self):
+        return self._call("start_update")
 
     def set_lr(self, lr: float) -> None:
         self._call("set_lr", lr)
