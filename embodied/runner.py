@@ -388,18 +388,18 @@ class Runner:
         round_metrics: list[dict[str, torch.Tensor]] = []
         for round_index in range(self.algorithm.max_rounds):
             plan = self.algorithm.plan(iteration, round_index, self._episode_base())
-            batch = self._collect_round(iteration, round_index, plan, stats)
+            round_metrics.append(self._collect_round(iteration, round_index, plan, stats))
             counters["env_steps"] += self.steps_per_round
             counters["rounds"] += 1
-            round_metrics.append(self.learner.add_round(batch))
             if self.algorithm.enough(round_metrics):
                 break
         return self.algorithm.collected(round_metrics)
 
     def _collect_round(self, iteration: int, round_index: int, plan, stats: EpisodeStats):
-        """One round of chunks from its seeded reset. A worker lost midway (a cluster run) loses
-        the round: nothing of it enters the batch or the episode statistics; the round is
-        collected again from its reset once the cluster has replaced the worker."""
+        """One round of chunks from its seeded reset, added to the learner -> its advantages'
+        metrics. A worker lost midway (a cluster run), or before the learner has the round,
+        loses the round: nothing of it enters the batch or the episode statistics; the round
+        is collected again from its reset once the cluster has replaced the worker."""
         failures = 0
         while True:
             totals = stats.totals.clone()  # the finished episodes before this round
@@ -419,7 +419,7 @@ class Runner:
                     chunk_size=self.cfg.policy.chunk_size,
                     should_stop=lambda: self.stop.requested,
                 )
-                return batch
+                return self.learner.add_round(batch)
             except WorkerLost as lost:
                 failures += 1
                 stats.totals.copy_(totals)

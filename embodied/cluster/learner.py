@@ -3,6 +3,7 @@ in flight (``Pending``), the ranks joined into one process group (``join_ranks``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,7 +12,26 @@ from embodied.checkpoint import staging_dir
 from embodied.cluster.calls import get
 from embodied.cluster.wire import from_wire, to_wire
 from embodied.config import ConfigError
+from embodied.roles import WorkerLost
+from embodied.rollout import RolloutBatch
 from embodied.schema import Observation
+
+
+@dataclass
+class RoundShards:
+    """A collected round as it lives in the env workers that collected it: one object per env
+    worker, in row order, each owned by its worker (``refs``), and the tasks' instructions."""
+
+    refs: list
+    instructions: tuple[str, ...]
+
+    def fetch(self) -> RolloutBatch:
+        """The whole round in this process (for tests and inspection; a run never calls it)."""
+        import ray
+
+        batch = RolloutBatch.cat_envs([from_wire(part) for part in ray.get(self.refs)])
+        batch.instructions = self.instructions
+        return batch
 
 
 class Pending:
@@ -54,6 +74,7 @@ class RemoteLearner:
     def __init__(self, workers: list, lr: float, sharded: bool = False):
         self.workers = workers
         self.sharded = sharded  # megatron's TP ranks: each saves its shard of a checkpoint
+        self.rounds_added = 0  # (each round's key: a rank that added a lost round drops it)
         self._lr = lr
         self.device = torch.device("cpu")
 
@@ -61,14 +82,25 @@ class RemoteLearner:
         wired = to_wire(obs)
         get([w.init_normalizer.remote(wired) for w in self.workers], "actor")
 
-    def add_round(self, batch) -> dict:
-        """A collected round to every rank (one copy in the object store): each computes its
-        advantages, as the update needs them; rank 0's metrics (every rank has the same). Queued
-        behind an update in flight (cluster.max_staleness 1)."""
+    def add_round(self, shards: RoundShards) -> dict:
+        """A collected round to every rank: each fetches its shards from the env workers and
+        computes the advantages, as the update needs them; rank 0's metrics (every rank has the
+        same). Queued behind an update in flight (cluster.max_staleness 1). A shard lost with
+        its env worker loses the round (``WorkerLost``): the ranks that added it drop it."""
         import ray
 
-        wired = ray.put(to_wire(batch))
-        answers = get([w.add_round.remote(wired) for w in self.workers], "actor")
+        key = self.rounds_added
+        self.rounds_added += 1
+        refs = shards.refs
+        calls = [w.add_round.remote(key, refs, shards.instructions) for w in self.workers]
+        try:
+            answers = get(calls, "actor")
+        except ray.exceptions.RayTaskError as error:
+            if not isinstance(error.cause, ray.exceptions.ObjectLostError):
+                raise
+            get([w.drop_round.remote(key) for w in self.workers], "actor")
+            detail = str(error.cause).strip().splitlines()[0]
+            raise WorkerLost("env", f"its round's data was lost with it ({detail})") from None
         return from_wire(answers[0])
 
     def update(self) -> dict:

@@ -31,7 +31,7 @@ from embodied.cluster.direct import members_of
 from embodied.cluster.envs import RemoteEnvGroup, RemoteVecEnv, split_env
 from embodied.cluster.evaluation import Evaluation
 from embodied.cluster.inference import RemoteInference
-from embodied.cluster.learner import RemoteLearner, join_ranks
+from embodied.cluster.learner import RemoteLearner, RoundShards, join_ranks
 from embodied.cluster.placement import place
 from embodied.cluster.start import start_ray
 from embodied.cluster.status import STATUS_FILE, write_status
@@ -45,7 +45,7 @@ from embodied.cluster.workers import (
 )
 from embodied.evaluate import evaluate_by_task, split_episodes
 from embodied.roles import Roles, WorkerLost
-from embodied.rollout import CollectPlan, EpisodeStats, RolloutBatch
+from embodied.rollout import CollectPlan, EpisodeStats
 from embodied.run import Interrupted
 from embodied.schema import Observation
 
@@ -224,30 +224,28 @@ class RayRoles(Roles):
         stages: int = 1,
         chunk_size: int = 1,
         should_stop=None,
-    ) -> RolloutBatch:
+    ) -> RoundShards:
         """A round from the last ``envs.reset``, as ``rollout.collect``: each env worker collects
         its rows' round, acting through the rollout worker that serves it or (``rollout.workers:
-        0``) with its own policy copy; this process sends the plan and gets the batches."""
+        0``) with its own policy copy. This process sends the plan and gets references to the
+        batches, which stay with the env workers until the actor workers fetch them."""
         envs = self.envs
         sent = [to_wire(plan.part(lo, hi)) for lo, hi in zip(envs.bounds, envs.bounds[1:])]
         env_calls = [
-            worker.collect.remote(wired, stages, chunk_size)
-            for worker, wired in zip(envs.workers, sent)
+            worker.collect.remote(wired, stages, chunk_size, to_wire(index))
+            for worker, wired, index in zip(envs.workers, sent, envs.task_index)
         ]
         serve_calls = [] if self.in_env else [w.serve.remote() for w in self.workers["rollout"]]
         answers, served = self._wait_round(env_calls, serve_calls, should_stop)
         envs.traffic.bytes += wire_bytes(sent) + wire_bytes(answers)
         envs.traffic.rows += envs.num_envs * plan.num_chunks
-        batches = []
-        for index, (batch, totals, stream) in zip(envs.task_index, map(from_wire, answers)):
-            batch.task_id = index[batch.task_id]  # the worker's task ids -> the run's
-            stats.totals.index_add_(1, index.to(stats.totals.device), totals)
-            batches.append(batch)
+        shards = []
+        for index, (shard, totals, stream) in zip(envs.task_index, answers):
+            shards += shard  # (a reference: the batch stays with its env worker)
+            stats.totals.index_add_(1, index.to(stats.totals.device), from_wire(totals))
             served += [stream] if self.in_env else []  # (the streams of the inference copies)
         self._collected(served)
-        merged = RolloutBatch.cat_envs(batches)
-        merged.instructions = envs.instructions
-        return merged
+        return RoundShards(shards, envs.instructions)
 
     def _wait_round(self, env_calls: list, serve_calls: list, should_stop) -> tuple[list, list]:
         """The answers of a round's calls: (the env workers', the rollout workers'). When a

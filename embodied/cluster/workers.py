@@ -27,7 +27,7 @@ from embodied.evaluate import evaluate_by_task
 from embodied.inference import InferencePolicy
 from embodied.models import build_policy
 from embodied.roles import Learner
-from embodied.rollout import EpisodeStats, collect, stage_candidates
+from embodied.rollout import EpisodeStats, RolloutBatch, collect, stage_candidates
 from embodied.streams import Stream, resumed
 
 COLLECTIVE_TIMEOUT_S = 600  # how long an actor worker waits for the others in a collective
@@ -189,10 +189,14 @@ class EnvWorker(_Worker):
         return stage_candidates(self.group, chunk_size)
 
     @timed
-    def collect(self, plan, stages: int, chunk_size: int):
-        """A round from the last reset: (RolloutBatch, its finished episodes' totals f32
-        [4, this worker's tasks], the inference copy's stream after it where it lives here);
-        task ids in the batch are this worker's."""
+    def collect(self, plan, stages: int, chunk_size: int, task_index):
+        """A round from the last reset: ([its RolloutBatch in the object store, owned by this
+        worker], its finished episodes' totals f32 [4, this worker's tasks], the inference
+        copy's stream after it where it lives here). The batch stays here until the actor
+        workers fetch it; ``task_index`` (long [this worker's tasks]) maps its task ids to the
+        run's."""
+        import ray
+
         inference = self.inference
         stats = EpisodeStats(self.group.num_envs, self.group.task_names, inference.device)
         try:
@@ -213,7 +217,9 @@ class EnvWorker(_Worker):
             inference.end_round()
             self.busy_s -= inference.waited_s  # (waiting for the rollout worker: not busy)
             inference.waited_s = 0.0
-        return to_wire((batch, stats.totals, self.stream_after()))
+        batch.task_id = from_wire(task_index, batch.task_id.device)[batch.task_id]
+        shard = ray.put(to_wire(batch))  # (put here: this worker owns it, not the driver)
+        return [shard], to_wire(stats.totals), self.stream_after()
 
     def stream_after(self) -> dict | None:
         """The stream of the inference copy in this process (none: it is a rollout worker's)."""
@@ -361,6 +367,7 @@ class ActorWorker(_Worker):
         self.device = torch.device(device)
         self.learner_args = (cfg, spec, torch.tensor(task_of_env, dtype=torch.long))
         self.learner = None
+        self.round_keys: list[int] = []  # the rounds added since the last update
         # (megatron's ranks shard the learner over their group: built in ``join``)
         if not (cfg.trainer.backend == "megatron" and cfg.cluster.actor.workers > 1):
             self._build()
@@ -414,11 +421,28 @@ class ActorWorker(_Worker):
         self.learner.init_normalizer(from_wire(obs, self.learner.device))
 
     @timed
-    def add_round(self, batch):
-        return to_wire(self.learner.add_round(from_wire(batch, self.learner.device)))
+    def add_round(self, key: int, shards: list, instructions: tuple[str, ...]):
+        """A round for the next update, fetched from the env workers that hold its shards (in
+        row order) and joined here (a copy: nothing refers to their objects afterwards); its
+        advantages' metrics. ``key``: the round's, for ``drop_round``."""
+        import ray
+
+        device = self.learner.device
+        batch = RolloutBatch.cat_envs([from_wire(part, device) for part in ray.get(shards)])
+        batch.instructions = instructions
+        metrics = self.learner.add_round(batch)
+        self.round_keys.append(key)
+        return to_wire(metrics)
+
+    def drop_round(self, key: int) -> None:
+        """Forget round ``key`` if it was added here (another rank could not fetch it)."""
+        if self.round_keys and self.round_keys[-1] == key:
+            self.round_keys.pop()
+            self.learner.rounds.pop()
 
     @timed
     def update(self) -> dict:
+        self.round_keys = []
         return self.learner.update()
 
     def set_lr(self, lr: float) -> None:
