@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -59,6 +60,21 @@ def split_env(env_cfg, workers: int) -> list:
     return [dataclasses.replace(env_cfg, num_envs=n // workers, **share) for _ in range(workers)]
 
 
+@dataclass
+class ObservationShards:
+    """Observations as they live in the env workers: one object per worker, in row order, each
+    owned by its worker. A round starts from them there; the learner's normaliser fetches the
+    first ones itself."""
+
+    refs: list
+
+    def fetch(self) -> Observation:
+        """All of them in this process (an evaluation acts on them here)."""
+        import ray
+
+        return Observation.cat([from_wire(part) for part in ray.get(self.refs)])
+
+
 class RemoteEnvGroup:
     """The env workers seen as one ``EnvGroup``: rows in worker order, tasks by name."""
 
@@ -91,14 +107,16 @@ class RemoteEnvGroup:
         self.instructions: tuple[str, ...] = ()
         self.traffic = Traffic()
 
-    def reset(self, seed=None) -> Observation:
+    def reset(self, seed=None) -> ObservationShards:
+        """Reset every environment (seeds by row, as ``EnvGroup.reset``): the observations stay
+        with the env workers (``ObservationShards``); the tasks' instructions come here."""
         B = self.num_envs
         seeds = [seed + b for b in range(B)] if isinstance(seed, int) else seed
         refs = [
             worker.reset.remote(None if seeds is None else list(seeds[lo:hi]))
             for worker, lo, hi in zip(self.workers, self.bounds, self.bounds[1:])
         ]
-        answers = [from_wire(a) for a in self._wait(refs)]
+        answers = self._wait(refs)
         instructions: dict[str, str] = {}
         for w, (_, theirs) in enumerate(answers):
             local_names = self._local_names(w)
@@ -109,7 +127,7 @@ class RemoteEnvGroup:
                         "rollout stores one instruction per task"
                     )
         self.instructions = tuple(instructions[name] for name in self.task_names)
-        return Observation.cat([obs for obs, _ in answers])
+        return ObservationShards([ref for refs, _ in answers for ref in refs])
 
     def _local_names(self, w: int) -> list[str]:
         lo, hi = self.bounds[w], self.bounds[w + 1]
@@ -144,7 +162,7 @@ class RemoteVecEnv:
     def reset(self, *, seed=None, env_ids=None) -> Observation:
         if env_ids is not None:
             raise NotImplementedError("evaluation resets every environment")
-        return self.group.reset(seed)
+        return self.group.reset(seed).fetch()
 
     def step(self, actions: torch.Tensor) -> StepOutput:
         bounds = self.group.bounds

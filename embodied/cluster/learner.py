@@ -10,11 +10,11 @@ import torch
 
 from embodied.checkpoint import staging_dir
 from embodied.cluster.calls import get
-from embodied.cluster.wire import from_wire, to_wire
+from embodied.cluster.envs import ObservationShards
+from embodied.cluster.wire import from_wire
 from embodied.config import ConfigError
 from embodied.roles import WorkerLost
 from embodied.rollout import RolloutBatch
-from embodied.schema import Observation
 
 
 @dataclass
@@ -78,9 +78,9 @@ class RemoteLearner:
         self._lr = lr
         self.device = torch.device("cpu")
 
-    def init_normalizer(self, obs: Observation) -> None:
-        wired = to_wire(obs)
-        get([w.init_normalizer.remote(wired) for w in self.workers], "actor")
+    def init_normalizer(self, obs: ObservationShards) -> None:
+        """Every rank fetches the observations from the env workers that hold them."""
+        get([w.init_normalizer.remote(obs.refs) for w in self.workers], "actor")
 
     def add_round(self, shards: RoundShards) -> dict:
         """A collected round to every rank: each fetches its shards from the env workers and

@@ -28,6 +28,7 @@ from embodied.inference import InferencePolicy
 from embodied.models import build_policy
 from embodied.roles import Learner
 from embodied.rollout import EpisodeStats, RolloutBatch, collect, stage_candidates
+from embodied.schema import Observation
 from embodied.streams import Stream, resumed
 
 COLLECTIVE_TIMEOUT_S = 600  # how long an actor worker waits for the others in a collective
@@ -155,16 +156,14 @@ class EnvWorker(_Worker):
 
     @timed
     def reset(self, seeds: list[int] | None):
-        obs = self.group.reset(seed=seeds)
-        self.obs = obs  # where a round collected here starts (EnvRolloutWorker.collect)
-        return to_wire((obs, self.group.instructions))
+        """Reset every environment: ([the observations in the object store, owned by this
+        worker], the tasks' instructions). The observations stay here (a round starts from them,
+        ``collect``) unless the driver's caller fetches them (an evaluation)."""
+        import ray
 
-    @timed
-    def chunk(self, actions, rows):
-        """Execute a chunk: actions f32 [n, K, A] for the rows ``rows`` (long [n] local, or None
-        for all) -> ChunkStep."""
-        actions = from_wire(actions, self.group.device).clone()  # the env may write into it
-        return to_wire(self.group.execute(actions, from_wire(rows)))
+        obs = self.group.reset(seed=seeds)
+        self.obs = obs
+        return [ray.put(to_wire(obs))], self.group.instructions
 
     # --- the VecEnv view (evaluation steps one action at a time) ------------------------------
     @timed
@@ -417,8 +416,12 @@ class ActorWorker(_Worker):
         self.learner.load(checkpoint)
 
     @timed
-    def init_normalizer(self, obs) -> None:
-        self.learner.init_normalizer(from_wire(obs, self.learner.device))
+    def init_normalizer(self, shards: list) -> None:
+        """The normaliser's first statistics, from the observations the env workers hold."""
+        import ray
+
+        parts = [from_wire(part, self.learner.device) for part in ray.get(shards)]
+        self.learner.init_normalizer(Observation.cat(parts))
 
     @timed
     def add_round(self, key: int, shards: list, instructions: tuple[str, ...]):
