@@ -18,9 +18,10 @@ from pathlib import Path
 from scaling import collect_round, driver_tcp_bytes, hardware, save
 
 
-def latency_roles(workers: int, step_s: float, envs_per_worker: int):
+def latency_roles(workers: int, step_s: float, envs_per_worker: int, steps: int):
     """Ray roles over ``workers`` env workers of sleeping environments (benchmarks/
-    latency_env.py) and one rollout worker serving them all, the PPO MLP."""
+    latency_env.py) and one rollout worker serving them all, the PPO MLP; rounds of ``steps``
+    steps (an episode each)."""
     from latency_env import SleepingEnvs
 
     from embodied.cluster import ray_roles
@@ -30,7 +31,7 @@ def latency_roles(workers: int, step_s: float, envs_per_worker: int):
     source = {
         "seed": 0,
         "policy": {"name": "actor_critic", "hidden_sizes": [64, 64], "use_images": False},
-        "algorithm": {"name": "ppo", "num_steps": LATENCY_STEPS},
+        "algorithm": {"name": "ppo", "num_steps": steps},
         "env": {"num_envs": workers * envs_per_worker},
         "runner": {"progress": False, "torch_threads": 1},
         "cluster": {
@@ -43,10 +44,7 @@ def latency_roles(workers: int, step_s: float, envs_per_worker: int):
     cfg = compose(TrainConfig, [("latency", source)])
     out = Path("/tmp") / f"embodied-latency-{os.getpid()}-{time.monotonic_ns()}"
     out.mkdir(parents=True)
-    return cfg, ray_roles(cfg, None, out, env_factory=SleepingEnvs(step_s, LATENCY_STEPS))
-
-
-LATENCY_STEPS = 20  # steps per round (an episode: the round ends where its episodes end)
+    return cfg, ray_roles(cfg, None, out, env_factory=SleepingEnvs(step_s, steps))
 
 
 def latency(args) -> dict:
@@ -60,7 +58,7 @@ def latency(args) -> dict:
     for step_s in args.step_ms:
         step_s = step_s / 1000
         for workers in args.latency_workers:
-            cfg, roles = latency_roles(workers, step_s, args.envs_per_worker)
+            cfg, roles = latency_roles(workers, step_s, args.envs_per_worker, args.round_steps)
             try:
                 roles.sync(0)
                 collect_round(cfg, roles, 1)  # (warm-up)
@@ -70,7 +68,7 @@ def latency(args) -> dict:
                 for _ in range(args.repeats):
                     before = driver_tcp_bytes()
                     steps, seconds = collect_round(cfg, roles, 1)
-                    io.append((driver_tcp_bytes() - before) / LATENCY_STEPS)
+                    io.append((driver_tcp_bytes() - before) / args.round_steps)
                     rates.append(steps / seconds)
                 counted = roles.metrics()[0]
             finally:

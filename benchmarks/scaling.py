@@ -399,6 +399,7 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, nargs="+", default=[100.0, 20.0])
     ap.add_argument("--latency-workers", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--envs-per-worker", type=int, default=2)
+    ap.add_argument("--round-steps", type=int, default=20, help="--latency: steps per round")
     ap.add_argument("overrides", nargs="*", help="config overrides for the --vla run")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
