@@ -70,10 +70,13 @@ class EnvGroup:
         self.chunks_in_thread = chunks_in_thread
         self._executor = None  # (made at the first chunk run in a thread)
         self._running: dict[int, deque[Future]] = {}  # a stage's first row -> its chunks
+        self._stepping: dict[int, deque[torch.Tensor]] = {}  # ... -> its rows stepping
 
     def reset(self, seed: int | Sequence[int] | None = None) -> Observation:
         """Reset every environment (an int seed gives env b the seed ``seed + b``; a list, one
-        seed each) and check that each task's environments share one instruction."""
+        seed each) and check that each task's environments share one instruction. Whatever a
+        round that failed left running is finished and dropped first (``drain``)."""
+        self.drain()
         obs = self.env.reset(seed=seed)
         instructions = tuple(obs.instruction[lo] for lo, _ in self._ranges)
         for task, (lo, hi) in enumerate(self._ranges):
@@ -102,6 +105,7 @@ class EnvGroup:
         CPU workers); otherwise the chunk runs now and ``receive`` hands it over."""
         if rows is not None and actions.shape[1] == 1:
             self.env.step_async(actions[:, 0], rows)
+            self._stepping.setdefault(int(rows[0]), deque()).append(rows)
             return
         if rows is not None:
             if not self.chunks_in_thread:
@@ -120,8 +124,25 @@ class EnvGroup:
         running = self._running.get(int(rows[0]))
         if running:
             return running.popleft().result()
+        self._stepping[int(rows[0])].popleft()
         step = self.env.step_wait(rows)
         return _chunk_of(step, n=len(rows))
+
+    def drain(self) -> None:
+        """Finish and drop every chunk still running or stepping (a round that failed midway,
+        in a cluster env worker: its next round must not receive them)."""
+        for running in self._running.values():
+            for chunk in running:
+                chunk.exception()  # (waits; a failed chunk's error is the failed round's)
+        for stepping in self._stepping.values():
+            for rows in stepping:
+                try:
+                    self.env.step_wait(rows)
+                except Exception:  # (the failed round's error is raised elsewhere)
+                    pass
+        self._running.clear()
+        self._stepping.clear()
+        self._pending.clear()
 
     def execute(self, actions: torch.Tensor, rows: torch.Tensor | None = None) -> ChunkStep:
         """Run a chunk now: actions f32 [n, K, A] for all environments or for ``rows`` (long [n],

@@ -467,15 +467,8 @@ def test_an_env_worker_lost_before_the_learner_fetched_its_round_loses_that_roun
 
     def add_round_after_a_loss(learner, shards):
         if len(recorder.samples) == 1 and not killed:  # (the second iteration's round)
-            pid = ray.get(roles_seen[0].envs.workers[0].ping.remote())
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-            while True:  # until Ray has restarted it: the old process is gone for good
-                try:
-                    if ray.get(roles_seen[0].envs.workers[0].ping.remote(), timeout=30) != pid:
-                        break
-                except ray.exceptions.RayActorError:
-                    time.sleep(0.1)
+            # restarted before the fetch: the old process, the shard's owner, is gone for good
+            killed.append(killed_and_restarted(roles_seen[0].envs.workers[0]))
         return add_round(learner, shards)
 
     roles_seen = []
@@ -505,6 +498,74 @@ def test_an_env_worker_lost_before_the_learner_fetched_its_round_loses_that_roun
     status = json.loads((tmp_path / "ray" / "cluster.json").read_text())
     assert [e["role"] for e in status["events"]] == ["env"]
     assert "its round's data was lost with it" in status["events"][0]["detail"]
+    for samples in recorder.samples:  # every batch whole: each episode's 3 steps in order
+        state = samples.obs.state.view(3, 8)
+        assert torch.equal(state, torch.arange(3.0)[:, None].expand(3, 8))
+
+
+def killed_and_restarted(worker) -> int:
+    """SIGKILL a worker's process and wait until Ray has restarted it; the old pid."""
+    pid = ray.get(worker.ping.remote())
+    os.kill(pid, signal.SIGKILL)
+    while True:
+        try:
+            if ray.get(worker.ping.remote(), timeout=30) != pid:
+                return pid
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.1)
+
+
+@pytest.mark.slow  # (25 s)
+def test_workers_restarted_between_rounds_are_found_unconnected_and_brought_back(
+    local_ray, tmp_path, monkeypatch
+):
+    """An env worker dies and is restarted while the first update runs, the rollout worker
+    while the second does: each next round finds it without its connections, loses that round
+    and collects it again once everyone is connected afresh (and the rollout worker has all
+    the weights again)."""
+    recorder = Recorder()
+    start_update = recorder.start_update
+    roles_seen = []
+    killed = []
+
+    def start_update_then_kill(learner):
+        pending = start_update(learner)
+        updates = len(recorder.samples)
+        if updates in (1, 2):
+            role = "env" if updates == 1 else "rollout"
+            killed.append(killed_and_restarted(roles_seen[0].workers[role][0]))
+        return pending
+
+    collect_whole = RayRoles.collect
+
+    def collect(roles, *args, **kw):
+        roles_seen[:] = [roles]
+        return collect_whole(roles, *args, **kw)
+
+    recorder.start_update = start_update_then_kill
+    recorder.patch(monkeypatch)
+    monkeypatch.setattr(RayRoles, "collect", collect)
+    iterations = 4
+    run_on(
+        None,
+        tmp_path / "ray",
+        total_env_steps=8 * 3 * iterations,
+        cluster=TWO_ENV_WORKERS,
+        env_factory=push_right_envs,
+        algorithm=ONE_ROUND,
+    )
+    assert len(killed) == 2
+    table = rows(tmp_path / "ray")
+    discarded = [
+        (r["iteration"], r["cluster/discarded_rounds"])
+        for r in table
+        if "cluster/discarded_rounds" in r
+    ]
+    assert discarded == [(2, 1), (3, 2)]
+    assert len([r for r in table if "policy/loss" in r]) == iterations
+    events = json.loads((tmp_path / "ray" / "cluster.json").read_text())["events"]
+    assert [e["role"] for e in events] == ["env", "rollout"]
+    assert all("not connected" in e["detail"] for e in events)
     for samples in recorder.samples:  # every batch whole: each episode's 3 steps in order
         state = samples.obs.state.view(3, 8)
         assert torch.equal(state, torch.arange(3.0)[:, None].expand(3, 8))

@@ -95,7 +95,7 @@ def test_a_member_that_leaves_or_falls_out_of_step_ends_the_round_with_one_error
     listener, served, made = connected(2)
     made[0].send((direct.END,))
     made[1].send((direct.ACT, None, False))
-    with pytest.raises(ConnectionError, match="out of step"):
+    with pytest.raises(direct.OutOfStep, match="out of step"):
         direct.serve(served, inference)
     listener.close()
 

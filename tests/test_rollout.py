@@ -175,6 +175,31 @@ def test_chunks_run_in_a_thread_pipeline_into_the_lockstep_round():
         assert_same_round(staged, lockstep)
 
 
+def test_a_round_that_failed_midway_leaves_nothing_for_the_next_one():
+    """A cluster env worker whose round failed with stages' chunks still running (in its thread,
+    K > 1) or stepping (K = 1): the next reset finishes and drops them, and the next round is
+    the round a fresh group collects."""
+    term_at = [3, 0, 2, 4, 0]
+    for chunk in (1, K):
+        fresh = run_rollout(term_at, chunk=chunk, chunks=4, stages=2, subsets=True, in_thread=True)
+        env = ScriptedEnv(term_at, max_episode_steps=7, can_step_subsets=True)
+        envs = EnvGroup(env, chunks_in_thread=True)
+        envs.reset(seed=100)  # (the failed round's: its states hold that seed)
+        for rows, _ in envs.stage_split(2, chunk):  # (sent, never received: the round failed)
+            envs.send(torch.ones(len(rows), chunk, 1), rows)
+        assert any(envs._running.values()) or any(envs._stepping.values())
+        for running in envs._running.values():  # (done before the reset: seed 100's states)
+            for chunk_future in running:
+                chunk_future.result()
+        policy = InferencePolicy(ScriptedPolicy(chunk))
+        stats = EpisodeStats(env.num_envs, envs.task_names, torch.device("cpu"))
+        plan = CollectPlan(seeds=0, group_of_env=torch.full((5,), -1), num_chunks=4, episode_base=0)
+        obs = envs.reset(seed=plan.seeds)
+        batch, last = collect(envs, policy, obs, plan, stats, stages=2, chunk_size=chunk)
+        envs.close()
+        assert_same_round((batch, last, stats), fresh)
+
+
 def test_a_chunk_for_some_rows_is_those_rows_of_the_chunk_for_all():
     """A cluster env worker runs a pipeline stage's chunk of K actions for its rows alone
     (``EnvGroup.execute``): every field is those rows of the chunk run for every environment,

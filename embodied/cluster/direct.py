@@ -32,6 +32,16 @@ END = "end"
 BACKLOG = 1024  # connections a listener queues (the default, 1, loses some of 8 at once)
 
 
+class NotConnected(RuntimeError):
+    """A worker asked for a round without its connections: Ray restarted it since the last one
+    (the driver treats it as lost, and connects everyone afresh)."""
+
+
+class OutOfStep(RuntimeError):
+    """The members of a rollout worker asked for different things in one lockstep step (a bug,
+    not a broken link)."""
+
+
 class DirectInference:
     """An env worker's view of its rollout worker's policy: ``act`` and ``value`` as an
     ``InferencePolicy`` has them, each a request and its answer over ``connection``. The
@@ -99,8 +109,8 @@ def accept(listener: Listener, members: int) -> list[Connection]:
 def serve(connections: list[Connection], inference: InferencePolicy) -> tuple[int, float]:
     """One round for the members at ``connections`` (see the module docstring); returns the act
     requests served and the seconds spent waiting for requests (not this worker's work). A
-    member that asks for something else than the others, or leaves, ends it with
-    ``ConnectionError``."""
+    member that leaves ends it with ``ConnectionError``, members that ask for different things
+    with ``OutOfStep``."""
     device = inference.device
     served = 0
     waited_s = 0.0
@@ -112,7 +122,7 @@ def serve(connections: list[Connection], inference: InferencePolicy) -> tuple[in
         if kinds == {END}:
             return served, waited_s
         if kinds != {ACT} or len({request[2] for request in requests}) > 1:
-            raise ConnectionError(f"env workers out of step: {[r[0] for r in requests]}")
+            raise OutOfStep(f"env workers out of step: {[r[0] for r in requests]}")
         parts = [from_wire(request[1], device) for request in requests]
         out = inference.act(Observation.cat(parts), deterministic=requests[0][2])
         lo = 0

@@ -3,6 +3,7 @@ in flight (``Pending``), the ranks joined into one process group (``join_ranks``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ class RoundShards:
 
     refs: list
     instructions: tuple[str, ...]
+    added: Callable[[], None] | None = None  # called once the learner has the round
 
     def fetch(self) -> RolloutBatch:
         """The whole round in this process (for tests and inspection; a run never calls it)."""
@@ -101,6 +103,8 @@ class RemoteLearner:
             get([w.drop_round.remote(key) for w in self.workers], "actor")
             detail = str(error.cause).strip().splitlines()[0]
             raise WorkerLost("env", f"its round's data was lost with it ({detail})") from None
+        if shards.added is not None:
+            shards.added()
         return from_wire(answers[0])
 
     def update(self) -> dict:

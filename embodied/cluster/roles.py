@@ -20,6 +20,7 @@ rollout worker gets the full weights and its stream as the last completed iterat
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import torch
 
 from embodied.cluster.calls import get, lost, wait_alive
 from embodied.cluster.config import ROLES
-from embodied.cluster.direct import members_of
+from embodied.cluster.direct import NotConnected, members_of
 from embodied.cluster.envs import RemoteEnvGroup, RemoteVecEnv, split_env
 from embodied.cluster.evaluation import Evaluation
 from embodied.cluster.inference import RemoteInference
@@ -244,8 +245,9 @@ class RayRoles(Roles):
             shards += shard  # (a reference: the batch stays with its env worker)
             stats.totals.index_add_(1, index.to(stats.totals.device), from_wire(totals))
             served += [stream] if self.in_env else []  # (the streams of the inference copies)
-        self._collected(served)
-        return RoundShards(shards, envs.instructions)
+        # the round's streams are kept once the learner has the round (a round lost before
+        # then is collected again from the streams before it, and draws what it drew)
+        return RoundShards(shards, envs.instructions, functools.partial(self._collected, served))
 
     def _wait_round(self, env_calls: list, serve_calls: list, should_stop) -> tuple[list, list]:
         """The answers of a round's calls: (the env workers', the rollout workers'). When a
@@ -258,7 +260,7 @@ class RayRoles(Roles):
             if should_stop is not None and should_stop():
                 raise Interrupted  # (the workers finish their round; nothing of it is kept)
             _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=0.2)
-        failed = []  # the calls that raised: a worker's own error, or a peer's broken link
+        failed = []  # (role, error): a worker's own error, or a peer's broken link
         for role, calls in (("env", env_calls), ("rollout", serve_calls)):
             for call in calls:
                 try:
@@ -266,10 +268,13 @@ class RayRoles(Roles):
                 except ray.exceptions.RayActorError as error:
                     raise lost(role, error) from None
                 except ray.exceptions.RayTaskError as error:
-                    failed.append(error)
+                    failed.append((role, error))
+        for role, error in failed:  # (Ray restarted it between rounds)
+            if isinstance(error.cause, NotConnected):
+                raise WorkerLost(role, str(error.cause))
         if failed:  # the error that ended the round, before the links it broke
             broken = (ConnectionError, EOFError)
-            raise min(failed, key=lambda e: isinstance(getattr(e, "cause", None), broken))
+            raise min((e for _, e in failed), key=lambda e: isinstance(e.cause, broken))
         t0 = time.perf_counter()
         answers = ray.get(env_calls)
         self.envs.traffic.wait_s += time.perf_counter() - t0
@@ -353,8 +358,8 @@ class RayRoles(Roles):
         return out, spans
 
     def _collected(self, states: list[dict]) -> None:
-        """The inference workers' streams after a round: where the next round starts, so that a
-        round collected again after a loss draws what the lost one drew."""
+        """The inference workers' streams after a round the learner has: where the next round
+        starts, so that a round collected again after a loss draws what the lost one drew."""
         self.streams.update({f"rollout/{i}": state for i, state in enumerate(states)})
 
     def rng_state(self) -> dict:

@@ -196,7 +196,9 @@ class EnvWorker(_Worker):
         run's."""
         import ray
 
-        inference = self.inference
+        inference = getattr(self, "inference", None)
+        if inference is None:
+            raise direct.NotConnected("restarted since the last round: not connected")
         stats = EpisodeStats(self.group.num_envs, self.group.task_names, inference.device)
         try:
             batch, _ = collect(
@@ -292,6 +294,8 @@ class RolloutWorker(_Worker):
     @timed
     def serve(self) -> dict:
         """One round of the env workers connected to this one; the stream's state after it."""
+        if not getattr(self, "members", None):
+            raise direct.NotConnected("restarted since the last round: not connected")
         try:
             _, waited_s = direct.serve(self.members, self.inference)
         except BaseException:
