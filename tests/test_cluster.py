@@ -471,16 +471,9 @@ def test_an_env_worker_lost_before_the_learner_fetched_its_round_loses_that_roun
             killed.append(killed_and_restarted(roles_seen[0].envs.workers[0]))
         return add_round(learner, shards)
 
-    roles_seen = []
-    collect_whole = RayRoles.collect
-
-    def collect(roles, *args, **kw):
-        roles_seen[:] = [roles]
-        return collect_whole(roles, *args, **kw)
-
+    roles_seen = watch_roles(monkeypatch)
     recorder.add_round = add_round_after_a_loss
     recorder.patch(monkeypatch)
-    monkeypatch.setattr(RayRoles, "collect", collect)
     iterations = 3
     run_on(
         None,
@@ -501,6 +494,19 @@ def test_an_env_worker_lost_before_the_learner_fetched_its_round_loses_that_roun
     for samples in recorder.samples:  # every batch whole: each episode's 3 steps in order
         state = samples.obs.state.view(3, 8)
         assert torch.equal(state, torch.arange(3.0)[:, None].expand(3, 8))
+
+
+def watch_roles(monkeypatch) -> list:
+    """A list that holds the run's ``RayRoles`` once it collects its first round."""
+    seen = []
+    collect_whole = RayRoles.collect
+
+    def collect(roles, *args, **kw):
+        seen[:] = [roles]
+        return collect_whole(roles, *args, **kw)
+
+    monkeypatch.setattr(RayRoles, "collect", collect)
+    return seen
 
 
 def killed_and_restarted(worker) -> int:
@@ -525,7 +531,7 @@ def test_workers_restarted_between_rounds_are_found_unconnected_and_brought_back
     the weights again)."""
     recorder = Recorder()
     start_update = recorder.start_update
-    roles_seen = []
+    roles_seen = watch_roles(monkeypatch)
     killed = []
 
     def start_update_then_kill(learner):
@@ -536,15 +542,8 @@ def test_workers_restarted_between_rounds_are_found_unconnected_and_brought_back
             killed.append(killed_and_restarted(roles_seen[0].workers[role][0]))
         return pending
 
-    collect_whole = RayRoles.collect
-
-    def collect(roles, *args, **kw):
-        roles_seen[:] = [roles]
-        return collect_whole(roles, *args, **kw)
-
     recorder.start_update = start_update_then_kill
     recorder.patch(monkeypatch)
-    monkeypatch.setattr(RayRoles, "collect", collect)
     iterations = 4
     run_on(
         None,
