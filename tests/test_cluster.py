@@ -310,6 +310,18 @@ def test_grpo_on_two_env_workers_gives_the_embedded_numbers(local_ray, tmp_path,
     assert synced and all(b == trainable for b in synced)
 
 
+def run_rounds(run_dir: Path, iterations: int, env_factory=push_right_envs) -> dict:
+    """One-round GRPO iterations of the test task on two env workers and a rollout worker."""
+    return run_on(
+        None,
+        run_dir,
+        total_env_steps=8 * 3 * iterations,
+        cluster=TWO_ENV_WORKERS,
+        env_factory=env_factory,
+        algorithm=ONE_ROUND,
+    )
+
+
 def record_calls(monkeypatch, order: list, cls, name: str, label: str) -> None:
     """Each call of ``cls.name`` (a driver-side method) first appends ``label`` to ``order``."""
     whole = getattr(cls, name)
@@ -351,6 +363,13 @@ class Recorder:
     def patch(self, monkeypatch) -> None:
         monkeypatch.setattr(RemoteLearner, "add_round", self.add_round)
         monkeypatch.setattr(RemoteLearner, "start_update", self.start_update)
+
+    def assert_whole_rounds(self) -> None:
+        """No transition of a lost partial round in any update's batch: every episode starts at
+        its reset (the test task's state is the step index) and runs its 3 steps in order."""
+        for samples in self.samples:
+            state = samples.obs.state.view(3, 8)  # [T, B]: each round's chunks, time-major
+            assert torch.equal(state, torch.arange(3.0)[:, None].expand(3, 8))
 
 
 def roles_on(tmp_path, cluster: dict, policy: dict, env_factory) -> RayRoles:
@@ -405,14 +424,7 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     recorder = Arming(saboteur, run_dir, {1: "self", 2: rollout_pid})
     recorder.patch(monkeypatch)
     iterations = 4
-    summary = run_on(
-        None,
-        run_dir,
-        total_env_steps=8 * 3 * iterations,
-        cluster=TWO_ENV_WORKERS,
-        env_factory=saboteur,
-        algorithm=ONE_ROUND,
-    )
+    summary = run_rounds(run_dir, iterations, env_factory=saboteur)
     killed_env, killed_rollout = saboteur.killed(1), saboteur.killed(2)
     assert killed_env is not None and killed_rollout is not None
     table = rows(run_dir)
@@ -444,12 +456,8 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     ]
     assert shown[6] == "faults: 2"
     assert "env worker lost" in shown[7] and "rollout worker lost" in shown[8]
-    # no transition of a lost partial round in any batch: every episode of every batch starts
-    # at its reset (the test task's state is the step index) and runs its 3 steps in order
     assert len(recorder.samples) == iterations
-    for samples in recorder.samples:
-        state = samples.obs.state.view(3, 8)  # [T, B]: each round's chunks, time-major
-        assert torch.equal(state, torch.arange(3.0)[:, None].expand(3, 8))
+    recorder.assert_whole_rounds()
     # one episode per environment and round: nothing of the lost rounds was counted
     counts = [r["episode/count"] for r in table if "episode/count" in r]
     assert counts == [8.0] * iterations
@@ -475,14 +483,7 @@ def test_an_env_worker_lost_before_the_learner_fetched_its_round_loses_that_roun
     recorder.add_round = add_round_after_a_loss
     recorder.patch(monkeypatch)
     iterations = 3
-    run_on(
-        None,
-        tmp_path / "ray",
-        total_env_steps=8 * 3 * iterations,
-        cluster=TWO_ENV_WORKERS,
-        env_factory=push_right_envs,
-        algorithm=ONE_ROUND,
-    )
+    run_rounds(tmp_path / "ray", iterations)
     assert killed
     table = rows(tmp_path / "ray")
     discarded = [r["cluster/discarded_rounds"] for r in table if "cluster/discarded_rounds" in r]
@@ -491,9 +492,7 @@ def test_an_env_worker_lost_before_the_learner_fetched_its_round_loses_that_roun
     status = json.loads((tmp_path / "ray" / "cluster.json").read_text())
     assert [e["role"] for e in status["events"]] == ["env"]
     assert "its round's data was lost with it" in status["events"][0]["detail"]
-    for samples in recorder.samples:  # every batch whole: each episode's 3 steps in order
-        state = samples.obs.state.view(3, 8)
-        assert torch.equal(state, torch.arange(3.0)[:, None].expand(3, 8))
+    recorder.assert_whole_rounds()
 
 
 def watch_roles(monkeypatch) -> list:
@@ -545,14 +544,7 @@ def test_workers_restarted_between_rounds_are_found_unconnected_and_brought_back
     recorder.start_update = start_update_then_kill
     recorder.patch(monkeypatch)
     iterations = 4
-    run_on(
-        None,
-        tmp_path / "ray",
-        total_env_steps=8 * 3 * iterations,
-        cluster=TWO_ENV_WORKERS,
-        env_factory=push_right_envs,
-        algorithm=ONE_ROUND,
-    )
+    run_rounds(tmp_path / "ray", iterations)
     assert len(killed) == 2
     table = rows(tmp_path / "ray")
     discarded = [
@@ -565,9 +557,7 @@ def test_workers_restarted_between_rounds_are_found_unconnected_and_brought_back
     events = json.loads((tmp_path / "ray" / "cluster.json").read_text())["events"]
     assert [e["role"] for e in events] == ["env", "rollout"]
     assert all("not connected" in e["detail"] for e in events)
-    for samples in recorder.samples:  # every batch whole: each episode's 3 steps in order
-        state = samples.obs.state.view(3, 8)
-        assert torch.equal(state, torch.arange(3.0)[:, None].expand(3, 8))
+    recorder.assert_whole_rounds()
 
 
 def test_a_simulator_error_mid_round_ends_the_round_with_that_error(local_ray, tmp_path):

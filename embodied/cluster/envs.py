@@ -68,11 +68,12 @@ class ObservationShards:
 
     refs: list
 
-    def fetch(self) -> Observation:
-        """All of them in this process (an evaluation acts on them here)."""
+    def fetch(self, device: torch.device | str = "cpu") -> Observation:
+        """All of them in this process, on ``device`` (an evaluation acts on them in the driver,
+        the normaliser starts from them in the actor workers)."""
         import ray
 
-        return Observation.cat([from_wire(part) for part in ray.get(self.refs)])
+        return Observation.cat([from_wire(part, device) for part in ray.get(self.refs)])
 
 
 class RemoteEnvGroup:

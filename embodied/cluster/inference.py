@@ -19,7 +19,7 @@ class RemoteInference:
         self.workers = workers
         self.role = role  # "env": the inference copies live in the env workers
         self.version = 0
-        self.device = torch.device("cpu")  # the rollout buffers live on the driver's host
+        self.device = torch.device("cpu")  # (evaluations step from the driver's host)
         self.has_critic = has_critic
         self.traffic = Traffic()
 

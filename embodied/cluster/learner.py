@@ -27,11 +27,13 @@ class RoundShards:
     instructions: tuple[str, ...]
     added: Callable[[], None] | None = None  # called once the learner has the round
 
-    def fetch(self) -> RolloutBatch:
-        """The whole round in this process (for tests and inspection; a run never calls it)."""
+    def fetch(self, device: torch.device | str = "cpu") -> RolloutBatch:
+        """The whole round in this process, on ``device``: joined, so a copy that refers to none
+        of the env workers' objects (an actor worker's; the driver's only in tests)."""
         import ray
 
-        batch = RolloutBatch.cat_envs([from_wire(part) for part in ray.get(self.refs)])
+        parts = [from_wire(part, device) for part in ray.get(self.refs)]
+        batch = RolloutBatch.cat_envs(parts)
         batch.instructions = self.instructions
         return batch
 
@@ -71,7 +73,7 @@ class Pending:
 
 class RemoteLearner:
     """The actor workers as the ``Learner``: rank 0 saves and sends the weights; every rank
-    gets the batch (one copy in the object store) and the calls that change its state."""
+    fetches each round from the env workers and gets the calls that change its state."""
 
     def __init__(self, workers: list, lr: float, sharded: bool = False):
         self.workers = workers

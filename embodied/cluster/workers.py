@@ -21,14 +21,15 @@ import torch
 from embodied import numerics
 from embodied.checkpoint import frozen_keys
 from embodied.cluster import direct
+from embodied.cluster.envs import ObservationShards
+from embodied.cluster.learner import RoundShards
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.env_group import EnvGroup
 from embodied.evaluate import evaluate_by_task
 from embodied.inference import InferencePolicy
 from embodied.models import build_policy
 from embodied.roles import Learner
-from embodied.rollout import EpisodeStats, RolloutBatch, collect, stage_candidates
-from embodied.schema import Observation
+from embodied.rollout import EpisodeStats, collect, stage_candidates
 from embodied.streams import Stream, resumed
 
 COLLECTIVE_TIMEOUT_S = 600  # how long an actor worker waits for the others in a collective
@@ -422,21 +423,14 @@ class ActorWorker(_Worker):
     @timed
     def init_normalizer(self, shards: list) -> None:
         """The normaliser's first statistics, from the observations the env workers hold."""
-        import ray
-
-        parts = [from_wire(part, self.learner.device) for part in ray.get(shards)]
-        self.learner.init_normalizer(Observation.cat(parts))
+        self.learner.init_normalizer(ObservationShards(shards).fetch(self.learner.device))
 
     @timed
     def add_round(self, key: int, shards: list, instructions: tuple[str, ...]):
         """A round for the next update, fetched from the env workers that hold its shards (in
         row order) and joined here (a copy: nothing refers to their objects afterwards); its
         advantages' metrics. ``key``: the round's, for ``drop_round``."""
-        import ray
-
-        device = self.learner.device
-        batch = RolloutBatch.cat_envs([from_wire(part, device) for part in ray.get(shards)])
-        batch.instructions = instructions
+        batch = RoundShards(shards, instructions).fetch(self.learner.device)
         metrics = self.learner.add_round(batch)
         self.round_keys.append(key)
         return to_wire(metrics)
