@@ -4,8 +4,8 @@
 # RESULTS_DIR as it finishes (a visit cut short keeps what finished).
 #   bash benchmarks/gpu_suite.sh RESULTS_DIR           (from the project root)
 #   STAGES="warp_tests warp_throughput" bash benchmarks/gpu_suite.sh RESULTS_DIR   (some stages)
-# Stages: device, warp_compile, warp_tests, warp_throughput, warp_learning, warp_cache,
-#   runner_tests, host_syncs. The warp_* stages need MuJoCo Warp's wheels in /tmp/site (brought
+# Stages: device, warp_compile, warp_tests, warp_throughput, warp_cache, warp_learning,
+#   runner_tests, host_syncs (LEARN_TASKS="reach push pick" and LEARN_MINUTES=5 by default). The warp_* stages need MuJoCo Warp's wheels in /tmp/site (brought
 #   in parts beforehand: ../shared/gpu/bundle_parts.sh); the others ManiSkill's bundle (.gpu, and
 #   .gl for rendering). A stage whose packages are missing says so and is skipped.
 # Warp's CUDA kernel cache: a .warpcache/ folder carried with the tree is used as the cache (no
@@ -14,7 +14,7 @@
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/gpu_suite}}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"device warp_compile warp_tests warp_throughput warp_learning warp_cache
+STAGES=${STAGES:-"device warp_compile warp_tests warp_throughput warp_cache warp_learning
   runner_tests host_syncs"}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 MUJOCO_GL=egl
 ROOT=$PWD
@@ -31,6 +31,10 @@ else
   rm -rf /tmp/proj && python3 -m pip install -q --no-deps --no-build-isolation --no-index \
     --target /tmp/proj . > "$OUT/activate.log" 2>&1
   export PYTHONPATH=/tmp/proj:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ls .whl/*.whl >/dev/null 2>&1; then  # small packages the image lacks (omegaconf), carried as .whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    >> "$OUT/activate.log" 2>&1
 fi
 if [ -d .warpcache ]; then export WARP_CACHE_PATH=$ROOT/.warpcache; fi
 WARP_CACHE=${WARP_CACHE_PATH:-$HOME/.cache/warp}
@@ -65,14 +69,18 @@ if has mujoco_warp; then
       --image-size 128 --worlds 256,1024 --steps 50 --json "$OUT/throughput.jsonl" 2>&1 \
       | tee -a "$OUT/throughput.md"
   fi
+  if want warp_cache; then
+    stage warp_cache
+    tar -C "$WARP_CACHE" -czf "$OUT/warpcache.tar.gz" . && du -sh "$OUT/warpcache.tar.gz"
+  fi
   if want warp_learning; then  # wall-clock to 0.9 at 4096 worlds, 5 minutes per task at most
     stage warp_learning
     raw=$(python3 -c "import json; rows=[json.loads(l) for l in open('$OUT/throughput.jsonl')]; \
 print(next((r['raw_world_steps_per_s'] for r in rows if r['worlds']==4096 and r['obs']=='state'), ''))" \
       2>/dev/null)
-    for task in reach push pick; do
+    for task in ${LEARN_TASKS:-reach push pick}; do
       timeout 400 python3 -m embodied.cli train configs/mujoco_warp/so101_pick_ppo.yaml \
-        env.task=$task env.device=cuda env.num_envs=4096 runner.max_minutes=5 \
+        env.task=$task env.device=cuda env.num_envs=4096 runner.max_minutes=${LEARN_MINUTES:-5} \
         runner.total_env_steps=400000000 runner.eval_every=2 runner.eval_episodes=256 \
         runner.final_eval_episodes=1000 runner.video=false runner.progress=false \
         runner.output_dir="$OUT/runs" runner.name=warp_$task 2>&1 | tail -5 \
@@ -82,10 +90,6 @@ print(next((r['raw_world_steps_per_s'] for r in rows if r['worlds']==4096 and r[
         | tee -a "$OUT/learning.md"
       rm -rf "$OUT/runs/warp_$task/checkpoints"  # the curve and the best checkpoint stay
     done
-  fi
-  if want warp_cache; then
-    stage warp_cache
-    tar -C "$WARP_CACHE" -czf "$OUT/warpcache.tar.gz" . && du -sh "$OUT/warpcache.tar.gz"
   fi
 else
   echo "MuJoCo Warp is not installed here: the warp_* stages are skipped" | tee -a "$OUT/stages.log"
