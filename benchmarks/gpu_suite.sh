@@ -4,19 +4,24 @@
 # RESULTS_DIR as it finishes (a visit cut short keeps what finished).
 #   bash benchmarks/gpu_suite.sh RESULTS_DIR           (from the project root)
 #   STAGES="warp_tests warp_throughput" bash benchmarks/gpu_suite.sh RESULTS_DIR   (some stages)
-# Stages: device, warp_compile, warp_tests, warp_throughput, warp_cache, warp_learning,
-#   runner_tests, host_syncs (LEARN_TASKS="reach push pick" and LEARN_MINUTES=5 by default). The warp_* stages need MuJoCo Warp's wheels in /tmp/site (brought
-#   in parts beforehand: ../shared/gpu/bundle_parts.sh); the others ManiSkill's bundle (.gpu, and
-#   .gl for rendering). A stage whose packages are missing says so and is skipped.
+# Stages: device, warp_compile, warp_tests, warp_throughput, warp_peaks, warp_cache,
+#   warp_learning (LEARN_TASKS="reach push pick", LEARN_MINUTES=5 by default), runner_tests,
+#   host_syncs. The warp_* stages need MuJoCo Warp's wheels in /tmp/site (brought in parts
+#   beforehand: ../shared/gpu/bundle_parts.sh; omegaconf, which the image lacks, as .whl/); the
+#   others ManiSkill's bundle (.gpu, and .gl for rendering). A stage whose packages are
+#   missing says so and is skipped.
 # Warp's CUDA kernel cache: a .warpcache/ folder carried with the tree is used as the cache (no
 # compile); warp_cache saves the cache this visit compiled as RESULTS_DIR/warpcache.tar.gz, to be
 # unpacked into .warpcache/ for the next visit.
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/gpu_suite}}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"device warp_compile warp_tests warp_throughput warp_cache warp_learning
-  runner_tests host_syncs"}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 MUJOCO_GL=egl
+STAGES=${STAGES:-"device warp_compile warp_tests warp_throughput warp_peaks warp_cache
+  warp_learning runner_tests host_syncs"}
+if [ -z "${MUJOCO_GL:-}" ]; then  # EGL where it is (or comes in .gl); MuJoCo Warp needs none
+  if [ -d .gl ] || ldconfig -p | grep -q libEGL.so.1; then MUJOCO_GL=egl; else MUJOCO_GL=disable; fi
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 MUJOCO_GL
 ROOT=$PWD
 
 want() { [[ " $(echo $STAGES) " == *" $1 "* ]]; }
@@ -32,7 +37,7 @@ else
     --target /tmp/proj . > "$OUT/activate.log" 2>&1
   export PYTHONPATH=/tmp/proj:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if ls .whl/*.whl >/dev/null 2>&1; then  # small packages the image lacks (omegaconf), carried as .whl
+if ls .whl/*.whl >/dev/null 2>&1; then  # small packages the image lacks (omegaconf)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     >> "$OUT/activate.log" 2>&1
 fi
@@ -53,7 +58,7 @@ fi
 if has mujoco_warp; then
   if want warp_compile; then  # the kernels of every task, timed: a compile, or a load
     stage warp_compile
-    timeout 420 python3 -m embodied.simulators.mujoco.warm --device cuda 2>&1 \
+    timeout 420 python3 -P -m embodied.simulators.mujoco.warm --device cuda 2>&1 \
       | tee "$OUT/warp_compile.log"
   fi
   if want warp_tests; then  # graph capture, no device read until episodes end, CPU agreement
@@ -69,6 +74,11 @@ if has mujoco_warp; then
       --image-size 128 --worlds 256,1024 --steps 50 --json "$OUT/throughput.jsonl" 2>&1 \
       | tee -a "$OUT/throughput.md"
   fi
+  if want warp_peaks; then  # the contact and constraint peaks behind the buffers' sizes
+    stage warp_peaks
+    timeout 180 python3 benchmarks/contact_peaks.py --device cuda --worlds 4096 --steps 100 \
+      --json "$OUT/peaks.jsonl" 2>&1 | tee "$OUT/peaks.md"
+  fi
   if want warp_cache; then
     stage warp_cache
     tar -C "$WARP_CACHE" -czf "$OUT/warpcache.tar.gz" . && du -sh "$OUT/warpcache.tar.gz"
@@ -79,7 +89,7 @@ if has mujoco_warp; then
 print(next((r['raw_world_steps_per_s'] for r in rows if r['worlds']==4096 and r['obs']=='state'), ''))" \
       2>/dev/null)
     for task in ${LEARN_TASKS:-reach push pick}; do
-      timeout 400 python3 -m embodied.cli train configs/mujoco_warp/so101_pick_ppo.yaml \
+      timeout 400 python3 -P -m embodied.cli train configs/mujoco_warp/so101_pick_ppo.yaml \
         env.task=$task env.device=cuda env.num_envs=4096 runner.max_minutes=${LEARN_MINUTES:-5} \
         runner.total_env_steps=400000000 runner.eval_every=2 runner.eval_episodes=256 \
         runner.final_eval_episodes=1000 runner.video=false runner.progress=false \

@@ -299,3 +299,24 @@ def _lay_out(tmp_path):
     for folder, name in SUBPACKAGES.items():
         shutil.copytree(ROOT / folder, pkg / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+
+
+def listed_and_on_disk() -> tuple[set[str], set[str]]:
+    """(the packages pyproject installs, the package folders on disk under its package-dir)."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = set()
+    for package, folder in setup["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            on_disk.add(".".join((package, *parts)))
+    return set(setup["packages"]), on_disk
+
+
+def test_every_package_folder_is_installed_by_a_regular_install():
+    """An editable install finds any folder; `pip install .` only the listed packages: a folder
+    left out of the list breaks the CLI there (embodied.cluster once did, on the GPU machine)."""
+    listed, on_disk = listed_and_on_disk()
+    assert "embodied.cluster" in on_disk and "embodied.simulators.mujoco" in on_disk
+    assert on_disk - listed == set(), "add these to pyproject's [tool.setuptools] packages"

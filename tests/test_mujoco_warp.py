@@ -17,7 +17,7 @@ from embodied.contract import check_env  # noqa: E402
 from embodied.schema import UserError  # noqa: E402
 from embodied.simulators.mujoco import TASKS, MuJoCoConfig, make_env  # noqa: E402
 from embodied.simulators.mujoco.experts import EXPERTS  # noqa: E402
-from embodied.simulators.mujoco.warp_env import BufferOverflow  # noqa: E402
+from embodied.simulators.mujoco.warp_env import NJMAX, BufferOverflow  # noqa: E402
 
 # Worst difference between the backends over 32 worlds x 60 steps (seeds 100-131,
 # docs/benchmarks.md), with a margin of about 2x, under the same actions: random deltas in free
@@ -92,21 +92,38 @@ def test_equal_seeds_give_equal_worlds_and_a_masked_reset_leaves_the_others():
         assert torch.equal(again.state[[0, 2, 3]], moved.state[[0, 2, 3]])  # the others go on
 
 
-def test_a_contact_buffer_overflow_is_an_error_naming_the_task_and_buffer():
-    # push's cube rests on the table with 4 contacts; 2 for all 4 worlds cannot hold them
-    with make_env(
-        MuJoCoConfig(task="push", num_envs=4, backend="warp", nconmax=1, max_episode_steps=2)
-    ) as env:
+def overflow_at_the_first_episode_end(**buffers) -> str:
+    """The BufferOverflow of 4 push worlds with these buffer sizes, raised where episodes end."""
+    cfg = MuJoCoConfig(task="push", num_envs=4, backend="warp", max_episode_steps=2, **buffers)
+    with make_env(cfg) as env:
         env.reset(seed=0)
         env.step(torch.zeros(4, 6))  # no episode ends: nothing is read from the device
         with pytest.raises(BufferOverflow) as raised:
             env.step(torch.zeros(4, 6))  # episodes end: the peaks are checked
+    return str(raised.value)
+
+
+def test_a_contact_buffer_overflow_is_an_error_naming_the_task_and_buffer():
+    # push's cube rests on the table with 4 contacts; 1 per world, 4 for all 4, cannot hold them
     found = re.fullmatch(
         r"MuJoCo Warp task 'push': (\d+) contacts in one substep \(all worlds together\), more "
         r"than its contact buffer holds \(4\); raise env\.nconmax \(contacts per world\)",
-        str(raised.value),
+        overflow_at_the_first_episode_end(nconmax=1),
     )
     assert found and int(found[1]) >= 16  # 4 worlds' cubes on the table: 4 contacts each
+
+
+def test_the_constraint_buffer_is_the_measured_size_and_an_overflow_names_it():
+    """MuJoCo Warp's default of 64 rows per world overflowed at 1024 worlds on a GPU (78 rows):
+    env.njmax defaults to NJMAX, twice that peak; a buffer set too small is an error naming it."""
+    with make_env(MuJoCoConfig(task="push", num_envs=2, backend="warp")) as env:
+        assert env._d.njmax == NJMAX == 160
+    found = re.fullmatch(
+        r"MuJoCo Warp task 'push': (\d+) constraints in one world, more than its constraint "
+        r"buffer holds \(8\); raise env\.njmax",
+        overflow_at_the_first_episode_end(njmax=8),
+    )
+    assert found and int(found[1]) >= 16  # the cube's 4 contacts, 4 pyramid rows each
 
 
 def test_cuda_on_a_machine_without_it_is_a_one_line_error(capsys):

@@ -30,7 +30,7 @@ class MuJoCoConfig(SimulatorConfig):
     backend: str = "rollout"  # rollout: mujoco.rollout on the CPU | warp: MuJoCo Warp
     device: str = "cpu"  # the warp backend's device: cpu (Warp's CPU device) | cuda | cuda:N
     nconmax: int | None = None  # warp: contacts per world (pooled over worlds); None: its default
-    njmax: int | None = None  # warp: constraints per world; None: MuJoCo Warp's default
+    njmax: int | None = None  # warp: constraints per world; None: warp_env.NJMAX (measured)
     randomize: RandomizeConfig = field(default_factory=RandomizeConfig)  # per world, seeded
 
     def validate(self) -> None:

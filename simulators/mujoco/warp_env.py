@@ -5,8 +5,8 @@ The same model, initial states, rewards and success as ``MuJoCoEnv`` (simulators
 worlds.py, tasks.py); only the physics differs. Observations, rewards and success are computed in
 torch on the device from zero-copy views of MuJoCo Warp's arrays (``wp.to_torch``), and actions
 are written into its ``ctrl`` in place. On a GPU the physics substeps of a control step run as
-one captured CUDA graph, launched on torch's current stream, so torch and Warp work stay in order
-without waiting on each other.
+one captured CUDA graph, launched on a side stream (no graph can be captured on torch's legacy
+default stream) that events order after and before torch's work, so neither waits on the host.
 
 Host synchronisation: none in a step where no episode ends; the host counts each world's steps,
 so it knows which truncate. With ``ignore_terminations=false`` the done mask is read once a step.
@@ -47,6 +47,12 @@ from embodied.simulators.mujoco.worlds import (
     substeps,
 )
 
+# Constraint rows per world: twice the largest peak measured, 78 (push at 1024 worlds on an H200,
+# where MuJoCo Warp's default of 64 overflowed; benchmarks/contact_peaks.py on the CPU, 512
+# worlds: reach 58, push 62, pick 70). Contacts keep MuJoCo Warp's default, 48 per world pooled
+# over the worlds, against a measured peak of 4.4 per world.
+NJMAX = 160
+
 
 class BufferOverflow(RuntimeError):
     """A world needed more contacts or constraints than MuJoCo Warp's buffers hold."""
@@ -86,7 +92,10 @@ class MuJoCoWarpEnv:
         with wp.ScopedDevice(self._wp_device):
             self._m = self._mjw.put_model(self.host_model)
             self._d = self._mjw.make_data(
-                self.host_model, nworld=B, nconmax=cfg.nconmax, njmax=cfg.njmax
+                self.host_model,
+                nworld=B,
+                nconmax=cfg.nconmax,
+                njmax=NJMAX if cfg.njmax is None else cfg.njmax,
             )
             self._peaks = wp.zeros(2, dtype=int)  # int32 [2]: contacts (all worlds), constraints
             self._batched = None  # the randomised model fields, a row per world
@@ -107,6 +116,9 @@ class MuJoCoWarpEnv:
         self._low = torch.tensor(LOW, device=self.device)
         self._high = torch.tensor(HIGH, device=self.device)
         self._graph = None
+        if self.device.type == "cuda":  # the physics graph's stream (_physics)
+            self._side_stream = torch.cuda.Stream(self.device)
+            self._wp_side_stream = self._wp.stream_from_torch(self._side_stream)
         self._cameras: dict[tuple, WarpCameras] = {}  # (size, camera names) -> render context
         timed_first_step(self.task.name, self._substep_all)  # compile (or load) before capture
         self._peaks.zero_()  # that step was from the model's own pose, not an episode's
@@ -154,15 +166,17 @@ class MuJoCoWarpEnv:
 
     # --- physics ------------------------------------------------------------------------------
     def _substep_all(self) -> None:
-        wp = self._wp
         with self._on_torch_stream():
-            for _ in range(self._substeps):
-                self._mjw.step(self._m, self._d)
-                wp.launch(
-                    _peak_kernel(),
-                    dim=self.num_envs,
-                    inputs=[self._d.nacon, self._d.nefc, self._peaks],
-                )
+            self._substeps_on_current_stream()
+
+    def _substeps_on_current_stream(self) -> None:
+        for _ in range(self._substeps):
+            self._mjw.step(self._m, self._d)
+            self._wp.launch(
+                _peak_kernel(),
+                dim=self.num_envs,
+                inputs=[self._d.nacon, self._d.nefc, self._peaks],
+            )
 
     def _physics(self) -> None:
         """One control step of physics: on a GPU one captured graph, else the substeps."""
@@ -170,13 +184,18 @@ class MuJoCoWarpEnv:
             self._substep_all()
             return
         wp = self._wp
-        with self._on_torch_stream():
+        caller = torch.cuda.current_stream(self.device)
+        # CUDA cannot capture on the legacy default stream torch uses: the graph runs on a side
+        # stream, ordered after the caller's work and before what follows by events, no host wait
+        self._side_stream.wait_stream(caller)
+        # one Warp stream object throughout: Warp finds a capture in progress by that object
+        with wp.ScopedDevice(self._wp_device), wp.ScopedStream(self._wp_side_stream):
             if self._graph is None:
-                stream = wp.get_stream(self._wp_device)
-                with wp.ScopedCapture(device=self._wp_device, stream=stream) as capture:
-                    self._substep_all()
+                with wp.ScopedCapture(stream=self._wp_side_stream) as capture:
+                    self._substeps_on_current_stream()
                 self._graph = capture.graph
-            wp.capture_launch(self._graph)
+            wp.capture_launch(self._graph, stream=self._wp_side_stream)
+        caller.wait_stream(self._side_stream)
 
     def simulate(self, targets: torch.Tensor) -> None:
         """The simulator alone: servo targets (f32 [B, 6], radians, on the device) held for one
