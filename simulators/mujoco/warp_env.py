@@ -5,8 +5,9 @@ The same model, initial states, rewards and success as ``MuJoCoEnv`` (simulators
 worlds.py, tasks.py); only the physics differs. Observations, rewards and success are computed in
 torch on the device from zero-copy views of MuJoCo Warp's arrays (``wp.to_torch``), and actions
 are written into its ``ctrl`` in place. On a GPU the physics substeps of a control step run as
-one captured CUDA graph, launched on a side stream (no graph can be captured on torch's legacy
-default stream) that events order after and before torch's work, so neither waits on the host.
+one captured CUDA graph, and so does the forward pass after a reset, each launched on a side
+stream (no graph can be captured on torch's legacy default stream) that events order after and
+before torch's work, so neither waits on the host.
 
 Host synchronisation: none in a step where no episode ends; the host counts each world's steps,
 so it knows which truncate. With ``ignore_terminations=false`` the done mask is read once a step.
@@ -18,8 +19,9 @@ the buffer, never a silent loss of contacts.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
+from typing import Any
 
 import mujoco
 import numpy as np
@@ -115,7 +117,7 @@ class MuJoCoWarpEnv:
         self._streams = Streams(B, self.device)
         self._low = torch.tensor(LOW, device=self.device)
         self._high = torch.tensor(HIGH, device=self.device)
-        self._graph = None
+        self._graphs: dict[str, Any] = {}  # name -> Warp's captured CUDA graph (_as_graph)
         if self.device.type == "cuda":  # the physics graph's stream (_physics)
             self._side_stream = torch.cuda.Stream(self.device)
             self._wp_side_stream = self._wp.stream_from_torch(self._side_stream)
@@ -180,9 +182,22 @@ class MuJoCoWarpEnv:
 
     def _physics(self) -> None:
         """One control step of physics: on a GPU one captured graph, else the substeps."""
-        if self.device.type != "cuda":
+        if self.device.type == "cuda":
+            self._as_graph("physics", self._substeps_on_current_stream)
+        else:
             self._substep_all()
-            return
+
+    def _forward(self) -> None:
+        """MuJoCo Warp's forward pass for every world: on a GPU a captured graph, because its
+        solver loop (``capture_while``) waits on the host at every iteration outside a capture."""
+        if self.device.type == "cuda":
+            self._as_graph("forward", lambda: self._mjw.forward(self._m, self._d))
+        else:
+            with self._on_torch_stream():
+                self._mjw.forward(self._m, self._d)
+
+    def _as_graph(self, name: str, work: Callable[[], None]) -> None:
+        """Run ``work`` (Warp launches only) as a CUDA graph captured at its first call."""
         wp = self._wp
         caller = torch.cuda.current_stream(self.device)
         # CUDA cannot capture on the legacy default stream torch uses: the graph runs on a side
@@ -190,11 +205,11 @@ class MuJoCoWarpEnv:
         self._side_stream.wait_stream(caller)
         # one Warp stream object throughout: Warp finds a capture in progress by that object
         with wp.ScopedDevice(self._wp_device), wp.ScopedStream(self._wp_side_stream):
-            if self._graph is None:
+            if name not in self._graphs:
                 with wp.ScopedCapture(stream=self._wp_side_stream) as capture:
-                    self._substeps_on_current_stream()
-                self._graph = capture.graph
-            wp.capture_launch(self._graph, stream=self._wp_side_stream)
+                    work()
+                self._graphs[name] = capture.graph
+            wp.capture_launch(self._graphs[name], stream=self._wp_side_stream)
         caller.wait_stream(self._side_stream)
 
     def simulate(self, targets: torch.Tensor) -> None:
@@ -307,8 +322,7 @@ class MuJoCoWarpEnv:
         self._ctrl[ids] = init.joints
         self._target[ids] = init.joints
         self._history[:, ids] = init.joints
-        with self._on_torch_stream():
-            self._mjw.forward(self._m, self._d)
+        self._forward()
         self._sensors.copy_(torch.where(mask[:, None], self._sensors, kept_sensors))
         self._previous[ids] = init.joints  # at rest: zero velocity
         self._elapsed_device[ids] = 0
