@@ -29,9 +29,9 @@ from embodied.rollout import (
     RolloutBatch,
     Samples,
     collect,
-    stage_candidates,
 )
 from embodied.schema import EnvSpec, Observation, UserError
+from embodied.stages import stage_candidates
 from embodied.streams import Stream, resumed
 
 

@@ -186,6 +186,22 @@ def bar_interval() -> float:
     return 0.1 if sys.stderr.isatty() else 30.0
 
 
+def bar_postfix(metrics: dict, steps: int, seconds: float, clock: Clock) -> dict[str, str]:
+    """The progress bar's summary of an iteration: its speed, return, success, how busy the
+    roles were (on Ray), and the time left."""
+    postfix = {"sps": f"{steps / seconds:.0f}"}
+    if "episode/return" in metrics:
+        postfix["ret"] = f"{metrics['episode/return']:.2f}"
+    if "episode/success_once" in metrics:
+        postfix["succ"] = f"{metrics['episode/success_once']:.2f}"
+    if "grpo/kept_groups" in metrics:
+        postfix["kept"] = f"{metrics['grpo/kept_groups']:.0f}"
+    if "cluster/env_idle" in metrics:  # how busy each role's busiest worker was
+        busy = [1 - metrics[f"cluster/{role}_idle"] for role in ("env", "rollout", "actor")]
+        postfix["busy"] = "env {:.0%} roll {:.0%} act {:.0%}".format(*busy)
+    return {**postfix, **clock.left()}
+
+
 def write_trace(path: Path, spans: list[tuple[str, str, int, float, float]]) -> None:
     """A Chrome/Perfetto trace (chrome://tracing, ui.perfetto.dev) of ``spans``: (what, role,
     worker index, start, end), times in seconds since the epoch; one process row per role, one

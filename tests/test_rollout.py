@@ -19,10 +19,9 @@ from embodied.rollout import (
     CollectPlan,
     EpisodeStats,
     RolloutBatch,
-    StageTuner,
     collect,
-    stage_candidates,
 )
+from embodied.stages import StageTuner, stage_candidates
 
 # env 0 terminates every 2 steps (twice per chunk), env 1 is truncated after 7 steps (mid-chunk,
 # then again on a chunk's last action... after the rollout), env 2 terminates every 4 steps (on a

@@ -29,7 +29,8 @@ from embodied.evaluate import evaluate_by_task
 from embodied.inference import InferencePolicy
 from embodied.models import build_policy
 from embodied.roles import Learner
-from embodied.rollout import EpisodeStats, collect, stage_candidates
+from embodied.rollout import EpisodeStats, collect
+from embodied.stages import stage_candidates
 from embodied.streams import Stream, resumed
 
 COLLECTIVE_TIMEOUT_S = 600  # how long an actor worker waits for the others in a collective
