@@ -2,14 +2,16 @@
 
 The runner (embodied/runner.py) talks to an environment group (env_group.py), an inference
 policy (inference.py) and a ``Learner`` through ``Roles``. ``local_roles`` builds them in this
-process: inference shares the learner's module, so a weight sync only records the version, and
-the run's random number generator is this process's. ``embodied.cluster.ray_roles`` builds the
-same roles as Ray actors behind the same methods; the runner cannot tell them apart.
+process (``LocalRoles``): inference shares the learner's module, so a weight sync only records
+the version, and the run's random streams are this process's. ``embodied.cluster.ray_roles``
+builds the same roles as Ray actors behind the same protocol; the runner cannot tell them
+apart.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -269,9 +271,47 @@ def learner_for(cfg, spec: EnvSpec, task_of_env: torch.Tensor, device) -> Learne
     return Learner(cfg, spec, task_of_env, device)
 
 
-class Roles:
+@runtime_checkable
+class Roles(Protocol):
+    """What the runner drives: the roles of one run, in this process (``LocalRoles``) or as
+    Ray actors (``embodied.cluster.roles.RayRoles``); the runner cannot tell them apart."""
+
+    envs: Any  # the environment group (on Ray, the driver's view of the env workers)
+    spec: EnvSpec
+    learner: Any  # the ``Learner`` (on Ray, the driver's view of the actor workers)
+    inference: Any  # the inference policy (on Ray, the driver's view of the rollout workers)
+    evaluates_beside: bool  # whether ``start_evaluation`` evaluates beside training
+
+    def sync(self, version: int) -> dict[str, float]:
+        """The learner's weights to inference, as ``version``; the sync's metrics."""
+
+    def stage_candidates(self, chunk_size: int) -> list[int]:
+        """The stage counts ``runner.pipeline_stages: auto`` may try."""
+
+    def collect(self, obs, plan: CollectPlan, stats: EpisodeStats, **kw):
+        """A round from ``obs`` (after ``envs.reset``) -> what ``learner.add_round`` takes."""
+
+    def evaluate(self, **kw) -> dict[str, dict]:
+        """An evaluation of the current weights, waited for -> task -> summary."""
+
+    def start_evaluation(self, *, episodes: int, seed: int, weights=None):
+        """An evaluation beside training -> a handle (``ready()``, ``result()``)."""
+
+    def metrics(self) -> tuple[dict[str, float], list[tuple]]:
+        """Per-role timing since the last call, and the spans of the roles' calls."""
+
+    def rng_state(self) -> dict:
+        """The run's random streams, as a checkpoint stores them."""
+
+    def recover(self, error: WorkerLost, failures: int) -> None:
+        """Replace the lost worker (``failures``: rounds lost in a row), or raise."""
+
+    def close(self) -> None: ...
+
+
+class LocalRoles:
     """The roles of one run in this process: the environment group, inference sharing the
-    learner's module, the learner. The cluster's ``RayRoles`` has the same methods."""
+    learner's module, the learner."""
 
     def __init__(self, cfg, env, resume: dict | None = None):
         self.envs = EnvGroup(env)
@@ -321,9 +361,12 @@ class Roles:
         """``evaluate_by_task`` of the inference policy on the environment group's envs."""
         return evaluate_by_task(self.envs.env, self.inference.policy, **kw)
 
-    # evaluations beside training (``start_evaluation``): not in one process; the runner calls
-    # ``evaluate``, and training waits for it
+    # evaluations beside training: not in one process; the runner calls ``evaluate``, and
+    # training waits for it
     evaluates_beside = False
+
+    def start_evaluation(self, *, episodes: int, seed: int, weights=None):
+        raise NotImplementedError("evaluations beside training need cluster.eval.workers")
 
     def metrics(self) -> tuple[dict[str, float], list[tuple]]:
         """Per-role timing since the last call, and the spans of the roles' calls: nothing here
@@ -345,5 +388,5 @@ class Roles:
         self.learner.close()
 
 
-def local_roles(cfg, env, resume: dict | None = None) -> Roles:
-    return Roles(cfg, env, resume)
+def local_roles(cfg, env, resume: dict | None = None) -> LocalRoles:
+    return LocalRoles(cfg, env, resume)

@@ -387,7 +387,7 @@ def run_on(
     config block) the roles run on Ray and the env workers build ``env_factory(env_cfg)`` with
     8 environments in all. ``resume``: a checkpoint of the run to go on from."""
     from embodied.config import compose
-    from embodied.roles import load_checkpoint_for, local_roles
+    from embodied.roles import Roles, load_checkpoint_for, local_roles
     from embodied.run import rewind
     from embodied.runner import Runner
     from embodied.train_config import TrainConfig
@@ -416,6 +416,7 @@ def run_on(
     checkpoint = None if resume is None else load_checkpoint_for(resume, "runner.resume")
     if cluster is None:
         roles = local_roles(cfg, env, checkpoint)
+        assert isinstance(roles, Roles)  # every member of the protocol the runner drives
     else:
         from embodied.cluster import ray_roles
 

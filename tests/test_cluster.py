@@ -35,7 +35,7 @@ from embodied.cluster.evaluation import Evaluation
 from embodied.cluster.learner import Pending, RemoteLearner
 from embodied.cluster.roles import RayRoles
 from embodied.config import load_config
-from embodied.roles import WorkerLost
+from embodied.roles import Roles, WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats
 from embodied.run import EVALUATED_AT
 from embodied.runner import train
@@ -386,7 +386,9 @@ def roles_on(tmp_path, cluster: dict, policy: dict, env_factory) -> RayRoles:
         "runner": {"output_dir": str(tmp_path), "progress": False},
     }
     cfg = compose(TrainConfig, [("test", source)])
-    return ray_roles(cfg, None, tmp_path, env_factory=env_factory)
+    roles = ray_roles(cfg, None, tmp_path, env_factory=env_factory)
+    assert isinstance(roles, Roles)  # every member of the protocol the runner drives
+    return roles
 
 
 class Arming(Recorder):

@@ -45,15 +45,15 @@ from embodied.cluster.workers import (
     RolloutWorker,
 )
 from embodied.evaluate import evaluate_by_task, split_episodes
-from embodied.roles import Roles, WorkerLost
+from embodied.roles import WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats
 from embodied.run import Interrupted
 from embodied.schema import Observation
 
 
-class RayRoles(Roles):
-    """The roles as Ray actors in one placement group; see the module docstring. Every method
-    of ``Roles`` is implemented here."""
+class RayRoles:
+    """The roles as Ray actors in one placement group (see the module docstring), behind the
+    ``Roles`` protocol the runner drives."""
 
     def __init__(self, cfg, resume: dict | None, run_dir: Path, env_factory=None):
         import ray
