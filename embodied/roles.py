@@ -22,7 +22,7 @@ from embodied.env_group import EnvGroup
 from embodied.evaluate import evaluate_by_task
 from embodied.grpo import GRPO
 from embodied.inference import InferencePolicy
-from embodied.learner import TorchEngine
+from embodied.learner import TorchEngine, TrainerConfig
 from embodied.models import build_policy
 from embodied.ppo import PPO
 from embodied.rollout import (
@@ -134,14 +134,13 @@ class Learner:
 
             join_ranks(self.policy, cfg)
         self.algorithm = build_algorithm(cfg, spec, task_of_env, policy=self.policy)
-        if cfg.trainer.backend == "megatron":
-            from embodied.megatron.engine import megatron_engine
-
-            self.engine = megatron_engine(self.policy, cfg, with_value=self.algorithm.has_critic)
-        else:
-            self.engine = TorchEngine(
-                self.policy, learning_rate=alg.learning_rate, max_grad_norm=alg.max_grad_norm
-            )
+        self.engine = make_engine(
+            self.policy,
+            cfg.trainer,
+            learning_rate=alg.learning_rate,
+            max_grad_norm=alg.max_grad_norm,
+            with_value=self.algorithm.has_critic,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -245,6 +244,21 @@ def check_minibatch(samples: int, num_minibatches: int, engine) -> None:
             f"cluster.actor.workers: a minibatch of {minibatch} samples cannot be shared by "
             f"{ranks} actor workers; use fewer actor workers or algorithm.num_minibatches"
         )
+
+
+def make_engine(policy: torch.nn.Module, trainer: TrainerConfig, **options):
+    """The ``TrainEngine`` of ``trainer.backend`` for ``policy`` (RL's learner and SFT's):
+    ``options`` are the optimizer's (learning_rate, max_grad_norm, weight_decay, adam_eps) and,
+    for megatron, ``with_value``. A megatron policy has joined its TP ranks (``join_ranks``)."""
+    if trainer.backend == "megatron":
+        from embodied.megatron.engine import MegatronEngine
+
+        device = next(policy.parameters()).device
+        return MegatronEngine(
+            policy, recompute=trainer.recompute, dtype=trainer.dtype(device), **options
+        )
+    options.pop("with_value", None)  # (the torch engine trains whatever the policy holds)
+    return TorchEngine(policy, **options)
 
 
 def save_engine(engine, run_dir: Path, iteration: int, **kw) -> Path:

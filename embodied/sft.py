@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
@@ -27,17 +26,35 @@ from tqdm import tqdm
 
 from embodied import numerics
 from embodied.cluster.config import ClusterConfig
-from embodied.config import save_config, to_dict
-from embodied.dataset import DemoDataset
+from embodied.config import ConfigError, save_config, to_dict
 from embodied.evaluate import evaluate_by_task, per_task
-from embodied.learner import TorchEngine, TrainerConfig
+from embodied.learner import TrainerConfig
 from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
-from embodied.multitask import make_env
-from embodied.roles import save_engine
-from embodied.run import Clock, Stopped, StopSignals, bar_interval
-from embodied.schema import NormStats, Observation
+from embodied.multitask import SIMULATOR_CONFIGS, make_env
+from embodied.roles import load_checkpoint_for, make_engine, save_engine
+from embodied.run import (
+    Clock,
+    Stopped,
+    StopSignals,
+    bar_interval,
+    check_fresh,
+    check_resume,
+    clear_run,
+    rewind,
+    run_dir_of,
+)
+from embodied.schema import SimulatorConfig
+from embodied.sft_data import (
+    Frames,
+    batch_of,
+    cached_features,
+    load_frames,
+    norm_data,
+    set_norm_stats,
+)
 from embodied.simulators.maniskill import ManiSkillConfig
+from embodied.streams import Stream, resumed
 from embodied.train_config import check_cameras, check_megatron
 
 
@@ -50,6 +67,9 @@ class SFTRunnerConfig:
     max_minutes: float | None = None  # stop training after this long (then evaluate)
     save_every: int = 0  # steps between checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # the newest N checkpoints stay
+    resume: str | None = None  # a run directory (or checkpoint) to continue from
+    resume_force: bool = False  # resume even though a key that changes the run differs
+    overwrite: bool = False  # a new run in a directory that holds one: remove the earlier run
     torch_threads: int = 2
     progress: bool = True
     deterministic: bool = False  # the same floats on every x86 CPU (as runner.deterministic)
@@ -57,13 +77,16 @@ class SFTRunnerConfig:
 
 @dataclass
 class SFTConfig:
-    CHOICES: ClassVar[dict] = {"policy": POLICY_CONFIGS}
+    # policy.name / env.simulator select the config schema of that section
+    CHOICES: ClassVar[dict] = {"policy": POLICY_CONFIGS, "env": SIMULATOR_CONFIGS}
+    CHOICE_KEYS: ClassVar[dict] = {"env": "simulator"}
     seed: int = 0
     datasets: list[str] = field(default_factory=list)  # LeRobot v3.0 dataset directories
     # > 0: train on each dataset's first N episodes only (few-shot SFT)
     episodes_per_dataset: int = 0
-    # evaluation environment; each dataset's task (info.json "embodied.task") replaces its task
-    env: ManiSkillConfig = field(default_factory=lambda: ManiSkillConfig(obs_mode="rgb"))
+    # evaluation environment, any simulator; each dataset's task (info.json "embodied.task")
+    # replaces its task
+    env: SimulatorConfig = field(default_factory=lambda: ManiSkillConfig(obs_mode="rgb"))
     policy: PolicyConfig = field(default_factory=VLAConfig)
     steps: int = 2000
     batch_size: int = 32
@@ -87,97 +110,33 @@ class SFTConfig:
             check_megatron(self.trainer, self.policy, ClusterConfig())
 
 
-@dataclass
-class _Frames:
-    """All datasets' frames as one set of tensors (N frames)."""
-
-    data: DemoDataset
-    instructions: list[str]  # per frame
-    tasks: list[str]  # simulator task id per dataset, in order
-
-
-def _load(paths: list[str], episodes: int = 0) -> _Frames:
-    parts = [DemoDataset.load(p) for p in paths]
-    parts = [p.head(episodes) for p in parts] if episodes > 0 else parts
-    sets = [set(p.images) for p in parts]
-    if any(s != sets[0] for s in sets):
-        raise ValueError(f"datasets: cameras differ between datasets: {sets}")
-    offset = 0
-    starts = []
-    ends = []
-    instructions = []
-    for p in parts:
-        starts.append(p.starts + offset)  # long [E]
-        ends.append(p.ends + offset)  # long [E]
-        instructions += [p.tasks[t] for t in p.task.tolist()]
-        offset += len(p)
-    priv_keys = set.intersection(*[set(p.privileged) for p in parts])
-    cat = DemoDataset(
-        images={c: torch.cat([p.images[c] for p in parts]) for c in parts[0].images},
-        privileged={k: torch.cat([p.privileged[k] for p in parts]) for k in priv_keys},
-        state=torch.cat([p.state for p in parts]),
-        actions=torch.cat([p.actions for p in parts]),
-        episode=torch.cat([p.episode for p in parts]),
-        frame=torch.cat([p.frame for p in parts]),
-        task=torch.cat([p.task for p in parts]),
-        tasks=[],
-        starts=torch.cat(starts),
-        ends=torch.cat(ends),
-        info=parts[0].info,
-        stats=parts[0].stats,
-    )
-    tasks = [p.info.get("embodied", {}).get("task") for p in parts]
-    return _Frames(cat, instructions, tasks)
-
-
-def _norm_data(frames: _Frames) -> dict[str, torch.Tensor]:
-    """What the normalisation statistics are computed from (no images: it goes to every rank)."""
-    d = frames.data
-    return {"state": d.state, "privileged": d.privileged, "actions": d.actions}
-
-
-def _norm_stats(policy, data: dict) -> None:
-    obs = Observation(state=data["state"], instruction=[], privileged=data["privileged"])
-    state = policy.state_vector(obs) if policy.state_dim else None
-    actions = data["actions"]
-    policy.set_norm_stats(
-        state=NormStats(mean=state.mean(0), std=state.std(0)) if state is not None else None,
-        action=NormStats(
-            q01=torch.quantile(actions, 0.01, dim=0), q99=torch.quantile(actions, 0.99, dim=0)
-        ),
-    )
-
-
 class BCLearner:
     """SFT's update: the policy with the datasets' normalisation statistics, and its
     ``TrainEngine`` on ``cfg.trainer.backend`` (AdamW, eps 1e-8, ``cfg.weight_decay`` on every
     trainable weight; clipping at ``cfg.max_grad_norm``). ``lockstep_calls``: what TP rank 0
     sends its helper ranks."""
 
-    lockstep_calls = ("bc_step", "refresh")
+    lockstep_calls = ("bc_step", "refresh", "load")
 
     def __init__(self, cfg: SFTConfig, spec, norm_data: dict, device):
+        self.cfg = cfg
+        # the batches' frames and any dropout draw from it (rank 0's: helpers get its state)
+        self.stream = Stream.derived(cfg.seed, "sft", 0)
         self.policy = build_policy(spec, cfg.policy).to(device)
-        _norm_stats(self.policy, norm_data)
-        options = {
-            "learning_rate": cfg.learning_rate,
-            "max_grad_norm": cfg.max_grad_norm,
-            "weight_decay": cfg.weight_decay,
-            "adam_eps": 1e-8,
-        }
+        set_norm_stats(self.policy, norm_data)
         if cfg.trainer.backend == "megatron":
-            from embodied.megatron.engine import MegatronEngine, join_ranks
+            from embodied.megatron.engine import join_ranks
 
             join_ranks(self.policy, cfg)
-            self.engine = MegatronEngine(
-                self.policy,
-                with_value=False,
-                recompute=cfg.trainer.recompute,
-                dtype=cfg.trainer.dtype(device),
-                **options,
-            )
-        else:
-            self.engine = TorchEngine(self.policy, **options)
+        self.engine = make_engine(
+            self.policy,
+            cfg.trainer,
+            learning_rate=cfg.learning_rate,
+            max_grad_norm=cfg.max_grad_norm,
+            weight_decay=cfg.weight_decay,
+            adam_eps=1e-8,
+            with_value=False,
+        )
 
     def bc_step(self, obs, chunk, mask, features, lr: float) -> dict[str, torch.Tensor]:
         """One clipped AdamW step of ``policy.bc_loss`` at ``lr``: its metrics, the loss and
@@ -192,6 +151,12 @@ class BCLearner:
     def refresh(self) -> None:
         """The torch-layout policy (evaluation, checkpoints) gets the current weights."""
         self.engine.refresh()
+
+    def load(self, checkpoint: dict) -> None:
+        """A resumed run's weights, optimizer state and stream."""
+        self.engine.load_state_dict(checkpoint)
+        step = (checkpoint.get("counters") or {}).get("iteration", 0)
+        resumed(self.stream, checkpoint.get("rng"), self.cfg.seed, step)
 
     def save(self, run_dir: Path, step: int, **kw) -> Path:
         return save_engine(self.engine, run_dir, step, **kw)
@@ -212,180 +177,241 @@ def bc_learner_for(cfg: SFTConfig, spec, norm_data: dict) -> BCLearner:
     return BCLearner(cfg, spec, norm_data, device)
 
 
-def _batch(frames: _Frames, idx: torch.Tensor) -> Observation:
-    d = frames.data
-    return Observation(
-        state=d.state[idx],
-        instruction=[frames.instructions[i] for i in idx.tolist()],
-        images={c: v[idx] for c, v in d.images.items()},
-        privileged={k: v[idx] for k, v in d.privileged.items()},
-    )
-
-
-@torch.no_grad()
-def _cached_features(policy, frames: _Frames, batch: int = 64) -> torch.Tensor:
-    """Frozen image encoder: every frame's features once, f32 [C, N, P, F]."""
-    policy.eval()
-    N = len(frames.data)
-    out = []
-    for lo in tqdm(
-        range(0, N, batch),
-        desc="image features",
-        unit="batch",
-        mininterval=0.1 if sys.stderr.isatty() else 30.0,
-    ):
-        idx = torch.arange(lo, min(N, lo + batch))
-        f = policy.image_features(_batch(frames, idx))  # f32 [C*b, P, F]
-        out.append(f.view(-1, len(idx), *f.shape[1:]))
-    return torch.cat(out, dim=1)
-
-
 def sft(cfg: SFTConfig) -> dict:
+    """Train as ``cfg`` says; returns the run's summary (also written to metrics.json)."""
     if cfg.runner.deterministic:  # first: before a torch op chooses a code path or a worker starts
         numerics.pin()
     numerics.setup(cfg.runner.torch_threads)
-    torch.manual_seed(cfg.seed)
-    frames = _load(cfg.datasets, cfg.episodes_per_dataset)  # a bad dataset fails before the run
-    run_dir = Path(cfg.runner.output_dir) / cfg.runner.name
+    torch.manual_seed(cfg.seed)  # the policy's initial weights
+    frames = load_frames(cfg.datasets, cfg.episodes_per_dataset)  # (a bad dataset fails first)
+    resume = _resume_of(cfg)
+    default_task = getattr(cfg.env, "task", None)
+    env_cfgs = task_configs(cfg.env, [t or default_task for t in frames.tasks])
+    with make_env(_eval_env_config(env_cfgs)) as env:  # the spec all tasks share
+        spec = env.spec
+    run_dir = _run_dir(cfg, resume)
+    learner = bc_learner_for(cfg, spec, norm_data(frames))
+    try:  # (TP ranks in processes end with the learner)
+        if resume is not None:
+            learner.load(resume)
+        run = SFTRun(cfg, learner, frames, env_cfgs, spec, run_dir, resume)
+        run.train()
+    finally:
+        learner.close()
+    return run.finish()
+
+
+def _resume_of(cfg: SFTConfig) -> dict | None:
+    """The checkpoint ``runner.resume`` names, checked against this config; None for a new run."""
+    if not cfg.runner.resume:
+        return None
+    resume = load_checkpoint_for(cfg.runner.resume, "runner.resume")
+    saved = resume["meta"].get("sft")
+    if saved is None:
+        raise ConfigError(f"runner.resume: {resume['path']} is not a checkpoint of embodied sft")
+    check_resume(saved, to_dict(cfg), resume["path"], cfg.runner.resume_force)
+    return resume
+
+
+def _run_dir(cfg: SFTConfig, resume: dict | None) -> Path:
+    """The run directory as ``embodied train`` keeps it: a new run never mixes into an earlier
+    one; a resumed one goes back to its checkpoint (later rows and checkpoints go)."""
+    if resume is None:
+        run_dir = Path(cfg.runner.output_dir) / cfg.runner.name
+        check_fresh(run_dir, cfg.runner.overwrite)
+        if cfg.runner.overwrite:
+            clear_run(run_dir)
+    else:
+        run_dir = run_dir_of(resume["path"], cfg.runner.resume)
+        rewind(run_dir, resume, cfg, evaluates_beside=False)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
-    numerics.record(run_dir, iteration=0, deterministic=cfg.runner.deterministic)
-    tasks = [t or cfg.env.task for t in frames.tasks]
-    env_cfgs = {t: ManiSkillConfig(**{**to_dict(cfg.env), "task": t}) for t in dict.fromkeys(tasks)}
-    with make_env(
-        _eval_env_config(env_cfgs)
-    ) as env:  # the spec all tasks share (privileged: common keys)
-        spec = env.spec
-    learner = bc_learner_for(cfg, spec, _norm_data(frames))
-    policy = learner.engine.torch_policy  # (evaluation and the cached image features)
-    K = cfg.policy.chunk_size
+    step = 0 if resume is None else resume["counters"]["iteration"]
+    numerics.record(run_dir, iteration=step, deterministic=cfg.runner.deterministic)
+    return run_dir
+
+
+def task_configs(env: SimulatorConfig, tasks: list[str]) -> dict[str, SimulatorConfig]:
+    """The evaluation config of each task the datasets hold (their order, each once)."""
+    names = list(dict.fromkeys(tasks))
+    if len(names) > 1 and env.simulator != "maniskill":
+        raise ConfigError(
+            f"datasets: tasks {names} on {env.simulator}; several tasks in one SFT run need "
+            "ManiSkill (a multi-task environment), or one dataset's task per run"
+        )
+    return {t: replace(env, task=t) if hasattr(env, "task") else env for t in names}
+
+
+def lr_at(cfg: SFTConfig, s: int) -> float:
+    """Linear warm-up, then cosine decay to 10% (``s`` from 0)."""
     warm = max(1, cfg.warmup_steps)
+    progress = min(1.0, max(0, s - warm) / max(1, cfg.steps - warm))
+    cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.learning_rate * min(1.0, (s + 1) / warm) * cosine
 
-    def lr_at(s: int) -> float:
-        """Linear warm-up, then cosine decay to 10% (``s`` from 0)."""
-        progress = min(1.0, max(0, s - warm) / max(1, cfg.steps - warm))
-        return cfg.learning_rate * (
-            min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-        )
 
-    try:  # (TP ranks in processes end with the learner)
-        logger = RunLogger(run_dir)
-        N = len(frames.data)
-        trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-        print(
-            f"sft: {N} frames from {len(cfg.datasets)} dataset(s), tasks {sorted(set(tasks))}; "
-            f"{trainable / 1e6:.1f}M trainable parameters"
-        )
-        meta = {
-            "config": {
-                "seed": cfg.seed,
-                "env": to_dict(env_cfgs[tasks[0]]),
-                "policy": to_dict(cfg.policy),
-                # `embodied eval` acts with this many threads and pins, as this run's
-                # evaluations did: another count or code path rounds otherwise
-                "runner": {
-                    "torch_threads": cfg.runner.torch_threads,
-                    "deterministic": cfg.runner.deterministic,
-                },
-            },
-            "sft": to_dict(cfg),
-            "spec": spec.to_dict(),
-            "format": "embodied-checkpoint-v1",
+class SFTRun:
+    """The steps of one SFT run: batches of frames, evaluations, checkpoints, a stop."""
+
+    def __init__(self, cfg, learner, frames: Frames, env_cfgs: dict, spec, run_dir, resume):
+        self.cfg = cfg
+        self.learner = learner
+        self.frames = frames
+        self.env_cfgs = env_cfgs
+        self.run_dir = run_dir
+        self.policy = learner.engine.torch_policy  # (evaluation, the cached image features)
+        counters = {} if resume is None else resume["counters"]
+        self.step = counters.get("iteration", 0)
+        self.evals: list[dict] = counters.get("evals", [])
+        self.clock = Clock(counters.get("train_seconds", 0.0), cfg.runner.max_minutes)
+        purge = None if resume is None else self.step + 1
+        self.logger = RunLogger(run_dir, purge_step=purge)
+        self.meta = _meta(cfg, env_cfgs, spec)
+        if resume is not None:
+            print(f"resuming {run_dir} from step {self.step}")
+
+    def save(self) -> Path:
+        counters = {
+            "iteration": self.step,
+            "env_steps": 0,
+            "train_seconds": self.clock.seconds,
+            "evals": self.evals,
         }
-        clock = Clock(0.0, cfg.runner.max_minutes)
+        rng = {"streams": {self.learner.stream.key: self.learner.stream.state()}}
+        self.learner.refresh()
+        keep = self.cfg.runner.keep_checkpoints
+        return self.learner.save(
+            self.run_dir, self.step, counters=counters, meta=self.meta, rng=rng, keep=keep
+        )
 
-        def save(step: int) -> Path:
-            counters = {"iteration": step, "env_steps": 0, "train_seconds": clock.seconds}
-            learner.refresh()
-            return learner.save(
-                run_dir, step, counters=counters, meta=meta, keep=cfg.runner.keep_checkpoints
-            )
-
+    def train(self) -> None:
+        cfg = self.cfg
+        frames = self.frames
+        trainable = sum(p.numel() for p in self.policy.parameters() if p.requires_grad)
+        print(
+            f"sft: {len(frames.data)} frames from {len(cfg.datasets)} dataset(s), tasks "
+            f"{sorted(self.env_cfgs)}; {trainable / 1e6:.1f}M trainable parameters"
+        )
+        cached = getattr(self.policy, "caches_image_features", False)
+        self.features = cached_features(self.policy, frames) if cached else None
         bar = tqdm(
             total=cfg.steps,
+            initial=self.step,
             desc=cfg.runner.name,
             disable=not cfg.runner.progress,
             dynamic_ncols=True,
             mininterval=bar_interval(),
         )
-        evals = []
-        if getattr(policy, "caches_image_features", False):
-            features = _cached_features(policy, frames)
-        else:
-            features = None
-        policy.train()
-        step = 0
+        self.policy.train()
         with StopSignals() as stop:
-            for step in range(1, cfg.steps + 1):
-                idx = torch.randint(N, (cfg.batch_size,))
-                chunk, mask = frames.data.action_chunks(idx, K)
-                # f32 [C*B, P, F], cameras outermost
-                feats = None if features is None else features[:, idx].flatten(0, 1)
-                lr = lr_at(step - 1)
-                metrics = learner.bc_step(_batch(frames, idx), chunk, mask, feats, lr)
+            while self.step < cfg.steps:
+                self.step += 1
+                metrics = self._bc_step()
                 bar.update(1)
-                if step % 10 == 0 or step == cfg.steps:
-                    metrics = {k: float(v) for k, v in metrics.items()}
-                    metrics.update({"train/lr": lr, "time/minutes": clock.seconds / 60})
-                    logger.log(metrics, step=step)
-                    bar.set_postfix(loss=f"{metrics['sft/loss']:.4f}")
+                if self.step % 10 == 0 or self.step == cfg.steps:
+                    self._log(metrics, bar)
                 if stop.requested:  # between steps the weights and optimizer are consistent
-                    save(step)
+                    self.save()
                     bar.close()
-                    logger.close()
-                    raise Stopped(
-                        stop.signum, f"stopped after step {step}; checkpoint: {run_dir}/last"
-                    )
-                if cfg.runner.save_every and step % cfg.runner.save_every == 0 and step < cfg.steps:
-                    save(step)
-                evaluate_now = cfg.runner.eval_every and step % cfg.runner.eval_every == 0
-                if evaluate_now and step < cfg.steps and not clock.out_of_time:
-                    learner.refresh()
-                    evals.append(
-                        evaluate_tasks(
-                            policy, env_cfgs, cfg.runner.eval_episodes, cfg.seed, step, logger
-                        )
-                    )
-                    policy.train()
-                if clock.out_of_time:
-                    bar.write(f"stopping after {step} steps ({cfg.runner.max_minutes} min)")
+                    self.logger.close()
+                    where = f"{self.run_dir}/last"
+                    message = f"stopped after step {self.step}; checkpoint: {where}"
+                    raise Stopped(stop.signum, message)
+                self._evaluate_or_save()
+                if self.clock.out_of_time:
+                    bar.write(f"stopping after {self.step} steps ({cfg.runner.max_minutes} min)")
                     break
         bar.close()
-        ckpt = save(step)
-    finally:
-        learner.close()
-    final = evaluate_tasks(
-        policy,
-        env_cfgs,
-        cfg.runner.eval_episodes,
-        cfg.seed,
-        step,
-        logger,
-        video_dir=run_dir / "videos",
-    )
-    summary = {
-        "run_dir": str(run_dir),
-        "checkpoint": str(ckpt),
-        "steps": step,
-        "minutes": clock.seconds / 60,
-        "final": final,
-        "evals": evals,
-    }
-    (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2))
-    logger.close()
-    for task, r in final.items():
-        ci = r["eval/success_ci95"]
-        print(
-            f"{task}: success {r['eval/success_rate']:.3f} over {r['eval/episodes']} episodes "
-            f"(95% CI {ci[0]:.2f}-{ci[1]:.2f})"
+        self.checkpoint = self.save()
+
+    def _bc_step(self) -> dict:
+        """One update on a batch of random frames, the next K actions as each one's target."""
+        cfg = self.cfg
+        with self.learner.stream.drawing():
+            idx = torch.randint(len(self.frames.data), (cfg.batch_size,))
+            chunk, mask = self.frames.data.action_chunks(idx, cfg.policy.chunk_size)
+            # f32 [C*B, P, F], cameras outermost
+            feats = None if self.features is None else self.features[:, idx].flatten(0, 1)
+            obs = batch_of(self.frames, idx)
+            return self.learner.bc_step(obs, chunk, mask, feats, lr_at(cfg, self.step - 1))
+
+    def _log(self, metrics: dict, bar: tqdm) -> None:
+        metrics = {k: float(v) for k, v in metrics.items()}
+        lr = lr_at(self.cfg, self.step - 1)
+        metrics.update({"train/lr": lr, "time/minutes": self.clock.seconds / 60})
+        self.logger.log(metrics, step=self.step, iteration=self.step)
+        bar.set_postfix(loss=f"{metrics['sft/loss']:.4f}")
+
+    def _evaluate_or_save(self) -> None:
+        run = self.cfg.runner
+        if self.step >= self.cfg.steps:
+            return  # (the end saves and evaluates)
+        if run.save_every and self.step % run.save_every == 0:
+            self.save()
+        if run.eval_every and self.step % run.eval_every == 0 and not self.clock.out_of_time:
+            self.learner.refresh()
+            results = evaluate_tasks(
+                self.policy, self.env_cfgs, run.eval_episodes, self.cfg.seed, self.step, self.logger
+            )
+            self.evals.append(results)
+            self.policy.train()
+
+    def finish(self) -> dict:
+        """The final evaluation (with its video) -> the run's summary, also metrics.json."""
+        run = self.cfg.runner
+        video_dir = self.run_dir / "videos"
+        final = evaluate_tasks(
+            self.policy,
+            self.env_cfgs,
+            run.eval_episodes,
+            self.cfg.seed,
+            self.step,
+            self.logger,
+            video_dir=video_dir,
         )
-    return summary
+        summary = {
+            "run_dir": str(self.run_dir),
+            "checkpoint": str(self.checkpoint),
+            "steps": self.step,
+            "minutes": self.clock.seconds / 60,
+            "final": final,
+            "evals": self.evals,
+        }
+        (self.run_dir / "metrics.json").write_text(json.dumps(summary, indent=2))
+        self.logger.close()
+        for task, r in final.items():
+            ci = r["eval/success_ci95"]
+            print(
+                f"{task}: success {r['eval/success_rate']:.3f} over {r['eval/episodes']} "
+                f"episodes (95% CI {ci[0]:.2f}-{ci[1]:.2f})"
+            )
+        return summary
+
+
+def _meta(cfg: SFTConfig, env_cfgs: dict, spec) -> dict:
+    """What the checkpoints say about the run: `embodied eval` builds its environment and acts
+    with this many threads and pins, as this run's evaluations did (another count or code path
+    rounds otherwise)."""
+    return {
+        "config": {
+            "seed": cfg.seed,
+            "env": to_dict(next(iter(env_cfgs.values()))),
+            "policy": to_dict(cfg.policy),
+            "runner": {
+                "torch_threads": cfg.runner.torch_threads,
+                "deterministic": cfg.runner.deterministic,
+            },
+        },
+        "sft": to_dict(cfg),
+        "spec": spec.to_dict(),
+        "format": "embodied-checkpoint-v1",
+    }
 
 
 @torch.no_grad()
 def evaluate_tasks(
     policy,
-    env_cfgs: dict[str, ManiSkillConfig],
+    env_cfgs: dict[str, SimulatorConfig],
     episodes: int,
     seed: int,
     step: int,
@@ -403,7 +429,7 @@ def evaluate_tasks(
             desc="evaluating",
             unit="ep",
             leave=False,
-            mininterval=0.1 if sys.stderr.isatty() else 30.0,
+            mininterval=bar_interval(),
         ) as progress:
             out = evaluate_by_task(
                 env, policy, episodes=episodes, seed=seed, video_path=video, progress=progress
@@ -413,11 +439,11 @@ def evaluate_tasks(
     if len(env_cfgs) == 1:
         out = {next(iter(env_cfgs)): out["all"]}
     for task, summary in out.items():
-        logger.log(per_task(task, summary), step=step)
+        logger.log(per_task(task, summary), step=step, iteration=step)
     return out
 
 
-def _eval_env_config(env_cfgs: dict[str, ManiSkillConfig]) -> ManiSkillConfig:
+def _eval_env_config(env_cfgs: dict[str, SimulatorConfig]) -> SimulatorConfig:
     """One task's config, or a multi-task one with each task's ``num_envs`` and at least a worker
     per task."""
     first = next(iter(env_cfgs.values()))

@@ -2,7 +2,8 @@
 (seed, role, rank), in every layout.
 
 The learner (``actor/0``: the policy's initial weights, minibatch shuffles) and each inference
-copy (``rollout/<rank>``: sampled actions) hold one. The embedded run holds ``actor/0`` and
+copy (``rollout/<rank>``: sampled actions) hold one, and so does SFT's learner (``sft/0``: its
+batches' frames). The embedded run holds ``actor/0`` and
 ``rollout/0``, the streams a Ray run with one worker per role holds, so the two draw the same
 numbers; a fixed worker count gives a reproducible run. Data-parallel actor ranks are one
 learner shard: they share ``actor/0`` and so draw the same minibatch permutations.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-ROLE_CODES = {"actor": 1, "rollout": 2}  # (part of the derivation: never renumber)
+ROLE_CODES = {"actor": 1, "rollout": 2, "sft": 3}  # (part of the derivation: never renumber)
 
 
 def stream_seed(seed: int, role: str, rank: int, start: int = 0) -> int:

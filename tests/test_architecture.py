@@ -154,6 +154,7 @@ ALLOWED = {
         "embodied.train_config",
     },
     # the other jobs and the command line
+    "embodied.sft_data": {"embodied.dataset", "embodied.schema"},
     "embodied.sft": {
         "embodied.cluster",
         "embodied.config",
@@ -168,7 +169,9 @@ ALLOWED = {
         "embodied.roles",
         "embodied.run",
         "embodied.schema",
+        "embodied.sft_data",
         "embodied.simulators",
+        "embodied.streams",
         "embodied.train_config",
     },
     "embodied.demos": {

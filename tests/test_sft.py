@@ -114,7 +114,7 @@ def test_sft_config_errors(tmp_path, capsys):
 
 
 def test_few_shot_sft_keeps_the_first_episodes(dataset):
-    from embodied.sft import _load
+    from embodied.sft_data import load_frames as _load
 
     assert len(_load([str(dataset)]).data) == 18
     frames = _load(
@@ -197,3 +197,68 @@ def test_sft_on_megatron_at_tp2_gives_the_torch_runs_checkpoint(tmp_path, datase
             torch.testing.assert_close(got[key][keys], value[keys], rtol=0, atol=12 * 3e-4)
             got[key][keys] = value[keys]
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5)
+
+
+def loss_rows(run_dir) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["iteration"], r["sft/loss"]) for r in rows if "sft/loss" in r]
+
+
+def test_a_resumed_sft_run_ends_where_the_uninterrupted_one_did(tmp_path, dataset, capsys):
+    """Stopped after step 6 (its checkpoint) and resumed: the same losses after step 6 and the
+    same weights at step 12, bit for bit; each step is logged once; the run directory is the
+    original's, as `embodied train` keeps it."""
+    cfg = sft_config(tmp_path, dataset, "run")
+    assert main(["sft", cfg, "runner.save_every=6", "runner.eval_episodes=1"]) == 0
+    run = tmp_path / "run"
+    whole = load_checkpoint(run / "last")
+    rows = loss_rows(run)
+    assert [step for step, _ in rows] == [10, 12]
+    resume = f"runner.resume={run / 'checkpoints' / 'iter_000006'}"
+    assert main(["sft", cfg, resume, "runner.eval_episodes=1"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    assert loss_rows(run) == rows
+    again = load_checkpoint(run / "last")
+    assert again["counters"]["iteration"] == 12
+    for key, value in whole["model"].items():
+        assert torch.equal(again["model"][key], value), key
+
+
+def test_sft_keeps_an_earlier_run_unless_told_and_checks_a_resume(tmp_path, dataset, capsys):
+    cfg = sft_config(tmp_path, dataset, "run", steps=2)
+    assert main(["sft", cfg, "runner.eval_episodes=1"]) == 0
+    capsys.readouterr()
+    assert main(["sft", cfg]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["sft", cfg, "runner.overwrite=true", "runner.eval_episodes=1"]) == 0
+    capsys.readouterr()
+    assert main(["sft", cfg, f"runner.resume={tmp_path / 'run'}", "learning_rate=0.1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("embodied: error: runner.resume: learning_rate is 0.1 here but 0.0003")
+
+
+def test_sft_on_mujoco_demonstrations_evaluates_on_mujoco(tmp_path, capsys):
+    """Any simulator's config: the scripted expert's pick demonstrations, SFT, the evaluation and
+    the checkpoint's environment on MuJoCo."""
+    demos = [
+        "demos",
+        "configs/mujoco/demos_pick.yaml",
+        "episodes=1",
+        "env.num_envs=1",
+        "env.image_size=32",
+        f"output={tmp_path / 'ds'}",
+    ]
+    assert main(demos) == 0
+    env = {"simulator": "mujoco", "task": "pick", "obs_mode": "rgb", "image_size": 32}
+    env.update(num_envs=2, max_episode_steps=5)
+    cfg = tmp_path / "sft.yaml"
+    runner = {"name": "sft", "output_dir": str(tmp_path), "eval_episodes": 2, "progress": False}
+    body = {"datasets": [str(tmp_path / "ds")], "env": env, "policy": TINY_VLA, "steps": 2}
+    cfg.write_text(json.dumps({**body, "batch_size": 4, "warmup_steps": 1, "runner": runner}))
+    capsys.readouterr()
+    assert main(["sft", str(cfg)]) == 0
+    summary = json.loads((tmp_path / "sft" / "metrics.json").read_text())
+    assert summary["final"]["pick"]["eval/episodes"] == 2
+    meta = load_checkpoint(tmp_path / "sft" / "last", with_trainer_state=False)["meta"]
+    assert meta["config"]["env"]["simulator"] == "mujoco"
+    assert meta["config"]["env"]["task"] == "pick"

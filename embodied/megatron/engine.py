@@ -95,19 +95,6 @@ def join_ranks(policy: torch.nn.Module, cfg) -> None:
         policy.load_state_dict(weights[0])
 
 
-def megatron_engine(policy: torch.nn.Module, cfg, *, with_value: bool) -> MegatronEngine:
-    """The run's megatron learner (after ``join_ranks``)."""
-    alg = cfg.algorithm
-    return MegatronEngine(
-        policy,
-        learning_rate=alg.learning_rate,
-        max_grad_norm=alg.max_grad_norm,
-        with_value=with_value,
-        recompute=cfg.trainer.recompute,
-        dtype=cfg.trainer.dtype(next(policy.parameters()).device),
-    )
-
-
 class MegatronEngine(LearningRate):
     def __init__(
         self,

@@ -1,0 +1,103 @@
+"""The demonstrations ``embodied sft`` trains on: LeRobot datasets joined into one set of frames,
+their normalisation statistics, batches of frames as observations, and a frozen image encoder's
+features of every frame, computed once."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from embodied.dataset import DemoDataset
+from embodied.schema import NormStats, Observation
+
+
+@dataclass
+class Frames:
+    """All datasets' frames as one set of tensors (N frames)."""
+
+    data: DemoDataset
+    instructions: list[str]  # per frame
+    tasks: list[str]  # simulator task id per dataset, in order
+
+
+def load_frames(paths: list[str], episodes: int = 0) -> Frames:
+    parts = [DemoDataset.load(p) for p in paths]
+    parts = [p.head(episodes) for p in parts] if episodes > 0 else parts
+    sets = [set(p.images) for p in parts]
+    if any(s != sets[0] for s in sets):
+        raise ValueError(f"datasets: cameras differ between datasets: {sets}")
+    offset = 0
+    starts = []
+    ends = []
+    instructions = []
+    for p in parts:
+        starts.append(p.starts + offset)  # long [E]
+        ends.append(p.ends + offset)  # long [E]
+        instructions += [p.tasks[t] for t in p.task.tolist()]
+        offset += len(p)
+    priv_keys = set.intersection(*[set(p.privileged) for p in parts])
+    cat = DemoDataset(
+        images={c: torch.cat([p.images[c] for p in parts]) for c in parts[0].images},
+        privileged={k: torch.cat([p.privileged[k] for p in parts]) for k in priv_keys},
+        state=torch.cat([p.state for p in parts]),
+        actions=torch.cat([p.actions for p in parts]),
+        episode=torch.cat([p.episode for p in parts]),
+        frame=torch.cat([p.frame for p in parts]),
+        task=torch.cat([p.task for p in parts]),
+        tasks=[],
+        starts=torch.cat(starts),
+        ends=torch.cat(ends),
+        info=parts[0].info,
+        stats=parts[0].stats,
+    )
+    tasks = [p.info.get("embodied", {}).get("task") for p in parts]
+    return Frames(cat, instructions, tasks)
+
+
+def norm_data(frames: Frames) -> dict[str, torch.Tensor]:
+    """What the normalisation statistics are computed from (no images: it goes to every rank)."""
+    d = frames.data
+    return {"state": d.state, "privileged": d.privileged, "actions": d.actions}
+
+
+def set_norm_stats(policy, data: dict) -> None:
+    obs = Observation(state=data["state"], instruction=[], privileged=data["privileged"])
+    state = policy.state_vector(obs) if policy.state_dim else None
+    actions = data["actions"]
+    policy.set_norm_stats(
+        state=NormStats(mean=state.mean(0), std=state.std(0)) if state is not None else None,
+        action=NormStats(
+            q01=torch.quantile(actions, 0.01, dim=0), q99=torch.quantile(actions, 0.99, dim=0)
+        ),
+    )
+
+
+def batch_of(frames: Frames, idx: torch.Tensor) -> Observation:
+    d = frames.data
+    return Observation(
+        state=d.state[idx],
+        instruction=[frames.instructions[i] for i in idx.tolist()],
+        images={c: v[idx] for c, v in d.images.items()},
+        privileged={k: v[idx] for k, v in d.privileged.items()},
+    )
+
+
+@torch.no_grad()
+def cached_features(policy, frames: Frames, batch: int = 64) -> torch.Tensor:
+    """Frozen image encoder: every frame's features once, f32 [C, N, P, F]."""
+    policy.eval()
+    N = len(frames.data)
+    out = []
+    for lo in tqdm(
+        range(0, N, batch),
+        desc="image features",
+        unit="batch",
+        mininterval=0.1 if sys.stderr.isatty() else 30.0,
+    ):
+        idx = torch.arange(lo, min(N, lo + batch))
+        f = policy.image_features(batch_of(frames, idx))  # f32 [C*b, P, F]
+        out.append(f.view(-1, len(idx), *f.shape[1:]))
+    return torch.cat(out, dim=1)
