@@ -1,7 +1,9 @@
 """The direct data plane between env workers and a rollout worker (embodied/cluster/direct.py), in
 one process: members are threads here, each with its own connection, as env workers have."""
 
+import socket
 import threading
+from multiprocessing import AuthenticationError
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ def connected(members: int):
     threads = [threading.Thread(target=member, args=(m,)) for m in range(members)]
     for thread in threads:
         thread.start()
-    served = direct.accept(listener, members)
+    served = direct.accept(listener, key, members, timeout_s=60)
     for thread in threads:
         thread.join()
     return listener, served, made
@@ -43,6 +45,57 @@ def test_sixteen_members_connecting_at_once_are_all_accepted_in_member_order():
     for m, connection in enumerate(made):
         connection.send(m)
     assert [c.recv() for c in served] == list(range(16))
+    listener.close()
+
+
+def test_a_member_that_never_connects_ends_the_wait_with_not_connected():
+    """An env worker lost before it connected: the rollout worker stops waiting at the deadline
+    (its next call, the recovery's, could not run otherwise)."""
+    listener, address, key = direct.listen("127.0.0.1")
+    made = []
+    thread = threading.Thread(target=lambda: made.append(direct.connect(address, key, 0)))
+    thread.start()
+    with pytest.raises(direct.NotConnected) as raised:
+        direct.accept(listener, key, 2, timeout_s=0.2)
+    thread.join()
+    assert str(raised.value) == (
+        "1 of 2 env workers connected within 0.2 s (cluster.connect_timeout_s)"
+    )
+    made[0].close()
+    listener.close()
+
+
+def test_a_connection_without_the_key_is_refused_and_the_members_still_accepted():
+    listener, address, key = direct.listen("127.0.0.1")
+    refused = []
+    made = []
+
+    def intruder_then_member() -> None:
+        with pytest.raises(AuthenticationError):
+            direct.connect(address, b"not the key", 0)
+        refused.append(True)
+        made.append(direct.connect(address, key, 0))
+
+    thread = threading.Thread(target=intruder_then_member)
+    thread.start()
+    served = direct.accept(listener, key, 1, timeout_s=60)
+    thread.join()
+    assert refused == [True]
+    made[0].send("hello")
+    assert served[0].recv() == "hello"
+    listener.close()
+
+
+def test_both_ends_keep_the_connection_alive_with_tcp_probes():
+    """A peer on a lost node (no FIN, no RST) is found by keepalive probes: idle 10 s, then 3
+    probes 5 s apart, on both ends."""
+    listener, served, made = connected(1)
+    for connection in (served[0], made[0]):
+        with socket.fromfd(connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            options = (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)
+            got = tuple(sock.getsockopt(socket.IPPROTO_TCP, o) for o in options)
+            assert got == direct.KEEPALIVE == (10, 5, 3)
     listener.close()
 
 

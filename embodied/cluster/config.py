@@ -82,6 +82,8 @@ class ClusterConfig:
     sync_bucket_mb: float = 64.0  # broadcast: tensors flattened together up to this size
     num_cpus: int | None = None  # a local Ray's CPUs (None: the machine's)
     num_gpus: int | None = None  # a local Ray's GPUs (None: the machine's)
+    # how long a rollout worker waits for its env workers to connect (a lost one: recovery)
+    connect_timeout_s: float = 120.0
 
     def validate(self) -> None:
         if self.address:
@@ -90,6 +92,8 @@ class ClusterConfig:
             raise ValueError(
                 f"placement: must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
             )
+        if self.connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s: must be > 0, got {self.connect_timeout_s}")
         if self.max_staleness not in (0, 1):
             raise ValueError(
                 f"max_staleness: 0 (on-policy) or 1 (collect while the update runs), got "

@@ -11,14 +11,18 @@ request from each member in order, acts once on their observations joined, and a
 rows, so the batch and its draws are those of one policy acting on all their rows, whatever the
 timing. Value requests draw nothing: they are answered as they come. The round ends when every
 member has said so. A member lost midway closes its connection: the rollout worker's read ends
-and so does the round (and the reverse), so nothing waits for a dead peer.
+and so does the round (and the reverse), so nothing waits for a dead peer. A peer on a node
+lost without closing its end is found by TCP keepalive within about 25 s, and a member lost
+before it connected ends the rollout worker's wait at ``cluster.connect_timeout_s``.
 """
 
 from __future__ import annotations
 
 import secrets
+import socket
 import time
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 import torch
 
@@ -30,6 +34,7 @@ ACT = "act"
 VALUE = "value"
 END = "end"
 BACKLOG = 1024  # connections a listener queues (the default, 1, loses some of 8 at once)
+KEEPALIVE = (10, 5, 3)  # TCP keepalive: idle seconds, seconds between probes, probes
 
 
 class NotConnected(RuntimeError):
@@ -79,31 +84,66 @@ class DirectInference:
         self.connection.close()
 
 
-def listen(host: str) -> tuple[Listener, tuple[str, int], bytes]:
-    """A listener at ``host`` (this node's address) for the members' connections: (it, its
-    address, the key a member must know to connect)."""
+def listen(host: str) -> tuple[socket.socket, tuple[str, int], bytes]:
+    """A listening socket at ``host`` (this node's address) for the members' connections: (it,
+    its address, the key a member must know to connect)."""
     key = secrets.token_bytes(16)
     # a backlog for every member connecting at once: beyond it a connection can be dropped
     # after the member thinks it is made, and the member would wait for its handshake forever
-    listener = Listener((host, 0), backlog=BACKLOG, authkey=key)
-    return listener, listener.address, key
+    server = socket.create_server((host, 0), backlog=BACKLOG)
+    return server, server.getsockname()[:2], key
 
 
 def connect(address: tuple[str, int], key: bytes, member: int) -> Connection:
     """A member's connection to the rollout worker at ``address``; the first message says which
     member it is (connections are accepted in any order)."""
-    connection = Client(tuple(address), authkey=key)
+    sock = socket.create_connection(tuple(address))
+    connection = _authenticated(sock, key, accepted=False)
     connection.send(member)
     return connection
 
 
-def accept(listener: Listener, members: int) -> list[Connection]:
-    """The ``members`` connections, in member order."""
+def accept(server: socket.socket, key: bytes, members: int, timeout_s: float) -> list[Connection]:
+    """The ``members`` connections, in member order; ``NotConnected`` where they have not all
+    connected within ``timeout_s`` (a member lost before it connected)."""
+    deadline = time.monotonic() + timeout_s
     connections: dict[int, Connection] = {}
     while len(connections) < members:
-        connection = listener.accept()
-        connections[connection.recv()] = connection
+        server.settimeout(max(deadline - time.monotonic(), 1e-3))
+        try:
+            sock, _ = server.accept()
+        except TimeoutError:
+            raise NotConnected(
+                f"{len(connections)} of {members} env workers connected within {timeout_s:g} s "
+                "(cluster.connect_timeout_s)"
+            ) from None
+        sock.setblocking(True)
+        connection = None
+        try:
+            connection = _authenticated(sock, key, accepted=True)
+            connections[connection.recv()] = connection
+        except (AuthenticationError, EOFError, OSError):  # not a member: a wrong key, a probe
+            (sock if connection is None else connection).close()
     return [connections[m] for m in range(members)]
+
+
+def _authenticated(sock: socket.socket, key: bytes, accepted: bool) -> Connection:
+    """``sock`` as a connection both ends proved they know ``key`` on (as ``Listener`` and
+    ``Client`` do it), with TCP keepalive: a peer whose node vanishes without closing its end
+    breaks the connection within about 25 s (``KEEPALIVE``), where it would wait forever."""
+    idle, interval, probes = KEEPALIVE
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, probes)
+    connection = Connection(sock.detach())
+    if accepted:
+        deliver_challenge(connection, key)
+        answer_challenge(connection, key)
+    else:
+        answer_challenge(connection, key)
+        deliver_challenge(connection, key)
+    return connection
 
 
 def serve(connections: list[Connection], inference: InferencePolicy) -> tuple[int, float]:

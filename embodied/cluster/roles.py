@@ -415,7 +415,8 @@ class RayRoles:
         them afresh (embodied/cluster/direct.py)."""
         rollouts = self.workers["rollout"]
         addresses = get([w.listen.remote() for w in rollouts], "rollout")
-        accepted = [w.accept.remote(len(m)) for w, m in zip(rollouts, self.members)]
+        timeout_s = self.cfg.cluster.connect_timeout_s
+        accepted = [w.accept.remote(len(m), timeout_s) for w, m in zip(rollouts, self.members)]
         calls = [
             self.envs.workers[env].connect.remote(address, key, member, self.inference.has_critic)
             for (address, key), served in zip(addresses, self.members)

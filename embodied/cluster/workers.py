@@ -287,11 +287,11 @@ class RolloutWorker(_Worker):
         self.members = []
         if getattr(self, "listener", None) is not None:
             self.listener.close()
-        self.listener, address, key = direct.listen(ray.util.get_node_ip_address())
-        return address, key
+        self.listener, address, self.key = direct.listen(ray.util.get_node_ip_address())
+        return address, self.key
 
-    def accept(self, members: int) -> None:
-        self.members = direct.accept(self.listener, members)
+    def accept(self, members: int, timeout_s: float) -> None:
+        self.members = direct.accept(self.listener, self.key, members, timeout_s)
 
     @timed
     def serve(self) -> dict:
