@@ -118,6 +118,7 @@ class Runner:
         K = cfg.policy.chunk_size
         self.steps_per_round = self.envs.num_envs * K * self.algorithm.num_chunks
         self.fresh = resume is None
+        self.needs_normalizer = self.fresh and not cfg.runner.init_from  # (the first round's)
         self.state = RunState() if self.fresh else RunState.from_counters(resume["counters"])
         if not self.fresh:
             print(
@@ -343,11 +344,11 @@ class Runner:
             try:
                 obs = self.envs.reset(seed=plan.seeds)
                 stats.restart()  # every episode starts afresh: nothing carries over from a round
-                first = self.fresh and iteration == 1 and round_index == 0 and failures == 0
-                if first and not self.cfg.runner.init_from:
+                if self.needs_normalizer:
                     # normalisation statistics from the first observations, before anything acts
                     self.learner.init_normalizer(obs)
                     self.roles.sync(0)
+                    self.needs_normalizer = False
                 batch = self.roles.collect(
                     obs,
                     plan,

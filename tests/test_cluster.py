@@ -487,14 +487,20 @@ def test_an_env_worker_lost_before_the_learner_fetched_its_round_loses_that_roun
     iterations = 3
     run_rounds(tmp_path / "ray", iterations)
     assert killed
-    table = rows(tmp_path / "ray")
+    assert_one_round_lost_with_an_env_worker(tmp_path / "ray", iterations, "its round's data was")
+    recorder.assert_whole_rounds()
+
+
+def assert_one_round_lost_with_an_env_worker(run_dir, iterations: int, what: str) -> None:
+    """The run logged one discarded round, every iteration's update, and one fault: an env
+    worker lost, ``what`` (was / were) lost with it."""
+    table = rows(run_dir)
     discarded = [r["cluster/discarded_rounds"] for r in table if "cluster/discarded_rounds" in r]
     assert discarded == [1]
     assert len([r for r in table if "policy/loss" in r]) == iterations
-    status = json.loads((tmp_path / "ray" / "cluster.json").read_text())
+    status = json.loads((run_dir / "cluster.json").read_text())
     assert [e["role"] for e in status["events"]] == ["env"]
-    assert "its round's data was lost with it" in status["events"][0]["detail"]
-    recorder.assert_whole_rounds()
+    assert f"{what} lost with it" in status["events"][0]["detail"]
 
 
 def watch_roles(monkeypatch) -> list:
@@ -1294,3 +1300,33 @@ def test_a_rank_lost_inside_the_update_collective_stops_the_run_with_one_line(
     assert outcomes == ["WorkerLost"]  # lost inside the update
     assert "policy/loss" not in (tmp_path / "ray" / "metrics.jsonl").read_text()
     assert not list((tmp_path / "ray").glob("checkpoints/iter_*"))
+
+
+def test_the_first_observations_lost_with_their_env_worker_lose_only_that_round(
+    local_ray, tmp_path, monkeypatch
+):
+    """The first reset's observations stay with the env workers until the actor worker fetches
+    them for its normaliser: env worker 0 SIGKILLed (and restarted) before that fetch loses
+    the first round, which is collected again from the same reset; the run goes on."""
+    seen = []
+    sync = RayRoles.sync
+
+    def sync_seen(roles, version):
+        seen[:] = [roles]
+        return sync(roles, version)
+
+    killed = []
+    init_normalizer = RemoteLearner.init_normalizer
+
+    def init_after_a_loss(learner, obs):
+        if not killed:
+            killed.append(killed_and_restarted(seen[0].envs.workers[0]))
+        return init_normalizer(learner, obs)
+
+    monkeypatch.setattr(RayRoles, "sync", sync_seen)
+    monkeypatch.setattr(RemoteLearner, "init_normalizer", init_after_a_loss)
+    iterations = 2
+    run_rounds(tmp_path / "ray", iterations)
+    assert killed
+    what = "the first observations were"
+    assert_one_round_lost_with_an_env_worker(tmp_path / "ray", iterations, what)

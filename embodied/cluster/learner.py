@@ -4,6 +4,7 @@ in flight (``Pending``), the ranks joined into one process group (``join_ranks``
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,23 @@ class Pending:
             get(ping, "actor")  # a dead rank's ping answers at once, with the error
 
 
+@contextmanager
+def held_by_env_workers(what: str, on_loss: Callable[[], None] | None = None):
+    """Calls that fetch objects the env workers own: one lost with its worker is that worker's
+    loss (``WorkerLost("env")``, saying ``what`` was lost with it), after ``on_loss()``."""
+    import ray
+
+    try:
+        yield
+    except ray.exceptions.RayTaskError as error:
+        if not isinstance(error.cause, ray.exceptions.ObjectLostError):
+            raise
+        if on_loss is not None:
+            on_loss()
+        detail = str(error.cause).strip().splitlines()[0]
+        raise WorkerLost("env", f"{what} lost with it ({detail})") from None
+
+
 class RemoteLearner:
     """The actor workers as the ``Learner``: rank 0 saves and sends the weights; every rank
     fetches each round from the env workers and gets the calls that change its state."""
@@ -83,28 +101,27 @@ class RemoteLearner:
         self.device = torch.device("cpu")
 
     def init_normalizer(self, obs: ObservationShards) -> None:
-        """Every rank fetches the observations from the env workers that hold them."""
-        get([w.init_normalizer.remote(obs.refs) for w in self.workers], "actor")
+        """Every rank fetches the observations from the env workers that hold them. Those lost
+        with their env worker lose the round (``WorkerLost``); collected again, it starts from
+        the same observations, and a rank that had them already keeps its statistics."""
+        with held_by_env_workers("the first observations were"):
+            get([w.init_normalizer.remote(obs.refs) for w in self.workers], "actor")
 
     def add_round(self, shards: RoundShards) -> dict:
         """A collected round to every rank: each fetches its shards from the env workers and
         computes the advantages, as the update needs them; rank 0's metrics (every rank has the
         same). Queued behind an update in flight (cluster.max_staleness 1). A shard lost with
         its env worker loses the round (``WorkerLost``): the ranks that added it drop it."""
-        import ray
-
         key = self.rounds_added
         self.rounds_added += 1
         refs = shards.refs
         calls = [w.add_round.remote(key, refs, shards.instructions) for w in self.workers]
-        try:
-            answers = get(calls, "actor")
-        except ray.exceptions.RayTaskError as error:
-            if not isinstance(error.cause, ray.exceptions.ObjectLostError):
-                raise
+
+        def drop() -> None:
             get([w.drop_round.remote(key) for w in self.workers], "actor")
-            detail = str(error.cause).strip().splitlines()[0]
-            raise WorkerLost("env", f"its round's data was lost with it ({detail})") from None
+
+        with held_by_env_workers("its round's data was", on_loss=drop):
+            answers = get(calls, "actor")
         if shards.added is not None:
             shards.added()
         return from_wire(answers[0])

@@ -5,6 +5,7 @@ No Ray import: it reads the file, so it works after the run (and its cluster) ha
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -86,3 +87,16 @@ def format_status(status: dict, now: float | None = None) -> str:
     for e in events:
         lines.append(f"  {_ago(now - e['time'])}: {e['role']} worker lost ({e['detail']})")
     return "\n".join(lines)
+
+
+def where() -> dict:
+    """This worker's node id, process id and accelerator ids (``cluster status`` shows them)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return {
+        "node_id": context.get_node_id(),
+        "pid": os.getpid(),
+        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        "host": os.uname().nodename,
+    }

@@ -23,6 +23,7 @@ from embodied.checkpoint import frozen_keys
 from embodied.cluster import direct
 from embodied.cluster.envs import ObservationShards
 from embodied.cluster.learner import RoundShards
+from embodied.cluster.status import where
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.env_group import EnvGroup
 from embodied.evaluate import evaluate_by_task
@@ -34,19 +35,6 @@ from embodied.stages import stage_candidates
 from embodied.streams import Stream, resumed
 
 COLLECTIVE_TIMEOUT_S = 600  # how long an actor worker waits for the others in a collective
-
-
-def where() -> dict:
-    """This worker's node id, process id and accelerator ids (``cluster status`` shows them)."""
-    import ray
-
-    context = ray.get_runtime_context()
-    return {
-        "node_id": context.get_node_id(),
-        "pid": os.getpid(),
-        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-        "host": os.uname().nodename,
-    }
 
 
 DRIVER_CWD = "EMBODIED_DRIVER_CWD"  # the driver's working directory (start_ray passes it)
@@ -423,8 +411,11 @@ class ActorWorker(_Worker):
 
     @timed
     def init_normalizer(self, shards: list) -> None:
-        """The normaliser's first statistics, from the observations the env workers hold."""
-        self.learner.init_normalizer(ObservationShards(shards).fetch(self.learner.device))
+        """The normaliser's first statistics, from the observations the env workers hold; once
+        (a first round collected again brings the same observations)."""
+        if not getattr(self, "normalized", False):
+            self.learner.init_normalizer(ObservationShards(shards).fetch(self.learner.device))
+        self.normalized = True
 
     @timed
     def add_round(self, key: int, shards: list, instructions: tuple[str, ...]):
