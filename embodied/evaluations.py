@@ -72,7 +72,7 @@ class Evaluations:
         if self.state.iteration == 0 and (evaluates_before or self.cfg.runner.init_from):
             self.state.before = self.run(self.cfg.runner.eval_episodes)
             self.log(self.state.before, "before RL")
-            self.points.complete(self.state)
+            self.points.state = self.state.copy()  # (no checkpoint at iteration 0: no streams)
 
     def periodic(self, iteration: int, last: bool) -> None:
         """Step 4 of an iteration: take an evaluation beside training that is done (the last

@@ -228,7 +228,7 @@ def write_trace(path: Path, spans: list[tuple[str, str, int, float, float]]) -> 
     tmp.replace(path)
 
 
-# the counters an evaluation is recorded at (``_record_evaluation``)
+# the counters an evaluation is recorded at (``Evaluations.record``)
 EVALUATED_AT = ("iteration", "env_steps", "train_seconds")
 
 

@@ -200,8 +200,9 @@ class Runner:
                 self.collected = Progress.of(self.state)
                 break
             self.phase = "update"  # 3
-            update = self.learner.start_update()
-            self.pending = UpdateInFlight(collected, time.time(), self.learner.lr, update)
+            start = time.time()  # (an update in this process runs inside start_update)
+            lr = self.learner.lr
+            self.pending = UpdateInFlight(collected, start, lr, self.learner.start_update())
             if not asynchronous and self._finish(self._take_pending()):  # 4, 5
                 break
         if self.pending is not None:

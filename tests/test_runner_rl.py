@@ -115,3 +115,31 @@ def test_ppo_with_a_value_head_raises_success(tmp_path):
     assert summary["final"]["eval/success_rate"] == 1.0
     explained = metric_rows(run, "value/explained_variance")
     assert explained[0] < 0.1 and max(explained) > 0.5, explained  # the critic learns the returns
+
+
+def test_the_update_is_timed_around_the_update(tmp_path, monkeypatch):
+    """``time/update_s`` spans the update, which in one process runs inside ``start_update``.
+    The runner's clock is a counter here (each reading adds 1 s) and the update adds 100 s, so
+    a timer started before the update reads at least 100 s, one started after it about 1 s."""
+    import types
+
+    import embodied.runner
+    from embodied.roles import Learner
+
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    update = Learner.update
+
+    def slow_update(learner):
+        now[0] += 100.0
+        return update(learner)
+
+    monkeypatch.setattr(embodied.runner, "time", types.SimpleNamespace(time=clock))
+    monkeypatch.setattr(Learner, "update", slow_update)
+    run_on(PushRightEnv(8), tmp_path / "run", total_env_steps=8 * 3 * 2)
+    update_s = metric_rows(tmp_path / "run", "time/update_s")
+    assert len(update_s) == 2 and all(100 < s < 110 for s in update_s)
