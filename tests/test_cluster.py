@@ -197,7 +197,7 @@ def test_inference_in_the_env_worker_gives_the_embedded_numbers(local_ray, tmp_p
     assert len(killed) == 2
     table = rows(tmp_path / "killed")
     lost = [r for r in table if "cluster/discarded_rounds" in r]
-    assert [(r["iteration"], r["cluster/discarded_rounds"]) for r in lost] == [(2, 1)]
+    assert discarded_rounds(table) == [(2, 1)]
     assert_same_numbers(rows(tmp_path / "embedded"), [r for r in table if r not in lost])
     synced = [r["cluster/sync_bytes"] for r in table if "cluster/sync_bytes" in r]
     assert synced and all(b == synced[0] > 0 for b in synced)  # (no frozen part to leave out)
@@ -430,12 +430,7 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     killed_env, killed_rollout = saboteur.killed(1), saboteur.killed(2)
     assert killed_env is not None and killed_rollout is not None
     table = rows(run_dir)
-    discarded = [
-        (r["iteration"], r["cluster/discarded_rounds"])
-        for r in table
-        if "cluster/discarded_rounds" in r
-    ]
-    assert discarded == [(2, 1), (3, 2)]
+    assert discarded_rounds(table) == [(2, 1), (3, 2)]
     # the run went on: every iteration updated, and the final evaluation ran
     assert len([r for r in table if "policy/loss" in r]) == iterations
     assert summary["final"]["eval/episodes"] == 16
@@ -491,12 +486,17 @@ def test_an_env_worker_lost_before_the_learner_fetched_its_round_loses_that_roun
     recorder.assert_whole_rounds()
 
 
+def discarded_rounds(table: list[dict]) -> list[tuple[int, int]]:
+    """(iteration, rounds discarded so far) of each metrics row that logs a discarded round."""
+    key = "cluster/discarded_rounds"
+    return [(r["iteration"], r[key]) for r in table if key in r]
+
+
 def assert_one_round_lost_with_an_env_worker(run_dir, iterations: int, what: str) -> None:
     """The run logged one discarded round, every iteration's update, and one fault: an env
     worker lost, ``what`` (was / were) lost with it."""
     table = rows(run_dir)
-    discarded = [r["cluster/discarded_rounds"] for r in table if "cluster/discarded_rounds" in r]
-    assert discarded == [1]
+    assert [count for _, count in discarded_rounds(table)] == [1]
     assert len([r for r in table if "policy/loss" in r]) == iterations
     status = json.loads((run_dir / "cluster.json").read_text())
     assert [e["role"] for e in status["events"]] == ["env"]
@@ -555,12 +555,7 @@ def test_workers_restarted_between_rounds_are_found_unconnected_and_brought_back
     run_rounds(tmp_path / "ray", iterations)
     assert len(killed) == 2
     table = rows(tmp_path / "ray")
-    discarded = [
-        (r["iteration"], r["cluster/discarded_rounds"])
-        for r in table
-        if "cluster/discarded_rounds" in r
-    ]
-    assert discarded == [(2, 1), (3, 2)]
+    assert discarded_rounds(table) == [(2, 1), (3, 2)]
     assert len([r for r in table if "policy/loss" in r]) == iterations
     events = json.loads((tmp_path / "ray" / "cluster.json").read_text())["events"]
     assert [e["role"] for e in events] == ["env", "rollout"]
