@@ -14,8 +14,9 @@ import sys
 import time
 from pathlib import Path
 
+from embodied import numerics
 from embodied.checkpoint import META, checkpoint_dir, drop_checkpoints_after, point_best
-from embodied.config import ConfigError
+from embodied.config import ConfigError, save_config
 
 
 class Interrupted(Exception):
@@ -297,6 +298,30 @@ def run_dir_of(checkpoint: Path, given: str) -> Path:
             "resume from the run directory or one of its checkpoints"
         )
     return checkpoint.parent.parent
+
+
+def run_dir_for(runner, resume: dict | None) -> Path:
+    """A run's directory (``runner``: its config's runner section): the resumed checkpoint's,
+    or ``output_dir/name``, which must not hold an earlier run unless ``overwrite``."""
+    if resume is not None:
+        return run_dir_of(resume["path"], runner.resume)
+    run_dir = Path(runner.output_dir) / runner.name
+    check_fresh(run_dir, runner.overwrite)
+    return run_dir
+
+
+def enter_run_dir(run_dir: Path, cfg, resume: dict | None, evaluates_beside: bool) -> None:
+    """The run directory made ready for the run: taken back to the resumed checkpoint
+    (``rewind``) or emptied (``runner.overwrite``), with the run's config.yaml and its numeric
+    settings (``numerics.record``)."""
+    if resume is not None:
+        rewind(run_dir, resume, cfg, evaluates_beside)
+    elif cfg.runner.overwrite:
+        clear_run(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    start = 0 if resume is None else resume["counters"]["iteration"]
+    numerics.record(run_dir, iteration=start, deterministic=cfg.runner.deterministic)
 
 
 def check_fresh(run_dir: Path, overwrite: bool) -> None:

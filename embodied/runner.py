@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from embodied import numerics
-from embodied.config import save_config, to_dict
+from embodied.config import to_dict
 from embodied.evaluations import Evaluations
 from embodied.logger import RunLogger
 from embodied.multitask import check_tasks, make_env
@@ -40,11 +40,9 @@ from embodied.run import (
     StopSignals,
     bar_interval,
     bar_postfix,
-    check_fresh,
     check_resume,
-    clear_run,
-    rewind,
-    run_dir_of,
+    enter_run_dir,
+    run_dir_for,
     unsaved_evaluation,
     write_trace,
 )
@@ -64,15 +62,12 @@ def train(cfg: TrainConfig) -> dict:
         check_resume(
             resume["meta"]["config"], to_dict(cfg), resume["path"], cfg.runner.resume_force
         )
-        run_dir = run_dir_of(resume["path"], cfg.runner.resume)
         if saved_streams(resume["rng"]) is None:
             print(
                 f"resuming {resume['path']}: written before random streams per worker, so the "
                 "run's random streams restart here (derived afresh at its iteration)"
             )
-    else:
-        run_dir = Path(cfg.runner.output_dir) / cfg.runner.name
-        check_fresh(run_dir, cfg.runner.overwrite)
+    run_dir = run_dir_for(cfg.runner, resume)
     # a bad checkpoint or task fails before the run directory and the environments are made
     if cfg.runner.init_from:
         load_checkpoint_for(cfg.runner.init_from, "runner.init_from", trainer_state=False)
@@ -91,14 +86,7 @@ def train(cfg: TrainConfig) -> dict:
             env.close()
             raise
     try:
-        if resume is not None:
-            rewind(run_dir, resume, cfg, roles.evaluates_beside)
-        elif cfg.runner.overwrite:
-            clear_run(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-        start = 0 if resume is None else resume["counters"]["iteration"]
-        numerics.record(run_dir, iteration=start, deterministic=cfg.runner.deterministic)
+        enter_run_dir(run_dir, cfg, resume, roles.evaluates_beside)
         return Runner(cfg, roles, run_dir, resume).run()
     finally:
         roles.close()

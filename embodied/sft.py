@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from embodied import numerics
 from embodied.cluster.config import ClusterConfig
-from embodied.config import ConfigError, save_config, to_dict
+from embodied.config import ConfigError, to_dict
 from embodied.evaluate import evaluate_by_task, per_task
 from embodied.learner import TrainerConfig
 from embodied.logger import RunLogger
@@ -38,11 +38,9 @@ from embodied.run import (
     Stopped,
     StopSignals,
     bar_interval,
-    check_fresh,
     check_resume,
-    clear_run,
-    rewind,
-    run_dir_of,
+    enter_run_dir,
+    run_dir_for,
 )
 from embodied.schema import SimulatorConfig
 from embodied.sft_data import (
@@ -189,7 +187,8 @@ def sft(cfg: SFTConfig) -> dict:
     env_cfgs = task_configs(cfg.env, [t or default_task for t in frames.tasks])
     with make_env(_eval_env_config(env_cfgs)) as env:  # the spec all tasks share
         spec = env.spec
-    run_dir = _run_dir(cfg, resume)
+    run_dir = run_dir_for(cfg.runner, resume)
+    enter_run_dir(run_dir, cfg, resume, evaluates_beside=False)
     learner = bc_learner_for(cfg, spec, norm_data(frames))
     try:  # (TP ranks in processes end with the learner)
         if resume is not None:
@@ -211,24 +210,6 @@ def _resume_of(cfg: SFTConfig) -> dict | None:
         raise ConfigError(f"runner.resume: {resume['path']} is not a checkpoint of embodied sft")
     check_resume(saved, to_dict(cfg), resume["path"], cfg.runner.resume_force)
     return resume
-
-
-def _run_dir(cfg: SFTConfig, resume: dict | None) -> Path:
-    """The run directory as ``embodied train`` keeps it: a new run never mixes into an earlier
-    one; a resumed one goes back to its checkpoint (later rows and checkpoints go)."""
-    if resume is None:
-        run_dir = Path(cfg.runner.output_dir) / cfg.runner.name
-        check_fresh(run_dir, cfg.runner.overwrite)
-        if cfg.runner.overwrite:
-            clear_run(run_dir)
-    else:
-        run_dir = run_dir_of(resume["path"], cfg.runner.resume)
-        rewind(run_dir, resume, cfg, evaluates_beside=False)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    step = 0 if resume is None else resume["counters"]["iteration"]
-    numerics.record(run_dir, iteration=step, deterministic=cfg.runner.deterministic)
-    return run_dir
 
 
 def task_configs(env: SimulatorConfig, tasks: list[str]) -> dict[str, SimulatorConfig]:

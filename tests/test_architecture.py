@@ -46,7 +46,7 @@ ALLOWED = {
     "embodied.env_group": {"embodied.schema"},
     "embodied.inference": {"embodied.schema", "embodied.streams"},
     "embodied.checkpoint": {"embodied.schema", "embodied.megatron"},
-    "embodied.run": {"embodied.checkpoint", "embodied.config"},
+    "embodied.run": {"embodied.checkpoint", "embodied.config", "embodied.numerics"},
     "embodied.dataset": {"embodied.schema"},
     "embodied.multitask": {"embodied.schema", "embodied.simulators"},
     "embodied.twin": {"embodied.robots", "embodied.simulators"},
