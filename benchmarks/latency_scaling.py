@@ -79,7 +79,6 @@ def latency(args) -> dict:
                 "steps_per_s": statistics.median(rates),
                 "driver_tcp_bytes_per_step": statistics.median(io),
                 "counted_env_bytes_per_step": counted["cluster/env_bytes_per_step"],
-                "counted_rollout_bytes_per_step": counted["cluster/rollout_bytes_per_step"],
             }
             first = next(r for r in results + [row] if r["step_ms"] == row["step_ms"])
             ideal = first["steps_per_s"] * workers / first["env_workers"]

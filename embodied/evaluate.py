@@ -45,8 +45,8 @@ def evaluate(
     ``should_stop`` is asked before every policy call; when it says so, ``Interrupted`` is
     raised."""
     ranges = [(0, env.num_envs)]
-    args = (episodes, seed, deterministic, video_path, progress, should_stop)
-    return _run(env, policy, ranges, *args)[0]
+    args = (deterministic, video_path, progress, should_stop)
+    return _run(env, policy, ranges, [(episodes, seed)], *args)[0]
 
 
 @torch.no_grad()
@@ -65,24 +65,51 @@ def evaluate_by_task(
     parallel): {task: summary}, each over ``episodes`` episodes with the seeds ``evaluate()`` would
     give that task's environment alone. A single-task env is reported as one task, "all". The
     video shows the first environment of each task (up to four tasks)."""
+    shares = [(episodes, seed)] * len(getattr(env, "task_ranges", [None]))
+    return evaluate_shares(
+        env,
+        policy,
+        shares=shares,
+        deterministic=deterministic,
+        video_path=video_path,
+        progress=progress,
+        should_stop=should_stop,
+    )
+
+
+@torch.no_grad()
+def evaluate_shares(
+    env,
+    policy,
+    *,
+    shares: list[tuple[int, int]],
+    deterministic: bool = True,
+    video_path: Path | None = None,
+    progress=None,
+    should_stop: Callable[[], bool] | None = None,
+) -> dict[str, dict]:
+    """``evaluate_by_task`` with each task's own (episodes, seed) from ``shares`` (in the
+    env's task order): one part of an evaluation split with ``split_episodes``. Tasks with no
+    episodes are left out of the result."""
     ranges = getattr(env, "task_ranges", [(0, env.num_envs)])
     names = getattr(env, "names", ["all"])
-    args = (episodes, seed, deterministic, video_path, progress, should_stop)
-    return dict(zip(names, _run(env, policy, ranges, *args)))
+    args = (deterministic, video_path, progress, should_stop)
+    summaries = _run(env, policy, ranges, shares, *args)
+    return {name: s for name, s in zip(names, summaries) if s is not None}
 
 
 def _run(
     env,
     policy,
     ranges: list[tuple[int, int]],
-    episodes: int,
-    seed: int,
+    shares: list[tuple[int, int]],
     deterministic: bool,
     video_path: Path | None,
     progress,
     should_stop: Callable[[], bool] | None,
-) -> list[dict]:
-    """Evaluate each row range [lo, hi) of ``env`` as a population of ``episodes`` episodes."""
+) -> list[dict | None]:
+    """Evaluate each row range [lo, hi) of ``env`` as a population of its share's episodes
+    (episode i reset with the share's seed plus i); None for a range without episodes."""
     B = env.num_envs
     device = _device_of(policy, env.device)  # the policy may live elsewhere (runner.device)
     results: list[list[dict]] = [[] for _ in ranges]
@@ -101,11 +128,11 @@ def _run(
     env_s = 0.0
     policy_calls = 0
     env_steps = 0
-    while any(len(r) < episodes for r in results):
+    while any(len(r) < episodes for r, (episodes, _) in zip(results, shares)):
         seeds = [0] * B
         active = torch.zeros(B, dtype=torch.bool)  # bool [B]
-        for (lo, hi), res in zip(ranges, results):
-            n = min(hi - lo, episodes - len(res))
+        for (lo, hi), res, (episodes, seed) in zip(ranges, results, shares):
+            n = max(0, min(hi - lo, episodes - len(res)))
             base = EVAL_SEED_OFFSET + seed + len(res)
             seeds[lo:hi] = [base + i for i in range(hi - lo)]
             active[lo : lo + n] = True
@@ -160,8 +187,11 @@ def _run(
                 obs = step.obs
                 if not bool(active.any()):
                     break
-    summaries = [_summary(sorted(res, key=lambda e: e["seed"])[:episodes]) for res in results]
-    for summary in summaries:  # shared by the tasks of a MultiTaskEnv: they step together
+    summaries = [
+        _summary(sorted(res, key=lambda e: e["seed"])[:episodes]) if episodes > 0 else None
+        for res, (episodes, _) in zip(results, shares)
+    ]
+    for summary in filter(None, summaries):  # shared by the tasks of a MultiTaskEnv
         summary.update(
             {
                 "eval/policy_ms": 1000 * policy_s / max(1, policy_calls),
@@ -170,14 +200,18 @@ def _run(
         )
     if video_path is not None and frames:
         write_mp4(video_path, frames, fps=env.spec.action.control_hz)
-        for summary in summaries:
+        for summary in filter(None, summaries):
             summary["eval/video"] = str(video_path)
     return summaries
 
 
 def _device_of(policy, default) -> torch.device:
+    """Where ``policy`` takes its observations: a module's parameters', an inference copy's
+    ``device`` (one acting in another process: the device it is sent from), else ``default``."""
     parameter = next(iter(policy.parameters()), None) if hasattr(policy, "parameters") else None
-    return torch.device(default) if parameter is None else parameter.device
+    if parameter is not None:
+        return parameter.device
+    return torch.device(getattr(policy, "device", default))
 
 
 def on(obs, device: torch.device):

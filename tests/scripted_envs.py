@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from embodied.inference import InferencePolicy
+from embodied.multitask import MultiTaskEnv
 from embodied.rollout import EpisodeStats, collect
 from embodied.schema import (
     ActionSpec,
@@ -303,6 +304,17 @@ def push_right_envs(env_cfg) -> PushRightEnv:
     return PushRightEnv(env_cfg.num_envs)
 
 
+PUSH_RIGHT_TASKS = {"near": 0.0, "far": 0.5}  # test tasks by name: their success thresholds
+
+
+def push_right_tasks(env_cfg) -> MultiTaskEnv:
+    """A cluster env worker's environments: ``env_cfg.tasks`` of ``PUSH_RIGHT_TASKS``, an even
+    share of ``env_cfg.num_envs`` each."""
+    each = env_cfg.num_envs // len(env_cfg.tasks)
+    envs = [PushRightEnv(each, threshold=PUSH_RIGHT_TASKS[task]) for task in env_cfg.tasks]
+    return MultiTaskEnv(envs, list(env_cfg.tasks))
+
+
 class Saboteur:
     """A cluster env worker's ``PushRightEnv`` that kills a process mid-round when the test arms
     it (a cluster's ``env_factory``). The test writes ``DIR/armed-<n>`` holding the pid to kill
@@ -381,11 +393,14 @@ def run_on(
     resume: str | None = None,
     trainer: dict | None = None,
     max_minutes: float | None = None,
+    env_cfg: dict | None = None,
+    video: bool = False,
 ) -> dict:
-    """The runner over ``env`` with a config written here (16 evaluation episodes, no video);
-    returns its summary. The metrics are in ``run_dir/metrics.jsonl``. With ``cluster`` (the
-    config block) the roles run on Ray and the env workers build ``env_factory(env_cfg)`` with
-    8 environments in all. ``resume``: a checkpoint of the run to go on from."""
+    """The runner over ``env`` with a config written here (16 evaluation episodes, a video if
+    ``video``); returns its summary. The metrics are in ``run_dir/metrics.jsonl``. With ``cluster``
+    (the config block) the roles run on Ray and the env workers build ``env_factory(env_cfg)`` with
+    8 environments in all (``env_cfg``: more of the env config). ``resume``: a checkpoint of the run
+    to go on from."""
     from embodied.config import compose
     from embodied.roles import Roles, load_checkpoint_for, local_roles
     from embodied.run import rewind
@@ -401,7 +416,7 @@ def run_on(
         "final_eval_episodes": 16,
         "save_every": save_every,
         "progress": False,
-        "video": False,
+        "video": video,
         "pipeline_stages": pipeline_stages,
         "trace": trace,
         "max_minutes": max_minutes,
@@ -410,7 +425,7 @@ def run_on(
     if trainer is not None:
         source["trainer"] = trainer
     if cluster is not None:
-        source.update(cluster=cluster, env={"num_envs": 8})
+        source.update(cluster=cluster, env={"num_envs": 8, **(env_cfg or {})})
     cfg = compose(TrainConfig, [("test", source)])
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = None if resume is None else load_checkpoint_for(resume, "runner.resume")

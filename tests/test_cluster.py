@@ -19,10 +19,12 @@ import torch
 from safetensors.torch import load_file
 from scripted_envs import (
     GRPO,
+    PUSH_RIGHT_TASKS,
     TINY_VLA,
     PushRightEnv,
     Saboteur,
     push_right_envs,
+    push_right_tasks,
     run_on,
     subset_stepping_envs,
 )
@@ -31,10 +33,12 @@ from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
 from embodied.cluster import roles as cluster_roles
 from embodied.cluster.config import ClusterConfig, RoleConfig
+from embodied.cluster.envs import RemoteEnvGroup
 from embodied.cluster.evaluation import Evaluation
 from embodied.cluster.learner import Pending, RemoteLearner
 from embodied.cluster.roles import RayRoles
 from embodied.config import load_config
+from embodied.multitask import MultiTaskEnv
 from embodied.roles import Roles, WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats
 from embodied.run import EVALUATED_AT
@@ -132,7 +136,7 @@ def test_ppo_on_pushcube_gives_the_embedded_numbers(tmp_path, monkeypatch, reque
         # actor worker directly: what passes through this process is per round (the plan, the
         # episode totals), less per step than one step's 2 x 8 actions (f32)
         assert 0 < row["cluster/env_bytes_per_step"] < 2 * 8 * 4
-        assert row["cluster/rollout_bytes_per_step"] == 0
+        assert "cluster/rollout_bytes_per_step" not in row  # (nothing crosses from here to it)
     # the trace of the second iteration: which role did what, when
     trace = json.loads((tmp_path / "ray" / "trace.json").read_text())["traceEvents"]
     names = {e["args"]["name"] for e in trace if e["ph"] == "M"}
@@ -310,6 +314,49 @@ def test_grpo_on_two_env_workers_gives_the_embedded_numbers(local_ray, tmp_path,
     assert synced and all(b == trainable for b in synced)
 
 
+def test_env_workers_holding_different_tasks_evaluate_as_the_embedded_run(
+    local_ray, tmp_path, one_thread, monkeypatch
+):
+    """Two tasks on two env workers, one each: every evaluation (before RL, during training,
+    the final one) is one call per env worker, which evaluates its own task's episodes acting
+    through the rollout worker, and gives the embedded run's numbers. The final evaluation's
+    video is the first env worker's task's."""
+    kw = dict(total_env_steps=8 * 3 * 2, algorithm=ONE_ROUND, eval_every=1, video=True)
+    torch.manual_seed(0)
+    both = [PushRightEnv(4, threshold=PUSH_RIGHT_TASKS[t]) for t in PUSH_RIGHT_TASKS]
+    embedded = run_on(MultiTaskEnv(both, list(PUSH_RIGHT_TASKS)), tmp_path / "embedded", **kw)
+    evaluated = []  # per evaluation: each env worker's (episodes, seed) per task of its own
+    whole = RemoteEnvGroup.episode_shares
+
+    def episode_shares(envs, episodes, seed):
+        evaluated.append(whole(envs, episodes, seed))
+        return evaluated[-1]
+
+    monkeypatch.setattr(RemoteEnvGroup, "episode_shares", episode_shares)
+    torch.manual_seed(0)
+    on_ray = run_on(
+        None,
+        tmp_path / "ray",
+        cluster=TWO_ENV_WORKERS,
+        env_factory=push_right_tasks,
+        env_cfg={"tasks": list(PUSH_RIGHT_TASKS)},
+        **kw,
+    )
+    timings = [f"eval/{t}/{k}" for t in PUSH_RIGHT_TASKS for k in ("policy_ms", "env_steps_per_s")]
+    assert_same_numbers(rows(tmp_path / "embedded"), rows(tmp_path / "ray"), skip=timings)
+    assert set(on_ray["tasks"]) == set(PUSH_RIGHT_TASKS)
+    video = str(tmp_path / "ray" / "videos" / "final_eval.mp4")
+    for task in PUSH_RIGHT_TASKS:
+        assert untimed(on_ray["tasks"][task]) == {
+            **untimed(embedded["tasks"][task]),
+            "eval/video": video,
+        }
+    assert Path(video).stat().st_size > 0
+    # before RL, after iteration 1, the final one: 16 episodes of each task on the one env
+    # worker that holds it
+    assert evaluated == [[[(16, 0)], [(16, 0)]]] * 3
+
+
 def run_rounds(run_dir: Path, iterations: int, env_factory=push_right_envs) -> dict:
     """One-round GRPO iterations of the test task on two env workers and a rollout worker."""
     return run_on(
@@ -420,15 +467,27 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
 ):
     """Two env workers acting through one rollout worker: an env worker dies at the second step
     of the second iteration's round (SIGKILL, as in a segfault), the rollout worker at the
-    second step of the third's."""
+    second step of the third's, an env worker at the second step of the final evaluation."""
     run_dir = tmp_path / "ray"
     saboteur = Saboteur(tmp_path)
     recorder = Arming(saboteur, run_dir, {1: "self", 2: rollout_pid})
     recorder.patch(monkeypatch)
     iterations = 4
+    evaluated = []  # the weights' version of each evaluation started on the env workers
+    whole_evaluation = RayRoles._evaluate
+
+    def evaluate(roles, *args):
+        evaluated.append(roles.inference.version)
+        if roles.inference.version == iterations and saboteur.killed(3) is None:
+            saboteur.arm(3, "self")
+        return whole_evaluation(roles, *args)
+
+    monkeypatch.setattr(RayRoles, "_evaluate", evaluate)
     summary = run_rounds(run_dir, iterations, env_factory=saboteur)
     killed_env, killed_rollout = saboteur.killed(1), saboteur.killed(2)
     assert killed_env is not None and killed_rollout is not None
+    # the final evaluation lost an env worker midway and ran again whole
+    assert saboteur.killed(3) is not None and evaluated[-2:] == [iterations, iterations]
     table = rows(run_dir)
     assert discarded_rounds(table) == [(2, 1), (3, 2)]
     # the run went on: every iteration updated, and the final evaluation ran
@@ -436,9 +495,10 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     assert summary["final"]["eval/episodes"] == 16
     assert summary["env_steps"] == 8 * 3 * iterations  # the lost rounds are not counted
     status = json.loads((run_dir / "cluster.json").read_text())
-    assert [e["role"] for e in status["events"]] == ["env", "rollout"]
+    assert [e["role"] for e in status["events"]] == ["env", "rollout", "env"]
     pids = {(w["role"], w["index"]): w["pid"] for w in status["workers"]}
     assert killed_env not in (pids[("env", 0)], pids[("env", 1)])
+    assert saboteur.killed(3) not in (pids[("env", 0)], pids[("env", 1)])
     assert pids[("rollout", 0)] != killed_rollout
     # `embodied cluster status` shows each worker and the faults
     capsys.readouterr()  # (what the run printed)
@@ -451,8 +511,9 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
         ["rollout", "0"],
         ["actor", "0"],
     ]
-    assert shown[6] == "faults: 2"
+    assert shown[6] == "faults: 3"
     assert "env worker lost" in shown[7] and "rollout worker lost" in shown[8]
+    assert "env worker lost" in shown[9]
     assert len(recorder.samples) == iterations
     recorder.assert_whole_rounds()
     # one episode per environment and round: nothing of the lost rounds was counted

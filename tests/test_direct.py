@@ -99,6 +99,18 @@ def test_both_ends_keep_the_connection_alive_with_tcp_probes():
     listener.close()
 
 
+def serve_members(served: list, inference: InferencePolicy, member) -> int:
+    """``direct.serve`` of the connections ``served`` while ``member(m)`` runs each member in a
+    thread of its own -> the act requests served."""
+    threads = [threading.Thread(target=member, args=(m,)) for m in range(len(served))]
+    for thread in threads:
+        thread.start()
+    served_acts, _ = direct.serve(served, inference)
+    for thread in threads:
+        thread.join()
+    return served_acts
+
+
 def test_lockstep_serving_answers_each_member_its_rows_of_one_act():
     """Two members of 2 and 3 rows: each act is one policy call over the 5 rows joined, in
     member order; a value request in between is answered at once; the round ends when both
@@ -118,12 +130,7 @@ def test_lockstep_serving_answers_each_member_its_rows_of_one_act():
         answers[m].append(mine.version)
         mine.end_round()
 
-    threads = [threading.Thread(target=member, args=(m,)) for m in range(2)]
-    for thread in threads:
-        thread.start()
-    served_acts, _ = direct.serve(served, inference)
-    for thread in threads:
-        thread.join()
+    served_acts = serve_members(served, inference, member)
     assert served_acts == 3 and policy.calls == 3  # one call per lockstep act, not per member
     for m in range(2):
         acts = [a for a in answers[m] if not isinstance(a, (torch.Tensor, int))]
@@ -134,6 +141,32 @@ def test_lockstep_serving_answers_each_member_its_rows_of_one_act():
             assert torch.equal(out.value, torch.full((len(rows[m]),), 0.5 * t + 0.25))
         assert answers[m][-1] == 7  # the weights' version travels with every answer
     assert torch.equal(answers[1][2], torch.full((3,), 0.5 * 4.0 + 0.25))
+    listener.close()
+
+
+def test_in_an_evaluation_a_member_ends_when_its_episodes_do_and_the_others_go_on():
+    """Deterministic acts draw nothing: member 0 ends after one act, member 1 acts three
+    times; its last two acts are policy calls over its own rows only."""
+    listener, served, made = connected(2)
+    policy = ScriptedPolicy(chunk_size=1)
+    inference = InferencePolicy(policy)
+    rows = [[0, 1], [2, 3, 4]]
+    acts = {0: 1, 1: 3}
+    answers: dict[int, list] = {0: [], 1: []}
+
+    def member(m: int) -> None:
+        mine = direct.DirectInference(made[m], torch.device("cpu"), has_critic=True)
+        for t in range(acts[m]):
+            answers[m].append(mine.act(observation(rows[m], t), deterministic=True))
+        mine.end_round()
+
+    served_acts = serve_members(served, inference, member)
+    assert served_acts == 3 and policy.calls == 3
+    for m in range(2):
+        assert len(answers[m]) == acts[m]
+        for out in answers[m]:
+            expected = torch.tensor(rows[m], dtype=torch.float32)[:, None, None]
+            assert torch.equal(out.actions, expected)
     listener.close()
 
 

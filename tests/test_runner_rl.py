@@ -6,10 +6,12 @@ import pytest
 import torch
 from scripted_envs import PPO, TINY_VLA, PushRightEnv, metric_rows, run_on
 
+from embodied.cluster.envs import episode_shares
 from embodied.contract import check_env
 from embodied.evaluate import (
     evaluate,
     evaluate_by_task,
+    evaluate_shares,
     pooled_summary,
     split_episodes,
     wilson_interval,
@@ -98,6 +100,36 @@ def test_an_evaluation_split_between_workers_pools_to_the_whole_one():
         [evaluate(env, PixelPolicy(), episodes=n, seed=3) for n, _ in shares]
     )
     assert unshifted["eval/return"] != pytest.approx(whole["eval/return"], rel=1e-12)
+
+
+def test_an_evaluation_split_among_env_workers_by_task_pools_to_the_whole_one():
+    """Env worker 0 holds task a, worker 1 tasks a and b (``cluster.env.workers`` 2): each
+    evaluates its share of each task's episodes (``episode_shares``), and the parts pool per
+    task to the one-process evaluation of both tasks."""
+    whole_env = MultiTaskEnv([PushRightEnv(4), PushRightEnv(3, threshold=0.0)], ["a", "b"])
+    whole = evaluate_by_task(whole_env, PixelPolicy(), episodes=5, seed=3)
+    shares = episode_shares([[0], [0, 1]], tasks=2, episodes=5, seed=3)
+    assert shares == [[(2, 3)], [(3, 5), (5, 3)]]
+    assert episode_shares([[0], [0]], tasks=1, episodes=1, seed=0) == [[(1, 0)], [(0, 0)]]
+    workers = [
+        MultiTaskEnv([PushRightEnv(2)], ["a"]),
+        MultiTaskEnv([PushRightEnv(2), PushRightEnv(3, threshold=0.0)], ["a", "b"]),
+    ]
+    parts = [
+        evaluate_shares(env, PixelPolicy(), shares=share) for env, share in zip(workers, shares)
+    ]
+    assert [sorted(part) for part in parts] == [["a"], ["a", "b"]]
+    pooled = {
+        "a": pooled_summary([parts[0]["a"], parts[1]["a"]]),
+        "b": pooled_summary([parts[1]["b"]]),
+    }
+    assert whole["a"]["eval/episodes"] == 5 and 0 < whole["a"]["eval/success_rate"] < 1
+    for task in ("a", "b"):
+        for key, value in whole[task].items():
+            if key not in ("eval/env_steps_per_s", "eval/policy_ms"):
+                assert pooled[task][key] == pytest.approx(value, rel=1e-12), (task, key)
+    # a worker with no episodes of any task evaluates nothing
+    assert evaluate_shares(workers[0], PixelPolicy(), shares=[(0, 0)]) == {}
 
 
 def test_wilson_interval_golden():

@@ -10,10 +10,11 @@ A rollout worker serves a fixed list of env workers (its members) in lockstep: i
 request from each member in order, acts once on their observations joined, and answers each its
 rows, so the batch and its draws are those of one policy acting on all their rows, whatever the
 timing. Value requests draw nothing: they are answered as they come. The round ends when every
-member has said so. A member lost midway closes its connection: the rollout worker's read ends
-and so does the round (and the reverse), so nothing waits for a dead peer. A peer on a node
-lost without closing its end is found by TCP keepalive within about 25 s, and a member lost
-before it connected ends the rollout worker's wait at ``cluster.connect_timeout_s``.
+member has said so; in an evaluation (deterministic acts, which draw nothing) each member ends when
+its episodes do, and the others go on. A member lost midway closes its connection: the rollout
+worker's read ends and so does the round (and the reverse), so nothing waits for a dead peer. A peer
+on a node lost without closing its end is found by TCP keepalive within about 25 s, and a member
+lost before it connected ends the rollout worker's wait at ``cluster.connect_timeout_s``.
 """
 
 from __future__ import annotations
@@ -154,23 +155,31 @@ def serve(connections: list[Connection], inference: InferencePolicy) -> tuple[in
     device = inference.device
     served = 0
     waited_s = 0.0
-    while True:
+    acting = list(enumerate(connections))  # (member, its connection) until it ends
+    while acting:
         t0 = time.perf_counter()
-        requests = [_next_act(member, c, inference) for member, c in enumerate(connections)]
+        requests = [_next_act(member, c, inference) for member, c in acting]
         waited_s += time.perf_counter() - t0  # (value answers included: they are brief)
-        kinds = {request[0] for request in requests}
-        if kinds == {END}:
-            return served, waited_s
-        if kinds != {ACT} or len({request[2] for request in requests}) > 1:
-            raise OutOfStep(f"env workers out of step: {[r[0] for r in requests]}")
+        ended = [request[0] == END for request in requests]
+        acting = [link for link, end in zip(acting, ended) if not end]
+        requests = [request for request in requests if request[0] != END]
+        if not requests:
+            break
+        kinds = [request[0] for request in requests]
+        sampled = [not request[2] for request in requests]
+        # a sampled batch's members are fixed (its draws are those of one policy acting on
+        # all their rows); deterministic acts draw nothing, so members may end apart
+        if set(kinds) != {ACT} or len(set(sampled)) > 1 or (any(ended) and any(sampled)):
+            raise OutOfStep(f"env workers out of step: {['end' if e else 'act' for e in ended]}")
         parts = [from_wire(request[1], device) for request in requests]
         out = inference.act(Observation.cat(parts), deterministic=requests[0][2])
         lo = 0
-        for connection, part in zip(connections, parts):
+        for (_, connection), part in zip(acting, parts):
             hi = lo + part.batch_size
             connection.send((to_wire(_rows(out, lo, hi)), inference.version))
             lo = hi
         served += 1
+    return served, waited_s
 
 
 def _next_act(member: int, connection: Connection, inference: InferencePolicy) -> tuple:

@@ -1,7 +1,7 @@
-"""The env workers seen from the driver: the env config each one gets (``split_env``), the group
-as one environment group for resets and facts (``RemoteEnvGroup``), and as one ``VecEnv`` for
-evaluations, which step from here one action at a time (``RemoteVecEnv``). Rounds of training
-are collected in the env workers themselves (embodied/cluster/direct.py)."""
+"""The env workers seen from the driver: the env config each one gets (``split_env``), and the
+group as one environment group for resets, facts and evaluation shares (``RemoteEnvGroup``).
+Rounds of training and evaluations run in the env workers themselves
+(embodied/cluster/direct.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from embodied.cluster.calls import Traffic, get
-from embodied.cluster.wire import from_wire, to_wire
+from embodied.cluster.wire import from_wire
 from embodied.config import ConfigError
-from embodied.multitask import join_steps, joined_spec, shared_privileged
-from embodied.schema import Observation, StepOutput
+from embodied.evaluate import split_episodes
+from embodied.multitask import joined_spec, shared_privileged
+from embodied.schema import Observation
 
 
 def split_env(env_cfg, workers: int) -> list:
@@ -58,6 +59,21 @@ def split_env(env_cfg, workers: int) -> list:
             f"cluster.env.workers: {workers} env workers cannot share env.num_envs={n} evenly"
         )
     return [dataclasses.replace(env_cfg, num_envs=n // workers, **share) for _ in range(workers)]
+
+
+def episode_shares(
+    held: list[list[int]], tasks: int, episodes: int, seed: int
+) -> list[list[tuple[int, int]]]:
+    """Per worker, (episodes, seed) for each task it holds (``held``: per worker, the run's
+    task ids in its own order): each of the ``tasks`` tasks' ``episodes`` at ``seed`` split
+    among the workers that hold it, in worker order (``split_episodes``; a worker beyond the
+    episodes gets none)."""
+    shares = [[(0, seed)] * len(theirs) for theirs in held]
+    for task in range(tasks):
+        holders = [w for w, theirs in enumerate(held) if task in theirs]
+        for w, share in zip(holders, split_episodes(episodes, seed, len(holders))):
+            shares[w][held[w].index(task)] = share
+    return shares
 
 
 @dataclass
@@ -130,6 +146,11 @@ class RemoteEnvGroup:
         self.instructions = tuple(instructions[name] for name in self.task_names)
         return ObservationShards([ref for refs, _ in answers for ref in refs])
 
+    def episode_shares(self, episodes: int, seed: int) -> list[list[tuple[int, int]]]:
+        """Per worker, (episodes, seed) for each of its own tasks (``episode_shares``)."""
+        held = [index.tolist() for index in self.task_index]
+        return episode_shares(held, len(self.task_names), episodes, seed)
+
     def _local_names(self, w: int) -> list[str]:
         lo, hi = self.bounds[w], self.bounds[w + 1]
         return list(dict.fromkeys(self.task_names[t] for t in self.task_of_env[lo:hi].tolist()))
@@ -147,35 +168,3 @@ class RemoteEnvGroup:
             ray.get([w.close.remote() for w in self.workers], timeout=30)
         except Exception:  # a dead or hung worker: it is killed with the rest
             pass
-
-
-class RemoteVecEnv:
-    """The env workers as one ``VecEnv`` (one action per call), for ``evaluate_by_task``."""
-
-    def __init__(self, group: RemoteEnvGroup):
-        self.group = group
-        self.num_envs = group.num_envs
-        self.device = group.device
-        self.spec = group.spec
-        self.names = group.task_names
-        self.task_ranges = group.task_ranges
-
-    def reset(self, *, seed=None, env_ids=None) -> Observation:
-        if env_ids is not None:
-            raise NotImplementedError("evaluation resets every environment")
-        return self.group.reset(seed).fetch()
-
-    def step(self, actions: torch.Tensor) -> StepOutput:
-        bounds = self.group.bounds
-        refs = [
-            worker.step.remote(to_wire(actions[lo:hi]))
-            for worker, lo, hi in zip(self.group.workers, bounds, bounds[1:])
-        ]
-        outs = [from_wire(o) for o in self.group._wait(refs)]
-        return outs[0] if len(outs) == 1 else join_steps(outs, bounds[:-1])
-
-    def render(self) -> torch.Tensor | None:
-        frames = self.group._wait([w.render.remote() for w in self.group.workers])
-        if any(f is None for f in frames):
-            return None
-        return torch.cat([from_wire(f) for f in frames])

@@ -1,13 +1,12 @@
 """The run's roles as Ray actors, behind the methods the embedded roles have (embodied/roles.py).
 
-The runner's process (the driver) keeps the loop and sends each worker a few calls per
-iteration. A round is collected where the environments are: each env worker runs the embedded
-loop over its rows and acts through the rollout worker that serves it, directly
-(embodied/cluster/direct.py), or with a policy copy of its own (``rollout.workers: 0``); the
-driver sends the plan and gets the batch. ``RemoteLearner`` sends the batch to the actor
-workers. Evaluations step through ``RemoteVecEnv`` and ``RemoteInference`` from here, one
-action at a time. Tensors travel as numpy arrays through Ray's object store
-(embodied/cluster/wire.py).
+The runner's process (the driver) keeps the loop and sends each worker a few calls per iteration. A
+round is collected where the environments are: each env worker runs the embedded loop over its rows
+and acts through the rollout worker that serves it, directly (embodied/cluster/direct.py), or with a
+policy copy of its own (``rollout.workers: 0``); the driver sends the plan and gets the batch.
+``RemoteLearner`` sends the batch to the actor workers. An evaluation is collected where the
+environments are too: each env worker evaluates its share of each task's episodes, acting as in its
+rounds. Tensors travel as numpy arrays through Ray's object store (embodied/cluster/wire.py).
 
 Each worker draws from a random stream of its own, derived from (seed, role, rank) as the
 embedded run derives its one shard's (embodied/streams.py): a run with one worker per role draws
@@ -29,7 +28,7 @@ import torch
 from embodied.cluster.calls import get, lost, wait_alive
 from embodied.cluster.config import ROLES
 from embodied.cluster.direct import NotConnected, members_of
-from embodied.cluster.envs import RemoteEnvGroup, RemoteVecEnv, split_env
+from embodied.cluster.envs import RemoteEnvGroup, split_env
 from embodied.cluster.evaluation import Evaluation
 from embodied.cluster.inference import RemoteInference
 from embodied.cluster.learner import RemoteLearner, RoundShards, join_ranks
@@ -44,7 +43,7 @@ from embodied.cluster.workers import (
     EvalWorker,
     RolloutWorker,
 )
-from embodied.evaluate import evaluate_by_task, split_episodes
+from embodied.evaluate import pooled_summary, split_episodes
 from embodied.roles import WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats
 from embodied.run import Interrupted
@@ -280,19 +279,48 @@ class RayRoles:
         self.envs.traffic.wait_s += time.perf_counter() - t0
         return answers, ray.get(serve_calls)
 
-    def evaluate(self, **kw) -> dict[str, dict]:
-        """``evaluate_by_task`` through the env and rollout workers; a worker lost midway
-        loses the evaluation, which starts again once the worker is back."""
+    def evaluate(
+        self, *, episodes: int, seed: int, video_path=None, progress=None, should_stop=None
+    ) -> dict[str, dict]:
+        """``evaluate_by_task`` where the environments are: each env worker evaluates its share
+        of each task's episodes, acting as its rounds do; a worker lost midway loses the
+        evaluation, which starts again once the worker is back."""
         failures = 0
         while True:
             try:
-                results = evaluate_by_task(RemoteVecEnv(self.envs), self.inference, **kw)
+                results = self._evaluate(episodes, seed, video_path, progress, should_stop)
                 break
             except WorkerLost as lost:
                 failures += 1
                 self.recover(lost, failures)
         self.metrics()  # the next iteration's window starts here: evaluation is not in it
         return results
+
+    def _evaluate(self, episodes, seed, video_path, progress, should_stop) -> dict[str, dict]:
+        """One evaluation on the env workers (``RemoteEnvGroup.episode_shares``), pooled per
+        task; the video is the first env worker's tasks'."""
+        envs = self.envs
+        shares = envs.episode_shares(episodes, seed)
+        video = [video_path is not None and w == 0 for w in range(len(envs.workers))]
+        env_calls = [w.evaluate.remote(*args) for w, args in zip(envs.workers, zip(shares, video))]
+        serve_calls = [] if self.in_env else [w.serve.remote() for w in self.workers["rollout"]]
+        answers, _ = self._wait_round(env_calls, serve_calls, should_stop)
+        parts: dict[str, list[dict]] = {name: [] for name in envs.task_names}
+        for results, _ in answers:
+            for name, summary in results.items():
+                parts[name].append(summary)
+        pooled = {name: pooled_summary(theirs) for name, theirs in parts.items()}
+        recorded = answers[0][1]
+        for summary in pooled.values():
+            summary.pop("eval/video", None)  # (the worker's own file)
+            if recorded is not None:
+                summary["eval/video"] = str(video_path)
+        if recorded is not None:
+            Path(video_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(video_path).write_bytes(recorded)
+        if progress is not None:
+            progress.update(episodes * len(pooled))
+        return pooled
 
     @property
     def evaluates_beside(self) -> bool:
@@ -330,9 +358,9 @@ class RayRoles:
 
     def metrics(self) -> tuple[dict[str, float], list[tuple]]:
         """Since the last call (an iteration): per role its workers' busy seconds (the busiest
-        worker's) and idle share; per rollout step (B environment rows) the bytes that crossed
-        to and from the env and rollout workers and the milliseconds this process waited for
-        each. Also every worker call's span (name, role, worker, start, end) for a trace."""
+        worker's) and idle share; per rollout step (B environment rows) the bytes that crossed to
+        and from the env workers and the milliseconds this process waited for them. Also every
+        worker call's span (name, role, worker, start, end) for a trace."""
         now = time.time()
         wall = max(now - self.since, 1e-9)
         self.since = now
@@ -349,12 +377,10 @@ class RayRoles:
             out[f"cluster/{role}_idle"] = max(0.0, 1.0 - busy / wall)
             for index, (_, calls) in enumerate(answers):
                 spans += [(name, role, index, start, end) for name, start, end in calls]
-        B = self.envs.num_envs
-        for role, proxy in (("env", self.envs), ("rollout", self.inference)):
-            wait_s, nbytes, rows = proxy.traffic.take()
-            steps = max(rows / B, 1e-9)
-            out[f"cluster/{role}_bytes_per_step"] = nbytes / steps
-            out[f"cluster/{role}_wait_ms_per_step"] = 1000 * wait_s / steps
+        wait_s, nbytes, rows = self.envs.traffic.take()
+        steps = max(rows / self.envs.num_envs, 1e-9)
+        out["cluster/env_bytes_per_step"] = nbytes / steps
+        out["cluster/env_wait_ms_per_step"] = 1000 * wait_s / steps
         return out, spans
 
     def _collected(self, states: list[dict]) -> None:

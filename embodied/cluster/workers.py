@@ -9,9 +9,11 @@ again and receives the learner's full weights before it acts.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,7 +28,7 @@ from embodied.cluster.learner import RoundShards
 from embodied.cluster.status import where
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.env_group import EnvGroup
-from embodied.evaluate import evaluate_by_task
+from embodied.evaluate import evaluate_by_task, evaluate_shares
 from embodied.inference import InferencePolicy
 from embodied.models import build_policy
 from embodied.roles import Learner
@@ -155,14 +157,16 @@ class EnvWorker(_Worker):
         self.obs = obs
         return [ray.put(to_wire(obs))], self.group.instructions
 
-    # --- the VecEnv view (evaluation steps one action at a time) ------------------------------
     @timed
-    def step(self, actions):
-        return to_wire(self.env.step(from_wire(actions, self.group.device).clone()))
-
-    def render(self):
-        frames = self.env.render()
-        return None if frames is None else to_wire(frames)
+    def evaluate(self, shares: list[tuple[int, int]], video: bool) -> tuple[dict, bytes | None]:
+        """Its part of an evaluation, acting as its rounds do (``evaluate_shares``; ``shares``:
+        (episodes, seed) per task of this worker): ({task: summary} of the tasks it has episodes
+        of, the video's mp4 bytes when ``video``)."""
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "eval.mp4" if video else None
+            with self._acting() as inference:
+                results = evaluate_shares(self.env, inference, shares=shares, video_path=path)
+            return results, path.read_bytes() if video and path.exists() else None
 
     # --- rounds collected here (the embedded loop), acting through the rollout worker -------
     def connect(self, address, key: bytes, member: int, has_critic: bool) -> None:
@@ -186,11 +190,8 @@ class EnvWorker(_Worker):
         run's."""
         import ray
 
-        inference = getattr(self, "inference", None)
-        if inference is None:
-            raise direct.NotConnected("restarted since the last round: not connected")
-        stats = EpisodeStats(self.group.num_envs, self.group.task_names, inference.device)
-        try:
+        with self._acting() as inference:
+            stats = EpisodeStats(self.group.num_envs, self.group.task_names, inference.device)
             batch, _ = collect(
                 self.group,
                 inference,
@@ -200,17 +201,28 @@ class EnvWorker(_Worker):
                 stages=stages,
                 chunk_size=chunk_size,
             )
-        except BaseException:
-            if isinstance(inference, direct.DirectInference):
-                inference.close()  # (the rollout worker's round ends too)
-            raise
-        if isinstance(inference, direct.DirectInference):
-            inference.end_round()
-            self.busy_s -= inference.waited_s  # (waiting for the rollout worker: not busy)
-            inference.waited_s = 0.0
         batch.task_id = from_wire(task_index, batch.task_id.device)[batch.task_id]
         shard = ray.put(to_wire(batch))  # (put here: this worker owns it, not the driver)
         return [shard], to_wire(stats.totals), self.stream_after()
+
+    @contextlib.contextmanager
+    def _acting(self):
+        """The policy a round or an evaluation acts with: the link to its rollout worker, whose
+        round ends with this one (an error here closes the link, and ends it there too)."""
+        inference = getattr(self, "inference", None)
+        if inference is None:
+            raise direct.NotConnected("restarted since the last round: not connected")
+        linked = isinstance(inference, direct.DirectInference)
+        try:
+            yield inference
+        except BaseException:
+            if linked:
+                inference.close()
+            raise
+        if linked:
+            inference.end_round()
+            self.busy_s -= inference.waited_s  # (waiting for the rollout worker: not busy)
+            inference.waited_s = 0.0
 
     def stream_after(self) -> dict | None:
         """The stream of the inference copy in this process (none: it is a rollout worker's)."""
@@ -234,14 +246,6 @@ class RolloutWorker(_Worker):
         self.inference = InferencePolicy(policy, stream=self.stream)
         self.sync_keys = _sync_keys(self.inference.policy)
         self.version = -1  # no weights from the learner yet
-
-    @timed
-    def act(self, obs, deterministic: bool = False):
-        return to_wire(self.inference.act(from_wire(obs, self.device), deterministic=deterministic))
-
-    @timed
-    def value(self, obs):
-        return to_wire(self.inference.value(from_wire(obs, self.device)))
 
     @timed
     def sync(self, weights, version: int) -> float:
