@@ -31,10 +31,11 @@ from scripted_envs import (
 
 from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
-from embodied.cluster import roles as cluster_roles
+from embodied.cluster import evaluation as cluster_evaluation
 from embodied.cluster.config import ClusterConfig, RoleConfig
 from embodied.cluster.envs import RemoteEnvGroup
 from embodied.cluster.evaluation import Evaluation
+from embodied.cluster.inference import RemoteInference
 from embodied.cluster.learner import Pending, RemoteLearner
 from embodied.cluster.roles import RayRoles
 from embodied.config import load_config
@@ -180,16 +181,16 @@ def test_inference_in_the_env_worker_gives_the_embedded_numbers(local_ray, tmp_p
         return original(roles, *args, **kw)
 
     monkeypatch.setattr(RayRoles, "collect", collect)
-    send = RayRoles._send_weights
+    send = RemoteInference.send_weights
 
-    def send_weights(roles, version):
+    def send_weights(inference, version):
         if len(killed) == 1 and version == 2:  # the sync after the second update
-            pid = ray.get(roles.envs.workers[0].ping.remote())
+            pid = ray.get(inference.workers[0].ping.remote())
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
-        return send(roles, version)
+        return send(inference, version)
 
-    monkeypatch.setattr(RayRoles, "_send_weights", send_weights)
+    monkeypatch.setattr(RemoteInference, "send_weights", send_weights)
     # weights by broadcast, in buckets of about 1 KB (a tensor each): the killed worker joins
     # a new sync group
     broadcast = ["cluster.weight_sync=broadcast", "cluster.sync_bucket_mb=0.001"]
@@ -607,7 +608,7 @@ def test_workers_restarted_between_rounds_are_found_unconnected_and_brought_back
         updates = len(recorder.samples)
         if updates in (1, 2):
             role = "env" if updates == 1 else "rollout"
-            killed.append(killed_and_restarted(roles_seen[0].workers[role][0]))
+            killed.append(killed_and_restarted(roles_seen[0].groups[role].workers[0]))
         return pending
 
     recorder.start_update = start_update_then_kill
@@ -821,22 +822,23 @@ def test_an_evaluation_worker_answers_while_it_evaluates_and_its_loss_loses_one_
         roles.metrics()
         roles.sync(2)
         assert not long.ready()  # those calls were answered while it ran
-        (evaluator,) = roles.workers["eval"]
+        evaluators = roles.groups["eval"]
+        (evaluator,) = evaluators.workers
         os.kill(ray.get(evaluator.ping.remote()), signal.SIGKILL)
         with pytest.raises(WorkerLost, match="^eval worker lost: "):
             long.result()
-        before = dict(roles.heartbeat)
-        roles.eval_lost = False
+        before = {role: group.heartbeat for role, group in roles.groups.items()}
+        evaluators.lost = False
         roles.metrics()  # a lost evaluation worker fails no other call
         roles.sync(3)
         # its heartbeat is when it last answered: before the kill where this timing call
         # found it lost, else (Ray restarted it first) now, with the others'
-        assert roles.heartbeat["env"] > before["env"]
-        assert roles.heartbeat["actor"] > before["actor"]
-        if roles.eval_lost:
-            assert roles.heartbeat["eval"] == before["eval"]
+        assert roles.groups["env"].heartbeat > before["env"]
+        assert roles.groups["actor"].heartbeat > before["actor"]
+        if evaluators.lost:
+            assert evaluators.heartbeat == before["eval"]
         else:
-            assert roles.heartbeat["eval"] > before["eval"]
+            assert evaluators.heartbeat > before["eval"]
         short = roles.start_evaluation(episodes=8, seed=0)
         assert short.result()["all"]["eval/episodes"] == 8
         assert [event["role"] for event in roles.events] == ["eval"]
@@ -978,8 +980,8 @@ def test_evaluations_beside_training_give_the_embedded_evaluations(
         shares.append(split_whole(episodes, seed, parts))
         return shares[-1]
 
-    split_whole = cluster_roles.split_episodes
-    monkeypatch.setattr(cluster_roles, "split_episodes", split_episodes)
+    split_whole = cluster_evaluation.split_episodes
+    monkeypatch.setattr(cluster_evaluation, "split_episodes", split_episodes)
     torch.manual_seed(0)
     cluster = {**CLUSTER, "env": dict(num_cpus=0.5), "eval": dict(workers=2, num_cpus=0.25)}
     beside = run_on(

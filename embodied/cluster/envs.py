@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from embodied.cluster.calls import Traffic, get
+from embodied.cluster.group import WorkerGroup
 from embodied.cluster.wire import from_wire
 from embodied.config import ConfigError
 from embodied.evaluate import split_episodes
@@ -92,11 +93,12 @@ class ObservationShards:
         return Observation.cat([from_wire(part, device) for part in ray.get(self.refs)])
 
 
-class RemoteEnvGroup:
-    """The env workers seen as one ``EnvGroup``: rows in worker order, tasks by name."""
+class RemoteEnvGroup(WorkerGroup):
+    """The env workers seen as one ``EnvGroup``: rows in worker order, tasks by name. A
+    restarted worker builds its environments again; the next round's reset seeds them."""
 
     def __init__(self, workers: list, facts: list[dict]):
-        self.workers = workers
+        super().__init__("env", workers)
         counts = [f["num_envs"] for f in facts]
         self.bounds = [sum(counts[:w]) for w in range(len(counts) + 1)]
         self.num_envs = self.bounds[-1]

@@ -13,6 +13,7 @@ import torch
 from embodied.checkpoint import staging_dir
 from embodied.cluster.calls import get
 from embodied.cluster.envs import ObservationShards
+from embodied.cluster.group import WorkerGroup
 from embodied.cluster.wire import from_wire
 from embodied.config import ConfigError
 from embodied.roles import WorkerLost
@@ -89,16 +90,27 @@ def held_by_env_workers(what: str, on_loss: Callable[[], None] | None = None):
         raise WorkerLost("env", f"{what} lost with it ({detail})") from None
 
 
-class RemoteLearner:
+class RemoteLearner(WorkerGroup):
     """The actor workers as the ``Learner``: rank 0 saves and sends the weights; every rank
-    fetches each round from the env workers and gets the calls that change its state."""
+    fetches each round from the env workers and gets the calls that change its state. Ray
+    never restarts one: the learner's state is lost with it, and the run can only resume."""
 
     def __init__(self, workers: list, lr: float, sharded: bool = False):
-        self.workers = workers
+        super().__init__("actor", workers)
         self.sharded = sharded  # megatron's TP ranks: each saves its shard of a checkpoint
         self.rounds_added = 0  # (each round's key: a rank that added a lost round drops it)
         self._lr = lr
         self.device = torch.device("cpu")
+
+    def load(self, checkpoint: dict) -> None:
+        """Every rank takes the checkpoint's state (one copy in the object store for all)."""
+        import ray
+
+        self.ask("load", ray.put(checkpoint))
+
+    def stream_state(self) -> dict:
+        """The stream every rank shares (actor/0)."""
+        return get(self.workers[0].stream_state.remote(), "actor")
 
     def init_normalizer(self, obs: ObservationShards) -> None:
         """Every rank fetches the observations from the env workers that hold them. Those lost

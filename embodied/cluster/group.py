@@ -1,0 +1,67 @@
+"""What every role group of a cluster run shares: its workers, where they run, when they last
+answered, and their health. A group's workers are Ray actors of one role; Ray restarts one that
+dies (the actor workers excepted), and ``restore`` brings it back into the run: it waits until
+every worker answers, lets the group catch up (``catch_up``: what its role needs to go on), and
+asks where they run now."""
+
+from __future__ import annotations
+
+import time
+
+from embodied.cluster.calls import get, wait_alive
+
+
+class WorkerGroup:
+    """The workers of one role (``role``: "env", "rollout", "actor" or "eval")."""
+
+    def __init__(self, role: str, workers: list):
+        self.role = role
+        self.workers = workers
+        self.placed: list[dict] = [{} for _ in workers]  # each worker's node, pid, GPUs
+        self.heartbeat = time.time()  # when every worker last answered
+
+    def ask(self, method: str, *args) -> list:
+        """Every worker's answer to ``method(*args)``, in worker order (``WorkerLost`` if one
+        died)."""
+        answers = get([getattr(w, method).remote(*args) for w in self.workers], self.role)
+        self.heartbeat = time.time()
+        return answers
+
+    def locate(self) -> None:
+        """Ask every worker where it runs (for the run's status file)."""
+        self.placed = self.ask("where")
+
+    def restore(self) -> None:
+        """Bring workers Ray restarted back into the run: wait until they all answer, then
+        ``catch_up`` and ``locate``."""
+        for worker in self.workers:
+            wait_alive(self.role, worker)
+        self.catch_up()
+        self.locate()
+
+    def catch_up(self) -> None:
+        """What a restarted worker of this role needs before it takes part again (nothing)."""
+
+    def timing(self) -> list[tuple[float, list]] | None:
+        """Each worker's (busy seconds, call spans) since the last call; None without
+        workers."""
+        return self.ask("timing") if self.workers else None
+
+    def status_rows(self, slots: list) -> list[dict]:
+        """One row per worker for the status file: its placement slot, place and heartbeat."""
+        return [
+            {
+                "role": self.role,
+                "index": slot.index,
+                "resources": slot.resources,
+                **self.placed[slot.index],
+                "heartbeat": self.heartbeat,
+            }
+            for slot in slots
+        ]
+
+    def kill(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker)
