@@ -5,11 +5,12 @@
 #   bash benchmarks/gpu_suite.sh RESULTS_DIR           (from the project root)
 #   STAGES="warp_tests warp_throughput" bash benchmarks/gpu_suite.sh RESULTS_DIR   (some stages)
 # Stages: device, warp_compile, warp_tests, warp_throughput, warp_peaks, warp_cache,
-#   warp_learning (LEARN_TASKS="reach push pick", LEARN_MINUTES=5 by default), runner_tests,
-#   host_syncs. The warp_* stages need MuJoCo Warp's wheels in /tmp/site (brought in parts
-#   beforehand: ../shared/gpu/bundle_parts.sh; omegaconf, which the image lacks, as .whl/); the
-#   others ManiSkill's bundle (.gpu, and .gl for rendering). A stage whose packages are
-#   missing says so and is skipped.
+#   warp_learning (LEARN_TASKS="reach push pick", LEARN_MINUTES=5 by default), cluster_gpu,
+#   runner_tests, host_syncs. The warp_* stages need MuJoCo Warp's wheels in /tmp/site (brought
+#   in parts beforehand: ../shared/gpu/bundle_parts.sh; omegaconf, which the image lacks, as
+#   .whl/); cluster_gpu needs Ray and MuJoCo there too (bundle_parts.sh with ray==2.60.0 added
+#   to its requirements); the others ManiSkill's bundle (.gpu, and .gl for rendering). A stage
+#   whose packages are missing says so and is skipped.
 # Warp's CUDA kernel cache: a .warpcache/ folder carried with the tree is used as the cache (no
 # compile); warp_cache saves the cache this visit compiled as RESULTS_DIR/warpcache.tar.gz, to be
 # unpacked into .warpcache/ for the next visit.
@@ -17,7 +18,7 @@ set -uo pipefail
 OUT=${1:-${OUT:-/tmp/gpu_suite}}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"device warp_compile warp_tests warp_throughput warp_peaks warp_cache
-  warp_learning runner_tests host_syncs"}
+  warp_learning cluster_gpu runner_tests host_syncs"}
 if [ -z "${MUJOCO_GL:-}" ]; then  # EGL where it is (or comes in .gl); MuJoCo Warp needs none
   if [ -d .gl ] || ldconfig -p | grep -q libEGL.so.1; then MUJOCO_GL=egl; else MUJOCO_GL=disable; fi
 fi
@@ -103,6 +104,18 @@ print(next((r['raw_world_steps_per_s'] for r in rows if r['worlds']==4096 and r[
   fi
 else
   echo "MuJoCo Warp is not installed here: the warp_* stages are skipped" | tee -a "$OUT/stages.log"
+fi
+
+if want cluster_gpu; then  # issue 33: a GPU rollout worker, weight sync by CUDA IPC
+  stage cluster_gpu
+  timeout 120 python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
+    tests/test_shared_weights.py 2>&1 | tee "$OUT/pytest_shared.log"
+  if has ray && has mujoco; then
+    (cd benchmarks && timeout 420 python3 gpu_rollout.py --serve --sync \
+      --json "$OUT/gpu_rollout.json") 2>&1 | grep -v WARNING | tee "$OUT/gpu_rollout.log"
+  else
+    echo "Ray or MuJoCo is not installed here: gpu_rollout.py is skipped" | tee -a "$OUT/stages.log"
+  fi
 fi
 
 if has mani_skill; then

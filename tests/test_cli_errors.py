@@ -267,6 +267,10 @@ CASES = [
     (["train", M, "cluster.rollout.num_gpus=1.5"], ["cluster.rollout.num_gpus", "whole"]),
     (["train", M, "cluster.weight_sync=nccl"], ["cluster.weight_sync", "broadcast", "'nccl'"]),
     (
+        ["train", M, "cluster.weight_sync=shared", "cluster.placement=hybrid"],
+        ["cluster.weight_sync", "actor's memory", "collocated, not hybrid"],
+    ),
+    (
         ["train", M, "cluster.rollout.workers=0", "cluster.rollout.num_gpus=1"],
         ["cluster.rollout.num_gpus", "env.num_gpus"],
     ),

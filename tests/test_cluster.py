@@ -286,7 +286,8 @@ def one_thread():
 
 
 def test_grpo_on_two_env_workers_gives_the_embedded_numbers(local_ray, tmp_path, one_thread):
-    """Each env worker holds half the environments; seeds go by rows, so nothing changes."""
+    """Each env worker holds half the environments; seeds go by rows, so nothing changes. The
+    rollout worker reads the weights from the actor's shared memory (``weight_sync: shared``)."""
     steps = 8 * 3 * 4
     torch.manual_seed(0)
     embedded = run_on(PushRightEnv(8), tmp_path / "embedded", total_env_steps=steps)
@@ -295,7 +296,7 @@ def test_grpo_on_two_env_workers_gives_the_embedded_numbers(local_ray, tmp_path,
         None,
         tmp_path / "ray",
         total_env_steps=steps,
-        cluster=TWO_ENV_WORKERS,
+        cluster={**TWO_ENV_WORKERS, "weight_sync": "shared"},
         env_factory=push_right_envs,
     )
     assert len([r for r in rows(tmp_path / "ray") if "policy/loss" in r]) >= 2
@@ -358,13 +359,15 @@ def test_env_workers_holding_different_tasks_evaluate_as_the_embedded_run(
     assert evaluated == [[[(16, 0)], [(16, 0)]]] * 3
 
 
-def run_rounds(run_dir: Path, iterations: int, env_factory=push_right_envs) -> dict:
+def run_rounds(
+    run_dir: Path, iterations: int, env_factory=push_right_envs, cluster=TWO_ENV_WORKERS
+) -> dict:
     """One-round GRPO iterations of the test task on two env workers and a rollout worker."""
     return run_on(
         None,
         run_dir,
         total_env_steps=8 * 3 * iterations,
-        cluster=TWO_ENV_WORKERS,
+        cluster=cluster,
         env_factory=env_factory,
         algorithm=ONE_ROUND,
     )
@@ -468,7 +471,8 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
 ):
     """Two env workers acting through one rollout worker: an env worker dies at the second step
     of the second iteration's round (SIGKILL, as in a segfault), the rollout worker at the
-    second step of the third's, an env worker at the second step of the final evaluation."""
+    second step of the third's, an env worker at the second step of the final evaluation. The
+    restarted rollout worker maps the actor's shared weights afresh (``weight_sync: shared``)."""
     run_dir = tmp_path / "ray"
     saboteur = Saboteur(tmp_path)
     recorder = Arming(saboteur, run_dir, {1: "self", 2: rollout_pid})
@@ -484,7 +488,8 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
         return whole_evaluation(roles, *args)
 
     monkeypatch.setattr(RayRoles, "_evaluate", evaluate)
-    summary = run_rounds(run_dir, iterations, env_factory=saboteur)
+    shared = {**TWO_ENV_WORKERS, "weight_sync": "shared"}
+    summary = run_rounds(run_dir, iterations, env_factory=saboteur, cluster=shared)
     killed_env, killed_rollout = saboteur.killed(1), saboteur.killed(2)
     assert killed_env is not None and killed_rollout is not None
     # the final evaluation lost an env worker midway and ran again whole

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 PLACEMENTS = ("collocated", "disaggregated", "hybrid")
 ROLES = ("env", "rollout", "actor", "eval")
-WEIGHT_SYNCS = ("object_store", "broadcast")
+WEIGHT_SYNCS = ("object_store", "broadcast", "shared")
 
 
 @dataclass
@@ -77,7 +77,9 @@ class ClusterConfig:
     # rollout (collocated placement on a shared GPU; it also works in one process)
     offload_optimizer: bool = False
     # how weights reach the inference copies: "object_store" (one copy per node, each worker
-    # reads it) or "broadcast" (a collective of the actor and those workers, in buckets)
+    # reads it), "broadcast" (a collective of the actor and those workers, in buckets) or
+    # "shared" (buffers on the actor's node that they map: CUDA IPC on a GPU, shared memory on
+    # the host; collocated placement)
     weight_sync: str = "object_store"
     sync_bucket_mb: float = 64.0  # broadcast: tensors flattened together up to this size
     num_cpus: int | None = None  # a local Ray's CPUs (None: the machine's)
@@ -126,6 +128,11 @@ class ClusterConfig:
         if self.weight_sync not in WEIGHT_SYNCS:
             raise ValueError(
                 f"weight_sync: must be one of {', '.join(WEIGHT_SYNCS)}, got {self.weight_sync!r}"
+            )
+        if self.weight_sync == "shared" and self.placement != "collocated":
+            raise ValueError(
+                f"weight_sync: shared maps the actor's memory, so the inference copies must be "
+                f"on its node: placement collocated, not {self.placement}"
             )
         if self.sync_bucket_mb <= 0:
             raise ValueError(f"sync_bucket_mb: must be > 0, got {self.sync_bucket_mb}")

@@ -1,6 +1,7 @@
 """The inference group: the policy copies that act (rollout workers, or env workers that infer),
 the weights' version they hold, their random streams, and how the learner's weights reach them
-(``cluster.weight_sync``: through the object store, or a broadcast in buckets)."""
+(``cluster.weight_sync``: through the object store, a broadcast in buckets, or buffers on the
+actor's node that the copies map: embodied/cluster/shared.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class RemoteInference(WorkerGroup):
         self.streams: dict[str, dict] = {}  # each copy's stream as the last round left it
         self.sync_epoch = 0  # weight-sync groups made so far (broadcast)
         self.sync_address = None  # the actor's store for the broadcast group
+        self.handles = None  # the actor's shared weight buffers (a reference to their handles)
 
     def start_sync(self) -> None:
         """Make the weight-sync group (``weight_sync: broadcast``); the copies' first streams."""
@@ -43,6 +45,12 @@ class RemoteInference(WorkerGroup):
             bucket_bytes = int(self.cluster.sync_bucket_mb * 2**20)
             nbytes = self.actor.broadcast_weights.remote(self.full_sync, bucket_bytes)
             self.ask("receive_weights", self.full_sync, version, bucket_bytes)
+        elif self.cluster.weight_sync == "shared":
+            if self.handles is None:  # (once: one object-store copy every worker reads)
+                self.handles = self.actor.share_weights.remote()
+            nbytes = self.actor.publish_weights.remote(self.full_sync)
+            get(nbytes, "actor")  # (written before anyone reads)
+            self.ask("read_shared", self.handles, self.full_sync, version)
         else:
             weights, nbytes = self.actor.weights.options(num_returns=2).remote(self.full_sync)
             self.ask("sync", weights, version)

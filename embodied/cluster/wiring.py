@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from embodied.cluster.actor import ActorWorker
 from embodied.cluster.calls import get
 from embodied.cluster.config import ROLES
 from embodied.cluster.envs import RemoteEnvGroup
@@ -14,7 +15,6 @@ from embodied.cluster.inference import RemoteInference
 from embodied.cluster.learner import RemoteLearner, join_ranks
 from embodied.cluster.placement import Slot
 from embodied.cluster.workers import (
-    ActorWorker,
     EnvRolloutWorker,
     EnvWorker,
     EvalWorker,

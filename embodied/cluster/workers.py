@@ -10,7 +10,6 @@ again and receives the learner's full weights before it acts.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import os
 import tempfile
@@ -23,21 +22,16 @@ import torch
 from embodied import numerics
 from embodied.checkpoint import frozen_keys
 from embodied.cluster import direct
-from embodied.cluster.envs import ObservationShards
-from embodied.cluster.learner import RoundShards
+from embodied.cluster.shared import SharedWeights
 from embodied.cluster.status import where
-from embodied.cluster.wire import from_wire, to_wire, wire_bytes
+from embodied.cluster.wire import from_wire, to_wire
 from embodied.env_group import EnvGroup
 from embodied.evaluate import evaluate_by_task, evaluate_shares
 from embodied.inference import InferencePolicy
 from embodied.models import build_policy
-from embodied.roles import Learner
 from embodied.rollout import EpisodeStats, collect
 from embodied.stages import stage_candidates
 from embodied.streams import Stream, resumed
-
-COLLECTIVE_TIMEOUT_S = 600  # how long an actor worker waits for the others in a collective
-
 
 DRIVER_CWD = "EMBODIED_DRIVER_CWD"  # the driver's working directory (start_ray passes it)
 
@@ -244,7 +238,7 @@ class RolloutWorker(_Worker):
         self.stream = Stream.derived(seed, "rollout", rank)
         policy = build_policy(spec, policy_cfg).to(self.device).eval()
         self.inference = InferencePolicy(policy, stream=self.stream)
-        self.sync_keys = _sync_keys(self.inference.policy)
+        self.sync_keys = sync_keys_of(self.inference.policy)
         self.version = -1  # no weights from the learner yet
 
     @timed
@@ -260,8 +254,26 @@ class RolloutWorker(_Worker):
     def receive_weights(self, full: bool, version: int, bucket_bytes: int) -> float:
         """``sync`` through the weight-sync group's broadcast; returns the seconds here."""
         t0 = time.perf_counter()
-        named = _to_sync(self.inference.policy, self.sync_keys, full)
+        named = sync_entries(self.inference.policy, self.sync_keys, full)
         self.inference.sync(self.sync_group.receive(list(named.items()), bucket_bytes), version)
+        self.version = version
+        return time.perf_counter() - t0
+
+    @timed
+    def read_shared(self, handles: bytes, full: bool, version: int) -> float:
+        """``sync`` from the actor's shared buffers (``weight_sync: shared``), mapped at the
+        first call (``handles``); returns the seconds here."""
+        t0 = time.perf_counter()
+        if getattr(self, "shared", None) is None:
+            try:
+                self.shared = SharedWeights.open(handles)
+            except (RuntimeError, OSError) as error:
+                raise RuntimeError(
+                    "weight_sync shared: this worker cannot map the actor's weights (it needs "
+                    f"the actor's node and, on a GPU, its device): {error}"
+                ) from None
+        state = self.shared.views(None if full else self.sync_keys)
+        self.inference.sync(state, version)
         self.version = version
         return time.perf_counter() - t0
 
@@ -351,143 +363,14 @@ class EvalWorker(_Worker):
         self.env.close()
 
 
-class ActorWorker(_Worker):
-    """The learner: the algorithm's update, the normaliser, the optimizer, checkpoints. Several
-    actor workers are one process group (``join``). On the torch backend they are data-parallel
-    ranks: each gets the whole batch, takes its share of every minibatch, and the gradients are
-    averaged (torch DDP). On the megatron backend they are its tensor-parallel ranks: each holds
-    its shard of the learner, built once the group exists."""
-
-    def __init__(self, cfg, spec, task_of_env: list[int], device: str):
-        self.spans = []
-        _start(cfg.runner.torch_threads)
-        self.device = torch.device(device)
-        self.learner_args = (cfg, spec, torch.tensor(task_of_env, dtype=torch.long))
-        self.learner = None
-        self.round_keys: list[int] = []  # the rounds added since the last update
-        # (megatron's ranks shard the learner over their group: built in ``join``)
-        if not (cfg.trainer.backend == "megatron" and cfg.cluster.actor.workers > 1):
-            self._build()
-
-    def _build(self) -> None:
-        cfg, spec, task_ids = self.learner_args
-        self.learner = Learner(cfg, spec, task_ids, self.device)  # (every rank: stream actor/0)
-        self.stream = self.learner.stream
-        self.sync_keys = _sync_keys(self.learner.engine.torch_policy)
-
-    def address(self) -> str:
-        """A free TCP address on this worker's node: the process group meets there (rank 0)."""
-        import socket
-
-        import ray
-
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
-
-    def join(self, rank: int, world_size: int, address: str) -> None:
-        """Join the actor workers' process group (gloo on the CPU, NCCL on GPUs) as ``rank``;
-        from here on every update is shared with the other ranks."""
-        import torch.distributed as dist
-
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=address,
-            rank=rank,
-            world_size=world_size,
-            # a rank that died leaves the others waiting in a collective; the driver sees the
-            # death at once and stops the run, this only bounds a worker left behind
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
-        if self.learner is None:  # megatron: this rank's shard of the learner, over the group
-            self._build()
-        else:
-            self.learner.distribute(dist.group.WORLD)
-
-    def data_parallel(self) -> tuple[int, int]:
-        """(this worker's rank, the number of ranks)."""
-        return self.learner.engine.rank, self.learner.engine.world_size
-
-    def load(self, checkpoint: dict) -> None:
-        self.learner.load(checkpoint)
-
-    @timed
-    def init_normalizer(self, shards: list) -> None:
-        """The normaliser's first statistics, from the observations the env workers hold; once
-        (a first round collected again brings the same observations)."""
-        if not getattr(self, "normalized", False):
-            self.learner.init_normalizer(ObservationShards(shards).fetch(self.learner.device))
-        self.normalized = True
-
-    @timed
-    def add_round(self, key: int, shards: list, instructions: tuple[str, ...]):
-        """A round for the next update, fetched from the env workers that hold its shards (in
-        row order) and joined here (a copy: nothing refers to their objects afterwards); its
-        advantages' metrics. ``key``: the round's, for ``drop_round``."""
-        batch = RoundShards(shards, instructions).fetch(self.learner.device)
-        metrics = self.learner.add_round(batch)
-        self.round_keys.append(key)
-        return to_wire(metrics)
-
-    def drop_round(self, key: int) -> None:
-        """Forget round ``key`` if it was added here (another rank could not fetch it)."""
-        if self.round_keys and self.round_keys[-1] == key:
-            self.round_keys.pop()
-            self.learner.rounds.pop()
-
-    @timed
-    def update(self) -> dict:
-        self.round_keys = []
-        return self.learner.update()
-
-    def set_lr(self, lr: float) -> None:
-        self.learner.set_lr(lr)
-
-    def lr(self) -> float:
-        return self.learner.lr
-
-    @timed
-    def weights(self, full: bool) -> tuple:
-        """(the weights inference needs, their bytes): all of them, or only the trainable
-        parameters and the buffers that change (a frozen backbone is never sent again)."""
-        wired = to_wire(_to_sync(self.learner.engine.torch_policy, self.sync_keys, full))
-        return wired, wire_bytes(wired)
-
-    def sync_address(self) -> str:
-        """Start the weight-sync group's store here (this worker outlives the others: Ray never
-        restarts it); its host:port."""
-        from embodied.cluster.broadcast import host_store
-
-        self.sync_store, address = host_store()
-        return address
-
-    @timed
-    def broadcast_weights(self, full: bool, bucket_bytes: int) -> int:
-        """``weights`` through the weight-sync group's broadcast; returns the bytes sent."""
-        named = _to_sync(self.learner.engine.torch_policy, self.sync_keys, full)
-        return self.sync_group.send(list(named.items()), bucket_bytes)
-
-    @timed
-    def save(self, run_dir, iteration: int, kw: dict) -> None:
-        self.learner.save(run_dir, iteration, **kw)
-
-    @timed
-    def write_shards(self, directory: str) -> None:
-        """A megatron TP rank past the first: its shard of the checkpoint rank 0 stages in
-        ``directory`` (rank 0 writes its own and the rest in ``save``)."""
-        self.learner.engine.write_shards(Path(directory))
-
-
-def _to_sync(policy: torch.nn.Module, sync_keys: set[str], full: bool) -> dict:
+def sync_entries(policy: torch.nn.Module, sync_keys: set[str], full: bool) -> dict:
     """The state-dict entries a weight sync carries, in state-dict order (the same order on
     every side): all of them, or those in ``sync_keys``."""
     state = policy.state_dict()
     return {k: v for k, v in state.items() if full or k in sync_keys}
 
 
-def _sync_keys(policy: torch.nn.Module) -> set[str]:
+def sync_keys_of(policy: torch.nn.Module) -> set[str]:
     """State-dict keys that an update can change: every key but the frozen ones (the same split
     checkpoints make)."""
     return set(policy.state_dict()) - frozen_keys(policy)
