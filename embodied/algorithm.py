@@ -22,6 +22,17 @@ from embodied.rollout import LEVELS, CollectPlan, RolloutBatch, Samples, share_b
 class AlgorithmConfig:
     name: str = ""  # selects the schema: ppo | grpo
 
+    def check_with(self, policy, env) -> None:
+        """What the algorithm asks of the policy's and the environments' configs (ValueError
+        naming the key): nothing by default."""
+
+    def fit_policy(self, policy: torch.nn.Module) -> None:
+        """Ready the built policy for this algorithm (ValueError naming the key)."""
+
+    def build(self, cfg, spec, task_of_env: torch.Tensor, policy=None) -> Algorithm:
+        """The algorithm (``policy``: the learner's, for what it scores against)."""
+        raise NotImplementedError
+
 
 def check_level(level: str) -> None:
     if level not in LEVELS:

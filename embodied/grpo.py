@@ -81,6 +81,38 @@ class GRPOConfig(AlgorithmConfig):
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef: must be >= 0, got {self.kl_coef}")
 
+    def check_with(self, policy, env) -> None:
+        tasks = len(getattr(env, "tasks", None) or []) or 1
+        per_task = env.num_envs // tasks
+        if per_task < self.group_size:
+            raise ValueError(
+                f"algorithm.group_size: groups of {self.group_size} need that many environments "
+                f"per task, and each task has {per_task} (env.num_envs={env.num_envs} over "
+                f"{tasks} task(s))"
+            )
+
+    def fit_policy(self, policy: torch.nn.Module) -> None:
+        """The Gaussian head's log std set to ``exploration_log_std`` where given."""
+        if self.exploration_log_std is None:
+            return
+        log_std = getattr(getattr(policy, "head", None), "log_std", None)
+        if log_std is None:
+            raise ValueError(
+                "algorithm.exploration_log_std: the policy has no Gaussian head with a log_std"
+            )
+        with torch.no_grad():
+            log_std.fill_(self.exploration_log_std)
+
+    def build(self, cfg, spec, task_of_env: torch.Tensor, policy=None) -> GRPO:
+        return GRPO(
+            self,
+            seed=cfg.seed,
+            task_of_env=task_of_env,
+            chunk_size=cfg.policy.chunk_size,
+            max_episode_steps=spec.max_episode_steps,
+            policy=policy,
+        )
+
 
 def groups_by_task(task_of_env: torch.Tensor, group_size: int) -> torch.Tensor:
     """Group of each environment, long [B]: each task's environments (in order) in groups of

@@ -71,6 +71,24 @@ class PPOConfig(AlgorithmConfig):
         check_level(self.logprob_level)
         check_behaviour_weight_cap(self.behaviour_weight_cap)
 
+    def check_with(self, policy, env) -> None:
+        if not policy.has_critic():
+            fix = "set policy.value_head=true" if hasattr(policy, "value_head") else ""
+            raise ValueError(
+                f"algorithm.name: ppo needs a critic, and policy {policy.name!r} has none; "
+                f"{fix + ' or ' if fix else ''}train with algorithm.name=grpo"
+            )
+
+    def fit_policy(self, policy: torch.nn.Module) -> None:
+        if not getattr(policy, "has_critic", True):
+            raise ValueError(
+                "algorithm.name: ppo needs a critic; set policy.value_head=true "
+                "(or train with algorithm.name=grpo)"
+            )
+
+    def build(self, cfg, spec, task_of_env: torch.Tensor, policy=None) -> PPO:
+        return PPO(self, seed=cfg.seed, num_envs=len(task_of_env))
+
 
 class PPO:
     has_critic = True

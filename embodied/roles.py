@@ -20,11 +20,9 @@ from embodied.checkpoint import load_policy_checkpoint, save_checkpoint
 from embodied.config import ConfigError
 from embodied.env_group import EnvGroup
 from embodied.evaluate import evaluate_by_task
-from embodied.grpo import GRPO
 from embodied.inference import InferencePolicy
 from embodied.learner import TorchEngine, TrainerConfig
 from embodied.models import build_policy
-from embodied.ppo import PPO
 from embodied.rollout import (
     CollectPlan,
     EpisodeStats,
@@ -75,17 +73,7 @@ def build_algorithm(cfg, spec: EnvSpec, task_of_env: torch.Tensor, policy=None):
     """PPO or GRPO as ``cfg.algorithm`` says. The runner's copy plans rounds and computes
     advantages (``policy`` None); the learner's copy scores minibatches (GRPO's KL reference is
     taken from ``policy``)."""
-    alg = cfg.algorithm
-    if alg.name == "ppo":
-        return PPO(alg, seed=cfg.seed, num_envs=len(task_of_env))
-    return GRPO(
-        alg,
-        seed=cfg.seed,
-        task_of_env=task_of_env,
-        chunk_size=cfg.policy.chunk_size,
-        max_episode_steps=spec.max_episode_steps,
-        policy=policy,
-    )
+    return cfg.algorithm.build(cfg, spec, task_of_env, policy)
 
 
 class Done:
@@ -116,19 +104,10 @@ class Learner:
         # acting in eval mode from the first chunk, as after every update (a transformer's
         # fast path in eval mode sums in another order than in train mode)
         self.policy = init_policy(cfg, spec, device).eval()
-        if alg.name == "grpo" and alg.exploration_log_std is not None:
-            log_std = getattr(getattr(self.policy, "head", None), "log_std", None)
-            if log_std is None:
-                raise ConfigError(
-                    "algorithm.exploration_log_std: the policy has no Gaussian head with a log_std"
-                )
-            with torch.no_grad():
-                log_std.fill_(alg.exploration_log_std)
-        if alg.name == "ppo" and not getattr(self.policy, "has_critic", True):
-            raise ConfigError(
-                "algorithm.name: ppo needs a critic; set policy.value_head=true "
-                "(or train with algorithm.name=grpo)"
-            )
+        try:
+            alg.fit_policy(self.policy)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         if cfg.trainer.backend == "megatron":
             from embodied.megatron.engine import join_ranks
 

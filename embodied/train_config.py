@@ -92,23 +92,9 @@ class TrainConfig:
     def validate(self) -> None:
         """What the sections ask of each other, before anything is built."""
         check_cameras(self.policy, self.env)
-        if self.algorithm.name == "ppo" and not self.policy.has_critic():
-            fix = "set policy.value_head=true" if hasattr(self.policy, "value_head") else ""
-            raise ValueError(
-                f"algorithm.name: ppo needs a critic, and policy {self.policy.name!r} has none; "
-                f"{fix + ' or ' if fix else ''}train with algorithm.name=grpo"
-            )
+        self.algorithm.check_with(self.policy, self.env)
         if self.trainer.backend == "megatron":
             check_megatron(self.trainer, self.policy, self.cluster)
-        if self.algorithm.name == "grpo":
-            tasks = len(getattr(self.env, "tasks", None) or []) or 1
-            per_task = self.env.num_envs // tasks
-            if per_task < self.algorithm.group_size:
-                raise ValueError(
-                    f"algorithm.group_size: groups of {self.algorithm.group_size} need that many "
-                    f"environments per task, and each task has {per_task} "
-                    f"(env.num_envs={self.env.num_envs} over {tasks} task(s))"
-                )
 
 
 def check_megatron(trainer: TrainerConfig, policy: PolicyConfig, cluster: ClusterConfig) -> None:
