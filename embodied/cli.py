@@ -1,4 +1,5 @@
-"""``embodied`` command line: train, eval, demos, sft, bench, serve, deploy, cluster, convert.
+"""``embodied`` command line: train, eval, demos, sft, bench, serve, deploy, cluster, convert,
+replay.
 
 A user error (a bad config key, path, task, checkpoint or option) is one line on stderr,
 ``embodied: error: <what, naming the culprit>``, and exit code 2: ``ConfigError``,
@@ -311,6 +312,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("action", choices=["status"])
     c.add_argument("run", help="a run directory, e.g. runs/multitask_vla_grpo")
     c.set_defaults(func=cmd_cluster)
+    r = sub.add_parser(
+        "replay",
+        help="run a recorded iteration's update again and compare it with the run",
+        description="Load the learner's state before iteration N and its rounds from "
+        "RUN/rollouts (runner.record_rollouts), run the update, and compare its metrics and "
+        "the weights after it with the run's: exit 0 when they match, 1 with one line when not.",
+    )
+    r.add_argument("run", help="a run directory with RUN/rollouts")
+    r.add_argument("--iteration", type=int, required=True, help="the recorded iteration")
+    r.add_argument("--device", default="cpu", help="where the update runs (default cpu)")
+    r.add_argument(
+        "--rtol", type=float, default=0.0, help="relative tolerance for metrics (default 0)"
+    )
+    r.set_defaults(func=cmd_replay)
     v = sub.add_parser(
         "convert",
         help="convert weights: checkpoint, megatron shards, Hugging Face directory",
@@ -334,6 +349,27 @@ def cmd_convert(args) -> int:
 
     out = convert(args.source, args.to, args.out, tensor_parallel=args.tensor_parallel)
     print(f"wrote {out}")
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from embodied.recording import RecordError
+    from embodied.replay import differences, replay
+
+    try:
+        record, metrics, digest = replay(Path(args.run), args.iteration, args.device)
+    except RecordError as e:
+        return _error(str(e))
+    weights = None if args.rtol else (record.meta["digest_after"], digest)
+    found = differences(record.meta["metrics"], metrics, args.rtol, weights)
+    if found:
+        print(
+            f"embodied: replay of iteration {args.iteration} differs: {'; '.join(found)}",
+            file=sys.stderr,
+        )
+        return 1
+    how = f"within rtol {args.rtol:g}" if args.rtol else "bit for bit"
+    print(f"iteration {args.iteration} replayed {how}: {len(metrics)} metrics and the weights")
     return 0
 
 

@@ -17,12 +17,13 @@ import torch
 
 from embodied.algorithm import proximal_logprob, update
 from embodied.checkpoint import load_policy_checkpoint, save_checkpoint
-from embodied.config import ConfigError
+from embodied.config import ConfigError, to_dict
 from embodied.env_group import EnvGroup
 from embodied.evaluate import evaluate_by_task
 from embodied.inference import InferencePolicy
 from embodied.learner import TorchEngine, TrainerConfig
 from embodied.models import build_policy
+from embodied.recording import Pending, weights_digest
 from embodied.rollout import (
     CollectPlan,
     EpisodeStats,
@@ -97,6 +98,16 @@ class Learner:
         with self.stream.drawing():
             self._build(cfg, spec, task_of_env, device)
         self.rounds: list[RolloutBatch] = []  # the rounds collected for the next update
+        # records (runner.record_rollouts): one rank keeps the iteration in progress (Pending),
+        # then each updated one until the runner says whether it is written
+        self.records = cfg.runner.record_rollouts > 0 and self.engine.rank == 0
+        self.context = {
+            "config": to_dict(cfg),
+            "spec": spec.to_dict(),
+            "task_of_env": task_of_env.tolist(),
+        }
+        self.pending: Pending | None = None
+        self.updated: list[Pending] = []
 
     def _build(self, cfg, spec: EnvSpec, task_of_env: torch.Tensor, device) -> None:
         alg = cfg.algorithm
@@ -138,6 +149,10 @@ class Learner:
     def add_round(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
         """A collected round for the next update, its advantages computed here, where the
         update runs (the algorithm's ``advantages``); returns their 0-dim metrics."""
+        if self.records:
+            if self.pending is None:  # (the iteration's first round: the state before it)
+                self.pending = Pending.before(self.engine, self.stream)
+            self.pending.add(batch)
         metrics = self.algorithm.advantages(batch)
         self.rounds.append(batch)
         return metrics
@@ -152,7 +167,21 @@ class Learner:
         if samples is not None and self.cfg.trainer.backend != "megatron":
             check_minibatch(len(samples), self.cfg.algorithm.num_minibatches, self.engine)
         with self.stream.drawing():
-            return self._update(samples, [batch.obs for batch in rounds])
+            metrics = self._update(samples, [batch.obs for batch in rounds])
+        if self.records:
+            pending = self.pending or Pending.before(self.engine, self.stream)  # (no rounds)
+            pending.digest_after = weights_digest(self.engine.torch_policy)
+            self.updated.append(pending)
+            self.pending = None
+        return metrics
+
+    def keep_record(self, run_dir: Path, iteration: int, reason: str | None, metrics: dict):
+        """Write the oldest updated iteration's record as ``iteration`` where ``reason`` says
+        why, else drop it (embodied/recording.py)."""
+        if self.updated:
+            pending = self.updated.pop(0)
+            if reason is not None:
+                pending.write(run_dir, iteration, reason, metrics, self.context)
 
     def _update(self, samples: Samples | None, observations: list[Observation]) -> dict:
         metrics = {}

@@ -24,6 +24,7 @@ from embodied.config import to_dict
 from embodied.evaluations import Evaluations
 from embodied.logger import RunLogger
 from embodied.multitask import check_tasks, make_env
+from embodied.recording import RunRecords
 from embodied.roles import (
     Roles,
     WorkerLost,
@@ -57,6 +58,10 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.runner.deterministic:  # first: before a torch op chooses a code path or a worker starts
         numerics.pin()
     numerics.setup(cfg.runner.torch_threads)
+    if cfg.runner.replay_from:  # recorded rounds, no simulator (embodied/from_records.py)
+        from embodied.from_records import train_from_records
+
+        return train_from_records(cfg)
     resume = load_checkpoint_for(cfg.runner.resume, "runner.resume") if cfg.runner.resume else None
     if resume is not None:
         check_resume(
@@ -127,6 +132,8 @@ class Runner:
         self.points = SavePoints(self.state, roles, run_dir, meta, cfg.runner.keep_checkpoints)
         purge = None if self.fresh else self.state.env_steps + 1
         self.logger = RunLogger(run_dir, purge_step=purge)
+        recording = cfg.runner.record_rollouts > 0  # (embodied/recording.py)
+        self.records = RunRecords(cfg.runner, run_dir, self.learner) if recording else None
 
     def run(self) -> dict:
         run = self.cfg.runner
@@ -216,7 +223,10 @@ class Runner:
         collected = done.collected
         self.phase = "update"  # a failure while waiting for it leaves the weights unsaved
         metrics = collected.metrics
-        metrics.update(done.update.result())
+        updated = done.update.result()
+        metrics.update(updated)
+        if self.records is not None:  # (the learner writes the record, or drops it)
+            self.records.after_update(collected.iteration, updated)
         update_seconds = time.time() - done.start
         state.policy_version += 1
         if not stopping:  # (a stop after a lost worker: only what the checkpoint needs)

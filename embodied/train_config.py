@@ -34,6 +34,13 @@ class RunnerConfig:
     final_eval_episodes: int = 100  # episodes per task of the final evaluation
     save_every: int = 10  # iterations between checkpoints (always at the end)
     keep_checkpoints: int = 3  # the newest N checkpoints stay, plus the best by evaluation
+    # write every Nth iteration's rollout and the learner's state before its update to
+    # RUN/rollouts (0: off), and any iteration whose update is not finite or spikes
+    record_rollouts: int = 0
+    keep_rollouts: int = 5  # the newest N records of every Nth iteration stay (spikes: all)
+    spike_factor: float = 10.0  # a gradient norm over this x the median of the last 20 spikes
+    # train on a recorded run's rounds (RUN/rollouts), in their order, without simulators
+    replay_from: str | None = None
     video: bool = True  # record the final evaluation as mp4
     resume: str | None = None  # a run directory (or checkpoint) to continue from
     resume_force: bool = False  # resume even though a key that changes the run differs
@@ -61,6 +68,14 @@ class RunnerConfig:
             raise ValueError(f"eval_episodes: must be >= 1, got {self.eval_episodes}")
         if self.final_eval_episodes < 1:
             raise ValueError(f"final_eval_episodes: must be >= 1, got {self.final_eval_episodes}")
+        if self.record_rollouts < 0:
+            raise ValueError(
+                f"record_rollouts: every N >= 1 iterations, or 0 (off); got {self.record_rollouts}"
+            )
+        if self.replay_from and self.resume:
+            raise ValueError("replay_from: starts a run from records; it cannot resume one")
+        if self.keep_rollouts < 1:
+            raise ValueError(f"keep_rollouts: must be >= 1, got {self.keep_rollouts}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
         for key in ("eval_every", "save_every"):
@@ -92,9 +107,19 @@ class TrainConfig:
     def validate(self) -> None:
         """What the sections ask of each other, before anything is built."""
         check_cameras(self.policy, self.env)
+        if self.runner.replay_from and self.cluster.enabled:
+            raise ValueError(
+                "runner.replay_from: trains in this process from records, without simulators "
+                "or workers; set cluster.enabled=false"
+            )
         self.algorithm.check_with(self.policy, self.env)
         if self.trainer.backend == "megatron":
             check_megatron(self.trainer, self.policy, self.cluster)
+            if self.runner.record_rollouts:
+                raise ValueError(
+                    "runner.record_rollouts: records of the megatron backend are not written "
+                    "yet (trainer.backend=torch records and replays)"
+                )
 
 
 def check_megatron(trainer: TrainerConfig, policy: PolicyConfig, cluster: ClusterConfig) -> None:

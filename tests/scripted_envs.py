@@ -395,6 +395,7 @@ def run_on(
     max_minutes: float | None = None,
     env_cfg: dict | None = None,
     video: bool = False,
+    record_rollouts: int = 0,
 ) -> dict:
     """The runner over ``env`` with a config written here (16 evaluation episodes, a video if
     ``video``); returns its summary. The metrics are in ``run_dir/metrics.jsonl``. With ``cluster``
@@ -420,6 +421,7 @@ def run_on(
         "pipeline_stages": pipeline_stages,
         "trace": trace,
         "max_minutes": max_minutes,
+        "record_rollouts": record_rollouts,
     }
     source = {"seed": 0, "policy": policy, "algorithm": algorithm, "runner": runner}
     if trainer is not None:

@@ -267,6 +267,15 @@ CASES = [
     (["train", M, "cluster.rollout.num_gpus=1.5"], ["cluster.rollout.num_gpus", "whole"]),
     (["train", M, "cluster.weight_sync=nccl"], ["cluster.weight_sync", "broadcast", "'nccl'"]),
     (
+        ["train", M, "runner.replay_from=/nowhere/rollouts"],
+        ["runner.replay_from", "/nowhere/rollouts", "no rollout records"],
+    ),
+    (
+        ["train", M, "runner.replay_from=/nowhere", "cluster.enabled=true"],
+        ["runner.replay_from", "cluster.enabled=false"],
+    ),
+    (["train", M, "runner.record_rollouts=-1"], ["runner.record_rollouts", "-1"]),
+    (
         ["train", M, "cluster.weight_sync=shared", "cluster.placement=hybrid"],
         ["cluster.weight_sync", "actor's memory", "collocated, not hybrid"],
     ),

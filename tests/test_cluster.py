@@ -40,6 +40,7 @@ from embodied.cluster.learner import Pending, RemoteLearner
 from embodied.cluster.roles import RayRoles
 from embodied.config import load_config
 from embodied.multitask import MultiTaskEnv
+from embodied.replay import differences, replay
 from embodied.roles import Roles, WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats
 from embodied.run import EVALUATED_AT
@@ -287,7 +288,9 @@ def one_thread():
 
 def test_grpo_on_two_env_workers_gives_the_embedded_numbers(local_ray, tmp_path, one_thread):
     """Each env worker holds half the environments; seeds go by rows, so nothing changes. The
-    rollout worker reads the weights from the actor's shared memory (``weight_sync: shared``)."""
+    rollout worker reads the weights from the actor's shared memory (``weight_sync: shared``).
+    The actor worker records every second iteration, and its updates replay here bit for
+    bit."""
     steps = 8 * 3 * 4
     torch.manual_seed(0)
     embedded = run_on(PushRightEnv(8), tmp_path / "embedded", total_env_steps=steps)
@@ -298,7 +301,14 @@ def test_grpo_on_two_env_workers_gives_the_embedded_numbers(local_ray, tmp_path,
         total_env_steps=steps,
         cluster={**TWO_ENV_WORKERS, "weight_sync": "shared"},
         env_factory=push_right_envs,
+        record_rollouts=2,
     )
+    records = sorted(p.name for p in (tmp_path / "ray" / "rollouts").iterdir())
+    assert records == ["iter_000002", "iter_000004"]
+    for iteration in (2, 4):
+        record, metrics, digest = replay(tmp_path / "ray", iteration)
+        weights = (record.meta["digest_after"], digest)
+        assert differences(record.meta["metrics"], metrics, weights=weights) == []
     assert len([r for r in rows(tmp_path / "ray") if "policy/loss" in r]) >= 2
     assert_same_numbers(rows(tmp_path / "embedded"), rows(tmp_path / "ray"))
     assert untimed(on_ray["final"]) == untimed(embedded["final"])

@@ -1,0 +1,110 @@
+"""Training from recordings (``runner.replay_from=RUN/rollouts``): the recorded rounds fed to a
+learner in their order, without simulators, for algorithm work and debugging
+(embodied/recording.py).
+
+The learner starts from the first record's state before its update (the recorded run's initial
+weights where that is iteration 1), or from ``runner.init_from`` where given. Its first update
+then equals the recorded one bit for bit (checked, and said). From the second update on the
+rounds are off-policy: they were collected by the recorded run's weights, not these, and the
+update's ratios use their stored behaviour log-probabilities. Each update is a metrics row; the
+weights are saved as a checkpoint at the end. No evaluation: nothing simulates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from embodied.checkpoint import save_checkpoint
+from embodied.logger import RunLogger
+from embodied.recording import RECORDS, RecordError, read_record
+from embodied.replay import differences
+from embodied.roles import Learner
+from embodied.run import enter_run_dir, run_dir_for
+from embodied.run_state import RunState
+from embodied.schema import EnvSpec
+from embodied.train_config import run_meta
+
+
+def recorded_iterations(source: Path) -> tuple[Path, list[int]]:
+    """(the recorded run's directory, its recorded iterations in order) for ``source``: a run
+    directory or its ``rollouts`` folder."""
+    run_dir = source.parent if source.name == RECORDS else source
+    found = sorted(
+        int(path.name.split("_")[1])
+        for path in (run_dir / RECORDS).glob("iter_[0-9]*")
+        if path.is_dir() and not path.name.endswith(".tmp")
+    )
+    if not found:
+        raise RecordError(f"runner.replay_from: {source} holds no rollout records")
+    return run_dir, found
+
+
+def train_from_records(cfg) -> dict:
+    """Train as ``cfg`` says on the records of ``runner.replay_from``; the run's summary."""
+    recorded, iterations = recorded_iterations(Path(cfg.runner.replay_from))
+    first = read_record(recorded, iterations[0])
+    spec = EnvSpec.from_dict(first.meta["spec"])
+    task_of_env = torch.tensor(first.meta["task_of_env"], dtype=torch.long)
+    run_dir = run_dir_for(cfg.runner, None)
+    device = "cpu" if cfg.runner.device == "auto" else cfg.runner.device
+    learner = Learner(cfg, spec, task_of_env, torch.device(device))
+    try:
+        enter_run_dir(run_dir, cfg, None, False)
+        if not cfg.runner.init_from:
+            learner.engine.load_state_dict({"model": first.model, "optimizer": first.optimizer})
+            learner.engine.set_lr(first.meta["lr"])
+            learner.stream.load(first.stream)
+        return _updates(cfg, learner, recorded, iterations, run_dir, spec)
+    finally:
+        learner.close()
+
+
+def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_dir, spec) -> dict:
+    """One update per record, in order, each logged; the checkpoint at the end."""
+    state = RunState()
+    logger = RunLogger(run_dir)
+    same = None  # whether the first update equals the recorded one
+    try:
+        for index, iteration in enumerate(iterations):
+            record = read_record(recorded, iteration, learner.device)
+            for batch in record.rounds:
+                learner.add_round(batch)
+                state.env_steps += batch.valid.numel()  # (B x K per chunk, as collected)
+            metrics = {k: float(v) for k, v in learner.update().items()}
+            state.iteration += 1
+            if index == 0 and not cfg.runner.init_from:
+                same = differences(record.meta["metrics"], metrics)
+                print(_first_update_note(iteration, same))
+            if index == 1:
+                print(
+                    "from the second update on the recorded rounds are off-policy (collected by "
+                    "the recorded run's weights); the ratios use their stored behaviour "
+                    "log-probabilities"
+                )
+            logger.log(metrics, state.env_steps, iteration=state.iteration, replayed=iteration)
+    finally:
+        logger.close()
+    counters = state.counters()
+    save_checkpoint(
+        run_dir,
+        state.iteration,
+        model=learner.engine.torch_policy,
+        optimizer=learner.engine.checkpoint_optimizer,
+        counters=counters,
+        meta=run_meta(cfg, spec),
+    )
+    return {
+        "run_dir": str(run_dir),
+        "updates": state.iteration,
+        "replayed": iterations,
+        "first_update_matches": None if same is None else not same,
+    }
+
+
+def _first_update_note(iteration: int, differs: list[str]) -> str:
+    if not differs:
+        return f"the first update (iteration {iteration} of the records) equals the recorded one"
+    found = "; ".join(differs)
+    return f"the first update differs from iteration {iteration}'s recorded one: {found}"

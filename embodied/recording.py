@@ -1,0 +1,271 @@
+"""Rollout records: an iteration's collected rounds with the learner's state before its update, so
+that the update can be run again offline (``embodied replay``) and compared with the run's.
+
+``runner.record_rollouts: N`` records every Nth iteration; an update whose loss is not finite, or
+whose gradient norm (the mean over its steps, before clipping) is over ``runner.spike_factor``
+times the median of the last ``SPIKE_WINDOW`` iterations', is recorded too, and such records are
+never pruned. The learner keeps what a record needs from the first round of each iteration on
+(``Pending``: host copies of the rounds as collected, and of its state before the update); the
+runner, which sees the update's metrics, decides whether it is written (``RecordPolicy``).
+
+A record is ``RUN/rollouts/iter_NNNNNN/``:
+- ``rounds.safetensors.zst``: every round's tensors (``r<i>/<field>``), zstd-compressed
+  (lossless: a replay must see the log-probabilities' inputs as they were);
+- ``learner.safetensors``: the policy's state before the update, and the learner's stream;
+- ``optimizer.pt``: the optimizer's state before the update;
+- ``record.json``: the iteration, why it was recorded, the learning rate, each round's
+  instructions, the update's metrics as logged, and a digest of the weights after it.
+Files are written to a staging folder and renamed whole: a crash leaves no half record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import math
+import shutil
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load, load_file, save, save_file
+
+from embodied.rollout import RolloutBatch
+from embodied.schema import Observation, UserError
+
+RECORDS = "rollouts"
+SPIKE_WINDOW = 20  # iterations whose gradient norms make the median a spike is measured by
+FORMAT = "embodied-rollout-record-v1"
+
+
+class RecordError(UserError):
+    """A record that cannot be read; ``str()`` is one line naming the file."""
+
+
+def record_dir(run_dir: Path, iteration: int) -> Path:
+    return Path(run_dir) / RECORDS / f"iter_{iteration:06d}"
+
+
+def batch_tensors(batch: RolloutBatch, prefix: str) -> dict[str, torch.Tensor]:
+    """The round's tensors as it was collected (before its advantages), on the host, by name."""
+    out = {f"{prefix}obs/{k}": v for k, v in batch.obs.tensors().items()}
+    out.update({f"{prefix}extras/{k}": v for k, v in batch.extras.items()})
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor) and f.name not in ("advantages", "returns"):
+            if f.name != "sample_mask":
+                out[f"{prefix}{f.name}"] = value
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in out.items()}
+
+
+def batch_from(
+    tensors: dict[str, torch.Tensor], prefix: str, instructions, device="cpu"
+) -> RolloutBatch:
+    """A round back from ``batch_tensors``' names, on ``device``."""
+    tensors = {k: v.to(device) for k, v in tensors.items() if k.startswith(prefix)}
+
+    def under(part: str) -> dict[str, torch.Tensor]:
+        start = f"{prefix}{part}/"
+        return {k[len(start) :]: v for k, v in tensors.items() if k.startswith(start)}
+
+    obs = under("obs")
+    observation = Observation(
+        state=obs["state"],
+        instruction=[],
+        images={k[len("images/") :]: v for k, v in obs.items() if k.startswith("images/")},
+        privileged={
+            k[len("privileged/") :]: v for k, v in obs.items() if k.startswith("privileged/")
+        },
+    )
+    plain = {
+        f.name: tensors[f"{prefix}{f.name}"]
+        for f in dataclasses.fields(RolloutBatch)
+        if f"{prefix}{f.name}" in tensors
+    }
+    return RolloutBatch(
+        obs=observation, instructions=tuple(instructions), extras=under("extras"), **plain
+    )
+
+
+def weights_digest(policy: torch.nn.Module) -> str:
+    """sha256 over the policy's state (names, dtypes, shapes, bytes), in state-dict order."""
+    digest = hashlib.sha256()
+    for key, tensor in policy.state_dict().items():
+        host = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{key}:{host.dtype}:{tuple(host.shape)}".encode())
+        digest.update(host.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@dataclass
+class Pending:
+    """What the learner keeps of the iteration in progress for a record: host copies of its
+    state before the update and of each round as it was collected."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict
+    lr: float
+    stream: dict
+    rounds: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    instructions: list[tuple[str, ...]] = field(default_factory=list)
+    digest_after: str = ""  # the weights after the update, once it has run
+
+    @classmethod
+    def before(cls, engine, stream) -> Pending:
+        model = {
+            k: v.detach().to("cpu", copy=True) for k, v in engine.torch_policy.state_dict().items()
+        }
+        buffer = io.BytesIO()
+        torch.save(engine.checkpoint_optimizer.state_dict(), buffer)  # (a deep host copy)
+        buffer.seek(0)
+        optimizer = torch.load(buffer, map_location="cpu", weights_only=False)
+        return cls(model, optimizer, engine.lr, stream.state())
+
+    def add(self, batch: RolloutBatch) -> None:
+        self.rounds.append(batch_tensors(batch, f"r{len(self.rounds)}/"))
+        self.instructions.append(tuple(batch.instructions))
+
+    def write(
+        self, run_dir: Path, iteration: int, reason: str, metrics: dict, context: dict
+    ) -> Path:
+        """``RUN/rollouts/iter_NNNNNN`` (staged, then renamed whole); ``context``: what a replay
+        builds the learner from (the spec, each environment's task)."""
+        import zstandard
+
+        final = record_dir(run_dir, iteration)
+        staging = final.with_name(final.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        rounds = {k: v for part in self.rounds for k, v in part.items()}
+        packed = zstandard.ZstdCompressor(level=3).compress(save(rounds))
+        (staging / "rounds.safetensors.zst").write_bytes(packed)
+        stream = {f"stream/{k}": v for k, v in self.stream.items() if isinstance(v, torch.Tensor)}
+        save_file({**self.model, **stream}, staging / "learner.safetensors")
+        torch.save(self.optimizer, staging / "optimizer.pt")
+        meta = {
+            "format": FORMAT,
+            "iteration": iteration,
+            "reason": reason,
+            "lr": self.lr,
+            "stream_seed": self.stream["seed"],
+            "instructions": [list(i) for i in self.instructions],
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+            "digest_after": self.digest_after,
+            **context,
+        }
+        (staging / "record.json").write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
+        return final
+
+
+@dataclass
+class Record:
+    """A record read back: the rounds, the learner's state before the update, its metadata."""
+
+    path: Path
+    meta: dict
+    rounds: list[RolloutBatch]
+    model: dict[str, torch.Tensor]
+    stream: dict
+    optimizer: dict
+
+
+def read_record(run_dir: Path, iteration: int, device="cpu") -> Record:
+    """The record of ``iteration``, its rounds on ``device`` (``RecordError`` naming the file
+    that is missing or damaged)."""
+    import zstandard
+
+    path = record_dir(run_dir, iteration)
+    if not path.is_dir():
+        raise RecordError(f"{path}: no record of iteration {iteration} (runner.record_rollouts)")
+
+    def read(name: str, how):
+        try:
+            return how(path / name)
+        except FileNotFoundError:
+            raise RecordError(f"{path / name}: missing from the record") from None
+        except Exception as error:
+            raise RecordError(f"{path / name}: damaged ({type(error).__name__})") from None
+
+    meta = read("record.json", lambda p: json.loads(p.read_text()))
+    packed = read("rounds.safetensors.zst", lambda p: p.read_bytes())
+    try:
+        tensors = load(zstandard.ZstdDecompressor().decompress(packed))
+    except Exception as error:
+        name = path / "rounds.safetensors.zst"
+        raise RecordError(f"{name}: damaged ({type(error).__name__})") from None
+    learner = read("learner.safetensors", lambda p: load_file(p))
+    optimizer = read("optimizer.pt", lambda p: torch.load(p, weights_only=False))
+    stream = {"seed": meta["stream_seed"], "cpu": learner.pop("stream/cpu")}
+    stream["cuda"] = learner.pop("stream/cuda", None)
+    rounds = [
+        batch_from(tensors, f"r{i}/", instructions, device)
+        for i, instructions in enumerate(meta["instructions"])
+    ]
+    return Record(path, meta, rounds, learner, stream, optimizer)
+
+
+@dataclass
+class RecordPolicy:
+    """Which iterations are written (the runner asks after each update): every ``every``-th
+    (0: none), and any whose loss is not finite or whose gradient norm spikes."""
+
+    every: int
+    spike_factor: float
+    grad_norms: list[float] = field(default_factory=list)  # the last SPIKE_WINDOW iterations'
+
+    def reason(self, iteration: int, metrics: dict) -> str | None:
+        """Why ``iteration`` is recorded ("non-finite", "spike", "every"), or None."""
+        losses = [v for k, v in metrics.items() if k.endswith("loss") and isinstance(v, float)]
+        norm = metrics.get("policy/grad_norm")
+        window = self.grad_norms[-SPIKE_WINDOW:]  # the iterations before this one
+        finite = all(math.isfinite(v) for v in losses) and (norm is None or math.isfinite(norm))
+        if norm is not None and math.isfinite(norm):
+            self.grad_norms = [*window, float(norm)][-SPIKE_WINDOW:]
+        if not finite:
+            return "non-finite"
+        if norm is not None and self.spike_factor > 0 and len(window) >= 2:
+            if norm > self.spike_factor * statistics.median(window):
+                return "spike"
+        if self.every and iteration % self.every == 0:
+            return "every"
+        return None
+
+
+class RunRecords:
+    """The runner's side of recording: after each update, whether the learner writes the
+    iteration's record (``RecordPolicy``), and the records kept (``runner.keep_rollouts``: the
+    newest of those recorded every Nth iteration; non-finite and spiking ones always stay)."""
+
+    def __init__(self, runner_cfg, run_dir: Path, learner):
+        self.policy = RecordPolicy(runner_cfg.record_rollouts, runner_cfg.spike_factor)
+        self.keep = runner_cfg.keep_rollouts
+        self.run_dir = Path(run_dir)
+        self.learner = learner
+
+    def after_update(self, iteration: int, metrics: dict) -> str | None:
+        """The learner writes or drops the record of ``iteration``; why it was written."""
+        reason = self.policy.reason(iteration, metrics)
+        self.learner.keep_record(self.run_dir, iteration, reason, metrics)
+        if reason is not None:
+            prune_records(self.run_dir, self.keep)
+        return reason
+
+
+def prune_records(run_dir: Path, keep: int) -> list[int]:
+    """Remove all but the newest ``keep`` records written every Nth iteration (the others stay);
+    the iterations removed."""
+    every = []
+    for path in sorted((Path(run_dir) / RECORDS).glob("iter_[0-9]*")):
+        meta = path / "record.json"
+        if path.suffix != ".tmp" and meta.exists():
+            if json.loads(meta.read_text()).get("reason") == "every":
+                every.append(path)
+    removed = every[: max(0, len(every) - keep)]
+    for path in removed:
+        shutil.rmtree(path)
+    return [int(path.name.split("_")[1]) for path in removed]

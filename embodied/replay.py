@@ -1,0 +1,63 @@
+"""``embodied replay RUN --iteration N``: run a recorded iteration's update again, offline, from
+the learner's state before it and the rounds it was given (embodied/recording.py), and compare
+it with the run: the update's metrics as logged, and the weights after it (a digest). On the
+machine and backend that recorded it they match bit for bit; ``--rtol`` allows a relative
+difference in the metrics elsewhere (the weights' digest must then be left out: ``--no-weights``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from embodied.recording import Record, read_record, weights_digest
+
+
+def replay(run_dir: Path, iteration: int, device: str = "cpu") -> tuple[Record, dict, str]:
+    """The recorded update of ``iteration`` run again: (the record, the update's metrics, the
+    digest of the weights after it)."""
+    from embodied.config import compose
+    from embodied.roles import Learner
+    from embodied.schema import EnvSpec
+    from embodied.train_config import TrainConfig
+
+    record = read_record(run_dir, iteration, device)
+    cfg = compose(TrainConfig, [("the record", record.meta["config"])])
+    cfg.cluster.enabled = False  # (the update in this process, as one actor worker ran it)
+    spec = EnvSpec.from_dict(record.meta["spec"])
+    task_of_env = torch.tensor(record.meta["task_of_env"], dtype=torch.long)
+    learner = Learner(cfg, spec, task_of_env, torch.device(device))
+    try:
+        learner.engine.load_state_dict({"model": record.model, "optimizer": record.optimizer})
+        learner.engine.set_lr(record.meta["lr"])
+        learner.stream.load(record.stream)
+        for batch in record.rounds:
+            learner.add_round(batch)
+        metrics = learner.update()
+        digest = weights_digest(learner.engine.torch_policy)
+    finally:
+        learner.close()
+    return record, {k: float(v) for k, v in metrics.items()}, digest
+
+
+def differences(
+    logged: dict, replayed: dict, rtol: float = 0.0, weights: tuple[str, str] | None = None
+) -> list[str]:
+    """What differs between the logged and the replayed update, one phrase each (empty: they
+    match): a metric beyond ``rtol`` (relative), one missing on either side, the weights."""
+    out = []
+    for key in sorted(set(logged) | set(replayed)):
+        if key not in replayed or key not in logged:
+            out.append(f"{key} only {'logged' if key in logged else 'replayed'}")
+            continue
+        a, b = logged[key], replayed[key]
+        same = (math.isnan(a) and math.isnan(b)) or a == b
+        if not same and not (rtol and math.isclose(a, b, rel_tol=rtol)):
+            out.append(f"{key} logged {a!r}, replayed {b!r}")
+    if weights is not None and weights[0] != weights[1]:
+        out.append(
+            f"weights after the update differ (digest {weights[0][:12]} vs {weights[1][:12]})"
+        )
+    return out

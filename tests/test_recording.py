@@ -1,0 +1,198 @@
+"""Rollout records and the replay of an update (embodied/recording.py, embodied/replay.py): which
+iterations are written, the records kept, a round's tensors back as they were, and a recorded
+PPO and GRPO update run again offline bit for bit; a damaged record is one line naming its
+file."""
+
+import json
+import math
+
+import pytest
+import torch
+from scripted_envs import GRPO, PPO, TINY_VLA, PushRightEnv, run_on
+
+from embodied.cli import main
+from embodied.recording import (
+    RecordPolicy,
+    batch_from,
+    batch_tensors,
+    prune_records,
+    read_record,
+    record_dir,
+)
+from embodied.replay import differences, replay
+
+MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
+
+
+def test_every_nth_iteration_and_any_non_finite_or_spiking_update_is_recorded():
+    policy = RecordPolicy(every=3, spike_factor=10.0)
+    norms = [1.0, 2.0, 1.5, 30.0, 2.0, 1.0]
+    reasons = [policy.reason(i + 1, {"policy/grad_norm": n}) for i, n in enumerate(norms)]
+    # iteration 4: 30 > 10 x median(1, 2, 1.5) = 15; 3 and 6 are every third
+    assert reasons == [None, None, "every", "spike", None, "every"]
+    assert policy.grad_norms == norms  # (the spike enters the window too)
+    assert policy.reason(7, {"policy/loss": math.nan, "policy/grad_norm": 1.0}) == "non-finite"
+    assert policy.reason(8, {"policy/loss": 0.5, "policy/grad_norm": math.inf}) == "non-finite"
+    assert policy.grad_norms[-1] == 1.0  # a non-finite norm is not in the window
+    # the window is the last 20 iterations; fewer than two: no spike yet
+    fresh = RecordPolicy(every=0, spike_factor=10.0)
+    assert fresh.reason(1, {"policy/grad_norm": 1e6}) is None
+    for i in range(25):
+        fresh.reason(i + 2, {"policy/grad_norm": 100.0 if i < 5 else 1.0})
+    assert len(fresh.grad_norms) == 20 and fresh.reason(30, {"policy/grad_norm": 11.0}) == "spike"
+
+
+def test_only_the_newest_records_of_every_nth_iteration_are_pruned(tmp_path):
+    for iteration, reason in [
+        (2, "every"),
+        (3, "spike"),
+        (4, "every"),
+        (6, "every"),
+        (7, "non-finite"),
+    ]:
+        path = record_dir(tmp_path, iteration)
+        path.mkdir(parents=True)
+        (path / "record.json").write_text(json.dumps({"reason": reason}))
+    assert prune_records(tmp_path, keep=1) == [2, 4]
+    kept = sorted(p.name for p in (tmp_path / "rollouts").iterdir())
+    assert kept == ["iter_000003", "iter_000006", "iter_000007"]
+
+
+def test_a_round_comes_back_as_it_was_collected():
+    from embodied.env_group import EnvGroup
+    from embodied.inference import InferencePolicy
+    from embodied.models import ActorCriticConfig, build_policy
+    from embodied.ppo import PPO as PPOAlgorithm
+    from embodied.ppo import PPOConfig
+    from embodied.rollout import EpisodeStats, collect
+
+    torch.manual_seed(0)
+    envs = EnvGroup(PushRightEnv(4))
+    policy = build_policy(envs.spec, ActorCriticConfig(hidden_sizes=[8], use_images=False))
+    algorithm = PPOAlgorithm(PPOConfig(**PPO), seed=0, num_envs=4)
+    plan = algorithm.plan(1, 0, episode_base=0)
+    stats = EpisodeStats(4, envs.task_names, torch.device("cpu"))
+    batch, _ = collect(envs, InferencePolicy(policy), envs.reset(seed=plan.seeds), plan, stats)
+    tensors = batch_tensors(batch, "r0/")
+    assert "r0/advantages" not in tensors and "r0/obs/images/cam" in tensors
+    assert tensors["r0/actions"].shape == batch.actions.shape
+    back = batch_from(tensors, "r0/", batch.instructions)
+    for name, tensor in batch_tensors(back, "r0/").items():
+        assert torch.equal(tensor, tensors[name]), name
+    assert back.instructions == batch.instructions
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_a_recorded_update_replays_bit_for_bit(tmp_path, algorithm, capsys):
+    """Every iteration recorded: each replayed update gives the logged metrics and the weights
+    after it exactly; ``embodied replay`` says so, and exits 1 with one line when the record's
+    logged numbers are not what the update gives."""
+    kw = {
+        "ppo": dict(policy=MLP, algorithm=PPO, total_env_steps=3 * 6 * 8),
+        "grpo": dict(policy=TINY_VLA, algorithm=GRPO, total_env_steps=3 * 3 * 8 * 2),
+    }
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    run_on(PushRightEnv(8), run_dir, record_rollouts=1, **kw[algorithm])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["iteration"]: r["policy/loss"] for r in rows if "policy/loss" in r}
+    recorded = sorted(int(p.name.split("_")[1]) for p in (run_dir / "rollouts").iterdir())
+    # (a GRPO iteration without an informative group has no update, and is recorded too)
+    assert len(losses) >= 2 and set(losses) <= set(recorded) == set(range(1, max(recorded) + 1))
+    for iteration in recorded:
+        record, metrics, digest = replay(run_dir, iteration)
+        assert record.meta["reason"] == "every"
+        assert metrics.get("policy/loss") == losses.get(iteration)
+        logged = record.meta["metrics"]
+        assert differences(logged, metrics, weights=(record.meta["digest_after"], digest)) == []
+    capsys.readouterr()
+    assert main(["replay", str(run_dir), "--iteration", "2"]) == 0
+    assert "bit for bit" in capsys.readouterr().out
+    meta = record_dir(run_dir, 2) / "record.json"
+    changed = json.loads(meta.read_text())
+    changed["metrics"]["policy/loss"] += 1.0
+    meta.write_text(json.dumps(changed))
+    assert main(["replay", str(run_dir), "--iteration", "2"]) == 1
+    out = capsys.readouterr()
+    assert len(out.err.strip().splitlines()) == 1 and "policy/loss logged" in out.err
+
+
+def test_a_damaged_or_missing_record_is_one_line_naming_the_file(tmp_path, capsys):
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    policy = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
+    run_on(
+        PushRightEnv(8),
+        run_dir,
+        total_env_steps=8 * 3,
+        record_rollouts=1,
+        policy=policy,
+        algorithm=PPO,
+    )
+    rounds = record_dir(run_dir, 1) / "rounds.safetensors.zst"
+    rounds.write_bytes(rounds.read_bytes()[:100])  # truncated
+    assert main(["replay", str(run_dir), "--iteration", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(rounds) in err and "damaged" in err
+    (record_dir(run_dir, 1) / "optimizer.pt").unlink()
+    rounds.unlink()
+    with pytest.raises(Exception, match="rounds.safetensors.zst: missing"):
+        read_record(run_dir, 1)
+    assert main(["replay", str(run_dir), "--iteration", "5"]) == 2
+    assert "no record of iteration 5" in capsys.readouterr().err
+
+
+def test_a_run_trains_from_recordings_alone_and_its_first_update_is_the_recorded_one(
+    tmp_path, monkeypatch, capsys
+):
+    """``runner.replay_from``: no simulator is made; each record is one update, in order; the
+    first equals the recorded run's first update bit for bit, the later ones are off-policy
+    (said once) and still finite; the weights end as a checkpoint."""
+    from embodied import runner as runner_module
+    from embodied.checkpoint import load_checkpoint
+    from embodied.config import compose
+    from embodied.train_config import TrainConfig
+
+    torch.manual_seed(0)
+    recorded = tmp_path / "recorded"
+    run_on(
+        PushRightEnv(8),
+        recorded,
+        total_env_steps=3 * 6 * 8,
+        record_rollouts=1,
+        policy=MLP,
+        algorithm=PPO,
+    )
+    logged = [json.loads(line) for line in (recorded / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in logged if "policy/loss" in r]
+
+    def no_simulator(*args, **kw):
+        raise AssertionError("a simulator was made")
+
+    monkeypatch.setattr(runner_module, "make_env", no_simulator)
+    source = {
+        "seed": 0,
+        "policy": MLP,
+        "algorithm": PPO,
+        "runner": {
+            "name": "from_records",
+            "output_dir": str(tmp_path),
+            "replay_from": str(recorded / "rollouts"),
+            "progress": False,
+        },
+    }
+    capsys.readouterr()
+    summary = runner_module.train(compose(TrainConfig, [("test", source)]))
+    out = capsys.readouterr().out
+    assert "equals the recorded one" in out and "off-policy" in out
+    assert summary["updates"] == 3 and summary["first_update_matches"] is True
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "from_records" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["replayed"] for r in rows] == [1, 2, 3]
+    assert rows[0]["policy/loss"] == logged[0]["policy/loss"]
+    assert rows[0]["policy/grad_norm"] == logged[0]["policy/grad_norm"]
+    assert all(math.isfinite(r["policy/loss"]) for r in rows)
+    assert rows[0]["env_steps"] == 6 * 8 and rows[-1]["env_steps"] == 3 * 6 * 8
+    assert load_checkpoint(tmp_path / "from_records")["counters"]["iteration"] == 3
