@@ -4,10 +4,12 @@ learner in their order, without simulators, for algorithm work and debugging
 
 The learner starts from the first record's state before its update (the recorded run's initial
 weights where that is iteration 1), or from ``runner.init_from`` where given. Its first update
-then equals the recorded one bit for bit (checked, and said). From the second update on the
-rounds are off-policy: they were collected by the recorded run's weights, not these, and the
-update's ratios use their stored behaviour log-probabilities. Each update is a metrics row; the
-weights are saved as a checkpoint at the end. No evaluation: nothing simulates.
+then equals the recorded one bit for bit (checked, and said). Each update runs at its record's
+learning rate. An update whose weights before it are the recorded run's (its digest equals the
+record's) is on-policy: records of consecutive iterations, replayed from the first, reproduce
+the recorded run. Any other is off-policy (rounds collected by other weights; the ratios use
+their stored behaviour log-probabilities), and the run says how many were. Each update is a
+metrics row; the weights are saved as a checkpoint at the end. No evaluation: nothing simulates.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from embodied.checkpoint import save_checkpoint
 from embodied.logger import RunLogger
-from embodied.recording import RECORDS, RecordError, read_record
+from embodied.recording import RECORDS, RecordError, read_record, state_digest
 from embodied.replay import differences
 from embodied.roles import Learner
 from embodied.run import enter_run_dir, run_dir_for
@@ -66,9 +68,13 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
     state = RunState()
     logger = RunLogger(run_dir)
     same = None  # whether the first update equals the recorded one
+    off_policy = []  # the records replayed from weights other than the recorded run's
     try:
         for index, iteration in enumerate(iterations):
             record = read_record(recorded, iteration, learner.device)
+            if state_digest(learner.engine.torch_policy.state_dict()) != state_digest(record.model):
+                off_policy.append(iteration)
+            learner.engine.set_lr(record.meta["lr"])
             for batch in record.rounds:
                 learner.add_round(batch)
                 state.env_steps += batch.valid.numel()  # (B x K per chunk, as collected)
@@ -77,15 +83,19 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
             if index == 0 and not cfg.runner.init_from:
                 same = differences(record.meta["metrics"], metrics)
                 print(_first_update_note(iteration, same))
-            if index == 1:
-                print(
-                    "from the second update on the recorded rounds are off-policy (collected by "
-                    "the recorded run's weights); the ratios use their stored behaviour "
-                    "log-probabilities"
-                )
             logger.log(metrics, state.env_steps, iteration=state.iteration, replayed=iteration)
     finally:
         logger.close()
+    print(
+        f"{len(iterations) - len(off_policy)} of {len(iterations)} updates started from the "
+        "recorded run's own weights (on-policy); "
+        + (
+            f"off-policy: records {off_policy} (their ratios use the stored behaviour "
+            "log-probabilities)"
+            if off_policy
+            else "the run reproduces the recorded one"
+        )
+    )
     counters = state.counters()
     save_checkpoint(
         run_dir,
@@ -100,6 +110,7 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
         "updates": state.iteration,
         "replayed": iterations,
         "first_update_matches": None if same is None else not same,
+        "off_policy": off_policy,
     }
 
 

@@ -91,9 +91,15 @@ def batch_from(
 
 
 def weights_digest(policy: torch.nn.Module) -> str:
-    """sha256 over the policy's state (names, dtypes, shapes, bytes), in state-dict order."""
+    """``state_digest`` of the policy's state."""
+    return state_digest(policy.state_dict())
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over a state dict (names, dtypes, shapes, bytes), by name (a safetensors file
+    gives its entries sorted)."""
     digest = hashlib.sha256()
-    for key, tensor in policy.state_dict().items():
+    for key, tensor in sorted(state.items()):
         host = tensor.detach().to("cpu").contiguous()
         digest.update(f"{key}:{host.dtype}:{tuple(host.shape)}".encode())
         digest.update(host.reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from embodied import numerics
 from embodied.recording import Record, read_record, weights_digest
 
 
@@ -26,6 +27,7 @@ def replay(run_dir: Path, iteration: int, device: str = "cpu") -> tuple[Record, 
     record = read_record(run_dir, iteration, device)
     cfg = compose(TrainConfig, [("the record", record.meta["config"])])
     cfg.cluster.enabled = False  # (the update in this process, as one actor worker ran it)
+    numerics.setup(cfg.runner.torch_threads)  # (the run's threads: another count sums apart)
     spec = EnvSpec.from_dict(record.meta["spec"])
     task_of_env = torch.tensor(record.meta["task_of_env"], dtype=torch.long)
     learner = Learner(cfg, spec, task_of_env, torch.device(device))

@@ -396,6 +396,7 @@ def run_on(
     env_cfg: dict | None = None,
     video: bool = False,
     record_rollouts: int = 0,
+    keep_rollouts: int = 5,
 ) -> dict:
     """The runner over ``env`` with a config written here (16 evaluation episodes, a video if
     ``video``); returns its summary. The metrics are in ``run_dir/metrics.jsonl``. With ``cluster``
@@ -422,6 +423,7 @@ def run_on(
         "trace": trace,
         "max_minutes": max_minutes,
         "record_rollouts": record_rollouts,
+        "keep_rollouts": keep_rollouts,
     }
     source = {"seed": 0, "policy": policy, "algorithm": algorithm, "runner": runner}
     if trainer is not None:

@@ -141,6 +141,7 @@ ALLOWED = {
     },
     "embodied.replay": {
         "embodied.config",
+        "embodied.numerics",
         "embodied.recording",
         "embodied.roles",
         "embodied.schema",

@@ -5,6 +5,7 @@ file."""
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -22,6 +23,16 @@ from embodied.recording import (
 from embodied.replay import differences, replay
 
 MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """torch on one thread, as a run and its replay set it (runner.torch_threads): the runs
+    recorded here sum as those replaying them do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_every_nth_iteration_and_any_non_finite_or_spiking_update_is_recorded():
@@ -142,57 +153,59 @@ def test_a_damaged_or_missing_record_is_one_line_naming_the_file(tmp_path, capsy
     assert "no record of iteration 5" in capsys.readouterr().err
 
 
-def test_a_run_trains_from_recordings_alone_and_its_first_update_is_the_recorded_one(
-    tmp_path, monkeypatch, capsys
-):
-    """``runner.replay_from``: no simulator is made; each record is one update, in order; the
-    first equals the recorded run's first update bit for bit, the later ones are off-policy
-    (said once) and still finite; the weights end as a checkpoint."""
+def test_a_run_trains_the_tiny_task_from_recordings_alone(tmp_path, monkeypatch, capsys):
+    """``runner.replay_from``: no simulator is made; each record is one update, in order, at its
+    learning rate. From the records of every iteration of a PPO run that learns the task, the
+    updates reproduce the run (each starts from the recorded weights: on-policy) and the
+    weights that come out solve the task; without a record in the middle, the updates after
+    the gap are off-policy, and said to be."""
     from embodied import runner as runner_module
     from embodied.checkpoint import load_checkpoint
     from embodied.config import compose
+    from embodied.demos import load_policy
+    from embodied.evaluate import evaluate
+    from embodied.recording import state_digest
     from embodied.train_config import TrainConfig
 
     torch.manual_seed(0)
     recorded = tmp_path / "recorded"
-    run_on(
-        PushRightEnv(8),
-        recorded,
-        total_env_steps=3 * 6 * 8,
-        record_rollouts=1,
-        policy=MLP,
-        algorithm=PPO,
-    )
-    logged = [json.loads(line) for line in (recorded / "metrics.jsonl").read_text().splitlines()]
-    logged = [r for r in logged if "policy/loss" in r]
-
-    def no_simulator(*args, **kw):
-        raise AssertionError("a simulator was made")
-
+    policy = {**TINY_VLA, "value_head": True}
+    iterations = 15
+    kw = dict(total_env_steps=8 * 6 * iterations, policy=policy, algorithm=PPO)
+    run_on(PushRightEnv(8), recorded, record_rollouts=1, keep_rollouts=iterations, **kw)
     monkeypatch.setattr(runner_module, "make_env", no_simulator)
-    source = {
-        "seed": 0,
-        "policy": MLP,
-        "algorithm": PPO,
-        "runner": {
-            "name": "from_records",
-            "output_dir": str(tmp_path),
-            "replay_from": str(recorded / "rollouts"),
-            "progress": False,
-        },
-    }
+
+    def from_records(name: str) -> dict:
+        runner = {"name": name, "output_dir": str(tmp_path), "progress": False}
+        runner["replay_from"] = str(recorded / "rollouts")
+        runner["keep_checkpoints"] = 1
+        source = {"seed": 0, "policy": policy, "algorithm": PPO, "runner": runner}
+        return runner_module.train(compose(TrainConfig, [("test", source)]))
+
     capsys.readouterr()
-    summary = runner_module.train(compose(TrainConfig, [("test", source)]))
+    summary = from_records("whole")
     out = capsys.readouterr().out
-    assert "equals the recorded one" in out and "off-policy" in out
-    assert summary["updates"] == 3 and summary["first_update_matches"] is True
-    rows = [
-        json.loads(line)
-        for line in (tmp_path / "from_records" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert [r["replayed"] for r in rows] == [1, 2, 3]
-    assert rows[0]["policy/loss"] == logged[0]["policy/loss"]
-    assert rows[0]["policy/grad_norm"] == logged[0]["policy/grad_norm"]
-    assert all(math.isfinite(r["policy/loss"]) for r in rows)
-    assert rows[0]["env_steps"] == 6 * 8 and rows[-1]["env_steps"] == 3 * 6 * 8
-    assert load_checkpoint(tmp_path / "from_records")["counters"]["iteration"] == 3
+    assert "equals the recorded one" in out and "reproduces the recorded one" in out
+    assert summary["updates"] == iterations and summary["off_policy"] == []
+    assert summary["first_update_matches"] is True
+    rows = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").open()]
+    assert [r["replayed"] for r in rows] == list(range(1, iterations + 1))
+    assert rows[-1]["env_steps"] == 8 * 6 * iterations
+    checkpoint = load_checkpoint(tmp_path / "whole")
+    last = record_dir(recorded, iterations) / "record.json"
+    assert state_digest(checkpoint["model"]) == json.loads(last.read_text())["digest_after"]
+    # the weights trained from the records alone solve the task (deterministic actions)
+    trained, _ = load_policy(tmp_path / "whole")
+    success = evaluate(PushRightEnv(8), trained, episodes=16, seed=0)["eval/success_rate"]
+    trained.load_state_dict(read_record(recorded, 1).model)  # (where they started)
+    before = evaluate(PushRightEnv(8), trained, episodes=16, seed=0)["eval/success_rate"]
+    assert before < 0.5 and success == 1.0, (before, success)
+    # a gap: the updates after it start from weights the recorded run never had
+    shutil.rmtree(recorded / "rollouts" / "iter_000005")
+    summary = from_records("gap")
+    assert summary["off_policy"] == list(range(6, iterations + 1))
+    assert "off-policy: records [6, 7" in capsys.readouterr().out
+
+
+def no_simulator(*args, **kw):
+    raise AssertionError("a simulator was made")
