@@ -1,5 +1,5 @@
 """``embodied`` command line: train, eval, demos, sft, bench, serve, deploy, cluster, convert,
-replay.
+replay, episodes.
 
 A user error (a bad config key, path, task, checkpoint or option) is one line on stderr,
 ``embodied: error: <what, naming the culprit>``, and exit code 2: ``ConfigError``,
@@ -326,6 +326,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--rtol", type=float, default=0.0, help="relative tolerance for metrics (default 0)"
     )
     r.set_defaults(func=cmd_replay)
+    ep = sub.add_parser(
+        "episodes",
+        help="write a recorded iteration's episodes as mp4 and plots",
+        description="Find the episodes of RUN/rollouts/iter_N (runner.record_rollouts) and write "
+        "the chosen ones as an mp4 of the policy's camera and a PNG of actions, rewards and "
+        "success per step, under --out (default RUN/episodes).",
+    )
+    ep.add_argument("run", help="a run directory with RUN/rollouts")
+    ep.add_argument("--iteration", type=int, required=True, help="the recorded iteration")
+    ep.add_argument("--best", type=int, default=0, help="the N episodes of highest return")
+    ep.add_argument("--worst", type=int, default=0, help="the N episodes of lowest return")
+    ep.add_argument("--task", help="episodes of this task only")
+    outcome = ep.add_mutually_exclusive_group()
+    outcome.add_argument("--successful", action="store_true", help="successful episodes only")
+    outcome.add_argument("--failed", action="store_true", help="failed episodes only")
+    ep.add_argument("--partial", action="store_true", help="also episodes begun before the record")
+    ep.add_argument("--out", help="where the files go (default RUN/episodes)")
+    ep.add_argument(
+        "--to-dataset",
+        metavar="DIR",
+        help="write the chosen episodes as a LeRobot v3 dataset there instead (for embodied sft)",
+    )
+    ep.set_defaults(func=cmd_episodes)
     v = sub.add_parser(
         "convert",
         help="convert weights: checkpoint, megatron shards, Hugging Face directory",
@@ -370,6 +393,53 @@ def cmd_replay(args) -> int:
         return 1
     how = f"within rtol {args.rtol:g}" if args.rtol else "bit for bit"
     print(f"iteration {args.iteration} replayed {how}: {len(metrics)} metrics and the weights")
+    return 0
+
+
+def cmd_episodes(args) -> int:
+    from embodied.episodes import (
+        choose,
+        episodes_of,
+        summary_line,
+        write_dataset,
+        write_episode,
+    )
+    from embodied.recording import RecordError, read_record
+    from embodied.schema import EnvSpec
+
+    try:
+        record = read_record(Path(args.run), args.iteration)
+    except RecordError as e:
+        return _error(str(e))
+    outcome = "successful" if args.successful else "failed" if args.failed else None
+    found = episodes_of(record)
+    chosen = choose(
+        found,
+        best=args.best,
+        worst=args.worst,
+        task=args.task,
+        outcome=outcome,
+        partial=args.partial,
+    )
+    spec = EnvSpec.from_dict(record.meta["spec"])
+    fps = spec.action.control_hz / record.rounds[0].actions.shape[2]  # (a frame per chunk)
+    if args.to_dataset:
+        env = record.meta["config"]["env"]
+        source = {"simulator": env.get("simulator"), "task": env.get("task")}
+        source.update(run=str(args.run), iteration=args.iteration, episodes="rl")
+        try:
+            root = write_dataset(record, chosen, Path(args.to_dataset), source)
+        except FileExistsError as e:
+            return _error(str(e))
+        print(f"wrote {len(chosen)} episodes to {root}")
+        return 0
+    out = Path(args.out) if args.out else Path(args.run) / "episodes"
+    print(
+        f"iteration {args.iteration}: {len(found)} episodes end in the record, {len(chosen)} chosen"
+    )
+    for episode in chosen:
+        video, plot = write_episode(record, episode, out, fps=fps)
+        print(f"{summary_line(episode)}: {video or 'no camera'}, {plot}")
     return 0
 
 

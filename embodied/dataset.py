@@ -60,11 +60,18 @@ def _hf_features(features: dict):
     for key, ft in features.items():
         if ft["dtype"] == "image":
             out[key] = datasets.Image()
-        elif key in SCALARS:
+        elif key in SCALARS or list(ft["shape"]) == [1]:  # (LeRobot: a 1-vector is a value)
             out[key] = datasets.Value(ft["dtype"])
         else:
             out[key] = datasets.Sequence(datasets.Value(ft["dtype"]), length=ft["shape"][0])
     return datasets.Features(out)
+
+
+def _column(values: np.ndarray, T: int) -> list:
+    """A per-frame f32 vector feature [T, D] as parquet holds it: lists, or values where D is 1
+    (LeRobot reads a feature of shape [1] as a value)."""
+    values = values.astype(np.float32).reshape(T, -1)
+    return (values[:, 0] if values.shape[1] == 1 else values).tolist()
 
 
 def _stats(x: np.ndarray) -> dict:
@@ -192,8 +199,8 @@ class LeRobotWriter:
         frames = {image_key(c): [images[c][t] for t in range(T)] for c in self.cameras}
         frames.update(
             {
-                "observation.state": state.astype(np.float32).tolist(),
-                "action": actions.astype(np.float32).tolist(),
+                "observation.state": _column(state, T),
+                "action": _column(actions, T),
                 "next.reward": rewards.astype(np.float32).tolist(),
                 "next.success": success.astype(bool).tolist(),
                 "timestamp": (np.arange(T) / self.fps).astype(np.float32).tolist(),
@@ -204,10 +211,7 @@ class LeRobotWriter:
             }
         )
         frames.update(
-            {
-                privileged_key(k): v.reshape(T, -1).astype(np.float32).tolist()
-                for k, v in privileged.items()
-            }
+            {privileged_key(k): _column(v.reshape(T, -1), T) for k, v in privileged.items()}
         )
         stats = {"observation.state": _stats(state), "action": _stats(actions)}
         stats.update({image_key(c): _image_stats(images[c]) for c in self.cameras})
@@ -369,16 +373,17 @@ class DemoDataset:
         starts = torch.cat([torch.zeros(1, dtype=torch.long), change])
         ends = torch.cat([change, torch.tensor([len(episode)])])
         prefix = privileged_key("")
+        N = len(episode)
         privileged = {
-            k.removeprefix(prefix): torch.tensor(v, dtype=torch.float32)
+            k.removeprefix(prefix): torch.tensor(v, dtype=torch.float32).view(N, -1)
             for k, v in cols.items()
             if k.startswith(prefix)
         }
         return DemoDataset(
             images=images,
             privileged=privileged,
-            state=torch.tensor(cols["observation.state"], dtype=torch.float32),
-            actions=torch.tensor(cols["action"], dtype=torch.float32),
+            state=torch.tensor(cols["observation.state"], dtype=torch.float32).view(N, -1),
+            actions=torch.tensor(cols["action"], dtype=torch.float32).view(N, -1),
             episode=episode,
             frame=torch.tensor(cols["frame_index"], dtype=torch.long),
             task=torch.tensor(cols["task_index"], dtype=torch.long),

@@ -128,6 +128,12 @@ ALLOWED = {
     },
     "embodied.run_state": {"embodied.rollout", "embodied.run"},
     "embodied.recording": {"embodied.rollout", "embodied.schema"},
+    "embodied.episodes": {
+        "embodied.dataset",
+        "embodied.recording",
+        "embodied.schema",
+        "embodied.video",
+    },
     "embodied.from_records": {
         "embodied.checkpoint",
         "embodied.logger",

@@ -209,3 +209,122 @@ def test_a_run_trains_the_tiny_task_from_recordings_alone(tmp_path, monkeypatch,
 
 def no_simulator(*args, **kw):
     raise AssertionError("a simulator was made")
+
+
+def hand_built_record():
+    """One PPO round, T=4 chunks by B=2 rows, K=1, a 2x2 camera: row 0 holds episode 5 (chunks
+    0-1, begun before the round: the first chunk), then episode 6 (chunks 2-3, whole); row 1
+    episode 7, which goes on after the round."""
+    from embodied.recording import Record
+    from embodied.rollout import RolloutBatch
+    from embodied.schema import Observation
+
+    T, B = 4, 2
+    done = torch.zeros(T, B, 1, dtype=torch.bool)
+    done[1, 0] = done[3, 0] = True
+    success = torch.zeros(T, B, 1, dtype=torch.bool)
+    success[3, 0] = True
+    images = torch.arange(T * B * 2 * 2 * 3, dtype=torch.uint8).view(T, B, 2, 2, 3)
+    batch = RolloutBatch(
+        obs=Observation(state=torch.zeros(T, B, 1), instruction=[], images={"cam": images}),
+        instructions=("push right",),
+        actions=torch.arange(T * B, dtype=torch.float32).view(T, B, 1, 1),
+        extras={},
+        logprob_token=torch.zeros(T, B, 1, 1),
+        values=torch.zeros(T, B),
+        next_values=torch.zeros(T, B),
+        rewards=torch.tensor([[0.5, 0.1], [1.0, 0.1], [0.25, 0.1], [2.0, 0.1]]).view(T, B, 1),
+        terminated=done,
+        truncated=torch.zeros(T, B, 1, dtype=torch.bool),
+        success=success,
+        valid=torch.ones(T, B, 1, dtype=torch.bool),
+        episode_id=torch.tensor([[5, 7], [5, 7], [6, 7], [6, 7]]),
+        group_id=torch.full((T, B), -1),
+        task_id=torch.zeros(T, B, dtype=torch.long),
+        policy_version=torch.zeros(T, B, dtype=torch.long),
+    )
+    meta = {"iteration": 3, "config": {"env": {}}, "spec": PushRightEnv(1).spec.to_dict()}
+    return Record(None, meta, [batch], {}, {}, {})
+
+
+def test_the_episodes_of_a_record_are_found_chosen_and_written(tmp_path):
+    from PIL import Image
+
+    from embodied.episodes import choose, episodes_of, write_episode
+
+    record = hand_built_record()
+    found = episodes_of(record)
+    assert [(e.row, e.episode_id, e.chunks, e.whole) for e in found] == [
+        (0, 5, [0, 1], False),  # (begun before the round: partial)
+        (0, 6, [2, 3], True),
+    ]
+    assert [(e.ret, e.success, e.success_at_end, e.length) for e in found] == [
+        (1.5, False, False, 2),
+        (2.25, True, True, 2),
+    ]
+    assert found[0].task == "all"
+    assert choose(found) == [found[1]]  # whole ones only
+    assert choose(found, partial=True, best=1) == [found[1]]
+    assert choose(found, partial=True, worst=1) == [found[0]]
+    assert choose(found, partial=True, outcome="failed") == [found[0]]
+    assert choose(found, partial=True, task="other") == []
+    traces = found[1].traces(record)
+    assert traces["actions"].tolist() == [[4.0], [6.0]] and traces["reward"].tolist() == [0.25, 2.0]
+    assert found[1].frames(record, "cam").shape == (2, 2, 2, 3)
+    video, plot = write_episode(record, found[1], tmp_path, fps=10)
+    assert video.stat().st_size > 0 and Image.open(plot).size[0] > 100
+    assert video.name == "iter000003_round0_row0_ep6_all.mp4"
+
+
+def test_embodied_episodes_writes_the_best_and_worst_of_a_recorded_grpo_iteration(tmp_path, capsys):
+    """GRPO rounds start with a reset: every episode of the record is whole."""
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    run_on(
+        PushRightEnv(8),
+        run_dir,
+        total_env_steps=3 * 8,
+        record_rollouts=1,
+        policy=TINY_VLA,
+        algorithm=GRPO,
+    )
+    capsys.readouterr()
+    argv = ["episodes", str(run_dir), "--iteration", "1", "--best", "2", "--worst", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "iteration 1: 8 episodes end in the record, 3 chosen"
+    videos = sorted((run_dir / "episodes").glob("*.mp4"))
+    assert len(videos) == 3 and len(list((run_dir / "episodes").glob("*.png"))) == 3
+    returns = [float(line.split("return ")[1].split(",")[0]) for line in out[1:]]
+    assert returns[0] >= returns[1] >= returns[2]
+
+
+def test_episodes_of_a_record_become_a_dataset_lerobot_reads(tmp_path, capsys):
+    """``--to-dataset``: the chosen episodes, step by step, in LeRobot's own loader; a record of
+    a policy acting in chunks is one line."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    from embodied.episodes import choose, episodes_of
+
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    kw = dict(total_env_steps=3 * 8, record_rollouts=1, policy=TINY_VLA, algorithm=GRPO)
+    run_on(PushRightEnv(8), run_dir, **kw)
+    argv = ["episodes", str(run_dir), "--iteration", "1", "--best", "3"]
+    assert main([*argv, "--to-dataset", str(tmp_path / "ds")]) == 0
+    assert "wrote 3 episodes" in capsys.readouterr().out
+    record = read_record(run_dir, 1)
+    chosen = choose(episodes_of(record), best=3)
+    ds = LeRobotDataset("local/rl", root=tmp_path / "ds")
+    assert ds.num_episodes == 3 and ds.num_frames == sum(e.length for e in chosen)
+    batch = record.rounds[0]
+    first = chosen[0]
+    frame = ds[0]  # the best episode's first step
+    assert frame["task"] == "push right"
+    torch.testing.assert_close(frame["action"], batch.actions[first.chunks[0], first.row, 0])
+    state = batch.obs.state[first.chunks[0], first.row]  # f32 [1]: LeRobot's is a value
+    torch.testing.assert_close(frame["observation.state"], state[0])
+    image = batch.obs.images["cam"][first.chunks[0], first.row].permute(2, 0, 1).float() / 255
+    torch.testing.assert_close(frame["observation.images.cam"], image)
+    assert main([*argv, "--to-dataset", str(tmp_path / "ds")]) == 2  # (it holds one already)
+    assert "already holds a dataset" in capsys.readouterr().err

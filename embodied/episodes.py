@@ -1,0 +1,210 @@
+"""The episodes of a rollout record (``embodied episodes RUN --iteration N``): each one found in the
+recorded rounds, chosen by return, task or outcome, and written as an mp4 of the camera the
+policy saw (the recorded observations: one frame per chunk) beside a PNG of its actions, rewards
+and success over time.
+
+An episode is the chunks of one environment row that share an ``episode_id``; its steps are the
+actions that ran in it (``valid``). It is whole when it ends in the record and starts there too:
+after a chunk of another episode, or at a round's reset (GRPO's rounds start with one; a PPO
+round's first chunk may continue an episode of the iteration before, and such an episode is
+left out unless ``partial``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from embodied.recording import Record
+from embodied.schema import UserError
+from embodied.video import write_mp4
+
+
+@dataclass
+class Episode:
+    """One episode of a recorded round: where it is, what it did, how it went."""
+
+    round_index: int
+    row: int  # its environment row
+    chunks: list[int]  # the round's chunks it spans, in order
+    episode_id: int
+    task: str
+    whole: bool  # it starts and ends in the record
+    ret: float  # the sum of its rewards
+    success: bool  # success at some step (success once)
+    success_at_end: bool
+    length: int  # its steps
+
+    def frames(self, record: Record, camera: str) -> np.ndarray:
+        """uint8 [chunks, H, W, 3]: the camera at each of its chunks' start."""
+        images = record.rounds[self.round_index].obs.images[camera]
+        return images[self.chunks, self.row].cpu().numpy()
+
+    def traces(self, record: Record) -> dict[str, np.ndarray]:
+        """Per step (the actions that ran): actions f32 [steps, A], reward f32 [steps], success
+        bool [steps]."""
+        batch = record.rounds[self.round_index]
+        valid = batch.valid[self.chunks, self.row]  # bool [chunks, K]
+        return {
+            "actions": batch.actions[self.chunks, self.row][valid].cpu().numpy(),
+            "reward": batch.rewards[self.chunks, self.row][valid].cpu().numpy(),
+            "success": batch.success[self.chunks, self.row][valid].cpu().numpy(),
+        }
+
+
+def episodes_of(record: Record, task_names: list[str] | None = None) -> list[Episode]:
+    """Every episode that ends in the record's rounds, in round, row and chunk order."""
+    found = []
+    for r, batch in enumerate(record.rounds):
+        ids = batch.episode_id.cpu()  # long [T, B]
+        T, B = ids.shape
+        done = (batch.terminated | batch.truncated) & batch.valid  # bool [T, B, K]
+        for row in range(B):
+            for episode_id in ids[:, row].unique().tolist():
+                chunks = (ids[:, row] == episode_id).nonzero().squeeze(1).tolist()
+                if not bool(done[chunks, row].any()):
+                    continue  # it goes on after the round
+                first = chunks[0]
+                reset = bool(batch.group_id[first, row] >= 0)  # (a GRPO round starts with one)
+                found.append(_episode(batch, r, row, chunks, episode_id, first > 0 or reset))
+    env = record.meta["config"]["env"]
+    names = task_names or list(env.get("tasks") or ["all"])  # (the env group's names)
+    for episode in found:
+        index = int(episode.task)
+        episode.task = names[index] if index < len(names) else str(index)
+    return found
+
+
+def _episode(batch, r: int, row: int, chunks: list[int], episode_id: int, whole: bool):
+    valid = batch.valid[chunks, row]  # bool [chunks, K]
+    rewards = batch.rewards[chunks, row][valid]
+    success = batch.success[chunks, row][valid]
+    return Episode(
+        round_index=r,
+        row=row,
+        chunks=chunks,
+        episode_id=episode_id,
+        task=str(int(batch.task_id[chunks[0], row])),
+        whole=whole,
+        ret=float(rewards.sum()),
+        success=bool(success.any()),
+        success_at_end=bool(success[-1]) if len(success) else False,
+        length=int(valid.sum()),
+    )
+
+
+def choose(
+    episodes: list[Episode],
+    *,
+    best: int = 0,
+    worst: int = 0,
+    task: str | None = None,
+    outcome: str | None = None,
+    partial: bool = False,
+) -> list[Episode]:
+    """The episodes asked for: of ``task`` and ``outcome`` ("successful", "failed"), whole ones
+    unless ``partial``; then the ``best`` and ``worst`` by return (neither: all of them)."""
+    kept = [
+        e
+        for e in episodes
+        if (partial or e.whole)
+        and (task is None or e.task == task)
+        and (outcome is None or e.success == (outcome == "successful"))
+    ]
+    if not best and not worst:
+        return kept
+    ranked = sorted(kept, key=lambda e: (-e.ret, e.round_index, e.row, e.chunks[0]))
+    chosen = ranked[:best] + [e for e in ranked[::-1][:worst] if e not in ranked[:best]]
+    return chosen
+
+
+def write_episode(record: Record, episode: Episode, out: Path, fps: float) -> tuple[Path, Path]:
+    """``out/<name>.mp4`` (the first camera, one frame per chunk) and ``out/<name>.png``
+    (actions, reward and success per step); the two paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    name = (
+        f"iter{record.meta['iteration']:06d}_round{episode.round_index}_row{episode.row}_"
+        f"ep{episode.episode_id}_{episode.task}"
+    )
+    cameras = sorted(record.rounds[episode.round_index].obs.images)
+    out.mkdir(parents=True, exist_ok=True)
+    video = out / f"{name}.mp4"
+    if cameras:
+        write_mp4(video, list(episode.frames(record, cameras[0])), fps=fps)
+    traces = episode.traces(record)
+    figure, axes = plt.subplots(3, 1, figsize=(7, 6), sharex=True)
+    steps = np.arange(len(traces["reward"]))
+    for dim in range(traces["actions"].shape[-1]):
+        axes[0].plot(steps, traces["actions"][:, dim], label=f"a{dim}")
+    axes[0].set_ylabel("action")
+    axes[0].legend(loc="upper right", fontsize="small", ncol=4)
+    axes[1].plot(steps, traces["reward"])
+    axes[1].set_ylabel("reward")
+    axes[2].step(steps, traces["success"].astype(float), where="post")
+    axes[2].set_ylabel("success")
+    axes[2].set_xlabel("step")
+    outcome = "success" if episode.success else "failure"
+    figure.suptitle(f"{name}: return {episode.ret:.3f}, {episode.length} steps, {outcome}")
+    plot = out / f"{name}.png"
+    figure.savefig(plot, dpi=80)
+    plt.close(figure)
+    return (video if cameras else None), plot
+
+
+def summary_line(episode: Episode) -> str:
+    whole = "" if episode.whole else " (partial)"
+    outcome = "success" if episode.success else "failure"
+    return (
+        f"round {episode.round_index} row {episode.row} episode {episode.episode_id} "
+        f"({episode.task}): return {episode.ret:.3f}, {episode.length} steps, {outcome}{whole}"
+    )
+
+
+def write_dataset(record: Record, chosen: list[Episode], root: Path, source: dict) -> Path:
+    """The chosen episodes as a LeRobot v3 dataset at ``root`` (``embodied sft`` and LeRobot's
+    ``LeRobotDataset`` read it): per step its camera frames, state, action, reward and success,
+    the task's instruction as its task. Needs a policy that acted one step per chunk: a record
+    keeps the observations where chunks start (``DatasetError`` otherwise)."""
+    from embodied.dataset import LeRobotWriter
+    from embodied.schema import EnvSpec
+
+    spec = EnvSpec.from_dict(record.meta["spec"])
+    first = record.rounds[0]
+    if first.actions.shape[2] != 1:
+        raise DatasetError(
+            f"--to-dataset: the policy acted in chunks of {first.actions.shape[2]} steps and the "
+            "record keeps the observations where chunks start; a dataset needs one per step"
+        )
+    cameras = {c: tuple(v.shape[2:4]) for c, v in first.obs.images.items()}
+    writer = LeRobotWriter(
+        root,
+        fps=spec.action.control_hz,
+        cameras=cameras,
+        state_names=list(spec.obs.state_names),
+        action_names=list(spec.action.names),
+        source=source,
+    )
+    for episode in chosen:
+        batch = record.rounds[episode.round_index]
+        steps = [c for c in episode.chunks if bool(batch.valid[c, episode.row, 0])]
+        row = episode.row
+        writer.add_episode(
+            images={c: batch.obs.images[c][steps, row].cpu().numpy() for c in cameras},
+            state=batch.obs.state[steps, row].cpu().numpy(),
+            actions=batch.actions[steps, row, 0].cpu().numpy(),
+            rewards=batch.rewards[steps, row, 0].cpu().numpy(),
+            success=batch.success[steps, row, 0].cpu().numpy(),
+            task=batch.instructions[int(batch.task_id[episode.chunks[0], row])],
+            extra={"return": episode.ret, "rl_episode_id": episode.episode_id},
+        )
+    return writer.close()
+
+
+class DatasetError(UserError):
+    """A record that cannot become a dataset; ``str()`` is one line."""
