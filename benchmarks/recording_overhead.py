@@ -4,6 +4,10 @@ seconds per iteration (rollout plus update plus what follows it, from the runs' 
 wall time between consecutive metric rows), and the records' disk per 1,000 env steps.
 
     python benchmarks/recording_overhead.py configs/maniskill/pushcube_ppo.yaml --iterations 6
+    python benchmarks/recording_overhead.py configs/maniskill/multitask_vla_grpo.yaml \
+        runner.init_from=null runner.total_env_steps=5400 runner.max_minutes=5 --iterations 3
+
+(overrides right after the config; they come after the script's own, so they win)
 """
 
 from __future__ import annotations
