@@ -157,6 +157,14 @@ class Learner:
         self.rounds.append(batch)
         return metrics
 
+    def drop_last_round(self) -> None:
+        """Forget the round added last (lost elsewhere: it is collected again), in the record
+        in progress too."""
+        self.rounds.pop()
+        if self.pending is not None:
+            self.pending.rounds.pop()
+            self.pending.instructions.pop()
+
     def update(self) -> dict:
         """The algorithm's epochs over the rounds added since the last update (no samples in
         them: no update), then their observations folded into the normaliser; returns the

@@ -328,3 +328,22 @@ def test_episodes_of_a_record_become_a_dataset_lerobot_reads(tmp_path, capsys):
     torch.testing.assert_close(frame["observation.images.cam"], image)
     assert main([*argv, "--to-dataset", str(tmp_path / "ds")]) == 2  # (it holds one already)
     assert "already holds a dataset" in capsys.readouterr().err
+
+
+def test_a_round_dropped_by_the_learner_leaves_the_record_in_progress_too():
+    """A round lost on another data-parallel rank is dropped where it was added (``drop_round``):
+    the record in progress forgets it too, so a replay sees the rounds the update saw."""
+    from embodied.config import compose
+    from embodied.roles import Learner
+    from embodied.train_config import TrainConfig
+
+    source = {"seed": 0, "policy": MLP, "algorithm": PPO, "runner": {"record_rollouts": 1}}
+    cfg = compose(TrainConfig, [("test", source)])
+    env = PushRightEnv(2)
+    learner = Learner(cfg, env.spec, torch.zeros(2, dtype=torch.long), torch.device("cpu"))
+    batch = hand_built_record().rounds[0]
+    for _ in range(2):
+        learner.add_round(batch)
+    learner.drop_last_round()
+    assert len(learner.rounds) == 1 and len(learner.pending.rounds) == 1
+    assert len(learner.pending.instructions) == 1

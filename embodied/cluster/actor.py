@@ -103,7 +103,7 @@ class ActorWorker(_Worker):
         """Forget round ``key`` if it was added here (another rank could not fetch it)."""
         if self.round_keys and self.round_keys[-1] == key:
             self.round_keys.pop()
-            self.learner.rounds.pop()
+            self.learner.drop_last_round()
 
     @timed
     def update(self) -> dict:
