@@ -376,9 +376,12 @@ def cmd_convert(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from embodied.recording import RecordError
+    from embodied.recording import RecordError, record_dir
     from embodied.replay import differences, replay
 
+    meta = record_dir(Path(args.run), args.iteration) / "record.json"
+    if meta.is_file():  # a deterministic run's update replays in a process pinned as it was
+        _pinned(args, json.loads(meta.read_text())["config"]["runner"].get("deterministic"))
     try:
         record, metrics, digest = replay(Path(args.run), args.iteration, args.device)
     except RecordError as e:

@@ -5,9 +5,10 @@ and success over time.
 
 An episode is the chunks of one environment row that share an ``episode_id``; its steps are the
 actions that ran in it (``valid``). It is whole when it ends in the record and starts there too:
-after a chunk of another episode, or at a round's reset (GRPO's rounds start with one; a PPO
-round's first chunk may continue an episode of the iteration before, and such an episode is
-left out unless ``partial``).
+at a round's reset (GRPO's rounds start with one), or after a chunk whose episode ran all its
+actions. Others are left out unless ``partial``: a PPO round's first chunk may continue an
+episode of the iteration before, and an episode that ends mid-chunk lets the chunk's remaining
+actions run, unrecorded, as the next episode's first steps.
 """
 
 from __future__ import annotations
@@ -67,8 +68,12 @@ def episodes_of(record: Record, task_names: list[str] | None = None) -> list[Epi
                 if not bool(done[chunks, row].any()):
                     continue  # it goes on after the round
                 first = chunks[0]
-                reset = bool(batch.group_id[first, row] >= 0)  # (a GRPO round starts with one)
-                found.append(_episode(batch, r, row, chunks, episode_id, first > 0 or reset))
+                # whole: it starts at a reset (a GRPO round starts with one), or where the
+                # previous episode's chunk ran all its actions (one that ended mid-chunk let
+                # the rest run unrecorded in this episode, its first steps)
+                reset = bool(batch.group_id[first, row] >= 0)
+                after = first > 0 and bool(batch.valid[first - 1, row].all())
+                found.append(_episode(batch, r, row, chunks, episode_id, reset or after))
     env = record.meta["config"]["env"]
     names = task_names or list(env.get("tasks") or ["all"])  # (the env group's names)
     for episode in found:

@@ -50,6 +50,7 @@ def train_from_records(cfg) -> dict:
     spec = EnvSpec.from_dict(first.meta["spec"])
     task_of_env = torch.tensor(first.meta["task_of_env"], dtype=torch.long)
     run_dir = run_dir_for(cfg.runner, None)
+    cfg.runner.record_rollouts = 0  # (this run's updates are the records' own)
     device = "cpu" if cfg.runner.device == "auto" else cfg.runner.device
     learner = Learner(cfg, spec, task_of_env, torch.device(device))
     try:

@@ -2,7 +2,9 @@
 the learner's state before it and the rounds it was given (embodied/recording.py), and compare
 it with the run: the update's metrics as logged, and the weights after it (a digest). On the
 machine and backend that recorded it they match bit for bit; ``--rtol`` allows a relative
-difference in the metrics elsewhere (the weights' digest must then be left out: ``--no-weights``).
+difference in the metrics elsewhere (and leaves the weights' digest out). Not bit for bit: an
+update shared by data-parallel actor workers (each summed its share of every minibatch), one
+recorded on a GPU and replayed on the CPU, ``offload_optimizer``'s bookkeeping metric.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ def replay(run_dir: Path, iteration: int, device: str = "cpu") -> tuple[Record, 
     record = read_record(run_dir, iteration, device)
     cfg = compose(TrainConfig, [("the record", record.meta["config"])])
     cfg.cluster.enabled = False  # (the update in this process, as one actor worker ran it)
+    cfg.runner.record_rollouts = 0  # (a replay records nothing)
+    if cfg.runner.deterministic:  # the run's portable kernels (the CLI starts over pinned)
+        numerics.pin()
     numerics.setup(cfg.runner.torch_threads)  # (the run's threads: another count sums apart)
     spec = EnvSpec.from_dict(record.meta["spec"])
     task_of_env = torch.tensor(record.meta["task_of_env"], dtype=torch.long)

@@ -100,7 +100,6 @@ class Learner:
         self.rounds: list[RolloutBatch] = []  # the rounds collected for the next update
         # records (runner.record_rollouts): one rank keeps the iteration in progress (Pending),
         # then each updated one until the runner says whether it is written
-        self.records = cfg.runner.record_rollouts > 0 and self.engine.rank == 0
         self.context = {
             "config": to_dict(cfg),
             "spec": spec.to_dict(),
@@ -157,6 +156,12 @@ class Learner:
         self.rounds.append(batch)
         return metrics
 
+    @property
+    def records(self) -> bool:
+        """Whether this learner keeps records: recording is on and it is rank 0 (asked when
+        used: data-parallel ranks learn their rank after they are built)."""
+        return self.cfg.runner.record_rollouts > 0 and self.engine.rank == 0
+
     def drop_last_round(self) -> None:
         """Forget the round added last (lost elsewhere: it is collected again), in the record
         in progress too."""
@@ -189,7 +194,10 @@ class Learner:
         if self.updated:
             pending = self.updated.pop(0)
             if reason is not None:
-                pending.write(run_dir, iteration, reason, metrics, self.context)
+                try:
+                    pending.write(run_dir, iteration, reason, metrics, self.context)
+                except OSError as error:  # (a full disk loses the record, not the run)
+                    print(f"the record of iteration {iteration} was not written: {error}")
 
     def _update(self, samples: Samples | None, observations: list[Observation]) -> dict:
         metrics = {}

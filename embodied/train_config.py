@@ -74,6 +74,8 @@ class RunnerConfig:
             )
         if self.replay_from and self.resume:
             raise ValueError("replay_from: starts a run from records; it cannot resume one")
+        if self.spike_factor < 0:
+            raise ValueError(f"spike_factor: must be >= 0 (0: no spikes), got {self.spike_factor}")
         if self.keep_rollouts < 1:
             raise ValueError(f"keep_rollouts: must be >= 1, got {self.keep_rollouts}")
         if self.keep_checkpoints < 1:

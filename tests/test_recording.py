@@ -12,6 +12,7 @@ import torch
 from scripted_envs import GRPO, PPO, TINY_VLA, PushRightEnv, run_on
 
 from embodied.cli import main
+from embodied.episodes import episodes_of
 from embodied.recording import (
     RecordPolicy,
     batch_from,
@@ -347,3 +348,34 @@ def test_a_round_dropped_by_the_learner_leaves_the_record_in_progress_too():
     learner.drop_last_round()
     assert len(learner.rounds) == 1 and len(learner.pending.rounds) == 1
     assert len(learner.pending.instructions) == 1
+
+
+def test_only_rank_0_keeps_records_and_it_asks_for_its_rank_when_a_round_comes():
+    """Data-parallel ranks learn their rank after they are built: a learner that became rank 1
+    keeps nothing (only rank 0 is asked to write)."""
+    from embodied.config import compose
+    from embodied.roles import Learner
+    from embodied.train_config import TrainConfig
+
+    source = {"seed": 0, "policy": MLP, "algorithm": PPO, "runner": {"record_rollouts": 1}}
+    cfg = compose(TrainConfig, [("test", source)])
+    learner = Learner(cfg, PushRightEnv(2).spec, torch.zeros(2, dtype=torch.long), "cpu")
+    learner.engine.rank = 1  # (as distribute() sets it on the second rank)
+    learner.add_round(hand_built_record().rounds[0])
+    assert learner.pending is None and not learner.records
+
+
+def test_an_episode_after_one_that_ended_mid_chunk_is_partial():
+    """Chunks of K=2: episode 1 ends at the first action of chunk 0, so the chunk's second
+    action ran, unrecorded, as episode 2's first step: episode 2 is partial."""
+    record = hand_built_record()
+    batch = record.rounds[0]
+    T, B = 4, 2
+    batch.valid = torch.ones(T, B, 2, dtype=torch.bool)
+    batch.valid[1, 0, 1] = False  # episode 5 ends at chunk 1's first action
+    for name in ("rewards", "success", "truncated"):
+        setattr(batch, name, getattr(batch, name).expand(T, B, 2).clone())
+    batch.terminated = torch.zeros(T, B, 2, dtype=torch.bool)
+    batch.terminated[1, 0, 0] = batch.terminated[3, 0, 1] = True
+    found = episodes_of(record)
+    assert [(e.episode_id, e.whole, e.length) for e in found] == [(5, False, 3), (6, False, 4)]
