@@ -39,6 +39,8 @@ from embodied.schema import Observation, UserError
 RECORDS = "rollouts"
 SPIKE_WINDOW = 20  # iterations whose gradient norms make the median a spike is measured by
 FORMAT = "embodied-rollout-record-v1"
+# what a replay reads from record.json
+META_KEYS = ("instructions", "stream_seed", "lr", "metrics", "digest_after", "config", "spec")
 
 
 class RecordError(UserError):
@@ -198,6 +200,9 @@ def read_record(run_dir: Path, iteration: int, device="cpu") -> Record:
             raise RecordError(f"{path / name}: damaged ({type(error).__name__})") from None
 
     meta = read("record.json", lambda p: json.loads(p.read_text()))
+    missing = sorted(set(META_KEYS) - set(meta))
+    if missing:
+        raise RecordError(f"{path / 'record.json'}: damaged (no {', '.join(missing)})")
     packed = read("rounds.safetensors.zst", lambda p: p.read_bytes())
     try:
         tensors = load(zstandard.ZstdDecompressor().decompress(packed))
@@ -206,6 +211,8 @@ def read_record(run_dir: Path, iteration: int, device="cpu") -> Record:
         raise RecordError(f"{name}: damaged ({type(error).__name__})") from None
     learner = read("learner.safetensors", lambda p: load_file(p))
     optimizer = read("optimizer.pt", lambda p: torch.load(p, weights_only=False))
+    if "stream/cpu" not in learner:
+        raise RecordError(f"{path / 'learner.safetensors'}: damaged (no stream/cpu)")
     stream = {"seed": meta["stream_seed"], "cpu": learner.pop("stream/cpu")}
     stream["cuda"] = learner.pop("stream/cuda", None)
     rounds = [

@@ -152,6 +152,10 @@ def test_a_damaged_or_missing_record_is_one_line_naming_the_file(tmp_path, capsy
         read_record(run_dir, 1)
     assert main(["replay", str(run_dir), "--iteration", "5"]) == 2
     assert "no record of iteration 5" in capsys.readouterr().err
+    meta = record_dir(run_dir, 1) / "record.json"
+    meta.write_text(json.dumps({"format": "x"}))
+    with pytest.raises(Exception, match=r"record.json: damaged \(no config, digest_after"):
+        read_record(run_dir, 1)
 
 
 def test_a_run_trains_the_tiny_task_from_recordings_alone(tmp_path, monkeypatch, capsys):
