@@ -20,7 +20,13 @@ import torch
 
 from embodied.checkpoint import save_checkpoint
 from embodied.logger import RunLogger
-from embodied.recording import RECORDS, RecordError, read_record, state_digest
+from embodied.recording import (
+    RECORDS,
+    RecordError,
+    read_record,
+    restore_before,
+    state_digest,
+)
 from embodied.replay import differences
 from embodied.roles import Learner
 from embodied.run import enter_run_dir, run_dir_for
@@ -56,9 +62,7 @@ def train_from_records(cfg) -> dict:
     try:
         enter_run_dir(run_dir, cfg, None, False)
         if not cfg.runner.init_from:
-            learner.engine.load_state_dict({"model": first.model, "optimizer": first.optimizer})
-            learner.engine.set_lr(first.meta["lr"])
-            learner.stream.load(first.stream)
+            restore_before(learner, first)
         return _updates(cfg, learner, recorded, iterations, run_dir, spec)
     finally:
         learner.close()

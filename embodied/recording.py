@@ -37,6 +37,7 @@ from embodied.rollout import RolloutBatch
 from embodied.schema import Observation, UserError
 
 RECORDS = "rollouts"
+SET_BY_ADVANTAGES = ("advantages", "returns", "sample_mask")  # (computed again on replay)
 SPIKE_WINDOW = 20  # iterations whose gradient norms make the median a spike is measured by
 FORMAT = "embodied-rollout-record-v1"
 # what a replay reads from record.json
@@ -57,9 +58,8 @@ def batch_tensors(batch: RolloutBatch, prefix: str) -> dict[str, torch.Tensor]:
     out.update({f"{prefix}extras/{k}": v for k, v in batch.extras.items()})
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor) and f.name not in ("advantages", "returns"):
-            if f.name != "sample_mask":
-                out[f"{prefix}{f.name}"] = value
+        if isinstance(value, torch.Tensor) and f.name not in SET_BY_ADVANTAGES:
+            out[f"{prefix}{f.name}"] = value
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in out.items()}
 
 
@@ -180,6 +180,14 @@ class Record:
     model: dict[str, torch.Tensor]
     stream: dict
     optimizer: dict
+
+
+def restore_before(learner, record: Record) -> None:
+    """``learner`` as it was before the recorded update: weights, optimizer, learning rate and
+    random stream."""
+    learner.engine.load_state_dict({"model": record.model, "optimizer": record.optimizer})
+    learner.engine.set_lr(record.meta["lr"])
+    learner.stream.load(record.stream)
 
 
 def read_record(run_dir: Path, iteration: int, device="cpu") -> Record:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from embodied import numerics
-from embodied.recording import Record, read_record, weights_digest
+from embodied.recording import Record, read_record, restore_before, weights_digest
 
 
 def replay(run_dir: Path, iteration: int, device: str = "cpu") -> tuple[Record, dict, str]:
@@ -37,9 +37,7 @@ def replay(run_dir: Path, iteration: int, device: str = "cpu") -> tuple[Record, 
     task_of_env = torch.tensor(record.meta["task_of_env"], dtype=torch.long)
     learner = Learner(cfg, spec, task_of_env, torch.device(device))
     try:
-        learner.engine.load_state_dict({"model": record.model, "optimizer": record.optimizer})
-        learner.engine.set_lr(record.meta["lr"])
-        learner.stream.load(record.stream)
+        restore_before(learner, record)
         for batch in record.rounds:
             learner.add_round(batch)
         metrics = learner.update()
