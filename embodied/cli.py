@@ -1,5 +1,5 @@
 """``embodied`` command line: train, eval, demos, sft, bench, serve, deploy, cluster, convert,
-replay, episodes.
+replay, episodes, report.
 
 A user error (a bad config key, path, task, checkpoint or option) is one line on stderr,
 ``embodied: error: <what, naming the culprit>``, and exit code 2: ``ConfigError``,
@@ -63,14 +63,9 @@ def check_config(args, *, files: bool = True):
 
 
 def _pinned(args, deterministic: bool) -> None:
-    """A deterministic run from the command line starts over in a process pinned from its first
-    line (numpy and glibc choose their code then); called from Python, the run itself refuses a
-    process that did not start pinned (``numerics.pin``)."""
-    from embodied import numerics
+    from embodied.numerics import restart_pinned
 
-    restartable = getattr(args, "restartable", False)
-    if deterministic and restartable and not numerics.started_pinned():
-        numerics.restart()
+    restart_pinned(deterministic, getattr(args, "restartable", False))
 
 
 def _load(args):
@@ -231,6 +226,7 @@ def cmd_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from embodied.cli_robot import add_robot_commands
+    from embodied.cli_runs import add_run_commands
 
     p = _Parser(
         prog="embodied", description="Fine-tune robot policies with RL in vectorized simulators."
@@ -303,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", help="report directory (default: output_dir/NAME/POLICY)")
     b.set_defaults(func=cmd_bench)
     add_robot_commands(sub)
+    add_run_commands(sub)
     c = sub.add_parser(
         "cluster",
         help="what a cluster run's roles run on",
@@ -312,43 +309,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("action", choices=["status"])
     c.add_argument("run", help="a run directory, e.g. runs/multitask_vla_grpo")
     c.set_defaults(func=cmd_cluster)
-    r = sub.add_parser(
-        "replay",
-        help="run a recorded iteration's update again and compare it with the run",
-        description="Load the learner's state before iteration N and its rounds from "
-        "RUN/rollouts (runner.record_rollouts), run the update, and compare its metrics and "
-        "the weights after it with the run's: exit 0 when they match, 1 with one line when not.",
-    )
-    r.add_argument("run", help="a run directory with RUN/rollouts")
-    r.add_argument("--iteration", type=int, required=True, help="the recorded iteration")
-    r.add_argument("--device", default="cpu", help="where the update runs (default cpu)")
-    r.add_argument(
-        "--rtol", type=float, default=0.0, help="relative tolerance for metrics (default 0)"
-    )
-    r.set_defaults(func=cmd_replay)
-    ep = sub.add_parser(
-        "episodes",
-        help="write a recorded iteration's episodes as mp4 and plots",
-        description="Find the episodes of RUN/rollouts/iter_N (runner.record_rollouts) and write "
-        "the chosen ones as an mp4 of the policy's camera and a PNG of actions, rewards and "
-        "success per step, under --out (default RUN/episodes).",
-    )
-    ep.add_argument("run", help="a run directory with RUN/rollouts")
-    ep.add_argument("--iteration", type=int, required=True, help="the recorded iteration")
-    ep.add_argument("--best", type=int, default=0, help="the N episodes of highest return")
-    ep.add_argument("--worst", type=int, default=0, help="the N episodes of lowest return")
-    ep.add_argument("--task", help="episodes of this task only")
-    outcome = ep.add_mutually_exclusive_group()
-    outcome.add_argument("--successful", action="store_true", help="successful episodes only")
-    outcome.add_argument("--failed", action="store_true", help="failed episodes only")
-    ep.add_argument("--partial", action="store_true", help="also episodes begun before the record")
-    ep.add_argument("--out", help="where the files go (default RUN/episodes)")
-    ep.add_argument(
-        "--to-dataset",
-        metavar="DIR",
-        help="write the chosen episodes as a LeRobot v3 dataset there instead (for embodied sft)",
-    )
-    ep.set_defaults(func=cmd_episodes)
     v = sub.add_parser(
         "convert",
         help="convert weights: checkpoint, megatron shards, Hugging Face directory",
@@ -372,77 +332,6 @@ def cmd_convert(args) -> int:
 
     out = convert(args.source, args.to, args.out, tensor_parallel=args.tensor_parallel)
     print(f"wrote {out}")
-    return 0
-
-
-def cmd_replay(args) -> int:
-    from embodied.recording import RecordError, record_dir
-    from embodied.replay import differences, replay
-
-    meta = record_dir(Path(args.run), args.iteration) / "record.json"
-    if meta.is_file():  # a deterministic run's update replays in a process pinned as it was
-        _pinned(args, json.loads(meta.read_text())["config"]["runner"].get("deterministic"))
-    try:
-        record, metrics, digest = replay(Path(args.run), args.iteration, args.device)
-    except RecordError as e:
-        return _error(str(e))
-    weights = None if args.rtol else (record.meta["digest_after"], digest)
-    found = differences(record.meta["metrics"], metrics, args.rtol, weights)
-    if found:
-        print(
-            f"embodied: replay of iteration {args.iteration} differs: {'; '.join(found)}",
-            file=sys.stderr,
-        )
-        return 1
-    how = f"within rtol {args.rtol:g}" if args.rtol else "bit for bit"
-    print(f"iteration {args.iteration} replayed {how}: {len(metrics)} metrics and the weights")
-    return 0
-
-
-def cmd_episodes(args) -> int:
-    from embodied.episodes import (
-        choose,
-        episodes_of,
-        summary_line,
-        write_dataset,
-        write_episode,
-    )
-    from embodied.recording import RecordError, read_record
-    from embodied.schema import EnvSpec
-
-    try:
-        record = read_record(Path(args.run), args.iteration)
-    except RecordError as e:
-        return _error(str(e))
-    outcome = "successful" if args.successful else "failed" if args.failed else None
-    found = episodes_of(record)
-    chosen = choose(
-        found,
-        best=args.best,
-        worst=args.worst,
-        task=args.task,
-        outcome=outcome,
-        partial=args.partial,
-    )
-    spec = EnvSpec.from_dict(record.meta["spec"])
-    fps = spec.action.control_hz / record.rounds[0].actions.shape[2]  # (a frame per chunk)
-    if args.to_dataset:
-        env = record.meta["config"]["env"]
-        source = {"simulator": env.get("simulator"), "task": env.get("task")}
-        source.update(run=str(args.run), iteration=args.iteration, episodes="rl")
-        try:
-            root = write_dataset(record, chosen, Path(args.to_dataset), source)
-        except FileExistsError as e:
-            return _error(str(e))
-        print(f"wrote {len(chosen)} episodes to {root}")
-        return 0
-    out = Path(args.out) if args.out else Path(args.run) / "episodes"
-    print(
-        f"iteration {args.iteration}: {len(found)} episodes end in the record, {len(chosen)} chosen"
-    )
-    for episode in chosen:
-        video, plot = write_episode(record, episode, out, fps=fps)
-        print(f"{summary_line(episode)}: {video or 'no camera'}, {plot}")
     return 0
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from embodied.recording import Record
-from embodied.schema import UserError
+from embodied.schema import EnvSpec, UserError
 from embodied.video import write_mp4
 
 
@@ -123,6 +123,12 @@ def choose(
     ranked = sorted(kept, key=lambda e: (-e.ret, e.round_index, e.row, e.chunks[0]))
     chosen = ranked[:best] + [e for e in ranked[::-1][:worst] if e not in ranked[:best]]
     return chosen
+
+
+def chunk_fps(record: Record) -> float:
+    """Frames per second of a record's videos: one frame per chunk."""
+    spec = EnvSpec.from_dict(record.meta["spec"])
+    return spec.action.control_hz / record.rounds[0].actions.shape[2]
 
 
 def write_episode(record: Record, episode: Episode, out: Path, fps: float) -> tuple[Path, Path]:

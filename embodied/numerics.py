@@ -101,6 +101,14 @@ def restart() -> None:
     os.execve(sys.executable, sys.orig_argv, pinned_environment(os.environ))
 
 
+def restart_pinned(deterministic: bool, restartable: bool) -> None:
+    """A deterministic run from the command line (``restartable``: this process's own) starts
+    over in a process pinned from its first line, since numpy and glibc choose their code then;
+    called from Python, the run itself refuses a process that did not start pinned (``pin``)."""
+    if deterministic and restartable and not started_pinned():
+        restart()
+
+
 def pinned_environment(environ) -> dict:
     """``environ`` with the pins; glibc's masks join the tunables it sets (one hwcaps entry)."""
     tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]

@@ -22,9 +22,11 @@ from tqdm import tqdm
 from embodied import numerics
 from embodied.config import to_dict
 from embodied.evaluations import Evaluations
+from embodied.events import EventLog
 from embodied.logger import RunLogger
 from embodied.multitask import check_tasks, make_env
 from embodied.recording import RunRecords
+from embodied.report import write_report
 from embodied.roles import (
     Roles,
     WorkerLost,
@@ -132,6 +134,8 @@ class Runner:
         self.points = SavePoints(self.state, roles, run_dir, meta, cfg.runner.keep_checkpoints)
         purge = None if self.fresh else self.state.env_steps + 1
         self.logger = RunLogger(run_dir, purge_step=purge)
+        self.events = EventLog(run_dir)
+        self._event("start" if self.fresh else "resume")
         recording = cfg.runner.record_rollouts > 0  # (embodied/recording.py)
         self.records = RunRecords(cfg.runner, run_dir, self.learner) if recording else None
 
@@ -167,10 +171,35 @@ class Runner:
                     self._save_completed()
                     raise
                 final = self.evaluations.final()
+        except Stopped as stopped:
+            self._event("stop", str(stopped))
+            self.bar.close()
+            self._report()
+            raise
+        except BaseException as error:
+            self._event("failure", f"{type(error).__name__}: {error}".strip())
+            raise
         finally:
             self.bar.close()
             self.logger.close()
+        self._event("end")
+        self._report()
         return final
+
+    def _report(self) -> None:
+        """RUN/report.html (embodied/report.py); a report that fails loses the report only."""
+        if not self.cfg.runner.report:
+            return
+        try:
+            path = write_report(self.run_dir)
+        except Exception as error:  # (the run's results are saved: report what went wrong)
+            print(f"report not written: {type(error).__name__}: {error}")
+            return
+        print(f"report: {path}")
+
+    def _event(self, kind: str, detail: str = "") -> None:
+        """An event of the run (embodied/events.py) at its last completed iteration."""
+        self.events.add(kind, self.state.iteration, self.state.env_steps, detail)
 
     # --- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -226,7 +255,9 @@ class Runner:
         updated = done.update.result()
         metrics.update(updated)
         if self.records is not None:  # (the learner writes the record, or drops it)
-            self.records.after_update(collected.iteration, updated)
+            reason = self.records.after_update(collected.iteration, updated)
+            if reason in ("non-finite", "spike"):
+                self._event("record", f"iteration {collected.iteration}: {reason}")
         update_seconds = time.time() - done.start
         state.policy_version += 1
         if not stopping:  # (a stop after a lost worker: only what the checkpoint needs)
@@ -256,6 +287,7 @@ class Runner:
         if self.stop.requested:
             raise Interrupted
         if self.clock.out_of_time:
+            self._event("out_of_time", f"runner.max_minutes={run.max_minutes}")
             self.bar.write(
                 f"stopping after {state.train_seconds / 60:.1f} min "
                 f"(runner.max_minutes={run.max_minutes})"
@@ -361,6 +393,7 @@ class Runner:
                 failures += 1
                 stats.totals.copy_(totals)
                 self.state.discarded_rounds += 1
+                self._event("discarded_round", f"iteration {iteration}: {lost}")
                 self.bar.write(
                     f"iteration {iteration}: {lost}; its round is discarded and collected again "
                     f"(failure {failures} in a row)"

@@ -42,6 +42,7 @@ class RunnerConfig:
     # train on a recorded run's rounds (RUN/rollouts), in their order, without simulators
     replay_from: str | None = None
     video: bool = True  # record the final evaluation as mp4
+    report: bool = True  # write RUN/report.html at the run's end (embodied/report.py)
     resume: str | None = None  # a run directory (or checkpoint) to continue from
     resume_force: bool = False  # resume even though a key that changes the run differs
     overwrite: bool = False  # a new run in a directory that holds one: remove the earlier run

@@ -6,6 +6,7 @@
 #    Mesa comes from bookworm-backports there.
 # 2. Python: a virtual environment in .venv with the CPU build of torch installed *first*
 #    (an unpinned torch pulls several GB of CUDA packages), then this package and its extras.
+# 3. With the dev extra: Chromium, in which a test loads a run's report.html.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-maniskill,vla,mujoco,warp,libero,real,ray,megatron,dev}"
@@ -62,6 +63,13 @@ install_egl() {  # MuJoCo renders offscreen through EGL (Mesa's llvmpipe on a CP
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libegl1 libegl-mesa0 >/dev/null
 }
 
+install_chromium() {  # the tests load a run's report.html in a real headless browser
+  if command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then return; fi
+  log "installing chromium (the report test's headless browser)"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+}
+
 install_python() {
   [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
   if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
@@ -91,5 +99,6 @@ warm_warp() {  # MuJoCo Warp's kernels into Warp's cache (~/.cache/warp): compil
 
 case ",$EXTRAS," in *,maniskill,*) install_mesa ;; esac
 case ",$EXTRAS," in *,mujoco,*|*,libero,*|*,warp,*) install_egl ;; esac
+case ",$EXTRAS," in *,dev,*) install_chromium ;; esac
 install_python
 case ",$EXTRAS," in *,warp,*) warm_warp ;; esac

@@ -397,13 +397,14 @@ def run_on(
     video: bool = False,
     record_rollouts: int = 0,
     keep_rollouts: int = 5,
+    report: bool = False,
 ) -> dict:
     """The runner over ``env`` with a config written here (16 evaluation episodes, a video if
     ``video``); returns its summary. The metrics are in ``run_dir/metrics.jsonl``. With ``cluster``
     (the config block) the roles run on Ray and the env workers build ``env_factory(env_cfg)`` with
     8 environments in all (``env_cfg``: more of the env config). ``resume``: a checkpoint of the run
-    to go on from."""
-    from embodied.config import compose
+    to go on from. ``report``: write RUN/report.html at the end (RUN/config.yaml too)."""
+    from embodied.config import compose, save_config
     from embodied.roles import Roles, load_checkpoint_for, local_roles
     from embodied.run import rewind
     from embodied.runner import Runner
@@ -424,6 +425,7 @@ def run_on(
         "max_minutes": max_minutes,
         "record_rollouts": record_rollouts,
         "keep_rollouts": keep_rollouts,
+        "report": report,
     }
     source = {"seed": 0, "policy": policy, "algorithm": algorithm, "runner": runner}
     if trainer is not None:
@@ -432,6 +434,8 @@ def run_on(
         source.update(cluster=cluster, env={"num_envs": 8, **(env_cfg or {})})
     cfg = compose(TrainConfig, [("test", source)])
     run_dir.mkdir(parents=True, exist_ok=True)
+    if report:
+        save_config(cfg, run_dir / "config.yaml")  # (as ``enter_run_dir`` does)
     checkpoint = None if resume is None else load_checkpoint_for(resume, "runner.resume")
     if cluster is None:
         roles = local_roles(cfg, env, checkpoint)

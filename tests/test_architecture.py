@@ -39,6 +39,7 @@ ALLOWED = {
     "embodied.streams": set(),
     "embodied.video": set(),
     "embodied.logger": set(),
+    "embodied.events": set(),
     "embodied.cli_errors": set(),
     "embodied.bench_report": set(),
     "embodied.contract": {"embodied.schema"},
@@ -102,6 +103,7 @@ ALLOWED = {
         "embodied.config",
         "embodied.env_group",
         "embodied.evaluate",
+        "embodied.events",
         "embodied.inference",
         "embodied.models",
         "embodied.multitask",
@@ -154,6 +156,14 @@ ALLOWED = {
         "embodied.train_config",
     },
     "embodied.stages": set(),
+    # the run's report: what its directory holds, as a page
+    "embodied.report_data": {"embodied.evaluate", "embodied.events", "embodied.schema"},
+    "embodied.report": {
+        "embodied.episodes",
+        "embodied.recording",
+        "embodied.report_data",
+        "embodied.schema",
+    },
     "embodied.evaluations": {
         "embodied.checkpoint",
         "embodied.evaluate",
@@ -167,11 +177,13 @@ ALLOWED = {
         "embodied.cluster",
         "embodied.config",
         "embodied.evaluations",
+        "embodied.events",
         "embodied.from_records",
         "embodied.logger",
         "embodied.multitask",
         "embodied.numerics",
         "embodied.recording",
+        "embodied.report",
         "embodied.roles",
         "embodied.rollout",
         "embodied.run",
@@ -239,6 +251,15 @@ ALLOWED = {
         "embodied.schema",
     },
     "embodied.cli_robot": {"embodied.cli_errors", "embodied.deploy", "embodied.robots"},
+    "embodied.cli_runs": {
+        "embodied.cli_errors",
+        "embodied.episodes",
+        "embodied.numerics",
+        "embodied.recording",
+        "embodied.replay",
+        "embodied.report",
+        "embodied.schema",
+    },
     "embodied.cli": None,  # the command line may import everything
 }
 PARTS = ("simulators", "robots", "models", "algorithms", "cluster", "megatron")

@@ -38,6 +38,7 @@ from embodied.cluster.status import STATUS_FILE, write_status
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.cluster.wiring import start_groups
 from embodied.evaluate import pooled_summary
+from embodied.events import EventLog
 from embodied.roles import WorkerLost
 from embodied.rollout import CollectPlan, EpisodeStats
 from embodied.run import Interrupted
@@ -57,6 +58,7 @@ class RayRoles:
         self.groups = {}
         self.ended = None  # when close() took the workers down
         self.events: list[dict] = []
+        self.event_log = EventLog(self.run_dir)
         try:
             env_cfgs = split_env(cfg.env, cluster.env.workers)
             self.group, self.slots = place(cluster)
@@ -321,6 +323,9 @@ class RayRoles:
     def _fault(self, error: WorkerLost) -> None:
         """A worker lost: an event of the run's status."""
         self.events.append({"time": time.time(), "role": error.role, "detail": error.detail})
+        # the run's event log too (it outlives this process's cluster.json); the runner logs the
+        # iteration of a round it discards
+        self.event_log.add("fault", None, None, f"{error.role}: {error.detail}")
 
     def _write_status(self) -> None:
         """RUN/cluster.json (``status.write_status``): each worker's place and heartbeat, the

@@ -1,0 +1,144 @@
+"""``embodied replay``, ``episodes`` and ``report``: the commands that read what a run left in its
+directory (its records, its logs), and their options."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from embodied.cli_errors import error as _error
+
+
+def add_run_commands(sub) -> None:
+    """The replay, episodes and report subcommands of ``embodied``'s parser."""
+    r = sub.add_parser(
+        "replay",
+        help="run a recorded iteration's update again and compare it with the run",
+        description="Load the learner's state before iteration N and its rounds from "
+        "RUN/rollouts (runner.record_rollouts), run the update, and compare its metrics and "
+        "the weights after it with the run's: exit 0 when they match, 1 with one line when not.",
+    )
+    r.add_argument("run", help="a run directory with RUN/rollouts")
+    r.add_argument("--iteration", type=int, required=True, help="the recorded iteration")
+    r.add_argument("--device", default="cpu", help="where the update runs (default cpu)")
+    r.add_argument(
+        "--rtol", type=float, default=0.0, help="relative tolerance for metrics (default 0)"
+    )
+    r.set_defaults(func=cmd_replay)
+    ep = sub.add_parser(
+        "episodes",
+        help="write a recorded iteration's episodes as mp4 and plots",
+        description="Find the episodes of RUN/rollouts/iter_N (runner.record_rollouts) and write "
+        "the chosen ones as an mp4 of the policy's camera and a PNG of actions, rewards and "
+        "success per step, under --out (default RUN/episodes).",
+    )
+    ep.add_argument("run", help="a run directory with RUN/rollouts")
+    ep.add_argument("--iteration", type=int, required=True, help="the recorded iteration")
+    ep.add_argument("--best", type=int, default=0, help="the N episodes of highest return")
+    ep.add_argument("--worst", type=int, default=0, help="the N episodes of lowest return")
+    ep.add_argument("--task", help="episodes of this task only")
+    outcome = ep.add_mutually_exclusive_group()
+    outcome.add_argument("--successful", action="store_true", help="successful episodes only")
+    outcome.add_argument("--failed", action="store_true", help="failed episodes only")
+    ep.add_argument("--partial", action="store_true", help="also episodes begun before the record")
+    ep.add_argument("--out", help="where the files go (default RUN/episodes)")
+    ep.add_argument(
+        "--to-dataset",
+        metavar="DIR",
+        help="write the chosen episodes as a LeRobot v3 dataset there instead (for embodied sft)",
+    )
+    ep.set_defaults(func=cmd_episodes)
+    o = sub.add_parser(
+        "report",
+        help="write RUN/report.html: the run's success, per-task tables, time, episodes, events",
+        description="Write one self-contained RUN/report.html (no server, no network) from what "
+        "the run directory holds: its config, the success curve with 95%% intervals (success "
+        "once and at the end), per-task tables, throughput and time per phase, the best and "
+        "worst episodes of its newest record, and its events. A run writes it at its end too.",
+    )
+    o.add_argument("run", help="a run directory, e.g. runs/pushcube_ppo")
+    o.set_defaults(func=cmd_report)
+
+
+def cmd_replay(args) -> int:
+    from embodied.numerics import restart_pinned
+    from embodied.recording import RecordError, record_dir
+    from embodied.replay import differences, replay
+
+    meta = record_dir(Path(args.run), args.iteration) / "record.json"
+    if meta.is_file():  # a deterministic run's update replays in a process pinned as it was
+        deterministic = json.loads(meta.read_text())["config"]["runner"].get("deterministic")
+        restart_pinned(deterministic, getattr(args, "restartable", False))
+    try:
+        record, metrics, digest = replay(Path(args.run), args.iteration, args.device)
+    except RecordError as e:
+        return _error(str(e))
+    weights = None if args.rtol else (record.meta["digest_after"], digest)
+    found = differences(record.meta["metrics"], metrics, args.rtol, weights)
+    if found:
+        print(
+            f"embodied: replay of iteration {args.iteration} differs: {'; '.join(found)}",
+            file=sys.stderr,
+        )
+        return 1
+    how = f"within rtol {args.rtol:g}" if args.rtol else "bit for bit"
+    print(f"iteration {args.iteration} replayed {how}: {len(metrics)} metrics and the weights")
+    return 0
+
+
+def cmd_episodes(args) -> int:
+    from embodied.episodes import (
+        choose,
+        chunk_fps,
+        episodes_of,
+        summary_line,
+        write_dataset,
+        write_episode,
+    )
+    from embodied.recording import RecordError, read_record
+
+    try:
+        record = read_record(Path(args.run), args.iteration)
+    except RecordError as e:
+        return _error(str(e))
+    outcome = "successful" if args.successful else "failed" if args.failed else None
+    found = episodes_of(record)
+    chosen = choose(
+        found,
+        best=args.best,
+        worst=args.worst,
+        task=args.task,
+        outcome=outcome,
+        partial=args.partial,
+    )
+    if args.to_dataset:
+        env = record.meta["config"]["env"]
+        source = {"simulator": env.get("simulator"), "task": env.get("task")}
+        source.update(run=str(args.run), iteration=args.iteration, episodes="rl")
+        try:
+            root = write_dataset(record, chosen, Path(args.to_dataset), source)
+        except FileExistsError as e:
+            return _error(str(e))
+        print(f"wrote {len(chosen)} episodes to {root}")
+        return 0
+    out = Path(args.out) if args.out else Path(args.run) / "episodes"
+    print(
+        f"iteration {args.iteration}: {len(found)} episodes end in the record, {len(chosen)} chosen"
+    )
+    for episode in chosen:
+        video, plot = write_episode(record, episode, out, fps=chunk_fps(record))
+        print(f"{summary_line(episode)}: {video or 'no camera'}, {plot}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from embodied.report import write_report
+    from embodied.schema import UserError
+
+    try:
+        path = write_report(Path(args.run))
+    except UserError as e:
+        return _error(str(e))
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,162 @@
+"""What ``embodied report`` reads from a run directory, as typed data: the config, the logged
+iterations and evaluations (``metrics.jsonl``: it is written as the run goes, so a run that
+stopped or failed has a report too), the final summary, the host, the events and the records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from embodied.evaluate import wilson_interval
+from embodied.events import Event, read_events
+from embodied.schema import UserError
+
+PHASE_PREFIX = "time/"  # the logged seconds of each phase: time/<phase>_s
+
+
+@dataclass
+class Rate:
+    """A success rate over ``episodes`` with its 95% Wilson interval."""
+
+    rate: float
+    episodes: int
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, rate: float, episodes: int) -> Rate:
+        successes = round(rate * episodes)
+        low, high = wilson_interval(successes, episodes)
+        return cls(rate, episodes, low, high)
+
+
+@dataclass
+class TaskEval:
+    success_once: Rate
+    success_at_end: Rate
+    ret: float  # the mean return
+    length: float  # the mean episode length
+
+
+@dataclass
+class Evaluation:
+    """One evaluation: all tasks pooled, and each task where there are several."""
+
+    iteration: int
+    env_steps: int
+    pooled: TaskEval
+    tasks: dict[str, TaskEval] = field(default_factory=dict)
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    config_text: str  # config.yaml as the run wrote it
+    iterations: list[dict]  # the training rows of metrics.jsonl, in order
+    evaluations: list[Evaluation]
+    final: Evaluation | None  # metrics.json's final evaluation (None: the run did not end)
+    host_starts: list[dict]  # host.json: one entry per start of the run
+    events: list[Event]
+    records: list[dict]  # each record.json's iteration and reason, by iteration
+
+
+def task_eval(row: dict, prefix: str = "eval/") -> TaskEval:
+    """The ``prefix``success_rate, success_at_end, episodes, return and length of a row."""
+    episodes = int(row[prefix + "episodes"])
+    return TaskEval(
+        success_once=Rate.of(row[prefix + "success_rate"], episodes),
+        success_at_end=Rate.of(row.get(prefix + "success_at_end", math.nan), episodes),
+        ret=row.get(prefix + "return", math.nan),
+        length=row.get(prefix + "length", math.nan),
+    )
+
+
+def evaluations_of(rows: list[dict]) -> list[Evaluation]:
+    """The evaluations among the rows: a pooled row (``eval/success_rate``), then the rows of
+    its tasks (``eval/<task>/success_rate``) logged after it at the same iteration."""
+    found: list[Evaluation] = []
+    for row in rows:
+        if "eval/success_rate" in row:
+            found.append(Evaluation(row["iteration"], row["env_steps"], task_eval(row)))
+            continue
+        tasks = [
+            key[len("eval/") : -len("/success_rate")]
+            for key in row
+            if key.startswith("eval/") and key.endswith("/success_rate")
+        ]
+        if tasks and found and found[-1].iteration == row["iteration"]:
+            for task in tasks:
+                found[-1].tasks[task] = task_eval(row, f"eval/{task}/")
+    return found
+
+
+def final_of(summary: dict) -> Evaluation:
+    """metrics.json's final evaluation."""
+    final = summary["final"]
+    tasks = summary.get("tasks", {})
+    per_task = {t: task_eval(r) for t, r in tasks.items()} if len(tasks) > 1 else {}
+    return Evaluation(final["iteration"], final["env_steps"], task_eval(final), per_task)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file; a last line cut by a crash is left out."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def records_of(run_dir: Path) -> list[dict]:
+    """The iteration and reason of each record under RUN/rollouts."""
+    found = []
+    for meta in sorted((run_dir / "rollouts").glob("iter_*/record.json")):
+        try:
+            record = json.loads(meta.read_text())
+            found.append({"iteration": record["iteration"], "reason": record["reason"]})
+        except (json.JSONDecodeError, KeyError):
+            found.append({"iteration": int(meta.parent.name[5:]), "reason": "damaged"})
+    return found
+
+
+def read_run(run_dir: Path) -> RunData:
+    """A run directory's data for its report (``UserError`` where it is not a run)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: no such run directory")
+    config = run_dir / "config.yaml"
+    jsonl = run_dir / "metrics.jsonl"
+    if not jsonl.is_file():
+        raise UserError(f"{run_dir}: not a training run (no metrics.jsonl)")
+    rows = read_jsonl(jsonl)
+    iterations = [r for r in rows if "time/env_steps_per_s" in r]
+    summary = run_dir / "metrics.json"
+    final = final_of(json.loads(summary.read_text())) if summary.is_file() else None
+    host = run_dir / "host.json"
+    starts = json.loads(host.read_text()).get("starts", []) if host.is_file() else []
+    return RunData(
+        run_dir=run_dir,
+        config_text=config.read_text() if config.is_file() else "(no config.yaml)",
+        iterations=iterations,
+        evaluations=evaluations_of(rows),
+        final=final,
+        host_starts=starts,
+        events=read_events(run_dir),
+        records=records_of(run_dir),
+    )
+
+
+def phase_seconds(iterations: list[dict]) -> dict[str, float]:
+    """Each logged phase's seconds summed over the iterations (``time/<phase>_s``)."""
+    totals: dict[str, float] = {}
+    for row in iterations:
+        for key, value in row.items():
+            if key.startswith(PHASE_PREFIX) and key.endswith("_s") and "_per_" not in key:
+                phase = key[len(PHASE_PREFIX) : -2]
+                totals[phase] = totals.get(phase, 0.0) + value
+    return totals
