@@ -29,12 +29,15 @@ def add_run_commands(sub) -> None:
     ep = sub.add_parser(
         "episodes",
         help="write a recorded iteration's episodes as mp4 and plots",
-        description="Find the episodes of RUN/rollouts/iter_N (runner.record_rollouts) and write "
-        "the chosen ones as an mp4 of the policy's camera and a PNG of actions, rewards and "
-        "success per step, under --out (default RUN/episodes).",
+        description="Find the episodes of RUN/rollouts/iter_N (runner.record_rollouts; every "
+        "record without --iteration) and write the chosen ones as an mp4 of the policy's camera "
+        "and a PNG of actions, rewards and success per step, under --out (default "
+        "RUN/episodes), or as LeRobot v3 datasets (--to-dataset; one per task).",
     )
     ep.add_argument("run", help="a run directory with RUN/rollouts")
-    ep.add_argument("--iteration", type=int, required=True, help="the recorded iteration")
+    ep.add_argument(
+        "--iteration", type=int, help="the recorded iteration (default: every recorded one)"
+    )
     ep.add_argument("--best", type=int, default=0, help="the N episodes of highest return")
     ep.add_argument("--worst", type=int, default=0, help="the N episodes of lowest return")
     ep.add_argument("--task", help="episodes of this task only")
@@ -43,6 +46,12 @@ def add_run_commands(sub) -> None:
     outcome.add_argument("--failed", action="store_true", help="failed episodes only")
     ep.add_argument("--partial", action="store_true", help="also episodes begun before the record")
     ep.add_argument("--out", help="where the files go (default RUN/episodes)")
+    ep.add_argument(
+        "--resimulate",
+        action="store_true",
+        help="simulate the rounds again from their seeds and actions: a frame per step, and "
+        "where the rewards diverge from the record (--to-dataset does so for chunked policies)",
+    )
     ep.add_argument(
         "--to-dataset",
         metavar="DIR",
@@ -88,48 +97,76 @@ def cmd_replay(args) -> int:
 
 
 def cmd_episodes(args) -> int:
-    from embodied.episodes import (
-        choose,
-        chunk_fps,
-        episodes_of,
-        summary_line,
-        write_dataset,
-        write_episode,
-    )
-    from embodied.recording import RecordError, read_record
+    from embodied.episode_dataset import DatasetError, EpisodeDatasets
+    from embodied.episodes import choose, episodes_of, summary_line, write_episode
+    from embodied.recording import RecordError, read_record, recorded_iterations
+    from embodied.resimulate import Resimulator
 
-    try:
-        record = read_record(Path(args.run), args.iteration)
-    except RecordError as e:
-        return _error(str(e))
+    run = Path(args.run)
+    iterations = [args.iteration] if args.iteration is not None else recorded_iterations(run)
+    if not iterations:
+        return _error(f"{run / 'rollouts'}: no records (runner.record_rollouts)")
     outcome = "successful" if args.successful else "failed" if args.failed else None
-    found = episodes_of(record)
-    chosen = choose(
-        found,
-        best=args.best,
-        worst=args.worst,
-        task=args.task,
-        outcome=outcome,
-        partial=args.partial,
-    )
-    if args.to_dataset:
-        env = record.meta["config"]["env"]
-        source = {"simulator": env.get("simulator"), "task": env.get("task")}
-        source.update(run=str(args.run), iteration=args.iteration, episodes="rl")
-        try:
-            root = write_dataset(record, chosen, Path(args.to_dataset), source)
-        except FileExistsError as e:
-            return _error(str(e))
-        print(f"wrote {len(chosen)} episodes to {root}")
-        return 0
-    out = Path(args.out) if args.out else Path(args.run) / "episodes"
-    print(
-        f"iteration {args.iteration}: {len(found)} episodes end in the record, {len(chosen)} chosen"
-    )
-    for episode in chosen:
-        video, plot = write_episode(record, episode, out, fps=chunk_fps(record))
-        print(f"{summary_line(episode)}: {video or 'no camera'}, {plot}")
+    out = Path(args.out) if args.out else run / "episodes"
+    datasets = None
+    resimulator = Resimulator()
+    try:
+        for iteration in iterations:
+            record = read_record(run, iteration)
+            found = episodes_of(record)
+            chosen = choose(
+                found,
+                best=args.best,
+                worst=args.worst,
+                task=args.task,
+                outcome=outcome,
+                partial=args.partial,
+            )
+            ended = f"{len(found)} episodes end in the record"
+            print(f"iteration {iteration}: {ended}, {len(chosen)} chosen")
+            chunked = record.rounds[0].actions.shape[2] > 1
+            resimulated = {}
+            if args.resimulate or (args.to_dataset and chunked):
+                resimulated, chosen = _resimulated(resimulator, record, chosen)
+            if args.to_dataset:
+                if datasets is None:
+                    source = {"run": str(run), "episodes": "rl", "iterations": iterations}
+                    env = record.meta["config"]["env"]
+                    source["simulator"] = env.get("simulator")
+                    datasets = EpisodeDatasets(Path(args.to_dataset), record, source)
+                for episode in chosen:
+                    datasets.add(record, episode, resimulated.get(episode.round_index))
+                continue
+            for episode in chosen:
+                video, plot = write_episode(
+                    record, episode, out, resimulated.get(episode.round_index)
+                )
+                print(f"{summary_line(episode)}: {video or 'no camera'}, {plot}")
+    except (RecordError, DatasetError) as e:
+        return _error(str(e))
+    finally:
+        resimulator.close()
+    if datasets is not None:
+        written = datasets.close()
+        where = ", ".join(map(str, written)) or "nowhere (no episode chosen)"
+        print(f"wrote {datasets.count} episodes to {where}")
     return 0
+
+
+def _resimulated(resimulator, record, chosen: list) -> tuple[dict, list]:
+    """Each round the chosen episodes are in, simulated again ({round: Resimulated}), and the
+    episodes whose rewards agree with the record's to their end; the others are named."""
+    from embodied.episodes import summary_line
+
+    iteration = record.meta["iteration"]
+    rounds = resimulator.rounds(record, {e.round_index for e in chosen})
+    for resimulated in rounds.values():
+        print(f"iteration {iteration} {resimulated.summary()}")
+    kept = [e for e in chosen if rounds[e.round_index].agrees(e.row, e.steps(record)[-1])]
+    for episode in chosen:
+        if episode not in kept:
+            print(f"left out, re-simulated apart before its end: {summary_line(episode)}")
+    return rounds, kept
 
 
 def cmd_report(args) -> int:

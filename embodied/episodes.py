@@ -1,14 +1,15 @@
-"""The episodes of a rollout record (``embodied episodes RUN --iteration N``): each one found in the
-recorded rounds, chosen by return, task or outcome, and written as an mp4 of the camera the
-policy saw (the recorded observations: one frame per chunk) beside a PNG of its actions, rewards
-and success over time.
+"""The episodes of a rollout record (``embodied episodes RUN``): each one found in the recorded
+rounds, chosen by return, task or outcome, and written as an mp4 of the camera the policy saw
+beside a PNG of its actions, rewards and success over time. The mp4 has the recorded
+observations (one frame per chunk) or, re-simulated (embodied/resimulate.py), one per step.
 
 An episode is the chunks of one environment row that share an ``episode_id``; its steps are the
-actions that ran in it (``valid``). It is whole when it ends in the record and starts there too:
-at a round's reset (GRPO's rounds start with one), or after a chunk whose episode ran all its
-actions. Others are left out unless ``partial``: a PPO round's first chunk may continue an
-episode of the iteration before, and an episode that ends mid-chunk lets the chunk's remaining
-actions run, unrecorded, as the next episode's first steps.
+actions that ran in it (``valid``). Every round starts with a seeded reset (the runner's
+``_collect_round``), so no episode crosses from one iteration's record into the next: one
+still running when its round ends is cut there, and is left out. An episode is whole when it
+starts in the record too: at the round's reset, or after a chunk whose episode ran all its
+actions. One that starts after an episode that ended mid-chunk is partial, left out unless
+``partial``: the chunk's remaining actions ran, unrecorded, as its first steps.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from embodied.recording import Record
-from embodied.schema import EnvSpec, UserError
+from embodied.resimulate import Resimulated
+from embodied.schema import EnvSpec
 from embodied.video import write_mp4
 
 
@@ -42,6 +44,12 @@ class Episode:
         """uint8 [chunks, H, W, 3]: the camera at each of its chunks' start."""
         images = record.rounds[self.round_index].obs.images[camera]
         return images[self.chunks, self.row].cpu().numpy()
+
+    def steps(self, record: Record) -> list[int]:
+        """The round's environment steps (chunk * K + k) that ran in it, in order."""
+        valid = record.rounds[self.round_index].valid[self.chunks, self.row]  # bool [chunks, K]
+        K = valid.shape[1]
+        return [t * K + k for t, v in zip(self.chunks, valid.tolist()) for k in range(K) if v[k]]
 
     def traces(self, record: Record) -> dict[str, np.ndarray]:
         """Per step (the actions that ran): actions f32 [steps, A], reward f32 [steps], success
@@ -68,12 +76,11 @@ def episodes_of(record: Record, task_names: list[str] | None = None) -> list[Epi
                 if not bool(done[chunks, row].any()):
                     continue  # it goes on after the round
                 first = chunks[0]
-                # whole: it starts at a reset (a GRPO round starts with one), or where the
-                # previous episode's chunk ran all its actions (one that ended mid-chunk let
-                # the rest run unrecorded in this episode, its first steps)
-                reset = bool(batch.group_id[first, row] >= 0)
-                after = first > 0 and bool(batch.valid[first - 1, row].all())
-                found.append(_episode(batch, r, row, chunks, episode_id, reset or after))
+                # whole: it starts at the round's reset, or where the previous episode's chunk
+                # ran all its actions (one that ended mid-chunk let the rest run unrecorded in
+                # this episode, its first steps)
+                whole = first == 0 or bool(batch.valid[first - 1, row].all())
+                found.append(_episode(batch, r, row, chunks, episode_id, whole))
     env = record.meta["config"]["env"]
     names = task_names or list(env.get("tasks") or ["all"])  # (the env group's names)
     for episode in found:
@@ -125,15 +132,17 @@ def choose(
     return chosen
 
 
-def chunk_fps(record: Record) -> float:
-    """Frames per second of a record's videos: one frame per chunk."""
-    spec = EnvSpec.from_dict(record.meta["spec"])
-    return spec.action.control_hz / record.rounds[0].actions.shape[2]
+def control_hz(record: Record) -> float:
+    """The recorded run's environment steps per second."""
+    return EnvSpec.from_dict(record.meta["spec"]).action.control_hz
 
 
-def write_episode(record: Record, episode: Episode, out: Path, fps: float) -> tuple[Path, Path]:
-    """``out/<name>.mp4`` (the first camera, one frame per chunk) and ``out/<name>.png``
-    (actions, reward and success per step); the two paths."""
+def write_episode(
+    record: Record, episode: Episode, out: Path, resimulated: Resimulated | None = None
+) -> tuple[Path | None, Path]:
+    """``out/<name>.mp4`` (the first camera: one frame per chunk as recorded, or per step as
+    ``resimulated``; None without a camera) and ``out/<name>.png`` (actions, reward and success
+    per step); the two paths."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -146,7 +155,11 @@ def write_episode(record: Record, episode: Episode, out: Path, fps: float) -> tu
     cameras = sorted(record.rounds[episode.round_index].obs.images)
     out.mkdir(parents=True, exist_ok=True)
     video = out / f"{name}.mp4"
-    if cameras:
+    if cameras and resimulated is not None:
+        frames = resimulated.obs.images[cameras[0]][episode.steps(record), episode.row]
+        write_mp4(video, list(frames.numpy()), fps=control_hz(record))
+    elif cameras:
+        fps = control_hz(record) / record.rounds[0].actions.shape[2]  # (a frame per chunk)
         write_mp4(video, list(episode.frames(record, cameras[0])), fps=fps)
     traces = episode.traces(record)
     figure, axes = plt.subplots(3, 1, figsize=(7, 6), sharex=True)
@@ -175,47 +188,3 @@ def summary_line(episode: Episode) -> str:
         f"round {episode.round_index} row {episode.row} episode {episode.episode_id} "
         f"({episode.task}): return {episode.ret:.3f}, {episode.length} steps, {outcome}{whole}"
     )
-
-
-def write_dataset(record: Record, chosen: list[Episode], root: Path, source: dict) -> Path:
-    """The chosen episodes as a LeRobot v3 dataset at ``root`` (``embodied sft`` and LeRobot's
-    ``LeRobotDataset`` read it): per step its camera frames, state, action, reward and success,
-    the task's instruction as its task. Needs a policy that acted one step per chunk: a record
-    keeps the observations where chunks start (``DatasetError`` otherwise)."""
-    from embodied.dataset import LeRobotWriter
-    from embodied.schema import EnvSpec
-
-    spec = EnvSpec.from_dict(record.meta["spec"])
-    first = record.rounds[0]
-    if first.actions.shape[2] != 1:
-        raise DatasetError(
-            f"--to-dataset: the policy acted in chunks of {first.actions.shape[2]} steps and the "
-            "record keeps the observations where chunks start; a dataset needs one per step"
-        )
-    cameras = {c: tuple(v.shape[2:4]) for c, v in first.obs.images.items()}
-    writer = LeRobotWriter(
-        root,
-        fps=spec.action.control_hz,
-        cameras=cameras,
-        state_names=list(spec.obs.state_names),
-        action_names=list(spec.action.names),
-        source=source,
-    )
-    for episode in chosen:
-        batch = record.rounds[episode.round_index]
-        steps = [c for c in episode.chunks if bool(batch.valid[c, episode.row, 0])]
-        row = episode.row
-        writer.add_episode(
-            images={c: batch.obs.images[c][steps, row].cpu().numpy() for c in cameras},
-            state=batch.obs.state[steps, row].cpu().numpy(),
-            actions=batch.actions[steps, row, 0].cpu().numpy(),
-            rewards=batch.rewards[steps, row, 0].cpu().numpy(),
-            success=batch.success[steps, row, 0].cpu().numpy(),
-            task=batch.instructions[int(batch.task_id[episode.chunks[0], row])],
-            extra={"return": episode.ret, "rl_episode_id": episode.episode_id},
-        )
-    return writer.close()
-
-
-class DatasetError(UserError):
-    """A record that cannot become a dataset; ``str()`` is one line."""

@@ -277,6 +277,13 @@ class RunRecords:
         return reason
 
 
+def recorded_iterations(run_dir: Path) -> list[int]:
+    """The iterations with a record under RUN/rollouts, in order."""
+    paths = (Path(run_dir) / RECORDS).glob("iter_[0-9]*")
+    done = [p for p in paths if p.suffix != ".tmp" and (p / "record.json").is_file()]
+    return sorted(int(p.name.split("_")[1]) for p in done)
+
+
 def prune_records(run_dir: Path, keep: int) -> list[int]:
     """Remove all but the newest ``keep`` records written every Nth iteration (the others stay);
     the iterations removed."""

@@ -164,7 +164,7 @@ def _time_section(data: RunData) -> str:
 
 
 def _episode_section(data: RunData) -> str:
-    from embodied.episodes import choose, chunk_fps, episodes_of, write_episode
+    from embodied.episodes import choose, episodes_of, write_episode
     from embodied.recording import RecordError, read_record
 
     out = ["<h2>Episodes</h2>"]
@@ -179,25 +179,19 @@ def _episode_section(data: RunData) -> str:
             out.append(f"<p>{html.escape(str(error))}</p>")
             continue
         found = episodes_of(record)
-        # whole episodes where there are; else those begun in the iteration before (a PPO
-        # round whose episodes are as long as it)
-        partial = not any(e.whole for e in found)
-        best = choose(found, best=EPISODES_SHOWN, partial=partial)
-        worst = choose(found, worst=EPISODES_SHOWN, partial=partial)
-        worst = [e for e in worst if e not in best]
+        best = choose(found, best=EPISODES_SHOWN)
+        worst = [e for e in choose(found, worst=EPISODES_SHOWN) if e not in best]
         if not best:
             continue
-        which = "episodes (begun before the record: partial)" if partial else "whole episodes"
         out.append(
             f"<p>Recorded iteration {record.meta['iteration']} ({len(found)} episodes end in "
-            f"it): the {len(best)} best and {len(worst)} worst {which} by return. Each video "
-            "is the policy's camera at each chunk's start; each plot its actions, rewards and "
-            "success per step.</p>"
+            f"it): the {len(best)} best and {len(worst)} worst whole episodes by return. Each "
+            "video is the policy's camera at each chunk's start; each plot its actions, rewards "
+            "and success per step.</p>"
         )
-        fps = chunk_fps(record)
         with tempfile.TemporaryDirectory() as tmp:
             for rank, episode in [("best", e) for e in best] + [("worst", e) for e in worst]:
-                mp4, png = write_episode(record, episode, Path(tmp), fps=fps)
+                mp4, png = write_episode(record, episode, Path(tmp))
                 outcome = "success" if episode.success else "failure"
                 caption = (
                     f"{rank}: {episode.task}, row {episode.row}, return {episode.ret:.3f}, "

@@ -131,10 +131,25 @@ ALLOWED = {
     "embodied.run_state": {"embodied.rollout", "embodied.run"},
     "embodied.recording": {"embodied.rollout", "embodied.schema"},
     "embodied.episodes": {
-        "embodied.dataset",
         "embodied.recording",
+        "embodied.resimulate",
         "embodied.schema",
         "embodied.video",
+    },
+    "embodied.resimulate": {
+        "embodied.config",
+        "embodied.multitask",
+        "embodied.recording",
+        "embodied.roles",
+        "embodied.schema",
+        "embodied.train_config",
+    },
+    "embodied.episode_dataset": {
+        "embodied.dataset",
+        "embodied.episodes",
+        "embodied.recording",
+        "embodied.resimulate",
+        "embodied.schema",
     },
     "embodied.from_records": {
         "embodied.checkpoint",
@@ -253,11 +268,13 @@ ALLOWED = {
     "embodied.cli_robot": {"embodied.cli_errors", "embodied.deploy", "embodied.robots"},
     "embodied.cli_runs": {
         "embodied.cli_errors",
+        "embodied.episode_dataset",
         "embodied.episodes",
         "embodied.numerics",
         "embodied.recording",
         "embodied.replay",
         "embodied.report",
+        "embodied.resimulate",
         "embodied.schema",
     },
     "embodied.cli": None,  # the command line may import everything

@@ -12,7 +12,7 @@ import torch
 from scripted_envs import GRPO, PPO, TINY_VLA, PushRightEnv, run_on
 
 from embodied.cli import main
-from embodied.episodes import episodes_of
+from embodied.episodes import choose, episodes_of
 from embodied.recording import (
     RecordPolicy,
     batch_from,
@@ -260,7 +260,7 @@ def test_the_episodes_of_a_record_are_found_chosen_and_written(tmp_path):
     record = hand_built_record()
     found = episodes_of(record)
     assert [(e.row, e.episode_id, e.chunks, e.whole) for e in found] == [
-        (0, 5, [0, 1], False),  # (begun before the round: partial)
+        (0, 5, [0, 1], True),  # (begun at the round's reset)
         (0, 6, [2, 3], True),
     ]
     assert [(e.ret, e.success, e.success_at_end, e.length) for e in found] == [
@@ -268,15 +268,15 @@ def test_the_episodes_of_a_record_are_found_chosen_and_written(tmp_path):
         (2.25, True, True, 2),
     ]
     assert found[0].task == "all"
-    assert choose(found) == [found[1]]  # whole ones only
-    assert choose(found, partial=True, best=1) == [found[1]]
-    assert choose(found, partial=True, worst=1) == [found[0]]
-    assert choose(found, partial=True, outcome="failed") == [found[0]]
-    assert choose(found, partial=True, task="other") == []
+    assert choose(found) == found
+    assert choose(found, best=1) == [found[1]]
+    assert choose(found, worst=1) == [found[0]]
+    assert choose(found, outcome="failed") == [found[0]]
+    assert choose(found, task="other") == []
     traces = found[1].traces(record)
     assert traces["actions"].tolist() == [[4.0], [6.0]] and traces["reward"].tolist() == [0.25, 2.0]
     assert found[1].frames(record, "cam").shape == (2, 2, 2, 3)
-    video, plot = write_episode(record, found[1], tmp_path, fps=10)
+    video, plot = write_episode(record, found[1], tmp_path)
     assert video.stat().st_size > 0 and Image.open(plot).size[0] > 100
     assert video.name == "iter000003_round0_row0_ep6_all.mp4"
 
@@ -382,4 +382,7 @@ def test_an_episode_after_one_that_ended_mid_chunk_is_partial():
     batch.terminated = torch.zeros(T, B, 2, dtype=torch.bool)
     batch.terminated[1, 0, 0] = batch.terminated[3, 0, 1] = True
     found = episodes_of(record)
-    assert [(e.episode_id, e.whole, e.length) for e in found] == [(5, False, 3), (6, False, 4)]
+    assert [(e.episode_id, e.whole, e.length) for e in found] == [(5, True, 3), (6, False, 4)]
+    assert choose(found) == [found[0]]  # whole ones only
+    # the round's steps (chunk * 2 + k) that ran in each: not chunk 1's second action in 5
+    assert [e.steps(record) for e in found] == [[0, 1, 2], [4, 5, 6, 7]]

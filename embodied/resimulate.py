@@ -1,0 +1,158 @@
+"""A recorded round simulated again (``embodied episodes --resimulate``): every round starts with
+a seeded reset (the runner's ``_collect_round``), its seeds are the algorithm's plan for the
+recorded iteration and round, and its actions are in the record, so the simulator can run the
+round again step by step and give what the record keeps only where chunks start: the
+observation before every action. Each world's randomisation is drawn from its reset seed, so it
+comes back too. The re-simulated rewards are compared with the recorded ones; where they differ
+(another machine's physics, a simulator that is not deterministic) the first step that differs
+is named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from embodied.recording import Record
+from embodied.schema import Observation
+
+
+@dataclass
+class Divergence:
+    """The first step where a row's re-simulated reward differs from the recorded one."""
+
+    row: int
+    step: int  # the round's environment step (chunk * K + k)
+    recorded: float
+    resimulated: float
+
+
+@dataclass
+class Resimulated:
+    """One recorded round simulated again: per environment step s of its T * K (the round's
+    steps, in order) the observation each environment saw before action s, and what followed."""
+
+    round_index: int
+    obs: Observation  # every tensor [S, B, ...]
+    rewards: torch.Tensor  # f32 [S, B]
+    success: torch.Tensor  # bool [S, B]
+    divergences: list[Divergence]  # per row that diverges, its first step; empty: none
+
+    def agrees(self, row: int, until: int) -> bool:
+        """Whether ``row``'s rewards equal the recorded ones up to step ``until``."""
+        return all(d.step > until for d in self.divergences if d.row == row)
+
+    def summary(self) -> str:
+        """One line: the round matches its record, or where each diverging row parts."""
+        if not self.divergences:
+            return f"round {self.round_index}: re-simulated rewards equal the recorded ones"
+        parts = [
+            f"row {d.row} from step {d.step} (recorded {d.recorded:.6g}, "
+            f"re-simulated {d.resimulated:.6g})"
+            for d in self.divergences
+        ]
+        return f"round {self.round_index}: rewards diverge at " + "; ".join(parts)
+
+
+def _config(record: Record):
+    from embodied.config import compose
+    from embodied.train_config import TrainConfig
+
+    return compose(TrainConfig, [("the record", record.meta["config"])])
+
+
+def simulator_for(record: Record):
+    """The recorded run's environments as its config builds them (all of them, here)."""
+    from embodied.multitask import make_env
+
+    return make_env(_config(record).env)
+
+
+class Resimulator:
+    """The recorded run's environments, built once for every record re-simulated."""
+
+    def __init__(self):
+        self.env = None
+
+    def rounds(self, record: Record, round_indices) -> dict[int, Resimulated]:
+        """The rounds of ``record`` simulated again, by index."""
+        if self.env is None:
+            self.env = simulator_for(record)
+        return {r: resimulate(record, r, self.env) for r in sorted(round_indices)}
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+
+
+def round_seeds(record: Record, round_index: int) -> int | list[int]:
+    """The reset seeds of a recorded round: the run's algorithm planned them from the iteration
+    and round (embodied/ppo.py, grpo.py), so its plan gives them again."""
+    from embodied.roles import build_algorithm
+    from embodied.schema import EnvSpec
+
+    cfg = _config(record)
+    spec = EnvSpec.from_dict(record.meta["spec"])
+    task_of_env = torch.tensor(record.meta["task_of_env"], dtype=torch.long)
+    algorithm = build_algorithm(cfg, spec, task_of_env)
+    return algorithm.plan(record.meta["iteration"], round_index, episode_base=0).seeds
+
+
+def resimulate(record: Record, round_index: int, env, atol: float = 0.0) -> Resimulated:
+    """Run round ``round_index`` of ``record`` again on ``env`` (the run's environments, built
+    as its config says: the same tasks, in the same order, on the same kind of simulator)."""
+    batch = record.rounds[round_index]
+    T, B, K = batch.rewards.shape
+    if env.num_envs != B:
+        raise ValueError(
+            f"resimulate: the record has {B} environments, the simulator {env.num_envs}"
+        )
+    actions = batch.actions.to(getattr(env, "device", "cpu"))  # f32 [T, B, K, A]
+    before = [env.reset(seed=round_seeds(record, round_index))]
+    rewards = []
+    success = []
+    for t in range(T):
+        for k in range(K):
+            out = env.step(actions[t, :, k])
+            rewards.append(out.reward.float().cpu())
+            success.append(out.success.cpu())
+            before.append(out.obs)
+    rewards = torch.stack(rewards)  # f32 [S, B]
+    recorded = by_step(batch.rewards.cpu())
+    return Resimulated(
+        round_index=round_index,
+        obs=_stack([o.map(lambda x: x.cpu()) for o in before[:-1]]),
+        rewards=rewards,
+        success=torch.stack(success),
+        divergences=_divergences(recorded, rewards, atol),
+    )
+
+
+def by_step(chunks: torch.Tensor) -> torch.Tensor:
+    """[T, B, K, ...] per chunk and action -> [T * K, B, ...] per environment step t * K + k."""
+    T, B, K = chunks.shape[:3]
+    return chunks.transpose(1, 2).reshape(T * K, B, *chunks.shape[3:])
+
+
+def _stack(steps: list[Observation]) -> Observation:
+    """Observations of [B, ...] per step -> one of [S, B, ...]."""
+    first = steps[0]
+    return Observation(
+        state=torch.stack([o.state for o in steps]),
+        instruction=list(first.instruction),
+        images={c: torch.stack([o.images[c] for o in steps]) for c in first.images},
+        privileged={k: torch.stack([o.privileged[k] for o in steps]) for k in first.privileged},
+    )
+
+
+def _divergences(recorded: torch.Tensor, resimulated: torch.Tensor, atol: float):
+    """Each row's first step whose rewards differ by more than ``atol``."""
+    differs = (recorded - resimulated).abs() > atol  # bool [S, B]
+    found = []
+    for row in differs.any(0).nonzero().squeeze(1).tolist():
+        step = int(differs[:, row].nonzero()[0])
+        found.append(
+            Divergence(row, step, float(recorded[step, row]), float(resimulated[step, row]))
+        )
+    return found

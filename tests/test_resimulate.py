@@ -1,0 +1,126 @@
+"""Recorded rounds simulated again (embodied/resimulate.py): the rewards and the observations at
+chunk starts come back as recorded, a changed action is named where it diverges, and a chunked
+policy's episodes become a dataset with a frame per step that LeRobot reads and SFT trains on."""
+
+import json
+
+import numpy as np
+import pytest
+import scripted_envs
+import torch
+from scripted_envs import GRPO, TINY_VLA, PushRightEnv, run_on
+
+from embodied.cli import main
+from embodied.episodes import choose, episodes_of
+from embodied.recording import read_record
+from embodied.resimulate import by_step, resimulate, round_seeds
+
+
+@pytest.fixture
+def recorded(tmp_path):
+    """One GRPO iteration of a policy acting in chunks of 2 on the test task, recorded."""
+    torch.manual_seed(0)
+    policy = {**TINY_VLA, "chunk_size": 2}
+    run_dir = tmp_path / "run"
+    run_on(
+        PushRightEnv(8),
+        run_dir,
+        total_env_steps=32,
+        record_rollouts=1,
+        policy=policy,
+        algorithm=GRPO,
+    )
+    return read_record(run_dir, 1)
+
+
+def test_steps_of_chunks_are_in_chunk_then_action_order():
+    chunks = torch.arange(2 * 3 * 2).reshape(2, 3, 2)  # [T=2, B=3, K=2]: t * 6 + b * 2 + k
+    steps = by_step(chunks)  # [4, 3]
+    assert steps[:, 1].tolist() == [2, 3, 8, 9]  # env 1: chunk 0 actions 0, 1, chunk 1 ...
+
+
+def test_a_recorded_round_resimulates_to_its_rewards_and_chunk_start_observations(recorded):
+    batch = recorded.rounds[0]
+    T, B, K = batch.rewards.shape
+    assert K == 2 and round_seeds(recorded, 0) == round_seeds(recorded, 0)
+    again = resimulate(recorded, 0, PushRightEnv(8))
+    assert again.divergences == []
+    assert again.summary() == "round 0: re-simulated rewards equal the recorded ones"
+    assert torch.equal(again.rewards, by_step(batch.rewards))
+    assert torch.equal(again.success, by_step(batch.success))
+    # what the record keeps, before each chunk, is the re-simulation's before each step t * K
+    assert torch.equal(again.obs.images["cam"][::K], batch.obs.images["cam"])
+    assert torch.equal(again.obs.state[::K], batch.obs.state)
+    assert again.obs.state[1, :, 0].tolist() == [1.0] * B  # mid-chunk: one step into the episode
+
+
+def test_a_changed_action_is_named_where_the_rewards_diverge(recorded):
+    batch = recorded.rounds[0]
+    K = batch.rewards.shape[2]
+    succeeded = (batch.rewards == 1).nonzero()
+    assert len(succeeded), "the recorded round has no rewarded action to change"
+    t, row, k = succeeded[0].tolist()
+    batch.actions[t, row, k, 0] = -1.0  # x below the threshold: no reward
+    step = t * K + k
+    again = resimulate(recorded, 0, PushRightEnv(8))
+    found = [(d.row, d.step, d.recorded, d.resimulated) for d in again.divergences]
+    assert found == [(row, step, 1.0, 0.0)]
+    assert again.summary() == (
+        f"round 0: rewards diverge at row {row} from step {step} (recorded 1, re-simulated 0)"
+    )
+    assert again.agrees(row, step - 1) and not again.agrees(row, step)
+    assert again.agrees((row + 1) % 8, 10**6)
+
+
+def test_episode_steps_skip_the_actions_run_after_it_ended(recorded):
+    batch = recorded.rounds[0]
+    episodes = [e for e in episodes_of(recorded) if e.round_index == 0 and e.row == 0]
+    first = episodes[0]
+    # 3 steps in chunks of 2: chunk 0's two actions and chunk 1's first
+    assert first.chunks == [0, 1] and first.steps(recorded) == [0, 1, 2] and first.length == 3
+    assert batch.valid[1, 0].tolist() == [True, False]
+
+
+def test_a_chunked_policys_episodes_become_a_dataset_through_resimulation(tmp_path, capsys):
+    """MuJoCo's pick task from cameras, a policy acting in chunks of 2, every iteration
+    recorded: ``--to-dataset`` (no ``--iteration``: every record) re-simulates the rounds, keeps
+    a frame per step, LeRobot reads it and ``embodied sft`` trains on it."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    env = {"simulator": "mujoco", "task": "pick", "obs_mode": "rgb", "image_size": 32}
+    env.update(num_envs=2, max_episode_steps=4)
+    policy = {**scripted_envs.TINY_VLA, "value_head": True, "chunk_size": 2}
+    runner = {"name": "rl", "output_dir": str(tmp_path), "progress": False, "video": False}
+    runner.update(total_env_steps=32, record_rollouts=1, eval_every=0, final_eval_episodes=1)
+    algorithm = {**scripted_envs.PPO, "num_steps": 4}
+    body = {"env": env, "policy": policy, "algorithm": algorithm, "runner": runner}
+    (tmp_path / "rl.yaml").write_text(json.dumps(body))
+    assert main(["train", str(tmp_path / "rl.yaml")]) == 0
+    capsys.readouterr()
+    dataset = tmp_path / "rl_episodes"
+    assert main(["episodes", str(tmp_path / "rl"), "--to-dataset", str(dataset)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("re-simulated rewards equal the recorded ones") == 2  # 2 iterations
+    assert "left out" not in out
+    written = int(out.split("wrote ")[1].split()[0])
+    records = [read_record(tmp_path / "rl", i) for i in (1, 2)]
+    chosen = [(r, e) for r in records for e in choose(episodes_of(r))]
+    # episodes of 4 steps, rounds of 8 steps (4 chunks of 2) on 2 environments: 4 per record, and
+    # the second of each row begins after an automatic reset the re-simulation repeats
+    assert written == len(chosen) == 8
+    ds = LeRobotDataset("rl_episodes", root=dataset)
+    assert ds.num_episodes == written
+    assert ds.num_frames == sum(e.length for _, e in chosen)
+    record, episode = chosen[0]
+    batch = record.rounds[episode.round_index]
+    # the dataset's frames at the episode's chunk starts are the recorded ones
+    camera = sorted(batch.obs.images)[0]
+    recorded = batch.obs.images[camera][episode.chunks, episode.row].numpy()  # uint8 [c, H, W, 3]
+    frames = [ds[i][f"observation.images.{camera}"] for i in range(0, episode.length, 2)]
+    got = np.stack([(f.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8) for f in frames])
+    assert np.array_equal(got, recorded[: len(got)])
+    sft = tmp_path / "sft.yaml"
+    runner = {"name": "sft", "output_dir": str(tmp_path), "eval_episodes": 1, "progress": False}
+    body = {"datasets": [str(dataset)], "env": env, "policy": policy, "steps": 1}
+    sft.write_text(json.dumps({**body, "batch_size": 4, "warmup_steps": 1, "runner": runner}))
+    assert main(["sft", str(sft)]) == 0
