@@ -4,6 +4,7 @@ the Megatron backend is a second implementation of the same interface."""
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +57,7 @@ class TrainerConfig:
 class TrainEngine(Protocol):
     rank: int  # this process's data-parallel rank (0 when alone)
     world_size: int  # how many ranks share each minibatch (1 when alone)
+    tp_rank: int  # this process's tensor-parallel rank (0 when alone)
 
     def logprob(
         self, samples: Samples, level: str
@@ -89,6 +91,11 @@ class TrainEngine(Protocol):
         """Bring ``torch_policy`` up to date after the weights or buffers changed."""
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def whole_optimizer_state(self) -> dict:
+        """A copy of the optimizer's state over every trainable weight, as torch's Adam state
+        dict over ``torch_policy`` (every TP rank calls it: sharded state is gathered); what a
+        rollout record keeps, and ``load_state_dict`` takes back."""
 
     def close(self) -> None:
         """Release what the engine holds across processes (at the run's end)."""
@@ -180,6 +187,7 @@ class TorchEngine(LearningRate):
         self.checkpoint_shards = None
         self.rank = 0
         self.world_size = 1
+        self.tp_rank = 0
         self.process_group = None
 
     def distribute(self, process_group, with_value: bool) -> None:
@@ -260,6 +268,12 @@ class TorchEngine(LearningRate):
 
     def close(self) -> None:
         pass  # (a data-parallel group belongs to the actor worker that joined it)
+
+    def whole_optimizer_state(self) -> dict:
+        buffer = io.BytesIO()
+        torch.save(self.optimizer.state_dict(), buffer)  # (a deep host copy)
+        buffer.seek(0)
+        return torch.load(buffer, map_location="cpu", weights_only=False)
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state["model"])

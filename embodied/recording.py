@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import math
 import shutil
@@ -126,11 +125,7 @@ class Pending:
         model = {
             k: v.detach().to("cpu", copy=True) for k, v in engine.torch_policy.state_dict().items()
         }
-        buffer = io.BytesIO()
-        torch.save(engine.checkpoint_optimizer.state_dict(), buffer)  # (a deep host copy)
-        buffer.seek(0)
-        optimizer = torch.load(buffer, map_location="cpu", weights_only=False)
-        return cls(model, optimizer, engine.lr, stream.state())
+        return cls(model, engine.whole_optimizer_state(), engine.lr, stream.state())
 
     def add(self, batch: RolloutBatch) -> None:
         self.rounds.append(batch_tensors(batch, f"r{len(self.rounds)}/"))
@@ -183,11 +178,9 @@ class Record:
 
 
 def restore_before(learner, record: Record) -> None:
-    """``learner`` as it was before the recorded update: weights, optimizer, learning rate and
-    random stream."""
-    learner.engine.load_state_dict({"model": record.model, "optimizer": record.optimizer})
-    learner.engine.set_lr(record.meta["lr"])
-    learner.stream.load(record.stream)
+    """``learner`` (every TP rank of it) as it was before the recorded update: weights,
+    optimizer, learning rate and random stream."""
+    learner.restore_record(record.model, record.optimizer, record.meta["lr"], record.stream)
 
 
 def read_record(run_dir: Path, iteration: int, device="cpu") -> Record:

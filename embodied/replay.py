@@ -4,7 +4,9 @@ it with the run: the update's metrics as logged, and the weights after it (a dig
 machine and backend that recorded it they match bit for bit; ``--rtol`` allows a relative
 difference in the metrics elsewhere (and leaves the weights' digest out). Not bit for bit: an
 update shared by data-parallel actor workers (each summed its share of every minibatch), one
-recorded on a GPU and replayed on the CPU, ``offload_optimizer``'s bookkeeping metric.
+recorded on a GPU and replayed on the CPU, ``offload_optimizer``'s bookkeeping metric. A
+megatron run's update is replayed at its TP size (its weights before the update are the float32
+torch copy's: a bf16 run's main weights are not kept, so its replay is not bit for bit).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def replay(run_dir: Path, iteration: int, device: str = "cpu") -> tuple[Record, 
     """The recorded update of ``iteration`` run again: (the record, the update's metrics, the
     digest of the weights after it)."""
     from embodied.config import compose
-    from embodied.roles import Learner
+    from embodied.roles import learner_for
     from embodied.schema import EnvSpec
     from embodied.train_config import TrainConfig
 
@@ -35,7 +37,8 @@ def replay(run_dir: Path, iteration: int, device: str = "cpu") -> tuple[Record, 
     numerics.setup(cfg.runner.torch_threads)  # (the run's threads: another count sums apart)
     spec = EnvSpec.from_dict(record.meta["spec"])
     task_of_env = torch.tensor(record.meta["task_of_env"], dtype=torch.long)
-    learner = Learner(cfg, spec, task_of_env, torch.device(device))
+    # (at the run's trainer.tensor_parallel: the other TP ranks are processes of this one)
+    learner = learner_for(cfg, spec, task_of_env, torch.device(device))
     try:
         restore_before(learner, record)
         for batch in record.rounds:

@@ -89,7 +89,10 @@ class Done:
 
 class Learner:
     """The learner role: epochs of minibatch updates of the algorithm through a ``TrainEngine``,
-    the observation normaliser, the optimizer, checkpoints, and the weights inference copies."""
+    the observation normaliser, the optimizer, checkpoints, and the weights inference copies.
+    ``lockstep_calls``: what TP rank 0 sends its helper ranks too (megatron/lockstep.py)."""
+
+    lockstep_calls = ("restore_record",)
 
     def __init__(self, cfg, spec: EnvSpec, task_of_env: torch.Tensor, device):
         # the learner's stream (every data-parallel or TP rank derives the same one): the
@@ -105,7 +108,8 @@ class Learner:
             "spec": spec.to_dict(),
             "task_of_env": task_of_env.tolist(),
         }
-        self.pending: Pending | None = None
+        self.pending: Pending | None = None  # (TP rank 0's; the others gather it with it)
+        self.started = False  # the iteration in progress has its state before it taken
         self.updated: list[Pending] = []
 
     def _build(self, cfg, spec: EnvSpec, task_of_env: torch.Tensor, device) -> None:
@@ -148,9 +152,9 @@ class Learner:
     def add_round(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
         """A collected round for the next update, its advantages computed here, where the
         update runs (the algorithm's ``advantages``); returns their 0-dim metrics."""
-        if self.records:
-            if self.pending is None:  # (the iteration's first round: the state before it)
-                self.pending = Pending.before(self.engine, self.stream)
+        if self.records and not self.started:  # (the first round: the state before it)
+            self._take_state_before()
+        if self.pending is not None:
             self.pending.add(batch)
         metrics = self.algorithm.advantages(batch)
         self.rounds.append(batch)
@@ -158,9 +162,22 @@ class Learner:
 
     @property
     def records(self) -> bool:
-        """Whether this learner keeps records: recording is on and it is rank 0 (asked when
-        used: data-parallel ranks learn their rank after they are built)."""
+        """Whether this learner takes part in records: recording is on and it is data-parallel
+        rank 0 (asked when used: data-parallel ranks learn their rank after they are built).
+        Every TP rank takes part (the state is gathered from all); TP rank 0 keeps it."""
         return self.cfg.runner.record_rollouts > 0 and self.engine.rank == 0
+
+    def _take_state_before(self) -> None:
+        pending = Pending.before(self.engine, self.stream)  # (a collective across TP ranks)
+        self.pending = pending if self.engine.tp_rank == 0 else None
+        self.started = True
+
+    def restore_record(self, model: dict, optimizer: dict, lr: float, stream: dict) -> None:
+        """The state a record kept before its update: weights, optimizer, learning rate and
+        random stream (embodied/recording.py)."""
+        self.engine.load_state_dict({"model": model, "optimizer": optimizer})
+        self.engine.set_lr(lr)
+        self.stream.load(stream)
 
     def drop_last_round(self) -> None:
         """Forget the round added last (lost elsewhere: it is collected again), in the record
@@ -182,10 +199,13 @@ class Learner:
         with self.stream.drawing():
             metrics = self._update(samples, [batch.obs for batch in rounds])
         if self.records:
-            pending = self.pending or Pending.before(self.engine, self.stream)  # (no rounds)
-            pending.digest_after = weights_digest(self.engine.torch_policy)
-            self.updated.append(pending)
+            if not self.started:  # (no rounds)
+                self._take_state_before()
+            if self.pending is not None:
+                self.pending.digest_after = weights_digest(self.engine.torch_policy)
+                self.updated.append(self.pending)
             self.pending = None
+            self.started = False
         return metrics
 
     def keep_record(self, run_dir: Path, iteration: int, reason: str | None, metrics: dict):

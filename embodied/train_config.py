@@ -118,10 +118,10 @@ class TrainConfig:
         self.algorithm.check_with(self.policy, self.env)
         if self.trainer.backend == "megatron":
             check_megatron(self.trainer, self.policy, self.cluster)
-            if self.runner.record_rollouts:
+            if self.runner.record_rollouts and self.cluster.enabled:
                 raise ValueError(
-                    "runner.record_rollouts: records of the megatron backend are not written "
-                    "yet (trainer.backend=torch records and replays)"
+                    "runner.record_rollouts: records of the megatron backend on a cluster are "
+                    "not built yet (in one process, at any trainer.tensor_parallel, they are)"
                 )
 
 

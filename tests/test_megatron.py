@@ -993,6 +993,72 @@ def test_a_run_on_megatron_follows_the_torch_run_and_resumes_at_any_tp_or_on_tor
         assert_rows_close(metric_table(tmp_path / name), want)
 
 
+def records_child(rank: int, tmp_path) -> None:
+    """In a process of its own: GRPO and PPO on megatron at TP=1 and TP=2, every iteration
+    recorded, then every recorded update replayed at its run's TP size; by run and iteration,
+    what differs (nothing, bit for bit) and how many metrics were compared, in replays.json."""
+    import json
+
+    from scripted_envs import GRPO, PPO, TINY_VLA, PushRightEnv, run_on
+
+    from embodied.replay import differences, replay
+
+    torch.set_num_threads(1)
+    algorithms = {
+        "grpo": ({**GRPO, "max_rounds": 1, "dynamic_sampling": False}, {}),
+        "ppo": ({**PPO, "num_steps": 3}, {"value_head": True}),
+    }
+    found = {}
+    for name, (algorithm, policy) in algorithms.items():
+        for tp in (1, 2):
+            run_dir = tmp_path / f"{name}_tp{tp}"
+            torch.manual_seed(0)
+            run_on(
+                PushRightEnv(8),
+                run_dir,
+                total_env_steps=8 * 3 * 2,
+                policy={**TINY_VLA, **E2E_POLICY, **policy},
+                algorithm=algorithm,
+                trainer={"backend": "megatron", "tensor_parallel": tp},
+                record_rollouts=1,
+            )
+            for iteration in (1, 2):
+                record, metrics, digest = replay(run_dir, iteration)
+                weights = (record.meta["digest_after"], digest)
+                differ = differences(record.meta["metrics"], metrics, 0.0, weights)
+                found[f"{name}_tp{tp}_{iteration}"] = {"differ": differ, "metrics": len(metrics)}
+    (tmp_path / "replays.json").write_text(json.dumps(found))
+
+
+def test_megatron_updates_replay_bit_for_bit_from_their_records_at_tp_1_and_2(tmp_path):
+    """record -> replay on the megatron backend (PPO and GRPO, TP=1 and TP=2, CPU): the
+    losses, KL, clip fraction, gradient norm and the weights after the update as the run's. A
+    TP=2 record holds the whole state in the torch layout, the fusion's Adam moments gathered
+    from both ranks: they equal the TP=1 run's."""
+    pytest.importorskip("megatron.core")
+    import json
+
+    from embodied.recording import read_record
+
+    torch.multiprocessing.spawn(records_child, args=(tmp_path,), nprocs=1)
+    found = json.loads((tmp_path / "replays.json").read_text())
+    assert sorted(found) == [
+        f"{a}_tp{tp}_{i}" for a in ("grpo", "ppo") for tp in (1, 2) for i in (1, 2)
+    ]
+    assert all(r["differ"] == [] and r["metrics"] >= 7 for r in found.values()), found
+    whole = read_record(tmp_path / "grpo_tp1", 2)
+    sharded = read_record(tmp_path / "grpo_tp2", 2)
+    assert any(k.startswith("fusion.") for k in sharded.model)
+    assert sharded.model.keys() == whole.model.keys()
+    state = sharded.optimizer["state"]
+    assert state.keys() == whole.optimizer["state"].keys() and len(state) > 0
+    for index, entry in whole.optimizer["state"].items():
+        assert state[index]["step"] == entry["step"] == 4  # 1 iteration of 2 epochs x 2 minibatches
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[index][key].shape == entry[key].shape
+            torch.testing.assert_close(state[index][key], entry[key], rtol=1e-4, atol=1e-8)
+
+
 def vlm_e2e_child(rank: int, tmp_path) -> None:
     """The VLA on a Qwen2.5-VL, trained and frozen, at TP=2; the trained run resumed at TP=1."""
     torch.set_num_threads(1)

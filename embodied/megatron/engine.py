@@ -163,6 +163,7 @@ class MegatronEngine(LearningRate):
         self.checkpoint_shards = self.write_shards
         self.rank = parallel_state.get_data_parallel_rank()
         self.world_size = parallel_state.get_data_parallel_world_size()
+        self.tp_rank = parallel.tp_rank()
         self.model.zero_grad_buffer()
 
     def logprob(self, samples: Samples, level: str):
@@ -300,11 +301,7 @@ class MegatronEngine(LearningRate):
         this needs no collective."""
         if self.world_size > 1:
             raise NotImplementedError("checkpoints of data-parallel megatron ranks")
-        adam = torch.optim.AdamW if self.adam["weight_decay"] else torch.optim.Adam
-        template = adam(
-            [p for p in self.torch_policy.parameters() if p.requires_grad], lr=self.lr, **self.adam
-        )
-        out = template.state_dict()
+        out = self._adam_template()
         index = {name: i for i, name in enumerate(self.trainable)}
         sharded = tuple(self.shard_prefixes.values())
         for name, param in self.policy.named_parameters():
@@ -318,6 +315,42 @@ class MegatronEngine(LearningRate):
                 **{key: state[key].detach().view(param.shape).clone() for key in MOMENTS},
             }
         return out
+
+    def whole_optimizer_state(self) -> dict:
+        """``optimizer_state_dict`` with the sharded modules' moments too, gathered from the TP
+        ranks into the torch layout (every rank calls this): the whole state, which
+        ``load_state_dict`` takes at any TP size (what a rollout record keeps)."""
+        if self.world_size > 1:
+            raise NotImplementedError("records of data-parallel megatron ranks")
+        out = self._adam_template()
+        states = {
+            name: (param, self._adam_state(param))
+            for name, param in self.policy.named_parameters()
+            if param.requires_grad
+        }
+        if any(state is None for _, state in states.values()):
+            return out  # (no step yet: no state, as torch's Adam; the same on every rank)
+        step = next(iter(states.values()))[1]["step"]
+        moments = {
+            kind: self._torch_layout(
+                {name: state[kind].detach().view(p.shape) for name, (p, state) in states.items()}
+            )
+            for kind in MOMENTS
+        }
+        for index, name in enumerate(self.trainable):
+            out["state"][index] = {
+                "step": step.clone(),
+                **{kind: moments[kind][name].clone() for kind in MOMENTS},
+            }
+        return out
+
+    def _adam_template(self) -> dict:
+        """torch's Adam state dict over the torch copy's trainable weights, without state."""
+        adam = torch.optim.AdamW if self.adam["weight_decay"] else torch.optim.Adam
+        template = adam(
+            [p for p in self.torch_policy.parameters() if p.requires_grad], lr=self.lr, **self.adam
+        )
+        return template.state_dict()
 
     def write_shards(self, directory: Path) -> dict:
         """This TP rank's shards of the trained sharded modules (weights, Adam moments, step) as
