@@ -273,7 +273,7 @@ class TorchEngine(LearningRate):
         buffer = io.BytesIO()
         torch.save(self.optimizer.state_dict(), buffer)  # (a deep host copy)
         buffer.seek(0)
-        return torch.load(buffer, map_location="cpu", weights_only=False)
+        return torch.load(buffer, map_location="cpu", weights_only=True)
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state["model"])

@@ -211,7 +211,7 @@ def read_record(run_dir: Path, iteration: int, device="cpu") -> Record:
         name = path / "rounds.safetensors.zst"
         raise RecordError(f"{name}: damaged ({type(error).__name__})") from None
     learner = read("learner.safetensors", lambda p: load_file(p))
-    optimizer = read("optimizer.pt", lambda p: torch.load(p, weights_only=False))
+    optimizer = read("optimizer.pt", lambda p: torch.load(p, weights_only=True))
     if "stream/cpu" not in learner:
         raise RecordError(f"{path / 'learner.safetensors'}: damaged (no stream/cpu)")
     stream = {"seed": meta["stream_seed"], "cpu": learner.pop("stream/cpu")}
@@ -257,6 +257,7 @@ class RunRecords:
 
     def __init__(self, runner_cfg, run_dir: Path, learner):
         self.policy = RecordPolicy(runner_cfg.record_rollouts, runner_cfg.spike_factor)
+        self.policy.grad_norms = logged_grad_norms(Path(run_dir))  # (a resumed run's window)
         self.keep = runner_cfg.keep_rollouts
         self.run_dir = Path(run_dir)
         self.learner = learner
@@ -268,6 +269,23 @@ class RunRecords:
         if reason is not None:
             prune_records(self.run_dir, self.keep)
         return reason
+
+
+def logged_grad_norms(run_dir: Path) -> list[float]:
+    """The last ``SPIKE_WINDOW`` finite gradient norms in the run's metrics.jsonl (empty for a
+    new run): a resumed run judges spikes against the iterations before it stopped."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    norms = []
+    for line in path.read_text().splitlines():
+        try:
+            norm = json.loads(line).get("policy/grad_norm")
+        except json.JSONDecodeError:  # (a line cut by a crash)
+            continue
+        if isinstance(norm, float) and math.isfinite(norm):
+            norms.append(norm)
+    return norms[-SPIKE_WINDOW:]
 
 
 def recorded_iterations(run_dir: Path) -> list[int]:

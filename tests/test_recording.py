@@ -15,8 +15,10 @@ from embodied.cli import main
 from embodied.episodes import choose, episodes_of
 from embodied.recording import (
     RecordPolicy,
+    RunRecords,
     batch_from,
     batch_tensors,
+    logged_grad_norms,
     prune_records,
     read_record,
     record_dir,
@@ -52,6 +54,22 @@ def test_every_nth_iteration_and_any_non_finite_or_spiking_update_is_recorded():
     for i in range(25):
         fresh.reason(i + 2, {"policy/grad_norm": 100.0 if i < 5 else 1.0})
     assert len(fresh.grad_norms) == 20 and fresh.reason(30, {"policy/grad_norm": 11.0}) == "spike"
+
+
+def test_a_resumed_run_judges_spikes_against_the_gradient_norms_it_logged(tmp_path):
+    """The window comes back from metrics.jsonl: the last 20 finite norms (evaluation rows,
+    non-finite norms and a line cut by a crash left out)."""
+    rows = [{"iteration": i, "policy/grad_norm": float(i)} for i in range(1, 26)]
+    rows.insert(3, {"iteration": 3, "eval/success_rate": 0.5})
+    rows.append({"iteration": 26, "policy/grad_norm": math.inf})
+    lines = [json.dumps(row) for row in rows] + ['{"iteration": 27, "policy/gr']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    assert logged_grad_norms(tmp_path) == [float(i) for i in range(6, 26)]
+    assert logged_grad_norms(tmp_path / "new") == []
+    runner = type("Runner", (), {"record_rollouts": 0, "spike_factor": 10.0, "keep_rollouts": 5})
+    records = RunRecords(runner, tmp_path, learner=None)
+    # median of 6..25 is 15.5: 156 spikes at once, where a fresh window would need two norms
+    assert records.policy.reason(28, {"policy/grad_norm": 156.0}) == "spike"
 
 
 def test_only_the_newest_records_of_every_nth_iteration_are_pruned(tmp_path):
