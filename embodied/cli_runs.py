@@ -41,6 +41,7 @@ def add_run_commands(sub) -> None:
     ep.add_argument("--best", type=int, default=0, help="the N episodes of highest return")
     ep.add_argument("--worst", type=int, default=0, help="the N episodes of lowest return")
     ep.add_argument("--task", help="episodes of this task only")
+    ep.add_argument("--seed", type=int, help="the episode that began at this reset seed")
     outcome = ep.add_mutually_exclusive_group()
     outcome.add_argument("--successful", action="store_true", help="successful episodes only")
     outcome.add_argument("--failed", action="store_true", help="failed episodes only")
@@ -98,7 +99,7 @@ def cmd_replay(args) -> int:
 
 def cmd_episodes(args) -> int:
     from embodied.episode_dataset import DatasetError, EpisodeDatasets
-    from embodied.episodes import choose, episodes_of, summary_line, write_episode
+    from embodied.episodes import choose, episodes_of, summary_line, with_seeds, write_episode
     from embodied.recording import RecordError, read_record, recorded_iterations
     from embodied.resimulate import Resimulator
 
@@ -114,6 +115,8 @@ def cmd_episodes(args) -> int:
         for iteration in iterations:
             record = read_record(run, iteration)
             found = episodes_of(record)
+            if args.seed is not None:
+                with_seeds(record, found)
             chosen = choose(
                 found,
                 best=args.best,
@@ -121,6 +124,7 @@ def cmd_episodes(args) -> int:
                 task=args.task,
                 outcome=outcome,
                 partial=args.partial,
+                seed=args.seed,
             )
             ended = f"{len(found)} episodes end in the record"
             print(f"iteration {iteration}: {ended}, {len(chosen)} chosen")

@@ -39,6 +39,7 @@ class Episode:
     success: bool  # success at some step (success once)
     success_at_end: bool
     length: int  # its steps
+    seed: int | None = None  # its reset seed where ``with_seeds`` found one (a round's first)
 
     def frames(self, record: Record, camera: str) -> np.ndarray:
         """uint8 [chunks, H, W, 3]: the camera at each of its chunks' start."""
@@ -89,6 +90,24 @@ def episodes_of(record: Record, task_names: list[str] | None = None) -> list[Epi
     return found
 
 
+def with_seeds(record: Record, episodes: list[Episode]) -> list[Episode]:
+    """``episodes`` with the reset seed of each that began at its round's reset (the round's
+    seeds, planned again: embodied/resimulate.py); one after an automatic reset has none."""
+    from embodied.resimulate import round_seeds
+
+    seeds = {}
+    for episode in episodes:
+        if episode.chunks[0] != 0:
+            continue
+        r = episode.round_index
+        if r not in seeds:
+            seeds[r] = round_seeds(record, r)
+        planned = seeds[r]
+        row = episode.row
+        episode.seed = planned + row if isinstance(planned, int) else int(planned[row])
+    return episodes
+
+
 def _episode(batch, r: int, row: int, chunks: list[int], episode_id: int, whole: bool):
     valid = batch.valid[chunks, row]  # bool [chunks, K]
     rewards = batch.rewards[chunks, row][valid]
@@ -115,15 +134,18 @@ def choose(
     task: str | None = None,
     outcome: str | None = None,
     partial: bool = False,
+    seed: int | None = None,
 ) -> list[Episode]:
-    """The episodes asked for: of ``task`` and ``outcome`` ("successful", "failed"), whole ones
-    unless ``partial``; then the ``best`` and ``worst`` by return (neither: all of them)."""
+    """The episodes asked for: of ``task``, ``outcome`` ("successful", "failed") and reset
+    ``seed`` (``with_seeds``), whole ones unless ``partial``; then the ``best`` and ``worst``
+    by return (neither: all of them)."""
     kept = [
         e
         for e in episodes
         if (partial or e.whole)
         and (task is None or e.task == task)
         and (outcome is None or e.success == (outcome == "successful"))
+        and (seed is None or e.seed == seed)
     ]
     if not best and not worst:
         return kept

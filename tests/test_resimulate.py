@@ -11,7 +11,7 @@ import torch
 from scripted_envs import GRPO, TINY_VLA, PushRightEnv, run_on
 
 from embodied.cli import main
-from embodied.episodes import choose, episodes_of
+from embodied.episodes import choose, episodes_of, with_seeds
 from embodied.recording import read_record
 from embodied.resimulate import by_step, resimulate, round_seeds
 
@@ -79,6 +79,19 @@ def test_episode_steps_skip_the_actions_run_after_it_ended(recorded):
     # 3 steps in chunks of 2: chunk 0's two actions and chunk 1's first
     assert first.chunks == [0, 1] and first.steps(recorded) == [0, 1, 2] and first.length == 3
     assert batch.valid[1, 0].tolist() == [True, False]
+
+
+def test_an_episode_is_chosen_by_its_reset_seed(recorded):
+    """GRPO's plan: group g of round r of iteration 1 gets seed r * 8 + g (run seed 0, 8
+    environments, groups of 4); the first episode of each row carries its group's seed, the one
+    after an automatic reset none."""
+    found = with_seeds(recorded, episodes_of(recorded))
+    firsts = [e for e in found if e.chunks[0] == 0]
+    assert [e.seed for e in firsts] == round_seeds(recorded, 0)
+    assert all(e.seed is None for e in found if e.chunks[0] != 0)
+    assert round_seeds(recorded, 0) == [0, 0, 0, 0, 1, 1, 1, 1]
+    chosen = choose(found, seed=1)
+    assert [e.row for e in chosen] == [4, 5, 6, 7]
 
 
 def test_a_chunked_policys_episodes_become_a_dataset_through_resimulation(tmp_path, capsys):
