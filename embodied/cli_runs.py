@@ -54,6 +54,12 @@ def add_run_commands(sub) -> None:
         "where the rewards diverge from the record (--to-dataset does so for chunked policies)",
     )
     ep.add_argument(
+        "--atol",
+        type=float,
+        default=0.0,
+        help="re-simulated rewards within this of the recorded ones agree (default 0: equal)",
+    )
+    ep.add_argument(
         "--to-dataset",
         metavar="DIR",
         help="write the chosen episodes as a LeRobot v3 dataset there instead (for embodied sft)",
@@ -98,10 +104,11 @@ def cmd_replay(args) -> int:
 
 
 def cmd_episodes(args) -> int:
-    from embodied.episode_dataset import DatasetError, EpisodeDatasets
+    from embodied.episode_dataset import EpisodeDatasets
     from embodied.episodes import choose, episodes_of, summary_line, with_seeds, write_episode
-    from embodied.recording import RecordError, read_record, recorded_iterations
+    from embodied.recording import read_record, recorded_iterations
     from embodied.resimulate import Resimulator
+    from embodied.schema import UserError
 
     run = Path(args.run)
     iterations = [args.iteration] if args.iteration is not None else recorded_iterations(run)
@@ -131,7 +138,7 @@ def cmd_episodes(args) -> int:
             chunked = record.rounds[0].actions.shape[2] > 1
             resimulated = {}
             if args.resimulate or (args.to_dataset and chunked):
-                resimulated, chosen = _resimulated(resimulator, record, chosen)
+                resimulated, chosen = _resimulated(resimulator, record, chosen, args.atol)
             if args.to_dataset:
                 if datasets is None:
                     source = {"run": str(run), "episodes": "rl", "iterations": iterations}
@@ -146,7 +153,9 @@ def cmd_episodes(args) -> int:
                     record, episode, out, resimulated.get(episode.round_index)
                 )
                 print(f"{summary_line(episode)}: {video or 'no camera'}, {plot}")
-    except (RecordError, DatasetError) as e:
+    except UserError as e:  # (a record, a dataset directory, a re-simulation)
+        if datasets is not None:
+            print(f"the datasets under {args.to_dataset} are incomplete (no metadata written)")
         return _error(str(e))
     finally:
         resimulator.close()
@@ -157,13 +166,13 @@ def cmd_episodes(args) -> int:
     return 0
 
 
-def _resimulated(resimulator, record, chosen: list) -> tuple[dict, list]:
+def _resimulated(resimulator, record, chosen: list, atol: float) -> tuple[dict, list]:
     """Each round the chosen episodes are in, simulated again ({round: Resimulated}), and the
     episodes whose rewards agree with the record's to their end; the others are named."""
     from embodied.episodes import summary_line
 
     iteration = record.meta["iteration"]
-    rounds = resimulator.rounds(record, {e.round_index for e in chosen})
+    rounds = resimulator.rounds(record, {e.round_index for e in chosen}, atol)
     for resimulated in rounds.values():
         print(f"iteration {iteration} {resimulated.summary()}")
     kept = [e for e in chosen if rounds[e.round_index].agrees(e.row, e.steps(record)[-1])]

@@ -39,10 +39,13 @@ def dataset_roots(root: Path, record: Record) -> dict[str, Path]:
 
 
 def check_free(roots: dict[str, Path]) -> None:
-    """``DatasetError`` when a dataset is there already (before anything is written)."""
+    """``DatasetError`` when a dataset directory holds anything already (a dataset, or what an
+    interrupted one left), before anything is written."""
     for path in roots.values():
         if (path / "meta" / "info.json").exists():
             raise DatasetError(f"{path} already holds a dataset; choose another output directory")
+        if path.is_dir() and any(path.iterdir()):
+            raise DatasetError(f"{path} is not empty; choose another output directory")
 
 
 class EpisodeDatasets:

@@ -246,8 +246,12 @@ def _success_plot(data: RunData) -> bytes:
         low = [r.low for r in rates]
         high = [r.high for r in rates]
         axis.fill_between(steps, low, high, color=color, alpha=0.2)
-    train = [(r["env_steps"], r["episode/success_once"]) for r in data.iterations]
-    train = [(s, v) for s, v in train if v == v]  # (an iteration where no episode ended: NaN)
+    # (an iteration where no episode ended logs none)
+    train = [
+        (r["env_steps"], r["episode/success_once"])
+        for r in data.iterations
+        if "episode/success_once" in r
+    ]
     if train:
         xs, ys = zip(*train)
         axis.plot(xs, ys, color="grey", lw=0.8, label="training: success once")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from embodied.evaluate import wilson_interval
 from embodied.events import Event, read_events
+from embodied.recording import record_dir, recorded_iterations
 from embodied.schema import UserError
 
 PHASE_PREFIX = "time/"  # the logged seconds of each phase: time/<phase>_s
@@ -28,6 +29,8 @@ class Rate:
 
     @classmethod
     def of(cls, rate: float, episodes: int) -> Rate:
+        if math.isnan(rate):  # (not logged)
+            return cls(rate, episodes, math.nan, math.nan)
         successes = round(rate * episodes)
         low, high = wilson_interval(successes, episodes)
         return cls(rate, episodes, low, high)
@@ -115,12 +118,13 @@ def read_jsonl(path: Path) -> list[dict]:
 def records_of(run_dir: Path) -> list[dict]:
     """The iteration and reason of each record under RUN/rollouts."""
     found = []
-    for meta in sorted((run_dir / "rollouts").glob("iter_*/record.json")):
+    for iteration in recorded_iterations(run_dir):
+        meta = record_dir(run_dir, iteration) / "record.json"
         try:
-            record = json.loads(meta.read_text())
-            found.append({"iteration": record["iteration"], "reason": record["reason"]})
+            reason = json.loads(meta.read_text())["reason"]
         except (json.JSONDecodeError, KeyError):
-            found.append({"iteration": int(meta.parent.name[5:]), "reason": "damaged"})
+            reason = "damaged"
+        found.append({"iteration": iteration, "reason": reason})
     return found
 
 

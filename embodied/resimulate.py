@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from embodied.recording import Record
-from embodied.schema import Observation
+from embodied.schema import Observation, UserError
 
 
 @dataclass
@@ -75,11 +75,13 @@ class Resimulator:
     def __init__(self):
         self.env = None
 
-    def rounds(self, record: Record, round_indices) -> dict[int, Resimulated]:
-        """The rounds of ``record`` simulated again, by index."""
+    def rounds(self, record: Record, round_indices, atol: float = 0.0) -> dict[int, Resimulated]:
+        """The rounds of ``record`` simulated again, by index (rewards compared to ``atol``)."""
+        if not round_indices:
+            return {}
         if self.env is None:
             self.env = simulator_for(record)
-        return {r: resimulate(record, r, self.env) for r in sorted(round_indices)}
+        return {r: resimulate(record, r, self.env, atol) for r in sorted(round_indices)}
 
     def close(self) -> None:
         if self.env is not None:
@@ -105,11 +107,12 @@ def resimulate(record: Record, round_index: int, env, atol: float = 0.0) -> Resi
     batch = record.rounds[round_index]
     T, B, K = batch.rewards.shape
     if env.num_envs != B:
-        raise ValueError(
-            f"resimulate: the record has {B} environments, the simulator {env.num_envs}"
+        raise UserError(
+            f"{record.path}: the record has {B} environments, its config's simulator "
+            f"{env.num_envs}; it cannot be re-simulated"
         )
     actions = batch.actions.to(getattr(env, "device", "cpu"))  # f32 [T, B, K, A]
-    before = [env.reset(seed=round_seeds(record, round_index))]
+    before = [env.reset(seed=round_seeds(record, round_index)).map(lambda x: x.cpu())]
     rewards = []
     success = []
     for t in range(T):
@@ -117,12 +120,12 @@ def resimulate(record: Record, round_index: int, env, atol: float = 0.0) -> Resi
             out = env.step(actions[t, :, k])
             rewards.append(out.reward.float().cpu())
             success.append(out.success.cpu())
-            before.append(out.obs)
+            before.append(out.obs.map(lambda x: x.cpu()))  # (T * K of them: on the host)
     rewards = torch.stack(rewards)  # f32 [S, B]
     recorded = by_step(batch.rewards.cpu())
     return Resimulated(
         round_index=round_index,
-        obs=_stack([o.map(lambda x: x.cpu()) for o in before[:-1]]),
+        obs=_stack(before[:-1]),
         rewards=rewards,
         success=torch.stack(success),
         divergences=_divergences(recorded, rewards, atol),

@@ -243,6 +243,9 @@ RUN_FILES = (
     "videos",
     "cluster.json",
     "trace.json",
+    "events.jsonl",
+    "rollouts",
+    "report.html",
 )
 
 

@@ -198,8 +198,12 @@ class Runner:
         print(f"report: {path}")
 
     def _event(self, kind: str, detail: str = "") -> None:
-        """An event of the run (embodied/events.py) at its last completed iteration."""
-        self.events.add(kind, self.state.iteration, self.state.env_steps, detail)
+        """An event of the run (embodied/events.py) at its last completed iteration; one that
+        cannot be written (a full disk) is said, not raised over what the run was doing."""
+        try:
+            self.events.add(kind, self.state.iteration, self.state.env_steps, detail)
+        except OSError as error:
+            print(f"event {kind} not written to {self.events.path}: {error}")
 
     # --- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:

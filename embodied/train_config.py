@@ -118,6 +118,11 @@ class TrainConfig:
         self.algorithm.check_with(self.policy, self.env)
         if self.trainer.backend == "megatron":
             check_megatron(self.trainer, self.policy, self.cluster)
+            if self.runner.replay_from:
+                raise ValueError(
+                    "runner.replay_from: trains on trainer.backend=torch (records hold the "
+                    "torch layout, a megatron run's too)"
+                )
             if self.runner.record_rollouts and self.cluster.enabled:
                 raise ValueError(
                     "runner.record_rollouts: records of the megatron backend on a cluster are "

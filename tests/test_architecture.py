@@ -172,7 +172,12 @@ ALLOWED = {
     },
     "embodied.stages": set(),
     # the run's report: what its directory holds, as a page
-    "embodied.report_data": {"embodied.evaluate", "embodied.events", "embodied.schema"},
+    "embodied.report_data": {
+        "embodied.evaluate",
+        "embodied.events",
+        "embodied.recording",
+        "embodied.schema",
+    },
     "embodied.report": {
         "embodied.episodes",
         "embodied.recording",

@@ -67,6 +67,11 @@ HAND_BUILT = [
     _iteration(2, 1.0, 0.3),
     {"env_steps": 200, "iteration": 2, "cluster/discarded_rounds": 1.0},
 ]
+# an iteration in which no episode ended logs no success, an evaluation without success_at_end
+NOT_LOGGED = [
+    {k: v for k, v in _iteration(3, 1.0, 0.2).items() if k != "episode/success_once"},
+    {k: v for k, v in _evaluation(3, "eval/", 0.5, 0.0, 4).items() if k != "eval/success_at_end"},
+]
 
 
 def test_evaluations_are_read_per_task_with_their_wilson_intervals():
@@ -113,6 +118,16 @@ def test_a_hand_built_run_reports_its_tables_events_and_nothing_from_outside(tmp
     sources = re.findall(r'(?:src|href)="([^"]*)"', page)
     assert sources and all(s.startswith("data:") for s in sources)  # no file, no network
     assert "<script" not in page
+
+
+def test_what_was_not_logged_is_reported_as_not_logged(tmp_path):
+    lines = [json.dumps(row) for row in HAND_BUILT + NOT_LOGGED]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    page = write_report(tmp_path).read_text()
+    cells = re.findall(r"<td>(.*?)</td>", page)
+    i = cells.index("all")  # (the last evaluation, pooled: one task)
+    assert cells[i : i + 4] == ["all", "4", "0.500 [0.15, 0.85] over 4", "n/a"]
+    assert "(no config.yaml)" in page
 
 
 def test_not_a_run_is_one_line(tmp_path, capsys):
