@@ -262,10 +262,11 @@ class RunRecords:
         self.run_dir = Path(run_dir)
         self.learner = learner
 
-    def after_update(self, iteration: int, metrics: dict) -> str | None:
-        """The learner writes or drops the record of ``iteration``; why it was written."""
+    def after_update(self, iteration: int, metrics: dict, counters: dict) -> str | None:
+        """The learner writes or drops the record of ``iteration`` (``counters``: the run's
+        after it); why it was written."""
         reason = self.policy.reason(iteration, metrics)
-        self.learner.keep_record(self.run_dir, iteration, reason, metrics)
+        self.learner.keep_record(self.run_dir, iteration, reason, metrics, counters)
         if reason is not None:
             prune_records(self.run_dir, self.keep)
         return reason

@@ -208,14 +208,17 @@ class Learner:
             self.started = False
         return metrics
 
-    def keep_record(self, run_dir: Path, iteration: int, reason: str | None, metrics: dict):
+    def keep_record(
+        self, run_dir: Path, iteration: int, reason: str | None, metrics: dict, counters: dict
+    ) -> None:
         """Write the oldest updated iteration's record as ``iteration`` where ``reason`` says
-        why, else drop it (embodied/recording.py)."""
+        why, else drop it (embodied/recording.py); ``counters``: the run's at that iteration."""
         if self.updated:
             pending = self.updated.pop(0)
             if reason is not None:
+                context = {**self.context, "counters": counters}
                 try:
-                    pending.write(run_dir, iteration, reason, metrics, self.context)
+                    pending.write(run_dir, iteration, reason, metrics, context)
                 except OSError as error:  # (a full disk loses the record, not the run)
                     print(f"the record of iteration {iteration} was not written: {error}")
 

@@ -259,7 +259,13 @@ class Runner:
         updated = done.update.result()
         metrics.update(updated)
         if self.records is not None:  # (the learner writes the record, or drops it)
-            reason = self.records.after_update(collected.iteration, updated)
+            counters = {
+                "iteration": collected.iteration,
+                "env_steps": collected.progress.env_steps,
+                "rounds": collected.progress.rounds,
+                "policy_version": state.policy_version + 1,  # (the update's weights)
+            }
+            reason = self.records.after_update(collected.iteration, updated, counters)
             if reason in ("non-finite", "spike"):
                 self._event("record", f"iteration {collected.iteration}: {reason}")
         update_seconds = time.time() - done.start

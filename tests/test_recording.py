@@ -135,6 +135,11 @@ def test_a_recorded_update_replays_bit_for_bit(tmp_path, algorithm, capsys):
         assert metrics.get("policy/loss") == losses.get(iteration)
         logged = record.meta["metrics"]
         assert differences(logged, metrics, weights=(record.meta["digest_after"], digest)) == []
+        # the run's counters after the iteration, as its metrics row logged them
+        steps = next(r["env_steps"] for r in rows if r["iteration"] == iteration)
+        counters = record.meta["counters"]
+        assert (counters["iteration"], counters["env_steps"]) == (iteration, steps)
+        assert counters["policy_version"] == iteration
     capsys.readouterr()
     assert main(["replay", str(run_dir), "--iteration", "2"]) == 0
     assert "bit for bit" in capsys.readouterr().out

@@ -157,9 +157,12 @@ class RemoteLearner(WorkerGroup):
     def lr(self) -> float:
         return self._lr
 
-    def keep_record(self, run_dir: Path, iteration: int, reason, metrics: dict) -> None:
+    def keep_record(self, run_dir: Path, iteration: int, reason, metrics: dict, counters) -> None:
         """Rank 0 writes or drops its oldest updated iteration's record (``Learner``)."""
-        get(self.workers[0].keep_record.remote(str(run_dir), iteration, reason, metrics), "actor")
+        call = self.workers[0].keep_record.remote(
+            str(run_dir), iteration, reason, metrics, counters
+        )
+        get(call, "actor")
 
     def save(self, run_dir: Path, iteration: int, **kw) -> None:
         """Rank 0's state: data-parallel ranks hold the same weights and optimizer state. TP
