@@ -216,6 +216,12 @@ def test_inference_in_the_env_worker_gives_the_embedded_numbers(local_ray, tmp_p
     status = json.loads((tmp_path / "killed" / "cluster.json").read_text())
     assert [e["role"] for e in status["events"]] == ["env", "env"]
     assert status["workers"][0]["pid"] not in killed
+    # and in the run's event log, which its report lists
+    from embodied.events import read_events
+
+    kinds = [e.kind for e in read_events(tmp_path / "killed")]
+    assert kinds[0] == "start" and kinds[-1] == "end" and len(kinds) == 5
+    assert sorted(kinds[1:-1]) == ["discarded_round", "fault", "fault"]
 
 
 # (the default run resumes a Ray run in the data-parallel test, on the test task)
