@@ -145,7 +145,9 @@ def _time_section(data: RunData) -> str:
     total = 60 * data.iterations[-1].get("time/minutes", 0.0)
     other = total - sum(phases.values())
     rows = [(name, f"{s:.1f}", _share(s, total)) for name, s in phases.items()]
-    rows.append(("other: evaluations, checkpoints, logging", f"{max(other, 0):.1f}", ""))
+    rows.append(
+        ("other: logging, checkpoints, evaluations during training", f"{max(other, 0):.1f}", "")
+    )
     rows.append(("training time", f"{total:.1f}", "100%"))
     out = ["<h2>Throughput and time per phase</h2>"]
     speeds = [r["time/env_steps_per_s"] for r in data.iterations]

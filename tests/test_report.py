@@ -108,7 +108,7 @@ def test_a_hand_built_run_reports_its_tables_events_and_nothing_from_outside(tmp
     assert cells[i : i + 6] == ["a", "5", once, at_end, "2.000", "9.0"]
     i = cells.index("rollout")
     assert cells[i : i + 3] == ["rollout", "2.5", "42%"]  # of 6 s
-    i = cells.index("other: evaluations, checkpoints, logging")
+    i = cells.index("other: logging, checkpoints, evaluations during training")
     assert cells[i + 1] == "2.7"  # 6 - 2.5 - 0.8
     assert "1 start, 1 discarded_round, 1 stop." in page
     assert "iteration 2: env worker 0 lost" in cells
