@@ -13,6 +13,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from embodied.logger import read_jsonl
+
 EVENTS_FILE = "events.jsonl"
 KINDS = (
     "start",
@@ -60,9 +62,9 @@ def read_events(run_dir: Path) -> list[Event]:
     if not path.is_file():
         return []
     events = []
-    for line in path.read_text().splitlines():
+    for row in read_jsonl(path):
         try:
-            events.append(Event(**json.loads(line)))
-        except (json.JSONDecodeError, TypeError):
+            events.append(Event(**row))
+        except TypeError:  # (a row of other fields)
             continue
     return events

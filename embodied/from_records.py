@@ -24,6 +24,7 @@ from embodied.recording import (
     RECORDS,
     RecordError,
     read_record,
+    recorded_iterations,
     restore_before,
     state_digest,
 )
@@ -35,15 +36,11 @@ from embodied.schema import EnvSpec
 from embodied.train_config import run_meta
 
 
-def recorded_iterations(source: Path) -> tuple[Path, list[int]]:
+def records_of(source: Path) -> tuple[Path, list[int]]:
     """(the recorded run's directory, its recorded iterations in order) for ``source``: a run
     directory or its ``rollouts`` folder."""
     run_dir = source.parent if source.name == RECORDS else source
-    found = sorted(
-        int(path.name.split("_")[1])
-        for path in (run_dir / RECORDS).glob("iter_[0-9]*")
-        if path.is_dir() and not path.name.endswith(".tmp")
-    )
+    found = recorded_iterations(run_dir)
     if not found:
         raise RecordError(f"runner.replay_from: {source} holds no rollout records")
     return run_dir, found
@@ -51,7 +48,7 @@ def recorded_iterations(source: Path) -> tuple[Path, list[int]]:
 
 def train_from_records(cfg) -> dict:
     """Train as ``cfg`` says on the records of ``runner.replay_from``; the run's summary."""
-    recorded, iterations = recorded_iterations(Path(cfg.runner.replay_from))
+    recorded, iterations = records_of(Path(cfg.runner.replay_from))
     first = read_record(recorded, iterations[0])
     spec = EnvSpec.from_dict(first.meta["spec"])
     task_of_env = torch.tensor(first.meta["task_of_env"], dtype=torch.long)

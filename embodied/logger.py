@@ -35,3 +35,15 @@ class RunLogger:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file (metrics.jsonl, events.jsonl); a line cut by a crash is
+    left out."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows

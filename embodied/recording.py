@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
+from embodied.logger import read_jsonl
 from embodied.rollout import RolloutBatch
 from embodied.schema import Observation, UserError
 
@@ -278,21 +279,16 @@ def logged_grad_norms(run_dir: Path) -> list[float]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    norms = []
-    for line in path.read_text().splitlines():
-        try:
-            norm = json.loads(line).get("policy/grad_norm")
-        except json.JSONDecodeError:  # (a line cut by a crash)
-            continue
-        if isinstance(norm, float) and math.isfinite(norm):
-            norms.append(norm)
+    norms = [row.get("policy/grad_norm") for row in read_jsonl(path)]
+    norms = [n for n in norms if isinstance(n, float) and math.isfinite(n)]
     return norms[-SPIKE_WINDOW:]
 
 
 def recorded_iterations(run_dir: Path) -> list[int]:
-    """The iterations with a record under RUN/rollouts, in order."""
+    """The iterations with a record under RUN/rollouts, in order (not one still staged; a
+    damaged one is ``read_record``'s to name)."""
     paths = (Path(run_dir) / RECORDS).glob("iter_[0-9]*")
-    done = [p for p in paths if p.suffix != ".tmp" and (p / "record.json").is_file()]
+    done = [p for p in paths if p.is_dir() and p.suffix != ".tmp"]
     return sorted(int(p.name.split("_")[1]) for p in done)
 
 
@@ -300,11 +296,11 @@ def prune_records(run_dir: Path, keep: int) -> list[int]:
     """Remove all but the newest ``keep`` records written every Nth iteration (the others stay);
     the iterations removed."""
     every = []
-    for path in sorted((Path(run_dir) / RECORDS).glob("iter_[0-9]*")):
+    for iteration in recorded_iterations(run_dir):
+        path = record_dir(Path(run_dir), iteration)
         meta = path / "record.json"
-        if path.suffix != ".tmp" and meta.exists():
-            if json.loads(meta.read_text()).get("reason") == "every":
-                every.append(path)
+        if meta.exists() and json.loads(meta.read_text()).get("reason") == "every":
+            every.append(path)
     removed = every[: max(0, len(every) - keep)]
     for path in removed:
         shutil.rmtree(path)

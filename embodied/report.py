@@ -11,6 +11,7 @@ import base64
 import html
 import io
 import math
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -152,14 +153,16 @@ def _time_section(data: RunData) -> str:
     out = ["<h2>Throughput and time per phase</h2>"]
     speeds = [r["time/env_steps_per_s"] for r in data.iterations]
     out.append(
-        f"<p>{len(speeds)} iterations: median {_median(speeds):,.0f} env steps/s "
+        f"<p>{len(speeds)} iterations: median {statistics.median_high(speeds):,.0f} env steps/s "
         f"(min {min(speeds):,.0f}, max {max(speeds):,.0f}). An update that overlaps the next "
         "collection (cluster.max_staleness 1) counts in both.</p>"
     )
     out.append(_table(["phase", "seconds", "share"], rows))
     idle = sorted({k for r in data.iterations for k in r if k.endswith("_idle")})
     if idle:
-        mean = [(k, f"{_mean([r[k] for r in data.iterations if k in r]):.2f}") for k in idle]
+        mean = [
+            (k, f"{statistics.fmean([r[k] for r in data.iterations if k in r]):.2f}") for k in idle
+        ]
         out.append(_table(["role idle (mean share of the iteration)", "idle"], mean))
     out.append(_img(_speed_plot(data), "env steps per second"))
     return "\n".join(out)
@@ -384,12 +387,3 @@ def _rate(rate: Rate) -> str:
 
 def _share(seconds: float, total: float) -> str:
     return f"{100 * seconds / total:.0f}%" if total > 0 else ""
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from embodied.evaluate import wilson_interval
 from embodied.events import Event, read_events
+from embodied.logger import read_jsonl
 from embodied.recording import record_dir, recorded_iterations
 from embodied.schema import UserError
 
@@ -104,17 +105,6 @@ def final_of(summary: dict) -> Evaluation:
     return Evaluation(final["iteration"], final["env_steps"], task_eval(final), per_task)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a JSON-lines file; a last line cut by a crash is left out."""
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def records_of(run_dir: Path) -> list[dict]:
     """The iteration and reason of each record under RUN/rollouts."""
     found = []
@@ -122,7 +112,7 @@ def records_of(run_dir: Path) -> list[dict]:
         meta = record_dir(run_dir, iteration) / "record.json"
         try:
             reason = json.loads(meta.read_text())["reason"]
-        except (json.JSONDecodeError, KeyError):
+        except (OSError, json.JSONDecodeError, KeyError):
             reason = "damaged"
         found.append({"iteration": iteration, "reason": reason})
     return found

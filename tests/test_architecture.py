@@ -39,7 +39,7 @@ ALLOWED = {
     "embodied.streams": set(),
     "embodied.video": set(),
     "embodied.logger": set(),
-    "embodied.events": set(),
+    "embodied.events": {"embodied.logger"},
     "embodied.cli_errors": set(),
     "embodied.bench_report": set(),
     "embodied.contract": {"embodied.schema"},
@@ -129,7 +129,7 @@ ALLOWED = {
         "embodied.simulators",
     },
     "embodied.run_state": {"embodied.rollout", "embodied.run"},
-    "embodied.recording": {"embodied.rollout", "embodied.schema"},
+    "embodied.recording": {"embodied.logger", "embodied.rollout", "embodied.schema"},
     "embodied.episodes": {
         "embodied.recording",
         "embodied.resimulate",
@@ -175,6 +175,7 @@ ALLOWED = {
     "embodied.report_data": {
         "embodied.evaluate",
         "embodied.events",
+        "embodied.logger",
         "embodied.recording",
         "embodied.schema",
     },
