@@ -56,7 +56,6 @@ class EpisodeDatasets:
         self.roots = dataset_roots(root, record)
         check_free(self.roots)
         self.spec = EnvSpec.from_dict(record.meta["spec"])
-        self.privileged_keys = list(record.meta["config"]["policy"].get("privileged_keys") or [])
         self.source = source
         self.simulator_task = record.meta["config"]["env"].get("task")
         self.writers = {}
@@ -110,7 +109,7 @@ def episode_steps(record: Record, episode: Episode, resimulated: Resimulated | N
             f"--to-dataset: the policy acted in chunks of {K} steps and the record keeps the "
             "observations where chunks start; re-simulate its rounds (--resimulate)"
         )
-    keys = [k for k in record.meta["config"]["policy"].get("privileged_keys") or []]
+    keys = record.meta["config"]["policy"].get("privileged_keys") or []  # (the policy read)
     return {
         "images": {c: v[steps, row].cpu().numpy() for c, v in obs.images.items()},
         "state": obs.state[steps, row].cpu().numpy(),

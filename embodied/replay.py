@@ -20,16 +20,22 @@ from embodied import numerics
 from embodied.recording import Record, read_record, restore_before, weights_digest
 
 
+def record_config(record: Record):
+    """The recorded run's ``TrainConfig``, as its record kept it."""
+    from embodied.config import compose
+    from embodied.train_config import TrainConfig
+
+    return compose(TrainConfig, [("the record", record.meta["config"])])
+
+
 def replay(run_dir: Path, iteration: int, device: str = "cpu") -> tuple[Record, dict, str]:
     """The recorded update of ``iteration`` run again: (the record, the update's metrics, the
     digest of the weights after it)."""
-    from embodied.config import compose
     from embodied.roles import learner_for
     from embodied.schema import EnvSpec
-    from embodied.train_config import TrainConfig
 
     record = read_record(run_dir, iteration, device)
-    cfg = compose(TrainConfig, [("the record", record.meta["config"])])
+    cfg = record_config(record)
     cfg.cluster.enabled = False  # (the update in this process, as one actor worker ran it)
     cfg.runner.record_rollouts = 0  # (a replay records nothing)
     if cfg.runner.deterministic:  # the run's portable kernels (the CLI starts over pinned)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from embodied.recording import Record
+from embodied.replay import record_config
 from embodied.schema import Observation, UserError
 
 
@@ -55,18 +56,11 @@ class Resimulated:
         return f"round {self.round_index}: rewards diverge at " + "; ".join(parts)
 
 
-def _config(record: Record):
-    from embodied.config import compose
-    from embodied.train_config import TrainConfig
-
-    return compose(TrainConfig, [("the record", record.meta["config"])])
-
-
 def simulator_for(record: Record):
     """The recorded run's environments as its config builds them (all of them, here)."""
     from embodied.multitask import make_env
 
-    return make_env(_config(record).env)
+    return make_env(record_config(record).env)
 
 
 class Resimulator:
@@ -94,7 +88,7 @@ def round_seeds(record: Record, round_index: int) -> int | list[int]:
     from embodied.roles import build_algorithm
     from embodied.schema import EnvSpec
 
-    cfg = _config(record)
+    cfg = record_config(record)
     spec = EnvSpec.from_dict(record.meta["spec"])
     task_of_env = torch.tensor(record.meta["task_of_env"], dtype=torch.long)
     algorithm = build_algorithm(cfg, spec, task_of_env)

@@ -137,12 +137,11 @@ ALLOWED = {
         "embodied.video",
     },
     "embodied.resimulate": {
-        "embodied.config",
         "embodied.multitask",
         "embodied.recording",
+        "embodied.replay",
         "embodied.roles",
         "embodied.schema",
-        "embodied.train_config",
     },
     "embodied.episode_dataset": {
         "embodied.dataset",
