@@ -111,8 +111,10 @@ if want cluster_gpu; then  # issue 33: a GPU rollout worker, weight sync by CUDA
   timeout 120 python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
     tests/test_shared_weights.py 2>&1 | tee "$OUT/pytest_shared.log"
   if has ray && has mujoco; then
-    (cd benchmarks && timeout 420 python3 gpu_rollout.py --serve --sync \
-      --json "$OUT/gpu_rollout.json") 2>&1 | grep -v WARNING | tee "$OUT/gpu_rollout.log"
+    # 1 and 4 env workers, 3 repeats: 193 s on an H100 (each configuration starts Ray's roles)
+    (cd benchmarks && timeout 240 python3 gpu_rollout.py --serve --sync --workers 1 4 \
+      --repeats 3 --json "$OUT/gpu_rollout.json") 2>&1 | grep --line-buffered -v WARNING \
+      | tee "$OUT/gpu_rollout.log"
   else
     echo "Ray or MuJoCo is not installed here: gpu_rollout.py is skipped" | tee -a "$OUT/stages.log"
   fi

@@ -25,13 +25,14 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_syncs import counted  # noqa: E402
+from host_syncs import counted, sites_text  # noqa: E402
 
 
 def make_env(sim: str, task: str, worlds: int, device: str, obs: str, size: int):
@@ -76,8 +77,8 @@ def raw(env, steps: int) -> float:
     return steps * env.num_envs / (time.perf_counter() - start)
 
 
-def ours(env, steps: int) -> tuple[float, float | None]:
-    """(world-steps/s of the collect phase, host syncs per step on CUDA or None)."""
+def ours(env, steps: int) -> tuple[float, Counter[str] | None]:
+    """(world-steps/s of the collect phase, on CUDA its host syncs by line, else None)."""
     from embodied.env_group import EnvGroup
     from embodied.inference import InferencePolicy
     from embodied.models import ActorCritic, ActorCriticConfig
@@ -101,8 +102,8 @@ def ours(env, steps: int) -> tuple[float, float | None]:
     if env.device.type != "cuda":
         return rate, None
     obs = envs.reset(seed=0)
-    _, syncs = counted(lambda: collect(envs, inference, obs, plan, stats))
-    return rate, syncs / steps
+    _, sites = counted(lambda: collect(envs, inference, obs, plan, stats))
+    return rate, sites
 
 
 def main() -> None:
@@ -122,13 +123,17 @@ def main() -> None:
         "host syncs per step |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|")
+    where = []  # the lines that synchronised, printed below the table
     for worlds in (int(w) for w in args.worlds.split(",")):
         env = make_env(args.sim, args.task, worlds, args.device, args.obs, args.image_size)
         try:
             raw_rate = raw(env, args.steps)
-            ours_rate, syncs = ours(env, args.steps)
+            ours_rate, sites = ours(env, args.steps)
         finally:
             env.close()
+        syncs = None if sites is None else sum(sites.values()) / args.steps
+        if sites is not None:
+            where.append(f"- {worlds} worlds, host syncs of ours by line: {sites_text(sites)}")
         row = {
             "sim": args.sim,
             "device": str(env.device),
@@ -142,6 +147,7 @@ def main() -> None:
             "ours_world_steps_per_s": ours_rate,
             "ours_over_raw": ours_rate / raw_rate,
             "host_syncs_per_step": syncs,
+            "sync_sites": None if sites is None else dict(sites),
         }
         syncs_text = "-" if syncs is None else f"{syncs:.2f}"
         print(
@@ -152,6 +158,8 @@ def main() -> None:
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
+    if where:
+        print("\n".join(["", *where]))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import warnings
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -26,6 +27,8 @@ import torch
 
 
 def counted(fn):
+    """(fn's result, where its host syncs happened: "file:line" -> count), from the Python line
+    that made each synchronising CUDA call (torch's sync debug mode warns from that frame)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -34,7 +37,20 @@ def counted(fn):
             out = fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return out, sum("synchroniz" in str(w.message) for w in caught)
+    return out, sync_sites(caught)
+
+
+def sync_sites(caught: list[warnings.WarningMessage]) -> Counter[str]:
+    """The sync warnings among ``caught``, counted by the line that raised each."""
+    return Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+
+
+def sites_text(sites: Counter[str]) -> str:
+    """Like "warp_env.py:357 x2, rollout.py:452" (the most frequent first), or "none"."""
+    parts = [site if n == 1 else f"{site} x{n}" for site, n in sites.most_common()]
+    return ", ".join(parts) or "none"
 
 
 def make_env(kind: str, task: str, num_envs: int, episode: int):
@@ -65,8 +81,8 @@ def raw(env, steps: int) -> dict:
         for _ in range(steps):
             env.step(low + torch.rand(env.num_envs, len(low), device=env.device) * (high - low))
 
-    _, syncs = counted(run)
-    return {"loop": "raw environment steps", "steps": steps, "syncs": syncs}
+    _, sites = counted(run)
+    return {"loop": "raw environment steps", "steps": steps, **_syncs(sites)}
 
 
 def ours(env, steps: int, episode: int) -> list[dict]:
@@ -93,14 +109,14 @@ def ours(env, steps: int, episode: int) -> list[dict]:
         stats = EpisodeStats(num_envs, envs.task_names, env.device)
         collect(envs, inference, envs.reset(seed=0), plan, stats)  # warm-up
         obs = envs.reset(seed=0)
-        (batch, _), syncs = counted(partial(collect, envs, inference, obs, plan, stats))
+        (batch, _), sites = counted(partial(collect, envs, inference, obs, plan, stats))
         ended = ((batch.terminated | batch.truncated) & batch.valid).any(-1).any(-1)
         rows.append(
             {
                 "loop": f"our rollout, {label}",
                 "steps": chunks,
                 "steps_with_ends": int(ended.sum()),
-                "syncs": syncs,
+                **_syncs(sites),
             }
         )
     algo = PPO(PPOConfig(), seed=0, num_envs=num_envs)
@@ -109,9 +125,14 @@ def ours(env, steps: int, episode: int) -> list[dict]:
     learner = TorchEngine(policy, learning_rate=3e-4, max_grad_norm=0.5)
     epochs = 4
     run = partial(update, learner, algo, samples, epochs=epochs, num_minibatches=4)
-    _, syncs = counted(run)
-    rows.append({"loop": "PPO update (4 epochs x 4 minibatches)", "epochs": epochs, "syncs": syncs})
+    _, sites = counted(run)
+    loop = "PPO update (4 epochs x 4 minibatches)"
+    rows.append({"loop": loop, "epochs": epochs, **_syncs(sites)})
     return rows
+
+
+def _syncs(sites: Counter[str]) -> dict:
+    return {"syncs": sum(sites.values()), "sync_sites": dict(sites)}
 
 
 def main() -> None:
@@ -138,6 +159,8 @@ def main() -> None:
             f"| {r['loop']} | {n} | {r.get('steps_with_ends', '-')} | {r['syncs']} | "
             f"{r['syncs'] / n:.2f} |"
         )
+    for r in rows:
+        print(f"- {r['loop']}: {sites_text(Counter(r['sync_sites']))}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "args": vars(args), "rows": rows}, f, indent=2)

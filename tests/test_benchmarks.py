@@ -79,3 +79,25 @@ def test_the_sleeping_simulator_passes_the_contract_and_pays_the_first_action():
     assert out.truncated.tolist() == [True] * 3 and out.ended.tolist() == [0, 1, 2]
     assert out.final_obs.state[:, 0].tolist() == [4.0] * 3
     assert out.obs.state[:, 0].tolist() == [0.0] * 3
+
+
+def test_host_syncs_are_counted_by_the_line_that_raised_them():
+    """benchmarks/host_syncs.py: only sync warnings count, grouped by file and line."""
+    import warnings
+
+    host_syncs = load("host_syncs")
+
+    def caught(message: str, filename: str, lineno: int) -> warnings.WarningMessage:
+        return warnings.WarningMessage(UserWarning(message), UserWarning, filename, lineno)
+
+    sync = "called a synchronizing CUDA operation"
+    records = [
+        caught(sync, "/x/simulators/mujoco/warp_env.py", 357),
+        caught("an unrelated warning", "/x/embodied/rollout.py", 10),
+        caught(sync, "/y/embodied/rollout.py", 452),
+        caught(sync, "/x/simulators/mujoco/warp_env.py", 357),
+    ]
+    sites = host_syncs.sync_sites(records)
+    assert sites == {"warp_env.py:357": 2, "rollout.py:452": 1}
+    assert host_syncs.sites_text(sites) == "warp_env.py:357 x2, rollout.py:452"
+    assert host_syncs.sites_text(host_syncs.sync_sites([])) == "none"

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The last command of a GPU visit (../shared/GPU.md): bring the last part of the wheels, then run
+# benchmarks/gpu_suite.sh in phases under one time budget, packing the results into $OUT after
+# each phase, so that a visit cut short keeps what finished (at most 8 files come back:
+# results.tgz, the kernel cache as warpcache.partNN of 15 MB, stages.log).
+#   BUDGET=540 bash benchmarks/gpu_visit.sh .gpup/part4 [.gpuvisit/warpcache.tgz]
+# Prepared here: the parts (PART_MIB=60 bash ../shared/gpu/bundle_parts.sh ... ray==2.60.0: four),
+# omegaconf's wheels in .whl/, and the last visit's kernel cache, unpacked into .warpcache/, packed
+# small enough to travel beside the last part: tar -C .warpcache -czf .gpuvisit/warpcache.tgz .
+# (.gpuvisit/ ignored in .git/info/exclude). Carry .gpup/partK alone in calls 1..K-1, then this.
+# Phases: the warp stages (what is left less 200 s), cluster_gpu (240 s where 400 are left), then
+# push and pick learning, sharing the rest (runner.max_minutes from each one's share, at most 5).
+set -uo pipefail
+last_part=$1
+cache=${2:-}
+start=$(date +%s)
+deadline=$((start + ${BUDGET:-540}))
+left() { echo $((deadline - $(date +%s))); }
+R=/tmp/res
+mkdir -p "$R"
+pack() {
+  tar -C "$R" -czf "$OUT/results.tgz" --exclude='*.pt' --exclude=warpcache.tar.gz .
+  if [ -f "$R/warpcache.tar.gz" ]; then
+    (cd "$OUT" && rm -f warpcache.part* && split -b 15M -d "$R/warpcache.tar.gz" warpcache.part)
+  fi
+  cp "$R/stages.log" "$OUT/" 2>/dev/null
+  echo "[visit] packed at $(($(date +%s) - start)) s; $(left) s left"
+}
+bash "$last_part/take.sh" || { echo "[visit] the parts did not install"; exit 3; }
+export PYTHONPATH=/tmp/site
+if [ -n "$cache" ]; then mkdir -p .warpcache && tar -C .warpcache -xzf "$cache"; fi
+STAGES="device warp_compile warp_tests warp_throughput warp_peaks warp_cache" \
+  timeout $(($(left) - 200)) bash benchmarks/gpu_suite.sh "$R"
+pack
+STAGES="cluster_gpu" timeout $(($(left) > 400 ? 240 : $(left) - 160)) \
+  bash benchmarks/gpu_suite.sh "$R"
+pack
+for task in push pick; do
+  share=$(($(left) - 15))
+  if [ "$task" = push ]; then share=$((share / 2)); fi
+  minutes=$(python3 -c "print(round(min(5.0, max(0.0, ($share - 60) / 60)), 2))")
+  echo "[visit] $task: $share s, runner.max_minutes=$minutes"
+  if python3 -c "import sys; sys.exit(0 if $minutes >= 0.5 else 1)"; then
+    STAGES="warp_learning" LEARN_TASKS=$task LEARN_MINUTES=$minutes timeout "$share" \
+      bash benchmarks/gpu_suite.sh "$R"
+  fi
+  pack
+done
+echo "[visit] done at $(($(date +%s) - start)) s"
