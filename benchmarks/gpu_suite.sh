@@ -74,6 +74,9 @@ if has mujoco_warp; then
     timeout 240 python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda --obs rgb \
       --image-size 128 --worlds 256,1024 --steps 50 --json "$OUT/throughput.jsonl" 2>&1 \
       | tee -a "$OUT/throughput.md"
+    # where ours' extra time per step goes: operators, kernels and their time, raw beside ours
+    timeout 120 python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
+      --worlds 4096 --steps 20 --profile --json "$OUT/profile.jsonl" 2>&1 | tee "$OUT/profile.md"
   fi
   if want warp_peaks; then  # the contact and constraint peaks behind the buffers' sizes
     stage warp_peaks

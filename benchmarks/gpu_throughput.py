@@ -9,7 +9,10 @@
 - ours: the runner's collect phase (``embodied.rollout.collect``): env step (observations, reward,
   success, automatic resets), the MLP actor-critic's inference and the rollout buffers, over
   whole episodes;
-- on CUDA, the host synchronisations per step of ours (``torch.cuda.set_sync_debug_mode``).
+- on CUDA, the host synchronisations per step of ours (``torch.cuda.set_sync_debug_mode``), and
+  the lines that made them;
+- with ``--profile``, the torch operators and (on CUDA) the kernels of one step of each, and
+  their time (benchmarks/kernel_profile.py).
 
 Throughput is world-steps per second (control steps x worlds). The goal (issue 32): ours/raw at
 least 0.95 for state at 4096 worlds and more.
@@ -25,7 +28,8 @@ import argparse
 import json
 import sys
 import time
-from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from host_syncs import counted, sites_text  # noqa: E402
+from kernel_profile import profile_text, profiled  # noqa: E402
 
 
 def make_env(sim: str, task: str, worlds: int, device: str, obs: str, size: int):
@@ -54,8 +59,16 @@ def wait(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def raw(env, steps: int) -> float:
-    """World-steps/s of the simulator alone (and its cameras with rgb)."""
+@dataclass
+class Loop:
+    """A loop to time: ``prepare()`` outside the clock, then ``run(n)`` for n steps."""
+
+    prepare: Callable[[], None]
+    run: Callable[[int], None]
+
+
+def raw_loop(env) -> Loop:
+    """The simulator alone (and its cameras with rgb), warmed up; it runs on from where it is."""
     from embodied.simulators.mujoco.worlds import HIGH, LOW
 
     low = torch.tensor(LOW, device=env.device)
@@ -70,15 +83,11 @@ def raw(env, steps: int) -> float:
                 env._images()  # the rendering an rgb observation costs
 
     run(2)  # warm-up: kernels loaded, the CUDA graph captured
-    wait(env.device)
-    start = time.perf_counter()
-    run(steps)
-    wait(env.device)
-    return steps * env.num_envs / (time.perf_counter() - start)
+    return Loop(prepare=lambda: None, run=run)
 
 
-def ours(env, steps: int) -> tuple[float, Counter[str] | None]:
-    """(world-steps/s of the collect phase, on CUDA its host syncs by line, else None)."""
+def ours_loop(env) -> Loop:
+    """The collect phase, warmed up; each run starts from fresh episodes, reset beforehand."""
     from embodied.env_group import EnvGroup
     from embodied.inference import InferencePolicy
     from embodied.models import ActorCritic, ActorCriticConfig
@@ -87,23 +96,45 @@ def ours(env, steps: int) -> tuple[float, Counter[str] | None]:
     envs = EnvGroup(env)
     policy = ActorCritic(env.spec, ActorCriticConfig()).to(env.device)
     inference = InferencePolicy(policy)
-    plan = CollectPlan(
-        seeds=0, group_of_env=torch.full((env.num_envs,), -1), num_chunks=steps, episode_base=0
-    )
+    group_of_env = torch.full((env.num_envs,), -1)
     stats = EpisodeStats(env.num_envs, envs.task_names, env.device)
-    warm = CollectPlan(seeds=0, group_of_env=plan.group_of_env, num_chunks=2, episode_base=0)
-    collect(envs, inference, envs.reset(seed=0), warm, stats)
-    obs = envs.reset(seed=0)
+    first_obs = []
+
+    def prepare() -> None:
+        first_obs[:] = [envs.reset(seed=0)]
+
+    def run(n: int) -> None:
+        plan = CollectPlan(seeds=0, group_of_env=group_of_env, num_chunks=n, episode_base=0)
+        collect(envs, inference, first_obs[0], plan, stats)
+
+    prepare()
+    run(2)
+    return Loop(prepare=prepare, run=run)
+
+
+def rate(env, loop: Loop, steps: int) -> float:
+    """World-steps/s of ``steps`` steps of ``loop``."""
+    loop.prepare()
     wait(env.device)
     start = time.perf_counter()
-    collect(envs, inference, obs, plan, stats)
+    loop.run(steps)
     wait(env.device)
-    rate = steps * env.num_envs / (time.perf_counter() - start)
-    if env.device.type != "cuda":
-        return rate, None
-    obs = envs.reset(seed=0)
-    _, sites = counted(lambda: collect(envs, inference, obs, plan, stats))
-    return rate, sites
+    return steps * env.num_envs / (time.perf_counter() - start)
+
+
+def measure(env, steps: int, profile: bool) -> dict:
+    """raw and ours side by side; on CUDA the host syncs of ours by line; profiles if asked."""
+    loops = {"raw": raw_loop(env), "ours": ours_loop(env)}
+    out = {label: rate(env, loop, steps) for label, loop in loops.items()}
+    out["sites"] = None
+    if env.device.type == "cuda":
+        loops["ours"].prepare()
+        _, out["sites"] = counted(lambda: loops["ours"].run(steps))
+    out["profile"] = {}
+    for label, loop in loops.items() if profile else ():
+        loop.prepare()
+        out["profile"][label] = profiled(lambda loop=loop: loop.run(steps), steps, env.device)
+    return out
 
 
 def main() -> None:
@@ -116,6 +147,7 @@ def main() -> None:
     p.add_argument("--worlds", default="1024,4096,16384", help="comma-separated world counts")
     p.add_argument("--steps", type=int, default=100, help="control steps timed per case")
     p.add_argument("--json", help="append each row here as it is measured (JSON lines)")
+    p.add_argument("--profile", action="store_true", help="kernels and operators per step")
     args = p.parse_args()
     torch.set_grad_enabled(False)
     print(
@@ -124,16 +156,19 @@ def main() -> None:
     )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     where = []  # the lines that synchronised, printed below the table
+    profiles = []  # the same, per step of raw and ours
     for worlds in (int(w) for w in args.worlds.split(",")):
         env = make_env(args.sim, args.task, worlds, args.device, args.obs, args.image_size)
         try:
-            raw_rate = raw(env, args.steps)
-            ours_rate, sites = ours(env, args.steps)
+            measured = measure(env, args.steps, args.profile)
         finally:
             env.close()
-        syncs = None if sites is None else sum(sites.values()) / args.steps
+        raw_rate, ours_rate, sites = measured["raw"], measured["ours"], measured["sites"]
         if sites is not None:
             where.append(f"- {worlds} worlds, host syncs of ours by line: {sites_text(sites)}")
+        for label, step in measured["profile"].items():
+            profiles.append(profile_text(f"{worlds} worlds, {label}", step))
+        syncs = None if sites is None else sum(sites.values()) / args.steps
         row = {
             "sim": args.sim,
             "device": str(env.device),
@@ -148,6 +183,7 @@ def main() -> None:
             "ours_over_raw": ours_rate / raw_rate,
             "host_syncs_per_step": syncs,
             "sync_sites": None if sites is None else dict(sites),
+            "profile": {label: asdict(step) for label, step in measured["profile"].items()},
         }
         syncs_text = "-" if syncs is None else f"{syncs:.2f}"
         print(
@@ -160,6 +196,8 @@ def main() -> None:
                 f.write(json.dumps(row) + "\n")
     if where:
         print("\n".join(["", *where]))
+    if profiles:
+        print("\n".join(["", *profiles]))
 
 
 if __name__ == "__main__":

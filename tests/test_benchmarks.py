@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def load(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (dataclasses look their module up while the class is made)
     spec.loader.exec_module(module)
     return module
 
@@ -101,3 +103,22 @@ def test_host_syncs_are_counted_by_the_line_that_raised_them():
     assert sites == {"warp_env.py:357": 2, "rollout.py:452": 1}
     assert host_syncs.sites_text(sites) == "warp_env.py:357 x2, rollout.py:452"
     assert host_syncs.sites_text(host_syncs.sync_sites([])) == "none"
+
+
+def test_a_step_profile_sums_kernels_per_step_and_ranks_the_costliest():
+    """benchmarks/kernel_profile.py on hand-built launches: 2 steps, 3 kernel names."""
+    kernel_profile = load("kernel_profile")
+    ops = ["aten::mm", "aten::add", "aten::mm", "aten::add", "aten::copy_", "aten::tanh"]
+    launches = [("gemm", 30.0), ("add", 2.0), ("gemm", 50.0), ("add", 4.0), ("copy", 10.0)]
+    step = kernel_profile.summarise(ops, launches, steps=2, top=2)
+    assert step.ops == 3.0
+    assert step.kernels == 2.5
+    assert step.kernel_ms == pytest.approx(0.048)  # 96 us over 2 steps
+    assert step.top == [
+        ("gemm", pytest.approx(0.040), 1.0),  # 80 us / 2 steps, one launch a step
+        ("copy", pytest.approx(0.005), 0.5),
+    ]
+    text = kernel_profile.profile_text("ours", step)
+    assert text.splitlines()[0] == (
+        "- ours: 3.0 torch operators, 2.5 kernels, 0.048 ms of kernels per step"
+    )
