@@ -123,10 +123,10 @@ def save_checkpoint(
         "counters": counters,
     }
     torch.save(trainer, tmp / STATE)
-    _fsync(tmp / STATE)
+    fsync(tmp / STATE)
     (tmp / META).write_text(json.dumps({**meta, **sharded, "frozen": frozen_file}, indent=2))
-    _fsync(tmp / META)
-    _fsync(tmp)
+    fsync(tmp / META)
+    fsync(tmp)
     _move_in(tmp, final, run_dir)
     _point(run_dir / LAST, final)
     if keep is not None:
@@ -167,7 +167,7 @@ def point_best(run_dir: str | Path, iteration: int | None) -> None:
         mark_best(run_dir, iteration)
     elif (run_dir / BEST).is_symlink():
         (run_dir / BEST).unlink()
-        _fsync(run_dir)
+        fsync(run_dir)
 
 
 def drop_checkpoints_after(run_dir: str | Path, iteration: int) -> list[str]:
@@ -188,7 +188,7 @@ def drop_checkpoints_after(run_dir: str | Path, iteration: int) -> list[str]:
         (run_dir / BEST).unlink()
     for path in later:
         os.replace(path, ckpts / f".{path.name}.deleted")  # gone at once, removed below
-    _fsync(ckpts)
+    fsync(ckpts)
     _remove_leftovers(run_dir)
     _remove_unused_frozen(ckpts)
     return [path.name for path in later]
@@ -312,7 +312,7 @@ def _save_frozen(ckpts: Path, model: torch.nn.Module, frozen: dict) -> str:
         tmp = ckpts / f".{name}.tmp"
         _save_tensors(frozen, tmp)
         os.replace(tmp, ckpts / name)
-        _fsync(ckpts)
+        fsync(ckpts)
     return name
 
 
@@ -342,7 +342,7 @@ def _digest(tensors: dict) -> str:
 
 def _save_tensors(tensors: dict, path: Path) -> None:
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
-    _fsync(path)
+    fsync(path)
 
 
 def _move_in(tmp: Path, final: Path, run_dir: Path) -> None:
@@ -350,19 +350,19 @@ def _move_in(tmp: Path, final: Path, run_dir: Path) -> None:
     the new one is in place; links to it point meanwhile at a copy of it made of hard links."""
     if not final.exists():
         os.replace(tmp, final)
-        _fsync(final.parent)
+        fsync(final.parent)
         return
     links = [p for p in (run_dir / LAST, run_dir / BEST) if _target(p) == final.resolve()]
     pin = Path(tempfile.mkdtemp(prefix=f".{final.name}.pin-", dir=final.parent))
     shutil.copytree(final, pin, copy_function=_link, dirs_exist_ok=True)
-    _fsync(pin)
+    fsync(pin)
     for link in links:
         _point(link, pin)
     old = final.with_name(f".{final.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     os.replace(final, old)
     os.replace(tmp, final)
-    _fsync(final.parent)
+    fsync(final.parent)
     for link in links:
         _point(link, final)
     shutil.rmtree(old)
@@ -375,7 +375,7 @@ def _point(link: Path, target: Path) -> None:
     tmp.unlink(missing_ok=True)
     os.symlink(os.path.relpath(target, link.parent), tmp)
     os.replace(tmp, link)
-    _fsync(link.parent)
+    fsync(link.parent)
 
 
 def _target(link: Path) -> Path | None:
@@ -427,7 +427,8 @@ def _link(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file or a folder (its entries) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -15,7 +15,8 @@ A record is ``RUN/rollouts/iter_NNNNNN/``:
 - ``optimizer.pt``: the optimizer's state before the update;
 - ``record.json``: the iteration, why it was recorded, the learning rate, each round's
   instructions, the update's metrics as logged, and a digest of the weights after it.
-Files are written to a staging folder and renamed whole: a crash leaves no half record.
+Files are written to a staging folder, flushed to disk and renamed whole: a crash leaves no half
+record.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
+from embodied.checkpoint import fsync
 from embodied.logger import read_jsonl
 from embodied.rollout import RolloutBatch
 from embodied.schema import Observation, UserError
@@ -161,8 +163,11 @@ class Pending:
             **context,
         }
         (staging / "record.json").write_text(json.dumps(meta, indent=1))
+        for path in (*staging.iterdir(), staging):  # on disk before the rename makes it a record
+            fsync(path)
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
+        fsync(final.parent)
         return final
 
 

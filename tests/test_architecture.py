@@ -129,7 +129,12 @@ ALLOWED = {
         "embodied.simulators",
     },
     "embodied.run_state": {"embodied.rollout", "embodied.run"},
-    "embodied.recording": {"embodied.logger", "embodied.rollout", "embodied.schema"},
+    "embodied.recording": {
+        "embodied.checkpoint",
+        "embodied.logger",
+        "embodied.rollout",
+        "embodied.schema",
+    },
     "embodied.episodes": {
         "embodied.recording",
         "embodied.resimulate",

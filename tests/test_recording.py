@@ -14,6 +14,7 @@ from scripted_envs import GRPO, PPO, TINY_VLA, PushRightEnv, run_on
 from embodied.cli import main
 from embodied.episodes import choose, episodes_of
 from embodied.recording import (
+    Pending,
     RecordPolicy,
     RunRecords,
     batch_from,
@@ -409,3 +410,28 @@ def test_an_episode_after_one_that_ended_mid_chunk_is_partial():
     assert choose(found) == [found[0]]  # whole ones only
     # the round's steps (chunk * 2 + k) that ran in each: not chunk 1's second action in 5
     assert [e.steps(record) for e in found] == [[0, 1, 2], [4, 5, 6, 7]]
+
+
+def test_a_record_is_on_disk_before_its_rename_makes_it_one(tmp_path, monkeypatch):
+    """Every staged file and the staging folder are flushed before the rename, the parent after:
+    a crash (power loss too) leaves either no record or a whole one."""
+    import embodied.recording as recording
+
+    flushed = []  # (path, whether the final record existed then)
+    final = record_dir(tmp_path, 3)
+    monkeypatch.setattr(recording, "fsync", lambda path: flushed.append((path, final.exists())))
+    pending = Pending(
+        model={"w": torch.ones(2)},
+        optimizer={"state": {}, "param_groups": []},
+        lr=1e-3,
+        stream={"seed": 0},
+        rounds=[{"r0/x": torch.arange(3)}],
+        instructions=[("push",)],
+    )
+    assert pending.write(tmp_path, 3, "every", {"loss": 0.5}, {}) == final
+    staging = final.with_name(final.name + ".tmp")
+    before = {path for path, existed in flushed if not existed}
+    files = {"rounds.safetensors.zst", "learner.safetensors", "optimizer.pt", "record.json"}
+    assert before == {staging / name for name in files} | {staging}
+    assert flushed[-1] == (final.parent, True)
+    assert sorted(p.name for p in final.iterdir()) == sorted(files)
