@@ -8,8 +8,11 @@
 # omegaconf's wheels in .whl/, and the last visit's kernel cache, unpacked into .warpcache/, packed
 # small enough to travel beside the last part: tar -C .warpcache -czf .gpuvisit/warpcache.tgz .
 # (.gpuvisit/ ignored in .git/info/exclude). Carry .gpup/partK alone in calls 1..K-1, then this.
-# Phases: the warp stages (what is left less 200 s), cluster_gpu (240 s where 400 are left), then
-# push and pick learning, sharing the rest (runner.max_minutes from each one's share, at most 5).
+# PHASES (default "warp cluster learning"): the warp stages (what is left less 200 s), cluster_gpu
+# (240 s where 400 are left), then LEARN_TASKS (default "push pick") sharing the rest equally
+# (runner.max_minutes from each one's share, at most 5). A visit for learning alone:
+#   PHASES=learning LEARN_TASKS=push BUDGET=420 bash benchmarks/gpu_visit.sh .gpup/part4
+#   PHASES=learning LEARN_TASKS=pick BUDGET=420 bash benchmarks/gpu_visit.sh -   (the next call)
 set -uo pipefail
 last_part=$1
 cache=${2:-}
@@ -26,18 +29,27 @@ pack() {
   cp "$R/stages.log" "$OUT/" 2>/dev/null
   echo "[visit] packed at $(($(date +%s) - start)) s; $(left) s left"
 }
-bash "$last_part/take.sh" || { echo "[visit] the parts did not install"; exit 3; }
+if [ "$last_part" != - ]; then  # (-: a later call on the same machine, the parts in place)
+  bash "$last_part/take.sh" || { echo "[visit] the parts did not install"; exit 3; }
+fi
 export PYTHONPATH=/tmp/site
 if [ -n "$cache" ]; then mkdir -p .warpcache && tar -C .warpcache -xzf "$cache"; fi
-STAGES="device warp_compile warp_tests warp_throughput warp_peaks warp_cache" \
-  timeout $(($(left) - 200)) bash benchmarks/gpu_suite.sh "$R"
-pack
-STAGES="cluster_gpu" timeout $(($(left) > 400 ? 240 : $(left) - 160)) \
-  bash benchmarks/gpu_suite.sh "$R"
-pack
-for task in push pick; do
-  share=$(($(left) - 15))
-  if [ "$task" = push ]; then share=$((share / 2)); fi
+phases=" ${PHASES:-warp cluster learning} "
+if [[ $phases == *" warp "* ]]; then
+  STAGES="device warp_compile warp_tests warp_throughput warp_peaks warp_cache" \
+    timeout $(($(left) - 200)) bash benchmarks/gpu_suite.sh "$R"
+  pack
+fi
+if [[ $phases == *" cluster "* ]]; then
+  STAGES="cluster_gpu" timeout $(($(left) > 400 ? 240 : $(left) - 160)) \
+    bash benchmarks/gpu_suite.sh "$R"
+  pack
+fi
+tasks=(${LEARN_TASKS:-push pick})
+for i in "${!tasks[@]}"; do
+  [[ $phases == *" learning "* ]] || break
+  task=${tasks[$i]}
+  share=$(( ($(left) - 15) / (${#tasks[@]} - i) ))
   minutes=$(python3 -c "print(round(min(5.0, max(0.0, ($share - 60) / 60)), 2))")
   echo "[visit] $task: $share s, runner.max_minutes=$minutes"
   if python3 -c "import sys; sys.exit(0 if $minutes >= 0.5 else 1)"; then
