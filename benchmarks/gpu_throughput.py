@@ -28,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from host_syncs import counted, sites_text  # noqa: E402
-from kernel_profile import profile_text, profiled  # noqa: E402
+from kernel_profile import StepProfile, profile_text, profiled  # noqa: E402
 
 
 def make_env(sim: str, task: str, worlds: int, device: str, obs: str, size: int):
@@ -122,19 +123,27 @@ def rate(env, loop: Loop, steps: int) -> float:
     return steps * env.num_envs / (time.perf_counter() - start)
 
 
-def measure(env, steps: int, profile: bool) -> dict:
+@dataclass
+class Measured:
+    raw: float  # world-steps/s
+    ours: float
+    sites: Counter[str] | None  # on CUDA: the host syncs of ours, by line
+    profile: dict[str, StepProfile]  # "raw", "ours" with --profile
+
+
+def measure(env, steps: int, profile: bool) -> Measured:
     """raw and ours side by side; on CUDA the host syncs of ours by line; profiles if asked."""
     loops = {"raw": raw_loop(env), "ours": ours_loop(env)}
-    out = {label: rate(env, loop, steps) for label, loop in loops.items()}
-    out["sites"] = None
+    rates = {label: rate(env, loop, steps) for label, loop in loops.items()}
+    sites = None
     if env.device.type == "cuda":
         loops["ours"].prepare()
-        _, out["sites"] = counted(lambda: loops["ours"].run(steps))
-    out["profile"] = {}
+        _, sites = counted(lambda: loops["ours"].run(steps))
+    profiles = {}
     for label, loop in loops.items() if profile else ():
         loop.prepare()
-        out["profile"][label] = profiled(lambda loop=loop: loop.run(steps), steps, env.device)
-    return out
+        profiles[label] = profiled(lambda loop=loop: loop.run(steps), steps, env.device)
+    return Measured(rates["raw"], rates["ours"], sites, profiles)
 
 
 def main() -> None:
@@ -163,10 +172,10 @@ def main() -> None:
             measured = measure(env, args.steps, args.profile)
         finally:
             env.close()
-        raw_rate, ours_rate, sites = measured["raw"], measured["ours"], measured["sites"]
+        raw_rate, ours_rate, sites = measured.raw, measured.ours, measured.sites
         if sites is not None:
             where.append(f"- {worlds} worlds, host syncs of ours by line: {sites_text(sites)}")
-        for label, step in measured["profile"].items():
+        for label, step in measured.profile.items():
             profiles.append(profile_text(f"{worlds} worlds, {label}", step))
         syncs = None if sites is None else sum(sites.values()) / args.steps
         row = {
@@ -183,7 +192,7 @@ def main() -> None:
             "ours_over_raw": ours_rate / raw_rate,
             "host_syncs_per_step": syncs,
             "sync_sites": None if sites is None else dict(sites),
-            "profile": {label: asdict(step) for label, step in measured["profile"].items()},
+            "profile": {label: asdict(step) for label, step in measured.profile.items()},
         }
         syncs_text = "-" if syncs is None else f"{syncs:.2f}"
         print(
