@@ -21,7 +21,7 @@ import torch
 from embodied.env_group import ChunkStep, EnvGroup
 from embodied.inference import InferencePolicy
 from embodied.run import Interrupted
-from embodied.schema import Observation, PolicyOutput
+from embodied.schema import Observation, PolicyOutput, host_to_device
 
 LEVELS = ("chunk", "action", "token")
 
@@ -403,8 +403,8 @@ def collect(
     split = stage_list[0][0] is not None
     env_index = torch.arange(plan.first_env, plan.first_env + B, device=device)
     episode_count = torch.zeros(B, dtype=torch.long, device=device)  # episodes ended so far
-    group_of_env = plan.group_of_env.to(device)
-    task_ids = envs.task_ids.to(device)
+    group_of_env = host_to_device(plan.group_of_env, device)
+    task_ids = host_to_device(envs.task_ids, device)
     bootstrap = torch.zeros(T, B, device=device)  # V(last obs) of episodes that ended
     buf: RolloutBatch | None = None
     last_obs: list[Observation] = []
@@ -450,7 +450,8 @@ def collect(
         if step.final_obs is not None:
             global_rows = step.ended if rows is None else rows[step.ended]
             # the critic's bootstrap only on the rows that ended (their episode's last obs)
-            bootstrap[t, global_rows.to(device)] = policy.value(to_policy(step.final_obs))
+            rows_here = host_to_device(global_rows, device)
+            bootstrap[t, rows_here] = policy.value(to_policy(step.final_obs))
 
     for stage in stage_list:  # fill the pipeline (lockstep: the single stage)
         rows = stage[0]

@@ -16,6 +16,14 @@ import torch
 ACTION_SPACES = ("ee_delta_pose", "ee_pose", "joint_pos", "joint_delta")
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the host) on ``device`` without the host waiting: to a GPU through pinned
+    memory, non-blocking (a copy from pageable memory waits for the device's queue to drain)."""
+    if t.device == device or device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class UserError(ValueError):
     """Bad input the user can fix (a task, a path, a checkpoint, a command-line value), raised
     where it is first used. ``str()`` is one line naming the culprit; the CLI prints it and exits
@@ -65,6 +73,8 @@ class Observation:
     def index(self, idx: torch.Tensor | slice) -> Observation:
         """Rows ``idx`` of the batch (instructions included)."""
         rows = range(self.batch_size)[idx] if isinstance(idx, slice) else idx.tolist()
+        if not isinstance(idx, slice):
+            idx = host_to_device(idx, self.device)  # (host rows: one copy, and no wait)
         obs = self.map(lambda t: t[idx])
         obs.instruction = [self.instruction[i] for i in rows]
         return obs

@@ -6,6 +6,7 @@ tolerances, and fails in one line where a user can act (device, Warp version, co
 Warp compiles its kernels once into its cache (~/.cache/warp; scripts/setup.sh warms it), so
 these tests load them instead of compiling."""
 
+import dataclasses
 import re
 
 import pytest
@@ -194,6 +195,45 @@ def test_on_a_gpu_no_step_reads_the_device_until_episodes_end_and_cpu_agrees():
     torch.testing.assert_close(out.obs.state.cpu(), expected.obs.state, atol=1e-4, rtol=0)
     last = gpu.step(actions)  # every episode ends: the peaks and the rows are read here
     assert last.ended.tolist() == list(range(64)) and last.final_obs is not None
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_round_waits_on_the_device_only_to_read_the_peaks_where_episodes_end():
+    """The collect phase (env steps, MLP policy, buffers, episode statistics) over two episodes
+    of 5 steps: the only host syncs are the two ending steps' reads of the buffer peaks. Host
+    rows (the plan, the ended rows) reach the device from pinned memory without a wait."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import warnings
+
+    from embodied.env_group import EnvGroup
+    from embodied.inference import InferencePolicy
+    from embodied.models import ActorCritic, ActorCriticConfig
+    from embodied.rollout import CollectPlan, EpisodeStats, collect
+
+    cfg = MuJoCoConfig(task="push", num_envs=64, backend="warp", device="cuda")
+    envs = EnvGroup(make_env(dataclasses.replace(cfg, max_episode_steps=5)))
+    policy = ActorCritic(envs.spec, ActorCriticConfig()).to("cuda")
+    inference = InferencePolicy(policy)
+    plan = CollectPlan(seeds=0, group_of_env=torch.full((64,), -1), num_chunks=10, episode_base=0)
+    stats = EpisodeStats(64, envs.task_names, torch.device("cuda"))
+    collect(envs, inference, envs.reset(seed=0), plan, stats)  # warm-up: graphs, pinned memory
+    obs = envs.reset(seed=0)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            batch, _ = collect(envs, inference, obs, plan, stats)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = [
+        f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}"
+        for w in caught
+        if "synchroniz" in str(w.message)
+    ]
+    assert batch.truncated[4].all() and batch.truncated[9].all()
+    assert len(sites) == 2 and all(site.startswith("warp_env.py") for site in sites), sites
 
 
 def test_cameras_render_on_the_device_and_pass_the_contract():
