@@ -18,7 +18,8 @@ ACTION_SPACES = ("ee_delta_pose", "ee_pose", "joint_pos", "joint_delta")
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` (on the host) on ``device`` without the host waiting: to a GPU through pinned
-    memory, non-blocking (a copy from pageable memory waits for the device's queue to drain)."""
+    memory, non-blocking (a copy from pageable memory waits for the device's queue to drain). A
+    tensor already pinned is read by the copy later: the caller must not change it meanwhile."""
     if t.device == device or device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -71,8 +72,14 @@ class Observation:
         )
 
     def index(self, idx: torch.Tensor | slice) -> Observation:
-        """Rows ``idx`` of the batch (instructions included)."""
-        rows = range(self.batch_size)[idx] if isinstance(idx, slice) else idx.tolist()
+        """Rows ``idx`` of the batch (instructions included): a slice, or long indices or a bool
+        mask, best on the host (one copy to the device, and the instructions read there)."""
+        if isinstance(idx, slice):
+            rows = range(self.batch_size)[idx]
+        elif idx.dtype == torch.bool:
+            rows = idx.nonzero().flatten().tolist()
+        else:
+            rows = idx.tolist()
         if not isinstance(idx, slice):
             idx = host_to_device(idx, self.device)  # (host rows: one copy, and no wait)
         obs = self.map(lambda t: t[idx])
@@ -86,11 +93,14 @@ class Observation:
             m = mask.view(-1, *([1] * (a.dim() - 1)))
             return torch.where(m, a, b)
 
+        instruction = list(self.instruction)
+        if instruction != other.instruction:  # (only then is the mask read on the host)
+            instruction = [
+                a if m else b for a, b, m in zip(self.instruction, other.instruction, mask.tolist())
+            ]
         return Observation(
             state=pick(self.state, other.state),
-            instruction=[
-                a if m else b for a, b, m in zip(self.instruction, other.instruction, mask.tolist())
-            ],
+            instruction=instruction,
             images={k: pick(v, other.images[k]) for k, v in self.images.items()},
             privileged={k: pick(v, other.privileged[k]) for k, v in self.privileged.items()},
         )

@@ -57,6 +57,33 @@ def test_the_scripted_env_and_policy_pass_the_contract():
     check_policy(ScriptedPolicy(2), env.spec)
 
 
+def test_observation_rows_by_index_mask_and_slice_and_where_by_row():
+    from dataclasses import replace
+
+    from embodied.schema import Observation
+
+    obs = Observation(
+        state=torch.arange(6.0).view(3, 2),
+        instruction=["a", "b", "c"],
+        privileged={"goal": torch.tensor([10.0, 20.0, 30.0])},
+    )
+    by_mask = obs.index(torch.tensor([False, True, True]))
+    by_rows = obs.index(torch.tensor([1, 2]))
+    for picked in (by_mask, by_rows, obs.index(slice(1, 3))):
+        assert picked.instruction == ["b", "c"]
+        assert picked.state.tolist() == [[2.0, 3.0], [4.0, 5.0]]
+        assert picked.privileged["goal"].tolist() == [20.0, 30.0]
+    other = Observation(
+        state=-obs.state, instruction=["x", "y", "z"], privileged={"goal": -obs.privileged["goal"]}
+    )
+    mixed = obs.where(torch.tensor([True, False, True]), other)
+    assert mixed.instruction == ["a", "y", "c"]
+    assert mixed.state[:, 0].tolist() == [0.0, -2.0, 4.0]
+    assert mixed.privileged["goal"].tolist() == [10.0, -20.0, 30.0]
+    same_task = replace(other, instruction=["a", "b", "c"])
+    assert obs.where(torch.tensor([False, True, False]), same_task).instruction == ["a", "b", "c"]
+
+
 def test_chunk_fields_by_hand():
     batch, last, _ = run_rollout()
     v = [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]]  # chunk 0, envs 0..3

@@ -48,7 +48,7 @@ class Streams:
     def reseed(self, ids: torch.Tensor, seeds: torch.Tensor) -> None:
         """Worlds ``ids`` (int64 [N]) start over from ``seeds`` (int64 [N], >= 0)."""
         self.key[ids] = seeds
-        self.counter[ids] = 0
+        self.counter.index_fill_(0, ids, 0)
 
     def uniform(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         """The next ``n`` draws of worlds ``ids``: f32 [N, n] in [0, 1), 24 bits each (exact in

@@ -305,7 +305,7 @@ class MuJoCoWarpEnv:
             torch.from_numpy(rows) if pinned is None else pinned.to(self.device, non_blocking=True)
         )
         mask = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
-        mask[ids] = True
+        mask.index_fill_(0, ids, True)  # (a Python scalar set by index copies from the host)
         init = draw_initial(self._streams, self.task, ids, self.cfg.home_noise, self.cfg.randomize)
         self.world_params.put(ids, init.params)
         if self._batched is not None:
@@ -325,7 +325,7 @@ class MuJoCoWarpEnv:
         self._forward()
         self._sensors.copy_(torch.where(mask[:, None], self._sensors, kept_sensors))
         self._previous[ids] = init.joints  # at rest: zero velocity
-        self._elapsed_device[ids] = 0
+        self._elapsed_device.index_fill_(0, ids, 0)
 
     def reset(
         self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None
