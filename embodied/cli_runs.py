@@ -106,7 +106,7 @@ def cmd_replay(args) -> int:
 def cmd_episodes(args) -> int:
     from embodied.episode_dataset import EpisodeDatasets
     from embodied.episodes import choose, episodes_of, summary_line, with_seeds, write_episode
-    from embodied.recording import read_record, recorded_iterations
+    from embodied.recording import read_rounds, recorded_iterations
     from embodied.resimulate import Resimulator
     from embodied.schema import UserError
 
@@ -120,7 +120,7 @@ def cmd_episodes(args) -> int:
     resimulator = Resimulator()
     try:
         for iteration in iterations:
-            record = read_record(run, iteration)
+            record = read_rounds(run, iteration)
             found = episodes_of(record)
             if args.seed is not None:
                 with_seeds(record, found)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from embodied.episodes import Episode
-from embodied.recording import Record
+from embodied.recording import RecordedRounds
 from embodied.resimulate import Resimulated, by_step
 from embodied.schema import EnvSpec, UserError
 
@@ -24,13 +24,13 @@ class DatasetError(UserError):
     """Episodes that cannot become a dataset; ``str()`` is one line."""
 
 
-def task_names(record: Record) -> list[str]:
+def task_names(record: RecordedRounds) -> list[str]:
     """The run's tasks in the env group's order (one nameless task: ``all``)."""
     env = record.meta["config"]["env"]
     return list(env.get("tasks") or ["all"])
 
 
-def dataset_roots(root: Path, record: Record) -> dict[str, Path]:
+def dataset_roots(root: Path, record: RecordedRounds) -> dict[str, Path]:
     """Where each task's episodes go: ``root`` for a run of one task, ``root/<task>`` else."""
     names = task_names(record)
     if len(names) == 1:
@@ -52,7 +52,7 @@ class EpisodeDatasets:
     """One ``LeRobotWriter`` per task, made when its first episode comes; ``close()`` writes
     their metadata."""
 
-    def __init__(self, root: Path, record: Record, source: dict):
+    def __init__(self, root: Path, record: RecordedRounds, source: dict):
         self.roots = dataset_roots(root, record)
         check_free(self.roots)
         self.spec = EnvSpec.from_dict(record.meta["spec"])
@@ -61,7 +61,9 @@ class EpisodeDatasets:
         self.writers = {}
         self.count = 0
 
-    def add(self, record: Record, episode: Episode, resimulated: Resimulated | None) -> None:
+    def add(
+        self, record: RecordedRounds, episode: Episode, resimulated: Resimulated | None
+    ) -> None:
         steps = episode_steps(record, episode, resimulated)
         writer = self.writers.get(episode.task) or self._writer(episode.task, steps)
         batch = record.rounds[episode.round_index]
@@ -93,7 +95,9 @@ class EpisodeDatasets:
         return [writer.close() for writer in self.writers.values()]
 
 
-def episode_steps(record: Record, episode: Episode, resimulated: Resimulated | None) -> dict:
+def episode_steps(
+    record: RecordedRounds, episode: Episode, resimulated: Resimulated | None
+) -> dict:
     """The episode per step (the actions that ran in it), as ``LeRobotWriter.add_episode``
     takes them: images, state, privileged, actions, rewards, success."""
     batch = record.rounds[episode.round_index]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embodied.recording import Record
+from embodied.recording import RecordedRounds
 from embodied.resimulate import Resimulated
 from embodied.schema import EnvSpec
 from embodied.video import write_mp4
@@ -41,18 +41,18 @@ class Episode:
     length: int  # its steps
     seed: int | None = None  # its reset seed where ``with_seeds`` found one (a round's first)
 
-    def frames(self, record: Record, camera: str) -> np.ndarray:
+    def frames(self, record: RecordedRounds, camera: str) -> np.ndarray:
         """uint8 [chunks, H, W, 3]: the camera at each of its chunks' start."""
         images = record.rounds[self.round_index].obs.images[camera]
         return images[self.chunks, self.row].cpu().numpy()
 
-    def steps(self, record: Record) -> list[int]:
+    def steps(self, record: RecordedRounds) -> list[int]:
         """The round's environment steps (chunk * K + k) that ran in it, in order."""
         valid = record.rounds[self.round_index].valid[self.chunks, self.row]  # bool [chunks, K]
         K = valid.shape[1]
         return [t * K + k for t, v in zip(self.chunks, valid.tolist()) for k in range(K) if v[k]]
 
-    def traces(self, record: Record) -> dict[str, np.ndarray]:
+    def traces(self, record: RecordedRounds) -> dict[str, np.ndarray]:
         """Per step (the actions that ran): actions f32 [steps, A], reward f32 [steps], success
         bool [steps]."""
         batch = record.rounds[self.round_index]
@@ -64,7 +64,7 @@ class Episode:
         }
 
 
-def episodes_of(record: Record, task_names: list[str] | None = None) -> list[Episode]:
+def episodes_of(record: RecordedRounds, task_names: list[str] | None = None) -> list[Episode]:
     """Every episode that ends in the record's rounds, in round, row and chunk order."""
     found = []
     for r, batch in enumerate(record.rounds):
@@ -90,7 +90,7 @@ def episodes_of(record: Record, task_names: list[str] | None = None) -> list[Epi
     return found
 
 
-def with_seeds(record: Record, episodes: list[Episode]) -> list[Episode]:
+def with_seeds(record: RecordedRounds, episodes: list[Episode]) -> list[Episode]:
     """``episodes`` with the reset seed of each that began at its round's reset (the round's
     seeds, planned again: embodied/resimulate.py); one after an automatic reset has none."""
     from embodied.resimulate import round_seeds
@@ -154,13 +154,13 @@ def choose(
     return chosen
 
 
-def control_hz(record: Record) -> float:
+def control_hz(record: RecordedRounds) -> float:
     """The recorded run's environment steps per second."""
     return EnvSpec.from_dict(record.meta["spec"]).action.control_hz
 
 
 def write_episode(
-    record: Record, episode: Episode, out: Path, resimulated: Resimulated | None = None
+    record: RecordedRounds, episode: Episode, out: Path, resimulated: Resimulated | None = None
 ) -> tuple[Path | None, Path]:
     """``out/<name>.mp4`` (the first camera: one frame per chunk as recorded, or per step as
     ``resimulated``; None without a camera) and ``out/<name>.png`` (actions, reward and success

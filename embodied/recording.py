@@ -172,12 +172,19 @@ class Pending:
 
 
 @dataclass
-class Record:
-    """A record read back: the rounds, the learner's state before the update, its metadata."""
+class RecordedRounds:
+    """A record's rounds and metadata, read back without the learner's state (episodes, the
+    report and the re-simulation need no more)."""
 
     path: Path
     meta: dict
     rounds: list[RolloutBatch]
+
+
+@dataclass
+class Record(RecordedRounds):
+    """A record read back whole: also the learner's state before the update."""
+
     model: dict[str, torch.Tensor]
     stream: dict
     optimizer: dict
@@ -189,44 +196,52 @@ def restore_before(learner, record: Record) -> None:
     learner.restore_record(record.model, record.optimizer, record.meta["lr"], record.stream)
 
 
-def read_record(run_dir: Path, iteration: int, device="cpu") -> Record:
-    """The record of ``iteration``, its rounds on ``device`` (``RecordError`` naming the file
-    that is missing or damaged)."""
-    import zstandard
-
+def read_rounds(run_dir: Path, iteration: int, device="cpu") -> RecordedRounds:
+    """The rounds of ``iteration``'s record on ``device`` and its metadata (``RecordError``
+    naming the file that is missing or damaged)."""
     path = record_dir(run_dir, iteration)
     if not path.is_dir():
         raise RecordError(f"{path}: no record of iteration {iteration} (runner.record_rollouts)")
-
-    def read(name: str, how):
-        try:
-            return how(path / name)
-        except FileNotFoundError:
-            raise RecordError(f"{path / name}: missing from the record") from None
-        except Exception as error:
-            raise RecordError(f"{path / name}: damaged ({type(error).__name__})") from None
-
-    meta = read("record.json", lambda p: json.loads(p.read_text()))
+    meta = _read(path / "record.json", lambda p: json.loads(p.read_text()))
     missing = sorted(set(META_KEYS) - set(meta))
     if missing:
         raise RecordError(f"{path / 'record.json'}: damaged (no {', '.join(missing)})")
-    packed = read("rounds.safetensors.zst", lambda p: p.read_bytes())
-    try:
-        tensors = load(zstandard.ZstdDecompressor().decompress(packed))
-    except Exception as error:
-        name = path / "rounds.safetensors.zst"
-        raise RecordError(f"{name}: damaged ({type(error).__name__})") from None
-    learner = read("learner.safetensors", lambda p: load_file(p))
-    optimizer = read("optimizer.pt", lambda p: torch.load(p, weights_only=True))
-    if "stream/cpu" not in learner:
-        raise RecordError(f"{path / 'learner.safetensors'}: damaged (no stream/cpu)")
-    stream = {"seed": meta["stream_seed"], "cpu": learner.pop("stream/cpu")}
-    stream["cuda"] = learner.pop("stream/cuda", None)
+    packed = _read(path / "rounds.safetensors.zst", lambda p: p.read_bytes())
+    tensors = _read(path / "rounds.safetensors.zst", lambda _: load(_unzstd(packed)))
     rounds = [
         batch_from(tensors, f"r{i}/", instructions, device)
         for i, instructions in enumerate(meta["instructions"])
     ]
-    return Record(path, meta, rounds, learner, stream, optimizer)
+    return RecordedRounds(path, meta, rounds)
+
+
+def read_record(run_dir: Path, iteration: int, device="cpu") -> Record:
+    """The record of ``iteration`` whole: its rounds on ``device`` and the learner's state
+    before the update (``RecordError`` naming the file that is missing or damaged)."""
+    recorded = read_rounds(run_dir, iteration, device)
+    path = recorded.path
+    learner = _read(path / "learner.safetensors", load_file)
+    optimizer = _read(path / "optimizer.pt", lambda p: torch.load(p, weights_only=True))
+    if "stream/cpu" not in learner:
+        raise RecordError(f"{path / 'learner.safetensors'}: damaged (no stream/cpu)")
+    stream = {"seed": recorded.meta["stream_seed"], "cpu": learner.pop("stream/cpu")}
+    stream["cuda"] = learner.pop("stream/cuda", None)
+    return Record(path, recorded.meta, recorded.rounds, learner, stream, optimizer)
+
+
+def _read(path: Path, how):
+    try:
+        return how(path)
+    except FileNotFoundError:
+        raise RecordError(f"{path}: missing from the record") from None
+    except Exception as error:
+        raise RecordError(f"{path}: damaged ({type(error).__name__})") from None
+
+
+def _unzstd(packed: bytes) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdDecompressor().decompress(packed)
 
 
 @dataclass

@@ -17,10 +17,16 @@ from pathlib import Path
 import torch
 
 from embodied import numerics
-from embodied.recording import Record, read_record, restore_before, weights_digest
+from embodied.recording import (
+    Record,
+    RecordedRounds,
+    read_record,
+    restore_before,
+    weights_digest,
+)
 
 
-def record_config(record: Record):
+def record_config(record: RecordedRounds):
     """The recorded run's ``TrainConfig``, as its record kept it."""
     from embodied.config import compose
     from embodied.train_config import TrainConfig

@@ -170,7 +170,7 @@ def _time_section(data: RunData) -> str:
 
 def _episode_section(data: RunData) -> str:
     from embodied.episodes import choose, episodes_of, write_episode
-    from embodied.recording import RecordError, read_record
+    from embodied.recording import RecordError, read_rounds
 
     out = ["<h2>Episodes</h2>"]
     video = data.run_dir / "videos" / "final_eval.mp4"
@@ -179,7 +179,7 @@ def _episode_section(data: RunData) -> str:
         out.append(_video(video.read_bytes(), "final evaluation", "wide"))
     for record_meta in reversed(data.records):
         try:
-            record = read_record(data.run_dir, record_meta["iteration"])
+            record = read_rounds(data.run_dir, record_meta["iteration"])
         except RecordError as error:
             out.append(f"<p>{html.escape(str(error))}</p>")
             continue

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied.recording import Record
+from embodied.recording import RecordedRounds
 from embodied.replay import record_config
 from embodied.schema import Observation, UserError
 
@@ -56,7 +56,7 @@ class Resimulated:
         return f"round {self.round_index}: rewards diverge at " + "; ".join(parts)
 
 
-def simulator_for(record: Record):
+def simulator_for(record: RecordedRounds):
     """The recorded run's environments as its config builds them (all of them, here)."""
     from embodied.multitask import make_env
 
@@ -69,7 +69,9 @@ class Resimulator:
     def __init__(self):
         self.env = None
 
-    def rounds(self, record: Record, round_indices, atol: float = 0.0) -> dict[int, Resimulated]:
+    def rounds(
+        self, record: RecordedRounds, round_indices, atol: float = 0.0
+    ) -> dict[int, Resimulated]:
         """The rounds of ``record`` simulated again, by index (rewards compared to ``atol``)."""
         if not round_indices:
             return {}
@@ -82,7 +84,7 @@ class Resimulator:
             self.env.close()
 
 
-def round_seeds(record: Record, round_index: int) -> int | list[int]:
+def round_seeds(record: RecordedRounds, round_index: int) -> int | list[int]:
     """The reset seeds of a recorded round: the run's algorithm planned them from the iteration
     and round (embodied/ppo.py, grpo.py), so its plan gives them again."""
     from embodied.roles import build_algorithm
@@ -95,7 +97,7 @@ def round_seeds(record: Record, round_index: int) -> int | list[int]:
     return algorithm.plan(record.meta["iteration"], round_index, episode_base=0).seeds
 
 
-def resimulate(record: Record, round_index: int, env, atol: float = 0.0) -> Resimulated:
+def resimulate(record: RecordedRounds, round_index: int, env, atol: float = 0.0) -> Resimulated:
     """Run round ``round_index`` of ``record`` again on ``env`` (the run's environments, built
     as its config says: the same tasks, in the same order, on the same kind of simulator)."""
     batch = record.rounds[round_index]

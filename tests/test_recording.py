@@ -22,6 +22,7 @@ from embodied.recording import (
     logged_grad_norms,
     prune_records,
     read_record,
+    read_rounds,
     record_dir,
 )
 from embodied.replay import differences, replay
@@ -165,6 +166,15 @@ def test_a_damaged_or_missing_record_is_one_line_naming_the_file(tmp_path, capsy
         policy=policy,
         algorithm=PPO,
     )
+    whole = read_record(run_dir, 1)
+    learner = record_dir(run_dir, 1) / "learner.safetensors"
+    learner.rename(learner.with_suffix(".kept"))
+    rounds_only = read_rounds(run_dir, 1)  # (what episodes and the report read)
+    assert rounds_only.meta == whole.meta and len(rounds_only.rounds) == len(whole.rounds) == 1
+    assert torch.equal(rounds_only.rounds[0].actions, whole.rounds[0].actions)
+    with pytest.raises(Exception, match="learner.safetensors: missing"):
+        read_record(run_dir, 1)
+    learner.with_suffix(".kept").rename(learner)
     rounds = record_dir(run_dir, 1) / "rounds.safetensors.zst"
     rounds.write_bytes(rounds.read_bytes()[:100])  # truncated
     assert main(["replay", str(run_dir), "--iteration", "1"]) == 2
