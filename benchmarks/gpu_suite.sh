@@ -6,14 +6,16 @@
 #   STAGES="warp_tests warp_throughput" bash benchmarks/gpu_suite.sh RESULTS_DIR   (some stages)
 # Stages: device, warp_compile, warp_tests, warp_throughput, warp_peaks, warp_cache,
 #   warp_learning (LEARN_TASKS="reach push pick", LEARN_MINUTES=5, LEARN_STEPS=16 by default),
-#   cluster_gpu, runner_tests, host_syncs. The warp_* stages need MuJoCo Warp's wheels in /tmp/site (brought
-#   in parts beforehand: ../shared/gpu/bundle_parts.sh; omegaconf, which the image lacks, as
-#   .whl/); cluster_gpu needs Ray and MuJoCo there too (bundle_parts.sh with ray==2.60.0 added
-#   to its requirements); the others ManiSkill's bundle (.gpu, and .gl for rendering). A stage
-#   whose packages are missing says so and is skipped.
+#   cluster_gpu, runner_tests, host_syncs. The warp_* stages need MuJoCo Warp's wheels in
+#   /tmp/site (brought in parts beforehand: ../shared/gpu/bundle_parts.sh; omegaconf, which the
+#   image lacks, as .whl/); cluster_gpu needs Ray and MuJoCo there too (bundle_parts.sh with
+#   ray==2.60.0 added to its requirements); the others ManiSkill's bundle (.gpu, and .gl for
+#   rendering). A stage whose packages are missing says so and is skipped.
 # Warp's CUDA kernel cache: a .warpcache/ folder carried with the tree is used as the cache (no
-# compile); warp_cache saves the cache this visit compiled as RESULTS_DIR/warpcache.tar.gz, to be
-# unpacked into .warpcache/ for the next visit.
+# compile); warp_cache saves the cache this visit compiled as RESULTS_DIR/warpcache.tar.gz (right
+# after warp_compile, and again in its place), to be unpacked into .warpcache/ for the next visit.
+# DEADLINE (seconds since the epoch, optional): every stage's limit is cut to end by then, so that
+# a caller's budget never leaves a stage's process running past it.
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/gpu_suite}}
 mkdir -p "$OUT"
@@ -26,6 +28,14 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 MUJOCO_GL
 ROOT=$PWD
 
 want() { [[ " $(echo $STAGES) " == *" $1 "* ]]; }
+cap() {  # a stage's own limit in seconds, cut to what is left before DEADLINE (at least 1)
+  local limit=$1
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - $(date +%s)))
+    if [ "$left" -lt "$limit" ]; then limit=$((left > 1 ? left : 1)); fi
+  fi
+  echo "$limit"
+}
 stage() { echo "=== $1 ($(date -u +%H:%M:%S))" | tee -a "$OUT/stages.log"; }
 has() { python3 -c "import $1" >/dev/null 2>&1; }
 
@@ -44,6 +54,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # small packages the image lacks (omegac
 fi
 if [ -d .warpcache ]; then export WARP_CACHE_PATH=$ROOT/.warpcache; fi
 WARP_CACHE=${WARP_CACHE_PATH:-$HOME/.cache/warp}
+save_cache() {  # written aside, then renamed: a visit cut short never ships half a cache
+  tar -C "$WARP_CACHE" -czf "$OUT/warpcache.tar.gz.new" . \
+    && mv "$OUT/warpcache.tar.gz.new" "$OUT/warpcache.tar.gz" && du -sh "$OUT/warpcache.tar.gz"
+}
 
 if want device; then
   stage device
@@ -59,33 +73,34 @@ fi
 if has mujoco_warp; then
   if want warp_compile; then  # the kernels of every task, timed: a compile, or a load
     stage warp_compile
-    timeout 420 python3 -P -m embodied.simulators.mujoco.warm --device cuda 2>&1 \
+    timeout "$(cap 420)" python3 -P -m embodied.simulators.mujoco.warm --device cuda 2>&1 \
       | tee "$OUT/warp_compile.log"
+    if want warp_cache; then save_cache; fi
   fi
   if want warp_tests; then  # graph capture, no device read until episodes end, CPU agreement
     stage warp_tests
-    timeout 300 python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_mujoco_warp.py \
-      2>&1 | tee "$OUT/pytest_warp.log"
+    timeout "$(cap 300)" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
+      tests/test_mujoco_warp.py 2>&1 | tee "$OUT/pytest_warp.log"
   fi
   if want warp_throughput; then  # raw MuJoCo Warp against our collect phase, side by side
     stage warp_throughput
-    timeout 300 python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
+    timeout "$(cap 300)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
       --worlds 1024,4096,16384 --json "$OUT/throughput.jsonl" 2>&1 | tee "$OUT/throughput.md"
-    timeout 240 python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda --obs rgb \
-      --image-size 128 --worlds 256,1024 --steps 50 --json "$OUT/throughput.jsonl" 2>&1 \
+    timeout "$(cap 240)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
+      --obs rgb --image-size 128 --worlds 256,1024 --steps 50 --json "$OUT/throughput.jsonl" 2>&1 \
       | tee -a "$OUT/throughput.md"
     # where ours' extra time per step goes: operators, kernels and their time, raw beside ours
-    timeout 120 python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
+    timeout "$(cap 120)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
       --worlds 4096 --steps 20 --profile --json "$OUT/profile.jsonl" 2>&1 | tee "$OUT/profile.md"
   fi
   if want warp_peaks; then  # the contact and constraint peaks behind the buffers' sizes
     stage warp_peaks
-    timeout 180 python3 benchmarks/contact_peaks.py --device cuda --worlds 4096 --steps 100 \
-      --json "$OUT/peaks.jsonl" 2>&1 | tee "$OUT/peaks.md"
+    timeout "$(cap 180)" python3 benchmarks/contact_peaks.py --device cuda --worlds 4096 \
+      --steps 100 --json "$OUT/peaks.jsonl" 2>&1 | tee "$OUT/peaks.md"
   fi
   if want warp_cache; then
     stage warp_cache
-    tar -C "$WARP_CACHE" -czf "$OUT/warpcache.tar.gz" . && du -sh "$OUT/warpcache.tar.gz"
+    save_cache
   fi
   if want warp_learning; then  # wall-clock to 0.9 at 4096 worlds, 5 minutes per task at most
     stage warp_learning
@@ -96,7 +111,8 @@ print(next((r['raw_world_steps_per_s'] for r in rows if r['worlds']==4096 and r[
     # passed 0.9 after about 240-275 iterations at 64 x 40 and 256 x 16 alike, docs/benchmarks.md),
     # and at 4096 worlds a round of 50 steps took 0.55 s of the H100's 0.86 s per iteration
     for task in ${LEARN_TASKS:-reach push pick}; do
-      timeout 400 python3 -P -m embodied.cli train configs/mujoco_warp/so101_pick_ppo.yaml \
+      timeout "$(cap 400)" python3 -P -m embodied.cli train \
+        configs/mujoco_warp/so101_pick_ppo.yaml \
         env.task=$task env.device=cuda env.num_envs=4096 runner.max_minutes=${LEARN_MINUTES:-5} \
         algorithm.num_steps=${LEARN_STEPS:-16} \
         runner.total_env_steps=400000000 runner.eval_every=10 runner.eval_episodes=256 \
@@ -115,11 +131,11 @@ fi
 
 if want cluster_gpu; then  # issue 33: a GPU rollout worker, weight sync by CUDA IPC
   stage cluster_gpu
-  timeout 120 python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
+  timeout "$(cap 120)" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
     tests/test_shared_weights.py 2>&1 | tee "$OUT/pytest_shared.log"
   if has ray && has mujoco; then
     # 1 and 4 env workers, 3 repeats: 193 s on an H100 (each configuration starts Ray's roles)
-    (cd benchmarks && timeout 240 python3 gpu_rollout.py --serve --sync --workers 1 4 \
+    (cd benchmarks && timeout "$(cap 240)" python3 gpu_rollout.py --serve --sync --workers 1 4 \
       --repeats 3 --json "$OUT/gpu_rollout.json") 2>&1 | grep --line-buffered -v WARNING \
       | tee "$OUT/gpu_rollout.log"
   else
@@ -130,15 +146,15 @@ fi
 if has mani_skill; then
   if want runner_tests; then  # the runner on CUDA, ManiSkill's physx_cpu feeding a GPU policy
     stage runner_tests
-    timeout "${PYTEST_LIMIT:-420}" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
+    timeout "$(cap "${PYTEST_LIMIT:-420}")" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
       tests/test_gpu.py tests/test_maniskill_seeds.py 2>&1 | tee "$OUT/pytest_gpu.log"
   fi
   if want host_syncs; then
     stage host_syncs
-    timeout 150 python3 benchmarks/host_syncs.py --env scripted --num-envs 4096 --steps 100 \
-      --json "$OUT/host_syncs_scripted.json" 2>&1 | tee "$OUT/host_syncs.log"
+    timeout "$(cap 150)" python3 benchmarks/host_syncs.py --env scripted --num-envs 4096 \
+      --steps 100 --json "$OUT/host_syncs_scripted.json" 2>&1 | tee "$OUT/host_syncs.log"
     if ls ~/.sapien/physx/*/libPhysXGpu_64.so >/dev/null 2>&1; then
-      timeout 200 python3 benchmarks/host_syncs.py --env maniskill --num-envs 1024 \
+      timeout "$(cap 200)" python3 benchmarks/host_syncs.py --env maniskill --num-envs 1024 \
         --json "$OUT/host_syncs_maniskill.json" 2>&1 | tee -a "$OUT/host_syncs.log"
     fi
   fi

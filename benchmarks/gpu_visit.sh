@@ -9,11 +9,13 @@
 # small enough to travel beside the last part: tar -C .warpcache -czf .gpuvisit/warpcache.tgz .
 # (.gpuvisit/ ignored in .git/info/exclude). Carry .gpup/partK alone in calls 1..K-1, then this.
 # PHASES (default "warp cluster learning"): the warp stages (what is left less 200 s), cluster_gpu
-# (240 s where 400 are left), then LEARN_TASKS (default "push pick") sharing the rest equally
+# (240 s where 400 are left), each a deadline the suite cuts its stages' limits to (no process
+# outlives its phase), then LEARN_TASKS (default "push pick") sharing the rest equally
 # (runner.max_minutes from each one's share, at most 5). A visit for learning alone:
 #   PHASES=learning LEARN_TASKS=push BUDGET=420 bash benchmarks/gpu_visit.sh .gpup/part4
 #   PHASES=learning LEARN_TASKS=pick BUDGET=420 bash benchmarks/gpu_visit.sh -   (the next call)
 set -uo pipefail
+: "${OUT:?set OUT: the folder whose files come back from the GPU machine}"
 last_part=$1
 cache=${2:-}
 start=$(date +%s)
@@ -22,12 +24,25 @@ left() { echo $((deadline - $(date +%s))); }
 R=/tmp/res
 mkdir -p "$R"
 pack() {
-  tar -C "$R" -czf "$OUT/results.tgz" --exclude='*.pt' --exclude=warpcache.tar.gz .
+  tar -C "$R" -czf "$OUT/results.tgz" --exclude='*.pt' --exclude='warpcache.tar.gz*' .
   if [ -f "$R/warpcache.tar.gz" ]; then
     (cd "$OUT" && rm -f warpcache.part* && split -b 15M -d "$R/warpcache.tar.gz" warpcache.part)
+    local parts
+    parts=$(ls "$OUT"/warpcache.part* | wc -l)
+    if [ "$parts" -gt 5 ]; then echo "[visit] the cache is $parts parts: not all come back"; fi
   fi
   cp "$R/stages.log" "$OUT/" 2>/dev/null
   echo "[visit] packed at $(($(date +%s) - start)) s; $(left) s left"
+}
+suite() {  # suite SECONDS [VAR=VALUE ...]: the suite under a deadline SECONDS away (none if < 30)
+  local seconds=$1
+  shift
+  if [ "$seconds" -lt 30 ]; then
+    echo "[visit] $*: skipped, $seconds s left"
+    return
+  fi
+  env "$@" DEADLINE=$(($(date +%s) + seconds)) bash benchmarks/gpu_suite.sh "$R"
+  pack
 }
 if [ "$last_part" != - ]; then  # (-: a later call on the same machine, the parts in place)
   bash "$last_part/take.sh" || { echo "[visit] the parts did not install"; exit 3; }
@@ -36,26 +51,20 @@ export PYTHONPATH=/tmp/site
 if [ -n "$cache" ]; then mkdir -p .warpcache && tar -C .warpcache -xzf "$cache"; fi
 phases=" ${PHASES:-warp cluster learning} "
 if [[ $phases == *" warp "* ]]; then
-  STAGES="device warp_compile warp_tests warp_throughput warp_peaks warp_cache" \
-    timeout $(($(left) - 200)) bash benchmarks/gpu_suite.sh "$R"
-  pack
+  suite $(($(left) - 200)) \
+    STAGES="device warp_compile warp_tests warp_throughput warp_peaks warp_cache"
 fi
 if [[ $phases == *" cluster "* ]]; then
-  STAGES="cluster_gpu" timeout $(($(left) > 400 ? 240 : $(left) - 160)) \
-    bash benchmarks/gpu_suite.sh "$R"
-  pack
+  suite $(($(left) > 400 ? 240 : $(left) - 160)) STAGES=cluster_gpu
 fi
 tasks=(${LEARN_TASKS:-push pick})
 for i in "${!tasks[@]}"; do
   [[ $phases == *" learning "* ]] || break
-  task=${tasks[$i]}
-  share=$(( ($(left) - 15) / (${#tasks[@]} - i) ))
+  share=$((($(left) - 15) / (${#tasks[@]} - i)))
   minutes=$(python3 -c "print(round(min(5.0, max(0.0, ($share - 60) / 60)), 2))")
-  echo "[visit] $task: $share s, runner.max_minutes=$minutes"
+  echo "[visit] ${tasks[$i]}: $share s, runner.max_minutes=$minutes"
   if python3 -c "import sys; sys.exit(0 if $minutes >= 0.5 else 1)"; then
-    STAGES="warp_learning" LEARN_TASKS=$task LEARN_MINUTES=$minutes timeout "$share" \
-      bash benchmarks/gpu_suite.sh "$R"
+    suite "$share" STAGES=warp_learning LEARN_TASKS="${tasks[$i]}" LEARN_MINUTES="$minutes"
   fi
-  pack
 done
 echo "[visit] done at $(($(date +%s) - start)) s"

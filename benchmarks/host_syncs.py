@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 import warnings
 from collections import Counter
 from functools import partial
@@ -27,24 +28,35 @@ import torch
 
 
 def counted(fn):
-    """(fn's result, where its host syncs happened: "file:line" -> count), from the Python line
-    that made each synchronising CUDA call (torch's sync debug mode warns from that frame)."""
+    """(fn's result, where its host syncs happened: "file:line" -> count). Torch's sync debug
+    mode warns from the innermost Python frame, which may be torch's own; each sync is counted
+    at the innermost frame outside torch instead: the line that called into it."""
+    sites: Counter[str] = Counter()
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            sites[site_of(traceback.extract_stack()[:-1], filename, lineno)] += 1
+
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = note
         torch.cuda.set_sync_debug_mode("warn")
         try:
             out = fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return out, sync_sites(caught)
+    return out, sites
 
 
-def sync_sites(caught: list[warnings.WarningMessage]) -> Counter[str]:
-    """The sync warnings among ``caught``, counted by the line that raised each."""
-    return Counter(
-        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
-    )
+def site_of(stack: list[traceback.FrameSummary], filename: str, lineno: int) -> str:
+    """ "file:line" of the innermost frame of ``stack`` outside torch and the warnings module,
+    else the warning's own ``filename:lineno``."""
+    for frame in reversed(stack):
+        path = Path(frame.filename)
+        if "torch" not in path.parts and path.name != "warnings.py":
+            return f"{path.name}:{frame.lineno}"
+    return f"{Path(filename).name}:{lineno}"
 
 
 def sites_text(sites: Counter[str]) -> str:

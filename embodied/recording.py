@@ -168,6 +168,7 @@ class Pending:
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
         fsync(final.parent)
+        fsync(run_dir)  # (the rollouts folder itself may be new)
         return final
 
 

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -83,26 +84,25 @@ def test_the_sleeping_simulator_passes_the_contract_and_pays_the_first_action():
     assert out.obs.state[:, 0].tolist() == [0.0] * 3
 
 
-def test_host_syncs_are_counted_by_the_line_that_raised_them():
-    """benchmarks/host_syncs.py: only sync warnings count, grouped by file and line."""
-    import warnings
+def test_a_host_sync_is_counted_at_the_innermost_line_outside_torch():
+    """benchmarks/host_syncs.py: a sync raised in torch's own Python code is named by the line
+    of ours that called it; one raised in ours by its own line."""
+    from traceback import FrameSummary
 
     host_syncs = load("host_syncs")
-
-    def caught(message: str, filename: str, lineno: int) -> warnings.WarningMessage:
-        return warnings.WarningMessage(UserWarning(message), UserWarning, filename, lineno)
-
-    sync = "called a synchronizing CUDA operation"
-    records = [
-        caught(sync, "/x/simulators/mujoco/warp_env.py", 357),
-        caught("an unrelated warning", "/x/embodied/rollout.py", 10),
-        caught(sync, "/y/embodied/rollout.py", 452),
-        caught(sync, "/x/simulators/mujoco/warp_env.py", 357),
-    ]
-    sites = host_syncs.sync_sites(records)
-    assert sites == {"warp_env.py:357": 2, "rollout.py:452": 1}
-    assert host_syncs.sites_text(sites) == "warp_env.py:357 x2, rollout.py:452"
-    assert host_syncs.sites_text(host_syncs.sync_sites([])) == "none"
+    ours = FrameSummary("/x/simulators/mujoco/warp_env.py", 253, "buffer_peaks")
+    inside_torch = FrameSummary("/v/site-packages/torch/functional.py", 99, "unique")
+    hook = FrameSummary("/usr/lib/python3.11/warnings.py", 40, "_showwarnmsg")
+    runner = FrameSummary("/x/embodied/rollout.py", 452, "record")
+    stack = [runner, ours, inside_torch, hook]
+    assert (
+        host_syncs.site_of(stack, "/v/site-packages/torch/functional.py", 99) == "warp_env.py:253"
+    )
+    assert host_syncs.site_of([runner, hook], "/x/embodied/rollout.py", 452) == "rollout.py:452"
+    assert host_syncs.site_of([inside_torch], "/v/torch/functional.py", 99) == "functional.py:99"
+    sites = Counter({"warp_env.py:253": 2, "rollout.py:452": 1})
+    assert host_syncs.sites_text(sites) == "warp_env.py:253 x2, rollout.py:452"
+    assert host_syncs.sites_text(Counter()) == "none"
 
 
 def test_a_step_profile_sums_kernels_per_step_and_ranks_the_costliest():
@@ -110,9 +110,11 @@ def test_a_step_profile_sums_kernels_per_step_and_ranks_the_costliest():
     kernel_profile = load("kernel_profile")
     ops = ["aten::mm", "aten::add", "aten::mm", "aten::add", "aten::copy_", "aten::tanh"]
     launches = [("gemm", 30.0), ("add", 2.0), ("gemm", 50.0), ("add", 4.0), ("copy", 10.0)]
+    launches += [("Memcpy DtoD (Device -> Device)", 7.0), ("Memset (Device)", 1.0)]
     step = kernel_profile.summarise(ops, launches, steps=2, top=2)
     assert step.ops == 3.0
     assert step.kernels == 2.5
+    assert step.copies == 1.0  # (not kernels: their time is not in kernel_ms)
     assert step.kernel_ms == pytest.approx(0.048)  # 96 us over 2 steps
     assert step.top == [
         ("gemm", pytest.approx(0.040), 1.0),  # 80 us / 2 steps, one launch a step
@@ -120,5 +122,5 @@ def test_a_step_profile_sums_kernels_per_step_and_ranks_the_costliest():
     ]
     text = kernel_profile.profile_text("ours", step)
     assert text.splitlines()[0] == (
-        "- ours: 3.0 torch operators, 2.5 kernels, 0.048 ms of kernels per step"
+        "- ours: 3.0 torch operators, 2.5 kernels, 0.048 ms of kernels, 1.0 copies per step"
     )

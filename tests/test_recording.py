@@ -423,8 +423,8 @@ def test_an_episode_after_one_that_ended_mid_chunk_is_partial():
 
 
 def test_a_record_is_on_disk_before_its_rename_makes_it_one(tmp_path, monkeypatch):
-    """Every staged file and the staging folder are flushed before the rename, the parent after:
-    a crash (power loss too) leaves either no record or a whole one."""
+    """Every staged file and the staging folder are flushed before the rename, the folders above
+    after: a crash (power loss too) leaves either no record or a whole one."""
     import embodied.recording as recording
 
     flushed = []  # (path, whether the final record existed then)
@@ -443,5 +443,5 @@ def test_a_record_is_on_disk_before_its_rename_makes_it_one(tmp_path, monkeypatc
     before = {path for path, existed in flushed if not existed}
     files = {"rounds.safetensors.zst", "learner.safetensors", "optimizer.pt", "record.json"}
     assert before == {staging / name for name in files} | {staging}
-    assert flushed[-1] == (final.parent, True)
+    assert flushed[-2:] == [(final.parent, True), (tmp_path, True)]
     assert sorted(p.name for p in final.iterdir()) == sorted(files)
