@@ -207,8 +207,7 @@ def read_rounds(run_dir: Path, iteration: int, device="cpu") -> RecordedRounds:
     missing = sorted(set(META_KEYS) - set(meta))
     if missing:
         raise RecordError(f"{path / 'record.json'}: damaged (no {', '.join(missing)})")
-    packed = _read(path / "rounds.safetensors.zst", lambda p: p.read_bytes())
-    tensors = _read(path / "rounds.safetensors.zst", lambda _: load(_unzstd(packed)))
+    tensors = _read(path / "rounds.safetensors.zst", lambda p: load(_unzstd(p.read_bytes())))
     rounds = [
         batch_from(tensors, f"r{i}/", instructions, device)
         for i, instructions in enumerate(meta["instructions"])

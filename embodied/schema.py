@@ -76,11 +76,8 @@ class Observation:
         mask, best on the host (one copy to the device, and the instructions read there)."""
         if isinstance(idx, slice):
             rows = range(self.batch_size)[idx]
-        elif idx.dtype == torch.bool:
-            rows = idx.nonzero().flatten().tolist()
         else:
-            rows = idx.tolist()
-        if not isinstance(idx, slice):
+            rows = (idx.nonzero().flatten() if idx.dtype == torch.bool else idx).tolist()
             idx = host_to_device(idx, self.device)  # (host rows: one copy, and no wait)
         obs = self.map(lambda t: t[idx])
         obs.instruction = [self.instruction[i] for i in rows]

@@ -27,7 +27,7 @@ import mujoco
 import numpy as np
 import torch
 
-from embodied.schema import Observation, StepOutput
+from embodied.schema import Observation, StepOutput, host_to_device
 from embodied.simulators.mujoco.arm import JOINTS
 from embodied.simulators.mujoco.config import MuJoCoConfig
 from embodied.simulators.mujoco.randomize import nominal
@@ -300,10 +300,7 @@ class MuJoCoWarpEnv:
         """Start new episodes in worlds ``rows`` (int64 [N] on the host): MuJoCo Warp's masked
         reset, then the drawn initial states, then one forward pass for the sensors."""
         self._elapsed[rows] = 0
-        pinned = torch.from_numpy(rows).pin_memory() if self.device.type == "cuda" else None
-        ids = (
-            torch.from_numpy(rows) if pinned is None else pinned.to(self.device, non_blocking=True)
-        )
+        ids = host_to_device(torch.from_numpy(rows), self.device)  # long [N]
         mask = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
         mask.index_fill_(0, ids, True)  # (a Python scalar set by index copies from the host)
         init = draw_initial(self._streams, self.task, ids, self.cfg.home_noise, self.cfg.randomize)
