@@ -152,6 +152,8 @@ class EnvGroup:
         if rows is not None and not self.can_pipeline:
             raise ValueError("these environments step all together; a chunk cannot run for rows")
         B, K = actions.shape[:2]
+        if K == 1:  # the step's own tensors, as views: no buffers to fill
+            return _chunk_of(self._step(actions[:, 0], rows), n=B)
         reward = torch.empty(B, K, device=self.device)
         terminated = torch.empty(B, K, dtype=torch.bool, device=self.device)
         truncated = torch.empty_like(terminated)
@@ -206,10 +208,10 @@ def _chunk_of(step, n: int) -> ChunkStep:
     final_obs = None if step.final_obs is None else step.final_obs.index(ended)
     return ChunkStep(
         obs=step.obs,
-        reward=step.reward.view(n, 1),
-        terminated=step.terminated.view(n, 1),
-        truncated=step.truncated.view(n, 1),
-        success=step.success.view(n, 1),
+        reward=step.reward.reshape(n, 1),
+        terminated=step.terminated.reshape(n, 1),
+        truncated=step.truncated.reshape(n, 1),
+        success=step.success.reshape(n, 1),
         ended=ended,
         final_obs=final_obs,
     )

@@ -275,24 +275,39 @@ class EpisodeStats:
         self.lengths.zero_()
         self.success.zero_()
 
-    def record(self, rows: slice, task_ids: torch.Tensor, step: ChunkStep) -> None:
-        """Fold a chunk of the environments ``rows`` (a slice: its running sums are views) with
-        tasks ``task_ids`` (long [n])."""
-        done = step.terminated | step.truncated  # bool [n, K]
-        returns = self.returns[rows]
-        lengths = self.lengths[rows]
-        success = self.success[rows]
-        for k in range(done.shape[1]):
-            returns += step.reward[:, k]
-            lengths += 1.0
-            success |= step.success[:, k]
-            ended = done[:, k].float()
-            finished = torch.stack([ended, returns * ended, lengths * ended, success * ended])
-            self.totals.index_add_(1, task_ids, finished)  # f32 [4, tasks] += [4, n]
-            keep = 1.0 - ended
-            returns.mul_(keep)
-            lengths.mul_(keep)
-            success &= ~done[:, k]
+    def record(
+        self,
+        task_ids: torch.Tensor,
+        reward: torch.Tensor,
+        done: torch.Tensor,
+        success: torch.Tensor,
+    ) -> None:
+        """Fold S consecutive environment steps of every environment (a round, once, after it
+        ran: a fixed number of operations however long it was). task_ids: long [B]; reward:
+        f32 [S, B]; done, success: bool [S, B]."""
+        S, B = reward.shape
+        device = reward.device
+        done_long = done.long()
+        # episode slots: (episodes ended before the step) * B + env, f32 sums [3, (S + 1) * B]
+        # of reward, steps and successes; slot 0 starts from the running episode's sums
+        episode = done_long.cumsum(0) - done_long  # long [S, B]
+        envs = torch.arange(B, device=device)
+        slot = (episode * B + envs).reshape(-1)  # long [S * B]
+        sums = torch.zeros(3, S + 1, B, device=device)
+        sums[:, 0] = torch.stack([self.returns, self.lengths, self.success.float()])
+        step_values = torch.stack([reward, torch.ones_like(reward), success.float()])
+        sums = sums.view(3, -1).index_add_(1, slot, step_values.view(3, -1))
+        # each ended episode, at its last step: [count, return, length, success once]
+        ended = done.float().view(-1)  # f32 [S * B]
+        at_end = sums[:, slot] * ended  # f32 [3, S * B]
+        at_end[2] = (at_end[2] > 0).float()
+        finished = torch.cat([ended[None], at_end])  # f32 [4, S * B]
+        self.totals.index_add_(1, task_ids.expand(S, B).reshape(-1), finished)
+        # the episodes still running go on from each env's slot after its last end
+        running = sums[:, done_long.sum(0) * B + envs]  # f32 [3, B]
+        self.returns.copy_(running[0])
+        self.lengths.copy_(running[1])
+        self.success.copy_(running[2] > 0)
 
     def summary(self) -> dict[str, float]:
         """episode/{return, length, success_once, count}, and per task when there are several."""
@@ -353,8 +368,8 @@ def _alloc(obs: Observation, out: PolicyOutput, T: int, B: int) -> RolloutBatch:
             "the policy's act() must return extras['logp_token'] (f32 [B, K, A]): the update "
             "takes ratios per chunk, action or token"
         )
-    long = torch.long
     flag = torch.bool
+    empty = torch.empty(0, dtype=torch.long)
     return RolloutBatch(
         obs=obs.map(lambda t: like(t)),
         instructions=(),
@@ -367,11 +382,12 @@ def _alloc(obs: Observation, out: PolicyOutput, T: int, B: int) -> RolloutBatch:
         terminated=like(out.value, K, dtype=flag),
         truncated=like(out.value, K, dtype=flag),
         success=like(out.value, K, dtype=flag),
-        valid=like(out.value, K, dtype=flag),
-        episode_id=like(out.value, dtype=long),
-        group_id=like(out.value, dtype=long),
-        task_id=like(out.value, dtype=long),
-        policy_version=like(out.value, dtype=long),
+        # what follows from the round's ends and versions: made after it (_fill_round)
+        valid=empty,
+        episode_id=empty,
+        group_id=empty,
+        task_id=empty,
+        policy_version=empty,
     )
 
 
@@ -395,16 +411,13 @@ def collect(
     ``should_stop`` is asked before every chunk; when it says so, ``Interrupted`` is raised."""
     T = plan.num_chunks
     B = envs.num_envs
-    total_envs = plan.total_envs or B  # (episode ids: B of a larger whole, from first_env)
     device = policy.device
     # each stage: its rows (a CPU index for the environments, None: all) and the same rows as a
     # slice of the buffers (views: plain copies, no index gathers)
     stage_list = envs.stage_split(stages, chunk_size)
     split = stage_list[0][0] is not None
-    env_index = torch.arange(plan.first_env, plan.first_env + B, device=device)
-    episode_count = torch.zeros(B, dtype=torch.long, device=device)  # episodes ended so far
-    group_of_env = host_to_device(plan.group_of_env, device)
-    task_ids = host_to_device(envs.task_ids, device)
+    # the weight version that chose each chunk: long [T, B] on the host, sent once at the end
+    version_host = torch.empty(T, B, dtype=torch.long)
     bootstrap = torch.zeros(T, B, device=device)  # V(last obs) of episodes that ended
     buf: RolloutBatch | None = None
     last_obs: list[Observation] = []
@@ -428,25 +441,16 @@ def collect(
             if k != "logp_token":
                 buf.extras[k][t, at] = v
         buf.values[t, at] = out.value  # f32 [n]
-        count = episode_count[at]
-        buf.episode_id[t, at] = plan.episode_base + count * total_envs + env_index[at]
-        buf.group_id[t, at] = torch.where(count == 0, group_of_env[at], -1)
-        buf.task_id[t, at] = task_ids[at]
-        buf.policy_version[t, at] = policy.version
+        version_host[t, at] = policy.version
         envs.send(out.actions.to(envs.device), rows)
 
     def record(t: int, stage, step: ChunkStep) -> None:
         rows, at = stage
         step = _on(step, device)
-        done = step.terminated | step.truncated  # bool [n, K]
-        ended_before = done.long().cumsum(1) - done.long()
         buf.rewards[t, at] = step.reward
         buf.terminated[t, at] = step.terminated
         buf.truncated[t, at] = step.truncated
         buf.success[t, at] = step.success
-        buf.valid[t, at] = ended_before == 0
-        stats.record(at, task_ids[at], step)
-        episode_count[at] += done.sum(1)  # every end counts, a second one in the chunk too
         if step.final_obs is not None:
             global_rows = step.ended if rows is None else rows[step.ended]
             # the critic's bootstrap only on the rows that ended (their episode's last obs)
@@ -474,11 +478,41 @@ def collect(
     else:
         last = last_obs[0]
     buf.instructions = envs.instructions
+    _fill_round(buf, plan, host_to_device(envs.task_ids, device), stats)
+    buf.policy_version = host_to_device(version_host, device)
     # V(s_{t+1}): the next chunk's value, V(s_T) after the last; V(last obs) where it ended
     following = torch.cat([buf.values[1:], policy.value(to_policy(last))[None]])
     ended = (buf.terminated | buf.truncated) & buf.valid
     buf.next_values = torch.where(ended.any(-1), bootstrap, following)
     return buf, last
+
+
+def _fill_round(
+    buf: RolloutBatch, plan: CollectPlan, task_ids: torch.Tensor, stats: EpisodeStats
+) -> None:
+    """What follows from the round's ends, for all its chunks at once (a fixed number of
+    operations per round, none per step): ``valid``, episode and group ids, task ids, and the
+    episode statistics. task_ids: long [B] on the buffers' device."""
+    T, B, K = buf.terminated.shape
+    device = buf.terminated.device
+    done = buf.terminated | buf.truncated  # bool [T, B, K]
+    done_long = done.long()
+    buf.valid = done_long.cumsum(2) - done_long == 0  # no end before the action in its chunk
+    ends = done_long.sum(2)  # long [T, B]: every end counts, a second one in a chunk too
+    count = ends.cumsum(0) - ends  # long [T, B]: episodes ended before the chunk
+    total_envs = plan.total_envs or B  # (episode ids: B of a larger whole, from first_env)
+    env_index = torch.arange(plan.first_env, plan.first_env + B, device=device)
+    buf.episode_id = plan.episode_base + count * total_envs + env_index
+    group_of_env = host_to_device(plan.group_of_env, device)
+    buf.group_id = torch.where(count == 0, group_of_env, -1)
+    buf.task_id = task_ids.expand(T, B).clone()
+
+    def in_time_order(x: torch.Tensor) -> torch.Tensor:  # [T, B, K] -> [T * K, B]
+        return x.transpose(1, 2).reshape(T * K, B)
+
+    stats.record(
+        task_ids, in_time_order(buf.rewards), in_time_order(done), in_time_order(buf.success)
+    )
 
 
 def _on(step: ChunkStep, device: torch.device) -> ChunkStep:

@@ -110,7 +110,7 @@ class ActorCritic(nn.Module):
         parts = [self.state_encoder(obs)] + [
             cnn(obs.images[name]) for name, cnn in self.cnns.items()
         ]
-        return torch.cat(parts, dim=-1)  # f32 [B, F]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # f32 [B, F]
 
     @torch.no_grad()
     def update_normalizer(self, obs: Observation) -> None:

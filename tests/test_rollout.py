@@ -151,6 +151,34 @@ def test_every_episode_end_counts_in_the_statistics():
     assert summary["episode/success_once"] == 0.0
 
 
+def test_statistics_of_a_round_carry_running_episodes_into_the_next_by_hand():
+    stats = EpisodeStats(3, ["a", "b"], torch.device("cpu"))
+    tasks = torch.tensor([0, 1, 1])
+    # round 1, 3 steps: env 0 ends at step 1 (succeeded at step 0) and runs on; env 1 ends at
+    # steps 0 and 2; env 2 never ends
+    reward = torch.tensor([[1.0, 10.0, 100.0], [2.0, 20.0, 200.0], [4.0, 40.0, 400.0]])
+    done = torch.tensor([[0, 1, 0], [1, 0, 0], [0, 1, 0]], dtype=torch.bool)
+    success = torch.tensor([[1, 0, 0], [0, 0, 1], [0, 0, 0]], dtype=torch.bool)
+    stats.record(tasks, reward, done, success)
+    # ended: env 0 (1+2, 2 steps, success), env 1 (10, 1 step), env 1 (20+40, 2 steps)
+    assert stats.totals.tolist() == [[1, 2], [3, 70], [2, 3], [1, 0]]
+    assert stats.returns.tolist() == [4, 0, 700]
+    assert stats.lengths.tolist() == [1, 0, 3]
+    assert stats.success.tolist() == [False, False, True]
+    # round 2, 1 step: env 0's episode and env 2's (which succeeded in round 1) end
+    stats.record(
+        tasks,
+        torch.tensor([[8.0, 80.0, 800.0]]),
+        torch.tensor([[1, 0, 1]]) > 0,
+        torch.zeros(1, 3, dtype=torch.bool),
+    )
+    assert stats.totals.tolist() == [[2, 3], [15, 1570], [4, 7], [1, 1]]
+    assert stats.returns.tolist() == [0, 80, 0]
+    assert stats.lengths.tolist() == [0, 1, 0]
+    summary = stats.summary()
+    assert summary["episode/a/count"] == 2 and summary["episode/b/return"] == 1570 / 3
+
+
 def test_behaviour_logprob_at_chunk_level_sums_the_valid_actions_only():
     batch, _, _ = run_rollout()
     batch.logprob_token = torch.arange(48.0).view(3, 4, 4, 1)

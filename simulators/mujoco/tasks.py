@@ -63,7 +63,7 @@ class Reach(Task):
     def evaluate(self, s):
         d = torch.linalg.vector_norm(s["tcp_pos"] - s["goal_pos"], dim=-1)
         success = d < 0.02
-        return torch.where(success, 1.0, 1.0 - torch.tanh(10.0 * d)), success
+        return (1.0 - torch.tanh(10.0 * d)).masked_fill(success, 1.0), success
 
 
 class Push(Task):
@@ -90,7 +90,7 @@ class Push(Task):
         reach = 1.0 - torch.tanh(10.0 * torch.linalg.vector_norm(tcp - behind, dim=-1))
         place = 1.0 - torch.tanh(10.0 * d_goal)
         success = d_goal < 0.025
-        return torch.where(success, 1.0, (reach + 2.0 * place) / 3.0), success
+        return ((reach + 2.0 * place) / 3.0).masked_fill(success, 1.0), success
 
 
 class Pick(Task):
@@ -114,7 +114,7 @@ class Pick(Task):
         lift = ((cube[:, 2] - CUBE_HALF) / LIFT).clamp(0.0, 1.0)
         success = cube[:, 2] >= CUBE_HALF + LIFT
         dense = (reach + grasped.float() + 2.0 * lift) / 4.0
-        return torch.where(success, 1.0, dense), success
+        return dense.masked_fill(success, 1.0), success
 
 
 GOAL_AND_CUBE = (  # the sensors of the tasks with a cube, each a privileged key of its name

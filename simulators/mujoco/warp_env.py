@@ -144,13 +144,14 @@ class MuJoCoWarpEnv:
         self._pos_cols = torch.tensor([cols[f"{j}.pos"][0] for j in JOINTS], device=self.device)
         # f32 [B, 6]: the joints at the step's start (velocities as an arm measures them)
         self._previous = torch.zeros(self.num_envs, len(JOINTS), device=self.device)
-        self._priv_cols = {
-            k: torch.tensor(cols[k], device=self.device) for k in self.spec.obs.privileged
-        }
-        self._read_cols = {  # what the task's reward reads
-            k: torch.tensor(cols[k], device=self.device)
-            for k in (*self.spec.obs.privileged, *self.task.reads)
-        }
+        # what an observation and the task's reward read, gathered in one launch (_read):
+        # "joints", the privileged keys and the task's reads, each a column range of the gather
+        names = ["joints", *self.spec.obs.privileged]
+        names += [k for k in self.task.reads if k not in names]
+        cols["joints"] = [cols[f"{j}.pos"][0] for j in JOINTS]
+        self._read_cols = torch.tensor(sum((cols[k] for k in names), []), device=self.device)
+        ends = np.cumsum([len(cols[k]) for k in names])
+        self._read_ranges = {k: slice(e - len(cols[k]), e) for k, e in zip(names, ends.tolist())}
 
     def _has_cube(self) -> bool:
         return mujoco.mj_name2id(self.host_model, mujoco.mjtObj.mjOBJ_BODY, "cube") >= 0
@@ -261,18 +262,24 @@ class MuJoCoWarpEnv:
         return flags[:-2].astype(bool)
 
     # --- observations -------------------------------------------------------------------------
-    def _obs(self) -> Observation:
-        sensors = self._sensors
+    def _read(self) -> dict[str, torch.Tensor]:
+        """The sensors an observation and the reward read, copied out of the live data in one
+        gather: name -> f32 [B, n] (views of one f32 [B, N])."""
+        gathered = self._sensors.index_select(1, self._read_cols)
+        return {k: gathered[:, at] for k, at in self._read_ranges.items()}
+
+    def _obs(self, readings: dict[str, torch.Tensor] | None = None) -> Observation:
+        """The observation from ``readings`` (this state's ``_read``; None: read now)."""
+        readings = self._read() if readings is None else readings
         return Observation(
-            state=self._state(sensors),  # f32 [B, 12]
+            state=self._state(readings["joints"]),  # f32 [B, 12]
             instruction=[self.task.instruction] * self.num_envs,
             images=self._images(),
-            privileged={k: sensors.index_select(1, c) for k, c in self._priv_cols.items()},
+            privileged={k: readings[k] for k in self.spec.obs.privileged},
         )
 
-    def _state(self, sensors: torch.Tensor) -> torch.Tensor:
+    def _state(self, joints: torch.Tensor) -> torch.Tensor:
         """f32 [B, 12]: joint positions, and their change over the step times the control rate."""
-        joints = sensors.index_select(1, self._pos_cols)  # f32 [B, 6]
         return torch.cat([joints, (joints - self._previous) * CONTROL_HZ], 1)
 
     def _images(self) -> dict[str, torch.Tensor]:
@@ -290,10 +297,6 @@ class MuJoCoWarpEnv:
                 )
         with self._on_torch_stream():
             return self._cameras[key].images(self._m, self._d)
-
-    def _reward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        readings = {k: self._sensors.index_select(1, c) for k, c in self._read_cols.items()}
-        return self.task.evaluate(readings)
 
     # --- reset / step -------------------------------------------------------------------------
     def _reset_rows(self, rows: np.ndarray) -> None:
@@ -337,11 +340,12 @@ class MuJoCoWarpEnv:
         delta = actions.to(self.device, torch.float32).clamp(-MAX_DELTA, MAX_DELTA)
         self._target = torch.clamp(self._target + delta, self._low, self._high)
         self._ctrl.copy_(self._delayed())  # held for every substep
-        self._previous.copy_(self._sensors.index_select(1, self._pos_cols))
+        torch.index_select(self._sensors, 1, self._pos_cols, out=self._previous)
         self._physics()
         self._elapsed += 1
         self._elapsed_device += 1
-        reward, success = self._reward()
+        readings = self._read()
+        reward, success = self.task.evaluate(readings)
         truncated = self._elapsed_device >= self.spec.max_episode_steps  # bool [B], device
         done_host = self._elapsed >= self.spec.max_episode_steps  # the same rows, on the host
         if self.cfg.ignore_terminations:
@@ -356,9 +360,9 @@ class MuJoCoWarpEnv:
                 self.check_buffers()  # the step's one read from the device
             ended = torch.from_numpy(np.flatnonzero(done_host))  # long [n], CPU
             done = terminated | truncated
-            final = self._obs()
+            final = self._obs(readings)
             self._reset_rows(ended.numpy())
-        obs = self._obs()
+        obs = self._obs(readings if final is None else None)  # (after resets: read again)
         if final is not None:
             final = final.where(done, obs)  # ended rows: the last observation
         return StepOutput(
