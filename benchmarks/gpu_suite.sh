@@ -66,6 +66,9 @@ if want device; then
     date -u
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
     python3 -c "import warp, mujoco_warp; print('warp', warp.__version__)" 2>&1 | tail -1
+    # policy.compile_act: inductor's GPU kernels need triton, and triton a C compiler
+    python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1
+    gcc --version 2>&1 | head -1
     lscpu | grep 'Model name'
   } 2>&1 | tee "$OUT/device.txt"
 fi
@@ -78,20 +81,22 @@ if has mujoco_warp; then
     if want warp_cache; then save_cache; fi
   fi
   if want warp_tests; then  # graph capture, no device read until episodes end, CPU agreement
-    stage warp_tests
+    stage warp_tests  # (and the compiled act against the eager one)
     timeout "$(cap 300)" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
-      tests/test_mujoco_warp.py 2>&1 | tee "$OUT/pytest_warp.log"
+      tests/test_mujoco_warp.py tests/test_compile_act.py 2>&1 | tee "$OUT/pytest_warp.log"
   fi
   if want warp_throughput; then  # raw MuJoCo Warp against our collect phase, side by side
-    stage warp_throughput
-    timeout "$(cap 300)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
-      --worlds 1024,4096,16384 --json "$OUT/throughput.jsonl" 2>&1 | tee "$OUT/throughput.md"
+    stage warp_throughput  # (--compile: ours again with policy.compile_act, a compile a size)
+    timeout "$(cap 360)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
+      --worlds 1024,4096,16384 --compile --json "$OUT/throughput.jsonl" 2>&1 \
+      | tee "$OUT/throughput.md"
     timeout "$(cap 240)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
       --obs rgb --image-size 128 --worlds 256,1024 --steps 50 --json "$OUT/throughput.jsonl" 2>&1 \
       | tee -a "$OUT/throughput.md"
     # where ours' extra time per step goes: operators, kernels and their time, raw beside ours
-    timeout "$(cap 120)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
-      --worlds 4096 --steps 20 --profile --json "$OUT/profile.jsonl" 2>&1 | tee "$OUT/profile.md"
+    timeout "$(cap 150)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
+      --worlds 4096 --steps 20 --profile --compile --json "$OUT/profile.jsonl" 2>&1 \
+      | tee "$OUT/profile.md"
   fi
   if want warp_peaks; then  # the contact and constraint peaks behind the buffers' sizes
     stage warp_peaks

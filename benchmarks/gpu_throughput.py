@@ -9,6 +9,8 @@
 - ours: the runner's collect phase (``embodied.rollout.collect``): env step (observations, reward,
   success, automatic resets), the MLP actor-critic's inference and the rollout buffers, over
   whole episodes;
+- with ``--compile``, ours again with the policy's act through torch.compile
+  (``policy.compile_act``: fused kernels, fewer launches a step), in its own column;
 - on CUDA, the host synchronisations per step of ours (``torch.cuda.set_sync_debug_mode``), and
   the lines that made them;
 - with ``--profile``, the torch operators and (on CUDA) the kernels of one step of each, and
@@ -17,7 +19,8 @@
 Throughput is world-steps per second (control steps x worlds). The goal (issue 32): ours/raw at
 least 0.95 for state at 4096 worlds and more.
 
-    python benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda --worlds 1024,4096,16384
+    python benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda --worlds 1024,4096,16384 \
+        --compile
     python benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda --obs rgb --worlds 256,1024
     python benchmarks/gpu_throughput.py --sim mujoco_warp --device cpu --worlds 32   # here
 """
@@ -87,8 +90,9 @@ def raw_loop(env) -> Loop:
     return Loop(prepare=lambda: None, run=run)
 
 
-def ours_loop(env) -> Loop:
-    """The collect phase, warmed up; each run starts from fresh episodes, reset beforehand."""
+def ours_loop(env, compile_act: bool = False) -> Loop:
+    """The collect phase, warmed up; each run starts from fresh episodes, reset beforehand.
+    ``compile_act``: the policy's act through torch.compile (compiled in the warm-up)."""
     from embodied.env_group import EnvGroup
     from embodied.inference import InferencePolicy
     from embodied.models import ActorCritic, ActorCriticConfig
@@ -96,7 +100,7 @@ def ours_loop(env) -> Loop:
 
     envs = EnvGroup(env)
     policy = ActorCritic(env.spec, ActorCriticConfig()).to(env.device)
-    inference = InferencePolicy(policy)
+    inference = InferencePolicy(policy, compile_act=compile_act)
     group_of_env = torch.full((env.num_envs,), -1)
     stats = EpisodeStats(env.num_envs, envs.task_names, env.device)
     first_obs = []
@@ -127,13 +131,17 @@ def rate(env, loop: Loop, steps: int) -> float:
 class Measured:
     raw: float  # world-steps/s
     ours: float
+    compiled: float | None  # ours with the policy's act compiled (--compile)
     sites: Counter[str] | None  # on CUDA: the host syncs of ours, by line
     profile: dict[str, StepProfile]  # "raw", "ours" with --profile
 
 
-def measure(env, steps: int, profile: bool) -> Measured:
-    """raw and ours side by side; on CUDA the host syncs of ours by line; profiles if asked."""
+def measure(env, steps: int, profile: bool, compile_act: bool) -> Measured:
+    """raw and ours (and ours compiled) side by side; on CUDA the host syncs of ours by line;
+    profiles if asked."""
     loops = {"raw": raw_loop(env), "ours": ours_loop(env)}
+    if compile_act:
+        loops["compiled"] = ours_loop(env, compile_act=True)
     rates = {label: rate(env, loop, steps) for label, loop in loops.items()}
     sites = None
     if env.device.type == "cuda":
@@ -143,7 +151,7 @@ def measure(env, steps: int, profile: bool) -> Measured:
     for label, loop in loops.items() if profile else ():
         loop.prepare()
         profiles[label] = profiled(lambda loop=loop: loop.run(steps), steps, env.device)
-    return Measured(rates["raw"], rates["ours"], sites, profiles)
+    return Measured(rates["raw"], rates["ours"], rates.get("compiled"), sites, profiles)
 
 
 def main() -> None:
@@ -157,19 +165,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100, help="control steps timed per case")
     p.add_argument("--json", help="append each row here as it is measured (JSON lines)")
     p.add_argument("--profile", action="store_true", help="kernels and operators per step")
+    p.add_argument("--compile", action="store_true", help="ours with policy.compile_act too")
     args = p.parse_args()
     torch.set_grad_enabled(False)
+    compiled_head = " ours compiled world-steps/s | compiled/raw |" if args.compile else ""
     print(
-        "| sim | device | obs | worlds | raw world-steps/s | ours world-steps/s | ours/raw | "
-        "host syncs per step |"
+        "| sim | device | obs | worlds | raw world-steps/s | ours world-steps/s | ours/raw |"
+        f"{compiled_head} host syncs per step |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|" + "---:|---:|" * args.compile + "---:|")
     where = []  # the lines that synchronised, printed below the table
     profiles = []  # the same, per step of raw and ours
     for worlds in (int(w) for w in args.worlds.split(",")):
         env = make_env(args.sim, args.task, worlds, args.device, args.obs, args.image_size)
         try:
-            measured = measure(env, args.steps, args.profile)
+            measured = measure(env, args.steps, args.profile, args.compile)
         finally:
             env.close()
         raw_rate, ours_rate, sites = measured.raw, measured.ours, measured.sites
@@ -190,14 +200,19 @@ def main() -> None:
             "raw_world_steps_per_s": raw_rate,
             "ours_world_steps_per_s": ours_rate,
             "ours_over_raw": ours_rate / raw_rate,
+            "compiled_world_steps_per_s": measured.compiled,
             "host_syncs_per_step": syncs,
             "sync_sites": None if sites is None else dict(sites),
             "profile": {label: asdict(step) for label, step in measured.profile.items()},
         }
         syncs_text = "-" if syncs is None else f"{syncs:.2f}"
+        compiled = measured.compiled
+        compiled_text = (
+            "" if compiled is None else f" {compiled:,.0f} | {compiled / raw_rate:.2f} |"
+        )
         print(
             f"| {args.sim} | {row['device']} | {args.obs} | {worlds} | {raw_rate:,.0f} | "
-            f"{ours_rate:,.0f} | {ours_rate / raw_rate:.2f} | {syncs_text} |",
+            f"{ours_rate:,.0f} | {ours_rate / raw_rate:.2f} |{compiled_text} {syncs_text} |",
             flush=True,
         )
         if args.json:

@@ -8,16 +8,42 @@ from contextlib import nullcontext
 
 import torch
 
-from embodied.schema import Observation, PolicyOutput
+from embodied.schema import Observation, PolicyOutput, UserError
 from embodied.streams import Stream
 
 
+def compiled_act(policy: torch.nn.Module):
+    """``policy.act`` through torch.compile (inductor): its operators fused into fewer kernels,
+    the same numbers up to float rounding. Random draws come from torch's generators as in eager
+    mode (``fallback_random``), so a stream's actions stay its own. One graph per batch size."""
+    device = next(policy.parameters()).device
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401  (inductor's GPU code generator)
+        except ImportError:
+            raise UserError(
+                "policy.compile_act on a GPU needs triton, which torch's CUDA wheels bring: "
+                "pip install triton, or set policy.compile_act=false"
+            ) from None
+    return torch.compile(policy.act, dynamic=False, options={"fallback_random": True})
+
+
 class InferencePolicy:
-    def __init__(self, policy: torch.nn.Module, version: int = 0, stream: Stream | None = None):
+    """``compile_act``: sampled actions (rollouts) go through ``compiled_act``; deterministic
+    ones (evaluation, other batch sizes) stay eager."""
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        version: int = 0,
+        stream: Stream | None = None,
+        compile_act: bool = False,
+    ):
         self.policy = policy
         self.version = version  # the learner update that produced these weights
         self.stream = stream  # what sampled actions draw from (None: the process's generators)
         self.has_critic = getattr(policy, "has_critic", True)
+        self._sample = compiled_act(policy) if compile_act else policy.act
 
     @property
     def device(self) -> torch.device:
@@ -29,7 +55,10 @@ class InferencePolicy:
         Sampled actions draw from the stream; deterministic ones draw nothing."""
         sampling = self.stream is not None and not deterministic
         with self.stream.drawing() if sampling else nullcontext():
-            out = self.policy.act(obs, deterministic=deterministic)
+            if deterministic:
+                out = self.policy.act(obs, deterministic=True)
+            else:
+                out = self._sample(obs)
         if out.value is None:
             out.value = torch.zeros_like(out.logprob)
         return out

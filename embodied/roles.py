@@ -381,7 +381,9 @@ class LocalRoles:
         self.learner = learner_for(cfg, env.spec, self.envs.task_of_env, device)
         # the one inference shard's stream: rollout worker 0's on Ray
         stream = Stream.derived(cfg.seed, "rollout", 0)
-        self.inference = InferencePolicy(self.learner.engine.torch_policy, stream=stream)
+        self.inference = InferencePolicy(
+            self.learner.engine.torch_policy, stream=stream, compile_act=cfg.policy.compile_act
+        )
         if resume is not None:
             self.learner.load(resume)
             resumed(stream, resume["rng"], cfg.seed, resume["counters"]["iteration"])

@@ -13,6 +13,10 @@ class PolicyConfig:
     needs_cameras: ClassVar[bool] = False
 
     name: str = ""
+    # rollouts call the policy's act through torch.compile (embodied/inference.py): its
+    # operators fused into fewer kernels, fewer launches a step on a GPU; the first call of each
+    # batch size compiles (about 15 s for the MLP on a CPU)
+    compile_act: bool = False
 
     def has_critic(self) -> bool:
         """Whether the policy built from this config has a value head (PPO needs one)."""

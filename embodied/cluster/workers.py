@@ -237,7 +237,8 @@ class RolloutWorker(_Worker):
         self.seed = seed
         self.stream = Stream.derived(seed, "rollout", rank)
         policy = build_policy(spec, policy_cfg).to(self.device).eval()
-        self.inference = InferencePolicy(policy, stream=self.stream)
+        compile_act = policy_cfg.compile_act
+        self.inference = InferencePolicy(policy, stream=self.stream, compile_act=compile_act)
         self.sync_keys = sync_keys_of(self.inference.policy)
         self.version = -1  # no weights from the learner yet
 
