@@ -29,8 +29,8 @@ def compiled_act(policy: torch.nn.Module):
 
 
 class InferencePolicy:
-    """``compile_act``: sampled actions (rollouts) go through ``compiled_act``; deterministic
-    ones (evaluation, other batch sizes) stay eager."""
+    """``compile_act``: sampled actions (rollouts) go through ``compiled_act``, a graph per batch
+    size; deterministic ones (evaluation) stay eager."""
 
     def __init__(
         self,
@@ -58,7 +58,7 @@ class InferencePolicy:
             if deterministic:
                 out = self.policy.act(obs, deterministic=True)
             else:
-                out = self._sample(obs)
+                out = self._sample(obs, deterministic=False)
         if out.value is None:
             out.value = torch.zeros_like(out.logprob)
         return out

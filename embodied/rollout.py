@@ -298,7 +298,7 @@ class EpisodeStats:
         step_values = torch.stack([reward, torch.ones_like(reward), success.float()])
         sums = sums.view(3, -1).index_add_(1, slot, step_values.view(3, -1))
         # each ended episode, at its last step: [count, return, length, success once]
-        ended = done.float().view(-1)  # f32 [S * B]
+        ended = done.reshape(-1).float()  # f32 [S * B] (done may be a strided view)
         at_end = sums[:, slot] * ended  # f32 [3, S * B]
         at_end[2] = (at_end[2] > 0).float()
         finished = torch.cat([ended[None], at_end])  # f32 [4, S * B]

@@ -116,6 +116,12 @@ class TrainConfig:
                 "or workers; set cluster.enabled=false"
             )
         self.algorithm.check_with(self.policy, self.env)
+        if self.policy.compile_act and self.runner.pipeline_stages == "auto":
+            raise ValueError(
+                "policy.compile_act compiles the act once per batch size, and "
+                "runner.pipeline_stages=auto would time each split with its compile: choose a "
+                "number of stages (1 on a GPU)"
+            )
         if self.trainer.backend == "megatron":
             check_megatron(self.trainer, self.policy, self.cluster)
             if self.runner.replay_from:

@@ -233,3 +233,11 @@ def test_resume_compares_only_the_keys_the_checkpoint_has(tmp_path):
         check_resume(
             saved, {"algorithm": {"gamma": 0.5, "behaviour_weight_cap": 5.0}}, tmp_path, False
         )
+
+
+def test_a_compiled_act_takes_a_fixed_number_of_pipeline_stages():
+    overrides = ["policy.compile_act=true", "runner.pipeline_stages=auto"]
+    with pytest.raises(ConfigError, match="policy.compile_act compiles the act once per batch"):
+        load_config(TrainConfig, "configs/mujoco/push_ppo.yaml", overrides)
+    cfg, _ = load_config(TrainConfig, "configs/mujoco/push_ppo.yaml", overrides[:1])
+    assert cfg.policy.compile_act and cfg.runner.pipeline_stages == 1

@@ -151,6 +151,23 @@ def test_every_episode_end_counts_in_the_statistics():
     assert summary["episode/success_once"] == 0.0
 
 
+def test_a_round_of_one_chunk_of_several_actions_by_hand():
+    # (GRPO with chunk_size >= max_episode_steps: the round's time order is a strided view)
+    batch, _, stats = run_rollout(chunks=1)
+    assert batch.valid[0].long().tolist() == [
+        [1, 1, 0, 0],
+        [1, 1, 1, 1],
+        [1, 1, 1, 1],
+        [1, 1, 1, 0],
+    ]
+    assert batch.episode_id.tolist() == [[0, 1, 2, 3]]
+    # env 0: 2 episodes of return 3; env 2: one of 10; env 3: one of 6; env 1 runs on (10)
+    summary = stats.summary()
+    assert summary["episode/count"] == 4
+    assert summary["episode/return"] == pytest.approx((2 * 3 + 10 + 6) / 4)
+    assert stats.returns.tolist() == [0, 10, 0, 1]  # env 0 ended on the chunk's last action
+
+
 def test_statistics_of_a_round_carry_running_episodes_into_the_next_by_hand():
     stats = EpisodeStats(3, ["a", "b"], torch.device("cpu"))
     tasks = torch.tensor([0, 1, 1])
