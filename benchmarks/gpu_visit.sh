@@ -8,7 +8,8 @@
 # omegaconf's wheels in .whl/, and the last visit's kernel cache, unpacked into .warpcache/, packed
 # small enough to travel beside the last part: tar -C .warpcache -czf .gpuvisit/warpcache.tgz .
 # (.gpuvisit/ ignored in .git/info/exclude). Carry .gpup/partK alone in calls 1..K-1, then this.
-# PHASES (default "warp cluster learning"): the warp stages (what is left less 200 s), cluster_gpu
+# PHASES (default "warp cluster learning"): the warp stages (what is left, less 200 s when other
+# phases follow), cluster_gpu
 # (240 s where 400 are left), each a deadline the suite cuts its stages' limits to (no process
 # outlives its phase), then LEARN_TASKS (default "push pick") sharing the rest equally
 # (runner.max_minutes from each one's share, at most 5). A visit for learning alone:
@@ -50,8 +51,10 @@ fi
 export PYTHONPATH=/tmp/site
 if [ -n "$cache" ]; then mkdir -p .warpcache && tar -C .warpcache -xzf "$cache"; fi
 phases=" ${PHASES:-warp cluster learning} "
+later=0  # what the warp phase leaves to the phases after it
+if [[ $phases == *" cluster "* || $phases == *" learning "* ]]; then later=200; fi
 if [[ $phases == *" warp "* ]]; then
-  suite $(($(left) - 200)) \
+  suite $(($(left) - later)) \
     STAGES="device warp_compile warp_tests warp_throughput warp_peaks warp_cache"
 fi
 if [[ $phases == *" cluster "* ]]; then
