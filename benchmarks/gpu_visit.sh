@@ -9,8 +9,7 @@
 # small enough to travel beside the last part: tar -C .warpcache -czf .gpuvisit/warpcache.tgz .
 # (.gpuvisit/ ignored in .git/info/exclude). Carry .gpup/partK alone in calls 1..K-1, then this.
 # PHASES (default "warp cluster learning"): the warp stages (what is left, less 200 s when other
-# phases follow), cluster_gpu
-# (240 s where 400 are left), each a deadline the suite cuts its stages' limits to (no process
+# phases follow), cluster_gpu (240 s where 400 are left), each a deadline the suite cuts its stages' limits to (no process
 # outlives its phase), then LEARN_TASKS (default "push pick") sharing the rest equally
 # (runner.max_minutes from each one's share, at most 5). A visit for learning alone:
 #   PHASES=learning LEARN_TASKS=push BUDGET=420 bash benchmarks/gpu_visit.sh .gpup/part4
