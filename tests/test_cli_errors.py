@@ -386,14 +386,16 @@ def test_no_traceback_reaches_the_terminal(argv, culprit, paths):
     assert res.stdout == ""
 
 
-def test_maniskill_on_the_gpu_backend_without_cuda_is_a_one_line_error(capsys):
+def test_maniskill_on_the_gpu_backend_without_cuda_is_a_one_line_error(capsys, tmp_path):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     from embodied.cli import main
 
-    assert main(["train", "configs/maniskill/pushcube_ppo.yaml", "env.backend=gpu"]) == 2
+    # (its own output folder: the README's `make train` leaves a run in runs/pushcube_ppo)
+    argv = ["train", "configs/maniskill/pushcube_ppo.yaml", "env.backend=gpu"]
+    assert main([*argv, f"runner.output_dir={tmp_path}"]) == 2
     assert capsys.readouterr().err.strip() == (
         "embodied: error: env.backend=gpu needs a CUDA GPU and this machine has none; use "
         "env.backend=cpu"

@@ -127,13 +127,13 @@ def test_the_constraint_buffer_is_the_measured_size_and_an_overflow_names_it():
     assert found and int(found[1]) >= 16  # the cube's 4 contacts, 4 pyramid rows each
 
 
-def test_cuda_on_a_machine_without_it_is_a_one_line_error(capsys):
+def test_cuda_on_a_machine_without_it_is_a_one_line_error(capsys, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     from embodied.cli import main
 
     argv = ["train", "configs/mujoco/reach_ppo.yaml", "env.backend=warp", "env.device=cuda"]
-    assert main(argv) == 2
+    assert main([*argv, f"runner.output_dir={tmp_path}"]) == 2  # (not a run the user made)
     err = capsys.readouterr().err.strip()
     assert err == (
         "embodied: error: env.device=cuda needs a CUDA GPU and this machine has none; use "
