@@ -4,6 +4,8 @@ distributed runner holds a copy in another process and receives the learner's we
 
 from __future__ import annotations
 
+import os
+import shutil
 from contextlib import nullcontext
 
 import torch
@@ -25,6 +27,11 @@ def compiled_act(policy: torch.nn.Module):
                 "policy.compile_act on a GPU needs triton, which torch's CUDA wheels bring: "
                 "pip install triton, or set policy.compile_act=false"
             ) from None
+    elif not shutil.which(os.environ.get("CXX") or "g++"):  # (inductor's CPU code is C++)
+        raise UserError(
+            "policy.compile_act on a CPU needs a C++ compiler (g++, or the one CXX names): "
+            "apt install g++, or set policy.compile_act=false"
+        )
     return torch.compile(policy.act, dynamic=False, options={"fallback_random": True})
 
 

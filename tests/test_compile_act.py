@@ -1,7 +1,7 @@
 """``policy.compile_act``: the rollout's act through torch.compile samples what the eager act
 samples from the same stream (up to float rounding), follows the weights as an update changes
 them, and leaves deterministic actions eager. Compiling takes about 15 s on a CPU: slow there;
-on a GPU (inductor's triton kernels) it is a ``gpu`` test."""
+on a GPU (inductor's triton kernels) it is a ``gpu`` test. Without a compiler: one line."""
 
 import pytest
 import torch
@@ -48,3 +48,16 @@ def test_a_compiled_act_samples_what_eager_samples_and_follows_the_weights(devic
     assert not torch.allclose(after.value, first[0].value)
     # deterministic actions (evaluation) stay eager and draw nothing
     assert_same_output(compiled.act(obs, deterministic=True), eager.act(obs, deterministic=True))
+
+
+def test_a_compiled_act_without_a_compiler_is_a_one_line_error(monkeypatch):
+    from embodied.schema import UserError
+
+    env = make_env(MuJoCoConfig(task="reach", num_envs=2))
+    policy = ActorCritic(env.spec, ActorCriticConfig(hidden_sizes=[8]))
+    env.close()
+    monkeypatch.setenv("CXX", "no-such-compiler++")
+    with pytest.raises(UserError, match=r"^policy.compile_act on a CPU needs a C\+\+ compiler"):
+        InferencePolicy(policy, compile_act=True)
+    monkeypatch.delenv("CXX")
+    assert InferencePolicy(policy, compile_act=True).act  # g++ is here: built, compiles later
