@@ -478,21 +478,22 @@ def collect(
     else:
         last = last_obs[0]
     buf.instructions = envs.instructions
-    _fill_round(buf, plan, host_to_device(envs.task_ids, device), stats)
+    done = _fill_round(buf, plan, host_to_device(envs.task_ids, device), stats)
     buf.policy_version = host_to_device(version_host, device)
     # V(s_{t+1}): the next chunk's value, V(s_T) after the last; V(last obs) where it ended
     following = torch.cat([buf.values[1:], policy.value(to_policy(last))[None]])
-    ended = (buf.terminated | buf.truncated) & buf.valid
+    ended = done & buf.valid
     buf.next_values = torch.where(ended.any(-1), bootstrap, following)
     return buf, last
 
 
 def _fill_round(
     buf: RolloutBatch, plan: CollectPlan, task_ids: torch.Tensor, stats: EpisodeStats
-) -> None:
+) -> torch.Tensor:
     """What follows from the round's ends, for all its chunks at once (a fixed number of
     operations per round, none per step): ``valid``, episode and group ids, task ids, and the
-    episode statistics. task_ids: long [B] on the buffers' device."""
+    episode statistics. task_ids: long [B] on the buffers' device. Returns the ends, bool
+    [T, B, K] (terminated or truncated)."""
     T, B, K = buf.terminated.shape
     device = buf.terminated.device
     done = buf.terminated | buf.truncated  # bool [T, B, K]
@@ -513,6 +514,7 @@ def _fill_round(
     stats.record(
         task_ids, in_time_order(buf.rewards), in_time_order(done), in_time_order(buf.success)
     )
+    return done
 
 
 def _on(step: ChunkStep, device: torch.device) -> ChunkStep:

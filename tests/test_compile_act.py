@@ -1,6 +1,6 @@
 """``policy.compile_act``: the rollout's act through torch.compile samples what the eager act
 samples from the same stream (up to float rounding), follows the weights as an update changes
-them, and leaves deterministic actions eager. Compiling takes about 15 s on a CPU: slow there;
+them, and leaves deterministic actions eager. Compiling takes about 11 s on a CPU: slow there;
 on a GPU (inductor's triton kernels) it is a ``gpu`` test. Without a compiler: one line."""
 
 import pytest

@@ -141,14 +141,14 @@ class MuJoCoWarpEnv:
         for i in range(m.nsensor):
             adr = int(m.sensor_adr[i])
             cols[m.sensor(i).name] = list(range(adr, adr + int(m.sensor_dim[i])))
-        self._pos_cols = torch.tensor([cols[f"{j}.pos"][0] for j in JOINTS], device=self.device)
+        cols["joints"] = [cols[f"{j}.pos"][0] for j in JOINTS]
+        self._pos_cols = torch.tensor(cols["joints"], device=self.device)
         # f32 [B, 6]: the joints at the step's start (velocities as an arm measures them)
         self._previous = torch.zeros(self.num_envs, len(JOINTS), device=self.device)
         # what an observation and the task's reward read, gathered in one launch (_read):
         # "joints", the privileged keys and the task's reads, each a column range of the gather
         names = ["joints", *self.spec.obs.privileged]
         names += [k for k in self.task.reads if k not in names]
-        cols["joints"] = [cols[f"{j}.pos"][0] for j in JOINTS]
         self._read_cols = torch.tensor(sum((cols[k] for k in names), []), device=self.device)
         ends = np.cumsum([len(cols[k]) for k in names])
         self._read_ranges = {k: slice(e - len(cols[k]), e) for k, e in zip(names, ends.tolist())}
