@@ -94,9 +94,10 @@ def ours_loop(env, compile_act: bool = False) -> Loop:
     """The collect phase, warmed up; each run starts from fresh episodes, reset beforehand.
     ``compile_act``: the policy's act through torch.compile (compiled in the warm-up)."""
     from embodied.env_group import EnvGroup
+    from embodied.episode_stats import EpisodeStats
     from embodied.inference import InferencePolicy
     from embodied.models import ActorCritic, ActorCriticConfig
-    from embodied.rollout import CollectPlan, EpisodeStats, collect
+    from embodied.rollout import CollectPlan, collect
 
     envs = EnvGroup(env)
     policy = ActorCritic(env.spec, ActorCriticConfig()).to(env.device)

@@ -25,10 +25,11 @@ import torch
 
 def rounds_new(cfg, rounds: int) -> list[float]:
     from embodied.env_group import EnvGroup
+    from embodied.episode_stats import EpisodeStats
     from embodied.grpo import GRPO
     from embodied.inference import InferencePolicy
     from embodied.multitask import make_env
-    from embodied.rollout import EpisodeStats, collect
+    from embodied.rollout import collect
     from embodied.runner import init_policy
 
     env = make_env(cfg.env)

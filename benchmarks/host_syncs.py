@@ -100,11 +100,12 @@ def raw(env, steps: int) -> dict:
 def ours(env, steps: int, episode: int) -> list[dict]:
     from embodied.algorithm import update
     from embodied.env_group import EnvGroup
+    from embodied.episode_stats import EpisodeStats
     from embodied.inference import InferencePolicy
     from embodied.learner import TorchEngine
     from embodied.models import ActorCritic, ActorCriticConfig
     from embodied.ppo import PPO, PPOConfig
-    from embodied.rollout import CollectPlan, EpisodeStats, collect
+    from embodied.rollout import CollectPlan, collect
 
     num_envs = env.num_envs
     envs = EnvGroup(env)

@@ -154,9 +154,10 @@ def bench_vecenv(env, steps: int) -> tuple[float, float]:
 
 def bench_rollout(env, steps: int, stages: int = 1) -> tuple[float, float]:
     from embodied.env_group import EnvGroup
+    from embodied.episode_stats import EpisodeStats
     from embodied.inference import InferencePolicy
     from embodied.models import ActorCritic, ActorCriticConfig
-    from embodied.rollout import CollectPlan, EpisodeStats, collect
+    from embodied.rollout import CollectPlan, collect
 
     envs = EnvGroup(env)
     policy = InferencePolicy(ActorCritic(env.spec, ActorCriticConfig()))

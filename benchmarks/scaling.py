@@ -93,8 +93,8 @@ def round_rate(cfg, roles, stages: int = 1) -> float:
 def collect_round(cfg, roles, stages: int, after_reset=None) -> tuple[int, float]:
     """One collection round: its env steps and wall seconds (seeded reset excluded; then
     ``after_reset()`` is called where given)."""
+    from embodied.episode_stats import EpisodeStats
     from embodied.roles import build_algorithm
-    from embodied.rollout import EpisodeStats
 
     envs = roles.envs
     algorithm = build_algorithm(cfg, roles.spec, envs.task_of_env)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from embodied.run import EVALUATED_AT
 
 if TYPE_CHECKING:
-    from embodied.rollout import EpisodeStats
+    from embodied.episode_stats import EpisodeStats
 
 # left out of a checkpoint's counters while unset, as the runner always wrote them
 _UNSET = {"evaluating": None, "pipeline_stages": None, "discarded_rounds": 0}

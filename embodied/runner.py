@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from embodied import numerics
 from embodied.config import to_dict
+from embodied.episode_stats import EpisodeStats
 from embodied.evaluations import Evaluations
 from embodied.events import EventLog
 from embodied.logger import RunLogger
@@ -35,7 +36,6 @@ from embodied.roles import (
     load_checkpoint_for,
     local_roles,
 )
-from embodied.rollout import EpisodeStats
 from embodied.run import (
     Clock,
     Interrupted,

@@ -28,9 +28,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from embodied.episode_stats import EpisodeStats
 from embodied.inference import InferencePolicy
 from embodied.multitask import MultiTaskEnv
-from embodied.rollout import EpisodeStats, collect
+from embodied.rollout import collect
 from embodied.schema import (
     ActionSpec,
     CameraSpec,

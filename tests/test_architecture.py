@@ -52,8 +52,10 @@ ALLOWED = {
     "embodied.multitask": {"embodied.schema", "embodied.simulators"},
     "embodied.twin": {"embodied.robots", "embodied.simulators"},
     # the rollout, the algorithms' bookkeeping, the learner
+    "embodied.episode_stats": set(),
     "embodied.rollout": {
         "embodied.env_group",
+        "embodied.episode_stats",
         "embodied.inference",
         "embodied.run",
         "embodied.schema",
@@ -102,6 +104,7 @@ ALLOWED = {
         "embodied.checkpoint",
         "embodied.config",
         "embodied.env_group",
+        "embodied.episode_stats",
         "embodied.evaluate",
         "embodied.events",
         "embodied.inference",
@@ -128,7 +131,7 @@ ALLOWED = {
         "embodied.schema",
         "embodied.simulators",
     },
-    "embodied.run_state": {"embodied.rollout", "embodied.run"},
+    "embodied.run_state": {"embodied.episode_stats", "embodied.run"},
     "embodied.recording": {
         "embodied.checkpoint",
         "embodied.logger",
@@ -201,6 +204,7 @@ ALLOWED = {
     "embodied.runner": {
         "embodied.cluster",
         "embodied.config",
+        "embodied.episode_stats",
         "embodied.evaluations",
         "embodied.events",
         "embodied.from_records",

@@ -39,10 +39,11 @@ from embodied.cluster.inference import RemoteInference
 from embodied.cluster.learner import Pending, RemoteLearner
 from embodied.cluster.roles import RayRoles
 from embodied.config import load_config
+from embodied.episode_stats import EpisodeStats
 from embodied.multitask import MultiTaskEnv
 from embodied.replay import differences, replay
 from embodied.roles import Roles, WorkerLost
-from embodied.rollout import CollectPlan, EpisodeStats
+from embodied.rollout import CollectPlan
 from embodied.run import EVALUATED_AT
 from embodied.runner import train
 from embodied.train_config import TrainConfig

@@ -15,9 +15,10 @@ from embodied.checkpoint import load_checkpoint
 from embodied.config import load_config
 from embodied.contract import check_env, check_policy
 from embodied.env_group import EnvGroup
+from embodied.episode_stats import EpisodeStats
 from embodied.inference import InferencePolicy
 from embodied.models import ActorCritic, ActorCriticConfig
-from embodied.rollout import CollectPlan, EpisodeStats, collect
+from embodied.rollout import CollectPlan, collect
 from embodied.runner import train
 from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
 from embodied.train_config import TrainConfig

@@ -10,12 +10,13 @@ import torch
 from scripted_envs import ScriptedEnv, ScriptedPolicy
 
 from embodied.env_group import EnvGroup
+from embodied.episode_stats import EpisodeStats
 from embodied.grpo import GRPO, GRPOConfig, groups_by_task
 from embodied.inference import InferencePolicy
 from embodied.learner import TorchEngine
 from embodied.models import ActorCritic, ActorCriticConfig
 from embodied.multitask import MultiTaskEnv
-from embodied.rollout import EpisodeStats, collect
+from embodied.rollout import collect
 
 K = 2
 MAX_STEPS = 5  # T = ceil(5 / 2) = 3 chunks; truncation at step 5 = chunk 2, action 0

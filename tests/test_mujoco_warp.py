@@ -207,9 +207,10 @@ def test_on_a_gpu_a_round_waits_on_the_device_only_to_read_the_peaks_where_episo
     import warnings
 
     from embodied.env_group import EnvGroup
+    from embodied.episode_stats import EpisodeStats
     from embodied.inference import InferencePolicy
     from embodied.models import ActorCritic, ActorCriticConfig
-    from embodied.rollout import CollectPlan, EpisodeStats, collect
+    from embodied.rollout import CollectPlan, collect
 
     cfg = MuJoCoConfig(task="push", num_envs=64, backend="warp", device="cuda")
     envs = EnvGroup(make_env(dataclasses.replace(cfg, max_episode_steps=5)))

@@ -92,11 +92,12 @@ def test_only_the_newest_records_of_every_nth_iteration_are_pruned(tmp_path):
 
 def test_a_round_comes_back_as_it_was_collected():
     from embodied.env_group import EnvGroup
+    from embodied.episode_stats import EpisodeStats
     from embodied.inference import InferencePolicy
     from embodied.models import ActorCriticConfig, build_policy
     from embodied.ppo import PPO as PPOAlgorithm
     from embodied.ppo import PPOConfig
-    from embodied.rollout import EpisodeStats, collect
+    from embodied.rollout import collect
 
     torch.manual_seed(0)
     envs = EnvGroup(PushRightEnv(4))

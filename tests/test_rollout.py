@@ -12,12 +12,12 @@ from scripted_envs import ScriptedEnv, ScriptedPolicy, run_on
 
 from embodied.contract import check_env, check_policy
 from embodied.env_group import EnvGroup, strided_stages
+from embodied.episode_stats import EpisodeStats
 from embodied.inference import InferencePolicy
 from embodied.multitask import MultiTaskEnv
 from embodied.ppo import PPO, PPOConfig
 from embodied.rollout import (
     CollectPlan,
-    EpisodeStats,
     RolloutBatch,
     collect,
 )

@@ -37,10 +37,11 @@ from embodied.cluster.start import start_ray
 from embodied.cluster.status import STATUS_FILE, write_status
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.cluster.wiring import start_groups
+from embodied.episode_stats import EpisodeStats
 from embodied.evaluate import pooled_summary
 from embodied.events import EventLog
 from embodied.roles import WorkerLost
-from embodied.rollout import CollectPlan, EpisodeStats
+from embodied.rollout import CollectPlan
 from embodied.run import Interrupted
 from embodied.schema import Observation
 

@@ -26,10 +26,11 @@ from embodied.cluster.shared import SharedWeights
 from embodied.cluster.status import where
 from embodied.cluster.wire import from_wire, to_wire
 from embodied.env_group import EnvGroup
+from embodied.episode_stats import EpisodeStats
 from embodied.evaluate import evaluate_by_task, evaluate_shares
 from embodied.inference import InferencePolicy
 from embodied.models import build_policy
-from embodied.rollout import EpisodeStats, collect
+from embodied.rollout import collect
 from embodied.stages import stage_candidates
 from embodied.streams import Stream, resumed
 
