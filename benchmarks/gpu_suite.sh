@@ -86,7 +86,8 @@ if has mujoco_warp; then
       tests/test_mujoco_warp.py tests/test_compile_act.py 2>&1 | tee "$OUT/pytest_warp.log"
   fi
   if want warp_throughput; then  # raw MuJoCo Warp against our collect phase, side by side
-    stage warp_throughput  # (--compile: ours again with policy.compile_act, a compile a size)
+    # (--compile: ours with policy.compile_act; replay: the physics alone under ours' commands)
+    stage warp_throughput
     timeout "$(cap 360)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
       --worlds 1024,4096,16384 --compile --json "$OUT/throughput.jsonl" 2>&1 \
       | tee "$OUT/throughput.md"

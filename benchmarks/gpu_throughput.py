@@ -6,6 +6,10 @@
 - raw: the simulator alone, random servo targets held for each control step (its substeps; on a
   GPU one captured CUDA graph), plus the cameras' rendering for ``--obs rgb``; no observation,
   reward, reset or policy (``env.simulate``);
+- replay (MuJoCo Warp): the simulator alone under ours' own commands, recorded in an untimed run
+  of ours (the servo targets of each step, every world's state after each reset), plus the
+  cameras for rgb. Ours asks the physics for more than raw's random targets do (more solver
+  iterations, benchmarks/command_replay.py): ours/replay is what the rest of ours costs;
 - ours: the runner's collect phase (``embodied.rollout.collect``): env step (observations, reward,
   success, automatic resets), the MLP actor-critic's inference and the rollout buffers, over
   whole episodes;
@@ -40,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import command_replay  # noqa: E402
 from host_syncs import counted, sites_text  # noqa: E402
 from kernel_profile import StepProfile, profile_text, profiled  # noqa: E402
 
@@ -90,6 +95,18 @@ def raw_loop(env) -> Loop:
     return Loop(prepare=lambda: None, run=run)
 
 
+def replay_loop(env, ours: Loop, steps: int) -> Loop:
+    """The simulator alone under ours' own commands (MuJoCo Warp): the servo targets and
+    resets of one untimed run of ``ours``, replayed from its starting state
+    (benchmarks/command_replay.py). The physics is that of ours' trajectory, step for step."""
+    recorded = command_replay.record(env, ours.prepare, ours.run, steps)
+    render = bool(env.spec.obs.cameras)
+    return Loop(
+        prepare=lambda: command_replay.restore(env, recorded.start),
+        run=lambda n: command_replay.replay(env, recorded, n, render),
+    )
+
+
 def ours_loop(env, compile_act: bool = False) -> Loop:
     """The collect phase, warmed up; each run starts from fresh episodes, reset beforehand.
     ``compile_act``: the policy's act through torch.compile (compiled in the warm-up)."""
@@ -133,16 +150,19 @@ class Measured:
     raw: float  # world-steps/s
     ours: float
     compiled: float | None  # ours with the policy's act compiled (--compile)
+    replay: float | None  # the simulator alone under ours' commands (MuJoCo Warp)
     sites: Counter[str] | None  # on CUDA: the host syncs of ours, by line
     profile: dict[str, StepProfile]  # "raw", "ours" with --profile
 
 
-def measure(env, steps: int, profile: bool, compile_act: bool) -> Measured:
-    """raw and ours (and ours compiled) side by side; on CUDA the host syncs of ours by line;
-    profiles if asked."""
+def measure(env, steps: int, profile: bool, compile_act: bool, replay: bool) -> Measured:
+    """raw and ours (and ours compiled, and the replay of ours' commands) side by side; on CUDA
+    the host syncs of ours by line; profiles if asked."""
     loops = {"raw": raw_loop(env), "ours": ours_loop(env)}
     if compile_act:
         loops["compiled"] = ours_loop(env, compile_act=True)
+    if replay:
+        loops["replay"] = replay_loop(env, loops["ours"], steps)
     rates = {label: rate(env, loop, steps) for label, loop in loops.items()}
     sites = None
     if env.device.type == "cuda":
@@ -152,7 +172,30 @@ def measure(env, steps: int, profile: bool, compile_act: bool) -> Measured:
     for label, loop in loops.items() if profile else ():
         loop.prepare()
         profiles[label] = profiled(lambda loop=loop: loop.run(steps), steps, env.device)
-    return Measured(rates["raw"], rates["ours"], rates.get("compiled"), sites, profiles)
+    return Measured(
+        rates["raw"], rates["ours"], rates.get("compiled"), rates.get("replay"), sites, profiles
+    )
+
+
+def header(compiled: bool, replay: bool) -> str:
+    """The table's two header lines: raw, [replay,] ours and their ratios, [compiled]."""
+    names = ["raw world-steps/s"] + ["replay world-steps/s"] * replay
+    names += ["ours world-steps/s", "ours/raw"] + ["ours/replay"] * replay
+    if compiled:
+        names += ["ours compiled world-steps/s", "compiled/raw"] + ["compiled/replay"] * replay
+    names.append("host syncs per step")
+    head = "| sim | device | obs | worlds | " + " | ".join(names) + " |"
+    return head + "\n|---|---|---|---:|" + "---:|" * len(names)
+
+
+def cells(m: Measured, syncs: float | None) -> str:
+    """A row's numbers after its worlds, in ``header``'s order."""
+    texts = [f"{m.raw:,.0f}"] + ([] if m.replay is None else [f"{m.replay:,.0f}"])
+    for rate in [m.ours] + ([] if m.compiled is None else [m.compiled]):
+        texts += [f"{rate:,.0f}", f"{rate / m.raw:.2f}"]
+        texts += [] if m.replay is None else [f"{rate / m.replay:.2f}"]
+    texts.append("-" if syncs is None else f"{syncs:.2f}")
+    return " " + " | ".join(texts) + " |"
 
 
 def main() -> None:
@@ -169,18 +212,14 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="ours with policy.compile_act too")
     args = p.parse_args()
     torch.set_grad_enabled(False)
-    compiled_head = " ours compiled world-steps/s | compiled/raw |" if args.compile else ""
-    print(
-        "| sim | device | obs | worlds | raw world-steps/s | ours world-steps/s | ours/raw |"
-        f"{compiled_head} host syncs per step |"
-    )
-    print("|---|---|---|---:|---:|---:|---:|" + "---:|---:|" * args.compile + "---:|")
+    replay = args.sim == "mujoco_warp"
+    print(header(args.compile, replay))
     where = []  # the lines that synchronised, printed below the table
     profiles = []  # the same, per step of raw and ours
     for worlds in (int(w) for w in args.worlds.split(",")):
         env = make_env(args.sim, args.task, worlds, args.device, args.obs, args.image_size)
         try:
-            measured = measure(env, args.steps, args.profile, args.compile)
+            measured = measure(env, args.steps, args.profile, args.compile, replay)
         finally:
             env.close()
         raw_rate, ours_rate, sites = measured.raw, measured.ours, measured.sites
@@ -202,20 +241,12 @@ def main() -> None:
             "ours_world_steps_per_s": ours_rate,
             "ours_over_raw": ours_rate / raw_rate,
             "compiled_world_steps_per_s": measured.compiled,
+            "replay_world_steps_per_s": measured.replay,
             "host_syncs_per_step": syncs,
             "sync_sites": None if sites is None else dict(sites),
             "profile": {label: asdict(step) for label, step in measured.profile.items()},
         }
-        syncs_text = "-" if syncs is None else f"{syncs:.2f}"
-        compiled = measured.compiled
-        compiled_text = (
-            "" if compiled is None else f" {compiled:,.0f} | {compiled / raw_rate:.2f} |"
-        )
-        print(
-            f"| {args.sim} | {row['device']} | {args.obs} | {worlds} | {raw_rate:,.0f} | "
-            f"{ours_rate:,.0f} | {ours_rate / raw_rate:.2f} |{compiled_text} {syncs_text} |",
-            flush=True,
-        )
+        print(f"| {args.sim} | {row['device']} | {args.obs} | {worlds} |{cells(measured, syncs)}")
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")

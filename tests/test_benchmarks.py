@@ -124,3 +124,30 @@ def test_a_step_profile_sums_kernels_per_step_and_ranks_the_costliest():
     assert text.splitlines()[0] == (
         "- ours: 3.0 torch operators, 2.5 kernels, 0.048 ms of kernels, 1.0 copies per step"
     )
+
+
+def test_the_replay_of_ours_commands_gives_ours_physics_before_and_after_a_reset():
+    """benchmarks/command_replay.py on Warp's CPU device (reach, 4 worlds, episodes of 5 steps):
+    the simulator alone, given the collect phase's servo targets and its resets' states from its
+    start, ends in the very state the collect phase ended in: after 4 steps (no episode ended)
+    and after 8 (every episode ended at the fifth)."""
+    pytest.importorskip("mujoco_warp")
+    import torch
+
+    from embodied.simulators.mujoco import MuJoCoConfig, make_env
+
+    throughput = load("gpu_throughput")
+    replay = throughput.command_replay
+    env = make_env(MuJoCoConfig(task="reach", num_envs=4, backend="warp", max_episode_steps=5))
+    ours = throughput.ours_loop(env)
+    for steps, resets in [(4, []), (8, [4])]:
+        recorded = replay.record(env, ours.prepare, ours.run, steps)
+        assert recorded.targets.shape == (steps, 4, 6) and list(recorded.restores) == resets
+        ours_end = replay.state(env)
+        assert not torch.equal(ours_end["qpos"], recorded.start["qpos"])  # the arm moved
+        replay.restore(env, recorded.start)
+        replay.replay(env, recorded, steps)
+        replayed_end = replay.state(env)
+        for name, value in ours_end.items():
+            assert torch.equal(replayed_end[name], value), name
+    assert "_physics" not in vars(env)  # the recording's hooks are gone
