@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_suite.sh RESULTS_DIR           (from the project root)
 #   STAGES="warp_tests warp_throughput" bash benchmarks/gpu_suite.sh RESULTS_DIR   (some stages)
 # Stages: device, warp_compile, warp_tests, warp_throughput, warp_peaks, warp_cache,
-#   warp_learning (LEARN_TASKS="reach push pick", LEARN_MINUTES=5, LEARN_STEPS=16 by default),
+#   warp_learning (LEARN_TASKS="reach push pick", LEARN_MINUTES=5, rounds of LEARN_STEPS=16,
+#   LEARN_STEPS_PICK=50 by default),
 #   cluster_gpu, runner_tests, host_syncs. The warp_* stages need MuJoCo Warp's wheels in
 #   /tmp/site (brought in parts beforehand: ../shared/gpu/bundle_parts.sh; omegaconf, which the
 #   image lacks, as .whl/); cluster_gpu needs Ray and MuJoCo there too (bundle_parts.sh with
@@ -113,14 +114,19 @@ if has mujoco_warp; then
     raw=$(python3 -c "import json; rows=[json.loads(l) for l in open('$OUT/throughput.jsonl')]; \
 print(next((r['raw_world_steps_per_s'] for r in rows if r['worlds']==4096 and r['obs']=='state'), ''))" \
       2>/dev/null)
-    # rounds of 16 steps (LEARN_STEPS): PPO needs iterations more than samples (push on the CPU
-    # passed 0.9 after about 240-275 iterations at 64 x 40 and 256 x 16 alike, docs/benchmarks.md),
-    # and at 4096 worlds a round of 50 steps took 0.55 s of the H100's 0.86 s per iteration
+    # PPO needs iterations more than samples (push on the CPU passed 0.9 after about 240-275
+    # iterations at 64 x 40 and 256 x 16 alike, docs/benchmarks.md), and at 4096 worlds a round of
+    # 50 steps took 0.55 s of the H100's 0.86 s per iteration: rounds of 16 steps (LEARN_STEPS).
+    # But every round starts from a seeded reset, so it must be long enough to finish the task:
+    # the scripted expert lifts the cube after 14-25 steps, and PPO on pick with rounds of 16
+    # never lifted it (1024 x 16 on the CPU: 0.00 at 120 iterations); pick keeps its config's 50
     for task in ${LEARN_TASKS:-reach push pick}; do
+      steps=${LEARN_STEPS:-16}
+      [[ $task == pick ]] && steps=${LEARN_STEPS_PICK:-50}
       timeout "$(cap 400)" python3 -P -m embodied.cli train \
         configs/mujoco_warp/so101_pick_ppo.yaml \
         env.task=$task env.device=cuda env.num_envs=4096 runner.max_minutes=${LEARN_MINUTES:-5} \
-        algorithm.num_steps=${LEARN_STEPS:-16} \
+        algorithm.num_steps=$steps \
         runner.total_env_steps=400000000 runner.eval_every=10 runner.eval_episodes=256 \
         runner.final_eval_episodes=1000 runner.video=false runner.progress=false \
         runner.output_dir="$OUT/runs" runner.name=warp_$task 2>&1 | tail -5 \
