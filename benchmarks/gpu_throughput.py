@@ -161,9 +161,14 @@ def measure(env, steps: int, profile: bool, compile_act: bool, replay: bool) -> 
     loops = {"raw": raw_loop(env), "ours": ours_loop(env)}
     if compile_act:
         loops["compiled"] = ours_loop(env, compile_act=True)
-    if replay:
-        loops["replay"] = replay_loop(env, loops["ours"], steps)
     rates = {label: rate(env, loop, steps) for label, loop in loops.items()}
+    if replay:  # an instrument of its own: should it fail on a device, the row still stands
+        try:
+            loops["replay"] = replay_loop(env, loops["ours"], steps)
+            rates["replay"] = rate(env, loops["replay"], steps)
+        except Exception as error:  # said, and the column shows "-"
+            loops.pop("replay", None)
+            print(f"replay not measured at {env.num_envs} worlds: {error!r}", file=sys.stderr)
     sites = None
     if env.device.type == "cuda":
         loops["ours"].prepare()
@@ -188,14 +193,18 @@ def header(compiled: bool, replay: bool) -> str:
     return head + "\n|---|---|---|---:|" + "---:|" * len(names)
 
 
-def cells(m: Measured, syncs: float | None) -> str:
-    """A row's numbers after its worlds, in ``header``'s order."""
-    texts = [f"{m.raw:,.0f}"] + ([] if m.replay is None else [f"{m.replay:,.0f}"])
+def cells(m: Measured, syncs: float | None, replay: bool) -> str:
+    """A row's numbers after its worlds, in ``header``'s order ("-" for a replay that failed)."""
+    texts = [f"{m.raw:,.0f}"] + [_or_dash(m.replay, ",.0f")] * replay
     for rate in [m.ours] + ([] if m.compiled is None else [m.compiled]):
         texts += [f"{rate:,.0f}", f"{rate / m.raw:.2f}"]
-        texts += [] if m.replay is None else [f"{rate / m.replay:.2f}"]
+        texts += [_or_dash(None if m.replay is None else rate / m.replay, ".2f")] * replay
     texts.append("-" if syncs is None else f"{syncs:.2f}")
     return " " + " | ".join(texts) + " |"
+
+
+def _or_dash(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def main() -> None:
@@ -246,7 +255,8 @@ def main() -> None:
             "sync_sites": None if sites is None else dict(sites),
             "profile": {label: asdict(step) for label, step in measured.profile.items()},
         }
-        print(f"| {args.sim} | {row['device']} | {args.obs} | {worlds} |{cells(measured, syncs)}")
+        numbers = cells(measured, syncs, replay)
+        print(f"| {args.sim} | {row['device']} | {args.obs} | {worlds} |{numbers}", flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
