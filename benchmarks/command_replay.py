@@ -59,7 +59,10 @@ def restore(env, saved: dict[str, torch.Tensor]) -> None:
 
 def record(env, prepare, run, steps: int) -> Recorded:
     """Run ``prepare()`` then ``run(steps)`` of the collect phase on ``env`` (a MuJoCo Warp
-    env), keeping what its physics was given."""
+    env), keeping what its physics was given. Not with per-world randomisation: a reset also
+    writes model fields, which a replay does not restore."""
+    if env.cfg.randomize.active:
+        raise ValueError("a replay restores states, not randomised model fields: randomize off")
     prepare()
     start = state(env)
     targets: list[torch.Tensor] = []

@@ -98,7 +98,8 @@ def raw_loop(env) -> Loop:
 def replay_loop(env, ours: Loop, steps: int) -> Loop:
     """The simulator alone under ours' own commands (MuJoCo Warp): the servo targets and
     resets of one untimed run of ``ours``, replayed from its starting state
-    (benchmarks/command_replay.py). The physics is that of ours' trajectory, step for step."""
+    (benchmarks/command_replay.py). The physics is that of ours' trajectory: bit for bit on
+    Warp's CPU device; on a GPU, where contact rows are allocated by atomics, the same work."""
     recorded = command_replay.record(env, ours.prepare, ours.run, steps)
     render = bool(env.spec.obs.cameras)
     return Loop(
@@ -152,7 +153,7 @@ class Measured:
     compiled: float | None  # ours with the policy's act compiled (--compile)
     replay: float | None  # the simulator alone under ours' commands (MuJoCo Warp)
     sites: Counter[str] | None  # on CUDA: the host syncs of ours, by line
-    profile: dict[str, StepProfile]  # "raw", "ours" with --profile
+    profile: dict[str, StepProfile]  # loop ("raw", "ours", ...) -> its profile, with --profile
 
 
 def measure(env, steps: int, profile: bool, compile_act: bool, replay: bool) -> Measured:
@@ -193,12 +194,15 @@ def header(compiled: bool, replay: bool) -> str:
     return head + "\n|---|---|---|---:|" + "---:|" * len(names)
 
 
-def cells(m: Measured, syncs: float | None, replay: bool) -> str:
-    """A row's numbers after its worlds, in ``header``'s order ("-" for a replay that failed)."""
+def cells(m: Measured, syncs: float | None, compiled: bool, replay: bool) -> str:
+    """A row's numbers after its worlds, in ``header``'s order ("-" where one is missing: a
+    replay that failed)."""
     texts = [f"{m.raw:,.0f}"] + [_or_dash(m.replay, ",.0f")] * replay
-    for rate in [m.ours] + ([] if m.compiled is None else [m.compiled]):
-        texts += [f"{rate:,.0f}", f"{rate / m.raw:.2f}"]
-        texts += [_or_dash(None if m.replay is None else rate / m.replay, ".2f")] * replay
+    for rate in [m.ours] + [m.compiled] * compiled:
+        over_raw = None if rate is None else rate / m.raw
+        over_replay = None if rate is None or m.replay is None else rate / m.replay
+        texts += [_or_dash(rate, ",.0f"), _or_dash(over_raw, ".2f")]
+        texts += [_or_dash(over_replay, ".2f")] * replay
     texts.append("-" if syncs is None else f"{syncs:.2f}")
     return " " + " | ".join(texts) + " |"
 
@@ -255,7 +259,7 @@ def main() -> None:
             "sync_sites": None if sites is None else dict(sites),
             "profile": {label: asdict(step) for label, step in measured.profile.items()},
         }
-        numbers = cells(measured, syncs, replay)
+        numbers = cells(measured, syncs, args.compile, replay)
         print(f"| {args.sim} | {row['device']} | {args.obs} | {worlds} |{numbers}", flush=True)
         if args.json:
             with open(args.json, "a") as f:

@@ -151,6 +151,14 @@ def test_the_replay_of_ours_commands_gives_ours_physics_before_and_after_a_reset
         for name, value in ours_end.items():
             assert torch.equal(replayed_end[name], value), name
     assert "_physics" not in vars(env)  # the recording's hooks are gone
+    from embodied.simulators.mujoco.randomize import RandomizeConfig
+
+    cfg = MuJoCoConfig(
+        task="reach", num_envs=2, backend="warp", randomize=RandomizeConfig(mass=0.1)
+    )
+    randomized = make_env(cfg)  # a reset writes model fields too, which no replay restores
+    with pytest.raises(ValueError, match="randomize off"):
+        replay.record(randomized, ours.prepare, ours.run, 1)
 
 
 def test_the_throughput_row_has_a_cell_under_every_heading_a_failed_replay_included():
@@ -160,11 +168,11 @@ def test_the_throughput_row_has_a_cell_under_every_heading_a_failed_replay_inclu
     measured = throughput.Measured(
         raw=1000.0, ours=900.0, compiled=950.0, replay=960.0, sites=None, profile={}
     )
-    row = throughput.cells(measured, syncs=0.1, replay=True)
+    row = throughput.cells(measured, syncs=0.1, compiled=True, replay=True)
     assert row == " 1,000 | 960 | 900 | 0.90 | 0.94 | 950 | 0.95 | 0.99 | 0.10 |"
     assert head.count("|") - 5 == row.count("|")  # (sim, device, obs, worlds come first)
     failed = throughput.Measured(1000.0, 900.0, None, None, None, {})
-    assert throughput.cells(failed, None, replay=True) == " 1,000 | - | 900 | 0.90 | - | - |"
+    assert throughput.cells(failed, None, False, True) == " 1,000 | - | 900 | 0.90 | - | - |"
     plain = throughput.header(compiled=False, replay=False).splitlines()[0]
     assert plain.endswith(
         "| raw world-steps/s | ours world-steps/s | ours/raw | host syncs per step |"
