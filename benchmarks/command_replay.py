@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 
 # What MuJoCo Warp's step reads from the last one (MuJoCo's integration state, less the
-# controls, which are replayed step by step): the rest it derives anew
+# controls, which are replayed step by step): the rest it derives anew. The same fields as
+# MuJoCo Warp's get_state/set_state, copied by torch here: their Warp kernels would compile
+# anew, outside the carried kernel cache, on a GPU visit whose minutes are counted
 STATE_FIELDS = (
     "time",
     "qpos",

@@ -203,7 +203,7 @@ def cells(m: Measured, syncs: float | None, compiled: bool, replay: bool) -> str
         over_replay = None if rate is None or m.replay is None else rate / m.replay
         texts += [_or_dash(rate, ",.0f"), _or_dash(over_raw, ".2f")]
         texts += [_or_dash(over_replay, ".2f")] * replay
-    texts.append("-" if syncs is None else f"{syncs:.2f}")
+    texts.append(_or_dash(syncs, ".2f"))
     return " " + " | ".join(texts) + " |"
 
 
