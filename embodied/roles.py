@@ -447,8 +447,10 @@ class LocalRoles:
         raise error
 
     def close(self) -> None:
-        self.envs.close()
-        self.learner.close()
+        try:
+            self.envs.close()  # (may raise: MuJoCo Warp's last buffer check)
+        finally:
+            self.learner.close()
 
 
 def local_roles(cfg, env, resume: dict | None = None) -> LocalRoles:

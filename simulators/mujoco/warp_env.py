@@ -11,9 +11,10 @@ before torch's work, so neither waits on the host.
 
 Host synchronisation: none in a step where no episode ends; the host counts each world's steps,
 so it knows which truncate. With ``ignore_terminations=false`` the done mask is read once a step.
-Contact and constraint counts are tracked on the device at every substep and checked at episode
-ends (``check_buffers``), where the host waits anyway: an overflow is an error naming the task and
-the buffer, never a silent loss of contacts.
+Contact and constraint counts are tracked on the device at every substep as peaks (they only
+grow). Where episodes end they are copied to the host without a wait, and the copy of the ending
+before is checked (``LaggedRead``); ``close`` checks the last ones. An overflow is an error naming
+the task and the buffer within two episodes of happening, never a silent loss of contacts.
 """
 
 from __future__ import annotations
@@ -58,6 +59,30 @@ NJMAX = 160
 
 class BufferOverflow(RuntimeError):
     """A world needed more contacts or constraints than MuJoCo Warp's buffers hold."""
+
+
+class LaggedRead:
+    """A small device tensor read on the host one call late, so that no call waits on the
+    device: each call starts a copy into host memory (pinned on a GPU) and returns what the
+    call before copied, or None (the first call, or that copy still in flight on a GPU)."""
+
+    def __init__(self, like: torch.Tensor):
+        pinned = like.device.type == "cuda"
+        self._host = torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
+        self._landed: torch.cuda.Event | None = None  # on a GPU: set when the copy is done
+        self._copied = False  # a copy was started and not returned yet
+
+    def __call__(self, source: torch.Tensor) -> list | None:
+        ready = self._copied and (self._landed is None or self._landed.query())
+        if self._copied and not ready:
+            return None  # in flight: returned by a later call
+        before = self._host.tolist() if ready else None
+        self._host.copy_(source, non_blocking=True)
+        if source.device.type == "cuda":
+            self._landed = torch.cuda.Event()
+            self._landed.record(torch.cuda.current_stream(source.device))
+        self._copied = True
+        return before
 
 
 @cache
@@ -124,6 +149,8 @@ class MuJoCoWarpEnv:
         self._cameras: dict[tuple, WarpCameras] = {}  # (size, camera names) -> render context
         timed_first_step(self.task.name, self._substep_all)  # compile (or load) before capture
         self._peaks.zero_()  # that step was from the model's own pose, not an episode's
+        self._lagged_peaks = LaggedRead(self._wp.to_torch(self._peaks))
+        self._overflowed = False  # a BufferOverflow was raised (close does not raise it again)
 
     def _bind_views(self) -> None:
         """Torch views of MuJoCo Warp's arrays (no copies) and the columns read from them."""
@@ -234,8 +261,16 @@ class MuJoCoWarpEnv:
         constraints than the buffers hold (reads two ints from the device)."""
         self._raise_on_overflow(*self.buffer_peaks)
 
+    def _check_buffers_lagged(self) -> None:
+        """Check the peaks as the last call copied them, and copy them again (no wait: the peaks
+        only grow, so a later look misses nothing)."""
+        peaks = self._lagged_peaks(self._wp.to_torch(self._peaks))
+        if peaks is not None:
+            self._raise_on_overflow(*peaks)
+
     def _raise_on_overflow(self, contacts: int, constraints: int) -> None:
         task = self.task.name
+        self._overflowed = contacts > self._d.naconmax or constraints > self._d.njmax
         if contacts > self._d.naconmax:
             raise BufferOverflow(
                 f"MuJoCo Warp task {task!r}: {contacts} contacts in one substep (all worlds "
@@ -357,7 +392,7 @@ class MuJoCoWarpEnv:
         ended = None
         if done_host.any():
             if self.cfg.ignore_terminations:
-                self.check_buffers()  # the step's one read from the device
+                self._check_buffers_lagged()  # (no wait: the rows ended on the host's count)
             ended = torch.from_numpy(np.flatnonzero(done_host))  # long [n], CPU
             done = terminated | truncated
             final = self._obs(readings)
@@ -381,7 +416,11 @@ class MuJoCoWarpEnv:
         return self._render(self.cfg.render_size, ("base_camera",))["base_camera"]
 
     def close(self) -> None:
+        """Free the renderers; then check the buffer peaks a last time (they may have grown past
+        a buffer since the last look: BufferOverflow), unless an overflow was raised already."""
         self._cameras.clear()
+        if not self._overflowed:
+            self.check_buffers()
 
     def __enter__(self):
         return self
