@@ -20,8 +20,9 @@
 - with ``--profile``, the torch operators and (on CUDA) the kernels of one step of each, and
   their time (benchmarks/kernel_profile.py).
 
-Throughput is world-steps per second (control steps x worlds). The goal (issue 32): ours/raw at
-least 0.95 for state at 4096 worlds and more.
+Throughput is world-steps per second (control steps x worlds), the median of ``--repeats``
+rounds in which the loops take turns (on the H100 one run's raw rate differed from another's by 5%
+at the same size). The goal (issue 32): ours/raw at least 0.95 for state at 4096 worlds and more.
 
     python benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda --worlds 1024,4096,16384 \
         --compile
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections import Counter
@@ -148,28 +150,48 @@ def rate(env, loop: Loop, steps: int) -> float:
 
 @dataclass
 class Measured:
-    raw: float  # world-steps/s
+    raw: float  # world-steps/s, the median of the repeats
     ours: float
     compiled: float | None  # ours with the policy's act compiled (--compile)
     replay: float | None  # the simulator alone under ours' commands (MuJoCo Warp)
     sites: Counter[str] | None  # on CUDA: the host syncs of ours, by line
     profile: dict[str, StepProfile]  # loop ("raw", "ours", ...) -> its profile, with --profile
+    repeats: dict[str, list[float]]  # loop -> its world-steps/s in each repeat, in order
 
 
-def measure(env, steps: int, profile: bool, compile_act: bool, replay: bool) -> Measured:
-    """raw and ours (and ours compiled, and the replay of ours' commands) side by side; on CUDA
-    the host syncs of ours by line; profiles if asked."""
+def interleaved(env, loops: dict[str, Loop], steps: int, repeats: int) -> dict[str, list[float]]:
+    """Each loop's world-steps/s in each of ``repeats`` rounds, the loops taking turns within a
+    round, so that a drift in the machine's speed falls on all of them alike. A replay that
+    fails is dropped, said on stderr (its column shows "-"): an instrument of its own."""
+    rates: dict[str, list[float]] = {label: [] for label in loops}
+    for _ in range(repeats):
+        for label in list(loops):
+            try:
+                rates[label].append(rate(env, loops[label], steps))
+            except Exception as error:
+                if label != "replay":
+                    raise
+                del loops[label], rates[label]
+                print(f"replay not measured at {env.num_envs} worlds: {error!r}", file=sys.stderr)
+    return rates
+
+
+def measure(
+    env, steps: int, profile: bool, compile_act: bool, replay: bool, repeats: int = 1
+) -> Measured:
+    """raw and ours (and ours compiled, and the replay of ours' commands) side by side, medians
+    of ``repeats`` interleaved rounds; on CUDA the host syncs of ours by line; profiles if
+    asked."""
     loops = {"raw": raw_loop(env), "ours": ours_loop(env)}
     if compile_act:
         loops["compiled"] = ours_loop(env, compile_act=True)
-    rates = {label: rate(env, loop, steps) for label, loop in loops.items()}
-    if replay:  # an instrument of its own: should it fail on a device, the row still stands
-        try:
+    if replay:
+        try:  # recorded from an untimed run of ours
             loops["replay"] = replay_loop(env, loops["ours"], steps)
-            rates["replay"] = rate(env, loops["replay"], steps)
-        except Exception as error:  # said, and the column shows "-"
-            loops.pop("replay", None)
-            print(f"replay not measured at {env.num_envs} worlds: {error!r}", file=sys.stderr)
+        except Exception as error:
+            print(f"replay not recorded at {env.num_envs} worlds: {error!r}", file=sys.stderr)
+    rates = interleaved(env, loops, steps, repeats)
+    median = {label: statistics.median(values) for label, values in rates.items()}
     sites = None
     if env.device.type == "cuda":
         loops["ours"].prepare()
@@ -179,7 +201,13 @@ def measure(env, steps: int, profile: bool, compile_act: bool, replay: bool) -> 
         loop.prepare()
         profiles[label] = profiled(lambda loop=loop: loop.run(steps), steps, env.device)
     return Measured(
-        rates["raw"], rates["ours"], rates.get("compiled"), rates.get("replay"), sites, profiles
+        median["raw"],
+        median["ours"],
+        median.get("compiled"),
+        median.get("replay"),
+        sites,
+        profiles,
+        rates,
     )
 
 
@@ -220,6 +248,7 @@ def main() -> None:
     p.add_argument("--image-size", type=int, default=128)
     p.add_argument("--worlds", default="1024,4096,16384", help="comma-separated world counts")
     p.add_argument("--steps", type=int, default=100, help="control steps timed per case")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds; medians reported")
     p.add_argument("--json", help="append each row here as it is measured (JSON lines)")
     p.add_argument("--profile", action="store_true", help="kernels and operators per step")
     p.add_argument("--compile", action="store_true", help="ours with policy.compile_act too")
@@ -232,7 +261,7 @@ def main() -> None:
     for worlds in (int(w) for w in args.worlds.split(",")):
         env = make_env(args.sim, args.task, worlds, args.device, args.obs, args.image_size)
         try:
-            measured = measure(env, args.steps, args.profile, args.compile, replay)
+            measured = measure(env, args.steps, args.profile, args.compile, replay, args.repeats)
         finally:
             env.close()
         raw_rate, ours_rate, sites = measured.raw, measured.ours, measured.sites
@@ -250,6 +279,7 @@ def main() -> None:
             "image_size": args.image_size if args.obs == "rgb" else None,
             "worlds": worlds,
             "steps": args.steps,
+            "repeats": measured.repeats,  # each loop's world-steps/s per round (medians above)
             "raw_world_steps_per_s": raw_rate,
             "ours_world_steps_per_s": ours_rate,
             "ours_over_raw": ours_rate / raw_rate,

@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,14 +167,42 @@ def test_the_throughput_row_has_a_cell_under_every_heading_a_failed_replay_inclu
     throughput = load("gpu_throughput")
     head = throughput.header(compiled=True, replay=True).splitlines()[0]
     measured = throughput.Measured(
-        raw=1000.0, ours=900.0, compiled=950.0, replay=960.0, sites=None, profile={}
+        raw=1000.0, ours=900.0, compiled=950.0, replay=960.0, sites=None, profile={}, repeats={}
     )
     row = throughput.cells(measured, syncs=0.1, compiled=True, replay=True)
     assert row == " 1,000 | 960 | 900 | 0.90 | 0.94 | 950 | 0.95 | 0.99 | 0.10 |"
     assert head.count("|") - 5 == row.count("|")  # (sim, device, obs, worlds come first)
-    failed = throughput.Measured(1000.0, 900.0, None, None, None, {})
+    failed = throughput.Measured(1000.0, 900.0, None, None, None, {}, {})
     assert throughput.cells(failed, None, False, True) == " 1,000 | - | 900 | 0.90 | - | - |"
     plain = throughput.header(compiled=False, replay=False).splitlines()[0]
     assert plain.endswith(
         "| raw world-steps/s | ours world-steps/s | ours/raw | host syncs per step |"
     )
+
+
+def test_the_loops_take_turns_in_each_round_and_a_failing_replay_drops_out():
+    """gpu_throughput.interleaved on hand-built loops: the order they ran in, and what is kept."""
+    import types
+
+    throughput = load("gpu_throughput")
+    env = types.SimpleNamespace(device=torch.device("cpu"), num_envs=4)
+    ran = []
+
+    def loop(label: str, fails: bool = False):
+        def run(n: int) -> None:
+            ran.append((label, n))
+            if fails and ran.count((label, n)) == 2:  # its second run fails
+                raise RuntimeError("no replay on this device")
+
+        return throughput.Loop(prepare=lambda: ran.append((label, "prepare")), run=run)
+
+    loops = {"raw": loop("raw"), "ours": loop("ours"), "replay": loop("replay", fails=True)}
+    rates = throughput.interleaved(env, loops, steps=3, repeats=3)
+    runs = [label for label, what in ran if what == 3]
+    assert runs == ["raw", "ours", "replay", "raw", "ours", "replay", "raw", "ours"]
+    assert [label for label, what in ran if what == "prepare"] == runs  # each run prepared
+    assert set(rates) == set(loops) == {"raw", "ours"}
+    assert [len(v) for v in rates.values()] == [3, 3] and min(rates["raw"]) > 0
+    ran.clear()
+    with pytest.raises(RuntimeError, match="no replay"):  # only a replay may fail quietly
+        throughput.interleaved(env, {"raw": loop("raw", fails=True)}, steps=3, repeats=3)
