@@ -14,7 +14,8 @@
   success, automatic resets), the MLP actor-critic's inference and the rollout buffers, over
   whole episodes;
 - with ``--compile``, ours again with the policy's act through torch.compile
-  (``policy.compile_act``: fused kernels, fewer launches a step), in its own column;
+  (``policy.compile_act``) and, on MuJoCo Warp, the env step's reading of the new state too
+  (``env.compile``, an env of its own): fused kernels, fewer launches a step, in its own column;
 - on CUDA, the host synchronisations per step of ours (``torch.cuda.set_sync_debug_mode``), and
   the lines that made them;
 - with ``--profile``, the torch operators and (on CUDA) the kernels of one step of each, and
@@ -51,7 +52,8 @@ from host_syncs import counted, sites_text  # noqa: E402
 from kernel_profile import StepProfile, profile_text, profiled  # noqa: E402
 
 
-def make_env(sim: str, task: str, worlds: int, device: str, obs: str, size: int):
+def make_env(sim: str, task: str, worlds: int, device: str, obs: str, size: int, fuse=False):
+    """The env to measure; ``fuse``: MuJoCo Warp's step through torch.compile (env.compile)."""
     from embodied.simulators.mujoco import MuJoCoConfig, make_env
 
     cfg = MuJoCoConfig(
@@ -61,6 +63,7 @@ def make_env(sim: str, task: str, worlds: int, device: str, obs: str, size: int)
         device=device if sim == "mujoco_warp" else "cpu",
         obs_mode=obs,
         image_size=size,
+        compile=fuse,
     )
     return make_env(cfg)
 
@@ -152,7 +155,7 @@ def rate(env, loop: Loop, steps: int) -> float:
 class Measured:
     raw: float  # world-steps/s, the median of the repeats
     ours: float
-    compiled: float | None  # ours with the policy's act compiled (--compile)
+    compiled: float | None  # ours with the act (and MuJoCo Warp's step) compiled (--compile)
     replay: float | None  # the simulator alone under ours' commands (MuJoCo Warp)
     sites: Counter[str] | None  # on CUDA: the host syncs of ours, by line
     profile: dict[str, StepProfile]  # loop ("raw", "ours", ...) -> its profile, with --profile
@@ -176,15 +179,13 @@ def interleaved(env, loops: dict[str, Loop], steps: int, repeats: int) -> dict[s
     return rates
 
 
-def measure(
-    env, steps: int, profile: bool, compile_act: bool, replay: bool, repeats: int = 1
-) -> Measured:
-    """raw and ours (and ours compiled, and the replay of ours' commands) side by side, medians
-    of ``repeats`` interleaved rounds; on CUDA the host syncs of ours by line; profiles if
-    asked."""
+def measure(env, steps: int, profile: bool, fused_env, replay: bool, repeats: int = 1) -> Measured:
+    """raw and ours (and ours compiled on ``fused_env``, when there is one, and the replay of
+    ours' commands) side by side, medians of ``repeats`` interleaved rounds; on CUDA the host
+    syncs of ours by line; profiles if asked."""
     loops = {"raw": raw_loop(env), "ours": ours_loop(env)}
-    if compile_act:
-        loops["compiled"] = ours_loop(env, compile_act=True)
+    if fused_env is not None:
+        loops["compiled"] = ours_loop(fused_env, compile_act=True)
     if replay:
         try:  # recorded from an untimed run of ours
             loops["replay"] = replay_loop(env, loops["ours"], steps)
@@ -251,7 +252,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds; medians reported")
     p.add_argument("--json", help="append each row here as it is measured (JSON lines)")
     p.add_argument("--profile", action="store_true", help="kernels and operators per step")
-    p.add_argument("--compile", action="store_true", help="ours with policy.compile_act too")
+    p.add_argument("--compile", action="store_true", help="ours compiled too (act and step)")
     args = p.parse_args()
     torch.set_grad_enabled(False)
     replay = args.sim == "mujoco_warp"
@@ -259,11 +260,15 @@ def main() -> None:
     where = []  # the lines that synchronised, printed below the table
     profiles = []  # the same, per step of raw and ours
     for worlds in (int(w) for w in args.worlds.split(",")):
-        env = make_env(args.sim, args.task, worlds, args.device, args.obs, args.image_size)
+        shape = (args.sim, args.task, worlds, args.device, args.obs, args.image_size)
+        env = make_env(*shape)
+        fused = make_env(*shape, fuse=args.sim == "mujoco_warp") if args.compile else None
         try:
-            measured = measure(env, args.steps, args.profile, args.compile, replay, args.repeats)
+            measured = measure(env, args.steps, args.profile, fused, replay, args.repeats)
         finally:
             env.close()
+            if fused is not None:
+                fused.close()
         raw_rate, ours_rate, sites = measured.raw, measured.ours, measured.sites
         if sites is not None:
             where.append(f"- {worlds} worlds, host syncs of ours by line: {sites_text(sites)}")

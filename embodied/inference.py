@@ -4,35 +4,19 @@ distributed runner holds a copy in another process and receives the learner's we
 
 from __future__ import annotations
 
-import os
-import shutil
 from contextlib import nullcontext
 
 import torch
 
-from embodied.schema import Observation, PolicyOutput, UserError
+from embodied.compiling import compiled
+from embodied.schema import Observation, PolicyOutput
 from embodied.streams import Stream
 
 
 def compiled_act(policy: torch.nn.Module):
-    """``policy.act`` through torch.compile (inductor): its operators fused into fewer kernels,
-    the same numbers up to float rounding. Random draws come from torch's generators as in eager
-    mode (``fallback_random``), so a stream's actions stay its own. One graph per batch size."""
-    device = next(policy.parameters()).device
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401  (inductor's GPU code generator)
-        except ImportError:
-            raise UserError(
-                "policy.compile_act on a GPU needs triton, which torch's CUDA wheels bring: "
-                "pip install triton, or set policy.compile_act=false"
-            ) from None
-    elif not shutil.which(os.environ.get("CXX") or "g++"):  # (inductor's CPU code is C++)
-        raise UserError(
-            "policy.compile_act on a CPU needs a C++ compiler (g++, or the one CXX names): "
-            "apt install g++, or set policy.compile_act=false"
-        )
-    return torch.compile(policy.act, dynamic=False, options={"fallback_random": True})
+    """``policy.act`` through torch.compile (embodied.compiling): a stream's actions stay its
+    own (eager's random draws). One graph per batch size."""
+    return compiled(policy.act, next(policy.parameters()).device, "policy.compile_act")
 
 
 class InferencePolicy:

@@ -28,7 +28,7 @@ SUBPACKAGES = {
 ALLOWED = {
     # the contract, and the parts behind it: the contract only (algorithms: torch only)
     "embodied.schema": set(),
-    "embodied.simulators": {"embodied.schema"},
+    "embodied.simulators": {"embodied.compiling", "embodied.schema"},  # (env.compile)
     "embodied.robots": {"embodied.schema"},
     "embodied.models": {"embodied.schema"},
     "embodied.algorithms": set(),
@@ -44,8 +44,9 @@ ALLOWED = {
     "embodied.bench_report": set(),
     "embodied.contract": {"embodied.schema"},
     "embodied.numerics": {"embodied.schema"},
+    "embodied.compiling": {"embodied.schema"},
     "embodied.env_group": {"embodied.schema"},
-    "embodied.inference": {"embodied.schema", "embodied.streams"},
+    "embodied.inference": {"embodied.compiling", "embodied.schema", "embodied.streams"},
     "embodied.checkpoint": {"embodied.schema", "embodied.megatron"},
     "embodied.run": {"embodied.checkpoint", "embodied.config", "embodied.numerics"},
     "embodied.dataset": {"embodied.schema"},

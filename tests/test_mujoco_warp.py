@@ -192,14 +192,43 @@ def test_another_warp_version_is_a_one_line_error_naming_both(monkeypatch):
             "device: the rollout backend runs on the CPU; env.backend=warp runs on cuda",
         ),
         ("njmax=0", "njmax: must be >= 1 or null, got 0"),
+        ("compile=1", "compile: only the warp backend compiles its step (env.backend=warp)"),
     ],
 )
 def test_bad_backend_settings_are_config_errors(override, message):
     key, value = override.split("=")
     value = int(value) if value.isdigit() else value
+    value = bool(value) if key == "compile" else value
     with pytest.raises(ValueError) as raised:
         MuJoCoConfig(**{key: value}).validate()
     assert str(raised.value) == message
+
+
+@pytest.mark.parametrize(
+    "device",
+    [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)],
+)
+def test_a_compiled_step_gives_the_eager_steps_numbers(device):
+    """``env.compile``: the step's reading of the new state through torch.compile gives what the
+    eager step gives, up to float rounding, also where every episode ends (compiling takes some
+    20 s on a CPU: slow there)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = MuJoCoConfig(task="push", num_envs=6, backend="warp", device=device, max_episode_steps=4)
+    eager = make_env(cfg)
+    fused = make_env(dataclasses.replace(cfg, compile=True))
+    torch.testing.assert_close(fused.reset(seed=3).state, eager.reset(seed=3).state)
+    deltas = torch.linspace(-0.05, 0.05, 6 * 6, device=device).reshape(6, 6)
+    for t in range(6):  # the episodes end at the 4th step
+        a = eager.step(deltas * (t % 3 - 1))
+        b = fused.step(deltas * (t % 3 - 1))
+        torch.testing.assert_close(b.reward, a.reward, atol=1e-6, rtol=0)
+        torch.testing.assert_close(b.obs.state, a.obs.state, atol=1e-5, rtol=0)
+        assert torch.equal(b.success, a.success) and torch.equal(b.truncated, a.truncated)
+        assert (a.ended is None) == (b.ended is None) == (t != 3)
+    torch.testing.assert_close(b.obs.privileged["cube_pos"], a.obs.privileged["cube_pos"])
+    eager.close()
+    fused.close()
 
 
 @pytest.mark.gpu

@@ -31,6 +31,9 @@ class MuJoCoConfig(SimulatorConfig):
     device: str = "cpu"  # the warp backend's device: cpu (Warp's CPU device) | cuda | cuda:N
     nconmax: int | None = None  # warp: contacts per world (pooled over worlds); None: its default
     njmax: int | None = None  # warp: constraints per world; None: warp_env.NJMAX (measured)
+    # warp: the step's reading of the new state (reward, success, truncation, the state
+    # observation) through torch.compile: a few fused kernels a step instead of some 25
+    compile: bool = False
     randomize: RandomizeConfig = field(default_factory=RandomizeConfig)  # per world, seeded
 
     def validate(self) -> None:
@@ -55,6 +58,8 @@ class MuJoCoConfig(SimulatorConfig):
                 f"device: the {self.backend} backend runs on the CPU; env.backend=warp runs on "
                 f"{self.device}"
             )
+        if self.compile and self.backend != "warp":
+            raise ValueError("compile: only the warp backend compiles its step (env.backend=warp)")
         self.randomize.validate()
         for name in ("nconmax", "njmax"):
             value = getattr(self, name)

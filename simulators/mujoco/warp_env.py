@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import mujoco
 import numpy as np
 import torch
 
+from embodied.compiling import compiled
 from embodied.schema import Observation, StepOutput, host_to_device
 from embodied.simulators.mujoco.arm import JOINTS
 from embodied.simulators.mujoco.config import MuJoCoConfig
@@ -59,6 +60,17 @@ NJMAX = 160
 
 class BufferOverflow(RuntimeError):
     """A world needed more contacts or constraints than MuJoCo Warp's buffers hold."""
+
+
+class Outcome(NamedTuple):
+    """What a step reads from the state its physics left (``_after_physics``)."""
+
+    readings: dict[str, torch.Tensor]  # the sensors read: name -> f32 [B, n]
+    state: torch.Tensor  # f32 [B, 12]: the observation's state
+    reward: torch.Tensor  # f32 [B]
+    success: torch.Tensor  # bool [B]
+    terminated: torch.Tensor  # bool [B]: success, or none with ignore_terminations
+    truncated: torch.Tensor  # bool [B]: the episode's last step
 
 
 class LaggedRead:
@@ -150,6 +162,9 @@ class MuJoCoWarpEnv:
         timed_first_step(self.task.name, self._substep_all)  # compile (or load) before capture
         self._peaks.zero_()  # that step was from the model's own pose, not an episode's
         self._lagged_peaks = LaggedRead(self._wp.to_torch(self._peaks))
+        self._outcome = self._after_physics
+        if cfg.compile:
+            self._outcome = compiled(self._after_physics, self.device, "env.compile")
         self._overflowed = False  # a BufferOverflow was raised (close does not raise it again)
 
     def _bind_views(self) -> None:
@@ -303,11 +318,16 @@ class MuJoCoWarpEnv:
         gathered = self._sensors.index_select(1, self._read_cols)
         return {k: gathered[:, at] for k, at in self._read_ranges.items()}
 
-    def _obs(self, readings: dict[str, torch.Tensor] | None = None) -> Observation:
-        """The observation from ``readings`` (this state's ``_read``; None: read now)."""
-        readings = self._read() if readings is None else readings
+    def _obs(
+        self, readings: dict[str, torch.Tensor] | None = None, state: torch.Tensor | None = None
+    ) -> Observation:
+        """The observation from this state's ``readings`` and ``state`` (``_after_physics``);
+        None: read them now."""
+        if readings is None or state is None:
+            readings = self._read()
+            state = self._state(readings["joints"])
         return Observation(
-            state=self._state(readings["joints"]),  # f32 [B, 12]
+            state=state,  # f32 [B, 12]
             instruction=[self.task.instruction] * self.num_envs,
             images=self._images(),
             privileged={k: readings[k] for k in self.spec.obs.privileged},
@@ -316,6 +336,17 @@ class MuJoCoWarpEnv:
     def _state(self, joints: torch.Tensor) -> torch.Tensor:
         """f32 [B, 12]: joint positions, and their change over the step times the control rate."""
         return torch.cat([joints, (joints - self._previous) * CONTROL_HZ], 1)
+
+    def _after_physics(self) -> Outcome:
+        """The step counted, and what it reads from the new state. Through torch.compile with
+        ``env.compile``: a few fused kernels instead of some 30."""
+        self._elapsed_device += 1
+        readings = self._read()
+        reward, success = self.task.evaluate(readings)
+        truncated = self._elapsed_device >= self.spec.max_episode_steps
+        terminated = torch.zeros_like(success) if self.cfg.ignore_terminations else success
+        state = self._state(readings["joints"])
+        return Outcome(readings, state, reward, success, terminated, truncated)
 
     def _images(self) -> dict[str, torch.Tensor]:
         if not self.spec.obs.cameras:
@@ -378,15 +409,9 @@ class MuJoCoWarpEnv:
         torch.index_select(self._sensors, 1, self._pos_cols, out=self._previous)
         self._physics()
         self._elapsed += 1
-        self._elapsed_device += 1
-        readings = self._read()
-        reward, success = self.task.evaluate(readings)
-        truncated = self._elapsed_device >= self.spec.max_episode_steps  # bool [B], device
+        readings, state, reward, success, terminated, truncated = self._outcome()
         done_host = self._elapsed >= self.spec.max_episode_steps  # the same rows, on the host
-        if self.cfg.ignore_terminations:
-            terminated = torch.zeros_like(success)
-        else:
-            terminated = success
+        if not self.cfg.ignore_terminations:
             done_host = done_host | self._read_done_and_peaks(terminated)  # a read every step
         final = None
         ended = None
@@ -395,9 +420,9 @@ class MuJoCoWarpEnv:
                 self._check_buffers_lagged()  # (no wait: the rows ended on the host's count)
             ended = torch.from_numpy(np.flatnonzero(done_host))  # long [n], CPU
             done = terminated | truncated
-            final = self._obs(readings)
+            final = self._obs(readings, state)
             self._reset_rows(ended.numpy())
-        obs = self._obs(readings if final is None else None)  # (after resets: read again)
+        obs = self._obs() if final is not None else self._obs(readings, state)  # (resets: anew)
         if final is not None:
             final = final.where(done, obs)  # ended rows: the last observation
         return StepOutput(

@@ -1,0 +1,33 @@
+"""torch.compile on the hot path: one place that checks for inductor's code generator and
+compiles with the project's settings (``policy.compile_act``, ``env.compile``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+
+import torch
+
+from embodied.schema import UserError
+
+
+def compiled(fn: Callable, device: torch.device, setting: str) -> Callable:
+    """``fn`` through torch.compile (inductor): its operators fused into fewer kernels, the same
+    numbers up to float rounding, one graph per input shape. Random draws come from torch's
+    generators as in eager mode (``fallback_random``). Without the device's code generator
+    (triton on a GPU, a C++ compiler on a CPU): a one-line UserError naming ``setting``."""
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401  (inductor's GPU code generator)
+        except ImportError:
+            raise UserError(
+                f"{setting} on a GPU needs triton, which torch's CUDA wheels bring: "
+                f"pip install triton, or set {setting}=false"
+            ) from None
+    elif not shutil.which(os.environ.get("CXX") or "g++"):  # (inductor's CPU code is C++)
+        raise UserError(
+            f"{setting} on a CPU needs a C++ compiler (g++, or the one CXX names): "
+            f"apt install g++, or set {setting}=false"
+        )
+    return torch.compile(fn, dynamic=False, options={"fallback_random": True})
