@@ -8,6 +8,9 @@
 # omegaconf's wheels in .whl/, and the last visit's kernel cache, unpacked into .warpcache/, packed
 # small enough to travel beside the last part: tar -C .warpcache -czf .gpuvisit/warpcache.tgz .
 # (.gpuvisit/ ignored in .git/info/exclude). Carry .gpup/partK alone in calls 1..K-1, then this.
+# A cache too large to travel beside the last part (64 MiB a call; it now holds the driver's JIT
+# cache too) comes in a call of its own, unpacked there, since ignored paths stay between calls:
+#   mkdir -p .warpcache && tar -C .warpcache -xzf .gpuvisit/warpcache.tgz   (then no 2nd argument)
 # PHASES (default "warp cluster learning"): the warp stages (what is left, less 200 s when other
 # phases follow), cluster_gpu (240 s where 400 are left), each a deadline the suite cuts its stages' limits to (no process
 # outlives its phase), then LEARN_TASKS (default "push pick") sharing the rest equally
