@@ -49,12 +49,18 @@ def counted(fn):
     return out, sites
 
 
-def site_of(stack: list[traceback.FrameSummary], filename: str, lineno: int) -> str:
-    """ "file:line" of the innermost frame of ``stack`` outside torch and the warnings module,
-    else the warning's own ``filename:lineno``."""
+TORCH_DIR = Path(torch.__file__).resolve().parent
+
+
+def site_of(
+    stack: list[traceback.FrameSummary], filename: str, lineno: int, torch_dir: Path = TORCH_DIR
+) -> str:
+    """ "file:line" of the innermost frame of ``stack`` outside torch's package (``torch_dir``)
+    and the warnings module, else the warning's own ``filename:lineno``. (By torch's folder, not
+    by a folder named torch: the GPU image keeps every package under /opt/torch/.venv.)"""
     for frame in reversed(stack):
         path = Path(frame.filename)
-        if "torch" not in path.parts and path.name != "warnings.py":
+        if not path.is_relative_to(torch_dir) and path.name != "warnings.py":
             return f"{path.name}:{frame.lineno}"
     return f"{Path(filename).name}:{lineno}"
 

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import sys
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -91,16 +92,18 @@ def test_a_host_sync_is_counted_at_the_innermost_line_outside_torch():
     from traceback import FrameSummary
 
     host_syncs = load("host_syncs")
+    site_of = partial(host_syncs.site_of, torch_dir=Path("/opt/torch/site-packages/torch"))
     ours = FrameSummary("/x/simulators/mujoco/warp_env.py", 253, "buffer_peaks")
-    inside_torch = FrameSummary("/v/site-packages/torch/functional.py", 99, "unique")
+    inside_torch = FrameSummary("/opt/torch/site-packages/torch/functional.py", 99, "unique")
     hook = FrameSummary("/usr/lib/python3.11/warnings.py", 40, "_showwarnmsg")
     runner = FrameSummary("/x/embodied/rollout.py", 452, "record")
     stack = [runner, ours, inside_torch, hook]
-    assert (
-        host_syncs.site_of(stack, "/v/site-packages/torch/functional.py", 99) == "warp_env.py:253"
-    )
-    assert host_syncs.site_of([runner, hook], "/x/embodied/rollout.py", 452) == "rollout.py:452"
-    assert host_syncs.site_of([inside_torch], "/v/torch/functional.py", 99) == "functional.py:99"
+    assert site_of(stack, "/opt/torch/site-packages/torch/functional.py", 99) == "warp_env.py:253"
+    assert site_of([runner, hook], "/x/embodied/rollout.py", 452) == "rollout.py:452"
+    assert site_of([inside_torch], "/v/torch/functional.py", 99) == "functional.py:99"
+    # another package beside torch's, in a folder named torch (the GPU image's venv): not torch
+    warp = FrameSummary("/opt/torch/site-packages/warp/context.py", 7, "synchronize")
+    assert site_of([runner, warp, inside_torch, hook], "-", 0) == "context.py:7"
     sites = Counter({"warp_env.py:253": 2, "rollout.py:452": 1})
     assert host_syncs.sites_text(sites) == "warp_env.py:253 x2, rollout.py:452"
     assert host_syncs.sites_text(Counter()) == "none"
