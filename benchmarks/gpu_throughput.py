@@ -34,6 +34,8 @@ at the same size). The goal (issue 32): ours/raw at least 0.95 for state at 4096
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import statistics
 import sys
@@ -52,8 +54,11 @@ from host_syncs import counted, sites_text  # noqa: E402
 from kernel_profile import StepProfile, profile_text, profiled  # noqa: E402
 
 
-def make_env(sim: str, task: str, worlds: int, device: str, obs: str, size: int, fuse=False):
-    """The env to measure; ``fuse``: MuJoCo Warp's step through torch.compile (env.compile)."""
+def make_env(
+    sim: str, task: str, worlds: int, device: str, obs: str, size: int, compile_step=False
+):
+    """The env to measure; ``compile_step``: MuJoCo Warp's step through torch.compile
+    (env.compile)."""
     from embodied.simulators.mujoco import MuJoCoConfig, make_env
 
     cfg = MuJoCoConfig(
@@ -63,7 +68,7 @@ def make_env(sim: str, task: str, worlds: int, device: str, obs: str, size: int,
         device=device if sim == "mujoco_warp" else "cpu",
         obs_mode=obs,
         image_size=size,
-        compile=fuse,
+        compile=compile_step,
     )
     return make_env(cfg)
 
@@ -159,16 +164,19 @@ class Measured:
     replay: float | None  # the simulator alone under ours' commands (MuJoCo Warp)
     sites: Counter[str] | None  # on CUDA: the host syncs of ours, by line
     profile: dict[str, StepProfile]  # loop ("raw", "ours", ...) -> its profile, with --profile
-    repeats: dict[str, list[float]]  # loop -> its world-steps/s in each repeat, in order
+    rates_per_round: dict[str, list[float]]  # loop -> its world-steps/s in each round
 
 
 def interleaved(env, loops: dict[str, Loop], steps: int, repeats: int) -> dict[str, list[float]]:
     """Each loop's world-steps/s in each of ``repeats`` rounds, the loops taking turns within a
-    round, so that a drift in the machine's speed falls on all of them alike. A replay that
-    fails is dropped, said on stderr (its column shows "-"): an instrument of its own."""
+    round, so that a drift in the machine's speed falls on all of them alike, and the first
+    turn passing from loop to loop, round by round. A replay that fails is dropped, said on
+    stderr (its column shows "-"): an instrument of its own."""
     rates: dict[str, list[float]] = {label: [] for label in loops}
-    for _ in range(repeats):
-        for label in list(loops):
+    for round_index in range(repeats):
+        labels = list(loops)
+        first = round_index % len(labels)
+        for label in labels[first:] + labels[:first]:
             try:
                 rates[label].append(rate(env, loops[label], steps))
             except Exception as error:
@@ -254,21 +262,22 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="kernels and operators per step")
     p.add_argument("--compile", action="store_true", help="ours compiled too (act and step)")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error(f"--repeats: at least 1, got {args.repeats}")
     torch.set_grad_enabled(False)
     replay = args.sim == "mujoco_warp"
     print(header(args.compile, replay))
     where = []  # the lines that synchronised, printed below the table
     profiles = []  # the same, per step of raw and ours
     for worlds in (int(w) for w in args.worlds.split(",")):
-        shape = (args.sim, args.task, worlds, args.device, args.obs, args.image_size)
-        env = make_env(*shape)
-        fused = make_env(*shape, fuse=args.sim == "mujoco_warp") if args.compile else None
-        try:
+        env_args = (args.sim, args.task, worlds, args.device, args.obs, args.image_size)
+        with contextlib.ExitStack() as envs:  # each closed (its buffer check) whatever happens
+            env = envs.enter_context(make_env(*env_args))
+            fused = None
+            if args.compile:
+                fused = envs.enter_context(make_env(*env_args, args.sim == "mujoco_warp"))
             measured = measure(env, args.steps, args.profile, fused, replay, args.repeats)
-        finally:
-            env.close()
-            if fused is not None:
-                fused.close()
+        gc.collect()  # (torch.compile's caches refer to the envs: free their device memory now)
         raw_rate, ours_rate, sites = measured.raw, measured.ours, measured.sites
         if sites is not None:
             where.append(f"- {worlds} worlds, host syncs of ours by line: {sites_text(sites)}")
@@ -284,7 +293,7 @@ def main() -> None:
             "image_size": args.image_size if args.obs == "rgb" else None,
             "worlds": worlds,
             "steps": args.steps,
-            "repeats": measured.repeats,  # each loop's world-steps/s per round (medians above)
+            "rates_per_round": measured.rates_per_round,  # (the medians above)
             "raw_world_steps_per_s": raw_rate,
             "ours_world_steps_per_s": ours_rate,
             "ours_over_raw": ours_rate / raw_rate,

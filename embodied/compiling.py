@@ -12,11 +12,12 @@ import torch
 from embodied.schema import UserError
 
 
-def compiled(fn: Callable, device: torch.device, setting: str) -> Callable:
+def compiled(fn: Callable, device: torch.device, setting: str, fullgraph: bool = False) -> Callable:
     """``fn`` through torch.compile (inductor): its operators fused into fewer kernels, the same
     numbers up to float rounding, one graph per input shape. Random draws come from torch's
     generators as in eager mode (``fallback_random``). Without the device's code generator
-    (triton on a GPU, a C++ compiler on a CPU): a one-line UserError naming ``setting``."""
+    (triton on a GPU, a C++ compiler on a CPU): a one-line UserError naming ``setting``.
+    ``fullgraph``: a graph break is an error instead of a silent fall back to eager."""
     if device.type == "cuda":
         try:
             import triton  # noqa: F401  (inductor's GPU code generator)
@@ -30,4 +31,5 @@ def compiled(fn: Callable, device: torch.device, setting: str) -> Callable:
             f"{setting} on a CPU needs a C++ compiler (g++, or the one CXX names): "
             f"apt install g++, or set {setting}=false"
         )
-    return torch.compile(fn, dynamic=False, options={"fallback_random": True})
+    options = {"fallback_random": True}
+    return torch.compile(fn, dynamic=False, fullgraph=fullgraph, options=options)

@@ -133,6 +133,40 @@ def test_a_lagged_read_returns_the_copy_of_the_call_before():
     assert read(source) == [5, 7]
 
 
+def test_a_lagged_read_whose_copy_is_in_flight_waits_for_a_later_call():
+    """The GPU's case on the CPU: a copy not landed yet is neither returned nor overwritten."""
+    read = LaggedRead(torch.tensor([1, 2], dtype=torch.int32))
+    read(torch.tensor([3, 4], dtype=torch.int32))
+
+    class InFlight:
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    read._landed = InFlight()
+    assert read(torch.tensor([9, 9], dtype=torch.int32)) is None
+    read._landed.done = True
+    assert read(torch.tensor([5, 6], dtype=torch.int32)) == [3, 4]  # the copy it waited for
+
+
+def test_an_env_is_freed_without_the_cycle_collector():
+    """Nothing in the env refers back to it (a stored bound method would): its device memory
+    goes when the last reference does."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        env = make_env(MuJoCoConfig(task="reach", num_envs=2, backend="warp"))
+        gone = weakref.ref(env)
+        env.close()
+        del env
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_a_contact_buffer_overflow_is_an_error_naming_the_task_and_buffer():
     # push's cube rests on the table with 4 contacts; 1 per world, 4 for all 4, cannot hold them
     found = re.fullmatch(

@@ -168,5 +168,5 @@ class RemoteEnvGroup(WorkerGroup):
 
         try:
             ray.get([w.close.remote() for w in self.workers], timeout=30)
-        except Exception:  # a dead or hung worker: it is killed with the rest
-            pass
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            pass  # a dead or hung worker: it is killed with the rest

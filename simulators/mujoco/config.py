@@ -32,7 +32,7 @@ class MuJoCoConfig(SimulatorConfig):
     nconmax: int | None = None  # warp: contacts per world (pooled over worlds); None: its default
     njmax: int | None = None  # warp: constraints per world; None: warp_env.NJMAX (measured)
     # warp: the step's reading of the new state (reward, success, truncation, the state
-    # observation) through torch.compile: a few fused kernels a step instead of some 25
+    # observation) through torch.compile: a few fused kernels a step, not some 35 operators
     compile: bool = False
     randomize: RandomizeConfig = field(default_factory=RandomizeConfig)  # per world, seeded
 
