@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import types
 from collections.abc import Callable
 
 import torch
@@ -33,3 +34,12 @@ def compiled(fn: Callable, device: torch.device, setting: str, fullgraph: bool =
         )
     options = {"fallback_random": True}
     return torch.compile(fn, dynamic=False, fullgraph=fullgraph, options=options)
+
+
+def own_code(fn: Callable) -> Callable:
+    """A copy of the function ``fn`` with a code object of its own. torch.compile keeps its
+    compiled versions per code object, at most ``torch._dynamo.config.recompile_limit`` (8) for
+    all the callers of a process, and past that fails (fullgraph) or runs eager; an owner's copy
+    (an env's, whose task, size and settings are fixed) counts only its own versions."""
+    code = fn.__code__.replace()  # (equal to fn's, but another object)
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)

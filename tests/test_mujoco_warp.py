@@ -267,6 +267,36 @@ def test_a_compiled_step_gives_the_eager_steps_numbers(device):
     fused.close()
 
 
+def test_env_compile_without_a_compiler_is_a_one_line_error_before_the_model_is_built(
+    monkeypatch,
+):
+    monkeypatch.setenv("CXX", "no-such-compiler++")
+    monkeypatch.setattr(
+        "embodied.simulators.mujoco.warp_env.build_model",
+        lambda *a: pytest.fail("the model was built before the compiler check"),
+    )
+    with pytest.raises(UserError) as raised:
+        make_env(MuJoCoConfig(task="reach", num_envs=1, backend="warp", compile=True))
+    assert str(raised.value) == (
+        "env.compile on a CPU needs a C++ compiler (g++, or the one CXX names): apt install g++, "
+        "or set env.compile=false"
+    )
+
+
+@pytest.mark.slow
+def test_compiled_envs_of_more_configurations_than_torchs_cap_all_step():
+    """torch.compile keeps at most ``recompile_limit`` (8) compiled versions of a function per
+    process; past that, with fullgraph, a call fails (FailOnRecompileLimitHit). Every env
+    compiles its own copy, so a process may hold envs of any number of configurations (here
+    sizes: a graph each)."""
+    for worlds in range(1, torch._dynamo.config.recompile_limit + 2):
+        cfg = MuJoCoConfig(task="reach", num_envs=worlds, backend="warp", compile=True)
+        with make_env(cfg) as env:
+            env.reset(seed=worlds)
+            out = env.step(torch.full((worlds, 6), 0.01))
+            assert out.obs.state.shape == (worlds, 12) and out.reward.shape == (worlds,)
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_no_step_reads_the_device_until_episodes_end_and_cpu_agrees():
     if not torch.cuda.is_available():

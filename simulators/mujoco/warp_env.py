@@ -28,7 +28,7 @@ import mujoco
 import numpy as np
 import torch
 
-from embodied.compiling import compiled
+from embodied.compiling import compiled, own_code
 from embodied.schema import Observation, StepOutput, host_to_device
 from embodied.simulators.mujoco.arm import JOINTS
 from embodied.simulators.mujoco.config import MuJoCoConfig
@@ -121,6 +121,13 @@ class MuJoCoWarpEnv:
         self._wp, self._mjw = require_warp()
         self.device = torch_device(cfg.device)
         self.cfg = cfg
+        # the function, not the bound method: an env holding its own method would be a cycle,
+        # its device memory freed only by the cycle collector. Compiled (env.compile): lazily,
+        # at the first step; the compiler is checked here, before the model is built
+        self._outcome = MuJoCoWarpEnv._after_physics
+        if cfg.compile:
+            fn = own_code(self._outcome)  # (torch's cap of 8 versions counts this env's alone)
+            self._outcome = compiled(fn, self.device, "env.compile", fullgraph=True)
         self.task = TASKS[cfg.task]
         self.num_envs = B = cfg.num_envs
         self.spec = make_spec(cfg, self.task)
@@ -162,11 +169,6 @@ class MuJoCoWarpEnv:
         timed_first_step(self.task.name, self._substep_all)  # compile (or load) before capture
         self._peaks.zero_()  # that step was from the model's own pose, not an episode's
         self._lagged_peaks = LaggedRead(self._wp.to_torch(self._peaks))
-        # the function, not the bound method: an env holding its own method would be a cycle,
-        # its device memory freed only by the cycle collector
-        self._outcome = MuJoCoWarpEnv._after_physics
-        if cfg.compile:
-            self._outcome = compiled(self._outcome, self.device, "env.compile", fullgraph=True)
         self._overflowed = False  # a BufferOverflow was raised (close does not raise it again)
 
     def _bind_views(self) -> None:
