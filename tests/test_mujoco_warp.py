@@ -326,10 +326,12 @@ def test_on_a_gpu_no_step_reads_the_device_until_episodes_end_and_cpu_agrees():
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_a_round_never_waits_on_the_device():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_on_a_gpu_a_round_never_waits_on_the_device(compiled):
     """The collect phase (env steps, MLP policy, buffers, episode statistics) over two episodes
     of 5 steps: no host sync, also where episodes end. Host rows (the plan, the ended rows) reach
-    the device from pinned memory, and the buffer peaks the host, without a wait."""
+    the device from pinned memory, and the buffer peaks the host, without a wait. The same with
+    ``env.compile`` and ``policy.compile_act``."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import warnings
@@ -340,10 +342,10 @@ def test_on_a_gpu_a_round_never_waits_on_the_device():
     from embodied.models import ActorCritic, ActorCriticConfig
     from embodied.rollout import CollectPlan, collect
 
-    cfg = MuJoCoConfig(task="push", num_envs=64, backend="warp", device="cuda")
+    cfg = MuJoCoConfig(task="push", num_envs=64, backend="warp", device="cuda", compile=compiled)
     envs = EnvGroup(make_env(dataclasses.replace(cfg, max_episode_steps=5)))
     policy = ActorCritic(envs.spec, ActorCriticConfig()).to("cuda")
-    inference = InferencePolicy(policy)
+    inference = InferencePolicy(policy, compile_act=compiled)
     plan = CollectPlan(seeds=0, group_of_env=torch.full((64,), -1), num_chunks=10, episode_base=0)
     stats = EpisodeStats(64, envs.task_names, torch.device("cuda"))
     collect(envs, inference, envs.reset(seed=0), plan, stats)  # warm-up: graphs, pinned memory
