@@ -87,7 +87,13 @@ class PPOConfig(AlgorithmConfig):
             )
 
     def build(self, cfg, spec, task_of_env: torch.Tensor, policy=None) -> PPO:
-        return PPO(self, seed=cfg.seed, num_envs=len(task_of_env))
+        return PPO(
+            self,
+            seed=cfg.seed,
+            num_envs=len(task_of_env),
+            round_steps=self.num_steps * cfg.policy.chunk_size,
+            episode_steps=spec.max_episode_steps,
+        )
 
 
 class PPO:
@@ -95,14 +101,33 @@ class PPO:
     max_rounds = 1
     evaluates_before = False  # (from scratch: evaluated before RL only with runner.init_from)
 
-    def __init__(self, cfg: PPOConfig, *, seed: int, num_envs: int):
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        *,
+        seed: int,
+        num_envs: int,
+        round_steps: int | None = None,
+        episode_steps: int | None = None,
+    ):
         self.cfg = cfg
         self.seed = seed
         self.num_envs = num_envs
         self.num_chunks = cfg.num_steps
+        self.round_steps = round_steps  # env steps per environment in a round
+        self.episode_steps = episode_steps  # the env's max_episode_steps
 
     def notes(self) -> list[str]:
-        return []
+        if self.round_steps is None or self.episode_steps is None:
+            return []
+        if self.round_steps >= self.episode_steps:
+            return []
+        return [
+            f"PPO: a round is {self.round_steps} env steps and an episode up to "
+            f"{self.episode_steps}; every round starts from a seeded reset, so training sees "
+            f"only each episode's first {self.round_steps} steps (a task whose reward comes "
+            "later needs a larger algorithm.num_steps)"
+        ]
 
     def plan(self, iteration: int, round_index: int, episode_base: int) -> CollectPlan:
         return CollectPlan(
