@@ -238,17 +238,25 @@ def test_bad_backend_settings_are_config_errors(override, message):
     assert str(raised.value) == message
 
 
+@pytest.mark.parametrize("ignore_terminations", [True, False])
 @pytest.mark.parametrize(
     "device",
     [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)],
 )
-def test_a_compiled_step_gives_the_eager_steps_numbers(device):
+def test_a_compiled_step_gives_the_eager_steps_numbers(device, ignore_terminations):
     """``env.compile``: the step's reading of the new state through torch.compile gives what the
-    eager step gives, up to float rounding, also where every episode ends (compiling takes some
-    20 s on a CPU: slow there)."""
+    eager step gives, up to float rounding, also where every episode ends, with success ending
+    episodes or not (a graph each; compiling takes some 20 s on a CPU: slow there)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cfg = MuJoCoConfig(task="push", num_envs=6, backend="warp", device=device, max_episode_steps=4)
+    cfg = MuJoCoConfig(
+        task="push",
+        num_envs=6,
+        backend="warp",
+        device=device,
+        max_episode_steps=4,
+        ignore_terminations=ignore_terminations,
+    )
     eager = make_env(cfg)
     fused = make_env(dataclasses.replace(cfg, compile=True))
     torch.testing.assert_close(fused.reset(seed=3).state, eager.reset(seed=3).state)
@@ -259,6 +267,7 @@ def test_a_compiled_step_gives_the_eager_steps_numbers(device):
         torch.testing.assert_close(b.reward, a.reward, atol=1e-6, rtol=0)
         torch.testing.assert_close(b.obs.state, a.obs.state, atol=1e-5, rtol=0)
         assert torch.equal(b.success, a.success) and torch.equal(b.truncated, a.truncated)
+        assert torch.equal(b.terminated, a.terminated)
         assert (a.ended is None) == (b.ended is None) == (t != 3)
         if t == 3:  # the episodes' last observations, read before the resets
             torch.testing.assert_close(b.final_obs.state, a.final_obs.state, atol=1e-5, rtol=0)
