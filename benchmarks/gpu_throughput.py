@@ -162,7 +162,7 @@ class Measured:
     ours: float
     compiled: float | None  # ours with the act (and MuJoCo Warp's step) compiled (--compile)
     replay: float | None  # the simulator alone under ours' commands (MuJoCo Warp)
-    sites: Counter[str] | None  # on CUDA: the host syncs of ours, by line
+    sites: dict[str, Counter[str]]  # on CUDA: loop (ours, compiled) -> its host syncs by line
     profile: dict[str, StepProfile]  # loop ("raw", "ours", ...) -> its profile, with --profile
     rates_per_round: dict[str, list[float]]  # loop -> its world-steps/s in each round
 
@@ -190,7 +190,7 @@ def interleaved(env, loops: dict[str, Loop], steps: int, repeats: int) -> dict[s
 def measure(env, steps: int, profile: bool, fused_env, replay: bool, repeats: int = 1) -> Measured:
     """raw and ours (and ours compiled on ``fused_env``, when there is one, and the replay of
     ours' commands) side by side, medians of ``repeats`` interleaved rounds; on CUDA the host
-    syncs of ours by line; profiles if asked."""
+    syncs of ours (and compiled) by line; profiles if asked."""
     loops = {"raw": raw_loop(env), "ours": ours_loop(env)}
     if fused_env is not None:
         loops["compiled"] = ours_loop(fused_env, compile_act=True)
@@ -201,10 +201,11 @@ def measure(env, steps: int, profile: bool, fused_env, replay: bool, repeats: in
             print(f"replay not recorded at {env.num_envs} worlds: {error!r}", file=sys.stderr)
     rates = interleaved(env, loops, steps, repeats)
     median = {label: statistics.median(values) for label, values in rates.items()}
-    sites = None
-    if env.device.type == "cuda":
-        loops["ours"].prepare()
-        _, sites = counted(lambda: loops["ours"].run(steps))
+    sites = {}
+    for label in ("ours", "compiled") if env.device.type == "cuda" else ():
+        if label in loops:
+            loops[label].prepare()
+            _, sites[label] = counted(lambda label=label: loops[label].run(steps))
     profiles = {}
     for label, loop in loops.items() if profile else ():
         loop.prepare()
@@ -227,20 +228,22 @@ def header(compiled: bool, replay: bool) -> str:
     if compiled:
         names += ["ours compiled world-steps/s", "compiled/raw"] + ["compiled/replay"] * replay
     names.append("host syncs per step")
+    if compiled:
+        names.append("compiled host syncs per step")
     head = "| sim | device | obs | worlds | " + " | ".join(names) + " |"
     return head + "\n|---|---|---|---:|" + "---:|" * len(names)
 
 
-def cells(m: Measured, syncs: float | None, compiled: bool, replay: bool) -> str:
+def cells(m: Measured, syncs: dict[str, float], compiled: bool, replay: bool) -> str:
     """A row's numbers after its worlds, in ``header``'s order ("-" where one is missing: a
-    replay that failed)."""
+    replay that failed, host syncs off CUDA). syncs: loop -> host syncs per step."""
     texts = [f"{m.raw:,.0f}"] + [_or_dash(m.replay, ",.0f")] * replay
     for rate in [m.ours] + [m.compiled] * compiled:
         over_raw = None if rate is None else rate / m.raw
         over_replay = None if rate is None or m.replay is None else rate / m.replay
         texts += [_or_dash(rate, ",.0f"), _or_dash(over_raw, ".2f")]
         texts += [_or_dash(over_replay, ".2f")] * replay
-    texts.append(_or_dash(syncs, ".2f"))
+    texts += [_or_dash(syncs.get(label), ".2f") for label in ["ours"] + ["compiled"] * compiled]
     return " " + " | ".join(texts) + " |"
 
 
@@ -279,11 +282,11 @@ def main() -> None:
             measured = measure(env, args.steps, args.profile, fused, replay, args.repeats)
         gc.collect()  # (torch.compile's caches refer to the envs: free their device memory now)
         raw_rate, ours_rate, sites = measured.raw, measured.ours, measured.sites
-        if sites is not None:
-            where.append(f"- {worlds} worlds, host syncs of ours by line: {sites_text(sites)}")
+        for label, by_line in sites.items():
+            where.append(f"- {worlds} worlds, host syncs of {label} by line: {sites_text(by_line)}")
         for label, step in measured.profile.items():
             profiles.append(profile_text(f"{worlds} worlds, {label}", step))
-        syncs = None if sites is None else sum(sites.values()) / args.steps
+        syncs = {label: sum(by_line.values()) / args.steps for label, by_line in sites.items()}
         row = {
             "sim": args.sim,
             "device": str(env.device),
@@ -299,8 +302,9 @@ def main() -> None:
             "ours_over_raw": ours_rate / raw_rate,
             "compiled_world_steps_per_s": measured.compiled,
             "replay_world_steps_per_s": measured.replay,
-            "host_syncs_per_step": syncs,
-            "sync_sites": None if sites is None else dict(sites),
+            "host_syncs_per_step": syncs.get("ours"),
+            "compiled_host_syncs_per_step": syncs.get("compiled"),
+            "sync_sites": {label: dict(by_line) for label, by_line in sites.items()},
             "profile": {label: asdict(step) for label, step in measured.profile.items()},
         }
         numbers = cells(measured, syncs, args.compile, replay)
