@@ -167,11 +167,15 @@ class Measured:
     rates_per_round: dict[str, list[float]]  # loop -> its world-steps/s in each round
 
 
+OPTIONAL = ("replay", "compiled")  # loops that may fail without costing the others' numbers
+
+
 def interleaved(env, loops: dict[str, Loop], steps: int, repeats: int) -> dict[str, list[float]]:
     """Each loop's world-steps/s in each of ``repeats`` rounds, the loops taking turns within a
     round, so that a drift in the machine's speed falls on all of them alike, and the first
-    turn passing from loop to loop, round by round. A replay that fails is dropped, said on
-    stderr (its column shows "-"): an instrument of its own."""
+    turn passing from loop to loop, round by round. A replay (an instrument of its own) or a
+    compiled loop (inductor's code) that fails is dropped, said on stderr (its columns show
+    "-"), so that raw and ours are still measured."""
     rates: dict[str, list[float]] = {label: [] for label in loops}
     for round_index in range(repeats):
         labels = list(loops)
@@ -180,10 +184,10 @@ def interleaved(env, loops: dict[str, Loop], steps: int, repeats: int) -> dict[s
             try:
                 rates[label].append(rate(env, loops[label], steps))
             except Exception as error:
-                if label != "replay":
+                if label not in OPTIONAL:
                     raise
                 del loops[label], rates[label]
-                print(f"replay not measured at {env.num_envs} worlds: {error!r}", file=sys.stderr)
+                print(f"{label} not measured at {env.num_envs} worlds: {error!r}", file=sys.stderr)
     return rates
 
 
@@ -193,7 +197,10 @@ def measure(env, steps: int, profile: bool, fused_env, replay: bool, repeats: in
     syncs of ours (and compiled) by line; profiles if asked."""
     loops = {"raw": raw_loop(env), "ours": ours_loop(env)}
     if fused_env is not None:
-        loops["compiled"] = ours_loop(fused_env, compile_act=True)
+        try:  # (compiled in its warm-up)
+            loops["compiled"] = ours_loop(fused_env, compile_act=True)
+        except Exception as error:
+            print(f"compiled not built at {env.num_envs} worlds: {error!r}", file=sys.stderr)
     if replay:
         try:  # recorded from an untimed run of ours
             loops["replay"] = replay_loop(env, loops["ours"], steps)
@@ -278,7 +285,10 @@ def main() -> None:
             env = envs.enter_context(make_env(*env_args))
             fused = None
             if args.compile:
-                fused = envs.enter_context(make_env(*env_args, args.sim == "mujoco_warp"))
+                try:
+                    fused = envs.enter_context(make_env(*env_args, args.sim == "mujoco_warp"))
+                except Exception as error:
+                    print(f"compiled env not built at {worlds} worlds: {error!r}", file=sys.stderr)
             measured = measure(env, args.steps, args.profile, fused, replay, args.repeats)
         gc.collect()  # (torch.compile's caches refer to the envs: free their device memory now)
         raw_rate, ours_rate, sites = measured.raw, measured.ours, measured.sites
