@@ -113,6 +113,12 @@ class Runner:
         K = cfg.policy.chunk_size
         self.steps_per_round = self.envs.num_envs * K * self.algorithm.num_chunks
         self.fresh = resume is None
+        if self.fresh and cfg.runner.total_env_steps <= self.steps_per_round:
+            print(  # (a budget sized for a few CPU environments, run with thousands)
+                f"note: runner.total_env_steps={cfg.runner.total_env_steps:,} is spent by the "
+                f"first iteration, whose round is {self.steps_per_round:,} env steps "
+                f"({self.envs.num_envs} environments x {K * self.algorithm.num_chunks} steps)"
+            )
         self.needs_normalizer = self.fresh and not cfg.runner.init_from  # (the first round's)
         self.state = RunState() if self.fresh else RunState.from_counters(resume["counters"])
         if not self.fresh:

@@ -337,3 +337,17 @@ def test_cli_help_and_errors(tmp_path):
     )
     assert res.returncode == 2
     assert "config file not found" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("iterations, noted", [(1, True), (2, False)])
+def test_a_budget_spent_by_the_first_iteration_is_noted(tmp_path, capsys, iterations, noted):
+    """A step budget sized for few environments, run with many (the warp config's 200,000 at
+    4096 worlds x 50 steps): the run says its first iteration spends it."""
+    overrides = [o for o in tiny_overrides(tmp_path, "short", iterations) if "workers" not in o]
+    overrides.append("runner.eval_every=0")
+    train(load_config(TrainConfig, "configs/mujoco/reach_ppo.yaml", overrides)[0])
+    note = (
+        f"note: runner.total_env_steps={STEPS_PER_ITER * iterations} is spent by the first "
+        "iteration, whose round is 16 env steps (2 environments x 8 steps)"
+    )
+    assert (note in capsys.readouterr().out.splitlines()) == noted
