@@ -4,7 +4,8 @@
 # RESULTS_DIR as it finishes (a visit cut short keeps what finished).
 #   bash benchmarks/gpu_suite.sh RESULTS_DIR           (from the project root)
 #   STAGES="warp_tests warp_throughput" bash benchmarks/gpu_suite.sh RESULTS_DIR   (some stages)
-# Stages: device, warp_compile, warp_tests, warp_throughput, warp_peaks, warp_cache,
+# Stages: device, warp_compile, warp_throughput (state: the issue's goal), warp_tests,
+#   warp_rgb_profile, warp_peaks, warp_cache,
 #   warp_learning (LEARN_TASKS="reach push pick", LEARN_MINUTES=5, rounds of LEARN_STEPS=16,
 #   LEARN_STEPS_PICK=50 by default),
 #   cluster_gpu, runner_tests, host_syncs. The warp_* stages need MuJoCo Warp's wheels in
@@ -20,8 +21,8 @@
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/gpu_suite}}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"device warp_compile warp_tests warp_throughput warp_peaks warp_cache
-  warp_learning cluster_gpu runner_tests host_syncs"}
+STAGES=${STAGES:-"device warp_compile warp_throughput warp_tests warp_rgb_profile warp_peaks
+  warp_cache warp_learning cluster_gpu runner_tests host_syncs"}
 if [ -z "${MUJOCO_GL:-}" ]; then  # EGL where it is (or comes in .gl); MuJoCo Warp needs none
   if [ -d .gl ] || ldconfig -p | grep -q libEGL.so.1; then MUJOCO_GL=egl; else MUJOCO_GL=disable; fi
 fi
@@ -85,17 +86,21 @@ if has mujoco_warp; then
       | tee "$OUT/warp_compile.log"
     if want warp_cache; then save_cache; fi
   fi
-  if want warp_tests; then  # graph capture, no device read until episodes end, CPU agreement
-    stage warp_tests  # (and the compiled act against the eager one)
-    timeout "$(cap 300)" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
-      tests/test_mujoco_warp.py tests/test_compile_act.py 2>&1 | tee "$OUT/pytest_warp.log"
-  fi
   if want warp_throughput; then  # raw MuJoCo Warp against our collect phase, side by side
-    # (--compile: ours with policy.compile_act; replay: the physics alone under ours' commands)
+    # (--compile: ours with policy.compile_act and env.compile; replay: the physics alone under
+    # ours' commands); the issue's goal, so before the tests
     stage warp_throughput
     timeout "$(cap 360)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
       --worlds 1024,4096,16384 --compile --json "$OUT/throughput.jsonl" 2>&1 \
       | tee "$OUT/throughput.md"
+  fi
+  if want warp_tests; then  # graph capture, no device read until episodes end, CPU agreement
+    stage warp_tests  # (and the compiled act and step against the eager ones)
+    timeout "$(cap 300)" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
+      tests/test_mujoco_warp.py tests/test_compile_act.py 2>&1 | tee "$OUT/pytest_warp.log"
+  fi
+  if want warp_rgb_profile; then  # rgb, and where ours' extra time per step goes
+    stage warp_rgb_profile
     timeout "$(cap 240)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
       --obs rgb --image-size 128 --worlds 256,1024 --steps 50 --repeats 3 \
       --json "$OUT/throughput.jsonl" 2>&1 \
