@@ -16,8 +16,8 @@
 - with ``--compile``, ours again with the policy's act through torch.compile
   (``policy.compile_act``) and, on MuJoCo Warp, the env step's reading of the new state too
   (``env.compile``, an env of its own): fused kernels, fewer launches a step, in its own column;
-- on CUDA, the host synchronisations per step of ours (``torch.cuda.set_sync_debug_mode``), and
-  the lines that made them;
+- on CUDA, the host synchronisations per step of ours and compiled
+  (``torch.cuda.set_sync_debug_mode``), and the lines that made them;
 - with ``--profile``, the torch operators and (on CUDA) the kernels of one step of each, and
   their time (benchmarks/kernel_profile.py).
 
@@ -208,15 +208,7 @@ def measure(env, steps: int, profile: bool, fused_env, replay: bool, repeats: in
             print(f"replay not recorded at {env.num_envs} worlds: {error!r}", file=sys.stderr)
     rates = interleaved(env, loops, steps, repeats)
     median = {label: statistics.median(values) for label, values in rates.items()}
-    sites = {}
-    for label in ("ours", "compiled") if env.device.type == "cuda" else ():
-        if label in loops:
-            loops[label].prepare()
-            _, sites[label] = counted(lambda label=label: loops[label].run(steps))
-    profiles = {}
-    for label, loop in loops.items() if profile else ():
-        loop.prepare()
-        profiles[label] = profiled(lambda loop=loop: loop.run(steps), steps, env.device)
+    sites, profiles = syncs_and_profiles(env, loops, steps, profile)
     return Measured(
         median["raw"],
         median["ours"],
@@ -226,6 +218,30 @@ def measure(env, steps: int, profile: bool, fused_env, replay: bool, repeats: in
         profiles,
         rates,
     )
+
+
+def syncs_and_profiles(env, loops: dict[str, Loop], steps: int, profile: bool) -> tuple:
+    """On CUDA the host syncs of ours and compiled, by line (loop -> Counter); each loop's
+    profile if asked (loop -> StepProfile). An optional loop that fails here is left out, said
+    on stderr. (Only an error raised in Python is survived: a device fault, an illegal address
+    in inductor's code, leaves CUDA unusable for the rest of the process.)"""
+    sites: dict[str, Counter[str]] = {}
+    profiles: dict[str, StepProfile] = {}
+    for label, loop in loops.items():
+        try:
+            if env.device.type == "cuda" and label in ("ours", "compiled"):
+                loop.prepare()
+                _, sites[label] = counted(lambda loop=loop: loop.run(steps))
+            if profile:
+                loop.prepare()
+                profiles[label] = profiled(lambda loop=loop: loop.run(steps), steps, env.device)
+        except Exception as error:
+            if label not in OPTIONAL:
+                raise
+            sites.pop(label, None)
+            message = f"{label}: syncs or profile not taken at {env.num_envs} worlds: {error!r}"
+            print(message, file=sys.stderr)
+    return sites, profiles
 
 
 def header(compiled: bool, replay: bool) -> str:

@@ -36,10 +36,14 @@ def compiled(fn: Callable, device: torch.device, setting: str, fullgraph: bool =
     return torch.compile(fn, dynamic=False, fullgraph=fullgraph, options=options)
 
 
-def own_code(fn: Callable) -> Callable:
-    """A copy of the function ``fn`` with a code object of its own. torch.compile keeps its
-    compiled versions per code object, at most ``torch._dynamo.config.recompile_limit`` (8) for
-    all the callers of a process, and past that fails (fullgraph) or runs eager; an owner's copy
-    (an env's, whose task, size and settings are fixed) counts only its own versions."""
+def own_code(fn: types.FunctionType) -> types.FunctionType:
+    """A copy of the plain function ``fn`` with a code object of its own. torch.compile keeps
+    its compiled versions per code object, at most ``torch._dynamo.config.recompile_limit`` (8)
+    for all the callers of a process, and past that fails (fullgraph) or runs eager; an owner's
+    copy (an env's, whose task, size and settings are fixed) counts only its own versions. The
+    price: each owner traces its graph anew (inductor's cache still serves the code)."""
     code = fn.__code__.replace()  # (equal to fn's, but another object)
-    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__dict__.update(fn.__dict__)
+    return copy

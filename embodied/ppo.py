@@ -125,8 +125,8 @@ class PPO:
         return [
             f"PPO: a round is {self.round_steps} env steps and an episode up to "
             f"{self.episode_steps}; every round starts from a seeded reset, so training sees "
-            f"only each episode's first {self.round_steps} steps (a task whose reward comes "
-            "later needs a larger algorithm.num_steps)"
+            f"only each episode's first {self.round_steps} steps (if the task's reward comes "
+            "later, raise algorithm.num_steps)"
         ]
 
     def plan(self, iteration: int, round_index: int, episode_base: int) -> CollectPlan:

@@ -22,7 +22,7 @@ def test_ppo_notes_rounds_shorter_than_an_episode(num_steps, chunk, noted):
     steps = num_steps * chunk  # (a chunk is K actions, each an env step)
     expected = [
         f"PPO: a round is {steps} env steps and an episode up to 80; every round starts from "
-        f"a seeded reset, so training sees only each episode's first {steps} steps (a task "
-        "whose reward comes later needs a larger algorithm.num_steps)"
+        f"a seeded reset, so training sees only each episode's first {steps} steps (if the "
+        "task's reward comes later, raise algorithm.num_steps)"
     ]
     assert algorithm.notes() == (expected if noted else [])
