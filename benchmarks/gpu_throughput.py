@@ -170,6 +170,13 @@ class Measured:
 OPTIONAL = ("replay", "compiled")  # loops that may fail without costing the others' numbers
 
 
+def drop(label: str, what: str, worlds: int, error: Exception) -> None:
+    """An optional loop's failure, said on stderr (its cells show "-"); any other's, raised."""
+    if label not in OPTIONAL:
+        raise error
+    print(f"{label} {what} at {worlds} worlds: {error!r}", file=sys.stderr)
+
+
 def interleaved(env, loops: dict[str, Loop], steps: int, repeats: int) -> dict[str, list[float]]:
     """Each loop's world-steps/s in each of ``repeats`` rounds, the loops taking turns within a
     round, so that a drift in the machine's speed falls on all of them alike, and the first
@@ -184,10 +191,8 @@ def interleaved(env, loops: dict[str, Loop], steps: int, repeats: int) -> dict[s
             try:
                 rates[label].append(rate(env, loops[label], steps))
             except Exception as error:
-                if label not in OPTIONAL:
-                    raise
+                drop(label, "not measured", env.num_envs, error)
                 del loops[label], rates[label]
-                print(f"{label} not measured at {env.num_envs} worlds: {error!r}", file=sys.stderr)
     return rates
 
 
@@ -200,12 +205,12 @@ def measure(env, steps: int, profile: bool, fused_env, replay: bool, repeats: in
         try:  # (compiled in its warm-up)
             loops["compiled"] = ours_loop(fused_env, compile_act=True)
         except Exception as error:
-            print(f"compiled not built at {env.num_envs} worlds: {error!r}", file=sys.stderr)
+            drop("compiled", "not built", env.num_envs, error)
     if replay:
         try:  # recorded from an untimed run of ours
             loops["replay"] = replay_loop(env, loops["ours"], steps)
         except Exception as error:
-            print(f"replay not recorded at {env.num_envs} worlds: {error!r}", file=sys.stderr)
+            drop("replay", "not recorded", env.num_envs, error)
     rates = interleaved(env, loops, steps, repeats)
     median = {label: statistics.median(values) for label, values in rates.items()}
     sites, profiles = syncs_and_profiles(env, loops, steps, profile)
@@ -236,11 +241,8 @@ def syncs_and_profiles(env, loops: dict[str, Loop], steps: int, profile: bool) -
                 loop.prepare()
                 profiles[label] = profiled(lambda loop=loop: loop.run(steps), steps, env.device)
         except Exception as error:
-            if label not in OPTIONAL:
-                raise
+            drop(label, "syncs or profile not taken", env.num_envs, error)
             sites.pop(label, None)
-            message = f"{label}: syncs or profile not taken at {env.num_envs} worlds: {error!r}"
-            print(message, file=sys.stderr)
     return sites, profiles
 
 
@@ -304,7 +306,7 @@ def main() -> None:
                 try:
                     fused = envs.enter_context(make_env(*env_args, args.sim == "mujoco_warp"))
                 except Exception as error:
-                    print(f"compiled env not built at {worlds} worlds: {error!r}", file=sys.stderr)
+                    drop("compiled", "env not built", worlds, error)
             measured = measure(env, args.steps, args.profile, fused, replay, args.repeats)
         gc.collect()  # (torch.compile's caches refer to the envs: free their device memory now)
         raw_rate, ours_rate, sites = measured.raw, measured.ours, measured.sites
