@@ -14,8 +14,10 @@
 #   ray==2.60.0 added to its requirements); the others ManiSkill's bundle (.gpu, and .gl for
 #   rendering). A stage whose packages are missing says so and is skipped.
 # Warp's CUDA kernel cache: a .warpcache/ folder carried with the tree is used as the cache (no
-# compile); warp_cache saves the cache this visit compiled as RESULTS_DIR/warpcache.tar.gz (right
-# after warp_compile, and again in its place), to be unpacked into .warpcache/ for the next visit.
+# compile; built without a GPU by `python -m embodied.simulators.mujoco.warm --cuda-cache
+# .warpcache`, after which warp_compile's lines say "0 modules compiled"); warp_cache saves the
+# cache this visit compiled as RESULTS_DIR/warpcache.tar.gz (right after warp_compile, and again
+# in its place), to be unpacked into .warpcache/ for the next visit.
 # DEADLINE (seconds since the epoch, optional): every stage's limit is cut to end by then, so that
 # a caller's budget never leaves a stage's process running past it.
 set -uo pipefail

@@ -1,37 +1,77 @@
 """Compile MuJoCo Warp's kernels for every MuJoCo task and its renderer into Warp's kernel cache,
 once, so that neither a test nor a run pays the compile (a minute or two on a 2-core CPU).
-``python -m embodied.simulators.mujoco.warm [--device cpu|cuda]``; scripts/setup.sh runs it.
-Each task's time is printed: a compile the first time, a load from the cache after that."""
+``python -m embodied.simulators.mujoco.warm [--device cpu|cuda] [--cuda-cache DIR]``;
+scripts/setup.sh runs it. Each task's time is printed with the modules Warp compiled for it:
+none once they are in the cache. ``--cuda-cache DIR`` also compiles the CUDA kernels, on a machine
+without a GPU, into DIR: a kernel cache for a GPU machine (``WARP_CACHE_PATH=DIR`` there)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import sys
 import time
 
 import torch
 
 from embodied.simulators.mujoco import TASKS, MuJoCoConfig, make_env
+from embodied.simulators.mujoco.warp_setup import require_warp
+
+
+def cache_entries() -> int:
+    """The module folders in Warp's kernel cache (a compile adds one, a load none)."""
+    warp, _ = require_warp()  # (initialised: its cache folder is known)
+    folder = warp.config.kernel_cache_dir
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sum(name.startswith("wp_") for name in names)
+
+
+def warm(device: str) -> None:
+    """Step every task once, and render both cameras of a scene, on ``device``."""
+    common = {"num_envs": 2, "backend": "warp", "device": device}
+    scenes = [MuJoCoConfig(task=task, **common) for task in sorted(TASKS)]
+    cameras = ["base_camera", "wrist_camera"]  # the ray-cast renderer's kernels
+    scenes.append(MuJoCoConfig(task="push", obs_mode="rgb", cameras=cameras, **common))
+    for cfg in scenes:
+        start = time.perf_counter()
+        before = cache_entries()
+        with make_env(cfg) as env:
+            env.reset(seed=0)
+            if cfg.obs_mode == "state":
+                env.step(torch.zeros(2, len(env.spec.action.names)))
+        what = cfg.task if cfg.obs_mode == "state" else "renderer"
+        seconds = time.perf_counter() - start
+        compiled = cache_entries() - before
+        print(
+            f"MuJoCo Warp {what} on {device}: ready in {seconds:.1f} s "
+            f"({compiled} modules compiled)",
+            flush=True,
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu (Warp's CPU device) or cuda")
-    args = parser.parse_args()
-    for task in sorted(TASKS):
-        start = time.perf_counter()
-        cfg = MuJoCoConfig(task=task, num_envs=2, backend="warp", device=args.device)
-        with make_env(cfg) as env:
-            env.reset(seed=0)
-            env.step(torch.zeros(2, len(env.spec.action.names)))
-        print(f"MuJoCo Warp {task} on {args.device}: ready in {time.perf_counter() - start:.1f} s")
-    start = time.perf_counter()  # the ray-cast renderer's kernels: both cameras of a scene
-    cameras = ["base_camera", "wrist_camera"]
-    cfg = MuJoCoConfig(
-        task="push", num_envs=2, backend="warp", device=args.device, obs_mode="rgb", cameras=cameras
+    parser.add_argument(
+        "--cuda-cache", metavar="DIR", help="also compile the CUDA kernels into DIR (no GPU needed)"
     )
-    with make_env(cfg) as env:
-        env.reset(seed=0)
-    print(f"MuJoCo Warp renderer on {args.device}: ready in {time.perf_counter() - start:.1f} s")
+    args = parser.parse_args()
+    if args.cuda_cache and args.device != "cpu":
+        sys.exit("warm: --cuda-cache compiles on Warp's CPU device; leave out --device")
+    building = contextlib.nullcontext(None)
+    if args.cuda_cache:
+        from embodied.simulators.mujoco.warp_aot import compiling_for_cuda
+
+        building = compiling_for_cuda(args.cuda_cache)
+    with building as cuda:
+        warm(args.device)
+    if cuda is not None:
+        print(
+            f"CUDA kernels (PTX for sm_{cuda.arch}) in {cuda.folder}: {len(cuda.compiled)} "
+            f"modules compiled in {cuda.seconds:.0f} s, {cuda.already_there} already there",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
