@@ -4,14 +4,10 @@
 # each phase, so that a visit cut short keeps what finished (at most 8 files come back:
 # results.tgz, the kernel cache as warpcache.partNN of 15 MB, stages.log).
 #   BUDGET=540 bash benchmarks/gpu_visit.sh .gpup/part4 [.gpuvisit/warpcache.tgz]
-# Prepared here: the parts (PART_MIB=60 bash ../shared/gpu/bundle_parts.sh ... ray==2.60.0: four),
-# omegaconf's wheels in .whl/, and Warp's CUDA kernels, compiled here without a GPU (a minute on 2
-# cores, 2 MB packed; a GPU then compiles nothing) or the last visit's cache, packed small enough
-# to travel beside the last part:
-#   .venv/bin/python -m embodied.simulators.mujoco.warm --cuda-cache .warpcache
-#   tar -C .warpcache -czf .gpuvisit/warpcache.tgz .
-# (.warpcache/ and .gpuvisit/ ignored in .git/info/exclude). Carry .gpup/partK alone in calls
-# 1..K-1, then this.
+# Prepared here in one command, which prints the calls below: bash benchmarks/gpu_prepare.sh (the
+# wheels in four parts, omegaconf as .whl/, Warp's CUDA kernels compiled without a GPU as
+# .gpuvisit/warpcache.tgz; a last visit's cache, packed the same way, does as well).
+# Carry .gpup/partK alone in calls 1..K-1, then this.
 # A cache too large to travel beside the last part (64 MiB a call; it now holds the driver's JIT
 # cache too) comes in a call of its own, unpacked there, since ignored paths stay between calls:
 #   mkdir -p .warpcache && tar -C .warpcache -xzf .gpuvisit/warpcache.tgz   (then no 2nd argument)

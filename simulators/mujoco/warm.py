@@ -23,8 +23,9 @@ def cache_entries() -> int:
     """The module folders in Warp's kernel cache (a compile adds one, a load none)."""
     warp, _ = require_warp()  # (initialised: its cache folder is known)
     folder = warp.config.kernel_cache_dir
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    return sum(name.startswith("wp_") for name in names)
+    if not os.path.isdir(folder):
+        return 0
+    return sum(entry.name.startswith("wp_") and entry.is_dir() for entry in os.scandir(folder))
 
 
 def warm(device: str) -> None:

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything a GPU visit carries, prepared here on the CPU machine in one command (from the project
+# root, after scripts/setup.sh), then the visit's calls printed (../shared/GPU.md says why parts):
+#   bash benchmarks/gpu_prepare.sh
+# - .gpup/part1..N: MuJoCo Warp, Warp, MuJoCo and Ray wheels the image lacks (parts of 60 MiB);
+# - .whl/: omegaconf and antlr4 (antlr's 4.9.3 is only an sdist: built into a wheel here);
+# - .gpuvisit/warpcache.tgz: Warp's CUDA kernels for every task and the renderer, compiled here
+#   without a GPU (simulators/mujoco/warp_aot.py), so that the GPU compiles none.
+# All four are ignored by git (.git/info/exclude). Prints the size of the last call's load, which
+# must stay under 64 MiB.
+set -euo pipefail
+[ -x .venv/bin/python ] || { echo "gpu_prepare: run scripts/setup.sh first (.venv)"; exit 2; }
+for path in /.gpup/ /.whl/ /.warpcache/ /.gpuvisit/; do
+  grep -qx "$path" .git/info/exclude 2>/dev/null || echo "$path" >> .git/info/exclude
+done
+
+echo "[prepare] wheels, in parts"
+PART_MIB=60 bash ../shared/gpu/bundle_parts.sh \
+  mujoco-warp==3.8.1 warp-lang==1.12.0 mujoco==3.8.1 ray==2.60.0
+
+echo "[prepare] omegaconf into .whl/"
+rm -rf .whl && mkdir -p .whl
+.venv/bin/python -m pip wheel -q --no-deps -w .whl omegaconf==2.3.0 antlr4-python3-runtime==4.9.3
+
+echo "[prepare] Warp's CUDA kernels into .warpcache/, packed as .gpuvisit/warpcache.tgz"
+rm -rf .warpcache && mkdir -p .gpuvisit
+.venv/bin/python -m embodied.simulators.mujoco.warm --cuda-cache .warpcache
+tar -C .warpcache -czf .gpuvisit/warpcache.tgz .
+rm -rf .warpcache  # carried packed: 2 MB against 17
+
+parts=$(ls -d .gpup/part* | wc -l)
+last_load=$(du -cm ".gpup/part$parts" .whl .gpuvisit | tail -1 | cut -f1)
+echo "[prepare] the visit, back to back (a machine idle for 30 s is given back):"
+for k in $(seq 1 $((parts - 1))); do
+  echo "  call $k: carry .gpup/part$k; run: bash .gpup/part$k/take.sh"
+done
+echo "  call $parts: carry .gpup/part$parts .whl .gpuvisit (${last_load} MiB of 64); run:"
+echo "    BUDGET=430 PHASES=warp bash benchmarks/gpu_visit.sh .gpup/part$parts \\"
+echo "      .gpuvisit/warpcache.tgz 2>&1 | tee \$OUT/visit.log"
+echo "  then, same machine: PHASES=learning LEARN_TASKS=pick BUDGET=380 \\"
+echo "    bash benchmarks/gpu_visit.sh - 2>&1 | tee \$OUT/learning.log"
+if [ "$last_load" -ge 64 ]; then
+  echo "[prepare] the last call's load is over 64 MiB: carry .gpuvisit in a call of its own"
+fi
