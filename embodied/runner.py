@@ -99,6 +99,20 @@ def train(cfg: TrainConfig) -> dict:
         roles.close()
 
 
+def first_iteration_note(budget: int, num_envs: int, round_steps: int, max_rounds: int) -> str:
+    """A note where the first iteration spends the step budget (or may: GRPO collects up to
+    ``max_rounds`` rounds of ``num_envs`` x ``round_steps`` env steps an iteration), else ""."""
+    per_round = num_envs * round_steps
+    if budget > per_round * max_rounds:
+        return ""
+    spent = "is spent" if budget <= per_round else "may be spent"
+    rounds = "whose round is" if max_rounds == 1 else f"which collects up to {max_rounds} rounds of"
+    return (
+        f"note: runner.total_env_steps={budget:,} {spent} by the first iteration, {rounds} "
+        f"{per_round:,} env steps ({num_envs} environments x {round_steps} steps)"
+    )
+
+
 class Runner:
     def __init__(self, cfg: TrainConfig, roles: Roles, run_dir: Path, resume: dict | None):
         self.cfg = cfg
@@ -113,12 +127,14 @@ class Runner:
         K = cfg.policy.chunk_size
         self.steps_per_round = self.envs.num_envs * K * self.algorithm.num_chunks
         self.fresh = resume is None
-        if self.fresh and cfg.runner.total_env_steps <= self.steps_per_round:
-            print(  # (a budget sized for a few CPU environments, run with thousands)
-                f"note: runner.total_env_steps={cfg.runner.total_env_steps:,} is spent by the "
-                f"first iteration, whose round is {self.steps_per_round:,} env steps "
-                f"({self.envs.num_envs} environments x {K * self.algorithm.num_chunks} steps)"
-            )
+        note = first_iteration_note(
+            cfg.runner.total_env_steps,
+            self.envs.num_envs,
+            K * self.algorithm.num_chunks,
+            self.algorithm.max_rounds,
+        )
+        if self.fresh and note:  # (a budget sized for a few CPU environments, run with thousands)
+            print(note)
         self.needs_normalizer = self.fresh and not cfg.runner.init_from  # (the first round's)
         self.state = RunState() if self.fresh else RunState.from_counters(resume["counters"])
         if not self.fresh:

@@ -351,3 +351,22 @@ def test_a_budget_spent_by_the_first_iteration_is_noted(tmp_path, capsys, iterat
         "iteration, whose round is 16 env steps (2 environments x 8 steps)"
     )
     assert (note in capsys.readouterr().out.splitlines()) == noted
+
+
+def test_the_first_iteration_note_counts_grpos_rounds():
+    """PPO collects one round an iteration, GRPO up to max_rounds: 4096 x 50 = 204,800 steps."""
+    from embodied.runner import first_iteration_note
+
+    assert first_iteration_note(204_800, 4096, 50, 1) == (
+        "note: runner.total_env_steps=204,800 is spent by the first iteration, whose round is "
+        "204,800 env steps (4096 environments x 50 steps)"
+    )
+    assert first_iteration_note(204_801, 4096, 50, 1) == ""
+    assert first_iteration_note(819_200, 4096, 50, 4) == (
+        "note: runner.total_env_steps=819,200 may be spent by the first iteration, which "
+        "collects up to 4 rounds of 204,800 env steps (4096 environments x 50 steps)"
+    )
+    assert first_iteration_note(204_800, 4096, 50, 4).startswith(
+        "note: runner.total_env_steps=204,800 is spent by the first iteration, which collects"
+    )
+    assert first_iteration_note(819_201, 4096, 50, 4) == ""
