@@ -121,6 +121,28 @@ def test_an_overflow_after_the_last_look_is_raised_at_close():
         env.close()
 
 
+@pytest.mark.parametrize("closed_by", ["with", "finally"])
+def test_an_overflow_at_close_is_printed_beside_an_error_on_its_way_out(capsys, closed_by):
+    """A run that fails (here a ValueError) closes its env on the way out: the overflow found
+    then is said on stderr, and the error that ended the run is the one raised."""
+    cfg = MuJoCoConfig(task="push", num_envs=4, backend="warp", max_episode_steps=50, njmax=8)
+    env = make_env(cfg)
+    env.reset(seed=0)
+    env.step(torch.zeros(4, 6))
+    with pytest.raises(ValueError, match="the run's own error"):
+        if closed_by == "with":
+            with env:
+                raise ValueError("the run's own error")
+        else:
+            try:
+                raise ValueError("the run's own error")
+            finally:
+                env.close()
+    err = capsys.readouterr().err
+    assert "also: MuJoCo Warp task 'push'" in err
+    assert "constraint buffer holds (8)" in err
+
+
 def test_a_lagged_read_returns_the_copy_of_the_call_before():
     """Hand-built: each call returns what the previous call copied, never the tensor now."""
     source = torch.tensor([1, 2], dtype=torch.int32)

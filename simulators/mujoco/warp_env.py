@@ -20,6 +20,7 @@ the task and the buffer within two episodes of happening, never a silent loss of
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any, NamedTuple
@@ -446,10 +447,19 @@ class MuJoCoWarpEnv:
 
     def close(self) -> None:
         """Free the renderers; then check the buffer peaks a last time (they may have grown past
-        a buffer since the last look: BufferOverflow), unless an overflow was raised already."""
+        a buffer since the last look: BufferOverflow), unless an overflow was raised already.
+        Closed while another error is on its way out, the overflow is printed, not raised over
+        it (a one-line error would hide that error's traceback)."""
         self._cameras.clear()
-        if not self._overflowed:
+        if self._overflowed:
+            return
+        if sys.exc_info()[1] is None:
             self.check_buffers()
+            return
+        try:
+            self.check_buffers()
+        except BufferOverflow as overflow:
+            print(f"also: {overflow}", file=sys.stderr, flush=True)
 
     def __enter__(self):
         return self
