@@ -23,7 +23,9 @@
 
 Throughput is world-steps per second (control steps x worlds), the median of ``--repeats``
 rounds in which the loops take turns (on the H100 one run's raw rate differed from another's by 5%
-at the same size). The goal (issue 32): ours/raw at least 0.95 for state at 4096 worlds and more.
+at the same size); a ratio is the median of the rounds' own ratios (each round's loops ran side by
+side), with their range. The goal (issue 32): ours/raw at least 0.95 for state at 4096 worlds and
+more.
 
     python benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda --worlds 1024,4096,16384 \
         --compile
@@ -166,6 +168,22 @@ class Measured:
     profile: dict[str, StepProfile]  # loop ("raw", "ours", ...) -> its profile, with --profile
     rates_per_round: dict[str, list[float]]  # loop -> its world-steps/s in each round
 
+    def per_round(self, label: str, base: str) -> list[float]:
+        """label's rate over base's in each round (paired: the loops took turns within it);
+        [] where either loop has no rounds."""
+        rates, bases = self.rates_per_round.get(label), self.rates_per_round.get(base)
+        if not rates or not bases:
+            return []
+        return [rate / base_rate for rate, base_rate in zip(rates, bases, strict=True)]
+
+    def ratio(self, label: str, base: str) -> float | None:
+        """The median of the per-round ratios; without rounds, the ratio of the two rates."""
+        rounds = self.per_round(label, base)
+        if rounds:
+            return statistics.median(rounds)
+        rate, base_rate = getattr(self, label), getattr(self, base)
+        return None if rate is None or base_rate is None else rate / base_rate
+
 
 OPTIONAL = ("replay", "compiled")  # loops that may fail without costing the others' numbers
 
@@ -261,15 +279,22 @@ def header(compiled: bool, replay: bool) -> str:
 
 def cells(m: Measured, syncs: dict[str, float], compiled: bool, replay: bool) -> str:
     """A row's numbers after its worlds, in ``header``'s order ("-" where one is missing: a
-    replay that failed, host syncs off CUDA). syncs: loop -> host syncs per step."""
+    replay that failed, host syncs off CUDA). syncs: loop -> host syncs per step. A ratio is
+    the median of its rounds' ratios, with their range where there are several."""
     texts = [f"{m.raw:,.0f}"] + [_or_dash(m.replay, ",.0f")] * replay
-    for rate in [m.ours] + [m.compiled] * compiled:
-        over_raw = None if rate is None else rate / m.raw
-        over_replay = None if rate is None or m.replay is None else rate / m.replay
-        texts += [_or_dash(rate, ",.0f"), _or_dash(over_raw, ".2f")]
-        texts += [_or_dash(over_replay, ".2f")] * replay
+    for label in ["ours"] + ["compiled"] * compiled:
+        texts.append(_or_dash(getattr(m, label), ",.0f"))
+        texts += [_ratio_text(m, label, base) for base in ["raw"] + ["replay"] * replay]
     texts += [_or_dash(syncs.get(label), ".2f") for label in ["ours"] + ["compiled"] * compiled]
     return " " + " | ".join(texts) + " |"
+
+
+def _ratio_text(m: Measured, label: str, base: str) -> str:
+    rounds = m.per_round(label, base)
+    text = _or_dash(m.ratio(label, base), ".2f")
+    if len(rounds) > 1:
+        text += f" ({min(rounds):.2f}-{max(rounds):.2f})"
+    return text
 
 
 def _or_dash(value: float | None, spec: str) -> str:
@@ -327,7 +352,8 @@ def main() -> None:
             "rates_per_round": measured.rates_per_round,  # (the medians above)
             "raw_world_steps_per_s": raw_rate,
             "ours_world_steps_per_s": ours_rate,
-            "ours_over_raw": ours_rate / raw_rate,
+            "ours_over_raw": measured.ratio("ours", "raw"),  # (the median of the rounds')
+            "ours_over_raw_per_round": measured.per_round("ours", "raw"),
             "compiled_world_steps_per_s": measured.compiled,
             "replay_world_steps_per_s": measured.replay,
             "host_syncs_per_step": syncs.get("ours"),

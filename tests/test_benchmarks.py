@@ -191,6 +191,19 @@ def test_the_throughput_row_has_a_cell_under_every_heading_a_failed_replay_inclu
     )
 
 
+def test_a_ratio_is_the_median_of_its_rounds_ratios_with_their_range():
+    """Three hand-built rounds in which the machine's speed drifted: the paired ratios are 0.90,
+    0.98 and 0.96 (their median 0.96), where the medians' ratio would say 900 / 1000 = 0.90."""
+    throughput = load("gpu_throughput")
+    rounds = {"raw": [1000.0, 800.0, 1200.0], "ours": [900.0, 784.0, 1152.0]}
+    measured = throughput.Measured(1000.0, 900.0, None, None, {}, {}, rounds)
+    assert measured.per_round("ours", "raw") == pytest.approx([0.90, 0.98, 0.96])
+    assert measured.ratio("ours", "raw") == pytest.approx(0.96)
+    assert measured.per_round("replay", "raw") == []
+    row = throughput.cells(measured, {}, compiled=False, replay=True)
+    assert row == " 1,000 | - | 900 | 0.96 (0.90-0.98) | - | - |"
+
+
 def test_the_loops_take_turns_in_each_round_and_a_failing_replay_drops_out():
     """gpu_throughput.interleaved on hand-built loops: the order they ran in, and what is kept."""
     import types
