@@ -49,8 +49,10 @@ def test_grpo_through_smolvlas_stochastic_flow_raises_success(tmp_path):
         "flow_steps": 3,
         "flow_noise_std": 0.3,
     }
-    # 20 iterations: with the streams per worker, 12 raised success on 3 of seeds 0-4, 20 on 4 of 4
-    summary = run_on(PushRightEnv(8), tmp_path / "grpo", total_env_steps=8 * 3 * 20, policy=policy)
+    # A budget of 20 rounds raised success to 1.0 on 4 of 4 seeds on an AMD EPYC VM, but on 3 of
+    # seeds 0-4 on an Intel Xeon with AVX-512 (seed 0 among the failures); 30 on 5 of 5 there, and
+    # 40 (this test's, for a margin) on 5 of 5.
+    summary = run_on(PushRightEnv(8), tmp_path / "grpo", total_env_steps=8 * 3 * 40, policy=policy)
     before = summary["before"]["all"]["eval/success_rate"]
     after = summary["tasks"]["all"]["eval/success_rate"]
     assert before < 0.5 and after == 1.0, (before, after)  # deterministic flow, 16 episodes
