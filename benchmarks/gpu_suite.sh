@@ -113,6 +113,11 @@ if has mujoco_warp; then
     timeout "$(cap 150)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
       --worlds 4096 --steps 20 --repeats 3 --profile --compile --json "$OUT/profile.jsonl" 2>&1 \
       | tee "$OUT/profile.md"
+    # and for rgb at 1024 worlds, whose ours fell to half the second visit's rate in the third
+    # (raw by a tenth; ours/replay 0.78), not understood
+    timeout "$(cap 90)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
+      --obs rgb --image-size 128 --worlds 1024 --steps 10 --repeats 1 --profile \
+      --json "$OUT/profile.jsonl" 2>&1 | tee -a "$OUT/profile.md"
   fi
   if want warp_peaks; then  # the contact and constraint peaks behind the buffers' sizes
     stage warp_peaks
