@@ -11,7 +11,7 @@
 set -euo pipefail
 [ -x .venv/bin/python ] || { echo "gpu_prepare: run scripts/setup.sh first (.venv)"; exit 2; }
 for path in /.gpup/ /.whl/ /.warpcache/ /.gpuvisit/; do
-  grep -qx "$path" .git/info/exclude 2>/dev/null || echo "$path" >> .git/info/exclude
+  grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >> .git/info/exclude
 done
 
 echo "[prepare] wheels, in parts"

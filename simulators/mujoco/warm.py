@@ -46,7 +46,7 @@ def warm(device: str) -> None:
         compiled = cache_entries() - before
         print(
             f"MuJoCo Warp {what} on {device}: ready in {seconds:.1f} s "
-            f"({compiled} modules compiled)",
+            f"({compiled} modules compiled for {device})",
             flush=True,
         )
 
@@ -57,6 +57,11 @@ def main() -> None:
     parser.add_argument(
         "--cuda-cache", metavar="DIR", help="also compile the CUDA kernels into DIR (no GPU needed)"
     )
+    parser.add_argument(
+        "--cuda-arch",
+        default="90",
+        help="with --cuda-cache: the GPUs' architectures, comma-separated (H100, H200: 90)",
+    )
     args = parser.parse_args()
     if args.cuda_cache and args.device != "cpu":
         sys.exit("warm: --cuda-cache compiles on Warp's CPU device; leave out --device")
@@ -64,13 +69,18 @@ def main() -> None:
     if args.cuda_cache:
         from embodied.simulators.mujoco.warp_aot import compiling_for_cuda
 
-        building = compiling_for_cuda(args.cuda_cache)
+        try:
+            archs = [int(arch) for arch in args.cuda_arch.split(",")]
+        except ValueError:
+            parser.error(f"--cuda-arch: numbers such as 90 or 80,90, not {args.cuda_arch!r}")
+        building = compiling_for_cuda(args.cuda_cache, archs)
     with building as cuda:
         warm(args.device)
     if cuda is not None:
+        archs = ", ".join(f"sm_{arch}" for arch in cuda.archs)
         print(
-            f"CUDA kernels (PTX for sm_{cuda.arch}) in {cuda.folder}: {len(cuda.compiled)} "
-            f"modules compiled in {cuda.seconds:.0f} s, {cuda.already_there} already there",
+            f"CUDA kernels (PTX for {archs}) in {cuda.folder}: {len(cuda.compiled)} compiled in "
+            f"{cuda.seconds:.0f} s, {cuda.already_there} already there, {len(cuda.failed)} failed",
             flush=True,
         )
 

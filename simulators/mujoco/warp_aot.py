@@ -7,49 +7,53 @@ block at size 1. So no list of modules says what a GPU run loads; the run does. 
 same scenes on Warp's CPU device and, after every launch, compiles the launched module for CUDA as
 it stands then, with the block size the launch asked for.
 
-A GPU loads what this writes where its driver is at least Warp's CUDA toolkit (12.9 for warp-lang
-1.12.0): there Warp asks for PTX of its default PTX architecture (sm_75), which the driver turns
-into the GPU's own code at load. An older driver asks for a binary of the GPU's architecture and
-compiles as before."""
+Which file a GPU looks for (warp-lang 1.12.0, ``Device.get_cuda_compile_arch``): where its driver
+is at least Warp's CUDA toolkit (12.9), PTX for the lowest architecture among the machine's GPUs
+(sm_90 on an H100 or H200, sm_80 on an A100), which the driver turns into the GPU's own code at
+load; with an older driver, a binary for the GPU's architecture, which this does not build."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from embodied.simulators.mujoco.warp_setup import require_warp
 
+ARCHS = (90,)  # H100 and H200, the GPUs this project is measured on
+
 
 @dataclass
 class CudaCache:
-    """What ``compiling_for_cuda`` wrote: one entry per module state and block size."""
+    """What ``compiling_for_cuda`` wrote: one entry per module state, block size and arch."""
 
     folder: Path
-    arch: int  # the PTX architecture a GPU asks for (Warp's default: 75)
-    compiled: list[str] = field(default_factory=list)  # "module folder @ block size"
+    archs: tuple[int, ...]  # the PTX architectures built
+    compiled: list[str] = field(default_factory=list)  # "module folder @ block size for sm_N"
     already_there: int = 0  # entries found in the folder from an earlier build
+    failed: list[str] = field(default_factory=list)  # entries whose compile raised (a GPU does it)
     seconds: float = 0.0  # spent compiling for CUDA
 
 
 @contextlib.contextmanager
-def compiling_for_cuda(folder: str | Path) -> Iterator[CudaCache]:
+def compiling_for_cuda(folder: str | Path, archs: Sequence[int] = ARCHS) -> Iterator[CudaCache]:
     """While open, every Warp launch (on any device) also compiles its module for CUDA into
-    ``folder``. Launches are intercepted by wrapping ``warp.launch`` and ``warp.launch_tiled``,
-    the two entry points MuJoCo Warp and this package call: Warp has no hook that names the
-    modules a launch loads together with the block size it loads them for."""
+    ``folder``, as PTX for each of ``archs``. Launches are intercepted by wrapping
+    ``warp.launch`` and ``warp.launch_tiled``, the two entry points MuJoCo Warp and this package
+    call: Warp has no hook that names the modules a launch loads with the block size it loads
+    them for."""
     warp, _ = require_warp()
-    from warp._src.context import runtime  # noqa: PLC0415 (pinned warp-lang: its default arch)
+    from warp._src.context import launch as warp_launch  # noqa: PLC0415 (launch_tiled's too)
 
-    cache = CudaCache(folder=Path(folder), arch=runtime.default_ptx_arch)
+    cache = CudaCache(folder=Path(folder), archs=tuple(archs))
     cache.folder.mkdir(parents=True, exist_ok=True)
+    signature = inspect.signature(warp_launch)
     seen: set[tuple[str, int]] = set()
     originals = {"launch": warp.launch, "launch_tiled": warp.launch_tiled}
-
-    signature = inspect.signature(warp.launch)  # launch_tiled takes launch's arguments
 
     def intercepting(launch):
         def launch_and_compile(*args, **kwargs):
@@ -66,20 +70,28 @@ def compiling_for_cuda(folder: str | Path) -> Iterator[CudaCache]:
         module.options["block_dim"] = block_dim
         try:
             name = module.get_module_identifier()
-            if (name, block_dim) in seen:
-                return
-            seen.add((name, block_dim))
-            if (cache.folder / name / f"{name}.sm{cache.arch}.ptx").exists():
-                cache.already_there += 1
-                return
-            start = time.perf_counter()
-            warp.compile_aot_module(
-                module, arch=cache.arch, module_dir=cache.folder / name, use_ptx=True
-            )
-            cache.seconds += time.perf_counter() - start
-            cache.compiled.append(f"{name} @ {block_dim}")
+            for arch in cache.archs:
+                if (name, block_dim, arch) not in seen:
+                    seen.add((name, block_dim, arch))
+                    compile_for(module, name, f"{name} @ {block_dim} for sm_{arch}", arch)
         finally:
             module.options["block_dim"] = launched_at
+
+    def compile_for(module, name: str, entry: str, arch: int) -> None:
+        built = [cache.folder / name / f"{name}.{suffix}" for suffix in (f"sm{arch}.ptx", "meta")]
+        if all(path.exists() for path in built):
+            cache.already_there += 1
+            return
+        start = time.perf_counter()
+        try:
+            warp.compile_aot_module(module, arch=arch, module_dir=cache.folder / name, use_ptx=True)
+        except Exception as error:  # (a miss costs the GPU the compile it would have done anyway)
+            cache.failed.append(entry)
+            print(f"warp_aot: {entry} not compiled: {error!r}", file=sys.stderr, flush=True)
+            return
+        finally:
+            cache.seconds += time.perf_counter() - start
+        cache.compiled.append(entry)
 
     warp.launch = intercepting(originals["launch"])
     warp.launch_tiled = intercepting(originals["launch_tiled"])
