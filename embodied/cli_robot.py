@@ -48,9 +48,8 @@ def cmd_serve(args) -> int:
         server = serve(args.checkpoint, host=args.host, port=args.port, queue_size=args.queue)
     except FileNotFoundError as e:
         return _error(str(e))
-    print(
-        f"serving {args.checkpoint} on ws://{args.host}:{server.port} (health: http://{args.host}:{server.port}/health)"
-    )
+    address = f"{args.host}:{server.port}"
+    print(f"serving {args.checkpoint} on ws://{address} (health: http://{address}/health)")
     try:
         while True:
             time.sleep(3600)

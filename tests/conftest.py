@@ -8,7 +8,8 @@ os.environ.setdefault(
 import pytest
 import torch
 
-import embodied  # noqa: F401  first: it makes torchvision importable before transformers looks for it
+# first: embodied makes torchvision importable before transformers looks for it
+import embodied  # noqa: F401
 
 
 def pytest_collection_modifyitems(config, items):
