@@ -5,7 +5,8 @@
 # - .gpup/part1..N: MuJoCo Warp, Warp, MuJoCo and Ray wheels the image lacks (parts of 60 MiB);
 # - .whl/: omegaconf and antlr4 (antlr's 4.9.3 is only an sdist: built into a wheel here);
 # - .gpuvisit/warpcache.tgz: Warp's CUDA kernels for every task and the renderer, compiled here
-#   without a GPU (simulators/mujoco/warp_aot.py), so that the GPU compiles none.
+#   without a GPU (simulators/mujoco/warp_aot.py), so that the GPU compiles none, and the CPU
+#   kernels of Warp's CPU device (the gpu tests compare with it).
 # All four are ignored by git (.git/info/exclude). Prints the size of the last call's load, which
 # must stay under 64 MiB.
 set -euo pipefail
@@ -22,11 +23,15 @@ echo "[prepare] omegaconf into .whl/"
 rm -rf .whl && mkdir -p .whl
 .venv/bin/python -m pip wheel -q --no-deps -w .whl omegaconf==2.3.0 antlr4-python3-runtime==4.9.3
 
-echo "[prepare] Warp's CUDA kernels into .warpcache/, packed as .gpuvisit/warpcache.tgz"
+echo "[prepare] Warp's CUDA and CPU kernels into .warpcache/, packed as .gpuvisit/warpcache.tgz"
 rm -rf .warpcache && mkdir -p .gpuvisit
-.venv/bin/python -m embodied.simulators.mujoco.warm --cuda-cache .warpcache
-tar -C .warpcache -czf .gpuvisit/warpcache.tgz .
-rm -rf .warpcache  # carried packed: 2 MB against 17
+# the CPU kernels too (the gpu tests compare with Warp's CPU device): Warp builds them for a fixed
+# x86-64 target with AVX, not for this CPU, so they run on the GPU machine's
+WARP_CACHE_PATH="$PWD/.warpcache" .venv/bin/python -m embodied.simulators.mujoco.warm \
+  --cuda-cache .warpcache
+# (NVRTC's precompiled headers and MathDx's LTO files serve a compile only)
+tar -C .warpcache --exclude=./lto --exclude='*.pch' -czf .gpuvisit/warpcache.tgz .
+rm -rf .warpcache  # carried packed
 
 parts=$(ls -d .gpup/part* | wc -l)
 last_load=$(du -cm ".gpup/part$parts" .whl .gpuvisit | tail -1 | cut -f1)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,13 +19,13 @@ from embodied.simulators.mujoco import TASKS, MuJoCoConfig, make_env
 from embodied.simulators.mujoco.warp_setup import require_warp
 
 
-def cache_entries() -> int:
-    """The module folders in Warp's kernel cache (a compile adds one, a load none)."""
+def cache_entries(device: str) -> int:
+    """The modules in Warp's kernel cache built for ``device`` ("cpu": an object file; "cuda":
+    PTX or a binary): a compile adds one, a load none."""
     warp, _ = require_warp()  # (initialised: its cache folder is known)
-    folder = warp.config.kernel_cache_dir
-    if not os.path.isdir(folder):
-        return 0
-    return sum(entry.name.startswith("wp_") and entry.is_dir() for entry in os.scandir(folder))
+    folder = Path(warp.config.kernel_cache_dir)
+    patterns = ["wp_*/*.o"] if device == "cpu" else ["wp_*/*.ptx", "wp_*/*.cubin"]
+    return sum(1 for pattern in patterns for _ in folder.glob(pattern))
 
 
 def warm(device: str) -> None:
@@ -36,14 +36,14 @@ def warm(device: str) -> None:
     scenes.append(MuJoCoConfig(task="push", obs_mode="rgb", cameras=cameras, **common))
     for cfg in scenes:
         start = time.perf_counter()
-        before = cache_entries()
+        before = cache_entries(device)
         with make_env(cfg) as env:
             env.reset(seed=0)
             if cfg.obs_mode == "state":
                 env.step(torch.zeros(2, len(env.spec.action.names)))
         what = cfg.task if cfg.obs_mode == "state" else "renderer"
         seconds = time.perf_counter() - start
-        compiled = cache_entries() - before
+        compiled = cache_entries(device) - before
         print(
             f"MuJoCo Warp {what} on {device}: ready in {seconds:.1f} s "
             f"({compiled} modules compiled for {device})",
