@@ -52,7 +52,7 @@ def compiling_for_cuda(folder: str | Path, archs: Sequence[int] = ARCHS) -> Iter
     cache = CudaCache(folder=Path(folder), archs=tuple(archs))
     cache.folder.mkdir(parents=True, exist_ok=True)
     signature = inspect.signature(warp_launch)
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[str, int, int]] = set()  # (module folder, block size, arch)
     originals = {"launch": warp.launch, "launch_tiled": warp.launch_tiled}
 
     def intercepting(launch):
