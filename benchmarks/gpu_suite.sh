@@ -86,6 +86,10 @@ if has mujoco_warp; then
     stage warp_compile
     timeout "$(cap 420)" python3 -P -m embodied.simulators.mujoco.warm --device cuda 2>&1 \
       | tee "$OUT/warp_compile.log"
+    # a cache built without a GPU (warm --cuda-cache) should leave nothing to compile here
+    compiled=$(grep -o '([0-9]* modules compiled for cuda)' "$OUT/warp_compile.log" \
+      | grep -o '[0-9]*' | awk '{n += $1} END {print n}')
+    echo "[suite] Warp compiled ${compiled:-?} CUDA modules here" | tee -a "$OUT/stages.log"
     if want warp_cache; then save_cache; fi
   fi
   if want warp_throughput; then  # raw MuJoCo Warp against our collect phase, side by side
