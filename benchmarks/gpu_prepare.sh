@@ -34,12 +34,14 @@ tar -C .warpcache --exclude=./lto --exclude='*.pch' -czf .gpuvisit/warpcache.tgz
 rm -rf .warpcache  # carried packed
 
 parts=$(ls -d .gpup/part* | wc -l)
-last_load=$(du -cm ".gpup/part$parts" .whl .gpuvisit | tail -1 | cut -f1)
+carried=$(du -cb ".gpup/part$parts" .whl .gpuvisit | tail -1 | cut -f1)
+tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)  # (the working tree travels too)
+last_load=$(((carried + tree + 1048575) / 1048576))
 echo "[prepare] the visit, back to back (a machine idle for 30 s is given back):"
 for k in $(seq 1 $((parts - 1))); do
   echo "  call $k: carry .gpup/part$k; run: bash .gpup/part$k/take.sh"
 done
-echo "  call $parts: carry .gpup/part$parts .whl .gpuvisit (${last_load} MiB of 64); run:"
+echo "  call $parts: carry .gpup/part$parts .whl .gpuvisit ($last_load MiB of 64, tree included):"
 echo "    BUDGET=430 PHASES=warp bash benchmarks/gpu_visit.sh .gpup/part$parts \\"
 echo "      .gpuvisit/warpcache.tgz 2>&1 | tee \$OUT/visit.log"
 echo "  then, same machine: PHASES=learning LEARN_TASKS=pick BUDGET=380 \\"
