@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -93,7 +95,9 @@ class _DevTools:
 
 def check_page(path: Path, width: int = 1280) -> PageCheck:
     """Load ``path`` (file://) in headless Chromium and check it as PageCheck says."""
-    with tempfile.TemporaryDirectory() as profile:
+    # (a profile's cleanup is not what is checked: a helper Chromium started outside its
+    # process group may still be writing into it)
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         process = subprocess.Popen(
             [
                 chromium(),
@@ -108,6 +112,7 @@ def check_page(path: Path, width: int = 1280) -> PageCheck:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its renderers and helpers in its process group
         )
         try:
             port = _devtools_port(Path(profile) / "DevToolsActivePort", process)
@@ -125,7 +130,7 @@ def check_page(path: Path, width: int = 1280) -> PageCheck:
             tools.socket.close()
             return PageCheck(_errors(tools.events), videos, images, base64.b64decode(shot["data"]))
         finally:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)  # all of it, before the profile is removed
             process.wait()
 
 
