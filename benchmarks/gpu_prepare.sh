@@ -5,14 +5,17 @@
 # - .gpup/part1..N: MuJoCo Warp, Warp, MuJoCo and Ray wheels the image lacks (parts of 60 MiB);
 # - .whl/: omegaconf and antlr4 (antlr's 4.9.3 is only an sdist: built into a wheel here);
 # - .gpuvisit/warpcache.tgz: Warp's CUDA kernels for every task and the renderer, compiled here
-#   without a GPU (simulators/mujoco/warp_aot.py), so that the GPU compiles none, and the CPU
-#   kernels of Warp's CPU device (the gpu tests compare with it).
+#   without a GPU (simulators/mujoco/warp_aot.py), so that the GPU should compile none (its
+#   warp_compile stage says), and the CPU kernels of Warp's CPU device (the gpu tests compare
+#   with it).
 # All four are ignored by git (.git/info/exclude). Prints the size of the last call's load, which
 # must stay under 64 MiB.
 set -euo pipefail
 [ -x .venv/bin/python ] || { echo "gpu_prepare: run scripts/setup.sh first (.venv)"; exit 2; }
+exclude=$(git rev-parse --git-path info/exclude)  # (a worktree's .git is a file)
+mkdir -p "$(dirname "$exclude")"
 for path in /.gpup/ /.whl/ /.warpcache/ /.gpuvisit/; do
-  grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >> .git/info/exclude
+  grep -qxF "$path" "$exclude" 2>/dev/null || echo "$path" >> "$exclude"
 done
 
 echo "[prepare] wheels, in parts"
@@ -35,7 +38,9 @@ rm -rf .warpcache  # carried packed
 
 parts=$(ls -d .gpup/part* | wc -l)
 carried=$(du -cb ".gpup/part$parts" .whl .gpuvisit | tail -1 | cut -f1)
-tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)  # (the working tree travels too)
+tree=$(git ls-files -z --cached --others --exclude-standard \
+  | { xargs -0 du -cb 2>/dev/null || true; } \
+  | awk '$2 == "total" {n += $1} END {print n + 0}')  # (the working tree travels too)
 last_load=$(((carried + tree + 1048575) / 1048576))
 echo "[prepare] the visit, back to back (a machine idle for 30 s is given back):"
 for k in $(seq 1 $((parts - 1))); do

@@ -121,7 +121,7 @@ def test_an_overflow_after_the_last_look_is_raised_at_close():
         env.close()
 
 
-@pytest.mark.parametrize("closed_by", ["with", "finally"])
+@pytest.mark.parametrize("closed_by", ["with", "close(error)"])
 def test_an_overflow_at_close_is_printed_beside_an_error_on_its_way_out(capsys, closed_by):
     """A run that fails (here a ValueError) closes its env on the way out: the overflow found
     then is said on stderr, and the error that ended the run is the one raised."""
@@ -136,11 +136,27 @@ def test_an_overflow_at_close_is_printed_beside_an_error_on_its_way_out(capsys, 
         else:
             try:
                 raise ValueError("the run's own error")
-            finally:
-                env.close()
+            except ValueError as error:
+                env.close(error)
+                raise
     err = capsys.readouterr().err
     assert "also: MuJoCo Warp task 'push'" in err
     assert "constraint buffer holds (8)" in err
+
+
+def test_an_overflow_at_close_is_raised_after_an_error_was_handled():
+    """An error caught and dealt with before the env is closed is not on its way out: the
+    overflow is the error then."""
+    cfg = MuJoCoConfig(task="push", num_envs=4, backend="warp", max_episode_steps=50, njmax=8)
+    env = make_env(cfg)
+    env.reset(seed=0)
+    env.step(torch.zeros(4, 6))
+    with pytest.raises(BufferOverflow, match="constraint buffer holds \\(8\\)"):
+        try:
+            raise KeyError("handled")
+        except KeyError:
+            with env:
+                pass
 
 
 def test_a_lagged_read_returns_the_copy_of_the_call_before():

@@ -69,11 +69,7 @@ def main() -> None:
     if args.cuda_cache:
         from embodied.simulators.mujoco.warp_aot import compiling_for_cuda
 
-        try:
-            archs = [int(arch) for arch in args.cuda_arch.split(",")]
-        except ValueError:
-            parser.error(f"--cuda-arch: numbers such as 90 or 80,90, not {args.cuda_arch!r}")
-        building = compiling_for_cuda(args.cuda_cache, archs)
+        building = compiling_for_cuda(args.cuda_cache, cuda_archs(parser, args.cuda_arch))
     with building as cuda:
         warm(args.device)
     if cuda is not None:
@@ -83,6 +79,24 @@ def main() -> None:
             f"{cuda.seconds:.0f} s, {cuda.already_there} already there, {len(cuda.failed)} failed",
             flush=True,
         )
+        if cuda.failed:  # (a cache a GPU would compile anyway is no cache to carry)
+            sys.exit(f"warm: {len(cuda.failed)} CUDA modules did not compile (above)")
+
+
+def cuda_archs(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """--cuda-arch's architectures, each one that the NVRTC in Warp's wheel compiles for."""
+    require_warp()  # (initialised: NVRTC's list is known)
+    from warp._src.context import runtime  # noqa: PLC0415 (pinned warp-lang)
+
+    supported = sorted(runtime.nvrtc_supported_archs or [])
+    try:
+        archs = [int(arch) for arch in text.split(",")]
+    except ValueError:
+        parser.error(f"--cuda-arch: numbers such as 90 or 80,90, not {text!r}")
+    unknown = [arch for arch in archs if arch not in supported]
+    if unknown:
+        parser.error(f"--cuda-arch: Warp's NVRTC compiles for {supported}, not {unknown}")
+    return archs
 
 
 if __name__ == "__main__":

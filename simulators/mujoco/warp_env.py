@@ -445,24 +445,24 @@ class MuJoCoWarpEnv:
         """uint8 [B, render_size, render_size, 3]: the front camera (evaluation videos)."""
         return self._render(self.cfg.render_size, ("base_camera",))["base_camera"]
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         """Free the renderers; then check the buffer peaks a last time (they may have grown past
         a buffer since the last look: BufferOverflow), unless an overflow was raised already.
-        Closed while another error is on its way out, the overflow is printed, not raised over
-        it (a one-line error would hide that error's traceback)."""
+        ``error``: one on its way out (``with`` passes it): what the check finds is printed
+        beside it rather than raised over it (a one-line error would hide its traceback)."""
         self._cameras.clear()
         if self._overflowed:
             return
-        if sys.exc_info()[1] is None:
+        if error is None:
             self.check_buffers()
             return
         try:
             self.check_buffers()
-        except BufferOverflow as overflow:
-            print(f"also: {overflow}", file=sys.stderr, flush=True)
+        except Exception as found:  # (an overflow, or the device's own fault)
+            print(f"also: {found}", file=sys.stderr, flush=True)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, traceback):
+        self.close(exc)
