@@ -177,12 +177,9 @@ class Measured:
         return [rate / base_rate for rate, base_rate in zip(rates, bases, strict=True)]
 
     def ratio(self, label: str, base: str) -> float | None:
-        """The median of the per-round ratios; without rounds, the ratio of the two rates."""
+        """The median of the per-round ratios; None where either loop has no rounds."""
         rounds = self.per_round(label, base)
-        if rounds:
-            return statistics.median(rounds)
-        rate, base_rate = getattr(self, label), getattr(self, base)
-        return None if rate is None or base_rate is None else rate / base_rate
+        return statistics.median(rounds) if rounds else None
 
 
 OPTIONAL = ("replay", "compiled")  # loops that may fail without costing the others' numbers

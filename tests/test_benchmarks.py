@@ -176,14 +176,15 @@ def test_the_throughput_row_has_a_cell_under_every_heading_a_failed_replay_inclu
         replay=960.0,
         sites={},
         profile={},
-        rates_per_round={},
+        rates_per_round={"raw": [1000.0], "ours": [900.0], "compiled": [950.0], "replay": [960.0]},
     )
     syncs = {"ours": 0.1, "compiled": 0.0}
     row = throughput.cells(measured, syncs=syncs, compiled=True, replay=True)
     assert row == " 1,000 | 960 | 900 | 0.90 | 0.94 | 950 | 0.95 | 0.99 | 0.10 | 0.00 |"
     assert head.count("|") - 5 == row.count("|")  # (sim, device, obs, worlds come first)
     assert head.endswith("| host syncs per step | compiled host syncs per step |")
-    failed = throughput.Measured(1000.0, 900.0, None, None, {}, {}, {})
+    rounds = {"raw": [1000.0], "ours": [900.0]}  # (the replay failed: no rounds)
+    failed = throughput.Measured(1000.0, 900.0, None, None, {}, {}, rounds)
     assert throughput.cells(failed, {}, False, True) == " 1,000 | - | 900 | 0.90 | - | - |"
     plain = throughput.header(compiled=False, replay=False).splitlines()[0]
     assert plain.endswith(

@@ -112,11 +112,18 @@ def overflow_where_episodes_end(**buffers) -> str:
     return str(raised.value)  # (and close, on leaving, does not raise it again)
 
 
-def test_an_overflow_after_the_last_look_is_raised_at_close():
+def _overflowed_unseen():
+    """A push env whose constraint buffer (8) overflowed in a step that nothing has looked at
+    since (no episode ended)."""
     cfg = MuJoCoConfig(task="push", num_envs=4, backend="warp", max_episode_steps=50, njmax=8)
     env = make_env(cfg)
     env.reset(seed=0)
-    env.step(torch.zeros(4, 6))  # no episode ends: nothing has looked at the peaks
+    env.step(torch.zeros(4, 6))
+    return env
+
+
+def test_an_overflow_after_the_last_look_is_raised_at_close():
+    env = _overflowed_unseen()
     with pytest.raises(BufferOverflow, match="constraint buffer holds \\(8\\)"):
         env.close()
 
@@ -125,10 +132,7 @@ def test_an_overflow_after_the_last_look_is_raised_at_close():
 def test_an_overflow_at_close_is_printed_beside_an_error_on_its_way_out(capsys, closed_by):
     """A run that fails (here a ValueError) closes its env on the way out: the overflow found
     then is said on stderr, and the error that ended the run is the one raised."""
-    cfg = MuJoCoConfig(task="push", num_envs=4, backend="warp", max_episode_steps=50, njmax=8)
-    env = make_env(cfg)
-    env.reset(seed=0)
-    env.step(torch.zeros(4, 6))
+    env = _overflowed_unseen()
     with pytest.raises(ValueError, match="the run's own error"):
         if closed_by == "with":
             with env:
@@ -147,10 +151,7 @@ def test_an_overflow_at_close_is_printed_beside_an_error_on_its_way_out(capsys, 
 def test_an_overflow_at_close_is_raised_after_an_error_was_handled():
     """An error caught and dealt with before the env is closed is not on its way out: the
     overflow is the error then."""
-    cfg = MuJoCoConfig(task="push", num_envs=4, backend="warp", max_episode_steps=50, njmax=8)
-    env = make_env(cfg)
-    env.reset(seed=0)
-    env.step(torch.zeros(4, 6))
+    env = _overflowed_unseen()
     with pytest.raises(BufferOverflow, match="constraint buffer holds \\(8\\)"):
         try:
             raise KeyError("handled")

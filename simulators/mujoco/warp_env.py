@@ -453,12 +453,11 @@ class MuJoCoWarpEnv:
         self._cameras.clear()
         if self._overflowed:
             return
-        if error is None:
-            self.check_buffers()
-            return
         try:
             self.check_buffers()
         except Exception as found:  # (an overflow, or the device's own fault)
+            if error is None:
+                raise
             print(f"also: {found}", file=sys.stderr, flush=True)
 
     def __enter__(self):
