@@ -58,10 +58,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # small packages the image lacks (omegac
 fi
 if [ -d .warpcache ]; then export WARP_CACHE_PATH=$ROOT/.warpcache; fi
 WARP_CACHE=${WARP_CACHE_PATH:-$HOME/.cache/warp}
-# Warp caches PTX where the driver is newer than its compiler; the driver turns it into machine
-# code at load and keeps that in a cache of its own (~/.nv), lost with the machine: 18 s for pick
-# on the H100 with nothing to compile. Inside Warp's cache, it travels with it.
-export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-$WARP_CACHE/cuda-jit} CUDA_CACHE_MAXSIZE=1073741824
 save_cache() {  # written aside, then renamed: a visit cut short never ships half a cache
   tar -C "$WARP_CACHE" -czf "$OUT/warpcache.tar.gz.new" . \
     && mv "$OUT/warpcache.tar.gz.new" "$OUT/warpcache.tar.gz" && du -sh "$OUT/warpcache.tar.gz"

@@ -1,17 +1,21 @@
 """Warp's CUDA kernels compiled without a GPU (``simulators/mujoco/warp_aot.py``): every launch on
 Warp's CPU device also compiles its module for CUDA, named by the module's kernels at that moment
-and the launch's block size (as Warp names the module it loads on a GPU), into PTX for each
-architecture asked (sm_90 by default: an H100's or H200's)."""
+and the launch's block size (as Warp names the module it loads on a GPU), into a binary (cubin)
+for each architecture asked (sm_90 by default: an H100's or H200's)."""
 
 import json
 import re
+import struct
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 wp = pytest.importorskip("warp")
 pytest.importorskip("mujoco_warp")
+
+from warp._src import context  # noqa: E402 (pinned warp-lang)
 
 from embodied.simulators.mujoco.warp_aot import compiling_for_cuda  # noqa: E402
 
@@ -28,12 +32,15 @@ def double(values: wp.array(dtype=float)):
     values[i] = values[i] * 2.0
 
 
-def _ptx_entries(folder, name, arch=90) -> set[str]:
-    """The kernels in the PTX built for ``arch`` (its .meta beside it)."""
-    ptx = (folder / name / f"{name}.sm{arch}.ptx").read_text()
-    assert re.search(rf"^\.target sm_{arch}$", ptx, re.MULTILINE)
+def _cubin_kernels(folder, name, arch=90) -> set[str]:
+    """The kernels in the binary built for ``arch`` (its .meta beside it)."""
+    cubin = (folder / name / f"{name}.sm{arch}.cubin").read_bytes()
+    (machine,) = struct.unpack_from("<H", cubin, 18)  # ELF e_machine
+    (flags,) = struct.unpack_from("<I", cubin, 48)  # ELF64 e_flags: sm_N in the low byte (< 100)
+    assert (cubin[:4], machine, flags & 0xFF) == (b"\x7fELF", 190, arch)  # 190: EM_CUDA
     assert (folder / name / f"{name}.meta").exists()
-    return set(re.findall(r"\.entry (\w+)_[0-9a-f]{8}_cuda_kernel_forward", ptx))  # key_hash
+    symbols = re.findall(rb"\0(\w+)_[0-9a-f]{8}_cuda_kernel_forward\0", cubin)  # key_hash
+    return {symbol.decode() for symbol in symbols}
 
 
 def _name_at(module, block_dim: int) -> str:
@@ -61,7 +68,41 @@ def test_each_launch_compiles_its_module_for_the_block_size_it_asks(tmp_path):
     assert cuda.archs == (90,)
     assert cuda.compiled == [f"{at_64} @ 64 for sm_90", f"{at_256} @ 256 for sm_90"]
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([at_64, at_256])
-    assert _ptx_entries(tmp_path, at_64) == {scale.key}
+    assert _cubin_kernels(tmp_path, at_64) == {scale.key}
+
+
+class _H100:
+    """What Warp asks of a CUDA device to name the file it loads (there is no GPU here): an H100
+    whose driver (CUDA 13.0, as on the machines lent to us) is newer than Warp's CUDA 12.9."""
+
+    is_cpu = False
+    is_cubin_supported = True
+    arch = 90
+    alias = "cuda:0"
+    runtime = SimpleNamespace(driver_version=(13, 0), toolkit_version=(12, 9))
+    get_cuda_output_format = context.Device.get_cuda_output_format
+    get_cuda_compile_arch = context.Device.get_cuda_compile_arch
+    _get_cuda_arch_suffix = context.Device._get_cuda_arch_suffix
+
+
+def test_the_file_built_is_the_one_warp_loads_on_an_h100(tmp_path, monkeypatch):
+    values = wp.ones(4, dtype=float, device="cpu")
+    with compiling_for_cuda(tmp_path):
+        wp.launch(scale, dim=4, inputs=[values, 2.0], device="cpu", block_dim=64)
+    module = scale.module
+    name = _name_at(module, 64)
+    launched_at = module.options["block_dim"]
+    module.options["block_dim"] = 64
+    try:
+        loads = module._get_compile_output_name(_H100())
+        monkeypatch.setattr(wp.config, "cuda_output", None)  # Warp left to choose
+        monkeypatch.setattr(context.runtime, "default_ptx_arch", 90)  # (75 here: no GPU)
+        would_load = module._get_compile_output_name(_H100())
+    finally:
+        module.options["block_dim"] = launched_at
+    assert loads == f"{name}.sm90.cubin"  # what require_warp asks Warp for
+    assert (tmp_path / name / loads).is_file()
+    assert would_load == f"{name}.sm90.ptx"  # which the driver would compile at every load
 
 
 def test_a_kernel_added_after_a_launch_is_a_new_module_state(tmp_path):
@@ -82,9 +123,9 @@ def test_a_kernel_added_after_a_launch_is_a_new_module_state(tmp_path):
     assert cuda.compiled == [
         f"{name} @ 32 for sm_{arch}" for name in (before, after) for arch in (80, 90)
     ]
-    assert _ptx_entries(tmp_path, before, arch=80) == {double.key}
-    assert _ptx_entries(tmp_path, before, arch=90) == {double.key}
-    assert _ptx_entries(tmp_path, after) == {double.key, shift.key}
+    assert _cubin_kernels(tmp_path, before, arch=80) == {double.key}
+    assert _cubin_kernels(tmp_path, before, arch=90) == {double.key}
+    assert _cubin_kernels(tmp_path, after) == {double.key, shift.key}
     assert values.numpy().tolist() == [3.0] * 4
 
 
@@ -144,4 +185,4 @@ def test_every_module_a_scene_loads_has_its_cuda_build(tmp_path):
     for name in result["loaded"]:
         assert any(entry.rsplit("_", 1)[0] == f"wp_{name}" for entry in built), name
     for entry in built:
-        assert _ptx_entries(tmp_path, entry)  # a CUDA kernel in each
+        assert _cubin_kernels(tmp_path, entry)  # a CUDA kernel in each

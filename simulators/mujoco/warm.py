@@ -75,8 +75,9 @@ def main() -> None:
     if cuda is not None:
         archs = ", ".join(f"sm_{arch}" for arch in cuda.archs)
         print(
-            f"CUDA kernels (PTX for {archs}) in {cuda.folder}: {len(cuda.compiled)} compiled in "
-            f"{cuda.seconds:.0f} s, {cuda.already_there} already there, {len(cuda.failed)} failed",
+            f"CUDA kernels (binaries for {archs}) in {cuda.folder}: {len(cuda.compiled)} compiled "
+            f"in {cuda.seconds:.0f} s, {cuda.already_there} already there, {len(cuda.failed)} "
+            "failed",
             flush=True,
         )
         if cuda.failed:  # (a cache a GPU would compile anyway is no cache to carry)

@@ -7,10 +7,11 @@ block at size 1. So no list of modules says what a GPU run loads; the run does. 
 same scenes on Warp's CPU device and, after every launch, compiles the launched module for CUDA as
 it stands then, with the block size the launch asked for.
 
-Which file a GPU looks for (warp-lang 1.12.0, ``Device.get_cuda_compile_arch``): where its driver
-is at least Warp's CUDA toolkit (12.9), PTX for the lowest architecture among the machine's GPUs
-(sm_90 on an H100 or H200, sm_80 on an A100), which the driver turns into the GPU's own code at
-load; with an older driver, a binary for the GPU's architecture, which this does not build."""
+Which file a GPU looks for (warp-lang 1.12.0, ``Device.get_cuda_compile_arch``): with
+``warp.config.cuda_output = "cubin"``, which ``require_warp`` sets, a binary for the GPU's own
+architecture (sm_90 on an H100 or H200, sm_80 on an A100), loaded as it is. (Left to choose, Warp
+would look for PTX where the driver is newer than its CUDA 12.9, for the lowest architecture among
+the machine's GPUs, and the driver would compile that at every load on a fresh machine.)"""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class CudaCache:
     """What ``compiling_for_cuda`` wrote: one entry per module state, block size and arch."""
 
     folder: Path
-    archs: tuple[int, ...]  # the PTX architectures built
+    archs: tuple[int, ...]  # the GPU architectures built for
     compiled: list[str] = field(default_factory=list)  # "module folder @ block size for sm_N"
     already_there: int = 0  # entries found in the folder from an earlier build
     failed: list[str] = field(default_factory=list)  # entries whose compile raised (a GPU does it)
@@ -42,7 +43,7 @@ class CudaCache:
 @contextlib.contextmanager
 def compiling_for_cuda(folder: str | Path, archs: Sequence[int] = ARCHS) -> Iterator[CudaCache]:
     """While open, every Warp launch (on any device) also compiles its module for CUDA into
-    ``folder``, as PTX for each of ``archs``. Launches are intercepted by wrapping
+    ``folder``, as a binary (cubin) for each of ``archs``. Launches are intercepted by wrapping
     ``warp.launch`` and ``warp.launch_tiled``, the two entry points MuJoCo Warp and this package
     call: Warp has no hook that names the modules a launch loads with the block size it loads
     them for."""
@@ -78,13 +79,14 @@ def compiling_for_cuda(folder: str | Path, archs: Sequence[int] = ARCHS) -> Iter
             module.options["block_dim"] = launched_at
 
     def compile_for(module, name: str, entry: str, arch: int) -> None:
-        built = [cache.folder / name / f"{name}.{suffix}" for suffix in (f"sm{arch}.ptx", "meta")]
+        folder = cache.folder / name
+        built = [folder / f"{name}.{suffix}" for suffix in (f"sm{arch}.cubin", "meta")]
         if all(path.exists() for path in built):
             cache.already_there += 1
             return
         start = time.perf_counter()
         try:
-            warp.compile_aot_module(module, arch=arch, module_dir=cache.folder / name, use_ptx=True)
+            warp.compile_aot_module(module, arch=arch, module_dir=folder, use_ptx=False)
         except Exception as error:  # (a miss costs the GPU the compile it would have done anyway)
             cache.failed.append(entry)
             print(f"warp_aot: {entry} not compiled: {error!r}", file=sys.stderr, flush=True)

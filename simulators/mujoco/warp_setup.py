@@ -36,6 +36,10 @@ def require_warp() -> tuple[ModuleType, ModuleType]:
     import mujoco_warp
 
     warp.config.quiet = True  # one line for the first compile (below), not one per module
+    # the GPU's own machine code (cubin) in Warp's cache; where the driver is newer than Warp's
+    # compiler Warp writes PTX, which the driver compiles again at each load on a fresh machine
+    # (most likely pick's 18 s on an H100 with every module cached); warp_aot.py builds cubins
+    warp.config.cuda_output = "cubin"
     warp.init()
     return warp, mujoco_warp
 
