@@ -11,21 +11,11 @@ import argparse
 import contextlib
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from embodied.simulators.mujoco import TASKS, MuJoCoConfig, make_env
-from embodied.simulators.mujoco.warp_setup import require_warp
-
-
-def cache_entries(device: str) -> int:
-    """The modules in Warp's kernel cache built for ``device`` ("cpu": an object file; "cuda":
-    PTX or a binary): a compile adds one, a load none."""
-    warp, _ = require_warp()  # (initialised: its cache folder is known)
-    folder = Path(warp.config.kernel_cache_dir)
-    patterns = ["wp_*/*.o"] if device == "cpu" else ["wp_*/*.ptx", "wp_*/*.cubin"]
-    return sum(1 for pattern in patterns for _ in folder.glob(pattern))
+from embodied.simulators.mujoco.warp_setup import cache_entries, require_warp
 
 
 def warm(device: str) -> None:

@@ -167,7 +167,8 @@ class MuJoCoWarpEnv:
             self._side_stream = torch.cuda.Stream(self.device)
             self._wp_side_stream = self._wp.stream_from_torch(self._side_stream)
         self._cameras: dict[tuple, WarpCameras] = {}  # (size, camera names) -> render context
-        timed_first_step(self.task.name, self._substep_all)  # compile (or load) before capture
+        # compile (or load) before a capture
+        timed_first_step(self.task.name, self.device.type, self._substep_all)
         self._peaks.zero_()  # that step was from the model's own pose, not an episode's
         self._lagged_peaks = LaggedRead(self._wp.to_torch(self._peaks))
         self._overflowed = False  # a BufferOverflow was raised (close does not raise it again)

@@ -5,6 +5,7 @@ Nothing here imports Warp at module level: only a config that chooses the warp b
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -15,7 +16,6 @@ from embodied.schema import UserError
 # ("Referencing undefined symbol: xmat"); 1.12.0 compiles them.
 WARP_VERSION = "1.12.0"
 MUJOCO_WARP_VERSION = "3.8.1"
-_COMPILED: set[str] = set()  # the scenes whose first step was timed in this process
 
 
 def require_warp() -> tuple[ModuleType, ModuleType]:
@@ -57,18 +57,29 @@ def torch_device(name: str) -> torch.device:
     return device
 
 
-def timed_first_step(scene: str, step) -> None:
-    """Run ``step()`` once; the first time a scene is stepped in this process, say how long it
-    took when that was a compile rather than a load from Warp's kernel cache."""
+def cache_entries(device_type: str) -> int:
+    """The modules in Warp's kernel cache built for a ``device_type`` device ("cpu": an object
+    file; "cuda": a binary, or PTX where Warp chose it): a compile adds one, a load none."""
+    warp, _ = require_warp()  # (initialised: its cache folder is known)
+    folder = Path(warp.config.kernel_cache_dir)
+    patterns = ["wp_*/*.o"] if device_type == "cpu" else ["wp_*/*.cubin", "wp_*/*.ptx"]
+    return sum(1 for pattern in patterns for _ in folder.glob(pattern))
+
+
+def timed_first_step(scene: str, device_type: str, step) -> None:
+    """Run ``step()`` (a scene's first step: Warp loads its modules, compiling those not in its
+    kernel cache); when it compiled any, say how many and how long it took."""
+    before = cache_entries(device_type)
     start = time.perf_counter()
     step()
     seconds = time.perf_counter() - start
-    if scene not in _COMPILED and seconds > 10.0:
+    compiled = cache_entries(device_type) - before
+    if compiled > 0:
         import warp
 
+        modules = "module" if compiled == 1 else "modules"
         print(
-            f"MuJoCo Warp: compiled the {scene} kernels in {seconds:.0f} s; they are kept in "
-            f"{warp.config.kernel_cache_dir} for the next run",
+            f"MuJoCo Warp: compiled {compiled} {modules} of the {scene} kernels in "
+            f"{seconds:.0f} s; they are kept in {warp.config.kernel_cache_dir} for the next run",
             flush=True,
         )
-    _COMPILED.add(scene)
