@@ -8,12 +8,13 @@
 # wheels in four parts, omegaconf as .whl/, Warp's CUDA kernels compiled without a GPU as
 # .gpuvisit/warpcache.tgz; a last visit's cache, packed the same way, does as well).
 # Carry .gpup/partK alone in calls 1..K-1, then this.
-# A cache too large to travel beside the last part (64 MiB a call; it now holds the driver's JIT
-# cache too) comes in a call of its own, unpacked there, since ignored paths stay between calls:
+# A cache too large to travel beside the last part (64 MiB a call) comes in a call of its own,
+# unpacked there, since ignored paths stay between calls:
 #   mkdir -p .warpcache && tar -C .warpcache -xzf .gpuvisit/warpcache.tgz   (then no 2nd argument)
 # PHASES (default "warp cluster learning"): the warp stages (what is left, less 200 s when other
-# phases follow), cluster_gpu (240 s where 400 are left), each a deadline the suite cuts its stages' limits to (no process
-# outlives its phase), then LEARN_TASKS (default "push pick") sharing the rest equally
+# phases follow), cluster_gpu (240 s where 400 are left), each a deadline the suite cuts its
+# stages' limits to (no process outlives its phase), then LEARN_TASKS (default "push pick")
+# sharing the rest equally
 # (runner.max_minutes from each one's share, at most 5). A visit for learning alone:
 #   PHASES=learning LEARN_TASKS=push BUDGET=420 bash benchmarks/gpu_visit.sh .gpup/part4
 #   PHASES=learning LEARN_TASKS=pick BUDGET=420 bash benchmarks/gpu_visit.sh -   (the next call)
