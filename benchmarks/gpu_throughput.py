@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import statistics
@@ -54,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import command_replay  # noqa: E402
 from host_syncs import counted, sites_text  # noqa: E402
 from kernel_profile import StepProfile, profile_text, profiled  # noqa: E402
+from turns import take_turns  # noqa: E402
 
 
 def make_env(
@@ -193,22 +195,17 @@ def drop(label: str, what: str, worlds: int, error: Exception) -> None:
 
 
 def interleaved(env, loops: dict[str, Loop], steps: int, repeats: int) -> dict[str, list[float]]:
-    """Each loop's world-steps/s in each of ``repeats`` rounds, the loops taking turns within a
-    round, so that a drift in the machine's speed falls on all of them alike, and the first
-    turn passing from loop to loop, round by round. A replay (an instrument of its own) or a
-    compiled loop (inductor's code) that fails is dropped, said on stderr (its columns show
-    "-"), so that raw and ours are still measured."""
-    rates: dict[str, list[float]] = {label: [] for label in loops}
-    for round_index in range(repeats):
-        labels = list(loops)
-        first = round_index % len(labels)
-        for label in labels[first:] + labels[:first]:
-            try:
-                rates[label].append(rate(env, loops[label], steps))
-            except Exception as error:
-                drop(label, "not measured", env.num_envs, error)
-                del loops[label], rates[label]
-    return rates
+    """Each loop's world-steps/s in each of ``repeats`` rounds, taking turns (turns.take_turns).
+    A replay (an instrument of its own) or a compiled loop (inductor's code) that fails is
+    dropped, from ``loops`` too, said on stderr (its columns show "-"), so that raw and ours are
+    still measured."""
+
+    def dropped(label: str, error: Exception) -> None:
+        drop(label, "not measured", env.num_envs, error)
+        del loops[label]
+
+    runs = {label: functools.partial(rate, env, loop, steps) for label, loop in loops.items()}
+    return take_turns(runs, repeats, dropped=dropped)
 
 
 def measure(env, steps: int, profile: bool, fused_env, replay: bool, repeats: int = 1) -> Measured:

@@ -24,9 +24,15 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from turns import take_turns  # noqa: E402
 
 
 def _raw_envs(task: str, count: int, control_mode: str) -> list:
@@ -205,27 +211,23 @@ def main() -> None:
     if args.workers == 0:
         del benches["pipelined"]  # in one process there is nothing to overlap
     loops = tuple(benches)
-    sps = {k: [] for k in loops}
-    cpu = {k: [] for k in loops}
     raw = (
         InProcessRawLoop(args.task, args.num_envs, args.control_mode)
         if args.workers == 0
         else RawLoop(args.task, args.num_envs, args.workers, args.control_mode)
     )
-    try:
-        for r in range(args.repeats):  # alternate so that machine drift hits every loop alike
-            for k, fn in benches.items():
-                s, c = fn()
-                sps[k].append(s)
-                cpu[k].append(c)
-            print(
-                f"repeat {r + 1}/{args.repeats}: "
-                + ", ".join(f"{k} {sps[k][-1]:.0f}" for k in loops),
-                flush=True,
-            )
+
+    def progress(index: int, results: dict[str, list[tuple[float, float]]]) -> None:
+        done = ", ".join(f"{k} {results[k][-1][0]:.0f}" for k in loops)
+        print(f"repeat {index + 1}/{args.repeats}: {done}", flush=True)
+
+    try:  # (steps/s, CPU ms a step) per loop and round
+        results = take_turns(benches, args.repeats, after_round=progress)
     finally:
         env.close()
         raw.close()
+    sps = {k: [steps_per_s for steps_per_s, _ in results[k]] for k in loops}
+    cpu = {k: [cpu_ms for _, cpu_ms in results[k]] for k in loops}
     print(
         f"\n{args.task} state, {args.num_envs} envs, {args.workers} workers, "
         f"{args.steps} steps/env x {args.repeats} repeats, {mp.cpu_count()} cores, "

@@ -30,6 +30,7 @@ roles with N env workers: the layout that pipelining inside one worker competes 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -39,6 +40,10 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from turns import take_turns  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE = [
@@ -136,19 +141,17 @@ def hardware() -> str:
 
 
 def measure(cases: dict, repeats: int) -> dict[str, list[float]]:
-    """Alternate the cases (name -> (cfg, roles, stages)) for ``repeats`` rounds each."""
+    """The cases (name -> (cfg, roles, stages)) taking turns for ``repeats`` rounds each."""
     for cfg, roles, stages in cases.values():  # warm up: first resets, first weights
         roles.sync(0)
         round_rate(cfg, roles, stages)
-    rates: dict[str, list[float]] = {name: [] for name in cases}
-    for r in range(repeats):
-        for name, (cfg, roles, stages) in cases.items():
-            rates[name].append(round_rate(cfg, roles, stages))
-        print(
-            f"repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()),
-            flush=True,
-        )
-    return rates
+
+    def progress(index: int, rates: dict[str, list[float]]) -> None:
+        done = ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items())
+        print(f"repeat {index + 1}/{repeats}: {done}", flush=True)
+
+    runs = {name: functools.partial(round_rate, *case) for name, case in cases.items()}
+    return take_turns(runs, repeats, after_round=progress)
 
 
 def scaling(args) -> dict:

@@ -235,3 +235,35 @@ def test_the_loops_take_turns_in_each_round_and_a_failing_replay_drops_out():
     ran.clear()
     with pytest.raises(RuntimeError, match="no replay"):  # raw and ours may not fail quietly
         throughput.interleaved(env, {"raw": loop("raw", fails=True)}, steps=3, repeats=3)
+
+
+def test_take_turns_passes_the_first_turn_on_and_reports_each_round():
+    take_turns = load("turns").take_turns
+    ran = []
+    rounds = []
+
+    def run(label: str):
+        def once() -> int:
+            ran.append(label)
+            return len(ran)  # the run's place in the whole order
+
+        return once
+
+    runs = {label: run(label) for label in ("a", "b", "c")}
+    results = take_turns(runs, 4, after_round=lambda i, r: rounds.append((i, len(r["a"]))))
+    assert ["".join(ran[i : i + 3]) for i in range(0, 12, 3)] == ["abc", "bca", "cab", "abc"]
+    assert results == {"a": [1, 6, 8, 10], "b": [2, 4, 9, 11], "c": [3, 5, 7, 12]}
+    assert rounds == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_take_turns_raises_a_failure_unless_told_where_to_drop_it():
+    take_turns = load("turns").take_turns
+
+    def fails() -> float:
+        raise ValueError("broken loop")
+
+    with pytest.raises(ValueError, match="broken loop"):
+        take_turns({"ok": lambda: 1.0, "bad": fails}, 2)
+    told = []
+    results = take_turns({"bad": fails}, 3, dropped=lambda label, error: told.append(label))
+    assert results == {} and told == ["bad"]  # (rounds with nothing left to run)
