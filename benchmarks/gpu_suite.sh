@@ -139,8 +139,8 @@ print(next((r['raw_world_steps_per_s'] for r in rows if r['worlds']==4096 and r[
     # But every round starts from a seeded reset, so it must be long enough to finish the task:
     # the scripted expert lifts the cube after 14-25 steps, and PPO on pick with rounds of 16
     # never lifted it (1024 x 16 on the CPU: 0.00 at 120 iterations); pick keeps its config's 50.
-    # And pick takes 16 minibatches an epoch, not 4: on the CPU at 1024 x 50 (seed 0) 64 gradient
-    # steps an iteration ended at 0.99 after 67 iterations, 16 steps at 0.78 after 66
+    # And pick takes 16 minibatches an epoch, not 4: on the CPU at 1024 x 50, 64 gradient steps an
+    # iteration ended at 0.99 and 0.98 (seeds 0, 1) after 67-69 iterations, 16 at 0.78 and 0.63
     for task in ${LEARN_TASKS:-reach push pick}; do
       steps=${LEARN_STEPS:-16}
       minibatches=""  # the config's
