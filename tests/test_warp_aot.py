@@ -3,6 +3,7 @@ Warp's CPU device also compiles its module for CUDA, named by the module's kerne
 and the launch's block size (as Warp names the module it loads on a GPU), into a binary (cubin)
 for each architecture asked (sm_90 by default: an H100's or H200's)."""
 
+import contextlib
 import json
 import re
 import struct
@@ -43,13 +44,20 @@ def _cubin_kernels(folder, name, arch=90) -> set[str]:
     return {symbol.decode() for symbol in symbols}
 
 
-def _name_at(module, block_dim: int) -> str:
+@contextlib.contextmanager
+def _at_block(module, block_dim: int):
+    """The module as Warp sees it for a launch at ``block_dim``, for the block."""
     launched_at = module.options["block_dim"]
     module.options["block_dim"] = block_dim
     try:
-        return module.get_module_identifier()
+        yield module
     finally:
         module.options["block_dim"] = launched_at
+
+
+def _name_at(module, block_dim: int) -> str:
+    with _at_block(module, block_dim):
+        return module.get_module_identifier()
 
 
 def test_each_launch_compiles_its_module_for_the_block_size_it_asks(tmp_path):
@@ -89,17 +97,12 @@ def test_the_file_built_is_the_one_warp_loads_on_an_h100(tmp_path, monkeypatch):
     values = wp.ones(4, dtype=float, device="cpu")
     with compiling_for_cuda(tmp_path):
         wp.launch(scale, dim=4, inputs=[values, 2.0], device="cpu", block_dim=64)
-    module = scale.module
-    name = _name_at(module, 64)
-    launched_at = module.options["block_dim"]
-    module.options["block_dim"] = 64
-    try:
+    name = _name_at(scale.module, 64)
+    with _at_block(scale.module, 64) as module:
         loads = module._get_compile_output_name(_H100())
         monkeypatch.setattr(wp.config, "cuda_output", None)  # Warp left to choose
         monkeypatch.setattr(context.runtime, "default_ptx_arch", 90)  # (75 here: no GPU)
         would_load = module._get_compile_output_name(_H100())
-    finally:
-        module.options["block_dim"] = launched_at
     assert loads == f"{name}.sm90.cubin"  # what require_warp asks Warp for
     assert (tmp_path / name / loads).is_file()
     assert would_load == f"{name}.sm90.ptx"  # which the driver would compile at every load
