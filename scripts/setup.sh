@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up for embodied on Debian/Ubuntu with Python 3.11.
-#   scripts/setup.sh [EXTRAS]     EXTRAS defaults to "maniskill,vla,mujoco,warp,libero,real,ray,megatron,dev"
+#   scripts/setup.sh [EXTRAS]
+# EXTRAS defaults to "maniskill,vla,mujoco,warp,libero,real,ray,megatron,dev".
 # 1. System: ManiSkill (SAPIEN) needs a Vulkan device even for state observations. Without an
 #    NVIDIA GPU that is Mesa's lavapipe, and only Mesa >= 24.3 works (Debian 12 ships 22.3), so
 #    Mesa comes from bookworm-backports there.
@@ -26,19 +27,24 @@ mesa_ok() {  # true when lavapipe from Mesa >= 24.3 is installed
 }
 
 install_mesa() {
-  if command -v nvidia-smi >/dev/null 2>&1; then log "NVIDIA GPU found: using its Vulkan driver"; return; fi
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    log "NVIDIA GPU found: using its Vulkan driver"; return
+  fi
   if ! command -v apt-get >/dev/null 2>&1; then
     log "no apt-get: install Mesa >= 24.3 (lavapipe) and libvulkan1 yourself"; return
   fi
-  if mesa_ok; then log "Mesa lavapipe $(dpkg-query -W -f='${Version}' mesa-vulkan-drivers) present"; return; fi
+  if mesa_ok; then
+    log "Mesa lavapipe $(dpkg-query -W -f='${Version}' mesa-vulkan-drivers) present"; return
+  fi
   local codename; codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
   if [ "$codename" = bookworm ]; then
     local src=/etc/apt/sources.list.d/embodied-backports.sources
     if [ ! -f "$src" ]; then
       # Copy the machine's own Debian entry (same mirror and keyring) with the backports suite.
       local uris keyring
-      uris=$(awk '/^URIs:/ && /debian\/?$/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
-      keyring=$(awk '/^Signed-By:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+      local debian=/etc/apt/sources.list.d/debian.sources
+      uris=$(awk '/^URIs:/ && /debian\/?$/ {print $2; exit}' "$debian" 2>/dev/null || true)
+      keyring=$(awk '/^Signed-By:/ {print $2; exit}' "$debian" 2>/dev/null || true)
       uris=${uris:-http://deb.debian.org/debian}
       keyring=${keyring:-/usr/share/keyrings/debian-archive-keyring.gpg}
       log "adding $src ($uris bookworm-backports)"
@@ -50,14 +56,18 @@ install_mesa() {
       mesa-vulkan-drivers libvulkan1 >/dev/null
   else
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mesa-vulkan-drivers libvulkan1 \
+      >/dev/null
   fi
-  mesa_ok || { log "Mesa >= 24.3 could not be installed; ManiSkill will not find a Vulkan device"; exit 1; }
+  if ! mesa_ok; then
+    log "Mesa >= 24.3 could not be installed; ManiSkill will not find a Vulkan device"; exit 1
+  fi
   log "Mesa lavapipe $(dpkg-query -W -f='${Version}' mesa-vulkan-drivers) installed"
 }
 
 install_egl() {  # MuJoCo renders offscreen through EGL (Mesa's llvmpipe on a CPU machine)
-  if dpkg-query -W libegl1 libegl-mesa0 >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then return; fi
+  if dpkg-query -W libegl1 libegl-mesa0 >/dev/null 2>&1; then return; fi
+  if ! command -v apt-get >/dev/null 2>&1; then return; fi
   log "installing libegl1 libegl-mesa0 (MuJoCo offscreen rendering)"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libegl1 libegl-mesa0 >/dev/null
@@ -77,7 +87,8 @@ install_python() {
     quiet_pip install -q "torch==2.13.0"
   fi
   # Re-install only when pyproject.toml changed since the last successful install.
-  local stamp="$VENV/.embodied-$(echo "$EXTRAS" | tr ',' '-')-$(sha1sum pyproject.toml | cut -c1-12)"
+  local stamp
+  stamp="$VENV/.embodied-$(echo "$EXTRAS" | tr ',' '-')-$(sha1sum pyproject.toml | cut -c1-12)"
   if [ ! -f "$stamp" ]; then
     log "installing embodied[$EXTRAS]"
     quiet_pip install -q -e ".[$EXTRAS]"
@@ -87,7 +98,9 @@ install_python() {
       quiet_pip install -q --no-deps "lerobot==0.4.4" ;; esac
     touch "$stamp"
   fi
-  log "python ready: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
+  local torch_version
+  torch_version=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
+  log "python ready: $VENV (torch $torch_version)"
 }
 
 warm_warp() {  # MuJoCo Warp's kernels into Warp's cache (~/.cache/warp): compiled once, not per run
