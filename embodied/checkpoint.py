@@ -237,7 +237,9 @@ def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dic
     out = {"path": ckpt, "meta": meta, "model": model}
     if with_trainer_state:
         try:
-            out.update(torch.load(ckpt / STATE, weights_only=False))
+            # (on the CPU: a GPU run's optimizer state resumes anywhere; the optimizer moves
+            # it to its weights' device)
+            out.update(torch.load(ckpt / STATE, map_location="cpu", weights_only=False))
         except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
             raise CheckpointError(
                 f"{ckpt / STATE}: cannot be read ({e}); the checkpoint is damaged"

@@ -122,6 +122,23 @@ def test_round_trip_keeps_every_tensor_and_the_trainer_state(tmp_path):
     assert load_checkpoint(ckpt, with_trainer_state=False).keys() == {"path", "meta", "model"}
 
 
+def test_a_gpu_runs_trainer_state_resumes_on_a_machine_without_one(tmp_path, monkeypatch):
+    """A run trained on a GPU saves its optimizer's moments as CUDA tensors; resumed on a CPU
+    they load there (the optimizer moves them to its weights' device), not "damaged"."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (a machine without one)
+    net, opt = make()
+    with monkeypatch.context() as patched:  # every tensor tagged as a GPU's, as torch.save does
+        patched.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        ckpt = save(tmp_path, 3, net, opt)
+    with pytest.raises(RuntimeError, match="CUDA"):  # (the file holds what the GPU's would)
+        torch.load(ckpt / ck.STATE, weights_only=False)
+    loaded = load_checkpoint(tmp_path)
+    fresh, fresh_opt = make(seed=1)
+    fresh_opt.load_state_dict(loaded["optimizer"])
+    a, b = fresh_opt.state_dict()["state"], opt.state_dict()["state"]
+    assert a.keys() == b.keys() and all(same_tensors(a[i], b[i]) for i in a)
+
+
 def test_frozen_weights_are_written_once_and_hashed_once(tmp_path, monkeypatch):
     hashed = []
     digest = ck._digest
