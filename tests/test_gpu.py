@@ -4,12 +4,12 @@ physx_cpu feeding a policy on the GPU, and ManiSkill's physx_cuda backend (the c
 seeded resets, PPO and GRPO iterations), which also needs SAPIEN's PhysX GPU library."""
 
 import json
-import warnings
 
 import pytest
 import torch
 from physx_gpu import needs_physx_gpu
 from scripted_envs import GRPO, PPO, TINY_VLA, PushRightEnv, ScriptedEnv, run_on
+from sync_sites import with_syncs
 
 from embodied.checkpoint import load_checkpoint
 from embodied.config import load_config
@@ -66,20 +66,6 @@ def test_equal_seeds_give_equal_initial_states_on_the_gpu():
         env.close()
 
 
-def count_syncs(fn) -> tuple[object, int]:
-    """(fn(), host synchronisations torch saw while it ran)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    return result, len(syncs)
-
-
 @needs_physx_gpu
 def test_rollout_steps_without_episode_ends_do_not_synchronise():
     """Terminations ignored: within an episode a chunk of the rollout (policy, environment step,
@@ -99,9 +85,9 @@ def test_rollout_steps_without_episode_ends_do_not_synchronise():
         obs = envs.reset(seed=0)
         collect(envs, inference, obs, plan, stats)  # warm-up
         obs = envs.reset(seed=0)
-        (batch, _), syncs = count_syncs(lambda: collect(envs, inference, obs, plan, stats))
+        (batch, _), syncs = with_syncs(lambda: collect(envs, inference, obs, plan, stats))
         assert batch.actions.device.type == "cuda" and batch.valid.all()
-        assert syncs == 0, f"{syncs} host synchronisations in 20 rollout steps"
+        assert syncs == [], f"host synchronisations in 20 rollout steps at {syncs}"
     finally:
         env.close()
 
@@ -221,7 +207,8 @@ def test_a_scripted_gpu_rollout_synchronises_only_where_episodes_end():
             seeds=0, group_of_env=torch.full((64,), -1), num_chunks=chunks, episode_base=0
         )
         obs = envs.reset(seed=0)
-        return count_syncs(lambda: collect(envs, inference, obs, plan, stats))
+        batch, sites = with_syncs(lambda: collect(envs, inference, obs, plan, stats))
+        return batch, len(sites)
 
     rollout(45)  # warm-up
     (short, _), syncs_10 = rollout(10)

@@ -14,6 +14,8 @@ import torch
 
 pytest.importorskip("mujoco_warp")
 
+from sync_sites import with_syncs  # noqa: E402
+
 from embodied.contract import check_env  # noqa: E402
 from embodied.schema import UserError  # noqa: E402
 from embodied.simulators.mujoco import TASKS, MuJoCoConfig, make_env  # noqa: E402
@@ -409,8 +411,6 @@ def test_on_a_gpu_a_round_never_waits_on_the_device(compiled):
     ``env.compile`` and ``policy.compile_act``."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    import warnings
-
     from embodied.env_group import EnvGroup
     from embodied.episode_stats import EpisodeStats
     from embodied.inference import InferencePolicy
@@ -425,21 +425,50 @@ def test_on_a_gpu_a_round_never_waits_on_the_device(compiled):
     stats = EpisodeStats(64, envs.task_names, torch.device("cuda"))
     collect(envs, inference, envs.reset(seed=0), plan, stats)  # warm-up: graphs, pinned memory
     obs = envs.reset(seed=0)
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            batch, _ = collect(envs, inference, obs, plan, stats)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    sites = [
-        f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}"
-        for w in caught
-        if "synchroniz" in str(w.message)
-    ]
+    (batch, _), sites = with_syncs(lambda: collect(envs, inference, obs, plan, stats))
     assert batch.truncated[4].all() and batch.truncated[9].all()
     assert sites == []
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_seeded_reset_never_waits_on_the_device():
+    """A round starts from a seeded reset of every world; a masked one resets some. The seeds
+    and rows reach the device from pinned memory: no wait (before, two per reset)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    env = make_env(MuJoCoConfig(task="push", num_envs=64, backend="warp", device="cuda"))
+    env.reset(seed=0)  # warm-up: the forward pass's graph, pinned memory
+
+    def resets() -> None:
+        env.reset(seed=64)
+        env.reset(seed=[7, 9], env_ids=torch.tensor([1, 2]))
+
+    _, sites = with_syncs(resets)
+    assert sites == []
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_envs_share_one_side_stream_which_a_freed_env_leaves_working():
+    """Torch hands out its 32 pooled streams in turn: with one of its own, an env built 32
+    requests after another would get the same stream, and freeing the older one would remove
+    that stream from Warp's registry under the newer ("unknown stream" at its next capture).
+    Every env of a device takes the process's one side stream instead."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import gc
+
+    cfg = MuJoCoConfig(task="reach", num_envs=4, backend="warp", device="cuda")
+    first = make_env(cfg)
+    for _ in range(31):  # the pool around, to the stream the first env had
+        torch.cuda.Stream()
+    second = make_env(cfg)
+    assert second._side_stream is first._side_stream
+    first.close()
+    del first
+    gc.collect()
+    second.reset(seed=0)  # captures the forward pass's graph on the side stream
+    out = second.step(torch.full((4, 6), 0.01, device="cuda"))  # and the physics'
+    assert torch.isfinite(out.obs.state).all()
 
 
 def test_cameras_render_on_the_device_and_pass_the_contract():

@@ -113,7 +113,10 @@ class Chain:
             r = r.view(free + 1, q.shape[0], -1)  # f32 [free + 1, N, R]
             J = ((r[1:] - r[:1]) / eps).permute(1, 2, 0)  # f32 [N, R, free]
             JT = J.transpose(1, 2)
-            step = torch.linalg.solve(JT @ J + damping * eye, -(JT @ r[0][..., None]))
+            # (solve_ex: solve checks for a singular matrix by a read from a GPU; damped, none is)
+            step = torch.linalg.solve_ex(
+                JT @ J + damping * eye, -(JT @ r[0][..., None]), check_errors=False
+            ).result
             q[:, :free] = q[:, :free] + step[..., 0]
             q = torch.maximum(torch.minimum(q, self.high), self.low)
         return q

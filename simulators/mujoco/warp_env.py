@@ -116,6 +116,17 @@ def _peak_kernel():
     return track_peaks
 
 
+@cache
+def _side_stream(device: torch.device) -> tuple[torch.cuda.Stream, Any]:
+    """(torch's stream, Warp's wrapper of it) on which a CUDA device's graphs run, one pair per
+    process: torch hands out its pooled streams in turn, so envs' own would coincide after 32,
+    and a freed env's wrapper would unregister the stream another env captures on."""
+    import warp as wp
+
+    stream = torch.cuda.Stream(device)
+    return stream, wp.stream_from_torch(stream)
+
+
 class MuJoCoWarpEnv:
     def __init__(self, cfg: MuJoCoConfig):
         cfg.validate()
@@ -164,8 +175,7 @@ class MuJoCoWarpEnv:
         self._high = torch.tensor(HIGH, device=self.device)
         self._graphs: dict[str, Any] = {}  # name -> Warp's captured CUDA graph (_as_graph)
         if self.device.type == "cuda":  # the physics graph's stream (_physics)
-            self._side_stream = torch.cuda.Stream(self.device)
-            self._wp_side_stream = self._wp.stream_from_torch(self._side_stream)
+            self._side_stream, self._wp_side_stream = _side_stream(self.device)
         self._cameras: dict[tuple, WarpCameras] = {}  # (size, camera names) -> render context
         # compile (or load) before a capture
         timed_first_step(self.task.name, self.device.type, self._substep_all)
@@ -402,7 +412,7 @@ class MuJoCoWarpEnv:
     def reset(
         self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None
     ) -> Observation:
-        ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids]
+        ids = list(range(self.num_envs)) if env_ids is None else env_ids.tolist()  # (one read)
         reseed(self._streams, seed, ids)
         self._reset_rows(np.array(ids, dtype=np.int64))
         return self._obs()

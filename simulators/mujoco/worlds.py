@@ -14,7 +14,7 @@ import mujoco
 import numpy as np
 import torch
 
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, reset_seeds
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, host_to_device, reset_seeds
 from embodied.simulators.mujoco.arm import HOME, JOINTS, RANGES, scene
 from embodied.simulators.mujoco.config import MuJoCoConfig
 from embodied.simulators.mujoco.randomize import NUM_DRAWS, RandomizeConfig, WorldParams, draw
@@ -85,9 +85,9 @@ def reseed(streams: Streams, seed: int | Sequence[int] | None, ids: Sequence[int
     given = [(i, s) for i, s in zip(ids, seeds) if s is not None]
     if given:
         device = streams.key.device
-        rows = torch.tensor([i for i, _ in given], dtype=torch.int64, device=device)
-        values = torch.tensor([s for _, s in given], dtype=torch.int64, device=device)
-        streams.reseed(rows, values)
+        rows = torch.tensor([i for i, _ in given], dtype=torch.int64)  # long [n], host
+        values = torch.tensor([s for _, s in given], dtype=torch.int64)
+        streams.reseed(host_to_device(rows, device), host_to_device(values, device))
 
 
 def draw_initial(
