@@ -91,32 +91,85 @@ def load_policy(checkpoint: str | Path | dict, device="cpu"):
     return policy.eval(), cfg
 
 
-@torch.no_grad()
-def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
-    from tqdm import tqdm
+@dataclass
+class _Frame:
+    """One step of every world, on the host (one copy per tensor, not one per world): what the
+    expert saw, what it did, and what followed."""
 
-    from embodied.dataset import LeRobotWriter
-    from embodied.multitask import make_env
+    images: dict[str, np.ndarray]  # camera -> [B, ...] as the observation holds it
+    state: np.ndarray  # f32 [B, S]
+    privileged: dict[str, np.ndarray]  # key -> f32 [B, n], flattened per world
+    actions: np.ndarray  # f32 [B, A] physical
+    rewards: np.ndarray  # f32 [B]
+    success: np.ndarray  # bool [B]
+    done: np.ndarray  # bool [B]: the episode ended with this step
 
-    cfg.validate()
-    expert_task = cfg.env.task
-    if cfg.expert != SCRIPTED:
-        try:
-            expert, expert_cfg = load_policy(cfg.expert)
-        except (FileNotFoundError, UserError) as e:
-            raise UserError(f"expert: {e}") from None
-        expert_task = expert_cfg.env.task
-    env = make_env(cfg.env)
-    if cfg.expert == SCRIPTED:
-        expert = scripted_expert(cfg.env, env.device)
-    spec = env.spec
-    missing = sorted(set(cfg.privileged_keys) - set(spec.obs.privileged))
-    if missing:
-        env.close()
-        raise ValueError(
-            f"privileged_keys: {missing} not among the environment's {sorted(spec.obs.privileged)}"
+    @classmethod
+    def of(cls, obs, actions: torch.Tensor, step, privileged_keys: list[str]) -> _Frame:
+        B = actions.shape[0]
+        return cls(
+            images={c: v.cpu().numpy() for c, v in obs.images.items()},
+            state=obs.state.cpu().numpy(),
+            privileged={k: obs.privileged[k].reshape(B, -1).cpu().numpy() for k in privileged_keys},
+            actions=actions.cpu().numpy(),
+            rewards=step.reward.cpu().numpy(),
+            success=step.success.cpu().numpy(),
+            done=(step.terminated | step.truncated).cpu().numpy(),
         )
-    writer = LeRobotWriter(
+
+
+@dataclass
+class _Episode:
+    """One world's frames of an attempt, in order."""
+
+    images: dict[str, list[np.ndarray]]
+    privileged: dict[str, list[np.ndarray]]
+    state: list[np.ndarray] = field(default_factory=list)
+    actions: list[np.ndarray] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    success: list[bool] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, cameras, privileged_keys: list[str]) -> _Episode:
+        return cls(images={c: [] for c in cameras}, privileged={k: [] for k in privileged_keys})
+
+    def add(self, frame: _Frame, i: int) -> None:
+        """World ``i``'s share of ``frame``."""
+        for c, images in frame.images.items():
+            self.images[c].append(images[i])
+        for k, values in frame.privileged.items():
+            self.privileged[k].append(values[i])
+        self.state.append(frame.state[i])
+        self.actions.append(frame.actions[i])
+        self.rewards.append(float(frame.rewards[i]))
+        self.success.append(bool(frame.success[i]))
+
+
+def _attempt(env, expert, obs, n: int, deterministic: bool, privileged_keys) -> list[_Episode]:
+    """The expert's episodes in worlds 0..n-1 from ``obs`` (their seeded reset), each recorded
+    until it ends (offline recording: a loop over worlds is fine here)."""
+    episodes = [_Episode.empty(obs.images, privileged_keys) for _ in range(n)]
+    active = np.arange(env.num_envs) < n  # bool [B]
+    while active.any():
+        out = expert.act(obs, deterministic=deterministic)
+        for k in range(out.actions.shape[1]):
+            action = out.actions[:, k]  # f32 [B, A] physical
+            step = env.step(action)
+            frame = _Frame.of(obs, action, step, privileged_keys)
+            for i in np.flatnonzero(active):
+                episodes[i].add(frame, i)
+            active &= ~frame.done
+            obs = step.obs
+            if not active.any():
+                break
+    return episodes
+
+
+def _writer(cfg: DemosConfig, spec):
+    """The LeRobot dataset the demonstrations go into."""
+    from embodied.dataset import LeRobotWriter
+
+    return LeRobotWriter(
         cfg.output,
         fps=spec.action.control_hz,
         cameras={c.name: (c.height, c.width) for c in spec.obs.cameras},
@@ -132,6 +185,56 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
             "seed": cfg.seed,
         },
     )
+
+
+def _write(writer, episode: _Episode, task: str, seed: int, world: dict | None) -> None:
+    """One episode into the dataset, with its reset seed (and its world's randomised
+    parameters, to re-simulate it)."""
+    success = np.array(episode.success)
+    writer.add_episode(
+        images={c: np.stack(v) for c, v in episode.images.items()},
+        state=np.stack(episode.state),
+        actions=np.stack(episode.actions),
+        rewards=np.array(episode.rewards, np.float32),
+        success=success,
+        task=task,
+        privileged={k: np.stack(v) for k, v in episode.privileged.items()},
+        extra={
+            "seed": seed,
+            "success_at_end": bool(success[-1]),
+            **({} if world is None else {"world": world}),
+        },
+    )
+
+
+def _expert_and_env(cfg: DemosConfig):
+    """(expert, the task it was trained on, the environment it records in)."""
+    from embodied.multitask import make_env
+
+    if cfg.expert == SCRIPTED:
+        env = make_env(cfg.env)
+        return scripted_expert(cfg.env, env.device), cfg.env.task, env
+    try:
+        expert, expert_cfg = load_policy(cfg.expert)
+    except (FileNotFoundError, UserError) as e:
+        raise UserError(f"expert: {e}") from None
+    return expert, expert_cfg.env.task, make_env(cfg.env)
+
+
+@torch.no_grad()
+def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    cfg.validate()
+    expert, expert_task, env = _expert_and_env(cfg)
+    spec = env.spec
+    missing = sorted(set(cfg.privileged_keys) - set(spec.obs.privileged))
+    if missing:
+        env.close()
+        raise ValueError(
+            f"privileged_keys: {missing} not among the environment's {sorted(spec.obs.privileged)}"
+        )
+    writer = _writer(cfg, spec)
     B = env.num_envs
     attempts = 0
     kept = 0
@@ -146,65 +249,15 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
             world = getattr(env, "world_params", None)
             worlds = None if world is None else world.to_dict()
             n = min(B, cfg.max_attempts - attempts)
-            frames = [
-                {
-                    "images": {c: [] for c in obs.images},
-                    "state": [],
-                    "actions": [],
-                    "rewards": [],
-                    "success": [],
-                    "privileged": {k: [] for k in cfg.privileged_keys},
-                }
-                for _ in range(n)
-            ]
-            active = torch.zeros(B, dtype=torch.bool)
-            active[:n] = True
-            while bool(active.any()):
-                out = expert.act(obs, deterministic=cfg.deterministic)
-                for k in range(out.actions.shape[1]):
-                    action = out.actions[:, k]  # f32 [B, A] physical
-                    step = env.step(action)
-                    done = step.terminated | step.truncated
-                    for i in (
-                        active.nonzero().squeeze(1).tolist()
-                    ):  # offline recording: a loop is fine here
-                        f = frames[i]
-                        for c in obs.images:
-                            f["images"][c].append(obs.images[c][i].cpu().numpy())
-                        for key in cfg.privileged_keys:
-                            f["privileged"][key].append(
-                                obs.privileged[key][i].reshape(-1).cpu().numpy()
-                            )
-                        f["state"].append(obs.state[i].cpu().numpy())
-                        f["actions"].append(action[i].cpu().numpy())
-                        f["rewards"].append(float(step.reward[i]))
-                        f["success"].append(bool(step.success[i]))
-                    active &= ~done
-                    obs = step.obs
-                    if not bool(active.any()):
-                        break
+            episodes = _attempt(env, expert, obs, n, cfg.deterministic, cfg.privileged_keys)
             attempts += n
-            for i, f in enumerate(frames):
-                success = np.array(f["success"])
-                if (success.any() or cfg.keep_failed) and kept < cfg.episodes:
-                    writer.add_episode(
-                        images={c: np.stack(v) for c, v in f["images"].items()},
-                        state=np.stack(f["state"]),
-                        actions=np.stack(f["actions"]),
-                        rewards=np.array(f["rewards"], np.float32),
-                        success=success,
-                        task=spec.instructions[0],
-                        privileged={k: np.stack(v) for k, v in f["privileged"].items()},
-                        extra={
-                            "seed": base + i,
-                            "success_at_end": bool(success[-1]),
-                            **({} if worlds is None else {"world": _row(worlds, i)}),
-                        },
-                    )
+            for i, episode in enumerate(episodes):
+                if (any(episode.success) or cfg.keep_failed) and kept < cfg.episodes:
+                    world_i = None if worlds is None else _row(worlds, i)
+                    _write(writer, episode, spec.instructions[0], base + i, world_i)
                     kept += 1
                     bar.update(1)
-            wins = sum(any(f["success"]) for f in frames)
-            wins_total += wins
+            wins_total += sum(any(episode.success) for episode in episodes)
             bar.set_postfix(attempts=attempts, expert_success=f"{wins_total}/{attempts}")
     finally:
         bar.close()

@@ -471,6 +471,33 @@ def test_on_a_gpu_envs_share_one_side_stream_which_a_freed_env_leaves_working():
     assert torch.isfinite(out.obs.state).all()
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_the_scripted_expert_records_what_it_records_on_the_cpu():
+    """`embodied demos` on a GPU env: each step's tensors come to the host once (its mask of
+    running worlds on the host too; before, a CPU mask met the GPU's done mask and raised), and
+    reach's free motion under the expert (the IK's solve reads nothing) agrees with the CPU's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import numpy as np
+
+    from embodied.demos import _attempt, scripted_expert
+
+    recorded = {}
+    for device in ("cpu", "cuda"):
+        cfg = MuJoCoConfig(
+            task="reach", num_envs=2, backend="warp", device=device, obs_mode="rgb", image_size=32
+        )
+        with make_env(cfg) as env:
+            obs = env.reset(seed=[5, 6])
+            expert = scripted_expert(cfg, env.device)
+            recorded[device] = _attempt(env, expert, obs, 2, True, ["goal_pos"])
+    for cpu, gpu in zip(recorded["cpu"], recorded["cuda"], strict=True):
+        assert len(gpu.state) == len(cpu.state) == len(gpu.images["base_camera"]) == 50
+        assert gpu.images["base_camera"][0].dtype == np.uint8
+        np.testing.assert_allclose(np.stack(gpu.state), np.stack(cpu.state), atol=1e-3)
+        np.testing.assert_allclose(np.stack(gpu.actions), np.stack(cpu.actions), atol=1e-3)
+
+
 def test_cameras_render_on_the_device_and_pass_the_contract():
     cfg = MuJoCoConfig(
         task="pick",
