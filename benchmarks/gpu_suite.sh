@@ -109,8 +109,9 @@ if has mujoco_warp; then
       | tee "$OUT/throughput.md"
   fi
   if want warp_tests; then  # graph capture, no device read until episodes end, CPU agreement
-    stage warp_tests  # (and the compiled act and step against the eager ones)
-    timeout "$(cap 300)" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
+    stage warp_tests  # (and the compiled act and step against the eager ones; -v: each test's
+    # outcome as it ends, kept if the stage's limit cuts the run before pytest's summary)
+    timeout "$(cap 300)" python3 -P -m pytest -m gpu -v -rs -p no:cacheprovider \
       tests/test_mujoco_warp.py tests/test_compile_act.py 2>&1 | tee "$OUT/pytest_warp.log"
   fi
   if want warp_rgb_profile; then  # rgb, and where ours' extra time per step goes
