@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_suite.sh RESULTS_DIR           (from the project root)
 #   STAGES="warp_tests warp_throughput" bash benchmarks/gpu_suite.sh RESULTS_DIR   (some stages)
 # Stages: device, warp_compile, warp_throughput (state: the issue's goal), warp_tests,
-#   warp_rgb_profile, warp_peaks, warp_cache,
+#   warp_rgb_profile, warp_peaks, warp_update (a PPO update's profile), warp_cache,
 #   warp_learning (LEARN_TASKS="reach push pick", LEARN_MINUTES=5, rounds of LEARN_STEPS=16,
 #   LEARN_STEPS_PICK=50 and LEARN_MINIBATCHES_PICK=16 by default),
 #   cluster_gpu, runner_tests, host_syncs. The warp_* stages need MuJoCo Warp's wheels in
@@ -24,7 +24,7 @@ set -uo pipefail
 OUT=${1:-${OUT:-/tmp/gpu_suite}}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"device warp_compile warp_throughput warp_tests warp_rgb_profile warp_peaks
-  warp_cache warp_learning cluster_gpu runner_tests host_syncs"}
+  warp_update warp_cache warp_learning cluster_gpu runner_tests host_syncs"}
 if [ -z "${MUJOCO_GL:-}" ]; then  # EGL where it is (or comes in .gl); MuJoCo Warp needs none
   if [ -d .gl ] || ldconfig -p | grep -q libEGL.so.1; then MUJOCO_GL=egl; else MUJOCO_GL=disable; fi
 fi
@@ -136,6 +136,15 @@ if has mujoco_warp; then
     stage warp_peaks
     timeout "$(cap 180)" python3 benchmarks/contact_peaks.py --device cuda --worlds 4096 \
       --steps 100 --json "$OUT/peaks.jsonl" 2>&1 | tee "$OUT/peaks.md"
+  fi
+  if want warp_update; then  # where a PPO update's time goes: at the third visit 0.28 s of
+    # push's 0.40 s iteration at 4096 worlds x 16 steps; then pick's learning stage's settings
+    stage warp_update
+    timeout "$(cap 90)" python3 benchmarks/update_profile.py --device cuda --worlds 4096 \
+      --steps 16 --json "$OUT/update.jsonl" 2>&1 | tee "$OUT/update.md"
+    timeout "$(cap 90)" python3 benchmarks/update_profile.py --device cuda --worlds 4096 \
+      --task pick --steps 50 --minibatches 16 --json "$OUT/update.jsonl" 2>&1 \
+      | tee -a "$OUT/update.md"
   fi
   if want warp_cache; then
     stage warp_cache

@@ -58,7 +58,8 @@ later=0  # what the warp phase leaves to the phases after it
 if [[ $phases == *" cluster "* || $phases == *" learning "* ]]; then later=200; fi
 if [[ $phases == *" warp "* ]]; then
   suite $(($(left) - later)) \
-    STAGES="device warp_compile warp_throughput warp_tests warp_rgb_profile warp_peaks warp_cache"
+    STAGES="device warp_compile warp_throughput warp_tests warp_rgb_profile warp_peaks warp_update
+      warp_cache"
 fi
 if [[ $phases == *" cluster "* ]]; then
   suite $(($(left) > 400 ? 240 : $(left) - 160)) STAGES=cluster_gpu

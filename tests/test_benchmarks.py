@@ -267,3 +267,30 @@ def test_take_turns_raises_a_failure_unless_told_where_to_drop_it():
     told = []
     results = take_turns({"bad": fails}, 3, dropped=lambda label, error: told.append(label))
     assert results == {} and told == ["bad"]  # (rounds with nothing left to run)
+
+
+def test_an_update_is_timed_and_profiled_per_gradient_step():
+    """benchmarks/update_profile.py on Warp's CPU device (push, 8 worlds x 4 steps, 2
+    minibatches, 2 repeats): the milliseconds per gradient step follow from the repeats'
+    seconds, and the profile saw the update's operators; host syncs are counted on CUDA only."""
+    pytest.importorskip("mujoco_warp")
+    import argparse
+    import statistics
+
+    bench = load("update_profile")
+    args = argparse.Namespace(
+        device="cpu", task="push", worlds=8, steps=4, minibatches=2, repeats=2
+    )
+    cfg, roles = bench.build(args)
+    try:
+        row = bench.measure(cfg, roles, repeats=2)
+    finally:
+        roles.close()
+    steps = cfg.algorithm.update_epochs * 2
+    assert row["samples"] == 32 and row["gradient_steps"] == steps
+    assert len(row["update_s_per_repeat"]) == 2
+    median_ms = 1000 * statistics.median(row["update_s_per_repeat"])
+    assert row["ms_per_gradient_step"] == pytest.approx(median_ms / steps)
+    assert row["profile"]["ops"] > 0 and row["profile"]["kernels"] == 0
+    assert row["sync_sites"] is None
+    assert f"{steps} gradient steps" in bench.report(row)
