@@ -102,10 +102,11 @@ if has mujoco_warp; then
   fi
   if want warp_throughput; then  # raw MuJoCo Warp against our collect phase, side by side
     # (--compile: ours with policy.compile_act and env.compile; replay: the physics alone under
-    # ours' commands); the issue's goal, so before the tests
+    # ours' commands); the issue's goal, so before the tests. 3 rounds, not the script's 5: each
+    # round is 4 loops at 3 sizes, and the 9 gpu tests after it share the warp phase's budget
     stage warp_throughput
     timeout "$(cap 360)" python3 benchmarks/gpu_throughput.py --sim mujoco_warp --device cuda \
-      --worlds 1024,4096,16384 --compile --json "$OUT/throughput.jsonl" 2>&1 \
+      --worlds 1024,4096,16384 --compile --repeats 3 --json "$OUT/throughput.jsonl" 2>&1 \
       | tee "$OUT/throughput.md"
   fi
   if want warp_tests; then  # graph capture, no device read until episodes end, CPU agreement
