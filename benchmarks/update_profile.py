@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_throughput import wait  # noqa: E402
 from host_syncs import counted, sites_text  # noqa: E402
 from kernel_profile import StepProfile, profile_text, profiled  # noqa: E402
 
@@ -78,11 +79,6 @@ def one_round(cfg, roles):
     return roles.collect(roles.envs.reset(seed=cfg.seed), plan, stats)
 
 
-def wait(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_update(learner, batch, device: torch.device) -> float:
     """Seconds of one update on ``batch``, as the runner times it (advantages not included)."""
     learner.add_round(batch)
@@ -100,6 +96,7 @@ def measure(cfg, roles, repeats: int) -> dict:
     gradient_steps = cfg.algorithm.update_epochs * cfg.algorithm.num_minibatches
     timed_update(learner, batch, device)  # warm-up: cuBLAS handles, the allocator's pools
     seconds = [timed_update(learner, batch, device) for _ in range(repeats)]
+    median = statistics.median(seconds)
     row = {
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -109,8 +106,8 @@ def measure(cfg, roles, repeats: int) -> dict:
         "samples": cfg.env.num_envs * cfg.algorithm.num_steps,
         "gradient_steps": gradient_steps,  # (early stopping may take fewer: policy/epochs)
         "update_s_per_repeat": seconds,
-        "update_s": statistics.median(seconds),
-        "ms_per_gradient_step": 1000 * statistics.median(seconds) / gradient_steps,
+        "update_s": median,
+        "ms_per_gradient_step": 1000 * median / gradient_steps,
         "sync_sites": None,
     }
     if device.type == "cuda":

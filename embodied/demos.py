@@ -133,6 +133,10 @@ class _Episode:
     def empty(cls, cameras, privileged_keys: list[str]) -> _Episode:
         return cls(images={c: [] for c in cameras}, privileged={k: [] for k in privileged_keys})
 
+    @property
+    def succeeded(self) -> bool:
+        return any(self.success)
+
     def add(self, frame: _Frame, i: int) -> None:
         """World ``i``'s share of ``frame``."""
         for c, images in frame.images.items():
@@ -252,12 +256,12 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
             episodes = _attempt(env, expert, obs, n, cfg.deterministic, cfg.privileged_keys)
             attempts += n
             for i, episode in enumerate(episodes):
-                if (any(episode.success) or cfg.keep_failed) and kept < cfg.episodes:
+                if (episode.succeeded or cfg.keep_failed) and kept < cfg.episodes:
                     world_i = None if worlds is None else _row(worlds, i)
                     _write(writer, episode, spec.instructions[0], base + i, world_i)
                     kept += 1
                     bar.update(1)
-            wins_total += sum(any(episode.success) for episode in episodes)
+            wins_total += sum(episode.succeeded for episode in episodes)
             bar.set_postfix(attempts=attempts, expert_success=f"{wins_total}/{attempts}")
     finally:
         bar.close()

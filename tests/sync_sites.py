@@ -1,24 +1,16 @@
-"""Where a piece of work made the host wait on a CUDA device (for the gpu tests)."""
+"""Where a piece of work made the host wait on a CUDA device, for the gpu tests: the count of
+benchmarks/host_syncs.py, each wait at the line outside torch that called into it."""
 
-import warnings
+import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from host_syncs import counted  # noqa: E402
 
 
 def with_syncs(run) -> tuple:
-    """``run()``'s result, and the lines ("file:line") at which torch saw it make the host wait
-    on the device (``torch.cuda.set_sync_debug_mode``), one per wait."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    sites = [
-        f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}"
-        for w in caught
-        if "synchroniz" in str(w.message)
-    ]
-    return result, sites
+    """``run()``'s result, and the lines ("file:line") at which it made the host wait on the
+    device (``torch.cuda.set_sync_debug_mode``), one per wait."""
+    result, sites = counted(run)
+    return result, sorted(sites.elements())
