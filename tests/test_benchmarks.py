@@ -17,7 +17,11 @@ def load(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # (dataclasses look their module up while the class is made)
-    spec.loader.exec_module(module)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:  # a script puts benchmarks/ first, whose megatron.py would hide megatron-core
+        sys.path[:] = path
     return module
 
 
