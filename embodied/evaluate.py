@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,72 @@ def evaluate_shares(
     return {name: s for name, s in zip(names, summaries) if s is not None}
 
 
+@dataclass
+class _Round:
+    """One round of a reset of every row: a row counts while its first episode runs."""
+
+    seeds: list[int]
+    active: torch.Tensor  # bool [B]: the row's episode is counted and still running
+    ret: torch.Tensor  # f32 [B], on the CPU
+    length: torch.Tensor  # i64 [B]
+    success: torch.Tensor  # bool [B]: succeeded at some step
+
+
+@dataclass
+class _Timing:
+    """Policy latency and simulator throughput over an evaluation."""
+
+    policy_s: float = 0.0
+    env_s: float = 0.0
+    policy_calls: int = 0
+    env_steps: int = 0
+
+    def summary(self) -> dict:
+        return {
+            "eval/policy_ms": 1000 * self.policy_s / max(1, self.policy_calls),
+            "eval/env_steps_per_s": self.env_steps / max(self.env_s, 1e-9),
+        }
+
+
+class _Video:
+    """The first round's frames of the shown rows: the first VIDEO_TILES environments, or the
+    first of each task; an ended episode's tile keeps its last frame instead of the reset."""
+
+    def __init__(self, env, ranges: list[tuple[int, int]], path: Path | None):
+        B = env.num_envs
+        rows = (
+            torch.arange(min(B, VIDEO_TILES))
+            if len(ranges) == 1
+            else torch.tensor([lo for lo, _ in ranges[:VIDEO_TILES]])
+        )
+        self.env = env
+        self.path = path
+        self.rows = rows  # i64 [<=4], on the CPU
+        self.frames: list[np.ndarray] = []
+        self.recording = False
+
+    def start_round(self) -> None:
+        self.recording = self.path is not None and not self.frames  # the first round only
+        if self.recording:
+            self.shown = self.env.render()[self.rows.to(self.env.device)]  # uint8 [<=4, H, W, 3]
+            self.frames.append(tile(self.shown))
+
+    def after_step(self, active: torch.Tensor, done: torch.Tensor) -> None:
+        if not self.recording or not bool(active[self.rows].any()):
+            return
+        live = (active & ~done)[self.rows].to(self.shown.device).view(-1, 1, 1, 1)
+        rendered = self.env.render()[self.rows.to(self.env.device)]
+        self.shown = torch.where(live, rendered, self.shown)
+        self.frames.append(tile(self.shown))
+
+    def write(self, summaries: list[dict | None]) -> None:
+        if self.path is None or not self.frames:
+            return
+        write_mp4(self.path, self.frames, fps=self.env.spec.action.control_hz)
+        for summary in filter(None, summaries):
+            summary["eval/video"] = str(self.path)
+
+
 def _run(
     env,
     policy,
@@ -110,99 +177,97 @@ def _run(
 ) -> list[dict | None]:
     """Evaluate each row range [lo, hi) of ``env`` as a population of its share's episodes
     (episode i reset with the share's seed plus i); None for a range without episodes."""
-    B = env.num_envs
     device = _device_of(policy, env.device)  # the policy may live elsewhere (runner.device)
     results: list[list[dict]] = [[] for _ in ranges]
-    frames: list[np.ndarray] = []
-    group = torch.zeros(B, dtype=torch.long)  # row -> index of its range
+    group = torch.zeros(env.num_envs, dtype=torch.long)  # row -> index of its range
     for g, (lo, hi) in enumerate(ranges):
         group[lo:hi] = g
-    # rows shown in the video: the first VIDEO_TILES environments, or the first of each task
-    shown_rows = (
-        torch.arange(min(B, VIDEO_TILES))
-        if len(ranges) == 1
-        else torch.tensor([lo for lo, _ in ranges[:VIDEO_TILES]])
-    )
-    # timing: policy latency, simulator throughput
-    policy_s = 0.0
-    env_s = 0.0
-    policy_calls = 0
-    env_steps = 0
+    timing = _Timing()
+    video = _Video(env, ranges, video_path)
     while any(len(r) < episodes for r, (episodes, _) in zip(results, shares)):
-        seeds = [0] * B
-        active = torch.zeros(B, dtype=torch.bool)  # bool [B]
-        for (lo, hi), res, (episodes, seed) in zip(ranges, results, shares):
-            n = max(0, min(hi - lo, episodes - len(res)))
-            base = EVAL_SEED_OFFSET + seed + len(res)
-            seeds[lo:hi] = [base + i for i in range(hi - lo)]
-            active[lo : lo + n] = True
-        obs = env.reset(seed=seeds)
-        ret = torch.zeros(B)  # f32 [B], on the CPU
-        length = torch.zeros(B, dtype=torch.long)
-        success = torch.zeros(B, dtype=torch.bool)
-        record = video_path is not None and not frames  # the first round only
-        if record:
-            shown = env.render()[shown_rows.to(env.device)]  # uint8 [<=4, H, W, 3]
-            frames.append(tile(shown))
-        while bool(active.any()):
+        rnd = _new_round(env.num_envs, ranges, results, shares)
+        obs = env.reset(seed=rnd.seeds)
+        video.start_round()
+        while bool(rnd.active.any()):
             if should_stop is not None and should_stop():
                 raise Interrupted
             t0 = time.perf_counter()
             out = policy.act(on(obs, device), deterministic=deterministic)
             actions = out.actions.to(env.device)
-            policy_s += time.perf_counter() - t0
-            policy_calls += 1
+            timing.policy_s += time.perf_counter() - t0
+            timing.policy_calls += 1
             for k in range(actions.shape[1]):
-                t0 = time.perf_counter()
-                step = env.step(actions[:, k])
-                done = step.terminated | step.truncated
-                # one transfer per step (it waits for a GPU simulator, as the timing should)
-                host = torch.stack([step.reward, step.success.float(), done.float()]).cpu()
-                r = host[0]
-                s = host[1] > 0
-                done = host[2] > 0
-                env_s += time.perf_counter() - t0
-                env_steps += B
-                ret += r * active
-                length += active.long()
-                success |= s & active
-                if record and bool(active[shown_rows].any()):
-                    # an ended episode's tile keeps its last frame instead of showing the reset
-                    live = (active & ~done)[shown_rows].to(shown.device).view(-1, 1, 1, 1)
-                    shown = torch.where(live, env.render()[shown_rows.to(env.device)], shown)
-                    frames.append(tile(shown))
-                for i in (done & active).nonzero().squeeze(1).tolist():
-                    results[int(group[i])].append(
-                        {
-                            "seed": seeds[i],
-                            "success": bool(success[i]),
-                            "success_at_end": bool(s[i]),
-                            "return": float(ret[i]),
-                            "length": int(length[i]),
-                        }
-                    )
+                obs, ended = _step(env, actions[:, k], rnd, timing, video)
+                for row, episode in ended:
+                    results[int(group[row])].append(episode)
                     if progress is not None:
                         progress.update(1)
-                active &= ~done
-                obs = step.obs
-                if not bool(active.any()):
+                if not bool(rnd.active.any()):
                     break
     summaries = [
         _summary(sorted(res, key=lambda e: e["seed"])[:episodes]) if episodes > 0 else None
         for res, (episodes, _) in zip(results, shares)
     ]
     for summary in filter(None, summaries):  # shared by the tasks of a MultiTaskEnv
-        summary.update(
-            {
-                "eval/policy_ms": 1000 * policy_s / max(1, policy_calls),
-                "eval/env_steps_per_s": env_steps / max(env_s, 1e-9),
-            }
-        )
-    if video_path is not None and frames:
-        write_mp4(video_path, frames, fps=env.spec.action.control_hz)
-        for summary in filter(None, summaries):
-            summary["eval/video"] = str(video_path)
+        summary.update(timing.summary())
+    video.write(summaries)
     return summaries
+
+
+def _new_round(
+    B: int,
+    ranges: list[tuple[int, int]],
+    results: list[list[dict]],
+    shares: list[tuple[int, int]],
+) -> _Round:
+    """The next round's seeds, and the rows whose episodes its ranges still need."""
+    seeds = [0] * B
+    active = torch.zeros(B, dtype=torch.bool)  # bool [B]
+    for (lo, hi), res, (episodes, seed) in zip(ranges, results, shares):
+        n = max(0, min(hi - lo, episodes - len(res)))
+        base = EVAL_SEED_OFFSET + seed + len(res)
+        seeds[lo:hi] = [base + i for i in range(hi - lo)]
+        active[lo : lo + n] = True
+    ret = torch.zeros(B)  # f32 [B]
+    length = torch.zeros(B, dtype=torch.long)  # i64 [B]
+    success = torch.zeros(B, dtype=torch.bool)  # bool [B]
+    return _Round(seeds, active, ret, length, success)
+
+
+def _step(env, action: torch.Tensor, rnd: _Round, timing: _Timing, video: _Video):
+    """One env step of the round: its observation, and (row, episode) for each row whose counted
+    episode ended in it."""
+    t0 = time.perf_counter()
+    step = env.step(action)
+    done = step.terminated | step.truncated
+    # one transfer per step (it waits for a GPU simulator, as the timing should)
+    host = torch.stack([step.reward, step.success.float(), done.float()]).cpu()
+    reward = host[0]
+    success = host[1] > 0
+    done = host[2] > 0
+    timing.env_s += time.perf_counter() - t0
+    timing.env_steps += env.num_envs
+    rnd.ret += reward * rnd.active
+    rnd.length += rnd.active.long()
+    rnd.success |= success & rnd.active
+    video.after_step(rnd.active, done)
+    ended = [
+        (row, _episode(rnd, row, bool(success[row])))
+        for row in (done & rnd.active).nonzero().squeeze(1).tolist()
+    ]
+    rnd.active &= ~done
+    return step.obs, ended
+
+
+def _episode(rnd: _Round, row: int, success_at_end: bool) -> dict:
+    """The record of ``row``'s episode, which ended in this step."""
+    return {
+        "seed": rnd.seeds[row],
+        "success": bool(rnd.success[row]),
+        "success_at_end": success_at_end,
+        "return": float(rnd.ret[row]),
+        "length": int(rnd.length[row]),
+    }
 
 
 def _device_of(policy, default) -> torch.device:
