@@ -297,16 +297,15 @@ def run_deploy(
     ``episode_seconds``, at ``hz`` (None: the rate the policy was trained at). Each episode starts
     at the policy's start pose (MuJoCo-trained policies); on the twin the task's scene is set up
     for it and its success judged."""
-    from embodied.robots.arm import RobotEnv, connect, default_safety, make_robot
-    from embodied.robots.control import ChunkExecutor, EmergencyStop, SafeShutdown
-    from embodied.robots.safety import SafetyLayer
+    from embodied.robots.control import ChunkExecutor, SafeShutdown
 
     policy, spec, agreed, train_cfg = load_deployable(checkpoint)
     _fit_rate(arm, spec, hz, episode_seconds)
     twin = arm.robot.endswith("-sim")
     # what can refuse the run does so before the arm is touched: the policy's inputs, the server
-    sim_scene = twin and train_cfg.env.simulator == "mujoco"  # the twin sets the task's scene
-    known = frozenset(spec.obs.privileged) if sim_scene else frozenset([GOAL] if goal else [])
+    known = frozenset([GOAL] if goal else [])
+    if _sim_scene(arm, train_cfg):
+        known = frozenset(spec.obs.privileged)
     check_fits(policy, spec, arm.cameras, known=known)
     reads = privileged_inputs(policy, spec)
     scenes = episode_scenes(train_cfg, goal, twin, episodes, seed)
@@ -316,28 +315,8 @@ def run_deploy(
 
         client = PolicyClient(server, agreed)
     try:
-        judge = None
-        sim = None
-        if twin:
-            from embodied.twin import make_twin_robot
-
-            task = train_cfg.env.task if train_cfg.env.simulator == "mujoco" else "push"
-            robot, sim, _ = make_twin_robot(arm, task=task)
-            judge = sim.success if train_cfg.env.simulator == "mujoco" else None
-        else:
-            robot = make_robot(arm)
-        connect(robot, arm)
-        safety = SafetyLayer(default_safety(robot, arm))
-        shapes = {k: spec.obs.privileged[k] for k in reads}
         scene = Scene(None)  # the episode's, for a goal its user gives (read each step)
-
-        def given_goal() -> dict[str, np.ndarray]:
-            return {GOAL: scene.goal}
-
-        # on the twin its simulator knows every input; a real arm knows the goal it was given
-        read = partial(sim.readings, reads) if sim_scene else given_goal
-        env = RobotEnv(robot, arm, safety, privileged=shapes, read_privileged=read, judge=judge)
-        summary = {"episodes": [], "robot": arm.robot, "hz": arm.control_hz}
+        env, sim = _robot_env(arm, train_cfg, spec, reads, scene)
         if client is not None:
             chunk_of = lambda obs: client.infer(obs_to_wire(obs))  # noqa: E731
         else:
@@ -345,43 +324,87 @@ def run_deploy(
         # safe pose, torque off there, disconnect: always, and a bus error in a step stays the
         # error reported (the shutdown's own failures are noted on it)
         with SafeShutdown(env, hz=arm.control_hz) as shutdown:
-            infer = robot_infer(chunk_of, spec, env)
-            recorder = (
-                EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot)
-                if record
-                else None
+            new_executor = partial(
+                ChunkExecutor,
+                robot_infer(chunk_of, spec, env),
+                request_when_left=request_when_left,
+                blend_steps=blend_steps,
+                wait_s=0.5 / arm.control_hz,  # up to half a period for a late chunk
             )
+            recorder = None
+            if record:
+                recorder = EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot)
             start = start_pose(train_cfg)
-            with EmergencyStop(keyboard=keyboard) as stop:
-                for ep, episode_scene in enumerate(scenes):
-                    scene.goal = episode_scene.goal
-                    if not _begin(env, sim, episode_scene, start, arm.control_hz):
-                        raise DeployError(f"episode {ep}: the arm did not reach its start pose")
-                    executor = ChunkExecutor(
-                        infer,
-                        request_when_left=request_when_left,
-                        blend_steps=blend_steps,
-                        wait_s=0.5 / arm.control_hz,
-                    )  # up to half a period for a late chunk
-                    result = _episode(env, executor, stop, arm)
-                    saved = recorder.finish(result) if recorder else None
-                    summary["episodes"].append(
-                        _episode_summary(
-                            result, executor, saved, episode_scene, judged=judge is not None
-                        )
-                    )
-                    log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
-                    if result.reason != "done":
-                        break
+            ran = _run_episodes(
+                env, sim, arm, scenes, scene, start, new_executor, recorder, keyboard
+            )
     finally:
         if client is not None:
             client.close()
-    if judge is not None:
-        done = summary["episodes"]
-        summary["success_rate"] = sum(e["success"] for e in done) / len(done)
+    summary = {"episodes": ran, "robot": arm.robot, "hz": arm.control_hz}
+    if env.judge is not None:
+        summary["success_rate"] = sum(e["success"] for e in ran) / len(ran)
     summary["interventions"] = dict(env.safety.counts)
     summary["torque_off_at_safe_pose"] = shutdown.torque_off
     return summary
+
+
+def _sim_scene(arm, train_cfg) -> bool:
+    """Whether the twin sets the task's scene (and so knows every input the policy reads)."""
+    return arm.robot.endswith("-sim") and train_cfg.env.simulator == "mujoco"
+
+
+def _robot_env(arm, train_cfg, spec: EnvSpec, reads: tuple[str, ...], scene: Scene):
+    """The arm (for ``-sim`` the twin's, which judges a MuJoCo task), connected, behind its
+    safety layer, as a RobotEnv; and the twin's simulator (None on a real arm)."""
+    from embodied.robots.arm import RobotEnv, connect, default_safety, make_robot
+    from embodied.robots.safety import SafetyLayer
+
+    mujoco_task = train_cfg.env.simulator == "mujoco"
+    judge = None
+    sim = None
+    if arm.robot.endswith("-sim"):
+        from embodied.twin import make_twin_robot
+
+        robot, sim, _ = make_twin_robot(arm, task=train_cfg.env.task if mujoco_task else "push")
+        judge = sim.success if mujoco_task else None
+    else:
+        robot = make_robot(arm)
+    connect(robot, arm)
+    safety = SafetyLayer(default_safety(robot, arm))
+    shapes = {k: spec.obs.privileged[k] for k in reads}
+
+    def given_goal() -> dict[str, np.ndarray]:
+        return {GOAL: scene.goal}
+
+    # on the twin its simulator knows every input; a real arm knows the goal it was given
+    read = partial(sim.readings, reads) if _sim_scene(arm, train_cfg) else given_goal
+    env = RobotEnv(robot, arm, safety, privileged=shapes, read_privileged=read, judge=judge)
+    return env, sim
+
+
+def _run_episodes(
+    env, sim, arm, scenes: list[Scene], scene: Scene, start, new_executor, recorder, keyboard
+) -> list[dict]:
+    """An episode per scene, each from the start pose, until one ends other than by its clock
+    (a stop, a fault): their summaries. ``scene`` takes each episode's goal for the policy."""
+    from embodied.robots.control import EmergencyStop
+
+    ran = []
+    with EmergencyStop(keyboard=keyboard) as stop:
+        for ep, episode_scene in enumerate(scenes):
+            scene.goal = episode_scene.goal
+            if not _begin(env, sim, episode_scene, start, arm.control_hz):
+                raise DeployError(f"episode {ep}: the arm did not reach its start pose")
+            executor = new_executor()
+            result = _episode(env, executor, stop, arm)
+            saved = recorder.finish(result) if recorder else None
+            judged = env.judge is not None
+            ran.append(_episode_summary(result, executor, saved, episode_scene, judged=judged))
+            log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
+            if result.reason != "done":
+                break
+    return ran
 
 
 def _fit_rate(arm, spec: EnvSpec, hz: float | None, episode_seconds: float) -> None:
