@@ -338,56 +338,14 @@ def collect(
     otherwise lockstep.
     ``should_stop`` is asked before every chunk; when it says so, ``Interrupted`` is raised."""
     T = plan.num_chunks
-    B = envs.num_envs
-    device = policy.device
     # each stage: its rows (a CPU index for the environments, None: all) and the same rows as a
     # slice of the buffers (views: plain copies, no index gathers)
     stage_list = envs.stage_split(stages, chunk_size)
-    split = stage_list[0][0] is not None
-    # the weight version that chose each chunk: long [T, B] on the host, sent once at the end
-    version_host = torch.empty(T, B, dtype=torch.long)
-    bootstrap = torch.zeros(T, B, device=device)  # V(last obs) of episodes that ended
-    buf: RolloutBatch | None = None
-    last_obs: list[Observation] = []
-
-    def to_policy(o: Observation) -> Observation:
-        return o if o.device == device else o.map(lambda t: t.to(device))
-
-    def act(t: int, stage, o: Observation) -> None:
-        nonlocal buf
-        rows, at = stage
-        o = to_policy(o)
-        out = policy.act(o)
-        if buf is None:
-            buf = _alloc(o, out, T, B)
-        destination = buf.obs.tensors()
-        for name, t_obs in o.tensors().items():
-            destination[name][t, at] = t_obs
-        buf.actions[t, at] = out.actions  # f32 [n, K, A]
-        buf.logprob_token[t, at] = out.extras["logp_token"]  # f32 [n, K, A]
-        for k, v in out.extras.items():
-            if k != "logp_token":
-                buf.extras[k][t, at] = v
-        buf.values[t, at] = out.value  # f32 [n]
-        version_host[t, at] = policy.version
-        envs.send(out.actions.to(envs.device), rows)
-
-    def record(t: int, stage, step: ChunkStep) -> None:
-        rows, at = stage
-        step = _on(step, device)
-        buf.rewards[t, at] = step.reward
-        buf.terminated[t, at] = step.terminated
-        buf.truncated[t, at] = step.truncated
-        buf.success[t, at] = step.success
-        if step.final_obs is not None:
-            global_rows = step.ended if rows is None else rows[step.ended]
-            # the critic's bootstrap only on the rows that ended (their episode's last obs)
-            rows_here = host_to_device(global_rows, device)
-            bootstrap[t, rows_here] = policy.value(to_policy(step.final_obs))
-
+    buffers = _RoundBuffers(envs, policy, T)
     for stage in stage_list:  # fill the pipeline (lockstep: the single stage)
         rows = stage[0]
-        act(0, stage, obs if rows is None else obs.index(rows))
+        buffers.act(0, stage, obs if rows is None else obs.index(rows))
+    last_obs: list[Observation] = []
     for t in range(T):
         if should_stop is not None and should_stop():
             for rows, _ in stage_list:  # let the environments finish what they were sent
@@ -395,24 +353,83 @@ def collect(
             raise Interrupted
         for stage in stage_list:
             step = envs.receive(stage[0])
-            record(t, stage, step)
+            buffers.record(t, stage, step)
             if t + 1 < T:
-                act(t + 1, stage, step.obs)
+                buffers.act(t + 1, stage, step.obs)
             else:
                 last_obs.append(step.obs)
-    if split:  # rows in stage order -> environment order
+    if stage_list[0][0] is not None:  # rows in stage order -> environment order
         order = torch.cat([rows for rows, _ in stage_list]).argsort()
         last = Observation.cat(last_obs).index(order)
     else:
         last = last_obs[0]
-    buf.instructions = envs.instructions
-    done = _fill_round(buf, plan, host_to_device(envs.task_ids, device), stats)
-    buf.policy_version = host_to_device(version_host, device)
-    # V(s_{t+1}): the next chunk's value, V(s_T) after the last; V(last obs) where it ended
-    following = torch.cat([buf.values[1:], policy.value(to_policy(last))[None]])
-    ended = done & buf.valid
-    buf.next_values = torch.where(ended.any(-1), bootstrap, following)
-    return buf, last
+    return buffers.finish(plan, stats, last), last
+
+
+class _RoundBuffers:
+    """A round's buffers, written chunk by chunk for a stage's rows (a CPU index, None: all, and
+    the same rows as a slice of the buffers); allocated at the first chunk the policy chose."""
+
+    def __init__(self, envs: EnvGroup, policy: InferencePolicy, T: int):
+        B = envs.num_envs
+        self.envs = envs
+        self.policy = policy
+        self.T = T
+        self.device = policy.device
+        self.buf: RolloutBatch | None = None
+        # the weight version that chose each chunk: long [T, B] on the host, sent once at the end
+        self.version_host = torch.empty(T, B, dtype=torch.long)
+        self.bootstrap = torch.zeros(T, B, device=self.device)  # V(last obs) of ended episodes
+
+    def to_policy(self, obs: Observation) -> Observation:
+        return obs if obs.device == self.device else obs.map(lambda t: t.to(self.device))
+
+    def act(self, t: int, stage: tuple[torch.Tensor | None, slice], obs: Observation) -> None:
+        """The policy's chunk t for the stage's rows, kept and sent to their environments."""
+        rows, at = stage
+        obs = self.to_policy(obs)
+        out = self.policy.act(obs)
+        if self.buf is None:
+            self.buf = _alloc(obs, out, self.T, self.envs.num_envs)
+        buf = self.buf
+        destination = buf.obs.tensors()
+        for name, t_obs in obs.tensors().items():
+            destination[name][t, at] = t_obs
+        buf.actions[t, at] = out.actions  # f32 [n, K, A]
+        buf.logprob_token[t, at] = out.extras["logp_token"]  # f32 [n, K, A]
+        for k, v in out.extras.items():
+            if k != "logp_token":
+                buf.extras[k][t, at] = v
+        buf.values[t, at] = out.value  # f32 [n]
+        self.version_host[t, at] = self.policy.version
+        self.envs.send(out.actions.to(self.envs.device), rows)
+
+    def record(self, t: int, stage: tuple[torch.Tensor | None, slice], step: ChunkStep) -> None:
+        """What chunk t did in the stage's rows; the critic's bootstrap where episodes ended."""
+        rows, at = stage
+        step = _on(step, self.device)
+        buf = self.buf
+        buf.rewards[t, at] = step.reward
+        buf.terminated[t, at] = step.terminated
+        buf.truncated[t, at] = step.truncated
+        buf.success[t, at] = step.success
+        if step.final_obs is not None:
+            global_rows = step.ended if rows is None else rows[step.ended]
+            # the critic's bootstrap only on the rows that ended (their episode's last obs)
+            rows_here = host_to_device(global_rows, self.device)
+            self.bootstrap[t, rows_here] = self.policy.value(self.to_policy(step.final_obs))
+
+    def finish(self, plan: CollectPlan, stats: EpisodeStats, last: Observation) -> RolloutBatch:
+        """The round's batch, once every chunk is recorded; ``last``: the observation after it."""
+        buf = self.buf
+        buf.instructions = self.envs.instructions
+        done = _fill_round(buf, plan, host_to_device(self.envs.task_ids, self.device), stats)
+        buf.policy_version = host_to_device(self.version_host, self.device)
+        # V(s_{t+1}): the next chunk's value, V(s_T) after the last; V(last obs) where it ended
+        following = torch.cat([buf.values[1:], self.policy.value(self.to_policy(last))[None]])
+        ended = done & buf.valid
+        buf.next_values = torch.where(ended.any(-1), self.bootstrap, following)
+        return buf
 
 
 def _fill_round(
