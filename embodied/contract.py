@@ -99,24 +99,7 @@ def check_env(
     obs = env.reset(seed=seed)
     check_observation(obs, spec, B, dev, "reset()")
     if deterministic:
-        again = env.reset(seed=seed)
-        _require(torch.equal(obs.state, again.state), "reset(seed=s) twice gave different states")
-        for k in obs.privileged:
-            _require(
-                torch.allclose(obs.privileged[k], again.privileged[k]),
-                f"reset(seed=s) twice: privileged[{k!r}] differs",
-            )
-        # one seed per environment: equal seeds give equal initial states (GRPO groups rely on it)
-        same = env.reset(seed=[seed + 1] * B)
-        _require(
-            torch.allclose(same.state, same.state[:1].expand_as(same.state), atol=1e-5),
-            "reset(seed=[s]*B): state differs across envs",
-        )
-        for k, v in same.privileged.items():
-            _require(
-                torch.allclose(v, v[:1].expand_as(v), atol=1e-5),
-                f"reset(seed=[s]*B): privileged[{k!r}] differs across envs",
-            )
+        _check_seeded_resets(env, obs, seed)
         obs = env.reset(seed=seed)
     # partial reset of env 0 returns the full batch and leaves the other rows alone
     part = env.reset(seed=seed + 100, env_ids=torch.tensor([0], device=dev))
@@ -126,11 +109,52 @@ def check_env(
             torch.equal(part.state[1:], obs.state[1:]),
             "partial reset changed environments it was not asked to reset",
         )
-    obs = env.reset(seed=seed)
+    limit = max_steps or spec.max_episode_steps + 1
+    _check_episodes(env, seed, limit)
+    frame = env.render()
+    if frame is not None:
+        _require(
+            frame.dtype == torch.uint8
+            and frame.dim() == 4
+            and frame.shape[0] == B
+            and frame.shape[-1] == 3,
+            f"render(): expected uint8 [B, H, W, 3], got {frame.dtype} {tuple(frame.shape)}",
+        )
+    return {"num_envs": B, "device": str(dev), "steps": limit}
+
+
+def _check_seeded_resets(env, obs: S.Observation, seed: int) -> None:
+    """The same seed gives the same states (``obs``: a reset with ``seed``); one seed for every
+    environment gives one state in every row (GRPO groups rely on it)."""
+    again = env.reset(seed=seed)
+    _require(torch.equal(obs.state, again.state), "reset(seed=s) twice gave different states")
+    for k in obs.privileged:
+        _require(
+            torch.allclose(obs.privileged[k], again.privileged[k]),
+            f"reset(seed=s) twice: privileged[{k!r}] differs",
+        )
+    same = env.reset(seed=[seed + 1] * env.num_envs)
+    _require(
+        torch.allclose(same.state, same.state[:1].expand_as(same.state), atol=1e-5),
+        "reset(seed=[s]*B): state differs across envs",
+    )
+    for k, v in same.privileged.items():
+        _require(
+            torch.allclose(v, v[:1].expand_as(v), atol=1e-5),
+            f"reset(seed=[s]*B): privileged[{k!r}] differs across envs",
+        )
+
+
+def _check_episodes(env, seed: int, limit: int) -> None:
+    """``limit`` steps of random actions from a reset with ``seed``: each step's outputs, and
+    episodes that end (some must) by ``max_episode_steps`` with their ``final_obs``."""
+    spec = env.spec
+    B = env.num_envs
+    dev = torch.device(env.device)
+    env.reset(seed=seed)
     gen = torch.Generator().manual_seed(seed)
     ended_any = False
     lengths = torch.zeros(B, dtype=torch.long)  # long [B]
-    limit = max_steps or spec.max_episode_steps + 1
     for t in range(limit):
         out = env.step(_random_actions(spec.action, B, dev, gen))
         _require(
@@ -148,23 +172,7 @@ def check_env(
         )
         if done.any():
             ended_any = True
-            _require(out.final_obs is not None, f"step({t}): episodes ended but final_obs is None")
-            rows = done.nonzero().squeeze(1)
-            _require(
-                isinstance(out.ended, torch.Tensor)
-                and out.ended.device.type == "cpu"
-                and out.ended.dtype == torch.long
-                and torch.equal(out.ended, rows),
-                f"step({t}).ended: expected long {rows.tolist()} on the CPU, got {out.ended}",
-            )
-            check_observation(out.final_obs, spec, B, dev, f"step({t}).final_obs")
-            keep = ~done
-            if keep.any():
-                k = keep.to(dev)
-                _require(
-                    torch.equal(out.final_obs.state[k], out.obs.state[k]),
-                    "final_obs rows of running envs must equal obs",
-                )
+            _check_ended(out, done, spec, dev, t)
             lengths[done] = 0
         else:
             _require(out.final_obs is None, f"step({t}): final_obs given although no episode ended")
@@ -173,16 +181,31 @@ def check_env(
         ended_any,
         f"no episode ended within {limit} steps (max_episode_steps={spec.max_episode_steps})",
     )
-    frame = env.render()
-    if frame is not None:
+
+
+def _check_ended(
+    out: S.StepOutput, done: torch.Tensor, spec: S.EnvSpec, dev: torch.device, t: int
+) -> None:
+    """Step ``t``, where the rows of ``done`` (bool [B], CPU) ended: ``ended`` names them, and
+    ``final_obs`` is the full batch, equal to ``obs`` in the rows still running."""
+    B = done.shape[0]
+    _require(out.final_obs is not None, f"step({t}): episodes ended but final_obs is None")
+    rows = done.nonzero().squeeze(1)
+    _require(
+        isinstance(out.ended, torch.Tensor)
+        and out.ended.device.type == "cpu"
+        and out.ended.dtype == torch.long
+        and torch.equal(out.ended, rows),
+        f"step({t}).ended: expected long {rows.tolist()} on the CPU, got {out.ended}",
+    )
+    check_observation(out.final_obs, spec, B, dev, f"step({t}).final_obs")
+    keep = ~done
+    if keep.any():
+        k = keep.to(dev)
         _require(
-            frame.dtype == torch.uint8
-            and frame.dim() == 4
-            and frame.shape[0] == B
-            and frame.shape[-1] == 3,
-            f"render(): expected uint8 [B, H, W, 3], got {frame.dtype} {tuple(frame.shape)}",
+            torch.equal(out.final_obs.state[k], out.obs.state[k]),
+            "final_obs rows of running envs must equal obs",
         )
-    return {"num_envs": B, "device": str(dev), "steps": limit}
 
 
 def random_observation(spec: S.EnvSpec, batch: int, device="cpu", seed: int = 0) -> S.Observation:
@@ -268,6 +291,9 @@ def check_policy(
     )
     if params:
         loss = logprob.sum() + (value.sum() if value is not None else 0.0)
+        _require(
+            loss.requires_grad, "no gradient reaches the policy's weights: evaluate() is detached"
+        )
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         _require(
             any(g is not None and g.abs().sum() > 0 for g in grads),
