@@ -232,15 +232,51 @@ def build_parser() -> argparse.ArgumentParser:
         prog="embodied", description="Fine-tune robot policies with RL in vectorized simulators."
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    t = sub.add_parser(
+    _config_command(
+        sub,
         "train",
+        cmd_train,
         help="train a policy from a YAML config",
         description="Train from CONFIG; override any key with key.sub=value "
         "(e.g. env.num_envs=16).",
+        example="configs/maniskill/pushcube_ppo.yaml",
     )
-    t.add_argument("config", help="YAML config, e.g. configs/maniskill/pushcube_ppo.yaml")
-    t.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
-    t.set_defaults(func=cmd_train)
+    _add_eval(sub)
+    _config_command(
+        sub,
+        "demos",
+        cmd_demos,
+        help="record demonstrations with an expert into a LeRobot dataset",
+        description="Record demonstrations as CONFIG says (expert checkpoint, task, episodes, "
+        "output); override any key with key.sub=value.",
+        example="configs/maniskill/demos_pushcube.yaml",
+    )
+    _config_command(
+        sub,
+        "sft",
+        cmd_sft,
+        help="supervised fine-tuning (behaviour cloning) on LeRobot datasets",
+        description="Train the policy in CONFIG on its datasets, evaluate per task, save a "
+        "checkpoint.",
+        example="configs/maniskill/multitask_vla_sft.yaml",
+    )
+    _add_bench(sub)
+    add_robot_commands(sub)
+    add_run_commands(sub)
+    _add_cluster(sub)
+    _add_convert(sub)
+    return p
+
+
+def _config_command(sub, name: str, func, *, help: str, description: str, example: str) -> None:
+    """A command that takes a YAML config and key.sub=value overrides."""
+    command = sub.add_parser(name, help=help, description=description)
+    command.add_argument("config", help=f"YAML config, e.g. {example}")
+    command.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
+    command.set_defaults(func=func)
+
+
+def _add_eval(sub) -> None:
     e = sub.add_parser(
         "eval",
         help="evaluate a checkpoint",
@@ -264,24 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="env.key=value: the same task another way (env.backend=warp env.device=cuda)",
     )
     e.set_defaults(func=cmd_eval)
-    d = sub.add_parser(
-        "demos",
-        help="record demonstrations with an expert into a LeRobot dataset",
-        description="Record demonstrations as CONFIG says (expert checkpoint, task, episodes, "
-        "output); override any key with key.sub=value.",
-    )
-    d.add_argument("config", help="YAML config, e.g. configs/maniskill/demos_pushcube.yaml")
-    d.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
-    d.set_defaults(func=cmd_demos)
-    s = sub.add_parser(
-        "sft",
-        help="supervised fine-tuning (behaviour cloning) on LeRobot datasets",
-        description="Train the policy in CONFIG on its datasets, evaluate per task, save a "
-        "checkpoint.",
-    )
-    s.add_argument("config", help="YAML config, e.g. configs/maniskill/multitask_vla_sft.yaml")
-    s.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
-    s.set_defaults(func=cmd_sft)
+
+
+def _add_bench(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="evaluate a policy on a suite of tasks across simulators",
@@ -298,8 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--checkpoint", help="a checkpoint directory or RUN/last")
     b.add_argument("--out", help="report directory (default: output_dir/NAME/POLICY)")
     b.set_defaults(func=cmd_bench)
-    add_robot_commands(sub)
-    add_run_commands(sub)
+
+
+def _add_cluster(sub) -> None:
     c = sub.add_parser(
         "cluster",
         help="what a cluster run's roles run on",
@@ -309,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("action", choices=["status"])
     c.add_argument("run", help="a run directory, e.g. runs/multitask_vla_grpo")
     c.set_defaults(func=cmd_cluster)
+
+
+def _add_convert(sub) -> None:
     v = sub.add_parser(
         "convert",
         help="convert weights: checkpoint, megatron shards, Hugging Face directory",
@@ -324,7 +349,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("out", help="the output directory (must not exist)")
     v.set_defaults(func=cmd_convert)
-    return p
 
 
 def cmd_convert(args) -> int:
