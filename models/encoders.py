@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from embodied.models.normalization import RunningNorm
-from embodied.schema import EnvSpec, Observation
+from embodied.schema import EnvSpec, Observation, UserError
 
 
 class StateEncoder(nn.Module):
@@ -16,7 +16,7 @@ class StateEncoder(nn.Module):
         super().__init__()
         unknown = sorted(set(keys) - set(spec.obs.privileged))
         if unknown:
-            raise ValueError(
+            raise UserError(
                 f"policy.privileged_keys: {unknown} not among the environment's "
                 f"{sorted(spec.obs.privileged)}"
             )

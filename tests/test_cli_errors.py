@@ -261,6 +261,43 @@ CASES = [
         ["deploy", "{goal}", "--robot", "so101", "--robot.port", "/dev/ttyACM0"],
         ["simulator-only inputs", "policy.use_privileged=false"],
     ),
+    # each section's own checks (validate()), named at their key and where it was set
+    (["train", M, "runner.eval_episodes=0"], ["runner.eval_episodes: must be >= 1, got 0"]),
+    (["train", M, "runner.final_eval_episodes=0"], ["runner.final_eval_episodes", "got 0"]),
+    (["train", M, "runner.spike_factor=-1"], ["runner.spike_factor: must be >= 0", "-1.0"]),
+    (["train", M, "runner.keep_rollouts=0"], ["runner.keep_rollouts: must be >= 1"]),
+    (["train", M, "runner.keep_checkpoints=0"], ["runner.keep_checkpoints: must be >= 1"]),
+    (["train", M, "runner.torch_threads=0"], ["runner.torch_threads: must be >= 1"]),
+    (["train", M, "runner.max_minutes=0"], ["runner.max_minutes: must be > 0", "command line"]),
+    (
+        ["train", M, f"runner.replay_from={R}/x", f"runner.resume={R}/y"],
+        ["runner.replay_from", "cannot resume"],
+    ),
+    (["train", M, "algorithm.gamma=0"], ["algorithm.gamma: must be in (0, 1], got 0.0"]),
+    (["train", M, "algorithm.gae_lambda=2"], ["algorithm.gae_lambda: must be in [0, 1]"]),
+    (["train", M, "algorithm.learning_rate=0"], ["algorithm.learning_rate: must be > 0"]),
+    (["train", M, "algorithm.num_steps=0"], ["algorithm.num_steps: must be >= 1, got 0"]),
+    (["train", V, "algorithm.group_size=1"], ["algorithm.group_size: must be >= 2, got 1"]),
+    (["train", V, "algorithm.kl_coef=-1"], ["algorithm.kl_coef: must be >= 0"]),
+    (["train", M, "policy.activation=swish"], ["policy.activation", "'relu'", "'swish'"]),
+    (["train", M, "policy.chunk_size=0"], ["policy.chunk_size: must be >= 1, got 0"]),
+    (["train", M, "policy.hidden_sizes=[]"], ["policy.hidden_sizes", "non-empty"]),
+    (
+        ["train", M, "policy.use_privileged=false", "policy.privileged_keys=[goal_pos]"],
+        ["policy.privileged_keys", "use_privileged=true"],
+    ),
+    (["train", M, "env.obs_mode=depth"], ["env.obs_mode", "'depth'"]),
+    (
+        ["train", M, "env.randomize.friction=-1"],
+        ["env.randomize.friction: must be >= 0, got -1.0 (in the command line)"],
+    ),
+    (["train", M, "env.randomize.mass=1.5"], ["env.randomize.mass: a relative range below 1"]),
+    (["train", M, "trainer.tensor_parallel=0"], ["trainer.tensor_parallel: must be >= 1"]),
+    # known only once the environment is built: still one line, and no run directory
+    (
+        ["train", M, "policy.privileged_keys=[nope]"],
+        ["policy.privileged_keys: ['nope'] not among the environment's ['goal_pos', 'tcp_pos']"],
+    ),
     # the cluster block (checked before Ray starts) and cluster status
     (["train", M, "cluster.placement=everywhere"], ["cluster.placement", "'everywhere'"]),
     (["train", M, "cluster.env.workers=0"], ["cluster.env.workers", "must be >= 1"]),
@@ -311,6 +348,22 @@ CASES = [
         ["train", V, "trainer.backend=megatron", "cluster.offload_optimizer=true"],
         ["cluster.offload_optimizer", "megatron"],
     ),
+    (["train", M, "cluster.env.num_cpus=-1"], ["cluster.env.num_cpus: must be >= 0"]),
+    (["train", M, "cluster.env.num_gpus=-1"], ["cluster.env.num_gpus: must be >= 0"]),
+    (["train", M, "cluster.connect_timeout_s=0"], ["cluster.connect_timeout_s: must be > 0"]),
+    (["train", M, "cluster.sync_bucket_mb=0"], ["cluster.sync_bucket_mb: must be > 0"]),
+    (["train", M, "cluster.max_restarts=-1"], ["cluster.max_restarts: must be >= 0"]),
+    (["train", M, "cluster.eval.workers=1"], ["cluster.eval.workers", "cluster.enabled=true"]),
+    (
+        [
+            "train",
+            M,
+            "cluster.enabled=true",
+            "cluster.rollout.workers=3",
+            "cluster.env.workers=2",
+        ],
+        ["cluster.rollout.workers", "3 rollout workers for 2 env worker(s)"],
+    ),
     (["cluster", "status", f"{R}/nowhere"], ["nowhere", "no such run directory"]),
     (["cluster", "status", "{run}"], ["no cluster.json", "not a cluster run"]),
     (["cluster", "stop", "{run}"], ["'stop'"]),
@@ -344,7 +397,7 @@ def test_bad_input_is_one_line_naming_the_culprit(argv, culprits, paths, capsys)
 
 def test_a_run_that_cannot_start_leaves_no_run_directory(paths, capsys):
     out = f"{paths['root']}/never"
-    bad = [f"runner.init_from={paths['root']}/corrupt_weights"]
+    bad = [f"runner.init_from={paths['root']}/corrupt_weights", "policy.privileged_keys=[nope]"]
     if importlib.util.find_spec("mani_skill") is not None:
         bad.append("env.simulator=maniskill")  # with reach_ppo's task, 'reach'
     for override in bad:

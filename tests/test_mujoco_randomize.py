@@ -136,3 +136,16 @@ def test_each_world_draw_is_kept_with_its_recorded_episode(tmp_path, capsys):
         assert world["gain_scale"] == pytest.approx(again["gain_scale"][i])
         assert world["delay"] == again["delay"][i]
     assert len({tuple(w["gain_scale"]) for w in worlds}) == 2  # each world its own
+
+
+@pytest.mark.parametrize(
+    "ranges, message",
+    [
+        ({"friction": -0.1}, "randomize.friction: must be >= 0, got -0.1"),
+        ({"mass": 1.0}, "randomize.mass: a relative range below 1, got 1.0"),
+    ],
+)
+def test_a_range_out_of_bounds_is_named_under_randomize(ranges, message):
+    """Built in code (a config file's section is named env.randomize.* by the config loader)."""
+    with pytest.raises(ValueError, match=message):
+        make_env(MuJoCoConfig(task="push", randomize=RandomizeConfig(**ranges)))

@@ -60,7 +60,10 @@ class MuJoCoConfig(SimulatorConfig):
             )
         if self.compile and self.backend != "warp":
             raise ValueError("compile: only the warp backend compiles its step (env.backend=warp)")
-        self.randomize.validate()
+        try:  # (a config file's section is validated on its own first, as env.randomize)
+            self.randomize.validate()
+        except ValueError as e:
+            raise ValueError(f"randomize.{e}") from None
         for name in ("nconmax", "njmax"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -41,12 +41,10 @@ class RandomizeConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if value < 0:
-                raise ValueError(f"randomize.{f.name}: must be >= 0, got {value}")
+                raise ValueError(f"{f.name}: must be >= 0, got {value}")
         for name in ("cube_size", "friction", "mass", "servo_gain", "light"):
             if getattr(self, name) >= 1:
-                raise ValueError(
-                    f"randomize.{name}: a relative range below 1, got {getattr(self, name)}"
-                )
+                raise ValueError(f"{name}: a relative range below 1, got {getattr(self, name)}")
 
     @property
     def active(self) -> bool:
