@@ -51,12 +51,12 @@ def check_config(args, *, files: bool = True):
     simulators know (a bench suite's every task); ``files``: also the local files a schema checks
     before the run (a model directory). Raises ConfigError or UserError, one line each."""
     from embodied.bench import expand
-    from embodied.config import load_config
+    from embodied.config import load_config, source_of
     from embodied.multitask import check_tasks
 
-    cfg = load_config(_schema(args.command), args.config, args.overrides, files=files)[0]
+    cfg, sources = load_config(_schema(args.command), args.config, args.overrides, files=files)
     if args.command == "bench":
-        expand(cfg, args.config)
+        expand(cfg, source_of("tasks", sources))  # (the file, or tasks=[...] on the command line)
     elif args.command != "sft":  # (SFT's tasks are its datasets')
         check_tasks(cfg.env)
     return cfg

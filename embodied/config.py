@@ -78,7 +78,7 @@ def _leaf_paths(d: dict, prefix: str = "") -> list[str]:
     return paths
 
 
-def _source_of(key: str, sources: list[tuple[str, dict]]) -> str:
+def source_of(key: str, sources: list[tuple[str, dict]]) -> str:
     """The last source that set ``key`` or one of its parents/children; for a key left at its
     default, the config file (where it would be set)."""
     for name, data in reversed(sources):
@@ -107,7 +107,7 @@ def _validate_tree(obj: Any, path: str, sources, files: bool = True) -> None:
             field_name = str(e).split(":", 1)[0]
             key = f"{path}{field_name}"
             raise ConfigError(
-                f"{key}: {str(e).split(':', 1)[-1].strip()} (in {_source_of(key, sources)})"
+                f"{key}: {str(e).split(':', 1)[-1].strip()} (in {source_of(key, sources)})"
             ) from None
 
 
@@ -178,7 +178,7 @@ def compose(schema: type, sources: list[tuple[str, dict]]):
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         raise ConfigError(
-            f"{key}: {str(e).splitlines()[0]} (in {_source_of(key, sources)})"
+            f"{key}: {str(e).splitlines()[0]} (in {source_of(key, sources)})"
         ) from None
 
 

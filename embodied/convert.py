@@ -56,6 +56,7 @@ def convert(source: str | Path, to: str, out: str | Path, *, tensor_parallel: in
     elif (source / "config.json").is_file() and not (source / "meta.json").is_file():
         write = _from_hf_dir(source, to, tensor_parallel)
     else:
+        _require_checkpoint(source)
         write = _from_checkpoint(source, to, tensor_parallel)
     staging = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
@@ -69,6 +70,19 @@ def convert(source: str | Path, to: str, out: str | Path, *, tensor_parallel: in
 
 
 # --- embodied checkpoints --------------------------------------------------------------------
+def _require_checkpoint(source: Path) -> None:
+    """A ConvertError naming what ``source`` is not, when it is none of the formats."""
+    from embodied.checkpoint import resolve_checkpoint
+
+    try:
+        resolve_checkpoint(source)
+    except FileNotFoundError as e:
+        raise ConvertError(
+            f"{e}; nor is it a Hugging Face model directory (config.json) or a megatron one "
+            f"({MEGATRON_META})"
+        ) from None
+
+
 def _from_checkpoint(source: Path, to: str, tp: int):
     from embodied.checkpoint import load_policy_checkpoint
     from embodied.demos import load_policy

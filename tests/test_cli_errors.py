@@ -53,6 +53,9 @@ def paths(tmp_path_factory):
         "policy: {name: vla}\nalgorithm: {name: grpo}\n",
         "demos_no_expert.yaml": "episodes: 2\n",
         "no_tasks.yaml": "tasks: []\n",
+        "cycle_a.yaml": "defaults: [cycle_b.yaml]\n",
+        "cycle_b.yaml": "defaults: [cycle_a.yaml]\n",
+        "defaults_text.yaml": "defaults: cycle_a.yaml\n",
     }
     for name, text in files.items():
         (root / name).write_text(text)
@@ -117,6 +120,8 @@ CASES = [
     (["train", f"{R}/comments.yaml"], ["comments.yaml", "config file is empty"]),
     (["train", f"{R}/invalid.yaml"], ["invalid.yaml line 2", "invalid YAML"]),
     (["train", f"{R}/list.yaml"], ["list.yaml", "must be a mapping"]),
+    (["train", f"{R}/cycle_a.yaml"], ["defaults form a cycle", "cycle_a.yaml -> ", "cycle_b"]),
+    (["train", f"{R}/defaults_text.yaml"], ["defaults_text.yaml", "'defaults' must be a list"]),
     # train: keys, types, overrides
     (["train", M, "env.num_envz=3"], ["env.num_envz", "unknown key", "the command line"]),
     (["train", M, "env.num_envs=many"], ["env.num_envs", "'many'"]),
@@ -213,6 +218,10 @@ CASES = [
     (["bench", SUITE, "--checkpoint", f"{R}/nowhere"], ["no checkpoint at", "nowhere"]),
     (["bench", SUITE, "episodes=0"], ["episodes", "got 0"]),
     (["bench", SUITE, "--out", f"{R}/empty.yaml"], ["--out", "empty.yaml", "is a file"]),
+    (
+        ["bench", SUITE, "tasks=[{env: {simulator: mujoco}}, {env: {simulator: mujoco}}]"],
+        ["two tasks share a name", "'mujoco/reach'", "give them `name:` (in the command line)"],
+    ),
     (
         ["bench", SUITE, "tasks=[{env: {simulator: mujoco, task: fly}}]"],
         ["tasks[0].env.task", "'fly'"],
@@ -367,6 +376,21 @@ CASES = [
     (["cluster", "status", f"{R}/nowhere"], ["nowhere", "no such run directory"]),
     (["cluster", "status", "{run}"], ["no cluster.json", "not a cluster run"]),
     (["cluster", "stop", "{run}"], ["'stop'"]),
+    # convert
+    (["convert", f"{R}/nowhere", "--to", "torch", f"{R}/o"], ["nowhere: no such file"]),
+    (
+        ["convert", R, "--to", "torch", f"{R}/o"],
+        ["no checkpoint at", "nor is it a Hugging Face model directory (config.json)"],
+    ),
+    (["convert", CK, "--to", "tpu", f"{R}/o"], ["--to", "'tpu'"]),
+    (["convert", CK, "--to", "torch", "--tensor-parallel", "2", f"{R}/o"], ["--to megatron only"]),
+    (["convert", CK, "--to", "megatron", "--tensor-parallel", "0", f"{R}/o"], ["at least 1"]),
+    (["convert", CK, "--to", "torch", f"{R}/run"], ["run exists", "new directory"]),
+    (
+        ["convert", CK, "--to", "megatron", f"{R}/o"],
+        ["nothing the megatron backend shards", "policy.name='actor_critic'"],
+    ),
+    (["convert", CK, "--to", "hf", f"{R}/o"], ["holds no Hugging Face model", "--to torch"]),
     # the command line itself
     (["frobnicate"], ["'frobnicate'"]),
     (["train"], ["config"]),
