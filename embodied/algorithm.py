@@ -39,6 +39,16 @@ def check_level(level: str) -> None:
         raise ValueError(f"logprob_level: must be chunk, action or token, got {level!r}")
 
 
+def check_clipping(clip_coef: float, clip_coef_high: float | None, max_grad_norm: float) -> None:
+    """The ratio's clip range and the gradient's norm bound: 0 would leave nothing to learn."""
+    if clip_coef <= 0:
+        raise ValueError(f"clip_coef: must be > 0, got {clip_coef}")
+    if clip_coef_high is not None and clip_coef_high <= 0:
+        raise ValueError(f"clip_coef_high: must be > 0 or null, got {clip_coef_high}")
+    if max_grad_norm <= 0:
+        raise ValueError(f"max_grad_norm: must be > 0, got {max_grad_norm}")
+
+
 def check_behaviour_weight_cap(cap: float | None) -> None:
     # a cap of 1 or less would drop every entry the update has moved towards (weight > 1)
     if cap is not None and cap <= 1:

@@ -109,11 +109,10 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from embodied import numerics
     from embodied.checkpoint import load_policy_checkpoint
-    from embodied.config import COMMAND_LINE, ConfigError, compose, parse_overrides
     from embodied.evaluate import evaluate
     from embodied.models import build_policy
     from embodied.multitask import make_env
-    from embodied.train_config import TrainConfig
+    from embodied.schema import UserError
 
     if args.episodes < 1:
         return _error(f"--episodes: must be >= 1, got {args.episodes}")
@@ -123,39 +122,23 @@ def cmd_eval(args) -> int:
         ckpt = load_policy_checkpoint(args.checkpoint)
     except FileNotFoundError as e:
         return _error(str(e))
-    not_env = [o for o in args.overrides if not o.startswith("env.")]
-    if not_env:
-        return _error(
-            f"{not_env[0]}: eval overrides env.* keys only (the policy is the checkpoint's)"
-        )
-    sources = [(str(ckpt["path"]), ckpt["meta"]["config"])]
-    try:
-        if args.overrides:
-            sources.append((COMMAND_LINE, parse_overrides(args.overrides)))
-        cfg = compose(TrainConfig, sources)
-    except ConfigError as e:
-        return _error(str(e))
-    try:
-        cfg.env.validate()
-    except ValueError as e:
-        return _error(f"env.{e}")
-    sft_runner = ckpt["meta"].get("sft", {}).get("runner", {})
-    if "runner" not in ckpt["meta"]["config"] and "torch_threads" in sft_runner:
-        cfg.runner.torch_threads = sft_runner["torch_threads"]  # (SFT's, before it named them)
-    if args.num_envs is not None:
-        cfg.env.num_envs = args.num_envs
-        try:
-            cfg.env.validate()
-        except ValueError as e:
-            return _error(f"--num-envs {args.num_envs}: {e}")
+    cfg = _eval_config(args, ckpt)  # (ConfigError, UserError: one line, from main)
     if cfg.runner.deterministic:  # the run's floats again, on any CPU
         _pinned(args, True)
         numerics.pin()
     numerics.setup(cfg.runner.torch_threads)
     env = make_env(cfg.env)
     try:
+        _check_same_inputs(ckpt["meta"].get("spec"), env.spec, args.overrides)
         policy = build_policy(env.spec, cfg.policy).to(env.device)
-        policy.load_state_dict(ckpt["model"])
+        try:
+            policy.load_state_dict(ckpt["model"])
+        except RuntimeError as e:  # (a camera of another size, say)
+            detail = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
+            raise UserError(
+                f"{' '.join(args.overrides)}: the checkpoint's weights do not fit the policy "
+                f"for this environment ({detail})"
+            ) from None
         policy.eval()
         video = ckpt["path"] / f"eval_{args.episodes}.mp4" if args.video else None
         result = evaluate(env, policy, episodes=args.episodes, seed=args.seed, video_path=video)
@@ -165,6 +148,66 @@ def cmd_eval(args) -> int:
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _eval_config(args, ckpt: dict):
+    """The config the checkpoint was trained with, its env section changed by the command line's
+    env.* overrides and --num-envs; a ConfigError or UserError for a bad one."""
+    from embodied.config import COMMAND_LINE, compose, parse_overrides
+    from embodied.schema import UserError
+    from embodied.train_config import TrainConfig
+
+    not_env = [o for o in args.overrides if not o.startswith("env.")]
+    if not_env:
+        raise UserError(
+            f"{not_env[0]}: eval overrides env.* keys only (the policy is the checkpoint's)"
+        )
+    sources = [(str(ckpt["path"]), ckpt["meta"]["config"])]
+    if args.overrides:
+        sources.append((COMMAND_LINE, parse_overrides(args.overrides)))
+    cfg = compose(TrainConfig, sources)
+    try:
+        cfg.env.validate()
+    except ValueError as e:
+        raise UserError(f"env.{e}") from None
+    sft_runner = ckpt["meta"].get("sft", {}).get("runner", {})
+    if "runner" not in ckpt["meta"]["config"] and "torch_threads" in sft_runner:
+        cfg.runner.torch_threads = sft_runner["torch_threads"]  # (SFT's, before it named them)
+    if args.num_envs is not None:
+        cfg.env.num_envs = args.num_envs
+        try:
+            cfg.env.validate()
+        except ValueError as e:
+            raise UserError(f"--num-envs {args.num_envs}: {e}") from None
+    return cfg
+
+
+def _check_same_inputs(trained: dict | None, spec, overrides: list[str]) -> None:
+    """A UserError when the overridden environment gives the checkpoint's policy other state or
+    cameras, or takes other actions, than it was trained with (``trained``: its spec, as
+    meta.json keeps it; older checkpoints have none). Privileged keys may differ between tasks:
+    the policy's encoder names any it reads and the environment lacks."""
+    from embodied.schema import EnvSpec, UserError
+
+    if trained is None:
+        return
+    was = EnvSpec.from_dict(trained)
+    changes = [
+        f"{what} {old} -> {new}"
+        for what, old, new in [
+            ("state", list(was.obs.state_names), list(spec.obs.state_names)),
+            ("cameras", [c.name for c in was.obs.cameras], [c.name for c in spec.obs.cameras]),
+            ("action space", was.action.space, spec.action.space),
+            ("actions", list(was.action.names), list(spec.action.names)),
+        ]
+        if old != new
+    ]
+    if changes:
+        raise UserError(
+            f"{' '.join(overrides)}: the policy was trained with other inputs or actions "
+            f"({'; '.join(changes)}); eval's overrides change how the task runs, not what the "
+            "policy sees or does"
+        )
 
 
 def cmd_demos(args) -> int:

@@ -54,8 +54,7 @@ def train_from_records(cfg) -> dict:
     task_of_env = torch.tensor(first.meta["task_of_env"], dtype=torch.long)
     run_dir = run_dir_for(cfg.runner, None)
     cfg.runner.record_rollouts = 0  # (this run's updates are the records' own)
-    device = "cpu" if cfg.runner.device == "auto" else cfg.runner.device
-    learner = Learner(cfg, spec, task_of_env, torch.device(device))
+    learner = Learner(cfg, spec, task_of_env, cfg.runner.torch_device("cpu"))
     try:
         enter_run_dir(run_dir, cfg, None, False)
         if not cfg.runner.init_from:

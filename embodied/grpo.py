@@ -24,6 +24,7 @@ from embodied.algorithm import (
     AlgorithmConfig,
     broadcast,
     check_behaviour_weight_cap,
+    check_clipping,
     check_level,
     in_pieces,
     mean_over_rounds,
@@ -73,6 +74,7 @@ class GRPOConfig(AlgorithmConfig):
             raise ValueError(f"group_size: must be >= 2, got {self.group_size}")
         check_level(self.logprob_level)
         check_behaviour_weight_cap(self.behaviour_weight_cap)
+        check_clipping(self.clip_coef, self.clip_coef_high, self.max_grad_norm)
         for key in ("groups_per_batch", "max_rounds", "update_epochs", "num_minibatches"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")

@@ -21,6 +21,7 @@ from embodied.algorithm import (
     AlgorithmConfig,
     broadcast,
     check_behaviour_weight_cap,
+    check_clipping,
     check_level,
     mean_over_rounds,
 )
@@ -70,6 +71,14 @@ class PPOConfig(AlgorithmConfig):
             raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")
         check_level(self.logprob_level)
         check_behaviour_weight_cap(self.behaviour_weight_cap)
+        check_clipping(self.clip_coef, self.clip_coef_high, self.max_grad_norm)
+        if self.vf_coef < 0:
+            raise ValueError(f"vf_coef: must be >= 0, got {self.vf_coef}")
+        for key in ("vf_clip", "target_kl"):
+            if getattr(self, key) is not None and getattr(self, key) <= 0:
+                raise ValueError(f"{key}: must be > 0 or null, got {getattr(self, key)}")
+        if self.reward_scale <= 0:
+            raise ValueError(f"reward_scale: must be > 0, got {self.reward_scale}")
 
     def check_with(self, policy, env) -> None:
         if not policy.has_critic():

@@ -377,7 +377,7 @@ class LocalRoles:
     def __init__(self, cfg, env, resume: dict | None = None):
         self.envs = EnvGroup(env)
         self.spec: EnvSpec = env.spec
-        device = env.device if cfg.runner.device == "auto" else torch.device(cfg.runner.device)
+        device = cfg.runner.torch_device(env.device)
         self.learner = learner_for(cfg, env.spec, self.envs.task_of_env, device)
         # the one inference shard's stream: rollout worker 0's on Ray
         stream = Stream.derived(cfg.seed, "rollout", 0)

@@ -321,7 +321,10 @@ def enter_run_dir(run_dir: Path, cfg, resume: dict | None, evaluates_beside: boo
         rewind(run_dir, resume, cfg, evaluates_beside)
     elif cfg.runner.overwrite:
         clear_run(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"runner.output_dir: cannot make {run_dir} ({e.strerror})") from None
     save_config(cfg, run_dir / "config.yaml")
     start = 0 if resume is None else resume["counters"]["iteration"]
     numerics.record(run_dir, iteration=start, deterministic=cfg.runner.deterministic)

@@ -215,6 +215,14 @@ class SimulatorConfig:
     simulator: str = ""
 
 
+def check_episode_limit(max_episode_steps: int | None) -> None:
+    """A simulator config's ``max_episode_steps``: None (the task's own) or at least one step."""
+    if max_episode_steps is not None and max_episode_steps < 1:
+        raise ValueError(
+            f"max_episode_steps: must be >= 1 or null (the task's), got {max_episode_steps}"
+        )
+
+
 @dataclass
 class StepOutput:
     """What ``VecEnv.step`` returns.

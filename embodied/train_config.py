@@ -3,9 +3,12 @@ sections ask of each other, checked before anything is built."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
+
+import torch
 
 from embodied.algorithm import AlgorithmConfig
 from embodied.cluster.config import ClusterConfig
@@ -15,7 +18,7 @@ from embodied.learner import TrainerConfig
 from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig
 from embodied.multitask import SIMULATOR_CONFIGS
 from embodied.ppo import PPOConfig
-from embodied.schema import SimulatorConfig
+from embodied.schema import SimulatorConfig, UserError
 from embodied.simulators.maniskill import ManiSkillConfig
 
 ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
@@ -88,6 +91,21 @@ class RunnerConfig:
             raise ValueError(f"torch_threads: must be >= 1, got {self.torch_threads}")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"max_minutes: must be > 0, got {self.max_minutes}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    def torch_device(self, auto: torch.device | str) -> torch.device:
+        """The learner's device: ``auto`` for device=auto (the environment's); CUDA on a
+        machine without it is a one-line UserError (validation alone accepts it: a GPU's
+        command line validates on a CPU)."""
+        if self.device == "auto":
+            return torch.device(auto)
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(
+                f"runner.device={self.device} needs a CUDA GPU and this machine has none; "
+                "use runner.device=auto (the environment's device) or cpu"
+            )
+        return torch.device(self.device)
 
 
 @dataclass

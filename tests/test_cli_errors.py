@@ -177,6 +177,11 @@ CASES = [
     (["eval", CK, "--episodes", "0"], ["--episodes", "got 0"]),
     (["eval", CK, "--num-envs", "0"], ["--num-envs", "got 0"]),
     (["eval", CK, "--episodes", "x"], ["--episodes", "'x'"]),
+    (
+        ["eval", CK, "env.obs_mode=rgb"],
+        ["env.obs_mode=rgb", "trained with other inputs", "cameras [] -> ['base_camera']"],
+    ),
+    (["eval", "{goal}", "env.task=push"], ["env.task=push", "weights do not fit", "shape"]),
     # sft
     (["sft", f"{R}/empty.yaml"], ["empty.yaml", "config file is empty"]),
     (["sft", "configs/maniskill/multitask_vla_sft.yaml", "datasets=[]"], ["datasets"]),
@@ -302,6 +307,25 @@ CASES = [
     ),
     (["train", M, "env.randomize.mass=1.5"], ["env.randomize.mass: a relative range below 1"]),
     (["train", M, "trainer.tensor_parallel=0"], ["trainer.tensor_parallel: must be >= 1"]),
+    (["train", M, "algorithm.clip_coef=0"], ["algorithm.clip_coef: must be > 0, got 0.0"]),
+    (
+        ["train", V, "algorithm.clip_coef_high=-1"],
+        ["algorithm.clip_coef_high: must be > 0 or null"],
+    ),
+    (["train", M, "algorithm.max_grad_norm=0"], ["algorithm.max_grad_norm: must be > 0"]),
+    (["train", V, "algorithm.max_grad_norm=-1"], ["algorithm.max_grad_norm: must be > 0"]),
+    (["train", M, "algorithm.target_kl=-1"], ["algorithm.target_kl: must be > 0 or null"]),
+    (["train", M, "algorithm.vf_coef=-1"], ["algorithm.vf_coef: must be >= 0"]),
+    (["train", M, "algorithm.vf_clip=0"], ["algorithm.vf_clip: must be > 0 or null"]),
+    (["train", M, "algorithm.reward_scale=0"], ["algorithm.reward_scale: must be > 0"]),
+    (["train", M, "env.max_episode_steps=0"], ["env.max_episode_steps: must be >= 1 or null"]),
+    (["train", MS, "env.max_episode_steps=-3"], ["env.max_episode_steps", "got -3"]),
+    (["train", M, "env.home_noise=-1"], ["env.home_noise: must be >= 0"]),
+    (["train", M, "runner.device=tpu"], ["runner.device: must be auto, cpu, cuda", "'tpu'"]),
+    (
+        ["train", M, f"runner.output_dir={R}/empty.yaml/runs"],
+        ["runner.output_dir: cannot make", "empty.yaml/runs/", "Not a directory"],
+    ),
     # known only once the environment is built: still one line, and no run directory
     (
         ["train", M, "policy.privileged_keys=[nope]"],
@@ -477,3 +501,17 @@ def test_maniskill_on_the_gpu_backend_without_cuda_is_a_one_line_error(capsys, t
         "embodied: error: env.backend=gpu needs a CUDA GPU and this machine has none; use "
         "env.backend=cpu"
     )
+
+
+def test_a_learner_on_cuda_without_cuda_is_a_one_line_error_and_no_run(capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    argv = ["train", M, "runner.device=cuda", f"runner.output_dir={tmp_path}", *TINY]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        "embodied: error: runner.device=cuda needs a CUDA GPU and this machine has none; use "
+        "runner.device=auto (the environment's device) or cpu"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from embodied.schema import SimulatorConfig
+from embodied.schema import SimulatorConfig, check_episode_limit
 
 # suite -> (number of tasks, the published evaluation's step limit per episode)
 SUITES: dict[str, tuple[int, int]] = {
@@ -63,6 +63,7 @@ class LiberoConfig(SimulatorConfig):
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.settle_steps < 0:
             raise ValueError(f"settle_steps: must be >= 0, got {self.settle_steps}")
+        check_episode_limit(self.max_episode_steps)
 
     @property
     def episode_steps(self) -> int:

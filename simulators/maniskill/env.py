@@ -14,7 +14,14 @@ from functools import partial
 import numpy as np
 import torch
 
-from embodied.schema import Observation, SimulatorConfig, StepOutput, UserError, reset_seeds
+from embodied.schema import (
+    Observation,
+    SimulatorConfig,
+    StepOutput,
+    UserError,
+    check_episode_limit,
+    reset_seeds,
+)
 from embodied.simulators.maniskill.core import CoreOptions, ManiSkillCore, check_assets
 from embodied.simulators.workers import WorkerVecEnv
 
@@ -80,6 +87,7 @@ class ManiSkillConfig(SimulatorConfig):
         for name in ("num_envs", "image_size", "render_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        check_episode_limit(self.max_episode_steps)
 
 
 def _core_options(cfg: ManiSkillConfig, num_envs: int, sim_backend: str) -> CoreOptions:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from embodied.schema import SimulatorConfig
+from embodied.schema import SimulatorConfig, check_episode_limit
 from embodied.simulators.mujoco.randomize import RandomizeConfig
 from embodied.simulators.mujoco.tasks import TASKS
 
@@ -49,6 +49,9 @@ class MuJoCoConfig(SimulatorConfig):
         for name in ("num_envs", "image_size", "render_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        check_episode_limit(self.max_episode_steps)
+        if self.home_noise < 0:
+            raise ValueError(f"home_noise: must be >= 0, got {self.home_noise}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {list(BACKENDS)}, got {self.backend!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
