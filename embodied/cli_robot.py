@@ -35,6 +35,20 @@ def _floats(option: str, text: str | None, default: float, n: int = 6, what: str
     return values
 
 
+def _check_reachable(text: str, goal: tuple[float, float, float]) -> None:
+    """A goal the safety layer would never let the tool point reach is refused before the arm
+    moves: the policy would press against the workspace's wall for the whole episode."""
+    from embodied.robots.safety import WORKSPACE_HIGH, WORKSPACE_LOW
+
+    if all(lo <= g <= hi for g, lo, hi in zip(goal, WORKSPACE_LOW, WORKSPACE_HIGH)):
+        return
+    raise ValueError(
+        f"--goal {text!r}: outside the box the safety layer keeps the tool point in (x and y in "
+        f"[{WORKSPACE_LOW[0]}, {WORKSPACE_HIGH[0]}] m, z in [{WORKSPACE_LOW[2]}, "
+        f"{WORKSPACE_HIGH[2]}] m, the arm's base frame)"
+    )
+
+
 def cmd_serve(args) -> int:
     import time
 
@@ -91,6 +105,7 @@ def cmd_deploy(args) -> int:
         goal = None
         if args.goal:
             goal = _floats("--goal", args.goal, 0.0, n=3, what="axis (metres: x,y,z)")
+            _check_reachable(args.goal, goal)
         summary = run_deploy(
             args.checkpoint,
             arm,

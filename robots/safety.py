@@ -24,6 +24,13 @@ from embodied.robots.kinematics import ArmGeometry, tool_point
 log = logging.getLogger(__name__)
 
 
+# the tool point's box in the base frame (metres): the fingertips (6 mm below the tool point) down
+# to the table and no lower, within the SO-101's reach (0.4 m out at its zero pose, 0.53 m up with
+# the arm straight)
+WORKSPACE_LOW = (-0.45, -0.45, 0.006)
+WORKSPACE_HIGH = (0.45, 0.45, 0.55)
+
+
 @dataclass
 class SafetyConfig:
     """Per-robot limits, in radians and metres (robots/arm.py has the defaults of each arm)."""
@@ -31,11 +38,8 @@ class SafetyConfig:
     joint_low: tuple[float, ...]
     joint_high: tuple[float, ...]
     max_step: float | tuple[float, ...] = 0.05  # radians per control step (1.5 rad/s at 30 Hz)
-    # tool point box in the base frame: the fingertips (6 mm below the tool point) down to the
-    # table and no lower, within the SO-101's reach (0.4 m out at its zero pose, 0.53 m up with
-    # the arm straight)
-    workspace_low: tuple[float, float, float] = (-0.45, -0.45, 0.006)
-    workspace_high: tuple[float, float, float] = (0.45, 0.45, 0.55)
+    workspace_low: tuple[float, float, float] = WORKSPACE_LOW
+    workspace_high: tuple[float, float, float] = WORKSPACE_HIGH
     safe_pose: tuple[float, ...] = ()  # where torque may be switched off (the arm rests folded)
     geometry: ArmGeometry = field(default_factory=ArmGeometry)
     hold_after_s: float = 0.25  # watchdog: no fresh action for this long -> hold position

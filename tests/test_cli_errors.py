@@ -264,6 +264,11 @@ CASES = [
     (["deploy", CK, "--robot", "so101"], ["robot.port"]),
     (["deploy", CK, "--robot", "so101-sim", "--hz", "0"], ["--hz", "got 0"]),
     (["deploy", CK, "--robot", "so101-sim", "--episodes", "0"], ["--episodes", "got 0"]),
+    (
+        ["deploy", CK, "--robot", "so101-sim", "--goal", "10,10,10"],
+        ["--goal '10,10,10': outside the box", "z in [0.006, 0.55] m"],
+    ),
+    (["deploy", CK, "--robot", "so101", "--goal", "0.2,0,-0.1"], ["--goal '0.2,0,-0.1'"]),
     (["deploy", CK, "--robot", "so101-sim", "--episode-seconds", "-1"], ["--episode-seconds"]),
     (["deploy", CK, "--robot", "so101-sim", "--server", "http://host:1"], ["'http://host:1'"]),
     (["deploy", CK, "--robot", "so101-sim", "--record", f"{R}/dataset"], ["--record", "dataset"]),
