@@ -235,7 +235,7 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
     missing = sorted(set(cfg.privileged_keys) - set(spec.obs.privileged))
     if missing:
         env.close()
-        raise ValueError(
+        raise UserError(
             f"privileged_keys: {missing} not among the environment's {sorted(spec.obs.privileged)}"
         )
     writer = _writer(cfg, spec)

@@ -214,6 +214,10 @@ CASES = [
         ["output", "empty.yaml", "is a file"],
     ),
     (["demos", "configs/maniskill/demos_pushcube.yaml", "env.obs_mode=state"], ["env.obs_mode"]),
+    (
+        ["demos", "configs/mujoco/demos_push.yaml", "privileged_keys=[nope]", f"output={R}/d"],
+        ["privileged_keys: ['nope'] not among the environment's ['cube_pos', 'goal_pos'"],
+    ),
     # bench
     (["bench", f"{R}/missing.yaml"], ["config file not found", "missing.yaml"]),
     (["bench", f"{R}/empty.yaml"], ["empty.yaml", "config file is empty"]),
