@@ -14,23 +14,27 @@ from dataclasses import replace
 
 import torch
 
-from embodied.schema import EnvSpec, Observation, StepOutput, reset_seeds
+from embodied.schema import EnvSpec, Observation, StepOutput, UserError, reset_seeds
 
 
-def _compatible(specs) -> None:
+def _compatible(specs: list[EnvSpec], names: list[str]) -> None:
+    """The tasks can step side by side in one batch: a UserError naming the first two that
+    cannot (they are the user's env.tasks)."""
     first = specs[0]
-    for s in specs[1:]:
+    for s, name in zip(specs[1:], names[1:]):
+        pair = f"env.tasks: {names[0]} and {name}"
         if s.obs.cameras != first.obs.cameras or s.obs.state_names != first.obs.state_names:
-            raise ValueError("MultiTaskEnv: tasks must share cameras and proprioception")
+            raise UserError(f"{pair} observe different cameras or proprioception")
         if (s.action.names, s.action.low, s.action.high) != (
             first.action.names,
             first.action.low,
             first.action.high,
         ):
-            raise ValueError("MultiTaskEnv: tasks must share the action space and its bounds")
+            raise UserError(f"{pair} act in different action spaces or bounds")
         if s.max_episode_steps != first.max_episode_steps:
-            raise ValueError(
-                "MultiTaskEnv: tasks must share max_episode_steps (set env.max_episode_steps)"
+            raise UserError(
+                f"{pair} end episodes at {first.max_episode_steps} and {s.max_episode_steps} "
+                "steps; set env.max_episode_steps for both"
             )
 
 
@@ -55,7 +59,7 @@ class MultiTaskEnv:
     def __init__(self, envs: list, names: list[str]):
         if not envs:
             raise ValueError("MultiTaskEnv needs at least one environment")
-        _compatible([e.spec for e in envs])
+        _compatible([e.spec for e in envs], list(names))
         self.envs = envs
         self.names = list(names)
         self.num_envs = sum(e.num_envs for e in envs)
@@ -250,11 +254,11 @@ def make_env(cfg):
                     num_workers=min(cfg.num_workers, max(1, cfg.num_workers // len(cfg.tasks))),
                 )
             )
-    except BaseException:
+        return MultiTaskEnv(envs, list(cfg.tasks))
+    except BaseException:  # (its workers too, when the tasks cannot run side by side)
         for e in envs:
             e.close()
         raise
-    return MultiTaskEnv(envs, list(cfg.tasks))
 
 
 def _register() -> None:

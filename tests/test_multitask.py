@@ -1,10 +1,13 @@
 """MultiTaskEnv: two ManiSkill tasks behind one VecEnv pass the contract; each environment carries
 its own task's instruction; actions and resets reach the right task."""
 
+import pytest
 import torch
+from scripted_envs import PushRightEnv, ScriptedEnv
 
 from embodied.contract import check_env
 from embodied.multitask import MultiTaskEnv, make_env
+from embodied.schema import UserError
 from embodied.simulators.maniskill import ManiSkillConfig
 
 CFG = ManiSkillConfig(
@@ -118,3 +121,12 @@ def test_tasks_that_step_only_all_together_step_each_with_its_own_actions():
     env.reset(seed=0)
     out = env.step(torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.0]]))
     assert out.success.tolist() == [True, False, False]  # row 2 is task b's: 1 < its threshold
+
+
+def test_tasks_that_cannot_step_side_by_side_are_a_user_error_naming_them():
+    short = ScriptedEnv([2], max_episode_steps=5)
+    long = ScriptedEnv([2], max_episode_steps=7)
+    with pytest.raises(UserError, match="env.tasks: a and b end episodes at 5 and 7 steps"):
+        MultiTaskEnv([short, long], ["a", "b"])
+    with pytest.raises(UserError, match="env.tasks: a and c observe different cameras"):
+        MultiTaskEnv([short, PushRightEnv(1)], ["a", "c"])
