@@ -46,7 +46,7 @@ def check_clipping(clip_coef: float, clip_coef_high: float | None, max_grad_norm
     if clip_coef_high is not None and clip_coef_high <= 0:
         raise ValueError(f"clip_coef_high: must be > 0 or null, got {clip_coef_high}")
     if max_grad_norm <= 0:
-        raise ValueError(f"max_grad_norm: must be > 0, got {max_grad_norm}")
+        raise ValueError(f"max_grad_norm: must be > 0 (.inf: no clipping), got {max_grad_norm}")
 
 
 def check_behaviour_weight_cap(cap: float | None) -> None:

@@ -129,11 +129,14 @@ def cmd_eval(args) -> int:
     numerics.setup(cfg.runner.torch_threads)
     env = make_env(cfg.env)
     try:
-        _check_same_inputs(ckpt["meta"].get("spec"), env.spec, args.overrides)
+        if args.overrides:
+            _check_same_inputs(ckpt["meta"]["spec"], env.spec, args.overrides)
         policy = build_policy(env.spec, cfg.policy).to(env.device)
         try:
             policy.load_state_dict(ckpt["model"])
-        except RuntimeError as e:  # (a camera of another size, say)
+        except RuntimeError as e:  # (overrides: a camera of another size, say)
+            if not args.overrides:
+                raise
             detail = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
             raise UserError(
                 f"{' '.join(args.overrides)}: the checkpoint's weights do not fit the policy "
@@ -182,15 +185,13 @@ def _eval_config(args, ckpt: dict):
     return cfg
 
 
-def _check_same_inputs(trained: dict | None, spec, overrides: list[str]) -> None:
-    """A UserError when the overridden environment gives the checkpoint's policy other state or
-    cameras, or takes other actions, than it was trained with (``trained``: its spec, as
-    meta.json keeps it; older checkpoints have none). Privileged keys may differ between tasks:
-    the policy's encoder names any it reads and the environment lacks."""
+def _check_same_inputs(trained: dict, spec, overrides: list[str]) -> None:
+    """A UserError when the environment that ``overrides`` made gives the checkpoint's policy
+    other state or cameras, or takes other actions, than it was trained with (``trained``: its
+    spec, as meta.json keeps it). Privileged keys may differ between tasks: the policy's encoder
+    names any it reads and the environment lacks."""
     from embodied.schema import EnvSpec, UserError
 
-    if trained is None:
-        return
     was = EnvSpec.from_dict(trained)
     changes = [
         f"{what} {old} -> {new}"
@@ -279,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "train",
         cmd_train,
-        help="train a policy from a YAML config",
+        summary="train a policy from a YAML config",
         description="Train from CONFIG; override any key with key.sub=value "
         "(e.g. env.num_envs=16).",
         example="configs/maniskill/pushcube_ppo.yaml",
@@ -289,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "demos",
         cmd_demos,
-        help="record demonstrations with an expert into a LeRobot dataset",
+        summary="record demonstrations with an expert into a LeRobot dataset",
         description="Record demonstrations as CONFIG says (expert checkpoint, task, episodes, "
         "output); override any key with key.sub=value.",
         example="configs/maniskill/demos_pushcube.yaml",
@@ -298,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "sft",
         cmd_sft,
-        help="supervised fine-tuning (behaviour cloning) on LeRobot datasets",
+        summary="supervised fine-tuning (behaviour cloning) on LeRobot datasets",
         description="Train the policy in CONFIG on its datasets, evaluate per task, save a "
         "checkpoint.",
         example="configs/maniskill/multitask_vla_sft.yaml",
@@ -311,9 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config_command(sub, name: str, func, *, help: str, description: str, example: str) -> None:
-    """A command that takes a YAML config and key.sub=value overrides."""
-    command = sub.add_parser(name, help=help, description=description)
+def _config_command(sub, name: str, func, *, summary: str, description: str, example: str) -> None:
+    """A command that takes a YAML config and key.sub=value overrides; ``summary``: its line in
+    the list of commands."""
+    command = sub.add_parser(name, help=summary, description=description)
     command.add_argument("config", help=f"YAML config, e.g. {example}")
     command.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
     command.set_defaults(func=func)

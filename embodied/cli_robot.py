@@ -36,16 +36,20 @@ def _floats(option: str, text: str | None, default: float, n: int = 6, what: str
 
 
 def _check_reachable(text: str, goal: tuple[float, float, float]) -> None:
-    """A goal the safety layer would never let the tool point reach is refused before the arm
-    moves: the policy would press against the workspace's wall for the whole episode."""
+    """A goal outside the box the safety layer keeps the tool point in is refused before the arm
+    moves (the policy would press against the box's wall for the whole episode); a goal may lie
+    on the table (push's, at 1 mm), below the fingertips' floor."""
     from embodied.robots.safety import WORKSPACE_HIGH, WORKSPACE_LOW
 
-    if all(lo <= g <= hi for g, lo, hi in zip(goal, WORKSPACE_LOW, WORKSPACE_HIGH)):
+    low = (*WORKSPACE_LOW[:2], 0.0)  # (the table)
+    if all(lo <= g <= hi for g, lo, hi in zip(goal, low, WORKSPACE_HIGH, strict=True)):
         return
+    ranges = ", ".join(
+        f"{axis} in [{lo}, {hi}]" for axis, lo, hi in zip("xyz", low, WORKSPACE_HIGH)
+    )
     raise ValueError(
-        f"--goal {text!r}: outside the box the safety layer keeps the tool point in (x and y in "
-        f"[{WORKSPACE_LOW[0]}, {WORKSPACE_HIGH[0]}] m, z in [{WORKSPACE_LOW[2]}, "
-        f"{WORKSPACE_HIGH[2]}] m, the arm's base frame)"
+        f"--goal {text!r}: outside the box the safety layer keeps the tool point in ({ranges} m, "
+        "the arm's base frame)"
     )
 
 

@@ -240,9 +240,30 @@ def check_policy(
         isinstance(policy, S.Policy),
         f"{type(policy).__name__} does not implement the Policy protocol",
     )
-    B = batch_size
+    obs = random_observation(spec, batch_size, device)
+    out = _check_act(policy, obs, spec, device, atol)
+    logprob, value, err = _check_evaluate(policy, obs, out, device, atol)
+    params = (
+        [p for p in policy.parameters() if p.requires_grad] if hasattr(policy, "parameters") else []
+    )
+    if params:
+        loss = logprob.sum() + (value.sum() if value is not None else 0.0)
+        _require(
+            loss.requires_grad, "no gradient reaches the policy's weights: evaluate() is detached"
+        )
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        _require(
+            any(g is not None and g.abs().sum() > 0 for g in grads),
+            "no gradient reaches the policy's weights",
+        )
+    return {"chunk": out.actions.shape[1], "logprob_error": err}
+
+
+def _check_act(policy, obs: S.Observation, spec: S.EnvSpec, device, atol: float):
+    """``act``'s output (shapes, dtypes, bounds, log-probabilities per dimension that sum to the
+    chunk's) and its deterministic mode; returns the sampled output."""
+    B = obs.batch_size
     A = spec.action.dim
-    obs = random_observation(spec, B, device)
     with torch.no_grad():
         out = policy.act(obs)
     _require(
@@ -274,6 +295,13 @@ def check_policy(
     _require(
         token_err <= atol, f"act(): logp_token does not sum to logprob (off by {token_err:.2e})"
     )
+    return out
+
+
+def _check_evaluate(policy, obs: S.Observation, out: S.PolicyOutput, device, atol: float):
+    """``evaluate`` at every level, and its chunk log-probability against ``act``'s: returns
+    (log-probability f32 [B] with its graph, value or None, the largest difference)."""
+    B, K, A = out.actions.shape
     shapes = {"chunk": (B,), "action": (B, K), "token": (B, K, A)}
     for level, shape in shapes.items():
         at_level, ent, value = policy.evaluate(obs, out, level=level)
@@ -286,17 +314,4 @@ def check_policy(
     )
     if value is not None:
         _check_tensor("evaluate().value", value, (B,), torch.float32, device)
-    params = (
-        [p for p in policy.parameters() if p.requires_grad] if hasattr(policy, "parameters") else []
-    )
-    if params:
-        loss = logprob.sum() + (value.sum() if value is not None else 0.0)
-        _require(
-            loss.requires_grad, "no gradient reaches the policy's weights: evaluate() is detached"
-        )
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        _require(
-            any(g is not None and g.abs().sum() > 0 for g in grads),
-            "no gradient reaches the policy's weights",
-        )
-    return {"chunk": K, "logprob_error": err}
+    return logprob, value, err

@@ -304,7 +304,7 @@ def run_deploy(
     twin = arm.robot.endswith("-sim")
     # what can refuse the run does so before the arm is touched: the policy's inputs, the server
     known = frozenset([GOAL] if goal else [])
-    if _sim_scene(arm, train_cfg):
+    if _sim_scene(twin, train_cfg):
         known = frozenset(spec.obs.privileged)
     check_fits(policy, spec, arm.cameras, known=known)
     reads = privileged_inputs(policy, spec)
@@ -316,7 +316,7 @@ def run_deploy(
         client = PolicyClient(server, agreed)
     try:
         scene = Scene(None)  # the episode's, for a goal its user gives (read each step)
-        env, sim = _robot_env(arm, train_cfg, spec, reads, scene)
+        env, sim = _robot_env(arm, train_cfg, spec, reads, scene, twin=twin)
         if client is not None:
             chunk_of = lambda obs: client.infer(obs_to_wire(obs))  # noqa: E731
         else:
@@ -335,35 +335,37 @@ def run_deploy(
             if record:
                 recorder = EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot)
             start = start_pose(train_cfg)
-            ran = _run_episodes(
+            episode_summaries = _run_episodes(
                 env, sim, arm, scenes, scene, start, new_executor, recorder, keyboard
             )
     finally:
         if client is not None:
             client.close()
-    summary = {"episodes": ran, "robot": arm.robot, "hz": arm.control_hz}
+    summary = {"episodes": episode_summaries, "robot": arm.robot, "hz": arm.control_hz}
     if env.judge is not None:
-        summary["success_rate"] = sum(e["success"] for e in ran) / len(ran)
+        summary["success_rate"] = sum(e["success"] for e in episode_summaries) / len(
+            episode_summaries
+        )
     summary["interventions"] = dict(env.safety.counts)
     summary["torque_off_at_safe_pose"] = shutdown.torque_off
     return summary
 
 
-def _sim_scene(arm, train_cfg) -> bool:
+def _sim_scene(twin: bool, train_cfg) -> bool:
     """Whether the twin sets the task's scene (and so knows every input the policy reads)."""
-    return arm.robot.endswith("-sim") and train_cfg.env.simulator == "mujoco"
+    return twin and train_cfg.env.simulator == "mujoco"
 
 
-def _robot_env(arm, train_cfg, spec: EnvSpec, reads: tuple[str, ...], scene: Scene):
-    """The arm (for ``-sim`` the twin's, which judges a MuJoCo task), connected, behind its
-    safety layer, as a RobotEnv; and the twin's simulator (None on a real arm)."""
+def _robot_env(arm, train_cfg, spec: EnvSpec, reads: tuple[str, ...], scene: Scene, *, twin: bool):
+    """The arm (``twin``: the twin's, which judges a MuJoCo task), connected, behind its safety
+    layer, as a RobotEnv; and the twin's simulator (None on a real arm)."""
     from embodied.robots.arm import RobotEnv, connect, default_safety, make_robot
     from embodied.robots.safety import SafetyLayer
 
     mujoco_task = train_cfg.env.simulator == "mujoco"
     judge = None
     sim = None
-    if arm.robot.endswith("-sim"):
+    if twin:
         from embodied.twin import make_twin_robot
 
         robot, sim, _ = make_twin_robot(arm, task=train_cfg.env.task if mujoco_task else "push")
@@ -378,7 +380,7 @@ def _robot_env(arm, train_cfg, spec: EnvSpec, reads: tuple[str, ...], scene: Sce
         return {GOAL: scene.goal}
 
     # on the twin its simulator knows every input; a real arm knows the goal it was given
-    read = partial(sim.readings, reads) if _sim_scene(arm, train_cfg) else given_goal
+    read = partial(sim.readings, reads) if _sim_scene(twin, train_cfg) else given_goal
     env = RobotEnv(robot, arm, safety, privileged=shapes, read_privileged=read, judge=judge)
     return env, sim
 
@@ -390,7 +392,7 @@ def _run_episodes(
     (a stop, a fault): their summaries. ``scene`` takes each episode's goal for the policy."""
     from embodied.robots.control import EmergencyStop
 
-    ran = []
+    episode_summaries = []
     with EmergencyStop(keyboard=keyboard) as stop:
         for ep, episode_scene in enumerate(scenes):
             scene.goal = episode_scene.goal
@@ -400,11 +402,13 @@ def _run_episodes(
             result = _episode(env, executor, stop, arm)
             saved = recorder.finish(result) if recorder else None
             judged = env.judge is not None
-            ran.append(_episode_summary(result, executor, saved, episode_scene, judged=judged))
+            episode_summaries.append(
+                _episode_summary(result, executor, saved, episode_scene, judged=judged)
+            )
             log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
             if result.reason != "done":
                 break
-    return ran
+    return episode_summaries
 
 
 def _fit_rate(arm, spec: EnvSpec, hz: float | None, episode_seconds: float) -> None:

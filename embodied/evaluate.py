@@ -185,10 +185,10 @@ def _run(
     timing = _Timing()
     video = _Video(env, ranges, video_path)
     while any(len(r) < episodes for r, (episodes, _) in zip(results, shares)):
-        rnd = _new_round(env.num_envs, ranges, results, shares)
-        obs = env.reset(seed=rnd.seeds)
+        round_state = _new_round(env.num_envs, ranges, results, shares)
+        obs = env.reset(seed=round_state.seeds)
         video.start_round()
-        while bool(rnd.active.any()):
+        while bool(round_state.active.any()):
             if should_stop is not None and should_stop():
                 raise Interrupted
             t0 = time.perf_counter()
@@ -197,12 +197,12 @@ def _run(
             timing.policy_s += time.perf_counter() - t0
             timing.policy_calls += 1
             for k in range(actions.shape[1]):
-                obs, ended = _step(env, actions[:, k], rnd, timing, video)
+                obs, ended = _step(env, actions[:, k], round_state, timing, video)
                 for row, episode in ended:
                     results[int(group[row])].append(episode)
                     if progress is not None:
                         progress.update(1)
-                if not bool(rnd.active.any()):
+                if not bool(round_state.active.any()):
                     break
     summaries = [
         _summary(sorted(res, key=lambda e: e["seed"])[:episodes]) if episodes > 0 else None
@@ -234,7 +234,7 @@ def _new_round(
     return _Round(seeds, active, ret, length, success)
 
 
-def _step(env, action: torch.Tensor, rnd: _Round, timing: _Timing, video: _Video):
+def _step(env, action: torch.Tensor, round_state: _Round, timing: _Timing, video: _Video):
     """One env step of the round: its observation, and (row, episode) for each row whose counted
     episode ended in it."""
     t0 = time.perf_counter()
@@ -247,26 +247,26 @@ def _step(env, action: torch.Tensor, rnd: _Round, timing: _Timing, video: _Video
     done = host[2] > 0
     timing.env_s += time.perf_counter() - t0
     timing.env_steps += env.num_envs
-    rnd.ret += reward * rnd.active
-    rnd.length += rnd.active.long()
-    rnd.success |= success & rnd.active
-    video.after_step(rnd.active, done)
+    round_state.ret += reward * round_state.active
+    round_state.length += round_state.active.long()
+    round_state.success |= success & round_state.active
+    video.after_step(round_state.active, done)
     ended = [
-        (row, _episode(rnd, row, bool(success[row])))
-        for row in (done & rnd.active).nonzero().squeeze(1).tolist()
+        (row, _episode(round_state, row, bool(success[row])))
+        for row in (done & round_state.active).nonzero().squeeze(1).tolist()
     ]
-    rnd.active &= ~done
+    round_state.active &= ~done
     return step.obs, ended
 
 
-def _episode(rnd: _Round, row: int, success_at_end: bool) -> dict:
+def _episode(round_state: _Round, row: int, success_at_end: bool) -> dict:
     """The record of ``row``'s episode, which ended in this step."""
     return {
-        "seed": rnd.seeds[row],
-        "success": bool(rnd.success[row]),
+        "seed": round_state.seeds[row],
+        "success": bool(round_state.success[row]),
         "success_at_end": success_at_end,
-        "return": float(rnd.ret[row]),
-        "length": int(rnd.length[row]),
+        "return": float(round_state.ret[row]),
+        "length": int(round_state.length[row]),
     }
 
 

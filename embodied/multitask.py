@@ -21,7 +21,7 @@ def _compatible(specs: list[EnvSpec], names: list[str]) -> None:
     """The tasks can step side by side in one batch: a UserError naming the first two that
     cannot (they are the user's env.tasks)."""
     first = specs[0]
-    for s, name in zip(specs[1:], names[1:]):
+    for s, name in zip(specs[1:], names[1:], strict=True):
         pair = f"env.tasks: {names[0]} and {name}"
         if s.obs.cameras != first.obs.cameras or s.obs.state_names != first.obs.state_names:
             raise UserError(f"{pair} observe different cameras or proprioception")

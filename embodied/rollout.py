@@ -338,8 +338,7 @@ def collect(
     otherwise lockstep.
     ``should_stop`` is asked before every chunk; when it says so, ``Interrupted`` is raised."""
     T = plan.num_chunks
-    # each stage: its rows (a CPU index for the environments, None: all) and the same rows as a
-    # slice of the buffers (views: plain copies, no index gathers)
+    # (a slice of the buffers per stage: views, plain copies, no index gathers)
     stage_list = envs.stage_split(stages, chunk_size)
     buffers = _RoundBuffers(envs, policy, T)
     for stage in stage_list:  # fill the pipeline (lockstep: the single stage)

@@ -324,7 +324,10 @@ def enter_run_dir(run_dir: Path, cfg, resume: dict | None, evaluates_beside: boo
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"runner.output_dir: cannot make {run_dir} ({e.strerror})") from None
+        reason = e.strerror or e
+        raise ConfigError(
+            f"runner.output_dir, runner.name: cannot make {run_dir} ({reason})"
+        ) from None
     save_config(cfg, run_dir / "config.yaml")
     start = 0 if resume is None else resume["counters"]["iteration"]
     numerics.record(run_dir, iteration=start, deterministic=cfg.runner.deterministic)

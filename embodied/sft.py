@@ -104,6 +104,10 @@ class SFTConfig:
         check_cameras(self.policy, self.env)
         if self.episodes_per_dataset < 0:
             raise ValueError(f"episodes_per_dataset: must be >= 0, got {self.episodes_per_dataset}")
+        if self.max_grad_norm <= 0:
+            raise ValueError(
+                f"max_grad_norm: must be > 0 (.inf: no clipping), got {self.max_grad_norm}"
+            )
         if self.trainer.backend == "megatron":
             check_megatron(self.trainer, self.policy, ClusterConfig())
 

@@ -100,12 +100,18 @@ class RunnerConfig:
         command line validates on a CPU)."""
         if self.device == "auto":
             return torch.device(auto)
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
             raise UserError(
                 f"runner.device={self.device} needs a CUDA GPU and this machine has none; "
                 "use runner.device=auto (the environment's device) or cpu"
             )
-        return torch.device(self.device)
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise UserError(
+                f"runner.device={self.device}: this machine has {torch.cuda.device_count()} "
+                "CUDA GPU(s), numbered from 0"
+            )
+        return device
 
 
 @dataclass

@@ -308,3 +308,11 @@ def test_a_pickcube_so100_policy_trained_in_maniskill_deploys_to_the_twin_unchan
     assert rc == 0, summary
     assert summary["episodes"][0]["end"] == "done" and summary["hz"] == spec.action.control_hz
     assert summary["episodes"][0]["acted"] >= summary["episodes"][0]["steps"] - 1
+
+
+def test_a_goal_on_the_table_passes_the_reach_check_and_one_under_it_does_not():
+    from embodied.cli_robot import _check_reachable
+
+    _check_reachable("0.25,0.03,0.001", (0.25, 0.03, 0.001))  # push's goal marker, on the table
+    with pytest.raises(ValueError, match="outside the box"):
+        _check_reachable("0.25,0.03,-0.001", (0.25, 0.03, -0.001))

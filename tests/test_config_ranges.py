@@ -1,0 +1,90 @@
+"""Each config section's own checks (its validate()) through the CLI: a value out of range is
+one line naming the key and where it was set, before anything is built (tests/one_line.py)."""
+
+import pytest
+from one_line import fill, one_line_error, params, run_cli
+
+M = "configs/mujoco/reach_ppo.yaml"
+V = "configs/maniskill/multitask_vla_grpo.yaml"
+MS = "configs/maniskill/pushcube_ppo.yaml"
+R = "{root}"
+CASES = [
+    # each section's own checks (validate()), named at their key and where it was set
+    (["train", M, "runner.eval_episodes=0"], ["runner.eval_episodes: must be >= 1, got 0"]),
+    (["train", M, "runner.final_eval_episodes=0"], ["runner.final_eval_episodes", "got 0"]),
+    (["train", M, "runner.spike_factor=-1"], ["runner.spike_factor: must be >= 0", "-1.0"]),
+    (["train", M, "runner.keep_rollouts=0"], ["runner.keep_rollouts: must be >= 1"]),
+    (["train", M, "runner.keep_checkpoints=0"], ["runner.keep_checkpoints: must be >= 1"]),
+    (["train", M, "runner.torch_threads=0"], ["runner.torch_threads: must be >= 1"]),
+    (["train", M, "runner.max_minutes=0"], ["runner.max_minutes: must be > 0", "command line"]),
+    (
+        ["train", M, f"runner.replay_from={R}/x", f"runner.resume={R}/y"],
+        ["runner.replay_from", "cannot resume"],
+    ),
+    (["train", M, "algorithm.gamma=0"], ["algorithm.gamma: must be in (0, 1], got 0.0"]),
+    (["train", M, "algorithm.gae_lambda=2"], ["algorithm.gae_lambda: must be in [0, 1]"]),
+    (["train", M, "algorithm.learning_rate=0"], ["algorithm.learning_rate: must be > 0"]),
+    (["train", M, "algorithm.num_steps=0"], ["algorithm.num_steps: must be >= 1, got 0"]),
+    (["train", V, "algorithm.group_size=1"], ["algorithm.group_size: must be >= 2, got 1"]),
+    (["train", V, "algorithm.kl_coef=-1"], ["algorithm.kl_coef: must be >= 0"]),
+    (["train", M, "policy.activation=swish"], ["policy.activation", "'relu'", "'swish'"]),
+    (["train", M, "policy.chunk_size=0"], ["policy.chunk_size: must be >= 1, got 0"]),
+    (["train", M, "policy.hidden_sizes=[]"], ["policy.hidden_sizes", "non-empty"]),
+    (
+        ["train", M, "policy.use_privileged=false", "policy.privileged_keys=[goal_pos]"],
+        ["policy.privileged_keys", "use_privileged=true"],
+    ),
+    (["train", M, "env.obs_mode=depth"], ["env.obs_mode", "'depth'"]),
+    (
+        ["train", M, "env.randomize.friction=-1"],
+        ["env.randomize.friction: must be >= 0, got -1.0 (in the command line)"],
+    ),
+    (["train", M, "env.randomize.mass=1.5"], ["env.randomize.mass: a relative range below 1"]),
+    (["train", M, "trainer.tensor_parallel=0"], ["trainer.tensor_parallel: must be >= 1"]),
+    (["train", M, "algorithm.clip_coef=0"], ["algorithm.clip_coef: must be > 0, got 0.0"]),
+    (
+        ["train", V, "algorithm.clip_coef_high=-1"],
+        ["algorithm.clip_coef_high: must be > 0 or null"],
+    ),
+    (["train", M, "algorithm.max_grad_norm=0"], ["algorithm.max_grad_norm", "(.inf: no clipping)"]),
+    (["train", V, "algorithm.max_grad_norm=-1"], ["algorithm.max_grad_norm: must be > 0"]),
+    (["train", M, "algorithm.target_kl=-1"], ["algorithm.target_kl: must be > 0 or null"]),
+    (["train", M, "algorithm.vf_coef=-1"], ["algorithm.vf_coef: must be >= 0"]),
+    (["train", M, "algorithm.vf_clip=0"], ["algorithm.vf_clip: must be > 0 or null"]),
+    (["train", M, "algorithm.reward_scale=0"], ["algorithm.reward_scale: must be > 0"]),
+    (["train", M, "env.max_episode_steps=0"], ["env.max_episode_steps: must be >= 1 or null"]),
+    (["train", MS, "env.max_episode_steps=-3"], ["env.max_episode_steps", "got -3"]),
+    (["train", M, "env.home_noise=-1"], ["env.home_noise: must be >= 0"]),
+    (["train", M, "runner.device=tpu"], ["runner.device: must be auto, cpu, cuda", "'tpu'"]),
+    (
+        ["train", M, f"runner.output_dir={R}/empty.yaml/runs"],
+        ["runner.output_dir, runner.name: cannot make", "empty.yaml/runs/", "Not a directory"],
+    ),
+    (["train", M, "cluster.env.num_cpus=-1"], ["cluster.env.num_cpus: must be >= 0"]),
+    (["train", M, "cluster.env.num_gpus=-1"], ["cluster.env.num_gpus: must be >= 0"]),
+    (["train", M, "cluster.connect_timeout_s=0"], ["cluster.connect_timeout_s: must be > 0"]),
+    (["train", M, "cluster.sync_bucket_mb=0"], ["cluster.sync_bucket_mb: must be > 0"]),
+    (["train", M, "cluster.max_restarts=-1"], ["cluster.max_restarts: must be >= 0"]),
+    (["train", M, "cluster.eval.workers=1"], ["cluster.eval.workers", "cluster.enabled=true"]),
+    (
+        [
+            "train",
+            M,
+            "cluster.enabled=true",
+            "cluster.rollout.workers=3",
+            "cluster.env.workers=2",
+        ],
+        ["cluster.rollout.workers", "3 rollout workers for 2 env worker(s)"],
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, culprits", params(CASES))
+def test_a_value_out_of_range_is_one_line_naming_its_key(argv, culprits, tmp_path, capsys):
+    (tmp_path / "empty.yaml").write_text("")  # (a file where a directory is wanted)
+    paths = {"root": str(tmp_path)}
+    # (a check that fails to refuse trains here, not in ./runs; a case's own output_dir wins)
+    argv = [*argv[:2], f"runner.output_dir={tmp_path}/runs", *argv[2:]]
+    rc, err = run_cli([fill(a, paths) for a in argv], capsys)
+    one_line_error(rc, err, *[fill(c, paths) for c in culprits])
+    assert not (tmp_path / "runs").exists()
