@@ -39,6 +39,8 @@ def paths(tmp_path_factory):
         "corrupt_meta": ("meta.json", "{not json"),
         "empty_meta": ("meta.json", "{}"),
         "corrupt_weights": ("model.safetensors", "garbage"),
+        "corrupt_trainer": ("trainer.pt", "garbage\n"),  # (pickle reads a line: a ValueError)
+        "list_meta": ("meta.json", "[]"),
     }
     for name, (file, text) in damaged.items():
         shutil.copytree(ckpt, root / name)
@@ -132,6 +134,10 @@ CASES = [
     ),
     (["train", M, f"runner.resume={R}/corrupt_meta"], ["runner.resume", "corrupt_meta/meta.json"]),
     (
+        ["train", M, f"runner.resume={R}/corrupt_trainer"],
+        ["runner.resume", "corrupt_trainer/trainer.pt: cannot be read", "damaged"],
+    ),
+    (
         ["train", M, f"runner.init_from={R}/corrupt_weights", f"runner.output_dir={R}/out"],
         ["runner.init_from", "corrupt_weights/model.safetensors"],
     ),
@@ -155,6 +161,7 @@ CASES = [
     (["eval", f"{R}/no_checkpoint"], ["no checkpoint at", "no_checkpoint"]),
     (["eval", f"{R}/corrupt_meta"], ["corrupt_meta/meta.json", "not valid JSON"]),
     (["eval", f"{R}/empty_meta"], ["empty_meta/meta.json", "'config'"]),
+    (["eval", f"{R}/list_meta"], ["list_meta/meta.json: expected a JSON object, got list"]),
     (["eval", f"{R}/corrupt_weights"], ["corrupt_weights/model.safetensors", "damaged"]),
     (["eval", CK, "--episodes", "0"], ["--episodes", "got 0"]),
     (["eval", CK, "--num-envs", "0"], ["--num-envs", "got 0"]),
