@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from embodied.logger import read_jsonl
+from embodied.logger import end_cut_line, read_jsonl
 
 EVENTS_FILE = "events.jsonl"
 KINDS = (
@@ -50,6 +50,7 @@ class EventLog:
             raise ValueError(f"event kind {kind!r}: not one of {', '.join(KINDS)}")
         event = Event(time.time(), kind, iteration, env_steps, detail)
         if self.path.parent.is_dir():  # (a fault while the run is set up, before its directory)
+            end_cut_line(self.path)
             with open(self.path, "a") as f:
                 f.write(json.dumps(asdict(event)) + "\n")
         return event

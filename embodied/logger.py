@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -11,7 +12,9 @@ class RunLogger:
     logged from there on (metrics.jsonl is trimmed by the runner)."""
 
     def __init__(self, run_dir: Path, enabled_tb: bool = True, purge_step: int | None = None):
-        self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a")
+        path = Path(run_dir) / "metrics.jsonl"
+        end_cut_line(path)
+        self.jsonl = open(path, "a")
         self.tb = None
         if enabled_tb:
             from torch.utils.tensorboard import SummaryWriter
@@ -35,6 +38,17 @@ class RunLogger:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def end_cut_line(path: Path) -> None:
+    """End the last line of a JSON-lines file where a crash cut it short, so that the next row
+    appended is not glued to it (and lost with it). Nothing for a missing or whole file."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            f.write(b"\n")
 
 
 def read_jsonl(path: Path) -> list[dict]:

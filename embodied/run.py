@@ -149,7 +149,10 @@ def trim_metrics(run_dir: Path, iteration: int, evaluated: int | None = None) ->
         return
     kept = []
     for line in path.read_text().splitlines():
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by the crash the run resumes from
+            continue
         at = row.get("iteration", 0)
         evaluation = any(key.startswith("eval/") for key in row)
         if at <= iteration and not (evaluation and at == evaluated):

@@ -411,6 +411,10 @@ def test_trim_metrics_drops_rows_past_the_checkpoint_and_an_unsaved_evaluation(t
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     trim_metrics(tmp_path, 2)
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:5]
+    # a row cut by a crash (a killed run's last write) goes too
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"iteration": 4, "pol')
+    trim_metrics(tmp_path, 3)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows
 
 
 def test_an_unfinished_evaluation_keeps_its_rows_when_no_worker_can_run_it_again(tmp_path, capsys):
@@ -446,3 +450,14 @@ def test_an_unfinished_evaluation_keeps_its_rows_when_no_worker_can_run_it_again
     ]
     assert [row["iteration"] for row in logged if "policy/loss" in row] == [1, 2, 3]
     assert "evaluating" not in load_checkpoint(run)["counters"]
+
+
+def test_a_resumed_runs_first_metrics_row_is_not_glued_to_a_cut_one(tmp_path):
+    from embodied.logger import RunLogger, read_jsonl
+
+    (tmp_path / "metrics.jsonl").write_text('{"env_steps": 10}\n{"env_steps": 2')  # cut by a kill
+    logger = RunLogger(tmp_path, enabled_tb=False)
+    logger.log({"policy/loss": 0.5}, 30, iteration=3)
+    logger.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows == [{"env_steps": 10}, {"env_steps": 30, "iteration": 3, "policy/loss": 0.5}]

@@ -29,6 +29,8 @@ def test_events_are_appended_and_read_back_and_a_cut_line_is_left_out(tmp_path):
     assert [e.kind for e in events] == ["start", "fault"]
     assert (events[0].iteration, events[0].env_steps) == (0, 0)
     assert events[1].iteration is None and events[1].detail == "env: worker 1 died"
+    log.add("resume", 2, 20)  # the resumed run's first event is not glued to the cut line
+    assert [e.kind for e in read_events(tmp_path)] == ["start", "fault", "resume"]
     with pytest.raises(ValueError, match="'resumed': not one of"):
         log.add("resumed", 3, 30)
     assert EventLog(tmp_path / "absent").add("fault", None, None).kind == "fault"  # (not written)
