@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from embodied.algorithms import EXPLAINED_VARIANCE_MOMENTS, explained_variance
-from embodied.learner import TrainEngine
+from embodied.learner import TrainEngine, check_grad_norm
 from embodied.rollout import LEVELS, CollectPlan, RolloutBatch, Samples, share_bounds
 
 
@@ -45,8 +45,7 @@ def check_clipping(clip_coef: float, clip_coef_high: float | None, max_grad_norm
         raise ValueError(f"clip_coef: must be > 0, got {clip_coef}")
     if clip_coef_high is not None and clip_coef_high <= 0:
         raise ValueError(f"clip_coef_high: must be > 0 or null, got {clip_coef_high}")
-    if max_grad_norm <= 0:
-        raise ValueError(f"max_grad_norm: must be > 0 (.inf: no clipping), got {max_grad_norm}")
+    check_grad_norm(max_grad_norm)
 
 
 def check_behaviour_weight_cap(cap: float | None) -> None:

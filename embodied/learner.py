@@ -18,6 +18,12 @@ BACKENDS = ("torch", "megatron")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
+def check_grad_norm(max_grad_norm: float) -> None:
+    """The gradient norm the engines clip to: 0 would zero every gradient."""
+    if max_grad_norm <= 0:
+        raise ValueError(f"max_grad_norm: must be > 0 (.inf: no clipping), got {max_grad_norm}")
+
+
 @dataclass
 class TrainerConfig:
     """Which implementation of the learner trains the policy."""

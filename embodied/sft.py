@@ -28,7 +28,7 @@ from embodied import numerics
 from embodied.cluster.config import ClusterConfig
 from embodied.config import ConfigError, to_dict
 from embodied.evaluate import evaluate_by_task, per_task
-from embodied.learner import TrainerConfig
+from embodied.learner import TrainerConfig, check_grad_norm
 from embodied.logger import RunLogger
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
 from embodied.multitask import SIMULATOR_CONFIGS, make_env
@@ -104,10 +104,7 @@ class SFTConfig:
         check_cameras(self.policy, self.env)
         if self.episodes_per_dataset < 0:
             raise ValueError(f"episodes_per_dataset: must be >= 0, got {self.episodes_per_dataset}")
-        if self.max_grad_norm <= 0:
-            raise ValueError(
-                f"max_grad_norm: must be > 0 (.inf: no clipping), got {self.max_grad_norm}"
-            )
+        check_grad_norm(self.max_grad_norm)
         if self.trainer.backend == "megatron":
             check_megatron(self.trainer, self.policy, ClusterConfig())
 
