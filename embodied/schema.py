@@ -16,6 +16,25 @@ import torch
 ACTION_SPACES = ("ee_delta_pose", "ee_pose", "joint_pos", "joint_delta")
 
 
+def checked_device(setting: str, name: str, instead: str) -> torch.device:
+    """``name`` ("cpu", "cuda" or "cuda:N": the value of ``setting``) as a torch device; a
+    one-line UserError for CUDA on a machine without it, or for a GPU it lacks. ``instead``:
+    what to set on a machine without CUDA."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise UserError(
+            f"{setting}={name} needs a CUDA GPU and this machine has none; use {instead}"
+        )
+    if (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(
+            f"{setting}={name}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+            "numbered from 0"
+        )
+    return device
+
+
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` (on the host) on ``device`` without the host waiting: to a GPU through pinned
     memory, non-blocking (a copy from pageable memory waits for the device's queue to drain). A

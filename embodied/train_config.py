@@ -18,7 +18,7 @@ from embodied.learner import TrainerConfig
 from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig
 from embodied.multitask import SIMULATOR_CONFIGS
 from embodied.ppo import PPOConfig
-from embodied.schema import SimulatorConfig, UserError
+from embodied.schema import SimulatorConfig, checked_device
 from embodied.simulators.maniskill import ManiSkillConfig
 
 ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
@@ -100,18 +100,8 @@ class RunnerConfig:
         command line validates on a CPU)."""
         if self.device == "auto":
             return torch.device(auto)
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise UserError(
-                f"runner.device={self.device} needs a CUDA GPU and this machine has none; "
-                "use runner.device=auto (the environment's device) or cpu"
-            )
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise UserError(
-                f"runner.device={self.device}: this machine has {torch.cuda.device_count()} "
-                "CUDA GPU(s), numbered from 0"
-            )
-        return device
+        instead = "runner.device=auto (the environment's device) or cpu"
+        return checked_device("runner.device", self.device, instead)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import torch
 
-from embodied.schema import UserError
+from embodied.schema import UserError, checked_device
 
 # mujoco-warp 3.8.1 asks warp-lang >= 1.12, but its sensor kernels fail to compile with 1.19.0
 # ("Referencing undefined symbol: xmat"); 1.12.0 compiles them.
@@ -46,12 +46,8 @@ def require_warp() -> tuple[ModuleType, ModuleType]:
 
 def torch_device(name: str) -> torch.device:
     """The torch device for ``env.device`` ("cpu" or "cuda[:N]"), or a one-line UserError."""
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(
-            f"env.device={name} needs a CUDA GPU and this machine has none; "
-            "use env.device=cpu (the same kernels on Warp's CPU device, for correctness)"
-        )
+    instead = "env.device=cpu (the same kernels on Warp's CPU device, for correctness)"
+    device = checked_device("env.device", name, instead)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
