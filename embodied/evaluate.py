@@ -192,7 +192,7 @@ def _run(
             if should_stop is not None and should_stop():
                 raise Interrupted
             t0 = time.perf_counter()
-            out = policy.act(on(obs, device), deterministic=deterministic)
+            out = policy.act(obs.to(device), deterministic=deterministic)
             actions = out.actions.to(env.device)
             timing.policy_s += time.perf_counter() - t0
             timing.policy_calls += 1
@@ -277,11 +277,6 @@ def _device_of(policy, default) -> torch.device:
     if parameter is not None:
         return parameter.device
     return torch.device(getattr(policy, "device", default))
-
-
-def on(obs, device: torch.device):
-    """``obs`` on ``device`` (itself when it is there already)."""
-    return obs if obs.device == device else obs.map(lambda t: t.to(device))
 
 
 def _summary(results: list[dict]) -> dict:

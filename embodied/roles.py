@@ -146,7 +146,7 @@ class Learner:
 
     def init_normalizer(self, obs: Observation) -> None:
         """Normalisation statistics from the first observations, before anything acts."""
-        self.policy.update_normalizer(obs.map(lambda t: t.to(self.device)))
+        self.policy.update_normalizer(obs.to(self.device))
         self.engine.refresh()
 
     def add_round(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:

@@ -380,13 +380,10 @@ class _RoundBuffers:
         self.version_host = torch.empty(T, B, dtype=torch.long)
         self.bootstrap = torch.zeros(T, B, device=self.device)  # V(last obs) of ended episodes
 
-    def to_policy(self, obs: Observation) -> Observation:
-        return obs if obs.device == self.device else obs.map(lambda t: t.to(self.device))
-
     def act(self, t: int, stage: tuple[torch.Tensor | None, slice], obs: Observation) -> None:
         """The policy's chunk t for the stage's rows, kept and sent to their environments."""
         rows, at = stage
-        obs = self.to_policy(obs)
+        obs = obs.to(self.device)
         out = self.policy.act(obs)
         if self.buf is None:
             self.buf = _alloc(obs, out, self.T, self.envs.num_envs)
@@ -416,7 +413,7 @@ class _RoundBuffers:
             global_rows = step.ended if rows is None else rows[step.ended]
             # the critic's bootstrap only on the rows that ended (their episode's last obs)
             rows_here = host_to_device(global_rows, self.device)
-            self.bootstrap[t, rows_here] = self.policy.value(self.to_policy(step.final_obs))
+            self.bootstrap[t, rows_here] = self.policy.value(step.final_obs.to(self.device))
 
     def finish(self, plan: CollectPlan, stats: EpisodeStats, last: Observation) -> RolloutBatch:
         """The round's batch, once every chunk is recorded; ``last``: the observation after it."""
@@ -425,7 +422,7 @@ class _RoundBuffers:
         done = _fill_round(buf, plan, host_to_device(self.envs.task_ids, self.device), stats)
         buf.policy_version = host_to_device(self.version_host, self.device)
         # V(s_{t+1}): the next chunk's value, V(s_T) after the last; V(last obs) where it ended
-        following = torch.cat([buf.values[1:], self.policy.value(self.to_policy(last))[None]])
+        following = torch.cat([buf.values[1:], self.policy.value(last.to(self.device))[None]])
         ended = done & buf.valid
         buf.next_values = torch.where(ended.any(-1), self.bootstrap, following)
         return buf

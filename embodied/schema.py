@@ -90,6 +90,10 @@ class Observation:
             privileged={k: fn(v) for k, v in self.privileged.items()},
         )
 
+    def to(self, device: torch.device) -> Observation:
+        """The observation on ``device``: itself when it is there already."""
+        return self if self.device == device else self.map(lambda t: t.to(device))
+
     def index(self, idx: torch.Tensor | slice) -> Observation:
         """Rows ``idx`` of the batch (instructions included): a slice, or long indices or a bool
         mask, best on the host (one copy to the device, and the instructions read there)."""
