@@ -1,28 +1,13 @@
 """Numbers the benchmark scripts derive from their measurements, on hand-computed cases."""
 
-import importlib.util
 import json
-import sys
 from collections import Counter
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # (dataclasses look their module up while the class is made)
-    path = list(sys.path)
-    try:
-        spec.loader.exec_module(module)
-    finally:  # a script puts benchmarks/ first, whose megatron.py would hide megatron-core
-        sys.path[:] = path
-    return module
+from benchmark_scripts import load
 
 
 def test_the_pipelining_bound_peaks_at_1_5_where_simulation_is_half_the_inference():
