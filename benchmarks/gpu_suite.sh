@@ -113,7 +113,7 @@ if has mujoco_warp; then
     stage warp_tests  # (and the compiled act and step against the eager ones; -v: each test's
     # outcome as it ends, kept if the stage's limit cuts the run before pytest's summary)
     timeout "$(cap 300)" python3 -P -m pytest -m gpu -v -rs -p no:cacheprovider \
-      tests/test_mujoco_warp.py tests/test_compile_act.py 2>&1 | tee "$OUT/pytest_warp.log"
+      tests/test_mujoco_warp_gpu.py tests/test_compile_act.py 2>&1 | tee "$OUT/pytest_warp.log"
   fi
   if want warp_rgb_profile; then  # rgb, and where ours' extra time per step goes
     stage warp_rgb_profile

@@ -19,3 +19,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray of 2 CPUs for a test module (started as ``embodied train`` starts one);
+    each run places its own workers on it and removes them at its end."""
+    ray = pytest.importorskip("ray")
+    from embodied.cluster.config import ClusterConfig
+    from embodied.cluster.start import start_ray
+
+    start_ray(ClusterConfig(num_cpus=2))
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread here, as in a run's workers (runner.torch_threads): the same sums."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -421,7 +421,7 @@ def test_an_unfinished_evaluation_keeps_its_rows_when_no_worker_can_run_it_again
     """Iteration 1's checkpoint names its evaluation beside training as in flight, and that
     evaluation's row was logged after iteration 2's (hand-built from a real run). An embedded
     resume has no evaluation worker to run it again: its row stays, once, and the run says why.
-    (The other reasons, and the re-run, are resumed runs on Ray: tests/test_cluster.py.)"""
+    (The other reasons, and the re-run, are resumed runs on Ray: tests/test_cluster_overlap.py.)"""
     from scripted_envs import PPO, TINY_VLA, PushRightEnv, run_on
 
     run = tmp_path / "run"

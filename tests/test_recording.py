@@ -30,14 +30,9 @@ from embodied.replay import differences, replay
 MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """torch on one thread, as a run and its replay set it (runner.torch_threads): the runs
-    recorded here sum as those replaying them do."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# torch on one thread, as a run and its replay set it (runner.torch_threads): the runs recorded
+# here sum as those replaying them do
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_every_nth_iteration_and_any_non_finite_or_spiking_update_is_recorded():

@@ -28,3 +28,28 @@ def test_ruff_format_leaves_every_file_as_it_is():
 def test_ruff_check_finds_nothing():
     res = subprocess.run([ruff(), "check", "."], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+# every folder of Python: the package's (installed as embodied.*), benchmarks, scripts, tests
+FOLDERS = (
+    "embodied",
+    "simulators",
+    "robots",
+    "models",
+    "algorithms",
+    "benchmarks",
+    "scripts",
+    "tests",
+)
+
+
+def test_every_module_stays_within_500_lines():
+    """A module does one job and stays within 500 lines: the package, its benchmarks, scripts and
+    tests alike (a longer one is split where its jobs part)."""
+    sizes = {
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+        for folder in FOLDERS
+        for path in (ROOT / folder).rglob("*.py")
+    }
+    assert len(sizes) > 100  # (the tree was found)
+    assert {name: n for name, n in sizes.items() if n > 500} == {}

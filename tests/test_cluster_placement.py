@@ -1,0 +1,164 @@
+"""Placement: roles' resources planned, checked against the Ray cluster before any worker
+starts (one line naming the role and the resource), and env configs split over env
+workers."""
+
+import pytest
+from cluster_runs import ON_RAY, ROOT, TINY
+
+from embodied.cli import main
+from embodied.cluster.config import ClusterConfig, RoleConfig
+
+
+def test_an_impossible_placement_is_one_line_before_any_worker_starts(local_ray, tmp_path, capsys):
+    argv = [
+        "train",
+        str(ROOT / "configs/maniskill/pushcube_ppo.yaml"),
+        *TINY,
+        f"runner.output_dir={tmp_path}",
+        *ON_RAY,
+        "cluster.actor.num_gpus=3",
+    ]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "embodied: error: cluster.actor: 1 actor worker(s) ask for 3 GPU, and the Ray cluster "
+        "has 0 GPU (1 node(s))"
+    ]
+    assert not (tmp_path / "pushcube_ppo").exists()  # nothing was made
+
+
+def slots_of(**roles):
+    from embodied.cluster.placement import plan_slots
+
+    cfg = ClusterConfig(enabled=True, **{k: RoleConfig(**v) for k, v in roles.items()})
+    return cfg, plan_slots(cfg)
+
+
+@pytest.mark.parametrize(
+    "roles, nodes, placement, error",
+    [
+        # the whole request: the first role whose share does not fit is named
+        (
+            dict(env=dict(workers=4, num_cpus=1)),
+            [{"CPU": 2.0}],
+            "collocated",
+            "cluster.env: 4 env worker(s) ask for 4 CPU, and the Ray cluster has 2 CPU",
+        ),
+        (
+            dict(rollout=dict(num_gpus=1), actor=dict(num_gpus=0.5)),
+            [{"CPU": 8.0, "GPU": 1.0}],
+            "collocated",
+            "cluster.actor: 1 actor worker(s) ask for 0.5 GPU beside 1 for the roles before it",
+        ),
+        # enough in all, but no node holds one worker's bundle
+        (
+            dict(actor=dict(num_cpus=4)),
+            [{"CPU": 3.0}, {"CPU": 3.0}],
+            "disaggregated",
+            "cluster.actor: one actor worker asks for 4 CPU and no node of the Ray cluster has",
+        ),
+        # every bundle fits somewhere, but collocated wants them on one node
+        (
+            dict(env=dict(num_cpus=1.5), rollout=dict(num_cpus=1), actor=dict(num_cpus=1)),
+            [{"CPU": 2.0}, {"CPU": 2.0}],
+            "collocated",
+            "cluster.placement: collocated puts every worker on one node",
+        ),
+        (
+            dict(env=dict(resources={"sim": 1})),
+            [{"CPU": 4.0}],
+            "hybrid",
+            "cluster.env: 1 env worker(s) ask for 1 sim, and the Ray cluster has 0 sim",
+        ),
+    ],
+)
+def test_a_placement_that_cannot_fit_names_the_role_and_the_resource(
+    roles, nodes, placement, error
+):
+    from embodied.cluster.placement import check_fits
+    from embodied.config import ConfigError
+
+    cfg, slots = slots_of(**roles)
+    cfg.placement = placement
+    with pytest.raises(ConfigError) as raised:
+        check_fits(cfg, slots, nodes)
+    assert str(raised.value).startswith(error)
+
+
+def test_a_placement_that_fits_passes_and_gives_one_bundle_per_worker():
+    from embodied.cluster.placement import check_fits
+
+    cfg, slots = slots_of(
+        env=dict(workers=2, num_cpus=1), rollout=dict(num_gpus=0.5), actor=dict(num_gpus=0.5)
+    )
+    check_fits(cfg, slots, [{"CPU": 4.0, "GPU": 1.0}])
+    assert [(s.role, s.index, s.bundle) for s in slots] == [
+        ("env", 0, 0),
+        ("env", 1, 1),
+        ("rollout", 0, 2),
+        ("actor", 0, 3),
+    ]
+    assert slots[2].resources == {"CPU": 1.0, "GPU": 0.5}
+
+
+@pytest.mark.parametrize(
+    "roles, nodes, placement, cpus",
+    [
+        # the README's first cluster command on 2 cores: env, rollout and actor at 2/3 each
+        (dict(), [{"CPU": 2.0}], "collocated", [0.666, 0.666, 0.666]),
+        # what explicit requests leave is shared by the others
+        (dict(env=dict(num_cpus=1)), [{"CPU": 2.0}], "collocated", [1.0, 0.5, 0.5]),
+        # one CPU each where the cluster has them
+        (dict(env=dict(workers=3)), [{"CPU": 16.0}], "collocated", [1.0] * 5),
+        # collocated counts the largest node; spread placements the whole cluster
+        (dict(), [{"CPU": 1.0}, {"CPU": 2.0}], "collocated", [0.666] * 3),
+        (dict(), [{"CPU": 1.0}, {"CPU": 2.0}], "disaggregated", [1.0] * 3),
+        # explicit requests that take everything: the others ask for one (check_fits names it)
+        (dict(actor=dict(num_cpus=2)), [{"CPU": 2.0}], "collocated", [1.0, 1.0, 2.0]),
+    ],
+)
+def test_roles_without_num_cpus_share_the_cpus_the_cluster_has(roles, nodes, placement, cpus):
+    from embodied.cluster.placement import check_fits, plan_slots
+
+    cfg = ClusterConfig(enabled=True, placement=placement)
+    for role, values in roles.items():
+        setattr(cfg, role, RoleConfig(**values))
+    slots = plan_slots(cfg, nodes)
+    assert [s.resources["CPU"] for s in slots] == cpus
+    if sum(cpus) <= max(n["CPU"] for n in nodes) or placement != "collocated":
+        check_fits(cfg, slots, nodes)
+    else:
+        from embodied.config import ConfigError
+
+        with pytest.raises(ConfigError, match="cluster.actor: 1 actor worker"):
+            check_fits(cfg, slots, nodes)
+    assert [s.resources["CPU"] for s in plan_slots(cfg)] == [  # (no cluster to fit: one each)
+        1.0 if role.num_cpus is None else role.num_cpus
+        for role in (cfg.env, cfg.rollout, cfg.actor)
+        for _ in range(role.workers)
+    ]
+
+
+def test_env_configs_split_by_rows_and_tasks():
+    from embodied.cluster.envs import split_env
+    from embodied.config import ConfigError
+    from embodied.simulators.maniskill import ManiSkillConfig
+
+    one = ManiSkillConfig(num_envs=8, num_workers=4)
+    assert [(c.num_envs, c.num_workers) for c in split_env(one, 2)] == [(4, 2), (4, 2)]
+    # a share of one simulator process: the env worker simulates in its own process
+    assert [(c.num_envs, c.num_workers) for c in split_env(one, 4)] == [(2, 0)] * 4
+    single = ManiSkillConfig(num_envs=8, num_workers=1)
+    assert [(c.num_envs, c.num_workers) for c in split_env(single, 1)] == [(8, 0)]
+    three = ManiSkillConfig(tasks=["A", "B", "C"], num_envs=12, num_workers=3)
+    parts = split_env(three, 3)
+    assert [(c.tasks, c.num_envs) for c in parts] == [(["A"], 4), (["B"], 4), (["C"], 4)]
+    parts = split_env(three, 6)
+    assert [(c.tasks, c.num_envs) for c in parts] == [  # (one-task lists: named by the task)
+        ([t], 2) for t in ("A", "A", "B", "B", "C", "C")
+    ]
+    with pytest.raises(ConfigError, match="cluster.env.workers: 3 env workers cannot share"):
+        split_env(one, 3)
+    with pytest.raises(ConfigError, match="cannot share 3 tasks of 4"):
+        split_env(three, 2)

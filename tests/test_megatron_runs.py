@@ -1,0 +1,353 @@
+"""The runner on the megatron backend: runs at TP=1 and TP=2 follow the torch run and resume at
+any TP size or on torch, their updates replay bit for bit, a VLA on a Qwen2.5-VL, the discrete
+head and bf16 train as on torch, and a rank's failure ends the run with its error."""
+
+import pytest
+import torch
+from megatron_cases import assert_same_checkpoint, convert_cli, tiny_qwen2_5_vl
+
+# --- the runner on the megatron backend ---------------------------------------------------------
+E2E_POLICY = {"layers": 2}  # (over the tests' tiny VLA)
+
+
+E2E_ITERATIONS = 3
+
+
+def e2e_run(
+    run_dir,
+    trainer: dict | None,
+    resume: str | None = None,
+    *,
+    policy: dict | None = None,
+    iterations: int = E2E_ITERATIONS,
+) -> dict:
+    """GRPO on the test task, one round per update, a checkpoint per iteration; ``policy``
+    over the tiny VLA's config."""
+    from scripted_envs import GRPO, TINY_VLA, PushRightEnv, run_on
+
+    torch.manual_seed(0)  # (as ``train`` seeds before it builds the roles)
+    return run_on(
+        PushRightEnv(8),
+        run_dir,
+        total_env_steps=8 * 3 * iterations,
+        policy={**TINY_VLA, **E2E_POLICY, **(policy or {})},
+        algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
+        save_every=1,
+        trainer=trainer,
+        resume=resume,
+    )
+
+
+def resume_copy(tmp_path, source: str, name: str, iteration: int = 2) -> str:
+    """A copy of the run ``source`` as ``name``, its rows after ``iteration`` dropped (as
+    ``train`` does when it resumes); the checkpoint of that iteration to resume from."""
+    import shutil
+
+    from embodied.run import trim_metrics
+
+    shutil.copytree(tmp_path / source, tmp_path / name, symlinks=True)
+    trim_metrics(tmp_path / name, iteration)
+    return str(tmp_path / name / "checkpoints" / f"iter_{iteration:06d}")
+
+
+def e2e_child(rank: int, tmp_path) -> None:
+    """In a process of their own (the backend makes this process a process group): the
+    megatron run at TP=1, the run at TP=2 (its second rank a process the runner starts), and
+    the TP=2 run resumed at TP=1 after iteration 2."""
+    torch.set_num_threads(1)
+    e2e_run(tmp_path / "megatron", {"backend": "megatron"})
+    e2e_run(tmp_path / "megatron_tp2", {"backend": "megatron", "tensor_parallel": 2})
+    again = resume_copy(tmp_path, "megatron_tp2", "tp2_then_tp1")
+    e2e_run(tmp_path / "tp2_then_tp1", {"backend": "megatron"}, resume=again)
+
+
+def metric_table(run_dir) -> list[dict]:
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def assert_rows_close(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for row_a, row_b in zip(a, b):
+        assert row_a.keys() == row_b.keys()
+        for key in row_a:
+            if key in ("minutes", "eval/policy_ms", "eval/env_steps_per_s"):
+                continue
+            assert row_a[key] == pytest.approx(row_b[key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_run_on_megatron_follows_the_torch_run_and_resumes_at_any_tp_or_on_torch(tmp_path):
+    """GRPO on the tiny VLA, 3 iterations: every logged number of the megatron runs at TP=1
+    and TP=2 equals the torch run's to 1e-5. Their checkpoints hold the fusion as one shard per
+    TP rank, which loading joins into the torch layout: the weights and Adam's state equal the
+    torch run's, the TP=2 run resumed after iteration 2 at TP=1, and the TP=1 run resumed on
+    torch, run the third iteration the same again."""
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
+
+    from embodied.checkpoint import load_checkpoint
+
+    torch.set_num_threads(1)
+    e2e_run(tmp_path / "torch", None)
+    torch.multiprocessing.spawn(e2e_child, args=(tmp_path,), nprocs=1)
+    want = metric_table(tmp_path / "torch")
+    assert len([r for r in want if "policy/loss" in r]) == E2E_ITERATIONS
+    assert_rows_close(metric_table(tmp_path / "megatron"), want)
+    # the checkpoint: the torch layout's weights and Adam state, as the torch run's
+    saved = load_checkpoint(tmp_path / "megatron" / "checkpoints" / "iter_000002")
+    reference = load_checkpoint(tmp_path / "torch" / "checkpoints" / "iter_000002")
+    assert saved["model"].keys() == reference["model"].keys()
+    for key, value in reference["model"].items():
+        torch.testing.assert_close(saved["model"][key], value, rtol=1e-5, atol=1e-5)
+    moments = saved["optimizer"]["state"]
+    assert moments.keys() == reference["optimizer"]["state"].keys()
+    for index, entry in reference["optimizer"]["state"].items():
+        assert moments[index]["step"] == entry["step"] == 8  # 2 iterations of 2 x 2 minibatches
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(moments[index][key], entry[key], rtol=1e-4, atol=1e-8)
+    # TP=2: the fusion in one file per rank, the rest whole; the same numbers once joined
+    sharded = tmp_path / "megatron_tp2" / "checkpoints" / "iter_000002"
+    assert sorted(p.name for p in sharded.glob("model*")) == [
+        "model-tp00-of-02.safetensors",
+        "model-tp01-of-02.safetensors",
+        "model.safetensors",
+    ]
+    assert not [k for k in load_file(sharded / "model.safetensors") if k.startswith("fusion.")]
+    joined = load_checkpoint(sharded)
+    for key, value in saved["model"].items():
+        torch.testing.assert_close(joined["model"][key], value, rtol=1e-5, atol=1e-6)
+    # resumed at TP=1, and on torch, the same again
+    again = resume_copy(tmp_path, "megatron", "again_torch")
+    e2e_run(tmp_path / "again_torch", None, resume=again)
+    for name in ("megatron_tp2", "tp2_then_tp1", "again_torch"):
+        assert_rows_close(metric_table(tmp_path / name), want)
+
+
+def records_child(rank: int, tmp_path) -> None:
+    """In a process of its own: GRPO and PPO on megatron at TP=1 and TP=2, every iteration
+    recorded, then every recorded update replayed at its run's TP size; by run and iteration,
+    what differs (nothing, bit for bit) and how many metrics were compared, in replays.json."""
+    import json
+
+    from scripted_envs import GRPO, PPO, TINY_VLA, PushRightEnv, run_on
+
+    from embodied.replay import differences, replay
+
+    torch.set_num_threads(1)
+    algorithms = {
+        "grpo": ({**GRPO, "max_rounds": 1, "dynamic_sampling": False}, {}),
+        "ppo": ({**PPO, "num_steps": 3}, {"value_head": True}),
+    }
+    found = {}
+    for name, (algorithm, policy) in algorithms.items():
+        for tp in (1, 2):
+            run_dir = tmp_path / f"{name}_tp{tp}"
+            torch.manual_seed(0)
+            run_on(
+                PushRightEnv(8),
+                run_dir,
+                total_env_steps=8 * 3 * 2,
+                policy={**TINY_VLA, **E2E_POLICY, **policy},
+                algorithm=algorithm,
+                trainer={"backend": "megatron", "tensor_parallel": tp},
+                record_rollouts=1,
+            )
+            for iteration in (1, 2):
+                record, metrics, digest = replay(run_dir, iteration)
+                weights = (record.meta["digest_after"], digest)
+                differ = differences(record.meta["metrics"], metrics, 0.0, weights)
+                found[f"{name}_tp{tp}_{iteration}"] = {"differ": differ, "metrics": len(metrics)}
+    (tmp_path / "replays.json").write_text(json.dumps(found))
+
+
+def test_megatron_updates_replay_bit_for_bit_from_their_records_at_tp_1_and_2(tmp_path):
+    """record -> replay on the megatron backend (PPO and GRPO, TP=1 and TP=2, CPU): the
+    losses, KL, clip fraction, gradient norm and the weights after the update as the run's. A
+    TP=2 record holds the whole state in the torch layout, the fusion's Adam moments gathered
+    from both ranks: they equal the TP=1 run's."""
+    pytest.importorskip("megatron.core")
+    import json
+
+    from embodied.recording import read_record
+
+    torch.multiprocessing.spawn(records_child, args=(tmp_path,), nprocs=1)
+    found = json.loads((tmp_path / "replays.json").read_text())
+    assert sorted(found) == [
+        f"{a}_tp{tp}_{i}" for a in ("grpo", "ppo") for tp in (1, 2) for i in (1, 2)
+    ]
+    assert all(r["differ"] == [] and r["metrics"] >= 7 for r in found.values()), found
+    whole = read_record(tmp_path / "grpo_tp1", 2)
+    sharded = read_record(tmp_path / "grpo_tp2", 2)
+    assert any(k.startswith("fusion.") for k in sharded.model)
+    assert sharded.model.keys() == whole.model.keys()
+    state = sharded.optimizer["state"]
+    assert state.keys() == whole.optimizer["state"].keys() and len(state) > 0
+    for index, entry in whole.optimizer["state"].items():
+        assert state[index]["step"] == entry["step"] == 4  # 1 iteration of 2 epochs x 2 minibatches
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[index][key].shape == entry[key].shape
+            torch.testing.assert_close(state[index][key], entry[key], rtol=1e-4, atol=1e-8)
+
+
+def vlm_e2e_child(rank: int, tmp_path) -> None:
+    """The VLA on a Qwen2.5-VL, trained and frozen, at TP=2; the trained run resumed at TP=1."""
+    torch.set_num_threads(1)
+    for frozen in (False, True):
+        policy = {"vlm_path": str(tmp_path / "vlm"), "freeze_vlm": frozen}
+        trainer = {"backend": "megatron", "tensor_parallel": 2}
+        e2e_run(tmp_path / f"megatron{frozen}", trainer, policy=policy, iterations=2)
+    again = resume_copy(tmp_path, "megatronFalse", "again", iteration=1)
+    policy = {"vlm_path": str(tmp_path / "vlm"), "freeze_vlm": False}
+    e2e_run(tmp_path / "again", {"backend": "megatron"}, again, policy=policy, iterations=2)
+
+
+@pytest.mark.slow  # (31 s; the update's parity with the language model sharded is in the suite)
+def test_a_vla_on_a_qwen2_5_vl_trains_on_megatron_as_on_torch(tmp_path):
+    """GRPO of the VLA on a tiny Qwen2.5-VL, 2 iterations at TP=2, its VLM trained and frozen:
+    every logged number equals the torch run's to 1e-5. Trained, the checkpoint's shard files
+    hold the fusion and the language model (model.safetensors neither); frozen, the language
+    model is saved whole with the frozen weights. Joined, the weights equal the torch run's; the
+    trained run resumed at TP=1 after iteration 1 gives iteration 2 again."""
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
+
+    from embodied.checkpoint import load_checkpoint
+
+    torch.set_num_threads(1)
+    tiny_qwen2_5_vl(tmp_path / "vlm")
+    for frozen in (False, True):
+        policy = {"vlm_path": str(tmp_path / "vlm"), "freeze_vlm": frozen}
+        e2e_run(tmp_path / f"torch{frozen}", None, policy=policy, iterations=2)
+    torch.multiprocessing.spawn(vlm_e2e_child, args=(tmp_path,), nprocs=1)
+    for frozen in (False, True):
+        want = metric_table(tmp_path / f"torch{frozen}")
+        assert_rows_close(metric_table(tmp_path / f"megatron{frozen}"), want)
+        last = tmp_path / f"megatron{frozen}" / "checkpoints" / "iter_000002"
+        shard = load_file(last / "model-tp01-of-02.safetensors")
+        text = "weight/vlm.model.language_model/decoder.layers.1.mlp.linear_fc2.weight"
+        assert (text in shard) == (not frozen)
+        assert "weight/fusion/layers.1.mlp.linear_fc2.weight" in shard
+        whole = load_file(last / "model.safetensors")
+        assert not [k for k in whole if k.startswith(("fusion.", "vlm.model.language_model."))]
+        saved = load_checkpoint(last)["model"]
+        reference = load_checkpoint(tmp_path / f"torch{frozen}" / "last")["model"]
+        assert saved.keys() == reference.keys()
+        for key, value in reference.items():
+            torch.testing.assert_close(saved[key], value, rtol=1e-5, atol=1e-5)
+    assert_rows_close(metric_table(tmp_path / "again"), metric_table(tmp_path / "torchFalse"))
+
+
+def discrete_e2e_child(rank: int, tmp_path) -> None:
+    """The VLA with the discrete head at TP=2, and resumed at TP=1 after iteration 1."""
+    torch.set_num_threads(1)
+    policy = {"head": "discrete"}
+    trainer = {"backend": "megatron", "tensor_parallel": 2}
+    e2e_run(tmp_path / "megatron", trainer, policy=policy, iterations=2)
+    again = resume_copy(tmp_path, "megatron", "again", iteration=1)
+    e2e_run(tmp_path / "again", {"backend": "megatron"}, again, policy=policy, iterations=2)
+
+
+@pytest.mark.slow  # (19 s; the discrete head's update parity is in the suite)
+def test_a_vla_with_the_discrete_head_trains_on_megatron_as_on_torch(tmp_path):
+    """GRPO of the VLA with the discrete head, 2 iterations at TP=2: every logged number equals
+    the torch run's to 1e-5; each rank's shard file holds half of every dimension's bins, and
+    joined, the weights equal the torch run's; resumed at TP=1 after iteration 1, iteration 2
+    again."""
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
+
+    from embodied.checkpoint import load_checkpoint
+    from embodied.convert import ConvertError, _check_module_split
+
+    torch.set_num_threads(1)
+    e2e_run(tmp_path / "torch", None, policy={"head": "discrete"}, iterations=2)
+    torch.multiprocessing.spawn(discrete_e2e_child, args=(tmp_path,), nprocs=1)
+    want = metric_table(tmp_path / "torch")
+    assert_rows_close(metric_table(tmp_path / "megatron"), want)
+    last = tmp_path / "megatron" / "checkpoints" / "iter_000002"
+    reference = load_checkpoint(tmp_path / "torch" / "last")["model"]
+    whole = reference["head.logits.weight"]  # [2 dimensions x 256 bins, d]
+    shard = load_file(last / "model-tp01-of-02.safetensors")["weight/head/logits.weight"]
+    assert shard.shape == (2 * 128, whole.shape[1])
+    torch.testing.assert_close(shard[:128], whole[128:256], rtol=1e-5, atol=1e-5)
+    assert not [k for k in load_file(last / "model.safetensors") if k.startswith("head.")]
+    saved = load_checkpoint(last)["model"]
+    assert saved.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(saved[key], value, rtol=1e-5, atol=1e-5)
+    assert_rows_close(metric_table(tmp_path / "again"), want)
+    # the torch run's checkpoint -> TP=2 shards: the run's files' layout; joined, bit-exact
+    source = tmp_path / "torch" / "last"
+    assert convert_cli(source, "--to", "megatron", "--tensor-parallel", 2, tmp_path / "mg")[0] == 0
+    converted = load_file(tmp_path / "mg" / "model-tp01-of-02.safetensors")
+    torch.testing.assert_close(converted["weight/head/logits.weight"][:128], whole[128:256])
+    assert_same_checkpoint(load_checkpoint(tmp_path / "mg"), load_checkpoint(source))
+    # (the fusion's 2 heads split over no TP size that 256 bins do not: the check alone)
+    head = {"module": "head", "layout": "discrete_head", "actions": 2, "bins": 256}
+    with pytest.raises(ConvertError, match="^--tensor-parallel 3: the discrete head's 256 bins"):
+        _check_module_split(head, 3, {})
+
+
+def bf16_e2e_child(rank: int, tmp_path) -> None:
+    """A bf16 run at TP=2, and the same resumed at TP=2 after iteration 1."""
+    torch.set_num_threads(1)
+    trainer = {"backend": "megatron", "tensor_parallel": 2, "precision": "bf16"}
+    e2e_run(tmp_path / "bf16", trainer, iterations=2)
+    again = resume_copy(tmp_path, "bf16", "again", iteration=1)
+    e2e_run(tmp_path / "again", trainer, again, iterations=2)
+
+
+@pytest.mark.slow  # (22 s; bf16's update is in the suite)
+def test_a_bf16_run_saves_its_float32_main_weights_and_resumes_to_the_same_numbers(tmp_path):
+    """`trainer.precision=bf16` at TP=2: the shard files hold the float32 main weights (not
+    bf16-representable), and the run resumed after iteration 1 logs iteration 2 again to
+    1e-5: the main weights come back exact (resumed from their bf16 rounding, it would not)."""
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    torch.multiprocessing.spawn(bf16_e2e_child, args=(tmp_path,), nprocs=1)
+    last = tmp_path / "bf16" / "checkpoints" / "iter_000002"
+    qkv = load_file(last / "model-tp01-of-02.safetensors")[
+        "weight/fusion/layers.0.self_attention.linear_qkv.weight"
+    ]
+    assert qkv.dtype == torch.float32
+    assert (qkv != qkv.to(torch.bfloat16).float()).float().mean() > 0.9
+    assert_rows_close(metric_table(tmp_path / "again"), metric_table(tmp_path / "bf16"))
+
+
+def failing_child(rank: int, tmp_path) -> None:
+    """A TP=2 run whose rank 0 fails inside its second update, while its helper rank waits in
+    a collective; writes the error it ended with and how many child processes are left."""
+    torch.set_num_threads(1)
+    import multiprocessing
+
+    from embodied.grpo import GRPO
+
+    calls = []
+    loss = GRPO.loss
+
+    def failing(self, learner, minibatch):
+        calls.append(1)
+        if len(calls) == 5:  # (4 minibatch steps an update)
+            raise RuntimeError("rank 0 fails")
+        return loss(self, learner, minibatch)
+
+    GRPO.loss = failing
+    try:
+        e2e_run(tmp_path / "fails", {"backend": "megatron", "tensor_parallel": 2})
+    except RuntimeError as error:
+        (tmp_path / "fails" / "error.txt").write_text(str(error))
+    finally:
+        GRPO.loss = loss
+    (tmp_path / "fails" / "left.txt").write_text(str(len(multiprocessing.active_children())))
+
+
+@pytest.mark.slow  # (13 s: the failure path; the parity runs above are in the default suite)
+def test_a_tp2_run_that_fails_on_rank_0_ends_with_its_error_and_no_rank_left(tmp_path):
+    pytest.importorskip("megatron.core")
+    torch.multiprocessing.spawn(failing_child, args=(tmp_path,), nprocs=1)
+    assert (tmp_path / "fails" / "error.txt").read_text() == "rank 0 fails"
+    assert (tmp_path / "fails" / "left.txt").read_text() == "0"
