@@ -237,29 +237,17 @@ def run_bench(
     done: list[dict] = []
     meta["skipped"] = []  # tasks the checkpoint cannot act in, with the reason
     for n, item in enumerate(items, 1):
-        key = hashlib.sha1(
-            json.dumps(
-                {
-                    "env": to_dict(item.env),
-                    "episodes": item.episodes,
-                    "seed": cfg.seed,
-                    "policy": policies.key,
-                },
-                sort_keys=True,
-            ).encode()
-        ).hexdigest()
+        counted = f"[{n}/{len(items)}] {item.name}"
+        key = _task_key(item, cfg, policies.key)
         path = out_dir / "tasks" / f"{_file_name(item.name)}.json"
-        if path.exists() and json.loads(path.read_text()).get("key") == key:
-            done += json.loads(path.read_text())["results"]
-            print(
-                f"[{n}/{len(items)}] {item.name}: finished in an earlier run, kept ({path})",
-                flush=True,
-            )
+        kept = _kept_results(path, key, counted)
+        if kept is not None:
+            done += kept
             continue
         try:
             results = _run_task(item, policies, cfg, out_dir, progress)
         except SpecMismatch as e:
-            print(f"[{n}/{len(items)}] {item.name}: skipped, {e}", flush=True)
+            print(f"{counted}: skipped, {e}", flush=True)
             meta["skipped"].append({"task": item.name, "reason": str(e)})
             continue
         for r in results:
@@ -267,18 +255,48 @@ def run_bench(
         atomic_write(path, json.dumps({"key": key, "results": results}, indent=2))
         done += results
         for r in results:
-            print(
-                f"[{n}/{len(items)}] {r['task']}: success {r['success_rate']:.2f} "
-                f"({r['successes']}/{r['episodes']}, "
-                f"95% CI {r['success_ci95'][0]:.2f}-{r['success_ci95'][1]:.2f}), "
-                f"{r['env_steps_per_s']:.0f} env steps/s, "
-                f"policy {r['policy_ms']:.1f} ms, {r['minutes']:.1f} min",
-                flush=True,
-            )
+            print(f"[{n}/{len(items)}] {_result_line(r)}", flush=True)
         write_report(out_dir, meta, done)
     report = write_report(out_dir, meta, done)
     print(f"report: {out_dir}/report.md, results.json, success.png", flush=True)
     return report
+
+
+def _task_key(item: BenchItem, cfg: BenchConfig, policy_key: str) -> str:
+    """What a task's results were made from: its env, episodes, the suite's seed, the policy."""
+    made_from = {
+        "env": to_dict(item.env),
+        "episodes": item.episodes,
+        "seed": cfg.seed,
+        "policy": policy_key,
+    }
+    return hashlib.sha1(json.dumps(made_from, sort_keys=True).encode()).hexdigest()
+
+
+def _kept_results(path: Path, key: str, counted: str) -> list[dict] | None:
+    """A task's results from an earlier run of the same key, said so; None to run it (again:
+    a file that cannot be read, said so too)."""
+    if not path.exists():
+        return None
+    try:
+        kept = json.loads(path.read_text())
+        if kept.get("key") != key:
+            return None
+        results = list(kept["results"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        print(f"{counted}: its results in {path} cannot be read ({e!r}): run again", flush=True)
+        return None
+    print(f"{counted}: finished in an earlier run, kept ({path})", flush=True)
+    return results
+
+
+def _result_line(r: dict) -> str:
+    low, high = r["success_ci95"]
+    return (
+        f"{r['task']}: success {r['success_rate']:.2f} ({r['successes']}/{r['episodes']}, "
+        f"95% CI {low:.2f}-{high:.2f}), {r['env_steps_per_s']:.0f} env steps/s, "
+        f"policy {r['policy_ms']:.1f} ms, {r['minutes']:.1f} min"
+    )
 
 
 def _run_task(

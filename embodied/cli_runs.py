@@ -12,6 +12,12 @@ from embodied.cli_errors import error as _error
 
 def add_run_commands(sub) -> None:
     """The replay, episodes and report subcommands of ``embodied``'s parser."""
+    _add_replay(sub)
+    _add_episodes(sub)
+    _add_report(sub)
+
+
+def _add_replay(sub) -> None:
     r = sub.add_parser(
         "replay",
         help="run a recorded iteration's update again and compare it with the run",
@@ -26,6 +32,9 @@ def add_run_commands(sub) -> None:
         "--rtol", type=float, default=0.0, help="relative tolerance for metrics (default 0)"
     )
     r.set_defaults(func=cmd_replay)
+
+
+def _add_episodes(sub) -> None:
     ep = sub.add_parser(
         "episodes",
         help="write a recorded iteration's episodes as mp4 and plots",
@@ -65,6 +74,9 @@ def add_run_commands(sub) -> None:
         help="write the chosen episodes as a LeRobot v3 dataset there instead (for embodied sft)",
     )
     ep.set_defaults(func=cmd_episodes)
+
+
+def _add_report(sub) -> None:
     o = sub.add_parser(
         "report",
         help="write RUN/report.html: the run's success, per-task tables, time, episodes, events",

@@ -185,6 +185,34 @@ class LeRobotWriter:
         -> index."""
         T = len(actions)
         privileged = privileged or {}
+        self._check_episode(images, state, rewards, success, privileged, T)
+        ep = len(self.episodes)
+        task_index = self.tasks.setdefault(task, len(self.tasks))
+        frames = {image_key(c): [images[c][t] for t in range(T)] for c in self.cameras}
+        frames.update(self._columns(state, actions, rewards, success, ep, task_index))
+        frames.update(
+            {privileged_key(k): _column(v.reshape(T, -1), T) for k, v in privileged.items()}
+        )
+        self._buffer.append(frames)
+        stats = {"observation.state": _stats(state), "action": _stats(actions)}
+        stats.update({image_key(c): _image_stats(images[c]) for c in self.cameras})
+        meta = self._episode_meta(ep, task, T, success, extra)
+        meta.update({f"stats/{f}/{k}": v for f, s in stats.items() for k, v in s.items()})
+        self.episodes.append(meta)
+        self._all["observation.state"].append(state)
+        self._all["action"].append(actions)
+        for k, v in privileged.items():
+            self._all[privileged_key(k)].append(v.reshape(T, -1))
+        for c in self.cameras:
+            self._images[c].append(images[c][:: max(1, T // 10)])
+        self._frames += T
+        # PNG compresses camera frames ~4x
+        self._buffer_bytes += sum(v.nbytes for v in images.values()) // 4
+        if self._buffer_bytes > FILE_SIZE_MB * 2**20:
+            self._flush()
+        return ep
+
+    def _check_episode(self, images, state, rewards, success, privileged, T: int) -> None:
         if set(privileged) != set(self.privileged):
             raise ValueError(
                 f"add_episode: privileged keys {sorted(privileged)}, "
@@ -194,28 +222,25 @@ class LeRobotWriter:
             len(v) != T for v in images.values()
         ):
             raise ValueError("add_episode: every per-frame array must have the same length")
-        ep = len(self.episodes)
-        task_index = self.tasks.setdefault(task, len(self.tasks))
-        frames = {image_key(c): [images[c][t] for t in range(T)] for c in self.cameras}
-        frames.update(
-            {
-                "observation.state": _column(state, T),
-                "action": _column(actions, T),
-                "next.reward": rewards.astype(np.float32).tolist(),
-                "next.success": success.astype(bool).tolist(),
-                "timestamp": (np.arange(T) / self.fps).astype(np.float32).tolist(),
-                "frame_index": list(range(T)),
-                "episode_index": [ep] * T,
-                "index": list(range(self._frames, self._frames + T)),
-                "task_index": [task_index] * T,
-            }
-        )
-        frames.update(
-            {privileged_key(k): _column(v.reshape(T, -1), T) for k, v in privileged.items()}
-        )
-        stats = {"observation.state": _stats(state), "action": _stats(actions)}
-        stats.update({image_key(c): _image_stats(images[c]) for c in self.cameras})
-        meta = {
+
+    def _columns(self, state, actions, rewards, success, ep: int, task_index: int) -> dict:
+        """An episode's columns but its images and privileged keys, a value per frame."""
+        T = len(actions)
+        return {
+            "observation.state": _column(state, T),
+            "action": _column(actions, T),
+            "next.reward": rewards.astype(np.float32).tolist(),
+            "next.success": success.astype(bool).tolist(),
+            "timestamp": (np.arange(T) / self.fps).astype(np.float32).tolist(),
+            "frame_index": list(range(T)),
+            "episode_index": [ep] * T,
+            "index": list(range(self._frames, self._frames + T)),
+            "task_index": [task_index] * T,
+        }
+
+    def _episode_meta(self, ep: int, task: str, T: int, success, extra: dict | None) -> dict:
+        """The episode's row of meta/episodes, its statistics aside."""
+        return {
             "episode_index": ep,
             "tasks": [task],
             "length": T,
@@ -228,22 +253,6 @@ class LeRobotWriter:
             "success": bool(success.any()),
             **(extra or {}),
         }
-        meta.update({f"stats/{f}/{k}": v for f, s in stats.items() for k, v in s.items()})
-        self.episodes.append(meta)
-        self._buffer.append(frames)
-        self._all["observation.state"].append(state)
-        self._all["action"].append(actions)
-        for k, v in privileged.items():
-            self._all[privileged_key(k)].append(v.reshape(T, -1))
-        for c in self.cameras:
-            self._images[c].append(images[c][:: max(1, T // 10)])
-        self._frames += T
-        self._buffer_bytes += (
-            sum(v.nbytes for v in images.values()) // 4
-        )  # PNG compresses camera frames ~4x
-        if self._buffer_bytes > FILE_SIZE_MB * 2**20:
-            self._flush()
-        return ep
 
     @property
     def total_frames(self) -> int:

@@ -148,89 +148,6 @@ class ArmTwin:
             return np.array([self.data.qpos[q] for q in self._qpos])
 
 
-def _twin_camera_class():
-    from lerobot.cameras import Camera, CameraConfig
-
-    class TwinCamera(Camera):
-        """A LeRobot camera whose frames the twin renders on a capture thread at ``fps``, as a
-        real camera's driver captures in the background: ``read_latest`` never waits for a
-        render."""
-
-        def __init__(self, twin: ArmTwin, camera: str, width: int, height: int, fps: int):
-            cfg = CameraConfig.__new__(CameraConfig)
-            cfg.fps = fps
-            cfg.width = width
-            cfg.height = height
-            super().__init__(cfg)
-            self.twin = twin
-            self.camera = camera
-            self._frame = None
-            self._thread = None
-            self._stop = threading.Event()
-            self._fresh = threading.Event()
-
-        @property
-        def is_connected(self) -> bool:
-            return self._thread is not None and self._thread.is_alive()
-
-        @staticmethod
-        def find_cameras() -> list:
-            return []
-
-        def connect(self, warmup: bool = True) -> None:
-            self._stop.clear()
-            self._thread = threading.Thread(
-                target=self._capture, daemon=True, name=f"twin-camera-{self.camera}"
-            )
-            self._thread.start()
-            if warmup and not self._fresh.wait(30):
-                raise TimeoutError(f"twin camera {self.camera}: no frame within 30 s")
-
-        def _capture(self) -> None:
-            with self.twin._lock:  # the GL context belongs to this thread
-                vis = self.twin.model.vis.global_
-                vis.offwidth = max(vis.offwidth, self.width)
-                vis.offheight = max(vis.offheight, self.height)
-                renderer = mujoco.Renderer(self.twin.model, self.height, self.width)
-            try:
-                while not self._stop.is_set():
-                    t0 = time.monotonic()
-                    with (
-                        self.twin._lock
-                    ):  # a consistent snapshot of the scene; rendering it needs no lock
-                        self.twin.advance()
-                        renderer.update_scene(self.twin.data, camera=self.camera)
-                    self._frame = renderer.render().copy()  # uint8 [H, W, 3]
-                    self._fresh.set()
-                    self._stop.wait(max(0.0, 1.0 / self.fps - (time.monotonic() - t0)))
-            finally:
-                renderer.close()
-
-        def read(self) -> np.ndarray:
-            return self.async_read(1000)
-
-        def async_read(self, timeout_ms: float = 200) -> np.ndarray:
-            self._fresh.clear()
-            if not self._fresh.wait(timeout_ms / 1e3):
-                raise TimeoutError(
-                    f"twin camera {self.camera}: no new frame within {timeout_ms} ms"
-                )
-            return self._frame
-
-        def read_latest(self, max_age_ms: int = 500) -> np.ndarray:
-            if self._frame is None:
-                raise RuntimeError(f"twin camera {self.camera}: not connected")
-            return self._frame
-
-        def disconnect(self) -> None:
-            self._stop.set()
-            if self._thread is not None:
-                self._thread.join(timeout=5)
-            self._thread = None
-
-    return TwinCamera
-
-
 def twin_calibration() -> dict[str, dict]:
     """LeRobot calibration of the twin, as ``lerobot-calibrate`` records an SO-101: each servo's
     range is its MuJoCo joint's range (the gripper from closed to open), except the wrist roll's,
@@ -289,7 +206,8 @@ def make_twin_robot(
     ranges = {SERVO_IDS[j]: (c["range_min"], c["range_max"]) for j, c in twin_calibration().items()}
     port = FeetechPort(ranges, physics=twin)
     attach(robot.bus, port)
-    TwinCamera = _twin_camera_class()
+    from embodied.twin_camera import TwinCamera
+
     # rendered at the policy's size: software rendering at 640x480 alone would take most of a
     # 30 Hz step
     robot.cameras = {

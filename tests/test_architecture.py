@@ -51,7 +51,8 @@ ALLOWED = {
     "embodied.run": {"embodied.checkpoint", "embodied.config", "embodied.numerics"},
     "embodied.dataset": {"embodied.schema"},
     "embodied.multitask": {"embodied.schema", "embodied.simulators"},
-    "embodied.twin": {"embodied.robots", "embodied.simulators"},
+    "embodied.twin": {"embodied.robots", "embodied.simulators", "embodied.twin_camera"},
+    "embodied.twin_camera": set(),
     # the rollout, the algorithms' bookkeeping, the learner
     "embodied.episode_stats": set(),
     "embodied.rollout": {

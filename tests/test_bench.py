@@ -136,6 +136,24 @@ def test_killed_run_resumes_without_redoing_finished_tasks(tmp_path):
     assert [r["task"] for r in report["tasks"]] == ["mujoco/reach", "mujoco/push"]
 
 
+def test_a_kept_task_file_that_cannot_be_read_is_run_again(tmp_path, capsys):
+    """A task's file of results cut short (or edited by hand) is said so and run again, to the
+    same numbers; not a traceback that stops the suite."""
+    path = suite(tmp_path, [{"env": REACH}], videos=False)
+    first = bench(path, policy="zero")["tasks"][0]
+    kept = tmp_path / "out" / "t" / "zero" / "tasks" / "mujoco_reach.json"
+    for damaged in ('{"key": "', "[]"):
+        kept.write_text(damaged)
+        capsys.readouterr()
+        again = bench(path, policy="zero")["tasks"][0]
+        said = capsys.readouterr().out.splitlines()
+        assert said[0].startswith(f"[1/1] mujoco/reach: its results in {kept} cannot be read (")
+        assert said[0].endswith("): run again")
+        for key in ("successes", "mean_return", "mean_length"):
+            assert again[key] == first[key]
+        assert json.loads(kept.read_text())["results"][0]["mean_return"] == first["mean_return"]
+
+
 @pytest.mark.parametrize("cls", [RandomPolicy, ZeroPolicy])
 def test_baselines_pass_the_policy_contract(cls):
     with MuJoCoEnv(MuJoCoConfig(task="reach", num_envs=1)) as env:

@@ -95,6 +95,24 @@ def join_ranks(policy: torch.nn.Module, cfg) -> None:
         policy.load_state_dict(weights[0])
 
 
+def _wrapped(evaluate: Evaluate, config, adam: OptimizerConfig):
+    """(megatron's DDP around the policy's evaluation, its distributed optimizer over it)."""
+    with cuda_corners():
+        model = DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=True,
+            ),
+            evaluate,
+        )
+        # decay on every weight, as the torch engine (megatron skips biases and norms by
+        # default)
+        optimizer = get_megatron_optimizer(adam, [model], config_overrides={})
+    return model, optimizer
+
+
 class MegatronEngine(LearningRate):
     def __init__(
         self,
@@ -123,32 +141,17 @@ class MegatronEngine(LearningRate):
         # the torch copy's trainable parameters in optimizer order (Adam's state is by position)
         self.trainable = [n for n, p in self.torch_policy.named_parameters() if p.requires_grad]
         config = self.parts["fusion"].config
-        with cuda_corners():
-            self.model = DistributedDataParallel(
-                config,
-                DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=True,
-                    overlap_grad_reduce=False,
-                    use_distributed_optimizer=True,
-                ),
-                Evaluate(policy, with_value),
-            )
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(
-                    optimizer="adam",
-                    lr=learning_rate,
-                    adam_eps=adam_eps,
-                    weight_decay=weight_decay,  # (decoupled, as torch's AdamW)
-                    clip_grad=max_grad_norm,
-                    bf16=config.bf16,
-                    params_dtype=config.params_dtype,
-                    use_distributed_optimizer=True,
-                ),
-                [self.model],
-                # decay on every weight, as the torch engine (megatron skips biases and norms
-                # by default)
-                config_overrides={},
-            )
+        adam = OptimizerConfig(
+            optimizer="adam",
+            lr=learning_rate,
+            adam_eps=adam_eps,
+            weight_decay=weight_decay,  # (decoupled, as torch's AdamW)
+            clip_grad=max_grad_norm,
+            bf16=config.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=True,
+        )
+        self.model, self.optimizer = _wrapped(Evaluate(policy, with_value), config, adam)
         self._set_main_params(self.torch_policy.state_dict())
         self.dtype = dtype
         self._round_torch_copy()
