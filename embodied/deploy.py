@@ -299,9 +299,13 @@ def run_deploy(
     for it and its success judged."""
     from embodied.robots.control import ChunkExecutor, SafeShutdown
 
+    twin = arm.robot.endswith("-sim")
+    if twin:  # (before a large checkpoint is read)
+        from embodied.twin import twin_views
+
+        twin_views(arm)
     policy, spec, agreed, train_cfg = load_deployable(checkpoint)
     _fit_rate(arm, spec, hz, episode_seconds)
-    twin = arm.robot.endswith("-sim")
     # what can refuse the run does so before the arm is touched: the policy's inputs, the server
     known = frozenset([GOAL] if goal else [])
     if _sim_scene(twin, train_cfg):

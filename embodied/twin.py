@@ -168,13 +168,10 @@ def twin_calibration() -> dict[str, dict]:
     return out
 
 
-def make_twin_robot(
-    cfg: ArmConfig, task: str = "push", start: dict[str, float] | None = None, clock=time
-):
-    """(LeRobot SOFollower wired to the twin, the twin, its serial port). ``cfg.cameras`` maps the
-    policy's camera names to twin cameras ("front", "wrist"); the twin simulates on ``clock``."""
-    # NAME=SOURCE: the policy's camera NAME shows the twin camera SOURCE ("front" or "wrist"), or
-    # the twin camera called NAME when SOURCE is not one of them
+def twin_views(cfg: ArmConfig) -> dict[str, str]:
+    """The twin camera each of the policy's cameras shows (``cfg.cameras``: NAME=SOURCE, SOURCE
+    "front" or "wrist", or the twin camera called NAME when SOURCE is neither); a ValueError for
+    what the twin cannot be (its cameras, its gripper's range), before anything is loaded."""
     views = {name: src if src in TWIN_CAMERAS else name for name, src in cfg.cameras.items()}
     unknown = sorted(v for v in views.values() if v not in TWIN_CAMERAS)
     if unknown:
@@ -187,6 +184,15 @@ def make_twin_robot(
             f"robot.gripper_range: the twin's gripper spans {RANGES['gripper']} rad, "
             f"got {cfg.gripper_range}"
         )
+    return views
+
+
+def make_twin_robot(
+    cfg: ArmConfig, task: str = "push", start: dict[str, float] | None = None, clock=time
+):
+    """(LeRobot SOFollower wired to the twin, the twin, its serial port). ``cfg.cameras`` maps the
+    policy's camera names to twin cameras ("front", "wrist"); the twin simulates on ``clock``."""
+    views = twin_views(cfg)
     cal_dir = (
         Path(cfg.calibration_dir)
         if cfg.calibration_dir

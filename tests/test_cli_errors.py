@@ -253,6 +253,10 @@ CASES = [
     # deploy (--robot so101-sim: the MuJoCo twin; a real arm's cases fail before connecting)
     (["deploy", f"{R}/nowhere", "--robot", "so101-sim"], ["no checkpoint at", "nowhere"]),
     (["deploy", CK, "--robot", "so101-sim", "--camera", "wrist"], ["--camera 'wrist'"]),
+    (  # (the twin's cameras are checked before the checkpoint is read: none here)
+        ["deploy", f"{R}/nowhere", "--robot", "so101-sim", "--camera", "top=side"],
+        ["camera: the twin has cameras ['front', 'wrist'], not ['top']"],
+    ),
     (
         ["deploy", CK, "--robot", "so101-sim", "--robot.joint-signs", "1,-1"],
         ["--robot.joint-signs '1,-1'", "6"],
