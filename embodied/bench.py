@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from embodied.bench_report import atomic_write, write_report
-from embodied.config import ConfigError, compose, to_dict
+from embodied.config import ConfigError, check_folder_name, compose, to_dict
 from embodied.evaluate import evaluate_by_task
 from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
 from embodied.schema import UserError
@@ -60,6 +60,7 @@ class BenchConfig:
     tasks: list[BenchTask] = field(default_factory=list)
 
     def validate(self) -> None:
+        check_folder_name("name", self.name)
         if not self.tasks:
             raise ValueError("tasks: a suite needs at least one task")
         if self.episodes < 1:

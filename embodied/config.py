@@ -203,3 +203,14 @@ def to_dict(cfg) -> dict:
 
 def save_config(cfg, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def check_folder_name(key: str, name: str) -> None:
+    """``name`` (the value of ``key``) names a folder inside ``output_dir``: relative, not empty
+    and without ``..`` (``a/b`` is a folder in a folder). An absolute name or ``..`` would write
+    outside it, and an empty one or ``.`` into it, among other runs."""
+    parts = Path(name).parts  # (none for "" and ".")
+    if not parts or not name.strip() or Path(name).is_absolute() or ".." in parts:
+        raise ValueError(
+            f"{key}: a folder inside output_dir (relative, without '..'), got {name!r}"
+        )

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from embodied import numerics
 from embodied.cluster.config import ClusterConfig
-from embodied.config import ConfigError, to_dict
+from embodied.config import ConfigError, check_folder_name, to_dict
 from embodied.evaluate import evaluate_by_task, per_task
 from embodied.learner import TrainerConfig, check_grad_norm
 from embodied.logger import RunLogger
@@ -71,6 +71,9 @@ class SFTRunnerConfig:
     torch_threads: int = 2
     progress: bool = True
     deterministic: bool = False  # the same floats on every x86 CPU (as runner.deterministic)
+
+    def validate(self) -> None:
+        check_folder_name("name", self.name)
 
 
 @dataclass

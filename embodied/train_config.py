@@ -12,7 +12,7 @@ import torch
 
 from embodied.algorithm import AlgorithmConfig
 from embodied.cluster.config import ClusterConfig
-from embodied.config import to_dict
+from embodied.config import check_folder_name, to_dict
 from embodied.grpo import GRPOConfig
 from embodied.learner import TrainerConfig
 from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig
@@ -63,6 +63,7 @@ class RunnerConfig:
     deterministic: bool = False
 
     def validate(self) -> None:
+        check_folder_name("name", self.name)
         if self.total_env_steps < 1:
             raise ValueError(f"total_env_steps: must be >= 1, got {self.total_env_steps}")
         stages = self.pipeline_stages

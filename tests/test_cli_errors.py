@@ -224,6 +224,7 @@ CASES = [
         ["bench", SUITE, "tasks=[{env: {simulator: mujoco}}, {env: {simulator: mujoco}}]"],
         ["two tasks share a name", "'mujoco/reach'", "give them `name:` (in the command line)"],
     ),
+    (["bench", SUITE, "name=../x"], ["name: a folder inside output_dir", "'../x'"]),
     (
         ["bench", SUITE, "tasks=[{env: {simulator: mujoco, task: fly}}]"],
         ["tasks[0].env.task", "'fly'"],

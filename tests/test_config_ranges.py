@@ -7,6 +7,7 @@ from one_line import fill, one_line_error, params, run_cli
 M = "configs/mujoco/reach_ppo.yaml"
 V = "configs/maniskill/multitask_vla_grpo.yaml"
 MS = "configs/maniskill/pushcube_ppo.yaml"
+SFT = "configs/maniskill/multitask_vla_sft.yaml"
 R = "{root}"
 CASES = [
     # each section's own checks (validate()), named at their key and where it was set
@@ -60,6 +61,12 @@ CASES = [
         ["train", M, f"runner.output_dir={R}/empty.yaml/runs"],
         ["runner.output_dir, runner.name: cannot make", "empty.yaml/runs/", "Not a directory"],
     ),
+    # the run directory is output_dir/name: a name that leaves output_dir, or is it
+    (["train", M, "runner.name=../x"], ["runner.name: a folder inside output_dir", "'../x'"]),
+    (["train", M, f"runner.name={R}/abs"], ["runner.name: a folder inside output_dir", "/abs'"]),
+    (["train", M, "runner.name=."], ["runner.name: a folder inside output_dir", "got '.'"]),
+    (["train", M, 'runner.name=""'], ["runner.name: a folder inside output_dir", "got ''"]),
+    (["sft", SFT, "runner.name=a/../.."], ["runner.name: a folder inside", "'a/../..'"]),
     (["train", M, "cluster.env.num_cpus=-1"], ["cluster.env.num_cpus: must be >= 0"]),
     (["train", M, "cluster.env.num_gpus=-1"], ["cluster.env.num_gpus: must be >= 0"]),
     (["train", M, "cluster.connect_timeout_s=0"], ["cluster.connect_timeout_s: must be > 0"]),
