@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from embodied.cli_errors import error as _error
+from embodied.cli_errors import file_in_the_way
 
 
 class _Parser(argparse.ArgumentParser):
@@ -220,8 +221,8 @@ def cmd_demos(args) -> int:
         return _error(
             f"output: {cfg.output} already holds a dataset; choose another output directory"
         )
-    if Path(cfg.output).exists() and not Path(cfg.output).is_dir():
-        return _error(f"output: {cfg.output} is a file; give a directory for the dataset")
+    if why := file_in_the_way(cfg.output):
+        return _error(f"output: {cfg.output} {why}; give a directory for the dataset")
     try:
         summary = record_demos(cfg)
     except (FileNotFoundError, RuntimeError) as e:
@@ -249,8 +250,8 @@ def cmd_bench(args) -> int:
 
     if args.checkpoint and args.policy:
         return _error("give either --policy or --checkpoint, not both")
-    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-        return _error(f"--out {args.out}: is a file; give a directory for the report")
+    if args.out and (why := file_in_the_way(args.out)):
+        return _error(f"--out {args.out}: {why}; give a directory for the report")
     if (cfg := _load(args)) is None:
         return 2
     try:

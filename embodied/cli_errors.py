@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 
 def error(msg: str) -> int:
@@ -10,3 +11,13 @@ def error(msg: str) -> int:
     line = " ".join(part.strip() for part in str(msg).splitlines() if part.strip())
     print(f"embodied: error: {line}", file=sys.stderr)
     return 2
+
+
+def file_in_the_way(path: str | Path) -> str | None:
+    """Why ``path`` cannot be a directory to write in ("is a file", "is inside F, a file": it, or
+    the nearest of its parents that exists, is a file); None when it can be."""
+    path = Path(path)
+    existing = next(p for p in (path, *path.parents) if p.exists())  # (a root, at worst)
+    if existing.is_dir():
+        return None
+    return "is a file" if existing == path else f"is inside {existing}, a file"

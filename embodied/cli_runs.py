@@ -3,11 +3,11 @@ directory (its records, its logs), and their options."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from embodied.cli_errors import error as _error
+from embodied.cli_errors import file_in_the_way
 
 
 def add_run_commands(sub) -> None:
@@ -91,16 +91,19 @@ def _add_report(sub) -> None:
 
 def cmd_replay(args) -> int:
     from embodied.numerics import restart_pinned
-    from embodied.recording import RecordError, record_dir
+    from embodied.recording import record_meta
     from embodied.replay import differences, replay
+    from embodied.schema import UserError, checked_device
 
-    meta = record_dir(Path(args.run), args.iteration) / "record.json"
-    if meta.is_file():  # a deterministic run's update replays in a process pinned as it was
-        deterministic = json.loads(meta.read_text())["config"]["runner"].get("deterministic")
-        restart_pinned(deterministic, getattr(args, "restartable", False))
+    if not args.rtol >= 0:
+        return _error(f"--rtol: must be >= 0, got {args.rtol:g}")
     try:
+        checked_device("--device", args.device, "--device cpu")
+        # a deterministic run's update replays in a process pinned as it was
+        runner = record_meta(Path(args.run), args.iteration)["config"]["runner"]
+        restart_pinned(runner.get("deterministic"), getattr(args, "restartable", False))
         record, metrics, digest = replay(Path(args.run), args.iteration, args.device)
-    except RecordError as e:
+    except UserError as e:  # (a record that is missing or damaged, the device)
         return _error(str(e))
     weights = None if args.rtol else (record.meta["digest_after"], digest)
     found = differences(record.meta["metrics"], metrics, args.rtol, weights)
@@ -115,6 +118,22 @@ def cmd_replay(args) -> int:
     return 0
 
 
+def _episodes_options(args) -> str | None:
+    """What is wrong with ``embodied episodes``' options alone, or None."""
+    for option in ("best", "worst"):
+        if getattr(args, option) < 0:
+            return f"--{option}: must be >= 0 (episodes), got {getattr(args, option)}"
+    if not args.atol >= 0:
+        return f"--atol: must be >= 0, got {args.atol:g}"
+    for option, value, what in (
+        ("--out", args.out, "the episodes' files"),
+        ("--to-dataset", args.to_dataset, "the datasets"),
+    ):
+        if value and (why := file_in_the_way(value)):
+            return f"{option} {value}: {why}; give a directory for {what}"
+    return None
+
+
 def cmd_episodes(args) -> int:
     from embodied.episode_dataset import EpisodeDatasets
     from embodied.episodes import choose, episodes_of, summary_line, with_seeds, write_episode
@@ -122,6 +141,8 @@ def cmd_episodes(args) -> int:
     from embodied.resimulate import Resimulator
     from embodied.schema import UserError
 
+    if wrong := _episodes_options(args):
+        return _error(wrong)
     run = Path(args.run)
     iterations = [args.iteration] if args.iteration is not None else recorded_iterations(run)
     if not iterations:

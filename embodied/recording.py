@@ -197,16 +197,26 @@ def restore_before(learner, record: Record) -> None:
     learner.restore_record(record.model, record.optimizer, record.meta["lr"], record.stream)
 
 
-def read_rounds(run_dir: Path, iteration: int, device="cpu") -> RecordedRounds:
-    """The rounds of ``iteration``'s record on ``device`` and its metadata (``RecordError``
-    naming the file that is missing or damaged)."""
+def record_meta(run_dir: Path, iteration: int) -> dict:
+    """The metadata of ``iteration``'s record (record.json; ``RecordError`` naming the file
+    that is missing or damaged)."""
     path = record_dir(run_dir, iteration)
     if not path.is_dir():
         raise RecordError(f"{path}: no record of iteration {iteration} (runner.record_rollouts)")
     meta = _read(path / "record.json", lambda p: json.loads(p.read_text()))
+    if not isinstance(meta, dict):
+        raise RecordError(f"{path / 'record.json'}: damaged (not a JSON object)")
     missing = sorted(set(META_KEYS) - set(meta))
     if missing:
         raise RecordError(f"{path / 'record.json'}: damaged (no {', '.join(missing)})")
+    return meta
+
+
+def read_rounds(run_dir: Path, iteration: int, device="cpu") -> RecordedRounds:
+    """The rounds of ``iteration``'s record on ``device`` and its metadata (``RecordError``
+    naming the file that is missing or damaged)."""
+    path = record_dir(run_dir, iteration)
+    meta = record_meta(run_dir, iteration)
     tensors = _read(path / "rounds.safetensors.zst", lambda p: load(_unzstd(p.read_bytes())))
     rounds = [
         batch_from(tensors, f"r{i}/", instructions, device)

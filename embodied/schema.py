@@ -7,6 +7,7 @@ Every tensor is batched, batch first, on the environment's device. Time-major bu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol, runtime_checkable
@@ -20,6 +21,8 @@ def checked_device(setting: str, name: str, instead: str) -> torch.device:
     """``name`` ("cpu", "cuda" or "cuda:N": the value of ``setting``) as a torch device; a
     one-line UserError for CUDA on a machine without it, or for a GPU it lacks. ``instead``:
     what to set on a machine without CUDA."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise UserError(f"{setting}: must be cpu, cuda or cuda:N, got {name!r}")
     device = torch.device(name)
     if device.type != "cuda":
         return device

@@ -65,6 +65,9 @@ def paths(tmp_path_factory):
     (root / "dataset" / "meta").mkdir(parents=True)
     (root / "dataset" / "meta" / "info.json").write_text("{}")
     (root / "no_checkpoint").mkdir()
+    for name, text in (("cut_record", '{"config": '), ("list_record", "[]")):
+        (root / name / "rollouts" / "iter_000001").mkdir(parents=True)
+        (root / name / "rollouts" / "iter_000001" / "record.json").write_text(text)
     return {
         "root": str(root),
         "run": str(root / "run"),
@@ -282,6 +285,23 @@ CASES = [
         ["deploy", "{goal}", "--robot", "so101", "--robot.port", "/dev/ttyACM0"],
         ["simulator-only inputs", "policy.use_privileged=false"],
     ),
+    # replay and episodes: their options before any record is read, then the record
+    (["replay", f"{R}/run", "--iteration", "1", "--rtol", "-1"], ["--rtol: must be >= 0"]),
+    (["replay", f"{R}/run", "--iteration", "1", "--device", "tpu"], ["--device", "'tpu'"]),
+    (["replay", f"{R}/cut_record", "--iteration", "1"], ["record.json: damaged (JSONDecode"]),
+    (
+        ["replay", f"{R}/list_record", "--iteration", "1"],
+        ["record.json: damaged (not a JSON object)"],
+    ),
+    (["episodes", f"{R}/run", "--best", "-1"], ["--best: must be >= 0 (episodes), got -1"]),
+    (["episodes", f"{R}/run", "--worst", "-2"], ["--worst: must be >= 0 (episodes), got -2"]),
+    (["episodes", f"{R}/run", "--atol", "-1"], ["--atol: must be >= 0, got -1"]),
+    (["episodes", f"{R}/run", "--out", f"{R}/empty.yaml"], ["--out", "empty.yaml: is a file"]),
+    (
+        ["episodes", f"{R}/run", "--to-dataset", f"{R}/empty.yaml/x"],
+        ["--to-dataset", "empty.yaml/x: is inside", "empty.yaml, a file"],
+    ),
+    (["bench", SUITE, "--out", f"{R}/empty.yaml/x"], ["--out", "is inside", "empty.yaml, a file"]),
     # known only once the environment is built: still one line, and no run directory
     (
         ["train", M, "policy.privileged_keys=[nope]"],
