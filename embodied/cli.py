@@ -400,6 +400,8 @@ def _add_convert(sub) -> None:
 def cmd_convert(args) -> int:
     from embodied.convert import convert
 
+    if why := file_in_the_way(args.out):
+        return _error(f"{args.out} {why}; give a new directory")
     out = convert(args.source, args.to, args.out, tensor_parallel=args.tensor_parallel)
     print(f"wrote {out}")
     return 0

@@ -301,6 +301,7 @@ CASES = [
         ["episodes", f"{R}/run", "--to-dataset", f"{R}/empty.yaml/x"],
         ["--to-dataset", "empty.yaml/x: is inside", "empty.yaml, a file"],
     ),
+    (["convert", CK, "--to", "torch", f"{R}/empty.yaml/x"], ["is inside", "empty.yaml, a file"]),
     (["bench", SUITE, "--out", f"{R}/empty.yaml/x"], ["--out", "is inside", "empty.yaml, a file"]),
     # known only once the environment is built: still one line, and no run directory
     (
