@@ -4,12 +4,14 @@ dataclass schemas that live next to the code they configure, plus ``key.sub=valu
 A bad config raises ``ConfigError`` with one line naming the key path and the file it came from;
 the CLI prints it and exits with code 2. A schema's ``validate()`` checks the form of its values;
 its ``check_files()``, if it has one, that the local files they name exist (skipped with
-``files=False``: a config written for another machine can still be checked).
+``files=False``: a config written for another machine can still be checked). Every float is a
+number, and finite unless its schema names it in ``INFINITE`` (a bound that ``.inf`` turns off).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,7 @@ def _validate_tree(obj: Any, path: str, sources, files: bool = True) -> None:
         return
     for f in dataclasses.fields(obj):
         _validate_tree(getattr(obj, f.name), f"{path}{f.name}.", sources, files)
+    _check_numbers(obj, path, sources)
     checks = [getattr(obj, "validate", None)]
     if files:
         checks.append(getattr(obj, "check_files", None))
@@ -109,6 +112,20 @@ def _validate_tree(obj: Any, path: str, sources, files: bool = True) -> None:
             raise ConfigError(
                 f"{key}: {str(e).split(':', 1)[-1].strip()} (in {source_of(key, sources)})"
             ) from None
+
+
+def _check_numbers(obj: Any, path: str, sources) -> None:
+    """No NaN in a dataclass's floats, and no infinity but in the fields its ``INFINITE`` names:
+    a learning rate of .inf or a NaN timeout would fail far from its cause."""
+    infinite = getattr(obj, "INFINITE", ())
+    for f in dataclasses.fields(obj):
+        number = getattr(obj, f.name)
+        if not isinstance(number, float) or math.isfinite(number):
+            continue
+        if math.isnan(number) or f.name not in infinite:
+            key = f"{path}{f.name}"
+            why = "not a number" if math.isnan(number) else "must be finite"
+            raise ConfigError(f"{key}: {why}, got {number} (in {source_of(key, sources)})")
 
 
 def _base(schema: type, sources: list[tuple[str, dict]]):

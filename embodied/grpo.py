@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -43,6 +44,14 @@ from embodied.rollout import CollectPlan, RolloutBatch, Samples, logprob_at
 @dataclass
 class GRPOConfig(AlgorithmConfig):
     """GRPO hyper-parameters. No critic."""
+
+    # the bounds .inf turns off (config.py: any other float must be finite)
+    INFINITE: ClassVar[tuple[str, ...]] = (
+        "clip_coef",
+        "clip_coef_high",
+        "behaviour_weight_cap",
+        "max_grad_norm",
+    )
 
     name: str = "grpo"
     group_size: int = 8  # M episodes per group, all reset with the same seed

@@ -14,6 +14,7 @@ when the episode ended at action k).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -33,6 +34,16 @@ from embodied.rollout import CollectPlan, RolloutBatch, Samples
 @dataclass
 class PPOConfig(AlgorithmConfig):
     """PPO hyper-parameters (names as in CleanRL / ManiSkill's PPO baseline)."""
+
+    # the bounds .inf turns off (config.py: any other float must be finite)
+    INFINITE: ClassVar[tuple[str, ...]] = (
+        "clip_coef",
+        "clip_coef_high",
+        "behaviour_weight_cap",
+        "vf_clip",
+        "max_grad_norm",
+        "target_kl",
+    )
 
     name: str = "ppo"
     num_steps: int = 50  # T: policy calls per environment per rollout

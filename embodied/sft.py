@@ -58,6 +58,8 @@ from embodied.train_config import check_cameras, check_megatron
 
 @dataclass
 class SFTRunnerConfig:
+    # the bounds .inf turns off (config.py: any other float must be finite)
+    INFINITE: ClassVar[tuple[str, ...]] = ("max_minutes",)
     name: str = "sft"  # run directory: output_dir/name
     output_dir: str = "runs"
     eval_every: int = 0  # steps between evaluations (0: only at the end)
@@ -78,6 +80,8 @@ class SFTRunnerConfig:
 
 @dataclass
 class SFTConfig:
+    # the bounds .inf turns off (config.py: any other float must be finite)
+    INFINITE: ClassVar[tuple[str, ...]] = ("max_grad_norm",)
     # policy.name / env.simulator select the config schema of that section
     CHOICES: ClassVar[dict] = {"policy": POLICY_CONFIGS, "env": SIMULATOR_CONFIGS}
     CHOICE_KEYS: ClassVar[dict] = {"env": "simulator"}

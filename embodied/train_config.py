@@ -28,6 +28,9 @@ ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
 class RunnerConfig:
     """Where the run goes, how long it lasts, what it keeps."""
 
+    # the bounds .inf turns off (config.py: any other float must be finite)
+    INFINITE: ClassVar[tuple[str, ...]] = ("max_minutes", "spike_factor")
+
     name: str = "run"  # run directory: output_dir/name
     output_dir: str = "runs"
     total_env_steps: int = 1_000_000  # environment steps over all environments

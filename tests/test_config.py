@@ -241,3 +241,18 @@ def test_a_compiled_act_takes_a_fixed_number_of_pipeline_stages():
         load_config(TrainConfig, "configs/mujoco/push_ppo.yaml", overrides)
     cfg, _ = load_config(TrainConfig, "configs/mujoco/push_ppo.yaml", overrides[:1])
     assert cfg.policy.compile_act and cfg.runner.pipeline_stages == 1
+
+
+@pytest.mark.parametrize(
+    "path", ["configs/mujoco/reach_ppo.yaml", "configs/maniskill/multitask_vla_grpo.yaml"]
+)
+def test_the_bounds_that_inf_turns_off_take_it(path):
+    """``.inf`` is a value for the bounds a schema names in INFINITE (no clipping, no time
+    limit) and for no other float (tests/test_config_ranges.py)."""
+    cfg, _ = load_config(TrainConfig, path, [])
+    sections = {"algorithm": cfg.algorithm, "runner": cfg.runner}
+    overrides = [f"{s}.{name}=.inf" for s, obj in sections.items() for name in obj.INFINITE]
+    assert len(overrides) >= 6
+    cfg, _ = load_config(TrainConfig, path, overrides)
+    for obj in (cfg.algorithm, cfg.runner):
+        assert [getattr(obj, name) for name in obj.INFINITE] == [float("inf")] * len(obj.INFINITE)

@@ -61,6 +61,14 @@ CASES = [
         ["train", M, f"runner.output_dir={R}/empty.yaml/runs"],
         ["runner.output_dir, runner.name: cannot make", "empty.yaml/runs/", "Not a directory"],
     ),
+    # floats are numbers, and finite but for the bounds .inf turns off (as max_grad_norm's)
+    (["train", M, "algorithm.learning_rate=nan"], ["algorithm.learning_rate: not a number"]),
+    (["train", M, "algorithm.learning_rate=.inf"], ["algorithm.learning_rate: must be finite"]),
+    (["train", V, "algorithm.kl_coef=-.inf"], ["algorithm.kl_coef: must be finite, got -inf"]),
+    (["train", M, "algorithm.max_grad_norm=nan"], ["algorithm.max_grad_norm: not a number"]),
+    (["train", M, "env.randomize.friction=nan"], ["env.randomize.friction: not a number"]),
+    (["train", M, "cluster.sync_bucket_mb=.inf"], ["cluster.sync_bucket_mb: must be finite"]),
+    (["sft", SFT, "learning_rate=.inf"], ["learning_rate: must be finite, got inf"]),
     # the run directory is output_dir/name: a name that leaves output_dir, or is it
     (["train", M, "runner.name=../x"], ["runner.name: a folder inside output_dir", "'../x'"]),
     (["train", M, f"runner.name={R}/abs"], ["runner.name: a folder inside output_dir", "/abs'"]),
