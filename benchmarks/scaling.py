@@ -282,16 +282,13 @@ def timed_round(cfg, roles, stages: int) -> tuple[float, dict[str, float]]:
 
 def pipelining(args) -> dict:
     """Lockstep and pipelined rounds alternate; each pair gives a speedup, and the pipelined
-    round's busy seconds give its bound."""
+    round's busy seconds give its bound. Each env worker splits its own rows into the stages."""
     from embodied.cluster.config import ClusterConfig
     from embodied.cluster.start import start_ray
 
     start_ray(ClusterConfig(num_cpus=8))
     overrides = [*VLA, "cluster.enabled=true", *args.overrides]
     cfg = config("configs/maniskill/multitask_vla_grpo.yaml", overrides)
-    workers = cfg.cluster.env.workers
-    stages_in_worker = True  # (each env worker splits its own rows: stages of whole workers were
-    # the relay's, before env workers acted through their rollout worker directly)
     roles = build(cfg, on_ray=True)
     other = None  # (config, roles) of the other layout, timed in lockstep beside these
     pairs = []
@@ -316,72 +313,83 @@ def pipelining(args) -> dict:
                 case: timed_round(*other, 1) if case == "other" else timed_round(cfg, roles, case)
                 for case in order
             }
-            sequential_s, busy = timed[1]
-            pipelined_s, pipelined_busy = timed[2]
-            simulate_s = busy["cluster/env_busy_s"]
-            infer_s = busy["cluster/rollout_busy_s"]
-            halves_s = pipelined_busy["cluster/rollout_busy_s"]
-            simulate_pipelined_s = pipelined_busy["cluster/env_busy_s"]
-            # the bound from the pipelined round's own busy seconds (what it had to do)
-            bound = pipelining_bound(
-                simulate_pipelined_s, halves_s, sequential_s, stages_in_worker=stages_in_worker
-            )
-            pair = {
-                "sequential_s": sequential_s,
-                "pipelined_s": pipelined_s,
-                "simulate_s": simulate_s,
-                "infer_s": infer_s,
-                "infer_halves_s": halves_s,
-                "simulate_pipelined_s": simulate_pipelined_s,
-                "between_calls_s": sequential_s - simulate_s - infer_s,
-                "speedup": sequential_s / pipelined_s,
-                "bound": bound,
-            }
-            other_line = ""
-            if other is not None:
-                other_s, _ = timed["other"]
-                pair["other_lockstep_s"] = other_s
-                pair["speedup_over_other"] = other_s / pipelined_s
-                other_line = (
-                    f"; lockstep on {args.lockstep_workers} env workers {other_s:.2f} s: "
-                    f"{pair['speedup_over_other']:.2f}x"
-                )
-            pairs.append(pair)
-            print(
-                f"repeat {r + 1}/{args.repeats}: lockstep {sequential_s:.2f} s (env workers "
-                f"{simulate_s:.2f} s busy, the busier; rollout worker {infer_s:.2f} s), "
-                f"pipelined {pipelined_s:.2f} s (rollout worker {halves_s:.2f} s): "
-                f"{pair['speedup']:.2f}x, bound {pair['bound']:.2f}x{other_line}",
-                flush=True,
-            )
+            pairs.append(_pair(timed))
+            print(f"repeat {r + 1}/{args.repeats}: {_pair_line(pairs[-1], args)}", flush=True)
     finally:
         roles.close()
         if other is not None:
             other[1].close()
     median = {key: statistics.median(p[key] for p in pairs) for key in pairs[0]}
+    _print_medians(median, cfg.cluster.env.workers, args.lockstep_workers)
+    return {
+        "median": median,
+        "pairs": pairs,
+        "env_workers": cfg.cluster.env.workers,
+        "lockstep_workers": args.lockstep_workers,
+        "stages_in_worker": True,
+        "hardware": hardware(),
+    }
+
+
+def _pair(timed: dict) -> dict:
+    """A lockstep round (``timed[1]``: seconds, busy seconds) beside a pipelined one
+    (``timed[2]``), and the other layout's lockstep round where timed: the speedup, and its
+    bound from the pipelined round's own busy seconds (what it had to do)."""
+    sequential_s, busy = timed[1]
+    pipelined_s, pipelined_busy = timed[2]
+    simulate_s = busy["cluster/env_busy_s"]
+    infer_s = busy["cluster/rollout_busy_s"]
+    halves_s = pipelined_busy["cluster/rollout_busy_s"]
+    simulate_pipelined_s = pipelined_busy["cluster/env_busy_s"]
+    pair = {
+        "sequential_s": sequential_s,
+        "pipelined_s": pipelined_s,
+        "simulate_s": simulate_s,
+        "infer_s": infer_s,
+        "infer_halves_s": halves_s,
+        "simulate_pipelined_s": simulate_pipelined_s,
+        "between_calls_s": sequential_s - simulate_s - infer_s,
+        "speedup": sequential_s / pipelined_s,
+        "bound": pipelining_bound(
+            simulate_pipelined_s, halves_s, sequential_s, stages_in_worker=True
+        ),
+    }
+    if "other" in timed:
+        pair["other_lockstep_s"] = timed["other"][0]
+        pair["speedup_over_other"] = pair["other_lockstep_s"] / pipelined_s
+    return pair
+
+
+def _pair_line(pair: dict, args) -> str:
+    other = ""
+    if "other_lockstep_s" in pair:
+        other = (
+            f"; lockstep on {args.lockstep_workers} env workers {pair['other_lockstep_s']:.2f} s: "
+            f"{pair['speedup_over_other']:.2f}x"
+        )
+    return (
+        f"lockstep {pair['sequential_s']:.2f} s (env workers {pair['simulate_s']:.2f} s busy, "
+        f"the busier; rollout worker {pair['infer_s']:.2f} s), pipelined "
+        f"{pair['pipelined_s']:.2f} s (rollout worker {pair['infer_halves_s']:.2f} s): "
+        f"{pair['speedup']:.2f}x, bound {pair['bound']:.2f}x{other}"
+    )
+
+
+def _print_medians(median: dict, workers: int, lockstep_workers: int | None) -> None:
     print(
         f"\nVLA rgb 128 px, 2 tasks x 4 envs, chunks of 4, {workers} env worker(s) on Ray "
-        f"({'stages of rows in each' if stages_in_worker else 'a stage of whole workers'}); "
-        f"{hardware()}\n"
+        f"(stages of rows in each); {hardware()}\n"
         f"medians: lockstep {median['sequential_s']:.2f} s, pipelined (2 stages) "
         f"{median['pipelined_s']:.2f} s a round: {median['speedup']:.2f}x (bound "
         f"{median['bound']:.2f}x; env workers {median['simulate_s']:.2f} s busy, rollout "
         f"worker {median['infer_s']:.2f} s in lockstep and {median['infer_halves_s']:.2f} s "
         f"pipelined, {median['between_calls_s']:.2f} s between calls)"
     )
-    if other is not None:
+    if lockstep_workers:
         print(
-            f"lockstep on {args.lockstep_workers} env workers {median['other_lockstep_s']:.2f} s "
+            f"lockstep on {lockstep_workers} env workers {median['other_lockstep_s']:.2f} s "
             f"a round: the pipelined round is {median['speedup_over_other']:.2f}x faster"
         )
-    return {
-        "median": median,
-        "pairs": pairs,
-        "env_workers": workers,
-        "lockstep_workers": args.lockstep_workers,
-        "stages_in_worker": stages_in_worker,
-        "hardware": hardware(),
-    }
 
 
 def main() -> None:
