@@ -321,16 +321,12 @@ def run_deploy(
     try:
         scene = Scene(None)  # the episode's, for a goal its user gives (read each step)
         env, sim = _robot_env(arm, train_cfg, spec, reads, scene, twin=twin)
-        if client is not None:
-            chunk_of = lambda obs: client.infer(obs_to_wire(obs))  # noqa: E731
-        else:
-            chunk_of = lambda obs: policy_chunk(policy, obs)  # noqa: E731
         # safe pose, torque off there, disconnect: always, and a bus error in a step stays the
         # error reported (the shutdown's own failures are noted on it)
         with SafeShutdown(env, hz=arm.control_hz) as shutdown:
             new_executor = partial(
                 ChunkExecutor,
-                robot_infer(chunk_of, spec, env),
+                robot_infer(_chunk_source(policy, client), spec, env),
                 request_when_left=request_when_left,
                 blend_steps=blend_steps,
                 wait_s=0.5 / arm.control_hz,  # up to half a period for a late chunk
@@ -345,11 +341,22 @@ def run_deploy(
     finally:
         if client is not None:
             client.close()
-    summary = {"episodes": episode_summaries, "robot": arm.robot, "hz": arm.control_hz}
+    return _summary(episode_summaries, arm, env, shutdown)
+
+
+def _chunk_source(policy, client):
+    """obs -> the next chunk: from the policy server where there is one, else from ``policy``."""
+    if client is not None:
+        return lambda obs: client.infer(obs_to_wire(obs))
+    return lambda obs: policy_chunk(policy, obs)
+
+
+def _summary(episodes: list[dict], arm, env, shutdown) -> dict:
+    """What the deploy reports: each episode, the rate, the task's success where the twin judges
+    it, the safety layer's interventions and whether the torque went off at the safe pose."""
+    summary = {"episodes": episodes, "robot": arm.robot, "hz": arm.control_hz}
     if env.judge is not None:
-        summary["success_rate"] = sum(e["success"] for e in episode_summaries) / len(
-            episode_summaries
-        )
+        summary["success_rate"] = sum(e["success"] for e in episodes) / len(episodes)
     summary["interventions"] = dict(env.safety.counts)
     summary["torque_off_at_safe_pose"] = shutdown.torque_off
     return summary
