@@ -136,7 +136,7 @@ def _episodes_options(args) -> str | None:
 
 def cmd_episodes(args) -> int:
     from embodied.episode_dataset import EpisodeDatasets
-    from embodied.episodes import choose, episodes_of, summary_line, with_seeds, write_episode
+    from embodied.episodes import summary_line, write_episode
     from embodied.recording import read_rounds, recorded_iterations
     from embodied.resimulate import Resimulator
     from embodied.schema import UserError
@@ -147,27 +147,13 @@ def cmd_episodes(args) -> int:
     iterations = [args.iteration] if args.iteration is not None else recorded_iterations(run)
     if not iterations:
         return _error(f"{run / 'rollouts'}: no records (runner.record_rollouts)")
-    outcome = "successful" if args.successful else "failed" if args.failed else None
     out = Path(args.out) if args.out else run / "episodes"
     datasets = None
     resimulator = Resimulator()
     try:
         for iteration in iterations:
             record = read_rounds(run, iteration)
-            found = episodes_of(record)
-            if args.seed is not None:
-                with_seeds(record, found)
-            chosen = choose(
-                found,
-                best=args.best,
-                worst=args.worst,
-                task=args.task,
-                outcome=outcome,
-                partial=args.partial,
-                seed=args.seed,
-            )
-            ended = f"{len(found)} episodes end in the record"
-            print(f"iteration {iteration}: {ended}, {len(chosen)} chosen")
+            chosen = _chosen(record, args)
             chunked = record.rounds[0].actions.shape[2] > 1
             resimulated = {}
             if args.resimulate or (args.to_dataset and chunked):
@@ -197,6 +183,27 @@ def cmd_episodes(args) -> int:
         where = ", ".join(map(str, written)) or "nowhere (no episode chosen)"
         print(f"wrote {datasets.count} episodes to {where}")
     return 0
+
+
+def _chosen(record, args) -> list:
+    """The episodes of ``record`` that ``embodied episodes``' options ask for, said how many."""
+    from embodied.episodes import choose, episodes_of, with_seeds
+
+    found = episodes_of(record)
+    if args.seed is not None:
+        with_seeds(record, found)
+    chosen = choose(
+        found,
+        best=args.best,
+        worst=args.worst,
+        task=args.task,
+        outcome="successful" if args.successful else "failed" if args.failed else None,
+        partial=args.partial,
+        seed=args.seed,
+    )
+    ended = f"{len(found)} episodes end in the record"
+    print(f"iteration {record.meta['iteration']}: {ended}, {len(chosen)} chosen")
+    return chosen
 
 
 def _resimulated(resimulator, record, chosen: list, atol: float) -> tuple[dict, list]:
