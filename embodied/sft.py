@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from embodied import numerics
 from embodied.cluster.config import ClusterConfig
-from embodied.config import ConfigError, check_folder_name, to_dict
+from embodied.config import ConfigError, check_at_least, check_folder_name, to_dict
 from embodied.evaluate import evaluate_by_task, per_task
 from embodied.learner import TrainerConfig, check_grad_norm
 from embodied.logger import RunLogger
@@ -53,7 +53,7 @@ from embodied.sft_data import (
 )
 from embodied.simulators.maniskill import ManiSkillConfig
 from embodied.streams import Stream, resumed
-from embodied.train_config import check_cameras, check_megatron
+from embodied.train_config import check_cameras, check_megatron, check_minutes
 
 
 @dataclass
@@ -76,6 +76,9 @@ class SFTRunnerConfig:
 
     def validate(self) -> None:
         check_folder_name("name", self.name)
+        check_at_least(self, 1, "eval_episodes", "keep_checkpoints", "torch_threads")
+        check_at_least(self, 0, "eval_every", "save_every")
+        check_minutes(self.max_minutes)
 
 
 @dataclass
@@ -105,12 +108,13 @@ class SFTConfig:
     def validate(self) -> None:
         if not self.datasets:
             raise ValueError("datasets: at least one dataset directory is required")
-        for key in ("steps", "batch_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        check_at_least(self, 1, "steps", "batch_size")
+        check_at_least(self, 0, "warmup_steps", "episodes_per_dataset")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
         check_cameras(self.policy, self.env)
-        if self.episodes_per_dataset < 0:
-            raise ValueError(f"episodes_per_dataset: must be >= 0, got {self.episodes_per_dataset}")
         check_grad_norm(self.max_grad_norm)
         if self.trainer.backend == "megatron":
             check_megatron(self.trainer, self.policy, ClusterConfig())

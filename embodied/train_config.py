@@ -12,7 +12,7 @@ import torch
 
 from embodied.algorithm import AlgorithmConfig
 from embodied.cluster.config import ClusterConfig
-from embodied.config import check_folder_name, to_dict
+from embodied.config import check_at_least, check_folder_name, to_dict
 from embodied.grpo import GRPOConfig
 from embodied.learner import TrainerConfig
 from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig
@@ -22,6 +22,11 @@ from embodied.schema import SimulatorConfig, checked_device
 from embodied.simulators.maniskill import ManiSkillConfig
 
 ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
+
+
+def check_minutes(max_minutes: float | None) -> None:
+    if max_minutes is not None and max_minutes <= 0:
+        raise ValueError(f"max_minutes: must be > 0, got {max_minutes}")
 
 
 @dataclass
@@ -67,15 +72,12 @@ class RunnerConfig:
 
     def validate(self) -> None:
         check_folder_name("name", self.name)
-        if self.total_env_steps < 1:
-            raise ValueError(f"total_env_steps: must be >= 1, got {self.total_env_steps}")
+        check_at_least(self, 1, "total_env_steps", "eval_episodes", "final_eval_episodes")
+        check_at_least(self, 1, "keep_rollouts", "keep_checkpoints", "torch_threads")
+        check_at_least(self, 0, "eval_every", "save_every")
         stages = self.pipeline_stages
         if stages != "auto" and (not isinstance(stages, int) or stages < 1):
             raise ValueError(f"pipeline_stages: must be >= 1 or auto, got {stages!r}")
-        if self.eval_episodes < 1:
-            raise ValueError(f"eval_episodes: must be >= 1, got {self.eval_episodes}")
-        if self.final_eval_episodes < 1:
-            raise ValueError(f"final_eval_episodes: must be >= 1, got {self.final_eval_episodes}")
         if self.record_rollouts < 0:
             raise ValueError(
                 f"record_rollouts: every N >= 1 iterations, or 0 (off); got {self.record_rollouts}"
@@ -84,17 +86,7 @@ class RunnerConfig:
             raise ValueError("replay_from: starts a run from records; it cannot resume one")
         if self.spike_factor < 0:
             raise ValueError(f"spike_factor: must be >= 0 (0: no spikes), got {self.spike_factor}")
-        if self.keep_rollouts < 1:
-            raise ValueError(f"keep_rollouts: must be >= 1, got {self.keep_rollouts}")
-        if self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
-        for key in ("eval_every", "save_every"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
-        if self.torch_threads < 1:
-            raise ValueError(f"torch_threads: must be >= 1, got {self.torch_threads}")
-        if self.max_minutes is not None and self.max_minutes <= 0:
-            raise ValueError(f"max_minutes: must be > 0, got {self.max_minutes}")
+        check_minutes(self.max_minutes)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 

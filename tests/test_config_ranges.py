@@ -61,6 +61,15 @@ CASES = [
         ["train", M, f"runner.output_dir={R}/empty.yaml/runs"],
         ["runner.output_dir, runner.name: cannot make", "empty.yaml/runs/", "Not a directory"],
     ),
+    # SFT's own (its runner's as the train runner's)
+    (["sft", SFT, "learning_rate=0"], ["learning_rate: must be > 0, got 0.0"]),
+    (["sft", SFT, "weight_decay=-1"], ["weight_decay: must be >= 0, got -1.0"]),
+    (["sft", SFT, "warmup_steps=-1"], ["warmup_steps: must be >= 0, got -1"]),
+    (["sft", SFT, "runner.eval_episodes=0"], ["runner.eval_episodes: must be >= 1, got 0"]),
+    (["sft", SFT, "runner.save_every=-1"], ["runner.save_every: must be >= 0, got -1"]),
+    (["sft", SFT, "runner.keep_checkpoints=0"], ["runner.keep_checkpoints: must be >= 1"]),
+    (["sft", SFT, "runner.torch_threads=0"], ["runner.torch_threads: must be >= 1, got 0"]),
+    (["sft", SFT, "runner.max_minutes=-1"], ["runner.max_minutes: must be > 0, got -1.0"]),
     # floats are numbers, and finite but for the bounds .inf turns off (as max_grad_norm's)
     (["train", M, "algorithm.learning_rate=nan"], ["algorithm.learning_rate: not a number"]),
     (["train", M, "algorithm.learning_rate=.inf"], ["algorithm.learning_rate: must be finite"]),
