@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from embodied.bench_report import atomic_write, write_report
-from embodied.config import ConfigError, check_folder_name, compose, to_dict
+from embodied.config import ConfigError, check_at_least, check_folder_name, compose, to_dict
 from embodied.evaluate import evaluate_by_task
 from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
 from embodied.schema import UserError
@@ -39,14 +39,12 @@ class SpecMismatch(ValueError):
 
 @dataclass
 class BenchTask:
-    env: dict[str, Any] = field(
-        default_factory=dict
-    )  # a simulator config: `simulator:` and its keys
+    # a simulator config: `simulator:` and its keys
+    env: dict[str, Any] = field(default_factory=dict)
     name: str = ""  # in the report; default <simulator>/<task>
     episodes: int = 0  # 0: the suite's `episodes`
-    sweep: dict[str, list[Any]] = field(
-        default_factory=dict
-    )  # one task per value, e.g. {task_id: [0, 1, 2]}
+    # one task per value, e.g. {task_id: [0, 1, 2]}
+    sweep: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,8 +61,12 @@ class BenchConfig:
         check_folder_name("name", self.name)
         if not self.tasks:
             raise ValueError("tasks: a suite needs at least one task")
-        if self.episodes < 1:
-            raise ValueError(f"episodes: must be >= 1, got {self.episodes}")
+        check_at_least(self, 1, "episodes", "torch_threads")
+        for i, task in enumerate(self.tasks):
+            if task.episodes < 0:
+                raise ValueError(
+                    f"tasks[{i}].episodes: must be >= 0 (0: the suite's), got {task.episodes}"
+                )
 
 
 @dataclass

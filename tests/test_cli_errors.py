@@ -227,6 +227,11 @@ CASES = [
         ["bench", SUITE, "tasks=[{env: {simulator: mujoco}}, {env: {simulator: mujoco}}]"],
         ["two tasks share a name", "'mujoco/reach'", "give them `name:` (in the command line)"],
     ),
+    (["bench", SUITE, "torch_threads=0"], ["torch_threads: must be >= 1, got 0"]),
+    (
+        ["bench", SUITE, "tasks=[{env: {simulator: mujoco}, episodes: -1}]"],
+        ["tasks[0].episodes: must be >= 0 (0: the suite's), got -1"],
+    ),
     (["bench", SUITE, "name=../x"], ["name: a folder inside output_dir", "'../x'"]),
     (
         ["bench", SUITE, "tasks=[{env: {simulator: mujoco, task: fly}}]"],
