@@ -194,9 +194,10 @@ else
 fi
 
 if want cluster_gpu; then  # issue 33: a GPU rollout worker, weight sync by CUDA IPC
-  stage cluster_gpu
+  stage cluster_gpu  # (and issue 14's optimizer offload: Adam's moments off the GPU and back)
   timeout "$(cap 120)" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
-    tests/test_shared_weights.py 2>&1 | tee "$OUT/pytest_shared.log"
+    tests/test_shared_weights.py tests/test_optimizer_offload.py 2>&1 \
+    | tee "$OUT/pytest_shared.log"
   if has ray && has mujoco; then
     # 1 and 4 env workers, 3 repeats: 193 s on an H100 (each configuration starts Ray's roles)
     (cd benchmarks && timeout "$(cap 240)" python3 gpu_rollout.py --serve --sync --workers 1 4 \

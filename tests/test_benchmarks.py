@@ -1,6 +1,7 @@
 """Numbers the benchmark scripts derive from their measurements, on hand-computed cases."""
 
 import json
+import re
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -283,3 +284,14 @@ def test_an_update_is_timed_and_profiled_per_gradient_step():
     assert row["profile"]["ops"] > 0 and row["profile"]["kernels"] == 0
     assert row["sync_sites"] is None
     assert f"{steps} gradient steps" in bench.report(row)
+
+
+def test_the_gpu_suite_runs_every_test_file_that_holds_gpu_tests():
+    """``benchmarks/gpu_suite.sh`` measures everything that needs a GPU in one command: a test
+    file with a ``gpu`` mark that none of its stages names would never run."""
+    tests = Path(__file__).parent
+    gpu_mark = re.compile(r"(@|marks=|pytestmark = )pytest\.mark\.gpu\b")
+    marked = {p.name for p in tests.glob("test_*.py") if gpu_mark.search(p.read_text())}
+    assert len(marked) >= 6  # (the marks were found)
+    suite = (tests.parent / "benchmarks" / "gpu_suite.sh").read_text()
+    assert {name for name in marked if f"tests/{name}" not in suite} == set()
