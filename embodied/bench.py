@@ -25,10 +25,10 @@ import torch
 from tqdm import tqdm
 
 from embodied.bench_report import atomic_write, write_report
-from embodied.config import ConfigError, check_at_least, check_folder_name, compose, to_dict
+from embodied.config import ConfigError, check_folder_name, compose, to_dict
 from embodied.evaluate import evaluate_by_task
 from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
-from embodied.schema import UserError
+from embodied.schema import UserError, check_at_least
 
 POLICIES = ("random", "zero")  # baselines; any other policy comes from --checkpoint
 

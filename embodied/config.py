@@ -231,11 +231,3 @@ def check_folder_name(key: str, name: str) -> None:
         raise ValueError(
             f"{key}: a folder inside output_dir (relative, without '..'), got {name!r}"
         )
-
-
-def check_at_least(section: Any, minimum: int, *keys: str) -> None:
-    """A ValueError naming the first of ``keys`` (fields of ``section``) below ``minimum``."""
-    for key in keys:
-        value = getattr(section, key)
-        if value < minimum:
-            raise ValueError(f"{key}: must be >= {minimum}, got {value}")

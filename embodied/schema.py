@@ -241,6 +241,15 @@ class SimulatorConfig:
     simulator: str = ""
 
 
+def check_at_least(section: Any, minimum: int, *keys: str) -> None:
+    """A config's check: a ValueError naming the first of ``keys`` (fields of ``section``) below
+    ``minimum``."""
+    for key in keys:
+        value = getattr(section, key)
+        if value < minimum:
+            raise ValueError(f"{key}: must be >= {minimum}, got {value}")
+
+
 def check_episode_limit(max_episode_steps: int | None) -> None:
     """A simulator config's ``max_episode_steps``: None (the task's own) or at least one step."""
     if max_episode_steps is not None and max_episode_steps < 1:

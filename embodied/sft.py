@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from embodied import numerics
 from embodied.cluster.config import ClusterConfig
-from embodied.config import ConfigError, check_at_least, check_folder_name, to_dict
+from embodied.config import ConfigError, check_folder_name, to_dict
 from embodied.evaluate import evaluate_by_task, per_task
 from embodied.learner import TrainerConfig, check_grad_norm
 from embodied.logger import RunLogger
@@ -42,7 +42,7 @@ from embodied.run import (
     enter_run_dir,
     run_dir_for,
 )
-from embodied.schema import SimulatorConfig
+from embodied.schema import SimulatorConfig, check_at_least
 from embodied.sft_data import (
     Frames,
     batch_of,

@@ -12,13 +12,13 @@ import torch
 
 from embodied.algorithm import AlgorithmConfig
 from embodied.cluster.config import ClusterConfig
-from embodied.config import check_at_least, check_folder_name, to_dict
+from embodied.config import check_folder_name, to_dict
 from embodied.grpo import GRPOConfig
 from embodied.learner import TrainerConfig
 from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig
 from embodied.multitask import SIMULATOR_CONFIGS
 from embodied.ppo import PPOConfig
-from embodied.schema import SimulatorConfig, checked_device
+from embodied.schema import SimulatorConfig, check_at_least, checked_device
 from embodied.simulators.maniskill import ManiSkillConfig
 
 ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}

@@ -21,7 +21,7 @@ from torch import nn
 from embodied.models.config import PolicyConfig
 from embodied.models.encoders import CNNEncoder, StateEncoder
 from embodied.models.levels import logprob_at_level
-from embodied.schema import EnvSpec, Observation, PolicyOutput
+from embodied.schema import EnvSpec, Observation, PolicyOutput, check_at_least
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU}
@@ -49,8 +49,7 @@ class ActorCriticConfig(PolicyConfig):
             raise ValueError(
                 f"activation: must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}"
             )
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size: must be >= 1, got {self.chunk_size}")
+        check_at_least(self, 1, "chunk_size", "image_features")
         if not self.hidden_sizes or min(self.hidden_sizes) < 1:
             raise ValueError("hidden_sizes: must be a non-empty list of positive sizes")
         if self.privileged_keys is not None and not self.use_privileged:

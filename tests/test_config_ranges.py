@@ -31,6 +31,12 @@ CASES = [
     (["train", M, "policy.activation=swish"], ["policy.activation", "'relu'", "'swish'"]),
     (["train", M, "policy.chunk_size=0"], ["policy.chunk_size: must be >= 1, got 0"]),
     (["train", M, "policy.hidden_sizes=[]"], ["policy.hidden_sizes", "non-empty"]),
+    (["train", M, "policy.image_features=0"], ["policy.image_features: must be >= 1, got 0"]),
+    (["train", V, "policy.bins=1"], ["policy.bins: must be >= 2, got 1"]),
+    (["train", V, "policy.flow_steps=0"], ["policy.flow_steps: must be >= 1, got 0"]),
+    (["train", V, "policy.text_layers=-1"], ["policy.text_layers: must be >= 1, got -1"]),
+    (["train", V, "policy.vision_width=0"], ["policy.vision_width: must be > 0, got 0.0"]),
+    (["train", V, "policy.flow_noise_std=-1"], ["policy.flow_noise_std: must be >= 0"]),
     (
         ["train", M, "policy.use_privileged=false", "policy.privileged_keys=[goal_pos]"],
         ["policy.privileged_keys", "use_privileged=true"],

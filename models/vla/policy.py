@@ -32,7 +32,7 @@ from embodied.models.vla.heads import (
 )
 from embodied.models.vla.hf_vlm import HFVisionLanguage
 from embodied.models.vla.normalization import NormalizedVLA
-from embodied.schema import EnvSpec, Observation, PolicyOutput
+from embodied.schema import EnvSpec, Observation, PolicyOutput, check_at_least
 
 
 @dataclass
@@ -83,6 +83,13 @@ class VLAConfig(PolicyConfig):
             raise ValueError("chunk_size, d_model, heads must be >= 1 and layers >= 0")
         if self.d_model % self.heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
+        check_at_least(self, 1, "flow_steps", "text_hidden", "text_layers")
+        check_at_least(self, 2, "bins")
+        for key in ("vision_width", "vision_depth"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key}: must be > 0, got {getattr(self, key)}")
+        if self.flow_noise_std < 0:
+            raise ValueError(f"flow_noise_std: must be >= 0, got {self.flow_noise_std}")
 
 
 class VLA(NormalizedVLA):
