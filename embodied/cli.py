@@ -166,6 +166,13 @@ def _eval_config(args, ckpt: dict):
         raise UserError(
             f"{not_env[0]}: eval overrides env.* keys only (the policy is the checkpoint's)"
         )
+    simulator = ckpt["meta"]["config"].get("env", {}).get("simulator")
+    other = parse_overrides(args.overrides).get("env", {}).get("simulator", simulator)
+    if simulator is not None and other != simulator:
+        raise UserError(
+            f"env.simulator={other}: the checkpoint was trained on {simulator}; eval runs it there "
+            "(embodied bench compares simulators)"
+        )
     sources = [(str(ckpt["path"]), ckpt["meta"]["config"])]
     if args.overrides:
         sources.append((COMMAND_LINE, parse_overrides(args.overrides)))

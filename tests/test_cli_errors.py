@@ -166,6 +166,7 @@ CASES = [
     (["eval", f"{R}/empty_meta"], ["empty_meta/meta.json", "'config'"]),
     (["eval", f"{R}/list_meta"], ["list_meta/meta.json: expected a JSON object, got list"]),
     (["eval", f"{R}/corrupt_weights"], ["corrupt_weights/model.safetensors", "damaged"]),
+    (["eval", CK, "env.simulator=maniskill"], ["env.simulator=maniskill", "trained on mujoco"]),
     (["eval", CK, "--episodes", "0"], ["--episodes", "got 0"]),
     (["eval", CK, "--num-envs", "0"], ["--num-envs", "got 0"]),
     (["eval", CK, "--episodes", "x"], ["--episodes", "'x'"]),
