@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from embodied.bench_report import atomic_write, write_report
-from embodied.config import ConfigError, check_folder_name, compose, to_dict
+from embodied.config import ConfigError, check_folder_name, compose, to_dict, validate_tree
 from embodied.evaluate import evaluate_by_task
 from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
 from embodied.schema import UserError, check_at_least
@@ -92,15 +92,12 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
         combos = [dict(zip(keys, vs)) for vs in _product(values)] if keys else [{}]
         for combo in combos:
             env_dict = {**task.env, **combo}
+            sources = [(source, env_dict)]
             try:
-                env = compose(
-                    SIMULATOR_CONFIGS[simulator], [(source, env_dict)]
-                )  # ConfigError: "key: ... (in source)"
-                env.validate()
-            except ValueError as e:
-                raise ConfigError(f"{where}.env.{e} (in {source})") from None
+                env = compose(SIMULATOR_CONFIGS[simulator], sources)  # "key: ... (in source)"
             except ConfigError as e:
                 raise ConfigError(f"{where}.env.{e}") from None
+            validate_tree(env, f"{where}.env.", sources, files=False)
             try:
                 check_tasks(env)  # a typo in the last task fails before the first one runs
             except UserError as e:
@@ -285,8 +282,10 @@ def _kept_results(path: Path, key: str, counted: str) -> list[dict] | None:
         kept = json.loads(path.read_text())
         if kept.get("key") != key:
             return None
-        results = list(kept["results"])
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        results = kept["results"]
+        if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+            raise TypeError("'results' holds no list of result rows")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         print(f"{counted}: its results in {path} cannot be read ({e!r}): run again", flush=True)
         return None
     print(f"{counted}: finished in an earlier run, kept ({path})", flush=True)

@@ -157,7 +157,7 @@ def cmd_eval(args) -> int:
 def _eval_config(args, ckpt: dict):
     """The config the checkpoint was trained with, its env section changed by the command line's
     env.* overrides and --num-envs; a ConfigError or UserError for a bad one."""
-    from embodied.config import COMMAND_LINE, compose, parse_overrides
+    from embodied.config import COMMAND_LINE, compose, parse_overrides, validate_tree
     from embodied.schema import UserError
     from embodied.train_config import TrainConfig
 
@@ -166,7 +166,8 @@ def _eval_config(args, ckpt: dict):
         raise UserError(
             f"{not_env[0]}: eval overrides env.* keys only (the policy is the checkpoint's)"
         )
-    simulator = ckpt["meta"]["config"].get("env", {}).get("simulator")
+    trained_env = ckpt["meta"]["config"].get("env")
+    simulator = trained_env.get("simulator") if isinstance(trained_env, dict) else None
     other = parse_overrides(args.overrides).get("env", {}).get("simulator", simulator)
     if simulator is not None and other != simulator:
         raise UserError(
@@ -177,10 +178,7 @@ def _eval_config(args, ckpt: dict):
     if args.overrides:
         sources.append((COMMAND_LINE, parse_overrides(args.overrides)))
     cfg = compose(TrainConfig, sources)
-    try:
-        cfg.env.validate()
-    except ValueError as e:
-        raise UserError(f"env.{e}") from None
+    validate_tree(cfg.env, "env.", sources, files=False)
     sft_runner = ckpt["meta"].get("sft", {}).get("runner", {})
     if "runner" not in ckpt["meta"]["config"] and "torch_threads" in sft_runner:
         cfg.runner.torch_threads = sft_runner["torch_threads"]  # (SFT's, before it named them)

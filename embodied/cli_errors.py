@@ -15,9 +15,14 @@ def error(msg: str) -> int:
 
 def file_in_the_way(path: str | Path) -> str | None:
     """Why ``path`` cannot be a directory to write in ("is a file", "is inside F, a file": it, or
-    the nearest of its parents that exists, is a file); None when it can be."""
+    the nearest of its parents that exists, is a file or a broken link); None when it can be."""
     path = Path(path)
-    existing = next(p for p in (path, *path.parents) if p.exists())  # (a root, at worst)
-    if existing.is_dir():
-        return None
-    return "is a file" if existing == path else f"is inside {existing}, a file"
+    try:
+        # (a root, at worst)
+        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+        if existing.is_dir():
+            return None
+    except OSError as e:
+        return f"cannot be reached ({e.strerror or e})"
+    what = "a file" if existing.exists() else "a broken link"
+    return f"is {what}" if existing == path else f"is inside {existing}, {what}"

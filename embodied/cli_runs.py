@@ -153,7 +153,7 @@ def cmd_episodes(args) -> int:
     try:
         for iteration in iterations:
             record = read_rounds(run, iteration)
-            chosen = _chosen(record, args)
+            chosen = _chosen(record, iteration, args)
             chunked = record.rounds[0].actions.shape[2] > 1
             resimulated = {}
             if args.resimulate or (args.to_dataset and chunked):
@@ -185,7 +185,7 @@ def cmd_episodes(args) -> int:
     return 0
 
 
-def _chosen(record, args) -> list:
+def _chosen(record, iteration: int, args) -> list:
     """The episodes of ``record`` that ``embodied episodes``' options ask for, said how many."""
     from embodied.episodes import choose, episodes_of, with_seeds
 
@@ -202,7 +202,7 @@ def _chosen(record, args) -> list:
         seed=args.seed,
     )
     ended = f"{len(found)} episodes end in the record"
-    print(f"iteration {record.meta['iteration']}: {ended}, {len(chosen)} chosen")
+    print(f"iteration {iteration}: {ended}, {len(chosen)} chosen")
     return chosen
 
 

@@ -91,14 +91,15 @@ def source_of(key: str, sources: list[tuple[str, dict]]) -> str:
     return files[-1] if files else COMMAND_LINE
 
 
-def _validate_tree(obj: Any, path: str, sources, files: bool = True) -> None:
+def validate_tree(obj: Any, path: str, sources, files: bool = True) -> None:
     """Call ``validate()`` (and, with ``files``, ``check_files()``) on every dataclass in the
-    tree, prefixing errors with their key path; sections first, so that a parent's checks across
-    sections see valid sections."""
+    tree, its numbers checked first, prefixing errors with their key path (``path``: where the
+    tree sits, e.g. ``env.``); sections first, so that a parent's checks across sections see
+    valid sections."""
     if not dataclasses.is_dataclass(obj):
         return
     for f in dataclasses.fields(obj):
-        _validate_tree(getattr(obj, f.name), f"{path}{f.name}.", sources, files)
+        validate_tree(getattr(obj, f.name), f"{path}{f.name}.", sources, files)
     _check_numbers(obj, path, sources)
     checks = [getattr(obj, "validate", None)]
     if files:
@@ -209,7 +210,7 @@ def load_config(
     if overrides:
         sources.append((COMMAND_LINE, parse_overrides(overrides)))
     obj = compose(schema, sources)
-    _validate_tree(obj, "", sources, files)
+    validate_tree(obj, "", sources, files)
     return obj, sources
 
 

@@ -193,12 +193,12 @@ class LeRobotWriter:
         frames.update(
             {privileged_key(k): _column(v.reshape(T, -1), T) for k, v in privileged.items()}
         )
-        self._buffer.append(frames)
         stats = {"observation.state": _stats(state), "action": _stats(actions)}
         stats.update({image_key(c): _image_stats(images[c]) for c in self.cameras})
         meta = self._episode_meta(ep, task, T, success, extra)
         meta.update({f"stats/{f}/{k}": v for f, s in stats.items() for k, v in s.items()})
         self.episodes.append(meta)
+        self._buffer.append(frames)
         self._all["observation.state"].append(state)
         self._all["action"].append(actions)
         for k, v in privileged.items():

@@ -142,7 +142,8 @@ def test_a_kept_task_file_that_cannot_be_read_is_run_again(tmp_path, capsys):
     path = suite(tmp_path, [{"env": REACH}], videos=False)
     first = bench(path, policy="zero")["tasks"][0]
     kept = tmp_path / "out" / "t" / "zero" / "tasks" / "mujoco_reach.json"
-    for damaged in ('{"key": "', "[]"):
+    key = json.loads(kept.read_text())["key"]
+    for damaged in ('{"key": "', "[]", json.dumps({"key": key, "results": {"a": 1}})):
         kept.write_text(damaged)
         capsys.readouterr()
         again = bench(path, policy="zero")["tasks"][0]

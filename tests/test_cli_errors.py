@@ -65,6 +65,7 @@ def paths(tmp_path_factory):
     (root / "dataset" / "meta").mkdir(parents=True)
     (root / "dataset" / "meta" / "info.json").write_text("{}")
     (root / "no_checkpoint").mkdir()
+    (root / "broken").symlink_to(root / "nowhere")
     for name, text in (("cut_record", '{"config": '), ("list_record", "[]")):
         (root / name / "rollouts" / "iter_000001").mkdir(parents=True)
         (root / name / "rollouts" / "iter_000001" / "record.json").write_text(text)
@@ -308,6 +309,12 @@ CASES = [
         ["--to-dataset", "empty.yaml/x: is inside", "empty.yaml, a file"],
     ),
     (["convert", CK, "--to", "torch", f"{R}/empty.yaml/x"], ["is inside", "empty.yaml, a file"]),
+    (["bench", SUITE, "--out", f"{R}/broken/x"], ["is inside", "broken, a broken link"]),
+    (
+        ["bench", SUITE, "tasks=[{env: {simulator: mujoco, randomize: {friction: .nan}}}]"],
+        ["tasks[0].env.randomize.friction: not a number"],
+    ),
+    (["eval", CK, "env.randomize.friction=nan"], ["env.randomize.friction: not a number"]),
     (["bench", SUITE, "--out", f"{R}/empty.yaml/x"], ["--out", "is inside", "empty.yaml, a file"]),
     # known only once the environment is built: still one line, and no run directory
     (
