@@ -139,7 +139,8 @@ def test_eval_overrides_only_the_env(tmp_path, capsys):
     )
     assert main(["eval", str(run / "last"), "env.backend=physx"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "embodied: error: env.backend: must be one of ['rollout', 'warp'], got 'physx'"
+        "embodied: error: env.backend: must be one of ['rollout', 'warp'], got 'physx' "
+        "(in the command line)"
     )
 
 
