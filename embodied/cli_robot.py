@@ -129,6 +129,11 @@ def cmd_deploy(args) -> int:
 
 def add_robot_commands(sub) -> None:
     """The serve and deploy subcommands of ``embodied``'s parser."""
+    _add_serve(sub)
+    _add_deploy(sub)
+
+
+def _add_serve(sub) -> None:
     v = sub.add_parser(
         "serve",
         help="serve a checkpoint's policy over a websocket",
@@ -142,6 +147,9 @@ def add_robot_commands(sub) -> None:
         "--queue", type=int, default=8, help="requests waiting at most; more get a 'busy' reply"
     )
     v.set_defaults(func=cmd_serve)
+
+
+def _add_deploy(sub) -> None:
     y = sub.add_parser(
         "deploy",
         help="drive a robot arm (or its digital twin) with a checkpoint",
