@@ -17,12 +17,24 @@ import torch
 ACTION_SPACES = ("ee_delta_pose", "ee_pose", "joint_pos", "joint_delta")
 
 
+def check_device_name(key: str, name: str, auto: bool = False) -> None:
+    """A ValueError unless ``name`` (the value of ``key``) is cpu, cuda or cuda:N (or, with
+    ``auto``, auto): the form of a device setting, on any machine."""
+    if auto and name == "auto":
+        return
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        choices = "auto, cpu, cuda or cuda:N" if auto else "cpu, cuda or cuda:N"
+        raise ValueError(f"{key}: must be {choices}, got {name!r}")
+
+
 def checked_device(setting: str, name: str, instead: str) -> torch.device:
     """``name`` ("cpu", "cuda" or "cuda:N": the value of ``setting``) as a torch device; a
-    one-line UserError for CUDA on a machine without it, or for a GPU it lacks. ``instead``:
-    what to set on a machine without CUDA."""
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        raise UserError(f"{setting}: must be cpu, cuda or cuda:N, got {name!r}")
+    one-line UserError for another form, for CUDA on a machine without it, or for a GPU it
+    lacks. ``instead``: what to set on a machine without CUDA."""
+    try:
+        check_device_name(setting, name)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     device = torch.device(name)
     if device.type != "cuda":
         return device

@@ -3,7 +3,6 @@ sections ask of each other, checked before anything is built."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -18,7 +17,12 @@ from embodied.learner import TrainerConfig
 from embodied.models import POLICY_CONFIGS, ActorCriticConfig, PolicyConfig
 from embodied.multitask import SIMULATOR_CONFIGS
 from embodied.ppo import PPOConfig
-from embodied.schema import SimulatorConfig, check_at_least, checked_device
+from embodied.schema import (
+    SimulatorConfig,
+    check_at_least,
+    check_device_name,
+    checked_device,
+)
 from embodied.simulators.maniskill import ManiSkillConfig
 
 ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
@@ -87,8 +91,7 @@ class RunnerConfig:
         if self.spike_factor < 0:
             raise ValueError(f"spike_factor: must be >= 0 (0: no spikes), got {self.spike_factor}")
         check_minutes(self.max_minutes)
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        check_device_name("device", self.device, auto=True)
 
     def torch_device(self, auto: torch.device | str) -> torch.device:
         """The learner's device: ``auto`` for device=auto (the environment's); CUDA on a

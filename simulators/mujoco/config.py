@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-from embodied.schema import SimulatorConfig, check_episode_limit
+from embodied.schema import SimulatorConfig, check_device_name, check_episode_limit
 from embodied.simulators.mujoco.randomize import RandomizeConfig
 from embodied.simulators.mujoco.tasks import TASKS
 
@@ -54,8 +53,7 @@ class MuJoCoConfig(SimulatorConfig):
             raise ValueError(f"home_noise: must be >= 0, got {self.home_noise}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {list(BACKENDS)}, got {self.backend!r}")
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device: must be cpu, cuda or cuda:N, got {self.device!r}")
+        check_device_name("device", self.device)
         if self.device != "cpu" and self.backend != "warp":
             raise ValueError(
                 f"device: the {self.backend} backend runs on the CPU; env.backend=warp runs on "
