@@ -263,19 +263,33 @@ class PolicyClient:
             self.ws.close()
             raise ConnectionRefusedError(f"policy server at {url} refused: {reply.get('error')}")
         self._id = 0
+        self._lock = threading.Lock()  # one request at a time on the connection
         self.last_timing = {}
         self.round_trip_ms = []
 
     def infer(self, obs: dict) -> np.ndarray:
-        self._id += 1
-        t0 = time.monotonic()
-        self.ws.send(pack({"type": "infer", "id": self._id, "obs": obs}))
-        reply = unpack(self.ws.recv(timeout=self.timeout_s))
+        with self._lock:
+            self._id += 1
+            t0 = time.monotonic()
+            self.ws.send(pack({"type": "infer", "id": self._id, "obs": obs}))
+            reply = self._reply_to(self._id, t0)
         self.round_trip_ms.append((time.monotonic() - t0) * 1e3)
         if reply["type"] != "chunk":
             raise RuntimeError(f"policy server: {reply.get('error')}")
         self.last_timing = reply["timing"]
         return reply["actions"]
+
+    def _reply_to(self, request: int, t0: float) -> dict:
+        """The reply to ``request`` (sent at ``t0``) within the timeout. A reply to an earlier
+        request, which came after its own timeout, is dropped: its chunk is a step stale. A reply
+        without an id (to a message the server could not read) is this request's."""
+        while True:
+            left = self.timeout_s - (time.monotonic() - t0)
+            reply = unpack(self.ws.recv(timeout=max(left, 0.0)))
+            answered = reply.get("id")
+            if answered is None or answered == request:
+                return reply
+            log.warning("policy server: dropped the late reply to request %s", answered)
 
     def close(self) -> None:
         self.ws.close()

@@ -174,3 +174,27 @@ def test_a_flood_is_shed_with_busy_replies_not_queued_without_bound():
     served = [got for got in replies.values() if got[0]["type"] == "chunk"]
     assert all([r["id"] for r in got] == list(range(len(got))) for got in served)  # in order
     assert s.stats["busy"] == 40 and s.stats["requests"] == 61
+
+
+def test_a_reply_that_comes_after_its_timeout_is_dropped_not_taken_for_the_next():
+    """The first request times out while the model is busy; its reply comes after all, ahead of
+    the second's. The client drops it and answers the second request with the second's chunk."""
+    gate = threading.Event()
+    started = threading.Event()
+    s = PolicyServer(gated(gate, started), CONTRACT, port=0).start()
+    client = PolicyClient(url(s), CONTRACT, timeout_s=CEILING_S)
+    try:
+        client.timeout_s = 0.0  # the first reply cannot be there yet: the gate is shut
+        first = {"state": np.array([1.0, 1.0], np.float32), "images": {}, "instruction": "x"}
+        with pytest.raises(TimeoutError):
+            client.infer(first)
+        assert started.wait(CEILING_S)
+        gate.set()
+        client.timeout_s = CEILING_S
+        second = {"state": np.array([3.0, -1.0], np.float32), "images": {}, "instruction": "x"}
+        np.testing.assert_array_equal(client.infer(second), [[6.0, -2.0]] * 3)
+        third = {"state": np.array([0.5, 2.0], np.float32), "images": {}, "instruction": "x"}
+        np.testing.assert_array_equal(client.infer(third), [[1.0, 4.0]] * 3)
+    finally:
+        client.close()
+        s.stop()
