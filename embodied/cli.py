@@ -447,7 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UserError) as e:
         return _error(str(e))
     except KeyboardInterrupt:
-        print("interrupted; the last checkpoint is in the run directory", file=sys.stderr)
+        saves = args.command in ("train", "sft")  # the commands that write checkpoints as they go
+        print(
+            "interrupted" + ("; the last checkpoint is in the run directory" if saves else ""),
+            file=sys.stderr,
+        )
         return 130
 
 

@@ -4,6 +4,8 @@ and their entry points (embodied/deploy.py does the work)."""
 from __future__ import annotations
 
 import json
+import math
+import sys
 from pathlib import Path
 
 from embodied.cli_errors import error as _error
@@ -30,8 +32,10 @@ def _floats(option: str, text: str | None, default: float, n: int = 6, what: str
         values = tuple(float(v) for v in text.split(","))
     except ValueError:
         values = ()
-    if len(values) != n:
-        raise ValueError(f"{option} {text!r}: expected {n} comma-separated numbers, one per {what}")
+    if len(values) != n or not all(math.isfinite(v) for v in values):
+        raise ValueError(
+            f"{option} {text!r}: expected {n} comma-separated finite numbers, one per {what}"
+        )
     return values
 
 
@@ -83,12 +87,12 @@ def cmd_deploy(args) -> int:
     from embodied.robots.arm import ArmConfig, RobotError
 
     # what the options alone decide, before the checkpoint is read or anything connects
-    if args.hz is not None and not args.hz > 0:
-        return _error(f"--hz: must be > 0 (Hz), got {args.hz:g}")
+    if args.hz is not None and not 0 < args.hz < math.inf:
+        return _error(f"--hz: must be > 0 and finite (Hz), got {args.hz:g}")
     if args.episodes < 1:
         return _error(f"--episodes: must be >= 1, got {args.episodes}")
-    if not args.episode_seconds > 0:
-        return _error(f"--episode-seconds: must be > 0, got {args.episode_seconds:g}")
+    if not 0 < args.episode_seconds < math.inf:
+        return _error(f"--episode-seconds: must be > 0 and finite, got {args.episode_seconds:g}")
     if args.server and not args.server.startswith(("ws://", "wss://")):
         return _error(f"--server {args.server!r}: expected ws://HOST:PORT (or wss://)")
     record = Path(args.record) if args.record else None
@@ -106,6 +110,7 @@ def cmd_deploy(args) -> int:
             joint_signs=_floats("--robot.joint-signs", args.joint_signs, 1.0),
             joint_offsets=_floats("--robot.joint-offsets", args.joint_offsets, 0.0),
         )
+        arm.validate()  # the robot and its port before the checkpoint is read
         goal = None
         if args.goal:
             goal = _floats("--goal", args.goal, 0.0, n=3, what="axis (metres: x,y,z)")
@@ -122,8 +127,15 @@ def cmd_deploy(args) -> int:
             seed=args.seed,
         )
     except (DeployError, RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
-        return _error(str(e))
+        return _error("; ".join([str(e), *getattr(e, "__notes__", [])]))  # the shutdown's too
     print(json.dumps(summary, indent=2))
+    if not summary["torque_off_at_safe_pose"]:
+        print(
+            "embodied: the arm did not reach its safe pose: its torque stays on (the log says "
+            "why); move it by hand or run again",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

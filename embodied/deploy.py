@@ -11,161 +11,30 @@ present the same contract (action spec, observation columns, cameras, checkpoint
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
-from embodied.schema import EnvSpec, Observation
+from embodied.deploy_policy import (
+    GOAL,
+    DeployError,
+    check_fits,
+    load_deployable,
+    obs_to_wire,
+    policy_chunk,
+    privileged_inputs,
+    robot_infer,
+    select_columns,
+    wire_to_obs,
+)
+from embodied.schema import EnvSpec
 
 log = logging.getLogger(__name__)
-
-
-class DeployError(ValueError):
-    pass
-
-
-def load_deployable(checkpoint: str | Path):
-    """(policy in eval mode, its EnvSpec, contract dict, the config it was trained with) of a
-    checkpoint."""
-    from embodied.checkpoint import resolve_checkpoint
-    from embodied.demos import load_policy
-
-    path = resolve_checkpoint(checkpoint)
-    policy, train_cfg = load_policy(path)
-    spec = EnvSpec.from_dict(json.loads((path / "meta.json").read_text())["spec"])
-    return policy, spec, contract(spec, path), train_cfg
-
-
-def contract(spec: EnvSpec, path: Path) -> dict:
-    """What client and server must agree on. Normalization statistics live in the weights file, so
-    its digest versions them (with the TP shards' files of a megatron checkpoint); frozen weights
-    live in a file named by a digest of its content (meta.json's "frozen"), so that name
-    versions them."""
-    weights = hashlib.sha1((path / "model.safetensors").read_bytes())
-    for file in sorted(path.glob("model-tp*.safetensors")):  # (their weights, not Adam's state)
-        shard = load_file(str(file))
-        for name in sorted(k for k in shard if k.startswith("weight/")):
-            weights.update(name.encode())
-            weights.update(shard[name].contiguous().view(-1).view(torch.uint8).numpy())
-    frozen = json.loads((path / "meta.json").read_text()).get("frozen")
-    if frozen:  # older checkpoints, and models with nothing frozen, have none
-        weights.update(frozen.encode())
-    agreed = {
-        "action": spec.to_dict()["action"],
-        "state_names": list(spec.obs.state_names),
-        "cameras": [[c.name, c.height, c.width] for c in spec.obs.cameras],
-        "weights": weights.hexdigest()[:16],
-    }
-    return json.loads(json.dumps(agreed))  # lists, not tuples: as it arrives through msgpack
-
-
-GOAL = "goal_pos"  # the one privileged input an arm can have: a goal its user gives
-
-
-def check_fits(policy, spec: EnvSpec, cameras, *, known: frozenset[str] = frozenset()) -> None:
-    """Refuse a checkpoint that cannot act on an arm with these cameras (names) and these
-    privileged inputs (``known``: a goal its user gives; on the twin whatever its simulator
-    knows), naming every reason; it needs nothing connected, so it runs before anything is."""
-    from embodied.robots.arm import JOINTS, STATE_NAMES
-
-    problems = []
-    if tuple(spec.action.names) != JOINTS:
-        problems.append(f"actions {spec.action.names}, the arm has {JOINTS}")
-    if spec.action.space not in ("joint_pos", "joint_delta"):
-        problems.append(
-            f"action space {spec.action.space!r} (the arm takes joint_pos or joint_delta)"
-        )
-    missing = [n for n in spec.obs.state_names if n not in STATE_NAMES]
-    if missing:
-        problems.append(f"state columns {missing} that the arm does not measure")
-    need = set(privileged_inputs(policy, spec))
-    unknown = need - known - {GOAL}
-    if unknown:
-        problems.append(
-            f"simulator-only inputs {sorted(unknown)} (train with "
-            f"policy.use_privileged=false, or policy.privileged_keys=[{GOAL}])"
-        )
-    if GOAL in need and GOAL not in known:
-        problems.append(f"the input {GOAL} (give --goal X,Y,Z: metres in the arm's base frame)")
-    lacking = [c.name for c in spec.obs.cameras if c.name not in set(cameras)]
-    if lacking:
-        problems.append(f"cameras {lacking} (give --camera NAME=SOURCE for each)")
-    if problems:
-        raise DeployError("the checkpoint cannot drive this arm: " + "; ".join(problems))
-
-
-def privileged_inputs(policy, spec: EnvSpec) -> tuple[str, ...]:
-    """The privileged keys the policy reads (all of its spec's where it does not say)."""
-    return tuple(getattr(policy, "privileged_inputs", tuple(spec.obs.privileged)))
-
-
-def obs_to_wire(obs: Observation) -> dict:
-    return {
-        "state": obs.state[0].numpy(),
-        "images": {k: v[0].numpy() for k, v in obs.images.items()},
-        "instruction": obs.instruction[0],
-        "privileged": {k: v[0].numpy() for k, v in obs.privileged.items()},  # a given goal
-    }
-
-
-def wire_to_obs(msg: dict, spec: EnvSpec) -> Observation:
-    """A client's observation as a batch of one in the policy's column order."""
-    # np.array copies: arrays decoded from msgpack are read-only views of the message
-    state = torch.from_numpy(np.array(msg["state"], np.float32))[None]  # f32 [1, S]
-    images = {
-        k: torch.from_numpy(np.array(v, np.uint8))[None]
-        for k, v in (msg.get("images") or {}).items()
-    }
-    if state.shape[1] != spec.obs.state_dim or set(images) != {c.name for c in spec.obs.cameras}:
-        raise ValueError(
-            f"observation has {state.shape[1]} state columns and cameras {sorted(images)}; "
-            f"the policy needs {spec.obs.state_dim} and {[c.name for c in spec.obs.cameras]}"
-        )
-    privileged = {
-        k: torch.from_numpy(np.array(v, np.float32))[None]
-        for k, v in (msg.get("privileged") or {}).items()
-    }  # f32 [1, D] each
-    return Observation(
-        state=state,
-        instruction=[str(msg.get("instruction", ""))],
-        images=images,
-        privileged=privileged,
-    )
-
-
-def policy_chunk(policy, obs: Observation) -> np.ndarray:
-    """float32 [K, A] in the policy's own action space."""
-    with torch.no_grad():
-        return policy.act(obs, deterministic=True).actions[0].float().numpy()
-
-
-def _select_columns(obs: Observation, spec: EnvSpec, robot_spec: EnvSpec) -> Observation:
-    cols = [robot_spec.obs.state_names.index(n) for n in spec.obs.state_names]
-    return Observation(
-        state=obs.state[:, cols],
-        instruction=obs.instruction,
-        images={c.name: obs.images[c.name] for c in spec.obs.cameras},
-        privileged=dict(obs.privileged),
-    )
-
-
-def robot_infer(chunk_of, spec: EnvSpec, env):
-    """obs -> float64 [K, 6] joint targets (radians, the policy's frame) for the control loop: the
-    policy's chunk, with deltas (joint_delta) accumulated from the last command the arm was sent."""
-
-    def infer(obs: Observation) -> np.ndarray:
-        base = env.to_policy(env.safety.last)  # read before inference: the chunk starts from here
-        chunk = np.asarray(chunk_of(_select_columns(obs, spec, env.spec)), np.float64)
-        return base + np.cumsum(chunk, 0) if spec.action.space == "joint_delta" else chunk
-
-    return infer
 
 
 @dataclass
@@ -207,7 +76,7 @@ class EpisodeRecorder:
             state=np.stack([f["obs"].state[0].numpy() for f in frames]),
             actions=np.stack([np.asarray(f["sent"], np.float32) for f in frames]),
             rewards=np.zeros(T, np.float32),
-            success=np.zeros(T, bool),
+            success=np.asarray(result.successes, bool),  # the twin's judge after each action
             task=frames[0]["obs"].instruction[0],
             extra={
                 "end": result.reason,
@@ -297,7 +166,7 @@ def run_deploy(
     ``episode_seconds``, at ``hz`` (None: the rate the policy was trained at). Each episode starts
     at the policy's start pose (MuJoCo-trained policies); on the twin the task's scene is set up
     for it and its success judged."""
-    from embodied.robots.control import ChunkExecutor, SafeShutdown
+    from embodied.robots.control import ChunkExecutor, EmergencyStop, SafeShutdown
 
     twin = arm.robot.endswith("-sim")
     if twin:  # (before a large checkpoint is read)
@@ -321,12 +190,15 @@ def run_deploy(
     try:
         scene = Scene(None)  # the episode's, for a goal its user gives (read each step)
         env, sim = _robot_env(arm, train_cfg, spec, reads, scene, twin=twin)
+        chunk_of = _chunk_source(policy, client)
         # safe pose, torque off there, disconnect: always, and a bus error in a step stays the
-        # error reported (the shutdown's own failures are noted on it)
-        with SafeShutdown(env, hz=arm.control_hz) as shutdown:
+        # error reported (the shutdown's own failures are noted on it). The stop's signal
+        # handlers outlast the shutdown: a second Ctrl-C or a SIGTERM cannot cut it short.
+        with EmergencyStop(keyboard=keyboard) as stop, SafeShutdown(env, hz=arm.control_hz) as sd:
+            _warm_up(chunk_of, spec, env)
             new_executor = partial(
                 ChunkExecutor,
-                robot_infer(_chunk_source(policy, client), spec, env),
+                robot_infer(chunk_of, spec, env),
                 request_when_left=request_when_left,
                 blend_steps=blend_steps,
                 wait_s=0.5 / arm.control_hz,  # up to half a period for a late chunk
@@ -336,12 +208,25 @@ def run_deploy(
                 recorder = EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot)
             start = start_pose(train_cfg)
             episode_summaries = _run_episodes(
-                env, sim, arm, scenes, scene, start, new_executor, recorder, keyboard
+                env, sim, arm, scenes, scene, start, new_executor, recorder, stop
             )
     finally:
         if client is not None:
             client.close()
-    return _summary(episode_summaries, arm, env, shutdown)
+    return _summary(episode_summaries, arm, env, sd, stop)
+
+
+def _warm_up(chunk_of, spec: EnvSpec, env) -> None:
+    """One inference before the arm moves, its chunk unused: a policy's first call (lazy set-up,
+    a cold server) is not charged to the first episode's watchdog. An inference that fails here
+    ends the deploy before the first move."""
+    obs = env.observe()
+    t0 = time.monotonic()
+    try:
+        chunk_of(select_columns(obs, spec, env.spec))
+    except Exception as e:
+        raise DeployError(f"the first inference failed, before the arm moved: {e}") from e
+    log.info("first inference: %.2f s (before the episodes)", time.monotonic() - t0)
 
 
 def _chunk_source(policy, client):
@@ -351,11 +236,13 @@ def _chunk_source(policy, client):
     return lambda obs: policy_chunk(policy, obs)
 
 
-def _summary(episodes: list[dict], arm, env, shutdown) -> dict:
-    """What the deploy reports: each episode, the rate, the task's success where the twin judges
-    it, the safety layer's interventions and whether the torque went off at the safe pose."""
+def _summary(episodes: list[dict], arm, env, shutdown, stop) -> dict:
+    """What the deploy reports: each episode, the rate, what stopped it early (the emergency
+    stop's reason, or None), the task's success where the twin judges it, the safety layer's
+    interventions and whether the torque went off at the safe pose."""
     summary = {"episodes": episodes, "robot": arm.robot, "hz": arm.control_hz}
-    if env.judge is not None:
+    summary["emergency_stop"] = stop.reason if stop.is_set() else None
+    if env.judge is not None and episodes:
         summary["success_rate"] = sum(e["success"] for e in episodes) / len(episodes)
     summary["interventions"] = dict(env.safety.counts)
     summary["torque_off_at_safe_pose"] = shutdown.torque_off
@@ -370,7 +257,7 @@ def _sim_scene(twin: bool, train_cfg) -> bool:
 def _robot_env(arm, train_cfg, spec: EnvSpec, reads: tuple[str, ...], scene: Scene, *, twin: bool):
     """The arm (``twin``: the twin's, which judges a MuJoCo task), connected, behind its safety
     layer, as a RobotEnv; and the twin's simulator (None on a real arm)."""
-    from embodied.robots.arm import RobotEnv, connect, default_safety, make_robot
+    from embodied.robots.arm import RobotEnv, connect, default_safety, make_robot, release
     from embodied.robots.safety import SafetyLayer
 
     mujoco_task = train_cfg.env.simulator == "mujoco"
@@ -384,41 +271,47 @@ def _robot_env(arm, train_cfg, spec: EnvSpec, reads: tuple[str, ...], scene: Sce
     else:
         robot = make_robot(arm)
     connect(robot, arm)
-    safety = SafetyLayer(default_safety(robot, arm))
-    shapes = {k: spec.obs.privileged[k] for k in reads}
+    try:  # (no SafeShutdown yet: an error here leaves the arm as connect found it)
+        safety = SafetyLayer(default_safety(robot, arm))
+        shapes = {k: spec.obs.privileged[k] for k in reads}
 
-    def given_goal() -> dict[str, np.ndarray]:
-        return {GOAL: scene.goal}
+        def given_goal() -> dict[str, np.ndarray]:
+            return {GOAL: scene.goal}
 
-    # on the twin its simulator knows every input; a real arm knows the goal it was given
-    read = partial(sim.readings, reads) if _sim_scene(twin, train_cfg) else given_goal
-    env = RobotEnv(robot, arm, safety, privileged=shapes, read_privileged=read, judge=judge)
+        # on the twin its simulator knows every input; a real arm knows the goal it was given
+        read = partial(sim.readings, reads) if _sim_scene(twin, train_cfg) else given_goal
+        env = RobotEnv(robot, arm, safety, privileged=shapes, read_privileged=read, judge=judge)
+    except BaseException as e:
+        release(robot, e)
+        raise
     return env, sim
 
 
 def _run_episodes(
-    env, sim, arm, scenes: list[Scene], scene: Scene, start, new_executor, recorder, keyboard
+    env, sim, arm, scenes: list[Scene], scene: Scene, start, new_executor, recorder, stop
 ) -> list[dict]:
     """An episode per scene, each from the start pose, until one ends other than by its clock
-    (a stop, a fault): their summaries. ``scene`` takes each episode's goal for the policy."""
-    from embodied.robots.control import EmergencyStop
-
+    (a stop, a fault) or ``stop`` (an EmergencyStop) comes between two: their summaries.
+    ``scene`` takes each episode's goal for the policy."""
     episode_summaries = []
-    with EmergencyStop(keyboard=keyboard) as stop:
-        for ep, episode_scene in enumerate(scenes):
-            scene.goal = episode_scene.goal
-            if not _begin(env, sim, episode_scene, start, arm.control_hz):
-                raise DeployError(f"episode {ep}: the arm did not reach its start pose")
-            executor = new_executor()
-            result = _episode(env, executor, stop, arm)
-            saved = recorder.finish(result) if recorder else None
-            judged = env.judge is not None
-            episode_summaries.append(
-                _episode_summary(result, executor, saved, episode_scene, judged=judged)
-            )
-            log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
-            if result.reason != "done":
-                break
+    for ep, episode_scene in enumerate(scenes):
+        scene.goal = episode_scene.goal
+        began = not stop.is_set() and _begin(env, sim, episode_scene, start, stop, arm)
+        if stop.is_set():
+            log.warning("emergency stop (%s) before episode %d", stop.reason, ep)
+            break
+        if not began:
+            raise DeployError(f"episode {ep}: the arm did not reach its start pose")
+        executor = new_executor()
+        result = _episode(env, executor, stop, arm)
+        saved = recorder.finish(result) if recorder else None
+        judged = env.judge is not None
+        episode_summaries.append(
+            _episode_summary(result, executor, saved, episode_scene, judged=judged)
+        )
+        log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
+        if result.reason != "done":
+            break
     return episode_summaries
 
 
@@ -441,9 +334,10 @@ def _fit_rate(arm, spec: EnvSpec, hz: float | None, episode_seconds: float) -> N
     arm.validate()
 
 
-def _begin(env, sim, scene: Scene, start: np.ndarray | None, hz: float) -> bool:
-    """Before an episode: the arm to the start pose (rate-limited, through the safety layer),
-    then the twin's scene; the goal the policy is given. Whether the arm got there."""
+def _begin(env, sim, scene: Scene, start: np.ndarray | None, stop, arm) -> bool:
+    """Before an episode: the arm to the start pose (rate-limited, through the safety layer;
+    ``stop`` ends the move), then the twin's scene; the goal the policy is given. Whether the arm
+    got there."""
     from embodied.robots.control import ShutdownReport, move_to_pose
 
     if start is not None:
@@ -452,11 +346,12 @@ def _begin(env, sim, scene: Scene, start: np.ndarray | None, hz: float) -> bool:
             env,
             env.to_arm(start),
             report,
-            hz=hz,
+            hz=arm.control_hz,
             timeout_s=10.0,
             tolerance=0.05,
             clock=env.clock,
             what="move to the start pose",
+            stop=stop,
         )
         report.raise_first()
         if not arrived:

@@ -131,17 +131,32 @@ def connect(robot, cfg: ArmConfig) -> None:
     """Connect with the calibration LeRobot stored for this arm; never start an interactive one."""
     robot.connect(calibrate=False)
     if not robot.is_calibrated:
-        robot.disconnect()
         kind = (
             "koch_follower"
             if cfg.robot.startswith("koch")
             else f"{cfg.robot.removesuffix('-sim')}_follower"
         )
-        raise RobotError(
+        error = RobotError(
             f"{cfg.robot} on {cfg.port}: no matching calibration for id {cfg.id!r} (looked in "
             f"{robot.calibration_fpath}). Calibrate it once with LeRobot: `lerobot-calibrate "
             f"--robot.type={kind} --robot.port={cfg.port} --robot.id={cfg.id}`"
         )
+        release(robot, error)
+        raise error
+
+
+def release(robot, cause: BaseException) -> None:
+    """Torque off and disconnect an arm that was connected but never moved, where the run ends
+    before it began (``cause``). LeRobot's connect switches torque on and assumes the arm at rest,
+    so off is where it was. A failure here is noted on ``cause``, which stays the error."""
+    for what, undo in (
+        ("torque off", robot.bus.disable_torque),
+        ("disconnect", robot.disconnect),
+    ):
+        try:
+            undo()
+        except Exception as e:
+            cause.add_note(f"releasing the arm: {what} failed: {e!r}")
 
 
 def to_radians(values: dict[str, float], gripper_range: tuple[float, float]) -> np.ndarray:
@@ -303,6 +318,14 @@ class RobotEnv:
         return Observation(
             state=state, instruction=[self.cfg.instruction], images=images, privileged=privileged
         )
+
+    def read_joints(self) -> np.ndarray:
+        """The joints alone (radians [6], the arm's frame; also in ``self.present``), read from
+        the bus without the cameras: a camera that fails cannot stop a move to a pose."""
+        raw = self.robot.bus.sync_read("Present_Position")
+        self.present = to_radians({f"{m}.pos": v for m, v in raw.items()}, self.cfg.gripper_range)
+        self._last_t = self.clock.monotonic()
+        return self.present
 
     def reset(self, *, seed=None, env_ids=None) -> Observation:
         obs = self.observe()

@@ -175,9 +175,11 @@ class EmergencyStop:
         self.keyboard = sys.stdin.isatty() if keyboard is None else keyboard
 
     def trigger(self, reason: str) -> None:
-        if not self.event.is_set():
-            self.reason = reason
-            log.warning("emergency stop: %s", reason)
+        if self.event.is_set():  # a second Ctrl-C: the stop is under way, not to be cut short
+            log.warning("already stopping (%s): the arm goes to its safe pose", reason)
+            return
+        self.reason = reason
+        log.warning("emergency stop: %s", reason)
         self.event.set()
 
     def is_set(self) -> bool:
@@ -208,9 +210,8 @@ class EmergencyStop:
 class EpisodeResult:
     steps: int
     reason: str  # "done" | "estop" | "watchdog"
-    frames: list[dict] = field(
-        default_factory=list
-    )  # per step: t, state, action sent, interventions
+    # per step: t, the observation the action was taken at, the action sent, interventions
+    frames: list[dict] = field(default_factory=list)
     watchdog: Counter = field(default_factory=Counter)  # "hold" and "stop" events
     acted: int = 0  # steps that executed a policy action (the others held)
     timing: dict = field(default_factory=dict)
@@ -244,6 +245,7 @@ def run_episode(
         if estop.is_set():
             result.reason = "estop"
             break
+        seen = obs  # what this step's action is taken at: the frame keeps the two together
         action = executor.action(step, obs)
         now = clock.monotonic()
         if action is not None:
@@ -273,7 +275,7 @@ def run_episode(
             timer.wait()
             obs = env.observe()
             result.successes.append(env.judge is not None and env.judge())
-        result.frames.append({"t": now, "obs": obs, "sent": sent, "interventions": kinds})
+        result.frames.append({"t": now, "obs": seen, "sent": sent, "interventions": kinds})
         result.steps = step + 1
     result.timing = {
         **timer.stats(),
@@ -317,29 +319,41 @@ class ShutdownReport:
 
 def _step_toward(env, safe: np.ndarray, tolerance: float) -> bool:
     """One rate-limited command toward ``safe``; whether the arm is there (every joint within
-    ``tolerance``)."""
-    if env.safety.last is None:  # stopped before the first episode began: start from the arm
-        env.reset()
+    ``tolerance``). It reads the joints alone: a failing camera cannot stop the move."""
+    if env.safety.last is None:  # before the first episode began: start from the arm
+        env.safety.start(env.read_joints())
     last = env.safety.last.copy()
     try:
         env.hold(safe)
     except Exception:
         env.safety.last = last  # not sent: the next command is rate-limited from the last one sent
         raise
-    env.observe()
-    return bool(np.all(np.abs(env.present - safe) < tolerance))
+    return bool(np.all(np.abs(env.read_joints() - safe) < tolerance))
 
 
 def move_to_pose(
-    env, pose: np.ndarray, report: ShutdownReport, *, hz, timeout_s, tolerance, clock, what
+    env,
+    pose: np.ndarray,
+    report: ShutdownReport,
+    *,
+    hz,
+    timeout_s,
+    tolerance,
+    clock,
+    what,
+    stop: EmergencyStop | None = None,
 ) -> bool:
-    """Step toward ``pose`` (radians [6], the arm's frame) until the arm is there (True) or
-    ``timeout_s`` passes. A bus error costs its tick and is retried; MOVE_ERRORS_MAX in a row end
-    the move (False). ``what`` names the move in the report and the log."""
+    """Step toward ``pose`` (radians [6], the arm's frame) until the arm is there (True),
+    ``timeout_s`` passes or ``stop`` is set (False). A bus error costs its tick and is retried;
+    MOVE_ERRORS_MAX in a row end the move (False). ``what`` names the move in the report and the
+    log."""
     timer = RateTimer(hz, clock)
     t_end = clock.monotonic() + timeout_s
     errors_in_a_row = 0
     while clock.monotonic() < t_end:
+        if stop is not None and stop.is_set():
+            log.warning("the %s stopped: emergency stop (%s)", what, stop.reason)
+            return False
         try:
             if _step_toward(env, pose, tolerance):
                 return True

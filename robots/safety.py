@@ -81,8 +81,15 @@ class SafetyLayer:
         return float(np.linalg.norm(below + above))
 
     def _intervene(self, kind: str, detail: str) -> None:
+        """Count an intervention; log it at its 1st, 10th, 100th, ... time of its kind (a policy
+        pressing on a limit would otherwise log every step; the counts go to the summary). Rate
+        limits are how every move to a pose goes: debug only."""
         self.counts[kind] += 1
-        (log.info if kind == "rate_limit" else log.warning)("safety: %s (%s)", kind, detail)
+        count = self.counts[kind]
+        if kind == "rate_limit":
+            log.debug("safety: %s (%s)", kind, detail)
+        elif str(count).rstrip("0") == "1":  # 1, 10, 100, ...
+            log.warning("safety: %s (%s; %d so far)", kind, detail, count)
 
     def filter(self, command: np.ndarray) -> tuple[np.ndarray, list[str]]:
         """command: float [A] radians -> (the command to send, float64 [A]; interventions made)."""

@@ -258,7 +258,12 @@ class PolicyClient:
         except (OSError, InvalidHandshake) as e:  # refused, unreachable, timed out, not a server
             raise ConnectionError(f"policy server {url}: cannot connect ({e})") from None
         self.ws.send(pack({"type": "hello", "contract": contract}))
-        reply = unpack(self.ws.recv(timeout=timeout_s))
+        try:
+            reply = unpack(self.ws.recv(timeout=timeout_s))
+        except TimeoutError:
+            self.ws.close()
+            message = f"policy server {url}: no answer to the handshake within {timeout_s:g} s"
+            raise ConnectionError(message) from None
         if reply["type"] != "hello":
             self.ws.close()
             raise ConnectionRefusedError(f"policy server at {url} refused: {reply.get('error')}")

@@ -255,14 +255,19 @@ ALLOWED = {
         "embodied.train_config",
     },
     "embodied.deploy": {
-        "embodied.checkpoint",
         "embodied.dataset",
-        "embodied.demos",
+        "embodied.deploy_policy",
         "embodied.robots",
         "embodied.schema",
         "embodied.simulators",
         "embodied.twin",
         "embodied.video",
+    },
+    "embodied.deploy_policy": {
+        "embodied.checkpoint",
+        "embodied.demos",
+        "embodied.robots",
+        "embodied.schema",
     },
     "embodied.convert": {
         "embodied",

@@ -21,7 +21,7 @@ from embodied.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from embodied.deploy import contract
+from embodied.deploy_policy import contract
 from embodied.schema import ActionSpec, EnvSpec, ObsSpec
 
 

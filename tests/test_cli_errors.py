@@ -280,8 +280,20 @@ CASES = [
         ["deploy", CK, "--robot", "so101-sim", "--goal", "10,10,10"],
         ["--goal '10,10,10': outside the box", "y in [-0.45, 0.45], z in [0.0, 0.55] m"],
     ),
-    (["deploy", CK, "--robot", "so101", "--goal", "0.2,0,-0.1"], ["'0.2,0,-0.1': outside the box"]),
+    (
+        ["deploy", CK, "--robot", "so101", "--robot.port", "/dev/ttyACM0", "--goal", "0.2,0,-0.1"],
+        ["'0.2,0,-0.1': outside the box"],
+    ),
     (["deploy", CK, "--robot", "so101-sim", "--episode-seconds", "-1"], ["--episode-seconds"]),
+    (["deploy", CK, "--robot", "so101-sim", "--episode-seconds", "inf"], ["finite, got inf"]),
+    (["deploy", CK, "--robot", "so101-sim", "--hz", "inf"], ["--hz", "finite (Hz), got inf"]),
+    (
+        ["deploy", CK, "--robot", "so101-sim", "--robot.joint-offsets", "nan,0,0,0,0,0"],
+        ["--robot.joint-offsets 'nan,0,0,0,0,0'", "finite numbers"],
+    ),
+    # the robot and its port are checked before the checkpoint is read (none here)
+    (["deploy", f"{R}/nowhere", "--robot", "r2d2"], ["robot", "'r2d2'"]),
+    (["deploy", f"{R}/nowhere", "--robot", "so101"], ["robot.port"]),
     (["deploy", CK, "--robot", "so101-sim", "--server", "http://host:1"], ["'http://host:1'"]),
     (["deploy", CK, "--robot", "so101-sim", "--record", f"{R}/dataset"], ["--record", "dataset"]),
     (

@@ -19,6 +19,8 @@ from embodied.robots.control import (  # noqa: E402
     ChunkExecutor,
     EmergencyStop,
     RateTimer,
+    ShutdownReport,
+    move_to_pose,
     run_episode,
     safe_shutdown,
 )
@@ -224,3 +226,70 @@ def test_emergency_stop_by_key(monkeypatch):
         os.write(write_end, b"\n")  # Enter
         assert stop.event.wait(CEILING_S) and stop.reason == "key"
     os.close(write_end)
+
+
+def test_each_recorded_frame_holds_the_observation_its_action_was_taken_at(tmp_path):
+    """A frame pairs the action sent at a step with the observation the policy acted on at that
+    step (a dataset's state and action), not with the one read after the command."""
+    clock = FakeClock()
+    env, twin, port = twin_env(tmp_path, clock)
+    seen = []
+
+    def infer(obs):  # one fresh action a step, moving the pan joint, from this step's obs
+        seen.append(obs)
+        target = obs.state[0, :6].double().numpy().copy()
+        target[0] += 0.05
+        return target[None]
+
+    ex = ChunkExecutor(infer, request_when_left=0, wait_s=CEILING_S)
+    try:
+        with EmergencyStop(keyboard=False) as stop:
+            result = run_episode(env, ex, stop, hz=HZ, max_steps=6, clock=clock)
+    finally:
+        ex.close()
+        env.close()
+    assert result.acted == 6 and len(seen) == 6
+    assert all(f["obs"] is obs for f, obs in zip(result.frames, seen, strict=True))
+    pans = [f["obs"].state[0, 0].item() for f in result.frames]
+    assert all(b > a for a, b in zip(pans, pans[1:]))  # the arm moved between the frames
+
+
+class StoppingClock(FakeClock):
+    """A FakeClock that triggers ``stop`` in its ``nth`` sleep."""
+
+    def __init__(self, stop: EmergencyStop, nth: int):
+        super().__init__()
+        self.stop = stop
+        self.nth = nth
+
+    def sleep(self, seconds: float) -> None:
+        super().sleep(seconds)
+        if self.sleeps == self.nth:
+            self.stop.trigger("key")
+
+
+def test_the_emergency_stop_ends_a_move_to_a_pose_at_its_next_tick(tmp_path):
+    stop = EmergencyStop(keyboard=False)
+    clock = StoppingClock(stop, nth=5)
+    env, twin, port = twin_env(tmp_path, clock)
+    try:
+        env.reset()
+        far = env.safety.last.copy()
+        far[0] += 1.0  # a second's move at the rate limit: far more than 5 ticks
+        before = len(port.goal_writes())
+        report = ShutdownReport()
+        arrived = move_to_pose(
+            env,
+            far,
+            report,
+            hz=HZ,
+            timeout_s=10,
+            tolerance=0.05,
+            clock=clock,
+            what="move",
+            stop=stop,
+        )
+        assert not arrived and report.failures == []
+        assert len(port.goal_writes()) - before == 5  # a command a tick, none after the stop
+    finally:
+        env.close()

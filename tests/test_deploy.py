@@ -1,6 +1,7 @@
 """`embodied deploy` and `embodied serve` end to end on the digital twin."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -173,8 +174,8 @@ def test_a_policy_told_its_goal_needs_one_on_a_real_arm(checkpoints, capsys):
     )
     rc, err = deploy([*argv, "--goal", "0.2,0.1"], capsys)
     assert rc == 2 and err.strip() == (
-        "embodied: error: --goal '0.2,0.1': expected 3 comma-separated numbers, one per axis "
-        "(metres: x,y,z)"
+        "embodied: error: --goal '0.2,0.1': expected 3 comma-separated finite numbers, one per "
+        "axis (metres: x,y,z)"
     )
 
 
@@ -294,7 +295,7 @@ def test_a_pickcube_so100_policy_trained_in_maniskill_deploys_to_the_twin_unchan
         )
         == 0
     )
-    from embodied.deploy import load_deployable
+    from embodied.deploy_policy import load_deployable
 
     _, spec, _, _ = load_deployable(tmp_path / "so100" / "last")
     assert (
@@ -316,3 +317,98 @@ def test_a_goal_on_the_table_passes_the_reach_check_and_one_under_it_does_not():
     _check_reachable("0.25,0.03,0.001", (0.25, 0.03, 0.001))  # push's goal marker, on the table
     with pytest.raises(ValueError, match="outside the box"):
         _check_reachable("0.25,0.03,-0.001", (0.25, 0.03, -0.001))
+
+
+def test_a_stop_before_the_first_episode_and_a_second_signal_still_end_at_the_safe_pose(
+    checkpoints, capsys, monkeypatch, caplog
+):
+    """A stop that comes before any episode began ends the deploy with no episode; a Ctrl-C
+    while the arm goes to its safe pose does not cut that short (it used to raise
+    KeyboardInterrupt there, torque on, mid-move)."""
+    import embodied.deploy as deploy_module
+    import embodied.robots.control as control
+
+    shut_down = control.shut_down
+
+    def interrupted_shut_down(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)  # a second Ctrl-C as the shutdown begins
+        return shut_down(*args, **kwargs)
+
+    monkeypatch.setattr(deploy_module, "_warm_up", lambda *a: signal.raise_signal(signal.SIGUSR1))
+    monkeypatch.setattr(control, "shut_down", interrupted_shut_down)
+    caplog.set_level(logging.WARNING, logger="embodied.robots.control")
+    args = [checkpoints["state_only"], "--robot", "so101-sim", "--episodes", "3"]
+    rc, summary = deploy(args, capsys)
+    assert rc == 0, summary
+    assert summary["episodes"] == [] and summary["emergency_stop"] == "SIGUSR1"
+    assert summary["torque_off_at_safe_pose"] is True
+    assert "already stopping (SIGINT)" in caplog.text
+
+
+def test_an_arm_whose_limits_cannot_be_read_is_released_with_torque_off(
+    checkpoints, capsys, monkeypatch
+):
+    """An error between connecting and the safe shutdown's start (here the calibration's joint
+    limits) leaves the arm as LeRobot's connect found it: torque off, disconnected."""
+    import embodied.robots.arm as arm
+    import embodied.twin as twin
+
+    made = []
+    make_twin_robot = twin.make_twin_robot
+
+    def recorded(*args, **kwargs):
+        made.append(make_twin_robot(*args, **kwargs))
+        return made[-1]
+
+    def unreadable(robot, cfg, **overrides):
+        raise ValueError("calibration: range_min above range_max")
+
+    monkeypatch.setattr(twin, "make_twin_robot", recorded)
+    monkeypatch.setattr(arm, "default_safety", unreadable)
+    rc, err = deploy([checkpoints["state_only"], "--robot", "so101-sim"], capsys)
+    assert rc == 2 and "range_min above range_max" in err
+    robot, _, port = made[0]
+    assert not any(port.torque().values()) and not robot.is_connected
+
+
+def test_a_first_inference_that_fails_ends_the_deploy_before_the_arm_moves(
+    checkpoints, capsys, monkeypatch
+):
+    import embodied.deploy as deploy_module
+
+    def out_of_memory(policy, obs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(deploy_module, "policy_chunk", out_of_memory)
+    rc, err = deploy([checkpoints["state_only"], "--robot", "so101-sim"], capsys)
+    assert rc == 2
+    assert "the first inference failed, before the arm moved: out of memory" in err
+
+
+def test_joint_deltas_accumulate_as_the_simulator_clips_them():
+    """Each delta within the policy's bounds (0.1 rad), each target within the arm's range (the
+    first joint's top at 0.15): the third step moves back from where the arm is told to be, not
+    from an unclipped sum (which gave 0.3, 0.6, 0.5 for the first joint)."""
+    from types import SimpleNamespace as Namespace
+
+    from embodied.deploy_policy import accumulate
+
+    policy = Namespace(action=Namespace(low=(-0.1, -0.1), high=(0.1, 0.1)))
+    arm = Namespace(action=Namespace(low=(-1.0, -1.0), high=(0.15, 1.0)))
+    deltas = np.array([[0.3, 0.05], [0.3, 0.05], [-0.1, -0.3]])  # f64 [3, 2]
+    targets = accumulate(np.zeros(2), deltas, policy, arm)
+    np.testing.assert_allclose(targets, [[0.1, 0.05], [0.15, 0.1], [0.05, 0.0]], atol=1e-12)
+
+
+def test_an_arm_left_short_of_its_safe_pose_is_an_exit_code_not_a_quiet_field(
+    checkpoints, capsys, monkeypatch
+):
+    import embodied.robots.control as control
+
+    monkeypatch.setattr(control, "_move_to_safe_pose", lambda *a, **k: False)  # a timed-out move
+    args = [checkpoints["state_only"], "--robot", "so101-sim", "--episode-seconds", "0.3"]
+    rc = main(["deploy", *args])
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out[captured.out.index("{") :])
+    assert rc == 1 and summary["torque_off_at_safe_pose"] is False
+    assert "did not reach its safe pose: its torque stays on" in captured.err

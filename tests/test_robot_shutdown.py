@@ -181,3 +181,28 @@ def test_a_clean_shutdown_reports_torque_off_and_disconnects(tmp_path):
         env.close()
     assert shutdown.torque_off and shutdown.report.failures == []
     assert not any(port.torque().values()) and not env.robot.is_connected
+
+
+def test_a_camera_that_fails_after_the_episode_does_not_stop_the_shutdown(tmp_path, monkeypatch):
+    """The move to the safe pose reads the joints from the bus alone: a camera whose reads fail
+    (its thread dead, a stale frame) leaves the arm at the safe pose with torque off, as a
+    clean run does."""
+    env, twin, port = twin_env(tmp_path)
+    executor = holding_policy()
+
+    def camera_gone():
+        raise RuntimeError("camera read thread is not running")
+
+    shutdown = SafeShutdown(env, hz=HZ, timeout_s=15, clock=env.clock)
+    try:
+        with shutdown:
+            with EmergencyStop(keyboard=False) as stop:
+                run_episode(env, executor, stop, hz=HZ, max_steps=5, clock=env.clock)
+            monkeypatch.setattr(env.robot, "get_observation", camera_gone)
+    finally:
+        executor.close()
+        env.close()
+    assert shutdown.torque_off and shutdown.report.failures == []
+    safe = np.asarray(env.safety.cfg.safe_pose)
+    np.testing.assert_allclose(twin.joints()[:5], safe[:5], atol=0.06)
+    assert not any(port.torque().values()) and not env.robot.is_connected

@@ -24,6 +24,7 @@ from embodied.robots.arm import (
 from embodied.robots.kinematics import tool_point  # noqa: E402
 from embodied.robots.safety import SafetyLayer  # noqa: E402
 from embodied.robots.servo_port import (
+    FEETECH_STS,
     DynamixelPort,
     FeetechPort,
     attach,
@@ -212,13 +213,17 @@ def test_a_policy_frame_with_a_mirrored_pan_and_an_offset_elbow(tmp_path):
 def test_an_uncalibrated_arm_is_refused_with_the_calibration_command(tmp_path):
     cfg = ArmConfig(robot="so101", port="/dev/ttyFAKE0", id="nobody", calibration_dir=str(tmp_path))
     robot = make_robot(cfg)
-    attach(robot.bus, FeetechPort({i: (0, 4095) for i in range(1, 7)}))
+    port = FeetechPort({i: (0, 4095) for i in range(1, 7)})
+    attach(robot.bus, port)
     with pytest.raises(
         RobotError,
         match="lerobot-calibrate --robot.type=so101_follower --robot.port=/dev/ttyFAKE0 "
         "--robot.id=nobody",
     ):
         connect(robot, cfg)  # would prompt on stdin if it tried LeRobot's interactive calibration
+    # LeRobot's connect switched torque on (its configure ends so); the refusal switches it off
+    assert any(c.address == FEETECH_STS.torque[0] and c.value == 1 for c in port.log)
+    assert not any(port.torque().values()) and not robot.is_connected
 
 
 def test_koch_arm_on_dynamixel_servos_passes_the_contract_with_its_limits(tmp_path):
@@ -323,3 +328,23 @@ def test_moving_to_a_pose_makes_headway_where_the_straight_way_dips_out_of_the_b
     heights = [tool_point(layer.toward(home))[2] for _ in range(100)]
     np.testing.assert_allclose(layer.last, home, atol=1e-9)  # it arrived
     assert min(heights) >= floor - 1e-9  # never out of the box on the way
+
+
+def test_a_policy_pressing_on_a_limit_is_logged_at_its_1st_10th_and_100th_time(caplog):
+    """Every intervention is counted; the log names a kind at its 1st, 10th, 100th, ... time,
+    not every step (20-30 lines a second), and rate limits only at debug level."""
+    import logging
+
+    from embodied.robots.safety import SafetyConfig
+
+    layer = SafetyLayer(SafetyConfig(joint_low=(-3.0,) * 6, joint_high=(3.0,) * 6, max_step=0.2))
+    layer.start(np.zeros(6))
+    caplog.set_level(logging.INFO, logger="embodied.robots.safety")
+    pressing = np.array([3.5, 0.0, 0.0, 0.0, 0.0, 0.0])  # past the first joint's top
+    for _ in range(150):
+        layer.filter(pressing)
+    # 0.2 rad a step to the top (3.0): 14 steps cut short, the 15th lands on it without a cut
+    assert layer.counts["joint_limit"] == 150 and layer.counts["rate_limit"] == 14
+    assert layer.last[0] == 3.0
+    logged = [r.getMessage() for r in caplog.records]
+    assert [m.split("; ")[-1] for m in logged] == ["1 so far)", "10 so far)", "100 so far)"]

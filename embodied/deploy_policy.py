@@ -1,0 +1,179 @@
+"""What a deploy asks of a checkpoint, and how its policy's chunks become arm commands.
+
+A deployable checkpoint's policy reads only what an arm measures (joints, cameras) plus a goal its
+user may give; ``contract`` is what a policy server and its client must agree on; the wire format
+carries observations to a server; ``robot_infer`` turns a chunk into joint targets, joint deltas
+accumulated as the simulator the policy was trained in steps them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from embodied.schema import EnvSpec, Observation
+
+
+class DeployError(ValueError):
+    pass
+
+
+def load_deployable(checkpoint: str | Path):
+    """(policy in eval mode, its EnvSpec, contract dict, the config it was trained with) of a
+    checkpoint."""
+    from embodied.checkpoint import resolve_checkpoint
+    from embodied.demos import load_policy
+
+    path = resolve_checkpoint(checkpoint)
+    policy, train_cfg = load_policy(path)
+    spec = EnvSpec.from_dict(json.loads((path / "meta.json").read_text())["spec"])
+    return policy, spec, contract(spec, path), train_cfg
+
+
+def contract(spec: EnvSpec, path: Path) -> dict:
+    """What client and server must agree on. Normalization statistics live in the weights file, so
+    its digest versions them (with the TP shards' files of a megatron checkpoint); frozen weights
+    live in a file named by a digest of its content (meta.json's "frozen"), so that name
+    versions them."""
+    weights = hashlib.sha1((path / "model.safetensors").read_bytes())
+    for file in sorted(path.glob("model-tp*.safetensors")):  # (their weights, not Adam's state)
+        shard = load_file(str(file))
+        for name in sorted(k for k in shard if k.startswith("weight/")):
+            weights.update(name.encode())
+            weights.update(shard[name].contiguous().view(-1).view(torch.uint8).numpy())
+    frozen = json.loads((path / "meta.json").read_text()).get("frozen")
+    if frozen:  # older checkpoints, and models with nothing frozen, have none
+        weights.update(frozen.encode())
+    agreed = {
+        "action": spec.to_dict()["action"],
+        "state_names": list(spec.obs.state_names),
+        "cameras": [[c.name, c.height, c.width] for c in spec.obs.cameras],
+        "weights": weights.hexdigest()[:16],
+    }
+    return json.loads(json.dumps(agreed))  # lists, not tuples: as it arrives through msgpack
+
+
+GOAL = "goal_pos"  # the one privileged input an arm can have: a goal its user gives
+
+
+def check_fits(policy, spec: EnvSpec, cameras, *, known: frozenset[str] = frozenset()) -> None:
+    """Refuse a checkpoint that cannot act on an arm with these cameras (names) and these
+    privileged inputs (``known``: a goal its user gives; on the twin whatever its simulator
+    knows), naming every reason; it needs nothing connected, so it runs before anything is."""
+    from embodied.robots.arm import JOINTS, STATE_NAMES
+
+    problems = []
+    if tuple(spec.action.names) != JOINTS:
+        problems.append(f"actions {spec.action.names}, the arm has {JOINTS}")
+    if spec.action.space not in ("joint_pos", "joint_delta"):
+        problems.append(
+            f"action space {spec.action.space!r} (the arm takes joint_pos or joint_delta)"
+        )
+    missing = [n for n in spec.obs.state_names if n not in STATE_NAMES]
+    if missing:
+        problems.append(f"state columns {missing} that the arm does not measure")
+    need = set(privileged_inputs(policy, spec))
+    unknown = need - known - {GOAL}
+    if unknown:
+        problems.append(
+            f"simulator-only inputs {sorted(unknown)} (train with "
+            f"policy.use_privileged=false, or policy.privileged_keys=[{GOAL}])"
+        )
+    if GOAL in need and GOAL not in known:
+        problems.append(f"the input {GOAL} (give --goal X,Y,Z: metres in the arm's base frame)")
+    lacking = [c.name for c in spec.obs.cameras if c.name not in set(cameras)]
+    if lacking:
+        problems.append(f"cameras {lacking} (give --camera NAME=SOURCE for each)")
+    if problems:
+        raise DeployError("the checkpoint cannot drive this arm: " + "; ".join(problems))
+
+
+def privileged_inputs(policy, spec: EnvSpec) -> tuple[str, ...]:
+    """The privileged keys the policy reads (all of its spec's where it does not say)."""
+    return tuple(getattr(policy, "privileged_inputs", tuple(spec.obs.privileged)))
+
+
+def obs_to_wire(obs: Observation) -> dict:
+    return {
+        "state": obs.state[0].numpy(),
+        "images": {k: v[0].numpy() for k, v in obs.images.items()},
+        "instruction": obs.instruction[0],
+        "privileged": {k: v[0].numpy() for k, v in obs.privileged.items()},  # a given goal
+    }
+
+
+def wire_to_obs(msg: dict, spec: EnvSpec) -> Observation:
+    """A client's observation as a batch of one in the policy's column order."""
+    # np.array copies: arrays decoded from msgpack are read-only views of the message
+    state = torch.from_numpy(np.array(msg["state"], np.float32))[None]  # f32 [1, S]
+    images = {
+        k: torch.from_numpy(np.array(v, np.uint8))[None]
+        for k, v in (msg.get("images") or {}).items()
+    }
+    if state.shape[1] != spec.obs.state_dim or set(images) != {c.name for c in spec.obs.cameras}:
+        raise ValueError(
+            f"observation has {state.shape[1]} state columns and cameras {sorted(images)}; "
+            f"the policy needs {spec.obs.state_dim} and {[c.name for c in spec.obs.cameras]}"
+        )
+    privileged = {
+        k: torch.from_numpy(np.array(v, np.float32))[None]
+        for k, v in (msg.get("privileged") or {}).items()
+    }  # f32 [1, D] each
+    return Observation(
+        state=state,
+        instruction=[str(msg.get("instruction", ""))],
+        images=images,
+        privileged=privileged,
+    )
+
+
+def policy_chunk(policy, obs: Observation) -> np.ndarray:
+    """float32 [K, A] in the policy's own action space."""
+    with torch.no_grad():
+        return policy.act(obs, deterministic=True).actions[0].float().numpy()
+
+
+def select_columns(obs: Observation, spec: EnvSpec, robot_spec: EnvSpec) -> Observation:
+    cols = [robot_spec.obs.state_names.index(n) for n in spec.obs.state_names]
+    return Observation(
+        state=obs.state[:, cols],
+        instruction=obs.instruction,
+        images={c.name: obs.images[c.name] for c in spec.obs.cameras},
+        privileged=dict(obs.privileged),
+    )
+
+
+def robot_infer(chunk_of, spec: EnvSpec, env):
+    """obs -> float64 [K, 6] joint targets (radians, the policy's frame) for the control loop: the
+    policy's chunk, with deltas (joint_delta) accumulated from the last command the arm was sent."""
+
+    def infer(obs: Observation) -> np.ndarray:
+        base = env.to_policy(env.safety.last)  # read before inference: the chunk starts from here
+        chunk = np.asarray(chunk_of(select_columns(obs, spec, env.spec)), np.float64)
+        if spec.action.space != "joint_delta":
+            return chunk
+        return accumulate(base, chunk, spec, env.spec)
+
+    return infer
+
+
+def accumulate(base: np.ndarray, deltas: np.ndarray, spec: EnvSpec, arm: EnvSpec) -> np.ndarray:
+    """The targets (f64 [K, 6]) that joint deltas (f64 [K, 6]) lead to from ``base`` (f64 [6]),
+    as a simulator steps them: each delta within the policy's action bounds, each target within
+    the arm's joint range (``arm.action``'s bounds, the policy's frame). Summed unclipped, a
+    policy that pushes against a limit would build up a debt it must undo before moving back."""
+    step_low = np.asarray(spec.action.low, np.float64)  # f64 [6]
+    step_high = np.asarray(spec.action.high, np.float64)
+    joint_low = np.asarray(arm.action.low, np.float64)  # f64 [6]
+    joint_high = np.asarray(arm.action.high, np.float64)
+    targets = np.empty_like(deltas)  # f64 [K, 6]
+    target = np.asarray(base, np.float64)
+    for k, delta in enumerate(deltas):  # each step starts where the last one was clipped to
+        target = np.clip(target + np.clip(delta, step_low, step_high), joint_low, joint_high)
+        targets[k] = target
+    return targets
