@@ -296,6 +296,7 @@ class ShutdownReport:
 
     torque_off: bool = False
     failures: list[tuple[str, Exception]] = field(default_factory=list)
+    retried: set[str] = field(default_factory=set)  # moves that got there after their errors
 
     def failed(self, stage: str, error: Exception) -> None:
         log.error("safe shutdown: %s failed: %r", stage, error, exc_info=error)
@@ -310,16 +311,18 @@ class ShutdownReport:
             first.add_note(note)
 
     def raise_first(self) -> None:
-        """Raise the shutdown's first error (if any), every failure noted on it."""
-        if self.failures:
-            first = self.failures[0][1]
-            self.attach_to(first)
-            raise first
+        """Raise the first error (if any) of a stage that did not succeed in the end, every
+        failure noted on it. A move that got there after a retried bus error raises nothing."""
+        unsettled = [e for stage, e in self.failures if stage not in self.retried]
+        if unsettled:
+            self.attach_to(unsettled[0])
+            raise unsettled[0]
 
 
 def _step_toward(env, safe: np.ndarray, tolerance: float) -> bool:
-    """One rate-limited command toward ``safe``; whether the arm is there (every joint within
-    ``tolerance``). It reads the joints alone: a failing camera cannot stop the move."""
+    """One rate-limited command toward ``safe``; whether the arm is there (every joint but the
+    gripper within ``tolerance``: a gripper closed on an object cannot reach its value, and an
+    open one does not fall). It reads the joints alone: a failing camera cannot stop the move."""
     if env.safety.last is None:  # before the first episode began: start from the arm
         env.safety.start(env.read_joints())
     last = env.safety.last.copy()
@@ -328,7 +331,8 @@ def _step_toward(env, safe: np.ndarray, tolerance: float) -> bool:
     except Exception:
         env.safety.last = last  # not sent: the next command is rate-limited from the last one sent
         raise
-    return bool(np.all(np.abs(env.read_joints() - safe) < tolerance))
+    away = np.abs(env.read_joints() - safe)  # f64 [6]
+    return bool(np.all(np.delete(away, env.spec.action.gripper) < tolerance))
 
 
 def move_to_pose(
@@ -356,6 +360,7 @@ def move_to_pose(
             return False
         try:
             if _step_toward(env, pose, tolerance):
+                report.retried.add(what)  # (its errors, if any, were retried)
                 return True
             errors_in_a_row = 0
         except Exception as e:

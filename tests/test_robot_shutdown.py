@@ -206,3 +206,49 @@ def test_a_camera_that_fails_after_the_episode_does_not_stop_the_shutdown(tmp_pa
     safe = np.asarray(env.safety.cfg.safe_pose)
     np.testing.assert_allclose(twin.joints()[:5], safe[:5], atol=0.06)
     assert not any(port.torque().values()) and not env.robot.is_connected
+
+
+def shut_down_after(env, change) -> SafeShutdown:
+    """A clean 5-step episode, then ``change()`` (what goes wrong after it), then the shutdown."""
+    executor = holding_policy()
+    shutdown = SafeShutdown(env, hz=HZ, timeout_s=15, clock=env.clock)
+    try:
+        with shutdown:
+            with EmergencyStop(keyboard=False) as stop:
+                run_episode(env, executor, stop, hz=HZ, max_steps=5, clock=env.clock)
+            change()
+    finally:
+        executor.close()
+        env.close()
+    return shutdown
+
+
+def test_a_bus_error_retried_on_the_way_to_the_safe_pose_does_not_fail_a_clean_run(
+    tmp_path, monkeypatch
+):
+    env, twin, port = twin_env(tmp_path)
+    shutdown = shut_down_after(env, lambda: fail_goal_writes(monkeypatch, port, lambda k: k == 0))
+    assert shutdown.torque_off and not any(port.torque().values())  # there, and nothing raised
+    ((stage, error),) = shutdown.report.failures  # the error is still reported
+    assert stage == "move to the safe pose" and isinstance(error, ConnectionError)
+
+
+def test_a_gripper_held_open_by_an_object_still_ends_at_the_safe_pose_with_torque_off(
+    tmp_path, monkeypatch
+):
+    """The gripper cannot close on a held object: the arm's five joints decide the arrival."""
+    from embodied.robots.arm import GRIPPER
+
+    env, twin, port = twin_env(tmp_path)
+    read_joints = env.read_joints
+
+    def gripper_blocked_open():
+        joints = read_joints()
+        joints[GRIPPER] = 0.6  # radians: open, where an object stops it
+        return joints
+
+    shutdown = shut_down_after(
+        env, lambda: monkeypatch.setattr(env, "read_joints", gripper_blocked_open)
+    )
+    assert shutdown.torque_off and shutdown.report.failures == []
+    assert not any(port.torque().values())
