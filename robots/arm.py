@@ -336,15 +336,26 @@ class RobotEnv:
     def send(self, command: np.ndarray) -> np.ndarray:
         """Pass one joint command (radians [6]) through the safety layer to the driver; returns
         what was sent."""
+        before = self.safety.last.copy()
         safe, self.interventions = self.safety.filter(command)
-        self.robot.send_action(from_radians(safe, self.cfg.gripper_range))
+        self._write(safe, before)
         return safe
 
     def hold(self, pose: np.ndarray | None = None) -> np.ndarray:
         """Hold the last command, or take one rate-limited step toward ``pose``."""
-        safe = self.safety.last.copy() if pose is None else self.safety.toward(pose)
-        self.robot.send_action(from_radians(safe, self.cfg.gripper_range))
+        before = self.safety.last.copy()
+        safe = before.copy() if pose is None else self.safety.toward(pose)
+        self._write(safe, before)
         return safe
+
+    def _write(self, safe: np.ndarray, before: np.ndarray) -> None:
+        """``safe`` to the driver. Where the write fails, the safety layer's last command is
+        ``before`` again: the next one is rate-limited from what the arm was last sent."""
+        try:
+            self.robot.send_action(from_radians(safe, self.cfg.gripper_range))
+        except Exception:
+            self.safety.last = before
+            raise
 
     def step(self, actions: torch.Tensor, settle: Callable[[], None] | None = None) -> StepOutput:
         """actions: float32 [1, 6] joint positions, radians, in the policy's frame. ``settle``

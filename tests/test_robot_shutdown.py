@@ -252,3 +252,28 @@ def test_a_gripper_held_open_by_an_object_still_ends_at_the_safe_pose_with_torqu
     )
     assert shutdown.torque_off and shutdown.report.failures == []
     assert not any(port.torque().values())
+
+
+def test_after_a_failed_write_the_next_command_is_rate_limited_from_the_last_one_sent(
+    tmp_path, monkeypatch
+):
+    """A policy that heads for the safe pose (the shoulder 1.2 rad away: cut to the rate limit
+    each step); its 10th write fails. The shutdown goes on the same way, its first command a
+    rate-limited step from the 9th command, the last the arm was sent, not from the 10th, which
+    never reached it (two steps' worth)."""
+    env, twin, port = twin_env(tmp_path)
+    fail_goal_writes(monkeypatch, port, lambda k: k == FAILING_STEP)
+
+    def onward(obs):
+        return env.to_policy(np.asarray(env.safety.cfg.safe_pose))[None]
+
+    executor = ChunkExecutor(onward, request_when_left=0, wait_s=CEILING_S)
+    try:
+        with pytest.raises(ConnectionError):
+            with SafeShutdown(env, hz=HZ, timeout_s=15, clock=env.clock):
+                with EmergencyStop(keyboard=False) as stop:
+                    run_episode(env, executor, stop, hz=HZ, max_steps=50, clock=env.clock)
+    finally:
+        executor.close()
+        env.close()
+    assert largest_goal_jump(port) <= env.safety.cfg.max_step + 1e-3
