@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -128,8 +129,15 @@ def make_robot(cfg: ArmConfig):
 
 
 def connect(robot, cfg: ArmConfig) -> None:
-    """Connect with the calibration LeRobot stored for this arm; never start an interactive one."""
-    robot.connect(calibrate=False)
+    """Connect with the calibration LeRobot stored for this arm; never start an interactive one.
+    What fails to connect (a camera that cannot open at its settings, a port that is not the
+    arm's) is a RobotError, what did connect released."""
+    try:
+        robot.connect(calibrate=False)
+    except Exception as e:
+        error = RobotError(f"{cfg.robot} on {cfg.port or 'the twin'}: cannot connect: {e}")
+        release(robot, error)
+        raise error from e
     if not robot.is_calibrated:
         kind = (
             "koch_follower"
@@ -146,15 +154,20 @@ def connect(robot, cfg: ArmConfig) -> None:
 
 
 def release(robot, cause: BaseException) -> None:
-    """Torque off and disconnect an arm that was connected but never moved, where the run ends
+    """Torque off and disconnect what of an arm was connected but never moved, where the run ends
     before it began (``cause``). LeRobot's connect switches torque on and assumes the arm at rest,
     so off is where it was. A failure here is noted on ``cause``, which stays the error."""
-    for what, undo in (
-        ("torque off", robot.bus.disable_torque),
-        ("disconnect", robot.disconnect),
-    ):
+    bus = robot.bus
+    undo = []  # (what, how)
+    if bus.is_connected:
+        undo.append(("torque off", bus.disable_torque))
+        undo.append(("disconnect", partial(bus.disconnect, disable_torque=False)))
+    for name, camera in robot.cameras.items():
+        if camera.is_connected:
+            undo.append((f"camera {name}: disconnect", camera.disconnect))
+    for what, how in undo:
         try:
-            undo()
+            how()
         except Exception as e:
             cause.add_note(f"releasing the arm: {what} failed: {e!r}")
 

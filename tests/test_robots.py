@@ -348,3 +348,22 @@ def test_a_policy_pressing_on_a_limit_is_logged_at_its_1st_10th_and_100th_time(c
     assert layer.last[0] == 3.0
     logged = [r.getMessage() for r in caplog.records]
     assert [m.split("; ")[-1] for m in logged] == ["1 so far)", "10 so far)", "100 so far)"]
+
+
+def test_a_camera_that_cannot_open_is_one_error_and_the_bus_is_released(tmp_path, monkeypatch):
+    """LeRobot connects the bus, then the cameras: a camera that cannot open at its settings is
+    a RobotError naming it, and the bus it left open is closed with torque off."""
+    from embodied.twin import make_twin_robot
+
+    cfg = ArmConfig(
+        robot="so101-sim", calibration_dir=str(tmp_path / "cal"), cameras={"wrist": "wrist"}
+    )
+    robot, twin, port = make_twin_robot(cfg)
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("wrist: failed to set 640x480 at 30 fps")
+
+    monkeypatch.setattr(robot.cameras["wrist"], "connect", unsupported)
+    with pytest.raises(RobotError, match="so101-sim on the twin: cannot connect: wrist: failed"):
+        connect(robot, cfg)
+    assert not robot.bus.is_connected and not any(port.torque().values())
