@@ -188,7 +188,8 @@ def run_deploy(
 
         client = PolicyClient(server, agreed)
     try:
-        scene = Scene(None)  # the episode's, for a goal its user gives (read each step)
+        # the episode's, for a goal its user gives (read at every inference, the warm-up's too)
+        scene = Scene(scenes[0].goal)
         env, sim = _robot_env(arm, train_cfg, spec, reads, scene, twin=twin)
         chunk_of = _chunk_source(policy, client)
         # safe pose, torque off there, disconnect: always, and a bus error in a step stays the

@@ -412,3 +412,26 @@ def test_an_arm_left_short_of_its_safe_pose_is_an_exit_code_not_a_quiet_field(
     summary = json.loads(captured.out[captured.out.index("{") :])
     assert rc == 1 and summary["torque_off_at_safe_pose"] is False
     assert "did not reach its safe pose: its torque stays on" in captured.err
+
+
+def test_a_goal_the_user_gives_reaches_the_policy_from_its_first_inference(
+    checkpoints, capsys, monkeypatch
+):
+    """On a real arm the policy's goal is the one given (``--goal``), read at every inference,
+    the one before the first move included. The twin here stands in for the arm, its scene not
+    read (as for a policy trained on another simulator)."""
+    import embodied.deploy as deploy_module
+
+    monkeypatch.setattr(deploy_module, "_sim_scene", lambda twin, train_cfg: False)
+    goals = []
+    policy_chunk = deploy_module.policy_chunk
+
+    def recorded(policy, obs):
+        goals.append(obs.privileged["goal_pos"][0].tolist())
+        return policy_chunk(policy, obs)
+
+    monkeypatch.setattr(deploy_module, "policy_chunk", recorded)
+    argv = [checkpoints["told_goal"], "--robot", "so101-sim", "--episode-seconds", "0.3"]
+    rc, summary = deploy([*argv, "--goal", "0.2,0.05,0.1"], capsys)
+    assert rc == 0, summary
+    assert len(goals) >= 2 and all(g == pytest.approx([0.2, 0.05, 0.1]) for g in goals)
