@@ -176,17 +176,9 @@ def run_deploy(
     policy, spec, agreed, train_cfg = load_deployable(checkpoint)
     _fit_rate(arm, spec, hz, episode_seconds)
     # what can refuse the run does so before the arm is touched: the policy's inputs, the server
-    known = frozenset([GOAL] if goal else [])
-    if _sim_scene(twin, train_cfg):
-        known = frozenset(spec.obs.privileged)
-    check_fits(policy, spec, arm.cameras, known=known)
-    reads = privileged_inputs(policy, spec)
+    reads = _inputs(policy, spec, arm, train_cfg, goal=goal, twin=twin)
     scenes = episode_scenes(train_cfg, goal, twin, episodes, seed)
-    client = None
-    if server:
-        from embodied.robots.server import PolicyClient
-
-        client = PolicyClient(server, agreed)
+    client = _client(server, agreed)
     try:
         # the episode's, for a goal its user gives (read at every inference, the warm-up's too)
         scene = Scene(scenes[0].goal)
@@ -204,9 +196,7 @@ def run_deploy(
                 blend_steps=blend_steps,
                 wait_s=0.5 / arm.control_hz,  # up to half a period for a late chunk
             )
-            recorder = None
-            if record:
-                recorder = EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot)
+            recorder = _recorder(record, arm, env)
             start = start_pose(train_cfg)
             episode_summaries = _run_episodes(
                 env, sim, arm, scenes, scene, start, new_executor, recorder, stop
@@ -215,6 +205,16 @@ def run_deploy(
         if client is not None:
             client.close()
     return _summary(episode_summaries, arm, env, sd, stop)
+
+
+def _inputs(policy, spec: EnvSpec, arm, train_cfg, *, goal, twin: bool) -> tuple[str, ...]:
+    """The privileged inputs the policy reads; refused where the arm cannot give them: a real arm
+    knows only a goal its user gives, the twin of a MuJoCo task all its simulator knows."""
+    known = frozenset([GOAL] if goal else [])
+    if _sim_scene(twin, train_cfg):
+        known = frozenset(spec.obs.privileged)
+    check_fits(policy, spec, arm.cameras, known=known)
+    return privileged_inputs(policy, spec)
 
 
 def _warm_up(chunk_of, spec: EnvSpec, env) -> None:
@@ -228,6 +228,22 @@ def _warm_up(chunk_of, spec: EnvSpec, env) -> None:
     except Exception as e:
         raise DeployError(f"the first inference failed, before the arm moved: {e}") from e
     log.info("first inference: %.2f s (before the episodes)", time.monotonic() - t0)
+
+
+def _recorder(record: str | None, arm, env) -> EpisodeRecorder | None:
+    """Where each episode is written as it ends (``--record``), if anywhere."""
+    if not record:
+        return None
+    return EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot)
+
+
+def _client(server: str | None, agreed: dict):
+    """The policy server's client (None without a server), its contract agreed."""
+    if not server:
+        return None
+    from embodied.robots.server import PolicyClient
+
+    return PolicyClient(server, agreed)
 
 
 def _chunk_source(policy, client):
