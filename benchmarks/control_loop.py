@@ -55,8 +55,9 @@ def _chunk(policy, obs, K: int = 8) -> np.ndarray:
 
 def run(hz: float, remote: bool, seconds: float, camera: bool) -> dict:
     from embodied.deploy_policy import obs_to_wire, wire_to_obs
-    from embodied.robots.control import ChunkExecutor, EmergencyStop, run_episode, safe_shutdown
+    from embodied.robots.control import ChunkExecutor, EmergencyStop, run_episode
     from embodied.robots.server import PolicyClient, PolicyServer
+    from embodied.robots.shutdown import safe_shutdown
 
     env, twin, policy = _setup(camera, hz)
     server = client = None

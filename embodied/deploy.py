@@ -166,7 +166,8 @@ def run_deploy(
     ``episode_seconds``, at ``hz`` (None: the rate the policy was trained at). Each episode starts
     at the policy's start pose (MuJoCo-trained policies); on the twin the task's scene is set up
     for it and its success judged."""
-    from embodied.robots.control import ChunkExecutor, EmergencyStop, SafeShutdown
+    from embodied.robots.control import ChunkExecutor, EmergencyStop
+    from embodied.robots.shutdown import SafeShutdown
 
     twin = arm.robot.endswith("-sim")
     if twin:  # (before a large checkpoint is read)
@@ -355,7 +356,7 @@ def _begin(env, sim, scene: Scene, start: np.ndarray | None, stop, arm) -> bool:
     """Before an episode: the arm to the start pose (rate-limited, through the safety layer;
     ``stop`` ends the move), then the twin's scene; the goal the policy is given. Whether the arm
     got there."""
-    from embodied.robots.control import ShutdownReport, move_to_pose
+    from embodied.robots.shutdown import ShutdownReport, move_to_pose
 
     if start is not None:
         report = ShutdownReport()

@@ -1,5 +1,5 @@
 """The control loop: a fixed rate, action chunks executed one step at a time with the next chunk
-inferred in the background, the watchdog, the emergency stop and the shutdown to a safe pose.
+inferred in the background, the watchdog and the emergency stop.
 
 Timing: ``RateTimer`` keeps absolute deadlines (no drift) and records how late each tick was.
 Every deadline, the watchdog and the shutdown's time limit read one ``Clock``: the ``time`` module
@@ -9,9 +9,7 @@ one remain, so inference overlaps execution; a chunk inferred from the observati
 covers steps s, s+1, ...: the steps that passed while it was computed are dropped, and the first
 ``blend_steps`` of the rest are blended linearly with what the old chunk planned for them instead
 of jumping at the seam.
-Shutdown: ``SafeShutdown`` wraps the episodes and always ends them at the safe pose, torque off,
-disconnected, each stage guarded; a control step's error (a bus error) is what the caller sees,
-the shutdown's own errors logged and noted on it, never in its place.
+The shutdown to the safe pose that ends every deploy is robots/shutdown.py.
 """
 
 from __future__ import annotations
@@ -223,6 +221,34 @@ class EpisodeResult:
         return any(self.successes)
 
 
+class Watchdog:
+    """How long since the last fresh action: past ``hold_after_s`` the arm holds its last command,
+    past ``stop_after_s`` the episode stops; each counted in ``events`` ("hold", "stop")."""
+
+    def __init__(self, cfg, now: float, events: Counter):
+        self.cfg = cfg  # SafetyConfig
+        self.last_fresh = now
+        self.events = events
+        self.holding = False
+
+    def fresh(self, now: float) -> None:
+        self.last_fresh = now
+        self.holding = False
+
+    def stops(self, now: float) -> bool:
+        """Without a fresh action at ``now``: whether the episode stops (else it holds on)."""
+        stale = now - self.last_fresh
+        if stale > self.cfg.stop_after_s:
+            self.events["stop"] += 1
+            log.warning("watchdog: no action for %.2f s: stopping", stale)
+            return True
+        if stale > self.cfg.hold_after_s and not self.holding:
+            self.events["hold"] += 1
+            self.holding = True
+            log.warning("watchdog: no action for %.2f s: holding position", stale)
+        return False
+
+
 def run_episode(
     env,
     executor: ChunkExecutor,
@@ -235,12 +261,10 @@ def run_episode(
     """Drive ``env`` (a RobotEnv) at ``hz`` for up to ``max_steps`` steps. Without a fresh action
     for ``hold_after_s`` the arm holds its last command; after ``stop_after_s`` the episode ends
     with reason "watchdog" (the caller then shuts down to the safe pose)."""
-    cfg = env.safety.cfg
     obs = env.reset()
     timer = RateTimer(hz, clock)
     result = EpisodeResult(0, "done")
-    last_fresh = clock.monotonic()
-    holding = False
+    watchdog = Watchdog(env.safety.cfg, clock.monotonic(), result.watchdog)
     for step in range(max_steps):
         if estop.is_set():
             result.reason = "estop"
@@ -249,240 +273,36 @@ def run_episode(
         action = executor.action(step, obs)
         now = clock.monotonic()
         if action is not None:
-            last_fresh = now
-            holding = False
+            watchdog.fresh(now)
             result.acted += 1
-            command = torch.from_numpy(np.asarray(action, np.float32))[None]  # f32 [1, 6]
-            # read a period after the command: what the policy was trained to see next
-            out = env.step(command, settle=timer.wait)
-            obs = out.obs
-            sent = out.info["sent"]
-            kinds = out.info["interventions"]
-            result.successes.append(bool(out.success[0]))
+            obs, sent, kinds, success = _act(env, action, timer)
+        elif watchdog.stops(now):
+            result.reason = "watchdog"
+            break
         else:
-            stale = now - last_fresh
-            if stale > cfg.stop_after_s:
-                result.watchdog["stop"] += 1
-                result.reason = "watchdog"
-                log.warning("watchdog: no action for %.2f s: stopping", stale)
-                break
-            if stale > cfg.hold_after_s and not holding:
-                result.watchdog["hold"] += 1
-                holding = True
-                log.warning("watchdog: no action for %.2f s: holding position", stale)
-            sent = env.to_policy(env.hold())
-            kinds = ["watchdog_hold"] if holding else []
-            timer.wait()
-            obs = env.observe()
-            result.successes.append(env.judge is not None and env.judge())
+            obs, sent, kinds, success = _hold(env, timer, watchdog.holding)
+        result.successes.append(success)
         result.frames.append({"t": now, "obs": seen, "sent": sent, "interventions": kinds})
         result.steps = step + 1
-    result.timing = {
-        **timer.stats(),
-        "inference_ms_p50": float(np.median(executor.latencies) * 1e3)
-        if executor.latencies
-        else None,
-    }
+    latencies = executor.latencies
+    median_ms = float(np.median(latencies) * 1e3) if latencies else None
+    result.timing = {**timer.stats(), "inference_ms_p50": median_ms}
     return result
 
 
-MOVE_ERRORS_MAX = 3  # consecutive bus errors that end the move to the safe pose
+def _act(env, action: np.ndarray, timer: RateTimer) -> tuple:
+    """Send ``action`` and read the arm a period later (what the policy was trained to see
+    next): (observation, what was sent, interventions, the judge's success)."""
+    command = torch.from_numpy(np.asarray(action, np.float32))[None]  # f32 [1, 6]
+    out = env.step(command, settle=timer.wait)
+    return out.obs, out.info["sent"], out.info["interventions"], bool(out.success[0])
 
 
-@dataclass
-class ShutdownReport:
-    """What a shutdown did: whether torque went off at the safe pose, and the errors of its
-    stages in order, as (stage, error); each was logged when it happened."""
-
-    torque_off: bool = False
-    failures: list[tuple[str, Exception]] = field(default_factory=list)
-    retried: set[str] = field(default_factory=set)  # moves that got there after their errors
-
-    def failed(self, stage: str, error: Exception) -> None:
-        log.error("safe shutdown: %s failed: %r", stage, error, exc_info=error)
-        self.failures.append((stage, error))
-
-    def notes(self) -> list[str]:
-        return [f"safe shutdown: {stage} failed: {e!r}" for stage, e in self.failures]
-
-    def attach_to(self, first: BaseException) -> None:
-        """Note each error of the shutdown on ``first``, the error that came before them."""
-        for note in self.notes():
-            first.add_note(note)
-
-    def raise_first(self) -> None:
-        """Raise the first error (if any) of a stage that did not succeed in the end, every
-        failure noted on it. A move that got there after a retried bus error raises nothing."""
-        unsettled = [e for stage, e in self.failures if stage not in self.retried]
-        if unsettled:
-            self.attach_to(unsettled[0])
-            raise unsettled[0]
-
-
-def _step_toward(env, safe: np.ndarray, tolerance: float) -> bool:
-    """One rate-limited command toward ``safe``; whether the arm is there (every joint but the
-    gripper within ``tolerance``: a gripper closed on an object cannot reach its value, and an
-    open one does not fall). It reads the joints alone: a failing camera cannot stop the move."""
-    if env.safety.last is None:  # before the first episode began: start from the arm
-        env.safety.start(env.read_joints())
-    env.hold(safe)  # (where it fails, the next is rate-limited from the last command sent)
-    away = np.abs(env.read_joints() - safe)  # f64 [6]
-    return bool(np.all(np.delete(away, env.spec.action.gripper) < tolerance))
-
-
-def move_to_pose(
-    env,
-    pose: np.ndarray,
-    report: ShutdownReport,
-    *,
-    hz,
-    timeout_s,
-    tolerance,
-    clock,
-    what,
-    stop: EmergencyStop | None = None,
-) -> bool:
-    """Step toward ``pose`` (radians [6], the arm's frame) until the arm is there (True),
-    ``timeout_s`` passes or ``stop`` is set (False). A bus error costs its tick and is retried;
-    MOVE_ERRORS_MAX in a row end the move (False). ``what`` names the move in the report and the
-    log."""
-    timer = RateTimer(hz, clock)
-    t_end = clock.monotonic() + timeout_s
-    errors_in_a_row = 0
-    while clock.monotonic() < t_end:
-        if stop is not None and stop.is_set():
-            log.warning("the %s stopped: emergency stop (%s)", what, stop.reason)
-            return False
-        try:
-            if _step_toward(env, pose, tolerance):
-                report.retried.add(what)  # (its errors, if any, were retried)
-                return True
-            errors_in_a_row = 0
-        except Exception as e:
-            report.failed(what, e)
-            errors_in_a_row += 1
-            if errors_in_a_row == MOVE_ERRORS_MAX:
-                log.error("the bus keeps failing during the %s: holding the last command", what)
-                return False
-        timer.wait()
-    log.error("the %s did not arrive within %.0f s: holding position", what, timeout_s)
-    return False
-
-
-def _move_to_safe_pose(env, report: ShutdownReport, *, hz, timeout_s, tolerance, clock) -> bool:
-    """Step toward the safe pose until the arm is there (True) or ``timeout_s`` passes; torque
-    stays on where it is not reached."""
-    safe = np.asarray(env.safety.cfg.safe_pose, float)
-    arrived = move_to_pose(
-        env,
-        safe,
-        report,
-        hz=hz,
-        timeout_s=timeout_s,
-        tolerance=tolerance,
-        clock=clock,
-        what="move to the safe pose",
-    )
-    if not arrived:
-        log.error("not at the safe pose: torque stays on")
-    return arrived
-
-
-def _torque_off(env, report: ShutdownReport) -> None:
-    try:
-        env.robot.bus.disable_torque()
-    except Exception as e:
-        report.failed("torque off", e)
-        return
-    report.torque_off = True
-    log.info("at the safe pose: torque off")
-
-
-def _disconnect(env, report: ShutdownReport) -> None:
-    try:
-        env.close()
-    except Exception as e:
-        report.failed("disconnect", e)
-
-
-def shut_down(
-    env,
-    *,
-    hz: float,
-    timeout_s: float = 10.0,
-    tolerance: float = 0.05,
-    disconnect: bool = True,
-    clock: Clock = time,
-) -> ShutdownReport:
-    """Move to the safe pose (rate-limited, inside the workspace), switch torque off there and
-    disconnect. Every stage runs guarded: its errors are logged and reported, never raised. Torque
-    goes off only at the safe pose (elsewhere the arm would drop: it stays on, holding); the
-    disconnect is tried whatever happened before it (the servos keep holding their last goal)."""
-    report = ShutdownReport()
-    at_safe_pose = _move_to_safe_pose(
-        env, report, hz=hz, timeout_s=timeout_s, tolerance=tolerance, clock=clock
-    )
-    if at_safe_pose:
-        _torque_off(env, report)
-    if disconnect:
-        _disconnect(env, report)
-    return report
-
-
-def safe_shutdown(
-    env, *, hz: float, timeout_s: float = 10.0, tolerance: float = 0.05, clock: Clock = time
-) -> bool:
-    """``shut_down`` without the disconnect; returns whether torque was switched off, or raises
-    the first error of its stages (the later ones noted on it)."""
-    report = shut_down(
-        env, hz=hz, timeout_s=timeout_s, tolerance=tolerance, disconnect=False, clock=clock
-    )
-    report.raise_first()
-    return report.torque_off
-
-
-class SafeShutdown:
-    """``with SafeShutdown(env, hz=...) as shutdown:`` runs the body (the episodes), then always
-    ``shut_down`` (safe pose, torque off, disconnect), whether the body raised or not. The body's
-    error (a bus error in a control step) propagates unchanged, the shutdown's errors noted on it,
-    never in its place; without one, the shutdown's first error is raised. Afterwards
-    ``shutdown.torque_off`` says whether torque went off at the safe pose."""
-
-    def __init__(
-        self,
-        env,
-        *,
-        hz: float,
-        timeout_s: float = 10.0,
-        tolerance: float = 0.05,
-        clock: Clock = time,
-    ):
-        self.env = env
-        self.hz = hz
-        self.timeout_s = timeout_s
-        self.tolerance = tolerance
-        self.clock = clock
-        self.report: ShutdownReport | None = None
-
-    @property
-    def torque_off(self) -> bool:
-        return self.report is not None and self.report.torque_off
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        if error is not None:
-            log.error("stopping on %r: shutting down to the safe pose", error)
-        self.report = shut_down(
-            self.env,
-            hz=self.hz,
-            timeout_s=self.timeout_s,
-            tolerance=self.tolerance,
-            clock=self.clock,
-        )
-        if error is None:
-            self.report.raise_first()
-        else:
-            self.report.attach_to(error)
-        return False  # the body's error, if any, goes on
+def _hold(env, timer: RateTimer, holding: bool) -> tuple:
+    """No action this step: hold the last command and read the arm a period later, as ``_act``
+    does (``holding``: the watchdog's hold, named among the interventions)."""
+    sent = env.to_policy(env.hold())
+    kinds = ["watchdog_hold"] if holding else []
+    timer.wait()
+    obs = env.observe()
+    return obs, sent, kinds, bool(env.judge is not None and env.judge())

@@ -19,13 +19,11 @@ from embodied.robots.control import (  # noqa: E402
     ChunkExecutor,
     EmergencyStop,
     RateTimer,
-    ShutdownReport,
-    move_to_pose,
     run_episode,
-    safe_shutdown,
 )
 from embodied.robots.safety import SafetyLayer  # noqa: E402
 from embodied.robots.servo_port import FEETECH_STS, ticks_to_rad  # noqa: E402
+from embodied.robots.shutdown import ShutdownReport, move_to_pose, safe_shutdown  # noqa: E402
 
 TORQUE_ENABLE = FEETECH_STS.torque[0]
 HZ = 30.0

@@ -326,16 +326,16 @@ def test_a_stop_before_the_first_episode_and_a_second_signal_still_end_at_the_sa
     while the arm goes to its safe pose does not cut that short (it used to raise
     KeyboardInterrupt there, torque on, mid-move)."""
     import embodied.deploy as deploy_module
-    import embodied.robots.control as control
+    import embodied.robots.shutdown as shutdown_module
 
-    shut_down = control.shut_down
+    shut_down = shutdown_module.shut_down
 
     def interrupted_shut_down(*args, **kwargs):
         signal.raise_signal(signal.SIGINT)  # a second Ctrl-C as the shutdown begins
         return shut_down(*args, **kwargs)
 
     monkeypatch.setattr(deploy_module, "_warm_up", lambda *a: signal.raise_signal(signal.SIGUSR1))
-    monkeypatch.setattr(control, "shut_down", interrupted_shut_down)
+    monkeypatch.setattr(shutdown_module, "shut_down", interrupted_shut_down)
     caplog.set_level(logging.WARNING, logger="embodied.robots.control")
     args = [checkpoints["state_only"], "--robot", "so101-sim", "--episodes", "3"]
     rc, summary = deploy(args, capsys)
@@ -403,9 +403,11 @@ def test_joint_deltas_accumulate_as_the_simulator_clips_them():
 def test_an_arm_left_short_of_its_safe_pose_is_an_exit_code_not_a_quiet_field(
     checkpoints, capsys, monkeypatch
 ):
-    import embodied.robots.control as control
+    import embodied.robots.shutdown as shutdown_module
 
-    monkeypatch.setattr(control, "_move_to_safe_pose", lambda *a, **k: False)  # a timed-out move
+    monkeypatch.setattr(
+        shutdown_module, "_move_to_safe_pose", lambda *a, **k: False
+    )  # a timed-out move
     args = [checkpoints["state_only"], "--robot", "so101-sim", "--episode-seconds", "0.3"]
     rc = main(["deploy", *args])
     captured = capsys.readouterr()

@@ -15,15 +15,10 @@ from clocks import CEILING_S, FakeClock
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 from embodied.robots.arm import ArmConfig, RobotEnv, connect, default_safety  # noqa: E402
-from embodied.robots.control import (  # noqa: E402
-    MOVE_ERRORS_MAX,
-    ChunkExecutor,
-    EmergencyStop,
-    SafeShutdown,
-    run_episode,
-)
+from embodied.robots.control import ChunkExecutor, EmergencyStop, run_episode  # noqa: E402
 from embodied.robots.safety import SafetyLayer  # noqa: E402
 from embodied.robots.servo_port import FEETECH_STS, INST_SYNC_WRITE, ticks_to_rad  # noqa: E402
+from embodied.robots.shutdown import MOVE_ERRORS_MAX, SafeShutdown  # noqa: E402
 
 HZ = 30.0
 FAILING_STEP = 10  # the control step whose goal write fails
@@ -108,7 +103,7 @@ def test_a_step_error_survives_a_shutdown_whose_move_fails_once(tmp_path, monkey
     fail_goal_writes(monkeypatch, port, lambda k: k in (FAILING_STEP, FAILING_STEP + 1))
     step_errors = record_errors(monkeypatch, env, "step")
     move_errors = record_errors(monkeypatch, env, "hold")  # only the shutdown holds here
-    caplog.set_level(logging.INFO, logger="embodied.robots.control")
+    caplog.set_level(logging.INFO, logger="embodied.robots.shutdown")
     try:
         with pytest.raises(ConnectionError) as raised:
             run_then_shut_down(env)
@@ -139,7 +134,7 @@ def test_a_dead_bus_keeps_the_torque_on_but_still_disconnects(tmp_path, monkeypa
     fail_goal_writes(monkeypatch, port, lambda k: k >= FAILING_STEP)
     step_errors = record_errors(monkeypatch, env, "step")
     move_errors = record_errors(monkeypatch, env, "hold")
-    caplog.set_level(logging.INFO, logger="embodied.robots.control")
+    caplog.set_level(logging.INFO, logger="embodied.robots.shutdown")
     try:
         with pytest.raises(ConnectionError) as raised:
             run_then_shut_down(env)
