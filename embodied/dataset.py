@@ -98,6 +98,36 @@ def _image_stats(frames: np.ndarray) -> dict:
     return {k: [[[v]] for v in vals] if k != "count" else [len(frames)] for k, vals in out.items()}
 
 
+def features(
+    cameras: dict[str, tuple[int, int]],
+    state_names: list[str],
+    action_names: list[str],
+    privileged: dict[str, int],
+) -> dict[str, dict]:
+    """info.json's features: each camera's frames, the state, the privileged keys' values, the
+    action, reward and success, and LeRobot's own columns."""
+    out = {
+        image_key(c): {
+            "dtype": "image",
+            "shape": [h, w, 3],
+            "names": ["height", "width", "channels"],
+        }
+        for c, (h, w) in cameras.items()
+    }
+    out["observation.state"] = {
+        "dtype": "float32",
+        "shape": [len(state_names)],
+        "names": list(state_names),
+    }
+    for key, size in privileged.items():
+        out[privileged_key(key)] = {"dtype": "float32", "shape": [size], "names": None}
+    out["action"] = {"dtype": "float32", "shape": [len(action_names)], "names": list(action_names)}
+    out["next.reward"] = {"dtype": "float32", "shape": [1], "names": None}
+    out["next.success"] = {"dtype": "bool", "shape": [1], "names": None}
+    out.update(DEFAULT_FEATURES)
+    return out
+
+
 class LeRobotWriter:
     """Append episodes, then ``close()`` to write the metadata. Not safe to resume: a crash leaves
     a directory without ``meta/info.json``, which ``DemoDataset`` refuses to read."""
@@ -120,40 +150,13 @@ class LeRobotWriter:
                 f"{self.root} already holds a dataset; choose another output directory"
             )
         self.root.mkdir(parents=True, exist_ok=True)
-        self.features = {
-            image_key(c): {
-                "dtype": "image",
-                "shape": [h, w, 3],
-                "names": ["height", "width", "channels"],
-            }
-            for c, (h, w) in cameras.items()
-        }
-        self.features["observation.state"] = {
-            "dtype": "float32",
-            "shape": [len(state_names)],
-            "names": list(state_names),
-        }
         self.privileged = dict(privileged or {})  # simulator-only keys stored per frame -> size
-        self.features.update(
-            {
-                privileged_key(k): {"dtype": "float32", "shape": [d], "names": None}
-                for k, d in self.privileged.items()
-            }
-        )
-        self.features["action"] = {
-            "dtype": "float32",
-            "shape": [len(action_names)],
-            "names": list(action_names),
-        }
-        self.features["next.reward"] = {"dtype": "float32", "shape": [1], "names": None}
-        self.features["next.success"] = {"dtype": "bool", "shape": [1], "names": None}
-        self.features.update(DEFAULT_FEATURES)
+        self.features = features(cameras, state_names, action_names, self.privileged)
         self.fps = fps
         self.robot_type = robot_type
         self.cameras = list(cameras)
-        self.source = (
-            source or {}
-        )  # where the data came from (simulator, task, expert), kept in info.json
+        # where the data came from (simulator, task, expert), kept in info.json
+        self.source = source or {}
         self.tasks: dict[str, int] = {}
         self.episodes: list[dict] = []
         self._buffer: list[dict] = []  # episodes not yet in a data file
