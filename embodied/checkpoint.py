@@ -121,11 +121,7 @@ def save_checkpoint(
         "rng": rng if rng is not None else rng_state(),
         "counters": counters,
     }
-    torch.save(trainer, tmp / STATE)
-    fsync(tmp / STATE)
-    (tmp / META).write_text(json.dumps({**meta, **sharded, "frozen": frozen_file}, indent=2))
-    fsync(tmp / META)
-    fsync(tmp)
+    _write_trainer_and_meta(tmp, trainer, {**meta, **sharded, "frozen": frozen_file})
     _move_in(tmp, final, run_dir)
     _point(run_dir / LAST, final)
     if keep is not None:
@@ -134,6 +130,15 @@ def save_checkpoint(
     _remove_leftovers(run_dir)
     _remove_unused_frozen(ckpts)
     return final
+
+
+def _write_trainer_and_meta(staging: Path, trainer: dict, meta: dict) -> None:
+    """trainer.pt and meta.json into the staging directory, each synced, then the directory."""
+    torch.save(trainer, staging / STATE)
+    fsync(staging / STATE)
+    (staging / META).write_text(json.dumps(meta, indent=2))
+    fsync(staging / META)
+    fsync(staging)
 
 
 def checkpoint_dir(run_dir: str | Path, iteration: int) -> Path:
