@@ -48,37 +48,57 @@ def compiling_for_cuda(folder: str | Path, archs: Sequence[int] = ARCHS) -> Iter
     call: Warp has no hook that names the modules a launch loads with the block size it loads
     them for."""
     warp, _ = require_warp()
-    from warp._src.context import launch as warp_launch  # noqa: PLC0415 (launch_tiled's too)
-
     cache = CudaCache(folder=Path(folder), archs=tuple(archs))
     cache.folder.mkdir(parents=True, exist_ok=True)
-    signature = inspect.signature(warp_launch)
-    seen: set[tuple[str, int, int]] = set()  # (module folder, block size, arch)
+    builder = _CudaBuilder(warp, cache)
     originals = {"launch": warp.launch, "launch_tiled": warp.launch_tiled}
+    warp.launch = builder.intercepting(originals["launch"])
+    warp.launch_tiled = builder.intercepting(originals["launch_tiled"])
+    try:
+        yield cache
+    finally:
+        warp.launch = originals["launch"]
+        warp.launch_tiled = originals["launch_tiled"]
 
-    def intercepting(launch):
+
+class _CudaBuilder:
+    """Compiles each module state a launch loads for CUDA, once per block size and arch, into
+    ``cache.folder``, and notes each in ``cache``."""
+
+    def __init__(self, warp, cache: CudaCache):
+        from warp._src.context import launch as warp_launch  # noqa: PLC0415 (launch_tiled's too)
+
+        self.warp = warp
+        self.cache = cache
+        self.signature = inspect.signature(warp_launch)
+        self.seen: set[tuple[str, int, int]] = set()  # (module folder, block size, arch)
+
+    def intercepting(self, launch):
+        """``launch``, then the compile of the module it launched, for the block size it asked."""
+
         def launch_and_compile(*args, **kwargs):
             result = launch(*args, **kwargs)
-            bound = signature.bind(*args, **kwargs)
+            bound = self.signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            compile_module(bound.arguments["kernel"].module, bound.arguments["block_dim"])
+            self.compile_module(bound.arguments["kernel"].module, bound.arguments["block_dim"])
             return result
 
         return launch_and_compile
 
-    def compile_module(module, block_dim: int) -> None:
+    def compile_module(self, module, block_dim: int) -> None:
         launched_at = module.options["block_dim"]  # 1 on Warp's CPU device
         module.options["block_dim"] = block_dim
         try:
             name = module.get_module_identifier()
-            for arch in cache.archs:
-                if (name, block_dim, arch) not in seen:
-                    seen.add((name, block_dim, arch))
-                    compile_for(module, name, f"{name} @ {block_dim} for sm_{arch}", arch)
+            for arch in self.cache.archs:
+                if (name, block_dim, arch) not in self.seen:
+                    self.seen.add((name, block_dim, arch))
+                    self.compile_for(module, name, f"{name} @ {block_dim} for sm_{arch}", arch)
         finally:
             module.options["block_dim"] = launched_at
 
-    def compile_for(module, name: str, entry: str, arch: int) -> None:
+    def compile_for(self, module, name: str, entry: str, arch: int) -> None:
+        cache = self.cache
         folder = cache.folder / name
         built = [folder / f"{name}.{suffix}" for suffix in (f"sm{arch}.cubin", "meta")]
         if all(path.exists() for path in built):
@@ -86,7 +106,7 @@ def compiling_for_cuda(folder: str | Path, archs: Sequence[int] = ARCHS) -> Iter
             return
         start = time.perf_counter()
         try:
-            warp.compile_aot_module(module, arch=arch, module_dir=folder, use_ptx=False)
+            self.warp.compile_aot_module(module, arch=arch, module_dir=folder, use_ptx=False)
         except Exception as error:  # (a miss costs the GPU the compile it would have done anyway)
             cache.failed.append(entry)
             print(f"warp_aot: {entry} not compiled: {error!r}", file=sys.stderr, flush=True)
@@ -94,11 +114,3 @@ def compiling_for_cuda(folder: str | Path, archs: Sequence[int] = ARCHS) -> Iter
         finally:
             cache.seconds += time.perf_counter() - start
         cache.compiled.append(entry)
-
-    warp.launch = intercepting(originals["launch"])
-    warp.launch_tiled = intercepting(originals["launch_tiled"])
-    try:
-        yield cache
-    finally:
-        warp.launch = originals["launch"]
-        warp.launch_tiled = originals["launch_tiled"]
