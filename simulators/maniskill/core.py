@@ -184,41 +184,45 @@ def _set_rng_states(env, rows: list[int], states: list[tuple]) -> None:
         episode[j].set_state(episode_state)
 
 
+def _make_env(opts: CoreOptions):
+    """The ManiSkill env for ``opts`` (its time limit and auto-reset are ours); on physx_cpu one
+    env per environment behind ``SerialEnvs``."""
+    import gymnasium as gym
+
+    ms_obs_mode = {"state": "state_dict", "rgb": "rgb", "rgb+state": "rgb+state_dict"}[
+        opts.obs_mode
+    ]
+    # enhanced_determinism: an unseeded (automatic) reset draws its episode from the env's own
+    # RNG, seeded by the last seeded reset; without it ManiSkill uses the process's global torch
+    # RNG, which differs between runs and between worker layouts
+    kwargs = dict(
+        num_envs=opts.num_envs,
+        obs_mode=ms_obs_mode,
+        reward_mode=opts.reward_mode,
+        sim_backend=opts.sim_backend,
+        render_mode="rgb_array",
+        human_render_camera_configs=dict(width=opts.render_size, height=opts.render_size),
+        enhanced_determinism=True,
+    )
+    if opts.control_mode:
+        kwargs["control_mode"] = opts.control_mode
+    if "rgb" in opts.obs_mode:
+        kwargs["sensor_configs"] = dict(width=opts.image_size, height=opts.image_size)
+    if opts.sim_backend == "physx_cpu":
+        kwargs["num_envs"] = 1
+        return SerialEnvs([gym.make(opts.task, **kwargs).unwrapped for _ in range(opts.num_envs)])
+    return gym.make(opts.task, **kwargs).unwrapped
+
+
 class ManiSkillCore:
     def __init__(self, opts: CoreOptions):
         check_assets(opts.task)
         # one warning per environment about the missing CUDA renderer drowns the progress output
         logging.getLogger("mani_skill").setLevel(logging.ERROR)
-        import gymnasium as gym
         from mani_skill.utils.registration import REGISTERED_ENVS
 
         self.opts = opts
-        ms_obs_mode = {"state": "state_dict", "rgb": "rgb", "rgb+state": "rgb+state_dict"}[
-            opts.obs_mode
-        ]
-        # enhanced_determinism: an unseeded (automatic) reset draws its episode from the env's own
-        # RNG, seeded by the last seeded reset; without it ManiSkill uses the process's global torch
-        # RNG, which differs between runs and between worker layouts
-        kwargs = dict(
-            num_envs=opts.num_envs,
-            obs_mode=ms_obs_mode,
-            reward_mode=opts.reward_mode,
-            sim_backend=opts.sim_backend,
-            render_mode="rgb_array",
-            human_render_camera_configs=dict(width=opts.render_size, height=opts.render_size),
-            enhanced_determinism=True,
-        )
-        if opts.control_mode:
-            kwargs["control_mode"] = opts.control_mode
-        if "rgb" in opts.obs_mode:
-            kwargs["sensor_configs"] = dict(width=opts.image_size, height=opts.image_size)
-        if opts.sim_backend == "physx_cpu":
-            kwargs["num_envs"] = 1
-            self.env = SerialEnvs(
-                [gym.make(opts.task, **kwargs).unwrapped for _ in range(opts.num_envs)]
-            )
-        else:
-            self.env = gym.make(opts.task, **kwargs).unwrapped  # time limit and auto-reset are ours
+        self.env = _make_env(opts)
         self.device = self.env.device
         self.max_episode_steps = (
             opts.max_episode_steps or REGISTERED_ENVS[opts.task].max_episode_steps
@@ -232,9 +236,8 @@ class ManiSkillCore:
             else None
         )
         self.action_spec, self._scale, self._offset = self._action_spec()
-        self._low, self._high = self.action_spec.bounds(
-            self.device
-        )  # cached: no per-step host->device copy
+        # cached: no per-step host->device copy
+        self._low, self._high = self.action_spec.bounds(self.device)
         self.elapsed = torch.zeros(opts.num_envs, dtype=torch.long, device=self.device)
         # the same counts on the host: with terminations ignored they alone decide which episodes
         # end, so a step on the GPU needs no synchronisation to find them
