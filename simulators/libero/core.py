@@ -76,13 +76,24 @@ class LiberoCore:
         ]
         self._cameras = CAMERAS if cameras else {}
         controller = self.envs[0].robots[0].controller
-        self._scale = np.asarray(
-            controller.output_max, dtype=np.float32
-        )  # f32 [6]: physical = normalized * scale
+        # f32 [6]: physical = normalized * scale
+        self._scale = np.asarray(controller.output_max, dtype=np.float32)
         self.instruction = task.language
+        self.spec = self._make_spec()
+        self._low = np.asarray(self.spec.action.low, dtype=np.float32)
+        self._high = np.asarray(self.spec.action.high, dtype=np.float32)
+        self._raw: list[dict] = [None] * num_envs  # each environment's latest robosuite observation
+        # draws the seeds of automatic resets
+        self._rngs = [np.random.default_rng(i) for i in range(num_envs)]
+        self._elapsed = np.zeros(num_envs, dtype=np.int64)
+        # every environment holds an episode from the start (render, subset resets)
+        for i in range(num_envs):
+            self._start(i, 0)
+
+    def _make_spec(self) -> EnvSpec:
         n_obj = int(self.envs[0].env._get_observations()["object-state"].shape[0])
-        hw = cfg.image_size
-        self.spec = EnvSpec(
+        hw = self.cfg.image_size
+        return EnvSpec(
             obs=ObsSpec(
                 cameras=tuple(CameraSpec(c, hw, hw) for c in self._cameras),
                 state_names=STATE_NAMES,
@@ -96,20 +107,9 @@ class LiberoCore:
                 gripper=6,
                 control_hz=float(self.envs[0].env.control_freq),
             ),
-            max_episode_steps=cfg.episode_steps,
-            instructions=(task.language,),
+            max_episode_steps=self.cfg.episode_steps,
+            instructions=(self.instruction,),
         )
-        self._low = np.asarray(self.spec.action.low, dtype=np.float32)
-        self._high = np.asarray(self.spec.action.high, dtype=np.float32)
-        self._raw: list[dict] = [None] * num_envs  # each environment's latest robosuite observation
-        self._rngs = [
-            np.random.default_rng(i) for i in range(num_envs)
-        ]  # draws the seeds of automatic resets
-        self._elapsed = np.zeros(num_envs, dtype=np.int64)
-        for i in range(
-            num_envs
-        ):  # every environment holds an episode from the start (render, subset resets)
-            self._start(i, 0)
 
     # --- observations -----------------------------------------------------------------------
     def _pack(self, ids) -> dict:
