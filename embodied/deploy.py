@@ -219,15 +219,15 @@ def _inputs(policy, spec: EnvSpec, arm, train_cfg, *, goal, twin: bool) -> tuple
 
 
 def _warm_up(chunk_of, spec: EnvSpec, env) -> None:
-    """One inference before the arm moves, its chunk unused: a policy's first call (lazy set-up,
-    a cold server) is not charged to the first episode's watchdog. An inference that fails here
-    ends the deploy before the first move."""
+    """One inference before the first episode, its chunk unused: a policy's first call (lazy
+    set-up, a cold server) is not charged to the first episode's watchdog. An inference that
+    fails here ends the deploy before any episode (the arm then goes to its safe pose)."""
     obs = env.observe()
     t0 = time.monotonic()
     try:
         chunk_of(select_columns(obs, spec, env.spec))
     except Exception as e:
-        raise DeployError(f"the first inference failed, before the arm moved: {e}") from e
+        raise DeployError(f"the first inference failed, before the first episode: {e}") from e
     log.info("first inference: %.2f s (before the episodes)", time.monotonic() - t0)
 
 

@@ -131,12 +131,17 @@ def make_robot(cfg: ArmConfig):
 def connect(robot, cfg: ArmConfig) -> None:
     """Connect with the calibration LeRobot stored for this arm; never start an interactive one.
     What fails to connect (a camera that cannot open at its settings, a port that is not the
-    arm's) is a RobotError, what did connect released."""
+    arm's) is a RobotError, what did connect closed, the torque left as the servos had it
+    (LeRobot opens the cameras before it configures the servos)."""
     try:
         robot.connect(calibrate=False)
-    except Exception as e:
-        error = RobotError(f"{cfg.robot} on {cfg.port or 'the twin'}: cannot connect: {e}")
-        release(robot, error)
+    except BaseException as e:  # (a Ctrl-C while the cameras open, too)
+        error = e
+        if isinstance(e, Exception):
+            error = RobotError(f"{cfg.robot} on {cfg.port or 'the twin'}: cannot connect: {e}")
+        release(robot, error, torque_off=False)
+        if error is e:
+            raise
         raise error from e
     if not robot.is_calibrated:
         kind = (
@@ -149,18 +154,20 @@ def connect(robot, cfg: ArmConfig) -> None:
             f"{robot.calibration_fpath}). Calibrate it once with LeRobot: `lerobot-calibrate "
             f"--robot.type={kind} --robot.port={cfg.port} --robot.id={cfg.id}`"
         )
-        release(robot, error)
+        release(robot, error)  # (torque off, as lerobot-calibrate, the next step, has it)
         raise error
 
 
-def release(robot, cause: BaseException) -> None:
-    """Torque off and disconnect what of an arm was connected but never moved, where the run ends
-    before it began (``cause``). LeRobot's connect switches torque on and assumes the arm at rest,
-    so off is where it was. A failure here is noted on ``cause``, which stays the error."""
+def release(robot, cause: BaseException, *, torque_off: bool = True) -> None:
+    """Disconnect what of an arm was connected but never moved, where the run ends before it
+    began (``cause``); first switch torque off if ``torque_off``, where LeRobot's connect switched
+    it on: its connect assumes the arm at rest (calibration switches torque off there too). A
+    failure here is noted on ``cause``, which stays the error."""
     bus = robot.bus
     undo = []  # (what, how)
     if bus.is_connected:
-        undo.append(("torque off", bus.disable_torque))
+        if torque_off:
+            undo.append(("torque off", bus.disable_torque))
         undo.append(("disconnect", partial(bus.disconnect, disable_torque=False)))
     for name, camera in robot.cameras.items():
         if camera.is_connected:

@@ -27,7 +27,7 @@ class ShutdownReport:
 
     torque_off: bool = False
     failures: list[tuple[str, Exception]] = field(default_factory=list)
-    retried: set[str] = field(default_factory=set)  # moves that got there after their errors
+    arrived: set[str] = field(default_factory=set)  # moves that got there (errors retried)
 
     def failed(self, stage: str, error: Exception) -> None:
         log.error("safe shutdown: %s failed: %r", stage, error, exc_info=error)
@@ -44,21 +44,26 @@ class ShutdownReport:
     def raise_first(self) -> None:
         """Raise the first error (if any) of a stage that did not succeed in the end, every
         failure noted on it. A move that got there after a retried bus error raises nothing."""
-        unsettled = [e for stage, e in self.failures if stage not in self.retried]
+        unsettled = [e for stage, e in self.failures if stage not in self.arrived]
         if unsettled:
             self.attach_to(unsettled[0])
             raise unsettled[0]
 
 
-def _step_toward(env, safe: np.ndarray, tolerance: float) -> bool:
-    """One rate-limited command toward ``safe``; whether the arm is there (every joint but the
-    gripper within ``tolerance``: a gripper closed on an object cannot reach its value, and an
-    open one does not fall). It reads the joints alone: a failing camera cannot stop the move."""
+def _step_toward(env, pose: np.ndarray, tolerance: float, gripper_may_block: bool) -> bool:
+    """One rate-limited command toward ``pose``; whether the arm is there: every joint within
+    ``tolerance``, or with ``gripper_may_block`` the gripper's command at its target instead (a
+    gripper closed on an object cannot reach its value, and an open one does not fall). It reads
+    the joints alone: a failing camera cannot stop the move."""
     if env.safety.last is None:  # before the first episode began: start from the arm
         env.safety.start(env.read_joints())
-    env.hold(safe)  # (where it fails, the next is rate-limited from the last command sent)
-    away = np.abs(env.read_joints() - safe)  # f64 [6]
-    return bool(np.all(np.delete(away, env.spec.action.gripper) < tolerance))
+    env.hold(pose)  # (where it fails, the next is rate-limited from the last command sent)
+    away = np.abs(env.read_joints() - pose)  # f64 [6]
+    if gripper_may_block:
+        gripper = env.spec.action.gripper
+        target = np.clip(pose[gripper], env.safety.low[gripper], env.safety.high[gripper])
+        away[gripper] = abs(env.safety.last[gripper] - target)  # the command, not the reading
+    return bool(np.all(away < tolerance))
 
 
 def move_to_pose(
@@ -72,11 +77,12 @@ def move_to_pose(
     clock,
     what,
     stop: EmergencyStop | None = None,
+    gripper_may_block: bool = False,
 ) -> bool:
     """Step toward ``pose`` (radians [6], the arm's frame) until the arm is there (True),
     ``timeout_s`` passes or ``stop`` is set (False). A bus error costs its tick and is retried;
     MOVE_ERRORS_MAX in a row end the move (False). ``what`` names the move in the report and the
-    log."""
+    log; ``gripper_may_block``: the gripper's arrival is its command's (``_step_toward``)."""
     timer = RateTimer(hz, clock)
     t_end = clock.monotonic() + timeout_s
     errors_in_a_row = 0
@@ -85,8 +91,8 @@ def move_to_pose(
             log.warning("the %s stopped: emergency stop (%s)", what, stop.reason)
             return False
         try:
-            if _step_toward(env, pose, tolerance):
-                report.retried.add(what)  # (its errors, if any, were retried)
+            if _step_toward(env, pose, tolerance, gripper_may_block):
+                report.arrived.add(what)
                 return True
             errors_in_a_row = 0
         except Exception as e:
@@ -113,6 +119,7 @@ def _move_to_safe_pose(env, report: ShutdownReport, *, hz, timeout_s, tolerance,
         tolerance=tolerance,
         clock=clock,
         what="move to the safe pose",
+        gripper_may_block=True,  # (the episode may end holding an object)
     )
     if not arrived:
         log.error("not at the safe pose: torque stays on")

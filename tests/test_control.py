@@ -291,3 +291,24 @@ def test_the_emergency_stop_ends_a_move_to_a_pose_at_its_next_tick(tmp_path):
         assert len(port.goal_writes()) - before == 5  # a command a tick, none after the stop
     finally:
         env.close()
+
+
+def test_a_move_to_a_start_pose_waits_for_the_gripper_to_get_there(tmp_path):
+    """Only the safe pose's move may leave a blocked gripper behind: a start pose is reached when
+    the gripper reads its value too (episodes start where training did)."""
+    from embodied.robots.arm import GRIPPER
+
+    clock = FakeClock()
+    env, twin, port = twin_env(tmp_path, clock)
+    try:
+        env.reset()
+        pose = env.safety.last.copy()
+        pose[GRIPPER] = env.safety.low[GRIPPER] + 0.05  # shut, from open: ~0.7 rad away
+        assert abs(env.present[GRIPPER] - pose[GRIPPER]) > 0.5
+        report = ShutdownReport()
+        arrived = move_to_pose(
+            env, pose, report, hz=HZ, timeout_s=10, tolerance=0.05, clock=clock, what="move"
+        )
+        assert arrived and abs(env.read_joints()[GRIPPER] - pose[GRIPPER]) < 0.05
+    finally:
+        env.close()

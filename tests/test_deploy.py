@@ -371,18 +371,22 @@ def test_an_arm_whose_limits_cannot_be_read_is_released_with_torque_off(
     assert not any(port.torque().values()) and not robot.is_connected
 
 
-def test_a_first_inference_that_fails_ends_the_deploy_before_the_arm_moves(
+def test_a_first_inference_that_fails_ends_the_deploy_before_the_first_episode(
     checkpoints, capsys, monkeypatch
 ):
+    """No episode begins (no move to its start pose, no step): the arm goes from where it was
+    connected straight to its safe pose."""
     import embodied.deploy as deploy_module
 
     def out_of_memory(policy, obs):
         raise RuntimeError("out of memory")
 
+    begun = []
     monkeypatch.setattr(deploy_module, "policy_chunk", out_of_memory)
+    monkeypatch.setattr(deploy_module, "_begin", lambda *args: begun.append(args))
     rc, err = deploy([checkpoints["state_only"], "--robot", "so101-sim"], capsys)
-    assert rc == 2
-    assert "the first inference failed, before the arm moved: out of memory" in err
+    assert rc == 2 and begun == []
+    assert "the first inference failed, before the first episode: out of memory" in err
 
 
 def test_joint_deltas_accumulate_as_the_simulator_clips_them():

@@ -352,7 +352,8 @@ def test_a_policy_pressing_on_a_limit_is_logged_at_its_1st_10th_and_100th_time(c
 
 def test_a_camera_that_cannot_open_is_one_error_and_the_bus_is_released(tmp_path, monkeypatch):
     """LeRobot connects the bus, then the cameras: a camera that cannot open at its settings is
-    a RobotError naming it, and the bus it left open is closed with torque off."""
+    a RobotError naming it, and the bus it left open is closed. The servos were not configured
+    yet: their torque stays as it was (here on: an arm a previous run left holding)."""
     from embodied.twin import make_twin_robot
 
     cfg = ArmConfig(
@@ -364,6 +365,25 @@ def test_a_camera_that_cannot_open_is_one_error_and_the_bus_is_released(tmp_path
         raise RuntimeError("wrist: failed to set 640x480 at 30 fps")
 
     monkeypatch.setattr(robot.cameras["wrist"], "connect", unsupported)
+    for servo in port.servos.values():
+        servo.set(*FEETECH_STS.torque, 1)
     with pytest.raises(RobotError, match="so101-sim on the twin: cannot connect: wrist: failed"):
         connect(robot, cfg)
-    assert not robot.bus.is_connected and not any(port.torque().values())
+    assert not robot.bus.is_connected and all(port.torque().values())
+
+
+def test_a_ctrl_c_while_the_cameras_open_still_closes_the_bus(tmp_path, monkeypatch):
+    from embodied.twin import make_twin_robot
+
+    cfg = ArmConfig(
+        robot="so101-sim", calibration_dir=str(tmp_path / "cal"), cameras={"wrist": "wrist"}
+    )
+    robot, twin, port = make_twin_robot(cfg)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(robot.cameras["wrist"], "connect", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        connect(robot, cfg)
+    assert not robot.bus.is_connected

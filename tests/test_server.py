@@ -198,3 +198,38 @@ def test_a_reply_that_comes_after_its_timeout_is_dropped_not_taken_for_the_next(
     finally:
         client.close()
         s.stop()
+
+
+def test_two_threads_on_one_client_take_turns_and_each_gets_its_own_chunk():
+    """An episode's executor thread may still wait on its reply when the next episode's asks:
+    the client sends one request at a time (two waits on one connection raised websockets'
+    ConcurrencyError)."""
+    gate = threading.Event()
+    started = threading.Event()
+    s = PolicyServer(gated(gate, started), CONTRACT, port=0).start()
+    client = PolicyClient(url(s), CONTRACT, timeout_s=CEILING_S)
+    answers, errors = {}, []
+
+    def ask(value: float) -> None:
+        obs = {"state": np.array([value, value], np.float32), "images": {}, "instruction": "x"}
+        try:
+            answers[value] = client.infer(obs)
+        except Exception as e:
+            errors.append(e)
+
+    first = threading.Thread(target=ask, args=(1.0,))
+    second = threading.Thread(target=ask, args=(2.0,))
+    try:
+        first.start()
+        assert started.wait(CEILING_S)  # the first request is with the model, its reply held
+        second.start()
+        gate.set()
+        first.join(CEILING_S)
+        second.join(CEILING_S)
+        assert errors == []
+        np.testing.assert_array_equal(answers[1.0], [[2.0, 2.0]] * 3)
+        np.testing.assert_array_equal(answers[2.0], [[4.0, 4.0]] * 3)
+    finally:
+        gate.set()
+        client.close()
+        s.stop()
