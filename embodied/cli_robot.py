@@ -139,10 +139,54 @@ def cmd_deploy(args) -> int:
     return 0
 
 
+def cmd_read_arm(args) -> int:
+    from embodied.deploy import arm_robot, read_arm
+    from embodied.robots.arm import ArmConfig, RobotError
+
+    if args.readings is not None and args.readings < 1:
+        return _error(f"--readings: must be >= 1, got {args.readings}")
+    if not 0 < args.hz < math.inf:
+        return _error(f"--hz: must be > 0 and finite (Hz), got {args.hz:g}")
+    try:
+        arm = ArmConfig(robot=args.robot, port=args.robot_port or "", id=args.robot_id)
+        arm.validate()
+        read_arm(arm_robot(arm), arm, readings=args.readings, hz=args.hz)
+    except (RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
+        return _error(str(e))
+    return 0
+
+
 def add_robot_commands(sub) -> None:
-    """The serve and deploy subcommands of ``embodied``'s parser."""
+    """The serve, deploy and read-arm subcommands of ``embodied``'s parser."""
     _add_serve(sub)
     _add_deploy(sub)
+    _add_read_arm(sub)
+
+
+def _add_arm_options(parser) -> None:
+    parser.add_argument(
+        "--robot", default="so101", help="so100 | so101 | koch | so100-sim | so101-sim"
+    )
+    parser.add_argument(
+        "--robot.port", dest="robot_port", help="the arm's serial port, e.g. /dev/ttyACM0"
+    )
+    parser.add_argument(
+        "--robot.id", dest="robot_id", default="embodied", help="LeRobot calibration id"
+    )
+
+
+def _add_read_arm(sub) -> None:
+    r = sub.add_parser(
+        "read-arm",
+        help="print an arm's joint readings, torque off, to check its zeros and signs",
+        description="Connect the arm with its LeRobot calibration, switch its torque off and "
+        "print its joints while you move it by hand: degrees as LeRobot reads them, which the "
+        "model's radians follow (docs/so101.md, 'Checking a real arm'). Ctrl-C ends.",
+    )
+    _add_arm_options(r)
+    r.add_argument("--readings", type=int, help="how many (default: until Ctrl-C)")
+    r.add_argument("--hz", type=float, default=5.0, help="readings a second")
+    r.set_defaults(func=cmd_read_arm)
 
 
 def _add_serve(sub) -> None:
@@ -171,11 +215,7 @@ def _add_deploy(sub) -> None:
         "switched off there.",
     )
     y.add_argument("checkpoint", help="a checkpoint directory or RUN/last")
-    y.add_argument("--robot", default="so101", help="so100 | so101 | koch | so100-sim | so101-sim")
-    y.add_argument(
-        "--robot.port", dest="robot_port", help="the arm's serial port, e.g. /dev/ttyACM0"
-    )
-    y.add_argument("--robot.id", dest="robot_id", default="embodied", help="LeRobot calibration id")
+    _add_arm_options(y)
     y.add_argument("--camera", action="append", help="NAME=SOURCE, once per camera the policy uses")
     y.add_argument(
         "--server", help="ws://HOST:PORT of `embodied serve` (default: infer in this process)"

@@ -404,3 +404,47 @@ def _episode_summary(result, executor, saved, scene: Scene, *, judged: bool) -> 
         out["success"] = result.success
         out["success_at_end"] = bool(result.successes and result.successes[-1])
     return out
+
+
+def arm_robot(arm):
+    """LeRobot's driver object for ``arm`` (ArmConfig), not connected: the real arm's, or the
+    twin's for ``-sim`` robots."""
+    if not arm.robot.endswith("-sim"):
+        from embodied.robots.arm import make_robot
+
+        return make_robot(arm)
+    from embodied.twin import make_twin_robot
+
+    return make_twin_robot(arm)[0]
+
+
+def read_arm(robot, arm, *, readings: int | None, hz: float = 5.0, write=print) -> int:
+    """Connect ``robot`` (LeRobot's, for ``arm``), switch its torque off and write its joints
+    ``readings`` times at ``hz`` (None: until Ctrl-C), for a user moving it by hand to check its
+    zeros and signs against the model's (docs/so101.md): degrees as LeRobot reads them, the
+    gripper also in the model's radians. Disconnects with torque off. -> readings written."""
+    from embodied.robots.arm import connect, from_radians, read_joints
+
+    connect(robot, arm)
+    written = 0
+    try:
+        robot.bus.disable_torque()
+        write("torque off: move the arm by hand (Ctrl-C ends)")
+        while readings is None or written < readings:
+            if written:
+                time.sleep(1.0 / hz)
+            joints = read_joints(robot, arm)  # f64 [6]: radians, the arm's frame
+            write(_readings_line(joints, from_radians(joints, arm.gripper_range)["gripper.pos"]))
+            written += 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        robot.disconnect()
+    return written
+
+
+def _readings_line(joints: np.ndarray, gripper_value: float) -> str:
+    from embodied.robots.arm import JOINTS
+
+    arm_joints = "  ".join(f"{j} {np.degrees(q):+7.1f}" for j, q in zip(JOINTS[:-1], joints))
+    return f"{arm_joints}  gripper {gripper_value:5.1f} ({joints[-1]:+.3f} rad)"

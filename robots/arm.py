@@ -179,6 +179,13 @@ def release(robot, cause: BaseException, *, torque_off: bool = True) -> None:
             cause.add_note(f"releasing the arm: {what} failed: {e!r}")
 
 
+def read_joints(robot, cfg: ArmConfig) -> np.ndarray:
+    """A connected arm's joints (radians [6], the arm's frame) from its bus alone, as LeRobot's
+    ``get_observation`` reads them, without the cameras."""
+    raw = robot.bus.sync_read("Present_Position")
+    return to_radians({f"{m}.pos": v for m, v in raw.items()}, cfg.gripper_range)
+
+
 def to_radians(values: dict[str, float], gripper_range: tuple[float, float]) -> np.ndarray:
     """LeRobot joint values {"<joint>.pos": degrees, gripper 0..100} -> float64 [6] radians."""
     q = np.array([values[f"{j}.pos"] for j in JOINTS], dtype=np.float64)
@@ -342,8 +349,7 @@ class RobotEnv:
     def read_joints(self) -> np.ndarray:
         """The joints alone (radians [6], the arm's frame; also in ``self.present``), read from
         the bus without the cameras: a camera that fails cannot stop a move to a pose."""
-        raw = self.robot.bus.sync_read("Present_Position")
-        self.present = to_radians({f"{m}.pos": v for m, v in raw.items()}, self.cfg.gripper_range)
+        self.present = read_joints(self.robot, self.cfg)
         self._last_t = self.clock.monotonic()
         return self.present
 

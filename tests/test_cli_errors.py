@@ -291,6 +291,9 @@ CASES = [
         ["deploy", CK, "--robot", "so101-sim", "--robot.joint-offsets", "nan,0,0,0,0,0"],
         ["--robot.joint-offsets 'nan,0,0,0,0,0'", "finite numbers"],
     ),
+    (["read-arm", "--robot", "so101"], ["robot.port"]),
+    (["read-arm", "--robot", "so101-sim", "--readings", "0"], ["--readings: must be >= 1"]),
+    (["read-arm", "--robot", "so101-sim", "--hz", "inf"], ["--hz", "finite (Hz), got inf"]),
     # the robot and its port are checked before the checkpoint is read (none here)
     (["deploy", f"{R}/nowhere", "--robot", "r2d2"], ["robot", "'r2d2'"]),
     (["deploy", f"{R}/nowhere", "--robot", "so101"], ["robot.port"]),

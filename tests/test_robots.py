@@ -387,3 +387,29 @@ def test_a_ctrl_c_while_the_cameras_open_still_closes_the_bus(tmp_path, monkeypa
     with pytest.raises(KeyboardInterrupt):
         connect(robot, cfg)
     assert not robot.bus.is_connected
+
+
+def test_read_arm_prints_the_joints_as_lerobot_reads_them_with_torque_off(tmp_path):
+    """`embodied read-arm`'s work: each line the twin's joints in degrees (the model's frame, as
+    LeRobot reads a calibrated arm), the gripper as LeRobot's 0-100 and the model's radians; the
+    arm is left with torque off, disconnected."""
+    from embodied.deploy import read_arm
+    from embodied.twin import make_twin_robot
+
+    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"))
+    robot, twin, port = make_twin_robot(cfg)
+    twin.frozen = True  # (torque off: the twin's arm would sag between readings)
+    lines = []
+    assert read_arm(robot, cfg, readings=3, hz=100.0, write=lines.append) == 3
+    assert lines[0].startswith("torque off") and len(lines) == 4
+    joints = twin.joints()  # f64 [6], radians
+    for line in lines[1:]:
+        words = line.split()
+        degrees = [float(words[words.index(j) + 1]) for j in JOINTS[:-1]]
+        np.testing.assert_allclose(degrees, np.degrees(joints[:5]), atol=np.degrees(BUS) + 0.05)
+        gripper = float(words[words.index("gripper") + 2].strip("(rad)"))
+        assert gripper == pytest.approx(joints[5], abs=BUS + 1e-3)
+        assert float(words[words.index("gripper") + 1]) == pytest.approx(
+            from_radians(joints, cfg.gripper_range)["gripper.pos"], abs=0.5
+        )
+    assert not any(port.torque().values()) and not robot.is_connected
