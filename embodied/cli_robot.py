@@ -145,14 +145,14 @@ def cmd_read_arm(args) -> int:
 
     if args.readings is not None and args.readings < 1:
         return _error(f"--readings: must be >= 1, got {args.readings}")
-    if not 0 < args.hz < math.inf:
-        return _error(f"--hz: must be > 0 and finite (Hz), got {args.hz:g}")
+    if not 0.1 <= args.hz <= 100:
+        return _error(f"--hz: readings a second, 0.1 to 100, got {args.hz:g}")
     try:
         arm = ArmConfig(robot=args.robot, port=args.robot_port or "", id=args.robot_id)
         arm.validate()
         read_arm(arm_robot(arm), arm, readings=args.readings, hz=args.hz)
-    except (RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
-        return _error(str(e))
+    except (RobotError, ValueError, FileNotFoundError, ConnectionError, RuntimeError) as e:
+        return _error("; ".join([str(e), *getattr(e, "__notes__", [])]))
     return 0
 
 

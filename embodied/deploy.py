@@ -419,17 +419,26 @@ def arm_robot(arm):
 
 
 def read_arm(robot, arm, *, readings: int | None, hz: float = 5.0, write=print) -> int:
-    """Connect ``robot`` (LeRobot's, for ``arm``), switch its torque off and write its joints
-    ``readings`` times at ``hz`` (None: until Ctrl-C), for a user moving it by hand to check its
-    zeros and signs against the model's (docs/so101.md): degrees as LeRobot reads them, the
-    gripper also in the model's radians. Disconnects with torque off. -> readings written."""
-    from embodied.robots.arm import connect, from_radians, read_joints
+    """Open ``robot``'s bus (LeRobot's driver, for ``arm``) with its calibration, switch its
+    torque off and write its joints ``readings`` times at ``hz`` (None: until Ctrl-C), for a
+    user moving it by hand to check its zeros and signs against the model's (docs/so101.md):
+    degrees as LeRobot reads them, the gripper also in the model's radians. The servos are not
+    configured (no torque on, no cameras opened). -> readings written."""
+    from embodied.robots.arm import RobotError, from_radians, read_joints, uncalibrated
 
-    connect(robot, arm)
-    written = 0
+    bus = robot.bus
     try:
-        robot.bus.disable_torque()
-        write("torque off: move the arm by hand (Ctrl-C ends)")
+        bus.connect()
+    except Exception as e:
+        raise RobotError(f"{arm.robot} on {arm.port or 'the twin'}: cannot connect: {e}") from e
+    written = 0
+    torque_off = False
+    try:
+        if not bus.is_calibrated:
+            raise uncalibrated(robot, arm)
+        write("torque off: hold the arm, then move it by hand (Ctrl-C ends)")
+        bus.disable_torque(num_retry=3)
+        torque_off = True
         while readings is None or written < readings:
             if written:
                 time.sleep(1.0 / hz)
@@ -438,8 +447,12 @@ def read_arm(robot, arm, *, readings: int | None, hz: float = 5.0, write=print) 
             written += 1
     except KeyboardInterrupt:
         pass
+    except Exception as e:
+        if not torque_off:
+            e.add_note("the servos' torque may still be on")
+        raise
     finally:
-        robot.disconnect()
+        bus.disconnect(disable_torque=False)
     return written
 
 

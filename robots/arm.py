@@ -131,31 +131,40 @@ def make_robot(cfg: ArmConfig):
 def connect(robot, cfg: ArmConfig) -> None:
     """Connect with the calibration LeRobot stored for this arm; never start an interactive one.
     What fails to connect (a camera that cannot open at its settings, a port that is not the
-    arm's) is a RobotError, what did connect closed, the torque left as the servos had it
-    (LeRobot opens the cameras before it configures the servos)."""
+    arm's, a Ctrl-C) is a RobotError (the Ctrl-C itself), what did connect closed. LeRobot opens
+    the cameras, then configures the servos, which ends with their torque on: a failure before
+    that leaves the torque as the servos had it, one after switches it off (``release``)."""
     try:
         robot.connect(calibrate=False)
-    except BaseException as e:  # (a Ctrl-C while the cameras open, too)
+        calibrated = robot.is_calibrated
+    except BaseException as e:
+        configuring = all(camera.is_connected for camera in robot.cameras.values())
         error = e
         if isinstance(e, Exception):
             error = RobotError(f"{cfg.robot} on {cfg.port or 'the twin'}: cannot connect: {e}")
-        release(robot, error, torque_off=False)
+        release(robot, error, torque_off=configuring)
         if error is e:
             raise
         raise error from e
-    if not robot.is_calibrated:
-        kind = (
-            "koch_follower"
-            if cfg.robot.startswith("koch")
-            else f"{cfg.robot.removesuffix('-sim')}_follower"
-        )
-        error = RobotError(
-            f"{cfg.robot} on {cfg.port}: no matching calibration for id {cfg.id!r} (looked in "
-            f"{robot.calibration_fpath}). Calibrate it once with LeRobot: `lerobot-calibrate "
-            f"--robot.type={kind} --robot.port={cfg.port} --robot.id={cfg.id}`"
-        )
+    if not calibrated:
+        error = uncalibrated(robot, cfg)
         release(robot, error)  # (torque off, as lerobot-calibrate, the next step, has it)
         raise error
+
+
+def uncalibrated(robot, cfg: ArmConfig) -> RobotError:
+    """The error for an arm whose calibration LeRobot does not have, with the command that makes
+    it."""
+    kind = (
+        "koch_follower"
+        if cfg.robot.startswith("koch")
+        else f"{cfg.robot.removesuffix('-sim')}_follower"
+    )
+    return RobotError(
+        f"{cfg.robot} on {cfg.port}: no matching calibration for id {cfg.id!r} (looked in "
+        f"{robot.calibration_fpath}). Calibrate it once with LeRobot: `lerobot-calibrate "
+        f"--robot.type={kind} --robot.port={cfg.port} --robot.id={cfg.id}`"
+    )
 
 
 def release(robot, cause: BaseException, *, torque_off: bool = True) -> None:

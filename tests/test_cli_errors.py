@@ -293,7 +293,8 @@ CASES = [
     ),
     (["read-arm", "--robot", "so101"], ["robot.port"]),
     (["read-arm", "--robot", "so101-sim", "--readings", "0"], ["--readings: must be >= 1"]),
-    (["read-arm", "--robot", "so101-sim", "--hz", "inf"], ["--hz", "finite (Hz), got inf"]),
+    (["read-arm", "--robot", "so101-sim", "--hz", "inf"], ["--hz", "0.1 to 100, got inf"]),
+    (["read-arm", "--robot", "so101-sim", "--hz", "1e-300"], ["--hz", "0.1 to 100, got 1e-300"]),
     # the robot and its port are checked before the checkpoint is read (none here)
     (["deploy", f"{R}/nowhere", "--robot", "r2d2"], ["robot", "'r2d2'"]),
     (["deploy", f"{R}/nowhere", "--robot", "so101"], ["robot.port"]),

@@ -384,9 +384,31 @@ def test_a_ctrl_c_while_the_cameras_open_still_closes_the_bus(tmp_path, monkeypa
         raise KeyboardInterrupt
 
     monkeypatch.setattr(robot.cameras["wrist"], "connect", interrupted)
+    for servo in port.servos.values():  # an arm a previous run left holding
+        servo.set(*FEETECH_STS.torque, 1)
     with pytest.raises(KeyboardInterrupt):
         connect(robot, cfg)
-    assert not robot.bus.is_connected
+    assert not robot.bus.is_connected and all(port.torque().values())  # before the servos' set-up
+
+
+def test_a_connect_that_fails_while_configuring_the_servos_leaves_their_torque_off(
+    tmp_path, monkeypatch
+):
+    """LeRobot's configure runs with torque off and switches it on as it ends, even on an
+    error: a failure there (or after it) leaves the arm released, torque off."""
+    from embodied.twin import make_twin_robot
+
+    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"))
+    robot, twin, port = make_twin_robot(cfg)
+
+    def failing_configure():
+        robot.bus.enable_torque()  # (what LeRobot's torque_disabled() does on its way out)
+        raise ConnectionError("Failed to write 'P_Coefficient' on id_=3")
+
+    monkeypatch.setattr(robot, "configure", failing_configure)
+    with pytest.raises(RobotError, match="cannot connect: Failed to write 'P_Coefficient'"):
+        connect(robot, cfg)
+    assert not robot.bus.is_connected and not any(port.torque().values())
 
 
 def test_read_arm_prints_the_joints_as_lerobot_reads_them_with_torque_off(tmp_path):
@@ -399,6 +421,8 @@ def test_read_arm_prints_the_joints_as_lerobot_reads_them_with_torque_off(tmp_pa
     cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"))
     robot, twin, port = make_twin_robot(cfg)
     twin.frozen = True  # (torque off: the twin's arm would sag between readings)
+    for servo in port.servos.values():  # powered: read-arm switches it off
+        servo.set(*FEETECH_STS.torque, 1)
     lines = []
     assert read_arm(robot, cfg, readings=3, hz=100.0, write=lines.append) == 3
     assert lines[0].startswith("torque off") and len(lines) == 4
@@ -413,3 +437,29 @@ def test_read_arm_prints_the_joints_as_lerobot_reads_them_with_torque_off(tmp_pa
             from_radians(joints, cfg.gripper_range)["gripper.pos"], abs=0.5
         )
     assert not any(port.torque().values()) and not robot.is_connected
+
+
+def test_read_arm_ends_on_ctrl_c_and_says_when_the_torque_may_still_be_on(tmp_path, monkeypatch):
+    from embodied.deploy import read_arm
+    from embodied.twin import make_twin_robot
+
+    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"))
+    robot, twin, port = make_twin_robot(cfg)
+    lines = []
+
+    def write_then_ctrl_c(line: str) -> None:
+        lines.append(line)
+        if len(lines) == 3:  # the second reading
+            raise KeyboardInterrupt
+
+    assert read_arm(robot, cfg, readings=None, hz=100.0, write=write_then_ctrl_c) == 1
+    assert not robot.bus.is_connected and not any(port.torque().values())
+
+    def no_answer(*args, **kwargs):
+        raise ConnectionError("Failed to write 'Torque_Enable'")
+
+    monkeypatch.setattr(robot.bus, "disable_torque", no_answer)
+    with pytest.raises(ConnectionError) as raised:
+        read_arm(robot, cfg, readings=1, hz=100.0, write=lines.append)
+    assert raised.value.__notes__ == ["the servos' torque may still be on"]
+    assert not robot.bus.is_connected
