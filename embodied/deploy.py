@@ -289,7 +289,7 @@ def _robot_env(arm, train_cfg, spec: EnvSpec, reads: tuple[str, ...], scene: Sce
     else:
         robot = make_robot(arm)
     connect(robot, arm)
-    try:  # (no SafeShutdown yet: an error here leaves the arm as connect found it)
+    try:  # (no SafeShutdown yet: an error here releases the arm, torque off as before connect)
         safety = SafetyLayer(default_safety(robot, arm))
         shapes = {k: spec.obs.privileged[k] for k in reads}
 
@@ -424,13 +424,13 @@ def read_arm(robot, arm, *, readings: int | None, hz: float = 5.0, write=print) 
     user moving it by hand to check its zeros and signs against the model's (docs/so101.md):
     degrees as LeRobot reads them, the gripper also in the model's radians. The servos are not
     configured (no torque on, no cameras opened). -> readings written."""
-    from embodied.robots.arm import RobotError, from_radians, read_joints, uncalibrated
+    from embodied.robots.arm import cannot_connect, from_radians, read_joints, uncalibrated
 
     bus = robot.bus
     try:
         bus.connect()
     except Exception as e:
-        raise RobotError(f"{arm.robot} on {arm.port or 'the twin'}: cannot connect: {e}") from e
+        raise cannot_connect(arm, e) from e
     written = 0
     torque_off = False
     try:

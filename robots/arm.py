@@ -141,7 +141,7 @@ def connect(robot, cfg: ArmConfig) -> None:
         configuring = all(camera.is_connected for camera in robot.cameras.values())
         error = e
         if isinstance(e, Exception):
-            error = RobotError(f"{cfg.robot} on {cfg.port or 'the twin'}: cannot connect: {e}")
+            error = cannot_connect(cfg, e)
         release(robot, error, torque_off=configuring)
         if error is e:
             raise
@@ -150,6 +150,10 @@ def connect(robot, cfg: ArmConfig) -> None:
         error = uncalibrated(robot, cfg)
         release(robot, error)  # (torque off, as lerobot-calibrate, the next step, has it)
         raise error
+
+
+def cannot_connect(cfg: ArmConfig, cause: Exception) -> RobotError:
+    return RobotError(f"{cfg.robot} on {cfg.port or 'the twin'}: cannot connect: {cause}")
 
 
 def uncalibrated(robot, cfg: ArmConfig) -> RobotError:
