@@ -59,12 +59,15 @@ class EpisodeRecorder:
         out = self.root / f"episode_{self.count:04d}"
         self.count += 1
         cams = {c.name: (c.height, c.width) for c in self.spec.obs.cameras}
+        # what the policy read besides the arm (a goal its user gave): SFT on the data needs it
+        sizes = {k: int(np.prod(shape)) for k, shape in self.spec.obs.privileged.items()}
         writer = LeRobotWriter(
             out,
             fps=self.fps,
             cameras=cams,
             state_names=list(self.spec.obs.state_names),
             action_names=list(self.spec.action.names),
+            privileged=sizes,
             robot_type=self.robot_type,
             source={"deploy": True},
         )
@@ -78,6 +81,9 @@ class EpisodeRecorder:
             rewards=np.zeros(T, np.float32),
             success=np.asarray(result.successes, bool),  # the twin's judge after each action
             task=frames[0]["obs"].instruction[0],
+            privileged={
+                k: np.stack([f["obs"].privileged[k][0].numpy() for f in frames]) for k in sizes
+            },
             extra={
                 "end": result.reason,
                 "wall_time_s": [round(f["t"] - t0, 4) for f in frames],

@@ -179,7 +179,7 @@ def test_a_policy_told_its_goal_needs_one_on_a_real_arm(checkpoints, capsys):
     )
 
 
-def test_the_twin_judges_each_episode_of_a_policy_told_its_goal(checkpoints, capsys):
+def test_the_twin_judges_each_episode_of_a_policy_told_its_goal(checkpoints, capsys, tmp_path):
     argv = [checkpoints["told_goal"], "--robot", "so101-sim", "--episode-seconds", "0.5"]
     rc, summary = deploy([*argv, "--episodes", "2", "--seed", "7"], capsys)
     assert rc == 0, summary
@@ -191,8 +191,14 @@ def test_the_twin_judges_each_episode_of_a_policy_told_its_goal(checkpoints, cap
         assert episode["goal"] == pytest.approx(goal, abs=1e-4)  # the task's own scene per seed
         assert isinstance(episode["success"], bool) and "success_at_end" in episode
     assert summary["success_rate"] == sum(e["success"] for e in summary["episodes"]) / 2
-    rc, summary = deploy([*argv, "--goal", "0.2,0.05,0.1"], capsys)  # the user's goal instead
+    record = ["--record", str(tmp_path / "rec")]
+    rc, summary = deploy([*argv, "--goal", "0.2,0.05,0.1", *record], capsys)  # the user's goal
     assert rc == 0 and summary["episodes"][0]["goal"] == [0.2, 0.05, 0.1]
+    # the recording keeps what the policy read besides the arm, frame by frame (SFT needs it)
+    data = DemoDataset.load(tmp_path / "rec" / "episode_0000")
+    goals = data.privileged["goal_pos"]  # f32 [T, 3]
+    assert len(goals) == summary["episodes"][0]["steps"] == len(data)
+    np.testing.assert_allclose(goals.numpy(), [[0.2, 0.05, 0.1]] * len(goals), atol=1e-6)
 
 
 def test_the_twin_judges_success_by_the_tasks_own_rule():
