@@ -109,6 +109,7 @@ def cmd_deploy(args) -> int:
             instruction=args.instruction,
             joint_signs=_floats("--robot.joint-signs", args.joint_signs, 1.0),
             joint_offsets=_floats("--robot.joint-offsets", args.joint_offsets, 0.0),
+            watchdog_s=args.watchdog,
         )
         arm.validate()  # the robot and its port before the checkpoint is read
         goal = None
@@ -245,5 +246,13 @@ def _add_deploy(sub) -> None:
     )
     y.add_argument(
         "--robot.joint-offsets", dest="joint_offsets", help="radians, 6 comma-separated values"
+    )
+    y.add_argument(
+        "--robot.watchdog",
+        dest="watchdog",
+        type=float,
+        default=1.0,
+        help="seconds without a fresh action that stop an episode (the arm holds from a quarter "
+        "of it); raise it for a policy whose inference outlasts its chunks",
     )
     y.set_defaults(func=cmd_deploy)

@@ -57,6 +57,9 @@ class ArmConfig:
     # radians per second per joint (the safety layer's rate limit, per step at control_hz): the
     # speed the MuJoCo tasks allow (0.1 rad a step at 20 Hz), a little under the STS3215's
     max_speed: float = 2.0
+    # the watchdog: without a fresh action for this long an episode stops (the arm holds its last
+    # command from a quarter of it); a policy slower than its chunks last needs more
+    watchdog_s: float = 1.0
     # The policy's joint frame, where it differs from the arm's (another simulator's conventions):
     # policy = sign * arm + offset, per joint. Safety works in the arm's frame.
     joint_signs: tuple[float, ...] = (1.0,) * 6
@@ -75,6 +78,8 @@ class ArmConfig:
             )
         if self.control_hz <= 0 or self.image_size < 1 or self.max_episode_steps < 1:
             raise ValueError("robot: control_hz, image_size and max_episode_steps must be positive")
+        if not 0 < self.watchdog_s < math.inf:
+            raise ValueError(f"robot.watchdog: seconds, > 0 and finite, got {self.watchdog_s:g}")
         if (
             len(self.joint_signs) != len(JOINTS)
             or any(v not in (1, -1) for v in self.joint_signs)
@@ -247,6 +252,8 @@ def default_safety(robot, cfg: ArmConfig, **overrides) -> SafetyConfig:
             "joint_high": tuple(high),
             "max_step": cfg.max_speed / cfg.control_hz,
             "safe_pose": tuple(safe),
+            "hold_after_s": cfg.watchdog_s / 4,
+            "stop_after_s": cfg.watchdog_s,
             **overrides,
         }
     )

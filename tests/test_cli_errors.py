@@ -292,6 +292,11 @@ CASES = [
         ["--robot.joint-offsets 'nan,0,0,0,0,0'", "finite numbers"],
     ),
     (["read-arm", "--robot", "so101"], ["robot.port"]),
+    (["deploy", CK, "--robot", "so101-sim", "--robot.watchdog", "0"], ["robot.watchdog", "got 0"]),
+    (
+        ["deploy", CK, "--robot", "so101-sim", "--robot.watchdog", "inf"],
+        ["robot.watchdog", "got inf"],
+    ),
     (["read-arm", "--robot", "so101-sim", "--readings", "0"], ["--readings: must be >= 1"]),
     (["read-arm", "--robot", "so101-sim", "--hz", "inf"], ["--hz", "0.1 to 100, got inf"]),
     (["read-arm", "--robot", "so101-sim", "--hz", "1e-300"], ["--hz", "0.1 to 100, got 1e-300"]),

@@ -463,3 +463,20 @@ def test_read_arm_ends_on_ctrl_c_and_says_when_the_torque_may_still_be_on(tmp_pa
         read_arm(robot, cfg, readings=1, hz=100.0, write=lines.append)
     assert raised.value.__notes__ == ["the servos' torque may still be on"]
     assert not robot.bus.is_connected
+
+
+def test_the_watchdogs_times_follow_the_arms_setting(tmp_path):
+    """``robot.watchdog`` (seconds): the episode stops after it without a fresh action, the arm
+    holds from a quarter of it; 1 s by default (the times tests/test_control.py steps through)."""
+    from embodied.twin import make_twin_robot
+
+    for watchdog, hold, stop in ((None, 0.25, 1.0), (4.0, 1.0, 4.0)):
+        extra = {} if watchdog is None else {"watchdog_s": watchdog}
+        cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"), **extra)
+        robot, twin, port = make_twin_robot(cfg)
+        connect(robot, cfg)
+        try:
+            safety = default_safety(robot, cfg)
+        finally:
+            robot.disconnect()
+        assert (safety.hold_after_s, safety.stop_after_s) == (hold, stop)
