@@ -128,7 +128,7 @@ def cmd_deploy(args) -> int:
             seed=args.seed,
         )
     except (DeployError, RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
-        return _error("; ".join([str(e), *getattr(e, "__notes__", [])]))  # the shutdown's too
+        return _error_with_notes(e)  # the shutdown's notes too
     print(json.dumps(summary, indent=2))
     if not summary["torque_off_at_safe_pose"]:
         print(
@@ -138,6 +138,12 @@ def cmd_deploy(args) -> int:
         )
         return 1
     return 0
+
+
+def _error_with_notes(e: BaseException) -> int:
+    """``e`` as the one error line, with what was noted on it (what a shutdown or a release of the
+    arm failed to do)."""
+    return _error("; ".join([str(e), *getattr(e, "__notes__", [])]))
 
 
 def cmd_read_arm(args) -> int:
@@ -153,7 +159,7 @@ def cmd_read_arm(args) -> int:
         arm.validate()
         read_arm(arm_robot(arm), arm, readings=args.readings, hz=args.hz)
     except (RobotError, ValueError, FileNotFoundError, ConnectionError, RuntimeError) as e:
-        return _error("; ".join([str(e), *getattr(e, "__notes__", [])]))
+        return _error_with_notes(e)
     return 0
 
 
