@@ -84,7 +84,7 @@ def cmd_deploy(args) -> int:
     import logging
 
     from embodied.deploy import DeployError, run_deploy
-    from embodied.robots.arm import ArmConfig, RobotError
+    from embodied.robots.arm import ArmConfig
 
     # what the options alone decide, before the checkpoint is read or anything connects
     if args.hz is not None and not 0 < args.hz < math.inf:
@@ -127,7 +127,8 @@ def cmd_deploy(args) -> int:
             goal=goal,
             seed=args.seed,
         )
-    except (DeployError, RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
+    except (DeployError, RuntimeError, ValueError, OSError) as e:
+        # LeRobot's drivers: a camera that stops giving frames is a RuntimeError or TimeoutError
         return _error_with_notes(e)  # the shutdown's notes too
     print(json.dumps(summary, indent=2))
     if not summary["torque_off_at_safe_pose"]:

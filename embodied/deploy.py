@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -263,12 +264,18 @@ def _chunk_source(policy, client):
 def _summary(episodes: list[dict], arm, env, shutdown, stop) -> dict:
     """What the deploy reports: each episode, the rate, what stopped it early (the emergency
     stop's reason, or None), the task's success where the twin judges it, the safety layer's
-    interventions and whether the torque went off at the safe pose."""
+    interventions in episodes and in the moves between them, and whether the torque went off at
+    the safe pose. The success rate is over the episodes that ran their clock."""
     summary = {"episodes": episodes, "robot": arm.robot, "hz": arm.control_hz}
     summary["emergency_stop"] = stop.reason if stop.is_set() else None
-    if env.judge is not None and episodes:
-        summary["success_rate"] = sum(e["success"] for e in episodes) / len(episodes)
-    summary["interventions"] = dict(env.safety.counts)
+    completed = [e for e in episodes if e["end"] == "done"]  # a stopped one is in its entry
+    if env.judge is not None and completed:
+        summary["success_rate"] = sum(e["success"] for e in completed) / len(completed)
+        summary["judged_episodes"] = len(completed)
+    in_episodes = sum((Counter(e["interventions"]) for e in episodes), Counter())
+    summary["interventions"] = dict(in_episodes)
+    # the moves to the start and safe poses are rate-limited by the same layer
+    summary["interventions_in_moves"] = dict(env.safety.counts - in_episodes)
     summary["torque_off_at_safe_pose"] = shutdown.torque_off
     return summary
 
@@ -327,12 +334,13 @@ def _run_episodes(
         if not began:
             raise DeployError(f"episode {ep}: the arm did not reach its start pose")
         executor = new_executor()
+        before = Counter(env.safety.counts)
         result = _episode(env, executor, stop, arm)
         saved = recorder.finish(result) if recorder else None
         judged = env.judge is not None
-        episode_summaries.append(
-            _episode_summary(result, executor, saved, episode_scene, judged=judged)
-        )
+        summary = _episode_summary(result, executor, saved, episode_scene, judged=judged)
+        summary["interventions"] = dict(env.safety.counts - before)
+        episode_summaries.append(summary)
         log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
         if result.reason != "done":
             break

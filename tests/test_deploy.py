@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -82,6 +84,8 @@ def test_deploy_on_the_twin_records_each_episode_and_ends_at_the_safe_pose(
     # tests/test_control.py)
     assert all(e["acted"] >= 1 for e in summary["episodes"])
     assert summary["torque_off_at_safe_pose"] is True
+    in_episodes = sum((Counter(e["interventions"]) for e in summary["episodes"]), Counter())
+    assert summary["interventions"] == dict(in_episodes)
     for i in range(2):
         data = DemoDataset.load(tmp_path / "rec" / f"episode_{i:04d}")
         assert len(data) == 15 and data.actions.shape == (15, 6)  # the commands sent, radians
@@ -447,3 +451,55 @@ def test_a_goal_the_user_gives_reaches_the_policy_from_its_first_inference(
     rc, summary = deploy([*argv, "--goal", "0.2,0.05,0.1"], capsys)
     assert rc == 0, summary
     assert len(goals) >= 2 and all(g == pytest.approx([0.2, 0.05, 0.1]) for g in goals)
+
+
+def test_the_summary_rates_success_over_episodes_that_ran_their_clock():
+    """An emergency-stopped episode keeps its own entry but not the rate; the interventions of
+    the moves to the start and safe poses are apart from the episodes'."""
+    from embodied.deploy import _summary
+
+    episodes = [
+        {"end": "done", "success": True, "interventions": {"joint_limit": 3}},
+        {"end": "done", "success": False, "interventions": {}},
+        {"end": "estop", "success": False, "interventions": {"rate_limit": 1}},
+    ]
+    counts = Counter(joint_limit=3, rate_limit=5)  # the layer's, moves included
+    env = SimpleNamespace(judge=object(), safety=SimpleNamespace(counts=counts))
+    arm = SimpleNamespace(robot="so101-sim", control_hz=20.0)
+    stop = SimpleNamespace(is_set=lambda: True, reason="SIGINT")
+    summary = _summary(episodes, arm, env, SimpleNamespace(torque_off=True), stop)
+    assert summary["success_rate"] == 0.5 and summary["judged_episodes"] == 2
+    assert summary["interventions"] == {"joint_limit": 3, "rate_limit": 1}
+    assert summary["interventions_in_moves"] == {"rate_limit": 4}
+    assert summary["emergency_stop"] == "SIGINT"
+    only_stopped = _summary(episodes[2:], arm, env, SimpleNamespace(torque_off=True), stop)
+    assert "success_rate" not in only_stopped  # no episode ran its clock: no rate
+
+
+def test_a_camera_that_stops_giving_frames_is_one_error_and_the_arm_goes_to_its_safe_pose(
+    checkpoints, capsys, monkeypatch
+):
+    """LeRobot's cameras raise RuntimeError (or TimeoutError) when no frame comes: one line, not a
+    traceback, after the shutdown (which reads the bus alone) has switched the torque off."""
+    import embodied.twin_camera as twin_camera
+
+    def no_frame(self, max_age_ms: int = 500):  # LeRobot's get_observation reads the latest
+        raise RuntimeError(f"{self}: no frame in {max_age_ms} ms")
+
+    released = []
+    monkeypatch.setattr(twin_camera.TwinCamera, "read_latest", no_frame)
+    import embodied.robots.shutdown as shutdown_module
+
+    torque_off = shutdown_module.SafeShutdown.__exit__
+
+    def exit_and_note(self, *exc):
+        out = torque_off(self, *exc)
+        released.append(self.torque_off)
+        return out
+
+    monkeypatch.setattr(shutdown_module.SafeShutdown, "__exit__", exit_and_note)
+    args = [checkpoints["state_only"], "--robot", "so101-sim", "--camera", "wrist=wrist"]
+    rc, err = deploy(args, capsys)
+    assert rc == 2 and released == [True]
+    (line,) = err.strip().splitlines()
+    assert line.startswith("embodied: error: ") and "no frame in" in line
