@@ -39,6 +39,14 @@ def _floats(option: str, text: str | None, default: float, n: int = 6, what: str
     return values
 
 
+def _gripper_range(args) -> dict:
+    """``--robot.gripper-range CLOSED,OPEN`` as ArmConfig's keyword (none: its default)."""
+    if not args.gripper_range:
+        return {}
+    what = "end (radians at LeRobot's 0 and 100)"
+    return {"gripper_range": _floats("--robot.gripper-range", args.gripper_range, 0.0, 2, what)}
+
+
 def _check_reachable(text: str, goal: tuple[float, float, float]) -> None:
     """A goal outside the box the safety layer keeps the tool point in is refused before the arm
     moves (the policy would press against the box's wall for the whole episode); a goal may lie
@@ -110,6 +118,8 @@ def cmd_deploy(args) -> int:
             joint_signs=_floats("--robot.joint-signs", args.joint_signs, 1.0),
             joint_offsets=_floats("--robot.joint-offsets", args.joint_offsets, 0.0),
             watchdog_s=args.watchdog,
+            max_speed=args.max_speed,
+            **_gripper_range(args),
         )
         arm.validate()  # the robot and its port before the checkpoint is read
         goal = None
@@ -156,7 +166,9 @@ def cmd_read_arm(args) -> int:
     if not 0.1 <= args.hz <= 100:
         return _error(f"--hz: readings a second, 0.1 to 100, got {args.hz:g}")
     try:
-        arm = ArmConfig(robot=args.robot, port=args.robot_port or "", id=args.robot_id)
+        arm = ArmConfig(
+            robot=args.robot, port=args.robot_port or "", id=args.robot_id, **_gripper_range(args)
+        )
         arm.validate()
         read_arm(arm_robot(arm), arm, readings=args.readings, hz=args.hz)
     except (RobotError, ValueError, FileNotFoundError, ConnectionError, RuntimeError) as e:
@@ -180,6 +192,13 @@ def _add_arm_options(parser) -> None:
     )
     parser.add_argument(
         "--robot.id", dest="robot_id", default="embodied", help="LeRobot calibration id"
+    )
+    parser.add_argument(
+        "--robot.gripper-range",
+        dest="gripper_range",
+        help="CLOSED,OPEN: the gripper's radians at LeRobot's 0 and 100, written with = before "
+        "a minus sign (default: the SO-101 description's, --robot.gripper-range=-0.17453,1.74533; "
+        "docs/so101.md says how to check it)",
     )
 
 
@@ -248,7 +267,7 @@ def _add_deploy(sub) -> None:
     y.add_argument(
         "--robot.joint-signs",
         dest="joint_signs",
-        help="policy = sign * arm + offset per joint, e.g. -1,1,1,1,1,1 "
+        help="policy = sign * arm + offset per joint, e.g. --robot.joint-signs=-1,1,1,1,1,1 "
         "(a policy trained with another simulator's joint conventions)",
     )
     y.add_argument(
@@ -261,5 +280,13 @@ def _add_deploy(sub) -> None:
         default=1.0,
         help="seconds without a fresh action that stop an episode (the arm holds from a quarter "
         "of it); raise it for a policy whose inference outlasts its chunks",
+    )
+    y.add_argument(
+        "--robot.max-speed",
+        dest="max_speed",
+        type=float,
+        default=2.0,
+        help="rad/s per joint, the safety layer's rate limit (default 2, the simulator's); "
+        "lower it for a first run",
     )
     y.set_defaults(func=cmd_deploy)

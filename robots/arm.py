@@ -80,6 +80,14 @@ class ArmConfig:
             raise ValueError("robot: control_hz, image_size and max_episode_steps must be positive")
         if not 0 < self.watchdog_s < math.inf:
             raise ValueError(f"robot.watchdog: seconds, > 0 and finite, got {self.watchdog_s:g}")
+        if not 0 < self.max_speed < math.inf:
+            raise ValueError(f"robot.max_speed: rad/s, > 0 and finite, got {self.max_speed:g}")
+        closed, opened = self.gripper_range
+        if not (math.isfinite(closed) and math.isfinite(opened) and closed < opened):
+            raise ValueError(
+                f"robot.gripper_range: radians at LeRobot's 0 and 100, finite and the first "
+                f"smaller, got {tuple(self.gripper_range)}"
+            )
         if (
             len(self.joint_signs) != len(JOINTS)
             or any(v not in (1, -1) for v in self.joint_signs)

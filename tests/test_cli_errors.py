@@ -298,6 +298,16 @@ CASES = [
         ["robot.watchdog", "got inf"],
     ),
     (["read-arm", "--robot", "so101-sim", "--readings", "0"], ["--readings: must be >= 1"]),
+    (["deploy", CK, "--robot", "so101-sim", "--robot.max-speed", "0"], ["max_speed", "got 0"]),
+    (["deploy", CK, "--robot", "so101-sim", "--robot.max-speed", "nan"], ["max_speed", "nan"]),
+    (
+        ["deploy", CK, "--robot", "so101-sim", "--robot.gripper-range", "1.7,-0.2"],
+        ["robot.gripper_range", "the first smaller, got (1.7, -0.2)"],
+    ),
+    (
+        ["read-arm", "--robot", "so101-sim", "--robot.gripper-range", "0.1"],
+        ["--robot.gripper-range '0.1': expected 2 comma-separated finite numbers"],
+    ),
     (["read-arm", "--robot", "so101-sim", "--hz", "inf"], ["--hz", "0.1 to 100, got inf"]),
     (["read-arm", "--robot", "so101-sim", "--hz", "1e-300"], ["--hz", "0.1 to 100, got 1e-300"]),
     # the robot and its port are checked before the checkpoint is read (none here)

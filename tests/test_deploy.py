@@ -503,3 +503,23 @@ def test_a_camera_that_stops_giving_frames_is_one_error_and_the_arm_goes_to_its_
     assert rc == 2 and released == [True]
     (line,) = err.strip().splitlines()
     assert line.startswith("embodied: error: ") and "no frame in" in line
+
+
+def test_the_arms_speed_and_gripper_range_options_reach_its_config(monkeypatch, capsys):
+    import embodied.deploy as deploy_module
+
+    given = []
+
+    def capture(checkpoint, arm, **options):
+        given.append(arm)
+        return {"episodes": [], "torque_off_at_safe_pose": True}
+
+    monkeypatch.setattr(deploy_module, "run_deploy", capture)
+    port = ["--robot", "so101", "--robot.port", "/dev/ttyACM0"]
+    options = ["--robot.max-speed", "0.5", "--robot.gripper-range=-0.1,1.5"]  # (= before a -)
+    assert main(["deploy", "ckpt", *port, *options]) == 0
+    assert main(["deploy", "ckpt", *port]) == 0
+    assert [(a.max_speed, a.gripper_range) for a in given] == [
+        (0.5, (-0.1, 1.5)),
+        (2.0, (-0.17453, 1.74533)),  # the SO-101 description's
+    ]

@@ -468,15 +468,27 @@ def test_read_arm_ends_on_ctrl_c_and_says_when_the_torque_may_still_be_on(tmp_pa
 def test_the_watchdogs_times_follow_the_arms_setting(tmp_path):
     """``robot.watchdog`` (seconds): the episode stops after it without a fresh action, the arm
     holds from a quarter of it; 1 s by default (the times tests/test_control.py steps through)."""
-    from embodied.twin import make_twin_robot
 
     for watchdog, hold, stop in ((None, 0.25, 1.0), (4.0, 1.0, 4.0)):
         extra = {} if watchdog is None else {"watchdog_s": watchdog}
-        cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"), **extra)
-        robot, twin, port = make_twin_robot(cfg)
-        connect(robot, cfg)
-        try:
-            safety = default_safety(robot, cfg)
-        finally:
-            robot.disconnect()
+        safety = _twin_safety(tmp_path, **extra)
         assert (safety.hold_after_s, safety.stop_after_s) == (hold, stop)
+
+
+def test_the_rate_limit_follows_the_arms_max_speed(tmp_path):
+    """``robot.max_speed`` (rad/s) over the control rate is the most a joint moves in a step."""
+    assert _twin_safety(tmp_path).max_step == pytest.approx(2.0 / 30.0)  # the defaults
+    assert _twin_safety(tmp_path, max_speed=0.5, control_hz=20.0).max_step == 0.025
+
+
+def _twin_safety(tmp_path, **arm):
+    """The twin's default safety settings for an ArmConfig of ``arm``."""
+    from embodied.twin import make_twin_robot
+
+    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"), **arm)
+    robot, _, _ = make_twin_robot(cfg)
+    connect(robot, cfg)
+    try:
+        return default_safety(robot, cfg)
+    finally:
+        robot.disconnect()
