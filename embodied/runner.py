@@ -314,7 +314,9 @@ class Runner:
         # 5. evaluate (the best evaluation's weights are kept as a checkpoint), checkpoint
         self.phase = "evaluate"
         self.evaluations.periodic(state.iteration, last)
-        if last or (run.save_every and state.iteration % run.save_every == 0):
+        # (the clock may have run out during that evaluation: the run ends here, saved)
+        ends = last or self.clock.out_of_time
+        if ends or (run.save_every and state.iteration % run.save_every == 0):
             self.points.save(self.evaluations.in_flight_iteration())
         if self.stop.requested:
             raise Interrupted
