@@ -155,14 +155,15 @@ class Evaluations:
         self.record(results, at)
 
     def log(self, results: dict[str, dict], label: str, at: dict | None = None) -> None:
-        """Log ``results`` at the counters ``at`` (the evaluated iteration's; None: now)."""
+        """Log ``results`` at the counters ``at`` (the evaluated iteration's; None: now). The
+        final evaluation's rows say so: a resume drops them (the run gets a final one again)."""
         at = self.state.at() if at is None else at
         step = at["env_steps"]
-        iteration = at["iteration"]
-        self.logger.log(overall(results), step=step, iteration=iteration)
+        where = {"iteration": at["iteration"], **({"final": True} if label == "final" else {})}
+        self.logger.log(overall(results), step=step, **where)
         if len(results) > 1:
             for task, summary in results.items():
-                self.logger.log(per_task(task, summary), step=step, iteration=iteration)
+                self.logger.log(per_task(task, summary), step=step, **where)
         for task, r in results.items():
             self.bar.write(
                 f"{label} {task}: success {r['eval/success_rate']:.2f} "

@@ -143,7 +143,8 @@ def trim_metrics(run_dir: Path, iteration: int, evaluated: int | None = None) ->
     """Drop the metrics.jsonl rows logged after ``iteration`` (by a run that went on past its
     last checkpoint), so a resumed run logs each iteration once; also the evaluation rows of
     iteration ``evaluated`` (an evaluation beside training whose result no checkpoint holds:
-    the resumed run evaluates it again)."""
+    the resumed run evaluates it again) and the final evaluation's (the resumed run ends with
+    its own)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return
@@ -155,7 +156,7 @@ def trim_metrics(run_dir: Path, iteration: int, evaluated: int | None = None) ->
             continue
         at = row.get("iteration", 0)
         evaluation = any(key.startswith("eval/") for key in row)
-        if at <= iteration and not (evaluation and at == evaluated):
+        if at <= iteration and not (evaluation and at == evaluated) and not row.get("final"):
             kept.append(line)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
@@ -254,15 +255,18 @@ RUN_FILES = (
 
 def rewind(run_dir: Path, resume: dict, cfg, evaluates_beside: bool) -> None:
     """Take the run back to the checkpoint ``resume`` (loaded) before it goes on from there:
-    the metrics rows logged after it, those of the evaluation it will run again, and the later
-    checkpoints go; ``RUN/best`` is its best. An unfinished evaluation that cannot run again
-    (``why_not_again``) keeps the rows it logged."""
+    the metrics rows logged after it, those of the evaluation it will run again, the final
+    evaluation's result and the later checkpoints go; ``RUN/best`` is its best. An unfinished
+    evaluation that cannot run again (``why_not_again``) keeps the rows it logged."""
     counters = resume["counters"]
     done = counters["iteration"]
     unsaved = unsaved_evaluation(counters)
     if unsaved is not None and why_not_again(cfg, evaluates_beside, run_dir, counters, unsaved):
         unsaved = None
     trim_metrics(run_dir, done, None if unsaved is None else unsaved["iteration"])
+    # the earlier process's result: the resumed run writes its own when it ends
+    for result in (run_dir / "metrics.json", run_dir / "videos" / "final_eval.mp4"):
+        result.unlink(missing_ok=True)
     abandoned = drop_checkpoints_after(run_dir, done)
     if abandoned:
         print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
