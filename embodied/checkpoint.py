@@ -56,6 +56,10 @@ class CheckpointError(UserError):
     """A checkpoint whose files cannot be read: damaged, or not written by embodied."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (a full disk, say); the previous one stands."""
+
+
 def rng_state() -> dict:
     return {
         "torch": torch.get_rng_state(),
@@ -101,11 +105,34 @@ def save_checkpoint(
     ckpts = run_dir / "checkpoints"
     ckpts.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(run_dir, iteration)
+    tmp = staging_dir(run_dir, iteration)
+    trainer = {
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "rng": rng if rng is not None else rng_state(),
+        "counters": counters,
+    }
+    try:
+        _write_staged(tmp, model, trainer, meta, shards)
+    except (OSError, RuntimeError) as e:  # (torch.save's disk-full error is a RuntimeError)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(_not_written(final, run_dir, e)) from e
+    _move_in(tmp, final, run_dir)
+    _point(run_dir / LAST, final)
+    if keep is not None:
+        spare = {iteration, best_iteration(run_dir), *protect}
+        _prune(ckpts, keep, spare)
+    _remove_leftovers(run_dir)
+    _remove_unused_frozen(ckpts)
+    return final
+
+
+def _write_staged(tmp: Path, model: torch.nn.Module, trainer: dict, meta: dict, shards) -> None:
+    """The checkpoint's files, synced, into the staging directory ``tmp`` (its frozen weights
+    beside it, in checkpoints/, where they are missing)."""
     state = model.state_dict(keep_vars=True)
     frozen_names = frozen_keys(model)
     frozen = {k: v for k, v in state.items() if k in frozen_names}
-    frozen_file = _save_frozen(ckpts, model, frozen) if frozen else None
-    tmp = staging_dir(run_dir, iteration)
+    frozen_file = _save_frozen(tmp.parent, model, frozen) if frozen else None
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     sharded = {}
@@ -116,20 +143,16 @@ def save_checkpoint(
         prefixes = tuple(module_prefixes(sharded["shards"]))
         state = {k: v for k, v in state.items() if not k.startswith(prefixes)}
     _save_tensors({k: v for k, v in state.items() if k not in frozen}, tmp / MODEL)
-    trainer = {
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "rng": rng if rng is not None else rng_state(),
-        "counters": counters,
-    }
     _write_trainer_and_meta(tmp, trainer, {**meta, **sharded, "frozen": frozen_file})
-    _move_in(tmp, final, run_dir)
-    _point(run_dir / LAST, final)
-    if keep is not None:
-        spare = {iteration, best_iteration(run_dir), *protect}
-        _prune(ckpts, keep, spare)
-    _remove_leftovers(run_dir)
-    _remove_unused_frozen(ckpts)
-    return final
+
+
+def _not_written(final: Path, run_dir: Path, error: BaseException) -> str:
+    """Why the checkpoint ``final`` is not there, the disk's free space and what stands."""
+    free_mb = shutil.disk_usage(final.parent).free / 2**20
+    last = _target(run_dir / LAST)
+    stands = f"the last complete checkpoint is {last}" if last else "no checkpoint was saved"
+    why = " ".join(str(error).split()) or type(error).__name__
+    return f"checkpoint {final} not written ({why}; {free_mb:.0f} MiB free there); {stands}"
 
 
 def _write_trainer_and_meta(staging: Path, trainer: dict, meta: dict) -> None:

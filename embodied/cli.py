@@ -82,6 +82,7 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
+    from embodied.checkpoint import CheckpointWriteError
     from embodied.config import ConfigError
     from embodied.roles import WorkerLost
     from embodied.run import Stopped
@@ -97,6 +98,9 @@ def cmd_train(args) -> int:
     except Stopped as e:
         print(f"embodied: {e}", file=sys.stderr)
         return 128 + e.signum
+    except CheckpointWriteError as e:  # (a full disk: what stands is in the message)
+        _error(str(e))
+        return 1
     except WorkerLost as e:  # a cluster role that kept failing: the last checkpoint resumes
         print(
             f"embodied: error: {e}; resume with runner.resume={cfg.runner.output_dir}/"
@@ -237,6 +241,7 @@ def cmd_demos(args) -> int:
 
 
 def cmd_sft(args) -> int:
+    from embodied.checkpoint import CheckpointWriteError
     from embodied.sft import sft
 
     if (cfg := _load(args)) is None:
@@ -246,6 +251,9 @@ def cmd_sft(args) -> int:
         sft(cfg)
     except (FileNotFoundError, ValueError) as e:
         return _error(str(e))
+    except CheckpointWriteError as e:
+        _error(str(e))
+        return 1
     return 0
 
 

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from embodied import numerics
+from embodied.checkpoint import CheckpointWriteError
 from embodied.config import to_dict
 from embodied.episode_stats import EpisodeStats
 from embodied.evaluations import Evaluations
@@ -182,10 +183,12 @@ class Runner:
                     self._loop()
                 except Interrupted:
                     self._stopped_between_iterations()
-                except Exception:
+                except Exception as error:
                     # a failure outside the update (a simulator worker that hung, say): the
-                    # weights are still the last completed iteration's, so keep them
-                    if self.phase not in ("collect", "evaluate"):
+                    # weights are still the last completed iteration's, so keep them (unless
+                    # keeping them is what failed)
+                    unsaved = isinstance(error, CheckpointWriteError)
+                    if self.phase not in ("collect", "evaluate") or unsaved:
                         raise
                     if self.stop.requested:  # a signal to the process group ended a worker too
                         self._stopped_between_iterations()

@@ -67,3 +67,35 @@ def test_a_resumed_run_ends_with_one_final_evaluation_and_no_stale_result(tmp_pa
     run_on(PushRightEnv(8), run, total_env_steps=3 * STEPS, resume=str(run / "last"), **kw)
     assert finals() == [3]
     assert json.loads((run / "metrics.json").read_text())["final"]["iteration"] == 3
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_error_line_and_the_last_one_stands(
+    tmp_path, monkeypatch, capsys
+):
+    """A full disk while iteration 2 is saved: torch.save raises a RuntimeError (what a full disk
+    gives). The run ends with exit code 1 and one line naming the checkpoint, the free space and
+    the checkpoint that stands; no staging directory is left. It used to be two tracebacks (the
+    failed save was tried again while the first was handled)."""
+    from tiny_runs import TINY_REACH
+
+    from embodied.cli import main
+
+    torch_save = torch.save
+    saves = []
+
+    def full_at_the_second(obj, path, *args, **kwargs):
+        saves.append(path)
+        if len(saves) == 2:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64")
+        return torch_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_at_the_second)
+    argv = ["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={tmp_path}"]
+    steps = ["runner.total_env_steps=96", "runner.save_every=1", "runner.report=false"]
+    assert main([*argv, "runner.name=full", *TINY_REACH, *steps]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    run = tmp_path / "full"
+    assert line.startswith(f"embodied: error: checkpoint {run}/checkpoints/iter_000002 not")
+    assert "unexpected pos 64" in line and "MiB free there" in line
+    assert line.endswith(f"the last complete checkpoint is {run}/checkpoints/iter_000001")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001"]
