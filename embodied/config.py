@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -209,9 +210,22 @@ def load_config(
     sources = _read_yaml(Path(path), ())
     if overrides:
         sources.append((COMMAND_LINE, parse_overrides(overrides)))
+    sources = [(name, expand_home(data)) for name, data in sources]
     obj = compose(schema, sources)
     validate_tree(obj, "", sources, files)
     return obj, sources
+
+
+def expand_home(node: Any) -> Any:
+    """``node`` with each string that starts with ``~/`` expanded to the home directory: a path
+    (``runner.output_dir=~/runs`` is not a shell assignment, so the shell leaves the ~ alone)."""
+    if isinstance(node, dict):
+        return {key: expand_home(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [expand_home(value) for value in node]
+    if isinstance(node, str) and node.startswith("~/"):
+        return os.path.expanduser(node)
+    return node
 
 
 def to_dict(cfg) -> dict:

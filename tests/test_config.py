@@ -46,6 +46,19 @@ def test_defaults_list_and_overrides_compose(tmp_path):
     ]
 
 
+def test_a_path_that_starts_with_the_home_directory_is_expanded(tmp_path, monkeypatch):
+    """``runner.output_dir=~/runs`` reaches the program as typed (the shell expands a ~ after the
+    = of a variable assignment only); it used to make a folder named ~ where the run started."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg_file = write(tmp_path, "exp.yaml", "runner: {init_from: ~/ckpt, name: ~x}\n")
+    overrides = ["runner.output_dir=~/runs", "runner.resume=~/runs/a/last"]
+    cfg, _ = load_config(TrainConfig, cfg_file, overrides, files=False)
+    home = tmp_path / "home"
+    assert cfg.runner.output_dir == f"{home}/runs" and cfg.runner.init_from == f"{home}/ckpt"
+    assert cfg.runner.resume == f"{home}/runs/a/last"
+    assert cfg.runner.name == "~x"  # (only ~/ is the home directory)
+
+
 @pytest.mark.parametrize(
     "text, overrides, key, source",
     [
