@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from embodied import numerics
-from embodied.checkpoint import META, checkpoint_dir, drop_checkpoints_after, point_best
+from embodied.checkpoint import LAST, META, checkpoint_dir, drop_checkpoints_after, point_best
 from embodied.config import ConfigError, save_config
 
 
@@ -314,10 +314,23 @@ def run_dir_for(runner, resume: dict | None) -> Path:
     """A run's directory (``runner``: its config's runner section): the resumed checkpoint's,
     or ``output_dir/name``, which must not hold an earlier run unless ``overwrite``."""
     if resume is not None:
-        return run_dir_of(resume["path"], runner.resume)
+        run_dir = run_dir_of(resume["path"], runner.resume)
+        check_writable(run_dir, "runner.resume")
+        return run_dir
     run_dir = Path(runner.output_dir) / runner.name
     check_fresh(run_dir, runner.overwrite)
+    check_writable(run_dir, "runner.output_dir, runner.name")
     return run_dir
+
+
+def check_writable(run_dir: Path, keys: str) -> None:
+    """Before anything is built: the run directory, or the folder it will be made in, can be
+    written (a read-only disk, another user's folder); ``keys`` name where it came from."""
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{keys}: {existing} is a file, where {run_dir} would be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{keys}: cannot write in {existing} (read-only, or not yours)")
 
 
 def enter_run_dir(run_dir: Path, cfg, resume: dict | None, evaluates_beside: bool) -> None:
@@ -328,16 +341,16 @@ def enter_run_dir(run_dir: Path, cfg, resume: dict | None, evaluates_beside: boo
         rewind(run_dir, resume, cfg, evaluates_beside)
     elif cfg.runner.overwrite:
         clear_run(run_dir)
+    start = 0 if resume is None else resume["counters"]["iteration"]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        numerics.record(run_dir, iteration=start, deterministic=cfg.runner.deterministic)
     except OSError as e:
         reason = e.strerror or e
         raise ConfigError(
-            f"runner.output_dir, runner.name: cannot make {run_dir} ({reason})"
+            f"runner.output_dir, runner.name: cannot write in {run_dir} ({reason})"
         ) from None
-    save_config(cfg, run_dir / "config.yaml")
-    start = 0 if resume is None else resume["counters"]["iteration"]
-    numerics.record(run_dir, iteration=start, deterministic=cfg.runner.deterministic)
 
 
 def check_fresh(run_dir: Path, overwrite: bool) -> None:
@@ -346,10 +359,11 @@ def check_fresh(run_dir: Path, overwrite: bool) -> None:
         name for name in RUN_FILES if (run_dir / name).exists() or (run_dir / name).is_symlink()
     ]
     if found and not overwrite:
+        has_checkpoint = (run_dir / LAST / META).is_file()  # (one stopped before any has none)
+        resume = f"continue it with runner.resume={run_dir}, " if has_checkpoint else ""
         raise ConfigError(
-            f"runner.name: {run_dir} already holds a run ({', '.join(found)}); continue it with "
-            f"runner.resume={run_dir}, start over with runner.overwrite=true, or choose another "
-            "runner.name"
+            f"runner.name: {run_dir} already holds a run ({', '.join(found)}); {resume}start "
+            "over with runner.overwrite=true, or choose another runner.name"
         )
 
 

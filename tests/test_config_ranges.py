@@ -65,7 +65,7 @@ CASES = [
     (["train", M, "runner.device=tpu"], ["runner.device: must be auto, cpu, cuda", "'tpu'"]),
     (
         ["train", M, f"runner.output_dir={R}/empty.yaml/runs"],
-        ["runner.output_dir, runner.name: cannot make", "empty.yaml/runs/", "Not a directory"],
+        ["runner.output_dir, runner.name: {root}/empty.yaml is a file, where", "/runs/"],
     ),
     # SFT's own (its runner's as the train runner's)
     (["sft", SFT, "learning_rate=0"], ["learning_rate: must be > 0, got 0.0"]),

@@ -2,7 +2,10 @@
 directory holds afterwards. Runs of the scripted push env (tests/scripted_envs.py)."""
 
 import json
+import os
+from pathlib import Path
 
+import pytest
 import torch
 from scripted_envs import PPO, TINY_VLA, PushRightEnv, run_on
 
@@ -99,3 +102,54 @@ def test_a_checkpoint_that_cannot_be_written_is_one_error_line_and_the_last_one_
     assert "unexpected pos 64" in line and "MiB free there" in line
     assert line.endswith(f"the last complete checkpoint is {run}/checkpoints/iter_000001")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001"]
+
+
+def test_a_run_directory_that_cannot_be_written_is_refused_before_anything_is_built(
+    tmp_path, monkeypatch, capsys
+):
+    """A read-only (or another user's) folder: one line naming it, before the environment is
+    built (it used to be an OSError traceback after that, writing config.yaml). A test machine's
+    root user may write anywhere, so the folder's access is what the run is told."""
+    from tiny_runs import TINY_REACH
+
+    import embodied.runner
+    from embodied.cli import main
+
+    locked = tmp_path / "locked"
+    (locked / "run").mkdir(parents=True)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and access(p, mode))
+
+    def not_built(cfg):
+        raise AssertionError("the environment was built")
+
+    monkeypatch.setattr(embodied.runner, "make_env", not_built)
+    base = ["train", "configs/mujoco/reach_ppo.yaml", *TINY_REACH]
+    for place in (f"runner.output_dir={locked}", f"runner.output_dir={locked}/deeper"):
+        assert main([*base, place, "runner.name=new"]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"embodied: error: runner.output_dir, runner.name: cannot write in {locked} "
+            "(read-only, or not yours)\n"
+        )
+    assert sorted(p.name for p in locked.iterdir()) == ["run"]
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_not_offered_a_resume(tmp_path):
+    """The message for a name already used offers ``runner.resume`` only where there is a
+    checkpoint to resume from (a run killed in its first iteration has none)."""
+    from embodied.config import ConfigError
+    from embodied.run import check_fresh
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError) as refused:
+        check_fresh(run, overwrite=False)
+    assert "runner.overwrite=true" in str(refused.value)
+    assert "runner.resume" not in str(refused.value)
+    (run / "checkpoints" / "iter_000001").mkdir(parents=True)
+    (run / "checkpoints" / "iter_000001" / "meta.json").write_text("{}")
+    (run / "last").symlink_to("checkpoints/iter_000001")
+    with pytest.raises(ConfigError, match="continue it with runner.resume=.*, start over"):
+        check_fresh(run, overwrite=False)
