@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from embodied.bench_report import atomic_write, write_report
+from embodied.bench_report import write_report
 from embodied.config import ConfigError, check_folder_name, compose, to_dict, validate_tree
 from embodied.evaluate import evaluate_by_task
+from embodied.logger import write_atomic
 from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
 from embodied.schema import UserError, check_at_least
 
@@ -252,7 +253,7 @@ def run_bench(
             continue
         for r in results:
             r["key"] = key
-        atomic_write(path, json.dumps({"key": key, "results": results}, indent=2))
+        write_atomic(path, json.dumps({"key": key, "results": results}, indent=2))
         done += results
         for r in results:
             print(f"[{n}/{len(items)}] {_result_line(r)}", flush=True)

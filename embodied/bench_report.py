@@ -7,6 +7,8 @@ import json
 import time
 from pathlib import Path
 
+from embodied.logger import write_atomic
+
 COLUMNS = (
     "task",
     "episodes",
@@ -21,8 +23,8 @@ COLUMNS = (
 
 def write_report(out_dir: Path, meta: dict, results: list[dict]) -> dict:
     report = {**meta, "written": time.strftime("%Y-%m-%d %H:%M:%S"), "tasks": results}
-    atomic_write(out_dir / "results.json", json.dumps(report, indent=2))
-    atomic_write(out_dir / "report.md", markdown(report))
+    write_atomic(out_dir / "results.json", json.dumps(report, indent=2))
+    write_atomic(out_dir / "report.md", markdown(report))
     if results:
         plot(out_dir / "success.png", results, title=f"{meta['suite']}: {meta['policy']}")
     return report
@@ -81,10 +83,4 @@ def plot(path: Path, results: list[dict], title: str) -> None:
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    tmp.replace(path)
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
     tmp.replace(path)

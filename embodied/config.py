@@ -20,6 +20,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from embodied.logger import write_atomic
+
 COMMAND_LINE = "the command line"
 
 
@@ -234,7 +236,7 @@ def to_dict(cfg) -> dict:
 
 
 def save_config(cfg, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_atomic(Path(path), yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def check_folder_name(key: str, name: str) -> None:

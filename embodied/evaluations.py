@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from embodied.checkpoint import checkpoint_dir, load_checkpoint, mark_best
 from embodied.evaluate import overall, per_task
-from embodied.logger import RunLogger
+from embodied.logger import RunLogger, write_atomic
 from embodied.roles import Roles, WorkerLost
 from embodied.run import Interrupted, Stopped, StopSignals, bar_interval, why_not_again
 from embodied.run_state import RunState, SavePoints
@@ -226,7 +226,7 @@ class Evaluations:
             "episodes": state.episodes,
             "minutes": minutes,
         }
-        (self.run_dir / "metrics.json").write_text(json.dumps(summary, indent=2))
+        write_atomic(self.run_dir / "metrics.json", json.dumps(summary, indent=2))
         ci = final["eval/success_ci95"]
         print(
             f"final evaluation: success {final['eval/success_rate']:.3f} over "

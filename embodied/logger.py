@@ -33,6 +33,7 @@ class RunLogger:
                 self.tb.add_scalar(k, v, step)
         self.jsonl.write(json.dumps({"env_steps": step, **extra, **scalars}) + "\n")
         self.jsonl.flush()
+        os.fsync(self.jsonl.fileno())  # (a checkpoint is synced: the rows it counts are too)
 
     def close(self) -> None:
         self.jsonl.close()
@@ -49,6 +50,21 @@ def end_cut_line(path: Path) -> None:
         f.seek(-1, os.SEEK_END)
         if f.read(1) != b"\n":
             f.write(b"\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a crash leaves the old file or the new,
+    never part of one (a reader of metrics.json, config.yaml, a report)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -29,7 +29,7 @@ from embodied.cluster.config import ClusterConfig
 from embodied.config import ConfigError, check_folder_name, to_dict
 from embodied.evaluate import evaluate_by_task, per_task
 from embodied.learner import TrainerConfig, check_grad_norm
-from embodied.logger import RunLogger
+from embodied.logger import RunLogger, write_atomic
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
 from embodied.multitask import SIMULATOR_CONFIGS, make_env
 from embodied.roles import load_checkpoint_for, make_engine, save_engine
@@ -370,7 +370,7 @@ class SFTRun:
             "final": final,
             "evals": self.evals,
         }
-        (self.run_dir / "metrics.json").write_text(json.dumps(summary, indent=2))
+        write_atomic(self.run_dir / "metrics.json", json.dumps(summary, indent=2))
         self.logger.close()
         for task, r in final.items():
             ci = r["eval/success_ci95"]

@@ -153,3 +153,26 @@ def test_a_run_stopped_before_its_first_checkpoint_is_not_offered_a_resume(tmp_p
     (run / "last").symlink_to("checkpoints/iter_000001")
     with pytest.raises(ConfigError, match="continue it with runner.resume=.*, start over"):
         check_fresh(run, overwrite=False)
+
+
+def test_a_file_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """metrics.json and config.yaml: a write that fails (a full disk, a kill) leaves the old
+    file as it was and no temporary file; one that succeeds replaces it."""
+    from embodied.logger import write_atomic
+
+    path = tmp_path / "metrics.json"
+    write_atomic(path, '{"final": 1}')
+    assert path.read_text() == '{"final": 1}'
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            write_atomic(path, '{"final": 2, "and more": "than fits"}')
+    assert path.read_text() == '{"final": 1}' and [p.name for p in tmp_path.iterdir()] == [
+        "metrics.json"
+    ]
+    write_atomic(path, '{"final": 2}')
+    assert path.read_text() == '{"final": 2}'
