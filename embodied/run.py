@@ -6,12 +6,14 @@ checkpoints, the time limit, and stopping on Ctrl-C or SIGTERM at a consistent p
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from embodied import numerics
@@ -237,6 +239,8 @@ def write_trace(path: Path, spans: list[tuple[str, str, int, float, float]]) -> 
 EVALUATED_AT = ("iteration", "env_steps", "train_seconds")
 
 
+LOCK = ".lock"  # RUN/.lock: held by the process that runs in RUN (its pid inside)
+
 RUN_FILES = (
     "metrics.jsonl",
     "metrics.json",
@@ -331,6 +335,39 @@ def check_writable(run_dir: Path, keys: str) -> None:
         raise ConfigError(f"{keys}: {existing} is a file, where {run_dir} would be made")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{keys}: cannot write in {existing} (read-only, or not yours)")
+
+
+@contextmanager
+def run_dir_held(run_dir: Path, cfg, resume: dict | None, evaluates_beside: bool):
+    """``enter_run_dir``, for this process alone until the block ends: a second process on the
+    same run directory (a double submit, a job requeued while the first still drains) is
+    refused before it touches anything, rather than interleaving rows and checkpoints."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(run_dir / LOCK, "a+")
+    except OSError as e:
+        reason = e.strerror or e
+        raise ConfigError(
+            f"runner.output_dir, runner.name: cannot write in {run_dir} ({reason})"
+        ) from None
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "?"
+            raise ConfigError(
+                f"runner.name: {run_dir} is in use by another run (process {holder}); wait for "
+                "it to end, or choose another runner.name"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        enter_run_dir(run_dir, cfg, resume, evaluates_beside)
+        yield
+    finally:
+        lock.close()  # (the lock goes with it, and with the process however it ends)
 
 
 def enter_run_dir(run_dir: Path, cfg, resume: dict | None, evaluates_beside: bool) -> None:

@@ -45,8 +45,8 @@ from embodied.run import (
     bar_interval,
     bar_postfix,
     check_resume,
-    enter_run_dir,
     run_dir_for,
+    run_dir_held,
     unsaved_evaluation,
     write_trace,
 )
@@ -94,8 +94,8 @@ def train(cfg: TrainConfig) -> dict:
             env.close()
             raise
     try:
-        enter_run_dir(run_dir, cfg, resume, roles.evaluates_beside)
-        return Runner(cfg, roles, run_dir, resume).run()
+        with run_dir_held(run_dir, cfg, resume, roles.evaluates_beside):
+            return Runner(cfg, roles, run_dir, resume).run()
     finally:
         roles.close()
 

@@ -39,8 +39,8 @@ from embodied.run import (
     StopSignals,
     bar_interval,
     check_resume,
-    enter_run_dir,
     run_dir_for,
+    run_dir_held,
 )
 from embodied.schema import SimulatorConfig, check_at_least
 from embodied.sft_data import (
@@ -200,16 +200,16 @@ def sft(cfg: SFTConfig) -> dict:
     with make_env(_eval_env_config(env_cfgs)) as env:  # the spec all tasks share
         spec = env.spec
     run_dir = run_dir_for(cfg.runner, resume)
-    enter_run_dir(run_dir, cfg, resume, evaluates_beside=False)
-    learner = bc_learner_for(cfg, spec, norm_data(frames))
-    try:  # (TP ranks in processes end with the learner)
-        if resume is not None:
-            learner.load(resume)
-        run = SFTRun(cfg, learner, frames, env_cfgs, spec, run_dir, resume)
-        run.train()
-    finally:
-        learner.close()
-    return run.finish()
+    with run_dir_held(run_dir, cfg, resume, evaluates_beside=False):
+        learner = bc_learner_for(cfg, spec, norm_data(frames))
+        try:  # (TP ranks in processes end with the learner)
+            if resume is not None:
+                learner.load(resume)
+            run = SFTRun(cfg, learner, frames, env_cfgs, spec, run_dir, resume)
+            run.train()
+        finally:
+            learner.close()
+        return run.finish()
 
 
 def _resume_of(cfg: SFTConfig) -> dict | None:

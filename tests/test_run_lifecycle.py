@@ -176,3 +176,35 @@ def test_a_file_written_whole_or_not_at_all(tmp_path, monkeypatch):
     ]
     write_atomic(path, '{"final": 2}')
     assert path.read_text() == '{"final": 2}'
+
+
+def test_a_second_process_on_a_run_directory_in_use_is_refused(tmp_path, capsys):
+    """Another process holds RUN/.lock (a run in progress, here held the way a run holds it):
+    a run, fresh or resumed, into that directory is one line naming its process and leaves the
+    directory as it was; once it is free, the run goes ahead and the lock goes with it."""
+    import fcntl
+
+    from tiny_runs import TINY_REACH
+
+    from embodied.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = open(run / ".lock", "w")
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder.write("4242\n")
+    holder.flush()
+    argv = ["train", "configs/mujoco/reach_ppo.yaml", *TINY_REACH, "runner.report=false"]
+    argv += [f"runner.output_dir={tmp_path}", "runner.name=run"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"embodied: error: runner.name: {run} is in use by another run (process 4242); wait for "
+        "it to end, or choose another runner.name\n"
+    )
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]
+    holder.close()
+    assert main(argv) == 0
+    assert (run / ".lock").read_text() == f"{os.getpid()}\n"  # (the process that ran last)
+    with open(run / ".lock") as lock:  # released at the run's end
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
