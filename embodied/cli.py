@@ -102,13 +102,19 @@ def cmd_train(args) -> int:
         _error(str(e))
         return 1
     except WorkerLost as e:  # a cluster role that kept failing: the last checkpoint resumes
-        print(
-            f"embodied: error: {e}; resume with runner.resume={cfg.runner.output_dir}/"
-            f"{cfg.runner.name}",
-            file=sys.stderr,
-        )
+        print(f"embodied: error: {e}; resume with runner.resume={_run_dir(cfg)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_dir(cfg) -> Path:
+    """The directory a train command runs in: its resumed checkpoint's run, or
+    output_dir/name (a resume from RUN/checkpoints/iter_N writes to RUN)."""
+    if not cfg.runner.resume:
+        return Path(cfg.runner.output_dir) / cfg.runner.name
+    given = Path(cfg.runner.resume)
+    checkpoint = given.resolve() if given.is_symlink() else given  # (RUN/last, RUN/best)
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else given
 
 
 def cmd_eval(args) -> int:

@@ -254,6 +254,7 @@ RUN_FILES = (
     "events.jsonl",
     "rollouts",
     "report.html",
+    "episodes",  # (`embodied episodes RUN`'s default output)
 )
 
 
@@ -401,6 +402,11 @@ def check_fresh(run_dir: Path, overwrite: bool) -> None:
         raise ConfigError(
             f"runner.name: {run_dir} already holds a run ({', '.join(found)}); {resume}start "
             "over with runner.overwrite=true, or choose another runner.name"
+        )
+    if found and not (run_dir / "config.yaml").is_file():  # (every run writes it first)
+        raise ConfigError(
+            f"runner.overwrite: {run_dir} holds {', '.join(found)} but no config.yaml, so it is "
+            "not a run's directory and nothing there is removed; choose another runner.name"
         )
 
 

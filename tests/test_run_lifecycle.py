@@ -208,3 +208,43 @@ def test_a_second_process_on_a_run_directory_in_use_is_refused(tmp_path, capsys)
     assert (run / ".lock").read_text() == f"{os.getpid()}\n"  # (the process that ran last)
     with open(run / ".lock") as lock:  # released at the run's end
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_overwrite_removes_a_runs_files_only_from_a_runs_directory(tmp_path):
+    """``runner.overwrite=true`` on a folder that is no run's (no config.yaml, which every run
+    writes first) removes nothing: a user's own checkpoints/ there stays. A run's directory is
+    cleared, its exported episodes/ too, and what is not a run's file stays."""
+    from embodied.config import ConfigError
+    from embodied.run import check_fresh, clear_run
+
+    folder = tmp_path / "mine"
+    (folder / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="no config.yaml, so it is not a run's directory"):
+        check_fresh(folder, overwrite=True)
+    assert (folder / "checkpoints").is_dir()
+    run = tmp_path / "run"
+    for name in ("checkpoints", "episodes/episode_0000", "notes"):
+        (run / name).mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 0\n")
+    check_fresh(run, overwrite=True)
+    clear_run(run)
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "notes"]
+
+
+def test_a_lost_workers_resume_hint_names_the_directory_the_run_writes_to(tmp_path):
+    """A run resumed from a checkpoint elsewhere writes there, not to output_dir/name: the hint
+    after a lost worker names that run (it used to name output_dir/name)."""
+    from types import SimpleNamespace
+
+    from embodied.cli import _run_dir
+
+    run = tmp_path / "elsewhere"
+    (run / "checkpoints" / "iter_000003").mkdir(parents=True)
+    (run / "last").symlink_to("checkpoints/iter_000003")
+
+    def runner(resume):
+        return SimpleNamespace(runner=SimpleNamespace(output_dir="runs", name="a", resume=resume))
+
+    assert _run_dir(runner(None)) == Path("runs/a")
+    for given in (run, run / "last", run / "checkpoints" / "iter_000003"):
+        assert _run_dir(runner(str(given))) == run
