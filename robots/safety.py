@@ -127,13 +127,17 @@ class SafetyLayer:
         self.last = target
         return target.copy(), kinds
 
+    def within_limits(self, pose: np.ndarray) -> np.ndarray:
+        """``pose`` clipped to the joint limits: where ``toward`` steps to (f64 [6])."""
+        return np.clip(np.asarray(pose, float), self.low, self.high)
+
     def toward(self, pose: np.ndarray) -> np.ndarray:
         """One rate-limited step from the last command toward ``pose`` (a start pose, the safe
         pose): the rate limit is the plan here, not an intervention. Joint by joint, each part of
         the step that keeps the tool point in the box (or no further out) is taken, so that a
         straight line in joint space that dips out of the box (from a pose at the table, say)
         still makes headway instead of holding forever."""
-        goal = np.clip(np.asarray(pose, float), self.low, self.high)
+        goal = self.within_limits(pose)
         step = np.clip(goal - self.last, -self.max_step, self.max_step)
         q = self.last.copy()
         for j in np.flatnonzero(step):

@@ -61,7 +61,7 @@ def _step_toward(env, pose: np.ndarray, tolerance: float, gripper_may_block: boo
     away = np.abs(env.read_joints() - pose)  # f64 [6]
     if gripper_may_block:
         gripper = env.spec.action.gripper
-        target = np.clip(pose[gripper], env.safety.low[gripper], env.safety.high[gripper])
+        target = env.safety.within_limits(pose)[gripper]
         away[gripper] = abs(env.safety.last[gripper] - target)  # the command, not the reading
     return bool(np.all(away < tolerance))
 
