@@ -92,36 +92,12 @@ def cmd_deploy(args) -> int:
     import logging
 
     from embodied.deploy import DeployError, run_deploy
-    from embodied.robots.arm import ArmConfig
 
-    # what the options alone decide, before the checkpoint is read or anything connects
-    if args.hz is not None and not 0 < args.hz < math.inf:
-        return _error(f"--hz: must be > 0 and finite (Hz), got {args.hz:g}")
-    if args.episodes < 1:
-        return _error(f"--episodes: must be >= 1, got {args.episodes}")
-    if not 0 < args.episode_seconds < math.inf:
-        return _error(f"--episode-seconds: must be > 0 and finite, got {args.episode_seconds:g}")
-    if args.server and not args.server.startswith(("ws://", "wss://")):
-        return _error(f"--server {args.server!r}: expected ws://HOST:PORT (or wss://)")
-    record = Path(args.record) if args.record else None
-    if record is not None and record.exists() and (not record.is_dir() or any(record.iterdir())):
-        # the episodes would run on the arm and then fail to be written
-        return _error(f"--record {record}: not empty; give a new directory for the recordings")
+    if why := _deploy_options_refused(args):
+        return _error(why)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        arm = ArmConfig(
-            robot=args.robot,
-            port=args.robot_port or "",
-            id=args.robot_id,
-            cameras=_cameras(args.camera),
-            instruction=args.instruction,
-            joint_signs=_floats("--robot.joint-signs", args.joint_signs, 1.0),
-            joint_offsets=_floats("--robot.joint-offsets", args.joint_offsets, 0.0),
-            watchdog_s=args.watchdog,
-            max_speed=args.max_speed,
-            **_gripper_range(args),
-        )
-        arm.validate()  # the robot and its port before the checkpoint is read
+        arm = _deploy_arm(args)
         goal = None
         if args.goal:
             goal = _floats("--goal", args.goal, 0.0, n=3, what="axis (metres: x,y,z)")
@@ -149,6 +125,44 @@ def cmd_deploy(args) -> int:
         )
         return 1
     return 0
+
+
+def _deploy_options_refused(args) -> str | None:
+    """What the options alone refuse, before the checkpoint is read or anything connects."""
+    if args.hz is not None and not 0 < args.hz < math.inf:
+        return f"--hz: must be > 0 and finite (Hz), got {args.hz:g}"
+    if args.episodes < 1:
+        return f"--episodes: must be >= 1, got {args.episodes}"
+    if not 0 < args.episode_seconds < math.inf:
+        return f"--episode-seconds: must be > 0 and finite, got {args.episode_seconds:g}"
+    if args.server and not args.server.startswith(("ws://", "wss://")):
+        return f"--server {args.server!r}: expected ws://HOST:PORT (or wss://)"
+    record = Path(args.record) if args.record else None
+    if record is not None and record.exists() and (not record.is_dir() or any(record.iterdir())):
+        # the episodes would run on the arm and then fail to be written
+        return f"--record {record}: not empty; give a new directory for the recordings"
+    return None
+
+
+def _deploy_arm(args):
+    """The arm's ArmConfig from deploy's options, checked (the robot and its port before the
+    checkpoint is read)."""
+    from embodied.robots.arm import ArmConfig
+
+    arm = ArmConfig(
+        robot=args.robot,
+        port=args.robot_port or "",
+        id=args.robot_id,
+        cameras=_cameras(args.camera),
+        instruction=args.instruction,
+        joint_signs=_floats("--robot.joint-signs", args.joint_signs, 1.0),
+        joint_offsets=_floats("--robot.joint-offsets", args.joint_offsets, 0.0),
+        watchdog_s=args.watchdog,
+        max_speed=args.max_speed,
+        **_gripper_range(args),
+    )
+    arm.validate()
+    return arm
 
 
 def _error_with_notes(e: BaseException) -> int:
