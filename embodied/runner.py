@@ -284,15 +284,7 @@ class Runner:
         updated = done.update.result()
         metrics.update(updated)
         if self.records is not None:  # (the learner writes the record, or drops it)
-            counters = {
-                "iteration": collected.iteration,
-                "env_steps": collected.progress.env_steps,
-                "rounds": collected.progress.rounds,
-                "policy_version": state.policy_version + 1,  # (the update's weights)
-            }
-            reason = self.records.after_update(collected.iteration, updated, counters)
-            if reason in ("non-finite", "spike"):
-                self._event("record", f"iteration {collected.iteration}: {reason}")
+            self._record(collected, updated)
         update_seconds = time.time() - done.start
         state.policy_version += 1
         if not stopping:  # (a stop after a lost worker: only what the checkpoint needs)
@@ -331,6 +323,19 @@ class Runner:
             )
             return True
         return False
+
+    def _record(self, collected, updated: dict) -> None:
+        """The rollout record of ``collected``'s iteration, kept or dropped as its update says
+        (embodied/recording.py); a kept one's reason is an event."""
+        counters = {
+            "iteration": collected.iteration,
+            "env_steps": collected.progress.env_steps,
+            "rounds": collected.progress.rounds,
+            "policy_version": self.state.policy_version + 1,  # (the update's weights)
+        }
+        reason = self.records.after_update(collected.iteration, updated, counters)
+        if reason in ("non-finite", "spike"):
+            self._event("record", f"iteration {collected.iteration}: {reason}")
 
     def _log(self, metrics: dict, done: UpdateInFlight, update_seconds: float) -> None:
         collected = done.collected
