@@ -181,18 +181,7 @@ def bench_rollout(env, steps: int, stages: int = 1) -> tuple[float, float]:
 def main() -> None:
     from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
 
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--task", default="PushCube-v1")
-    ap.add_argument("--num-envs", type=int, default=16)
-    ap.add_argument(
-        "--workers", type=int, default=2, help="0: simulators in this process (num_workers: 0)"
-    )
-    ap.add_argument("--steps", type=int, default=150, help="steps per environment per measurement")
-    ap.add_argument("--control-mode", default="pd_joint_delta_pos")
-    ap.add_argument("--repeats", type=int, default=10, help="alternating repeats")
-    args = ap.parse_args()
+    args = _arguments()
     torch.set_num_threads(1)
     env = ManiSkillEnv(
         ManiSkillConfig(
@@ -226,6 +215,27 @@ def main() -> None:
     finally:
         env.close()
         raw.close()
+    _print_table(args, results)
+
+
+def _arguments() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--task", default="PushCube-v1")
+    ap.add_argument("--num-envs", type=int, default=16)
+    ap.add_argument(
+        "--workers", type=int, default=2, help="0: simulators in this process (num_workers: 0)"
+    )
+    ap.add_argument("--steps", type=int, default=150, help="steps per environment per measurement")
+    ap.add_argument("--control-mode", default="pd_joint_delta_pos")
+    ap.add_argument("--repeats", type=int, default=10, help="alternating repeats")
+    return ap.parse_args()
+
+
+def _print_table(args, results: dict[str, list[tuple[float, float]]]) -> None:
+    """Each loop's median steps/s and CPU per step, as ratios to the same rounds' raw loop."""
+    loops = tuple(results)
     sps = {k: [steps_per_s for steps_per_s, _ in results[k]] for k in loops}
     cpu = {k: [cpu_ms for _, cpu_ms in results[k]] for k in loops}
     print(
