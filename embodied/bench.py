@@ -2,11 +2,12 @@
 
 A suite is a YAML file naming tasks (each a simulator config, as under ``env:`` in a training
 config), episodes and a seed. Every task runs through the same contract and ``evaluate_by_task``
-(deterministic actions, episode i seeded ``EVAL_SEED_OFFSET + seed + i``), so the same seed gives
-the same results on CPU. Each finished task is written to ``OUT/tasks/<task>.json`` at once with a
-key of everything that determines it (env config, episodes, seed, policy); a rerun of a killed
-bench skips tasks whose file matches. After every task the report is rewritten from the finished
-ones: ``results.json``, ``report.md``, ``success.png`` and one mp4 per task (``videos/``).
+(deterministic actions, episode i on the held-out seed ``eval_seed(seed, held_out=True) + i`` as
+in ``embodied eval``), so the same seed gives the same results on CPU. Each finished task is
+written to ``OUT/tasks/<task>.json`` at once with a key of everything that determines it (env
+config, episodes, seeds, policy); a rerun of a killed bench skips tasks whose file matches. After
+every task the report is rewritten from the finished ones: ``results.json``, ``report.md``,
+``success.png`` and one mp4 per task (``videos/``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from embodied.config import ConfigError, check_folder_name, compose, to_dict, va
 from embodied.evaluate import evaluate_by_task
 from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
 from embodied.schema import UserError, check_at_least
+from embodied.seeds import check_seed, eval_seed
 
 POLICIES = ("random", "zero")  # baselines; any other policy comes from --checkpoint
 
@@ -59,6 +61,7 @@ class BenchConfig:
 
     def validate(self) -> None:
         check_folder_name("name", self.name)
+        check_seed("seed", self.seed)
         if not self.tasks:
             raise ValueError("tasks: a suite needs at least one task")
         check_at_least(self, 1, "episodes", "torch_threads")
@@ -267,7 +270,7 @@ def _task_key(item: BenchItem, cfg: BenchConfig, policy_key: str) -> str:
     made_from = {
         "env": to_dict(item.env),
         "episodes": item.episodes,
-        "seed": cfg.seed,
+        "first_seed": eval_seed(cfg.seed, held_out=True),  # (results on older seeds run again)
         "policy": policy_key,
     }
     return hashlib.sha1(json.dumps(made_from, sort_keys=True).encode()).hexdigest()
@@ -326,7 +329,7 @@ def _run_task(
                 env,
                 policy,
                 episodes=item.episodes,
-                seed=cfg.seed,
+                seed=eval_seed(cfg.seed, held_out=True),
                 video_path=video,
                 progress=bar,
                 deterministic=policies.deterministic,

@@ -114,7 +114,9 @@ def cmd_eval(args) -> int:
     from embodied.models import build_policy
     from embodied.multitask import make_env
     from embodied.schema import UserError
+    from embodied.seeds import check_seed, eval_seed
 
+    check_seed("--seed", args.seed)  # (a UserError: one line)
     if args.episodes < 1:
         return _error(f"--episodes: must be >= 1, got {args.episodes}")
     if args.num_envs is not None and args.num_envs < 1:
@@ -145,7 +147,8 @@ def cmd_eval(args) -> int:
             ) from None
         policy.eval()
         video = ckpt["path"] / f"eval_{args.episodes}.mp4" if args.video else None
-        result = evaluate(env, policy, episodes=args.episodes, seed=args.seed, video_path=video)
+        seed = eval_seed(args.seed, held_out=True)  # not the seeds that chose a best checkpoint
+        result = evaluate(env, policy, episodes=args.episodes, seed=seed, video_path=video)
     finally:
         env.close()
     out = ckpt["path"] / "eval.json"
@@ -340,7 +343,9 @@ def _add_eval(sub) -> None:
     e.add_argument(
         "--video", action="store_true", help="write an mp4 of the first round of episodes"
     )
-    e.add_argument("--seed", type=int, default=0, help="evaluation seed (default 0)")
+    e.add_argument(
+        "--seed", type=int, default=0, help="evaluation seed, in [0, 100000000) (default 0)"
+    )
     e.add_argument(
         "--num-envs", type=int, default=None, help="environments in parallel (default: as trained)"
     )

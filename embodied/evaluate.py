@@ -15,7 +15,6 @@ from embodied.rollout import share_bounds
 from embodied.run import Interrupted
 from embodied.video import tile, write_mp4
 
-EVAL_SEED_OFFSET = 1_000_000  # evaluation seeds never coincide with training seeds
 VIDEO_TILES = 4  # environments shown side by side in the evaluation video
 
 
@@ -41,8 +40,9 @@ def evaluate(
     progress=None,
     should_stop: Callable[[], bool] | None = None,
 ) -> dict:
-    """Run ``episodes`` episodes (episode i reset with seed ``EVAL_SEED_OFFSET + seed + i``), the
-    first episode of each environment per round counted. Returns success rate, returns, lengths.
+    """Run ``episodes`` episodes (episode i reset with seed ``seed + i``: ``seed`` from
+    ``embodied.seeds.eval_seed``, selection or held out), the first episode of each environment
+    per round counted. Returns success rate, returns, lengths.
     ``should_stop`` is asked before every policy call; when it says so, ``Interrupted`` is
     raised."""
     ranges = [(0, env.num_envs)]
@@ -225,7 +225,7 @@ def _new_round(
     active = torch.zeros(B, dtype=torch.bool)  # bool [B]
     for (lo, hi), res, (episodes, seed) in zip(ranges, results, shares):
         n = max(0, min(hi - lo, episodes - len(res)))
-        base = EVAL_SEED_OFFSET + seed + len(res)
+        base = seed + len(res)
         seeds[lo:hi] = [base + i for i in range(hi - lo)]
         active[lo : lo + n] = True
     ret = torch.zeros(B)  # f32 [B]

@@ -20,6 +20,7 @@ from embodied.multitask import MultiTaskEnv
 from embodied.schema import (
     PolicyOutput,
 )
+from embodied.seeds import eval_seed
 
 
 def test_the_test_env_passes_the_contract():
@@ -109,9 +110,10 @@ def test_an_evaluation_split_among_env_workers_by_task_pools_to_the_whole_one():
     evaluates its share of each task's episodes (``episode_shares``), and the parts pool per
     task to the one-process evaluation of both tasks."""
     whole_env = MultiTaskEnv([PushRightEnv(4), PushRightEnv(3, threshold=0.0)], ["a", "b"])
-    whole = evaluate_by_task(whole_env, PixelPolicy(), episodes=5, seed=3)
-    shares = episode_shares([[0], [0, 1]], tasks=2, episodes=5, seed=3)
-    assert shares == [[(2, 3)], [(3, 5), (5, 3)]]
+    seed = eval_seed(3, held_out=False)  # (a training run's: 2e9 + 3)
+    whole = evaluate_by_task(whole_env, PixelPolicy(), episodes=5, seed=seed)
+    shares = episode_shares([[0], [0, 1]], tasks=2, episodes=5, seed=seed)
+    assert shares == [[(2, seed)], [(3, seed + 2), (5, seed)]]
     assert episode_shares([[0], [0]], tasks=1, episodes=1, seed=0) == [[(1, 0)], [(0, 0)]]
     workers = [
         MultiTaskEnv([PushRightEnv(2)], ["a"]),
