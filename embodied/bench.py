@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from embodied.bench_report import atomic_write, write_report
+from embodied.checkpoint import META
 from embodied.config import ConfigError, check_folder_name, compose, to_dict, validate_tree
 from embodied.evaluate import evaluate_by_task
 from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
@@ -160,13 +161,14 @@ class _PolicySource:
 
             ckpt = Path(checkpoint)
             self.loaded, _ = load_policy(ckpt)
-            self.spec = self._checkpoint_spec(ckpt)
+            self.spec, path = self._checkpoint_spec(ckpt)
             resolved = ckpt.resolve()  # RUN/last -> RUN/checkpoints/iter_N: label RUN_iter_N
             inside_run = resolved.parent.name == "checkpoints"
             self.label = _file_name(
                 f"{resolved.parent.parent.name}_{resolved.name}" if inside_run else resolved.name
             )
-            self.key = f"checkpoint:{ckpt.resolve()}"
+            # its contents too: a run retrained into the same directory rewrites the same path
+            self.key = f"checkpoint:{ckpt.resolve()}:{checkpoint_fingerprint(path)}"
         else:
             if policy not in POLICIES:
                 raise ValueError(
@@ -182,10 +184,12 @@ class _PolicySource:
 
     @staticmethod
     def _checkpoint_spec(ckpt: Path):
+        """The checkpoint's EnvSpec and its directory."""
         from embodied.checkpoint import load_policy_checkpoint
         from embodied.schema import EnvSpec
 
-        return EnvSpec.from_dict(load_policy_checkpoint(ckpt)["meta"]["spec"])
+        loaded = load_policy_checkpoint(ckpt)
+        return EnvSpec.from_dict(loaded["meta"]["spec"]), Path(loaded["path"])
 
     def for_env(self, spec):
         if self.loaded is None:
@@ -263,6 +267,22 @@ def run_bench(
     report = write_report(out_dir, meta, done)
     print(f"report: {out_dir}/report.md, results.json, success.png", flush=True)
     return report
+
+
+def checkpoint_fingerprint(path: Path) -> str:
+    """sha1 of a checkpoint directory's meta.json bytes and each other file's name, size and
+    mtime_ns (weights can be GBs: not read); what ``embodied eval`` writes there is left out."""
+    digest = hashlib.sha1()
+    for file in sorted(f for f in path.rglob("*") if f.is_file()):
+        name = file.relative_to(path).as_posix()
+        if name == "eval.json" or (name.startswith("eval_") and name.endswith(".mp4")):
+            continue
+        if name == META:
+            digest.update(file.read_bytes())
+        else:
+            stat = file.stat()
+            digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    return digest.hexdigest()
 
 
 def _task_key(item: BenchItem, cfg: BenchConfig, policy_key: str) -> str:

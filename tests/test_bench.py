@@ -240,3 +240,24 @@ def test_checkpoint_policy_and_a_task_it_cannot_act_in(tmp_path):
     assert skipped["task"] == "maniskill/PushCube-v1" and "actions" in skipped["reason"]
     out = tmp_path / "out" / "t" / f"mujoco_reach_ppo_{ckpt.resolve().name}"
     assert "Skipped `maniskill/PushCube-v1`" in (out / "report.md").read_text()
+
+
+def test_a_checkpoint_rewritten_at_the_same_path_is_evaluated_again(tmp_path, capsys):
+    """The resume key holds the checkpoint's contents (meta.json, each file's size and mtime):
+    an untouched checkpoint's task is kept (``embodied eval`` writing eval.json beside it
+    changes nothing); a retrain into the same run directory (runner.overwrite) runs it again."""
+    train = ["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={tmp_path}"]
+    train += [*TINY_REACH, "runner.name=run"]
+    assert main(train) == 0
+    ckpt = str(tmp_path / "run" / "last")
+    path = suite(tmp_path, [{"env": REACH}], episodes=2, videos=False)
+    bench(path, checkpoint=ckpt)
+    assert main(["eval", ckpt, "--episodes", "1"]) == 0
+    capsys.readouterr()
+    bench(path, checkpoint=ckpt)
+    assert "finished in an earlier run, kept" in capsys.readouterr().out
+    assert main([*train, "runner.overwrite=true", "seed=1"]) == 0  # the same checkpoints/iter_1
+    capsys.readouterr()
+    bench(path, checkpoint=ckpt)
+    out = capsys.readouterr().out
+    assert "kept" not in out and "mujoco/reach: success" in out
