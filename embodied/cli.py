@@ -149,6 +149,11 @@ def cmd_bench(args) -> int:
         return _error(f"--out {args.out}: {why}; give a directory for the report")
     if (cfg := _load(args)) is None:
         return 2
+    if args.checkpoint and _trained_deterministic(args.checkpoint):
+        from embodied import numerics
+
+        _pinned(args, True)  # the checkpoint's floats again, on any CPU, as `embodied eval`
+        numerics.pin()
     try:
         run_bench(
             cfg,
@@ -162,6 +167,18 @@ def cmd_bench(args) -> int:
     except (FileNotFoundError, ValueError) as e:
         return _error(str(e))
     return 0
+
+
+def _trained_deterministic(checkpoint: str) -> bool:
+    """Whether the checkpoint was trained with runner.deterministic (False where its meta.json
+    cannot say: the bench's own loading names a bad checkpoint)."""
+    from embodied.checkpoint import META, resolve_checkpoint
+
+    try:
+        meta = json.loads((resolve_checkpoint(checkpoint) / META).read_text())
+        return meta["config"]["runner"]["deterministic"] is True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -261,3 +261,26 @@ def test_a_checkpoint_rewritten_at_the_same_path_is_evaluated_again(tmp_path, ca
     bench(path, checkpoint=ckpt)
     out = capsys.readouterr().out
     assert "kept" not in out and "mujoco/reach: success" in out
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_deterministic_checkpoint_is_benched_with_pinned_numerics(
+    tmp_path, monkeypatch, deterministic
+):
+    """As ``embodied eval``: a checkpoint trained with runner.deterministic pins the process
+    (restarting it pinned from a command line) before the bench acts; another does not."""
+    import embodied.numerics
+
+    calls = []
+    monkeypatch.setattr(embodied.numerics, "restart_pinned", lambda *a: calls.append(a))
+    monkeypatch.setattr(embodied.numerics, "pin", lambda: calls.append("pin"))
+    train = ["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={tmp_path}"]
+    assert main([*train, *TINY_REACH, "runner.name=run"]) == 0
+    meta_path = tmp_path / "run" / "last" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["runner"]["deterministic"] = deterministic  # (in process: not started pinned)
+    meta_path.write_text(json.dumps(meta))
+    calls.clear()
+    path = suite(tmp_path, [{"env": REACH}], episodes=1, videos=False)
+    assert main(["bench", str(path), "--checkpoint", str(tmp_path / "run" / "last")]) == 0
+    assert calls == ([(True, False), "pin"] if deterministic else [])
