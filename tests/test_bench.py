@@ -284,3 +284,30 @@ def test_a_deterministic_checkpoint_is_benched_with_pinned_numerics(
     path = suite(tmp_path, [{"env": REACH}], episodes=1, videos=False)
     assert main(["bench", str(path), "--checkpoint", str(tmp_path / "run" / "last")]) == 0
     assert calls == ([(True, False), "pin"] if deterministic else [])
+
+
+def test_the_report_averages_task_success_rates_with_tasks_weighted_equally(tmp_path):
+    """0.5 over 2 episodes and 1.0 over 8: the suite's row is 0.75 (pooled episodes: 0.9)."""
+    from embodied.bench_report import write_report
+
+    def row(task: str, episodes: int, successes: int) -> dict:
+        rate = successes / episodes
+        return {
+            "task": task,
+            "episodes": episodes,
+            "successes": successes,
+            "success_rate": rate,
+            "success_ci95": list(wilson_interval(successes, episodes)),
+            "mean_length": 10.0,
+            "env_steps_per_s": 100.0,
+            "policy_ms": 1.0,
+            "video": None,
+        }
+
+    hw = {"cpus": 2, "processor": "x86_64", "gpu": None, "torch": "2", "python": "3"}
+    meta = {"suite": "s", "policy": "zero", "seed": 0, "hardware": hw}
+    report = write_report(tmp_path, meta, [row("a", 2, 1), row("b", 8, 8)])
+    assert report["mean_task_success"] == 0.75
+    assert json.loads((tmp_path / "results.json").read_text())["mean_task_success"] == 0.75
+    table = (tmp_path / "report.md").read_text().splitlines()
+    assert "| mean of task success rates (2 tasks weighted equally) | 10 | 0.75 |" in table[-1]
