@@ -2,11 +2,12 @@
 
 A suite is a YAML file naming tasks (each a simulator config, as under ``env:`` in a training
 config), episodes and a seed. Every task runs through the same contract and ``evaluate_by_task``
-(deterministic actions, episode i seeded ``EVAL_SEED_OFFSET + seed + i``), so the same seed gives
-the same results on CPU. Each finished task is written to ``OUT/tasks/<task>.json`` at once with a
-key of everything that determines it (env config, episodes, seed, policy); a rerun of a killed
-bench skips tasks whose file matches. After every task the report is rewritten from the finished
-ones: ``results.json``, ``report.md``, ``success.png`` and one mp4 per task (``videos/``).
+(deterministic actions, episode i on the held-out seed ``eval_seed(seed, held_out=True) + i`` as
+in ``embodied eval``), so the same seed gives the same results on CPU. Each finished task is
+written to ``OUT/tasks/<task>.json`` at once with a key of everything that determines it (env
+config, episodes, seeds, policy); a rerun of a killed bench skips tasks whose file matches. After
+every task the report is rewritten from the finished ones: ``results.json``, ``report.md``,
+``success.png`` and one mp4 per task (``videos/``).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import torch
 from tqdm import tqdm
 
 from embodied.bench_report import write_report
+from embodied.checkpoint import META
 from embodied.config import ConfigError, check_folder_name, compose, to_dict, validate_tree
 from embodied.evaluate import evaluate_by_task
 from embodied.logger import write_atomic
 from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
 from embodied.schema import UserError, check_at_least
+from embodied.seeds import check_seed, eval_seed
 
 POLICIES = ("random", "zero")  # baselines; any other policy comes from --checkpoint
 
@@ -60,6 +63,7 @@ class BenchConfig:
 
     def validate(self) -> None:
         check_folder_name("name", self.name)
+        check_seed("seed", self.seed)
         if not self.tasks:
             raise ValueError("tasks: a suite needs at least one task")
         check_at_least(self, 1, "episodes", "torch_threads")
@@ -158,13 +162,14 @@ class _PolicySource:
 
             ckpt = Path(checkpoint)
             self.loaded, _ = load_policy(ckpt)
-            self.spec = self._checkpoint_spec(ckpt)
+            self.spec, path = self._checkpoint_spec(ckpt)
             resolved = ckpt.resolve()  # RUN/last -> RUN/checkpoints/iter_N: label RUN_iter_N
             inside_run = resolved.parent.name == "checkpoints"
             self.label = _file_name(
                 f"{resolved.parent.parent.name}_{resolved.name}" if inside_run else resolved.name
             )
-            self.key = f"checkpoint:{ckpt.resolve()}"
+            # its contents too: a run retrained into the same directory rewrites the same path
+            self.key = f"checkpoint:{ckpt.resolve()}:{checkpoint_fingerprint(path)}"
         else:
             if policy not in POLICIES:
                 raise ValueError(
@@ -180,10 +185,12 @@ class _PolicySource:
 
     @staticmethod
     def _checkpoint_spec(ckpt: Path):
+        """The checkpoint's EnvSpec and its directory."""
         from embodied.checkpoint import load_policy_checkpoint
         from embodied.schema import EnvSpec
 
-        return EnvSpec.from_dict(load_policy_checkpoint(ckpt)["meta"]["spec"])
+        loaded = load_policy_checkpoint(ckpt)
+        return EnvSpec.from_dict(loaded["meta"]["spec"]), Path(loaded["path"])
 
     def for_env(self, spec):
         if self.loaded is None:
@@ -263,12 +270,28 @@ def run_bench(
     return report
 
 
+def checkpoint_fingerprint(path: Path) -> str:
+    """sha1 of a checkpoint directory's meta.json bytes and each other file's name, size and
+    mtime_ns (weights can be GBs: not read); what ``embodied eval`` writes there is left out."""
+    digest = hashlib.sha1()
+    for file in sorted(f for f in path.rglob("*") if f.is_file()):
+        name = file.relative_to(path).as_posix()
+        if name == "eval.json" or (name.startswith("eval_") and name.endswith(".mp4")):
+            continue
+        if name == META:
+            digest.update(file.read_bytes())
+        else:
+            stat = file.stat()
+            digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    return digest.hexdigest()
+
+
 def _task_key(item: BenchItem, cfg: BenchConfig, policy_key: str) -> str:
     """What a task's results were made from: its env, episodes, the suite's seed, the policy."""
     made_from = {
         "env": to_dict(item.env),
         "episodes": item.episodes,
-        "seed": cfg.seed,
+        "first_seed": eval_seed(cfg.seed, held_out=True),  # (results on older seeds run again)
         "policy": policy_key,
     }
     return hashlib.sha1(json.dumps(made_from, sort_keys=True).encode()).hexdigest()
@@ -327,7 +350,7 @@ def _run_task(
                 env,
                 policy,
                 episodes=item.episodes,
-                seed=cfg.seed,
+                seed=eval_seed(cfg.seed, held_out=True),
                 video_path=video,
                 progress=bar,
                 deterministic=policies.deterministic,

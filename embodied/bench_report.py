@@ -23,6 +23,8 @@ COLUMNS = (
 
 def write_report(out_dir: Path, meta: dict, results: list[dict]) -> dict:
     report = {**meta, "written": time.strftime("%Y-%m-%d %H:%M:%S"), "tasks": results}
+    if results:  # tasks weighted equally, as LIBERO's published protocol averages its 10 tasks
+        report["mean_task_success"] = sum(r["success_rate"] for r in results) / len(results)
     write_atomic(out_dir / "results.json", json.dumps(report, indent=2))
     write_atomic(out_dir / "report.md", markdown(report))
     if results:
@@ -50,6 +52,13 @@ def markdown(report: dict) -> str:
             f"{r['success_rate']:.2f} ({r['successes']}/{r['episodes']}) | "
             f"{lo:.2f}-{hi:.2f} | {r['mean_length']:.1f} | {r['env_steps_per_s']:.1f} | "
             f"{r['policy_ms']:.2f} | {video} |"
+        )
+    if "mean_task_success" in report:
+        n = len(report["tasks"])
+        episodes = sum(r["episodes"] for r in report["tasks"])
+        lines.append(
+            f"| mean of task success rates ({n} tasks weighted equally) | {episodes} | "
+            f"{report['mean_task_success']:.2f} | | | | | |"
         )
     for skipped in report.get("skipped", []):
         lines.append(f"\nSkipped `{skipped['task']}`: {skipped['reason']}.")

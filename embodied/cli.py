@@ -117,116 +117,6 @@ def _run_dir(cfg) -> Path:
     return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else given
 
 
-def cmd_eval(args) -> int:
-    from embodied import numerics
-    from embodied.checkpoint import load_policy_checkpoint
-    from embodied.evaluate import evaluate
-    from embodied.models import build_policy
-    from embodied.multitask import make_env
-    from embodied.schema import UserError
-
-    if args.episodes < 1:
-        return _error(f"--episodes: must be >= 1, got {args.episodes}")
-    if args.num_envs is not None and args.num_envs < 1:
-        return _error(f"--num-envs: must be >= 1, got {args.num_envs}")
-    try:
-        ckpt = load_policy_checkpoint(args.checkpoint)
-    except FileNotFoundError as e:
-        return _error(str(e))
-    cfg = _eval_config(args, ckpt)  # (ConfigError, UserError: one line, from main)
-    if cfg.runner.deterministic:  # the run's floats again, on any CPU
-        _pinned(args, True)
-        numerics.pin()
-    numerics.setup(cfg.runner.torch_threads)
-    env = make_env(cfg.env)
-    try:
-        if args.overrides:
-            _check_same_inputs(ckpt["meta"]["spec"], env.spec, args.overrides)
-        policy = build_policy(env.spec, cfg.policy).to(env.device)
-        try:
-            policy.load_state_dict(ckpt["model"])
-        except RuntimeError as e:  # (overrides: a camera of another size, say)
-            if not args.overrides:
-                raise
-            detail = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
-            raise UserError(
-                f"{' '.join(args.overrides)}: the checkpoint's weights do not fit the policy "
-                f"for this environment ({detail})"
-            ) from None
-        policy.eval()
-        video = ckpt["path"] / f"eval_{args.episodes}.mp4" if args.video else None
-        result = evaluate(env, policy, episodes=args.episodes, seed=args.seed, video_path=video)
-    finally:
-        env.close()
-    out = ckpt["path"] / "eval.json"
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
-    return 0
-
-
-def _eval_config(args, ckpt: dict):
-    """The config the checkpoint was trained with, its env section changed by the command line's
-    env.* overrides and --num-envs; a ConfigError or UserError for a bad one."""
-    from embodied.config import COMMAND_LINE, compose, parse_overrides, validate_tree
-    from embodied.schema import UserError
-    from embodied.train_config import TrainConfig
-
-    not_env = [o for o in args.overrides if not o.startswith("env.")]
-    if not_env:
-        raise UserError(
-            f"{not_env[0]}: eval overrides env.* keys only (the policy is the checkpoint's)"
-        )
-    trained_env = ckpt["meta"]["config"].get("env")
-    simulator = trained_env.get("simulator") if isinstance(trained_env, dict) else None
-    other = parse_overrides(args.overrides).get("env", {}).get("simulator", simulator)
-    if simulator is not None and other != simulator:
-        raise UserError(
-            f"env.simulator={other}: the checkpoint was trained on {simulator}; eval runs it there "
-            "(embodied bench compares simulators)"
-        )
-    sources = [(str(ckpt["path"]), ckpt["meta"]["config"])]
-    if args.overrides:
-        sources.append((COMMAND_LINE, parse_overrides(args.overrides)))
-    cfg = compose(TrainConfig, sources)
-    validate_tree(cfg.env, "env.", sources, files=False)
-    sft_runner = ckpt["meta"].get("sft", {}).get("runner", {})
-    if "runner" not in ckpt["meta"]["config"] and "torch_threads" in sft_runner:
-        cfg.runner.torch_threads = sft_runner["torch_threads"]  # (SFT's, before it named them)
-    if args.num_envs is not None:
-        cfg.env.num_envs = args.num_envs
-        try:
-            cfg.env.validate()
-        except ValueError as e:
-            raise UserError(f"--num-envs {args.num_envs}: {e}") from None
-    return cfg
-
-
-def _check_same_inputs(trained: dict, spec, overrides: list[str]) -> None:
-    """A UserError when the environment that ``overrides`` made gives the checkpoint's policy
-    other state or cameras, or takes other actions, than it was trained with (``trained``: its
-    spec, as meta.json keeps it). Privileged keys may differ between tasks: the policy's encoder
-    names any it reads and the environment lacks."""
-    from embodied.schema import EnvSpec, UserError
-
-    was = EnvSpec.from_dict(trained)
-    changes = [
-        f"{what} {old} -> {new}"
-        for what, old, new in [
-            ("state", list(was.obs.state_names), list(spec.obs.state_names)),
-            ("cameras", [c.name for c in was.obs.cameras], [c.name for c in spec.obs.cameras]),
-            ("action space", was.action.space, spec.action.space),
-            ("actions", list(was.action.names), list(spec.action.names)),
-        ]
-        if old != new
-    ]
-    if changes:
-        raise UserError(
-            f"{' '.join(overrides)}: the policy was trained with other inputs or actions "
-            f"({'; '.join(changes)}); eval's overrides change how the task runs, not what the "
-            "policy sees or does"
-        )
-
-
 def cmd_demos(args) -> int:
     from embodied.demos import record_demos
 
@@ -273,6 +163,11 @@ def cmd_bench(args) -> int:
         return _error(f"--out {args.out}: {why}; give a directory for the report")
     if (cfg := _load(args)) is None:
         return 2
+    if args.checkpoint and _trained_deterministic(args.checkpoint):
+        from embodied import numerics
+
+        _pinned(args, True)  # the checkpoint's floats again, on any CPU, as `embodied eval`
+        numerics.pin()
     try:
         run_bench(
             cfg,
@@ -288,7 +183,20 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _trained_deterministic(checkpoint: str) -> bool:
+    """Whether the checkpoint was trained with runner.deterministic (False where its meta.json
+    cannot say: the bench's own loading names a bad checkpoint)."""
+    from embodied.checkpoint import META, resolve_checkpoint
+
+    try:
+        meta = json.loads((resolve_checkpoint(checkpoint) / META).read_text())
+        return meta["config"]["runner"]["deterministic"] is True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from embodied.cli_eval import add_eval
     from embodied.cli_robot import add_robot_commands
     from embodied.cli_runs import add_run_commands
 
@@ -305,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. env.num_envs=16).",
         example="configs/maniskill/pushcube_ppo.yaml",
     )
-    _add_eval(sub)
+    add_eval(sub)
     _config_command(
         sub,
         "demos",
@@ -339,32 +247,6 @@ def _config_command(sub, name: str, func, *, summary: str, description: str, exa
     command.add_argument("config", help=f"YAML config, e.g. {example}")
     command.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides")
     command.set_defaults(func=func)
-
-
-def _add_eval(sub) -> None:
-    e = sub.add_parser(
-        "eval",
-        help="evaluate a checkpoint",
-        description="Evaluate CHECKPOINT with deterministic actions.",
-    )
-    e.add_argument("checkpoint", help="a checkpoint directory, a run directory or RUN/last")
-    e.add_argument(
-        "--episodes", type=int, default=50, help="number of evaluation episodes (default 50)"
-    )
-    e.add_argument(
-        "--video", action="store_true", help="write an mp4 of the first round of episodes"
-    )
-    e.add_argument("--seed", type=int, default=0, help="evaluation seed (default 0)")
-    e.add_argument(
-        "--num-envs", type=int, default=None, help="environments in parallel (default: as trained)"
-    )
-    e.add_argument(
-        "overrides",
-        nargs="*",
-        default=[],
-        help="env.key=value: the same task another way (env.backend=warp env.device=cuda)",
-    )
-    e.set_defaults(func=cmd_eval)
 
 
 def _add_bench(sub) -> None:

@@ -276,7 +276,10 @@ def _add_deploy(sub) -> None:
         "trained with policy.privileged_keys=[goal_pos]; the twin draws one per episode without",
     )
     y.add_argument(
-        "--seed", type=int, default=0, help="the twin's scenes: episode e is the task's seed+e"
+        "--seed",
+        type=int,
+        default=0,
+        help="the twin's scenes: episode e is embodied eval's episode e at this seed",
     )
     y.add_argument(
         "--robot.joint-signs",

@@ -34,6 +34,7 @@ from embodied.deploy_policy import (
     wire_to_obs,
 )
 from embodied.schema import EnvSpec
+from embodied.seeds import check_seed, eval_seed
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,8 @@ class Scene:
 
 def episode_scenes(train_cfg, goal, twin: bool, episodes: int, seed: int) -> list[Scene]:
     """One Scene per episode. On the twin the MuJoCo task's own sampler draws goal and cube from
-    ``seed + episode`` (a given goal replaces the drawn one); a real arm gets the given goal."""
+    the held-out seeds: episode e's is ``embodied eval``'s episode e's at ``seed`` (a given goal
+    replaces the drawn one); a real arm gets the given goal."""
     given = None if goal is None else np.asarray(goal, np.float64)
     if not twin or train_cfg.env.simulator != "mujoco":
         return [Scene(given) for _ in range(episodes)]
@@ -132,7 +134,8 @@ def episode_scenes(train_cfg, goal, twin: bool, episodes: int, seed: int) -> lis
     from embodied.simulators.mujoco.worlds import draw_initial, reseed
 
     streams = Streams(episodes, torch.device("cpu"))
-    reseed(streams, [seed + e for e in range(episodes)], list(range(episodes)))
+    first = eval_seed(seed, held_out=True)
+    reseed(streams, [first + e for e in range(episodes)], list(range(episodes)))
     drawn = draw_initial(streams, TASKS[train_cfg.env.task], torch.arange(episodes), 0.0)
     cubes = None if drawn.cube is None else drawn.cube.double().numpy()
     return [
@@ -176,6 +179,7 @@ def run_deploy(
     from embodied.robots.control import ChunkExecutor, EmergencyStop
     from embodied.robots.shutdown import SafeShutdown
 
+    check_seed("--seed", seed)
     twin = arm.robot.endswith("-sim")
     if twin:  # (before a large checkpoint is read)
         from embodied.twin import twin_views

@@ -15,7 +15,6 @@ from embodied.rollout import share_bounds
 from embodied.run import Interrupted
 from embodied.video import tile, write_mp4
 
-EVAL_SEED_OFFSET = 1_000_000  # evaluation seeds never coincide with training seeds
 VIDEO_TILES = 4  # environments shown side by side in the evaluation video
 
 
@@ -41,8 +40,9 @@ def evaluate(
     progress=None,
     should_stop: Callable[[], bool] | None = None,
 ) -> dict:
-    """Run ``episodes`` episodes (episode i reset with seed ``EVAL_SEED_OFFSET + seed + i``), the
-    first episode of each environment per round counted. Returns success rate, returns, lengths.
+    """Run ``episodes`` episodes (episode i reset with seed ``seed + i``: ``seed`` from
+    ``embodied.seeds.eval_seed``, selection or held out), the first episode of each environment
+    per round counted. Returns success rate, returns, lengths.
     ``should_stop`` is asked before every policy call; when it says so, ``Interrupted`` is
     raised."""
     ranges = [(0, env.num_envs)]
@@ -225,7 +225,7 @@ def _new_round(
     active = torch.zeros(B, dtype=torch.bool)  # bool [B]
     for (lo, hi), res, (episodes, seed) in zip(ranges, results, shares):
         n = max(0, min(hi - lo, episodes - len(res)))
-        base = EVAL_SEED_OFFSET + seed + len(res)
+        base = seed + len(res)
         seeds[lo:hi] = [base + i for i in range(hi - lo)]
         active[lo : lo + n] = True
     ret = torch.zeros(B)  # f32 [B]
@@ -294,7 +294,10 @@ def _summary(results: list[dict]) -> dict:
 
 
 def overall(results: dict[str, dict]) -> dict:
-    """The summaries of several tasks as one (episodes pooled); one task's summary as it is."""
+    """The summaries of several tasks of one evaluation as one (episodes pooled: at equal
+    episodes, the mean over tasks); one task's summary as it is."""
+    if not results:
+        raise ValueError("overall: no task's summary to pool (an evaluation of no episodes)")
     return pooled_summary(list(results.values()))
 
 
@@ -307,9 +310,15 @@ def split_episodes(episodes: int, seed: int, parts: int) -> list[tuple[int, int]
     return [(end - first, seed + first) for first, end in bounds]
 
 
-def pooled_summary(summaries: list[dict]) -> dict:
-    """Several summaries as one, their episodes pooled (tasks, or the parts of one evaluation
-    that ``split_episodes`` made); one summary as it is. Timings are the first summary's."""
+def pooled_summary(summaries: list[dict], *, side_by_side: bool = False) -> dict:
+    """Several summaries as one, their episodes pooled; one summary as it is. Timings: the
+    tasks of one evaluation (``side_by_side`` False) share it, so the first's are taken; the
+    parts of one evaluation that ``split_episodes`` made ran ``side_by_side`` in processes of
+    their own, so the rate is the sum of the parts' ``eval/env_steps_per_s`` (each its own
+    steps over its own seconds: their throughput together) and the policy's latency their
+    mean."""
+    if not summaries:
+        raise ValueError("pooled_summary: no summaries to pool (an evaluation of no episodes)")
     if len(summaries) == 1:
         return dict(summaries[0])
     n = sum(r["eval/episodes"] for r in summaries)
@@ -330,6 +339,9 @@ def pooled_summary(summaries: list[dict]) -> dict:
     for key in ("eval/policy_ms", "eval/env_steps_per_s", "eval/video"):
         if key in summaries[0]:
             out[key] = summaries[0][key]
+    if side_by_side and "eval/env_steps_per_s" in out:
+        out["eval/env_steps_per_s"] = sum(r["eval/env_steps_per_s"] for r in summaries)
+        out["eval/policy_ms"] = sum(r["eval/policy_ms"] for r in summaries) / len(summaries)
     return out
 
 

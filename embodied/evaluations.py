@@ -18,6 +18,7 @@ from embodied.logger import RunLogger, write_atomic
 from embodied.roles import Roles, WorkerLost
 from embodied.run import Interrupted, Stopped, StopSignals, bar_interval, why_not_again
 from embodied.run_state import RunState, SavePoints
+from embodied.seeds import eval_seed
 from embodied.train_config import TrainConfig
 
 
@@ -47,8 +48,9 @@ class Evaluations:
         """The iteration an evaluation beside training is running for (its checkpoint stays)."""
         return None if self.beside is None else self.beside[1]["iteration"]
 
-    def run(self, episodes: int, video: Path | None = None) -> dict[str, dict]:
-        """Evaluate the current weights in the loop -> task -> summary."""
+    def run(self, episodes: int, *, held_out: bool, video: Path | None = None) -> dict[str, dict]:
+        """Evaluate the current weights in the loop -> task -> summary; ``held_out``: on the
+        held-out seeds (the final evaluation), else on the selection seeds."""
         names = self.roles.envs.task_names
         with tqdm(
             total=episodes * len(names),
@@ -60,7 +62,7 @@ class Evaluations:
         ) as progress:
             return self.roles.evaluate(
                 episodes=episodes,
-                seed=self.cfg.seed,
+                seed=eval_seed(self.cfg.seed, held_out=held_out),
                 video_path=video,
                 progress=progress,
                 should_stop=lambda: self.stop.requested,
@@ -70,7 +72,7 @@ class Evaluations:
         """Success before RL, on the evaluation seeds (a fresh run whose algorithm asks for it,
         or one that starts from a checkpoint)."""
         if self.state.iteration == 0 and (evaluates_before or self.cfg.runner.init_from):
-            self.state.before = self.run(self.cfg.runner.eval_episodes)
+            self.state.before = self.run(self.cfg.runner.eval_episodes, held_out=False)
             self.log(self.state.before, "before RL")
             self.points.state = self.state.copy()  # (no checkpoint at iteration 0: no streams)
 
@@ -90,7 +92,7 @@ class Evaluations:
             raise Interrupted
         self.take(wait=True)  # (one at a time)
         if self.starting is None:
-            self.record(self.run(self.cfg.runner.eval_episodes), self.state.at())
+            self.record(self.run(self.cfg.runner.eval_episodes, held_out=False), self.state.at())
             return
         # its checkpoint first, in case it is the best; it names the evaluation in flight
         at = self.mark_in_flight(self.starting)
@@ -115,7 +117,8 @@ class Evaluations:
         """An evaluation beside training of the iteration whose counters are ``at``: of the
         current weights, or ``weights`` (its checkpoint's)."""
         episodes = self.cfg.runner.eval_episodes
-        handle = self.roles.start_evaluation(episodes=episodes, seed=self.cfg.seed, weights=weights)
+        seed = eval_seed(self.cfg.seed, held_out=False)  # (it may pick the best)
+        handle = self.roles.start_evaluation(episodes=episodes, seed=seed, weights=weights)
         self.beside = (handle, at)
 
     def again(self, at: dict) -> None:
@@ -208,7 +211,7 @@ class Evaluations:
         video = self.run_dir / "videos" / "final_eval.mp4" if run.video else None
         self.take(wait=True)  # (the last iteration took it, unless it stopped early)
         try:
-            results = self.run(run.final_eval_episodes, video)
+            results = self.run(run.final_eval_episodes, held_out=True, video=video)
         except Interrupted:
             raise Stopped(self.stop.signum, "stopped during the final evaluation") from None
         self.log(results, "final")

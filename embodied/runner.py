@@ -51,6 +51,7 @@ from embodied.run import (
     write_trace,
 )
 from embodied.run_state import Collected, Progress, RunState, SavePoints, UpdateInFlight
+from embodied.seeds import check_training_seeds, largest_training_seed
 from embodied.stages import StageTuner
 from embodied.streams import saved_streams
 from embodied.train_config import TrainConfig, run_meta
@@ -94,10 +95,19 @@ def train(cfg: TrainConfig) -> dict:
             env.close()
             raise
     try:
+        check_reset_seeds(cfg, roles)  # (before the run directory: a config error)
         with run_dir_held(run_dir, cfg, resume, roles.evaluates_beside):
             return Runner(cfg, roles, run_dir, resume).run()
     finally:
         roles.close()
+
+
+def check_reset_seeds(cfg: TrainConfig, roles: Roles) -> None:
+    """A UserError where the run's training resets (its algorithm's seeding rule, over the
+    budget's iterations) would reach the evaluation seeds."""
+    algorithm = build_algorithm(cfg, roles.spec, roles.envs.task_of_env)
+    round_steps = roles.envs.num_envs * cfg.policy.chunk_size * algorithm.num_chunks
+    check_training_seeds(largest_training_seed(algorithm, round_steps, cfg.runner.total_env_steps))
 
 
 def first_iteration_note(budget: int, num_envs: int, round_steps: int, max_rounds: int) -> str:

@@ -43,6 +43,7 @@ from embodied.run import (
     run_dir_held,
 )
 from embodied.schema import SimulatorConfig, check_at_least
+from embodied.seeds import check_seed, eval_seed
 from embodied.sft_data import (
     Frames,
     batch_of,
@@ -106,6 +107,7 @@ class SFTConfig:
     runner: SFTRunnerConfig = field(default_factory=SFTRunnerConfig)
 
     def validate(self) -> None:
+        check_seed("seed", self.seed)
         if not self.datasets:
             raise ValueError("datasets: at least one dataset directory is required")
         check_at_least(self, 1, "steps", "batch_size")
@@ -344,7 +346,12 @@ class SFTRun:
         if run.eval_every and self.step % run.eval_every == 0 and not self.clock.out_of_time:
             self.learner.refresh()
             results = evaluate_tasks(
-                self.policy, self.env_cfgs, run.eval_episodes, self.cfg.seed, self.step, self.logger
+                self.policy,
+                self.env_cfgs,
+                run.eval_episodes,
+                eval_seed(self.cfg.seed, held_out=False),
+                self.step,
+                self.logger,
             )
             self.evals.append(results)
             self.policy.train()
@@ -357,7 +364,7 @@ class SFTRun:
             self.policy,
             self.env_cfgs,
             run.eval_episodes,
-            self.cfg.seed,
+            eval_seed(self.cfg.seed, held_out=True),  # as `embodied eval` of its checkpoint
             self.step,
             self.logger,
             video_dir=video_dir,

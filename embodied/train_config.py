@@ -23,6 +23,7 @@ from embodied.schema import (
     check_device_name,
     checked_device,
 )
+from embodied.seeds import check_seed
 from embodied.simulators.maniskill import ManiSkillConfig
 
 ALGORITHMS = {"ppo": PPOConfig, "grpo": GRPOConfig}
@@ -122,6 +123,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """What the sections ask of each other, before anything is built."""
+        check_seed("seed", self.seed)
         check_cameras(self.policy, self.env)
         if self.runner.replay_from and self.cluster.enabled:
             raise ValueError(

@@ -27,6 +27,7 @@ from embodied.contract import (
 )
 from embodied.evaluate import evaluate, wilson_interval  # noqa: E402
 from embodied.models.baselines import RandomPolicy, ZeroPolicy  # noqa: E402
+from embodied.seeds import eval_seed  # noqa: E402
 from embodied.simulators.mujoco import MuJoCoConfig, MuJoCoEnv  # noqa: E402
 
 REACH = {"simulator": "mujoco", "task": "reach", "num_envs": 2, "render_size": 32}
@@ -69,7 +70,8 @@ def test_report_of_the_zero_policy_on_reach(tmp_path):
     assert r["env_steps_per_s"] > 0 and r["policy_ms"] > 0
     # the same episodes evaluated directly give the same return: the bench adds nothing to them
     with MuJoCoEnv(MuJoCoConfig(task="reach", num_envs=2, render_size=32)) as env:
-        direct = evaluate(env, ZeroPolicy(env.spec), episodes=4, seed=0)
+        seed = eval_seed(0, held_out=True)  # (as `embodied eval`: the held-out seeds)
+        direct = evaluate(env, ZeroPolicy(env.spec), episodes=4, seed=seed)
     assert r["mean_return"] == pytest.approx(direct["eval/return"], rel=1e-6)
     saved = json.loads((out / "results.json").read_text())
     assert saved["tasks"][0]["mean_return"] == r["mean_return"] and saved["policy"] == "zero"
@@ -238,3 +240,74 @@ def test_checkpoint_policy_and_a_task_it_cannot_act_in(tmp_path):
     assert skipped["task"] == "maniskill/PushCube-v1" and "actions" in skipped["reason"]
     out = tmp_path / "out" / "t" / f"mujoco_reach_ppo_{ckpt.resolve().name}"
     assert "Skipped `maniskill/PushCube-v1`" in (out / "report.md").read_text()
+
+
+def test_a_checkpoint_rewritten_at_the_same_path_is_evaluated_again(tmp_path, capsys):
+    """The resume key holds the checkpoint's contents (meta.json, each file's size and mtime):
+    an untouched checkpoint's task is kept (``embodied eval`` writing eval.json beside it
+    changes nothing); a retrain into the same run directory (runner.overwrite) runs it again."""
+    train = ["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={tmp_path}"]
+    train += [*TINY_REACH, "runner.name=run"]
+    assert main(train) == 0
+    ckpt = str(tmp_path / "run" / "last")
+    path = suite(tmp_path, [{"env": REACH}], episodes=2, videos=False)
+    bench(path, checkpoint=ckpt)
+    assert main(["eval", ckpt, "--episodes", "1"]) == 0
+    capsys.readouterr()
+    bench(path, checkpoint=ckpt)
+    assert "finished in an earlier run, kept" in capsys.readouterr().out
+    assert main([*train, "runner.overwrite=true", "seed=1"]) == 0  # the same checkpoints/iter_1
+    capsys.readouterr()
+    bench(path, checkpoint=ckpt)
+    out = capsys.readouterr().out
+    assert "kept" not in out and "mujoco/reach: success" in out
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_deterministic_checkpoint_is_benched_with_pinned_numerics(
+    tmp_path, monkeypatch, deterministic
+):
+    """As ``embodied eval``: a checkpoint trained with runner.deterministic pins the process
+    (restarting it pinned from a command line) before the bench acts; another does not."""
+    import embodied.numerics
+
+    calls = []
+    monkeypatch.setattr(embodied.numerics, "restart_pinned", lambda *a: calls.append(a))
+    monkeypatch.setattr(embodied.numerics, "pin", lambda: calls.append("pin"))
+    train = ["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={tmp_path}"]
+    assert main([*train, *TINY_REACH, "runner.name=run"]) == 0
+    meta_path = tmp_path / "run" / "last" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["runner"]["deterministic"] = deterministic  # (in process: not started pinned)
+    meta_path.write_text(json.dumps(meta))
+    calls.clear()
+    path = suite(tmp_path, [{"env": REACH}], episodes=1, videos=False)
+    assert main(["bench", str(path), "--checkpoint", str(tmp_path / "run" / "last")]) == 0
+    assert calls == ([(True, False), "pin"] if deterministic else [])
+
+
+def test_the_report_averages_task_success_rates_with_tasks_weighted_equally(tmp_path):
+    """0.5 over 2 episodes and 1.0 over 8: the suite's row is 0.75 (pooled episodes: 0.9)."""
+    from embodied.bench_report import write_report
+
+    def row(task: str, episodes: int, successes: int) -> dict:
+        rate = successes / episodes
+        return {
+            "task": task,
+            "episodes": episodes,
+            "successes": successes,
+            "success_rate": rate,
+            "success_ci95": list(wilson_interval(successes, episodes)),
+            "mean_length": 10.0,
+            "env_steps_per_s": 100.0,
+            "policy_ms": 1.0,
+            "video": None,
+        }
+
+    hw = {"cpus": 2, "processor": "x86_64", "gpu": None, "torch": "2", "python": "3"}
+    meta = {"suite": "s", "policy": "zero", "seed": 0, "hardware": hw}
+    report = write_report(tmp_path, meta, [row("a", 2, 1), row("b", 8, 8)])
+    assert report["mean_task_success"] == 0.75
+    assert json.loads((tmp_path / "results.json").read_text())["mean_task_success"] == 0.75
+    table = (tmp_path / "report.md").read_text().splitlines()
+    assert "| mean of task success rates (2 tasks weighted equally) | 10 | 0.75 |" in table[-1]

@@ -474,33 +474,3 @@ def test_no_traceback_reaches_the_terminal(argv, culprit, paths):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     one_line_error(res.returncode, res.stderr, culprit)
     assert res.stdout == ""
-
-
-def test_maniskill_on_the_gpu_backend_without_cuda_is_a_one_line_error(capsys, tmp_path):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    from embodied.cli import main
-
-    # (its own output folder: the README's `make train` leaves a run in runs/pushcube_ppo)
-    argv = ["train", "configs/maniskill/pushcube_ppo.yaml", "env.backend=gpu"]
-    assert main([*argv, f"runner.output_dir={tmp_path}"]) == 2
-    assert capsys.readouterr().err.strip() == (
-        "embodied: error: env.backend=gpu needs a CUDA GPU and this machine has none; use "
-        "env.backend=cpu"
-    )
-
-
-def test_a_learner_on_cuda_without_cuda_is_a_one_line_error_and_no_run(capsys, tmp_path):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    argv = ["train", M, "runner.device=cuda", f"runner.output_dir={tmp_path}", *TINY]
-    assert main(argv) == 2
-    assert capsys.readouterr().err.strip() == (
-        "embodied: error: runner.device=cuda needs a CUDA GPU and this machine has none; use "
-        "runner.device=auto (the environment's device) or cpu"
-    )
-    assert list(tmp_path.iterdir()) == []

@@ -292,9 +292,10 @@ def test_env_workers_holding_different_tasks_evaluate_as_the_embedded_run(
             "eval/video": video,
         }
     assert Path(video).stat().st_size > 0
-    # before RL, after iteration 1, the final one: 16 episodes of each task on the one env
-    # worker that holds it
-    assert evaluated == [[[(16, 0)], [(16, 0)]]] * 3
+    # before RL, after iteration 1 (the selection seeds, 2e9 + seed), the final one (held out,
+    # 3e9 + seed): 16 episodes of each task on the one env worker that holds it
+    selection, held_out = [[(16, 2_000_000_000)]] * 2, [[(16, 3_000_000_000)]] * 2
+    assert evaluated == [selection, selection, held_out]
 
 
 def test_data_parallel_actor_workers_give_the_embedded_numbers_and_a_lost_one_stops_the_run(

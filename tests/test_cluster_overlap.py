@@ -264,7 +264,8 @@ def test_evaluations_beside_training_give_the_embedded_evaluations(
         None, tmp_path / "ray", cluster=cluster, env_factory=push_right_envs, trace=True, **kw
     )
     assert started == [1, 2]
-    assert shares == [[(8, 0), (8, 8)]] * 2  # 16 episodes from seed 0: 8 each
+    # 16 episodes from the selection seeds (2e9 + seed 0): 8 each
+    assert shares == [[(8, 2_000_000_000), (8, 2_000_000_008)]] * 2
     table = rows(tmp_path / "ray")
     evaluations = [r["iteration"] for r in table if "eval/success_rate" in r]
     assert evaluations == [0, 1, 2, 3]  # before RL, beside training (1 and 2), the final one

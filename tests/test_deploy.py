@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -189,8 +188,8 @@ def test_the_twin_judges_each_episode_of_a_policy_told_its_goal(checkpoints, cap
     assert rc == 0, summary
     from embodied.simulators.mujoco import MuJoCoConfig, make_env
 
-    with make_env(MuJoCoConfig(task="reach", num_envs=2)) as env:  # the training sim's draws
-        drawn = env.reset(seed=[7, 8]).privileged["goal_pos"]
+    with make_env(MuJoCoConfig(task="reach", num_envs=2)) as env:  # eval --seed 7's episodes
+        drawn = env.reset(seed=[3_000_000_007, 3_000_000_008]).privileged["goal_pos"]
     for episode, goal in zip(summary["episodes"], drawn.tolist()):
         assert episode["goal"] == pytest.approx(goal, abs=1e-4)  # the task's own scene per seed
         assert isinstance(episode["success"], bool) and "success_at_end" in episode
@@ -321,14 +320,6 @@ def test_a_pickcube_so100_policy_trained_in_maniskill_deploys_to_the_twin_unchan
     assert summary["episodes"][0]["acted"] >= summary["episodes"][0]["steps"] - 1
 
 
-def test_a_goal_on_the_table_passes_the_reach_check_and_one_under_it_does_not():
-    from embodied.cli_robot import _check_reachable
-
-    _check_reachable("0.25,0.03,0.001", (0.25, 0.03, 0.001))  # push's goal marker, on the table
-    with pytest.raises(ValueError, match="outside the box"):
-        _check_reachable("0.25,0.03,-0.001", (0.25, 0.03, -0.001))
-
-
 def test_a_stop_before_the_first_episode_and_a_second_signal_still_end_at_the_safe_pose(
     checkpoints, capsys, monkeypatch, caplog
 ):
@@ -399,21 +390,6 @@ def test_a_first_inference_that_fails_ends_the_deploy_before_the_first_episode(
     assert "the first inference failed, before the first episode: out of memory" in err
 
 
-def test_joint_deltas_accumulate_as_the_simulator_clips_them():
-    """Each delta within the policy's bounds (0.1 rad), each target within the arm's range (the
-    first joint's top at 0.15): the third step moves back from where the arm is told to be, not
-    from an unclipped sum (which gave 0.3, 0.6, 0.5 for the first joint)."""
-    from types import SimpleNamespace as Namespace
-
-    from embodied.deploy_policy import accumulate
-
-    policy = Namespace(action=Namespace(low=(-0.1, -0.1), high=(0.1, 0.1)))
-    arm = Namespace(action=Namespace(low=(-1.0, -1.0), high=(0.15, 1.0)))
-    deltas = np.array([[0.3, 0.05], [0.3, 0.05], [-0.1, -0.3]])  # f64 [3, 2]
-    targets = accumulate(np.zeros(2), deltas, policy, arm)
-    np.testing.assert_allclose(targets, [[0.1, 0.05], [0.15, 0.1], [0.05, 0.0]], atol=1e-12)
-
-
 def test_an_arm_left_short_of_its_safe_pose_is_an_exit_code_not_a_quiet_field(
     checkpoints, capsys, monkeypatch
 ):
@@ -453,29 +429,6 @@ def test_a_goal_the_user_gives_reaches_the_policy_from_its_first_inference(
     assert len(goals) >= 2 and all(g == pytest.approx([0.2, 0.05, 0.1]) for g in goals)
 
 
-def test_the_summary_rates_success_over_episodes_that_ran_their_clock():
-    """An emergency-stopped episode keeps its own entry but not the rate; the interventions of
-    the moves to the start and safe poses are apart from the episodes'."""
-    from embodied.deploy import _summary
-
-    episodes = [
-        {"end": "done", "success": True, "interventions": {"joint_limit": 3}},
-        {"end": "done", "success": False, "interventions": {}},
-        {"end": "estop", "success": False, "interventions": {"rate_limit": 1}},
-    ]
-    counts = Counter(joint_limit=3, rate_limit=5)  # the layer's, moves included
-    env = SimpleNamespace(judge=object(), safety=SimpleNamespace(counts=counts))
-    arm = SimpleNamespace(robot="so101-sim", control_hz=20.0)
-    stop = SimpleNamespace(is_set=lambda: True, reason="SIGINT")
-    summary = _summary(episodes, arm, env, SimpleNamespace(torque_off=True), stop)
-    assert summary["success_rate"] == 0.5 and summary["judged_episodes"] == 2
-    assert summary["interventions"] == {"joint_limit": 3, "rate_limit": 1}
-    assert summary["interventions_in_moves"] == {"rate_limit": 4}
-    assert summary["emergency_stop"] == "SIGINT"
-    only_stopped = _summary(episodes[2:], arm, env, SimpleNamespace(torque_off=True), stop)
-    assert "success_rate" not in only_stopped  # no episode ran its clock: no rate
-
-
 def test_a_camera_that_stops_giving_frames_is_one_error_and_the_arm_goes_to_its_safe_pose(
     checkpoints, capsys, monkeypatch
 ):
@@ -503,23 +456,3 @@ def test_a_camera_that_stops_giving_frames_is_one_error_and_the_arm_goes_to_its_
     assert rc == 2 and released == [True]
     (line,) = err.strip().splitlines()
     assert line.startswith("embodied: error: ") and "no frame in" in line
-
-
-def test_the_arms_speed_and_gripper_range_options_reach_its_config(monkeypatch, capsys):
-    import embodied.deploy as deploy_module
-
-    given = []
-
-    def capture(checkpoint, arm, **options):
-        given.append(arm)
-        return {"episodes": [], "torque_off_at_safe_pose": True}
-
-    monkeypatch.setattr(deploy_module, "run_deploy", capture)
-    port = ["--robot", "so101", "--robot.port", "/dev/ttyACM0"]
-    options = ["--robot.max-speed", "0.5", "--robot.gripper-range=-0.1,1.5"]  # (= before a -)
-    assert main(["deploy", "ckpt", *port, *options]) == 0
-    assert main(["deploy", "ckpt", *port]) == 0
-    assert [(a.max_speed, a.gripper_range) for a in given] == [
-        (0.5, (-0.1, 1.5)),
-        (2.0, (-0.17453, 1.74533)),  # the SO-101 description's
-    ]

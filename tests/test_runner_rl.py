@@ -20,6 +20,7 @@ from embodied.multitask import MultiTaskEnv
 from embodied.schema import (
     PolicyOutput,
 )
+from embodied.seeds import eval_seed
 
 
 def test_the_test_env_passes_the_contract():
@@ -109,9 +110,10 @@ def test_an_evaluation_split_among_env_workers_by_task_pools_to_the_whole_one():
     evaluates its share of each task's episodes (``episode_shares``), and the parts pool per
     task to the one-process evaluation of both tasks."""
     whole_env = MultiTaskEnv([PushRightEnv(4), PushRightEnv(3, threshold=0.0)], ["a", "b"])
-    whole = evaluate_by_task(whole_env, PixelPolicy(), episodes=5, seed=3)
-    shares = episode_shares([[0], [0, 1]], tasks=2, episodes=5, seed=3)
-    assert shares == [[(2, 3)], [(3, 5), (5, 3)]]
+    seed = eval_seed(3, held_out=False)  # (a training run's: 2e9 + 3)
+    whole = evaluate_by_task(whole_env, PixelPolicy(), episodes=5, seed=seed)
+    shares = episode_shares([[0], [0, 1]], tasks=2, episodes=5, seed=seed)
+    assert shares == [[(2, seed)], [(3, seed + 2), (5, seed)]]
     assert episode_shares([[0], [0]], tasks=1, episodes=1, seed=0) == [[(1, 0)], [(0, 0)]]
     workers = [
         MultiTaskEnv([PushRightEnv(2)], ["a"]),
@@ -177,3 +179,37 @@ def test_the_update_is_timed_around_the_update(tmp_path, monkeypatch):
     run_on(PushRightEnv(8), tmp_path / "run", total_env_steps=8 * 3 * 2)
     update_s = metric_rows(tmp_path / "run", "time/update_s")
     assert len(update_s) == 2 and all(100 < s < 110 for s in update_s)
+
+
+def _part(episodes: int, wins: int, steps_per_s: float, policy_ms: float) -> dict:
+    """A hand-built evaluation summary."""
+    return {
+        "eval/success_rate": wins / episodes,
+        "eval/episodes": episodes,
+        "eval/success_ci95": list(wilson_interval(wins, episodes)),
+        "eval/success_at_end": wins / episodes,
+        "eval/return": float(wins),
+        "eval/length": 10.0,
+        "eval/env_steps_per_s": steps_per_s,
+        "eval/policy_ms": policy_ms,
+    }
+
+
+def test_parts_side_by_side_report_their_rates_together_and_tasks_their_shared_one():
+    """Two evaluation workers at 100 and 300 env steps/s ran together at 400; two tasks of one
+    evaluation share its timing (its 100), as each task's summary holds it."""
+    parts = [_part(4, 1, 100.0, 2.0), _part(4, 3, 300.0, 4.0)]
+    together = pooled_summary(parts, side_by_side=True)
+    assert together["eval/env_steps_per_s"] == 400.0 and together["eval/policy_ms"] == 3.0
+    assert together["eval/success_rate"] == 0.5 and together["eval/episodes"] == 8
+    tasks = pooled_summary([_part(4, 1, 100.0, 2.0), _part(4, 3, 100.0, 2.0)])
+    assert tasks["eval/env_steps_per_s"] == 100.0 and tasks["eval/policy_ms"] == 2.0
+
+
+def test_pooling_nothing_is_a_clear_error():
+    from embodied.evaluate import overall
+
+    with pytest.raises(ValueError, match="overall: no task's summary to pool"):
+        overall({})
+    with pytest.raises(ValueError, match="pooled_summary: no summaries to pool"):
+        pooled_summary([])

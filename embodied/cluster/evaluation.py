@@ -38,7 +38,10 @@ class Evaluation:
             ray.wait(self.refs, num_returns=len(self.refs))
             self.worker_lost(lost)
             raise
-        return {task: pooled_summary([part[task] for part in parts]) for task in parts[0]}
+        return {
+            task: pooled_summary([part[task] for part in parts], side_by_side=True)
+            for task in parts[0]
+        }
 
 
 class EvalGroup(WorkerGroup):

@@ -207,7 +207,8 @@ class RayRoles:
         for results, _ in answers:
             for name, summary in results.items():
                 parts[name].append(summary)
-        pooled = {name: pooled_summary(theirs) for name, theirs in parts.items()}
+        # (each env worker's share ran beside the others')
+        pooled = {name: pooled_summary(theirs, side_by_side=True) for name, theirs in parts.items()}
         recorded = answers[0][1]
         for summary in pooled.values():
             summary.pop("eval/video", None)  # (the worker's own file)

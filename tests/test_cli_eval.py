@@ -1,0 +1,71 @@
+"""``embodied eval``: each task of a multi-task checkpoint evaluated apart, and an eval.json that
+says what produced it."""
+
+import json
+from dataclasses import replace
+
+import pytest
+from tiny_runs import TINY_REACH
+
+from embodied.cli import main
+from embodied.schema import reset_seeds
+
+pytest.importorskip("mujoco")
+
+HELD_OUT = 3_000_000_000
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A MuJoCo reach checkpoint (4 environments)."""
+    root = tmp_path_factory.mktemp("cli_eval")
+    train = ["train", "configs/mujoco/reach_ppo.yaml", f"runner.output_dir={root}", *TINY_REACH]
+    assert main([*train, "runner.name=run"]) == 0
+    return root / "run" / "last"
+
+
+def test_eval_json_says_what_produced_it(checkpoint, capsys):
+    argv = ["eval", str(checkpoint), "--episodes", "3", "--seed", "5", "--num-envs", "2"]
+    assert main([*argv, "env.home_noise=0.05"]) == 0
+    record = json.loads((checkpoint / "eval.json").read_text())
+    made_from = record["made_from"]
+    assert made_from["seed"] == 5 and made_from["first_reset_seed"] == HELD_OUT + 5
+    assert made_from["episodes"] == 3 and made_from["overrides"] == ["env.home_noise=0.05"]
+    env = made_from["env"]
+    assert (env["simulator"], env["backend"], env["task"]) == ("mujoco", "rollout", "reach")
+    assert env["num_envs"] == 2 and env["home_noise"] == 0.05
+    assert record["eval/episodes"] == 3 and "tasks" not in record  # one task
+    assert json.loads(capsys.readouterr().out) == record
+
+
+def test_a_multi_task_checkpoint_runs_each_tasks_episodes(checkpoint, monkeypatch, capsys):
+    """Two tasks of two rows each, ``--episodes 2``: pooled rows ran task a's rows only; each
+    task now runs its 2 episodes, rows 0-1 and 2-3 both reset with the held-out seeds 3e9 + i,
+    and the overall line is their mean."""
+    import embodied.multitask
+    from embodied.simulators.mujoco import make_env as make_mujoco
+
+    resets = []
+
+    class Logged(embodied.multitask.MultiTaskEnv):
+        def reset(self, *, seed=None, env_ids=None):
+            if env_ids is None:
+                resets.append(reset_seeds(seed, range(self.num_envs)))
+            return super().reset(seed=seed, env_ids=env_ids)
+
+    def two_tasks(cfg):
+        cfg = replace(cfg, num_envs=2)
+        return Logged([make_mujoco(cfg), make_mujoco(cfg)], ["a", "b"])
+
+    monkeypatch.setattr(embodied.multitask, "make_env", two_tasks)
+    assert main(["eval", str(checkpoint), "--episodes", "2"]) == 0
+    out = capsys.readouterr().out
+    record = json.loads((checkpoint / "eval.json").read_text())
+    assert resets == [[HELD_OUT, HELD_OUT + 1, HELD_OUT, HELD_OUT + 1]]
+    assert sorted(record["tasks"]) == ["a", "b"]
+    assert [record["tasks"][t]["eval/episodes"] for t in "ab"] == [2, 2]
+    assert record["eval/episodes"] == 4
+    mean = sum(record["tasks"][t]["eval/success_rate"] for t in "ab") / 2
+    assert record["eval/success_rate"] == pytest.approx(mean)
+    lines = out[: out.index("{")].splitlines()
+    assert [line.split(":")[0] for line in lines] == ["a", "b", "overall (mean over 2 tasks)"]
