@@ -126,6 +126,11 @@ def cmd_demos(args) -> int:
         return _error(
             f"output: {cfg.output} already holds a dataset; choose another output directory"
         )
+    if Path(cfg.output).is_dir() and any(Path(cfg.output).iterdir()):
+        return _error(
+            f"output: {cfg.output} is not empty (what an interrupted run left?); choose another "
+            "output directory"
+        )
     if why := file_in_the_way(cfg.output):
         return _error(f"output: {cfg.output} {why}; give a directory for the dataset")
     try:

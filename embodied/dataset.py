@@ -149,6 +149,11 @@ class LeRobotWriter:
             raise FileExistsError(
                 f"{self.root} already holds a dataset; choose another output directory"
             )
+        if self.root.is_dir() and any(self.root.iterdir()):  # (its data files would be read)
+            raise FileExistsError(
+                f"{self.root} is not empty (what an interrupted recording left?); choose another "
+                "output directory"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         self.privileged = dict(privileged or {})  # simulator-only keys stored per frame -> size
         self.features = features(cameras, state_names, action_names, self.privileged)
@@ -366,11 +371,24 @@ class DemoDataset:
         tasks = [
             t for t, _ in sorted(zip(tasks_df.index, tasks_df["task_index"]), key=lambda x: x[1])
         ]
+        videos = [k for k, ft in info["features"].items() if ft["dtype"] == "video"]
+        if videos:
+            raise ValueError(
+                f"{root}: cameras stored as video ({', '.join(videos)}) are not read; store them "
+                "as images (LeRobotDataset.create(..., use_videos=False))"
+            )
         files = sorted((root / "data").glob("chunk-*/file-*.parquet"))
         cols: dict[str, list] = {}
         for f in files:
             for k, v in pq.read_table(f).to_pydict().items():
                 cols.setdefault(k, []).extend(v)
+        frames = len(cols.get("episode_index", []))
+        if frames != info.get("total_frames"):
+            raise ValueError(
+                f"{root}: its data files hold {frames} frames, meta/info.json counts "
+                f"{info.get('total_frames')}: files of another recording are mixed in; record "
+                "again into a new directory"
+            )
         cams = [k for k, ft in info["features"].items() if ft["dtype"] == "image"]
         images = {
             k.removeprefix("observation.images."): torch.from_numpy(

@@ -65,6 +65,7 @@ def paths(tmp_path_factory):
     (root / "dataset" / "meta").mkdir(parents=True)
     (root / "dataset" / "meta" / "info.json").write_text("{}")
     (root / "no_checkpoint").mkdir()
+    (root / "leftover" / "data").mkdir(parents=True)  # (what an interrupted recording left)
     (root / "broken").symlink_to(root / "nowhere")
     for name, text in (("cut_record", '{"config": '), ("list_record", "[]")):
         (root / name / "rollouts" / "iter_000001").mkdir(parents=True)
@@ -206,6 +207,10 @@ CASES = [
     (
         ["demos", "configs/maniskill/demos_pushcube.yaml", f"expert={CK}", f"output={R}/dataset"],
         ["output", "dataset", "already holds a dataset"],
+    ),
+    (
+        ["demos", "configs/maniskill/demos_pushcube.yaml", f"expert={CK}", f"output={R}/leftover"],
+        ["output", "leftover is not empty"],
     ),
     (
         ["demos", "configs/maniskill/demos_pushcube.yaml", f"output={R}/empty.yaml"],

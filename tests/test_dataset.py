@@ -145,6 +145,38 @@ def test_refuses_overwrite_and_incomplete(tmp_path):
         )
 
 
+def test_a_directory_an_interrupted_recording_left_is_refused_and_never_read_as_complete(tmp_path):
+    """A killed recording leaves data files without meta/info.json: a new one into that directory
+    is refused (it used to write beside them, and the loader read the old frames as its own),
+    and a dataset whose data files hold frames its info.json does not count is refused."""
+    import json
+    import shutil
+
+    def writer(root):
+        return LeRobotWriter(root, fps=20, cameras={}, state_names=["q"], action_names=["a"])
+
+    left = tmp_path / "left"
+    (left / "data" / "chunk-000").mkdir(parents=True)
+    (left / "data" / "chunk-000" / "file-000.parquet").write_bytes(b"an old run's frames")
+    with pytest.raises(FileExistsError, match="is not empty"):
+        writer(left)
+    w = writer(tmp_path / "ds")
+    zeros = {"state": np.zeros((2, 1), np.float32), "actions": np.zeros((2, 1), np.float32)}
+    w.add_episode(**_episode(np.random.default_rng(2), 2, "t") | zeros | {"images": {}})
+    root = w.close()
+    assert len(DemoDataset.load(root)) == 2
+    data = root / "data" / "chunk-000"
+    shutil.copy(data / "file-000.parquet", data / "file-001.parquet")  # another run's file
+    with pytest.raises(ValueError, match="hold 4 frames, meta/info.json counts 2"):
+        DemoDataset.load(root)
+    (data / "file-001.parquet").unlink()
+    info = json.loads((root / "meta" / "info.json").read_text())
+    info["features"]["observation.images.front"] = {"dtype": "video", "shape": [8, 8, 3]}
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    with pytest.raises(ValueError, match=r"stored as video \(observation.images.front\)"):
+        DemoDataset.load(root)
+
+
 def test_lerobots_own_loader_reads_what_we_write(tmp_path):
     # LeRobot's LeRobotDataset (0.4.4) on our files: frames, tasks and episode boundaries as written
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
