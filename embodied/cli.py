@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -138,6 +139,13 @@ def cmd_demos(args) -> int:
     except (FileNotFoundError, RuntimeError) as e:
         return _error(str(e))
     print(json.dumps(summary, indent=2))
+    if summary["stopped"]:  # (the dataset holds the episodes kept before the signal)
+        print(
+            f"embodied: stopped ({summary['stopped']}) after {summary['episodes']} of "
+            f"{cfg.episodes} episodes; the dataset holds them",
+            file=sys.stderr,
+        )
+        return 128 + signal.Signals[summary["stopped"]].value
     return 0
 
 

@@ -11,6 +11,7 @@ failed episodes are dropped unless ``keep_failed``.
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,9 +226,23 @@ def _expert_and_env(cfg: DemosConfig):
     return expert, expert_cfg.env.task, make_env(cfg.env)
 
 
+@dataclass
+class _Tally:
+    """What a recording has done so far."""
+
+    attempts: int = 0
+    kept: int = 0
+    wins: int = 0
+
+
 @torch.no_grad()
 def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
+    """Record ``cfg.episodes`` of the expert's episodes (successful ones, unless
+    ``keep_failed``) into a LeRobot dataset. Ctrl-C or SIGTERM stops after the episodes in
+    progress and keeps those recorded (the summary's ``stopped`` names the signal)."""
     from tqdm import tqdm
+
+    from embodied.run import StopSignals
 
     cfg.validate()
     expert, expert_task, env = _expert_and_env(cfg)
@@ -239,44 +254,53 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
             f"privileged_keys: {missing} not among the environment's {sorted(spec.obs.privileged)}"
         )
     writer = _writer(cfg, spec)
-    B = env.num_envs
-    attempts = 0
-    kept = 0
-    wins_total = 0
+    tally = _Tally()
     t0 = time.time()
     bar = tqdm(total=cfg.episodes, desc=f"demos {cfg.env.task}", disable=not progress, unit="ep")
     try:
-        while kept < cfg.episodes and attempts < cfg.max_attempts:
-            base = DEMO_SEED_OFFSET + cfg.seed + attempts
-            obs = env.reset(seed=[base + i for i in range(B)])
-            # each world's randomised parameters (MuJoCo), kept with its episode to re-simulate it
-            world = getattr(env, "world_params", None)
-            worlds = None if world is None else world.to_dict()
-            n = min(B, cfg.max_attempts - attempts)
-            episodes = _attempt(env, expert, obs, n, cfg.deterministic, cfg.privileged_keys)
-            attempts += n
-            for i, episode in enumerate(episodes):
-                if (episode.succeeded or cfg.keep_failed) and kept < cfg.episodes:
-                    world_i = None if worlds is None else _row(worlds, i)
-                    _write(writer, episode, spec.instructions[0], base + i, world_i)
-                    kept += 1
-                    bar.update(1)
-            wins_total += sum(episode.succeeded for episode in episodes)
-            bar.set_postfix(attempts=attempts, expert_success=f"{wins_total}/{attempts}")
+        with StopSignals() as stop:
+            while tally.kept < cfg.episodes and tally.attempts < cfg.max_attempts:
+                if stop.requested:
+                    break
+                _record_round(env, expert, writer, cfg, tally, bar)
     finally:
         bar.close()
         env.close()
-    if kept == 0:
-        raise RuntimeError(f"the expert succeeded in none of {attempts} episodes; nothing recorded")
+    stopped = None if stop.signum is None else signal.Signals(stop.signum).name
+    if tally.kept == 0:
+        when = f"stopped ({stopped}) before" if stopped else "the expert succeeded in none of"
+        raise RuntimeError(f"{when} {tally.attempts} episodes; nothing recorded")
     root = writer.close()
     return {
         "task": cfg.env.task,
-        "episodes": kept,
-        "attempts": attempts,
-        "expert_success_rate": wins_total / attempts,
+        "episodes": tally.kept,
+        "attempts": tally.attempts,
+        "expert_success_rate": tally.wins / tally.attempts,
         "frames": writer.total_frames,
         "output": str(root),
         "minutes": (time.time() - t0) / 60,
         "expert": str(cfg.expert),
         "expert_task": expert_task,
+        "stopped": stopped,
     }
+
+
+def _record_round(env, expert, writer, cfg: DemosConfig, tally: _Tally, bar) -> None:
+    """One seeded round of the expert in every environment; the episodes to keep written."""
+    B = env.num_envs
+    base = DEMO_SEED_OFFSET + cfg.seed + tally.attempts
+    obs = env.reset(seed=[base + i for i in range(B)])
+    # each world's randomised parameters (MuJoCo), kept with its episode to re-simulate it
+    world = getattr(env, "world_params", None)
+    worlds = None if world is None else world.to_dict()
+    n = min(B, cfg.max_attempts - tally.attempts)
+    episodes = _attempt(env, expert, obs, n, cfg.deterministic, cfg.privileged_keys)
+    tally.attempts += n
+    for i, episode in enumerate(episodes):
+        if (episode.succeeded or cfg.keep_failed) and tally.kept < cfg.episodes:
+            world_i = None if worlds is None else _row(worlds, i)
+            _write(writer, episode, env.spec.instructions[0], base + i, world_i)
+            tally.kept += 1
+            bar.update(1)
+    tally.wins += sum(episode.succeeded for episode in episodes)
+    bar.set_postfix(attempts=tally.attempts, expert_success=f"{tally.wins}/{tally.attempts}")

@@ -256,6 +256,7 @@ ALLOWED = {
         "embodied.dataset",
         "embodied.models",
         "embodied.multitask",
+        "embodied.run",  # (StopSignals)
         "embodied.schema",
         "embodied.simulators",
         "embodied.train_config",

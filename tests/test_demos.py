@@ -157,3 +157,29 @@ def test_scripted_experts_exist_for_mujoco_only(tmp_path, capsys):
         "embodied: error: expert: scripted experts exist for the MuJoCo tasks, not for maniskill; "
         "give a checkpoint (in " + str(cfg) + ")"
     )
+
+
+def test_a_stop_keeps_the_episodes_recorded_before_it(tmp_path, capsys, monkeypatch):
+    """Ctrl-C after the first round of two episodes: the dataset holds those two, whole and
+    loadable, and the command says so with exit code 130 (it used to leave no dataset)."""
+    import signal
+
+    import embodied.demos as demos
+
+    attempt = demos._attempt
+
+    def then_ctrl_c(*args, **kwargs):
+        episodes = attempt(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        return episodes
+
+    monkeypatch.setattr(demos, "_attempt", then_ctrl_c)
+    argv = ["demos", "configs/mujoco/demos_pick.yaml", "episodes=6", "max_attempts=6"]
+    small = ["env.num_envs=2", "env.image_size=32", f"output={tmp_path / 'ds'}"]
+    assert main([*argv, *small]) == 130
+    out = capsys.readouterr()
+    summary = json.loads(out.out[out.out.index("{") :])
+    assert summary["stopped"] == "SIGINT" and summary["episodes"] == summary["attempts"] == 2
+    assert "stopped (SIGINT) after 2 of 6 episodes; the dataset holds them" in out.err
+    ds = DemoDataset.load(tmp_path / "ds")
+    assert ds.num_episodes == 2 and len(ds) == 200
