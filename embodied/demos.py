@@ -186,6 +186,7 @@ def _writer(cfg: DemosConfig, spec):
             "simulator": cfg.env.simulator,
             "task": cfg.env.task,
             "control_mode": getattr(cfg.env, "control_mode", spec.action.space),
+            "action_space": spec.action.space,
             "expert": str(cfg.expert),
             "seed": cfg.seed,
         },

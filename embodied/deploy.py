@@ -71,7 +71,8 @@ class EpisodeRecorder:
             action_names=list(self.spec.action.names),
             privileged=sizes,
             robot_type=self.robot_type,
-            source={"deploy": True},
+            # the commands sent: what SFT on the recording must act in
+            source={"deploy": True, "action_space": self.spec.action.space},
         )
         T = len(frames)
         images = {c: np.stack([f["obs"].images[c][0].numpy() for f in frames]) for c in cams}

@@ -80,6 +80,7 @@ class EpisodeDatasets:
         cameras = {c: tuple(frames.shape[1:3]) for c, frames in steps["images"].items()}
         privileged = {k: int(v.shape[1]) for k, v in steps["privileged"].items()}
         source = {**self.source, "task": self.simulator_task if task == "all" else task}
+        source["action_space"] = self.spec.action.space
         self.writers[task] = LeRobotWriter(
             self.roots[task],
             fps=self.spec.action.control_hz,

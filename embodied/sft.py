@@ -48,6 +48,7 @@ from embodied.sft_data import (
     Frames,
     batch_of,
     cached_features,
+    check_fits,
     load_frames,
     norm_data,
     set_norm_stats,
@@ -201,6 +202,7 @@ def sft(cfg: SFTConfig) -> dict:
     env_cfgs = task_configs(cfg.env, [t or default_task for t in frames.tasks])
     with make_env(_eval_env_config(env_cfgs)) as env:  # the spec all tasks share
         spec = env.spec
+    check_fits(frames, spec, _privileged_read(cfg.policy, spec))
     run_dir = run_dir_for(cfg.runner, resume)
     with run_dir_held(run_dir, cfg, resume, evaluates_beside=False):
         learner = bc_learner_for(cfg, spec, norm_data(frames))
@@ -212,6 +214,13 @@ def sft(cfg: SFTConfig) -> dict:
         finally:
             learner.close()
         return run.finish()
+
+
+def _privileged_read(policy: PolicyConfig, spec) -> tuple[str, ...]:
+    """The privileged keys a policy of ``policy`` (config) reads from ``spec``'s."""
+    if hasattr(policy, "read_privileged"):
+        return policy.read_privileged(spec)  # (the MLP's: all of them unless it names some)
+    return tuple(getattr(policy, "privileged_keys", None) or ())
 
 
 def _resume_of(cfg: SFTConfig) -> dict | None:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from embodied.dataset import DemoDataset
-from embodied.schema import NormStats, Observation
+from embodied.dataset import DemoDataset, image_key, privileged_key
+from embodied.schema import EnvSpec, NormStats, Observation
 
 
 @dataclass
@@ -21,6 +21,7 @@ class Frames:
     data: DemoDataset
     instructions: list[str]  # per frame
     tasks: list[str]  # simulator task id per dataset, in order
+    infos: list[tuple[str, dict]]  # (path, meta/info.json) per dataset, in order
 
 
 def load_frames(paths: list[str], episodes: int = 0) -> Frames:
@@ -54,7 +55,41 @@ def load_frames(paths: list[str], episodes: int = 0) -> Frames:
         stats=parts[0].stats,
     )
     tasks = [p.info.get("embodied", {}).get("task") for p in parts]
-    return Frames(cat, instructions, tasks)
+    return Frames(cat, instructions, tasks, [(str(path), p.info) for path, p in zip(paths, parts)])
+
+
+def check_fits(frames: Frames, spec: EnvSpec, privileged: tuple[str, ...]) -> None:
+    """A ValueError naming the dataset and what differs, where a dataset's frames are not what
+    the policy for ``spec`` reads and does (it reads ``privileged``): its action space (where
+    the dataset says), the sizes of its actions and state, its cameras and their size. SFT on
+    them trained in silence on numbers of another kind (a deploy recording's joint positions as
+    joint deltas)."""
+    for path, info in frames.infos:
+        features = info["features"]
+        problems = []
+        space = info.get("embodied", {}).get("action_space")
+        if space is not None and space != spec.action.space:
+            problems.append(f"actions in {space}, the policy's in {spec.action.space}")
+        for what, key, names in (
+            ("actions", "action", spec.action.names),
+            ("state", "observation.state", spec.obs.state_names),
+        ):  # (by size: another source names the same joints its own way)
+            size = features[key]["shape"][0]
+            if size != len(names):
+                problems.append(f"{size} {what}, the policy's {len(names)}")
+        for camera in spec.obs.cameras:
+            shape = features.get(image_key(camera.name), {}).get("shape")
+            if shape is None or tuple(shape[:2]) != (camera.height, camera.width):
+                size = "none" if shape is None else f"{shape[0]}x{shape[1]}"
+                problems.append(
+                    f"camera {camera.name} {size}, the policy's {camera.height}x"
+                    f"{camera.width} (env.image_size)"
+                )
+        lacking = [k for k in privileged if privileged_key(k) not in features]
+        if lacking:
+            problems.append(f"no {lacking} (the policy reads them: policy.privileged_keys)")
+        if problems:
+            raise ValueError(f"datasets: {path} does not fit the policy: " + "; ".join(problems))
 
 
 def norm_data(frames: Frames) -> dict[str, torch.Tensor]:

@@ -147,6 +147,7 @@ def test_the_scripted_expert_records_the_mujoco_pick_task(tmp_path, capsys):
     assert ds.tasks == ["pick up the cube and lift it"]
     assert ds.actions.abs().max() <= 0.1 + 1e-6  # joint deltas within the action limit
     assert ds.privileged["goal_pos"].shape == (200, 3)
+    assert ds.info["embodied"]["action_space"] == "joint_delta"  # (SFT checks it: test_sft_data)
 
 
 def test_scripted_experts_exist_for_mujoco_only(tmp_path, capsys):
