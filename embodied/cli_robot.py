@@ -262,7 +262,10 @@ def _add_deploy(sub) -> None:
         "--server", help="ws://HOST:PORT of `embodied serve` (default: infer in this process)"
     )
     y.add_argument(
-        "--instruction", default="", help="the task in words (for language-conditioned policies)"
+        "--instruction",
+        default="",
+        help="the task in words (for language-conditioned policies; default: the one it was "
+        "trained on)",
     )
     y.add_argument(
         "--hz", type=float, help="control rate (default: the rate the policy was trained at)"

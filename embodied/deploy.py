@@ -187,7 +187,7 @@ def run_deploy(
 
         twin_views(arm)
     policy, spec, agreed, train_cfg = load_deployable(checkpoint)
-    _fit_rate(arm, spec, hz, episode_seconds)
+    _fit_arm(arm, spec, hz, episode_seconds)
     # what can refuse the run does so before the arm is touched: the policy's inputs, the server
     reads = _inputs(policy, spec, arm, train_cfg, goal=goal, twin=twin)
     scenes = episode_scenes(train_cfg, goal, twin, episodes, seed)
@@ -352,8 +352,11 @@ def _run_episodes(
     return episode_summaries
 
 
-def _fit_rate(arm, spec: EnvSpec, hz: float | None, episode_seconds: float) -> None:
-    """The arm's control rate, episode length and camera size from the policy's."""
+def _fit_arm(arm, spec: EnvSpec, hz: float | None, episode_seconds: float) -> None:
+    """The arm's control rate, episode length, camera size and (unless given) instruction from
+    the policy's."""
+    if not arm.instruction and spec.instructions:  # (the task's words, as in training)
+        arm.instruction = spec.instructions[0]
     trained_hz = spec.action.control_hz
     if hz is not None and spec.action.space == "joint_delta" and abs(hz - trained_hz) > 1e-6:
         raise DeployError(

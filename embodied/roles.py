@@ -59,6 +59,16 @@ def init_policy(cfg, spec: EnvSpec, device) -> torch.nn.Module:
     policy = build_policy(spec, cfg.policy).to(device)
     if cfg.runner.init_from:
         state = load_checkpoint_for(cfg.runner.init_from, "runner.init_from", False)["model"]
+        mine = policy.state_dict()
+        resized = [k for k, v in state.items() if k in mine and v.shape != mine[k].shape]
+        if resized:  # (another chunk size or camera size: load_state_dict's RuntimeError)
+            k = resized[0]
+            raise ConfigError(
+                f"runner.init_from: {cfg.runner.init_from} does not fit policy "
+                f"{cfg.policy.name!r}: {len(resized)} weights of other shapes, e.g. {k} "
+                f"{tuple(state[k].shape)} here {tuple(mine[k].shape)} (a chunk size, image "
+                "size or layer size that differs from the checkpoint's config)"
+            )
         missing, unexpected = policy.load_state_dict(state, strict=False)
         # a critic may be added (PPO after SFT: fresh value head) or dropped (GRPO); nothing else
         bad = [k for k in missing + unexpected if not k.startswith("value_mlp.")]

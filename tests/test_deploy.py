@@ -89,6 +89,7 @@ def test_deploy_on_the_twin_records_each_episode_and_ends_at_the_safe_pose(
         data = DemoDataset.load(tmp_path / "rec" / f"episode_{i:04d}")
         assert len(data) == 15 and data.actions.shape == (15, 6)  # the commands sent, radians
         assert data.info["embodied"]["action_space"] == "joint_pos"  # (absolute, not deltas)
+        assert data.tasks == ["move the gripper to the green ball"]  # the policy's own words
         assert (
             data.images["wrist"].shape[0] == 15
             and (tmp_path / "rec" / f"episode_{i:04d}" / "wrist.mp4").stat().st_size > 0

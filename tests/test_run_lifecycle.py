@@ -248,3 +248,21 @@ def test_a_lost_workers_resume_hint_names_the_directory_the_run_writes_to(tmp_pa
     assert _run_dir(runner(None)) == Path("runs/a")
     for given in (run, run / "last", run / "checkpoints" / "iter_000003"):
         assert _run_dir(runner(str(given))) == run
+
+
+def test_a_checkpoint_to_start_from_with_weights_of_other_shapes_is_one_line(tmp_path, capsys):
+    """runner.init_from with a policy of another size: one line naming a weight and both shapes
+    (it was load_state_dict's RuntimeError, a traceback), and no run directory."""
+    from tiny_runs import TINY_REACH
+
+    from embodied.cli import main
+
+    argv = ["train", "configs/mujoco/reach_ppo.yaml", *TINY_REACH, f"runner.output_dir={tmp_path}"]
+    assert main([*argv, "runner.name=small", "policy.hidden_sizes=[8]"]) == 0
+    capsys.readouterr()
+    start = f"runner.init_from={tmp_path}/small/last"
+    assert main([*argv, "runner.name=big", "policy.hidden_sizes=[16]", start]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"embodied: error: runner.init_from: {tmp_path}/small/last does not ")
+    assert "weights of other shapes, e.g. actor.0.bias (8,) here (16,)" in line
+    assert not (tmp_path / "big").exists()
