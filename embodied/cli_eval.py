@@ -138,17 +138,7 @@ def _check_same_inputs(trained: dict, spec, overrides: list[str]) -> None:
     names any it reads and the environment lacks."""
     from embodied.schema import EnvSpec, UserError
 
-    was = EnvSpec.from_dict(trained)
-    changes = [
-        f"{what} {old} -> {new}"
-        for what, old, new in [
-            ("state", list(was.obs.state_names), list(spec.obs.state_names)),
-            ("cameras", [c.name for c in was.obs.cameras], [c.name for c in spec.obs.cameras]),
-            ("action space", was.action.space, spec.action.space),
-            ("actions", list(was.action.names), list(spec.action.names)),
-        ]
-        if old != new
-    ]
+    changes = EnvSpec.from_dict(trained).input_changes(spec)
     if changes:
         raise UserError(
             f"{' '.join(overrides)}: the policy was trained with other inputs or actions "

@@ -58,7 +58,14 @@ def init_policy(cfg, spec: EnvSpec, device) -> torch.nn.Module:
     """The policy for ``spec``, with weights (and normalization) from ``runner.init_from``."""
     policy = build_policy(spec, cfg.policy).to(device)
     if cfg.runner.init_from:
-        state = load_checkpoint_for(cfg.runner.init_from, "runner.init_from", False)["model"]
+        checkpoint = load_checkpoint_for(cfg.runner.init_from, "runner.init_from", False)
+        changes = EnvSpec.from_dict(checkpoint["meta"]["spec"]).input_changes(spec)
+        if changes:  # (weights of equal shapes would load, and act on other numbers)
+            raise ConfigError(
+                f"runner.init_from: {cfg.runner.init_from} was trained with other inputs or "
+                f"actions than this environment's ({'; '.join(changes)})"
+            )
+        state = checkpoint["model"]
         mine = policy.state_dict()
         resized = [k for k, v in state.items() if k in mine and v.shape != mine[k].shape]
         if resized:  # (another chunk size or camera size: load_state_dict's RuntimeError)

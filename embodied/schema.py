@@ -221,6 +221,25 @@ class EnvSpec:
             "instructions": list(self.instructions),
         }
 
+    def input_changes(self, other: EnvSpec) -> list[str]:
+        """How a policy made for this spec would see or act otherwise in ``other``'s: "state
+        [..] -> [..]", and so on for the cameras, the action space and the actions. Privileged
+        keys are left out (they may differ between tasks: a policy names any it reads)."""
+        return [
+            f"{what} {old} -> {new}"
+            for what, old, new in [
+                ("state", list(self.obs.state_names), list(other.obs.state_names)),
+                (
+                    "cameras",
+                    [c.name for c in self.obs.cameras],
+                    [c.name for c in other.obs.cameras],
+                ),
+                ("action space", self.action.space, other.action.space),
+                ("actions", list(self.action.names), list(other.action.names)),
+            ]
+            if old != new
+        ]
+
     @staticmethod
     def from_dict(d: dict) -> EnvSpec:
         a = d["action"]

@@ -266,3 +266,34 @@ def test_a_checkpoint_to_start_from_with_weights_of_other_shapes_is_one_line(tmp
     assert line.startswith(f"embodied: error: runner.init_from: {tmp_path}/small/last does not ")
     assert "weights of other shapes, e.g. actor.0.bias (8,) here (16,)" in line
     assert not (tmp_path / "big").exists()
+
+
+def test_a_checkpoint_to_start_from_that_acts_otherwise_is_refused(tmp_path, capsys):
+    """runner.init_from a policy whose weights fit but that was trained on other actions (its
+    joint deltas, here started as joint positions): refused, naming what differs; it loaded in
+    silence and acted on other numbers."""
+    from dataclasses import replace
+
+    from tiny_runs import TINY_REACH
+
+    from embodied.checkpoint import load_checkpoint
+    from embodied.cli import main
+    from embodied.config import ConfigError, compose
+    from embodied.roles import init_policy
+    from embodied.schema import EnvSpec
+    from embodied.train_config import TrainConfig
+
+    argv = ["train", "configs/mujoco/reach_ppo.yaml", *TINY_REACH, f"runner.output_dir={tmp_path}"]
+    assert main([*argv, "runner.name=deltas"]) == 0
+    saved = load_checkpoint(tmp_path / "deltas", with_trainer_state=False)["meta"]
+    cfg = compose(TrainConfig, [("the run's", saved["config"])])
+    cfg.runner.init_from = str(tmp_path / "deltas" / "last")
+    spec = EnvSpec.from_dict(saved["spec"])
+    assert init_policy(cfg, spec, "cpu") is not None  # (its own spec: it fits)
+    absolute = replace(spec, action=replace(spec.action, space="joint_pos"))
+    with pytest.raises(
+        ConfigError,
+        match="other inputs or actions than this environment's "
+        r"\(action space joint_delta -> joint_pos\)",
+    ):
+        init_policy(cfg, absolute, "cpu")
