@@ -30,7 +30,7 @@ from embodied.recording import (
 )
 from embodied.replay import differences
 from embodied.roles import Learner
-from embodied.run import run_dir_for, run_dir_held
+from embodied.run import enter_run_dir, run_dir_for, run_dir_held
 from embodied.run_state import RunState
 from embodied.schema import EnvSpec
 from embodied.train_config import run_meta
@@ -54,14 +54,15 @@ def train_from_records(cfg) -> dict:
     task_of_env = torch.tensor(first.meta["task_of_env"], dtype=torch.long)
     run_dir = run_dir_for(cfg.runner, None)
     cfg.runner.record_rollouts = 0  # (this run's updates are the records' own)
-    learner = Learner(cfg, spec, task_of_env, cfg.runner.torch_device("cpu"))
-    try:
-        with run_dir_held(run_dir, cfg, None, False):
+    with run_dir_held(run_dir):
+        learner = Learner(cfg, spec, task_of_env, cfg.runner.torch_device("cpu"))
+        try:
+            enter_run_dir(run_dir, cfg, None, False)
             if not cfg.runner.init_from:
                 restore_before(learner, first)
             return _updates(cfg, learner, recorded, iterations, run_dir, spec)
-    finally:
-        learner.close()
+        finally:
+            learner.close()
 
 
 def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_dir, spec) -> dict:

@@ -339,12 +339,15 @@ def check_writable(run_dir: Path, keys: str) -> None:
 
 
 @contextmanager
-def run_dir_held(run_dir: Path, cfg, resume: dict | None, evaluates_beside: bool):
-    """``enter_run_dir``, for this process alone until the block ends: a second process on the
-    same run directory (a double submit, a job requeued while the first still drains) is
-    refused before it touches anything, rather than interleaving rows and checkpoints."""
+def run_dir_held(run_dir: Path):
+    """The run directory for this process alone until the block ends: a second process on it (a
+    double submit, a job requeued while the first still drains) is refused here, before it
+    builds anything or touches a file. What this made is removed again if the block leaves the
+    directory holding nothing but the lock (a run whose simulator failed to build)."""
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        lock_made = not (run_dir / LOCK).exists()
         lock = open(run_dir / LOCK, "a+")
     except OSError as e:
         reason = e.strerror or e
@@ -352,23 +355,36 @@ def run_dir_held(run_dir: Path, cfg, resume: dict | None, evaluates_beside: bool
             f"runner.output_dir, runner.name: cannot write in {run_dir} ({reason})"
         ) from None
     try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "?"
-            raise ConfigError(
-                f"runner.name: {run_dir} is in use by another run (process {holder}); wait for "
-                "it to end, or choose another runner.name"
-            ) from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"{os.getpid()}\n")
-        lock.flush()
-        enter_run_dir(run_dir, cfg, resume, evaluates_beside)
+        _lock(lock, run_dir)
         yield
     finally:
         lock.close()  # (the lock goes with it, and with the process however it ends)
+        if lock_made and [p.name for p in run_dir.iterdir()] == [LOCK]:
+            (run_dir / LOCK).unlink()
+            for folder in made:  # (deepest first)
+                folder.rmdir()
+
+
+def _lock(lock, run_dir: Path) -> None:
+    """Hold ``lock`` (RUN/.lock, open) for this process, its pid written in it; a ConfigError
+    naming the process that holds it. A filesystem without locks (some network ones) runs
+    unlocked, saying so."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        raise ConfigError(
+            f"runner.name: {run_dir} is in use by another run (process {holder}); wait for it "
+            "to end, or choose another runner.name"
+        ) from None
+    except OSError as e:  # ENOLCK, EOPNOTSUPP, ENOSYS: no flock there
+        print(f"{run_dir}: not locked ({e.strerror}): a second run into it would not be refused")
+        return
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
 
 
 def enter_run_dir(run_dir: Path, cfg, resume: dict | None, evaluates_beside: bool) -> None:

@@ -45,6 +45,7 @@ from embodied.run import (
     bar_interval,
     bar_postfix,
     check_resume,
+    enter_run_dir,
     run_dir_for,
     run_dir_held,
     unsaved_evaluation,
@@ -77,6 +78,12 @@ def train(cfg: TrainConfig) -> dict:
                 "run's random streams restart here (derived afresh at its iteration)"
             )
     run_dir = run_dir_for(cfg.runner, resume)
+    with run_dir_held(run_dir):  # (a second process on it is refused before it builds)
+        return _train_in(run_dir, cfg, resume)
+
+
+def _train_in(run_dir: Path, cfg: TrainConfig, resume: dict | None) -> dict:
+    """``train``'s roles built, then its run in ``run_dir`` (held by this process)."""
     # a bad checkpoint or task fails before the run directory and the environments are made
     if cfg.runner.init_from:
         load_checkpoint_for(cfg.runner.init_from, "runner.init_from", trainer_state=False)
@@ -96,8 +103,8 @@ def train(cfg: TrainConfig) -> dict:
             raise
     try:
         check_reset_seeds(cfg, roles)  # (before the run directory: a config error)
-        with run_dir_held(run_dir, cfg, resume, roles.evaluates_beside):
-            return Runner(cfg, roles, run_dir, resume).run()
+        enter_run_dir(run_dir, cfg, resume, roles.evaluates_beside)
+        return Runner(cfg, roles, run_dir, resume).run()
     finally:
         roles.close()
 

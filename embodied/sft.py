@@ -39,6 +39,7 @@ from embodied.run import (
     StopSignals,
     bar_interval,
     check_resume,
+    enter_run_dir,
     run_dir_for,
     run_dir_held,
 )
@@ -204,7 +205,8 @@ def sft(cfg: SFTConfig) -> dict:
         spec = env.spec
     check_fits(frames, spec, _privileged_read(cfg.policy, spec))
     run_dir = run_dir_for(cfg.runner, resume)
-    with run_dir_held(run_dir, cfg, resume, evaluates_beside=False):
+    with run_dir_held(run_dir):
+        enter_run_dir(run_dir, cfg, resume, evaluates_beside=False)
         learner = bc_learner_for(cfg, spec, norm_data(frames))
         try:  # (TP ranks in processes end with the learner)
             if resume is not None:

@@ -196,7 +196,9 @@ def test_a_second_process_on_a_run_directory_in_use_is_refused(tmp_path, capsys)
     holder.flush()
     argv = ["train", "configs/mujoco/reach_ppo.yaml", *TINY_REACH, "runner.report=false"]
     argv += [f"runner.output_dir={tmp_path}", "runner.name=run"]
-    assert main(argv) == 2
+    with pytest.MonkeyPatch.context() as m:  # refused before it builds anything
+        m.setattr("embodied.runner.make_env", lambda cfg: pytest.fail("the env was built"))
+        assert main(argv) == 2
     err = capsys.readouterr().err
     assert err == (
         f"embodied: error: runner.name: {run} is in use by another run (process 4242); wait for "
@@ -208,6 +210,27 @@ def test_a_second_process_on_a_run_directory_in_use_is_refused(tmp_path, capsys)
     assert (run / ".lock").read_text() == f"{os.getpid()}\n"  # (the process that ran last)
     with open(run / ".lock") as lock:  # released at the run's end
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_a_filesystem_without_locks_runs_unlocked_and_says_so(tmp_path, monkeypatch, capsys):
+    """flock on some network filesystems raises ENOLCK: the run goes on, saying that a second
+    run into its directory would not be refused (it was a traceback, and no run could start)."""
+    import errno
+    import fcntl
+
+    from tiny_runs import TINY_REACH
+
+    from embodied.cli import main
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    argv = ["train", "configs/mujoco/reach_ppo.yaml", *TINY_REACH, "runner.report=false"]
+    assert main([*argv, f"runner.output_dir={tmp_path}", "runner.name=run"]) == 0
+    said = f"{tmp_path}/run: not locked (No locks available): a second run into it would not"
+    assert said in capsys.readouterr().out
+    assert (tmp_path / "run" / "last").is_symlink()
 
 
 def test_overwrite_removes_a_runs_files_only_from_a_runs_directory(tmp_path):
