@@ -113,8 +113,10 @@ def save_checkpoint(
     }
     try:
         _write_staged(tmp, model, trainer, meta, shards)
-    except (OSError, RuntimeError) as e:  # (torch.save's disk-full error is a RuntimeError)
+    except (OSError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, RuntimeError) and not _write_failed(e):
+            raise  # (a fault of the shards' writer or of torch: its own traceback)
         raise CheckpointWriteError(_not_written(final, run_dir, e)) from e
     _move_in(tmp, final, run_dir)
     _point(run_dir / LAST, final)
@@ -144,6 +146,13 @@ def _write_staged(tmp: Path, model: torch.nn.Module, trainer: dict, meta: dict, 
         state = {k: v for k, v in state.items() if not k.startswith(prefixes)}
     _save_tensors({k: v for k, v in state.items() if k not in frozen}, tmp / MODEL)
     _write_trainer_and_meta(tmp, trainer, {**meta, **sharded, "frozen": frozen_file})
+
+
+def _write_failed(error: RuntimeError) -> bool:
+    """Whether torch's ``error`` is its writer's report of a file it could not write (a full
+    disk, a quota): torch.save raises RuntimeError for those."""
+    said = str(error)
+    return any(m in said for m in ("PytorchStreamWriter", "inline_container", "iostream error"))
 
 
 def _not_written(final: Path, run_dir: Path, error: BaseException) -> str:
@@ -339,7 +348,11 @@ def _save_frozen(ckpts: Path, model: torch.nn.Module, frozen: dict) -> str:
     name = f"frozen-{_frozen_digest(model, frozen)}.safetensors"
     if not (ckpts / name).exists():
         tmp = ckpts / f".{name}.tmp"
-        _save_tensors(frozen, tmp)
+        try:
+            _save_tensors(frozen, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # (the largest file: what a full disk needs back)
+            raise
         os.replace(tmp, ckpts / name)
         fsync(ckpts)
     return name

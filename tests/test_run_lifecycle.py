@@ -320,3 +320,39 @@ def test_a_checkpoint_to_start_from_that_acts_otherwise_is_refused(tmp_path, cap
         r"\(action space joint_delta -> joint_pos\)",
     ):
         init_policy(cfg, absolute, "cpu")
+
+
+def test_a_failed_save_frees_what_it_wrote_and_only_a_write_error_is_called_one(
+    tmp_path, monkeypatch
+):
+    """A save that fails removes its staging directory and the frozen weights' temporary file
+    (the largest, what a full disk needs back); torch's writer errors become CheckpointWriteError,
+    any other RuntimeError (a CUDA fault, say) stays itself, with its traceback."""
+    from embodied import checkpoint as ck
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    net[0].requires_grad_(False)  # (its weights go to a frozen-<digest> file of their own)
+
+    def save():
+        ck.save_checkpoint(tmp_path, 1, model=net, optimizer=None, counters={}, meta={})
+
+    def full(tensors, path, **kwargs):
+        Path(path).write_bytes(b"\0" * 64)  # part of the file
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64")
+
+    with monkeypatch.context() as m:
+        m.setattr(ck, "save_file", full)
+        with pytest.raises(ck.CheckpointWriteError, match="unexpected pos 64"):
+            save()
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+    def cuda_fault(obj, path, *args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", cuda_fault)
+        with pytest.raises(RuntimeError, match="illegal memory access") as raised:
+            save()
+    assert not isinstance(raised.value, ck.CheckpointWriteError)
+    frozen = [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    assert len(frozen) == 1 and frozen[0].startswith("frozen-")  # (written whole, before)
