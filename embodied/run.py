@@ -270,8 +270,8 @@ def rewind(run_dir: Path, resume: dict, cfg, evaluates_beside: bool) -> None:
         unsaved = None
     trim_metrics(run_dir, done, None if unsaved is None else unsaved["iteration"])
     # the earlier process's result: the resumed run writes its own when it ends
-    for result in (run_dir / "metrics.json", run_dir / "videos" / "final_eval.mp4"):
-        result.unlink(missing_ok=True)
+    for result in ("metrics.json", "videos/final_eval.mp4", "videos/eval.mp4"):  # (sft's)
+        (run_dir / result).unlink(missing_ok=True)
     abandoned = drop_checkpoints_after(run_dir, done)
     if abandoned:
         print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")

@@ -379,6 +379,7 @@ class SFTRun:
             self.step,
             self.logger,
             video_dir=video_dir,
+            final=True,
         )
         summary = {
             "run_dir": str(self.run_dir),
@@ -428,9 +429,11 @@ def evaluate_tasks(
     step: int,
     logger,
     video_dir: Path | None = None,
+    final: bool = False,
 ) -> dict:
     """Deterministic evaluation of ``policy`` on each task, all tasks at once in one MultiTaskEnv
-    (``env.num_envs`` environments per task) -> {task: evaluate() summary}."""
+    (``env.num_envs`` environments per task) -> {task: evaluate() summary}. ``final``: the run's
+    final evaluation, whose rows say so (a resume drops them)."""
     policy.eval()
     env = make_env(_eval_env_config(env_cfgs))
     try:
@@ -449,8 +452,9 @@ def evaluate_tasks(
         env.close()
     if len(env_cfgs) == 1:
         out = {next(iter(env_cfgs)): out["all"]}
+    tag = {"final": True} if final else {}
     for task, summary in out.items():
-        logger.log(per_task(task, summary), step=step, iteration=step)
+        logger.log(per_task(task, summary), step=step, iteration=step, **tag)
     return out
 
 

@@ -218,6 +218,8 @@ def test_a_resumed_sft_run_ends_where_the_uninterrupted_one_did(tmp_path, datase
     assert main(["sft", cfg, resume, "runner.eval_episodes=1"]) == 0
     assert "resuming" in capsys.readouterr().out
     assert loss_rows(run) == rows
+    finals = [r["iteration"] for r in map(json.loads, open(run / "metrics.jsonl")) if "final" in r]
+    assert finals == [12]  # its own final evaluation, once (the resume dropped the first run's)
     again = load_checkpoint(run / "last")
     assert again["counters"]["iteration"] == 12
     for key, value in whole["model"].items():
