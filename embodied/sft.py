@@ -203,7 +203,9 @@ def sft(cfg: SFTConfig) -> dict:
     env_cfgs = task_configs(cfg.env, [t or default_task for t in frames.tasks])
     with make_env(_eval_env_config(env_cfgs)) as env:  # the spec all tasks share
         spec = env.spec
-    check_fits(frames, spec, _privileged_read(cfg.policy, spec))
+    cameras = spec.obs.cameras if getattr(cfg.policy, "use_images", True) else ()
+    any_size = cfg.policy.name == "smolvla"  # (it resizes and pads what it is given)
+    check_fits(frames, spec, _privileged_read(cfg.policy, spec), cameras, any_size)
     run_dir = run_dir_for(cfg.runner, resume)
     with run_dir_held(run_dir):
         enter_run_dir(run_dir, cfg, resume, evaluates_beside=False)

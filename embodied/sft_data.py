@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from embodied.dataset import DemoDataset, image_key, privileged_key
-from embodied.schema import EnvSpec, NormStats, Observation
+from embodied.schema import CameraSpec, EnvSpec, NormStats, Observation
 
 
 @dataclass
@@ -58,10 +58,17 @@ def load_frames(paths: list[str], episodes: int = 0) -> Frames:
     return Frames(cat, instructions, tasks, [(str(path), p.info) for path, p in zip(paths, parts)])
 
 
-def check_fits(frames: Frames, spec: EnvSpec, privileged: tuple[str, ...]) -> None:
+def check_fits(
+    frames: Frames,
+    spec: EnvSpec,
+    privileged: tuple[str, ...],
+    cameras: tuple[CameraSpec, ...],
+    any_size: bool = False,
+) -> None:
     """A ValueError naming the dataset and what differs, where a dataset's frames are not what
-    the policy for ``spec`` reads and does (it reads ``privileged``): its action space (where
-    the dataset says), the sizes of its actions and state, its cameras and their size. SFT on
+    the policy for ``spec`` reads and does (it reads ``privileged`` and ``cameras``, at their
+    size unless ``any_size``: a policy that resizes): its action space (where the dataset
+    says), the sizes of its actions and state, its cameras and their size. SFT on
     them trained in silence on numbers of another kind (a deploy recording's joint positions as
     joint deltas)."""
     for path, info in frames.infos:
@@ -77,9 +84,10 @@ def check_fits(frames: Frames, spec: EnvSpec, privileged: tuple[str, ...]) -> No
             size = features[key]["shape"][0]
             if size != len(names):
                 problems.append(f"{size} {what}, the policy's {len(names)}")
-        for camera in spec.obs.cameras:
+        for camera in cameras:
             shape = features.get(image_key(camera.name), {}).get("shape")
-            if shape is None or tuple(shape[:2]) != (camera.height, camera.width):
+            sized = any_size or shape is None or tuple(shape[:2]) == (camera.height, camera.width)
+            if shape is None or not sized:
                 size = "none" if shape is None else f"{shape[0]}x{shape[1]}"
                 problems.append(
                     f"camera {camera.name} {size}, the policy's {camera.height}x"

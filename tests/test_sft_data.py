@@ -28,14 +28,16 @@ def info(space="joint_delta", cameras=None, state=2, actions=2, privileged=None)
     return {"features": made, "embodied": embodied}
 
 
-def fits(*infos, privileged=()) -> None:
+def fits(*infos, privileged=(), cameras=SPEC.obs.cameras, any_size=False) -> None:
     frames = Frames(None, [], [], [(f"ds{i}", x) for i, x in enumerate(infos)])
-    check_fits(frames, SPEC, privileged)
+    check_fits(frames, SPEC, privileged, cameras, any_size)
 
 
 def test_a_dataset_of_the_policys_kind_fits_whatever_it_names_its_columns():
     fits(info(), info(space=None))  # (a dataset that does not say its action space)
     fits(info(privileged={"goal_pos": 3}), privileged=("goal_pos",))
+    fits(info(cameras={}), cameras=())  # a policy that reads no camera (use_images=false)
+    fits(info(cameras={"front": (32, 32)}), any_size=True)  # one that resizes (SmolVLA)
 
 
 @pytest.mark.parametrize(
