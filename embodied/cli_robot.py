@@ -158,7 +158,7 @@ def _deploy_arm(args):
         joint_signs=_floats("--robot.joint-signs", args.joint_signs, 1.0),
         joint_offsets=_floats("--robot.joint-offsets", args.joint_offsets, 0.0),
         watchdog_s=args.watchdog,
-        max_speed=args.max_speed,
+        **({} if args.max_speed is None else {"max_speed": args.max_speed}),
         **_gripper_range(args),
     )
     arm.validate()
@@ -305,7 +305,6 @@ def _add_deploy(sub) -> None:
         "--robot.max-speed",
         dest="max_speed",
         type=float,
-        default=2.0,
         help="rad/s per joint, the safety layer's rate limit (default 2, the simulator's); "
         "lower it for a first run",
     )

@@ -355,8 +355,13 @@ def _run_episodes(
 def _fit_arm(arm, spec: EnvSpec, hz: float | None, episode_seconds: float) -> None:
     """The arm's control rate, episode length, camera size and (unless given) instruction from
     the policy's."""
-    if not arm.instruction and spec.instructions:  # (the task's words, as in training)
-        arm.instruction = spec.instructions[0]
+    told = list(dict.fromkeys(spec.instructions))  # (a multi-task policy's, each once)
+    if not arm.instruction and len(told) > 1:
+        raise DeployError(
+            f"--instruction: the policy was trained on {len(told)} tasks ({told}); say which"
+        )
+    if not arm.instruction and told:  # (the task's words, as in training)
+        arm.instruction = told[0]
     trained_hz = spec.action.control_hz
     if hz is not None and spec.action.space == "joint_delta" and abs(hz - trained_hz) > 1e-6:
         raise DeployError(

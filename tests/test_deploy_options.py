@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from embodied.cli import main
+from embodied.robots.arm import ArmConfig
 
 
 def test_a_goal_on_the_table_passes_the_reach_check_and_one_under_it_does_not():
@@ -72,5 +73,26 @@ def test_the_arms_speed_and_gripper_range_options_reach_its_config(monkeypatch, 
     assert main(["deploy", "ckpt", *port]) == 0
     assert [(a.max_speed, a.gripper_range) for a in given] == [
         (0.5, (-0.1, 1.5)),
-        (2.0, (-0.17453, 1.74533)),  # the SO-101 description's
+        (ArmConfig.max_speed, ArmConfig.gripper_range),  # ArmConfig's own defaults
     ]
+
+
+def test_a_multi_task_policy_is_told_its_task_and_a_single_task_one_keeps_its_own():
+    """Without --instruction a policy acts on the task it was trained on; one trained on several
+    is refused, its tasks listed (it ran the first in silence, and recordings said so)."""
+    from embodied.deploy import DeployError, _fit_arm
+    from embodied.schema import ActionSpec, EnvSpec, ObsSpec
+
+    action = ActionSpec(space="joint_delta", names=("j",), low=(-0.1,), high=(0.1,))
+
+    def spec(*instructions):
+        return EnvSpec(ObsSpec(), action, max_episode_steps=10, instructions=instructions)
+
+    arm = ArmConfig(robot="so101-sim")
+    _fit_arm(arm, spec("reach", "reach"), None, 1.0)  # (one task's rows: one instruction)
+    assert arm.instruction == "reach"
+    with pytest.raises(DeployError, match=r"trained on 2 tasks \(\['push', 'pick'\]\); say"):
+        _fit_arm(ArmConfig(robot="so101-sim"), spec("push", "pick", "push"), None, 1.0)
+    told = ArmConfig(robot="so101-sim", instruction="pick")
+    _fit_arm(told, spec("push", "pick"), None, 1.0)
+    assert told.instruction == "pick"
