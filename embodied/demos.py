@@ -5,7 +5,8 @@ privileged object/goal state) or, with ``expert: scripted``, the simulator's own
 (the MuJoCo tasks'), driving an environment whose cameras record what it does (ManiSkill's
 obs_mode ``rgb+state``, MuJoCo's ``rgb``). Episodes run in rounds of B environments, each
 environment's first episode per round counted, reset with seeds ``DEMO_SEED_OFFSET + seed + i``
-(disjoint from the training and evaluation seeds). Success is recorded per frame and per episode;
+(disjoint from the evaluation seeds, embodied/seeds.py; a demonstration may start where an RL
+iteration does, which trains on both). Success is recorded per frame and per episode;
 failed episodes are dropped unless ``keep_failed``.
 """
 
@@ -22,9 +23,10 @@ import torch
 
 from embodied.multitask import SIMULATOR_CONFIGS
 from embodied.schema import SimulatorConfig, UserError
+from embodied.seeds import MAX_SEED, check_seed
 from embodied.simulators.maniskill import ManiSkillConfig
 
-DEMO_SEED_OFFSET = 2_000_000
+DEMO_SEED_OFFSET = 2_000_000  # (+ seed + attempts: below seeds.EVAL_SEED_OFFSET)
 SCRIPTED = "scripted"  # ``expert``: the simulator's own scripted expert for the task
 
 
@@ -50,8 +52,11 @@ class DemosConfig:
     def validate(self) -> None:
         if not self.expert:
             raise ValueError("expert: a checkpoint path is required")
+        check_seed("seed", self.seed)  # (below the evaluation seeds, whatever max_attempts)
         if self.episodes < 1 or self.max_attempts < self.episodes:
             raise ValueError("episodes: need 1 <= episodes <= max_attempts")
+        if self.max_attempts > MAX_SEED:
+            raise ValueError(f"max_attempts: at most {MAX_SEED:_}, got {self.max_attempts}")
         if "rgb" not in self.env.obs_mode:
             raise ValueError(
                 "env.obs_mode: demonstrations need cameras (ManiSkill's 'rgb+state', MuJoCo's "

@@ -257,6 +257,7 @@ ALLOWED = {
         "embodied.models",
         "embodied.multitask",
         "embodied.run",  # (StopSignals)
+        "embodied.seeds",
         "embodied.schema",
         "embodied.simulators",
         "embodied.train_config",

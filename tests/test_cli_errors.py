@@ -212,6 +212,7 @@ CASES = [
         ["demos", "configs/maniskill/demos_pushcube.yaml", f"expert={CK}", f"output={R}/leftover"],
         ["output", "leftover is not empty"],
     ),
+    (["demos", "configs/mujoco/demos_pick.yaml", "seed=-1"], ["seed: must be an integer in"]),
     (
         ["demos", "configs/maniskill/demos_pushcube.yaml", f"output={R}/empty.yaml"],
         ["output", "empty.yaml", "is a file"],
