@@ -69,7 +69,7 @@ def parse_overrides(overrides: list[str]) -> dict:
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r} on {COMMAND_LINE}: {p} is set twice")
         try:
-            node[leaf] = yaml.safe_load(value) if value != "" else None
+            node[leaf] = expand_home(yaml.safe_load(value)) if value != "" else None
         except yaml.YAMLError:
             node[leaf] = value
     return out
@@ -212,7 +212,7 @@ def load_config(
     sources = _read_yaml(Path(path), ())
     if overrides:
         sources.append((COMMAND_LINE, parse_overrides(overrides)))
-    sources = [(name, expand_home(data)) for name, data in sources]
+    sources = [(name, expand_home(data)) for name, data in sources]  # (the files': a path)
     obj = compose(schema, sources)
     validate_tree(obj, "", sources, files)
     return obj, sources

@@ -57,6 +57,9 @@ def test_a_path_that_starts_with_the_home_directory_is_expanded(tmp_path, monkey
     assert cfg.runner.output_dir == f"{home}/runs" and cfg.runner.init_from == f"{home}/ckpt"
     assert cfg.runner.resume == f"{home}/runs/a/last"
     assert cfg.runner.name == "~x"  # (only ~/ is the home directory)
+    from embodied.config import parse_overrides  # (what eval's env.* overrides go through)
+
+    assert parse_overrides(["env.asset_dir=~/assets"]) == {"env": {"asset_dir": f"{home}/assets"}}
 
 
 @pytest.mark.parametrize(
