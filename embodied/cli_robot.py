@@ -92,6 +92,7 @@ def cmd_deploy(args) -> int:
     import logging
 
     from embodied.deploy import DeployError, run_deploy
+    from embodied.robots.arm import RobotError
 
     if why := _deploy_options_refused(args):
         return _error(why)
@@ -113,8 +114,8 @@ def cmd_deploy(args) -> int:
             goal=goal,
             seed=args.seed,
         )
-    except (DeployError, RuntimeError, ValueError, OSError) as e:
-        # LeRobot's drivers: a camera that stops giving frames is a RuntimeError or TimeoutError
+    except (DeployError, RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
+        # (a camera that stops giving frames: RobotEnv.observe's RobotError)
         return _error_with_notes(e)  # the shutdown's notes too
     print(json.dumps(summary, indent=2))
     if not summary["torque_off_at_safe_pose"]:

@@ -334,8 +334,15 @@ class RobotEnv:
         return (np.asarray(q, float) - self.offsets) * self.signs
 
     def observe(self) -> Observation:
-        """Read the arm and cameras (present joint positions in ``self.present``, radians)."""
-        raw = self.robot.get_observation()
+        """Read the arm and cameras (present joint positions in ``self.present``, radians). What
+        LeRobot's drivers raise there (a camera without frames: RuntimeError, TimeoutError) is a
+        RobotError naming the robot."""
+        try:
+            raw = self.robot.get_observation()
+        except (RuntimeError, OSError) as e:
+            if isinstance(e, RobotError):
+                raise
+            raise RobotError(f"{self.cfg.robot}: reading the arm and cameras failed: {e}") from e
         t = self.clock.monotonic()
         q = to_radians(raw, self.cfg.gripper_range)
         vel = (
