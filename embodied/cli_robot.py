@@ -285,6 +285,12 @@ def _add_deploy(sub) -> None:
         default=0,
         help="the twin's scenes: episode e is embodied eval's episode e at this seed",
     )
+    _add_deploy_arm_options(y)
+    y.set_defaults(func=cmd_deploy)
+
+
+def _add_deploy_arm_options(y) -> None:
+    """Deploy's options for how the arm is driven: joint conventions, watchdog, speed."""
     y.add_argument(
         "--robot.joint-signs",
         dest="joint_signs",
@@ -309,4 +315,3 @@ def _add_deploy(sub) -> None:
         help="rad/s per joint, the safety layer's rate limit (default 2, the simulator's); "
         "lower it for a first run",
     )
-    y.set_defaults(func=cmd_deploy)

@@ -328,6 +328,25 @@ class LeRobotWriter:
         return self.root
 
 
+def _data_columns(root: Path, info: dict) -> dict[str, list]:
+    """Every data file's columns, joined; a ValueError where they hold other than the frames
+    info.json counts (a directory an interrupted recording had written into)."""
+    import pyarrow.parquet as pq
+
+    cols: dict[str, list] = {}
+    for f in sorted((root / "data").glob("chunk-*/file-*.parquet")):
+        for k, v in pq.read_table(f).to_pydict().items():
+            cols.setdefault(k, []).extend(v)
+    frames = len(cols.get("episode_index", []))
+    if frames != info.get("total_frames"):
+        raise ValueError(
+            f"{root}: its data files hold {frames} frames, meta/info.json counts "
+            f"{info.get('total_frames')}: files of another recording are mixed in; record "
+            "again into a new directory"
+        )
+    return cols
+
+
 @dataclass
 class DemoDataset:
     """A LeRobot v3.0 dataset in memory as tensors: frames N, cameras C.
@@ -354,7 +373,6 @@ class DemoDataset:
     @staticmethod
     def load(root: str | Path) -> DemoDataset:
         import pandas as pd
-        import pyarrow.parquet as pq
         from PIL import Image
 
         root = Path(root)
@@ -377,18 +395,7 @@ class DemoDataset:
                 f"{root}: cameras stored as video ({', '.join(videos)}) are not read; store them "
                 "as images (LeRobotDataset.create(..., use_videos=False))"
             )
-        files = sorted((root / "data").glob("chunk-*/file-*.parquet"))
-        cols: dict[str, list] = {}
-        for f in files:
-            for k, v in pq.read_table(f).to_pydict().items():
-                cols.setdefault(k, []).extend(v)
-        frames = len(cols.get("episode_index", []))
-        if frames != info.get("total_frames"):
-            raise ValueError(
-                f"{root}: its data files hold {frames} frames, meta/info.json counts "
-                f"{info.get('total_frames')}: files of another recording are mixed in; record "
-                "again into a new directory"
-            )
+        cols = _data_columns(root, info)
         cams = [k for k, ft in info["features"].items() if ft["dtype"] == "image"]
         images = {
             k.removeprefix("observation.images."): torch.from_numpy(
