@@ -119,19 +119,13 @@ def _run_dir(cfg) -> Path:
 
 
 def cmd_demos(args) -> int:
+    from embodied.dataset import taken
     from embodied.demos import record_demos
 
     if (cfg := _load(args)) is None:
         return 2
-    if Path(cfg.output, "meta", "info.json").exists():
-        return _error(
-            f"output: {cfg.output} already holds a dataset; choose another output directory"
-        )
-    if Path(cfg.output).is_dir() and any(Path(cfg.output).iterdir()):
-        return _error(
-            f"output: {cfg.output} is not empty (what an interrupted run left?); choose another "
-            "output directory"
-        )
+    if why := taken(Path(cfg.output)):
+        return _error(f"output: {cfg.output} {why}")
     if why := file_in_the_way(cfg.output):
         return _error(f"output: {cfg.output} {why}; give a directory for the dataset")
     try:

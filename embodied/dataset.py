@@ -128,6 +128,16 @@ def features(
     return out
 
 
+def taken(root: Path) -> str | None:
+    """Why a dataset cannot be written to ``root`` ("already holds a dataset", "is not empty":
+    an interrupted recording's data files would be read as the new one's); None where it can."""
+    if (root / "meta" / "info.json").exists():
+        return "already holds a dataset; choose another output directory"
+    if root.is_dir() and any(root.iterdir()):
+        return "is not empty (what an interrupted recording left?); choose another output directory"
+    return None
+
+
 class LeRobotWriter:
     """Append episodes, then ``close()`` to write the metadata. Not safe to resume: a crash leaves
     a directory without ``meta/info.json``, which ``DemoDataset`` refuses to read."""
@@ -145,15 +155,8 @@ class LeRobotWriter:
         source: dict | None = None,
     ):
         self.root = Path(root)
-        if (self.root / "meta" / "info.json").exists():
-            raise FileExistsError(
-                f"{self.root} already holds a dataset; choose another output directory"
-            )
-        if self.root.is_dir() and any(self.root.iterdir()):  # (its data files would be read)
-            raise FileExistsError(
-                f"{self.root} is not empty (what an interrupted recording left?); choose another "
-                "output directory"
-            )
+        if why := taken(self.root):
+            raise FileExistsError(f"{self.root} {why}")
         self.root.mkdir(parents=True, exist_ok=True)
         self.privileged = dict(privileged or {})  # simulator-only keys stored per frame -> size
         self.features = features(cameras, state_names, action_names, self.privileged)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embodied.dataset import taken
 from embodied.episodes import Episode
 from embodied.recording import RecordedRounds
 from embodied.resimulate import Resimulated, by_step
@@ -42,10 +43,8 @@ def check_free(roots: dict[str, Path]) -> None:
     """``DatasetError`` when a dataset directory holds anything already (a dataset, or what an
     interrupted one left), before anything is written."""
     for path in roots.values():
-        if (path / "meta" / "info.json").exists():
-            raise DatasetError(f"{path} already holds a dataset; choose another output directory")
-        if path.is_dir() and any(path.iterdir()):
-            raise DatasetError(f"{path} is not empty; choose another output directory")
+        if why := taken(path):
+            raise DatasetError(f"{path} {why}")
 
 
 class EpisodeDatasets:

@@ -151,7 +151,10 @@ def test_a_chunked_policys_episodes_become_a_dataset_through_resimulation(tmp_pa
     assert (
         capsys.readouterr()
         .err.splitlines()[-1]
-        .endswith("left is not empty; choose another output directory")
+        .endswith(
+            "left is not empty (what an interrupted recording left?); "
+            "choose another output directory"
+        )
     )
     sft = tmp_path / "sft.yaml"
     runner = {"name": "sft", "output_dir": str(tmp_path), "eval_episodes": 1, "progress": False}
