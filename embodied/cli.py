@@ -113,9 +113,10 @@ def _run_dir(cfg) -> Path:
     output_dir/name (a resume from RUN/checkpoints/iter_N writes to RUN)."""
     if not cfg.runner.resume:
         return Path(cfg.runner.output_dir) / cfg.runner.name
-    given = Path(cfg.runner.resume)
-    checkpoint = given.resolve() if given.is_symlink() else given  # (RUN/last, RUN/best)
-    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else given
+    from embodied.checkpoint import resolve_checkpoint
+    from embodied.run import run_dir_of
+
+    return run_dir_of(resolve_checkpoint(cfg.runner.resume), cfg.runner.resume)
 
 
 def cmd_demos(args) -> int:

@@ -350,10 +350,7 @@ def run_dir_held(run_dir: Path):
         lock_made = not (run_dir / LOCK).exists()
         lock = open(run_dir / LOCK, "a+")
     except OSError as e:
-        reason = e.strerror or e
-        raise ConfigError(
-            f"runner.output_dir, runner.name: cannot write in {run_dir} ({reason})"
-        ) from None
+        raise _unwritable(run_dir, e) from None
     try:
         _lock(lock, run_dir)
         yield
@@ -387,6 +384,12 @@ def _lock(lock, run_dir: Path) -> None:
     lock.flush()
 
 
+def _unwritable(run_dir: Path, error: OSError) -> ConfigError:
+    """The one line for a run directory that could not be made or written in."""
+    reason = error.strerror or error
+    return ConfigError(f"runner.output_dir, runner.name: cannot write in {run_dir} ({reason})")
+
+
 def enter_run_dir(run_dir: Path, cfg, resume: dict | None, evaluates_beside: bool) -> None:
     """The run directory made ready for the run: taken back to the resumed checkpoint
     (``rewind``) or emptied (``runner.overwrite``), with the run's config.yaml and its numeric
@@ -401,10 +404,7 @@ def enter_run_dir(run_dir: Path, cfg, resume: dict | None, evaluates_beside: boo
         save_config(cfg, run_dir / "config.yaml")
         numerics.record(run_dir, iteration=start, deterministic=cfg.runner.deterministic)
     except OSError as e:
-        reason = e.strerror or e
-        raise ConfigError(
-            f"runner.output_dir, runner.name: cannot write in {run_dir} ({reason})"
-        ) from None
+        raise _unwritable(run_dir, e) from None
 
 
 def check_fresh(run_dir: Path, overwrite: bool) -> None:

@@ -263,6 +263,7 @@ def test_a_lost_workers_resume_hint_names_the_directory_the_run_writes_to(tmp_pa
 
     run = tmp_path / "elsewhere"
     (run / "checkpoints" / "iter_000003").mkdir(parents=True)
+    (run / "checkpoints" / "iter_000003" / "meta.json").write_text("{}")
     (run / "last").symlink_to("checkpoints/iter_000003")
 
     def runner(resume):
