@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from embodied.cli_errors import error as _error
-from embodied.cli_errors import file_in_the_way
+from embodied.logger import file_in_the_way
 
 
 def add_run_commands(sub) -> None:

@@ -1,4 +1,5 @@
-"""Run logging: TensorBoard scalars and one JSON line per logged step (``metrics.jsonl``)."""
+"""Run logging: TensorBoard scalars and one JSON line per logged step (``metrics.jsonl``), and
+the file helpers every writer of a run or a dataset uses."""
 
 from __future__ import annotations
 
@@ -77,3 +78,18 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+def file_in_the_way(path: str | Path) -> str | None:
+    """Why ``path`` cannot be a directory to write in ("is a file", "is inside F, a file": it, or
+    the nearest of its parents that exists, is a file or a broken link); None when it can be."""
+    path = Path(path)
+    try:
+        # (a root, at worst)
+        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+        if existing.is_dir():
+            return None
+    except OSError as e:
+        return f"cannot be reached ({e.strerror or e})"
+    what = "a file" if existing.exists() else "a broken link"
+    return f"is {what}" if existing == path else f"is inside {existing}, {what}"

@@ -19,6 +19,7 @@ from pathlib import Path
 from embodied import numerics
 from embodied.checkpoint import LAST, META, checkpoint_dir, drop_checkpoints_after, point_best
 from embodied.config import ConfigError, save_config
+from embodied.logger import file_in_the_way, read_jsonl, write_atomic
 
 
 class Interrupted(Exception):
@@ -151,18 +152,12 @@ def trim_metrics(run_dir: Path, iteration: int, evaluated: int | None = None) ->
     if not path.exists():
         return
     kept = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by the crash the run resumes from
-            continue
+    for row in read_jsonl(path):  # (without a line cut by the crash the run resumes from)
         at = row.get("iteration", 0)
         evaluation = any(key.startswith("eval/") for key in row)
         if at <= iteration and not (evaluation and at == evaluated) and not row.get("final"):
-            kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+            kept.append(json.dumps(row) + "\n")
+    write_atomic(path, "".join(kept))
 
 
 class Clock:
@@ -331,9 +326,9 @@ def run_dir_for(runner, resume: dict | None) -> Path:
 def check_writable(run_dir: Path, keys: str) -> None:
     """Before anything is built: the run directory, or the folder it will be made in, can be
     written (a read-only disk, another user's folder); ``keys`` name where it came from."""
+    if why := file_in_the_way(run_dir):
+        raise ConfigError(f"{keys}: {run_dir} {why}")
     existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"{keys}: {existing} is a file, where {run_dir} would be made")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{keys}: cannot write in {existing} (read-only, or not yours)")
 

@@ -65,7 +65,11 @@ CASES = [
     (["train", M, "runner.device=tpu"], ["runner.device: must be auto, cpu, cuda", "'tpu'"]),
     (
         ["train", M, f"runner.output_dir={R}/empty.yaml/runs"],
-        ["runner.output_dir, runner.name: {root}/empty.yaml is a file, where", "/runs/"],
+        ["runner.output_dir, runner.name: {root}/empty.yaml/runs/", "inside {root}/empty.yaml"],
+    ),
+    (
+        ["train", M, f"runner.output_dir={R}/broken/runs"],
+        ["runner.output_dir, runner.name:", "inside {root}/broken, a broken link"],
     ),
     # SFT's own (its runner's as the train runner's)
     (["sft", SFT, "learning_rate=0"], ["learning_rate: must be > 0, got 0.0"]),
@@ -112,6 +116,7 @@ CASES = [
 @pytest.mark.parametrize("argv, culprits", params(CASES))
 def test_a_value_out_of_range_is_one_line_naming_its_key(argv, culprits, tmp_path, capsys):
     (tmp_path / "empty.yaml").write_text("")  # (a file where a directory is wanted)
+    (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
     paths = {"root": str(tmp_path)}
     # (a check that fails to refuse trains here, not in ./runs; a case's own output_dir wins)
     argv = [*argv[:2], f"runner.output_dir={tmp_path}/runs", *argv[2:]]
