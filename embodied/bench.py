@@ -198,15 +198,12 @@ class _PolicySource:
 
             cls = BASELINES[self.label]
             return cls(spec, seed=self.seed) if self.label == "random" else cls(spec)
-        problems = []
-        if self.spec.action.names != spec.action.names:
-            problems.append(f"actions {spec.action.names} (trained on {self.spec.action.names})")
-        if [(c.name, c.height, c.width) for c in self.spec.obs.cameras] != [
-            (c.name, c.height, c.width) for c in spec.obs.cameras
-        ]:
-            problems.append(f"cameras {spec.obs.cameras} (trained on {self.spec.obs.cameras})")
-        if self.spec.obs.state_names != spec.obs.state_names:
-            problems.append("proprioception columns differ from training")
+        problems = self.spec.input_changes(spec)  # (the action space too: same names, other units)
+        trained, given = (
+            [(c.name, c.height, c.width) for c in s.obs.cameras] for s in (self.spec, spec)
+        )
+        if not problems and trained != given:
+            problems.append(f"camera sizes {trained} -> {given}")
         missing = {
             k: v
             for k, v in self.spec.obs.privileged.items()

@@ -311,3 +311,23 @@ def test_the_report_averages_task_success_rates_with_tasks_weighted_equally(tmp_
     assert json.loads((tmp_path / "results.json").read_text())["mean_task_success"] == 0.75
     table = (tmp_path / "report.md").read_text().splitlines()
     assert "| mean of task success rates (2 tasks weighted equally) | 10 | 0.75 |" in table[-1]
+
+
+def test_a_checkpoint_is_skipped_where_its_actions_mean_other_units_or_its_cameras_differ():
+    """Same joint names in another action space (a delta policy on position control) or the
+    same camera at another size: the task is skipped with the reason, not run."""
+    from embodied.bench import SpecMismatch, _PolicySource
+    from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec
+
+    def spec(space="joint_delta", size=64):
+        obs = ObsSpec(cameras=(CameraSpec("front", size, size),), state_names=("q",))
+        action = ActionSpec(space=space, names=("j",), low=(-1.0,), high=(1.0,))
+        return EnvSpec(obs, action, max_episode_steps=10)
+
+    source = _PolicySource.__new__(_PolicySource)
+    source.loaded, source.spec = "the policy", spec()
+    assert source.for_env(spec()) == "the policy"
+    with pytest.raises(SpecMismatch, match="action space joint_delta -> joint_pos"):
+        source.for_env(spec(space="joint_pos"))
+    with pytest.raises(SpecMismatch, match=r"camera sizes \[\('front', 64, 64\)\] -> "):
+        source.for_env(spec(size=128))
