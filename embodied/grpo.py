@@ -173,9 +173,12 @@ class GRPO:
 
     def plan(self, iteration: int, round_index: int, episode_base: int) -> CollectPlan:
         """Fresh initial states every round: group g of round r of iteration i gets seed
-        seed + ((i - 1) * max_rounds + r) * B + g; idle environments get seeds of their own."""
-        B = len(self.group_of_env)
-        base = self.seed + ((iteration - 1) * self.max_rounds + round_index) * B
+        seed + ((i - 1) * max_rounds + r) * S + g, where S = groups + idle environments are the
+        seeds a round uses (idle environments get seeds of their own). Consecutive rounds take
+        consecutive seeds, so a simulator with a finite set of initial states (LIBERO's 50, seed
+        % 50) meets them all; steps of B met 10 of 50 at env.num_envs=10 in groups of 5."""
+        seeds_per_round = self.num_groups + self.idle_envs
+        base = self.seed + ((iteration - 1) * self.max_rounds + round_index) * seeds_per_round
         idle = (self.group_of_env < 0).cumsum(0) + self.num_groups - 1  # long [B]
         seeds = base + torch.where(self.group_of_env >= 0, self.group_of_env, idle)
         # group ids stay distinct across the rounds of one update

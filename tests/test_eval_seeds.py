@@ -102,7 +102,7 @@ def test_ppo_trains_below_2e9_and_evaluates_periodically_and_finally_on_seeds_ap
 
 def test_grpo_evaluates_before_rl_on_the_selection_seeds(tmp_path):
     """GRPO (groups of 4 of 8 environments) evaluates before RL on the selection seeds, trains one
-    iteration (round r resets group g's rows with r*8 + g) and ends on the held-out seeds."""
+    iteration (round r resets group g's rows with r*2 + g) and ends on the held-out seeds."""
     torch.manual_seed(0)
     env = SeedLog(8)
     run_on(env, tmp_path / "run", total_env_steps=24)  # one round's steps: one iteration
@@ -112,15 +112,15 @@ def test_grpo_evaluates_before_rl_on_the_selection_seeds(tmp_path):
     training = env.resets[2:-2]
     assert 1 <= len(training) <= 3
     for r, seeds in enumerate(training):
-        assert seeds == [r * 8] * 4 + [r * 8 + 1] * 4
+        assert seeds == [r * 2] * 4 + [r * 2 + 1] * 4
     cfg = GRPOConfig(**{k: v for k, v in GRPO.items() if k != "name"})
     grpo = GRPOAlgorithm(
         cfg, seed=0, task_of_env=torch.zeros(8, dtype=torch.long), chunk_size=1, max_episode_steps=3
     )
-    # one iteration at most, its third round (round 2 of the run) at most: 2*8 + group 1
-    assert largest_training_seed(grpo, round_steps=24, total_env_steps=24) == 17
+    # one iteration at most, its third round (round 2 of the run) at most: 2*2 + group 1
+    assert largest_training_seed(grpo, round_steps=24, total_env_steps=24) == 5
     # two iterations: the second's third round is round 5 of the run
-    assert largest_training_seed(grpo, round_steps=24, total_env_steps=25) == 5 * 8 + 1
+    assert largest_training_seed(grpo, round_steps=24, total_env_steps=25) == 5 * 2 + 1
 
 
 def test_an_evaluation_beside_training_is_a_selection_one():
