@@ -103,10 +103,12 @@ class GRPOConfig(AlgorithmConfig):
             )
 
     def fit_policy(self, policy: torch.nn.Module) -> None:
-        """The Gaussian head's log std set to ``exploration_log_std`` where given."""
+        """The Gaussian's log std (a VLA's head's, the actor-critic's own) set to
+        ``exploration_log_std`` where given."""
         if self.exploration_log_std is None:
             return
-        log_std = getattr(getattr(policy, "head", None), "log_std", None)
+        owner = getattr(policy, "head", policy)
+        log_std = getattr(owner, "log_std", None)
         if log_std is None:
             raise ValueError(
                 "algorithm.exploration_log_std: the policy has no Gaussian head with a log_std"

@@ -215,3 +215,12 @@ def test_the_kl_reference_sees_observations_through_the_live_normalisation():
     torch.testing.assert_close(samples.ref_logprob, logprob)
     _, metrics = algorithm.loss(engine, samples)
     assert metrics["policy/kl_ref"].item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_exploration_log_std_sets_the_actor_critics_own_log_std():
+    # (it looked for a VLA's head only, and refused the actor-critic, whose Gaussian is its own)
+    policy = ActorCritic(make_env().spec, ActorCriticConfig(hidden_sizes=[16], init_log_std=-0.5))
+    GRPOConfig(exploration_log_std=-1.25).fit_policy(policy)
+    assert policy.log_std.tolist() == [-1.25] * policy.log_std.numel()
+    with pytest.raises(ValueError, match="no Gaussian head with a log_std"):
+        GRPOConfig(exploration_log_std=-1.25).fit_policy(torch.nn.Linear(2, 2))
