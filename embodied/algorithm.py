@@ -175,7 +175,8 @@ def update(
     learner averages the gradients; the step is the one-process step on the whole minibatch.
     Every rank sees the averaged metrics, so all of them stop early together."""
     n = len(samples)
-    mb_size = max(1, n // num_minibatches)
+    # num_minibatches near-equal parts, every sample in one (fewer samples: one sample each)
+    parts = max(1, min(num_minibatches, n))
     device = samples.advantages.device
     sums: dict[str, float] = {}
     count = 0
@@ -184,9 +185,8 @@ def update(
         perm_host = torch.randperm(n)  # on the CPU: its slices also index the instructions
         perm = perm_host.to(device)
         epoch: list[dict[str, torch.Tensor]] = []
-        for start in range(0, n - mb_size + 1, mb_size):
-            rows = slice(start, start + mb_size)
-            minibatch = samples.index(perm[rows], perm_host[rows])
+        for rows, rows_host in zip(perm.tensor_split(parts), perm_host.tensor_split(parts)):
+            minibatch = samples.index(rows, rows_host)
             if learner.world_size > 1:  # data-parallel: this rank's share of the minibatch
                 minibatch = minibatch.shard(learner.rank, learner.world_size)
             loss, metrics = algorithm.loss(learner, minibatch)

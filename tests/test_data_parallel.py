@@ -183,3 +183,15 @@ def test_two_gloo_ranks_update_as_one_process_does(name, tmp_path):
         for rank in ranks:
             assert sorted(rank["metrics"]) == sorted(alone)
             assert rank["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("n, sizes", [(7, [2, 2, 2, 1]), (15, [4, 4, 4, 3]), (30, [8, 8, 7, 7])])
+def test_num_minibatches_is_the_number_of_minibatches_and_every_sample_is_in_one(n, sizes):
+    # (it was n // 4 rows each: 7 minibatches of 1 for 7 samples, 2 of 30 left out an epoch)
+    policy, algorithm, samples = samples_for("ppo")
+    assert len(samples) >= 30
+    engine = TorchEngine(policy, learning_rate=1e-3, max_grad_norm=0.5)
+    scored = count_rows(engine)
+    rows = torch.arange(n)
+    metrics = update(engine, algorithm, samples.index(rows, rows), epochs=1, num_minibatches=4)
+    assert scored == sizes and metrics["policy/epochs"] == 1
