@@ -2,12 +2,13 @@
 
 Action bounds: a squashed Gaussian. The network's Gaussian over ``u`` lives in a normalized space;
 the action is ``tanh(u)`` mapped affinely from [-1, 1] onto [low, high] of the ActionSpec, so
-every action is within bounds and the deterministic action ``tanh(mean)`` is what the stochastic
-policy does on average (clipping an unbounded sample instead let the mean drift far outside the
-bounds: stochastic success 0.35, deterministic 0.0 on PushCube). ``u`` is kept in
-``extras['raw_actions']`` so ``evaluate`` scores exactly what was sampled; the log-probability
-includes the tanh Jacobian (it cancels in PPO's ratio). The entropy reported is that of the
-Gaussian over ``u`` (the squashed distribution has no closed form).
+every action is within bounds and the deterministic action ``tanh(mean)`` is the median of the
+stochastic policy's actions (their mean lies nearer 0). Clipping an unbounded sample instead let
+the mean drift far outside the bounds: stochastic success 0.35, deterministic 0.0 on PushCube.
+``u`` is kept in ``extras['raw_actions']`` so ``evaluate`` scores exactly what was sampled; the
+log-probability includes the tanh Jacobian (it cancels in PPO's ratio). The squashed
+distribution's entropy has no closed form: ``evaluate`` estimates it at the sampled ``u``
+(``squashed_entropy``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from torch import nn
 from embodied.models.config import PolicyConfig
 from embodied.models.encoders import CNNEncoder, StateEncoder
 from embodied.models.levels import logprob_at_level
+from embodied.models.squashed import gaussian_logpdf, squashed_entropy, tanh_log_det
 from embodied.schema import EnvSpec, Observation, PolicyOutput, check_at_least
 
-_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU}
 
 
@@ -125,15 +126,8 @@ class ActorCritic(nn.Module):
         """log pi(tanh(u)) in normalized units per action dimension: the Gaussian log-density
         minus log|d tanh/du|. mean, u: f32 [B, K*A] -> f32 [B, K, A]. Written out rather than
         through torch.distributions: this runs once per rollout step."""
-        z = (u - mean) * torch.exp(-self.log_std)
-        gauss = -0.5 * z * z - self.log_std - _HALF_LOG_2PI
-        # log(1 - tanh(u)^2), numerically stable
-        log_det = 2.0 * (math.log(2.0) - u - torch.nn.functional.softplus(-2.0 * u))
-        return (gauss - log_det).view(-1, self.K, self.A)
-
-    def _entropy(self, batch: int) -> torch.Tensor:
-        """Entropy of the Gaussian over u (state-independent std), f32 [B]."""
-        return (0.5 + _HALF_LOG_2PI + self.log_std).sum().expand(batch)
+        logp = gaussian_logpdf(u, mean, self.log_std) - tanh_log_det(u)
+        return logp.view(-1, self.K, self.A)
 
     # --- Policy ---------------------------------------------------------------------------
     has_critic = True
@@ -159,10 +153,11 @@ class ActorCritic(nn.Module):
         value [B]) of the stored raw actions under the current weights."""
         feats = self.features(obs)
         u = output.extras["raw_actions"].reshape(feats.shape[0], -1)
-        logp = self._logprob(self.actor(feats), u)  # f32 [B, K, A]
+        mean = self.actor(feats)  # f32 [B, K*A]
+        logp = self._logprob(mean, u)  # f32 [B, K, A]
         return (
             logprob_at_level(logp, level),
-            self._entropy(feats.shape[0]),
+            squashed_entropy(mean, self.log_std, u),
             self.critic(feats).squeeze(-1),
         )
 

@@ -16,19 +16,18 @@ import math
 import torch
 from torch import nn
 
-_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+from embodied.models.squashed import (
+    HALF_LOG_2PI,
+    gaussian_logpdf,
+    squashed_entropy,
+    tanh_log_det,
+)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of x f32 [B, K, ...] over the entries whose chunk step is valid (mask f32 [B, K])."""
     m = mask.view(*mask.shape, *([1] * (x.dim() - 2))).expand_as(x)
     return (x * m).sum() / m.sum().clamp(min=1.0)
-
-
-def gaussian_logpdf(x: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
-    """Elementwise log N(x; mean, exp(log_std)^2)."""
-    z = (x - mean) * torch.exp(-log_std)
-    return -0.5 * z * z - log_std - _HALF_LOG_2PI
 
 
 class GaussianChunkHead(nn.Module):
@@ -44,8 +43,7 @@ class GaussianChunkHead(nn.Module):
         self.log_std = nn.Parameter(torch.full((action_dim,), init_log_std))
 
     def _logp(self, mean: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        log_det = 2.0 * (math.log(2.0) - u - nn.functional.softplus(-2.0 * u))  # log(1 - tanh(u)^2)
-        return gaussian_logpdf(u, mean, self.log_std) - log_det  # f32 [B, K, A]
+        return gaussian_logpdf(u, mean, self.log_std) - tanh_log_det(u)  # f32 [B, K, A]
 
     def sample(self, ctx, deterministic=False):
         mean = self.mean(ctx)  # f32 [B, K, A]
@@ -54,8 +52,8 @@ class GaussianChunkHead(nn.Module):
 
     def log_prob(self, ctx, extras):
         mean = self.mean(ctx)
-        entropy = (0.5 + _HALF_LOG_2PI + self.log_std).sum() * ctx.shape[1]
-        return self._logp(mean, extras["raw_actions"]), entropy.expand(ctx.shape[0])
+        u = extras["raw_actions"]
+        return self._logp(mean, u), squashed_entropy(mean, self.log_std, u)
 
     def bc_loss(self, ctx, target, mask):
         pred = torch.tanh(self.mean(ctx))
@@ -142,7 +140,7 @@ def sample_flow_chain(
 
 def flow_entropy(log_sigma: torch.Tensor, steps: int, chunk: int) -> torch.Tensor:
     """Entropy of the injected noise of one chain (scalar): N steps x K actions x A dimensions."""
-    return (0.5 + _HALF_LOG_2PI + log_sigma).sum() * steps * chunk
+    return (0.5 + HALF_LOG_2PI + log_sigma).sum() * steps * chunk
 
 
 def _time_embedding(tau: torch.Tensor, dim: int) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """The actor-critic passes the policy contract; normalization statistics are exact and saved."""
 
+import math
+
 import pytest
 import torch
 
@@ -89,13 +91,24 @@ def test_normalizer_update_accepts_time_major_observations():
     assert float(policy.state_encoder.norm.count) == 6
 
 
-def test_entropy_is_the_gaussian_entropy_of_u():
-    policy = ActorCritic(
-        STATE_SPEC, ActorCriticConfig(hidden_sizes=[8], chunk_size=2, init_log_std=-0.7)
-    )
-    obs = random_observation(STATE_SPEC, 3)
-    _, ent, _ = policy.evaluate(obs, policy.act(obs))
-    expected = (
-        torch.distributions.Normal(torch.zeros(6), torch.full((6,), -0.7).exp()).entropy().sum()
-    )
-    torch.testing.assert_close(ent, expected.expand(3))
+def test_entropy_is_the_squashed_actions_and_falls_where_they_saturate():
+    # the Gaussian's over u rose with its width without bound (2 * 6 * 0.5 nats from log_std
+    # 0 to 1 over this chunk), though the actions pile onto their bounds
+    torch.manual_seed(0)
+    obs = random_observation(STATE_SPEC, 4096)
+    mean_entropy = {}
+    for log_std in (0.0, 1.0, 2.0):
+        config = ActorCriticConfig(hidden_sizes=[8], chunk_size=2, init_log_std=log_std)
+        policy = ActorCritic(STATE_SPEC, config)
+        out = policy.act(obs)
+        _, ent, _ = policy.evaluate(obs, out)  # f32 [B]
+        u = out.extras["raw_actions"].reshape(4096, -1)
+        mean = policy.actor(policy.features(obs))
+        log_det = -2 * (u.abs() + torch.log1p(torch.exp(-2 * u.abs())) - math.log(2)).sum(1)
+        gaussian = torch.distributions.Normal(mean, torch.full((6,), log_std).exp())
+        torch.testing.assert_close(ent, gaussian.entropy().sum(1) + log_det, atol=1e-4, rtol=0)
+        mean_entropy[log_std] = ent.mean().item()
+    # 6 dimensions of the quadrature's 0.670, -0.765, -7.074 per dimension (mean near 0)
+    assert mean_entropy[0.0] == pytest.approx(6 * 0.670, abs=0.1)
+    assert mean_entropy[1.0] == pytest.approx(6 * -0.765, abs=0.2)
+    assert mean_entropy[2.0] == pytest.approx(6 * -7.074, abs=1.0)
