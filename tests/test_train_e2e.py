@@ -133,6 +133,9 @@ def test_run_directory_holds_everything(runs):
     assert metrics["final"]["eval/episodes"] == 2 and metrics["final"]["iteration"] == 4
     assert metrics["final"]["env_steps"] == 4 * STEPS_PER_ITER
     assert [e["iteration"] for e in metrics["evals"]] == [2]
+    # anneal_lr: linearly to 0 over total_env_steps, iteration i at the steps collected before it
+    lrs = [row["train/lr"] for _, row in sorted(iteration_rows(run).items())]
+    assert lrs == pytest.approx([3e-4 * (1 - i / 4) for i in range(4)], rel=1e-6)
     ckpt = load_checkpoint(run)
     assert ckpt["counters"]["iteration"] == 4 and "state_encoder.norm.mean" in ckpt["model"]
     # normalisation: the first reset's 2 observations, then every iteration's 2 x 8
