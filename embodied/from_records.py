@@ -4,7 +4,8 @@ learner in their order, without simulators, for algorithm work and debugging
 
 The learner starts from the first record's state before its update (the recorded run's initial
 weights where that is iteration 1), or from ``runner.init_from`` where given. Its first update
-then equals the recorded one bit for bit (checked, and said). Each update runs at its record's
+then equals the recorded one bit for bit (checked, and said). A run directory that holds the
+records is refused (``runner.overwrite`` would delete them). Each update runs at its record's
 learning rate. An update whose weights before it are the recorded run's (its digest equals the
 record's) is on-policy: records of consecutive iterations, replayed from the first, reproduce
 the recorded run. Any other is off-policy (rounds collected by other weights; the ratios use
@@ -32,7 +33,7 @@ from embodied.replay import differences
 from embodied.roles import Learner
 from embodied.run import enter_run_dir, run_dir_for, run_dir_held
 from embodied.run_state import RunState
-from embodied.schema import EnvSpec
+from embodied.schema import EnvSpec, UserError
 from embodied.train_config import run_meta
 
 
@@ -49,6 +50,7 @@ def records_of(source: Path) -> tuple[Path, list[int]]:
 def train_from_records(cfg) -> dict:
     """Train as ``cfg`` says on the records of ``runner.replay_from``; the run's summary."""
     recorded, iterations = records_of(Path(cfg.runner.replay_from))
+    check_apart(recorded / RECORDS, Path(cfg.runner.output_dir) / cfg.runner.name)
     first = read_record(recorded, iterations[0])
     spec = EnvSpec.from_dict(first.meta["spec"])
     task_of_env = torch.tensor(first.meta["task_of_env"], dtype=torch.long)
@@ -63,6 +65,19 @@ def train_from_records(cfg) -> dict:
             return _updates(cfg, learner, recorded, iterations, run_dir, spec)
         finally:
             learner.close()
+
+
+def check_apart(records: Path, run_dir: Path) -> None:
+    """``UserError`` when the run directory this run makes (``runner.output_dir/name``) holds
+    the records it trains on, before anything is touched: ``runner.overwrite`` would delete
+    them before they are read, and the run would write its metrics over the recorded run's.
+    (The default ``runner.name`` of the recorded run's own config is that directory.)"""
+    if run_dir.resolve() in (records.resolve(), *records.resolve().parents):
+        raise UserError(
+            f"runner.replay_from: {records} is in {run_dir}, this run's own directory "
+            "(runner.output_dir/runner.name): the run would delete or write among the records "
+            "it reads; choose another runner.name"
+        )
 
 
 def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_dir, spec) -> dict:
