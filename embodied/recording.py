@@ -138,12 +138,26 @@ class Pending:
         self, run_dir: Path, iteration: int, reason: str, metrics: dict, context: dict
     ) -> Path:
         """``RUN/rollouts/iter_NNNNNN`` (staged, then renamed whole); ``context``: what a replay
-        builds the learner from (the spec, each environment's task)."""
-        import zstandard
-
+        builds the learner from (the spec, each environment's task). A write that fails (a full
+        disk: ``OSError``, or torch's and safetensors' own errors) leaves no staged files."""
         final = record_dir(run_dir, iteration)
         staging = final.with_name(final.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
+        try:
+            self._stage(staging, iteration, reason, metrics, context)
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+        except BaseException:  # (whatever stopped it: no half record stays to fill the disk)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        fsync(final.parent)
+        fsync(run_dir)  # (the rollouts folder itself may be new)
+        return final
+
+    def _stage(self, staging: Path, iteration: int, reason: str, metrics: dict, context: dict):
+        """The record's files in ``staging``, each flushed to disk, and the folder too."""
+        import zstandard
+
         staging.mkdir(parents=True)
         rounds = {k: v for part in self.rounds for k, v in part.items()}
         packed = zstandard.ZstdCompressor(level=3).compress(save(rounds))
@@ -165,11 +179,6 @@ class Pending:
         (staging / "record.json").write_text(json.dumps(meta, indent=1))
         for path in (*staging.iterdir(), staging):  # on disk before the rename makes it a record
             fsync(path)
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-        fsync(final.parent)
-        fsync(run_dir)  # (the rollouts folder itself may be new)
-        return final
 
 
 @dataclass
@@ -286,18 +295,24 @@ class RunRecords:
     iteration's record (``RecordPolicy``), and the records kept (``runner.keep_rollouts``: the
     newest of those recorded every Nth iteration; non-finite and spiking ones always stay)."""
 
-    def __init__(self, runner_cfg, run_dir: Path, learner):
+    def __init__(self, runner_cfg, run_dir: Path, learner, event=None):
         self.policy = RecordPolicy(runner_cfg.record_rollouts, runner_cfg.spike_factor)
         self.policy.grad_norms = logged_grad_norms(Path(run_dir))  # (a resumed run's window)
         self.keep = runner_cfg.keep_rollouts
         self.run_dir = Path(run_dir)
         self.learner = learner
+        self.event = event or (lambda kind, detail: None)  # (the run's events: kind, detail)
 
     def after_update(self, iteration: int, metrics: dict, counters: dict) -> str | None:
         """The learner writes or drops the record of ``iteration`` (``counters``: the run's
-        after it); why it was written."""
+        after it); why it was written (None: not asked for, or lost). A record that could not
+        be written (a full disk) is one line and a ``record_failed`` event; the run goes on."""
         reason = self.policy.reason(iteration, metrics)
-        self.learner.keep_record(self.run_dir, iteration, reason, metrics, counters)
+        failed = self.learner.keep_record(self.run_dir, iteration, reason, metrics, counters)
+        if failed:
+            print(f"the record of iteration {iteration} ({reason}) was not written: {failed}")
+            self.event("record_failed", f"iteration {iteration} ({reason}): {failed}")
+            return None
         if reason is not None:
             prune_records(self.run_dir, self.keep)
         return reason

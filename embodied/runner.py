@@ -177,7 +177,9 @@ class Runner:
         self.events = EventLog(run_dir)
         self._event("start" if self.fresh else "resume")
         recording = cfg.runner.record_rollouts > 0  # (embodied/recording.py)
-        self.records = RunRecords(cfg.runner, run_dir, self.learner) if recording else None
+        self.records = (
+            RunRecords(cfg.runner, run_dir, self.learner, self._event) if recording else None
+        )
 
     def run(self) -> dict:
         run = self.cfg.runner

@@ -1,0 +1,85 @@
+"""Rollout records when things go wrong (embodied/recording.py): a write that fails (a full disk),
+a run resumed from an earlier checkpoint, an update that is not finite, gradient norms of 0."""
+
+import json
+
+import pytest
+import torch
+from safetensors import SafetensorError
+from scripted_envs import PPO, PushRightEnv, run_on
+
+import embodied.recording as recording
+from embodied.events import read_events
+from embodied.recording import Pending, record_dir, recorded_iterations
+
+MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def pending() -> Pending:
+    """A small record in progress: weights, optimizer, learning rate, stream, one round."""
+    optimizer = {"state": {}, "param_groups": []}
+    rounds = [{"r0/x": torch.arange(3)}]
+    return Pending({"w": torch.ones(2)}, optimizer, 1e-3, {"seed": 0}, rounds, [("push",)])
+
+
+def full_disk(error: Exception):
+    def write(*args, **kw):
+        raise error
+
+    return write
+
+
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("save", OSError(28, "No space left on device")),  # (the rounds: the first file)
+        ("save_file", SafetensorError("Error while serializing: IoError(No space left)")),
+        ("torch", RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")),
+    ],
+)
+def test_a_record_whose_write_fails_leaves_nothing_on_disk(tmp_path, monkeypatch, name, error):
+    """Whichever file the disk fills at (each one's own error), the staged files go."""
+    if name == "torch":
+        monkeypatch.setattr(recording.torch, "save", full_disk(error))
+    else:
+        monkeypatch.setattr(recording, name, full_disk(error))
+    with pytest.raises(type(error)):
+        pending().write(tmp_path, 3, "every", {"loss": 0.5}, {})
+    assert list((tmp_path / "rollouts").iterdir()) == []
+
+
+def test_a_full_disk_while_a_record_is_written_loses_that_record_not_the_run(
+    tmp_path, monkeypatch, capsys
+):
+    """torch.save's own error (what a full disk gives it) at iteration 2's record: one line and
+    an event say so, the run trains to its end, the other records are whole."""
+    save = torch.save
+
+    def full_at_iteration_2(obj, path, *args, **kw):
+        if "iter_000002.tmp" in str(path):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64")
+        return save(obj, path, *args, **kw)
+
+    monkeypatch.setattr(recording.torch, "save", full_at_iteration_2)
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    kw = dict(total_env_steps=8 * 6 * 3, record_rollouts=1, policy=MLP, algorithm=PPO)
+    run_on(PushRightEnv(8), run_dir, **kw)
+    lines = [x for x in capsys.readouterr().out.splitlines() if "not written" in x]
+    assert lines == [
+        "the record of iteration 2 (every) was not written: RuntimeError: [enforce fail at "
+        "inline_container.cc:672] . unexpected pos 64"
+    ]
+    assert recorded_iterations(run_dir) == [1, 3]
+    assert sorted(p.name for p in (run_dir / "rollouts").iterdir()) == [
+        "iter_000001",
+        "iter_000003",
+    ]
+    failed = [e for e in read_events(run_dir) if e.kind == "record_failed"]
+    assert [e.detail.split(":")[0] for e in failed] == ["iteration 2 (every)"]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if "policy/loss" in r] == [1, 2, 3]
+    assert (run_dir / "last").resolve().name == "iter_000003"
+    assert json.loads((record_dir(run_dir, 3) / "record.json").read_text())["iteration"] == 3
