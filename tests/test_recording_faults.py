@@ -83,3 +83,24 @@ def test_a_full_disk_while_a_record_is_written_loses_that_record_not_the_run(
     assert [r["iteration"] for r in rows if "policy/loss" in r] == [1, 2, 3]
     assert (run_dir / "last").resolve().name == "iter_000003"
     assert json.loads((record_dir(run_dir, 3) / "record.json").read_text())["iteration"] == 3
+
+
+def test_a_run_resumed_from_an_earlier_checkpoint_removes_the_later_records(tmp_path, capsys):
+    """Records of iterations after the checkpoint are of a timeline the run no longer has, as
+    its later checkpoints and metrics rows: they go, and what the resumed run records stays."""
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    kw = dict(record_rollouts=1, keep_rollouts=2, policy=MLP, algorithm=PPO, save_every=2)
+    run_on(PushRightEnv(8), run_dir, total_env_steps=8 * 6 * 4, **kw)
+    assert recorded_iterations(run_dir) == [3, 4]
+    (run_dir / "rollouts" / "iter_000005.tmp").mkdir()  # (a write cut short)
+    resume = str(run_dir / "checkpoints" / "iter_000002")
+    capsys.readouterr()
+    run_on(PushRightEnv(8), run_dir, total_env_steps=8 * 6 * 3, resume=resume, **kw)
+    # the resumed run's iteration 3, not pruned in favour of the abandoned 4
+    assert sorted(p.name for p in (run_dir / "rollouts").iterdir()) == ["iter_000003"]
+    assert "resuming from iteration 2: removed the later rollout records [3, 4]" in (
+        capsys.readouterr().out
+    )
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["iteration"] for r in rows) == 3
