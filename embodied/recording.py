@@ -1,7 +1,8 @@
 """Rollout records: an iteration's collected rounds with the learner's state before its update, so
 that the update can be run again offline (``embodied replay``) and compared with the run's.
 
-``runner.record_rollouts: N`` records every Nth iteration; an update whose loss is not finite, or
+``runner.record_rollouts: N`` records every Nth iteration; an update whose loss is not finite
+(the first of a streak; the runner then stops the run), or
 whose gradient norm (the mean over its steps, before clipping) is over ``runner.spike_factor``
 times the median of the last ``SPIKE_WINDOW`` iterations', is recorded too, and such records are
 never pruned. The learner keeps what a record needs from the first round of each iteration on
@@ -263,26 +264,39 @@ def _unzstd(packed: bytes) -> bytes:
     return zstandard.ZstdDecompressor().decompress(packed)
 
 
+def not_finite(metrics: dict) -> dict[str, float]:
+    """An update's losses and gradient norm (``policy/grad_norm``) that are not finite, by name
+    (empty: the update is finite)."""
+    watched = {
+        k: v
+        for k, v in metrics.items()
+        if (k.endswith("loss") or k == "policy/grad_norm") and isinstance(v, (int, float))
+    }
+    return {k: v for k, v in watched.items() if not math.isfinite(v)}
+
+
 @dataclass
 class RecordPolicy:
     """Which iterations are written (the runner asks after each update): every ``every``-th
-    (0: none), and any whose loss is not finite or whose gradient norm spikes."""
+    (0: none), and any whose gradient norm spikes, or whose loss is not finite where the one
+    before it was (the first of a streak: those after it add nothing to replay, only disk)."""
 
     every: int
     spike_factor: float
     grad_norms: list[float] = field(default_factory=list)  # the last SPIKE_WINDOW iterations'
+    not_finite_before: bool = False  # the iteration before's update was not finite
 
     def reason(self, iteration: int, metrics: dict) -> str | None:
         """Why ``iteration`` is recorded ("non-finite", "spike", "every"), or None."""
-        losses = [v for k, v in metrics.items() if k.endswith("loss") and isinstance(v, float)]
         norm = metrics.get("policy/grad_norm")
         window = self.grad_norms[-SPIKE_WINDOW:]  # the iterations before this one
-        finite = all(math.isfinite(v) for v in losses) and (norm is None or math.isfinite(norm))
+        finite = not not_finite(metrics)
         if norm is not None and math.isfinite(norm):
             self.grad_norms = [*window, float(norm)][-SPIKE_WINDOW:]
-        if not finite:
+        streak, self.not_finite_before = self.not_finite_before, not finite
+        if not finite and not streak:
             return "non-finite"
-        if norm is not None and self.spike_factor > 0 and len(window) >= 2:
+        if finite and norm is not None and self.spike_factor > 0 and len(window) >= 2:
             if norm > self.spike_factor * statistics.median(window):
                 return "spike"
         if self.every and iteration % self.every == 0:

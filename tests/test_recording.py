@@ -43,7 +43,8 @@ def test_every_nth_iteration_and_any_non_finite_or_spiking_update_is_recorded():
     assert reasons == [None, None, "every", "spike", None, "every"]
     assert policy.grad_norms == norms  # (the spike enters the window too)
     assert policy.reason(7, {"policy/loss": math.nan, "policy/grad_norm": 1.0}) == "non-finite"
-    assert policy.reason(8, {"policy/loss": 0.5, "policy/grad_norm": math.inf}) == "non-finite"
+    assert policy.reason(8, {"policy/grad_norm": 1.0}) is None  # (a streak ends: below)
+    assert policy.reason(9, {"policy/loss": 0.5, "policy/grad_norm": math.inf}) == "non-finite"
     assert policy.grad_norms[-1] == 1.0  # a non-finite norm is not in the window
     # the window is the last 20 iterations; fewer than two: no spike yet
     fresh = RecordPolicy(every=0, spike_factor=10.0)

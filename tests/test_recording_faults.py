@@ -2,16 +2,21 @@
 a run resumed from an earlier checkpoint, an update that is not finite, gradient norms of 0."""
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import SafetensorError
 from scripted_envs import PPO, PushRightEnv, run_on
+from tiny_runs import TINY_REACH
 
 import embodied.recording as recording
+from embodied.cli import main
 from embodied.events import read_events
-from embodied.recording import Pending, record_dir, recorded_iterations
+from embodied.recording import Pending, RecordPolicy, record_dir, recorded_iterations
 
+ROOT = Path(__file__).resolve().parents[1]
 MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,3 +109,44 @@ def test_a_run_resumed_from_an_earlier_checkpoint_removes_the_later_records(tmp_
     )
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(r["iteration"] for r in rows) == 3
+
+
+def test_only_the_first_non_finite_update_of_a_streak_is_recorded():
+    """Those after it replay nothing new (their weights before are not finite already), and a
+    record of each would fill the disk; a finite update ends the streak."""
+    policy = RecordPolicy(every=0, spike_factor=10.0)
+    nan, inf = math.nan, math.inf
+    losses = [0.5, nan, nan, inf, 0.5, nan]
+    reasons = [policy.reason(i + 1, {"policy/loss": v}) for i, v in enumerate(losses)]
+    assert reasons == [None, "non-finite", None, None, None, "non-finite"]
+    every = RecordPolicy(every=2, spike_factor=10.0)  # (every Nth stays every Nth: pruned)
+    norms = [1.0, inf, inf, inf, 1.0]
+    reasons = [every.reason(i + 1, {"policy/grad_norm": n}) for i, n in enumerate(norms)]
+    assert reasons == [None, "non-finite", None, "every", None]
+
+
+def test_a_non_finite_update_stops_the_run_with_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """MuJoCo reach at a learning rate of 1e25, one step per update: iteration 1's step makes
+    the weights huge, iteration 2's update is NaN. The run stops there (exit 1) instead of
+    training on to its end on NaN weights; the line names the iteration, its record (the
+    weights before it) and the last checkpoint, which stays the newest."""
+    run = [f"runner.output_dir={tmp_path}", "runner.name=nan", "runner.report=false"]
+    big = ["algorithm.learning_rate=1e25", "algorithm.update_epochs=1"]
+    big += ["algorithm.num_minibatches=1", "runner.total_env_steps=160"]
+    record = ["runner.record_rollouts=100", "runner.save_every=1"]
+    config = str(ROOT / "configs" / "mujoco" / "reach_ppo.yaml")
+    monkeypatch.chdir(tmp_path)  # (MuJoCo writes MUJOCO_LOG.TXT where it runs, on NaN controls)
+    capsys.readouterr()
+    assert main(["train", config, *TINY_REACH, *run, *big, *record]) == 1
+    err = capsys.readouterr().err.strip()
+    run_dir = tmp_path / "nan"
+    assert len(err.splitlines()) == 1 and err.startswith("embodied: error: iteration 2: ")
+    assert f"its record {record_dir(run_dir, 2)} holds the weights before it" in err
+    assert err.endswith(f"the last checkpoint is {run_dir / 'checkpoints' / 'iter_000001'}")
+    assert recorded_iterations(run_dir) == [2]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["iter_000001"]
+    assert (run_dir / "last").resolve().name == "iter_000001"
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2] and math.isnan(rows[1]["policy/loss"])
+    events = [(e.kind, e.detail.split(":")[0]) for e in read_events(run_dir)]
+    assert events[-2:] == [("record", "iteration 2"), ("failure", "NonFiniteUpdate")]
