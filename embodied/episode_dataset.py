@@ -17,8 +17,10 @@ import numpy as np
 from embodied.dataset import taken
 from embodied.episodes import Episode
 from embodied.recording import RecordedRounds
+from embodied.replay import record_config
 from embodied.resimulate import Resimulated, by_step
 from embodied.schema import EnvSpec, UserError
+from embodied.sft_data import privileged_read
 
 
 class DatasetError(UserError):
@@ -55,6 +57,9 @@ class EpisodeDatasets:
         self.roots = dataset_roots(root, record)
         check_free(self.roots)
         self.spec = EnvSpec.from_dict(record.meta["spec"])
+        # what the recorded policy read (an MLP's privileged_keys null: all of them), so that
+        # the dataset fits that policy for embodied sft
+        self.privileged = privileged_read(record_config(record).policy, self.spec)
         self.source = source
         self.simulator_task = record.meta["config"]["env"].get("task")
         self.writers = {}
@@ -63,7 +68,7 @@ class EpisodeDatasets:
     def add(
         self, record: RecordedRounds, episode: Episode, resimulated: Resimulated | None
     ) -> None:
-        steps = episode_steps(record, episode, resimulated)
+        steps = episode_steps(record, episode, resimulated, self.privileged)
         writer = self.writers.get(episode.task) or self._writer(episode.task, steps)
         batch = record.rounds[episode.round_index]
         writer.add_episode(
@@ -96,10 +101,10 @@ class EpisodeDatasets:
 
 
 def episode_steps(
-    record: RecordedRounds, episode: Episode, resimulated: Resimulated | None
+    record: RecordedRounds, episode: Episode, resimulated: Resimulated | None, keys=()
 ) -> dict:
     """The episode per step (the actions that ran in it), as ``LeRobotWriter.add_episode``
-    takes them: images, state, privileged, actions, rewards, success."""
+    takes them: images, state, the privileged ``keys``, actions, rewards, success."""
     batch = record.rounds[episode.round_index]
     K = batch.rewards.shape[2]
     row = episode.row
@@ -113,7 +118,6 @@ def episode_steps(
             f"--to-dataset: the policy acted in chunks of {K} steps and the record keeps the "
             "observations where chunks start; re-simulate its rounds (--resimulate)"
         )
-    keys = record.meta["config"]["policy"].get("privileged_keys") or []  # (the policy read)
     return {
         "images": {c: v[steps, row].cpu().numpy() for c, v in obs.images.items()},
         "state": obs.state[steps, row].cpu().numpy(),

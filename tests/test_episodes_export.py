@@ -1,0 +1,53 @@
+"""``embodied episodes`` on the records of a MuJoCo reach run (embodied/episodes.py,
+episode_dataset.py): a dataset holds what the recorded policy read and what its episodes were
+(reset seed, world, success at the end), the choice of episodes is over every record, and a task
+is chosen by its name."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_runs import TINY_REACH
+
+from embodied.cli import main
+from embodied.dataset import DemoDataset
+from embodied.episodes import episodes_of
+from embodied.models import ActorCriticConfig
+from embodied.recording import read_rounds
+from embodied.schema import EnvSpec
+from embodied.sft_data import check_fits, load_frames
+
+ROOT = Path(__file__).resolve().parents[1]
+REACH = str(ROOT / "configs" / "mujoco" / "reach_ppo.yaml")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """3 iterations of PPO on reach from state and the goal (the shipped config's actor-critic,
+    ``privileged_keys`` null: all of them), each recorded: rounds of 8 steps, episodes of 4,
+    so each of the 4 rows ends two episodes a round, the second after an automatic reset."""
+    root = tmp_path_factory.mktemp("episodes_export")
+    argv = ["train", REACH, *TINY_REACH, f"runner.output_dir={root}", "runner.name=reach"]
+    argv += ["env.max_episode_steps=4", "runner.total_env_steps=96", "runner.record_rollouts=1"]
+    assert main([*argv, "runner.report=false", "policy.hidden_sizes=[16]"]) == 0
+    return root / "reach"
+
+
+def test_a_dataset_holds_the_privileged_keys_the_policy_read(run, tmp_path):
+    """The actor-critic with ``privileged_keys`` null reads every one: the dataset has them, as
+    recorded, and fits that policy for ``embodied sft`` (it lacked them, and did not)."""
+    ds = tmp_path / "ds"
+    assert main(["episodes", str(run), "--iteration", "1", "--to-dataset", str(ds)]) == 0
+    record = read_rounds(run, 1)
+    spec = EnvSpec.from_dict(record.meta["spec"])
+    read = ActorCriticConfig(use_privileged=True).read_privileged(spec)
+    assert sorted(read) == sorted(spec.obs.privileged) and len(read) >= 2
+    check_fits(load_frames([str(ds)]), spec, read, cameras=())
+    data = DemoDataset.load(ds)
+    first = episodes_of(record)[0]  # (row 0's first episode: the dataset's first)
+    steps = first.steps(record)
+    for key in read:
+        recorded = record.rounds[0].obs.privileged[key][steps, first.row]
+        torch.testing.assert_close(
+            data.privileged[key][: len(steps)], recorded.reshape(len(steps), -1)
+        )
