@@ -69,3 +69,23 @@ def test_a_run_directory_that_holds_the_records_is_refused_before_anything_is_de
             assert "runner.replay_from" in err and "choose another runner.name" in err
             assert recorded_iterations(recorded) == before == [1, 2, 3]
     assert (recorded / "metrics.jsonl").is_file() and (recorded / "last").exists()
+
+
+def test_records_that_do_not_fit_the_config_are_one_line_and_leave_no_run_directory(
+    recorded, tmp_path, capsys
+):
+    replay = [f"runner.replay_from={recorded / 'rollouts'}", f"runner.output_dir={tmp_path}"]
+    wider = {**MLP, "hidden_sizes": [64]}
+    code, _, err = train(tmp_path, capsys, *replay, "runner.name=wide", policy=wider)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "policy.hidden_sizes is [64] here, [16] in the records" in err
+    assert not (tmp_path / "wide").exists()
+    # an earlier run in the way with runner.overwrite=true: untouched by the refusal
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "config.yaml").write_text("{}")
+    (tmp_path / "kept" / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    overwrite = ["runner.name=kept", "runner.overwrite=true"]
+    code, _, err = train(tmp_path, capsys, *replay, *overwrite, policy=wider)
+    assert code == 2 and (tmp_path / "kept" / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
+    kept = sorted(p.name for p in (tmp_path / "kept").iterdir() if p.name != ".lock")
+    assert kept == ["config.yaml", "metrics.jsonl"]
