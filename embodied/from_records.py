@@ -4,9 +4,9 @@ learner in their order, without simulators, for algorithm work and debugging
 
 The learner starts from the first record's state before its update (the recorded run's initial
 weights where that is iteration 1), or from ``runner.init_from`` where given. Its first update
-then equals the recorded one bit for bit (checked, and said). A config whose policy the
-records' state does not fit is one line, as is a run directory that holds the records
-(``runner.overwrite`` would delete them). Each update runs at its record's
+then equals the recorded one bit for bit, its metrics and the weights after it (checked, and
+said). A config whose policy the records' state does not fit is one line, as is a run directory
+that holds the records (``runner.overwrite`` would delete them). Each update runs at its record's
 learning rate. An update whose weights before it are the recorded run's (its digest equals the
 record's) is on-policy: records of consecutive iterations, replayed from the first, reproduce
 the recorded run. Any other is off-policy (rounds collected by other weights; the ratios use
@@ -31,6 +31,7 @@ from embodied.recording import (
     recorded_iterations,
     restore_before,
     state_digest,
+    weights_digest,
 )
 from embodied.replay import differences
 from embodied.roles import Learner
@@ -120,8 +121,9 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
                 state.env_steps += batch.valid.numel()  # (B x K per chunk, as collected)
             metrics = {k: float(v) for k, v in learner.update().items()}
             state.iteration += 1
-            if index == 0 and not cfg.runner.init_from:
-                same = differences(record.meta["metrics"], metrics)
+            if index == 0 and not cfg.runner.init_from:  # (the weights after it too)
+                weights = (record.meta["digest_after"], weights_digest(learner.engine.torch_policy))
+                same = differences(record.meta["metrics"], metrics, weights=weights)
                 print(_first_update_note(iteration, same))
             logger.log(metrics, state.env_steps, iteration=state.iteration, replayed=iteration)
     finally:

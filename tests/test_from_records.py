@@ -89,3 +89,24 @@ def test_records_that_do_not_fit_the_config_are_one_line_and_leave_no_run_direct
     assert code == 2 and (tmp_path / "kept" / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
     kept = sorted(p.name for p in (tmp_path / "kept").iterdir() if p.name != ".lock")
     assert kept == ["config.yaml", "metrics.jsonl"]
+
+
+def test_the_first_update_is_compared_with_the_recorded_one_in_its_weights_too(
+    recorded, tmp_path, capsys
+):
+    """A clipping of the gradient that the recorded update did not have: the metrics are the
+    recorded ones (taken before the step), the weights after it are not."""
+    replay = [f"runner.replay_from={recorded / 'rollouts'}", f"runner.output_dir={tmp_path}"]
+    code, out, _ = train(tmp_path, capsys, *replay, "runner.name=same")
+    assert code == 0 and "the first update (iteration 1 of the records) equals" in out
+    assert "3 of 3 updates" in out
+    code, out, _ = train(
+        tmp_path, capsys, *replay, "runner.name=clip", "algorithm.max_grad_norm=0.05"
+    )
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("the first update"))
+    assert "differs from iteration 1's recorded one: weights after the update differ" in line
+    assert "policy/" not in line  # (the metrics are as recorded)
+    assert "off-policy: records [2, 3]" in out
+    rows = [json.loads(x) for x in (tmp_path / "clip" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["replayed"] for r in rows] == [1, 2, 3]
