@@ -23,13 +23,19 @@ def _add_replay(sub) -> None:
         help="run a recorded iteration's update again and compare it with the run",
         description="Load the learner's state before iteration N and its rounds from "
         "RUN/rollouts (runner.record_rollouts), run the update, and compare its metrics and "
-        "the weights after it with the run's: exit 0 when they match, 1 with one line when not.",
+        "the weights after it with the run's: exit 0 when they match, 1 with one line when not. "
+        "The record keeps a digest of the weights after the update, so they compare bit for bit "
+        "only: with --rtol the metrics decide, and the weights are said to be equal or not.",
     )
     r.add_argument("run", help="a run directory with RUN/rollouts")
     r.add_argument("--iteration", type=int, required=True, help="the recorded iteration")
     r.add_argument("--device", default="cpu", help="where the update runs (default cpu)")
     r.add_argument(
-        "--rtol", type=float, default=0.0, help="relative tolerance for metrics (default 0)"
+        "--rtol",
+        type=float,
+        default=0.0,
+        help="relative tolerance for the metrics (default 0: all bit for bit); the weights are "
+        "then reported, not compared within it",
     )
     r.set_defaults(func=cmd_replay)
 
@@ -113,8 +119,16 @@ def cmd_replay(args) -> int:
             file=sys.stderr,
         )
         return 1
-    how = f"within rtol {args.rtol:g}" if args.rtol else "bit for bit"
-    print(f"iteration {args.iteration} replayed {how}: {len(metrics)} metrics and the weights")
+    done = f"iteration {args.iteration} replayed"
+    if not args.rtol:
+        print(f"{done} bit for bit: {len(metrics)} metrics and the weights")
+        return 0
+    logged = record.meta["digest_after"]
+    weights = "equal" if logged == digest else f"differ (digest {logged[:12]} vs {digest[:12]})"
+    print(
+        f"{done} within rtol {args.rtol:g}: {len(metrics)} metrics; the weights after the update, "
+        f"which compare bit for bit only (the record keeps their digest), {weights}"
+    )
     return 0
 
 

@@ -189,6 +189,30 @@ def test_a_damaged_or_missing_record_is_one_line_naming_the_file(tmp_path, capsy
         read_record(run_dir, 1)
 
 
+def test_replay_within_a_tolerance_says_the_weights_compare_bit_for_bit_only(tmp_path, capsys):
+    """``--rtol``: the metrics within it decide; the weights, of which a record keeps a digest,
+    are said to be equal or not, never claimed to be compared within it."""
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    kw = dict(total_env_steps=8 * 6, record_rollouts=1, policy=MLP, algorithm=PPO)
+    run_on(PushRightEnv(8), run_dir, **kw)
+    argv = ["replay", str(run_dir), "--iteration", "1", "--rtol", "1e-6"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.endswith("compare bit for bit only (the record keeps their digest), equal")
+    meta = record_dir(run_dir, 1) / "record.json"
+    changed = json.loads(meta.read_text())
+    changed["digest_after"] = "0" * 64
+    meta.write_text(json.dumps(changed))
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip()
+    assert "within rtol 1e-06:" in out and "metrics and the weights" not in out
+    assert "(the record keeps their digest), differ (digest 000000000000 vs " in out
+    assert main(argv[:-2]) == 1  # (bit for bit, the weights are compared)
+    assert "weights after the update differ" in capsys.readouterr().err
+
+
 def test_a_run_trains_the_tiny_task_from_recordings_alone(tmp_path, monkeypatch, capsys):
     """``runner.replay_from``: no simulator is made; each record is one update, in order, at its
     learning rate. From the records of every iteration of a PPO run that learns the task, the
