@@ -151,7 +151,7 @@ def _episodes_options(args) -> str | None:
 def cmd_episodes(args) -> int:
     from embodied.episode_dataset import EpisodeDatasets
     from embodied.episodes import summary_line, write_episode
-    from embodied.recording import read_rounds, recorded_iterations
+    from embodied.recording import read_rounds, record_meta, recorded_iterations
     from embodied.resimulate import Resimulator
     from embodied.schema import UserError
 
@@ -161,6 +161,8 @@ def cmd_episodes(args) -> int:
     iterations = [args.iteration] if args.iteration is not None else recorded_iterations(run)
     if not iterations:
         return _error(f"{run / 'rollouts'}: no records (runner.record_rollouts)")
+    if wrong := _unknown_task(record_meta(run, iterations[0]), args.task):
+        return _error(wrong)
     out = Path(args.out) if args.out else run / "episodes"
     datasets = None
     resimulator = Resimulator()
@@ -197,6 +199,16 @@ def cmd_episodes(args) -> int:
         where = ", ".join(map(str, written)) or "nowhere (no episode chosen)"
         print(f"wrote {datasets.count} episodes to {where}")
     return 0
+
+
+def _unknown_task(meta: dict, task: str | None) -> str | None:
+    """What is wrong with ``--task`` for a run whose record has ``meta``, or None."""
+    from embodied.episodes import record_tasks
+
+    names = record_tasks(meta)
+    if task is None or task in names:
+        return None
+    return f"--task {task}: not a task of this run; its tasks: {', '.join(names)}"
 
 
 def _chosen(record, iteration: int, args) -> list:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from embodied.dataset import taken
-from embodied.episodes import Episode
+from embodied.episodes import Episode, record_tasks
 from embodied.recording import RecordedRounds
 from embodied.replay import record_config
 from embodied.resimulate import Resimulated, by_step
@@ -27,15 +27,9 @@ class DatasetError(UserError):
     """Episodes that cannot become a dataset; ``str()`` is one line."""
 
 
-def task_names(record: RecordedRounds) -> list[str]:
-    """The run's tasks in the env group's order (one nameless task: ``all``)."""
-    env = record.meta["config"]["env"]
-    return list(env.get("tasks") or ["all"])
-
-
 def dataset_roots(root: Path, record: RecordedRounds) -> dict[str, Path]:
     """Where each task's episodes go: ``root`` for a run of one task, ``root/<task>`` else."""
-    names = task_names(record)
+    names = record_tasks(record.meta)
     if len(names) == 1:
         return {names[0]: Path(root)}
     return {name: Path(root) / name for name in names}

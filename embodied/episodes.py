@@ -82,12 +82,19 @@ def episodes_of(record: RecordedRounds, task_names: list[str] | None = None) -> 
                 # this episode, its first steps)
                 whole = first == 0 or bool(batch.valid[first - 1, row].all())
                 found.append(_episode(batch, r, row, chunks, episode_id, whole))
-    env = record.meta["config"]["env"]
-    names = task_names or list(env.get("tasks") or ["all"])  # (the env group's names)
+    names = task_names or record_tasks(record.meta)
     for episode in found:
         index = int(episode.task)
         episode.task = names[index] if index < len(names) else str(index)
     return found
+
+
+def record_tasks(meta: dict) -> list[str]:
+    """The tasks of the run whose record has ``meta``, in the env group's order: ``env.tasks``,
+    or the one task of a single-task run by its name (``env.task``; a simulator without one:
+    ``all``)."""
+    env = meta["config"]["env"]
+    return list(env.get("tasks") or [env.get("task") or "all"])
 
 
 def with_seeds(record: RecordedRounds, episodes: list[Episode]) -> list[Episode]:

@@ -51,3 +51,17 @@ def test_a_dataset_holds_the_privileged_keys_the_policy_read(run, tmp_path):
         torch.testing.assert_close(
             data.privileged[key][: len(steps)], recorded.reshape(len(steps), -1)
         )
+
+
+def test_a_task_is_chosen_by_its_name_and_an_unknown_one_is_one_line(run, tmp_path, capsys):
+    """A single-task run's task is its own (``reach``, which chose nothing before), not ``all``;
+    a name the run does not have lists those it has."""
+    argv = ["episodes", str(run), "--iteration", "1", "--out", str(tmp_path)]
+    capsys.readouterr()
+    assert main([*argv, "--task", "push"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "embodied: error: --task push: not a task of this run; its tasks: reach"
+    assert main([*argv, "--task", "reach", "--best", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "iteration 1: 8 episodes end in the record, 1 chosen"
+    assert "(reach): return" in out[1] and out[1].endswith("_reach.png")
