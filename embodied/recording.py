@@ -2,9 +2,9 @@
 that the update can be run again offline (``embodied replay``) and compared with the run's.
 
 ``runner.record_rollouts: N`` records every Nth iteration; an update whose loss is not finite
-(the first of a streak; the runner then stops the run), or
-whose gradient norm (the mean over its steps, before clipping) is over ``runner.spike_factor``
-times the median of the last ``SPIKE_WINDOW`` iterations', is recorded too, and such records are
+(the first of a streak; the runner then stops the run), or whose gradient norm (the mean over its
+steps, before clipping) is over ``runner.spike_factor`` times the median of the last
+``SPIKE_WINDOW`` iterations' positive ones (``spikes``), is recorded too, and such records are
 never pruned. The learner keeps what a record needs from the first round of each iteration on
 (``Pending``: host copies of the rounds as collected, and of its state before the update); the
 runner, which sees the update's metrics, decides whether it is written (``RecordPolicy``).
@@ -275,6 +275,15 @@ def not_finite(metrics: dict) -> dict[str, float]:
     return {k: v for k, v in watched.items() if not math.isfinite(v)}
 
 
+def spikes(norm: float, window: list[float], factor: float) -> bool:
+    """Whether a gradient norm is over ``factor`` times the median of the positive norms in
+    ``window`` (at least two; ``factor`` 0: never). A norm of 0 (an update without a gradient:
+    GRPO's groups that all score alike, with no KL term) says nothing of the scale: against a
+    median of 0, any gradient at all would be a spike."""
+    scale = [n for n in window if n > 0]
+    return factor > 0 and len(scale) >= 2 and norm > factor * statistics.median(scale)
+
+
 @dataclass
 class RecordPolicy:
     """Which iterations are written (the runner asks after each update): every ``every``-th
@@ -296,9 +305,8 @@ class RecordPolicy:
         streak, self.not_finite_before = self.not_finite_before, not finite
         if not finite and not streak:
             return "non-finite"
-        if finite and norm is not None and self.spike_factor > 0 and len(window) >= 2:
-            if norm > self.spike_factor * statistics.median(window):
-                return "spike"
+        if finite and norm is not None and spikes(norm, window, self.spike_factor):
+            return "spike"
         if self.every and iteration % self.every == 0:
             return "every"
         return None

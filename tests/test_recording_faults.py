@@ -14,7 +14,7 @@ from tiny_runs import TINY_REACH
 import embodied.recording as recording
 from embodied.cli import main
 from embodied.events import read_events
-from embodied.recording import Pending, RecordPolicy, record_dir, recorded_iterations
+from embodied.recording import Pending, RecordPolicy, record_dir, recorded_iterations, spikes
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
@@ -150,3 +150,18 @@ def test_a_non_finite_update_stops_the_run_with_one_line_naming_it(tmp_path, cap
     assert [r["iteration"] for r in rows] == [1, 2] and math.isnan(rows[1]["policy/loss"])
     events = [(e.kind, e.detail.split(":")[0]) for e in read_events(run_dir)]
     assert events[-2:] == [("record", "iteration 2"), ("failure", "NonFiniteUpdate")]
+
+
+def test_gradient_norms_of_zero_set_no_scale_for_a_spike():
+    """The median is over the window's positive norms, at least two of them: after five updates
+    without a gradient, the first ones with a tiny gradient are no spikes (each was, against a
+    median of 0), and a spike is measured against the positive ones."""
+    policy = RecordPolicy(every=0, spike_factor=10.0)
+    norms = [0.0] * 5 + [1e-7, 1e-7, 5e-7, 2e-6, 0.0, 2.5e-6, 6e-6]
+    reasons = [policy.reason(i + 1, {"policy/grad_norm": n}) for i, n in enumerate(norms)]
+    # 9: 2e-6 > 10 x median(1e-7, 1e-7, 5e-7); 11: 2.5e-6 < 10 x median(.., 2e-6) = 3e-6;
+    # 12: 6e-6 > 10 x median(1e-7, 1e-7, 5e-7, 2e-6, 2.5e-6) = 5e-6
+    assert reasons == [None] * 8 + ["spike", None, None, "spike"]
+    assert policy.grad_norms == norms  # (the zeros stay in the window: the last 20 updates)
+    assert not spikes(1.0, [0.0, 0.0, 0.0], 10.0) and spikes(1.0, [0.0, 0.05, 0.05], 10.0)
+    assert not spikes(1.0, [0.01, 0.01], 0.0)  # (runner.spike_factor 0: off)
