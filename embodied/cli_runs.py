@@ -65,8 +65,9 @@ def _add_episodes(sub) -> None:
     ep.add_argument(
         "--resimulate",
         action="store_true",
-        help="simulate the rounds again from their seeds and actions: a frame per step, and "
-        "where the rewards diverge from the record (--to-dataset does so for chunked policies)",
+        help="simulate the rounds again from their seeds and actions: a frame per step, "
+        "where the rewards diverge from the record, and each world's randomised parameters for "
+        "--to-dataset (which does so by itself for chunked policies)",
     )
     ep.add_argument(
         "--atol",
@@ -216,7 +217,7 @@ def _chosen(record, iteration: int, args) -> list:
     from embodied.episodes import choose, episodes_of, with_seeds
 
     found = episodes_of(record)
-    if args.seed is not None:
+    if args.seed is not None or args.to_dataset:  # (a dataset keeps each episode's seed)
         with_seeds(record, found)
     chosen = choose(
         found,

@@ -68,7 +68,7 @@ class EpisodeDatasets:
         writer.add_episode(
             **steps,
             task=batch.instructions[int(batch.task_id[episode.chunks[0], episode.row])],
-            extra={"return": episode.ret, "rl_episode_id": episode.episode_id},
+            extra=episode_extra(record, episode, resimulated),
         )
         self.count += 1
 
@@ -92,6 +92,25 @@ class EpisodeDatasets:
 
     def close(self) -> list[Path]:
         return [writer.close() for writer in self.writers.values()]
+
+
+def episode_extra(
+    record: RecordedRounds, episode: Episode, resimulated: Resimulated | None
+) -> dict:
+    """An episode's row of the dataset's metadata besides its frames, with the fields of an
+    ``embodied demos`` dataset: ``seed`` (its reset seed, ``with_seeds``; None for one that
+    began after an automatic reset), ``success_at_end``, and ``world`` (its randomised
+    parameters, where its round was re-simulated on a simulator that draws them); and its
+    return and episode id in the run."""
+    first = episode.steps(record)[0]
+    world = None if resimulated is None else resimulated.worlds.get((episode.row, first))
+    return {
+        "seed": episode.seed,
+        "success_at_end": episode.success_at_end,
+        **({} if world is None else {"world": world}),
+        "return": episode.ret,
+        "rl_episode_id": episode.episode_id,
+    }
 
 
 def episode_steps(

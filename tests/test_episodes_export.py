@@ -5,6 +5,8 @@ is chosen by its name."""
 
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from tiny_runs import TINY_REACH
@@ -14,6 +16,7 @@ from embodied.dataset import DemoDataset
 from embodied.episodes import episodes_of
 from embodied.models import ActorCriticConfig
 from embodied.recording import read_rounds
+from embodied.resimulate import simulator_for
 from embodied.schema import EnvSpec
 from embodied.sft_data import check_fits, load_frames
 
@@ -25,10 +28,12 @@ REACH = str(ROOT / "configs" / "mujoco" / "reach_ppo.yaml")
 def run(tmp_path_factory):
     """3 iterations of PPO on reach from state and the goal (the shipped config's actor-critic,
     ``privileged_keys`` null: all of them), each recorded: rounds of 8 steps, episodes of 4,
-    so each of the 4 rows ends two episodes a round, the second after an automatic reset."""
+    so each of the 4 rows ends two episodes a round, the second after an automatic reset;
+    servo gains randomised per world."""
     root = tmp_path_factory.mktemp("episodes_export")
     argv = ["train", REACH, *TINY_REACH, f"runner.output_dir={root}", "runner.name=reach"]
     argv += ["env.max_episode_steps=4", "runner.total_env_steps=96", "runner.record_rollouts=1"]
+    argv += ["env.randomize.servo_gain=0.3"]  # (a world of its own for every episode)
     assert main([*argv, "runner.report=false", "policy.hidden_sizes=[16]"]) == 0
     return root / "reach"
 
@@ -65,3 +70,25 @@ def test_a_task_is_chosen_by_its_name_and_an_unknown_one_is_one_line(run, tmp_pa
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "iteration 1: 8 episodes end in the record, 1 chosen"
     assert "(reach): return" in out[1] and out[1].endswith("_reach.png")
+
+
+def test_a_dataset_keeps_each_episodes_seed_world_and_success_at_end(run, tmp_path):
+    """As ``embodied demos`` datasets do: the reset seed (none for an episode that began after
+    an automatic reset), the world's randomised parameters (those the seed draws, and a draw of
+    its own for the next episode) and success at the end."""
+    ds = tmp_path / "ds"
+    argv = ["episodes", str(run), "--iteration", "2", "--resimulate", "--to-dataset", str(ds)]
+    assert main(argv) == 0
+    table = pq.read_table(ds / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
+    record = read_rounds(run, 2)
+    found = episodes_of(record)  # round 0: row 0's two episodes, then row 1's, ...
+    assert [(e.row, e.chunks[0]) for e in found] == [(r, c) for r in range(4) for c in (0, 4)]
+    assert table.column("success_at_end").to_pylist() == [e.success_at_end for e in found]
+    seeds = table.column("seed").to_pylist()
+    assert table.column("seed").type == pa.int64() and seeds[1::2] == [None] * 4
+    worlds = table.column("world").to_pylist()
+    with simulator_for(record) as env:  # the seeds draw the worlds the first episodes ran in
+        env.reset(seed=seeds[0::2])
+        drawn = env.world_params.to_dict()
+    assert worlds[0::2] == [{k: v[row] for k, v in drawn.items()} for row in range(4)]
+    assert len({tuple(w["gain_scale"]) for w in worlds}) == 8  # (each episode its own)
