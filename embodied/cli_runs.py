@@ -53,8 +53,12 @@ def _add_episodes(sub) -> None:
     ep.add_argument(
         "--iteration", type=int, help="the recorded iteration (default: every recorded one)"
     )
-    ep.add_argument("--best", type=int, default=0, help="the N episodes of highest return")
-    ep.add_argument("--worst", type=int, default=0, help="the N episodes of lowest return")
+    ep.add_argument(
+        "--best", type=int, default=0, help="the N episodes of highest return (of all records read)"
+    )
+    ep.add_argument(
+        "--worst", type=int, default=0, help="the N episodes of lowest return (of all records read)"
+    )
     ep.add_argument("--task", help="episodes of this task only")
     ep.add_argument("--seed", type=int, help="the episode that began at this reset seed")
     outcome = ep.add_mutually_exclusive_group()
@@ -168,26 +172,24 @@ def cmd_episodes(args) -> int:
     datasets = None
     resimulator = Resimulator()
     try:
-        for iteration in iterations:
-            record = read_rounds(run, iteration)
-            chosen = _chosen(record, iteration, args)
+        chosen, last = _chosen(run, iterations, args)
+        if args.to_dataset:
+            source = {"run": str(run), "episodes": "rl", "iterations": iterations}
+            source["simulator"] = last.meta["config"]["env"].get("simulator")
+            datasets = EpisodeDatasets(Path(args.to_dataset), last, source)
+        for iteration in [i for i in iterations if chosen[i]]:
+            record = last if iteration == last.meta["iteration"] else read_rounds(run, iteration)
+            episodes = chosen[iteration]
             chunked = record.rounds[0].actions.shape[2] > 1
             resimulated = {}
             if args.resimulate or (args.to_dataset and chunked):
-                resimulated, chosen = _resimulated(resimulator, record, chosen, args.atol)
-            if args.to_dataset:
-                if datasets is None:
-                    source = {"run": str(run), "episodes": "rl", "iterations": iterations}
-                    env = record.meta["config"]["env"]
-                    source["simulator"] = env.get("simulator")
-                    datasets = EpisodeDatasets(Path(args.to_dataset), record, source)
-                for episode in chosen:
-                    datasets.add(record, episode, resimulated.get(episode.round_index))
-                continue
-            for episode in chosen:
-                video, plot = write_episode(
-                    record, episode, out, resimulated.get(episode.round_index)
-                )
+                resimulated, episodes = _resimulated(resimulator, record, episodes, args.atol)
+            for episode in episodes:
+                again = resimulated.get(episode.round_index)
+                if datasets is not None:
+                    datasets.add(record, episode, again)
+                    continue
+                video, plot = write_episode(record, episode, out, again)
                 print(f"{summary_line(episode)}: {video or 'no camera'}, {plot}")
     except UserError as e:  # (a record, a dataset directory, a re-simulation)
         if datasets is not None:
@@ -212,25 +214,32 @@ def _unknown_task(meta: dict, task: str | None) -> str | None:
     return f"--task {task}: not a task of this run; its tasks: {', '.join(names)}"
 
 
-def _chosen(record, iteration: int, args) -> list:
-    """The episodes of ``record`` that ``embodied episodes``' options ask for, said how many."""
+def _chosen(run: Path, iterations: list[int], args) -> tuple[dict[int, list], object]:
+    """The episodes ``embodied episodes``' options ask for, by iteration: those of each record
+    that pass its filters (task, outcome, seed, whole), then the ``--best`` and ``--worst`` of
+    them all, not of each record; how many each record gave said. Also the last record read
+    (the only one for one iteration: it is not read again)."""
     from embodied.episodes import choose, episodes_of, with_seeds
+    from embodied.recording import read_rounds
 
-    found = episodes_of(record)
-    if args.seed is not None or args.to_dataset:  # (a dataset keeps each episode's seed)
-        with_seeds(record, found)
-    chosen = choose(
-        found,
-        best=args.best,
-        worst=args.worst,
-        task=args.task,
-        outcome="successful" if args.successful else "failed" if args.failed else None,
-        partial=args.partial,
-        seed=args.seed,
-    )
-    ended = f"{len(found)} episodes end in the record"
-    print(f"iteration {iteration}: {ended}, {len(chosen)} chosen")
-    return chosen
+    found = {}
+    kept = []
+    for iteration in iterations:
+        record = read_rounds(run, iteration)
+        episodes = episodes_of(record)
+        if args.seed is not None or args.to_dataset:  # (a dataset keeps each episode's seed)
+            with_seeds(record, episodes)
+        found[iteration] = len(episodes)
+        outcome = "successful" if args.successful else "failed" if args.failed else None
+        kw = dict(task=args.task, outcome=outcome, partial=args.partial, seed=args.seed)
+        kept += choose(episodes, **kw)
+    chosen = choose(kept, best=args.best, worst=args.worst, partial=True)  # (filtered above)
+    by_iteration = {i: [e for e in chosen if e.iteration == i] for i in iterations}
+    for i in iterations:
+        print(
+            f"iteration {i}: {found[i]} episodes end in the record, {len(by_iteration[i])} chosen"
+        )
+    return by_iteration, record
 
 
 def _resimulated(resimulator, record, chosen: list, atol: float) -> tuple[dict, list]:

@@ -92,3 +92,24 @@ def test_a_dataset_keeps_each_episodes_seed_world_and_success_at_end(run, tmp_pa
         drawn = env.world_params.to_dict()
     assert worlds[0::2] == [{k: v[row] for k, v in drawn.items()} for row in range(4)]
     assert len({tuple(w["gain_scale"]) for w in worlds}) == 8  # (each episode its own)
+
+
+def test_the_best_and_worst_are_chosen_over_every_record(run, tmp_path, capsys):
+    """Without ``--iteration``, ``--best 1`` is the one episode of highest return among the 24
+    of the 3 records (it was one per record), and ``--worst 2`` the two lowest."""
+    every = [e for i in (1, 2, 3) for e in episodes_of(read_rounds(run, i))]
+    assert len(every) == 24 and len({e.ret for e in every}) > 3
+    by_return = sorted(every, key=lambda e: e.ret)
+    capsys.readouterr()
+    assert main(["episodes", str(run), "--best", "1", "--out", str(tmp_path / "best")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    counts = [int(line.split(", ")[1].split()[0]) for line in out[:3]]
+    assert [line.split(":")[0] for line in out[:3]] == ["iteration 1", "iteration 2", "iteration 3"]
+    assert sum(counts) == 1  # (one of the three records gave it)
+    assert len(out) == 4 and f"return {by_return[-1].ret:.3f}," in out[3]
+    assert len(list((tmp_path / "best").glob("*.png"))) == 1
+    ds = tmp_path / "ds"
+    assert main(["episodes", str(run), "--worst", "2", "--to-dataset", str(ds)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote 2 episodes to {ds}"
+    table = pq.read_table(ds / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
+    assert sorted(table.column("return").to_pylist()) == [e.ret for e in by_return[:2]]
