@@ -214,7 +214,7 @@ def drop_checkpoints_after(run_dir: str | Path, iteration: int) -> list[str]:
     ckpts = run_dir / "checkpoints"
     if not ckpts.is_dir():
         return []
-    later = [path for it, path in _iteration_dirs(ckpts) if it > iteration]
+    later = [path for it, path in iteration_dirs(ckpts) if it > iteration]
     if not later:
         return []
     # the links first: a crash at any point leaves them at complete checkpoints
@@ -424,15 +424,16 @@ def _target(link: Path) -> Path | None:
     return Path(os.path.realpath(link)) if link.is_symlink() else None
 
 
-def _iteration_dirs(ckpts: Path) -> list[tuple[int, Path]]:
-    """(iteration, directory) of the checkpoints in ``ckpts``, oldest first."""
-    found = [(ITERATION.fullmatch(p.name), p) for p in ckpts.iterdir()]
+def iteration_dirs(folder: Path) -> list[tuple[int, Path]]:
+    """(iteration, directory) of the ``iter_N`` folders in ``folder`` (the checkpoints in
+    ``RUN/checkpoints``, the rollout records in ``RUN/rollouts``), oldest first."""
+    found = [(ITERATION.fullmatch(p.name), p) for p in folder.iterdir()]
     return sorted((int(m.group(1)), p) for m, p in found if m)
 
 
 def _prune(ckpts: Path, keep: int, spare: set) -> None:
     """Delete the checkpoints older than the newest ``keep``, except the iterations in spare."""
-    for iteration, path in _iteration_dirs(ckpts)[:-keep]:
+    for iteration, path in iteration_dirs(ckpts)[:-keep]:
         if iteration not in spare:
             os.replace(path, ckpts / f".{path.name}.deleted")  # gone at once, removed below
 

@@ -86,7 +86,7 @@ def cmd_train(args) -> int:
     from embodied.checkpoint import CheckpointWriteError
     from embodied.config import ConfigError
     from embodied.roles import WorkerLost
-    from embodied.run import Stopped
+    from embodied.run import NonFiniteUpdate, Stopped
     from embodied.runner import train
 
     if (cfg := _load(args)) is None:
@@ -99,7 +99,7 @@ def cmd_train(args) -> int:
     except Stopped as e:
         print(f"embodied: {e}", file=sys.stderr)
         return 128 + e.signum
-    except CheckpointWriteError as e:  # (a full disk: what stands is in the message)
+    except (CheckpointWriteError, NonFiniteUpdate) as e:  # (what stands is in the message)
         _error(str(e))
         return 1
     except WorkerLost as e:  # a cluster role that kept failing: the last checkpoint resumes

@@ -23,13 +23,19 @@ def _add_replay(sub) -> None:
         help="run a recorded iteration's update again and compare it with the run",
         description="Load the learner's state before iteration N and its rounds from "
         "RUN/rollouts (runner.record_rollouts), run the update, and compare its metrics and "
-        "the weights after it with the run's: exit 0 when they match, 1 with one line when not.",
+        "the weights after it with the run's: exit 0 when they match, 1 with one line when not. "
+        "The record keeps a digest of the weights after the update, so they compare bit for bit "
+        "only: with --rtol the metrics decide, and the weights are said to be equal or not.",
     )
     r.add_argument("run", help="a run directory with RUN/rollouts")
     r.add_argument("--iteration", type=int, required=True, help="the recorded iteration")
     r.add_argument("--device", default="cpu", help="where the update runs (default cpu)")
     r.add_argument(
-        "--rtol", type=float, default=0.0, help="relative tolerance for metrics (default 0)"
+        "--rtol",
+        type=float,
+        default=0.0,
+        help="relative tolerance for the metrics (default 0: all bit for bit); the weights are "
+        "then reported, not compared within it",
     )
     r.set_defaults(func=cmd_replay)
 
@@ -47,8 +53,12 @@ def _add_episodes(sub) -> None:
     ep.add_argument(
         "--iteration", type=int, help="the recorded iteration (default: every recorded one)"
     )
-    ep.add_argument("--best", type=int, default=0, help="the N episodes of highest return")
-    ep.add_argument("--worst", type=int, default=0, help="the N episodes of lowest return")
+    ep.add_argument(
+        "--best", type=int, default=0, help="the N episodes of highest return (of all records read)"
+    )
+    ep.add_argument(
+        "--worst", type=int, default=0, help="the N episodes of lowest return (of all records read)"
+    )
     ep.add_argument("--task", help="episodes of this task only")
     ep.add_argument("--seed", type=int, help="the episode that began at this reset seed")
     outcome = ep.add_mutually_exclusive_group()
@@ -59,8 +69,9 @@ def _add_episodes(sub) -> None:
     ep.add_argument(
         "--resimulate",
         action="store_true",
-        help="simulate the rounds again from their seeds and actions: a frame per step, and "
-        "where the rewards diverge from the record (--to-dataset does so for chunked policies)",
+        help="simulate the rounds again from their seeds and actions: a frame per step, "
+        "where the rewards diverge from the record, and each world's randomised parameters for "
+        "--to-dataset (which does so by itself for chunked policies)",
     )
     ep.add_argument(
         "--atol",
@@ -113,8 +124,16 @@ def cmd_replay(args) -> int:
             file=sys.stderr,
         )
         return 1
-    how = f"within rtol {args.rtol:g}" if args.rtol else "bit for bit"
-    print(f"iteration {args.iteration} replayed {how}: {len(metrics)} metrics and the weights")
+    done = f"iteration {args.iteration} replayed"
+    if not args.rtol:
+        print(f"{done} bit for bit: {len(metrics)} metrics and the weights")
+        return 0
+    logged = record.meta["digest_after"]
+    weights = "equal" if logged == digest else f"differ (digest {logged[:12]} vs {digest[:12]})"
+    print(
+        f"{done} within rtol {args.rtol:g}: {len(metrics)} metrics; the weights after the update, "
+        f"which compare bit for bit only (the record keeps their digest), {weights}"
+    )
     return 0
 
 
@@ -137,7 +156,7 @@ def _episodes_options(args) -> str | None:
 def cmd_episodes(args) -> int:
     from embodied.episode_dataset import EpisodeDatasets
     from embodied.episodes import summary_line, write_episode
-    from embodied.recording import read_rounds, recorded_iterations
+    from embodied.recording import read_rounds, record_meta, recorded_iterations
     from embodied.resimulate import Resimulator
     from embodied.schema import UserError
 
@@ -147,30 +166,30 @@ def cmd_episodes(args) -> int:
     iterations = [args.iteration] if args.iteration is not None else recorded_iterations(run)
     if not iterations:
         return _error(f"{run / 'rollouts'}: no records (runner.record_rollouts)")
+    if wrong := _unknown_task(record_meta(run, iterations[0]), args.task):
+        return _error(wrong)
     out = Path(args.out) if args.out else run / "episodes"
     datasets = None
     resimulator = Resimulator()
     try:
-        for iteration in iterations:
-            record = read_rounds(run, iteration)
-            chosen = _chosen(record, iteration, args)
+        chosen, last = _chosen(run, iterations, args)
+        if args.to_dataset:
+            source = {"run": str(run), "episodes": "rl", "iterations": iterations}
+            source["simulator"] = last.meta["config"]["env"].get("simulator")
+            datasets = EpisodeDatasets(Path(args.to_dataset), last, source)
+        for iteration in [i for i in iterations if chosen[i]]:
+            record = last if iteration == last.meta["iteration"] else read_rounds(run, iteration)
+            episodes = chosen[iteration]
             chunked = record.rounds[0].actions.shape[2] > 1
             resimulated = {}
             if args.resimulate or (args.to_dataset and chunked):
-                resimulated, chosen = _resimulated(resimulator, record, chosen, args.atol)
-            if args.to_dataset:
-                if datasets is None:
-                    source = {"run": str(run), "episodes": "rl", "iterations": iterations}
-                    env = record.meta["config"]["env"]
-                    source["simulator"] = env.get("simulator")
-                    datasets = EpisodeDatasets(Path(args.to_dataset), record, source)
-                for episode in chosen:
-                    datasets.add(record, episode, resimulated.get(episode.round_index))
-                continue
-            for episode in chosen:
-                video, plot = write_episode(
-                    record, episode, out, resimulated.get(episode.round_index)
-                )
+                resimulated, episodes = _resimulated(resimulator, record, episodes, args.atol)
+            for episode in episodes:
+                again = resimulated.get(episode.round_index)
+                if datasets is not None:
+                    datasets.add(record, episode, again)
+                    continue
+                video, plot = write_episode(record, episode, out, again)
                 print(f"{summary_line(episode)}: {video or 'no camera'}, {plot}")
     except UserError as e:  # (a record, a dataset directory, a re-simulation)
         if datasets is not None:
@@ -185,25 +204,42 @@ def cmd_episodes(args) -> int:
     return 0
 
 
-def _chosen(record, iteration: int, args) -> list:
-    """The episodes of ``record`` that ``embodied episodes``' options ask for, said how many."""
-    from embodied.episodes import choose, episodes_of, with_seeds
+def _unknown_task(meta: dict, task: str | None) -> str | None:
+    """What is wrong with ``--task`` for a run whose record has ``meta``, or None."""
+    from embodied.episodes import record_tasks
 
-    found = episodes_of(record)
-    if args.seed is not None:
-        with_seeds(record, found)
-    chosen = choose(
-        found,
-        best=args.best,
-        worst=args.worst,
-        task=args.task,
-        outcome="successful" if args.successful else "failed" if args.failed else None,
-        partial=args.partial,
-        seed=args.seed,
-    )
-    ended = f"{len(found)} episodes end in the record"
-    print(f"iteration {iteration}: {ended}, {len(chosen)} chosen")
-    return chosen
+    names = record_tasks(meta)
+    if task is None or task in names:
+        return None
+    return f"--task {task}: not a task of this run; its tasks: {', '.join(names)}"
+
+
+def _chosen(run: Path, iterations: list[int], args) -> tuple[dict[int, list], object]:
+    """The episodes ``embodied episodes``' options ask for, by iteration: those of each record
+    that pass its filters (task, outcome, seed, whole), then the ``--best`` and ``--worst`` of
+    them all, not of each record; how many each record gave said. Also the last record read
+    (the only one for one iteration: it is not read again)."""
+    from embodied.episodes import choose, episodes_of, with_seeds
+    from embodied.recording import read_rounds
+
+    found = {}
+    kept = []
+    for iteration in iterations:
+        record = read_rounds(run, iteration)
+        episodes = episodes_of(record)
+        if args.seed is not None or args.to_dataset:  # (a dataset keeps each episode's seed)
+            with_seeds(record, episodes)
+        found[iteration] = len(episodes)
+        outcome = "successful" if args.successful else "failed" if args.failed else None
+        kw = dict(task=args.task, outcome=outcome, partial=args.partial, seed=args.seed)
+        kept += choose(episodes, **kw)
+    chosen = choose(kept, best=args.best, worst=args.worst, partial=True)  # (filtered above)
+    by_iteration = {i: [e for e in chosen if e.iteration == i] for i in iterations}
+    for i in iterations:
+        print(
+            f"iteration {i}: {found[i]} episodes end in the record, {len(by_iteration[i])} chosen"
+        )
+    return by_iteration, record
 
 
 def _resimulated(resimulator, record, chosen: list, atol: float) -> tuple[dict, list]:

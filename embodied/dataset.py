@@ -45,6 +45,17 @@ SCALARS = set(DEFAULT_FEATURES) | {
 FILE_SIZE_MB = 100  # a new data file once the buffered frames exceed this
 
 
+def write_rows(rows: list[dict], path: Path) -> None:
+    """``rows`` as a parquet table, a column per key (a row without one: null), each column's
+    type inferred from all its values, so that an integer column with nulls (an RL episode's
+    reset seed after an automatic reset) stays integer (pandas made it float)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = list(dict.fromkeys(key for row in rows for key in row))
+    pq.write_table(pa.table({n: pa.array([row.get(n) for row in rows]) for n in names}), path)
+
+
 def image_key(camera: str) -> str:
     return f"observation.images.{camera}"
 
@@ -298,7 +309,7 @@ class LeRobotWriter:
         meta = self.root / "meta"
         path = self.root / EPISODES_PATH.format(chunk_index=0, file_index=0)
         path.parent.mkdir(parents=True, exist_ok=True)
-        pd.DataFrame(self.episodes).to_parquet(path)
+        write_rows(self.episodes, path)
         pd.DataFrame({"task_index": list(self.tasks.values())}, index=list(self.tasks)).to_parquet(
             meta / "tasks.parquet"
         )

@@ -15,25 +15,21 @@ from pathlib import Path
 import numpy as np
 
 from embodied.dataset import taken
-from embodied.episodes import Episode
+from embodied.episodes import Episode, record_tasks
 from embodied.recording import RecordedRounds
+from embodied.replay import record_config
 from embodied.resimulate import Resimulated, by_step
 from embodied.schema import EnvSpec, UserError
+from embodied.sft_data import privileged_read
 
 
 class DatasetError(UserError):
     """Episodes that cannot become a dataset; ``str()`` is one line."""
 
 
-def task_names(record: RecordedRounds) -> list[str]:
-    """The run's tasks in the env group's order (one nameless task: ``all``)."""
-    env = record.meta["config"]["env"]
-    return list(env.get("tasks") or ["all"])
-
-
 def dataset_roots(root: Path, record: RecordedRounds) -> dict[str, Path]:
     """Where each task's episodes go: ``root`` for a run of one task, ``root/<task>`` else."""
-    names = task_names(record)
+    names = record_tasks(record.meta)
     if len(names) == 1:
         return {names[0]: Path(root)}
     return {name: Path(root) / name for name in names}
@@ -55,6 +51,9 @@ class EpisodeDatasets:
         self.roots = dataset_roots(root, record)
         check_free(self.roots)
         self.spec = EnvSpec.from_dict(record.meta["spec"])
+        # what the recorded policy read (an MLP's privileged_keys null: all of them), so that
+        # the dataset fits that policy for embodied sft
+        self.privileged = privileged_read(record_config(record).policy, self.spec)
         self.source = source
         self.simulator_task = record.meta["config"]["env"].get("task")
         self.writers = {}
@@ -63,13 +62,13 @@ class EpisodeDatasets:
     def add(
         self, record: RecordedRounds, episode: Episode, resimulated: Resimulated | None
     ) -> None:
-        steps = episode_steps(record, episode, resimulated)
+        steps = episode_steps(record, episode, resimulated, self.privileged)
         writer = self.writers.get(episode.task) or self._writer(episode.task, steps)
         batch = record.rounds[episode.round_index]
         writer.add_episode(
             **steps,
             task=batch.instructions[int(batch.task_id[episode.chunks[0], episode.row])],
-            extra={"return": episode.ret, "rl_episode_id": episode.episode_id},
+            extra=episode_extra(record, episode, resimulated),
         )
         self.count += 1
 
@@ -95,11 +94,30 @@ class EpisodeDatasets:
         return [writer.close() for writer in self.writers.values()]
 
 
-def episode_steps(
+def episode_extra(
     record: RecordedRounds, episode: Episode, resimulated: Resimulated | None
 ) -> dict:
+    """An episode's row of the dataset's metadata besides its frames, with the fields of an
+    ``embodied demos`` dataset: ``seed`` (its reset seed, ``with_seeds``; None for one that
+    began after an automatic reset), ``success_at_end``, and ``world`` (its randomised
+    parameters, where its round was re-simulated on a simulator that draws them); and its
+    return and episode id in the run."""
+    first = episode.steps(record)[0]
+    world = None if resimulated is None else resimulated.worlds.get((episode.row, first))
+    return {
+        "seed": episode.seed,
+        "success_at_end": episode.success_at_end,
+        **({} if world is None else {"world": world}),
+        "return": episode.ret,
+        "rl_episode_id": episode.episode_id,
+    }
+
+
+def episode_steps(
+    record: RecordedRounds, episode: Episode, resimulated: Resimulated | None, keys=()
+) -> dict:
     """The episode per step (the actions that ran in it), as ``LeRobotWriter.add_episode``
-    takes them: images, state, privileged, actions, rewards, success."""
+    takes them: images, state, the privileged ``keys``, actions, rewards, success."""
     batch = record.rounds[episode.round_index]
     K = batch.rewards.shape[2]
     row = episode.row
@@ -113,7 +131,6 @@ def episode_steps(
             f"--to-dataset: the policy acted in chunks of {K} steps and the record keeps the "
             "observations where chunks start; re-simulate its rounds (--resimulate)"
         )
-    keys = record.meta["config"]["policy"].get("privileged_keys") or []  # (the policy read)
     return {
         "images": {c: v[steps, row].cpu().numpy() for c, v in obs.images.items()},
         "state": obs.state[steps, row].cpu().numpy(),

@@ -40,6 +40,7 @@ class Episode:
     success_at_end: bool
     length: int  # its steps
     seed: int | None = None  # its reset seed where ``with_seeds`` found one (a round's first)
+    iteration: int = 0  # its record's
 
     def frames(self, record: RecordedRounds, camera: str) -> np.ndarray:
         """uint8 [chunks, H, W, 3]: the camera at each of its chunks' start."""
@@ -82,12 +83,20 @@ def episodes_of(record: RecordedRounds, task_names: list[str] | None = None) -> 
                 # this episode, its first steps)
                 whole = first == 0 or bool(batch.valid[first - 1, row].all())
                 found.append(_episode(batch, r, row, chunks, episode_id, whole))
-    env = record.meta["config"]["env"]
-    names = task_names or list(env.get("tasks") or ["all"])  # (the env group's names)
+    names = task_names or record_tasks(record.meta)
     for episode in found:
         index = int(episode.task)
         episode.task = names[index] if index < len(names) else str(index)
+        episode.iteration = record.meta["iteration"]
     return found
+
+
+def record_tasks(meta: dict) -> list[str]:
+    """The tasks of the run whose record has ``meta``, in the env group's order: ``env.tasks``,
+    or the one task of a single-task run by its name (``env.task``; a simulator without one:
+    ``all``)."""
+    env = meta["config"]["env"]
+    return list(env.get("tasks") or [env.get("task") or "all"])
 
 
 def with_seeds(record: RecordedRounds, episodes: list[Episode]) -> list[Episode]:
@@ -138,7 +147,7 @@ def choose(
 ) -> list[Episode]:
     """The episodes asked for: of ``task``, ``outcome`` ("successful", "failed") and reset
     ``seed`` (``with_seeds``), whole ones unless ``partial``; then the ``best`` and ``worst``
-    by return (neither: all of them)."""
+    by return (neither: all of them), of all ``episodes`` (several records' too)."""
     kept = [
         e
         for e in episodes
@@ -149,7 +158,7 @@ def choose(
     ]
     if not best and not worst:
         return kept
-    ranked = sorted(kept, key=lambda e: (-e.ret, e.round_index, e.row, e.chunks[0]))
+    ranked = sorted(kept, key=lambda e: (-e.ret, e.iteration, e.round_index, e.row, e.chunks[0]))
     chosen = ranked[:best] + [e for e in ranked[::-1][:worst] if e not in ranked[:best]]
     return chosen
 

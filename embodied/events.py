@@ -2,8 +2,9 @@
 line each, appended as it happens and kept across resumes; ``embodied report`` lists them.
 
 Kinds: ``start``, ``resume``, ``fault`` (a worker lost), ``discarded_round`` (its round is
-collected again), ``record`` (an update recorded for a non-finite loss or a spike), ``stop`` (a
-signal), ``out_of_time`` (``runner.max_minutes``), ``failure`` (the run raised), ``end``.
+collected again), ``record`` (an update recorded for a non-finite loss or a spike),
+``record_failed`` (a record that could not be written: a full disk), ``stop`` (a signal),
+``out_of_time`` (``runner.max_minutes``), ``failure`` (the run raised), ``end``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ KINDS = (
     "fault",
     "discarded_round",
     "record",
+    "record_failed",
     "stop",
     "out_of_time",
     "failure",

@@ -4,7 +4,9 @@ learner in their order, without simulators, for algorithm work and debugging
 
 The learner starts from the first record's state before its update (the recorded run's initial
 weights where that is iteration 1), or from ``runner.init_from`` where given. Its first update
-then equals the recorded one bit for bit (checked, and said). Each update runs at its record's
+then equals the recorded one bit for bit, its metrics and the weights after it (checked, and
+said). A config whose policy the records' state does not fit is one line, as is a run directory
+that holds the records (``runner.overwrite`` would delete them). Each update runs at its record's
 learning rate. An update whose weights before it are the recorded run's (its digest equals the
 record's) is on-policy: records of consecutive iterations, replayed from the first, reproduce
 the recorded run. Any other is off-policy (rounds collected by other weights; the ratios use
@@ -14,6 +16,7 @@ metrics row; the weights are saved as a checkpoint at the end. No evaluation: no
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -22,17 +25,19 @@ from embodied.checkpoint import save_checkpoint
 from embodied.logger import RunLogger
 from embodied.recording import (
     RECORDS,
+    Record,
     RecordError,
     read_record,
     recorded_iterations,
     restore_before,
     state_digest,
+    weights_digest,
 )
 from embodied.replay import differences
 from embodied.roles import Learner
-from embodied.run import enter_run_dir, run_dir_for, run_dir_held
+from embodied.run import enter_run_dir, flatten, run_dir_for, run_dir_held
 from embodied.run_state import RunState
-from embodied.schema import EnvSpec
+from embodied.schema import EnvSpec, UserError
 from embodied.train_config import run_meta
 
 
@@ -49,20 +54,54 @@ def records_of(source: Path) -> tuple[Path, list[int]]:
 def train_from_records(cfg) -> dict:
     """Train as ``cfg`` says on the records of ``runner.replay_from``; the run's summary."""
     recorded, iterations = records_of(Path(cfg.runner.replay_from))
+    check_apart(recorded / RECORDS, Path(cfg.runner.output_dir) / cfg.runner.name)
     first = read_record(recorded, iterations[0])
     spec = EnvSpec.from_dict(first.meta["spec"])
     task_of_env = torch.tensor(first.meta["task_of_env"], dtype=torch.long)
     run_dir = run_dir_for(cfg.runner, None)
     cfg.runner.record_rollouts = 0  # (this run's updates are the records' own)
-    with run_dir_held(run_dir):
+    with run_dir_held(run_dir):  # (left as it was if the records do not fit: nothing entered)
         learner = Learner(cfg, spec, task_of_env, cfg.runner.torch_device("cpu"))
         try:
-            enter_run_dir(run_dir, cfg, None, False)
             if not cfg.runner.init_from:
-                restore_before(learner, first)
+                restore_fitting(learner, first, cfg)
+            enter_run_dir(run_dir, cfg, None, False)
             return _updates(cfg, learner, recorded, iterations, run_dir, spec)
         finally:
             learner.close()
+
+
+def check_apart(records: Path, run_dir: Path) -> None:
+    """``UserError`` when the run directory this run makes (``runner.output_dir/name``) holds
+    the records it trains on, before anything is touched: ``runner.overwrite`` would delete
+    them before they are read, and the run would write its metrics over the recorded run's.
+    (The default ``runner.name`` of the recorded run's own config is that directory.)"""
+    if run_dir.resolve() in (records.resolve(), *records.resolve().parents):
+        raise UserError(
+            f"runner.replay_from: {records} is in {run_dir}, this run's own directory "
+            "(runner.output_dir/runner.name): the run would delete or write among the records "
+            "it reads; choose another runner.name"
+        )
+
+
+def restore_fitting(learner: Learner, record: Record, cfg) -> None:
+    """``restore_before``, or one line (``UserError``) where the record's state does not fit
+    the learner this config builds: the policy keys that differ from the recorded run's."""
+    try:
+        restore_before(learner, record)
+    except (RuntimeError, ValueError, KeyError) as error:
+        here = flatten(dataclasses.asdict(cfg.policy), "policy.")
+        there = flatten(record.meta["config"]["policy"], "policy.")
+        differ = [
+            f"{k} is {here.get(k)!r} here, {there.get(k)!r} in the records"
+            for k in sorted(set(here) | set(there))
+            if here.get(k) != there.get(k)
+        ]
+        why = "; ".join(differ[:3]) or str(error).strip().splitlines()[0]
+        raise UserError(
+            f"runner.replay_from: the records' learner state does not fit this config ({why}); "
+            "train with the recorded run's policy and algorithm"
+        ) from None
 
 
 def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_dir, spec) -> dict:
@@ -82,8 +121,9 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
                 state.env_steps += batch.valid.numel()  # (B x K per chunk, as collected)
             metrics = {k: float(v) for k, v in learner.update().items()}
             state.iteration += 1
-            if index == 0 and not cfg.runner.init_from:
-                same = differences(record.meta["metrics"], metrics)
+            if index == 0 and not cfg.runner.init_from:  # (the weights after it too)
+                weights = (record.meta["digest_after"], weights_digest(learner.engine.torch_policy))
+                same = differences(record.meta["metrics"], metrics, weights=weights)
                 print(_first_update_note(iteration, same))
             logger.log(metrics, state.env_steps, iteration=state.iteration, replayed=iteration)
     finally:

@@ -1,9 +1,10 @@
 """Rollout records: an iteration's collected rounds with the learner's state before its update, so
 that the update can be run again offline (``embodied replay``) and compared with the run's.
 
-``runner.record_rollouts: N`` records every Nth iteration; an update whose loss is not finite, or
-whose gradient norm (the mean over its steps, before clipping) is over ``runner.spike_factor``
-times the median of the last ``SPIKE_WINDOW`` iterations', is recorded too, and such records are
+``runner.record_rollouts: N`` records every Nth iteration; an update whose loss is not finite
+(the first of a streak; the runner then stops the run), or whose gradient norm (the mean over its
+steps, before clipping) is over ``runner.spike_factor`` times the median of the last
+``SPIKE_WINDOW`` iterations' positive ones (``spikes``), is recorded too, and such records are
 never pruned. The learner keeps what a record needs from the first round of each iteration on
 (``Pending``: host copies of the rounds as collected, and of its state before the update); the
 runner, which sees the update's metrics, decides whether it is written (``RecordPolicy``).
@@ -138,12 +139,26 @@ class Pending:
         self, run_dir: Path, iteration: int, reason: str, metrics: dict, context: dict
     ) -> Path:
         """``RUN/rollouts/iter_NNNNNN`` (staged, then renamed whole); ``context``: what a replay
-        builds the learner from (the spec, each environment's task)."""
-        import zstandard
-
+        builds the learner from (the spec, each environment's task). A write that fails (a full
+        disk: ``OSError``, or torch's and safetensors' own errors) leaves no staged files."""
         final = record_dir(run_dir, iteration)
         staging = final.with_name(final.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
+        try:
+            self._stage(staging, iteration, reason, metrics, context)
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+        except BaseException:  # (whatever stopped it: no half record stays to fill the disk)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        fsync(final.parent)
+        fsync(run_dir)  # (the rollouts folder itself may be new)
+        return final
+
+    def _stage(self, staging: Path, iteration: int, reason: str, metrics: dict, context: dict):
+        """The record's files in ``staging``, each flushed to disk, and the folder too."""
+        import zstandard
+
         staging.mkdir(parents=True)
         rounds = {k: v for part in self.rounds for k, v in part.items()}
         packed = zstandard.ZstdCompressor(level=3).compress(save(rounds))
@@ -165,11 +180,6 @@ class Pending:
         (staging / "record.json").write_text(json.dumps(meta, indent=1))
         for path in (*staging.iterdir(), staging):  # on disk before the rename makes it a record
             fsync(path)
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-        fsync(final.parent)
-        fsync(run_dir)  # (the rollouts folder itself may be new)
-        return final
 
 
 @dataclass
@@ -254,28 +264,49 @@ def _unzstd(packed: bytes) -> bytes:
     return zstandard.ZstdDecompressor().decompress(packed)
 
 
+def not_finite(metrics: dict) -> dict[str, float]:
+    """An update's losses and gradient norm (``policy/grad_norm``) that are not finite, by name
+    (empty: the update is finite)."""
+    watched = {
+        k: v
+        for k, v in metrics.items()
+        if (k.endswith("loss") or k == "policy/grad_norm") and isinstance(v, (int, float))
+    }
+    return {k: v for k, v in watched.items() if not math.isfinite(v)}
+
+
+def spikes(norm: float, window: list[float], factor: float) -> bool:
+    """Whether a gradient norm is over ``factor`` times the median of the positive norms in
+    ``window`` (at least two; ``factor`` 0: never). A norm of 0 (an update without a gradient:
+    GRPO's groups that all score alike, with no KL term) says nothing of the scale: against a
+    median of 0, any gradient at all would be a spike."""
+    scale = [n for n in window if n > 0]
+    return factor > 0 and len(scale) >= 2 and norm > factor * statistics.median(scale)
+
+
 @dataclass
 class RecordPolicy:
     """Which iterations are written (the runner asks after each update): every ``every``-th
-    (0: none), and any whose loss is not finite or whose gradient norm spikes."""
+    (0: none), and any whose gradient norm spikes, or whose loss is not finite where the one
+    before it was (the first of a streak: those after it add nothing to replay, only disk)."""
 
     every: int
     spike_factor: float
     grad_norms: list[float] = field(default_factory=list)  # the last SPIKE_WINDOW iterations'
+    not_finite_before: bool = False  # the iteration before's update was not finite
 
     def reason(self, iteration: int, metrics: dict) -> str | None:
         """Why ``iteration`` is recorded ("non-finite", "spike", "every"), or None."""
-        losses = [v for k, v in metrics.items() if k.endswith("loss") and isinstance(v, float)]
         norm = metrics.get("policy/grad_norm")
         window = self.grad_norms[-SPIKE_WINDOW:]  # the iterations before this one
-        finite = all(math.isfinite(v) for v in losses) and (norm is None or math.isfinite(norm))
+        finite = not not_finite(metrics)
         if norm is not None and math.isfinite(norm):
             self.grad_norms = [*window, float(norm)][-SPIKE_WINDOW:]
-        if not finite:
+        streak, self.not_finite_before = self.not_finite_before, not finite
+        if not finite and not streak:
             return "non-finite"
-        if norm is not None and self.spike_factor > 0 and len(window) >= 2:
-            if norm > self.spike_factor * statistics.median(window):
-                return "spike"
+        if finite and norm is not None and spikes(norm, window, self.spike_factor):
+            return "spike"
         if self.every and iteration % self.every == 0:
             return "every"
         return None
@@ -286,18 +317,24 @@ class RunRecords:
     iteration's record (``RecordPolicy``), and the records kept (``runner.keep_rollouts``: the
     newest of those recorded every Nth iteration; non-finite and spiking ones always stay)."""
 
-    def __init__(self, runner_cfg, run_dir: Path, learner):
+    def __init__(self, runner_cfg, run_dir: Path, learner, event=None):
         self.policy = RecordPolicy(runner_cfg.record_rollouts, runner_cfg.spike_factor)
         self.policy.grad_norms = logged_grad_norms(Path(run_dir))  # (a resumed run's window)
         self.keep = runner_cfg.keep_rollouts
         self.run_dir = Path(run_dir)
         self.learner = learner
+        self.event = event or (lambda kind, detail: None)  # (the run's events: kind, detail)
 
     def after_update(self, iteration: int, metrics: dict, counters: dict) -> str | None:
         """The learner writes or drops the record of ``iteration`` (``counters``: the run's
-        after it); why it was written."""
+        after it); why it was written (None: not asked for, or lost). A record that could not
+        be written (a full disk) is one line and a ``record_failed`` event; the run goes on."""
         reason = self.policy.reason(iteration, metrics)
-        self.learner.keep_record(self.run_dir, iteration, reason, metrics, counters)
+        failed = self.learner.keep_record(self.run_dir, iteration, reason, metrics, counters)
+        if failed:
+            print(f"the record of iteration {iteration} ({reason}) was not written: {failed}")
+            self.event("record_failed", f"iteration {iteration} ({reason}): {failed}")
+            return None
         if reason is not None:
             prune_records(self.run_dir, self.keep)
         return reason

@@ -2,7 +2,8 @@
 the learner's state before it and the rounds it was given (embodied/recording.py), and compare
 it with the run: the update's metrics as logged, and the weights after it (a digest). On the
 machine and backend that recorded it they match bit for bit; ``--rtol`` allows a relative
-difference in the metrics elsewhere (and leaves the weights' digest out). Not bit for bit: an
+difference in the metrics elsewhere (the weights' digest compares bit for bit only: the command
+says whether it is equal, and the metrics decide). Not bit for bit: an
 update shared by data-parallel actor workers (each summed its share of every minibatch), one
 recorded on a GPU and replayed on the CPU, ``offload_optimizer``'s bookkeeping metric. A
 megatron run's update is replayed at its TP size (its weights before the update are the float32

@@ -10,7 +10,7 @@ is named.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,9 @@ class Resimulated:
     rewards: torch.Tensor  # f32 [S, B]
     success: torch.Tensor  # bool [S, B]
     divergences: list[Divergence]  # per row that diverges, its first step; empty: none
+    # (row, step) -> the randomised parameters of the world whose episode began at that step
+    # (a simulator that draws them, as MuJoCo's ``world_params``; empty for one that does not)
+    worlds: dict = field(default_factory=dict)
 
     def agrees(self, row: int, until: int) -> bool:
         """Whether ``row``'s rewards equal the recorded ones up to step ``until``."""
@@ -109,6 +112,7 @@ def resimulate(record: RecordedRounds, round_index: int, env, atol: float = 0.0)
         )
     actions = batch.actions.to(getattr(env, "device", "cpu"))  # f32 [T, B, K, A]
     before = [env.reset(seed=round_seeds(record, round_index)).map(lambda x: x.cpu())]
+    worlds = _worlds(env, range(B), 0)
     rewards = []
     success = []
     for t in range(T):
@@ -117,6 +121,8 @@ def resimulate(record: RecordedRounds, round_index: int, env, atol: float = 0.0)
             rewards.append(out.reward.float().cpu())
             success.append(out.success.cpu())
             before.append(out.obs.map(lambda x: x.cpu()))  # (T * K of them: on the host)
+            reset = (out.terminated | out.truncated).cpu().nonzero().squeeze(1).tolist()
+            worlds.update(_worlds(env, reset, t * K + k + 1))  # (their next episode's draw)
     rewards = torch.stack(rewards)  # f32 [S, B]
     recorded = by_step(batch.rewards.cpu())
     return Resimulated(
@@ -125,7 +131,18 @@ def resimulate(record: RecordedRounds, round_index: int, env, atol: float = 0.0)
         rewards=rewards,
         success=torch.stack(success),
         divergences=_divergences(recorded, rewards, atol),
+        worlds=worlds,
     )
+
+
+def _worlds(env, rows, step: int) -> dict:
+    """{(row, step): parameters} of ``rows``' worlds as drawn for the episodes they begin at
+    ``step`` (the env's ``world_params``, as ``embodied demos`` keeps them); {} without."""
+    params = getattr(env, "world_params", None)
+    if params is None or not len(rows):
+        return {}
+    table = params.to_dict()  # name -> a list, world by world
+    return {(row, step): {name: values[row] for name, values in table.items()} for row in rows}
 
 
 def by_step(chunks: torch.Tensor) -> torch.Tensor:

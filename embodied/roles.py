@@ -227,17 +227,22 @@ class Learner:
 
     def keep_record(
         self, run_dir: Path, iteration: int, reason: str | None, metrics: dict, counters: dict
-    ) -> None:
+    ) -> str | None:
         """Write the oldest updated iteration's record as ``iteration`` where ``reason`` says
-        why, else drop it (embodied/recording.py); ``counters``: the run's at that iteration."""
-        if self.updated:
-            pending = self.updated.pop(0)
-            if reason is not None:
-                context = {**self.context, "counters": counters}
-                try:
-                    pending.write(run_dir, iteration, reason, metrics, context)
-                except OSError as error:  # (a full disk loses the record, not the run)
-                    print(f"the record of iteration {iteration} was not written: {error}")
+        why, else drop it (embodied/recording.py); ``counters``: the run's at that iteration.
+        Returns why the record could not be written, in one line (None: written or dropped): a
+        full disk loses the record, not the run."""
+        if not self.updated:
+            return None
+        pending = self.updated.pop(0)
+        if reason is None:
+            return None
+        context = {**self.context, "counters": counters}
+        try:
+            pending.write(run_dir, iteration, reason, metrics, context)
+        except Exception as error:  # (OSError, torch.save's RuntimeError, SafetensorError)
+            return " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        return None
 
     def _update(self, samples: Samples | None, observations: list[Observation]) -> dict:
         metrics = {}

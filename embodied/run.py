@@ -17,7 +17,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from embodied import numerics
-from embodied.checkpoint import LAST, META, checkpoint_dir, drop_checkpoints_after, point_best
+from embodied.checkpoint import (
+    LAST,
+    META,
+    checkpoint_dir,
+    drop_checkpoints_after,
+    iteration_dirs,
+    point_best,
+)
 from embodied.config import ConfigError, save_config
 from embodied.logger import file_in_the_way, read_jsonl, write_atomic
 
@@ -33,6 +40,22 @@ class Stopped(Exception):
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.signum = signum
+
+
+class NonFiniteUpdate(Exception):
+    """An update whose loss or gradient norm is not finite: the weights it stepped are not
+    usable, so the run stops there, unsaved (its last checkpoint stays the newest); ``str()``
+    is one line naming the iteration, the values, the update's record and that checkpoint."""
+
+    def __init__(self, iteration: int, values: dict, record: Path | None, saved: Path | None):
+        found = ", ".join(f"{key} {value}" for key, value in values.items())
+        before = f"; its record {record} holds the weights before it" if record else ""
+        kept = f"the last checkpoint is {saved}" if saved else "no checkpoint was saved before it"
+        super().__init__(
+            f"iteration {iteration}: the update is not finite ({found}), so the weights it "
+            f"stepped are not usable and the run stopped{before}; {kept}"
+        )
+        self.iteration = iteration
 
 
 class StopSignals:
@@ -256,8 +279,9 @@ RUN_FILES = (
 def rewind(run_dir: Path, resume: dict, cfg, evaluates_beside: bool) -> None:
     """Take the run back to the checkpoint ``resume`` (loaded) before it goes on from there:
     the metrics rows logged after it, those of the evaluation it will run again, the final
-    evaluation's result and the later checkpoints go; ``RUN/best`` is its best. An unfinished
-    evaluation that cannot run again (``why_not_again``) keeps the rows it logged."""
+    evaluation's result, the later checkpoints and rollout records go; ``RUN/best`` is its
+    best. An unfinished evaluation that cannot run again (``why_not_again``) keeps the rows it
+    logged."""
     counters = resume["counters"]
     done = counters["iteration"]
     unsaved = unsaved_evaluation(counters)
@@ -270,8 +294,28 @@ def rewind(run_dir: Path, resume: dict, cfg, evaluates_beside: bool) -> None:
     abandoned = drop_checkpoints_after(run_dir, done)
     if abandoned:
         print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
+    records = drop_records_after(run_dir, done)
+    if records:
+        print(f"resuming from iteration {done}: removed the later rollout records {records}")
     best = counters.get("best")
     point_best(run_dir, None if best is None else best["iteration"])
+
+
+def drop_records_after(run_dir: Path, iteration: int) -> list[int]:
+    """Remove the rollout records (``RUN/rollouts/iter_N``, embodied/recording.py) of the
+    iterations after ``iteration``, and any a write left staged; the iterations removed. A run
+    resumed from an earlier checkpoint abandons them: left, ``embodied episodes``,
+    ``runner.replay_from`` and the report would read iterations the run no longer has, and the
+    pruning, which keeps the newest, would remove the resumed run's own records first."""
+    folder = Path(run_dir) / "rollouts"
+    if not folder.is_dir():
+        return []
+    for staged in folder.glob("iter_*.tmp"):  # (a write cut short; nothing writes here now)
+        shutil.rmtree(staged)
+    later = [(at, path) for at, path in iteration_dirs(folder) if at > iteration]
+    for _, path in later:
+        shutil.rmtree(path)
+    return [at for at, _ in later]
 
 
 def unsaved_evaluation(counters: dict) -> dict | None:

@@ -20,14 +20,14 @@ import torch
 from tqdm import tqdm
 
 from embodied import numerics
-from embodied.checkpoint import CheckpointWriteError
+from embodied.checkpoint import CheckpointWriteError, checkpoint_dir
 from embodied.config import to_dict
 from embodied.episode_stats import EpisodeStats
 from embodied.evaluations import Evaluations
 from embodied.events import EventLog
 from embodied.logger import RunLogger
 from embodied.multitask import check_tasks, make_env
-from embodied.recording import RunRecords
+from embodied.recording import RunRecords, not_finite, record_dir
 from embodied.report import write_report
 from embodied.roles import (
     Roles,
@@ -40,6 +40,7 @@ from embodied.roles import (
 from embodied.run import (
     Clock,
     Interrupted,
+    NonFiniteUpdate,
     Stopped,
     StopSignals,
     bar_interval,
@@ -177,7 +178,9 @@ class Runner:
         self.events = EventLog(run_dir)
         self._event("start" if self.fresh else "resume")
         recording = cfg.runner.record_rollouts > 0  # (embodied/recording.py)
-        self.records = RunRecords(cfg.runner, run_dir, self.learner) if recording else None
+        self.records = (
+            RunRecords(cfg.runner, run_dir, self.learner, self._event) if recording else None
+        )
 
     def run(self) -> dict:
         run = self.cfg.runner
@@ -300,8 +303,7 @@ class Runner:
         metrics = collected.metrics
         updated = done.update.result()
         metrics.update(updated)
-        if self.records is not None:  # (the learner writes the record, or drops it)
-            self._record(collected, updated)
+        record = self._record(collected, updated)  # (the learner writes it, or drops it)
         update_seconds = time.time() - done.start
         state.policy_version += 1
         if not stopping:  # (a stop after a lost worker: only what the checkpoint needs)
@@ -318,6 +320,9 @@ class Runner:
         state.episodes += int(episodes.get("episode/count", 0))
         metrics.update(episodes)
         self._log(metrics, done, update_seconds)
+        if bad := not_finite(updated):  # the weights it stepped are not usable: stop, unsaved
+            saved = self.points.saved and checkpoint_dir(self.run_dir, self.points.saved)
+            raise NonFiniteUpdate(collected.iteration, bad, record, saved or None)
         self.points.complete(state)
         if stopping:
             return True
@@ -341,9 +346,12 @@ class Runner:
             return True
         return False
 
-    def _record(self, collected, updated: dict) -> None:
+    def _record(self, collected, updated: dict) -> Path | None:
         """The rollout record of ``collected``'s iteration, kept or dropped as its update says
-        (embodied/recording.py); a kept one's reason is an event."""
+        (embodied/recording.py); a kept one's reason is an event. The record written for a
+        non-finite update, or None."""
+        if self.records is None:
+            return None
         counters = {
             "iteration": collected.iteration,
             "env_steps": collected.progress.env_steps,
@@ -353,6 +361,7 @@ class Runner:
         reason = self.records.after_update(collected.iteration, updated, counters)
         if reason in ("non-finite", "spike"):
             self._event("record", f"iteration {collected.iteration}: {reason}")
+        return record_dir(self.run_dir, collected.iteration) if reason == "non-finite" else None
 
     def _log(self, metrics: dict, done: UpdateInFlight, update_seconds: float) -> None:
         collected = done.collected

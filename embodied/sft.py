@@ -52,6 +52,7 @@ from embodied.sft_data import (
     check_fits,
     load_frames,
     norm_data,
+    privileged_read,
     set_norm_stats,
 )
 from embodied.simulators.maniskill import ManiSkillConfig
@@ -205,7 +206,7 @@ def sft(cfg: SFTConfig) -> dict:
         spec = env.spec
     cameras = spec.obs.cameras if getattr(cfg.policy, "use_images", True) else ()
     any_size = cfg.policy.name == "smolvla"  # (it resizes and pads what it is given)
-    check_fits(frames, spec, _privileged_read(cfg.policy, spec), cameras, any_size)
+    check_fits(frames, spec, privileged_read(cfg.policy, spec), cameras, any_size)
     run_dir = run_dir_for(cfg.runner, resume)
     with run_dir_held(run_dir):
         enter_run_dir(run_dir, cfg, resume, evaluates_beside=False)
@@ -218,13 +219,6 @@ def sft(cfg: SFTConfig) -> dict:
         finally:
             learner.close()
         return run.finish()
-
-
-def _privileged_read(policy: PolicyConfig, spec) -> tuple[str, ...]:
-    """The privileged keys a policy of ``policy`` (config) reads from ``spec``'s."""
-    if hasattr(policy, "read_privileged"):
-        return policy.read_privileged(spec)  # (the MLP's: all of them unless it names some)
-    return tuple(getattr(policy, "privileged_keys", None) or ())
 
 
 def _resume_of(cfg: SFTConfig) -> dict | None:

@@ -164,8 +164,10 @@ ALLOWED = {
         "embodied.dataset",
         "embodied.episodes",
         "embodied.recording",
+        "embodied.replay",  # (the recorded run's config: what its policy read)
         "embodied.resimulate",
         "embodied.schema",
+        "embodied.sft_data",  # (privileged_read: what embodied sft asks of a dataset)
     },
     "embodied.from_records": {
         "embodied.checkpoint",

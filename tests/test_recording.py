@@ -43,7 +43,8 @@ def test_every_nth_iteration_and_any_non_finite_or_spiking_update_is_recorded():
     assert reasons == [None, None, "every", "spike", None, "every"]
     assert policy.grad_norms == norms  # (the spike enters the window too)
     assert policy.reason(7, {"policy/loss": math.nan, "policy/grad_norm": 1.0}) == "non-finite"
-    assert policy.reason(8, {"policy/loss": 0.5, "policy/grad_norm": math.inf}) == "non-finite"
+    assert policy.reason(8, {"policy/grad_norm": 1.0}) is None  # (a streak ends: below)
+    assert policy.reason(9, {"policy/loss": 0.5, "policy/grad_norm": math.inf}) == "non-finite"
     assert policy.grad_norms[-1] == 1.0  # a non-finite norm is not in the window
     # the window is the last 20 iterations; fewer than two: no spike yet
     fresh = RecordPolicy(every=0, spike_factor=10.0)
@@ -186,6 +187,30 @@ def test_a_damaged_or_missing_record_is_one_line_naming_the_file(tmp_path, capsy
     meta.write_text(json.dumps({"format": "x"}))
     with pytest.raises(Exception, match=r"record.json: damaged \(no config, digest_after"):
         read_record(run_dir, 1)
+
+
+def test_replay_within_a_tolerance_says_the_weights_compare_bit_for_bit_only(tmp_path, capsys):
+    """``--rtol``: the metrics within it decide; the weights, of which a record keeps a digest,
+    are said to be equal or not, never claimed to be compared within it."""
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    kw = dict(total_env_steps=8 * 6, record_rollouts=1, policy=MLP, algorithm=PPO)
+    run_on(PushRightEnv(8), run_dir, **kw)
+    argv = ["replay", str(run_dir), "--iteration", "1", "--rtol", "1e-6"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.endswith("compare bit for bit only (the record keeps their digest), equal")
+    meta = record_dir(run_dir, 1) / "record.json"
+    changed = json.loads(meta.read_text())
+    changed["digest_after"] = "0" * 64
+    meta.write_text(json.dumps(changed))
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip()
+    assert "within rtol 1e-06:" in out and "metrics and the weights" not in out
+    assert "(the record keeps their digest), differ (digest 000000000000 vs " in out
+    assert main(argv[:-2]) == 1  # (bit for bit, the weights are compared)
+    assert "weights after the update differ" in capsys.readouterr().err
 
 
 def test_a_run_trains_the_tiny_task_from_recordings_alone(tmp_path, monkeypatch, capsys):

@@ -138,8 +138,8 @@ class ActorWorker(_Worker):
         return self.sync_group.send(list(named.items()), bucket_bytes)
 
     @timed
-    def keep_record(self, run_dir: str, iteration: int, reason, metrics: dict, counters) -> None:
-        self.learner.keep_record(Path(run_dir), iteration, reason, metrics, counters)
+    def keep_record(self, run_dir: str, iteration: int, reason, metrics: dict, counters):
+        return self.learner.keep_record(Path(run_dir), iteration, reason, metrics, counters)
 
     @timed
     def save(self, run_dir, iteration: int, kw: dict) -> None:

@@ -157,12 +157,13 @@ class RemoteLearner(WorkerGroup):
     def lr(self) -> float:
         return self._lr
 
-    def keep_record(self, run_dir: Path, iteration: int, reason, metrics: dict, counters) -> None:
-        """Rank 0 writes or drops its oldest updated iteration's record (``Learner``)."""
+    def keep_record(self, run_dir: Path, iteration: int, reason, metrics: dict, counters):
+        """Rank 0 writes or drops its oldest updated iteration's record (``Learner``); why it
+        could not be written, or None."""
         call = self.workers[0].keep_record.remote(
             str(run_dir), iteration, reason, metrics, counters
         )
-        get(call, "actor")
+        return get(call, "actor")
 
     def save(self, run_dir: Path, iteration: int, **kw) -> None:
         """Rank 0's state: data-parallel ranks hold the same weights and optimizer state. TP

@@ -1,0 +1,112 @@
+"""``runner.replay_from`` (embodied/from_records.py) where it can go wrong: a run directory that
+holds the records it would train on, a config whose policy the records' state does not fit, and
+a first update that differs from the recorded one in its weights only."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from scripted_envs import PPO, PushRightEnv, run_on
+
+from embodied.cli import main
+from embodied.recording import recorded_iterations
+
+MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
+# one epoch of one minibatch: every metric is taken before the step, so a change that acts on
+# the step alone (the clipping) leaves the metrics as recorded and changes only the weights
+ONE_STEP = {**PPO, "update_epochs": 1, "num_minibatches": 1}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A PPO run of 3 iterations on the test task, each recorded, with its config.yaml."""
+    torch.manual_seed(0)
+    run_dir = tmp_path_factory.mktemp("from_records") / "recorded"
+    run_on(
+        PushRightEnv(8),
+        run_dir,
+        total_env_steps=8 * 6 * 3,
+        record_rollouts=1,
+        policy=MLP,
+        algorithm=ONE_STEP,
+    )
+    config = json.loads((run_dir / "rollouts" / "iter_000001" / "record.json").read_text())[
+        "config"
+    ]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))  # (as a run writes it first)
+    return run_dir
+
+
+def train(tmp_path, capsys, *overrides: str, policy=MLP) -> tuple[int, str, str]:
+    """``embodied train`` on a config of this test's policy and algorithm, with ``overrides``:
+    (exit code, stdout, stderr)."""
+    config = tmp_path / "config.yaml"
+    source = {"seed": 0, "policy": policy, "algorithm": ONE_STEP, "env": {"simulator": "mujoco"}}
+    source["runner"] = {"progress": False, "report": False}
+    config.write_text(yaml.safe_dump(source))
+    capsys.readouterr()
+    code = main(["train", str(config), *overrides])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_run_directory_that_holds_the_records_is_refused_before_anything_is_deleted(
+    recorded, tmp_path, capsys
+):
+    """The recorded run's own directory, with runner.overwrite=true (what the refusal without it
+    used to advise) or not, given as the run or its rollouts folder: one line, exit 2, and the
+    records are all still there."""
+    before = recorded_iterations(recorded)
+    where = [f"runner.output_dir={recorded.parent}", f"runner.name={recorded.name}"]
+    for source in (recorded / "rollouts", recorded):
+        for overwrite in ("true", "false"):
+            replay = f"runner.replay_from={source}"
+            code, _, err = train(tmp_path, capsys, replay, *where, f"runner.overwrite={overwrite}")
+            assert code == 2 and len(err.strip().splitlines()) == 1, err
+            assert "runner.replay_from" in err and "choose another runner.name" in err
+            assert recorded_iterations(recorded) == before == [1, 2, 3]
+    assert (recorded / "metrics.jsonl").is_file() and (recorded / "last").exists()
+
+
+def test_records_that_do_not_fit_the_config_are_one_line_and_leave_no_run_directory(
+    recorded, tmp_path, capsys
+):
+    replay = [f"runner.replay_from={recorded / 'rollouts'}", f"runner.output_dir={tmp_path}"]
+    wider = {**MLP, "hidden_sizes": [64]}
+    code, _, err = train(tmp_path, capsys, *replay, "runner.name=wide", policy=wider)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "policy.hidden_sizes is [64] here, [16] in the records" in err
+    assert not (tmp_path / "wide").exists()
+    # an earlier run in the way with runner.overwrite=true: untouched by the refusal
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "config.yaml").write_text("{}")
+    (tmp_path / "kept" / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    overwrite = ["runner.name=kept", "runner.overwrite=true"]
+    code, _, err = train(tmp_path, capsys, *replay, *overwrite, policy=wider)
+    assert code == 2 and (tmp_path / "kept" / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
+    kept = sorted(p.name for p in (tmp_path / "kept").iterdir() if p.name != ".lock")
+    assert kept == ["config.yaml", "metrics.jsonl"]
+
+
+def test_the_first_update_is_compared_with_the_recorded_one_in_its_weights_too(
+    recorded, tmp_path, capsys
+):
+    """A clipping of the gradient that the recorded update did not have: the metrics are the
+    recorded ones (taken before the step), the weights after it are not."""
+    replay = [f"runner.replay_from={recorded / 'rollouts'}", f"runner.output_dir={tmp_path}"]
+    code, out, _ = train(tmp_path, capsys, *replay, "runner.name=same")
+    assert code == 0 and "the first update (iteration 1 of the records) equals" in out
+    assert "3 of 3 updates" in out
+    code, out, _ = train(
+        tmp_path, capsys, *replay, "runner.name=clip", "algorithm.max_grad_norm=0.05"
+    )
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("the first update"))
+    assert "differs from iteration 1's recorded one: weights after the update differ" in line
+    assert "policy/" not in line  # (the metrics are as recorded)
+    assert "off-policy: records [2, 3]" in out
+    rows = [json.loads(x) for x in (tmp_path / "clip" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["replayed"] for r in rows] == [1, 2, 3]

@@ -1,0 +1,167 @@
+"""Rollout records when things go wrong (embodied/recording.py): a write that fails (a full disk),
+a run resumed from an earlier checkpoint, an update that is not finite, gradient norms of 0."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import SafetensorError
+from scripted_envs import PPO, PushRightEnv, run_on
+from tiny_runs import TINY_REACH
+
+import embodied.recording as recording
+from embodied.cli import main
+from embodied.events import read_events
+from embodied.recording import Pending, RecordPolicy, record_dir, recorded_iterations, spikes
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def pending() -> Pending:
+    """A small record in progress: weights, optimizer, learning rate, stream, one round."""
+    optimizer = {"state": {}, "param_groups": []}
+    rounds = [{"r0/x": torch.arange(3)}]
+    return Pending({"w": torch.ones(2)}, optimizer, 1e-3, {"seed": 0}, rounds, [("push",)])
+
+
+def full_disk(error: Exception):
+    def write(*args, **kw):
+        raise error
+
+    return write
+
+
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("save", OSError(28, "No space left on device")),  # (the rounds: the first file)
+        ("save_file", SafetensorError("Error while serializing: IoError(No space left)")),
+        ("torch", RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")),
+    ],
+)
+def test_a_record_whose_write_fails_leaves_nothing_on_disk(tmp_path, monkeypatch, name, error):
+    """Whichever file the disk fills at (each one's own error), the staged files go."""
+    if name == "torch":
+        monkeypatch.setattr(recording.torch, "save", full_disk(error))
+    else:
+        monkeypatch.setattr(recording, name, full_disk(error))
+    with pytest.raises(type(error)):
+        pending().write(tmp_path, 3, "every", {"loss": 0.5}, {})
+    assert list((tmp_path / "rollouts").iterdir()) == []
+
+
+def test_a_full_disk_while_a_record_is_written_loses_that_record_not_the_run(
+    tmp_path, monkeypatch, capsys
+):
+    """torch.save's own error (what a full disk gives it) at iteration 2's record: one line and
+    an event say so, the run trains to its end, the other records are whole."""
+    save = torch.save
+
+    def full_at_iteration_2(obj, path, *args, **kw):
+        if "iter_000002.tmp" in str(path):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64")
+        return save(obj, path, *args, **kw)
+
+    monkeypatch.setattr(recording.torch, "save", full_at_iteration_2)
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    kw = dict(total_env_steps=8 * 6 * 3, record_rollouts=1, policy=MLP, algorithm=PPO)
+    run_on(PushRightEnv(8), run_dir, **kw)
+    lines = [x for x in capsys.readouterr().out.splitlines() if "not written" in x]
+    assert lines == [
+        "the record of iteration 2 (every) was not written: RuntimeError: [enforce fail at "
+        "inline_container.cc:672] . unexpected pos 64"
+    ]
+    assert recorded_iterations(run_dir) == [1, 3]
+    assert sorted(p.name for p in (run_dir / "rollouts").iterdir()) == [
+        "iter_000001",
+        "iter_000003",
+    ]
+    failed = [e for e in read_events(run_dir) if e.kind == "record_failed"]
+    assert [e.detail.split(":")[0] for e in failed] == ["iteration 2 (every)"]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if "policy/loss" in r] == [1, 2, 3]
+    assert (run_dir / "last").resolve().name == "iter_000003"
+    assert json.loads((record_dir(run_dir, 3) / "record.json").read_text())["iteration"] == 3
+
+
+def test_a_run_resumed_from_an_earlier_checkpoint_removes_the_later_records(tmp_path, capsys):
+    """Records of iterations after the checkpoint are of a timeline the run no longer has, as
+    its later checkpoints and metrics rows: they go, and what the resumed run records stays."""
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    kw = dict(record_rollouts=1, keep_rollouts=2, policy=MLP, algorithm=PPO, save_every=2)
+    run_on(PushRightEnv(8), run_dir, total_env_steps=8 * 6 * 4, **kw)
+    assert recorded_iterations(run_dir) == [3, 4]
+    (run_dir / "rollouts" / "iter_000005.tmp").mkdir()  # (a write cut short)
+    resume = str(run_dir / "checkpoints" / "iter_000002")
+    capsys.readouterr()
+    run_on(PushRightEnv(8), run_dir, total_env_steps=8 * 6 * 3, resume=resume, **kw)
+    # the resumed run's iteration 3, not pruned in favour of the abandoned 4
+    assert sorted(p.name for p in (run_dir / "rollouts").iterdir()) == ["iter_000003"]
+    assert "resuming from iteration 2: removed the later rollout records [3, 4]" in (
+        capsys.readouterr().out
+    )
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["iteration"] for r in rows) == 3
+
+
+def test_only_the_first_non_finite_update_of_a_streak_is_recorded():
+    """Those after it replay nothing new (their weights before are not finite already), and a
+    record of each would fill the disk; a finite update ends the streak."""
+    policy = RecordPolicy(every=0, spike_factor=10.0)
+    nan, inf = math.nan, math.inf
+    losses = [0.5, nan, nan, inf, 0.5, nan]
+    reasons = [policy.reason(i + 1, {"policy/loss": v}) for i, v in enumerate(losses)]
+    assert reasons == [None, "non-finite", None, None, None, "non-finite"]
+    every = RecordPolicy(every=2, spike_factor=10.0)  # (every Nth stays every Nth: pruned)
+    norms = [1.0, inf, inf, inf, 1.0]
+    reasons = [every.reason(i + 1, {"policy/grad_norm": n}) for i, n in enumerate(norms)]
+    assert reasons == [None, "non-finite", None, "every", None]
+
+
+def test_a_non_finite_update_stops_the_run_with_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """MuJoCo reach at a learning rate of 1e25, one step per update: iteration 1's step makes
+    the weights huge, iteration 2's update is NaN. The run stops there (exit 1) instead of
+    training on to its end on NaN weights; the line names the iteration, its record (the
+    weights before it) and the last checkpoint, which stays the newest."""
+    run = [f"runner.output_dir={tmp_path}", "runner.name=nan", "runner.report=false"]
+    big = ["algorithm.learning_rate=1e25", "algorithm.update_epochs=1"]
+    big += ["algorithm.num_minibatches=1", "runner.total_env_steps=160"]
+    record = ["runner.record_rollouts=100", "runner.save_every=1"]
+    config = str(ROOT / "configs" / "mujoco" / "reach_ppo.yaml")
+    monkeypatch.chdir(tmp_path)  # (MuJoCo writes MUJOCO_LOG.TXT where it runs, on NaN controls)
+    capsys.readouterr()
+    assert main(["train", config, *TINY_REACH, *run, *big, *record]) == 1
+    err = capsys.readouterr().err.strip()
+    run_dir = tmp_path / "nan"
+    assert len(err.splitlines()) == 1 and err.startswith("embodied: error: iteration 2: ")
+    assert f"its record {record_dir(run_dir, 2)} holds the weights before it" in err
+    assert err.endswith(f"the last checkpoint is {run_dir / 'checkpoints' / 'iter_000001'}")
+    assert recorded_iterations(run_dir) == [2]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["iter_000001"]
+    assert (run_dir / "last").resolve().name == "iter_000001"
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2] and math.isnan(rows[1]["policy/loss"])
+    events = [(e.kind, e.detail.split(":")[0]) for e in read_events(run_dir)]
+    assert events[-2:] == [("record", "iteration 2"), ("failure", "NonFiniteUpdate")]
+
+
+def test_gradient_norms_of_zero_set_no_scale_for_a_spike():
+    """The median is over the window's positive norms, at least two of them: after five updates
+    without a gradient, the first ones with a tiny gradient are no spikes (each was, against a
+    median of 0), and a spike is measured against the positive ones."""
+    policy = RecordPolicy(every=0, spike_factor=10.0)
+    norms = [0.0] * 5 + [1e-7, 1e-7, 5e-7, 2e-6, 0.0, 2.5e-6, 6e-6]
+    reasons = [policy.reason(i + 1, {"policy/grad_norm": n}) for i, n in enumerate(norms)]
+    # 9: 2e-6 > 10 x median(1e-7, 1e-7, 5e-7); 11: 2.5e-6 < 10 x median(.., 2e-6) = 3e-6;
+    # 12: 6e-6 > 10 x median(1e-7, 1e-7, 5e-7, 2e-6, 2.5e-6) = 5e-6
+    assert reasons == [None] * 8 + ["spike", None, None, "spike"]
+    assert policy.grad_norms == norms  # (the zeros stay in the window: the last 20 updates)
+    assert not spikes(1.0, [0.0, 0.0, 0.0], 10.0) and spikes(1.0, [0.0, 0.05, 0.05], 10.0)
+    assert not spikes(1.0, [0.01, 0.01], 0.0)  # (runner.spike_factor 0: off)
