@@ -7,6 +7,7 @@ Every tensor is batched, batch first, on the environment's device. Time-major bu
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -343,13 +344,13 @@ class VecEnv(Protocol):
 
 
 def reset_seeds(seed: int | Sequence[int] | None, ids: Sequence[int]) -> list[int | None]:
-    """The per-environment seeds of ``VecEnv.reset`` for environments ``ids``: an int gives
-    environment i the seed ``seed + i``, a list is one seed per reset environment, None is
-    unseeded."""
+    """The per-environment seeds of ``VecEnv.reset`` for environments ``ids``: an integer (any
+    ``numbers.Integral``: numpy's too) gives environment i the seed ``seed + i``, a list is one
+    seed per reset environment, None is unseeded."""
     if seed is None:
         return [None] * len(ids)
-    if isinstance(seed, int):
-        return [seed + int(i) for i in ids]
+    if isinstance(seed, numbers.Integral):
+        return [int(seed) + int(i) for i in ids]
     seeds = [int(s) for s in seed]
     if len(seeds) != len(ids):
         raise ValueError(f"reset: {len(seeds)} seeds for {len(ids)} environments")

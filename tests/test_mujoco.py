@@ -45,6 +45,15 @@ def test_same_seed_same_trajectory():
     assert torch.equal(a, b) and torch.equal(ca, cb)
 
 
+def test_a_numpy_integer_seed_is_an_int_seed():
+    with MuJoCoEnv(MuJoCoConfig(task="push", num_envs=2)) as env:
+        given = env.reset(seed=np.int64(3))  # (a TypeError before: not iterable)
+        plain = env.reset(seed=3)
+        assert torch.equal(given.state, plain.state)
+        assert torch.equal(given.privileged["cube_pos"], plain.privileged["cube_pos"])
+        assert not torch.equal(plain.privileged["cube_pos"][0], plain.privileged["cube_pos"][1])
+
+
 def test_servos_follow_the_commanded_deltas():
     with MuJoCoEnv(MuJoCoConfig(task="reach", num_envs=2)) as env:
         start = env.reset(seed=0).state[:, :6]
