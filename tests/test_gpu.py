@@ -13,7 +13,7 @@ from sync_sites import with_syncs
 
 from embodied.checkpoint import load_checkpoint
 from embodied.config import load_config
-from embodied.contract import check_env, check_policy
+from embodied.contract import ContractError, check_env, check_policy
 from embodied.env_group import EnvGroup
 from embodied.episode_stats import EpisodeStats
 from embodied.inference import InferencePolicy
@@ -46,6 +46,14 @@ def test_gpu_backend_contract(task):
         assert out.obs.state.device.type == "cuda" and out.reward.device.type == "cuda"
     finally:
         env.close()
+
+
+def test_check_env_refuses_tensors_on_another_gpu_than_the_env_names():
+    """The device's index counts: tensors on cuda:0 from an env that says cuda:1."""
+    env = ScriptedEnv([2, 0, 3], device="cuda")
+    env.device = torch.device("cuda", 1)  # (constructed without allocating: any GPU count)
+    with pytest.raises(ContractError, match=r"reset\(\)\.state: on cuda:0, expected cuda:1"):
+        check_env(env, deterministic=False)
 
 
 @needs_physx_gpu
