@@ -2,8 +2,11 @@
 equal on both backends), each range doing what it says in the physics, and kept with recorded
 episodes."""
 
+from dataclasses import replace
+
 import pytest
 import torch
+from one_line import one_line_error, run_cli
 
 from embodied.simulators.mujoco import MuJoCoConfig, make_env
 from embodied.simulators.mujoco.randomize import NUM_DRAWS, RandomizeConfig, draw
@@ -50,7 +53,8 @@ def test_uniforms_become_the_ranges_golden():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_turning_randomisation_on_changes_no_initial_place(backend):
-    with _env(backend, "push", RandomizeConfig()) as plain, _env(backend, "push", WIDE) as wide:
+    ranges = WIDE if backend == "rollout" else replace(WIDE, light=0.0)  # (warp: no brightness)
+    with _env(backend, "push", RandomizeConfig()) as plain, _env(backend, "push", ranges) as wide:
         a = plain.reset(seed=list(range(8))).privileged
         b = wide.reset(seed=list(range(8))).privileged
         torch.testing.assert_close(a["goal_pos"], b["goal_pos"])
@@ -183,3 +187,31 @@ def test_a_range_out_of_bounds_is_named_under_randomize(ranges, message):
     """Built in code (a config file's section is named env.randomize.* by the config loader)."""
     with pytest.raises(ValueError, match=message):
         make_env(MuJoCoConfig(task="push", randomize=RandomizeConfig(**ranges)))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["env.backend=warp", "env.randomize.light=0.3"],
+            "env.randomize.light: the warp backend cannot vary the light's brightness (MuJoCo "
+            "Warp's renderer has no per-world light intensity); env.backend=rollout does",
+        ),
+        (["env.randomize.cube_size=0.2"], "env.randomize.cube_size: the reach task has no cube"),
+        (["env.randomize.cube_yaw=0.2"], "env.randomize.cube_yaw: the reach task has no cube"),
+        (["env.randomize.mass=0.2"], "env.randomize.mass: the reach task has no cube to vary"),
+        (
+            ["env.njmax=200"],
+            "env.njmax: sizes MuJoCo Warp's buffers (env.backend=warp); the rollout backend "
+            "has none",
+        ),
+        (["env.nconmax=64"], "env.nconmax: sizes MuJoCo Warp's buffers (env.backend=warp)"),
+    ],
+)
+def test_a_setting_its_backend_or_task_would_ignore_is_a_one_line_config_error(
+    overrides, message, capsys
+):
+    """Before, each was accepted and did nothing; the light's range was recorded with each
+    demonstration's world as if applied."""
+    rc, err = run_cli(["train", "configs/mujoco/reach_ppo.yaml", *overrides], capsys)
+    one_line_error(rc, err, message)
