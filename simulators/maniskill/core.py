@@ -25,6 +25,7 @@ from embodied.schema import (
     ObsSpec,
     UserError,
     ended_rows,
+    host_to_device,
     reset_seeds,
 )
 from embodied.simulators.maniskill.serial import SerialEnvs
@@ -454,11 +455,29 @@ class ManiSkillCore:
             ended = ended_rows(terminated | truncated)
         final_obs = None
         if ended is not None:
-            final_obs = obs
-            reset_ids = ended if env_ids is None else env_ids.cpu()[ended]
-            full = self.reset(env_ids=reset_ids)  # the full batch, ended rows reset
-            obs = full if env_ids is None else full.index(env_ids)
+            final_obs, obs = self._auto_reset(obs, ended, env_ids)
         return obs, reward.float(), terminated, truncated, success, final_obs, ended
+
+    def _auto_reset(
+        self, obs: Observation, ended: torch.Tensor, env_ids: torch.Tensor | None
+    ) -> tuple[Observation, Observation]:
+        """Reset the ``ended`` rows (long [n] on the CPU, positions in ``obs``'s rows: all, or
+        ``env_ids``) -> (final_obs, the new obs). The ended rows' images are copied before the
+        reset: on physx_cuda they are views of the cameras' render buffer, which the reset's
+        observation renders over (state and privileged are computed anew each step). A copy of n
+        rows on the device, no wait for it; the same code runs on physx_cpu."""
+        at = host_to_device(ended, self.device)  # long [n]
+        last = {k: v.index_select(0, at) for k, v in obs.images.items()}  # uint8 [n, H, W, 3]
+        reset_ids = ended if env_ids is None else env_ids.cpu()[ended]
+        full = self.reset(env_ids=reset_ids)  # the full batch, ended rows reset
+        new = full if env_ids is None else full.index(env_ids)
+        final = Observation(
+            state=obs.state,
+            instruction=obs.instruction,
+            images={k: new.images[k].index_copy(0, at, last[k]) for k in last},
+            privileged=obs.privileged,
+        )
+        return final, new
 
     def render(self) -> torch.Tensor:
         return self.env.render()  # uint8 [B, H, W, 3]
