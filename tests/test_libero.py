@@ -73,6 +73,19 @@ def test_same_seed_same_episode_and_fifty_initial_states():
         core.close()
 
 
+def test_unseeded_resets_give_each_environment_its_own_episodes():
+    """Before any seeded reset every environment drew from one fixed seed: the same episode in
+    every row (and every worker), reset after reset. Now each draws from entropy, as MuJoCo's
+    worlds do: rows 0 and 1 land on one of the 50 initial states apart (2% a reset by chance,
+    so three resets in a row: 8e-6)."""
+    core = LiberoCore(LiberoConfig(num_envs=2, obs_mode="state", **FAST), 2)
+    try:
+        rows = [core.reset([0, 1], [None, None])["privileged"]["object_state"] for _ in range(3)]
+        assert any(not np.array_equal(r[0], r[1]) for r in rows)
+    finally:
+        core.close()
+
+
 @pytest.mark.slow  # (18 s; LIBERO's training and contract tests stay in the default run)
 def test_actions_move_the_end_effector_along_the_commanded_axis():
     core = LiberoCore(LiberoConfig(num_envs=1, **FAST), 1)
