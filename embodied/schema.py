@@ -11,7 +11,7 @@ import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -271,6 +271,10 @@ class SimulatorConfig:
     schema validates an ``env:`` section)."""
 
     simulator: str = ""
+    # why an evaluation on the held-out seeds (embodied/seeds.py) runs the episodes that the
+    # selection evaluations ran (a simulator whose seed picks one of a few fixed scenes); empty
+    # where a seed draws its own episode, so held-out seeds hold others out
+    no_held_out: ClassVar[str] = ""
 
 
 def check_at_least(section: Any, minimum: int, *keys: str) -> None:

@@ -156,7 +156,10 @@ def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path):
         make_env(LiberoConfig())
 
 
-def test_train_from_yaml_on_libero(tmp_path):
+def test_train_from_yaml_on_libero(tmp_path, capsys):
+    """Training's final evaluation and `embodied eval` run the 50 fixed initial states that the
+    selection evaluations ran (seed % 50; both seed offsets are multiples of 50): each says so,
+    and neither records its result as held out."""
     import json
 
     from embodied.cli import main
@@ -181,6 +184,13 @@ def test_train_from_yaml_on_libero(tmp_path):
     run = tmp_path / "libero_spatial_ppo_state"
     summary = json.loads((run / "metrics.json").read_text())
     assert summary["final"]["eval/episodes"] == 2 and summary["final"]["eval/length"] == 4.0
+    assert summary["held_out"] is False
+    note = "LIBERO evaluates each task on its 50 fixed initial states"
+    assert f"final evaluation, not held out: {note}" in capsys.readouterr().out
+    assert main(["eval", str(run / "last"), "--episodes", "2", "env.num_workers=0"]) == 0
+    record = json.loads((run / "last" / "eval.json").read_text())
+    assert record["made_from"]["held_out"] is False and record["eval/episodes"] == 2
+    assert f"note: {note}" in capsys.readouterr().err
     assert (
         "simulator: libero" in (run / "config.yaml").read_text()
         and (run / "last" / "model.safetensors").exists()
