@@ -1,10 +1,12 @@
 """``embodied eval CHECKPOINT``: the checkpoint's policy in the environment it was trained in
-(or that env.* overrides change), deterministic actions on the held-out seeds; each task apart
+(or that env.* overrides change), deterministic actions on the held-out seeds (on LIBERO the
+suite's 50 fixed initial states, which are not held out: ``made_from.held_out``); each task apart
 for a multi-task checkpoint. The result, with what produced it, goes to CHECKPOINT/eval.json."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 from embodied.cli_errors import error as _error
 from embodied.logger import write_atomic
@@ -73,9 +75,13 @@ def _evaluate(args, ckpt: dict, cfg, env, policy) -> dict:
 
     video = ckpt["path"] / f"eval_{args.episodes}.mp4" if args.video else None
     seed = eval_seed(args.seed, held_out=True)  # not the seeds that chose a best checkpoint
+    not_held_out = getattr(cfg.env, "no_held_out", "")  # (LIBERO: the same 50 initial states)
+    if not_held_out:
+        print(f"note: {not_held_out} (docs/design-notes.md 45)", file=sys.stderr)
     made_from = {
         "seed": args.seed,
         "first_reset_seed": seed,  # episode i of each task: this plus i
+        "held_out": not not_held_out,  # episodes no selection evaluation ran
         "episodes": args.episodes,
         "overrides": list(args.overrides),
         "env": to_dict(cfg.env),  # simulator, backend, task(s), num_envs

@@ -30,8 +30,18 @@ def _check_tensor(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.
         tuple(t.shape) == tuple(shape), f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}"
     )
     _require(
-        t.device.type == torch.device(device).type, f"{name}: on {t.device}, expected {device}"
+        same_device(t.device, torch.device(device)), f"{name}: on {t.device}, expected {device}"
     )
+
+
+def same_device(actual: torch.device, expected: torch.device) -> bool:
+    """A tensor on ``actual`` is on ``expected``: the same type and index (cuda:1 is not cuda:0);
+    ``expected`` without an index ("cuda") means the current device of its type."""
+    if actual.type != expected.type:
+        return False
+    if expected.index is None and expected.type == "cuda":
+        return actual.index == torch.cuda.current_device()
+    return expected.index is None or actual.index == expected.index
 
 
 def check_observation(
@@ -86,8 +96,14 @@ def _random_actions(
 def check_env(
     env, *, seed: int = 0, deterministic: bool = True, max_steps: int | None = None
 ) -> dict:
-    """Validate a VecEnv: spec, observation keys/shapes/dtypes/devices, seeded and partial reset,
-    step outputs, auto-reset with ``final_obs`` and truncation at ``max_episode_steps``."""
+    """Validate a VecEnv: spec, observation keys/shapes/dtypes/devices (the device's index too),
+    seeded and partial reset, step outputs, auto-reset with ``final_obs`` and truncation at
+    exactly ``max_episode_steps``.
+
+    ``deterministic``: the env resets to seeded start states (a simulator; not a physical scene,
+    which starts where it stands), so a partial reset must give its row what a full reset with
+    that seed gives it, and ``final_obs`` of an ended row whose observation moved during its
+    episode must differ from the row's new start."""
     _require(
         isinstance(env, S.VecEnv), f"{type(env).__name__} does not implement the VecEnv protocol"
     )
@@ -100,17 +116,9 @@ def check_env(
     check_observation(obs, spec, B, dev, "reset()")
     if deterministic:
         _check_seeded_resets(env, obs, seed)
-        obs = env.reset(seed=seed)
-    # partial reset of env 0 returns the full batch and leaves the other rows alone
-    part = env.reset(seed=seed + 100, env_ids=torch.tensor([0], device=dev))
-    check_observation(part, spec, B, dev, "reset(env_ids=[0])")
-    if B > 1:
-        _require(
-            torch.equal(part.state[1:], obs.state[1:]),
-            "partial reset changed environments it was not asked to reset",
-        )
+    _check_partial_reset(env, seed, deterministic)
     limit = max_steps or spec.max_episode_steps + 1
-    _check_episodes(env, seed, limit)
+    _check_episodes(env, seed, limit, deterministic)
     frame = env.render()
     if frame is not None:
         _require(
@@ -145,16 +153,60 @@ def _check_seeded_resets(env, obs: S.Observation, seed: int) -> None:
         )
 
 
-def _check_episodes(env, seed: int, limit: int) -> None:
+def _check_partial_reset(env, seed: int, deterministic: bool) -> None:
+    """Env 0 reset alone with ``seed + 100`` after a step: the full batch comes back, the other
+    rows as the step left them, and (``deterministic``) row 0 as a full ``reset(seed=seed +
+    100)`` gives it (so a partial reset that resets nothing, or the wrong row, is caught). State
+    and privileged are compared, not images: a renderer may draw the other rows again (MuJoCo
+    Warp's, after the reset's forward pass, a substep later than a step's)."""
+    B = env.num_envs
+    dev = torch.device(env.device)
+    fresh = env.reset(seed=seed + 100) if deterministic else None  # env 0's seed: seed + 100
+    env.reset(seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    stepped = env.step(_random_actions(env.spec.action, B, dev, gen)).obs
+    part = env.reset(seed=seed + 100, env_ids=torch.tensor([0], device=dev))
+    check_observation(part, env.spec, B, dev, "reset(env_ids=[0])")
+    if B > 1:
+        _require(
+            not _rows_differ(part, stepped, images=False)[1:].any(),
+            "partial reset changed environments it was not asked to reset",
+        )
+    if fresh is not None:
+        _require(
+            not _rows_differ(part, fresh, atol=1e-5, images=False)[0],
+            f"reset(seed={seed + 100}, env_ids=[0]) gave env 0 another start than "
+            f"reset(seed={seed + 100}) gives it",
+        )
+
+
+def _rows_differ(
+    a: S.Observation, b: S.Observation, atol: float = 0.0, images: bool = True
+) -> torch.Tensor:
+    """bool [B] on the CPU: the rows where ``a`` and ``b`` differ (state, privileged or, with
+    ``images``, images; by more than ``atol``)."""
+    differ = torch.zeros(a.batch_size, dtype=torch.bool)
+    pairs = [(a.state, b.state)]
+    pairs += [(a.privileged[k], b.privileged[k]) for k in a.privileged]
+    pairs += [(a.images[k], b.images[k]) for k in a.images] if images else []
+    for x, y in pairs:
+        gap = (x.float() - y.float()).abs().reshape(len(x), -1)  # f32 [B, D]
+        differ |= (gap > atol).any(1).cpu()
+    return differ
+
+
+def _check_episodes(env, seed: int, limit: int, deterministic: bool) -> None:
     """``limit`` steps of random actions from a reset with ``seed``: each step's outputs, and
-    episodes that end (some must) by ``max_episode_steps`` with their ``final_obs``."""
+    episodes that end (some must), truncated at exactly ``max_episode_steps``, with their
+    ``final_obs``."""
     spec = env.spec
     B = env.num_envs
     dev = torch.device(env.device)
-    env.reset(seed=seed)
+    start = env.reset(seed=seed)  # each row's episode's first observation
     gen = torch.Generator().manual_seed(seed)
     ended_any = False
     lengths = torch.zeros(B, dtype=torch.long)  # long [B]
+    moved = torch.zeros(B, dtype=torch.bool)  # the row's observation changed in its episode
     for t in range(limit):
         out = env.step(_random_actions(spec.action, B, dev, gen))
         _require(
@@ -170,13 +222,22 @@ def _check_episodes(env, seed: int, limit: int) -> None:
             bool((lengths <= spec.max_episode_steps).all()),
             f"an episode ran past max_episode_steps={spec.max_episode_steps} without truncation",
         )
+        early = out.truncated.cpu() & (lengths != spec.max_episode_steps)
+        _require(
+            not early.any(),
+            f"step({t}): truncated after {lengths[early].tolist()} steps, not at "
+            f"max_episode_steps={spec.max_episode_steps}",
+        )
         if done.any():
             ended_any = True
-            _check_ended(out, done, spec, dev, t)
+            _check_ended(out, done, spec, dev, t, moved if deterministic else None)
             lengths[done] = 0
+            moved[done] = False
+            start = out.obs.where(done.to(dev), start)
         else:
             _require(out.final_obs is None, f"step({t}): final_obs given although no episode ended")
             _require(out.ended is None, f"step({t}): ended given although no episode ended")
+        moved |= _rows_differ(out.obs, start) & ~done
     _require(
         ended_any,
         f"no episode ended within {limit} steps (max_episode_steps={spec.max_episode_steps})",
@@ -184,10 +245,17 @@ def _check_episodes(env, seed: int, limit: int) -> None:
 
 
 def _check_ended(
-    out: S.StepOutput, done: torch.Tensor, spec: S.EnvSpec, dev: torch.device, t: int
+    out: S.StepOutput,
+    done: torch.Tensor,
+    spec: S.EnvSpec,
+    dev: torch.device,
+    t: int,
+    moved: torch.Tensor | None,
 ) -> None:
     """Step ``t``, where the rows of ``done`` (bool [B], CPU) ended: ``ended`` names them, and
-    ``final_obs`` is the full batch, equal to ``obs`` in the rows still running."""
+    ``final_obs`` is the full batch, equal to ``obs`` in the rows still running and, in the
+    ended rows whose observation ``moved`` (bool [B]; None: not checked) during their episode,
+    not the new episode's first observation."""
     B = done.shape[0]
     _require(out.final_obs is not None, f"step({t}): episodes ended but final_obs is None")
     rows = done.nonzero().squeeze(1)
@@ -205,6 +273,13 @@ def _check_ended(
         _require(
             torch.equal(out.final_obs.state[k], out.obs.state[k]),
             "final_obs rows of running envs must equal obs",
+        )
+    if moved is not None:
+        stale = done & moved & ~_rows_differ(out.final_obs, out.obs)
+        _require(
+            not stale.any(),
+            f"step({t}): final_obs of ended envs {stale.nonzero()[:, 0].tolist()} is their new "
+            "episode's first observation, not the last one before the automatic reset",
         )
 
 

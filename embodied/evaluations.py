@@ -218,9 +218,11 @@ class Evaluations:
         final = overall(results)
         minutes = state.train_seconds / 60
         final.update(env_steps=state.env_steps, minutes=minutes, iteration=state.iteration)
+        not_held_out = getattr(self.cfg.env, "no_held_out", "")  # (LIBERO: the same states)
         summary = {
             "run_dir": str(self.run_dir),
             "final": final,
+            "held_out": not not_held_out,  # on episodes no selection evaluation ran
             "tasks": results,
             "before": state.before,
             "evals": state.evals,
@@ -231,6 +233,8 @@ class Evaluations:
         }
         write_atomic(self.run_dir / "metrics.json", json.dumps(summary, indent=2))
         ci = final["eval/success_ci95"]
+        if not_held_out:
+            print(f"final evaluation, not held out: {not_held_out}")
         print(
             f"final evaluation: success {final['eval/success_rate']:.3f} over "
             f"{final['eval/episodes']} episodes (95% CI {ci[0]:.2f}-{ci[1]:.2f}); "

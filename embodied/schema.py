@@ -7,10 +7,11 @@ Every tensor is batched, batch first, on the environment's device. Time-major bu
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -270,6 +271,10 @@ class SimulatorConfig:
     schema validates an ``env:`` section)."""
 
     simulator: str = ""
+    # why an evaluation on the held-out seeds (embodied/seeds.py) runs the episodes that the
+    # selection evaluations ran (a simulator whose seed picks one of a few fixed scenes); empty
+    # where a seed draws its own episode, so held-out seeds hold others out
+    no_held_out: ClassVar[str] = ""
 
 
 def check_at_least(section: Any, minimum: int, *keys: str) -> None:
@@ -343,13 +348,13 @@ class VecEnv(Protocol):
 
 
 def reset_seeds(seed: int | Sequence[int] | None, ids: Sequence[int]) -> list[int | None]:
-    """The per-environment seeds of ``VecEnv.reset`` for environments ``ids``: an int gives
-    environment i the seed ``seed + i``, a list is one seed per reset environment, None is
-    unseeded."""
+    """The per-environment seeds of ``VecEnv.reset`` for environments ``ids``: an integer (any
+    ``numbers.Integral``: numpy's too) gives environment i the seed ``seed + i``, a list is one
+    seed per reset environment, None is unseeded."""
     if seed is None:
         return [None] * len(ids)
-    if isinstance(seed, int):
-        return [seed + int(i) for i in ids]
+    if isinstance(seed, numbers.Integral):
+        return [int(seed) + int(i) for i in ids]
     seeds = [int(s) for s in seed]
     if len(seeds) != len(ids):
         raise ValueError(f"reset: {len(seeds)} seeds for {len(ids)} environments")

@@ -6,6 +6,8 @@ periodic ones and the one before RL, which pick the best checkpoint) reset episo
 ``EVAL_SEED_OFFSET + seed + i``; held-out ones (the final evaluation, ``embodied eval``,
 ``embodied bench``, the twin's scenes in ``embodied deploy``) add ``HELD_OUT_SEED_OFFSET``, so a
 checkpoint is never scored again on the episodes it was chosen on (docs/design-notes.md 45).
+LIBERO is the exception: its episode is initial state seed % 50 and both offsets are multiples of
+50, so its held-out evaluations run the selection's episodes (``SimulatorConfig.no_held_out``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ Timeouts: a worker that does not answer a step within ``step_timeout_s`` (a rese
 ``RESET_TIMEOUT_FACTOR`` times that) is killed, the others are stopped, the env is closed and
 ``WorkerTimeout`` says which worker, which environments and the seeds they were last reset with.
 A hung simulator would otherwise hang the whole run. A core in this process (``num_workers=0``)
-cannot time out: nothing could interrupt it.
+cannot time out: nothing could interrupt it. A worker that dies (a crash, an out-of-memory kill)
+is named the same way, with its exit code or signal.
 """
 
 from __future__ import annotations
@@ -178,16 +179,18 @@ class WorkerVecEnv:
                 "spawned: a script that creates environments must guard its top level with "
                 "`if __name__ == '__main__':`"
             )
-        return self._payload(conn)
-
-    def _payload(self, conn):
         try:
-            status, payload = conn.recv()
+            return self._payload(conn)
         except EOFError:
             raise RuntimeError(
-                f"a {self.name} worker process died (see its output above; a script that creates "
-                "environments must guard its top level with `if __name__ == '__main__':`)"
+                f"a {self.name} worker process died while starting (see its output above; a "
+                "script that creates environments must guard its top level with "
+                "`if __name__ == '__main__':`)"
             ) from None
+
+    def _payload(self, conn):
+        """The answer on ``conn``; EOFError where its worker died (the caller names it)."""
+        status, payload = conn.recv()
         if status == "error":
             raise RuntimeError(f"{self.name} worker failed:\n{payload}")
         return payload
@@ -209,7 +212,27 @@ class WorkerVecEnv:
         conn = self._conns[w]
         if deadline is not None and not conn.poll(max(0.0, deadline - time.monotonic())):
             self._time_out(w, what)
-        return self._payload(conn)
+        try:
+            return self._payload(conn)
+        except EOFError:
+            self._died(w, what)
+
+    def _died(self, w: int, what: str) -> None:
+        """Worker ``w`` ended while a ``what`` was in flight: the others are stopped, the env is
+        closed, and the error names it, its environments, their seeds and how it ended (an
+        out-of-memory kill prints nothing of its own)."""
+        proc = self._procs[w]
+        proc.join(timeout=STOP_TIMEOUT_S)
+        code = proc.exitcode
+        if code is not None and code < 0:
+            how = f"killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exit code {code}"
+        message = f"{self._who()} worker {w} ({self._held(w)}) died in a {what} ({how})"
+        self._conns[w].close()
+        self._conns[w] = self._procs[w] = None  # close() skips it
+        self.close()
+        raise RuntimeError(message)
 
     def _time_out(self, w: int, what: str) -> None:
         message = (

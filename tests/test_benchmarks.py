@@ -148,7 +148,7 @@ def test_the_replay_of_ours_commands_gives_ours_physics_before_and_after_a_reset
     from embodied.simulators.mujoco.randomize import RandomizeConfig
 
     cfg = MuJoCoConfig(
-        task="reach", num_envs=2, backend="warp", randomize=RandomizeConfig(mass=0.1)
+        task="reach", num_envs=2, backend="warp", randomize=RandomizeConfig(servo_gain=0.1)
     )
     randomized = make_env(cfg)  # a reset writes model fields too, which no replay restores
     with pytest.raises(ValueError, match="randomize off"):

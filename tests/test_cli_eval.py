@@ -30,6 +30,7 @@ def test_eval_json_says_what_produced_it(checkpoint, capsys):
     record = json.loads((checkpoint / "eval.json").read_text())
     made_from = record["made_from"]
     assert made_from["seed"] == 5 and made_from["first_reset_seed"] == HELD_OUT + 5
+    assert made_from["held_out"] is True  # (LIBERO's are not: tests/test_libero.py)
     assert made_from["episodes"] == 3 and made_from["overrides"] == ["env.home_noise=0.05"]
     env = made_from["env"]
     assert (env["simulator"], env["backend"], env["task"]) == ("mujoco", "rollout", "reach")

@@ -1,11 +1,13 @@
 """The contract checks catch what they check: each broken env or policy below breaks one rule,
 and ``check_env`` / ``check_policy`` refuse it with the message naming that rule."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from scripted_envs import ScriptedEnv, ScriptedPolicy
 
-from embodied.contract import ContractError, check_env, check_policy
+from embodied.contract import ContractError, check_env, check_policy, same_device
 from embodied.schema import StepOutput
 
 
@@ -35,6 +37,25 @@ class ResetsEverything(SameStart):
         return super().reset(seed=seed)  # env_ids ignored
 
 
+class ResetsNothing(SameStart):
+    def reset(self, *, seed=None, env_ids=None):
+        if env_ids is not None:
+            return self._obs()  # a partial reset that resets nothing (and reseeds nothing)
+        return super().reset(seed=seed)
+
+
+class TruncatesEarly(SameStart):
+    """Cuts every episode after 2 steps while its spec says 5."""
+
+    def _advance(self, rows):
+        spec = self.spec
+        self.spec = replace(spec, max_episode_steps=2)
+        try:
+            return super()._advance(rows)
+        finally:
+            self.spec = spec
+
+
 class StepEdit(SameStart):
     """Each step's output passed through ``edit`` (the test's breakage)."""
 
@@ -59,6 +80,11 @@ def ended_rows_wrong(out: StepOutput) -> None:
 def final_obs_of_running_rows_differ(out: StepOutput) -> None:
     if out.final_obs is not None:
         out.final_obs.state += 1.0
+
+
+def final_obs_is_the_reset_obs(out: StepOutput) -> None:
+    if out.final_obs is not None:
+        out.final_obs = out.obs  # the new episode's first observation, not the last one
 
 
 def final_obs_when_nothing_ended(out: StepOutput) -> None:
@@ -88,10 +114,22 @@ class BadFrames(SameStart):
         (env(Unseeded), r"reset\(seed=s\) twice gave different states"),
         (env(ScriptedEnv), r"reset\(seed=\[s\]\*B\): state differs across envs"),
         (env(ResetsEverything), "partial reset changed environments it was not asked to reset"),
+        (
+            env(ResetsNothing),
+            r"reset\(seed=100, env_ids=\[0\]\) gave env 0 another start than reset\(seed=100\)",
+        ),
+        (
+            env(TruncatesEarly),
+            r"step\(1\): truncated after \[2, 2\] steps, not at max_episode_steps=5",
+        ),
         (StepEdit(no_final_obs), r"step\(1\): episodes ended but final_obs is None"),
         (StepEdit(ended_rows_wrong), r"step\(1\)\.ended: expected long \[0\] on the CPU"),
         (StepEdit(final_obs_of_running_rows_differ), "final_obs rows of running envs"),
         (StepEdit(final_obs_when_nothing_ended), r"step\(0\): final_obs given although no"),
+        (
+            StepEdit(final_obs_is_the_reset_obs),
+            r"step\(1\): final_obs of ended envs \[0\] is their new episode's first observation",
+        ),
         (StepEdit(reward_in_float64), r"step\(0\)\.reward: dtype torch\.float64"),
         (StepEdit(never_ends), "an episode ran past max_episode_steps=5 without truncation"),
         (env(BadFrames), r"render\(\): expected uint8 \[B, H, W, 3\], got torch.uint8 \(3, 8"),
@@ -106,6 +144,14 @@ def test_check_env_refuses_an_env_that_breaks_one_rule(broken, message):
 def test_check_env_passes_the_env_the_broken_ones_are_made_from():
     report = check_env(env())
     assert report == {"num_envs": 3, "device": "cpu", "steps": 6}
+
+
+def test_a_tensor_on_another_gpu_is_on_the_wrong_device():
+    """The device's index counts (a GPU machine checks an env on it: tests/test_gpu.py)."""
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert same_device(cuda1, cuda1) and same_device(torch.device("cpu"), torch.device("cpu"))
+    assert not same_device(cuda0, cuda1) and not same_device(cuda1, cuda0)
+    assert not same_device(torch.device("cpu"), cuda0)
 
 
 def test_an_env_whose_episodes_never_end_within_max_steps_is_refused():

@@ -13,7 +13,7 @@ from sync_sites import with_syncs
 
 from embodied.checkpoint import load_checkpoint
 from embodied.config import load_config
-from embodied.contract import check_env, check_policy
+from embodied.contract import ContractError, check_env, check_policy
 from embodied.env_group import EnvGroup
 from embodied.episode_stats import EpisodeStats
 from embodied.inference import InferencePolicy
@@ -46,6 +46,38 @@ def test_gpu_backend_contract(task):
         assert out.obs.state.device.type == "cuda" and out.reward.device.type == "cuda"
     finally:
         env.close()
+
+
+@needs_physx_gpu
+def test_final_images_on_physx_cuda_are_the_last_frames_not_the_reset_ones():
+    """physx_cuda's images are views of the cameras' render buffer, which the automatic reset
+    renders over: final_obs must hold a copy of the ended rows' last frames (the cpu path's
+    test emulates that buffer: tests/test_maniskill_contract.py)."""
+    env = gpu_env(
+        num_envs=4, obs_mode="rgb", image_size=64, max_episode_steps=3, ignore_terminations=True
+    )
+    try:
+        env.reset(seed=0)
+        low, high = env.spec.action.bounds(env.device)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            u = torch.rand(4, env.spec.action.dim, generator=g).to(env.device)
+            out = env.step(low + (high - low) * u)
+        assert out.ended.tolist() == [0, 1, 2, 3]
+        for cam, final in out.final_obs.images.items():
+            reset = out.obs.images[cam]
+            for row in range(4):
+                assert not torch.equal(final[row], reset[row]), (cam, row)
+    finally:
+        env.close()
+
+
+def test_check_env_refuses_tensors_on_another_gpu_than_the_env_names():
+    """The device's index counts: tensors on cuda:0 from an env that says cuda:1."""
+    env = ScriptedEnv([2, 0, 3], device="cuda")
+    env.device = torch.device("cuda", 1)  # (constructed without allocating: any GPU count)
+    with pytest.raises(ContractError, match=r"reset\(\)\.state: on cuda:0, expected cuda:1"):
+        check_env(env, deterministic=False)
 
 
 @needs_physx_gpu

@@ -73,6 +73,19 @@ def test_same_seed_same_episode_and_fifty_initial_states():
         core.close()
 
 
+def test_unseeded_resets_give_each_environment_its_own_episodes():
+    """Before any seeded reset every environment drew from one fixed seed: the same episode in
+    every row (and every worker), reset after reset. Now each draws from entropy, as MuJoCo's
+    worlds do: rows 0 and 1 land on one of the 50 initial states apart (2% a reset by chance,
+    so three resets in a row: 8e-6)."""
+    core = LiberoCore(LiberoConfig(num_envs=2, obs_mode="state", **FAST), 2)
+    try:
+        rows = [core.reset([0, 1], [None, None])["privileged"]["object_state"] for _ in range(3)]
+        assert any(not np.array_equal(r[0], r[1]) for r in rows)
+    finally:
+        core.close()
+
+
 @pytest.mark.slow  # (18 s; LIBERO's training and contract tests stay in the default run)
 def test_actions_move_the_end_effector_along_the_commanded_axis():
     core = LiberoCore(LiberoConfig(num_envs=1, **FAST), 1)
@@ -143,7 +156,10 @@ def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path):
         make_env(LiberoConfig())
 
 
-def test_train_from_yaml_on_libero(tmp_path):
+def test_train_from_yaml_on_libero(tmp_path, capsys):
+    """Training's final evaluation and `embodied eval` run the 50 fixed initial states that the
+    selection evaluations ran (seed % 50; both seed offsets are multiples of 50): each says so,
+    and neither records its result as held out."""
     import json
 
     from embodied.cli import main
@@ -168,6 +184,13 @@ def test_train_from_yaml_on_libero(tmp_path):
     run = tmp_path / "libero_spatial_ppo_state"
     summary = json.loads((run / "metrics.json").read_text())
     assert summary["final"]["eval/episodes"] == 2 and summary["final"]["eval/length"] == 4.0
+    assert summary["held_out"] is False
+    note = "LIBERO evaluates each task on its 50 fixed initial states"
+    assert f"final evaluation, not held out: {note}" in capsys.readouterr().out
+    assert main(["eval", str(run / "last"), "--episodes", "2", "env.num_workers=0"]) == 0
+    record = json.loads((run / "last" / "eval.json").read_text())
+    assert record["made_from"]["held_out"] is False and record["eval/episodes"] == 2
+    assert f"note: {note}" in capsys.readouterr().err
     assert (
         "simulator: libero" in (run / "config.yaml").read_text()
         and (run / "last" / "model.safetensors").exists()

@@ -216,3 +216,67 @@ def test_in_process_backend_passes_the_contract_and_matches_the_workers_step_for
     finally:
         local.close()
         pooled.close()
+
+
+class RenderBuffer:
+    """What physx_cuda's cameras give (ManiSkill 3.0.1, its default shader): every render's
+    images are views of one buffer per camera, which the next render overwrites. Installed on a
+    physx_cpu core's env, so that the core's handling of them runs here; ``frames`` keeps a copy
+    of each render."""
+
+    def __init__(self, env):
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.frames: list[dict[str, torch.Tensor]] = []
+        env.step = self._wrap(env.step, lambda out: out[0])
+        env.reset = self._wrap(env.reset, lambda out: out[0])
+        env.get_obs = self._wrap(env.get_obs, lambda out: out)
+
+    def _wrap(self, method, raw_of):
+        def rendering(*args, **kwargs):
+            out = method(*args, **kwargs)
+            frames = {}
+            for cam, data in raw_of(out)["sensor_data"].items():
+                buffer = self.buffers.setdefault(cam, torch.empty_like(data["rgb"]))
+                buffer.copy_(data["rgb"])
+                data["rgb"] = buffer  # uint8 [B, H, W, 3]: a view of the buffer
+                frames[cam] = buffer.clone()
+            self.frames.append(frames)
+            return out
+
+        return rendering
+
+
+def test_final_images_are_the_last_frames_though_the_renderer_reuses_its_buffer():
+    """The ended row's final_obs images are the frames its last step rendered, not the reset's
+    render into the same buffer (what physx_cuda's final_obs held); a running row's are obs's."""
+    from embodied.simulators.maniskill.core import CoreOptions, ManiSkillCore
+
+    opts = CoreOptions(
+        task="PushCube-v1",
+        num_envs=2,
+        obs_mode="rgb",
+        control_mode="pd_joint_delta_pos",
+        image_size=32,
+        render_size=32,
+        max_episode_steps=2,
+        ignore_terminations=True,
+    )
+    core = ManiSkillCore(opts)
+    try:
+        buffer = RenderBuffer(core.env)
+        core.reset(seed=[3, 4])
+        gen = torch.Generator().manual_seed(0)
+        low, high = core.action_spec.bounds()
+        core.step(low + (high - low) * torch.rand(2, len(low), generator=gen))
+        core.reset(seed=[5], env_ids=torch.tensor([1]))  # env 1 starts a step later
+        actions = low + (high - low) * torch.rand(2, len(low), generator=gen)
+        obs, _, _, truncated, _, final, ended = core.step(actions)
+        assert truncated.tolist() == [True, False] and ended.tolist() == [0]
+        stepped, reset = buffer.frames[-2], buffer.frames[-1]  # the step's render, the reset's
+        for cam, frames in stepped.items():
+            assert not torch.equal(frames[0], reset[cam][0])  # (the arm moved, the cube too)
+            assert torch.equal(final.images[cam][0], frames[0])
+            assert torch.equal(final.images[cam][1], obs.images[cam][1])
+            assert torch.equal(obs.images[cam], reset[cam])
+    finally:
+        core.close()

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("mujoco")
 
 from embodied.contract import check_env  # noqa: E402
+from embodied.schema import UserError  # noqa: E402
 from embodied.simulators.mujoco import TASKS, MuJoCoConfig, MuJoCoEnv  # noqa: E402
 
 
@@ -43,6 +44,36 @@ def test_same_seed_same_trajectory():
 
     (a, ca), (b, cb) = run(), run()
     assert torch.equal(a, b) and torch.equal(ca, cb)
+
+
+def test_a_numpy_integer_seed_is_an_int_seed():
+    with MuJoCoEnv(MuJoCoConfig(task="push", num_envs=2)) as env:
+        given = env.reset(seed=np.int64(3))  # (a TypeError before: not iterable)
+        plain = env.reset(seed=3)
+        assert torch.equal(given.state, plain.state)
+        assert torch.equal(given.privileged["cube_pos"], plain.privileged["cube_pos"])
+        assert not torch.equal(plain.privileged["cube_pos"][0], plain.privileged["cube_pos"][1])
+
+
+def test_a_non_finite_action_is_a_one_line_error_and_steps_nothing():
+    """A NaN delta held world 0's servo target at NaN until its episode ended (MuJoCo zeroed the
+    control and the arm drifted); now the step refuses it before any world moves."""
+    with MuJoCoEnv(MuJoCoConfig(task="push", num_envs=3)) as env:
+        env.reset(seed=[1, 2, 3])
+        bad = torch.zeros(3, 6)
+        bad[1, 0] = float("nan")
+        bad[2, 4] = float("inf")
+        with pytest.raises(UserError) as raised:
+            env.step(bad)
+        message = str(raised.value)
+        assert message == (
+            "MuJoCo push: the actions of environments [1, 2] are not finite "
+            "(first: [nan, 0.0, 0.0, 0.0, 0.0, 0.0])"
+        )
+        after = env.step(torch.zeros(3, 6)).obs.state
+    with MuJoCoEnv(MuJoCoConfig(task="push", num_envs=3)) as fresh:
+        fresh.reset(seed=[1, 2, 3])
+        assert torch.equal(after, fresh.step(torch.zeros(3, 6)).obs.state)  # as if never sent
 
 
 def test_servos_follow_the_commanded_deltas():

@@ -2,12 +2,15 @@
 equal on both backends), each range doing what it says in the physics, and kept with recorded
 episodes."""
 
+from dataclasses import replace
+
 import pytest
 import torch
+from one_line import one_line_error, run_cli
 
 from embodied.simulators.mujoco import MuJoCoConfig, make_env
 from embodied.simulators.mujoco.randomize import NUM_DRAWS, RandomizeConfig, draw
-from embodied.simulators.mujoco.tasks import CUBE_HALF
+from embodied.simulators.mujoco.tasks import CUBE_HALF, LIFT, TASKS
 
 BACKENDS = ["rollout", "warp"]
 WIDE = RandomizeConfig(
@@ -50,7 +53,8 @@ def test_uniforms_become_the_ranges_golden():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_turning_randomisation_on_changes_no_initial_place(backend):
-    with _env(backend, "push", RandomizeConfig()) as plain, _env(backend, "push", WIDE) as wide:
+    ranges = WIDE if backend == "rollout" else replace(WIDE, light=0.0)  # (warp: no brightness)
+    with _env(backend, "push", RandomizeConfig()) as plain, _env(backend, "push", ranges) as wide:
         a = plain.reset(seed=list(range(8))).privileged
         b = wide.reset(seed=list(range(8))).privileged
         torch.testing.assert_close(a["goal_pos"], b["goal_pos"])
@@ -69,6 +73,40 @@ def test_a_resized_cube_rests_at_its_size_in_the_physics(backend):
         half = CUBE_HALF * env.world_params.cube_scale
         assert (half.max() - half.min()) > 0.004  # 4 mm apart at least
         torch.testing.assert_close(obs.privileged["cube_pos"][:, 2], half, atol=5e-4, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pick_pays_no_lift_to_a_large_cube_at_rest(backend):
+    """The goal marks LIFT over where each world's cube rests; a cube at rest earns no lift
+    reward, however large (a 1.3x cube rests 4.5 mm higher: 0.045 of reward when the lift was
+    measured from the cube as written)."""
+    with _env(backend, "pick", RandomizeConfig(cube_size=0.3), n=4) as env:
+        env.reset(seed=[5, 7, 9, 20])  # cubes of 1.17, 1.25, 0.72 and 1.20 times the size
+        out = env.step(torch.zeros(4, 6))  # the arm stays at home, far from the cube
+        goal = out.obs.privileged["goal_pos"]
+        cube = out.obs.privileged["cube_pos"]
+        scale = env.world_params.cube_scale
+        assert scale.max() > 1.2
+        torch.testing.assert_close(goal[:, 2], CUBE_HALF * scale + LIFT, atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            goal[:, 2] - cube[:, 2], torch.full((4,), LIFT), atol=5e-4, rtol=0
+        )
+        reach = 1.0 - torch.tanh(10.0 * (out.obs.privileged["tcp_pos"] - cube).norm(dim=1))
+        torch.testing.assert_close(out.reward, reach / 4.0, atol=2e-3, rtol=0)  # no lift, no grasp
+        assert not out.success.any()
+
+
+def test_pick_succeeds_at_a_lift_over_the_worlds_own_rest():
+    rest = CUBE_HALF * torch.tensor([0.7, 1.0, 1.3])  # f32 [3]: three cubes' centres at rest
+    far = torch.tensor([0.0, 0.0, 0.3]).expand(3, 3)
+    readings = {"tcp_pos": far, "gripper.pos": torch.ones(3, 1)}
+    readings["goal_pos"] = torch.stack([torch.full((3,), 0.2), torch.zeros(3), rest + LIFT], 1)
+    for lifted, expected in ((LIFT - 1e-3, False), (LIFT + 1e-4, True)):
+        readings["cube_pos"] = torch.stack(
+            [torch.full((3,), 0.2), torch.zeros(3), rest + lifted], 1
+        )
+        _, success = TASKS["pick"].evaluate(readings)
+        assert success.tolist() == [expected] * 3
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -149,3 +187,31 @@ def test_a_range_out_of_bounds_is_named_under_randomize(ranges, message):
     """Built in code (a config file's section is named env.randomize.* by the config loader)."""
     with pytest.raises(ValueError, match=message):
         make_env(MuJoCoConfig(task="push", randomize=RandomizeConfig(**ranges)))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["env.backend=warp", "env.randomize.light=0.3"],
+            "env.randomize.light: the warp backend cannot vary the light's brightness (MuJoCo "
+            "Warp's renderer has no per-world light intensity); env.backend=rollout does",
+        ),
+        (["env.randomize.cube_size=0.2"], "env.randomize.cube_size: the reach task has no cube"),
+        (["env.randomize.cube_yaw=0.2"], "env.randomize.cube_yaw: the reach task has no cube"),
+        (["env.randomize.mass=0.2"], "env.randomize.mass: the reach task has no cube to vary"),
+        (
+            ["env.njmax=200"],
+            "env.njmax: sizes MuJoCo Warp's buffers (env.backend=warp); the rollout backend "
+            "has none",
+        ),
+        (["env.nconmax=64"], "env.nconmax: sizes MuJoCo Warp's buffers (env.backend=warp)"),
+    ],
+)
+def test_a_setting_its_backend_or_task_would_ignore_is_a_one_line_config_error(
+    overrides, message, capsys
+):
+    """Before, each was accepted and did nothing; the light's range was recorded with each
+    demonstration's world as if applied."""
+    rc, err = run_cli(["train", "configs/mujoco/reach_ppo.yaml", *overrides], capsys)
+    one_line_error(rc, err, message)

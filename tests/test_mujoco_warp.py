@@ -24,20 +24,24 @@ from embodied.simulators.mujoco.warp_env import (  # noqa: E402
     LaggedRead,
 )
 
-# Worst difference between the backends over 32 worlds x 60 steps (seeds 100-131,
-# docs/benchmarks.md), with a margin of about 2x, under the same actions: random deltas in free
-# motion (reach), and on the contact tasks the scripted expert's actions recorded on the rollout
-# backend (it pushes, grasps and lifts the cube). Free motion agrees to float32 precision; in
-# contact the two pipelines (MuJoCo's C collision functions and solver in float64, MuJoCo Warp's
-# in float32) part by millimetres, and a squeezed gripper settles 0.1 rad apart. That is the
-# backends, not chaos: the rollout backend against itself with 1e-6 rad moved joints stays within
-# 1e-5 on the same actions. (Random deltas jam the fingers into the table in a few worlds, where
-# one backend's wrist sticks and the other's slips: 0.36 rad; docs/benchmarks.md.)
+# Twice the worst difference between the backends that this test's own run measured (8 worlds,
+# seeds 100-107, 50 steps; 2026-11-28, docs/benchmarks.md), rounded up at the second digit, under
+# the same actions: random deltas in free motion (reach), and on the contact tasks the scripted
+# expert's actions recorded on the rollout backend (it pushes, grasps and lifts the cube).
+# Measured: reach 7.8e-7 rad and 1.2e-7 m (float32 precision); push 0.016 rad, 3.5 mm for the
+# tool point and 2.5 cm for the cube; pick 0.107 rad (the squeezing gripper), 0.7 mm and 8.5 mm.
+# In contact the two pipelines (MuJoCo's C collision functions and solver in float64, MuJoCo
+# Warp's in float32) part by millimetres, and a squeezed gripper settles 0.1 rad apart. That is
+# the backends, not chaos: the rollout backend against itself with 1e-6 rad moved joints stays
+# within 1e-5 on the same actions. These bounds hold for these seeds: other worlds part further
+# (push's joints by 0.147 rad over seeds 100-131, measured before the streams changed), which the
+# experts' success over 100 seeds on both backends measures instead (test_mujoco_experts.py).
 TOLERANCE = {
-    "reach": {"joint": 1e-4, "tcp_pos": 1e-4},
-    "push": {"joint": 0.03, "tcp_pos": 0.01, "cube_pos": 0.065},
-    "pick": {"joint": 0.22, "tcp_pos": 0.002, "cube_pos": 0.02},
+    "reach": {"joint": 1.6e-6, "tcp_pos": 2.4e-7},
+    "push": {"joint": 0.032, "tcp_pos": 0.0071, "cube_pos": 0.049},
+    "pick": {"joint": 0.22, "tcp_pos": 0.0014, "cube_pos": 0.018},
 }
+SEEDS = list(range(100, 108))  # the worlds the tolerances were measured on
 
 
 def _pair(task: str, num_envs: int, **kw):
@@ -55,10 +59,9 @@ def test_contract_on_the_warp_backend(task):
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_both_backends_start_alike_and_follow_the_same_trajectories(task):
-    warp, rollout = _pair(task, num_envs=8)
-    seeds = list(range(100, 108))
-    first_w = warp.reset(seed=seeds)
-    first_r = rollout.reset(seed=seeds)
+    warp, rollout = _pair(task, num_envs=len(SEEDS))
+    first_w = warp.reset(seed=SEEDS)
+    first_r = rollout.reset(seed=SEEDS)
     assert torch.equal(first_w.state[:, :6], first_r.state[:, :6])  # the very same f32 draws
     for key in first_w.privileged:
         torch.testing.assert_close(

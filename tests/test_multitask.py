@@ -70,6 +70,10 @@ def test_reset_seeds_golden():
 
     assert reset_seeds(10, [0, 3]) == [10, 13] and reset_seeds([7, 8], [2, 5]) == [7, 8]
     assert reset_seeds(None, [1, 2]) == [None, None]
+    import numpy as np
+
+    seeds = reset_seeds(np.int64(10), [0, 3])  # any integer (a TypeError for numpy's before)
+    assert seeds == [10, 13] and all(type(s) is int for s in seeds)
     with pytest.raises(ValueError, match="1 seeds for 2 environments"):
         reset_seeds([1], [0, 1])
 

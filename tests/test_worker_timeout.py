@@ -1,7 +1,7 @@
 """WorkerVecEnv's timeouts: a worker that hangs is killed, the others are stopped, the env is
 closed, and the error names the simulator, the task, the worker, its environments and their
-seeds. The cores are small numpy counters defined here (module level: a spawned worker imports
-this module to build one).
+seeds; a worker that dies is named the same way, with how it ended. The cores are small numpy
+counters defined here (module level: a spawned worker imports this module to build one).
 
 Real time must pass for a pipe's timeout to fire, so these tests assert only that it fired (the
 error, the killed worker), never how long it took; pytest-timeout's ceiling fails a timeout that
@@ -9,6 +9,7 @@ never fires instead of letting it hang. The seconds the error names are the dead
 (``WorkerVecEnv._timeout``), so the message shows a reset's ten step timeouts."""
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -21,6 +22,8 @@ from embodied.simulators.maniskill import ManiSkillConfig
 from embodied.simulators.workers import WorkerTimeout, WorkerVecEnv
 
 HANG = 99.0  # an action that makes a core's step never return (a simulator stuck in its solver)
+EXIT = 77.0  # an action on which a core's process exits with code 3 (a crash in native code)
+KILL = 55.0  # an action on which a core's process is killed by SIGKILL (the OOM killer's signal)
 HANG_SEED = 666  # a reset seed that makes a core's reset never return
 STEP_TIMEOUT_S = 1.5
 CEILING = pytest.mark.timeout(120)  # a timeout of seconds that never fires fails here
@@ -60,6 +63,10 @@ class CountingCore:
     def step(self, ids: list[int], actions: np.ndarray):
         if np.any(actions == HANG):
             _forever()
+        if np.any(actions == EXIT):
+            os._exit(3)
+        if np.any(actions == KILL):
+            os.kill(os.getpid(), signal.SIGKILL)
         self.count[ids] += 1
         return self._pack(ids), np.zeros((len(ids), 4), np.float32), None
 
@@ -124,6 +131,29 @@ def test_a_hung_reset_gets_ten_times_the_step_timeout():
         "not answer a reset within 2 s; it was killed"
     )
     assert all(_gone(p.pid) for p in procs)
+
+
+@CEILING
+@pytest.mark.parametrize("action, how", [(EXIT, "exit code 3"), (KILL, "killed by SIGKILL")])
+def test_a_worker_that_dies_mid_run_is_named_with_its_environments_seeds_and_end(action, how):
+    """It said "a Counter worker process died (see its output above; ... `if __name__ ==
+    '__main__':`)": a start-up hint, mid-run, and nothing of which worker or how."""
+    env = _counter_env()
+    procs = list(env._procs)
+    try:
+        env.reset(seed=[4, 5, 6, 7])
+        env.step(torch.zeros(4, 1))
+        with pytest.raises(RuntimeError) as raised:
+            env.step(torch.tensor([[0.0], [action], [0.0], [0.0]]))  # environment 1: worker 0
+    finally:
+        env.close()
+    assert str(raised.value) == (
+        f"Counter Count-v0 worker 0 (environments 0-1, last reset seeds [4, 5]) died in a step "
+        f"({how})"
+    )
+    assert all(_gone(p.pid) for p in procs) and procs[1].exitcode == 0  # the other: stopped
+    with pytest.raises(RuntimeError, match="Counter Count-v0: the environments are closed"):
+        env.step(torch.zeros(4, 1))
 
 
 def test_in_process_cores_step_without_a_timeout_and_a_bad_timeout_is_refused():

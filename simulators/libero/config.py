@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from embodied.schema import SimulatorConfig, check_episode_limit
 
@@ -23,6 +24,10 @@ class LiberoConfig(SimulatorConfig):
     (the published evaluation protocol: every task x its 50 initial states)."""
 
     simulator: str = "libero"
+    no_held_out: ClassVar[str] = (
+        "LIBERO evaluates each task on its 50 fixed initial states (episode i: state (seed + i) "
+        "% 50), the states the selection evaluations ran: its episodes are not held out"
+    )
     suite: str = (
         "libero_spatial"  # libero_spatial | libero_object | libero_goal | libero_10 | libero_90
     )

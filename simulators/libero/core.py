@@ -83,12 +83,15 @@ class LiberoCore:
         self._low = np.asarray(self.spec.action.low, dtype=np.float32)
         self._high = np.asarray(self.spec.action.high, dtype=np.float32)
         self._raw: list[dict] = [None] * num_envs  # each environment's latest robosuite observation
-        # draws the seeds of automatic resets
-        self._rngs = [np.random.default_rng(i) for i in range(num_envs)]
+        self._rngs: list[np.random.Generator] = [None] * num_envs  # seeds of unseeded resets
         self._elapsed = np.zeros(num_envs, dtype=np.int64)
-        # every environment holds an episode from the start (render, subset resets)
+        # every environment holds an episode from the start (render, subset resets); an
+        # unseeded reset before any seeded one draws its seed from the OS's entropy, each
+        # environment its own (as MuJoCo's worlds do): from a fixed seed every environment of
+        # every worker would repeat one sequence of episodes
         for i in range(num_envs):
             self._start(i, 0)
+            self._rngs[i] = np.random.default_rng()
 
     def _make_spec(self) -> EnvSpec:
         n_obj = int(self.envs[0].env._get_observations()["object-state"].shape[0])
@@ -167,7 +170,8 @@ class LiberoCore:
 
     def reset(self, ids: list[int], seeds: list[int | None]) -> dict:
         """Reset environments ``ids``; seed s -> initial state s % 50 (None: a seed drawn from the
-        environment's previous one). Returns every environment's observation."""
+        environment's previous one, or from entropy before any). Returns every environment's
+        observation."""
         for i, s in zip(ids, seeds):
             self._start(i, self._next_seed(i) if s is None else int(s))
         return self._pack(range(self.num_envs))

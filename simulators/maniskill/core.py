@@ -25,6 +25,8 @@ from embodied.schema import (
     ObsSpec,
     UserError,
     ended_rows,
+    host_to_device,
+    reset_seeds,
 )
 from embodied.simulators.maniskill.serial import SerialEnvs
 
@@ -342,8 +344,9 @@ class ManiSkillCore:
 
     # --- environment API ------------------------------------------------------------------
     def reset(self, seed=None, env_ids: torch.Tensor | None = None) -> Observation:
-        """Reset all (or ``env_ids``) sub-environments; ``seed`` is an int, or one seed per reset
-        environment. Returns the full batch.
+        """Reset all (or ``env_ids``) sub-environments; ``seed`` is an int (environment i gets
+        ``seed + i``, as ``schema.reset_seeds`` says), or one seed per reset environment. Returns
+        the full batch.
 
         Equal seeds give equal initial states: with per-environment seeds each distinct seed is
         drawn once, by ManiSkill, in one environment, exactly as if that environment were reset
@@ -352,15 +355,14 @@ class ManiSkillCore:
         that state (bodies, joints, controller targets, RNGs) is copied to the other environments
         with the same seed. ManiSkill resets: one per distinct seed, whatever the batch size."""
         options = {} if env_ids is None else {"env_idx": env_ids.to(self.device)}
-        if seed is None or self.opts.num_envs == 1 or (isinstance(seed, int) and env_ids is None):
-            # one call; with several sub-environments ManiSkill derives a deterministic seed for
-            # each from the int
-            first = seed if seed is None or isinstance(seed, int) else int(seed[0])
-            raw, _ = self.env.reset(seed=first, options=options)
-        else:
-            ids = list(range(self.opts.num_envs)) if env_ids is None else env_ids.tolist()
-            seeds = [seed + i for i in range(len(ids))] if isinstance(seed, int) else list(seed)
-            raw = self._reset_seeded(ids, [int(s) for s in seeds])
+        ids = list(range(self.opts.num_envs)) if env_ids is None else None
+        if seed is not None and ids is None:
+            ids = env_ids.tolist()  # (a GPU's ids: one read, only for a seeded partial reset)
+        seeds = None if seed is None else reset_seeds(seed, ids)
+        if seeds is None or self.opts.num_envs == 1:  # one call
+            raw, _ = self.env.reset(seed=None if seeds is None else seeds[0], options=options)
+        else:  # (an int is a seed per environment too: never ManiSkill's own derivation)
+            raw = self._reset_seeded(ids, seeds)
         if env_ids is None:
             self.elapsed.zero_()
             self._elapsed_host[:] = 0
@@ -453,11 +455,29 @@ class ManiSkillCore:
             ended = ended_rows(terminated | truncated)
         final_obs = None
         if ended is not None:
-            final_obs = obs
-            reset_ids = ended if env_ids is None else env_ids.cpu()[ended]
-            full = self.reset(env_ids=reset_ids)  # the full batch, ended rows reset
-            obs = full if env_ids is None else full.index(env_ids)
+            final_obs, obs = self._auto_reset(obs, ended, env_ids)
         return obs, reward.float(), terminated, truncated, success, final_obs, ended
+
+    def _auto_reset(
+        self, obs: Observation, ended: torch.Tensor, env_ids: torch.Tensor | None
+    ) -> tuple[Observation, Observation]:
+        """Reset the ``ended`` rows (long [n] on the CPU, positions in ``obs``'s rows: all, or
+        ``env_ids``) -> (final_obs, the new obs). The ended rows' images are copied before the
+        reset: on physx_cuda they are views of the cameras' render buffer, which the reset's
+        observation renders over (state and privileged are computed anew each step). A copy of n
+        rows on the device, no wait for it; the same code runs on physx_cpu."""
+        at = host_to_device(ended, self.device)  # long [n]
+        last = {k: v.index_select(0, at) for k, v in obs.images.items()}  # uint8 [n, H, W, 3]
+        reset_ids = ended if env_ids is None else env_ids.cpu()[ended]
+        full = self.reset(env_ids=reset_ids)  # the full batch, ended rows reset
+        new = full if env_ids is None else full.index(env_ids)
+        final = Observation(
+            state=obs.state,
+            instruction=obs.instruction,
+            images={k: new.images[k].index_copy(0, at, last[k]) for k in last},
+            privileged=obs.privileged,
+        )
+        return final, new
 
     def render(self) -> torch.Tensor:
         return self.env.render()  # uint8 [B, H, W, 3]

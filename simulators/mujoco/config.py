@@ -69,3 +69,26 @@ class MuJoCoConfig(SimulatorConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1 or null, got {value}")
+        unapplied = self._unapplied()
+        if unapplied:
+            raise ValueError(unapplied)
+
+    def _unapplied(self) -> str | None:
+        """Why a setting this backend or task would ignore is refused (None: each applies): a run
+        that records a range it never applied would claim worlds it did not simulate."""
+        r = self.randomize
+        if self.backend == "warp" and r.light:
+            return (
+                "randomize.light: the warp backend cannot vary the light's brightness (MuJoCo "
+                "Warp's renderer has no per-world light intensity); env.backend=rollout does"
+            )
+        cube = [name for name in ("cube_size", "cube_yaw", "mass") if getattr(r, name)]
+        if cube and "cube_pos" not in TASKS[self.task].privileged:
+            return f"randomize.{cube[0]}: the {self.task} task has no cube to vary"
+        buffers = [name for name in ("nconmax", "njmax") if getattr(self, name) is not None]
+        if buffers and self.backend != "warp":
+            return (
+                f"{buffers[0]}: sizes MuJoCo Warp's buffers (env.backend=warp); the "
+                f"{self.backend} backend has none"
+            )
+        return None

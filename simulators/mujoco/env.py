@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mujoco import rollout  # noqa: E402
 
-from embodied.schema import Observation, StepOutput  # noqa: E402
+from embodied.schema import Observation, StepOutput, UserError  # noqa: E402
 from embodied.simulators.mujoco.arm import JOINTS  # noqa: E402
 from embodied.simulators.mujoco.config import MuJoCoConfig  # noqa: E402
 from embodied.simulators.mujoco.randomize import nominal  # noqa: E402
@@ -157,8 +157,17 @@ class MuJoCoEnv:
         return self._obs()
 
     def step(self, actions: torch.Tensor) -> StepOutput:
-        """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA."""
-        a = np.clip(actions.detach().cpu().numpy().astype(np.float64), -MAX_DELTA, MAX_DELTA)
+        """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA; a non-finite
+        one is a UserError (it would hold the servo target at NaN until the episode ends)."""
+        a = actions.detach().cpu().numpy().astype(np.float64)  # f64 [B, 6]
+        finite = np.isfinite(a).all(axis=1)  # bool [B]
+        if not finite.all():
+            rows = np.flatnonzero(~finite).tolist()
+            raise UserError(
+                f"MuJoCo {self.task.name}: the actions of environments {rows} are not finite "
+                f"(first: {a[rows[0]].tolist()})"
+            )
+        a = np.clip(a, -MAX_DELTA, MAX_DELTA)
         self._target = np.clip(self._target + a, self._low, self._high)
         self._previous = self._sensors[:, self._pos_cols]  # f64 [B, 6] (a gather: a copy)
         states, sensors = self._roll(self._delayed())

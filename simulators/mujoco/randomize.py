@@ -12,6 +12,8 @@ What each backend applies (``RandomizeConfig`` names the fields):
   position, the light's position;
 - the rollout backend only: the light's brightness (MuJoCo Warp's renderer has no per-world light
   intensity).
+A range the run cannot apply (the light's brightness on warp, the cube's on reach, which has no
+cube) is a config error (``MuJoCoConfig.validate``), not a draw recorded and ignored.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ NUM_DRAWS = 18  # uniforms per world and reset (the fields of WorldParams, in or
 class RandomizeConfig:
     """Ranges of the per-world randomisation (0: off)."""
 
-    cube_size: float = 0.0  # relative: the cube's half-size x U(1 - r, 1 + r)
+    cube_size: float = 0.0  # relative: the cube's half-size x U(1 - r, 1 + r) (push, pick)
     cube_yaw: float = 0.0  # radians: the cube starts turned by U(-r, r) about the vertical
     friction: float = 0.0  # relative: sliding friction of the cube and the pads
-    mass: float = 0.0  # relative: the cube's mass and inertia
+    mass: float = 0.0  # relative: the cube's mass and inertia (push, pick)
     servo_gain: float = 0.0  # relative: each servo's position gain, apart
     action_delay: int = 0  # control steps: each world's commands act 0..r steps late
     camera_pos: float = 0.0  # metres: the front camera moves by U(-r, r) along each axis

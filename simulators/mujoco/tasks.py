@@ -36,9 +36,10 @@ class Task:
     num_draws: int = 3  # uniforms per reset that ``sample`` takes
     reads: tuple[str, ...] = ()  # sensors ``evaluate`` reads besides the privileged ones
 
-    def sample(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Uniforms f32 [N, num_draws] -> an initial state's task part, f32 [N, 3] each: the goal
-        (mocap) position and object positions ("cube")."""
+    def sample(self, u: torch.Tensor, cube_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Uniforms f32 [N, num_draws] and each world's cube size (f32 [N], relative to
+        CUBE_HALF: domain randomisation, else 1) -> an initial state's task part, f32 [N, 3]
+        each: the goal (mocap) position and object positions ("cube", resting on the table)."""
         raise NotImplementedError
 
     def evaluate(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +58,7 @@ def _between(u: torch.Tensor, low: tuple[float, ...], high: tuple[float, ...]) -
 class Reach(Task):
     """Bring the gripper's tool point within 2 cm of a target in the air."""
 
-    def sample(self, u):
+    def sample(self, u, cube_scale):
         return {"goal": _between(u, (0.14, -0.12, 0.04), (0.3, 0.12, 0.18))}
 
     def evaluate(self, s):
@@ -69,10 +70,10 @@ class Reach(Task):
 class Push(Task):
     """Push the cube into the red target region on the table (cube centre within 2.5 cm)."""
 
-    def sample(self, u):
+    def sample(self, u, cube_scale):
         cube_xy = _between(u[:, :2], (0.17, -0.08), (0.22, 0.08))
         offset = _between(u[:, 2:], (0.05, -0.03), (0.08, 0.03))
-        on_table = torch.full_like(u[:, :1], CUBE_HALF)
+        on_table = CUBE_HALF * cube_scale[:, None]  # f32 [N, 1]: its centre at rest
         cube = torch.cat([cube_xy, on_table], 1)
         goal = torch.cat([cube_xy + offset, torch.full_like(on_table, 0.001)], 1)
         return {"goal": goal, "cube": cube}
@@ -94,12 +95,13 @@ class Push(Task):
 
 
 class Pick(Task):
-    """Pick the cube up and lift it: success once its centre is LIFT above where it rested. The
-    goal marks that height above the cube's start (a hint for the eye, not an input)."""
+    """Pick the cube up and lift it: success once its centre is LIFT above where it rested (a
+    randomised cube rests at its own half-size). The goal marks that height above the cube's
+    start; the reward and success measure from it, so each world's from its own cube."""
 
-    def sample(self, u):
+    def sample(self, u, cube_scale):
         cube_xy = _between(u, (0.16, -0.08), (0.25, 0.08))
-        on_table = torch.full_like(u[:, :1], CUBE_HALF)
+        on_table = CUBE_HALF * cube_scale[:, None]  # f32 [N, 1]: its centre at rest
         return {
             "goal": torch.cat([cube_xy, on_table + LIFT], 1),
             "cube": torch.cat([cube_xy, on_table], 1),
@@ -107,12 +109,13 @@ class Pick(Task):
 
     def evaluate(self, s):
         cube = s["cube_pos"]
+        lifted = s["goal_pos"][:, 2]  # f32 [B]: where the cube rested, plus LIFT
         d_cube = torch.linalg.vector_norm(s["tcp_pos"] - cube, dim=-1)
         reach = 1.0 - torch.tanh(10.0 * d_cube)
         # the jaws stopped by the cube around the tool point: it is held
         grasped = (d_cube < 0.015) & (s["gripper.pos"][:, 0] < 0.45)
-        lift = ((cube[:, 2] - CUBE_HALF) / LIFT).clamp(0.0, 1.0)
-        success = cube[:, 2] >= CUBE_HALF + LIFT
+        lift = ((cube[:, 2] - (lifted - LIFT)) / LIFT).clamp(0.0, 1.0)
+        success = cube[:, 2] >= lifted
         dense = (reach + grasped.float() + 2.0 * lift) / 4.0
         return dense.masked_fill(success, 1.0), success
 

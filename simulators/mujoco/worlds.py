@@ -106,12 +106,11 @@ def draw_initial(
         for j in range(len(JOINTS))
     ]
     joints = torch.stack(noisy, 1)  # f32 [N, 6]; Python constants: no host-to-device copy
-    sampled = task.sample(u[:, len(JOINTS) : n_task])
     params = draw(randomize or RandomizeConfig(), u[:, n_task:])
-    cube = sampled.get("cube")
+    sampled = task.sample(u[:, len(JOINTS) : n_task], params.cube_scale)
+    cube = sampled.get("cube")  # (resting at its size)
     quat = None
     if cube is not None:
-        cube = torch.cat([cube[:, :2], cube[:, 2:] * params.cube_scale[:, None]], 1)  # resting
         half = 0.5 * params.cube_yaw
         zero = torch.zeros_like(half)
         quat = torch.stack([torch.cos(half), zero, zero, torch.sin(half)], 1)  # about z
