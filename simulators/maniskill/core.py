@@ -26,7 +26,6 @@ from embodied.schema import (
     UserError,
     ended_rows,
     host_to_device,
-    reset_seeds,
 )
 from embodied.simulators.maniskill.serial import SerialEnvs
 
@@ -344,9 +343,8 @@ class ManiSkillCore:
 
     # --- environment API ------------------------------------------------------------------
     def reset(self, seed=None, env_ids: torch.Tensor | None = None) -> Observation:
-        """Reset all (or ``env_ids``) sub-environments; ``seed`` is an int (environment i gets
-        ``seed + i``, as ``schema.reset_seeds`` says), or one seed per reset environment. Returns
-        the full batch.
+        """Reset all (or ``env_ids``) sub-environments; ``seed`` is an int, or one seed per reset
+        environment. Returns the full batch.
 
         Equal seeds give equal initial states: with per-environment seeds each distinct seed is
         drawn once, by ManiSkill, in one environment, exactly as if that environment were reset
@@ -355,14 +353,15 @@ class ManiSkillCore:
         that state (bodies, joints, controller targets, RNGs) is copied to the other environments
         with the same seed. ManiSkill resets: one per distinct seed, whatever the batch size."""
         options = {} if env_ids is None else {"env_idx": env_ids.to(self.device)}
-        ids = list(range(self.opts.num_envs)) if env_ids is None else None
-        if seed is not None and ids is None:
-            ids = env_ids.tolist()  # (a GPU's ids: one read, only for a seeded partial reset)
-        seeds = None if seed is None else reset_seeds(seed, ids)
-        if seeds is None or self.opts.num_envs == 1:  # one call
-            raw, _ = self.env.reset(seed=None if seeds is None else seeds[0], options=options)
-        else:  # (an int is a seed per environment too: never ManiSkill's own derivation)
-            raw = self._reset_seeded(ids, seeds)
+        if seed is None or self.opts.num_envs == 1 or (isinstance(seed, int) and env_ids is None):
+            # one call; with several sub-environments ManiSkill derives a deterministic seed for
+            # each from the int
+            first = seed if seed is None or isinstance(seed, int) else int(seed[0])
+            raw, _ = self.env.reset(seed=first, options=options)
+        else:
+            ids = list(range(self.opts.num_envs)) if env_ids is None else env_ids.tolist()
+            seeds = [seed + i for i in ids] if isinstance(seed, int) else list(seed)  # (by id)
+            raw = self._reset_seeded(ids, [int(s) for s in seeds])
         if env_ids is None:
             self.elapsed.zero_()
             self._elapsed_host[:] = 0

@@ -188,8 +188,14 @@ class ManiSkillEnv:
     ) -> Observation:
         if self._pool is not None:
             return self._pool.reset(seed=seed, env_ids=env_ids)
-        if seed is not None:  # environment i of an int: seed + i, as on the cpu backend
-            ids = range(self.num_envs) if env_ids is None else [int(i) for i in env_ids.tolist()]
+        if seed is not None and not isinstance(
+            seed, int
+        ):  # an int seeds the whole batch in one call (see ManiSkillCore.reset)
+            ids = (
+                list(range(self.num_envs))
+                if env_ids is None
+                else [int(i) for i in env_ids.tolist()]
+            )
             seed = reset_seeds(seed, ids)
         return self._core.reset(
             seed=seed, env_ids=None if env_ids is None else env_ids.to(self.device)
