@@ -192,7 +192,6 @@ def test_unseeded_resets_after_a_seeded_one_follow_each_rows_seed(cores):
     _assert_same_states(new, ref, RESET_ATOL)
 
 
-
 def test_a_partial_reset_with_an_int_seed_gives_each_row_the_seed_plus_its_id(cores):
     """As ``schema.reset_seeds`` and the cpu workers: row i of ``reset(seed=s, env_ids)``
     starts from s + i (it got s + its position among env_ids). (A full reset with an int on
@@ -202,6 +201,7 @@ def test_a_partial_reset_with_an_int_seed_gives_each_row_the_seed_plus_its_id(co
     obs = new.reset(seed=30, env_ids=torch.tensor([3, 1]))
     expected = _reference_reset(ref, [3, 1], [33, 31])
     _assert_rows_equal(obs, expected, [3, 1], [3, 1], RESET_ATOL)
+
 
 @pytest.mark.gpu
 @needs_physx_gpu
