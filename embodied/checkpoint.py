@@ -283,7 +283,12 @@ def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dic
     if meta.get("shards"):
         from embodied.megatron.shards import join
 
-        join(read_shards(ckpt, meta["shards"]), meta["shards"], model, out.get("optimizer"))
+        try:
+            join(read_shards(ckpt, meta["shards"]), meta["shards"], model, out.get("optimizer"))
+        except CheckpointError:
+            raise
+        except ValueError as e:  # (shards that do not fit: named)
+            raise CheckpointError(f"{ckpt}: {e}; the checkpoint is damaged") from None
     return out
 
 
