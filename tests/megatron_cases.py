@@ -136,9 +136,18 @@ def variant_samples(name: str, variant: str, out):
 def bc_setup(backend: str, head: str = "gaussian"):
     """(a new SFT learner ``BCLearner`` on ``backend``, its data: observations, actions, mask)
     for the tiny VLA with ``head``: AdamW with weight decay 0.1, the clip at 0.05."""
+    from embodied.sft import BCLearner
+
+    cfg, spec, norm_data, data = bc_parts(backend, head)
+    torch.manual_seed(0)
+    return BCLearner(cfg, spec, norm_data, torch.device("cpu")), data
+
+
+def bc_parts(backend: str, head: str = "gaussian", tensor_parallel: int = 1):
+    """(SFT's config, the spec, the normaliser's data, the data) of ``bc_setup``."""
     from embodied.learner import TrainerConfig
     from embodied.models.vla import VLAConfig
-    from embodied.sft import BCLearner, SFTConfig
+    from embodied.sft import SFTConfig
 
     policy, _, samples = vla_samples("grpo", head=head)
     obs = samples.obs
@@ -148,13 +157,11 @@ def bc_setup(backend: str, head: str = "gaussian"):
         policy=policy.cfg,
         weight_decay=0.1,
         max_grad_norm=0.05,
-        trainer=TrainerConfig(backend=backend),
+        trainer=TrainerConfig(backend=backend, tensor_parallel=tensor_parallel),
     )
     assert isinstance(cfg.policy, VLAConfig)
     norm_data = {"state": obs.state, "privileged": {}, "actions": actions[:, 0]}
-    torch.manual_seed(0)
-    learner = BCLearner(cfg, policy.spec, norm_data, torch.device("cpu"))
-    return learner, (obs, actions, mask)
+    return cfg, policy.spec, norm_data, (obs, actions, mask)
 
 
 def bc_step(learner, data, step: int, out: dict) -> None:

@@ -1,14 +1,17 @@
 """SFT on megatron saved after its first step and resumed by a new learner (each TP rank, in the
 processes of test_megatron.py): what the load gave and the second step; with torch's Adam
 (megatron's fallback here) and with an Adam that counts its steps per parameter group, as
-Transformer Engine's and Apex's FusedAdam do."""
+Transformer Engine's and Apex's FusedAdam do. And a TP=2 save whose helper rank cannot write
+its shard (test_megatron_runs.py)."""
 
 import contextlib
 
 import torch
 import torch.distributed as dist
-from megatron_cases import bc_setup, bc_step
+from megatron_cases import bc_parts, bc_setup, bc_step
 from torch.optim.adam import adam
+
+from embodied.sft import BCLearner
 
 
 class GroupStepAdam(torch.optim.AdamW):
@@ -115,3 +118,38 @@ def resume_rank(rank: int, tp: int, out: str) -> None:
     with fused_adam():
         result = bc_resumed(f"{out}/bc_resume_fused")
     torch.save(result, f"{out}/bc_resume_fused{rank}.pt")
+
+
+def no_space(directory) -> None:
+    raise OSError(28, "No space left on device")
+
+
+class ShardWriteFails(BCLearner):
+    """SFT's learner whose TP rank 1 cannot write its shard (a full disk there)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        if self.engine.tp_rank == 1:
+            self.engine.write_shards = no_space
+
+
+def shard_write_fails(rank: int, out) -> None:
+    """In a process of its own: SFT's learner at TP=2 (its helper rank a process), whose helper
+    fails to write its shard; the error the save ended with, and how many processes are left."""
+    import multiprocessing
+
+    from embodied.checkpoint import CheckpointWriteError
+    from embodied.megatron.lockstep import Lockstep, start_ranks
+
+    torch.set_num_threads(1)
+    cfg, spec, norm_data, _ = bc_parts("megatron", tensor_parallel=2)
+    cpu = torch.device("cpu")
+    helpers = start_ranks(cfg, cpu, ShardWriteFails, spec, norm_data)
+    learner = Lockstep(ShardWriteFails(cfg, spec, norm_data, cpu), helpers)
+    try:
+        learner.save(out / "run", 1, counters={"iteration": 1}, meta={})
+    except CheckpointWriteError as error:
+        (out / "error.txt").write_text(str(error))
+    finally:
+        learner.close()
+    (out / "left.txt").write_text(str(len(multiprocessing.active_children())))
