@@ -117,7 +117,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, RuntimeError) and not _write_failed(e):
             raise  # (a fault of the shards' writer or of torch: its own traceback)
-        raise CheckpointWriteError(_not_written(final, run_dir, e)) from e
+        raise CheckpointWriteError(not_written(final, run_dir, e)) from e
     _move_in(tmp, final, run_dir)
     _point(run_dir / LAST, final)
     if keep is not None:
@@ -155,7 +155,7 @@ def _write_failed(error: RuntimeError) -> bool:
     return any(m in said for m in ("PytorchStreamWriter", "inline_container", "iostream error"))
 
 
-def _not_written(final: Path, run_dir: Path, error: BaseException) -> str:
+def not_written(final: Path, run_dir: Path, error: BaseException) -> str:
     """Why the checkpoint ``final`` is not there, the disk's free space and what stands."""
     free_mb = shutil.disk_usage(final.parent).free / 2**20
     last = _target(run_dir / LAST)
@@ -283,7 +283,12 @@ def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dic
     if meta.get("shards"):
         from embodied.megatron.shards import join
 
-        join(read_shards(ckpt, meta["shards"]), meta["shards"], model, out.get("optimizer"))
+        try:
+            join(read_shards(ckpt, meta["shards"]), meta["shards"], model, out.get("optimizer"))
+        except CheckpointError:
+            raise
+        except ValueError as e:  # (shards that do not fit: named)
+            raise CheckpointError(f"{ckpt}: {e}; the checkpoint is damaged") from None
     return out
 
 

@@ -91,8 +91,10 @@ def _from_checkpoint(source: Path, to: str, tp: int):
     meta = {k: v for k, v in ckpt["meta"].items() if k not in ("shards", "frozen")}
     if to == "hf":
         return lambda out: _vlm_to_hf(ckpt, out)
-    policy, cfg = load_policy(ckpt)  # (the trainable names, in the optimizer's order)
-    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    if to == "megatron":  # (the trainable names, in the optimizer's order; --to torch needs no
+        # policy, nor its policy.vlm_path: the checkpoint holds every weight)
+        policy, cfg = load_policy(ckpt)
+        trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
     model = ckpt["model"]
     optimizer = ckpt.get("optimizer")
     trainer = {"optimizer": optimizer, "rng": ckpt.get("rng"), "counters": ckpt.get("counters")}
@@ -154,13 +156,40 @@ def _vlm_to_hf(ckpt: dict, out: Path) -> None:
 
 
 # --- Hugging Face and megatron directories (the Qwen2 family) -----------------------------------
-def _qwen2_layout(config: dict) -> dict:
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(value, dict):
+        raise ConvertError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _require(values: dict, keys, where: str) -> None:
+    """A ConvertError naming the first of ``keys`` missing from ``values`` (read from
+    ``where``)."""
+    missing = [key for key in keys if key not in values]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConvertError(f"{where}: no {missing[0]!r}{more}")
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as e:  # (SafetensorError, or an OSError)
+        raise ConvertError(f"{path}: cannot be read ({e}); the file is damaged") from None
+
+
+def _qwen2_layout(config: dict, path: Path) -> dict:
     text = config.get("text_config", config)
     if config.get("model_type") not in QWEN2_FAMILY:
         raise ConvertError(
             f"model_type {config.get('model_type')!r}: the megatron mapping covers "
             f"{', '.join(QWEN2_FAMILY)} (the Qwen2 family's language models)"
         )
+    _require(text, ("num_hidden_layers", "num_attention_heads"), str(path))
     return {
         "layers": text["num_hidden_layers"],
         "heads": text["num_attention_heads"],
@@ -204,8 +233,23 @@ def _hf_weights(source: Path) -> dict[str, torch.Tensor]:
         raise ConvertError(f"{source}: no *.safetensors weights (save_pretrained writes them)")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(str(file)))
+        state.update(_read_safetensors(file))
     return state
+
+
+def _require_qwen2_weights(state: dict, layout: dict, source: Path) -> None:
+    """Every weight of a Qwen2 ``…ForCausalLM`` (keys under "model."; lm_head unless tied)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(layout["layers"]):
+        hf = f"model.layers.{i}."
+        names += [hf + "input_layernorm.weight", hf + "post_attention_layernorm.weight"]
+        names += [f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")]
+        names += [hf + "self_attn.o_proj.weight"]
+        names += [f"{hf}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    if not layout["tied"]:
+        names.append("lm_head.weight")
+    where = f"{source}: its safetensors weights (a Qwen2ForCausalLM's, keys under 'model.')"
+    _require(state, names, where)
 
 
 def _from_hf_dir(source: Path, to: str, tp: int):
@@ -213,11 +257,12 @@ def _from_hf_dir(source: Path, to: str, tp: int):
 
     if to != "megatron":
         raise ConvertError(f"{source} is a Hugging Face directory: convert it --to megatron")
-    config = json.loads((source / "config.json").read_text())
-    layout = _qwen2_layout(config)
+    config = _read_json(source / "config.json")
+    layout = _qwen2_layout(config, source / "config.json")
 
     def write(out: Path) -> None:
         state = _hf_weights(source)
+        _require_qwen2_weights(state, layout, source)
         if layout["tied"]:
             state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
         _check_split(layout, tp, state)
@@ -228,8 +273,10 @@ def _from_hf_dir(source: Path, to: str, tp: int):
 
 def _from_megatron_dir(source: Path, to: str, tp: int):
     from embodied.megatron.layout import qwen2_from_megatron, qwen2_to_megatron
+    from embodied.megatron.shards import check_same_shapes
 
-    info = json.loads((source / MEGATRON_META).read_text())
+    info = _read_json(source / MEGATRON_META)
+    _require(info, ("layers", "heads", "groups", "tied", "files"), str(source / MEGATRON_META))
     layout = {k: info[k] for k in ("layers", "heads", "groups", "tied")}
     if to == "torch":
         raise ConvertError(f"{source} holds a language model: convert it --to hf or --to megatron")
@@ -239,8 +286,12 @@ def _from_megatron_dir(source: Path, to: str, tp: int):
         for name in info["files"]:
             if not (source / name).is_file():
                 raise ConvertError(f"{source}: the shard {name} is missing")
-            files.append(load_file(str(source / name)))
-        state = qwen2_from_megatron(files, **layout)
+            files.append(_read_safetensors(source / name))
+        try:
+            check_same_shapes(files, info["files"])
+            state = qwen2_from_megatron(files, **layout)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ConvertError(f"{source}: its shards do not fit {MEGATRON_META} ({e})") from None
         if to == "megatron":
             _check_split(layout, tp, state)
             _write_megatron_dir(out, qwen2_to_megatron(state, tp=tp, **layout), layout, source)

@@ -133,9 +133,10 @@ RESUME_FREE = (
 )
 # where the roles run (embedded or on Ray, how many workers, which devices) changes no number,
 # except how far collection may run ahead of the update
-# where the roles run and which backend trains them: the same numbers (to float rounding)
+# where the roles run and which backend trains them: the same numbers (to float rounding);
+# but for how far collection runs ahead and the precision (bf16 is not float32's rounding)
 RESUME_FREE_PREFIX = ("cluster.", "trainer.")
-RESUME_BOUND = ("cluster.max_staleness",)
+RESUME_BOUND = ("cluster.max_staleness", "trainer.precision")
 
 
 def check_resume(saved: dict, current: dict, checkpoint: Path, force: bool) -> None:

@@ -133,13 +133,21 @@ def variant_samples(name: str, variant: str, out):
     return vla_samples(name, head="discrete" if variant == "_discrete" else "gaussian")
 
 
-def bc_steps(backend: str, head: str = "gaussian") -> dict:
-    """SFT's learner (``BCLearner``) on ``backend``: two clipped AdamW steps (weight decay 0.1,
-    the clip at 0.05: both steps clip) of the tiny VLA's behaviour-cloning loss on the test
-    task's observations -> each step's loss and gradient norm, the weights after both."""
+def bc_setup(backend: str, head: str = "gaussian"):
+    """(a new SFT learner ``BCLearner`` on ``backend``, its data: observations, actions, mask)
+    for the tiny VLA with ``head``: AdamW with weight decay 0.1, the clip at 0.05."""
+    from embodied.sft import BCLearner
+
+    cfg, spec, norm_data, data = bc_parts(backend, head)
+    torch.manual_seed(0)
+    return BCLearner(cfg, spec, norm_data, torch.device("cpu")), data
+
+
+def bc_parts(backend: str, head: str = "gaussian", tensor_parallel: int = 1):
+    """(SFT's config, the spec, the normaliser's data, the data) of ``bc_setup``."""
     from embodied.learner import TrainerConfig
     from embodied.models.vla import VLAConfig
-    from embodied.sft import BCLearner, SFTConfig
+    from embodied.sft import SFTConfig
 
     policy, _, samples = vla_samples("grpo", head=head)
     obs = samples.obs
@@ -149,18 +157,29 @@ def bc_steps(backend: str, head: str = "gaussian") -> dict:
         policy=policy.cfg,
         weight_decay=0.1,
         max_grad_norm=0.05,
-        trainer=TrainerConfig(backend=backend),
+        trainer=TrainerConfig(backend=backend, tensor_parallel=tensor_parallel),
     )
     assert isinstance(cfg.policy, VLAConfig)
     norm_data = {"state": obs.state, "privileged": {}, "actions": actions[:, 0]}
-    torch.manual_seed(0)
-    learner = BCLearner(cfg, policy.spec, norm_data, torch.device("cpu"))
+    return cfg, policy.spec, norm_data, (obs, actions, mask)
+
+
+def bc_step(learner, data, step: int, out: dict) -> None:
+    """SFT's step ``step`` (0, 1: its learning rate) into ``out``: loss, norm, accuracy."""
+    metrics = learner.bc_step(*data, None, 1e-3 / (1 + step))
+    out[f"loss{step}"] = metrics["sft/loss"].item()
+    out[f"grad_norm{step}"] = metrics["sft/grad_norm"].item()
+    out[f"accuracy{step}"] = metrics.get("sft/token_accuracy", torch.tensor(0.0)).item()
+
+
+def bc_steps(backend: str, head: str = "gaussian") -> dict:
+    """SFT's learner (``bc_setup``) on ``backend``: two clipped AdamW steps (both clip) of the
+    tiny VLA's behaviour-cloning loss on the test task's observations -> each step's loss and
+    gradient norm, the weights after both."""
+    learner, data = bc_setup(backend, head)
     out = {}
     for step in range(2):
-        metrics = learner.bc_step(obs, actions, mask, None, 1e-3 / (1 + step))
-        out[f"loss{step}"] = metrics["sft/loss"].item()
-        out[f"grad_norm{step}"] = metrics["sft/grad_norm"].item()
-        out[f"accuracy{step}"] = metrics.get("sft/token_accuracy", torch.tensor(0.0)).item()
+        bc_step(learner, data, step, out)
     learner.refresh()
     out["state"] = learner.engine.torch_policy.state_dict()
     return out

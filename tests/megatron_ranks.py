@@ -26,6 +26,7 @@ from megatron_cases import (
     vl_forward,
     vla_samples,
 )
+from megatron_resume import resume_rank
 
 
 def free_port() -> int:
@@ -227,5 +228,6 @@ def rank_main(rank: int, tp: int, port: int, out: str) -> None:
         engine_rank(rank, tp, out)
         bf16_rank(rank, tp, out)
         bc_rank(rank, tp, out)
+        resume_rank(rank, tp, out)
         qwen2_rank(rank, tp, out)
         vlm_rank(rank, tp, out)

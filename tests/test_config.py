@@ -251,6 +251,20 @@ def test_resume_compares_only_the_keys_the_checkpoint_has(tmp_path):
         )
 
 
+def test_resume_refuses_another_precision_unless_forced(tmp_path):
+    """trainer.* may change on resume (the backend, the TP size: the same numbers), but not
+    trainer.precision: bf16 is not float32's rounding."""
+    from embodied.run import check_resume
+
+    saved = {"trainer": {"backend": "torch", "precision": "fp32", "tensor_parallel": 1}}
+    moved = {"trainer": {"backend": "megatron", "precision": "fp32", "tensor_parallel": 2}}
+    check_resume(saved, moved, tmp_path, False)
+    bf16 = {"trainer": {**moved["trainer"], "precision": "bf16"}}
+    with pytest.raises(ConfigError, match="trainer.precision is 'bf16' here but 'fp32'"):
+        check_resume(saved, bf16, tmp_path, False)
+    check_resume(saved, bf16, tmp_path, True)
+
+
 def test_a_compiled_act_takes_a_fixed_number_of_pipeline_stages():
     overrides = ["policy.compile_act=true", "runner.pipeline_stages=auto"]
     with pytest.raises(ConfigError, match="policy.compile_act compiles the act once per batch"):

@@ -35,6 +35,13 @@ CASES = [
     (["train", V, "policy.bins=1"], ["policy.bins: must be >= 2, got 1"]),
     (["train", V, "policy.flow_steps=0"], ["policy.flow_steps: must be >= 1, got 0"]),
     (["train", V, "policy.text_layers=-1"], ["policy.text_layers: must be >= 1, got -1"]),
+    (["train", V, "policy.layers=0"], ["policy.layers: must be >= 1, got 0"]),
+    (["train", V, "policy.heads=-2"], ["policy.heads: must be >= 1, got -2"]),
+    (["train", V, "policy.d_model=0"], ["policy.d_model: must be >= 1, got 0"]),
+    (
+        ["train", V, f"policy.vlm_path={R}/moved"],
+        ["policy.vlm_path:", "/moved is not a model directory (config.json"],
+    ),
     (["train", V, "policy.vision_width=0"], ["policy.vision_width: must be > 0, got 0.0"]),
     (["train", V, "policy.flow_noise_std=-1"], ["policy.flow_noise_std: must be >= 0"]),
     (

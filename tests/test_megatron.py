@@ -144,6 +144,39 @@ def test_sft_steps_on_megatron_are_the_torch_steps(ranks, head):
             torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-5)
 
 
+def assert_equal_states(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("adam", ["torch", "fused"])
+def test_sft_resumed_on_megatron_takes_the_uninterrupted_runs_step(ranks, adam):
+    """SFT (AdamW, weight decay 0.1) saved after its first step and loaded by a new megatron
+    learner: its weights, float32 main weights and torch copy are the checkpoint's and its Adam
+    state the checkpoint's, bit for bit (megatron's dummy step that makes the state decayed
+    every weight by lr x wd); the second step is the uninterrupted run's, bit for bit. "fused":
+    with an Adam that counts steps per parameter group, as TE's and Apex's FusedAdam (torch's
+    per weight): the same checkpoint, load and step."""
+    tp, out = ranks
+    suffix = "_fused" if adam == "fused" else ""
+    whole = torch.load(f"{out}/bc_gaussian0.pt")  # (the uninterrupted run's, on megatron)
+    for rank in range(tp):
+        got = torch.load(f"{out}/bc_resume{suffix}{rank}.pt")
+        saved = got["checkpoint"]
+        for key in ("loaded_engine", "loaded_copy"):
+            assert_equal_states(got[key], saved["model"])
+        trained = got["loaded_main"]
+        assert_equal_states(trained, {k: saved["model"][k] for k in trained})
+        assert saved["optimizer"]["state"][0]["step"] == 1
+        assert got["loaded_adam"]["state"].keys() == saved["optimizer"]["state"].keys()
+        for index, entry in saved["optimizer"]["state"].items():
+            assert_equal_states(got["loaded_adam"]["state"][index], entry)
+            assert got["adam"]["state"][index]["step"] == 2
+        assert got["loss1"] == whole["loss1"] and got["grad_norm1"] == whole["grad_norm1"]
+        assert_equal_states(got["state"], whole["state"])
+
+
 def torch_grads(engine) -> dict[str, torch.Tensor]:
     return {
         name: torch.zeros_like(p) if p.grad is None else p.grad.clone()

@@ -2,6 +2,8 @@
 discrete head, a Qwen2, a checkpoint sharded by TP rank, ``embodied convert``; and what the
 torch backend never imports."""
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -219,7 +221,7 @@ def test_a_partly_frozen_language_model_is_a_one_line_error(tmp_path):
 def test_convert_shards_a_checkpoint_by_tp_rank_and_joins_it_bit_exact(tmp_path):
     """A torch run's checkpoint -> megatron shards at TP=2 (the files a TP=2 run writes) ->
     the torch layout again: weights, Adam state and counters bit for bit."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
     from scripted_envs import GRPO, TINY_VLA, PushRightEnv, run_on
 
     from embodied.checkpoint import load_checkpoint
@@ -261,6 +263,19 @@ def test_convert_shards_a_checkpoint_by_tp_rank_and_joins_it_bit_exact(tmp_path)
     code, err = convert_cli(tmp_path / "run", "--to", "hf", tmp_path / "x")
     assert code == 2 and "the policy holds no Hugging Face model" in err
     assert not (tmp_path / "x").exists()
+    # --to torch rebuilds no policy: a policy.vlm_path moved since is not needed
+    meta = json.loads((tmp_path / "mg" / "meta.json").read_text())
+    meta["config"]["policy"]["vlm_path"] = str(tmp_path / "moved")
+    (tmp_path / "mg" / "meta.json").write_text(json.dumps(meta))
+    assert convert_cli(tmp_path / "mg", "--to", "torch", tmp_path / "whole")[0] == 0
+    # a readable shard file of another size: every reader (load_checkpoint) names it
+    shard = tmp_path / "mg" / "model-tp01-of-02.safetensors"
+    tensors = load_file(shard)
+    tensors[qkv := "weight/fusion/layers.0.self_attention.linear_qkv.weight"] = fc1[:5]
+    save_file(tensors, shard)
+    code, err = convert_cli(tmp_path / "mg", "--to", "torch", tmp_path / "x")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"model-tp01-of-02.safetensors: {qkv} is [5, {fc1.shape[1]}]" in err
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -298,6 +313,61 @@ def test_convert_takes_a_hugging_face_qwen2_to_megatron_shards_and_back_bit_exac
         tmp_path / "tp1", "--to", "megatron", "--tensor-parallel", 4, tmp_path / "x"
     )
     assert code == 2 and "key-value groups 2, a vocabulary of 64 and an MLP of 48 must" in err
+
+
+def test_convert_names_the_file_or_key_of_a_bad_hugging_face_or_megatron_input(tmp_path):
+    """One line, exit 2, naming what is wrong: a Qwen2Model's weights (no "model." prefix), an
+    untied model without lm_head, a damaged config.json or one without a layer count, a
+    damaged megatron.json or one without its files, a truncated shard, a shard of another
+    size."""
+    from safetensors.torch import load_file, save_file
+
+    def bad(name: str, to: str, *said: str) -> None:
+        code, err = convert_cli(tmp_path / name, "--to", to, tmp_path / f"{name}_out")
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith("embodied: error: ") and all(s in err for s in said), err
+
+    tiny_qwen2(False).save_pretrained(tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    for name, state in {
+        "bare": {k.removeprefix("model."): v for k, v in weights.items()},
+        "headless": {k: v for k, v in weights.items() if k != "lm_head.weight"},
+    }.items():
+        shutil.copytree(tmp_path / "hf", tmp_path / name)
+        save_file(state, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+    bad("bare", "megatron", "no 'model.embed_tokens.weight'", "keys under 'model.'")
+    bad("headless", "megatron", "headless: its safetensors", "no 'lm_head.weight'")
+
+    def edited(source: str, file: str, edits: dict[str, str]) -> None:
+        for name, text in edits.items():  # (a copy of ``source`` whose ``file`` reads ``text``)
+            shutil.copytree(tmp_path / source, tmp_path / name)
+            (tmp_path / name / file).write_text(text)
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    layerless = json.dumps({k: v for k, v in config.items() if k != "num_hidden_layers"})
+    edited("hf", "config.json", {"damaged": "{not json", "layerless": layerless})
+    bad("damaged", "megatron", "damaged/config.json: not valid JSON")
+    bad("layerless", "megatron", "layerless/config.json: no 'num_hidden_layers'")
+    assert (
+        convert_cli(tmp_path / "hf", "--to", "megatron", "--tensor-parallel", 2, tmp_path / "mg")[0]
+        == 0
+    )
+    meta = json.loads((tmp_path / "mg" / "megatron.json").read_text())
+    fileless = json.dumps({k: v for k, v in meta.items() if k != "files"})
+    edited("mg", "megatron.json", {"mg_damaged": "{", "mg_fileless": fileless})
+    bad("mg_damaged", "hf", "mg_damaged/megatron.json: not valid JSON")
+    bad("mg_fileless", "hf", "mg_fileless/megatron.json: no 'files'")
+    shutil.copytree(tmp_path / "mg", tmp_path / "mg_cut")
+    shard = tmp_path / "mg_cut" / "model-tp01-of-02.safetensors"
+    shard.write_bytes(shard.read_bytes()[:200])
+    bad("mg_cut", "hf", "model-tp01-of-02.safetensors: cannot be read")
+    shutil.copytree(tmp_path / "mg", tmp_path / "mg_resized")
+    shard = tmp_path / "mg_resized" / "model-tp01-of-02.safetensors"
+    tensors = load_file(shard)
+    fc2 = "decoder.layers.1.mlp.linear_fc2.weight"
+    tensors[fc2] = tensors[fc2][:, :3].contiguous()
+    save_file(tensors, shard)
+    bad("mg_resized", "hf", "do not fit megatron.json", f"model-tp01-of-02.safetensors: {fc2} is")
 
 
 @pytest.mark.slow  # (8 s; the conversions' bit-exactness is tested in the default suite above)

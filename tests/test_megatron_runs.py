@@ -351,3 +351,20 @@ def test_a_tp2_run_that_fails_on_rank_0_ends_with_its_error_and_no_rank_left(tmp
     torch.multiprocessing.spawn(failing_child, args=(tmp_path,), nprocs=1)
     assert (tmp_path / "fails" / "error.txt").read_text() == "rank 0 fails"
     assert (tmp_path / "fails" / "left.txt").read_text() == "0"
+
+
+@pytest.mark.slow  # (17 s: a failure path, as the one above)
+def test_a_helper_rank_that_cannot_write_its_shard_fails_the_save_as_a_full_disk(tmp_path):
+    """TP=2 (rank 1 a helper process): rank 1's shard write fails (no space). The save ends
+    with CheckpointWriteError's line, rank 1's error in it and what stands (a BrokenPipeError
+    from a second save hid it); nothing is half-written and no process is left."""
+    pytest.importorskip("megatron.core")
+    from megatron_resume import shard_write_fails
+
+    torch.multiprocessing.spawn(shard_write_fails, args=(tmp_path,), nprocs=1)
+    error = (tmp_path / "error.txt").read_text()
+    assert error.startswith(f"checkpoint {tmp_path}/run/checkpoints/iter_000001 not written ")
+    assert "(TP rank 1: OSError: [Errno 28] No space left on device; " in error
+    assert error.endswith("MiB free there); no checkpoint was saved")
+    assert [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir()] == []
+    assert (tmp_path / "left.txt").read_text() == "0"

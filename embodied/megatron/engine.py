@@ -29,6 +29,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from embodied.learner import Evaluate, LearningRate, average_over, gather_over
 from embodied.megatron import parallel
+from embodied.megatron.adam_state import MOMENTS, AdamStates, TorchLayoutOptimizer
 from embodied.megatron.cpu import cuda_corners
 from embodied.megatron.fusion import MegatronFusion
 from embodied.megatron.heads import MegatronDiscreteHead
@@ -36,8 +37,6 @@ from embodied.megatron.layout import to_megatron
 from embodied.megatron.shards import modules, shard_info, trainable_modules
 from embodied.megatron.vlm import MegatronTextModel
 from embodied.rollout import Samples, logprob_at
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def shard_policy(
@@ -113,7 +112,7 @@ def _wrapped(evaluate: Evaluate, config, adam: OptimizerConfig):
     return model, optimizer
 
 
-class MegatronEngine(LearningRate):
+class MegatronEngine(AdamStates, LearningRate):
     def __init__(
         self,
         policy: torch.nn.Module,
@@ -278,83 +277,6 @@ class MegatronEngine(LearningRate):
         if missing or loaded.unexpected_keys:
             raise ValueError(f"the torch copy does not fit: {missing + loaded.unexpected_keys}")
 
-    def _holder(self, param: torch.nn.Parameter):
-        """The one of megatron's chained optimizers that holds ``param``."""
-        for optimizer in self.optimizer.chained_optimizers:
-            if param in optimizer.model_param_group_index_map:
-                return optimizer
-        raise KeyError("a trainable parameter the optimizer does not hold")
-
-    def _adam_state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor] | None:
-        """Megatron's Adam state of ``param`` (this data-parallel rank's range: all of it with
-        one rank), or None before the first step."""
-        optimizer = self._holder(param)
-        if not optimizer.optimizer.state:
-            return None
-        return optimizer._get_main_param_and_optimizer_states(param)
-
-    def _set_adam_state(self, param: torch.nn.Parameter, tensors: dict) -> None:
-        """Set ``param``'s main weight and Adam state (``_adam_state``'s keys)."""
-        self._holder(param)._set_main_param_and_optimizer_states(param, tensors)
-
-    def optimizer_state_dict(self) -> dict:
-        """Megatron's Adam state as ``torch.optim.Adam``'s state dict over the torch copy's
-        trainable parameters, without the sharded modules' (this rank's shards of those go into
-        its shard file: ``write_shards``). Weights whole on every rank have the same state there, so
-        this needs no collective."""
-        if self.world_size > 1:
-            raise NotImplementedError("checkpoints of data-parallel megatron ranks")
-        out = self._adam_template()
-        index = {name: i for i, name in enumerate(self.trainable)}
-        sharded = tuple(self.shard_prefixes.values())
-        for name, param in self.policy.named_parameters():
-            if not param.requires_grad or name.startswith(sharded):
-                continue
-            state = self._adam_state(param)
-            if state is None:
-                return out  # (no step yet: no state, as torch's Adam)
-            out["state"][index[name]] = {
-                "step": state["step"].clone(),
-                **{key: state[key].detach().view(param.shape).clone() for key in MOMENTS},
-            }
-        return out
-
-    def whole_optimizer_state(self) -> dict:
-        """``optimizer_state_dict`` with the sharded modules' moments too, gathered from the TP
-        ranks into the torch layout (every rank calls this): the whole state, which
-        ``load_state_dict`` takes at any TP size (what a rollout record keeps)."""
-        if self.world_size > 1:
-            raise NotImplementedError("records of data-parallel megatron ranks")
-        out = self._adam_template()
-        states = {
-            name: (param, self._adam_state(param))
-            for name, param in self.policy.named_parameters()
-            if param.requires_grad
-        }
-        if any(state is None for _, state in states.values()):
-            return out  # (no step yet: no state, as torch's Adam; the same on every rank)
-        step = next(iter(states.values()))[1]["step"]
-        moments = {
-            kind: self._torch_layout(
-                {name: state[kind].detach().view(p.shape) for name, (p, state) in states.items()}
-            )
-            for kind in MOMENTS
-        }
-        for index, name in enumerate(self.trainable):
-            out["state"][index] = {
-                "step": step.clone(),
-                **{kind: moments[kind][name].clone() for kind in MOMENTS},
-            }
-        return out
-
-    def _adam_template(self) -> dict:
-        """torch's Adam state dict over the torch copy's trainable weights, without state."""
-        adam = torch.optim.AdamW if self.adam["weight_decay"] else torch.optim.Adam
-        template = adam(
-            [p for p in self.torch_policy.parameters() if p.requires_grad], lr=self.lr, **self.adam
-        )
-        return template.state_dict()
-
     def write_shards(self, directory: Path) -> dict:
         """This TP rank's shards of the trained sharded modules (weights, Adam moments, step) as
         its file in ``directory``, which TP rank 0 makes; every TP rank calls this. Returns
@@ -395,47 +317,6 @@ class MegatronEngine(LearningRate):
                 "ranks of a megatron run need a file system they share with the run directory"
             )
         return shard_info(trained, tp=tp, trainable=self.trainable)
-
-    @torch.no_grad()
-    def load_state_dict(self, checkpoint: dict) -> None:
-        """Weights (torch layout) and the optimizer state ``optimizer_state_dict`` wrote, at
-        this run's TP size. The optimizer's float32 main weights take the checkpoint's values,
-        not the (bf16) weights'."""
-        model = checkpoint["model"]
-        self.torch_policy.load_state_dict(model)
-        for name, part in self.parts.items():
-            start = f"{name}."
-            part.load_torch_state(
-                {k[len(start) :]: v for k, v in model.items() if k.startswith(start)}
-            )
-        rest = {k: v for k, v in model.items() if not k.startswith(self.part_prefixes)}
-        loaded = self.policy.load_state_dict(rest, strict=False)
-        if loaded.unexpected_keys or [
-            k for k in loaded.missing_keys if not k.startswith(self.part_prefixes)
-        ]:
-            raise ValueError(f"the checkpoint does not fit the policy: {loaded}")
-        self._set_main_params(model)
-        self._round_torch_copy()
-        state = checkpoint["optimizer"]["state"]
-        if not state:
-            return
-        by_name = {self.trainable[index]: entry for index, entry in state.items()}
-        step = next(iter(state.values()))["step"]  # (one count: every parameter steps together)
-        moments = {
-            kind: self._rank_layout({k: e[kind] for k, e in by_name.items()}) for kind in MOMENTS
-        }
-        for optimizer in self.optimizer.chained_optimizers:
-            if not optimizer.optimizer.state:
-                optimizer._init_optimizer_states_with_dummy_values()
-        for name, param in self.policy.named_parameters():
-            if not param.requires_grad:
-                continue
-            tensors = {"param": self._main_param(param).clone(), "step": step.clone()}
-            for kind in MOMENTS:
-                # (torch's Adam keeps none for a weight no loss reached: GRPO's critic)
-                value = moments[kind].get(name, torch.zeros_like(param, dtype=torch.float32))
-                tensors[kind] = value.reshape(-1)
-            self._set_adam_state(param, tensors)
 
     def _round_torch_copy(self) -> None:
         """In a bf16 run, the torch copy (what acts) holds the bf16 weights, as after every
@@ -480,14 +361,3 @@ class MegatronEngine(LearningRate):
 
 def _trained(module: torch.nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters())
-
-
-class TorchLayoutOptimizer:
-    """What a checkpoint saves as the optimizer: ``MegatronEngine.optimizer_state_dict`` (the
-    sharded modules' moments go into the shard files)."""
-
-    def __init__(self, engine: MegatronEngine):
-        self.engine = engine
-
-    def state_dict(self) -> dict:
-        return self.engine.optimizer_state_dict()

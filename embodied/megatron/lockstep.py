@@ -24,11 +24,20 @@ import torch
 import torch.distributed as dist
 
 from embodied import numerics
-from embodied.checkpoint import rng_state, set_rng_state, staging_dir
+from embodied.checkpoint import (
+    CheckpointWriteError,
+    checkpoint_dir,
+    not_written,
+    rng_state,
+    set_rng_state,
+    staging_dir,
+)
 from embodied.config import ConfigError
 
 # a helper that died leaves rank 0 waiting in a collective: this bounds the wait
 COLLECTIVE_TIMEOUT_S = 600
+# a helper sends its error before it exits, so before rank 0's collective fails: a margin only
+HELPER_REPORT_S = 5
 
 
 def _address() -> str:
@@ -99,7 +108,11 @@ def serve(
         set_rng_state(rng)
         if name == "save":  # this rank's shard; rank 0 writes the rest
             (directory,) = args
-            learner.engine.write_shards(Path(directory))
+            try:
+                learner.engine.write_shards(Path(directory))
+            except Exception as error:  # (a full disk here: rank 0 reports it)
+                control.send(("failed", f"TP rank {rank}: {type(error).__name__}: {error}"))
+                raise
             continue
         getattr(learner, name)(*args)
     learner.close()
@@ -153,12 +166,33 @@ class Lockstep:
         self._call("load", checkpoint)
 
     def save(self, run_dir, iteration: int, **kw):
-        """The helpers write their shards where rank 0's save stages the checkpoint."""
+        """The helpers write their shards where rank 0's save stages the checkpoint. A helper
+        that fails (its shard not written, or gone) fails the save as a full disk does here:
+        CheckpointWriteError, with the helper's error where it sent one."""
         self.busy = True
-        self._broadcast("save", str(staging_dir(run_dir, iteration)))
-        path = self.learner.save(run_dir, iteration, **kw)
+        try:
+            self._broadcast("save", str(staging_dir(run_dir, iteration)))
+            path = self.learner.save(run_dir, iteration, **kw)
+        except CheckpointWriteError:
+            raise
+        except (OSError, RuntimeError) as error:  # (a collective with a helper gone, its pipe)
+            why = self._helper_failure() or error
+            final = checkpoint_dir(run_dir, iteration)
+            raise CheckpointWriteError(not_written(final, Path(run_dir), why)) from error
         self.busy = False
         return path
+
+    def _helper_failure(self) -> str | None:
+        """What a helper that failed said before it exited, if one did."""
+        for _, control in self.helpers:
+            try:
+                if control.poll(HELPER_REPORT_S):
+                    kind, said = control.recv()
+                    if kind == "failed":
+                        return said
+            except (EOFError, OSError):
+                continue
+        return None
 
     def close(self) -> None:
         """Stop the helper ranks and leave the group. After a failure inside a call the helpers

@@ -173,6 +173,7 @@ def join(
 ) -> None:
     """Put every rank's shards back into the torch-layout ``model`` state and, when given,
     ``optimizer``'s state (in place): ``split``'s inverse."""
+    check_same_shapes(files, info["files"])
     index = {name: i for i, name in enumerate(info["trainable"])}
     with_moments = optimizer is not None and "step" in files[0]
     kinds = KINDS if with_moments else KINDS[:1]
@@ -184,7 +185,13 @@ def join(
             parts = [
                 {k[len(start) :]: v for k, v in f.items() if k.startswith(start)} for f in files
             ]
-            joined[kind] = from_megatron(module["layout"], parts, **shape_of(module))
+            try:
+                joined[kind] = from_megatron(module["layout"], parts, **shape_of(module))
+            except (KeyError, RuntimeError, IndexError) as e:
+                raise ValueError(
+                    f'the shards of {module["module"]} do not fit meta.json\'s "shards" '
+                    f"({type(e).__name__}: {e})"
+                ) from None
         model.update({prefix + name: tensor for name, tensor in joined["weight"].items()})
         if not with_moments:
             continue
@@ -193,3 +200,18 @@ def join(
                 "step": files[0]["step"].clone(),
                 **{kind: joined[kind][name] for kind in KINDS[1:]},
             }
+
+
+def check_same_shapes(files: list[dict[str, torch.Tensor]], names: list[str]) -> None:
+    """Every rank's file (``names``) holds the same tensors in the same shapes, as the layouts
+    split them (evenly): a ValueError naming the file and tensor that differ from rank 0's."""
+    first = files[0]
+    for name, tensors in zip(names[1:], files[1:]):
+        for key in first.keys() ^ tensors.keys():
+            raise ValueError(f"{name}: {key} is in one of {names[0]} and {name} only")
+        for key, tensor in tensors.items():
+            if tensor.shape != first[key].shape:
+                raise ValueError(
+                    f"{name}: {key} is {list(tensor.shape)}, {list(first[key].shape)} in "
+                    f"{names[0]} (the ranks' shards of a tensor have one shape)"
+                )

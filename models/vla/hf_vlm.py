@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from embodied.schema import UserError
+
 
 class ImagesOnlyProcessor:
     """Tokenizer + image processor of a VLM directory: ``__call__(text, images)`` expands each
@@ -99,6 +101,17 @@ def load_processor(path: Path):
         return ImagesOnlyProcessor(path)
 
 
+class VLMNotFound(UserError, FileNotFoundError):
+    """``policy.vlm_path`` is not a model directory (a checkpoint's, moved since: one line)."""
+
+
+def missing_vlm(path: str | Path) -> str:
+    return (
+        f"vlm_path: {path} is not a model directory (config.json, weights and processor files, "
+        "as save_pretrained writes them)"
+    )
+
+
 class HFVisionLanguage(nn.Module):
     """(camera images, instruction) -> the VLM's last hidden states f32 [B, L, D] + mask
     bool [B, L]."""
@@ -109,10 +122,7 @@ class HFVisionLanguage(nn.Module):
 
         path = Path(path)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"policy.vlm_path: {path} is not a model directory (config.json, weights and "
-                "processor files, as save_pretrained writes them)"
-            )
+            raise VLMNotFound(f"policy.{missing_vlm(path)}")
         self.processor = load_processor(path)
         full = AutoModelForImageTextToText.from_pretrained(
             path, local_files_only=True, dtype=torch.float32

@@ -16,6 +16,7 @@ Normalization lives in the module's buffers, so in every checkpoint (models/vla/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -30,7 +31,7 @@ from embodied.models.vla.heads import (
     FlowMatchingHead,
     GaussianChunkHead,
 )
-from embodied.models.vla.hf_vlm import HFVisionLanguage
+from embodied.models.vla.hf_vlm import HFVisionLanguage, missing_vlm
 from embodied.models.vla.normalization import NormalizedVLA
 from embodied.schema import EnvSpec, Observation, PolicyOutput, check_at_least
 
@@ -79,8 +80,7 @@ class VLAConfig(PolicyConfig):
     def validate(self) -> None:
         if self.head not in HEADS:
             raise ValueError(f"head: must be one of {sorted(HEADS)}, got {self.head!r}")
-        if self.chunk_size < 1 or self.d_model < 1 or self.layers < 0 or self.heads < 1:
-            raise ValueError("chunk_size, d_model, heads must be >= 1 and layers >= 0")
+        check_at_least(self, 1, "chunk_size", "d_model", "layers", "heads")  # (a fusion layer)
         if self.d_model % self.heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
         check_at_least(self, 1, "flow_steps", "text_hidden", "text_layers")
@@ -90,6 +90,10 @@ class VLAConfig(PolicyConfig):
                 raise ValueError(f"{key}: must be > 0, got {getattr(self, key)}")
         if self.flow_noise_std < 0:
             raise ValueError(f"flow_noise_std: must be >= 0, got {self.flow_noise_std}")
+
+    def check_files(self) -> None:
+        if self.vlm_path and not (Path(self.vlm_path) / "config.json").is_file():
+            raise ValueError(missing_vlm(self.vlm_path))
 
 
 class VLA(NormalizedVLA):

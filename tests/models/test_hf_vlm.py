@@ -66,3 +66,14 @@ def test_vlm_is_frozen_or_fine_tuned(vlm_dir):
             assert all(g is None for g in grads)
         else:
             assert sum(float(g.abs().sum()) for g in grads if g is not None) > 0
+
+
+def test_a_moved_vlm_directory_is_a_one_line_error_naming_the_key(tmp_path):
+    """A checkpoint's policy.vlm_path that is gone (`embodied eval` rebuilds the VLM from it,
+    after the config was checked where it was trained): a UserError naming the key and the
+    path, which the CLI prints as one line, not a FileNotFoundError traceback."""
+    from embodied.models.vla.hf_vlm import HFVisionLanguage
+    from embodied.schema import UserError
+
+    with pytest.raises(UserError, match=rf"^policy.vlm_path: {tmp_path}/gone is not a model dir"):
+        HFVisionLanguage(tmp_path / "gone")
