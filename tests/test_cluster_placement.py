@@ -7,6 +7,7 @@ from cluster_runs import ON_RAY, ROOT, TINY
 
 from embodied.cli import main
 from embodied.cluster.config import ClusterConfig, RoleConfig
+from embodied.cluster.placement import plan_slots
 
 
 def test_an_impossible_placement_is_one_line_before_any_worker_starts(local_ray, tmp_path, capsys):
@@ -29,8 +30,6 @@ def test_an_impossible_placement_is_one_line_before_any_worker_starts(local_ray,
 
 
 def slots_of(**roles):
-    from embodied.cluster.placement import plan_slots
-
     cfg = ClusterConfig(enabled=True, **{k: RoleConfig(**v) for k, v in roles.items()})
     return cfg, plan_slots(cfg)
 
@@ -71,6 +70,15 @@ def slots_of(**roles):
             "hybrid",
             "cluster.env: 1 env worker(s) ask for 1 sim, and the Ray cluster has 0 sim",
         ),
+        # hybrid: the rollout and actor workers' one bundle on no node
+        (
+            dict(rollout=dict(num_cpus=1), actor=dict(num_cpus=1)),
+            [{"CPU": 1.5}, {"CPU": 1.5}],
+            "hybrid",
+            "cluster.placement: hybrid keeps the rollout and actor workers on one node, and they "
+            "ask for 2 CPU in all; no node of the Ray cluster has that much (2 node(s)); use "
+            "cluster.placement=disaggregated",
+        ),
     ],
 )
 def test_a_placement_that_cannot_fit_names_the_role_and_the_resource(
@@ -79,8 +87,9 @@ def test_a_placement_that_cannot_fit_names_the_role_and_the_resource(
     from embodied.cluster.placement import check_fits
     from embodied.config import ConfigError
 
-    cfg, slots = slots_of(**roles)
+    cfg, _ = slots_of(**roles)
     cfg.placement = placement
+    slots = plan_slots(cfg)  # (hybrid: one bundle for the rollout and actor workers)
     with pytest.raises(ConfigError) as raised:
         check_fits(cfg, slots, nodes)
     assert str(raised.value).startswith(error)
@@ -102,6 +111,26 @@ def test_a_placement_that_fits_passes_and_gives_one_bundle_per_worker():
     assert slots[2].resources == {"CPU": 1.0, "GPU": 0.5}
 
 
+def test_hybrid_gives_the_rollout_and_actor_workers_one_bundle():
+    from embodied.cluster.placement import bundles_of, check_fits
+
+    cfg, _ = slots_of()
+    cfg.placement = "hybrid"
+    cfg.env, cfg.rollout = RoleConfig(workers=2, num_cpus=1), RoleConfig(workers=2, num_gpus=0.25)
+    cfg.actor = RoleConfig(num_cpus=2, num_gpus=0.5)
+    slots = plan_slots(cfg)
+    assert [(s.role, s.index, s.bundle) for s in slots] == [
+        ("env", 0, 0),
+        ("env", 1, 1),
+        ("rollout", 0, 2),
+        ("rollout", 1, 2),
+        ("actor", 0, 2),
+    ]
+    assert slots[2].resources == {"CPU": 1.0, "GPU": 0.25}  # (each asks for its own share)
+    assert bundles_of(slots) == [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 4.0, "GPU": 1.0}]
+    check_fits(cfg, slots, [{"CPU": 2.0}, {"CPU": 4.0, "GPU": 1.0}])
+
+
 @pytest.mark.parametrize(
     "roles, nodes, placement, cpus",
     [
@@ -114,12 +143,15 @@ def test_a_placement_that_fits_passes_and_gives_one_bundle_per_worker():
         # collocated counts the largest node; spread placements the whole cluster
         (dict(), [{"CPU": 1.0}, {"CPU": 2.0}], "collocated", [0.666] * 3),
         (dict(), [{"CPU": 1.0}, {"CPU": 2.0}], "disaggregated", [1.0] * 3),
+        # hybrid: the rollout and actor workers' one bundle fits the largest node too
+        (dict(), [{"CPU": 1.0}, {"CPU": 1.0}], "hybrid", [0.5] * 3),
+        (dict(), [{"CPU": 1.0}, {"CPU": 2.0}], "hybrid", [1.0] * 3),
         # explicit requests that take everything: the others ask for one (check_fits names it)
         (dict(actor=dict(num_cpus=2)), [{"CPU": 2.0}], "collocated", [1.0, 1.0, 2.0]),
     ],
 )
 def test_roles_without_num_cpus_share_the_cpus_the_cluster_has(roles, nodes, placement, cpus):
-    from embodied.cluster.placement import check_fits, plan_slots
+    from embodied.cluster.placement import check_fits
 
     cfg = ClusterConfig(enabled=True, placement=placement)
     for role, values in roles.items():
