@@ -48,6 +48,12 @@ class WorkerLost(RuntimeError):
         self.worker = worker
 
 
+class WorkerNotStarted(RuntimeError):
+    """A cluster worker's constructor raised (at the run's start, or when the cluster restarted
+    the worker): it is not tried again, so the run cannot go on. ``str()`` is one line naming
+    the worker and the error."""
+
+
 def load_checkpoint_for(path: str, key: str, trainer_state: bool = True) -> dict:
     """A checkpoint named by config key ``key``; a missing or damaged one is a ``ConfigError``."""
     try:

@@ -366,7 +366,7 @@ def test_data_parallel_actor_workers_give_the_embedded_numbers_and_a_lost_one_st
     message = str(lost.value)
     assert killed and "\n" not in message
     assert message.startswith(f"actor worker 1 (pid {killed[0]} on {os.uname().nodename}) lost: ")
-    assert message.endswith("the learner's state is lost: resume from the run's last checkpoint")
+    assert message.endswith("; the learner's state (weights, optimizer) was lost with it")
     assert load_checkpoint(tmp_path / "ray")["counters"]["iteration"] == 2
     status = json.loads((tmp_path / "ray" / "cluster.json").read_text())
     ranks = [w["pid"] for w in status["workers"] if w["role"] == "actor"]

@@ -283,11 +283,11 @@ def test_a_simulator_error_mid_round_ends_the_round_with_that_error(local_ray, t
 
 
 def test_a_role_lost_too_often_stops_the_run_with_a_resumable_checkpoint(
-    local_ray, tmp_path, monkeypatch
+    local_ray, tmp_path, monkeypatch, capsys
 ):
     """cluster.max_restarts 0: the first lost round stops the run, with one line naming the
     worker (its process, task, rows and the round's seeds); the last completed iteration is
-    saved first."""
+    saved first, and no round is said to be collected again."""
     saboteur = Saboteur(tmp_path)
     recorder = Arming(saboteur, tmp_path / "ray", {1: "self"})
     recorder.patch(monkeypatch)
@@ -309,6 +309,8 @@ def test_a_role_lost_too_often_stops_the_run_with_a_resumable_checkpoint(
     checkpoint = load_checkpoint(tmp_path / "ray")
     assert checkpoint["counters"]["iteration"] == 1
     assert checkpoint["counters"]["env_steps"] == 8 * 3
+    assert "collected again" not in capsys.readouterr().out
+    assert discarded_rounds(rows(tmp_path / "ray")) == []
 
 
 @pytest.mark.slow  # (about 20 s)

@@ -25,9 +25,15 @@ PASSED_ENV = (
 def start_ray(cfg: ClusterConfig) -> bool:
     """Join ``cfg.address`` or start a local Ray (unless this process has one already); whether
     this call started it. Workers get the driver's module path (a simulator registered in the
-    user's script imports there too) and the environment variables in ``PASSED_ENV``."""
-    import ray
-
+    user's script imports there too) and the environment variables in ``PASSED_ENV``. Without
+    Ray installed: a ``ConfigError`` naming the install."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "cluster.enabled: the roles on Ray need Ray, which is not installed here: "
+            "pip install 'embodied[ray]' (or set cluster.enabled=false)"
+        ) from None
     if ray.is_initialized():
         return False
     env_vars = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
