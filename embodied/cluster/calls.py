@@ -14,6 +14,10 @@ from embodied.roles import WorkerLost, WorkerNotStarted
 from embodied.schema import UserError
 
 RESTART_TIMEOUT_S = 300.0  # how long a lost worker may take to come back
+RAY_GONE = (
+    "Ray's GCS no longer answers: the cluster's daemons stopped (a signal to every process of "
+    "the job?), and nothing can be restarted"
+)
 
 
 def get(refs, role: str, name=None):
@@ -131,8 +135,26 @@ def wait_alive(role: str, worker, name: str | None = None) -> None:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
             if getattr(error, "actor_init_failed", False):
                 raise lost(role, error, name) from None
+            if not control_plane_up():
+                raise WorkerLost(role, RAY_GONE, name) from None
             if time.time() > deadline:
                 raise WorkerLost(
                     role, f"not back {RESTART_TIMEOUT_S:.0f} s after it was lost", name
                 ) from None
             time.sleep(0.5)
+
+
+def control_plane_up(timeout_s: float = 2.0) -> bool:
+    """Whether Ray's GCS still answers a connection: a signal to every process of a job stops
+    the daemons of a cluster the run joined (and with them every worker), and a call through
+    them then waits until Ray ends this process, 60 s on."""
+    import socket
+
+    import ray
+
+    host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from embodied.cluster.calls import get, lost
+from embodied.cluster.calls import RAY_GONE, control_plane_up, get, lost
 from embodied.cluster.direct import NotConnected, members_of
 from embodied.cluster.envs import split_env
 from embodied.cluster.evaluation import Evaluation
@@ -303,6 +303,8 @@ class RayRoles:
                     f"(cluster.max_restarts={limit})",
                     error.worker,
                 )
+            if not control_plane_up():
+                raise WorkerLost(error.role, f"{error.detail}; {RAY_GONE}", error.worker)
             try:
                 self._restore()
                 return
@@ -364,16 +366,18 @@ class RayRoles:
 
         if not ray.is_initialized():
             return
+        # (Ray's daemons stopped by a signal to every process: nothing to close through them)
+        up = control_plane_up()
         for role in ("env", "eval"):  # (their environments closed first)
-            if role in self.groups:
+            if role in self.groups and up:
                 self.groups[role].close()
         written = (self.run_dir / STATUS_FILE).exists()  # (at the run's first weight sync)
         if written and hasattr(self, "since"):
             self.ended = time.time()
             self._write_status()
-        for group in self.groups.values():
+        for group in self.groups.values() if up else ():
             group.kill()
-        if self.group is not None:
+        if self.group is not None and up:
             ray.util.remove_placement_group(self.group)
         if self.started:
             ray.shutdown()
