@@ -41,7 +41,7 @@ def training_rows(run: Path) -> int:
     return sum("policy/loss" in json.loads(line) for line in lines if line.endswith("}"))
 
 
-@pytest.mark.slow  # (about 40 s: a run through the command line, on a Ray of its own)
+@pytest.mark.slow  # (about 20 s: a run through the command line, on a Ray of its own)
 def test_sigterm_to_every_process_of_a_cluster_run_saves_its_last_iteration(tmp_path):
     run = tmp_path / "run"
     argv = [
