@@ -85,7 +85,7 @@ def _load(args):
 def cmd_train(args) -> int:
     from embodied.checkpoint import CheckpointWriteError
     from embodied.config import ConfigError
-    from embodied.roles import WorkerLost
+    from embodied.roles import WorkerLost, WorkerNotStarted
     from embodied.run import NonFiniteUpdate, Stopped
     from embodied.runner import train
 
@@ -102,10 +102,25 @@ def cmd_train(args) -> int:
     except (CheckpointWriteError, NonFiniteUpdate) as e:  # (what stands is in the message)
         _error(str(e))
         return 1
-    except WorkerLost as e:  # a cluster role that kept failing: the last checkpoint resumes
-        print(f"embodied: error: {e}; resume with runner.resume={_run_dir(cfg)}", file=sys.stderr)
+    except (WorkerLost, WorkerNotStarted) as e:  # a cluster role lost (or one that never started)
+        print(f"embodied: error: {e}{_resume_hint(cfg)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _resume_hint(cfg) -> str:
+    """How to go on after a run that failed: from its last checkpoint, or afresh where it has
+    none (it stopped before its first save); nothing where it never began (no run directory)."""
+    from embodied.checkpoint import resolve_checkpoint
+
+    run_dir = _run_dir(cfg)
+    if not run_dir.is_dir():
+        return ""
+    try:
+        resolve_checkpoint(run_dir)
+    except FileNotFoundError:
+        return f"; {run_dir} has no checkpoint to resume from: start the run again"
+    return f"; resume with runner.resume={run_dir}"
 
 
 def _run_dir(cfg) -> Path:

@@ -38,12 +38,20 @@ from embodied.streams import Stream, resumed
 
 class WorkerLost(RuntimeError):
     """A worker process of a role died (a crash, ``kill -9``, out of memory). What it was doing
-    is lost; the cluster restarts the worker, and the runner collects the round again."""
+    is lost; the cluster restarts the worker, and the runner collects the round again.
+    ``worker`` names it where that is known ("env worker 1 (pid 4242 on node-a; tasks ...)")."""
 
-    def __init__(self, role: str, detail: str):
-        super().__init__(f"{role} worker lost: {detail}")
+    def __init__(self, role: str, detail: str, worker: str | None = None):
+        super().__init__(f"{worker or role + ' worker'} lost: {detail}")
         self.role = role
         self.detail = detail
+        self.worker = worker
+
+
+class WorkerNotStarted(RuntimeError):
+    """A cluster worker's constructor raised (at the run's start, or when the cluster restarted
+    the worker): it is not tried again, so the run cannot go on. ``str()`` is one line naming
+    the worker and the error."""
 
 
 def load_checkpoint_for(path: str, key: str, trainer_state: bool = True) -> dict:

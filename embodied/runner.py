@@ -460,6 +460,9 @@ class Runner:
             except WorkerLost as lost:
                 failures += 1
                 stats.totals.copy_(totals)
+                # (a loss that stops the run, a lost actor's or one too many, raises here: the
+                # run's failure says so, and no round is collected again)
+                self.roles.recover(lost, failures)
                 self.state.discarded_rounds += 1
                 self._event("discarded_round", f"iteration {iteration}: {lost}")
                 self.bar.write(
@@ -471,7 +474,6 @@ class Runner:
                     step=self.collected.env_steps,
                     iteration=iteration,
                 )
-                self.roles.recover(lost, failures)
 
     def _episode_base(self) -> int:
         """Episode ids of the next round start here: a round of T chunks of K actions ends at

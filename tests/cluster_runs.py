@@ -138,8 +138,9 @@ class Recorder:
             assert torch.equal(state, torch.arange(3.0)[:, None].expand(3, 8))
 
 
-def roles_on(tmp_path, cluster: dict, policy: dict, env_factory) -> RayRoles:
-    """The roles of a one-round GRPO run on 8 environments of ``env_factory``, started."""
+def roles_on(tmp_path, cluster: dict, policy: dict, env_factory, env=None) -> RayRoles:
+    """The roles of a one-round GRPO run on 8 environments of ``env_factory``, started
+    (``env``: more of the env config)."""
     from embodied.cluster import ray_roles
     from embodied.config import compose
 
@@ -147,7 +148,7 @@ def roles_on(tmp_path, cluster: dict, policy: dict, env_factory) -> RayRoles:
         "seed": 0,
         "policy": policy,
         "algorithm": ONE_ROUND,
-        "env": {"num_envs": 8},
+        "env": {"num_envs": 8, **(env or {})},
         "cluster": cluster,
         "runner": {"output_dir": str(tmp_path), "progress": False},
     }

@@ -29,7 +29,8 @@ def local_ray():
     from embodied.cluster.config import ClusterConfig
     from embodied.cluster.start import start_ray
 
-    start_ray(ClusterConfig(num_cpus=2))
+    # (nothing here signals its processes: they heed SIGTERM, and the shutdown is 4 s faster)
+    start_ray(ClusterConfig(num_cpus=2), hold_sigterm=False)
     yield
     ray.shutdown()
 

@@ -147,12 +147,14 @@ class ScriptedEnv:
 
 
 class PushRightEnv:
-    def __init__(self, num_envs: int, threshold: float = 0.5, device: str = "cpu"):
+    def __init__(self, num_envs: int, threshold: float = 0.5, device: str = "cpu", privileged=()):
         self.num_envs = num_envs
         self.device = torch.device(device)
         self.threshold = threshold
+        self.privileged = privileged  # simulator-only keys, observed as zeros f32 [B, 1]
+        cameras = (CameraSpec("cam", 32, 32),)
         self.spec = EnvSpec(
-            obs=ObsSpec(cameras=(CameraSpec("cam", 32, 32),), state_names=("t",)),
+            obs=ObsSpec(cameras, ("t",), {key: (1,) for key in privileged}),
             action=ActionSpec("joint_delta", ("x", "y"), (-1.0, -1.0), (1.0, 1.0)),
             max_episode_steps=3,
             instructions=("push right",),
@@ -169,6 +171,9 @@ class PushRightEnv:
             state=self.t.float()[:, None],
             instruction=["push right"] * self.num_envs,
             images={"cam": self.images.clone()},
+            privileged={
+                k: torch.zeros(self.num_envs, 1, device=self.device) for k in self.privileged
+            },
         )
 
     def reset(self, *, seed=None, env_ids=None):
@@ -313,6 +318,21 @@ def push_right_tasks(env_cfg) -> MultiTaskEnv:
     share of ``env_cfg.num_envs`` each."""
     each = env_cfg.num_envs // len(env_cfg.tasks)
     envs = [PushRightEnv(each, threshold=PUSH_RIGHT_TASKS[task]) for task in env_cfg.tasks]
+    return MultiTaskEnv(envs, list(env_cfg.tasks))
+
+
+# the test tasks' privileged keys where they differ (as PickCube's ``is_grasped`` in the README's
+# multi-task set): a run of both observes the keys both have
+PRIVILEGED = {"near": ("goal",), "far": ("goal", "extra")}
+
+
+def push_right_tasks_with_goals(env_cfg) -> MultiTaskEnv:
+    """``push_right_tasks``, each task observing its ``PRIVILEGED`` keys."""
+    each = env_cfg.num_envs // len(env_cfg.tasks)
+    envs = [
+        PushRightEnv(each, threshold=PUSH_RIGHT_TASKS[task], privileged=PRIVILEGED[task])
+        for task in env_cfg.tasks
+    ]
     return MultiTaskEnv(envs, list(env_cfg.tasks))
 
 

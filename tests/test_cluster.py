@@ -23,11 +23,19 @@ from cluster_runs import (
     block_ray,
     discarded_rounds,
     pushcube,
+    roles_on,
     rows,
     untimed,
 )
 from safetensors.torch import load_file
-from scripted_envs import PUSH_RIGHT_TASKS, PushRightEnv, push_right_envs, push_right_tasks, run_on
+from scripted_envs import (
+    PUSH_RIGHT_TASKS,
+    PushRightEnv,
+    push_right_envs,
+    push_right_tasks,
+    push_right_tasks_with_goals,
+    run_on,
+)
 
 from embodied.checkpoint import load_checkpoint
 from embodied.cluster.envs import RemoteEnvGroup
@@ -35,9 +43,11 @@ from embodied.cluster.inference import RemoteInference
 from embodied.cluster.learner import RemoteLearner
 from embodied.cluster.roles import RayRoles
 from embodied.config import load_config
+from embodied.episode_stats import EpisodeStats
 from embodied.multitask import MultiTaskEnv
 from embodied.replay import differences, replay
 from embodied.roles import WorkerLost
+from embodied.rollout import CollectPlan
 from embodied.runner import train
 from embodied.train_config import TrainConfig
 
@@ -254,6 +264,27 @@ def test_grpo_on_two_env_workers_gives_the_embedded_numbers(local_ray, tmp_path,
     assert synced and all(b == trainable for b in synced)
 
 
+@pytest.mark.slow  # (8 s; restarted env workers that infer get their keys back in the suite)
+def test_env_workers_that_infer_act_on_the_privileged_keys_every_task_has(local_ray, tmp_path):
+    """``rollout.workers: 0``, one task per env worker, ``far`` observing a privileged key that
+    ``near`` lacks: each env worker's policy copy is built for the keys both have, as the
+    learner's is, so the actor-critic (which reads every privileged key it is given) takes the
+    learner's weights, and a round holds those keys only."""
+    policy = {"name": "actor_critic", "hidden_sizes": [8], "use_images": False}
+    cluster = {**TWO_ENV_WORKERS, "rollout": dict(workers=0)}
+    tasks = {"tasks": ["far", "near"]}
+    roles = roles_on(tmp_path, cluster, policy, push_right_tasks_with_goals, tasks)
+    plan = CollectPlan(seeds=3, group_of_env=torch.full((8,), -1), num_chunks=3, episode_base=0)
+    try:
+        roles.sync(0)  # (all the weights: a copy of other shapes would refuse them)
+        stats = EpisodeStats(8, roles.envs.task_names, torch.device("cpu"))
+        batch = roles.collect(roles.envs.reset(seed=plan.seeds), plan, stats).fetch()
+    finally:
+        roles.close()
+    assert list(batch.obs.privileged) == ["goal"]
+    assert batch.obs.privileged["goal"].shape == (3, 8, 1)
+
+
 def test_env_workers_holding_different_tasks_evaluate_as_the_embedded_run(
     local_ray, tmp_path, one_thread, monkeypatch
 ):
@@ -334,8 +365,8 @@ def test_data_parallel_actor_workers_give_the_embedded_numbers_and_a_lost_one_st
         run_on(None, tmp_path / "ray", **kw)
     message = str(lost.value)
     assert killed and "\n" not in message
-    assert message.startswith("actor worker lost: ")
-    assert message.endswith("the learner's state is lost: resume from the run's last checkpoint")
+    assert message.startswith(f"actor worker 1 (pid {killed[0]} on {os.uname().nodename}) lost: ")
+    assert message.endswith("; the learner's state (weights, optimizer) was lost with it")
     assert load_checkpoint(tmp_path / "ray")["counters"]["iteration"] == 2
     status = json.loads((tmp_path / "ray" / "cluster.json").read_text())
     ranks = [w["pid"] for w in status["workers"] if w["role"] == "actor"]

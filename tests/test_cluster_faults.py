@@ -4,6 +4,7 @@ role lost too often, or a rank lost inside the update, stops the run with one li
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from cluster_runs import (
     rows,
     run_rounds,
 )
-from scripted_envs import Saboteur, push_right_envs, run_on
+from scripted_envs import Saboteur, push_right_envs, push_right_tasks_with_goals, run_on
 
 from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
@@ -93,6 +94,19 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     assert summary["env_steps"] == 8 * 3 * iterations  # the lost rounds are not counted
     status = json.loads((run_dir / "cluster.json").read_text())
     assert [e["role"] for e in status["events"]] == ["env", "rollout", "env"]
+    # each loss names the worker: its index and the process it was, and an env worker's task,
+    # rows and seeds: its round's reset (GRPO: a group's 4 rows share one), or its episodes of
+    # the final evaluation (held out: 3e9 on; 8 of the 16 each)
+    host = os.uname().nodename
+    named = [e["worker"] for e in status["events"]]
+    first, last = (int(named[event].split()[2]) for event in (0, 2))
+    envs = [f"envs {4 * index}-{4 * index + 3}" for index in (first, last)]
+    where = [f"pid {pid} on {host}; task all" for pid in (killed_env, saboteur.killed(3))]
+    round_seed = rf"env worker {first} \({re.escape(where[0])}; {envs[0]}; seed \d+\)"
+    assert re.fullmatch(round_seed, named[0])
+    seeds = f"seeds {3 * 10**9 + 8 * last}..{3 * 10**9 + 8 * last + 7}"
+    assert named[2] == f"env worker {last} ({where[1]}; {envs[1]}; {seeds})"
+    assert named[1] == f"rollout worker 0 (pid {killed_rollout} on {host})"
     pids = {(w["role"], w["index"]): w["pid"] for w in status["workers"]}
     assert killed_env not in (pids[("env", 0)], pids[("env", 1)])
     assert saboteur.killed(3) not in (pids[("env", 0)], pids[("env", 1)])
@@ -109,8 +123,8 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
         ["actor", "0"],
     ]
     assert shown[6] == "faults: 3"
-    assert "env worker lost" in shown[7] and "rollout worker lost" in shown[8]
-    assert "env worker lost" in shown[9]
+    for line, worker in zip(shown[7:], named):
+        assert f": {worker} lost (" in line
     assert len(recorder.samples) == iterations
     recorder.assert_whole_rounds()
     # one episode per environment and round: nothing of the lost rounds was counted
@@ -180,14 +194,38 @@ def killed_and_restarted(worker) -> int:
             time.sleep(0.1)
 
 
-@pytest.mark.slow  # (25 s)
+# why the worker was found restarted: without its connections, without the learner's weights,
+# outside the weight-sync group
+UNLINKED = "restarted since the last round: not connected"
+UNSYNCED = "restarted since the last sync: its policy copy has none of the learner's weights"
+UNGROUPED = "restarted since the last sync: not in the weight-sync group"
+
+
+@pytest.mark.slow  # (25 s each)
+@pytest.mark.parametrize(
+    "weight_sync, rollout_workers, killed_workers, discarded, details",
+    [
+        ("object_store", 1, [("env", 0), ("rollout", 0)], [(2, 1)], [UNLINKED, UNSYNCED]),
+        ("broadcast", 1, [("env", 0), ("rollout", 0)], [(2, 1)], [UNLINKED, UNGROUPED]),
+        ("object_store", 0, [("env", 0), ("env", 1)], [], [UNSYNCED, UNSYNCED]),
+    ],
+)
 def test_workers_restarted_between_rounds_are_found_unconnected_and_brought_back(
-    local_ray, tmp_path, monkeypatch
+    local_ray,
+    tmp_path,
+    monkeypatch,
+    weight_sync,
+    rollout_workers,
+    killed_workers,
+    discarded,
+    details,
 ):
-    """An env worker dies and is restarted while the first update runs, the rollout worker
-    while the second does: each next round finds it without its connections, loses that round
-    and collects it again once everyone is connected afresh (and the rollout worker has all
-    the weights again)."""
+    """A worker dies and is restarted while the first update runs, another while the second
+    does. An env worker without its connections is found by the next round, which it loses and
+    which is collected again once everyone is connected afresh. A policy copy (a rollout worker,
+    or an env worker's with ``rollout.workers: 0``) without the learner's weights, or outside
+    the weight-sync group, is found by the sync after the update, which sends it every weight
+    (the frozen ones too) in a new group, its stream restored: no round is lost to it."""
     recorder = Recorder()
     start_update = recorder.start_update
     roles_seen = watch_roles(monkeypatch)
@@ -197,21 +235,27 @@ def test_workers_restarted_between_rounds_are_found_unconnected_and_brought_back
         pending = start_update(learner)
         updates = len(recorder.samples)
         if updates in (1, 2):
-            role = "env" if updates == 1 else "rollout"
-            killed.append(killed_and_restarted(roles_seen[0].groups[role].workers[0]))
+            role, index = killed_workers[updates - 1]
+            killed.append(killed_and_restarted(roles_seen[0].groups[role].workers[index]))
         return pending
 
     recorder.start_update = start_update_then_kill
     recorder.patch(monkeypatch)
     iterations = 4
-    run_rounds(tmp_path / "ray", iterations)
+    cluster = {
+        **TWO_ENV_WORKERS,
+        "rollout": dict(workers=rollout_workers, num_cpus=0.5 * rollout_workers),
+        "weight_sync": weight_sync,
+    }
+    run_rounds(tmp_path / "ray", iterations, cluster=cluster)
     assert len(killed) == 2
     table = rows(tmp_path / "ray")
-    assert discarded_rounds(table) == [(2, 1), (3, 2)]
+    assert discarded_rounds(table) == discarded
     assert len([r for r in table if "policy/loss" in r]) == iterations
     events = json.loads((tmp_path / "ray" / "cluster.json").read_text())["events"]
-    assert [e["role"] for e in events] == ["env", "rollout"]
-    assert all("not connected" in e["detail"] for e in events)
+    assert [(e["role"], e["detail"]) for e in events] == [
+        (role, detail) for (role, _), detail in zip(killed_workers, details)
+    ]
     recorder.assert_whole_rounds()
 
 
@@ -239,10 +283,11 @@ def test_a_simulator_error_mid_round_ends_the_round_with_that_error(local_ray, t
 
 
 def test_a_role_lost_too_often_stops_the_run_with_a_resumable_checkpoint(
-    local_ray, tmp_path, monkeypatch
+    local_ray, tmp_path, monkeypatch, capsys
 ):
-    """cluster.max_restarts 0: the first lost round stops the run; the last completed
-    iteration is saved first."""
+    """cluster.max_restarts 0: the first lost round stops the run, with one line naming the
+    worker (its process, task, rows and the round's seeds); the last completed iteration is
+    saved first, and no round is said to be collected again."""
     saboteur = Saboteur(tmp_path)
     recorder = Arming(saboteur, tmp_path / "ray", {1: "self"})
     recorder.patch(monkeypatch)
@@ -257,11 +302,15 @@ def test_a_role_lost_too_often_stops_the_run_with_a_resumable_checkpoint(
         )
     message = str(lost.value)
     assert "\n" not in message
-    assert message.startswith("env worker lost: ")
+    host = os.uname().nodename
+    worker = f"env worker 0 (pid {saboteur.killed(1)} on {host}; task all; envs 0-7; seeds 2, 3)"
+    assert message.startswith(f"{worker} lost: ")
     assert message.endswith("1 rounds in a row lost (cluster.max_restarts=0)")
     checkpoint = load_checkpoint(tmp_path / "ray")
     assert checkpoint["counters"]["iteration"] == 1
     assert checkpoint["counters"]["env_steps"] == 8 * 3
+    assert "collected again" not in capsys.readouterr().out
+    assert discarded_rounds(rows(tmp_path / "ray")) == []
 
 
 @pytest.mark.slow  # (about 20 s)
@@ -310,7 +359,7 @@ def test_a_rank_lost_inside_the_update_collective_stops_the_run_with_one_line(
         )
     message = str(lost.value)
     assert len(killed) == 1 and "\n" not in message
-    assert message.startswith("actor worker lost: ")
+    assert message.startswith(f"actor worker 1 (pid {killed[0]} on {os.uname().nodename}) lost: ")
     assert outcomes == ["WorkerLost"]  # lost inside the update
     assert "policy/loss" not in (tmp_path / "ray" / "metrics.jsonl").read_text()
     assert not list((tmp_path / "ray").glob("checkpoints/iter_*"))
@@ -344,3 +393,90 @@ def test_the_first_observations_lost_with_their_env_worker_lose_only_that_round(
     assert killed
     what = "the first observations were"
     assert_one_round_lost_with_an_env_worker(tmp_path / "ray", iterations, what)
+
+
+def die_soon(worker) -> None:
+    """Run in a worker (``__ray_call__``): SIGKILL itself a second from now, so that the call
+    the driver sends it next is in flight when it dies (the moment is asserted nowhere)."""
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def weights_of(worker) -> tuple[dict, int | None, dict | None]:
+    """Run in a worker: its policy's state dict (the learner's, or its inference copy's), the
+    copy's weight version and its stream."""
+    if hasattr(worker, "learner"):
+        return worker.learner.engine.torch_policy.state_dict(), None, None
+    return worker.inference.policy.state_dict(), worker.version, worker.stream.state()
+
+
+def test_env_workers_that_infer_and_are_restarted_get_back_all_the_run_gave_them(
+    local_ray, tmp_path, monkeypatch, capsys
+):
+    """``rollout.workers: 0``, weights by broadcast, env workers of two tasks whose privileged
+    keys differ (``far`` observes one more than ``near``). Env worker 0 dies and is restarted
+    while the first update runs: the sync after it finds the worker outside the sync group with
+    none of the weights. Env worker 1 dies while the timing call after that sync is in
+    flight. Each is replaced where it is found, as in a sync: before it acts again it is back in
+    a sync group, with all the weights (the frozen vision encoder's too), its stream as the last
+    round left it, and the privileged keys both tasks have. No round is lost."""
+    roles_seen = watch_roles(monkeypatch)
+    collect, start_update, metrics = RayRoles.collect, RemoteLearner.start_update, RayRoles.metrics
+    killed, rounds = [], []  # rounds: per round and env worker (version, differing, same stream)
+
+    def check_then_collect(roles, *args, **kw):
+        actor, _, _ = ray.get(roles.learner.workers[0].__ray_call__.remote(weights_of))
+        for index, worker in enumerate(roles.envs.workers):
+            copy, version, stream = ray.get(worker.__ray_call__.remote(weights_of))
+            differ = [k for k in actor if not torch.equal(copy[k], actor[k])]
+            kept = roles.inference.streams[f"rollout/{index}"]["cpu"]
+            rounds.append((version, len(differ), torch.equal(stream["cpu"], kept)))
+        return collect(roles, *args, **kw)
+
+    def kill_in_the_update(learner):
+        pending = start_update(learner)
+        if not killed:
+            killed.append(killed_and_restarted(roles_seen[0].envs.workers[0]))
+        return pending
+
+    def kill_in_the_timing_call(roles):
+        if roles.inference.version == 1 and len(killed) == 1:
+            killed.append(ray.get(roles.envs.workers[1].ping.remote()))
+            roles.envs.workers[1].__ray_call__.remote(die_soon)
+        return metrics(roles)
+
+    monkeypatch.setattr(RayRoles, "collect", check_then_collect)
+    monkeypatch.setattr(RemoteLearner, "start_update", kill_in_the_update)
+    monkeypatch.setattr(RayRoles, "metrics", kill_in_the_timing_call)
+    cluster = {**TWO_ENV_WORKERS, "rollout": dict(workers=0), "weight_sync": "broadcast"}
+    run_dir = tmp_path / "ray"
+    iterations = 2
+    run_on(
+        None,
+        run_dir,
+        total_env_steps=8 * 3 * iterations,
+        cluster=cluster,
+        env_factory=push_right_tasks_with_goals,
+        env_cfg={"tasks": ["far", "near"]},
+        algorithm=ONE_ROUND,
+    )
+    assert len(killed) == 2
+    table = rows(run_dir)
+    assert len([r for r in table if "policy/loss" in r]) == iterations
+    assert discarded_rounds(table) == []  # (found in the sync and the timing call)
+    # every round: both copies at the last update's version, equal to the actor's weights in
+    # every entry, each drawing from the stream the last round left it
+    assert rounds == [(version, 0, True) for version in range(iterations) for _ in range(2)]
+    events = json.loads((run_dir / "cluster.json").read_text())["events"]
+    host = os.uname().nodename
+    named = [
+        f"env worker {i} (pid {pid} on {host}; task {task}; envs {4 * i}-{4 * i + 3}; seed "
+        for i, (pid, task) in enumerate(zip(killed, ("far", "near")))
+    ]
+    assert [e["worker"][: len(prefix)] for e, prefix in zip(events, named)] == named
+    assert events[0]["detail"] == UNGROUPED
+    assert len(events) == 2
+    said = capsys.readouterr().out  # (each loss, on the console as a lost round's is)
+    assert f"{events[0]['worker']} lost: {UNGROUPED}; replaced, the weights sent again" in said
+    assert f"{events[1]['worker']} lost: " in said
+    assert "; replaced, its busy time since the last iteration lost (failure 1 in a row)" in said

@@ -1,18 +1,20 @@
 """Two Ray nodes on this machine (Ray's own multi-node test cluster): a simulator node and a
-learner node, told apart by custom resources. The roles land where the placement says."""
+learner node, told apart by custom resources, of one CPU each. The roles land where the
+placement says."""
 
 import json
 
 import pytest
 from scripted_envs import GRPO, push_right_envs, run_on
 
-from embodied.cluster.config import ClusterConfig
+from embodied.cluster.config import ClusterConfig, RoleConfig
+from embodied.cluster.placement import place
 from embodied.cluster.start import start_ray
 
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_nodes():
     from ray.cluster_utils import Cluster
 
@@ -45,3 +47,19 @@ def test_env_workers_on_one_node_and_the_learner_on_the_other(two_nodes, tmp_pat
     status = json.loads((tmp_path / "run" / "cluster.json").read_text())
     nodes = {w["role"]: w["node_id"] for w in status["workers"]}
     assert nodes == {"env": sim_node, "rollout": learn_node, "actor": learn_node}
+
+
+def test_hybrid_keeps_the_rollout_and_actor_workers_on_one_node(two_nodes):
+    """Three workers of half a CPU on two nodes of one: ``hybrid`` reserves one bundle for the
+    rollout and actor workers, on one node, and the env worker's on the other (PACK over a
+    bundle each had put the env and rollout workers together, and the actor worker apart)."""
+    half = RoleConfig(num_cpus=0.5)
+    cfg = ClusterConfig(enabled=True, placement="hybrid", env=half, rollout=half, actor=half)
+    group, slots = place(cfg)
+    try:
+        nodes = ray.util.placement_group_table(group)["bundles_to_node_id"]
+        where = {slot.role: nodes[slot.bundle] for slot in slots}
+    finally:
+        ray.util.remove_placement_group(group)
+    assert where["rollout"] == where["actor"] != where["env"]
+    assert set(where.values()) == set(two_nodes)

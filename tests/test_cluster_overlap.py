@@ -100,8 +100,9 @@ def test_an_evaluation_worker_answers_while_it_evaluates_and_its_loss_loses_one_
         assert not long.ready()  # those calls were answered while it ran
         evaluators = roles.groups["eval"]
         (evaluator,) = evaluators.workers
-        os.kill(ray.get(evaluator.ping.remote()), signal.SIGKILL)
-        with pytest.raises(WorkerLost, match="^eval worker lost: "):
+        pid = ray.get(evaluator.ping.remote())
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerLost, match=rf"^eval worker 0 \(pid {pid} on .+\) lost: "):
             long.result()
         before = {role: group.heartbeat for role, group in roles.groups.items()}
         evaluators.lost = False

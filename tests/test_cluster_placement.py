@@ -1,12 +1,36 @@
 """Placement: roles' resources planned, checked against the Ray cluster before any worker
 starts (one line naming the role and the resource), and env configs split over env
-workers."""
+workers. What stops a cluster run before or at its start, or for good (Ray missing, a worker
+that cannot start, a lost actor worker), is one line that says what there is to resume."""
+
+import os
+import re
+import signal
 
 import pytest
-from cluster_runs import ON_RAY, ROOT, TINY
+import torch
+from cluster_runs import ON_RAY, ROOT, TINY, block_ray, roles_on, rows
+from tiny_runs import TINY_REACH
 
 from embodied.cli import main
 from embodied.cluster.config import ClusterConfig, RoleConfig
+from embodied.cluster.placement import plan_slots
+from embodied.cluster.roles import RayRoles
+
+ray = pytest.importorskip("ray")
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+
+
+def test_ray_missing_is_one_line_naming_the_install(tmp_path, capsys, monkeypatch):
+    """(First in the module: the other tests' Ray, once started, imports its modules.)"""
+    block_ray(monkeypatch)
+    argv = ["train", str(ROOT / "configs/mujoco/reach_ppo.yaml"), *TINY_REACH]
+    assert main([*argv, f"runner.output_dir={tmp_path}", "cluster.enabled=true"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "embodied: error: cluster.enabled: the roles on Ray need Ray, which is not installed "
+        "here: pip install 'embodied[ray]' (or set cluster.enabled=false)"
+    ]
+    assert list(tmp_path.iterdir()) == []  # nothing was made
 
 
 def test_an_impossible_placement_is_one_line_before_any_worker_starts(local_ray, tmp_path, capsys):
@@ -29,8 +53,6 @@ def test_an_impossible_placement_is_one_line_before_any_worker_starts(local_ray,
 
 
 def slots_of(**roles):
-    from embodied.cluster.placement import plan_slots
-
     cfg = ClusterConfig(enabled=True, **{k: RoleConfig(**v) for k, v in roles.items()})
     return cfg, plan_slots(cfg)
 
@@ -71,6 +93,15 @@ def slots_of(**roles):
             "hybrid",
             "cluster.env: 1 env worker(s) ask for 1 sim, and the Ray cluster has 0 sim",
         ),
+        # hybrid: the rollout and actor workers' one bundle on no node
+        (
+            dict(rollout=dict(num_cpus=1), actor=dict(num_cpus=1)),
+            [{"CPU": 1.5}, {"CPU": 1.5}],
+            "hybrid",
+            "cluster.placement: hybrid keeps the rollout and actor workers on one node, and they "
+            "ask for 2 CPU in all; no node of the Ray cluster has that much (2 node(s)); use "
+            "cluster.placement=disaggregated",
+        ),
     ],
 )
 def test_a_placement_that_cannot_fit_names_the_role_and_the_resource(
@@ -79,8 +110,9 @@ def test_a_placement_that_cannot_fit_names_the_role_and_the_resource(
     from embodied.cluster.placement import check_fits
     from embodied.config import ConfigError
 
-    cfg, slots = slots_of(**roles)
+    cfg, _ = slots_of(**roles)
     cfg.placement = placement
+    slots = plan_slots(cfg)  # (hybrid: one bundle for the rollout and actor workers)
     with pytest.raises(ConfigError) as raised:
         check_fits(cfg, slots, nodes)
     assert str(raised.value).startswith(error)
@@ -102,6 +134,26 @@ def test_a_placement_that_fits_passes_and_gives_one_bundle_per_worker():
     assert slots[2].resources == {"CPU": 1.0, "GPU": 0.5}
 
 
+def test_hybrid_gives_the_rollout_and_actor_workers_one_bundle():
+    from embodied.cluster.placement import bundles_of, check_fits
+
+    cfg, _ = slots_of()
+    cfg.placement = "hybrid"
+    cfg.env, cfg.rollout = RoleConfig(workers=2, num_cpus=1), RoleConfig(workers=2, num_gpus=0.25)
+    cfg.actor = RoleConfig(num_cpus=2, num_gpus=0.5)
+    slots = plan_slots(cfg)
+    assert [(s.role, s.index, s.bundle) for s in slots] == [
+        ("env", 0, 0),
+        ("env", 1, 1),
+        ("rollout", 0, 2),
+        ("rollout", 1, 2),
+        ("actor", 0, 2),
+    ]
+    assert slots[2].resources == {"CPU": 1.0, "GPU": 0.25}  # (each asks for its own share)
+    assert bundles_of(slots) == [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 4.0, "GPU": 1.0}]
+    check_fits(cfg, slots, [{"CPU": 2.0}, {"CPU": 4.0, "GPU": 1.0}])
+
+
 @pytest.mark.parametrize(
     "roles, nodes, placement, cpus",
     [
@@ -114,12 +166,15 @@ def test_a_placement_that_fits_passes_and_gives_one_bundle_per_worker():
         # collocated counts the largest node; spread placements the whole cluster
         (dict(), [{"CPU": 1.0}, {"CPU": 2.0}], "collocated", [0.666] * 3),
         (dict(), [{"CPU": 1.0}, {"CPU": 2.0}], "disaggregated", [1.0] * 3),
+        # hybrid: the rollout and actor workers' one bundle fits the largest node too
+        (dict(), [{"CPU": 1.0}, {"CPU": 1.0}], "hybrid", [0.5] * 3),
+        (dict(), [{"CPU": 1.0}, {"CPU": 2.0}], "hybrid", [1.0] * 3),
         # explicit requests that take everything: the others ask for one (check_fits names it)
         (dict(actor=dict(num_cpus=2)), [{"CPU": 2.0}], "collocated", [1.0, 1.0, 2.0]),
     ],
 )
 def test_roles_without_num_cpus_share_the_cpus_the_cluster_has(roles, nodes, placement, cpus):
-    from embodied.cluster.placement import check_fits, plan_slots
+    from embodied.cluster.placement import check_fits
 
     cfg = ClusterConfig(enabled=True, placement=placement)
     for role, values in roles.items():
@@ -162,3 +217,68 @@ def test_env_configs_split_by_rows_and_tasks():
         split_env(one, 3)
     with pytest.raises(ConfigError, match="cannot share 3 tasks of 4"):
         split_env(three, 2)
+
+
+@needs_no_cuda
+def test_a_worker_whose_constructor_fails_is_its_cause_in_one_line(local_ray, tmp_path, capsys):
+    """An env worker asked for ManiSkill's GPU backend on a machine without CUDA: the embedded
+    run's one line (exit 2), not "env worker lost ... resume" (there is nothing to resume)."""
+    argv = ["train", str(ROOT / "configs/maniskill/pushcube_ppo.yaml"), *TINY, *ON_RAY]
+    capsys.readouterr()
+    assert main([*argv, f"runner.output_dir={tmp_path}", "env.backend=gpu"]) == 2
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("embodied: ")]
+    assert errors == [
+        "embodied: error: env.backend=gpu needs a CUDA GPU and this machine has none; use "
+        "env.backend=cpu"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def simulator_that_cannot_start(env_cfg):
+    raise RuntimeError("no display for the renderer\n(its second line)")
+
+
+def test_a_worker_that_cannot_start_for_another_reason_is_named_with_the_error(local_ray, tmp_path):
+    """Any other error of a worker's constructor: the worker, the process it was, and the last
+    line of its traceback."""
+    from embodied.roles import WorkerNotStarted
+
+    policy = {"name": "actor_critic", "hidden_sizes": [8], "use_images": False}
+    with pytest.raises(WorkerNotStarted) as raised:
+        roles_on(tmp_path, {"enabled": True}, policy, simulator_that_cannot_start)
+    host = r"(\d+\.){3}\d+"  # (Ray names a node by its address)
+    cause = "RuntimeError: no display for the renderer"
+    assert re.fullmatch(
+        rf"env worker 0 \(pid \d+ on {host}\) could not start: {cause}", str(raised.value)
+    )
+
+
+def test_a_lost_actor_worker_stops_the_run_with_one_line_and_no_resume_without_a_checkpoint(
+    local_ray, tmp_path, capsys, monkeypatch
+):
+    """The actor worker SIGKILLed as the first round is collected: the round cannot reach the
+    learner, whose state is gone, so the run stops. Nothing says the round is collected again,
+    and with no checkpoint saved yet the line says to start again, not to resume."""
+    killed = []
+    collect = RayRoles.collect
+
+    def kill_then_collect(roles, *args, **kw):
+        killed.append(ray.get(roles.learner.workers[0].ping.remote()))
+        os.kill(killed[-1], signal.SIGKILL)
+        return collect(roles, *args, **kw)
+
+    monkeypatch.setattr(RayRoles, "collect", kill_then_collect)
+    argv = ["train", str(ROOT / "configs/mujoco/reach_ppo.yaml"), *TINY_REACH, *ON_RAY]
+    capsys.readouterr()
+    assert main([*argv, f"runner.output_dir={tmp_path}", "runner.name=lost"]) == 1
+    out, err = capsys.readouterr()
+    (line,) = [e for e in err.splitlines() if e.startswith("embodied: ")]
+    actor = f"actor worker 0 (pid {killed[0]} on {os.uname().nodename})"
+    assert line.startswith(f"embodied: error: {actor} lost: ")
+    run = tmp_path / "lost"
+    assert line.endswith(
+        "; the learner's state (weights, optimizer) was lost with it; "
+        f"{run} has no checkpoint to resume from: start the run again"
+    )
+    assert len(killed) == 1 and "collected again" not in out
+    assert [r for r in rows(run) if "policy/loss" in r] == []

@@ -12,14 +12,14 @@
 Each worker of a role asks for ``num_cpus``/``num_gpus`` (fractions allowed; ``num_cpus`` left
 unset: one CPU, or an equal share of the CPUs where the cluster has fewer) and any custom
 resources (``resources: {sim_node: 1}`` pins it to the nodes that offer them). ``collocated``
-packs every worker on one node, and a rollout worker shares a bundle with an actor worker (one
-device for both); ``disaggregated`` gives every worker a bundle of its own, spread over nodes
-where it can be; ``hybrid`` keeps the rollout and actor workers together and lets the env
-workers go anywhere. Several actor workers are data-parallel ranks (torch DDP; with NCCL each
-needs a GPU of its own). ``rollout.workers: 0`` puts the policy's inference copy in each env
-worker's process instead: it collects whole rounds of its environments there, with no call per
-chunk between processes (policies that infer quickly on the env workers' CPUs; a VLA wants
-rollout workers of its own on a GPU).
+packs every worker on one node (fractional GPUs of a rollout and an actor worker share one
+device); ``disaggregated`` gives every worker a bundle of its own, spread over nodes where it
+can be; ``hybrid`` keeps the rollout and actor workers together on one node (one bundle for
+them all) and lets the env workers go anywhere. Several actor workers are data-parallel ranks
+(torch DDP; with NCCL each needs a GPU of its own). ``rollout.workers: 0`` puts the policy's
+inference copy in each env worker's process instead: it collects whole rounds of its
+environments there, with no call per chunk between processes (policies that infer quickly on
+the env workers' CPUs; a VLA wants rollout workers of its own on a GPU).
 """
 
 from __future__ import annotations

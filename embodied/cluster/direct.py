@@ -43,6 +43,12 @@ class NotConnected(RuntimeError):
     (the driver treats it as lost, and connects everyone afresh)."""
 
 
+# why a worker Ray restarted since it last took part is NotConnected (the driver's messages)
+UNLINKED = "restarted since the last round: not connected"
+UNSYNCED = "restarted since the last sync: its policy copy has none of the learner's weights"
+UNGROUPED = "restarted since the last sync: not in the weight-sync group"
+
+
 class OutOfStep(RuntimeError):
     """The members of a rollout worker asked for different things in one lockstep step (a bug,
     not a broken link)."""

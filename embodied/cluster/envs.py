@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,7 @@ class ObservationShards:
     first ones itself."""
 
     refs: list
+    name: Callable[[int], str] | None = None  # name(i): the env worker that holds refs[i]
 
     def fetch(self, device: torch.device | str = "cpu") -> Observation:
         """All of them in this process, on ``device`` (an evaluation acts on them in the driver,
@@ -95,7 +97,8 @@ class ObservationShards:
 
 class RemoteEnvGroup(WorkerGroup):
     """The env workers seen as one ``EnvGroup``: rows in worker order, tasks by name. A
-    restarted worker builds its environments again; the next round's reset seeds them."""
+    restarted worker builds its environments again; the next round's reset seeds them, and it is
+    told again which privileged keys it keeps (``catch_up``)."""
 
     def __init__(self, workers: list, facts: list[dict]):
         super().__init__("env", workers)
@@ -112,8 +115,9 @@ class RemoteEnvGroup(WorkerGroup):
         specs = {name: f["spec"] for f in facts for name in f["task_names"]}
         keys = shared_privileged(list(specs.values()))
         self.spec = joined_spec([specs[name] for name in names], keys)
-        extra = [w for w, f in zip(workers, facts) if sorted(f["spec"].obs.privileged) != keys]
-        get([w.keep_privileged.remote(keys) for w in extra], "env")
+        self.kept = keys
+        # (the workers whose tasks observe more: told to keep these, again after a restart)
+        self.extra = [w for w, f in enumerate(facts) if sorted(f["spec"].obs.privileged) != keys]
         of_env = [names.index(f["task_names"][t]) for f in facts for t in f["task_of_env"]]
         self.task_of_env = torch.tensor(of_env, dtype=torch.long)  # long [B] on the CPU
         self.task_ids = self.task_of_env
@@ -125,16 +129,38 @@ class RemoteEnvGroup(WorkerGroup):
         self.task_index = [torch.tensor([names.index(n) for n in f["task_names"]]) for f in facts]
         self.instructions: tuple[str, ...] = ()
         self.traffic = Traffic()
+        self.seeds: list[list | None] = [None] * len(workers)  # each worker's last reset seeds
+        self.catch_up()
+
+    def catch_up(self) -> None:
+        """Every worker whose tasks observe more privileged keys than all share keeps those
+        (a restarted one observes all of its own again)."""
+        calls = [self.workers[w].keep_privileged.remote(self.kept) for w in self.extra]
+        get(calls, "env", lambda i: self.describe(self.extra[i]))
+
+    def details(self, index: int) -> list[str]:
+        """As every worker's, and its tasks, its rows and its last reset's seeds."""
+        lo, hi = self.bounds[index], self.bounds[index + 1]
+        names = self._local_names(index)
+        held = [f"task{'s' * (len(names) > 1)} {', '.join(names)}", f"envs {lo}-{hi - 1}"]
+        distinct = list(dict.fromkeys(self.seeds[index] or []))  # (a GRPO group shares one)
+        if len(distinct) == 1:
+            held.append(f"seed {distinct[0]}")
+        elif distinct:
+            shown = ", ".join(map(str, distinct)) if len(distinct) <= 3 else ""
+            held.append(f"seeds {shown or f'{distinct[0]}..{distinct[-1]}'}")
+        return super().details(index) + held
 
     def reset(self, seed=None) -> ObservationShards:
         """Reset every environment (seeds by row, as ``EnvGroup.reset``): the observations stay
         with the env workers (``ObservationShards``); the tasks' instructions come here."""
         B = self.num_envs
         seeds = [seed + b for b in range(B)] if isinstance(seed, int) else seed
-        refs = [
-            worker.reset.remote(None if seeds is None else list(seeds[lo:hi]))
-            for worker, lo, hi in zip(self.workers, self.bounds, self.bounds[1:])
+        self.seeds = [
+            None if seeds is None else list(seeds[lo:hi])
+            for lo, hi in zip(self.bounds, self.bounds[1:])
         ]
+        refs = [worker.reset.remote(mine) for worker, mine in zip(self.workers, self.seeds)]
         answers = self._wait(refs)
         instructions: dict[str, str] = {}
         for w, (_, theirs) in enumerate(answers):
@@ -146,12 +172,15 @@ class RemoteEnvGroup(WorkerGroup):
                         "rollout stores one instruction per task"
                     )
         self.instructions = tuple(instructions[name] for name in self.task_names)
-        return ObservationShards([ref for refs, _ in answers for ref in refs])
+        return ObservationShards([ref for refs, _ in answers for ref in refs], self.describe)
 
     def episode_shares(self, episodes: int, seed: int) -> list[list[tuple[int, int]]]:
-        """Per worker, (episodes, seed) for each of its own tasks (``episode_shares``)."""
+        """Per worker, (episodes, seed) for each of its own tasks (``episode_shares``); each
+        worker's seeds are its episodes' (for a message naming it)."""
         held = [index.tolist() for index in self.task_index]
-        return episode_shares(held, len(self.task_names), episodes, seed)
+        shares = episode_shares(held, len(self.task_names), episodes, seed)
+        self.seeds = [[first + i for n, first in theirs for i in range(n)] for theirs in shares]
+        return shares
 
     def _local_names(self, w: int) -> list[str]:
         lo, hi = self.bounds[w], self.bounds[w + 1]
@@ -159,7 +188,7 @@ class RemoteEnvGroup(WorkerGroup):
 
     def _wait(self, refs: list):
         t0 = time.perf_counter()
-        answers = get(refs, "env")
+        answers = get(refs, "env", self.describe)
         self.traffic.wait_s += time.perf_counter() - t0
         return answers
 

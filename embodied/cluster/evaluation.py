@@ -15,9 +15,10 @@ class Evaluation:
     """An evaluation running in the evaluation workers, each on its share of the episodes;
     ``worker_lost(error)`` is told when one of them is lost."""
 
-    def __init__(self, refs: list, worker_lost: Callable[[WorkerLost], None]):
+    def __init__(self, refs: list, worker_lost: Callable[[WorkerLost], None], name=None):
         self.refs = refs
         self.worker_lost = worker_lost
+        self.name = name  # name(i): worker i, for a loss's message
 
     def ready(self) -> bool:
         import ray
@@ -31,7 +32,7 @@ class Evaluation:
         import ray
 
         try:
-            parts = get(self.refs, "eval")
+            parts = get(self.refs, "eval", self.name)
         except WorkerLost as lost:
             # the others finish their shares first: the next evaluation must not find one
             # still running (it would share that worker's environments and policy)
@@ -65,7 +66,7 @@ class EvalGroup(WorkerGroup):
             worker.evaluate.remote(weights, version, share_episodes, share_seed)
             for worker, (share_episodes, share_seed) in zip(self.workers, shares)
         ]
-        return Evaluation(refs, self._worker_lost)
+        return Evaluation(refs, self._worker_lost, self.describe)
 
     def _worker_lost(self, lost: WorkerLost) -> None:
         self.fault(lost)

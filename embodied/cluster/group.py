@@ -21,11 +21,23 @@ class WorkerGroup:
         self.heartbeat = time.time()  # when every worker last answered
 
     def ask(self, method: str, *args) -> list:
-        """Every worker's answer to ``method(*args)``, in worker order (``WorkerLost`` if one
-        died)."""
-        answers = get([getattr(w, method).remote(*args) for w in self.workers], self.role)
+        """Every worker's answer to ``method(*args)``, in worker order (``WorkerLost`` naming the
+        worker if one died)."""
+        calls = [getattr(w, method).remote(*args) for w in self.workers]
+        answers = get(calls, self.role, self.describe)
         self.heartbeat = time.time()
         return answers
+
+    def describe(self, index: int) -> str:
+        """Worker ``index`` for a message: "env worker 1 (pid 4242 on node-a; ...)"."""
+        details = "; ".join(self.details(index))
+        return f"{self.role} worker {index}" + (f" ({details})" if details else "")
+
+    def details(self, index: int) -> list[str]:
+        """What names worker ``index`` beside its role and index: where it ran when last asked
+        (the process a loss took)."""
+        place = self.placed[index] if index < len(self.placed) else {}
+        return [f"pid {place['pid']} on {place['host']}"] if "pid" in place else []
 
     def locate(self) -> None:
         """Ask every worker where it runs (for the run's status file)."""
@@ -34,8 +46,8 @@ class WorkerGroup:
     def restore(self) -> None:
         """Bring workers Ray restarted back into the run: wait until they all answer, then
         ``catch_up`` and ``locate``."""
-        for worker in self.workers:
-            wait_alive(self.role, worker)
+        for index, worker in enumerate(self.workers):
+            wait_alive(self.role, worker, self.describe(index))
         self.catch_up()
         self.locate()
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 
 from embodied.cluster.calls import get
+from embodied.cluster.direct import UNGROUPED, UNSYNCED
 from embodied.cluster.group import WorkerGroup
+from embodied.roles import WorkerLost
 
 
 class RemoteInference(WorkerGroup):
@@ -42,6 +44,7 @@ class RemoteInference(WorkerGroup):
         restart), then the trainable ones and the buffers that change; their bytes
         (``WorkerLost`` if a worker died)."""
         if self.cluster.weight_sync == "broadcast":
+            self._check_members()  # (before the actor broadcasts: a missing one would stall it)
             bucket_bytes = int(self.cluster.sync_bucket_mb * 2**20)
             nbytes = self.actor.broadcast_weights.remote(self.full_sync, bucket_bytes)
             self.ask("receive_weights", self.full_sync, version, bucket_bytes)
@@ -53,10 +56,22 @@ class RemoteInference(WorkerGroup):
             self.ask("read_shared", self.handles, self.full_sync, version)
         else:
             weights, nbytes = self.actor.weights.options(num_returns=2).remote(self.full_sync)
-            self.ask("sync", weights, version)
+            self.ask("sync", weights, version, self.full_sync)
         self.version = version
         self.full_sync = False
         return get(nbytes, "actor")
+
+    def _check_members(self) -> None:
+        """``WorkerLost`` where a copy is not in the current weight-sync group, or has none of
+        the weights that a sync of only the ones that change assumes (Ray restarted it)."""
+        for index, (epoch, version) in enumerate(self.ask("sync_state")):
+            if epoch != self.sync_epoch:
+                why = UNGROUPED
+            elif version < 0 and not self.full_sync:
+                why = UNSYNCED
+            else:
+                continue
+            raise WorkerLost(self.role, why, self.describe(index))
 
     def join_sync(self) -> None:
         """The actor (rank 0) and the copies form a new weight-sync group."""

@@ -28,6 +28,7 @@ class RoundShards:
     refs: list
     instructions: tuple[str, ...]
     added: Callable[[], None] | None = None  # called once the learner has the round
+    name: Callable[[int], str] | None = None  # name(i): the env worker that holds refs[i]
 
     def fetch(self, device: torch.device | str = "cpu") -> RolloutBatch:
         """The whole round in this process, on ``device``: joined, so a copy that refers to none
@@ -45,9 +46,10 @@ class Pending:
     has the same), or ``WorkerLost`` as soon as any rank is lost (the others would wait for it
     in a collective, or fail in one)."""
 
-    def __init__(self, workers: list, refs: list):
+    def __init__(self, workers: list, refs: list, name: Callable[[int], str] | None = None):
         self.workers = workers
         self.refs = refs
+        self.name = name  # name(rank): the actor worker, for a loss's message
 
     def result(self) -> dict:
         import ray
@@ -55,14 +57,18 @@ class Pending:
         waiting = list(self.refs)
         while waiting:
             ready, waiting = ray.wait(waiting, num_returns=1)
+            rank = self.refs.index(ready[0])
             try:
-                get(ready[0], "actor")
+                get(ready[0], "actor", self._named(rank))
             except ray.exceptions.RayTaskError as error:
                 self._raise_if_one_died()  # a rank's collective failed because a peer died
                 if isinstance(error.cause, ConfigError):  # (one line: the user's to fix)
                     raise error.cause from None
                 raise
-        return get(self.refs[0], "actor")
+        return get(self.refs[0], "actor", self.name)
+
+    def _named(self, rank: int) -> str | None:
+        return None if self.name is None else self.name(rank)
 
     def _raise_if_one_died(self) -> None:
         import ray
@@ -70,13 +76,16 @@ class Pending:
         pings = [worker.ping.remote() for worker in self.workers]
         answered, _ = ray.wait(pings, num_returns=len(pings), timeout=30)  # busy ones: alive
         for ping in answered:
-            get(ping, "actor")  # a dead rank's ping answers at once, with the error
+            # (a dead rank's ping answers at once, with the error)
+            get(ping, "actor", self._named(pings.index(ping)))
 
 
 @contextmanager
-def held_by_env_workers(what: str, on_loss: Callable[[], None] | None = None):
-    """Calls that fetch objects the env workers own: one lost with its worker is that worker's
-    loss (``WorkerLost("env")``, saying ``what`` was lost with it), after ``on_loss()``."""
+def held_by_env_workers(what: str, shards, on_loss: Callable[[], None] | None = None):
+    """Calls that fetch ``shards`` (``RoundShards``, ``ObservationShards``: objects the env
+    workers own, one each): one lost with its worker is that worker's loss
+    (``WorkerLost("env")``, naming it and saying ``what`` was lost with it), after
+    ``on_loss()``."""
     import ray
 
     try:
@@ -87,7 +96,12 @@ def held_by_env_workers(what: str, on_loss: Callable[[], None] | None = None):
         if on_loss is not None:
             on_loss()
         detail = str(error.cause).strip().splitlines()[0]
-        raise WorkerLost("env", f"{what} lost with it ({detail})") from None
+        held = [ref.hex() for ref in shards.refs]
+        lost_ref = getattr(error.cause, "object_ref_hex", None)
+        worker = None
+        if shards.name is not None and lost_ref in held:
+            worker = shards.name(held.index(lost_ref))
+        raise WorkerLost("env", f"{what} lost with it ({detail})", worker) from None
 
 
 class RemoteLearner(WorkerGroup):
@@ -110,14 +124,14 @@ class RemoteLearner(WorkerGroup):
 
     def stream_state(self) -> dict:
         """The stream every rank shares (actor/0)."""
-        return get(self.workers[0].stream_state.remote(), "actor")
+        return get(self.workers[0].stream_state.remote(), "actor", self.describe)
 
     def init_normalizer(self, obs: ObservationShards) -> None:
         """Every rank fetches the observations from the env workers that hold them. Those lost
         with their env worker lose the round (``WorkerLost``); collected again, it starts from
         the same observations, and a rank that had them already keeps its statistics."""
-        with held_by_env_workers("the first observations were"):
-            get([w.init_normalizer.remote(obs.refs) for w in self.workers], "actor")
+        with held_by_env_workers("the first observations were", obs):
+            get([w.init_normalizer.remote(obs.refs) for w in self.workers], "actor", self.describe)
 
     def add_round(self, shards: RoundShards) -> dict:
         """A collected round to every rank: each fetches its shards from the env workers and
@@ -130,10 +144,10 @@ class RemoteLearner(WorkerGroup):
         calls = [w.add_round.remote(key, refs, shards.instructions) for w in self.workers]
 
         def drop() -> None:
-            get([w.drop_round.remote(key) for w in self.workers], "actor")
+            get([w.drop_round.remote(key) for w in self.workers], "actor", self.describe)
 
-        with held_by_env_workers("its round's data was", on_loss=drop):
-            answers = get(calls, "actor")
+        with held_by_env_workers("its round's data was", shards, on_loss=drop):
+            answers = get(calls, "actor", self.describe)
         if shards.added is not None:
             shards.added()
         return from_wire(answers[0])
@@ -144,7 +158,8 @@ class RemoteLearner(WorkerGroup):
     def start_update(self) -> Pending:
         """The update of the rounds added since the last one, running in the actor workers;
         the handle's ``result()`` waits for it."""
-        return Pending(self.workers, [w.update.remote() for w in self.workers])
+        refs = [w.update.remote() for w in self.workers]
+        return Pending(self.workers, refs, self.describe)
 
     def set_lr(self, lr: float) -> None:
         """Queued behind the update in flight (an actor runs its calls in order): it applies
@@ -163,7 +178,7 @@ class RemoteLearner(WorkerGroup):
         call = self.workers[0].keep_record.remote(
             str(run_dir), iteration, reason, metrics, counters
         )
-        return get(call, "actor")
+        return get(call, "actor", self.describe)
 
     def save(self, run_dir: Path, iteration: int, **kw) -> None:
         """Rank 0's state: data-parallel ranks hold the same weights and optimizer state. TP
@@ -173,7 +188,7 @@ class RemoteLearner(WorkerGroup):
         if self.sharded:
             directory = str(staging_dir(run_dir, iteration))
             calls += [w.write_shards.remote(directory) for w in self.workers[1:]]
-        get(calls, "actor")
+        get(calls, "actor", self.describe)
 
 
 def join_ranks(actors: list, placed: list[dict], device: str) -> None:

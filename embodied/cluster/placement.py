@@ -1,11 +1,14 @@
 """Placement: the ``cluster:`` block turned into one Ray placement group, checked against the
 resources Ray reports before any worker starts.
 
-Every worker gets a bundle of its own (``num_cpus``, ``num_gpus``, custom resources; a role that
-leaves ``num_cpus`` unset gets a share that fits the cluster, ``fitted_cpus``). The
-strategy says where bundles may go: ``collocated`` STRICT_PACK (one node: fractional GPUs of the
-rollout and actor workers share a device), ``hybrid`` PACK (together where they fit),
-``disaggregated`` SPREAD (over the nodes where it can).
+Every worker asks for ``num_cpus``, ``num_gpus`` and custom resources (a role that leaves
+``num_cpus`` unset gets a share that fits the cluster, ``fitted_cpus``) and gets a bundle of its
+own, except with ``hybrid``: the rollout and actor workers share one bundle, which Ray reserves
+on one node, so they are together whatever the strategy does with the rest. The strategy says
+where bundles may go: ``collocated`` STRICT_PACK (one node: fractional GPUs of the rollout and
+actor workers share a device), ``hybrid`` PACK (the env and evaluation workers' bundles beside
+the shared one where they fit, elsewhere where they do not), ``disaggregated`` SPREAD (over the
+nodes where it can).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from embodied.cluster.config import ROLES, ClusterConfig
 from embodied.config import ConfigError
 
 STRATEGIES = {"collocated": "STRICT_PACK", "hybrid": "PACK", "disaggregated": "SPREAD"}
+TOGETHER = ("rollout", "actor")  # the roles ``hybrid`` keeps on one node (one bundle)
 READY_TIMEOUT_S = 120.0
 
 
 @dataclass
 class Slot:
-    """One worker's place: its role, index, bundle in the placement group and its resources."""
+    """One worker's place: its role, index, bundle in the placement group and its resources
+    (the bundle's, or its share of a bundle it shares)."""
 
     role: str
     index: int
@@ -41,17 +46,31 @@ def fitted_cpus(cfg: ClusterConfig, nodes: list[dict[str, float]] | None) -> flo
         return 1.0
     cpus = [node.get("CPU", 0.0) for node in nodes] or [0.0]
     have = max(cpus) if cfg.placement == "collocated" else sum(cpus)
-    left = have - sum(r.workers * r.num_cpus for r in roles if r.num_cpus is not None)
-    if left <= 0:
+    shares = [_share(have, roles, unset)]
+    together = [getattr(cfg, role) for role in TOGETHER]
+    unset_together = sum(r.workers for r in together if r.num_cpus is None)
+    if cfg.placement == "hybrid" and unset_together:  # (and their bundle on one node)
+        shares.append(_share(max(cpus), together, unset_together))
+    if min(shares) <= 0:
         return 1.0  # (``check_fits`` names the role that does not fit)
-    return min(1.0, math.floor(1000 * left / unset) / 1000)  # (Ray counts in 1e-4 CPU)
+    return min(1.0, *shares)
+
+
+def _share(have: float, roles: list, unset: int) -> float:
+    """What ``have`` CPUs leave each of ``unset`` workers beside the explicit requests of
+    ``roles``, rounded down to Ray's units (0: nothing left)."""
+    left = have - sum(r.workers * r.num_cpus for r in roles if r.num_cpus is not None)
+    return max(0.0, math.floor(1000 * left / unset) / 1000)  # (Ray counts in 1e-4 CPU)
 
 
 def plan_slots(cfg: ClusterConfig, nodes: list[dict[str, float]] | None = None) -> list[Slot]:
-    """One bundle per worker, in role order (env, rollout, actor, eval); a role without
-    ``num_cpus`` asks for ``fitted_cpus`` on ``nodes`` (None: one CPU)."""
+    """One bundle per worker, in role order (env, rollout, actor, eval), the rollout and actor
+    workers' one bundle together with ``hybrid``; a role without ``num_cpus`` asks for
+    ``fitted_cpus`` on ``nodes`` (None: one CPU)."""
     fitted = fitted_cpus(cfg, nodes)
-    slots = []
+    slots: list[Slot] = []
+    bundles = 0
+    shared = None  # the bundle ``hybrid`` gives the rollout and actor workers
     for role in ROLES:
         role_cfg = getattr(cfg, role)
         if role_cfg.workers == 0:
@@ -65,9 +84,24 @@ def plan_slots(cfg: ClusterConfig, nodes: list[dict[str, float]] | None = None) 
                 f"cluster.{role}.num_cpus: a worker must ask for some resource (num_cpus, "
                 "num_gpus or resources), or Ray cannot place it"
             )
+        together = cfg.placement == "hybrid" and role in TOGETHER
         for index in range(role_cfg.workers):
-            slots.append(Slot(role, index, len(slots), resources))
+            if together and shared is not None:
+                bundle = shared
+            else:
+                bundle, bundles = bundles, bundles + 1
+                shared = bundle if together else shared
+            slots.append(Slot(role, index, bundle, resources))
     return slots
+
+
+def bundles_of(slots: list[Slot]) -> list[dict[str, float]]:
+    """Each bundle's resources: the sum of its workers'."""
+    out: list[dict[str, float]] = [{} for _ in range(max(s.bundle for s in slots) + 1)]
+    for slot in slots:
+        for name, amount in slot.resources.items():
+            out[slot.bundle][name] = out[slot.bundle].get(name, 0.0) + amount
+    return out
 
 
 def _amount(value: float) -> str:
@@ -100,13 +134,21 @@ def check_fits(cfg: ClusterConfig, slots: list[Slot], nodes: list[dict[str, floa
                     f"{_amount(total.get(name, 0.0))} {name} ({where})"
                 )
     # 2. every bundle on some node
-    for slot in slots:
-        if not any(_fits(slot.resources, node) for node in nodes):
-            need = ", ".join(f"{_amount(v)} {k}" for k, v in sorted(slot.resources.items()))
+    for bundle, need in enumerate(bundles_of(slots)):
+        if any(_fits(need, node) for node in nodes):
+            continue
+        amounts = ", ".join(f"{_amount(v)} {k}" for k, v in sorted(need.items()))
+        mine = [s for s in slots if s.bundle == bundle]
+        if len(mine) > 1:
             raise ConfigError(
-                f"cluster.{slot.role}: one {slot.role} worker asks for {need} and no node of the "
-                f"Ray cluster has that much ({where})"
+                f"cluster.placement: hybrid keeps the rollout and actor workers on one node, and "
+                f"they ask for {amounts} in all; no node of the Ray cluster has that much "
+                f"({where}); use cluster.placement=disaggregated"
             )
+        raise ConfigError(
+            f"cluster.{mine[0].role}: one {mine[0].role} worker asks for {amounts} and no node of "
+            f"the Ray cluster has that much ({where})"
+        )
     # 3. collocated: everything on one node
     if cfg.placement == "collocated":
         everything: dict[str, float] = {}
@@ -144,9 +186,7 @@ def place(cfg: ClusterConfig):
     nodes = alive_nodes()
     slots = plan_slots(cfg, nodes)
     check_fits(cfg, slots, nodes)
-    group = placement_group(
-        [slot.resources for slot in slots], strategy=STRATEGIES[cfg.placement], name=""
-    )
+    group = placement_group(bundles_of(slots), strategy=STRATEGIES[cfg.placement], name="")
     ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
     if not ready:
         ray.util.remove_placement_group(group)

@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from embodied.cluster.calls import get, lost
+from embodied.cluster.calls import RAY_GONE, control_plane_up, get, lost
 from embodied.cluster.direct import NotConnected, members_of
 from embodied.cluster.envs import split_env
 from embodied.cluster.evaluation import Evaluation
@@ -95,7 +96,7 @@ class RayRoles:
                 break
             except WorkerLost as lost:
                 failures += 1
-                self.recover(lost, failures)
+                self._replace(lost, failures, "the weights sent again")
         for role in ("actor", self.inference.role):
             self.groups[role].heartbeat = time.time()
         self._write_status()
@@ -107,7 +108,7 @@ class RayRoles:
     def stage_candidates(self, chunk_size: int) -> list[int]:
         """The stage counts every env worker can split its own rows into."""
         calls = [w.stage_candidates.remote(chunk_size) for w in self.envs.workers]
-        answers = get(calls, "env")
+        answers = get(calls, "env", self.envs.describe)
         return [s for s in answers[0] if all(s in theirs for theirs in answers)]
 
     def collect(
@@ -141,7 +142,7 @@ class RayRoles:
         # the round's streams are kept once the learner has the round (a round lost before
         # then is collected again from the streams before it, and draws what it drew)
         added = functools.partial(self.inference.collected, served)
-        return RoundShards(shards, envs.instructions, added)
+        return RoundShards(shards, envs.instructions, added, envs.describe)
 
     def _serve_calls(self) -> list:
         """Each rollout worker serves its env workers for one round (none where they infer)."""
@@ -158,21 +159,21 @@ class RayRoles:
             if should_stop is not None and should_stop():
                 raise Interrupted  # (the workers finish their round; nothing of it is kept)
             _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=0.2)
-        failed = []  # (role, error): a worker's own error, or a peer's broken link
+        failed = []  # (role, worker, error): a worker's own error, or a peer's broken link
         for role, calls in (("env", env_calls), ("rollout", serve_calls)):
-            for call in calls:
+            for index, call in enumerate(calls):
                 try:
                     ray.get(call)
                 except ray.exceptions.RayActorError as error:
-                    raise lost(role, error) from None
+                    raise lost(role, error, self.groups[role].describe(index)) from None
                 except ray.exceptions.RayTaskError as error:
-                    failed.append((role, error))
-        for role, error in failed:  # (Ray restarted it between rounds)
+                    failed.append((role, index, error))
+        for role, index, error in failed:  # (Ray restarted it between rounds)
             if isinstance(error.cause, NotConnected):
-                raise WorkerLost(role, str(error.cause))
+                raise WorkerLost(role, str(error.cause), self.groups[role].describe(index))
         if failed:  # the error that ended the round, before the links it broke
             broken = (ConnectionError, EOFError)
-            raise min((e for _, e in failed), key=lambda e: isinstance(e.cause, broken))
+            raise min((e for _, _, e in failed), key=lambda e: isinstance(e.cause, broken))
         t0 = time.perf_counter()
         answers = ray.get(env_calls)
         self.envs.traffic.wait_s += time.perf_counter() - t0
@@ -191,7 +192,7 @@ class RayRoles:
                 break
             except WorkerLost as lost:
                 failures += 1
-                self.recover(lost, failures)
+                self._replace(lost, failures, "the evaluation run again")
         self.metrics()  # the next iteration's window starts here: evaluation is not in it
         return results
 
@@ -259,7 +260,7 @@ class RayRoles:
         spans: list[tuple] = []
         for role, group in self.groups.items():
             # (none: no workers in the role, or a lost evaluation worker)
-            answers = group.timing() or [(0.0, [])]
+            answers = self._timing(group) or [(0.0, [])]
             busy = max(b for b, _ in answers)
             out[f"cluster/{role}_busy_s"] = busy
             out[f"cluster/{role}_idle"] = max(0.0, 1.0 - busy / wall)
@@ -270,6 +271,17 @@ class RayRoles:
         out["cluster/env_bytes_per_step"] = nbytes / steps
         out["cluster/env_wait_ms_per_step"] = 1000 * wait_s / steps
         return out, spans
+
+    def _timing(self, group) -> list[tuple[float, list]] | None:
+        """``group.timing()``; a worker lost meanwhile is replaced as in a weight sync (its
+        busy time since the last call is lost with it)."""
+        failures = 0
+        while True:
+            try:
+                return group.timing()
+            except WorkerLost as lost:
+                failures += 1
+                self._replace(lost, failures, "its busy time since the last iteration lost")
 
     def rng_state(self) -> dict:
         """Every worker's stream (the actor ranks share actor/0), as a checkpoint stores them."""
@@ -289,13 +301,22 @@ class RayRoles:
                     error.role,
                     f"{error.detail}; {failures} rounds in a row lost "
                     f"(cluster.max_restarts={limit})",
+                    error.worker,
                 )
+            if not control_plane_up():
+                raise WorkerLost(error.role, f"{error.detail}; {RAY_GONE}", error.worker)
             try:
                 self._restore()
                 return
             except WorkerLost as again:
                 error = again
                 failures += 1
+
+    def _replace(self, lost: WorkerLost, failures: int, then: str) -> None:
+        """``recover`` from a loss outside a round (whose loss the runner reports), said on
+        the console as the runner says a round's."""
+        self.recover(lost, failures)
+        tqdm.write(f"{lost}; replaced, {then} (failure {failures} in a row)")
 
     def _restore(self) -> None:
         """The env and inference groups' restarted workers back in the run, connected afresh."""
@@ -319,15 +340,18 @@ class RayRoles:
             for (address, key), served in zip(addresses, self.members)
             for member, env in enumerate(served)
         ]
-        get(calls, "env")
-        get(accepted, "rollout")
+        order = [env for served in self.members for env in served]  # (of the calls)
+        get(calls, "env", lambda i: self.envs.describe(order[i]))
+        get(accepted, "rollout", rollouts.describe)
 
     def _fault(self, error: WorkerLost) -> None:
-        """A worker lost: an event of the run's status."""
-        self.events.append({"time": time.time(), "role": error.role, "detail": error.detail})
+        """A worker lost: an event of the run's status, naming it where that is known."""
+        worker = error.worker or f"{error.role} worker"
+        event = {"time": time.time(), "role": error.role, "worker": worker, "detail": error.detail}
+        self.events.append(event)
         # the run's event log too (it outlives this process's cluster.json); the runner logs the
         # iteration of a round it discards
-        self.event_log.add("fault", None, None, f"{error.role}: {error.detail}")
+        self.event_log.add("fault", None, None, f"{worker}: {error.detail}")
 
     def _write_status(self) -> None:
         """RUN/cluster.json (``status.write_status``): each worker's place and heartbeat, the
@@ -342,16 +366,18 @@ class RayRoles:
 
         if not ray.is_initialized():
             return
+        # (Ray's daemons stopped by a signal to every process: nothing to close through them)
+        up = control_plane_up()
         for role in ("env", "eval"):  # (their environments closed first)
-            if role in self.groups:
+            if role in self.groups and up:
                 self.groups[role].close()
         written = (self.run_dir / STATUS_FILE).exists()  # (at the run's first weight sync)
         if written and hasattr(self, "since"):
             self.ended = time.time()
             self._write_status()
-        for group in self.groups.values():
+        for group in self.groups.values() if up else ():
             group.kill()
-        if self.group is not None:
+        if self.group is not None and up:
             ray.util.remove_placement_group(self.group)
         if self.started:
             ray.shutdown()

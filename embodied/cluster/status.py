@@ -85,17 +85,20 @@ def format_status(status: dict, now: float | None = None) -> str:
     events = status.get("events", [])
     lines.append(f"faults: {len(events)}")
     for e in events:
-        lines.append(f"  {_ago(now - e['time'])}: {e['role']} worker lost ({e['detail']})")
+        worker = e.get("worker", f"{e['role']} worker")  # (a run before workers were named)
+        lines.append(f"  {_ago(now - e['time'])}: {worker} lost ({e['detail']})")
     return "\n".join(lines)
 
 
 def where() -> dict:
-    """This worker's node id, process id and accelerator ids (``cluster status`` shows them)."""
+    """This worker's node id, process id and accelerator ids (``cluster status`` shows them),
+    and its Ray actor id (Ray's own messages name a worker by it)."""
     import ray
 
     context = ray.get_runtime_context()
     return {
         "node_id": context.get_node_id(),
+        "actor_id": context.get_actor_id(),
         "pid": os.getpid(),
         "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
         "host": os.uname().nodename,

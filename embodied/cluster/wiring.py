@@ -67,7 +67,8 @@ def start_groups(
             make(EnvWorker, slot, env_cfg, env_factory, 1)
             for slot, env_cfg in zip(by_role["env"], env_cfgs)
         ]
-    envs = RemoteEnvGroup(env_workers, get([w.facts.remote() for w in env_workers], "env"))
+    facts = get([w.facts.remote() for w in env_workers], "env", lambda i: f"env worker {i}")
+    envs = RemoteEnvGroup(env_workers, facts)
     task_of_env = envs.task_of_env.tolist()
     actor_device = device_of(cfg, cluster.actor.num_gpus)
     # every actor worker derives the stream actor/0: the same policy, the same minibatch
@@ -91,6 +92,8 @@ def start_groups(
     role, inferring = ("env", env_workers) if in_env else ("rollout", rollout_workers)
     has_critic = get(inferring[0].has_critic.remote(), role)
     inference = RemoteInference(role, inferring, actors[0], cluster, has_critic)
+    if in_env:  # (the env workers, named as the env group names them)
+        inference.details = envs.details
     rollouts = WorkerGroup("rollout", []) if in_env else inference
     evaluation = EvalGroup(evaluators, fault) if evaluators else None
     return Groups(envs, rollouts, learner, inference, evaluation)

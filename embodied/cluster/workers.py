@@ -4,7 +4,9 @@ process boundary as numpy arrays (embodied/cluster/wire.py).
 
 A worker that dies is restarted by Ray with the arguments it was made with: an env worker builds
 its environments again (the runner's next reset seeds them), a rollout worker builds its policy
-again and receives the learner's full weights before it acts.
+again and receives the learner's full weights before it acts. What the driver set after the
+constructor (connections, the weight-sync group, the weights, the stream, the privileged keys) is
+gone: the worker says so (``NotConnected``) until the driver has set it again (``catch_up``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class _Worker:
         return os.getpid()
 
     stream: Stream  # what this worker's role draws from (embodied/streams.py)
+    sync_epoch = 0  # the weight-sync group it is in (0: none; broadcast.py)
 
     def stream_state(self) -> dict:
         return self.stream.state()
@@ -100,6 +103,7 @@ class _Worker:
         if getattr(self, "sync_store", None) is None:
             self.sync_store = connect(address)
         self.sync_group = SyncGroup(self.sync_store, rank, size, epoch)
+        self.sync_epoch = epoch
 
     def timing(self) -> tuple[float, list]:
         """(busy seconds, the calls' spans) since the last call."""
@@ -137,7 +141,8 @@ class EnvWorker(_Worker):
 
     def keep_privileged(self, keys: list[str]) -> None:
         """Observe only the privileged ``keys``: those every env worker's tasks have, as one
-        multi-task environment of all of them would (this worker's is one of its tasks)."""
+        multi-task environment of all of them would (this worker's is one of its tasks). A
+        restarted worker observes all of its own again until the driver says this again."""
         self.env.keep_privileged(keys)
         self.group = EnvGroup(self.env, chunks_in_thread=True)
 
@@ -204,9 +209,10 @@ class EnvWorker(_Worker):
     def _acting(self):
         """The policy a round or an evaluation acts with: the link to its rollout worker, whose
         round ends with this one (an error here closes the link, and ends it there too)."""
-        inference = getattr(self, "inference", None)
-        if inference is None:
-            raise direct.NotConnected("restarted since the last round: not connected")
+        why = self.unready()
+        if why is not None:
+            raise direct.NotConnected(why)
+        inference = self.inference
         linked = isinstance(inference, direct.DirectInference)
         try:
             yield inference
@@ -219,6 +225,13 @@ class EnvWorker(_Worker):
             self.busy_s -= inference.waited_s  # (waiting for the rollout worker: not busy)
             inference.waited_s = 0.0
 
+    def unready(self) -> str | None:
+        """Why this worker cannot act in a round (Ray restarted it since the last one), or
+        None."""
+        if getattr(self, "inference", None) is None:
+            return direct.UNLINKED
+        return None
+
     def stream_after(self) -> dict | None:
         """The stream of the inference copy in this process (none: it is a rollout worker's)."""
         return None
@@ -229,7 +242,8 @@ class EnvWorker(_Worker):
 
 class RolloutWorker(_Worker):
     """An inference copy of the policy at a known weight version, acting on observation batches.
-    It is built from the spec with random weights and acts only after a full sync."""
+    It is built from the spec with random weights and acts only after a full sync: a sync of
+    some of the weights to a copy that has none (Ray restarted it) is ``NotConnected``."""
 
     def __init__(self, policy_cfg, spec, device: str, torch_threads: int, seed: int, rank: int):
         self.spans = []
@@ -237,17 +251,34 @@ class RolloutWorker(_Worker):
         self.device = torch.device(device)
         self.seed = seed
         self.stream = Stream.derived(seed, "rollout", rank)
-        policy = build_policy(spec, policy_cfg).to(self.device).eval()
-        compile_act = policy_cfg.compile_act
+        self.policy_cfg = policy_cfg
+        self._build_copy(spec)
+
+    def _build_copy(self, spec) -> None:
+        """A policy copy for ``spec``, with none of the learner's weights yet."""
+        policy = build_policy(spec, self.policy_cfg).to(self.device).eval()
+        compile_act = self.policy_cfg.compile_act
         self.inference = InferencePolicy(policy, stream=self.stream, compile_act=compile_act)
         self.sync_keys = sync_keys_of(self.inference.policy)
         self.version = -1  # no weights from the learner yet
 
+    def _can_load(self, full: bool) -> None:
+        """``NotConnected`` where a sync of only the weights that change would leave this copy
+        with random ones (the frozen part, or all of them): Ray restarted it since the last
+        sync."""
+        if not full and self.version < 0:
+            raise direct.NotConnected(direct.UNSYNCED)
+
+    def sync_state(self) -> tuple[int, int]:
+        """(the weight-sync group it is in, the weights' version it holds; -1: none)."""
+        return self.sync_epoch, self.version
+
     @timed
-    def sync(self, weights, version: int) -> float:
+    def sync(self, weights, version: int, full: bool) -> float:
         """Load the learner's weights (all of them, or the trainable ones and the buffers that
         change); returns the seconds it took here."""
         t0 = time.perf_counter()
+        self._can_load(full)
         self.inference.sync(from_wire(weights, self.device), version)
         self.version = version
         return time.perf_counter() - t0
@@ -256,6 +287,9 @@ class RolloutWorker(_Worker):
     def receive_weights(self, full: bool, version: int, bucket_bytes: int) -> float:
         """``sync`` through the weight-sync group's broadcast; returns the seconds here."""
         t0 = time.perf_counter()
+        self._can_load(full)
+        if getattr(self, "sync_group", None) is None:
+            raise direct.NotConnected(direct.UNGROUPED)
         named = sync_entries(self.inference.policy, self.sync_keys, full)
         self.inference.sync(self.sync_group.receive(list(named.items()), bucket_bytes), version)
         self.version = version
@@ -266,6 +300,7 @@ class RolloutWorker(_Worker):
         """``sync`` from the actor's shared buffers (``weight_sync: shared``), mapped at the
         first call (``handles``); returns the seconds here."""
         t0 = time.perf_counter()
+        self._can_load(full)
         if getattr(self, "shared", None) is None:
             try:
                 self.shared = SharedWeights.open(handles)
@@ -330,6 +365,18 @@ class EnvRolloutWorker(EnvWorker, RolloutWorker):
         EnvWorker.__init__(self, env_cfg, factory, torch_threads)
         spec = self.group.spec
         RolloutWorker.__init__(self, policy_cfg, spec, device, torch_threads, seed, rank)
+
+    def keep_privileged(self, keys: list[str]) -> None:
+        """As an env worker's, and the policy copy built again for what is observed now (the
+        run's policy reads the keys every worker has: a copy that reads all of this worker's
+        would have other weights than the learner's); it waits for all the weights again."""
+        EnvWorker.keep_privileged(self, keys)
+        self._build_copy(self.group.spec)
+
+    def unready(self) -> str | None:
+        if self.version < 0:
+            return direct.UNSYNCED
+        return None
 
     def stream_after(self):
         return self.stream.state()
