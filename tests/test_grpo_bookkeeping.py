@@ -82,26 +82,19 @@ def test_plan_gives_group_members_one_seed_and_fresh_seeds_every_round():
 def test_rounds_take_consecutive_seeds_so_every_initial_state_of_a_finite_set_is_met():
     """LIBERO has 50 initial states (seed % 50): 10 envs in groups of 5 use 2 seeds a round,
     and 25 rounds meet all 50 (steps of B = 10 met 10 of them)."""
-    config = GRPOConfig(group_size=5, max_rounds=5)
-    algorithm = GRPO(
-        config,
-        seed=7,
-        task_of_env=torch.zeros(10, dtype=torch.long),
-        chunk_size=1,
-        max_episode_steps=4,
-    )
+
+    def single_task(num_envs, seed):
+        tasks = torch.zeros(num_envs, dtype=torch.long)
+        config = GRPOConfig(group_size=5, max_rounds=5)
+        return GRPO(config, seed=seed, task_of_env=tasks, chunk_size=1, max_episode_steps=4)
+
+    algorithm = single_task(10, seed=7)
     plans = [algorithm.plan(i, r, episode_base=0) for i in (1, 2, 3, 4, 5) for r in range(5)]
     assert plans[0].seeds == [7] * 5 + [8] * 5 and plans[1].seeds == [9] * 5 + [10] * 5
     assert plans[5].seeds[0] == 7 + 10  # iteration 2's first round follows iteration 1's last
     assert sorted({s % 50 for plan in plans for s in plan.seeds}) == list(range(50))
     # with an idle environment (11 envs): 3 seeds a round, the idle one's own
-    algorithm = GRPO(
-        config,
-        seed=0,
-        task_of_env=torch.zeros(11, dtype=torch.long),
-        chunk_size=1,
-        max_episode_steps=4,
-    )
+    algorithm = single_task(11, seed=0)
     assert algorithm.plan(1, 1, episode_base=0).seeds == [3] * 5 + [4] * 5 + [5]
 
 
