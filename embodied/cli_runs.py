@@ -222,6 +222,8 @@ def _chosen(run: Path, iterations: list[int], args) -> tuple[dict[int, list], ob
     from embodied.episodes import choose, episodes_of, with_seeds
     from embodied.recording import read_rounds
 
+    outcome = "successful" if args.successful else "failed" if args.failed else None
+    kw = dict(task=args.task, outcome=outcome, partial=args.partial, seed=args.seed)
     found = {}
     kept = []
     for iteration in iterations:
@@ -230,8 +232,6 @@ def _chosen(run: Path, iterations: list[int], args) -> tuple[dict[int, list], ob
         if args.seed is not None or args.to_dataset:  # (a dataset keeps each episode's seed)
             with_seeds(record, episodes)
         found[iteration] = len(episodes)
-        outcome = "successful" if args.successful else "failed" if args.failed else None
-        kw = dict(task=args.task, outcome=outcome, partial=args.partial, seed=args.seed)
         kept += choose(episodes, **kw)
     chosen = choose(kept, best=args.best, worst=args.worst, partial=True)  # (filtered above)
     by_iteration = {i: [e for e in chosen if e.iteration == i] for i in iterations}
