@@ -202,23 +202,24 @@ def sft(cfg: SFTConfig) -> dict:
     resume = _resume_of(cfg)
     default_task = getattr(cfg.env, "task", None)
     env_cfgs = task_configs(cfg.env, [t or default_task for t in frames.tasks])
-    with make_env(_eval_env_config(env_cfgs)) as env:  # the spec all tasks share
+    run_dir = run_dir_for(cfg.runner, resume)  # (refused before an environment is built)
+    # one environment for the spec and every evaluation: a simulator's start can take seconds
+    with make_env(_eval_env_config(env_cfgs)) as env:
         spec = env.spec
-    cameras = spec.obs.cameras if getattr(cfg.policy, "use_images", True) else ()
-    any_size = cfg.policy.name == "smolvla"  # (it resizes and pads what it is given)
-    check_fits(frames, spec, privileged_read(cfg.policy, spec), cameras, any_size)
-    run_dir = run_dir_for(cfg.runner, resume)
-    with run_dir_held(run_dir):
-        enter_run_dir(run_dir, cfg, resume, evaluates_beside=False)
-        learner = bc_learner_for(cfg, spec, norm_data(frames))
-        try:  # (TP ranks in processes end with the learner)
-            if resume is not None:
-                learner.load(resume)
-            run = SFTRun(cfg, learner, frames, env_cfgs, spec, run_dir, resume)
-            run.train()
-        finally:
-            learner.close()
-        return run.finish()
+        cameras = spec.obs.cameras if getattr(cfg.policy, "use_images", True) else ()
+        any_size = cfg.policy.name == "smolvla"  # (it resizes and pads what it is given)
+        check_fits(frames, spec, privileged_read(cfg.policy, spec), cameras, any_size)
+        with run_dir_held(run_dir):
+            enter_run_dir(run_dir, cfg, resume, evaluates_beside=False)
+            learner = bc_learner_for(cfg, spec, norm_data(frames))
+            try:  # (TP ranks in processes end with the learner)
+                if resume is not None:
+                    learner.load(resume)
+                run = SFTRun(cfg, learner, frames, env_cfgs, env, run_dir, resume)
+                run.train()
+            finally:
+                learner.close()
+            return run.finish()
 
 
 def _resume_of(cfg: SFTConfig) -> dict | None:
@@ -255,11 +256,12 @@ def lr_at(cfg: SFTConfig, s: int) -> float:
 class SFTRun:
     """The steps of one SFT run: batches of frames, evaluations, checkpoints, a stop."""
 
-    def __init__(self, cfg, learner, frames: Frames, env_cfgs: dict, spec, run_dir, resume):
+    def __init__(self, cfg, learner, frames: Frames, env_cfgs: dict, env, run_dir, resume):
         self.cfg = cfg
         self.learner = learner
         self.frames = frames
         self.env_cfgs = env_cfgs
+        self.env = env  # (every evaluation's: it holds every task)
         self.run_dir = run_dir
         self.policy = learner.engine.torch_policy  # (evaluation, the cached image features)
         counters = {} if resume is None else resume["counters"]
@@ -268,7 +270,7 @@ class SFTRun:
         self.clock = Clock(counters.get("train_seconds", 0.0), cfg.runner.max_minutes)
         purge = None if resume is None else self.step + 1
         self.logger = RunLogger(run_dir, purge_step=purge)
-        self.meta = _meta(cfg, env_cfgs, spec)
+        self.meta = _meta(cfg, env_cfgs, env.spec)
         if resume is not None:
             print(f"resuming {run_dir} from step {self.step}")
 
@@ -354,7 +356,8 @@ class SFTRun:
             self.learner.refresh()
             results = evaluate_tasks(
                 self.policy,
-                self.env_cfgs,
+                self.env,
+                list(self.env_cfgs),
                 run.eval_episodes,
                 eval_seed(self.cfg.seed, held_out=False),
                 self.step,
@@ -369,7 +372,8 @@ class SFTRun:
         video_dir = self.run_dir / "videos"
         final = evaluate_tasks(
             self.policy,
-            self.env_cfgs,
+            self.env,
+            list(self.env_cfgs),
             run.eval_episodes,
             eval_seed(self.cfg.seed, held_out=True),  # as `embodied eval` of its checkpoint
             self.step,
@@ -419,7 +423,8 @@ def _meta(cfg: SFTConfig, env_cfgs: dict, spec) -> dict:
 @torch.no_grad()
 def evaluate_tasks(
     policy,
-    env_cfgs: dict[str, SimulatorConfig],
+    env,
+    tasks: list[str],
     episodes: int,
     seed: int,
     step: int,
@@ -427,27 +432,23 @@ def evaluate_tasks(
     video_dir: Path | None = None,
     final: bool = False,
 ) -> dict:
-    """Deterministic evaluation of ``policy`` on each task, all tasks at once in one MultiTaskEnv
-    (``env.num_envs`` environments per task) -> {task: evaluate() summary}. ``final``: the run's
-    final evaluation, whose rows say so (a resume drops them)."""
+    """Deterministic evaluation of ``policy`` on each task, all tasks at once in ``env`` (one
+    MultiTaskEnv, ``env.num_envs`` environments per task) -> {task: evaluate() summary}.
+    ``final``: the run's final evaluation, whose rows say so (a resume drops them)."""
     policy.eval()
-    env = make_env(_eval_env_config(env_cfgs))
-    try:
-        video = video_dir / "eval.mp4" if video_dir is not None else None
-        with tqdm(
-            total=episodes * len(env_cfgs),
-            desc="evaluating",
-            unit="ep",
-            leave=False,
-            mininterval=bar_interval(),
-        ) as progress:
-            out = evaluate_by_task(
-                env, policy, episodes=episodes, seed=seed, video_path=video, progress=progress
-            )
-    finally:
-        env.close()
-    if len(env_cfgs) == 1:
-        out = {next(iter(env_cfgs)): out["all"]}
+    video = video_dir / "eval.mp4" if video_dir is not None else None
+    with tqdm(
+        total=episodes * len(tasks),
+        desc="evaluating",
+        unit="ep",
+        leave=False,
+        mininterval=bar_interval(),
+    ) as progress:
+        out = evaluate_by_task(
+            env, policy, episodes=episodes, seed=seed, video_path=video, progress=progress
+        )
+    if len(tasks) == 1:
+        out = {tasks[0]: out["all"]}
     tag = {"final": True} if final else {}
     for task, summary in out.items():
         logger.log(per_task(task, summary), step=step, iteration=step, **tag)

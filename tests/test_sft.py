@@ -226,11 +226,15 @@ def test_a_resumed_sft_run_ends_where_the_uninterrupted_one_did(tmp_path, datase
         assert torch.equal(again["model"][key], value), key
 
 
-def test_sft_keeps_an_earlier_run_unless_told_and_checks_a_resume(tmp_path, dataset, capsys):
+def test_sft_keeps_an_earlier_run_unless_told_and_checks_a_resume(
+    tmp_path, dataset, capsys, monkeypatch
+):
     cfg = sft_config(tmp_path, dataset, "run", steps=2)
     assert main(["sft", cfg, "runner.eval_episodes=1"]) == 0
     capsys.readouterr()
-    assert main(["sft", cfg]) == 2
+    with monkeypatch.context() as m:  # refused before a simulator is started
+        m.setattr("embodied.sft.make_env", lambda cfg: pytest.fail("an environment was built"))
+        assert main(["sft", cfg]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert main(["sft", cfg, "runner.overwrite=true", "runner.eval_episodes=1"]) == 0
     capsys.readouterr()
