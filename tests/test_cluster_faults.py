@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from cluster_runs import (
@@ -271,6 +272,8 @@ def test_a_simulator_error_mid_round_ends_the_round_with_that_error(local_ray, t
     plan = CollectPlan(seeds=3, group_of_env=torch.full((8,), -1), num_chunks=3, episode_base=0)
     try:
         roles.sync(0)
+        roles.envs.reset(seed=np.int64(5))  # (a numpy seed is an integer too: env b gets 5 + b)
+        assert roles.envs.seeds == [[5, 6, 7, 8], [9, 10, 11, 12]]
         saboteur.arm(1, "raise")
         stats = EpisodeStats(8, roles.envs.task_names, torch.device("cpu"))
         obs = roles.envs.reset(seed=plan.seeds)

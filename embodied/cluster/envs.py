@@ -18,7 +18,7 @@ from embodied.cluster.wire import from_wire
 from embodied.config import ConfigError
 from embodied.evaluate import split_episodes
 from embodied.multitask import joined_spec, shared_privileged
-from embodied.schema import Observation
+from embodied.schema import Observation, reset_seeds
 
 
 def split_env(env_cfg, workers: int) -> list:
@@ -155,7 +155,7 @@ class RemoteEnvGroup(WorkerGroup):
         """Reset every environment (seeds by row, as ``EnvGroup.reset``): the observations stay
         with the env workers (``ObservationShards``); the tasks' instructions come here."""
         B = self.num_envs
-        seeds = [seed + b for b in range(B)] if isinstance(seed, int) else seed
+        seeds = None if seed is None else reset_seeds(seed, range(B))  # (numpy ints too)
         self.seeds = [
             None if seeds is None else list(seeds[lo:hi])
             for lo, hi in zip(self.bounds, self.bounds[1:])
