@@ -128,6 +128,11 @@ RESUME_FREE = (
     "runner.keep_checkpoints",
     "runner.video",
     "runner.trace",
+    "runner.report",
+    # what the run records (rollouts, spikes): records draw no random number
+    "runner.record_rollouts",
+    "runner.keep_rollouts",
+    "runner.spike_factor",
     "env.num_workers",  # environments are seeded per episode: the worker layout changes nothing
     "env.step_timeout_s",
 )

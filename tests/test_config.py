@@ -251,6 +251,21 @@ def test_resume_compares_only_the_keys_the_checkpoint_has(tmp_path):
         )
 
 
+def test_resume_may_change_what_the_run_records_and_reports_but_not_its_threads(tmp_path):
+    """Rollout records, their pruning, the spike bound and the report change no number of the
+    run (a record reads the random streams, it draws nothing); the thread count does (MKL and
+    torch split their sums by thread)."""
+    from embodied.run import check_resume
+
+    keys = ("record_rollouts", "keep_rollouts", "spike_factor", "report", "torch_threads")
+    saved = {"runner": dict(zip(keys, (0, 5, 10.0, True, 1)))}
+    check_resume(
+        saved, {"runner": dict(zip(keys, (1, 2, float("inf"), False, 1)))}, tmp_path, False
+    )
+    with pytest.raises(ConfigError, match="runner.torch_threads is 2 here but 1"):
+        check_resume(saved, {"runner": dict(zip(keys, (0, 5, 10.0, True, 2)))}, tmp_path, False)
+
+
 def test_resume_refuses_another_precision_unless_forced(tmp_path):
     """trainer.* may change on resume (the backend, the TP size: the same numbers), but not
     trainer.precision: bf16 is not float32's rounding."""
