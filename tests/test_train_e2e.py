@@ -110,7 +110,9 @@ def runs(tmp_path_factory):
         with pytest.raises(RuntimeError, match="a crash after logging"):
             train(tiny_config(tmp, "crash", 4, ["runner.save_every=2"]))
     assert load_checkpoint(tmp / "crash")["counters"]["iteration"] == 2
-    train(tiny_config(tmp, "crash", 4, ["runner.save_every=2", f"runner.resume={tmp / 'crash'}"]))
+    records = ["runner.record_rollouts=1"]  # (turned on at the resume: no number changes)
+    again = ["runner.save_every=2", f"runner.resume={tmp / 'crash'}", *records]
+    train(tiny_config(tmp, "crash", 4, again))
     return tmp, full, resumed
 
 
@@ -177,12 +179,16 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_uninterrupted_run(runs):
 
 
 def test_a_crash_after_the_last_checkpoint_leaves_no_duplicate_rows(runs):
+    """Resumed with rollout records turned on: the same numbers, and a record of each
+    iteration after the resume."""
     tmp, _, _ = runs
     a, b = iteration_rows(tmp / "full"), iteration_rows(tmp / "crash")  # asserts uniqueness
     assert sorted(b) == [1, 2, 3, 4]
     for it in (3, 4):
         for key in COMPARED:
             assert a[it][key] == b[it][key], (it, key)
+    records = sorted(p.name for p in (tmp / "crash" / "rollouts").iterdir())
+    assert records == ["iter_000003", "iter_000004"]
 
 
 def test_a_resume_that_changes_the_run_is_refused(runs, tmp_path):
