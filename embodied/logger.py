@@ -9,10 +9,11 @@ from pathlib import Path
 
 
 class RunLogger:
-    """``purge_step``: a resumed run's first step; TensorBoard drops what an earlier process
-    logged from there on (metrics.jsonl is trimmed by the runner)."""
+    """``resumed_at``: a resumed run's checkpoint's step. TensorBoard hides what an earlier
+    process logged from that step on (its final evaluation is at that step), and the rows
+    metrics.jsonl keeps at it (the runner trims the rest) are written to TensorBoard again."""
 
-    def __init__(self, run_dir: Path, enabled_tb: bool = True, purge_step: int | None = None):
+    def __init__(self, run_dir: Path, enabled_tb: bool = True, resumed_at: int | None = None):
         path = Path(run_dir) / "metrics.jsonl"
         end_cut_line(path)
         self.jsonl = open(path, "a")
@@ -20,15 +21,20 @@ class RunLogger:
         if enabled_tb:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=purge_step)
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resumed_at)
+            if resumed_at is not None:
+                self._scalars_again(read_jsonl(path), resumed_at)
+
+    def _scalars_again(self, rows: list[dict], step: int) -> None:
+        for row in rows:
+            if row.get("env_steps") == step:
+                for k, v in _scalars(row).items():
+                    if "/" in k:  # (a metric, not the row's env_steps or iteration)
+                        self.tb.add_scalar(k, v, step)
 
     def log(self, metrics: dict, step: int, **extra) -> None:
         """Write the numeric ``group/name`` entries at ``step`` (env steps)."""
-        scalars = {
-            k: float(v)
-            for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
+        scalars = _scalars(metrics)
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
@@ -40,6 +46,14 @@ class RunLogger:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _scalars(metrics: dict) -> dict[str, float]:
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def end_cut_line(path: Path) -> None:

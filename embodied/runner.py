@@ -173,8 +173,8 @@ class Runner:
         self.pending: UpdateInFlight | None = None
         meta = run_meta(cfg, roles.spec)
         self.points = SavePoints(self.state, roles, run_dir, meta, cfg.runner.keep_checkpoints)
-        purge = None if self.fresh else self.state.env_steps + 1
-        self.logger = RunLogger(run_dir, purge_step=purge)
+        resumed_at = None if self.fresh else self.state.env_steps
+        self.logger = RunLogger(run_dir, resumed_at=resumed_at)
         self.events = EventLog(run_dir)
         self._event("start" if self.fresh else "resume")
         recording = cfg.runner.record_rollouts > 0  # (embodied/recording.py)

@@ -268,8 +268,7 @@ class SFTRun:
         self.step = counters.get("iteration", 0)
         self.evals: list[dict] = counters.get("evals", [])
         self.clock = Clock(counters.get("train_seconds", 0.0), cfg.runner.max_minutes)
-        purge = None if resume is None else self.step + 1
-        self.logger = RunLogger(run_dir, purge_step=purge)
+        self.logger = RunLogger(run_dir, resumed_at=None if resume is None else self.step)
         self.meta = _meta(cfg, env_cfgs, env.spec)
         if resume is not None:
             print(f"resuming {run_dir} from step {self.step}")

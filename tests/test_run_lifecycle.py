@@ -46,10 +46,32 @@ def _rows(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def tensorboard_points(run) -> dict[str, list[tuple[int, float]]]:
+    """Each TensorBoard scalar's (step, value) points, as TensorBoard shows them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+
+
+def metrics_points(run) -> dict[str, list[tuple[int, float]]]:
+    """Each metric's (env_steps, value) points in metrics.jsonl."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    for row in _rows(run):
+        for key, value in row.items():
+            if "/" in key:
+                points.setdefault(key, []).append((row["env_steps"], value))
+    return points
+
+
 def test_a_resumed_run_ends_with_one_final_evaluation_and_no_stale_result(tmp_path):
     """The final evaluation's rows are tagged; a resume drops them and the earlier process's
     metrics.json (a resumed run that stopped showed that result as its own), and its own final
-    evaluation is logged once (a finished run resumed had two)."""
+    evaluation is logged once (a finished run resumed had two). TensorBoard shows what
+    metrics.jsonl holds: it kept the first process's final evaluation beside the second's."""
     from embodied.run import rewind
 
     run = tmp_path / "run"
@@ -70,6 +92,13 @@ def test_a_resumed_run_ends_with_one_final_evaluation_and_no_stale_result(tmp_pa
     run_on(PushRightEnv(8), run, total_env_steps=3 * STEPS, resume=str(run / "last"), **kw)
     assert finals() == [3]
     assert json.loads((run / "metrics.json").read_text())["final"]["iteration"] == 3
+    shown = tensorboard_points(run)
+    logged = metrics_points(run)
+    assert sorted(shown) == sorted(logged) and "eval/success_rate" in logged
+    for tag, points in logged.items():
+        assert [step for step, _ in shown[tag]] == [step for step, _ in points], tag
+        values = [value for _, value in shown[tag]]
+        assert values == pytest.approx([value for _, value in points], rel=1e-6), tag
 
 
 def test_a_checkpoint_that_cannot_be_written_is_one_error_line_and_the_last_one_stands(
