@@ -221,6 +221,24 @@ def test_checkpoint_round_trip_keeps_normalization(tmp_path):
     assert_checkpoint_acts_alone(VLA(SPEC, cfg), cfg, SPEC, tmp_path)
 
 
+def test_a_constant_state_column_keeps_unit_scale_and_the_state_is_clipped():
+    """A column (nearly) constant in the demos (std <= 1e-4) keeps std 1, not 1e-6, and the
+    normalised state is clipped to +-10, as RunningNorm does for the actor-critic."""
+    policy = VLA(SPEC, tiny("gaussian"))  # 5 state columns + goal_pos (3)
+    mean = torch.tensor([0.0, 0.001, 2.0, 0.0, 0.0, 0.1, 0.1, 0.001])
+    std = torch.tensor([0.5, 0.0, 1e-4, 2e-4, 1.0, 0.2, 0.2, 1e-7])
+    policy.set_norm_stats(state=NormStats(mean=mean, std=std))
+    expected_std = torch.tensor([0.5, 1.0, 1.0, 2e-4, 1.0, 0.2, 0.2, 1.0])
+    torch.testing.assert_close(policy.state_std, expected_std)
+    torch.testing.assert_close(policy.state_mean, mean)
+    obs = random_observation(SPEC, 1)
+    obs.state[:] = torch.tensor([[1.0, 0.0, 2.5, 0.001, -30.0]])
+    obs.privileged["goal_pos"][:] = torch.tensor([[5.1, 0.2, 0.0]])  # goal z: 1 mm off the demos'
+    z = policy.normalized_state(obs)
+    expected = torch.tensor([[2.0, -0.001, 0.5, 5.0, -10.0, 10.0, 0.5, -0.001]])
+    torch.testing.assert_close(z, expected)
+
+
 def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match="head"):
         VLA(SPEC, tiny("diffusion"))
