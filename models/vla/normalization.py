@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from embodied.schema import EnvSpec, NormStats, Observation
+from embodied.schema import EnvSpec, NormStats, Observation, UserError
 
 CLIP = 10.0  # |normalised state| at most, as RunningNorm's clip
 MIN_STD = 1e-4  # a column with a std at most this keeps unit scale (RunningNorm: variance 1e-8)
@@ -27,8 +27,8 @@ class NormalizedVLA(nn.Module):
         super().__init__()
         unknown = sorted(set(privileged_keys) - set(spec.obs.privileged))
         if unknown:
-            raise ValueError(
-                f"privileged_keys: {unknown} not in the environment's privileged keys "
+            raise UserError(
+                f"policy.privileged_keys: {unknown} not among the environment's "
                 f"{sorted(spec.obs.privileged)}"
             )
         self.use_state = use_state

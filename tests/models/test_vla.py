@@ -10,7 +10,7 @@ import torch
 from embodied.checkpoint import load_checkpoint, save_checkpoint
 from embodied.contract import check_policy, random_observation
 from embodied.models import VLA, VLAConfig, build_policy
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, NormStats, ObsSpec
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, NormStats, ObsSpec, UserError
 
 SPEC = EnvSpec(
     obs=ObsSpec(
@@ -240,12 +240,20 @@ def test_a_constant_state_column_keeps_unit_scale_and_the_state_is_clipped():
 
 
 def test_bad_configs_are_refused():
+    """The config's own values are ValueErrors (the loader names their key); what only the
+    environment shows is a UserError naming the key: one line from the CLI, no traceback."""
     with pytest.raises(ValueError, match="head"):
         VLA(SPEC, tiny("diffusion"))
+    with pytest.raises(ValueError, match=r"^flow_noise_std: must be > 0, got 0.0"):
+        VLA(SPEC, tiny("flow", flow_noise_std=0.0))  # (its log is the head's log-std)
     no_camera = EnvSpec(obs=ObsSpec(state_names=("q",)), action=SPEC.action, max_episode_steps=5)
-    with pytest.raises(ValueError, match="camera"):
+    with pytest.raises(UserError, match="^policy: a VLA needs camera images"):
         VLA(no_camera, tiny("gaussian"))
-    with pytest.raises(ValueError, match="obj_pose"):
+    sizes = (CameraSpec("base_camera", 64, 64), CameraSpec("hand_camera", 32, 32))
+    two_sizes = EnvSpec(obs=ObsSpec(cameras=sizes), action=SPEC.action, max_episode_steps=5)
+    with pytest.raises(UserError, match=r"^policy: .* same size .* \['32x32', '64x64'\]"):
+        VLA(two_sizes, tiny("gaussian", privileged_keys=[]))
+    with pytest.raises(UserError, match=r"^policy.privileged_keys: \['obj_pose'\] not among"):
         VLA(SPEC, tiny("gaussian", privileged_keys=["obj_pose"]))
 
 
