@@ -239,6 +239,27 @@ def test_a_constant_state_column_keeps_unit_scale_and_the_state_is_clipped():
     torch.testing.assert_close(z, expected)
 
 
+def test_cached_instruction_embeddings_go_with_the_weights_they_came_from():
+    """The frozen text encoder caches each instruction's embedding; loading other weights into
+    it (load_state_dict copies in place) encodes again, so the policy acts as the one whose
+    weights it loaded. A partial load without the text encoder keeps the cache."""
+    torch.manual_seed(0)
+    policy = VLA(SPEC, tiny("gaussian")).eval()
+    torch.manual_seed(1)
+    other = VLA(SPEC, tiny("gaussian")).eval()
+    obs = random_observation(SPEC, 2)
+    with torch.no_grad():
+        policy.act(obs, deterministic=True)  # caches the embeddings of its own text weights
+        policy.load_state_dict({"queries": other.queries}, strict=False)
+        assert sorted(policy.text._cache) == sorted(set(obs.instruction))
+        policy.load_state_dict(other.state_dict())
+        fresh = policy.text.encode(list(obs.instruction))  # f32 [B, D] from the loaded weights
+        torch.testing.assert_close(policy.text(obs.instruction), fresh, rtol=0, atol=0)
+        torch.testing.assert_close(
+            policy.act(obs, deterministic=True).actions, other.act(obs, deterministic=True).actions
+        )
+
+
 def test_bad_configs_are_refused():
     """The config's own values are ValueErrors (the loader names their key); what only the
     environment shows is a UserError naming the key: one line from the CLI, no traceback."""
