@@ -278,6 +278,7 @@ class SmolVLA(NormalizedVLA):
             gaussian_logpdf(chain[:, i + 1], step_mean(chain[:, i], i), self.log_sigma)
             for i in range(self.steps)
         )  # f32 [B, K, A]
+        # the injected noise's entropy, blind to the clip: ent_coef > 0 widens sigma without bound
         entropy = flow_entropy(self.log_sigma, self.steps, self.K).expand(obs.batch_size)
         return logprob_at_level(logp, level), entropy, None
 
