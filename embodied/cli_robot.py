@@ -68,18 +68,28 @@ def _check_reachable(text: str, goal: tuple[float, float, float]) -> None:
 def cmd_serve(args) -> int:
     import time
 
-    from embodied.deploy import serve
+    from embodied.deploy import serve, serve_device
 
     if not 0 <= args.port <= 65535:
         return _error(f"--port: must be 0..65535 (0: any free port), got {args.port}")
     if args.queue < 1:
         return _error(f"--queue: must be >= 1, got {args.queue}")
+    device = serve_device(args.device)  # (a UserError: one line, from main)
     try:
-        server = serve(args.checkpoint, host=args.host, port=args.port, queue_size=args.queue)
+        server = serve(
+            args.checkpoint,
+            host=args.host,
+            port=args.port,
+            queue_size=args.queue,
+            device=device,
+        )
     except FileNotFoundError as e:
         return _error(str(e))
     address = f"{args.host}:{server.port}"
-    print(f"serving {args.checkpoint} on ws://{address} (health: http://{address}/health)")
+    print(
+        f"serving {args.checkpoint} on ws://{address}, the policy on {device} "
+        f"(health: http://{address}/health)"
+    )
     try:
         while True:
             time.sleep(3600)
@@ -243,6 +253,12 @@ def _add_serve(sub) -> None:
     v.add_argument("--port", type=int, default=8765)
     v.add_argument(
         "--queue", type=int, default=8, help="requests waiting at most; more get a 'busy' reply"
+    )
+    v.add_argument(
+        "--device",
+        default="auto",
+        help="where the policy runs: auto (cuda where this machine has it, else cpu), cpu, cuda "
+        "or cuda:N",
     )
     v.set_defaults(func=cmd_serve)
 

@@ -31,6 +31,7 @@ from embodied.deploy_policy import (
     privileged_inputs,
     robot_infer,
     select_columns,
+    serve_device,
     wire_to_obs,
 )
 from embodied.schema import EnvSpec
@@ -100,13 +101,17 @@ class EpisodeRecorder:
         return out
 
 
-def serve(checkpoint: str, *, host: str = "0.0.0.0", port: int = 8765, queue_size: int = 8):
-    """A started PolicyServer for the checkpoint (``.stop()`` ends it)."""
+def serve(
+    checkpoint: str, *, host: str = "0.0.0.0", port: int = 8765, queue_size: int = 8, device="cpu"
+):
+    """A started PolicyServer for the checkpoint, its policy on ``device`` (auto: cuda where
+    this machine has it; ``.stop()`` ends it)."""
     from embodied.robots.server import PolicyServer
 
-    policy, spec, agreed, _ = load_deployable(checkpoint)
+    device = serve_device(str(device))
+    policy, spec, agreed, _ = load_deployable(checkpoint, device)
     return PolicyServer(
-        lambda msg: policy_chunk(policy, wire_to_obs(msg, spec)),
+        lambda msg: policy_chunk(policy, wire_to_obs(msg, spec).to(device)),
         agreed,
         host=host,
         port=port,

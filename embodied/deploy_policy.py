@@ -16,21 +16,33 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from embodied.schema import EnvSpec, Observation
+from embodied.schema import EnvSpec, Observation, UserError, check_device_name, checked_device
 
 
 class DeployError(ValueError):
     pass
 
 
-def load_deployable(checkpoint: str | Path):
-    """(policy in eval mode, its EnvSpec, contract dict, the config it was trained with) of a
-    checkpoint."""
+def serve_device(name: str) -> torch.device:
+    """``--device`` of ``embodied serve`` as a torch device: auto is cuda where this machine has
+    it, else cpu; CUDA asked for on a machine without it is a one-line UserError."""
+    try:
+        check_device_name("--device", name, auto=True)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return checked_device("--device", name, "--device cpu (or auto)")
+
+
+def load_deployable(checkpoint: str | Path, device: torch.device | str = "cpu"):
+    """(policy in eval mode on ``device``, its EnvSpec, contract dict, the config it was trained
+    with) of a checkpoint."""
     from embodied.checkpoint import resolve_checkpoint
     from embodied.demos import load_policy
 
     path = resolve_checkpoint(checkpoint)
-    policy, train_cfg = load_policy(path)
+    policy, train_cfg = load_policy(path, device)
     spec = EnvSpec.from_dict(json.loads((path / "meta.json").read_text())["spec"])
     return policy, spec, contract(spec, path), train_cfg
 
@@ -133,9 +145,9 @@ def wire_to_obs(msg: dict, spec: EnvSpec) -> Observation:
 
 
 def policy_chunk(policy, obs: Observation) -> np.ndarray:
-    """float32 [K, A] in the policy's own action space."""
+    """float32 [K, A] in the policy's own action space (on the host)."""
     with torch.no_grad():
-        return policy.act(obs, deterministic=True).actions[0].float().numpy()
+        return policy.act(obs, deterministic=True).actions[0].float().cpu().numpy()
 
 
 def select_columns(obs: Observation, spec: EnvSpec, robot_spec: EnvSpec) -> Observation:

@@ -44,8 +44,16 @@ class StateEncoder(nn.Module):
 class CNNEncoder(nn.Module):
     """NatureCNN-style encoder per camera: uint8 [B, H, W, 3] -> f32 [B, out_dim]."""
 
+    MIN_SIDE = 36  # the smallest side its convolutions take: (36 - 8) / 4 + 1 = 8, 3, then 1
+
     def __init__(self, height: int, width: int, out_dim: int = 256):
         super().__init__()
+        if min(height, width) < self.MIN_SIDE:
+            raise UserError(
+                f"env.image_size: the actor-critic's CNN needs images of at least "
+                f"{self.MIN_SIDE}x{self.MIN_SIDE} pixels, got {height}x{width} "
+                "(or policy.use_images=false)"
+            )
         self.conv = nn.Sequential(
             nn.Conv2d(3, 32, 8, stride=4),
             nn.ReLU(),

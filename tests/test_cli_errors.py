@@ -54,6 +54,8 @@ def paths(tmp_path_factory):
         "policy: {name: vla, value_head: false}\nalgorithm: {name: ppo}\n",
         "vla_state.yaml": "env: {simulator: mujoco, obs_mode: state}\n"
         "policy: {name: vla}\nalgorithm: {name: grpo}\n",
+        "vla_rgb.yaml": "env: {simulator: mujoco, obs_mode: rgb, num_envs: 2}\n"
+        "policy: {name: vla}\nalgorithm: {name: ppo}\n",
         "demos_no_expert.yaml": "episodes: 2\n",
         "no_tasks.yaml": "tasks: []\n",
         "cycle_a.yaml": "defaults: [cycle_b.yaml]\n",
@@ -267,6 +269,7 @@ CASES = [
     (["serve", f"{R}/corrupt_meta"], ["corrupt_meta/meta.json"]),
     (["serve", CK, "--port", "70000"], ["--port", "70000"]),
     (["serve", CK, "--queue", "0"], ["--queue", "got 0"]),
+    (["serve", CK, "--device", "tpu"], ["--device: must be auto, cpu, cuda or cuda:N, got 'tpu'"]),
     # deploy (--robot so101-sim: the MuJoCo twin; a real arm's cases fail before connecting)
     (["deploy", f"{R}/nowhere", "--robot", "so101-sim"], ["no checkpoint at", "nowhere"]),
     (["deploy", CK, "--robot", "so101-sim", "--camera", "wrist"], ["--camera 'wrist'"]),
@@ -357,6 +360,14 @@ CASES = [
     (
         ["train", M, "policy.privileged_keys=[nope]"],
         ["policy.privileged_keys: ['nope'] not among the environment's ['goal_pos', 'tcp_pos']"],
+    ),
+    (
+        ["train", f"{R}/vla_rgb.yaml", "policy.privileged_keys=[nope]"],
+        ["policy.privileged_keys: ['nope'] not among the environment's ['goal_pos', 'tcp_pos']"],
+    ),
+    (
+        ["train", M, "env.obs_mode=rgb", "env.image_size=32"],
+        ["env.image_size: the actor-critic's CNN needs images of at least 36x36", "got 32x32"],
     ),
     # the cluster block (checked before Ray starts) and cluster status
     (["train", M, "cluster.placement=everywhere"], ["cluster.placement", "'everywhere'"]),

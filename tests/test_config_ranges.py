@@ -8,6 +8,7 @@ M = "configs/mujoco/reach_ppo.yaml"
 V = "configs/maniskill/multitask_vla_grpo.yaml"
 MS = "configs/maniskill/pushcube_ppo.yaml"
 SFT = "configs/maniskill/multitask_vla_sft.yaml"
+SMOL = "configs/maniskill/multitask_smolvla_grpo.yaml"
 R = "{root}"
 CASES = [
     # each section's own checks (validate()), named at their key and where it was set
@@ -43,7 +44,16 @@ CASES = [
         ["policy.vlm_path:", "/moved is not a model directory (config.json"],
     ),
     (["train", V, "policy.vision_width=0"], ["policy.vision_width: must be > 0, got 0.0"]),
-    (["train", V, "policy.flow_noise_std=-1"], ["policy.flow_noise_std: must be >= 0"]),
+    (["train", V, "policy.flow_noise_std=-1"], ["policy.flow_noise_std: must be > 0"]),
+    (["train", V, "policy.flow_noise_std=0"], ["policy.flow_noise_std: must be > 0, got 0.0"]),
+    (
+        ["train", SMOL, f"policy.vlm_path={R}/x", "policy.flow_steps=0"],
+        ["policy.flow_steps: must be >= 1, got 0"],
+    ),
+    (
+        ["train", SMOL, f"policy.vlm_path={R}/x", "policy.image_size=-1"],
+        ["policy.image_size: must be >= 0, got -1"],
+    ),
     (
         ["train", M, "policy.use_privileged=false", "policy.privileged_keys=[goal_pos]"],
         ["policy.privileged_keys", "use_privileged=true"],

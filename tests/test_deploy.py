@@ -224,6 +224,35 @@ def test_the_twin_judges_success_by_the_tasks_own_rule():
     assert not pick.success()
 
 
+def test_serve_runs_the_policy_on_its_device_and_answers_as_in_process(checkpoints):
+    """`embodied serve --device` (auto by default: cuda where the machine has it, README: "on
+    the GPU host"); on the CPU here the served chunk equals the policy's own."""
+    import torch
+
+    from embodied.cli import parse
+    from embodied.deploy import serve, serve_device
+    from embodied.deploy_policy import load_deployable, policy_chunk, wire_to_obs
+    from embodied.robots.server import PolicyClient
+
+    ckpt = checkpoints["state_only"]
+    auto = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert serve_device(parse(["serve", ckpt]).device) == auto
+    assert serve_device("cpu") == torch.device("cpu")
+    policy, spec, agreed, _ = load_deployable(ckpt, "cpu")
+    state = np.linspace(-0.5, 0.5, spec.obs.state_dim, dtype=np.float32)  # f32 [S]
+    msg = {"state": state, "images": {}, "instruction": spec.instructions[0]}
+    server = serve(ckpt, host="127.0.0.1", port=0, device=torch.device("cpu"))
+    try:
+        client = PolicyClient(f"ws://127.0.0.1:{server.port}", agreed)
+        try:
+            served = client.infer(msg)  # f32 [K, A]
+        finally:
+            client.close()
+    finally:
+        server.stop()
+    np.testing.assert_array_equal(served, policy_chunk(policy, wire_to_obs(msg, spec)))
+
+
 def test_a_mismatched_server_is_refused(checkpoints, capsys):
     from embodied.deploy import serve
 

@@ -32,3 +32,13 @@ def test_a_learner_on_cuda_without_cuda_is_a_one_line_error_and_no_run(capsys, t
         "runner.device=auto (the environment's device) or cpu"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+@needs_no_cuda
+def test_serving_on_cuda_without_cuda_is_a_one_line_error(capsys, tmp_path):
+    # (the device is checked before the checkpoint is read: none here)
+    assert main(["serve", str(tmp_path / "ckpt"), "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "embodied: error: --device=cuda needs a CUDA GPU and this machine has none; use "
+        "--device cpu (or auto)"
+    )

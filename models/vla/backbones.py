@@ -169,3 +169,10 @@ class MiniLMText(nn.Module):
     def _apply(self, fn, recurse=True):
         self._cache.clear()  # device or dtype changes invalidate cached embeddings
         return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # load_state_dict copies weights in place: embeddings of the old ones are stale (a partial
+        # load without the text encoder's weights, as a weight sync's, keeps them)
+        if any(key.startswith(prefix) for key in state_dict):
+            self._cache.clear()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -139,7 +139,10 @@ def sample_flow_chain(
 
 
 def flow_entropy(log_sigma: torch.Tensor, steps: int, chunk: int) -> torch.Tensor:
-    """Entropy of the injected noise of one chain (scalar): N steps x K actions x A dimensions."""
+    """Entropy of the injected noise of one chain (scalar): N steps x K actions x A dimensions.
+    Not the actions': it ignores the clip of x_N to [-1, 1], and its gradient in log_sigma is
+    the constant N * K, so an entropy bonus (ent_coef > 0) widens sigma without bound and pushes
+    actions onto their bounds (design note 6; the default ent_coef is 0)."""
     return (0.5 + HALF_LOG_2PI + log_sigma).sum() * steps * chunk
 
 

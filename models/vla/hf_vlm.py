@@ -102,13 +102,24 @@ def load_processor(path: Path):
 
 
 class VLMNotFound(UserError, FileNotFoundError):
-    """``policy.vlm_path`` is not a model directory (a checkpoint's, moved since: one line)."""
+    """``policy.vlm_path`` is not a model directory (a checkpoint's, moved since), or not one
+    that transformers can load as a vision-language model: one line."""
 
 
 def missing_vlm(path: str | Path) -> str:
     return (
         f"vlm_path: {path} is not a model directory (config.json, weights and processor files, "
         "as save_pretrained writes them)"
+    )
+
+
+def unloadable_vlm(path: str | Path, error: Exception) -> VLMNotFound:
+    """A directory with a config.json that transformers cannot load as a vision-language model
+    (another kind of model: ValueError "Unrecognized configuration class"; no weights: OSError),
+    named with the first line of transformers' message."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return VLMNotFound(
+        f"policy.vlm_path: {path} cannot be loaded as a vision-language model: {first}"
     )
 
 
@@ -123,10 +134,13 @@ class HFVisionLanguage(nn.Module):
         path = Path(path)
         if not (path / "config.json").is_file():
             raise VLMNotFound(f"policy.{missing_vlm(path)}")
-        self.processor = load_processor(path)
-        full = AutoModelForImageTextToText.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32
-        )
+        try:
+            self.processor = load_processor(path)
+            full = AutoModelForImageTextToText.from_pretrained(
+                path, local_files_only=True, dtype=torch.float32
+            )
+        except (ValueError, OSError) as e:
+            raise unloadable_vlm(path, e) from e
         self.model = full.model  # without the LM head: hidden states only
         self.out_dim = full.config.get_text_config().hidden_size
         self.image_token = self.processor.image_token

@@ -1,7 +1,11 @@
 """What every VLA policy keeps in its own buffers, so in every checkpoint: the proprioception
 (+ privileged goal) inputs it reads and their (mean, std), and the map between physical actions
 and the normalized space [-1, 1] (the data's 1st/99th percentiles clipped to the ActionSpec
-bounds, as OpenVLA does). Until ``set_norm_stats`` is called they are (0, 1) and the bounds."""
+bounds; OpenVLA normalises with the same percentiles but leaves the gripper dimension out, where
+here every dimension, the gripper's too, is normalised). Until ``set_norm_stats`` is called they
+are (0, 1) and the bounds. The normalised state is clipped to +-CLIP, and a column that hardly
+varies in the data keeps unit scale, as ``RunningNorm`` (models/normalization.py) does for the
+actor-critic."""
 
 from __future__ import annotations
 
@@ -10,7 +14,10 @@ import math
 import torch
 from torch import nn
 
-from embodied.schema import EnvSpec, NormStats, Observation
+from embodied.schema import EnvSpec, NormStats, Observation, UserError
+
+CLIP = 10.0  # |normalised state| at most, as RunningNorm's clip
+MIN_STD = 1e-4  # a column with a std at most this keeps unit scale (RunningNorm: variance 1e-8)
 
 
 class NormalizedVLA(nn.Module):
@@ -20,8 +27,8 @@ class NormalizedVLA(nn.Module):
         super().__init__()
         unknown = sorted(set(privileged_keys) - set(spec.obs.privileged))
         if unknown:
-            raise ValueError(
-                f"privileged_keys: {unknown} not in the environment's privileged keys "
+            raise UserError(
+                f"policy.privileged_keys: {unknown} not among the environment's "
                 f"{sorted(spec.obs.privileged)}"
             )
         self.use_state = use_state
@@ -50,17 +57,21 @@ class NormalizedVLA(nn.Module):
         return torch.cat(parts, dim=-1)
 
     def normalized_state(self, obs: Observation) -> torch.Tensor:
-        """f32 [B, S'] standardized with the stored statistics."""
-        return (self.state_vector(obs) - self.state_mean) / self.state_std
+        """f32 [B, S'] standardized with the stored statistics, clipped to +-CLIP."""
+        z = (self.state_vector(obs) - self.state_mean) / self.state_std  # f32 [B, S']
+        return z.clamp(-CLIP, CLIP)
 
     @torch.no_grad()
     def set_norm_stats(
         self, *, state: NormStats | None = None, action: NormStats | None = None
     ) -> None:
-        """Install statistics computed from data (state: mean/std; action: q01/q99)."""
+        """Install statistics computed from data (state: mean/std; action: q01/q99). A state
+        column (nearly) constant in the data says nothing about its scale: it keeps its mean and
+        std 1, so a value off the data's by a millimetre is not scaled by 1e6."""
         if state is not None and self.state_dim:
+            std = state.std.to(self.state_std)  # f32 [S']
             self.state_mean.copy_(state.mean)
-            self.state_std.copy_(state.std.clamp(min=1e-6))
+            self.state_std.copy_(torch.where(std > MIN_STD, std, torch.ones_like(std)))
         if action is not None:
             q01 = torch.maximum(action.q01.to(self.action_low), self.action_low)
             q99 = torch.minimum(action.q99.to(self.action_high), self.action_high)

@@ -33,7 +33,13 @@ from embodied.models.vla.heads import (
 )
 from embodied.models.vla.hf_vlm import HFVisionLanguage, missing_vlm
 from embodied.models.vla.normalization import NormalizedVLA
-from embodied.schema import EnvSpec, Observation, PolicyOutput, check_at_least
+from embodied.schema import (
+    EnvSpec,
+    Observation,
+    PolicyOutput,
+    UserError,
+    check_at_least,
+)
 
 
 @dataclass
@@ -72,7 +78,7 @@ class VLAConfig(PolicyConfig):
     init_log_std: float = -1.0  # gaussian head
     bins: int = 256  # discrete head
     flow_steps: int = 5  # flow head: denoising steps
-    flow_noise_std: float = 0.1  # flow head: initial std of the noise injected per step
+    flow_noise_std: float = 0.1  # flow head: initial std (> 0) of the noise injected per step
 
     def has_critic(self) -> bool:
         return self.value_head
@@ -88,8 +94,8 @@ class VLAConfig(PolicyConfig):
         for key in ("vision_width", "vision_depth"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key}: must be > 0, got {getattr(self, key)}")
-        if self.flow_noise_std < 0:
-            raise ValueError(f"flow_noise_std: must be >= 0, got {self.flow_noise_std}")
+        if not self.flow_noise_std > 0:  # (the flow head starts from its log)
+            raise ValueError(f"flow_noise_std: must be > 0, got {self.flow_noise_std}")
 
     def check_files(self) -> None:
         if self.vlm_path and not (Path(self.vlm_path) / "config.json").is_file():
@@ -101,11 +107,16 @@ class VLA(NormalizedVLA):
         cfg.validate()
         cams = spec.obs.cameras
         if not cams:
-            raise ValueError(
-                "a VLA needs camera images: use an obs_mode with cameras (e.g. env.obs_mode=rgb)"
+            raise UserError(
+                "policy: a VLA needs camera images: use an obs_mode with cameras "
+                "(e.g. env.obs_mode=rgb)"
             )
         if len({(c.height, c.width) for c in cams}) > 1:
-            raise ValueError("all cameras must have the same size (one shared image encoder)")
+            sizes = sorted({f"{c.height}x{c.width}" for c in cams})
+            raise UserError(
+                f"policy: a VLA's cameras must all have the same size (one shared image "
+                f"encoder), got {sizes}"
+            )
         super().__init__(spec, use_state=cfg.use_state, privileged_keys=cfg.privileged_keys)
         self.spec = spec
         self.cfg = cfg

@@ -41,8 +41,9 @@ from embodied.models.vla.heads import (
     gaussian_logpdf,
     sample_flow_chain,
 )
+from embodied.models.vla.hf_vlm import unloadable_vlm
 from embodied.models.vla.normalization import NormalizedVLA
-from embodied.schema import EnvSpec, Observation, PolicyOutput
+from embodied.schema import EnvSpec, Observation, PolicyOutput, UserError, check_at_least
 
 
 @dataclass
@@ -79,8 +80,8 @@ class SmolVLAConfig(PolicyConfig):
             raise ValueError(
                 "vlm_path: SmolVLA needs a local SmolVLM2 directory (nothing is downloaded)"
             )
-        if self.chunk_size < 1 or self.flow_steps < 1:
-            raise ValueError("chunk_size: chunk_size and flow_steps must be >= 1")
+        check_at_least(self, 1, "chunk_size", "flow_steps")
+        check_at_least(self, 0, "image_size")
         if self.flow_noise_std <= 0:
             raise ValueError(f"flow_noise_std: must be > 0, got {self.flow_noise_std}")
 
@@ -107,6 +108,30 @@ def lerobot_smolvla():
     return modeling_smolvla
 
 
+def check_expert_layers(cfg: SmolVLAConfig) -> None:
+    """A UserError where ``num_expert_layers`` does not divide the VLM layers LeRobot keeps (the
+    first ``num_vlm_layers`` of the VLM's text layers, read from its config.json), before
+    LeRobot's AssertionError."""
+    from transformers import AutoConfig
+
+    if cfg.num_expert_layers <= 0:
+        return
+    try:
+        config = AutoConfig.from_pretrained(cfg.vlm_path, local_files_only=True)
+    except (ValueError, OSError) as e:
+        raise unloadable_vlm(cfg.vlm_path, e) from e
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    if layers is None:
+        return  # (not a VLM that LeRobot can load: said when it tries)
+    kept = min(cfg.num_vlm_layers, layers) if cfg.num_vlm_layers > 0 else layers
+    if kept % cfg.num_expert_layers:
+        raise UserError(
+            f"policy.num_expert_layers: {cfg.num_expert_layers} does not divide the {kept} VLM "
+            f"layers kept (policy.num_vlm_layers={cfg.num_vlm_layers}, the VLM has {layers}); "
+            f"use a divisor of {kept}, or -1 for as many expert layers"
+        )
+
+
 class SmolVLA(NormalizedVLA):
     """One ``Policy``: observation -> SmolVLA's stochastic flow -> physical action chunk
     [B, K, A]."""
@@ -115,10 +140,12 @@ class SmolVLA(NormalizedVLA):
         cfg.validate()
         cfg.check_files()
         if not spec.obs.cameras:
-            raise ValueError(
-                "SmolVLA needs camera images: use an obs_mode with cameras (e.g. env.obs_mode=rgb)"
+            raise UserError(
+                "policy: SmolVLA needs camera images: use an obs_mode with cameras "
+                "(e.g. env.obs_mode=rgb)"
             )
         super().__init__(spec, use_state=cfg.use_state, privileged_keys=cfg.privileged_keys)
+        check_expert_layers(cfg)
         self.spec = spec
         self.cfg = cfg
         self.K = cfg.chunk_size
@@ -157,7 +184,10 @@ class SmolVLA(NormalizedVLA):
             output_features={"action": PolicyFeature(FeatureType.ACTION, (self.A,))},
             device="cpu",
         )
-        self.smolvla = lerobot.SmolVLAPolicy(lerobot_cfg)
+        try:
+            self.smolvla = lerobot.SmolVLAPolicy(lerobot_cfg)
+        except (ValueError, OSError) as e:  # (LeRobot loading the VLM directory)
+            raise unloadable_vlm(cfg.vlm_path, e) from e
         side = cfg.image_size or self.smolvla.model.vlm_with_expert.config.vision_config.image_size
         lerobot_cfg.resize_imgs_with_padding = (side, side)
         self._make_att_2d_masks = lerobot.make_att_2d_masks
@@ -248,6 +278,7 @@ class SmolVLA(NormalizedVLA):
             gaussian_logpdf(chain[:, i + 1], step_mean(chain[:, i], i), self.log_sigma)
             for i in range(self.steps)
         )  # f32 [B, K, A]
+        # the injected noise's entropy, blind to the clip: ent_coef > 0 widens sigma without bound
         entropy = flow_entropy(self.log_sigma, self.steps, self.K).expand(obs.batch_size)
         return logprob_at_level(logp, level), entropy, None
 

@@ -7,7 +7,7 @@ import torch
 
 from embodied.contract import check_policy, random_observation
 from embodied.models import ActorCritic, ActorCriticConfig, RunningNorm
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, UserError
 
 STATE_SPEC = EnvSpec(
     obs=ObsSpec(state_names=("q0", "q1", "q2"), privileged={"goal": (3,), "pose": (7,)}),
@@ -112,3 +112,22 @@ def test_entropy_is_the_squashed_actions_and_falls_where_they_saturate():
     assert mean_entropy[0.0] == pytest.approx(6 * 0.670, abs=0.1)
     assert mean_entropy[1.0] == pytest.approx(6 * -0.765, abs=0.2)
     assert mean_entropy[2.0] == pytest.approx(6 * -7.074, abs=1.0)
+
+
+def test_images_smaller_than_the_cnn_takes_are_a_user_error_naming_env_image_size():
+    """The CNN's convolutions (8/4, 4/2, 3/1) need 36 pixels a side: a smaller camera is a
+    UserError (one line from the CLI) before conv2d's RuntimeError; 36 acts."""
+
+    def rgb(side: int) -> EnvSpec:
+        cams = (CameraSpec("base_camera", side, side),)
+        return EnvSpec(
+            obs=ObsSpec(cameras=cams, state_names=("q0",)),
+            action=STATE_SPEC.action,
+            max_episode_steps=10,
+        )
+
+    cfg = ActorCriticConfig(hidden_sizes=[8])
+    with pytest.raises(UserError, match=r"^env.image_size: .* at least 36x36 pixels, got 35x35"):
+        ActorCritic(rgb(35), cfg)
+    out = ActorCritic(rgb(36), cfg).act(random_observation(rgb(36), 2))
+    assert out.actions.shape == (2, 1, 3)

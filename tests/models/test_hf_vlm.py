@@ -6,7 +6,7 @@ fine-tuned."""
 import pytest
 import torch
 from test_vla import HEADS, SPEC, tiny
-from tiny_vlms import FAMILIES
+from tiny_vlms import FAMILIES, not_a_vlm, smolvlm
 
 from embodied.contract import check_policy, random_observation
 from embodied.models import build_policy
@@ -77,3 +77,20 @@ def test_a_moved_vlm_directory_is_a_one_line_error_naming_the_key(tmp_path):
 
     with pytest.raises(UserError, match=rf"^policy.vlm_path: {tmp_path}/gone is not a model dir"):
         HFVisionLanguage(tmp_path / "gone")
+
+
+def test_a_directory_transformers_cannot_load_as_a_vlm_is_a_one_line_error(tmp_path):
+    """A directory with a config.json that is another kind of model, or has no weights: a
+    VLMNotFound (a UserError) naming the key, the path and transformers' first line, not
+    transformers' ValueError or OSError traceback."""
+    from embodied.models.vla.hf_vlm import HFVisionLanguage, VLMNotFound
+
+    cases = {
+        not_a_vlm(tmp_path / "bert"): "Unrecognized configuration class <class 'transformers",
+        smolvlm(tmp_path / "bare", weights=False): "Error no file named model.safetensors",
+    }
+    for path, cause in cases.items():
+        with pytest.raises(VLMNotFound) as error:
+            HFVisionLanguage(path)
+        head = f"policy.vlm_path: {path} cannot be loaded as a vision-language model: "
+        assert str(error.value).startswith(head + cause) and "\n" not in str(error.value)

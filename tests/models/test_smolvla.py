@@ -5,16 +5,19 @@ torch.distributions; LeRobot's flow-matching loss fits a batch; a checkpoint act
 through the stochastic flow raises success; the VLM stays frozen."""
 
 import math
+import re
 
 import pytest
 import torch
 from test_hf_vlm import SPEC32
 from test_vla import assert_checkpoint_acts_alone
-from tiny_vlms import smolvlm
+from tiny_vlms import not_a_vlm, smolvlm
 
 from embodied.contract import check_policy, random_observation
 from embodied.models import SmolVLA, SmolVLAConfig, build_policy
+from embodied.models.vla.hf_vlm import VLMNotFound
 from embodied.models.vla.smolvla import lerobot_smolvla
+from embodied.schema import UserError
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +141,35 @@ def test_checkpoint_acts_alone_with_its_normalization(vlm_dir, tmp_path):
 
 
 def test_bad_configs_are_refused(vlm_dir, tmp_path):
+    """The config's own values are ValueErrors naming their field (the loader adds `policy.`);
+    what the environment or the VLM directory shows is a UserError naming its key: one line
+    from the CLI, not LeRobot's or transformers' traceback."""
     with pytest.raises(ValueError, match="vlm_path"):
         SmolVLA(SPEC32, SmolVLAConfig())
     with pytest.raises(ValueError, match="not a model directory"):
         SmolVLA(SPEC32, SmolVLAConfig(vlm_path=str(tmp_path)))
     with pytest.raises(ValueError, match="flow_noise_std"):
         SmolVLA(SPEC32, tiny(vlm_dir, flow_noise_std=0.0))
+    with pytest.raises(ValueError, match="^flow_steps: must be >= 1, got 0$"):
+        SmolVLA(SPEC32, tiny(vlm_dir, flow_steps=0))
+    with pytest.raises(ValueError, match="^chunk_size: must be >= 1, got 0$"):
+        SmolVLA(SPEC32, tiny(vlm_dir, chunk_size=0))
+    with pytest.raises(ValueError, match="^image_size: must be >= 0, got -1$"):
+        SmolVLA(SPEC32, tiny(vlm_dir, image_size=-1))
+    no_camera = SPEC32.__class__(
+        obs=SPEC32.obs.__class__(state_names=("q",)), action=SPEC32.action, max_episode_steps=5
+    )
+    with pytest.raises(UserError, match="^policy: SmolVLA needs camera images"):
+        SmolVLA(no_camera, tiny(vlm_dir, privileged_keys=[]))
+    with pytest.raises(UserError, match=r"^policy.privileged_keys: \['obj_pose'\] not among"):
+        SmolVLA(SPEC32, tiny(vlm_dir, privileged_keys=["obj_pose"]))
+    # the tiny VLM has one text layer: 2 expert layers cannot share it (LeRobot asserts)
+    with pytest.raises(UserError, match="^policy.num_expert_layers: 2 does not divide the 1 VLM"):
+        SmolVLA(SPEC32, tiny(vlm_dir, num_expert_layers=2))
+    for path, cause in {
+        not_a_vlm(tmp_path / "bert"): "Unrecognized configuration class",
+        smolvlm(tmp_path / "bare", weights=False): "Error no file named model.safetensors",
+    }.items():
+        line = f"policy.vlm_path: {path} cannot be loaded as a vision-language model: {cause}"
+        with pytest.raises(VLMNotFound, match=f"^{re.escape(line)}"):
+            SmolVLA(SPEC32, tiny(str(path)))

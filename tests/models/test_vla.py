@@ -10,7 +10,7 @@ import torch
 from embodied.checkpoint import load_checkpoint, save_checkpoint
 from embodied.contract import check_policy, random_observation
 from embodied.models import VLA, VLAConfig, build_policy
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, NormStats, ObsSpec
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, NormStats, ObsSpec, UserError
 
 SPEC = EnvSpec(
     obs=ObsSpec(
@@ -221,13 +221,60 @@ def test_checkpoint_round_trip_keeps_normalization(tmp_path):
     assert_checkpoint_acts_alone(VLA(SPEC, cfg), cfg, SPEC, tmp_path)
 
 
+def test_a_constant_state_column_keeps_unit_scale_and_the_state_is_clipped():
+    """A column (nearly) constant in the demos (std <= 1e-4) keeps std 1, not 1e-6, and the
+    normalised state is clipped to +-10, as RunningNorm does for the actor-critic."""
+    policy = VLA(SPEC, tiny("gaussian"))  # 5 state columns + goal_pos (3)
+    mean = torch.tensor([0.0, 0.001, 2.0, 0.0, 0.0, 0.1, 0.1, 0.001])
+    std = torch.tensor([0.5, 0.0, 1e-4, 2e-4, 1.0, 0.2, 0.2, 1e-7])
+    policy.set_norm_stats(state=NormStats(mean=mean, std=std))
+    expected_std = torch.tensor([0.5, 1.0, 1.0, 2e-4, 1.0, 0.2, 0.2, 1.0])
+    torch.testing.assert_close(policy.state_std, expected_std)
+    torch.testing.assert_close(policy.state_mean, mean)
+    obs = random_observation(SPEC, 1)
+    obs.state[:] = torch.tensor([[1.0, 0.0, 2.5, 0.001, -30.0]])
+    obs.privileged["goal_pos"][:] = torch.tensor([[5.1, 0.2, 0.0]])  # goal z: 1 mm off the demos'
+    z = policy.normalized_state(obs)
+    expected = torch.tensor([[2.0, -0.001, 0.5, 5.0, -10.0, 10.0, 0.5, -0.001]])
+    torch.testing.assert_close(z, expected)
+
+
+def test_cached_instruction_embeddings_go_with_the_weights_they_came_from():
+    """The frozen text encoder caches each instruction's embedding; loading other weights into
+    it (load_state_dict copies in place) encodes again, so the policy acts as the one whose
+    weights it loaded. A partial load without the text encoder keeps the cache."""
+    torch.manual_seed(0)
+    policy = VLA(SPEC, tiny("gaussian")).eval()
+    torch.manual_seed(1)
+    other = VLA(SPEC, tiny("gaussian")).eval()
+    obs = random_observation(SPEC, 2)
+    with torch.no_grad():
+        policy.act(obs, deterministic=True)  # caches the embeddings of its own text weights
+        policy.load_state_dict({"queries": other.queries}, strict=False)
+        assert sorted(policy.text._cache) == sorted(set(obs.instruction))
+        policy.load_state_dict(other.state_dict())
+        fresh = policy.text.encode(list(obs.instruction))  # f32 [B, D] from the loaded weights
+        torch.testing.assert_close(policy.text(obs.instruction), fresh, rtol=0, atol=0)
+        torch.testing.assert_close(
+            policy.act(obs, deterministic=True).actions, other.act(obs, deterministic=True).actions
+        )
+
+
 def test_bad_configs_are_refused():
+    """The config's own values are ValueErrors (the loader names their key); what only the
+    environment shows is a UserError naming the key: one line from the CLI, no traceback."""
     with pytest.raises(ValueError, match="head"):
         VLA(SPEC, tiny("diffusion"))
+    with pytest.raises(ValueError, match=r"^flow_noise_std: must be > 0, got 0.0"):
+        VLA(SPEC, tiny("flow", flow_noise_std=0.0))  # (its log is the head's log-std)
     no_camera = EnvSpec(obs=ObsSpec(state_names=("q",)), action=SPEC.action, max_episode_steps=5)
-    with pytest.raises(ValueError, match="camera"):
+    with pytest.raises(UserError, match="^policy: a VLA needs camera images"):
         VLA(no_camera, tiny("gaussian"))
-    with pytest.raises(ValueError, match="obj_pose"):
+    sizes = (CameraSpec("base_camera", 64, 64), CameraSpec("hand_camera", 32, 32))
+    two_sizes = EnvSpec(obs=ObsSpec(cameras=sizes), action=SPEC.action, max_episode_steps=5)
+    with pytest.raises(UserError, match=r"^policy: .* same size .* \['32x32', '64x64'\]"):
+        VLA(two_sizes, tiny("gaussian", privileged_keys=[]))
+    with pytest.raises(UserError, match=r"^policy.privileged_keys: \['obj_pose'\] not among"):
         VLA(SPEC, tiny("gaussian", privileged_keys=["obj_pose"]))
 
 

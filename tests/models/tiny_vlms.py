@@ -196,4 +196,20 @@ def smolvlm(
     return path
 
 
+def not_a_vlm(path: Path) -> Path:
+    """A model directory of another kind: a tiny BERT (config.json and weights), which
+    transformers' AutoModelForImageTextToText does not load."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(
+        vocab_size=len(WORDS) + 4,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+    )
+    BertModel(cfg).save_pretrained(path)
+    return path
+
+
 FAMILIES = {"paligemma": paligemma, "qwen2_5_vl": qwen2_5_vl, "smolvlm": smolvlm}
