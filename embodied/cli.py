@@ -97,8 +97,7 @@ def cmd_train(args) -> int:
     except ConfigError as e:
         return _error(str(e))
     except Stopped as e:
-        print(f"embodied: {e}", file=sys.stderr)
-        return 128 + e.signum
+        return _stopped(e)
     except (CheckpointWriteError, NonFiniteUpdate) as e:  # (what stands is in the message)
         _error(str(e))
         return 1
@@ -159,8 +158,15 @@ def cmd_demos(args) -> int:
     return 0
 
 
+def _stopped(stop) -> int:
+    """A run stopped by a signal, its step saved: the line saying where, 128 + the signal."""
+    print(f"embodied: {stop}", file=sys.stderr)
+    return 128 + stop.signum
+
+
 def cmd_sft(args) -> int:
     from embodied.checkpoint import CheckpointWriteError
+    from embodied.run import Stopped
     from embodied.sft import sft
 
     if (cfg := _load(args)) is None:
@@ -168,6 +174,8 @@ def cmd_sft(args) -> int:
     _pinned(args, cfg.runner.deterministic)
     try:
         sft(cfg)
+    except Stopped as e:
+        return _stopped(e)
     except (FileNotFoundError, ValueError) as e:
         return _error(str(e))
     except CheckpointWriteError as e:

@@ -85,6 +85,9 @@ class SFTRunnerConfig:
         check_minutes(self.max_minutes)
 
 
+SFT_POLICIES = ("vla", "smolvla")  # the policies with a demonstration loss (bc_loss)
+
+
 @dataclass
 class SFTConfig:
     # the bounds .inf turns off (config.py: any other float must be finite)
@@ -113,6 +116,11 @@ class SFTConfig:
         check_seed("seed", self.seed)
         if not self.datasets:
             raise ValueError("datasets: at least one dataset directory is required")
+        if self.policy.name not in SFT_POLICIES:
+            raise ValueError(
+                f"policy.name: embodied sft trains {' or '.join(SFT_POLICIES)} (a chunk head "
+                f"with a demonstration loss), got {self.policy.name!r}"
+            )
         check_at_least(self, 1, "steps", "batch_size")
         check_at_least(self, 0, "warmup_steps", "episodes_per_dataset")
         if self.learning_rate <= 0:
@@ -406,7 +414,7 @@ def _meta(cfg: SFTConfig, env_cfgs: dict, spec) -> dict:
     return {
         "config": {
             "seed": cfg.seed,
-            "env": to_dict(next(iter(env_cfgs.values()))),
+            "env": to_dict(_eval_env_config(env_cfgs)),  # (every task: eval scores each)
             "policy": to_dict(cfg.policy),
             "runner": {
                 "torch_threads": cfg.runner.torch_threads,

@@ -111,6 +111,31 @@ def test_sft_config_errors(tmp_path, capsys):
     assert "datasets" in capsys.readouterr().err
     assert main(["sft", str(cfg), "datasets=[/nonexistent]"]) == 2
     assert "not a complete LeRobot dataset" in capsys.readouterr().err
+    cfg.write_text(json.dumps({"env": ENV, "policy": {"name": "actor_critic"}, "datasets": ["d"]}))
+    assert main(["sft", str(cfg)]) == 2  # (it crashed with an AttributeError once it had data)
+    err = capsys.readouterr().err
+    assert "policy.name: embodied sft trains vla or smolvla" in err and "'actor_critic'" in err
+
+
+def test_a_multi_task_sft_checkpoint_is_evaluated_on_every_task(tmp_path):
+    """The checkpoint's environment holds every task the datasets hold, so `embodied eval`
+    scores each, as the run's own evaluations did (it named the first task alone)."""
+    from types import SimpleNamespace
+
+    from embodied.cli_eval import _eval_config
+    from embodied.config import load_config
+    from embodied.sft import SFTConfig, _meta, task_configs
+
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(json.dumps({"env": ENV, "policy": TINY_VLA, "datasets": ["d"]}))
+    sft_cfg = load_config(SFTConfig, cfg, files=False)[0]
+    tasks = ["PushCube-v1", "PullCube-v1"]
+    spec = SimpleNamespace(to_dict=dict)
+    meta = _meta(sft_cfg, task_configs(sft_cfg.env, tasks), spec)
+    env = _eval_config(
+        SimpleNamespace(overrides=[], num_envs=None), {"meta": meta, "path": cfg}
+    ).env
+    assert env.tasks == tasks and env.num_envs == 2 * ENV["num_envs"]
 
 
 def test_few_shot_sft_keeps_the_first_episodes(dataset):
@@ -127,13 +152,13 @@ def test_few_shot_sft_keeps_the_first_episodes(dataset):
     )
 
 
-def test_sft_stopped_by_sigterm_saves_the_step_it_reached(tmp_path, dataset, monkeypatch):
+def test_sft_stopped_by_sigterm_saves_the_step_it_reached(tmp_path, dataset, monkeypatch, capsys):
+    """`embodied sft` stopped by SIGTERM: the step it reached saved, one line saying where,
+    exit code 143 (128 + the signal), as `embodied train`; it was a traceback and exit 1."""
     import os
     import signal
 
     import embodied.sft
-    from embodied.config import load_config
-    from embodied.run import Stopped
 
     class SignallingLogger(embodied.sft.RunLogger):
         def log(self, metrics, step, **extra):
@@ -146,8 +171,10 @@ def test_sft_stopped_by_sigterm_saves_the_step_it_reached(tmp_path, dataset, mon
     run = {"name": "sft", "output_dir": str(tmp_path), "eval_episodes": 2, "progress": False}
     body = {"datasets": [str(dataset)], "env": ENV, "policy": TINY_VLA, "runner": run}
     cfg.write_text(json.dumps({**body, "steps": 30, "batch_size": 4, "warmup_steps": 2}))
-    with pytest.raises(Stopped):
-        embodied.sft.sft(load_config(embodied.sft.SFTConfig, cfg)[0])
+    assert main(["sft", str(cfg)]) == 128 + signal.SIGTERM
+    where = tmp_path / "sft" / "last"
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == f"embodied: stopped after step 10; checkpoint: {where}"
     ckpt = load_checkpoint(tmp_path / "sft" / "last")
     assert ckpt["counters"]["iteration"] == 10
     assert not (tmp_path / "sft" / "metrics.json").exists()  # stopped before its evaluation
