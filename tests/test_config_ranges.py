@@ -44,6 +44,10 @@ CASES = [
         ["policy.vlm_path:", "/moved is not a model directory (config.json"],
     ),
     (["train", V, "policy.vision_width=0"], ["policy.vision_width: must be > 0, got 0.0"]),
+    (
+        ["train", V, "policy.vision_depth=0.5"],  # (a traceback when the policy was built)
+        ["policy.vision_width: the pretrained EfficientNet-Lite0", "got 1.0 and 0.5"],
+    ),
     (["train", V, "policy.flow_noise_std=-1"], ["policy.flow_noise_std: must be > 0"]),
     (["train", V, "policy.flow_noise_std=0"], ["policy.flow_noise_std: must be > 0, got 0.0"]),
     (

@@ -94,6 +94,13 @@ class VLAConfig(PolicyConfig):
         for key in ("vision_width", "vision_depth"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key}: must be > 0, got {getattr(self, key)}")
+        sizes = (self.vision_width, self.vision_depth)
+        if self.vision_pretrained and sizes != (1.0, 1.0):
+            raise ValueError(
+                f"vision_width: the pretrained EfficientNet-Lite0 (vision_pretrained=true) has "
+                f"width and depth 1.0, got {sizes[0]} and {sizes[1]} (a smaller encoder: "
+                "vision_pretrained=false)"
+            )
         if not self.flow_noise_std > 0:  # (the flow head starts from its log)
             raise ValueError(f"flow_noise_std: must be > 0, got {self.flow_noise_std}")
 
