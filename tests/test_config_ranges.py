@@ -59,6 +59,10 @@ CASES = [
         ["policy.image_size: must be >= 0, got -1"],
     ),
     (
+        ["train", SMOL, f"policy.vlm_path={R}/x", "policy.tokenizer_max_length=0"],
+        ["policy.tokenizer_max_length: must be >= 1, got 0"],  # (no instruction token)
+    ),
+    (
         ["train", M, "policy.use_privileged=false", "policy.privileged_keys=[goal_pos]"],
         ["policy.privileged_keys", "use_privileged=true"],
     ),

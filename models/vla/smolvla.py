@@ -80,7 +80,7 @@ class SmolVLAConfig(PolicyConfig):
             raise ValueError(
                 "vlm_path: SmolVLA needs a local SmolVLM2 directory (nothing is downloaded)"
             )
-        check_at_least(self, 1, "chunk_size", "flow_steps")
+        check_at_least(self, 1, "chunk_size", "flow_steps", "tokenizer_max_length")
         check_at_least(self, 0, "image_size")
         if self.flow_noise_std <= 0:
             raise ValueError(f"flow_noise_std: must be > 0, got {self.flow_noise_std}")
