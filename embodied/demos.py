@@ -85,16 +85,22 @@ def load_policy(checkpoint: str | Path | dict, device="cpu"):
     """A trained policy rebuilt on the spec it was trained with -> (policy in eval mode, train
     config). ``checkpoint``: a path, or what ``load_policy_checkpoint`` returned."""
     from embodied.checkpoint import load_policy_checkpoint
-    from embodied.config import compose
     from embodied.models import build_policy
     from embodied.schema import EnvSpec
-    from embodied.train_config import TrainConfig
 
     ckpt = checkpoint if isinstance(checkpoint, dict) else load_policy_checkpoint(checkpoint)
-    cfg = compose(TrainConfig, [(str(ckpt["path"]), ckpt["meta"]["config"])])
+    cfg = trained_config(ckpt["path"], ckpt["meta"])
     policy = build_policy(EnvSpec.from_dict(ckpt["meta"]["spec"]), cfg.policy).to(device)
     policy.load_state_dict(ckpt["model"])
     return policy.eval(), cfg
+
+
+def trained_config(path, meta: dict):
+    """The TrainConfig a checkpoint (at ``path``, its ``meta``) was trained with."""
+    from embodied.config import compose
+    from embodied.train_config import TrainConfig
+
+    return compose(TrainConfig, [(str(path), meta["config"])])
 
 
 @dataclass

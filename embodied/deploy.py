@@ -28,7 +28,6 @@ from embodied.deploy_policy import (
     load_deployable,
     obs_to_wire,
     policy_chunk,
-    privileged_inputs,
     robot_infer,
     select_columns,
     serve_device,
@@ -191,10 +190,10 @@ def run_deploy(
         from embodied.twin import twin_views
 
         twin_views(arm)
-    policy, spec, agreed, train_cfg = load_deployable(checkpoint)
+    policy, spec, agreed, train_cfg = load_deployable(checkpoint, build=server is None)
     _fit_arm(arm, spec, hz, episode_seconds)
     # what can refuse the run does so before the arm is touched: the policy's inputs, the server
-    reads = _inputs(policy, spec, arm, train_cfg, goal=goal, twin=twin)
+    reads = _inputs(spec, arm, train_cfg, goal=goal, twin=twin)
     scenes = episode_scenes(train_cfg, goal, twin, episodes, seed)
     client = _client(server, agreed)
     try:
@@ -225,14 +224,15 @@ def run_deploy(
     return _summary(episode_summaries, arm, env, sd, stop)
 
 
-def _inputs(policy, spec: EnvSpec, arm, train_cfg, *, goal, twin: bool) -> tuple[str, ...]:
+def _inputs(spec: EnvSpec, arm, train_cfg, *, goal, twin: bool) -> tuple[str, ...]:
     """The privileged inputs the policy reads; refused where the arm cannot give them: a real arm
     knows only a goal its user gives, the twin of a MuJoCo task all its simulator knows."""
     known = frozenset([GOAL] if goal else [])
     if _sim_scene(twin, train_cfg):
         known = frozenset(spec.obs.privileged)
-    check_fits(policy, spec, arm.cameras, known=known)
-    return privileged_inputs(policy, spec)
+    reads = tuple(sorted(train_cfg.policy.read_privileged(spec)))
+    check_fits(reads, spec, arm.cameras, known=known)
+    return reads
 
 
 def _warm_up(chunk_of, spec: EnvSpec, env) -> None:

@@ -35,15 +35,17 @@ def serve_device(name: str) -> torch.device:
     return checked_device("--device", name, "--device cpu (or auto)")
 
 
-def load_deployable(checkpoint: str | Path, device: torch.device | str = "cpu"):
+def load_deployable(checkpoint: str | Path, device: torch.device | str = "cpu", build=True):
     """(policy in eval mode on ``device``, its EnvSpec, contract dict, the config it was trained
-    with) of a checkpoint."""
+    with) of a checkpoint. ``build=False``: no policy (None), for a deploy whose policy server
+    acts: neither its weights nor a VLM directory it names need be on the robot's machine."""
     from embodied.checkpoint import resolve_checkpoint
-    from embodied.demos import load_policy
+    from embodied.demos import load_policy, trained_config
 
     path = resolve_checkpoint(checkpoint)
-    policy, train_cfg = load_policy(path, device)
-    spec = EnvSpec.from_dict(json.loads((path / "meta.json").read_text())["spec"])
+    meta = json.loads((path / "meta.json").read_text())
+    spec = EnvSpec.from_dict(meta["spec"])
+    policy, train_cfg = load_policy(path, device) if build else (None, trained_config(path, meta))
     return policy, spec, contract(spec, path), train_cfg
 
 
@@ -73,10 +75,11 @@ def contract(spec: EnvSpec, path: Path) -> dict:
 GOAL = "goal_pos"  # the one privileged input an arm can have: a goal its user gives
 
 
-def check_fits(policy, spec: EnvSpec, cameras, *, known: frozenset[str] = frozenset()) -> None:
-    """Refuse a checkpoint that cannot act on an arm with these cameras (names) and these
-    privileged inputs (``known``: a goal its user gives; on the twin whatever its simulator
-    knows), naming every reason; it needs nothing connected, so it runs before anything is."""
+def check_fits(reads, spec: EnvSpec, cameras, *, known: frozenset[str] = frozenset()) -> None:
+    """Refuse a checkpoint whose policy reads the privileged keys ``reads`` and cannot act on an
+    arm with these cameras (names) and these privileged inputs (``known``: a goal its user gives;
+    on the twin whatever its simulator knows), naming every reason; it needs nothing connected,
+    so it runs before anything is."""
     from embodied.robots.arm import JOINTS, STATE_NAMES
 
     problems = []
@@ -89,7 +92,7 @@ def check_fits(policy, spec: EnvSpec, cameras, *, known: frozenset[str] = frozen
     missing = [n for n in spec.obs.state_names if n not in STATE_NAMES]
     if missing:
         problems.append(f"state columns {missing} that the arm does not measure")
-    need = set(privileged_inputs(policy, spec))
+    need = set(reads)
     unknown = need - known - {GOAL}
     if unknown:
         problems.append(
@@ -103,11 +106,6 @@ def check_fits(policy, spec: EnvSpec, cameras, *, known: frozenset[str] = frozen
         problems.append(f"cameras {lacking} (give --camera NAME=SOURCE for each)")
     if problems:
         raise DeployError("the checkpoint cannot drive this arm: " + "; ".join(problems))
-
-
-def privileged_inputs(policy, spec: EnvSpec) -> tuple[str, ...]:
-    """The privileged keys the policy reads (all of its spec's where it does not say)."""
-    return tuple(getattr(policy, "privileged_inputs", tuple(spec.obs.privileged)))
 
 
 def obs_to_wire(obs: Observation) -> dict:

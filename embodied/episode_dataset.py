@@ -20,7 +20,6 @@ from embodied.recording import RecordedRounds
 from embodied.replay import record_config
 from embodied.resimulate import Resimulated, by_step
 from embodied.schema import EnvSpec, UserError
-from embodied.sft_data import privileged_read
 
 
 class DatasetError(UserError):
@@ -53,7 +52,7 @@ class EpisodeDatasets:
         self.spec = EnvSpec.from_dict(record.meta["spec"])
         # what the recorded policy read (an MLP's privileged_keys null: all of them), so that
         # the dataset fits that policy for embodied sft
-        self.privileged = privileged_read(record_config(record).policy, self.spec)
+        self.privileged = record_config(record).policy.read_privileged(self.spec)
         self.source = source
         self.simulator_task = record.meta["config"]["env"].get("task")
         self.writers = {}

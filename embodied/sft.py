@@ -52,7 +52,6 @@ from embodied.sft_data import (
     check_fits,
     load_frames,
     norm_data,
-    privileged_read,
     set_norm_stats,
 )
 from embodied.simulators.maniskill import ManiSkillConfig
@@ -216,7 +215,7 @@ def sft(cfg: SFTConfig) -> dict:
         spec = env.spec
         cameras = spec.obs.cameras if getattr(cfg.policy, "use_images", True) else ()
         any_size = cfg.policy.name == "smolvla"  # (it resizes and pads what it is given)
-        check_fits(frames, spec, privileged_read(cfg.policy, spec), cameras, any_size)
+        check_fits(frames, spec, cfg.policy.read_privileged(spec), cameras, any_size)
         with run_dir_held(run_dir):
             enter_run_dir(run_dir, cfg, resume, evaluates_beside=False)
             learner = bc_learner_for(cfg, spec, norm_data(frames))

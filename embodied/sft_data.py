@@ -58,14 +58,6 @@ def load_frames(paths: list[str], episodes: int = 0) -> Frames:
     return Frames(cat, instructions, tasks, [(str(path), p.info) for path, p in zip(paths, parts)])
 
 
-def privileged_read(policy, spec: EnvSpec) -> tuple[str, ...]:
-    """The privileged keys a policy of config ``policy`` reads from ``spec``'s: what a dataset
-    for it must hold (``check_fits``)."""
-    if hasattr(policy, "read_privileged"):
-        return policy.read_privileged(spec)  # (the MLP's: all of them unless it names some)
-    return tuple(getattr(policy, "privileged_keys", None) or ())
-
-
 def check_fits(
     frames: Frames,
     spec: EnvSpec,

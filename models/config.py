@@ -18,6 +18,11 @@ class PolicyConfig:
     # batch size compiles (11 s for the MLP on the 2-core VM, from a cold cache)
     compile_act: bool = False
 
+    def read_privileged(self, spec) -> tuple[str, ...]:
+        """The privileged keys of ``spec`` (an EnvSpec) the policy built from this config reads:
+        those it names (a VLA's ``privileged_keys``); the actor-critic's rule is its own."""
+        return tuple(getattr(self, "privileged_keys", None) or ())
+
     def has_critic(self) -> bool:
         """Whether the policy built from this config has a value head (PPO needs one)."""
         return True

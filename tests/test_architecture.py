@@ -167,7 +167,6 @@ ALLOWED = {
         "embodied.replay",  # (the recorded run's config: what its policy read)
         "embodied.resimulate",
         "embodied.schema",
-        "embodied.sft_data",  # (privileged_read: what embodied sft asks of a dataset)
     },
     "embodied.from_records": {
         "embodied.checkpoint",

@@ -96,10 +96,14 @@ def test_deploy_on_the_twin_records_each_episode_and_ends_at_the_safe_pose(
         )
 
 
-def test_deploy_through_the_server_and_the_watchdog_when_it_stops(checkpoints, capsys):
+def test_deploy_through_the_server_and_the_watchdog_when_it_stops(checkpoints, capsys, monkeypatch):
+    """The robot's side builds no policy where a server acts (a VLA's weights and its VLM
+    directory need only be on the server's machine)."""
     from embodied.deploy import serve
 
     server = serve(checkpoints["state_only"], host="127.0.0.1", port=0)
+    built = lambda *args, **kw: pytest.fail("the robot's side built the policy")  # noqa: E731
+    monkeypatch.setattr("embodied.demos.load_policy", built)
 
     finished = threading.Event()
 
