@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,30 @@ class ConfigError(Exception):
     """A config that cannot be used; ``str()`` is a single line for the user."""
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the
+    last silently: a second ``runner:`` block dropped the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # (``<<:`` merges keys on purpose)
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, typing.Hashable):
+                continue  # (the safe loader refuses it)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {key!r}, first at line {lines[key]}",
+                    key_node.start_mark,
+                )
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
     """(source name, mapping) for ``path`` and, first, everything its ``defaults:`` list names."""
     if not path.is_file():
@@ -37,7 +62,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
     if path.resolve() in [p.resolve() for p in chain]:
         raise ConfigError(f"{path}: defaults form a cycle through {' -> '.join(map(str, chain))}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
