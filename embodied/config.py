@@ -1,5 +1,8 @@
 """Configuration: YAML files composed with ``defaults:`` lists, strictly validated against the
 dataclass schemas that live next to the code they configure, plus ``key.sub=value`` overrides.
+An override's value is read by the type of its setting: a str takes the text as typed (YAML 1.1
+read ``no`` as False and ``0755`` as 493), an int a whole number written as a float too
+(``5e6``), the rest YAML, as a file gives it.
 
 A bad config raises ``ConfigError`` with one line naming the key path and the file it came from;
 the CLI prints it and exits with code 2. A schema's ``validate()`` checks the form of its values;
@@ -13,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import types
 import typing
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from embodied.logger import write_atomic
@@ -80,8 +85,14 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
     return sources + [(str(path), data)]
 
 
+class _Text(str):
+    """An override's value as typed on the command line; ``compose`` converts it by the type of
+    the setting it is for (``_convert``)."""
+
+
 def parse_overrides(overrides: list[str]) -> dict:
-    """``["a.b=1", "c=[1,2]"]`` -> nested dict; values are parsed as YAML scalars/lists."""
+    """``["a.b=1", "c=[1,2]"]`` -> nested dict of the values' text (``compose`` converts each by
+    its setting's type: ``_convert``)."""
     out: dict = {}
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -93,10 +104,85 @@ def parse_overrides(overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r} on {COMMAND_LINE}: {p} is set twice")
-        try:
-            node[leaf] = expand_home(yaml.safe_load(value)) if value != "" else None
-        except yaml.YAMLError:
-            node[leaf] = value
+        node[leaf] = expand_home(_Text(value))
+    return out
+
+
+_NULLS = ("", "~", "null", "Null", "NULL")  # (YAML's words for None)
+
+
+def _yaml(text: str, loader=yaml.SafeLoader) -> Any:
+    if text == "":
+        return None
+    try:
+        return yaml.load(text, Loader=loader)
+    except yaml.YAMLError:
+        return text
+
+
+def _convert(hint: Any, text: str) -> Any:
+    """The value of an override's ``text`` for a setting typed ``hint`` (None: not a field): the
+    text itself for a str (YAML 1.1 read ``no`` as False and ``0755`` as 493) unless quoted
+    (``''``: the empty string), each item's text for a list of str, a whole number written as a
+    float (``5e6``) for an int, and YAML's value for the rest, as a file gives it (None for an
+    empty text)."""
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+    if optional and len(args) == 2:
+        hint = next(a for a in args if a is not type(None))
+    if hint is str:
+        if optional and text in _NULLS:
+            return None
+        quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+        return _yaml(text) if quoted else str(text)  # ('' and "no" as in a file)
+    if typing.get_origin(hint) in (list, tuple) and typing.get_args(hint)[:1] == (str,):
+        return _yaml(text, yaml.BaseLoader)  # (every scalar as its text)
+    value = _yaml(text)
+    if hint is int and isinstance(value, (str, float)):
+        return _whole(value)
+    return value
+
+
+def _whole(value: str | float) -> Any:
+    """``value`` (text or a float, for an int setting) as an int where it is a whole number that
+    fits 64 bits (``5e6``: 5000000), else as a float, or as it was where it is not a number."""
+    try:
+        number = Decimal(str(value))
+    except InvalidOperation:
+        return value
+    if not number.is_finite():
+        return value
+    if number.adjusted() > 18:
+        return float(number)
+    return int(number) if number == number.to_integral_value() else float(number)
+
+
+def _hints(section) -> dict:
+    """Field name -> type of the dataclass behind an OmegaConf section ({} for a plain dict)."""
+    kind = OmegaConf.get_type(section) if isinstance(section, DictConfig) else None
+    return typing.get_type_hints(kind) if dataclasses.is_dataclass(kind) else {}
+
+
+def _typed(cfg, data: dict, name: str, prefix: str = "") -> dict:
+    """``data`` (one source's mapping) with each command-line text converted by the type of its
+    setting in ``cfg`` (``_convert``). A mapping given for a list is a ConfigError, as is a list
+    given for a mapping (OmegaConf's merge raises a bare TypeError for both)."""
+    hints = _hints(cfg)
+    out = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, _Text):
+            value = expand_home(_convert(hints.get(key), value))
+        node = cfg.get(key) if isinstance(cfg, DictConfig) and key in cfg else None
+        if isinstance(node, ListConfig) and isinstance(value, dict):
+            whole = f"{path}={OmegaConf.to_container(node)}".replace(" ", "")
+            how = f"is set whole, as in {whole}, not by item" if name == COMMAND_LINE else ""
+            raise ConfigError(f"{path}: a list {how or 'was given a mapping'} (in {name})")
+        if isinstance(node, DictConfig) and isinstance(value, list):
+            raise ConfigError(f"{path}: a mapping of keys, got a list (in {name})")
+        if isinstance(value, dict):
+            value = _typed(node, value, name, path + ".")
+        out[key] = value
     return out
 
 
@@ -206,7 +292,7 @@ def compose(schema: type, sources: list[tuple[str, dict]]):
     cfg = _base(schema, sources)
     for name, data in sources:
         try:
-            cfg = OmegaConf.merge(cfg, data)
+            cfg = OmegaConf.merge(cfg, _typed(cfg, data, name))
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None)
             msg = str(e).splitlines()[0]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from embodied.cli import main
 from embodied.config import ConfigError, load_config
 from embodied.train_config import TrainConfig
 
@@ -14,6 +15,58 @@ REACH = "configs/mujoco/reach_ppo.yaml"
 
 def load(*overrides: str):
     return load_config(TrainConfig, REACH, list(overrides), files=False)[0]
+
+
+@pytest.mark.parametrize(
+    "text", ["no", "true", "on", "0755", "12:30", "0x1F", "1_000", "2024-01-01", "null", "1e3"]
+)
+def test_a_str_setting_takes_the_text_of_its_command_line_value(text):
+    """YAML 1.1 read these as False, True, True, 493, 750, 31, 1000, a date (refused), None and
+    a string: the run went to a directory the user had not named."""
+    assert load(f"runner.name={text}").runner.name == text
+    assert load(f"runner.init_from={text}").runner.init_from == (None if text == "null" else text)
+
+
+def test_quotes_an_empty_value_and_lists_of_str_on_the_command_line():
+    assert load("runner.name='no'").runner.name == "no"  # (quoted: YAML's string, as in a file)
+    assert load("runner.init_from=").runner.init_from is None  # (an empty optional: None)
+    with pytest.raises(ConfigError, match=r"^runner.name: a folder .* got ''"):
+        load('runner.name=""')
+    keys = load("policy.privileged_keys=[goal_pos, no, 0x1F]").policy.privileged_keys
+    assert keys == ["goal_pos", "no", "0x1F"]
+    cfg = load("runner.pipeline_stages=auto", "runner.deterministic=yes", "seed=0x10")
+    assert (cfg.runner.pipeline_stages, cfg.runner.deterministic, cfg.seed) == ("auto", True, 16)
+
+
+def test_an_int_setting_takes_a_whole_number_written_as_a_float():
+    cfg = load("runner.total_env_steps=5e6", "runner.eval_episodes=1.5e1", "seed=3.0")
+    assert (cfg.runner.total_env_steps, cfg.runner.eval_episodes, cfg.seed) == (5_000_000, 15, 3)
+    for text in ("5.5", "5e-1", "1e30"):  # (not whole, or past 64 bits: named as a float)
+        with pytest.raises(ConfigError, match=r"^runner.total_env_steps: .*'float'.*command line"):
+            load(f"runner.total_env_steps={text}")
+    with pytest.raises(ConfigError, match=r"^seed: .*'bool'"):  # (a bool is not a number)
+        load("seed=true")
+
+
+def test_one_item_of_a_list_is_refused_in_one_line(tmp_path, capsys):
+    """``policy.hidden_sizes.0=64`` was a TypeError from OmegaConf's merge, with a traceback."""
+    with pytest.raises(ConfigError) as err:
+        load("policy.hidden_sizes.0=64")
+    assert str(err.value) == (
+        "policy.hidden_sizes: a list is set whole, as in policy.hidden_sizes=[256,256], "
+        "not by item (in the command line)"
+    )
+    assert main(["train", REACH, "policy.hidden_sizes.0=64"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "policy.hidden_sizes" in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policy: {hidden_sizes: {a: 64}}\n")
+    with pytest.raises(
+        ConfigError, match=r"^policy.hidden_sizes: a list was given a mapping .*bad"
+    ):
+        load_config(TrainConfig, bad, files=False)
+    with pytest.raises(ConfigError, match=r"^runner: a mapping of keys, got a list \(in the com"):
+        load("runner=[1]")
 
 
 def test_a_key_given_twice_in_a_yaml_file_is_refused_with_its_lines(tmp_path):
