@@ -230,17 +230,31 @@ def validate_tree(obj: Any, path: str, sources, files: bool = True) -> None:
 
 
 def _check_numbers(obj: Any, path: str, sources) -> None:
-    """No NaN in a dataclass's floats, and no infinity but in the fields its ``INFINITE`` names:
-    a learning rate of .inf or a NaN timeout would fail far from its cause."""
+    """No NaN in a dataclass's floats, those in its dict and list values included, and no
+    infinity but in the fields its ``INFINITE`` names: a learning rate of .inf or a NaN timeout
+    would fail far from its cause."""
     infinite = getattr(obj, "INFINITE", ())
     for f in dataclasses.fields(obj):
-        number = getattr(obj, f.name)
-        if not isinstance(number, float) or math.isfinite(number):
-            continue
-        if math.isnan(number) or f.name not in infinite:
-            key = f"{path}{f.name}"
+        field_key = f"{path}{f.name}"
+        bound = f.name in infinite  # (the field itself, a float that .inf turns off)
+        for key, number in _floats(getattr(obj, f.name), field_key):
+            if math.isfinite(number) or (math.isinf(number) and bound and key == field_key):
+                continue
             why = "not a number" if math.isnan(number) else "must be finite"
-            raise ConfigError(f"{key}: {why}, got {number} (in {source_of(key, sources)})")
+            where = source_of(key.split("[")[0], sources)
+            raise ConfigError(f"{key}: {why}, got {number} (in {where})")
+
+
+def _floats(value: Any, key: str) -> list[tuple[str, float]]:
+    """(key path, number) for ``value`` if it is a float, and for the floats in it if it is a
+    dict or a list (``resources.GPU``, ``hidden_sizes[1]``)."""
+    if isinstance(value, float):
+        return [(key, value)]
+    if isinstance(value, dict):
+        return [pair for k, v in value.items() for pair in _floats(v, f"{key}.{k}")]
+    if isinstance(value, (list, tuple)):
+        return [pair for i, v in enumerate(value) for pair in _floats(v, f"{key}[{i}]")]
+    return []
 
 
 def _base(schema: type, sources: list[tuple[str, dict]]):

@@ -96,3 +96,19 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused_with_its_lines(tmp_path):
     path.write_text(f"defaults: [{Path(REACH).resolve()}]\n{merged}")
     cfg = load_config(TrainConfig, path, files=False)[0]
     assert (cfg.runner.name, cfg.runner.total_env_steps) == ("b", 5000)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("cluster.env.resources={a: .nan}", "cluster.env.resources.a: not a number, got nan"),
+        ("cluster.actor.resources.GPU_x=.inf", "cluster.actor.resources.GPU_x: must be finite"),
+        ("cluster.eval.resources={b: -.inf}", "cluster.eval.resources.b: must be finite"),
+    ],
+)
+def test_non_finite_numbers_in_a_dict_setting_are_refused(override, message):
+    """``_check_numbers`` looked at plain float fields only; ``nan < 0`` let NaN through."""
+    with pytest.raises(ConfigError) as err:
+        load(override)
+    assert str(err.value).startswith(message) and str(err.value).endswith("(in the command line)")
+    assert load("cluster.env.resources={a: 0.5}").cluster.env.resources == {"a": 0.5}
