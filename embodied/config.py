@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from decimal import Decimal, InvalidOperation
@@ -194,15 +195,20 @@ def _leaf_paths(d: dict, prefix: str = "") -> list[str]:
     return paths
 
 
-def source_of(key: str, sources: list[tuple[str, dict]]) -> str:
-    """The last source that set ``key`` or one of its parents/children; for a key left at its
-    default, the config file (where it would be set)."""
+def _setter(key: str, sources: list[tuple[str, dict]]) -> str | None:
+    """The last source that set ``key`` or one of its parents/children; None if none did."""
     for name, data in reversed(sources):
         for p in _leaf_paths(data):
             if p == key or p.startswith(key + ".") or key.startswith(p + "."):
                 return name
+    return None
+
+
+def source_of(key: str, sources: list[tuple[str, dict]]) -> str:
+    """The last source that set ``key`` or one of its parents/children; for a key left at its
+    default, the config file (where it would be set)."""
     files = [name for name, _ in sources if name != COMMAND_LINE]
-    return files[-1] if files else COMMAND_LINE
+    return _setter(key, sources) or (files[-1] if files else COMMAND_LINE)
 
 
 def validate_tree(obj: Any, path: str, sources, files: bool = True) -> None:
@@ -222,11 +228,28 @@ def validate_tree(obj: Any, path: str, sources, files: bool = True) -> None:
         try:
             check()
         except ValueError as e:
-            field_name = str(e).split(":", 1)[0]
-            key = f"{path}{field_name}"
-            raise ConfigError(
-                f"{key}: {str(e).split(':', 1)[-1].strip()} (in {source_of(key, sources)})"
-            ) from None
+            raise _check_error(obj, path, str(e), sources) from None
+
+
+_KEY = re.compile(r"[A-Za-z_][\w.\[\]]*")  # (what a validate() message starts with: "key: why")
+
+
+def _check_error(obj: Any, path: str, message: str, sources) -> ConfigError:
+    """A section's ``validate()`` error as one line: ``path.key: why (in source)``. A message
+    that starts with no key (``d_model (256) must be divisible by heads (3)``) is the section's,
+    from the sources that set the fields it names."""
+    field_name, sep, why = message.partition(":")
+    if sep and _KEY.fullmatch(field_name):
+        key = f"{path}{field_name}"
+        return ConfigError(f"{key}: {why.strip()} (in {source_of(key, sources)})")
+    named = [f.name for f in dataclasses.fields(obj) if re.search(rf"\b{f.name}\b", message)]
+    setters = {f"{path}{n}": _setter(f"{path}{n}", sources) for n in named}
+    setters = {key: name for key, name in setters.items() if name}
+    if len(set(setters.values())) > 1:
+        where = ", ".join(f"{key} in {name}" for key, name in setters.items())
+    else:
+        where = "in " + (next(iter(setters.values()), None) or source_of(path[:-1], sources))
+    return ConfigError(f"{path[:-1] or 'config'}: {message} ({where})")
 
 
 def _check_numbers(obj: Any, path: str, sources) -> None:

@@ -1,13 +1,14 @@
 """How a config's values are read: a command-line value by the type of its setting, a YAML file
 as YAML (without duplicate keys), and the one-line errors for values that do not fit."""
 
+import dataclasses
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from embodied.cli import main
-from embodied.config import ConfigError, load_config
+from embodied.config import COMMAND_LINE, ConfigError, load_config, validate_tree
 from embodied.train_config import TrainConfig
 
 REACH = "configs/mujoco/reach_ppo.yaml"
@@ -112,3 +113,47 @@ def test_non_finite_numbers_in_a_dict_setting_are_refused(override, message):
         load(override)
     assert str(err.value).startswith(message) and str(err.value).endswith("(in the command line)")
     assert load("cluster.env.resources={a: 0.5}").cluster.env.resources == {"a": 0.5}
+
+
+@dataclasses.dataclass
+class Pair:
+    width: int = 4
+    heads: int = 2
+
+    def validate(self):
+        if self.width % self.heads:
+            raise ValueError(f"width ({self.width}) must be divisible by heads ({self.heads})")
+
+
+@dataclasses.dataclass
+class Holder:
+    pair: Pair = dataclasses.field(default_factory=Pair)
+
+
+def test_a_check_that_names_no_key_first_is_said_once_with_where_its_fields_were_set():
+    """Such a message was repeated and blamed the file: ``policy.d_model (256) must be ...:
+    d_model (256) must be ... (in multitask_vla_sft.yaml)`` for ``policy.heads=3``."""
+    cases = [
+        ([("a.yaml", {"seed": 1}), (COMMAND_LINE, {"pair": {"heads": 3}})], ""),
+        ([("a.yaml", {"pair": {"width": 5}}), (COMMAND_LINE, {"seed": 1})], "a.yaml"),
+        ([("a.yaml", {"pair": {"width": 5}}), ("b.yaml", {"pair": {"heads": 3}})], "both"),
+    ]
+    for sources, where in cases:
+        pair = Pair(**{k: v for _, d in sources for k, v in d.get("pair", {}).items()})
+        with pytest.raises(ConfigError) as err:
+            validate_tree(Holder(pair), "", sources)
+        why = f"pair: width ({pair.width}) must be divisible by heads ({pair.heads})"
+        expected = {
+            "": f"{why} (in the command line)",
+            "a.yaml": f"{why} (in a.yaml)",
+            "both": f"{why} (pair.width in a.yaml, pair.heads in b.yaml)",
+        }[where]
+        assert str(err.value) == expected
+
+
+def test_the_vla_heads_error_names_the_command_line_once(capsys):
+    argv = ["sft", "configs/maniskill/multitask_vla_sft.yaml", "policy.heads=3"]
+    assert main(argv) == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and line.endswith("(in the command line)"), line
+    assert line.count("must be") == 1 and ".yaml" not in line, line
