@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from embodied.report_data import Rate, RunData, phase_seconds, read_run
+from embodied.report_data import Rate, RunData, phase_seconds, read_run, run_status
 
 REPORT_FILE = "report.html"
 EPISODES_SHOWN = 2  # the best and the worst this many of the newest record with episodes
@@ -74,15 +74,13 @@ def write_report(run_dir: Path) -> Path:
 # --- sections -------------------------------------------------------------------------------
 def _header(data: RunData) -> str:
     last = data.iterations[-1] if data.iterations else {}
-    ended = [e for e in data.events if e.kind in ("end", "stop", "failure")]
-    status = ended[-1].kind if ended else "running or cut off (no end event)"
     host = data.host_starts[-1] if data.host_starts else {}
     cpu = host.get("cpu", {})
     gpus = host.get("gpus") or []
     versions = host.get("versions", {})
     rows = [
         ("run", str(data.run_dir)),
-        ("status", status),
+        ("status", run_status(data.events, data.final is not None)),
         ("iterations", str(last.get("iteration", 0))),
         ("env steps", f"{last.get('env_steps', 0):,}"),
         ("training minutes", f"{last.get('time/minutes', 0.0):.1f}"),

@@ -145,6 +145,17 @@ def read_run(run_dir: Path) -> RunData:
     )
 
 
+def run_status(events: list[Event], ended: bool) -> str:
+    """How the run's last process ended: its ``end``, ``stop`` or ``failure`` event, one logged
+    after its ``start`` or ``resume`` (an earlier process's stop says nothing of a resumed one).
+    A run that logs no events has ended where metrics.json holds its final evaluation."""
+    starts = [i for i, e in enumerate(events) if e.kind in ("start", "resume")]
+    if not starts:
+        return "end" if ended else "running, stopped or cut off (no events logged)"
+    outcomes = [e.kind for e in events[starts[-1] :] if e.kind in ("end", "stop", "failure")]
+    return outcomes[-1] if outcomes else "running or cut off (no end event)"
+
+
 def phase_seconds(iterations: list[dict]) -> dict[str, float]:
     """Each logged phase's seconds summed over the iterations (``time/<phase>_s``)."""
     totals: dict[str, float] = {}

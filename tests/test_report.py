@@ -179,3 +179,36 @@ def test_a_runs_report_renders_in_headless_chromium(tmp_path, capsys):
     assert drawn > 0.05  # axes, ticks, lines and bands
     blue = np.abs(plot.astype(int) - [31, 119, 180]).sum(axis=-1) < 30  # success once's line
     assert blue.sum() > 50
+
+
+@pytest.mark.parametrize(
+    "kinds, status",
+    [
+        (["start", "stop", "resume"], "running or cut off (no end event)"),  # (still running)
+        (["start", "stop", "resume", "fault"], "running or cut off (no end event)"),
+        (["start", "stop", "resume", "resume", "end"], "end"),  # (a kill -9, resumed)
+        (["start", "end", "resume", "failure"], "failure"),
+        (["start", "stop", "resume", "stop"], "stop"),
+        ([], "running, stopped or cut off (no events logged)"),
+    ],
+)
+def test_the_status_is_the_last_processs_outcome(kinds, status):
+    """The report took the last end, stop or failure event of any process: a run stopped,
+    resumed and then killed (or still running) said "stop"."""
+    from embodied.events import Event
+    from embodied.report_data import run_status
+
+    events = [Event(float(t), kind, t, 10 * t) for t, kind in enumerate(kinds)]
+    assert run_status(events, ended=False) == status
+
+
+def test_a_resumed_run_cut_off_after_a_stop_is_not_reported_stopped(tmp_path):
+    lines = [json.dumps(row) for row in HAND_BUILT]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    log = EventLog(tmp_path)
+    log.add("start", 0, 0)
+    log.add("stop", 1, 100, "stopped after iteration 1")
+    log.add("resume", 1, 100)  # (then kill -9 at iteration 2: no event)
+    cells = re.findall(r"<td>(.*?)</td>", write_report(tmp_path).read_text())
+    i = cells.index("status")
+    assert cells[i : i + 4] == ["status", "running or cut off (no end event)", "iterations", "2"]
