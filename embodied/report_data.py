@@ -15,7 +15,7 @@ from pathlib import Path
 
 from embodied.evaluate import wilson_interval
 from embodied.events import Event, read_events
-from embodied.logger import read_jsonl
+from embodied.logger import read_metrics
 from embodied.recording import record_dir, recorded_iterations
 from embodied.schema import UserError
 
@@ -162,7 +162,7 @@ def read_run(run_dir: Path) -> RunData:
     jsonl = run_dir / "metrics.jsonl"
     if not jsonl.is_file():
         raise UserError(f"{run_dir}: not a training run (no metrics.jsonl)")
-    rows = read_jsonl(jsonl)
+    rows = read_metrics(jsonl)  # (a non-finite number, logged as null, as NaN)
     summary_file = run_dir / "metrics.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
     sft = "steps" in (summary or {}) or any(SFT_LOSS in r for r in rows)
