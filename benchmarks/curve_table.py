@@ -3,13 +3,14 @@
 python benchmarks/curve_table.py runs/pushcube_ppo
 """
 
-import json
 import sys
 from pathlib import Path
 
 
 def main(run_dir: str) -> None:
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    from embodied.logger import read_metrics
+
+    rows = read_metrics(Path(run_dir) / "metrics.jsonl")  # (a non-finite number as NaN)
     minutes = {}
     print(
         "| env steps | minutes | success (once) | success at end | episodes |\n"

@@ -13,7 +13,6 @@ wall time between consecutive metric rows), and the records' disk per 1,000 env 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -30,6 +29,7 @@ def run(config: str, out: Path, name: str, record: int, iterations: int, extra: 
     """One training run; (seconds per iteration after the first, env steps, (bytes of the
     recorded rounds, bytes of the rest: the learner's state and the metadata))."""
     from embodied.config import load_config
+    from embodied.logger import read_metrics
     from embodied.train_config import TrainConfig
 
     cfg = load_config(TrainConfig, ROOT / config, extra)[0]
@@ -49,7 +49,7 @@ def run(config: str, out: Path, name: str, record: int, iterations: int, extra: 
     ]
     cmd = [sys.executable, "-m", "embodied.cli", "train", str(ROOT / config), *overrides]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out / name / "metrics.jsonl")  # (a non-finite number as NaN)
     training = [r for r in rows if "time/rollout_s" in r]
     seconds = [60 * (b["time/minutes"] - a["time/minutes"]) for a, b in zip(training, training[1:])]
     files = [f for f in (out / name / "rollouts").rglob("*") if f.is_file()] if record else []

@@ -50,7 +50,9 @@ def run(staleness: int, args) -> Path:
 
 
 def summary(run_dir: Path) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from embodied.logger import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")  # (a non-finite number as NaN)
     training = [r for r in rows if "iteration" in r and "time/rollout_s" in r]
     final = json.loads((run_dir / "metrics.json").read_text())
     minutes = final["minutes"]

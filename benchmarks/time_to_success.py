@@ -17,10 +17,11 @@ from pathlib import Path
 
 def curve(run: Path) -> list[dict]:
     """[{env_steps, minutes, success}] per evaluation during training, in order."""
+    from embodied.logger import read_metrics
+
     minutes = {}  # iteration -> training minutes at its end
     points = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
+    for row in read_metrics(run / "metrics.jsonl"):  # (a non-finite number as NaN)
         if "time/minutes" in row:
             minutes[row["iteration"]] = row["time/minutes"]
         if "eval/success_rate" in row and row.get("iteration") in minutes:

@@ -1,5 +1,8 @@
 """Configuration: YAML files composed with ``defaults:`` lists, strictly validated against the
 dataclass schemas that live next to the code they configure, plus ``key.sub=value`` overrides.
+An override's value is read by the type of its setting: a str takes the text as typed (YAML 1.1
+read ``no`` as False and ``0755`` as 493), an int a whole number written as a float too
+(``5e6``), the rest YAML, as a file gives it.
 
 A bad config raises ``ConfigError`` with one line naming the key path and the file it came from;
 the CLI prints it and exits with code 2. A schema's ``validate()`` checks the form of its values;
@@ -13,11 +16,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
+import types
+import typing
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from embodied.logger import write_atomic
@@ -29,6 +36,30 @@ class ConfigError(Exception):
     """A config that cannot be used; ``str()`` is a single line for the user."""
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the
+    last silently: a second ``runner:`` block dropped the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # (``<<:`` merges keys on purpose)
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, typing.Hashable):
+                continue  # (the safe loader refuses it)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {key!r}, first at line {lines[key]}",
+                    key_node.start_mark,
+                )
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
     """(source name, mapping) for ``path`` and, first, everything its ``defaults:`` list names."""
     if not path.is_file():
@@ -37,7 +68,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
     if path.resolve() in [p.resolve() for p in chain]:
         raise ConfigError(f"{path}: defaults form a cycle through {' -> '.join(map(str, chain))}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
@@ -55,8 +86,14 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
     return sources + [(str(path), data)]
 
 
+class _Text(str):
+    """An override's value as typed on the command line; ``compose`` converts it by the type of
+    the setting it is for (``_convert``)."""
+
+
 def parse_overrides(overrides: list[str]) -> dict:
-    """``["a.b=1", "c=[1,2]"]`` -> nested dict; values are parsed as YAML scalars/lists."""
+    """``["a.b=1", "c=[1,2]"]`` -> nested dict of the values' text (``compose`` converts each by
+    its setting's type: ``_convert``)."""
     out: dict = {}
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -68,10 +105,85 @@ def parse_overrides(overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r} on {COMMAND_LINE}: {p} is set twice")
-        try:
-            node[leaf] = expand_home(yaml.safe_load(value)) if value != "" else None
-        except yaml.YAMLError:
-            node[leaf] = value
+        node[leaf] = expand_home(_Text(value))
+    return out
+
+
+_NULLS = ("", "~", "null", "Null", "NULL")  # (YAML's words for None)
+
+
+def _yaml(text: str, loader=yaml.SafeLoader) -> Any:
+    if text == "":
+        return None
+    try:
+        return yaml.load(text, Loader=loader)
+    except yaml.YAMLError:
+        return text
+
+
+def _convert(hint: Any, text: str) -> Any:
+    """The value of an override's ``text`` for a setting typed ``hint`` (None: not a field): the
+    text itself for a str (YAML 1.1 read ``no`` as False and ``0755`` as 493) unless quoted
+    (``''``: the empty string), each item's text for a list of str, a whole number written as a
+    float (``5e6``) for an int, and YAML's value for the rest, as a file gives it (None for an
+    empty text)."""
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+    if optional and len(args) == 2:
+        hint = next(a for a in args if a is not type(None))
+    if hint is str:
+        if optional and text in _NULLS:
+            return None
+        quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+        return _yaml(text) if quoted else str(text)  # ('' and "no" as in a file)
+    if typing.get_origin(hint) in (list, tuple) and typing.get_args(hint)[:1] == (str,):
+        return _yaml(text, yaml.BaseLoader)  # (every scalar as its text)
+    value = _yaml(text)
+    if hint is int and isinstance(value, (str, float)):
+        return _whole(value)
+    return value
+
+
+def _whole(value: str | float) -> Any:
+    """``value`` (text or a float, for an int setting) as an int where it is a whole number that
+    fits 64 bits (``5e6``: 5000000), else as a float, or as it was where it is not a number."""
+    try:
+        number = Decimal(str(value))
+    except InvalidOperation:
+        return value
+    if not number.is_finite():
+        return value
+    if number.adjusted() > 18:
+        return float(number)
+    return int(number) if number == number.to_integral_value() else float(number)
+
+
+def _hints(section) -> dict:
+    """Field name -> type of the dataclass behind an OmegaConf section ({} for a plain dict)."""
+    kind = OmegaConf.get_type(section) if isinstance(section, DictConfig) else None
+    return typing.get_type_hints(kind) if dataclasses.is_dataclass(kind) else {}
+
+
+def _typed(cfg, data: dict, name: str, prefix: str = "") -> dict:
+    """``data`` (one source's mapping) with each command-line text converted by the type of its
+    setting in ``cfg`` (``_convert``). A mapping given for a list is a ConfigError, as is a list
+    given for a mapping (OmegaConf's merge raises a bare TypeError for both)."""
+    hints = _hints(cfg)
+    out = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, _Text):
+            value = expand_home(_convert(hints.get(key), value))
+        node = cfg.get(key) if isinstance(cfg, DictConfig) and key in cfg else None
+        if isinstance(node, ListConfig) and isinstance(value, dict):
+            whole = f"{path}={OmegaConf.to_container(node)}".replace(" ", "")
+            how = f"is set whole, as in {whole}, not by item" if name == COMMAND_LINE else ""
+            raise ConfigError(f"{path}: a list {how or 'was given a mapping'} (in {name})")
+        if isinstance(node, DictConfig) and isinstance(value, list):
+            raise ConfigError(f"{path}: a mapping of keys, got a list (in {name})")
+        if isinstance(value, dict):
+            value = _typed(node, value, name, path + ".")
+        out[key] = value
     return out
 
 
@@ -83,15 +195,20 @@ def _leaf_paths(d: dict, prefix: str = "") -> list[str]:
     return paths
 
 
-def source_of(key: str, sources: list[tuple[str, dict]]) -> str:
-    """The last source that set ``key`` or one of its parents/children; for a key left at its
-    default, the config file (where it would be set)."""
+def _setter(key: str, sources: list[tuple[str, dict]]) -> str | None:
+    """The last source that set ``key`` or one of its parents/children; None if none did."""
     for name, data in reversed(sources):
         for p in _leaf_paths(data):
             if p == key or p.startswith(key + ".") or key.startswith(p + "."):
                 return name
+    return None
+
+
+def source_of(key: str, sources: list[tuple[str, dict]]) -> str:
+    """The last source that set ``key`` or one of its parents/children; for a key left at its
+    default, the config file (where it would be set)."""
     files = [name for name, _ in sources if name != COMMAND_LINE]
-    return files[-1] if files else COMMAND_LINE
+    return _setter(key, sources) or (files[-1] if files else COMMAND_LINE)
 
 
 def validate_tree(obj: Any, path: str, sources, files: bool = True) -> None:
@@ -111,25 +228,56 @@ def validate_tree(obj: Any, path: str, sources, files: bool = True) -> None:
         try:
             check()
         except ValueError as e:
-            field_name = str(e).split(":", 1)[0]
-            key = f"{path}{field_name}"
-            raise ConfigError(
-                f"{key}: {str(e).split(':', 1)[-1].strip()} (in {source_of(key, sources)})"
-            ) from None
+            raise _check_error(obj, path, str(e), sources) from None
+
+
+_KEY = re.compile(r"[A-Za-z_][\w.\[\]]*")  # (what a validate() message starts with: "key: why")
+
+
+def _check_error(obj: Any, path: str, message: str, sources) -> ConfigError:
+    """A section's ``validate()`` error as one line: ``path.key: why (in source)``. A message
+    that starts with no key (``d_model (256) must be divisible by heads (3)``) is the section's,
+    from the sources that set the fields it names."""
+    field_name, sep, why = message.partition(":")
+    if sep and _KEY.fullmatch(field_name):
+        key = f"{path}{field_name}"
+        return ConfigError(f"{key}: {why.strip()} (in {source_of(key, sources)})")
+    named = [f.name for f in dataclasses.fields(obj) if re.search(rf"\b{f.name}\b", message)]
+    setters = {f"{path}{n}": _setter(f"{path}{n}", sources) for n in named}
+    setters = {key: name for key, name in setters.items() if name}
+    if len(set(setters.values())) > 1:
+        where = ", ".join(f"{key} in {name}" for key, name in setters.items())
+    else:
+        where = "in " + (next(iter(setters.values()), None) or source_of(path[:-1], sources))
+    return ConfigError(f"{path[:-1] or 'config'}: {message} ({where})")
 
 
 def _check_numbers(obj: Any, path: str, sources) -> None:
-    """No NaN in a dataclass's floats, and no infinity but in the fields its ``INFINITE`` names:
-    a learning rate of .inf or a NaN timeout would fail far from its cause."""
+    """No NaN in a dataclass's floats, those in its dict and list values included, and no
+    infinity but in the fields its ``INFINITE`` names: a learning rate of .inf or a NaN timeout
+    would fail far from its cause."""
     infinite = getattr(obj, "INFINITE", ())
     for f in dataclasses.fields(obj):
-        number = getattr(obj, f.name)
-        if not isinstance(number, float) or math.isfinite(number):
-            continue
-        if math.isnan(number) or f.name not in infinite:
-            key = f"{path}{f.name}"
+        field_key = f"{path}{f.name}"
+        bound = f.name in infinite  # (the field itself, a float that .inf turns off)
+        for key, number in _floats(getattr(obj, f.name), field_key):
+            if math.isfinite(number) or (math.isinf(number) and bound and key == field_key):
+                continue
             why = "not a number" if math.isnan(number) else "must be finite"
-            raise ConfigError(f"{key}: {why}, got {number} (in {source_of(key, sources)})")
+            where = source_of(key.split("[")[0], sources)
+            raise ConfigError(f"{key}: {why}, got {number} (in {where})")
+
+
+def _floats(value: Any, key: str) -> list[tuple[str, float]]:
+    """(key path, number) for ``value`` if it is a float, and for the floats in it if it is a
+    dict or a list (``resources.GPU``, ``hidden_sizes[1]``)."""
+    if isinstance(value, float):
+        return [(key, value)]
+    if isinstance(value, dict):
+        return [pair for k, v in value.items() for pair in _floats(v, f"{key}.{k}")]
+    if isinstance(value, (list, tuple)):
+        return [pair for i, v in enumerate(value) for pair in _floats(v, f"{key}[{i}]")]
+    return []
 
 
 def _base(schema: type, sources: list[tuple[str, dict]]):
@@ -181,7 +329,7 @@ def compose(schema: type, sources: list[tuple[str, dict]]):
     cfg = _base(schema, sources)
     for name, data in sources:
         try:
-            cfg = OmegaConf.merge(cfg, data)
+            cfg = OmegaConf.merge(cfg, _typed(cfg, data, name))
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None)
             msg = str(e).splitlines()[0]

@@ -1,9 +1,15 @@
 """Run logging: TensorBoard scalars and one JSON line per logged step (``metrics.jsonl``), and
-the file helpers every writer of a run or a dataset uses."""
+the file helpers every writer of a run or a dataset uses.
+
+``metrics.jsonl`` is strict JSON: a number that is not finite (a NaN loss) is written as null,
+since JSON has no NaN (Python's ``NaN`` and ``Infinity`` tokens stop jq and ``JSON.parse``);
+TensorBoard gets the float. ``read_metrics`` reads a null back as NaN.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -23,7 +29,7 @@ class RunLogger:
 
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resumed_at)
             if resumed_at is not None:
-                self._scalars_again(read_jsonl(path), resumed_at)
+                self._scalars_again(read_metrics(path), resumed_at)
 
     def _scalars_again(self, rows: list[dict], step: int) -> None:
         for row in rows:
@@ -38,7 +44,7 @@ class RunLogger:
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
-        self.jsonl.write(json.dumps({"env_steps": step, **extra, **scalars}) + "\n")
+        self.jsonl.write(metrics_line({"env_steps": step, **extra, **scalars}))
         self.jsonl.flush()
         os.fsync(self.jsonl.fileno())  # (a checkpoint is synced: the rows it counts are too)
 
@@ -54,6 +60,21 @@ def _scalars(metrics: dict) -> dict[str, float]:
         for k, v in metrics.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool)
     }
+
+
+def metrics_line(row: dict) -> str:
+    """``row`` as one line of metrics.jsonl: strict JSON, a non-finite number as null."""
+    finite = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()
+    }
+    return json.dumps(finite, allow_nan=False) + "\n"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of metrics.jsonl (``read_jsonl``), each null (a number that was not finite) as
+    NaN: a reader sees a float that is not finite, as it did when the file held NaN tokens
+    (an older run's file still may; they read as floats)."""
+    return [{k: math.nan if v is None else v for k, v in row.items()} for row in read_jsonl(path)]
 
 
 def end_cut_line(path: Path) -> None:

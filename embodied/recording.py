@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load, load_file, save, save_file
 
 from embodied.checkpoint import fsync
-from embodied.logger import read_jsonl
+from embodied.logger import read_metrics
 from embodied.rollout import RolloutBatch
 from embodied.schema import Observation, UserError
 
@@ -346,7 +346,7 @@ def logged_grad_norms(run_dir: Path) -> list[float]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    norms = [row.get("policy/grad_norm") for row in read_jsonl(path)]
+    norms = [row.get("policy/grad_norm") for row in read_metrics(path)]  # (null: NaN)
     norms = [n for n in norms if isinstance(n, float) and math.isfinite(n)]
     return norms[-SPIKE_WINDOW:]
 

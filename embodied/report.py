@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from embodied.report_data import Rate, RunData, phase_seconds, read_run
+from embodied.report_data import Rate, RunData, phase_seconds, read_run, run_status
 
 REPORT_FILE = "report.html"
 EPISODES_SHOWN = 2  # the best and the worst this many of the newest record with episodes
@@ -74,17 +74,21 @@ def write_report(run_dir: Path) -> Path:
 # --- sections -------------------------------------------------------------------------------
 def _header(data: RunData) -> str:
     last = data.iterations[-1] if data.iterations else {}
-    ended = [e for e in data.events if e.kind in ("end", "stop", "failure")]
-    status = ended[-1].kind if ended else "running or cut off (no end event)"
     host = data.host_starts[-1] if data.host_starts else {}
     cpu = host.get("cpu", {})
     gpus = host.get("gpus") or []
     versions = host.get("versions", {})
+    if data.sft:  # (its rows' iteration and env_steps are its step)
+        progress = [("steps", str(last.get("iteration", 0)))]
+    else:
+        progress = [
+            ("iterations", str(last.get("iteration", 0))),
+            ("env steps", f"{last.get('env_steps', 0):,}"),
+        ]
     rows = [
         ("run", str(data.run_dir)),
-        ("status", status),
-        ("iterations", str(last.get("iteration", 0))),
-        ("env steps", f"{last.get('env_steps', 0):,}"),
+        ("status", run_status(data.events, data.final is not None)),
+        *progress,
         ("training minutes", f"{last.get('time/minutes', 0.0):.1f}"),
         ("starts (resumes + 1)", str(len(data.host_starts))),
         ("CPU", f"{cpu.get('model', '?')}, {cpu.get('logical_cores', '?')} logical cores"),
@@ -101,7 +105,8 @@ def _success_section(data: RunData) -> str:
     if not data.evaluations:
         return "\n".join(out + ["<p>No evaluation was logged (runner.eval_every).</p>"])
     final = data.final or data.evaluations[-1]
-    label = "final evaluation" if data.final else f"last evaluation (iteration {final.iteration})"
+    unit = "step" if data.sft else "iteration"
+    label = "final evaluation" if data.final else f"last evaluation ({unit} {final.iteration})"
     out.append(
         f"<p>{label}: success once {_rate(final.pooled.success_once)}, success at end "
         f"{_rate(final.pooled.success_at_end)}, mean return {final.pooled.ret:.3f}.</p>"
@@ -136,11 +141,12 @@ def _task_section(data: RunData) -> str:
 def _training_section(data: RunData) -> str:
     if not data.iterations:
         return "<h2>Training</h2><p>No iteration was logged.</p>"
-    return "<h2>Training</h2>" + _img(_training_plot(data), "training metrics per iteration")
+    per = "step" if data.sft else "iteration"
+    return "<h2>Training</h2>" + _img(_training_plot(data), f"training metrics per {per}")
 
 
 def _time_section(data: RunData) -> str:
-    if not data.iterations:
+    if not data.iterations or data.sft:  # (SFT logs no phases or throughput)
         return ""
     phases = phase_seconds(data.iterations)
     total = 60 * data.iterations[-1].get("time/minutes", 0.0)
@@ -260,7 +266,7 @@ def _success_plot(data: RunData) -> bytes:
     if train:
         xs, ys = zip(*train)
         axis.plot(xs, ys, color="grey", lw=0.8, label="training: success once")
-    return _rate_figure(figure, axis, "success")
+    return _rate_figure(figure, axis, "success", _steps(data))
 
 
 def _task_plot(data: RunData) -> bytes:
@@ -276,12 +282,17 @@ def _task_plot(data: RunData) -> bytes:
         low = [r.low for _, r in points]
         high = [r.high for _, r in points]
         axis.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
-    return _rate_figure(figure, axis, "evaluation success once")
+    return _rate_figure(figure, axis, "evaluation success once", _steps(data))
 
 
-def _rate_figure(figure, axis, ylabel: str) -> bytes:
-    """A plot of rates over env steps, labelled, as SVG."""
-    axis.set_xlabel("env steps")
+def _steps(data: RunData) -> str:
+    """What an evaluation's ``env_steps`` counts: env steps, or an SFT run's steps."""
+    return "steps" if data.sft else "env steps"
+
+
+def _rate_figure(figure, axis, ylabel: str, xlabel: str) -> bytes:
+    """A plot of rates over env steps (an SFT run's steps), labelled, as SVG."""
+    axis.set_xlabel(xlabel)
     axis.set_ylabel(ylabel)
     axis.set_ylim(-0.02, 1.02)
     axis.grid(alpha=0.3)
@@ -296,6 +307,8 @@ TRAINING_PANELS = (
     ("policy/grad_norm", "gradient norm (before clipping)"),
     ("policy/approx_kl", "approximate KL"),
     ("policy/clipfrac", "clip fraction"),
+    ("sft/loss", "SFT loss"),
+    ("sft/grad_norm", "SFT gradient norm"),
 )
 
 
@@ -309,7 +322,7 @@ def _training_plot(data: RunData) -> bytes:
         points = [(r["iteration"], r[key]) for r in data.iterations if key in r]
         axis.plot([i for i, _ in points], [v for _, v in points], lw=1)
         axis.set_title(title, fontsize="medium")
-        axis.set_xlabel("iteration")
+        axis.set_xlabel("step" if data.sft else "iteration")
         axis.grid(alpha=0.3)
     for axis in list(axes.flat)[len(panels) :]:
         axis.set_visible(False)

@@ -1,6 +1,9 @@
 """What ``embodied report`` reads from a run directory, as typed data: the config, the logged
 iterations and evaluations (``metrics.jsonl``: it is written as the run goes, so a run that
 stopped or failed has a report too), the final summary, the host, the events and the records.
+An ``embodied sft`` run has steps where a training run has iterations (its rows' ``iteration``
+and ``env_steps`` are both the step), evaluations per task with no pooled row, a final
+evaluation per task in metrics.json, and no events.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from pathlib import Path
 
 from embodied.evaluate import wilson_interval
 from embodied.events import Event, read_events
-from embodied.logger import read_jsonl
+from embodied.logger import read_metrics
 from embodied.recording import record_dir, recorded_iterations
 from embodied.schema import UserError
 
 PHASE_PREFIX = "time/"  # the logged seconds of each phase: time/<phase>_s
+SFT_LOSS = "sft/loss"  # (in each logged step of an SFT run)
 
 
 @dataclass
@@ -47,11 +51,12 @@ class TaskEval:
 
 @dataclass
 class Evaluation:
-    """One evaluation: all tasks pooled, and each task where there are several."""
+    """One evaluation: all tasks pooled, and each task where there are several (an SFT run's
+    each task, one or several: it logs no pooled row)."""
 
     iteration: int
     env_steps: int
-    pooled: TaskEval
+    pooled: TaskEval | None  # (None only while its tasks are read: ``pooled_of`` them)
     tasks: dict[str, TaskEval] = field(default_factory=dict)
 
 
@@ -65,6 +70,7 @@ class RunData:
     host_starts: list[dict]  # host.json: one entry per start of the run
     events: list[Event]
     records: list[dict]  # each record.json's iteration and reason, by iteration
+    sft: bool = False  # an ``embodied sft`` run: steps, not iterations and env steps
 
 
 def task_eval(row: dict, prefix: str = "eval/") -> TaskEval:
@@ -78,9 +84,26 @@ def task_eval(row: dict, prefix: str = "eval/") -> TaskEval:
     )
 
 
+def pooled_of(tasks: dict[str, TaskEval]) -> TaskEval:
+    """The tasks' evaluations as one, each weighted by its episodes."""
+    episodes = sum(t.success_once.episodes for t in tasks.values())
+
+    def mean(value) -> float:
+        total = sum(value(t) * t.success_once.episodes for t in tasks.values())
+        return total / episodes if episodes else math.nan
+
+    return TaskEval(
+        success_once=Rate.of(mean(lambda t: t.success_once.rate), episodes),
+        success_at_end=Rate.of(mean(lambda t: t.success_at_end.rate), episodes),
+        ret=mean(lambda t: t.ret),
+        length=mean(lambda t: t.length),
+    )
+
+
 def evaluations_of(rows: list[dict]) -> list[Evaluation]:
     """The evaluations among the rows: a pooled row (``eval/success_rate``), then the rows of
-    its tasks (``eval/<task>/success_rate``) logged after it at the same iteration."""
+    its tasks (``eval/<task>/success_rate``) logged after it at the same iteration. Task rows
+    with no pooled row before them (SFT logs none) are one evaluation, pooled here."""
     found: list[Evaluation] = []
     for row in rows:
         if "eval/success_rate" in row:
@@ -91,15 +114,27 @@ def evaluations_of(rows: list[dict]) -> list[Evaluation]:
             for key in row
             if key.startswith("eval/") and key.endswith("/success_rate")
         ]
-        if tasks and found and found[-1].iteration == row["iteration"]:
-            for task in tasks:
-                found[-1].tasks[task] = task_eval(row, f"eval/{task}/")
+        if not tasks:
+            continue
+        last = found[-1] if found else None
+        if last is None or last.iteration != row["iteration"] or set(tasks) & set(last.tasks):
+            last = Evaluation(row["iteration"], row["env_steps"], None)
+            found.append(last)
+        for task in tasks:
+            last.tasks[task] = task_eval(row, f"eval/{task}/")
+    for evaluation in found:
+        evaluation.pooled = evaluation.pooled or pooled_of(evaluation.tasks)
     return found
 
 
 def final_of(summary: dict) -> Evaluation:
-    """metrics.json's final evaluation."""
+    """metrics.json's final evaluation: a training run's, pooled with its tasks beside it, or
+    an SFT run's, one per task (``final: {task: summary}``), at its last step."""
     final = summary["final"]
+    if "steps" in summary:  # (SFT)
+        tasks = {task: task_eval(row) for task, row in final.items()}
+        step = summary["steps"]
+        return Evaluation(step, step, pooled_of(tasks), tasks)
     tasks = summary.get("tasks", {})
     per_task = {t: task_eval(r) for t, r in tasks.items()} if len(tasks) > 1 else {}
     return Evaluation(final["iteration"], final["env_steps"], task_eval(final), per_task)
@@ -127,10 +162,11 @@ def read_run(run_dir: Path) -> RunData:
     jsonl = run_dir / "metrics.jsonl"
     if not jsonl.is_file():
         raise UserError(f"{run_dir}: not a training run (no metrics.jsonl)")
-    rows = read_jsonl(jsonl)
-    iterations = [r for r in rows if "time/env_steps_per_s" in r]
-    summary = run_dir / "metrics.json"
-    final = final_of(json.loads(summary.read_text())) if summary.is_file() else None
+    rows = read_metrics(jsonl)  # (a non-finite number, logged as null, as NaN)
+    summary_file = run_dir / "metrics.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
+    sft = "steps" in (summary or {}) or any(SFT_LOSS in r for r in rows)
+    iterations = [r for r in rows if (SFT_LOSS if sft else "time/env_steps_per_s") in r]
     host = run_dir / "host.json"
     starts = json.loads(host.read_text()).get("starts", []) if host.is_file() else []
     return RunData(
@@ -138,11 +174,23 @@ def read_run(run_dir: Path) -> RunData:
         config_text=config.read_text() if config.is_file() else "(no config.yaml)",
         iterations=iterations,
         evaluations=evaluations_of(rows),
-        final=final,
+        final=final_of(summary) if summary else None,
         host_starts=starts,
         events=read_events(run_dir),
         records=records_of(run_dir),
+        sft=sft,
     )
+
+
+def run_status(events: list[Event], ended: bool) -> str:
+    """How the run's last process ended: its ``end``, ``stop`` or ``failure`` event, one logged
+    after its ``start`` or ``resume`` (an earlier process's stop says nothing of a resumed one).
+    A run that logs no events (SFT) has ended where metrics.json holds its final evaluation."""
+    starts = [i for i, e in enumerate(events) if e.kind in ("start", "resume")]
+    if not starts:
+        return "end" if ended else "running, stopped or cut off (no events logged)"
+    outcomes = [e.kind for e in events[starts[-1] :] if e.kind in ("end", "stop", "failure")]
+    return outcomes[-1] if outcomes else "running or cut off (no end event)"
 
 
 def phase_seconds(iterations: list[dict]) -> dict[str, float]:

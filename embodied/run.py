@@ -26,7 +26,7 @@ from embodied.checkpoint import (
     point_best,
 )
 from embodied.config import ConfigError, save_config
-from embodied.logger import file_in_the_way, read_jsonl, write_atomic
+from embodied.logger import file_in_the_way, metrics_line, read_jsonl, write_atomic
 
 
 class Interrupted(Exception):
@@ -185,7 +185,7 @@ def trim_metrics(run_dir: Path, iteration: int, evaluated: int | None = None) ->
         at = row.get("iteration", 0)
         evaluation = any(key.startswith("eval/") for key in row)
         if at <= iteration and not (evaluation and at == evaluated) and not row.get("final"):
-            kept.append(json.dumps(row) + "\n")
+            kept.append(metrics_line(row))  # (an older file's NaN tokens as null)
     write_atomic(path, "".join(kept))
 
 

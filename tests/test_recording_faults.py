@@ -146,8 +146,11 @@ def test_a_non_finite_update_stops_the_run_with_one_line_naming_it(tmp_path, cap
     assert recorded_iterations(run_dir) == [2]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["iter_000001"]
     assert (run_dir / "last").resolve().name == "iter_000001"
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [1, 2] and math.isnan(rows[1]["policy/loss"])
+    text = (run_dir / "metrics.jsonl").read_text()
+    rows = [json.loads(x) for x in text.splitlines()]
+    # strict JSON (jq, JSON.parse): the non-finite loss is null, not Python's NaN token
+    assert [r["iteration"] for r in rows] == [1, 2] and rows[1]["policy/loss"] is None
+    assert "NaN" not in text and "Infinity" not in text
     events = [(e.kind, e.detail.split(":")[0]) for e in read_events(run_dir)]
     assert events[-2:] == [("record", "iteration 2"), ("failure", "NonFiniteUpdate")]
 

@@ -179,3 +179,90 @@ def test_a_runs_report_renders_in_headless_chromium(tmp_path, capsys):
     assert drawn > 0.05  # axes, ticks, lines and bands
     blue = np.abs(plot.astype(int) - [31, 119, 180]).sum(axis=-1) < 30  # success once's line
     assert blue.sum() > 50
+
+
+def _sft_step(step: int, loss: float) -> dict:  # (an SFT run's row: its step twice)
+    keys = ("sft/l1", "sft/loss", "sft/grad_norm", "train/lr")
+    row = {"env_steps": step, "iteration": step, **dict.fromkeys(keys, loss)}
+    return {**row, "time/minutes": 0.02 * step}
+
+
+def _sft_result(once: float, at_end: float, ret: float) -> dict:  # (metrics.json's, per task)
+    keys = ("success_rate", "episodes", "success_ci95", "success_at_end", "return", "length")
+    values = (once, 4, [0.0, 1.0], at_end, ret, 50.0)
+    return {f"eval/{k}": v for k, v in zip(keys, values)}
+
+
+def _sft_rows(step: int, results: dict, **tag) -> list[dict]:
+    return [
+        {"env_steps": step, "iteration": step, **tag}
+        | {f"eval/{task}/{k[5:]}": v for k, v in r.items() if k != "eval/success_ci95"}
+        for task, r in results.items()
+    ]
+
+
+def test_an_sft_runs_report_has_its_steps_and_each_tasks_final_evaluation(tmp_path, capsys):
+    """SFT's metrics.json has ``final: {task: summary}`` and ``steps``, no iteration; its rows
+    have steps and an evaluation per task, no pooled row: ``embodied report`` was a KeyError."""
+    middle = {"push": _sft_result(0.25, 0.0, 1.0), "pull": _sft_result(0.5, 0.25, 3.0)}
+    final = {"push": _sft_result(0.75, 0.5, 2.0), "pull": _sft_result(0.25, 0.0, 4.0)}
+    rows = [_sft_step(10, 0.5), _sft_step(20, 0.4), *_sft_rows(20, middle)]
+    rows += [_sft_step(30, 0.3), _sft_step(40, 0.2), *_sft_rows(40, final, final=True)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"run_dir": str(tmp_path), "steps": 40, "minutes": 0.8, "final": final}
+    (tmp_path / "metrics.json").write_text(json.dumps({**summary, "evals": [middle]}))
+    (tmp_path / "config.yaml").write_text("seed: 0\ndatasets: [demos/a]\nsteps: 40\n")
+    data = read_run(tmp_path)
+    assert data.sft and [r["iteration"] for r in data.iterations] == [10, 20, 30, 40]
+    assert [(e.iteration, sorted(e.tasks)) for e in data.evaluations] == [
+        (20, ["pull", "push"]),
+        (40, ["pull", "push"]),
+    ]
+    pooled = data.evaluations[0].pooled  # 1 + 2 of 8 episodes; returns 1 and 3 over 4 each
+    assert (pooled.success_once.rate, pooled.success_once.episodes, pooled.ret) == (0.375, 8, 2.0)
+    assert (data.final.iteration, data.final.pooled.success_once.rate) == (40, 0.5)
+    assert main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text()
+    cells = re.findall(r"<td>(.*?)</td>", page)
+    assert cells[cells.index("status") : cells.index("status") + 6] == [
+        "status", "end", "steps", "40", "training minutes", "0.8",
+    ]  # fmt: skip
+    assert "env steps" not in cells and "Throughput" not in page  # (SFT logs neither)
+    i = cells.index("push")  # 3 of 4, the final evaluation's
+    once, at_end = "0.750 [0.30, 0.95] over 4", "0.500 [0.15, 0.85] over 4"
+    assert cells[i : i + 6] == ["push", "4", once, at_end, "2.000", "50.0"]
+    assert "final evaluation: success once 0.500 [0.22, 0.78] over 8" in page
+    assert 'alt="training metrics per step"' in page and 'alt="success once per task"' in page
+
+
+@pytest.mark.parametrize(
+    "kinds, status",
+    [
+        (["start", "stop", "resume"], "running or cut off (no end event)"),  # (still running)
+        (["start", "stop", "resume", "fault"], "running or cut off (no end event)"),
+        (["start", "stop", "resume", "resume", "end"], "end"),  # (a kill -9, resumed)
+        (["start", "end", "resume", "failure"], "failure"),
+        (["start", "stop", "resume", "stop"], "stop"),
+        ([], "running, stopped or cut off (no events logged)"),
+    ],
+)
+def test_the_status_is_the_last_processs_outcome(kinds, status):
+    """The report took the last end, stop or failure event of any process: a run stopped,
+    resumed and then killed (or still running) said "stop"."""
+    from embodied.events import Event
+    from embodied.report_data import run_status
+
+    events = [Event(float(t), kind, t, 10 * t) for t, kind in enumerate(kinds)]
+    assert run_status(events, ended=False) == status
+
+
+def test_a_resumed_run_cut_off_after_a_stop_is_not_reported_stopped(tmp_path):
+    lines = [json.dumps(row) for row in HAND_BUILT]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    log = EventLog(tmp_path)
+    log.add("start", 0, 0)
+    log.add("stop", 1, 100, "stopped after iteration 1")
+    log.add("resume", 1, 100)  # (then kill -9 at iteration 2: no event)
+    cells = re.findall(r"<td>(.*?)</td>", write_report(tmp_path).read_text())
+    i = cells.index("status")
+    assert cells[i : i + 4] == ["status", "running or cut off (no end event)", "iterations", "2"]

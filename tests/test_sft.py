@@ -102,6 +102,10 @@ def test_sft_trains_evaluates_and_saves_a_loadable_checkpoint(tmp_path, dataset,
     assert ckpt["meta"]["config"]["runner"]["torch_threads"] == 2
     for key in ("eval/episodes", "eval/success_rate", "eval/return", "eval/length"):
         assert again[key] == result[key], key
+    # `embodied report` reads the run: its steps, its final evaluation per task (a KeyError once)
+    assert main(["report", str(tmp_path / "sft")]) == 0
+    page = (tmp_path / "sft" / "report.html").read_text()
+    assert "<td>steps</td><td>12</td>" in page and "<td>PushCube-v1</td><td>2</td>" in page
 
 
 def test_sft_config_errors(tmp_path, capsys):

@@ -1,0 +1,159 @@
+"""How a config's values are read: a command-line value by the type of its setting, a YAML file
+as YAML (without duplicate keys), and the one-line errors for values that do not fit."""
+
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from embodied.cli import main
+from embodied.config import COMMAND_LINE, ConfigError, load_config, validate_tree
+from embodied.train_config import TrainConfig
+
+REACH = "configs/mujoco/reach_ppo.yaml"
+
+
+def load(*overrides: str):
+    return load_config(TrainConfig, REACH, list(overrides), files=False)[0]
+
+
+@pytest.mark.parametrize(
+    "text", ["no", "true", "on", "0755", "12:30", "0x1F", "1_000", "2024-01-01", "null", "1e3"]
+)
+def test_a_str_setting_takes_the_text_of_its_command_line_value(text):
+    """YAML 1.1 read these as False, True, True, 493, 750, 31, 1000, a date (refused), None and
+    a string: the run went to a directory the user had not named."""
+    assert load(f"runner.name={text}").runner.name == text
+    assert load(f"runner.init_from={text}").runner.init_from == (None if text == "null" else text)
+
+
+def test_quotes_an_empty_value_and_lists_of_str_on_the_command_line():
+    assert load("runner.name='no'").runner.name == "no"  # (quoted: YAML's string, as in a file)
+    assert load("runner.init_from=").runner.init_from is None  # (an empty optional: None)
+    with pytest.raises(ConfigError, match=r"^runner.name: a folder .* got ''"):
+        load('runner.name=""')
+    keys = load("policy.privileged_keys=[goal_pos, no, 0x1F]").policy.privileged_keys
+    assert keys == ["goal_pos", "no", "0x1F"]
+    cfg = load("runner.pipeline_stages=auto", "runner.deterministic=yes", "seed=0x10")
+    assert (cfg.runner.pipeline_stages, cfg.runner.deterministic, cfg.seed) == ("auto", True, 16)
+
+
+def test_an_int_setting_takes_a_whole_number_written_as_a_float():
+    cfg = load("runner.total_env_steps=5e6", "runner.eval_episodes=1.5e1", "seed=3.0")
+    assert (cfg.runner.total_env_steps, cfg.runner.eval_episodes, cfg.seed) == (5_000_000, 15, 3)
+    for text in ("5.5", "5e-1", "1e30"):  # (not whole, or past 64 bits: named as a float)
+        with pytest.raises(ConfigError, match=r"^runner.total_env_steps: .*'float'.*command line"):
+            load(f"runner.total_env_steps={text}")
+    with pytest.raises(ConfigError, match=r"^seed: .*'bool'"):  # (a bool is not a number)
+        load("seed=true")
+
+
+def test_one_item_of_a_list_is_refused_in_one_line(tmp_path, capsys):
+    """``policy.hidden_sizes.0=64`` was a TypeError from OmegaConf's merge, with a traceback."""
+    with pytest.raises(ConfigError) as err:
+        load("policy.hidden_sizes.0=64")
+    assert str(err.value) == (
+        "policy.hidden_sizes: a list is set whole, as in policy.hidden_sizes=[256,256], "
+        "not by item (in the command line)"
+    )
+    assert main(["train", REACH, "policy.hidden_sizes.0=64"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "policy.hidden_sizes" in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policy: {hidden_sizes: {a: 64}}\n")
+    with pytest.raises(
+        ConfigError, match=r"^policy.hidden_sizes: a list was given a mapping .*bad"
+    ):
+        load_config(TrainConfig, bad, files=False)
+    with pytest.raises(ConfigError, match=r"^runner: a mapping of keys, got a list \(in the com"):
+        load("runner=[1]")
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_refused_with_its_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second ``runner:`` block dropped the first."""
+    text = """
+        runner:
+          name: dup_run
+          total_env_steps: 5000
+        env: {num_envs: 4}
+        runner:
+          eval_every: 5
+    """
+    path = tmp_path / "dup.yaml"
+    path.write_text(textwrap.dedent(text).lstrip())
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, path, files=False)
+    assert (
+        str(err.value) == f"{path} line 5: invalid YAML (duplicate key 'runner', first at line 1)"
+    )
+    path.write_text("seed: 1\nrunner:\n  name: a\n  env: {num_envs: 4, num_envs: 8}\n")
+    with pytest.raises(ConfigError) as err:  # (at any level)
+        load_config(TrainConfig, path, files=False)
+    assert (
+        str(err.value) == f"{path} line 4: invalid YAML (duplicate key 'num_envs', first at line 4)"
+    )
+    merged = "runner: {<<: {name: a, total_env_steps: 5000}, name: b}\n"  # (a merge key: no dup)
+    path.write_text(f"defaults: [{Path(REACH).resolve()}]\n{merged}")
+    cfg = load_config(TrainConfig, path, files=False)[0]
+    assert (cfg.runner.name, cfg.runner.total_env_steps) == ("b", 5000)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("cluster.env.resources={a: .nan}", "cluster.env.resources.a: not a number, got nan"),
+        ("cluster.actor.resources.GPU_x=.inf", "cluster.actor.resources.GPU_x: must be finite"),
+        ("cluster.eval.resources={b: -.inf}", "cluster.eval.resources.b: must be finite"),
+    ],
+)
+def test_non_finite_numbers_in_a_dict_setting_are_refused(override, message):
+    """``_check_numbers`` looked at plain float fields only; ``nan < 0`` let NaN through."""
+    with pytest.raises(ConfigError) as err:
+        load(override)
+    assert str(err.value).startswith(message) and str(err.value).endswith("(in the command line)")
+    assert load("cluster.env.resources={a: 0.5}").cluster.env.resources == {"a": 0.5}
+
+
+@dataclasses.dataclass
+class Pair:
+    width: int = 4
+    heads: int = 2
+
+    def validate(self):
+        if self.width % self.heads:
+            raise ValueError(f"width ({self.width}) must be divisible by heads ({self.heads})")
+
+
+@dataclasses.dataclass
+class Holder:
+    pair: Pair = dataclasses.field(default_factory=Pair)
+
+
+def test_a_check_that_names_no_key_first_is_said_once_with_where_its_fields_were_set():
+    """Such a message was repeated and blamed the file: ``policy.d_model (256) must be ...:
+    d_model (256) must be ... (in multitask_vla_sft.yaml)`` for ``policy.heads=3``."""
+    cases = [
+        ([("a.yaml", {"seed": 1}), (COMMAND_LINE, {"pair": {"heads": 3}})], ""),
+        ([("a.yaml", {"pair": {"width": 5}}), (COMMAND_LINE, {"seed": 1})], "a.yaml"),
+        ([("a.yaml", {"pair": {"width": 5}}), ("b.yaml", {"pair": {"heads": 3}})], "both"),
+    ]
+    for sources, where in cases:
+        pair = Pair(**{k: v for _, d in sources for k, v in d.get("pair", {}).items()})
+        with pytest.raises(ConfigError) as err:
+            validate_tree(Holder(pair), "", sources)
+        why = f"pair: width ({pair.width}) must be divisible by heads ({pair.heads})"
+        expected = {
+            "": f"{why} (in the command line)",
+            "a.yaml": f"{why} (in a.yaml)",
+            "both": f"{why} (pair.width in a.yaml, pair.heads in b.yaml)",
+        }[where]
+        assert str(err.value) == expected
+
+
+def test_the_vla_heads_error_names_the_command_line_once(capsys):
+    argv = ["sft", "configs/maniskill/multitask_vla_sft.yaml", "policy.heads=3"]
+    assert main(argv) == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and line.endswith("(in the command line)"), line
+    assert line.count("must be") == 1 and ".yaml" not in line, line

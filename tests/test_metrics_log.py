@@ -1,0 +1,71 @@
+"""metrics.jsonl is strict JSON: a number that is not finite is written as null, TensorBoard
+still gets the float, and every reader in the code reads a null back as NaN."""
+
+import json
+import math
+
+import pytest
+
+from embodied import logger as metrics_log
+from embodied.recording import logged_grad_norms
+from embodied.report_data import read_run
+from embodied.run import trim_metrics
+
+
+def strict(line: str) -> dict:
+    """A line as a strict parser (jq, JSON.parse) reads it: NaN and Infinity are errors."""
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+class Board:
+    """TensorBoard's writer, as far as the logger uses it."""
+
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, key, value, step):
+        self.scalars.append((key, value, step))
+
+    def close(self):
+        pass
+
+
+def test_a_non_finite_update_is_logged_as_null_and_read_back_as_nan(tmp_path):
+    logger = metrics_log.RunLogger(tmp_path, enabled_tb=False)
+    logger.tb = Board()
+    update = {"policy/loss": math.nan, "policy/grad_norm": math.inf, "value/loss": 0.5}
+    logger.log({**update, "time/env_steps_per_s": 10.0}, 20, iteration=2)
+    logger.log({"policy/grad_norm": -math.inf}, 30, iteration=3)
+    logger.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [strict(line) for line in lines] == [
+        {"env_steps": 20, "iteration": 2, "policy/loss": None, "policy/grad_norm": None}
+        | {"value/loss": 0.5, "time/env_steps_per_s": 10.0},
+        {"env_steps": 30, "iteration": 3, "policy/grad_norm": None},
+    ]
+    logged = {key: value for key, value, _ in logger.tb.scalars[:3]}
+    assert math.isnan(logged["policy/loss"]) and logged["policy/grad_norm"] == math.inf
+    rows = metrics_log.read_metrics(tmp_path / "metrics.jsonl")
+    assert math.isnan(rows[0]["policy/loss"]) and rows[0]["value/loss"] == 0.5
+    assert math.isnan(rows[1]["policy/grad_norm"])
+    assert math.isnan(read_run(tmp_path).iterations[0]["policy/grad_norm"])  # (the report's)
+
+
+def test_readers_take_null_as_not_finite_and_a_trim_writes_strict_json(tmp_path):
+    """The spike window skips a null norm, as it skipped NaN; a resume's trim rewrites an older
+    file's NaN and Infinity tokens as null."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"iteration": i, "policy/grad_norm": float(i)} for i in range(1, 4)]
+    rows[1]["policy/grad_norm"] = math.inf  # (an older run's file: an Infinity token)
+    lines = [json.dumps(row) for row in rows] + ['{"iteration": 4, "policy/grad_norm": null}']
+    path.write_text("\n".join(lines) + "\n")
+    assert logged_grad_norms(tmp_path) == [1.0, 3.0]
+    trim_metrics(tmp_path, 4)
+    kept = [strict(line) for line in path.read_text().splitlines()]
+    assert [row["policy/grad_norm"] for row in kept] == [1.0, None, 3.0, None]
+    with pytest.raises(ValueError, match="not JSON: Infinity"):
+        strict(json.dumps(rows[1]))  # (what the file held before)
