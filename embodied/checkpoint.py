@@ -253,14 +253,7 @@ def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dic
     """{"path", "meta", "model": the full state dict} plus "optimizer", "rng" and "counters"
     when ``with_trainer_state``."""
     ckpt = resolve_checkpoint(path)
-    try:
-        meta = json.loads((ckpt / META).read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(
-            f"{ckpt / META}: not valid JSON ({e.msg}, line {e.lineno}); the checkpoint is damaged"
-        ) from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{ckpt / META}: expected a JSON object, got {type(meta).__name__}")
+    meta = read_meta(ckpt)
     model = _load_tensors(ckpt / MODEL)
     if meta.get("frozen"):  # checkpoints from before frozen weights had their own file have none
         frozen = ckpt.parent / meta["frozen"]
@@ -292,16 +285,37 @@ def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dic
     return out
 
 
+def read_meta(ckpt: Path, *, of_policy: bool = False) -> dict:
+    """The meta.json of checkpoint directory ``ckpt``; a CheckpointError where it is damaged or
+    (``of_policy``) lacks the training config and the environment spec a policy is rebuilt
+    from."""
+    try:
+        meta = json.loads((ckpt / META).read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{ckpt / META}: not valid JSON ({e.msg}, line {e.lineno}); the checkpoint is damaged"
+        ) from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{ckpt / META}: expected a JSON object, got {type(meta).__name__}")
+    if of_policy:
+        _require_policy_keys(ckpt, meta)
+    return meta
+
+
+def _require_policy_keys(ckpt: Path, meta: dict) -> None:
+    missing = [key for key in ("config", "spec") if key not in meta]
+    if missing:
+        raise CheckpointError(
+            f"{ckpt / META}: no {' or '.join(map(repr, missing))}; "
+            "not a policy checkpoint written by embodied"
+        )
+
+
 def load_policy_checkpoint(path: str | Path, *, with_trainer_state: bool = False) -> dict:
     """``load_checkpoint`` of a checkpoint that a policy is rebuilt from: its meta.json must hold
     the training config and the environment spec."""
     ckpt = load_checkpoint(path, with_trainer_state=with_trainer_state)
-    missing = [key for key in ("config", "spec") if key not in ckpt["meta"]]
-    if missing:
-        raise CheckpointError(
-            f"{ckpt['path'] / META}: no {' or '.join(map(repr, missing))}; "
-            "not a policy checkpoint written by embodied"
-        )
+    _require_policy_keys(ckpt["path"], ckpt["meta"])
     return ckpt
 
 

@@ -39,11 +39,11 @@ def load_deployable(checkpoint: str | Path, device: torch.device | str = "cpu", 
     """(policy in eval mode on ``device``, its EnvSpec, contract dict, the config it was trained
     with) of a checkpoint. ``build=False``: no policy (None), for a deploy whose policy server
     acts: neither its weights nor a VLM directory it names need be on the robot's machine."""
-    from embodied.checkpoint import resolve_checkpoint
+    from embodied.checkpoint import read_meta, resolve_checkpoint
     from embodied.demos import load_policy, trained_config
 
     path = resolve_checkpoint(checkpoint)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_meta(path, of_policy=True)
     spec = EnvSpec.from_dict(meta["spec"])
     policy, train_cfg = load_policy(path, device) if build else (None, trained_config(path, meta))
     return policy, spec, contract(spec, path), train_cfg
