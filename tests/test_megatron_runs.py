@@ -127,8 +127,9 @@ def test_a_run_on_megatron_follows_the_torch_run_and_resumes_at_any_tp_or_on_tor
 
 def records_child(rank: int, tmp_path) -> None:
     """In a process of its own: GRPO and PPO on megatron at TP=1 and TP=2, every iteration
-    recorded, then every recorded update replayed at its run's TP size; by run and iteration,
-    what differs (nothing, bit for bit) and how many metrics were compared, in replays.json."""
+    recorded, then the recorded updates replayed at their run's TP size (at TP=2 the second
+    iteration's); by run and iteration, what differs (nothing, bit for bit) and how many
+    metrics were compared, in replays.json."""
     import json
 
     from scripted_envs import GRPO, PPO, TINY_VLA, PushRightEnv, run_on
@@ -154,7 +155,9 @@ def records_child(rank: int, tmp_path) -> None:
                 trainer={"backend": "megatron", "tensor_parallel": tp},
                 record_rollouts=1,
             )
-            for iteration in (1, 2):
+            # (a TP=2 replay starts its helper rank, 10 s: its second iteration, whose record
+            # holds Adam's moments, is the harder case)
+            for iteration in (1, 2) if tp == 1 else (2,):
                 record, metrics, digest = replay(run_dir, iteration)
                 weights = (record.meta["digest_after"], digest)
                 differ = differences(record.meta["metrics"], metrics, 0.0, weights)
@@ -175,7 +178,7 @@ def test_megatron_updates_replay_bit_for_bit_from_their_records_at_tp_1_and_2(tm
     torch.multiprocessing.spawn(records_child, args=(tmp_path,), nprocs=1)
     found = json.loads((tmp_path / "replays.json").read_text())
     assert sorted(found) == [
-        f"{a}_tp{tp}_{i}" for a in ("grpo", "ppo") for tp in (1, 2) for i in (1, 2)
+        f"{a}_tp{tp}_{i}" for a in ("grpo", "ppo") for tp, i in ((1, 1), (1, 2), (2, 2))
     ]
     assert all(r["differ"] == [] and r["metrics"] >= 7 for r in found.values()), found
     whole = read_record(tmp_path / "grpo_tp1", 2)
