@@ -2,14 +2,15 @@
 # Everything a GPU visit carries, prepared here on the CPU machine in one command (from the project
 # root, after scripts/setup.sh), then the visit's calls printed (../shared/GPU.md says why parts):
 #   bash benchmarks/gpu_prepare.sh
-# - .gpup/part1..N: MuJoCo Warp, Warp, MuJoCo and Ray wheels the image lacks (parts of 60 MiB);
+# - .gpup/part1..N: MuJoCo Warp, Warp, MuJoCo and Ray wheels the image lacks (parts of 56 MiB:
+#   each call carries its part and the working tree, 64 MiB in all);
 # - .whl/: omegaconf and antlr4 (antlr's 4.9.3 is only an sdist: built into a wheel here);
 # - .gpuvisit/warpcache.tgz: Warp's CUDA kernels for every task and the renderer, compiled here
 #   without a GPU (simulators/mujoco/warp_aot.py), so that the GPU should compile none (its
 #   warp_compile stage says), and the CPU kernels of Warp's CPU device (the gpu tests compare
 #   with it).
-# All four are ignored by git (.git/info/exclude). Prints the size of the last call's load, which
-# must stay under 64 MiB.
+# All four are ignored by git (.git/info/exclude). Prints each call's load (its part, what else
+# it carries and the working tree), which must stay under 64 MiB.
 set -euo pipefail
 [ -x .venv/bin/python ] || { echo "gpu_prepare: run scripts/setup.sh first (.venv)"; exit 2; }
 exclude=$(git rev-parse --git-path info/exclude)  # (a worktree's .git is a file)
@@ -19,7 +20,7 @@ for path in /.gpup/ /.whl/ /.warpcache/ /.gpuvisit/; do
 done
 
 echo "[prepare] wheels, in parts"
-PART_MIB=60 bash ../shared/gpu/bundle_parts.sh \
+PART_MIB=56 bash ../shared/gpu/bundle_parts.sh \
   mujoco-warp==3.8.1 warp-lang==1.12.0 mujoco==3.8.1 ray==2.60.0
 
 echo "[prepare] omegaconf into .whl/"
@@ -37,20 +38,28 @@ tar -C .warpcache --exclude=./lto --exclude='*.pch' -czf .gpuvisit/warpcache.tgz
 rm -rf .warpcache  # carried packed
 
 parts=$(ls -d .gpup/part* | wc -l)
-carried=$(du -cb ".gpup/part$parts" .whl .gpuvisit | tail -1 | cut -f1)
 tree=$(git ls-files -z --cached --others --exclude-standard \
   | { xargs -0 du -cb 2>/dev/null || true; } \
   | awk '$2 == "total" {n += $1} END {print n + 0}')  # (the working tree travels too)
-last_load=$(((carried + tree + 1048575) / 1048576))
+load() {  # MiB a call carries: these paths and the tree
+  echo $((($(du -cb "$@" | tail -1 | cut -f1) + tree + 1048575) / 1048576))
+}
+heavy=0
 echo "[prepare] the visit, back to back (a machine idle for 30 s is given back):"
 for k in $(seq 1 $((parts - 1))); do
-  echo "  call $k: carry .gpup/part$k; run: bash .gpup/part$k/take.sh"
+  mib=$(load ".gpup/part$k")
+  if [ "$mib" -ge 64 ]; then heavy=1; fi
+  echo "  call $k ($mib MiB of 64): carry .gpup/part$k; run: bash .gpup/part$k/take.sh"
 done
-echo "  call $parts: carry .gpup/part$parts .whl .gpuvisit ($last_load MiB of 64, tree included):"
+mib=$(load ".gpup/part$parts" .whl .gpuvisit)
+if [ "$mib" -ge 64 ]; then heavy=1; fi
+echo "  call $parts: carry .gpup/part$parts .whl .gpuvisit ($mib MiB of 64, tree included):"
 echo "    BUDGET=430 PHASES=warp bash benchmarks/gpu_visit.sh .gpup/part$parts \\"
 echo "      .gpuvisit/warpcache.tgz 2>&1 | tee \$OUT/visit.log"
-echo "  then, same machine: PHASES=learning LEARN_TASKS=pick BUDGET=380 \\"
-echo "    bash benchmarks/gpu_visit.sh - 2>&1 | tee \$OUT/learning.log"
-if [ "$last_load" -ge 64 ]; then
-  echo "[prepare] the last call's load is over 64 MiB: carry .gpuvisit in a call of its own"
+echo "  then, same machine, BUDGET from status: budget_left_s less 60 (start, transfers), at most"
+echo "    380: PHASES=learning LEARN_TASKS=pick BUDGET=... bash benchmarks/gpu_visit.sh - 2>&1 \\"
+echo "      | tee \$OUT/learning.log"
+if [ "$heavy" -eq 1 ]; then
+  echo "[prepare] a call's load is over 64 MiB: smaller parts (PART_MIB), or .gpuvisit alone"
+  exit 1
 fi

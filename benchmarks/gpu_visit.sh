@@ -27,15 +27,20 @@ deadline=$((start + ${BUDGET:-540}))
 left() { echo $((deadline - $(date +%s))); }
 R=/tmp/res
 mkdir -p "$R"
+pack_results() {  # written aside, then renamed: a call cut mid-pack returns the last whole one
+  local aside="$OUT/.results.$BASHPID.tgz"  # (the periodic packer's own: it may overlap a pack)
+  tar -C "$R" -czf "$aside" --exclude='*.pt' --exclude='warpcache.tar.gz*' . \
+    && mv "$aside" "$OUT/results.tgz"
+  cp "$R/stages.log" "$OUT/" 2>/dev/null
+}
 pack() {
-  tar -C "$R" -czf "$OUT/results.tgz" --exclude='*.pt' --exclude='warpcache.tar.gz*' .
+  pack_results
   if [ -f "$R/warpcache.tar.gz" ]; then
     (cd "$OUT" && rm -f warpcache.part* && split -b 15M -d "$R/warpcache.tar.gz" warpcache.part)
     local parts
     parts=$(ls "$OUT"/warpcache.part* | wc -l)
     if [ "$parts" -gt 5 ]; then echo "[visit] the cache is $parts parts: not all come back"; fi
   fi
-  cp "$R/stages.log" "$OUT/" 2>/dev/null
   echo "[visit] packed at $(($(date +%s) - start)) s; $(left) s left"
 }
 suite() {  # suite SECONDS [VAR=VALUE ...]: the suite under a deadline SECONDS away (none if < 30)
@@ -45,11 +50,21 @@ suite() {  # suite SECONDS [VAR=VALUE ...]: the suite under a deadline SECONDS a
     echo "[visit] $*: skipped, $seconds s left"
     return
   fi
+  # the results so far packed every 45 s as well: a call that outruns the device time, or is cut
+  # short, still returns what finished (a phase's own pack comes only at its end)
+  (while sleep 45; do pack_results; done) &
+  local packer=$!
   env "$@" DEADLINE=$(($(date +%s) + seconds)) bash benchmarks/gpu_suite.sh "$R"
+  kill "$packer" 2>/dev/null
+  wait "$packer" 2>/dev/null
   pack
 }
 if [ "$last_part" != - ]; then  # (-: a later call on the same machine, the parts in place)
   bash "$last_part/take.sh" || { echo "[visit] the parts did not install"; exit 3; }
+fi
+if [ ! -f /tmp/site/.gpup-done ]; then  # (take.sh says "k of N parts" and exits 0)
+  echo "[visit] the wheels are not installed: a part is missing (every warp stage would skip)"
+  exit 3
 fi
 export PYTHONPATH=/tmp/site
 if [ -n "$cache" ]; then mkdir -p .warpcache && tar -C .warpcache -xzf "$cache"; fi
