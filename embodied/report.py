@@ -105,8 +105,9 @@ def _success_section(data: RunData) -> str:
     if not data.evaluations:
         return "\n".join(out + ["<p>No evaluation was logged (runner.eval_every).</p>"])
     final = data.final or data.evaluations[-1]
-    unit = "step" if data.sft else "iteration"
-    label = "final evaluation" if data.final else f"last evaluation ({unit} {final.iteration})"
+    label = (
+        "final evaluation" if data.final else f"last evaluation ({_unit(data)} {final.iteration})"
+    )
     out.append(
         f"<p>{label}: success once {_rate(final.pooled.success_once)}, success at end "
         f"{_rate(final.pooled.success_at_end)}, mean return {final.pooled.ret:.3f}.</p>"
@@ -141,8 +142,8 @@ def _task_section(data: RunData) -> str:
 def _training_section(data: RunData) -> str:
     if not data.iterations:
         return "<h2>Training</h2><p>No iteration was logged.</p>"
-    per = "step" if data.sft else "iteration"
-    return "<h2>Training</h2>" + _img(_training_plot(data), f"training metrics per {per}")
+    caption = f"training metrics per {_unit(data)}"
+    return "<h2>Training</h2>" + _img(_training_plot(data), caption)
 
 
 def _time_section(data: RunData) -> str:
@@ -285,6 +286,11 @@ def _task_plot(data: RunData) -> bytes:
     return _rate_figure(figure, axis, "evaluation success once", _steps(data))
 
 
+def _unit(data: RunData) -> str:
+    """What a logged row counts: an iteration, or an SFT run's step."""
+    return "step" if data.sft else "iteration"
+
+
 def _steps(data: RunData) -> str:
     """What an evaluation's ``env_steps`` counts: env steps, or an SFT run's steps."""
     return "steps" if data.sft else "env steps"
@@ -322,7 +328,7 @@ def _training_plot(data: RunData) -> bytes:
         points = [(r["iteration"], r[key]) for r in data.iterations if key in r]
         axis.plot([i for i, _ in points], [v for _, v in points], lw=1)
         axis.set_title(title, fontsize="medium")
-        axis.set_xlabel("step" if data.sft else "iteration")
+        axis.set_xlabel(_unit(data))
         axis.grid(alpha=0.3)
     for axis in list(axes.flat)[len(panels) :]:
         axis.set_visible(False)
