@@ -62,7 +62,7 @@ class SleepingEnv:
             ended=ended if len(ended) else None,
         )
 
-    def render(self):
+    def render(self, env_ids=None):
         return None
 
     def close(self) -> None:

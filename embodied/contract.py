@@ -119,16 +119,28 @@ def check_env(
     _check_partial_reset(env, seed, deterministic)
     limit = max_steps or spec.max_episode_steps + 1
     _check_episodes(env, seed, limit, deterministic)
-    frame = env.render()
-    if frame is not None:
-        _require(
-            frame.dtype == torch.uint8
-            and frame.dim() == 4
-            and frame.shape[0] == B
-            and frame.shape[-1] == 3,
-            f"render(): expected uint8 [B, H, W, 3], got {frame.dtype} {tuple(frame.shape)}",
-        )
+    _check_render(env, B)
     return {"num_envs": B, "device": str(dev), "steps": limit}
+
+
+def _check_render(env, B: int) -> None:
+    """render() gives uint8 [B, H, W, 3] (or None); render(ids) gives those rows in ids' order."""
+    frame = env.render()
+    if frame is None:
+        return
+    _require(
+        frame.dtype == torch.uint8
+        and frame.dim() == 4
+        and frame.shape[0] == B
+        and frame.shape[-1] == 3,
+        f"render(): expected uint8 [B, H, W, 3], got {frame.dtype} {tuple(frame.shape)}",
+    )
+    ids = torch.tensor([min(2, B - 1), 0][: min(B, 2)])  # long [<=2]: out of order where B > 1
+    rows = env.render(ids)
+    _require(
+        rows is not None and torch.equal(rows.cpu(), frame[ids.to(frame.device)].cpu()),
+        f"render(env_ids={ids.tolist()}) is not render()'s rows {ids.tolist()}",
+    )
 
 
 def _check_seeded_resets(env, obs: S.Observation, seed: int) -> None:

@@ -187,8 +187,8 @@ class EnvGroup:
         self.env.step_async(actions, rows)
         return self.env.step_wait(rows)
 
-    def render(self) -> torch.Tensor | None:
-        return self.env.render()
+    def render(self, env_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self.env.render(env_ids)
 
     def close(self) -> None:
         if self._executor is not None:

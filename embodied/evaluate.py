@@ -146,14 +146,14 @@ class _Video:
     def start_round(self) -> None:
         self.recording = self.path is not None and not self.frames  # the first round only
         if self.recording:
-            self.shown = self.env.render()[self.rows.to(self.env.device)]  # uint8 [<=4, H, W, 3]
+            self.shown = self.env.render(self.rows)  # uint8 [<=4, H, W, 3]
             self.frames.append(tile(self.shown))
 
     def after_step(self, active: torch.Tensor, done: torch.Tensor) -> None:
         if not self.recording or not bool(active[self.rows].any()):
             return
         live = (active & ~done)[self.rows].to(self.shown.device).view(-1, 1, 1, 1)
-        rendered = self.env.render()[self.rows.to(self.env.device)]
+        rendered = self.env.render(self.rows)  # only the shown rows render
         self.shown = torch.where(live, rendered, self.shown)
         self.frames.append(tile(self.shown))
 

@@ -164,8 +164,14 @@ class MultiTaskEnv:
         for name, tensor in last.tensors().items():
             tensor[rows.to(tensor.device)] = fresh[name]
 
-    def render(self) -> torch.Tensor:
-        return torch.cat([e.render() for e in self.envs])
+    def render(self, env_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 [B or N, H, W, 3]: each task renders only its own rows of ``env_ids``."""
+        if env_ids is None:
+            return torch.cat([e.render() for e in self.envs])
+        order = torch.argsort(env_ids.cpu())  # (a task's share is found among ascending ids)
+        parts = self._by_task(env_ids.cpu()[order])
+        frames = torch.cat([self.envs[task].render(local) for task, local, _ in parts])
+        return frames[torch.argsort(order).to(frames.device)]  # back in env_ids' order
 
     def close(self) -> None:
         for e in self.envs:

@@ -341,8 +341,10 @@ class VecEnv(Protocol):
     def step(self, actions: torch.Tensor) -> StepOutput:
         """actions: float32 [B, A] in physical units. Finished environments reset automatically."""
 
-    def render(self) -> torch.Tensor | None:
-        """uint8 [B, H, W, 3], or None when the environment cannot render."""
+    def render(self, env_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """uint8 [B, H, W, 3], or only ``env_ids``' rows (long [N], in their order: [N, H, W, 3]);
+        None when the environment cannot render. A video shows a few rows: rendering only those
+        spares the rest of the batch its renders."""
 
     def close(self) -> None: ...
 

@@ -444,7 +444,7 @@ class RobotEnv:
             self.elapsed = 0
         return out
 
-    def render(self) -> torch.Tensor | None:
+    def render(self, env_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         return None
 
     def close(self) -> None:

@@ -63,7 +63,7 @@ def _serve(conn, make_core: Callable, count: int) -> None:
             elif cmd == "reset":
                 conn.send(("ok", core.reset(*arg)))
             elif cmd == "render":
-                conn.send(("ok", core.render()))
+                conn.send(("ok", core.render(*arg)))
             elif cmd == "close":
                 core.close()
                 conn.send(("ok", None))
@@ -329,14 +329,24 @@ class WorkerVecEnv:
             ended=ended_rows(terminated | truncated),
         )
 
-    def render(self) -> torch.Tensor:
-        """uint8 [B, H, W, 3]"""
+    def render(self, env_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 [B, H, W, 3], or [N, H, W, 3] for ``env_ids``: only their workers render."""
         self._check_open()
-        for conn in self._conns:
-            conn.send(("render", None))
+        if env_ids is None:
+            for conn in self._conns:
+                conn.send(("render", (None,)))
+            deadline = self._deadline("render")
+            frames = [self._recv(w, "render", deadline) for w in range(len(self._conns))]
+            return torch.from_numpy(np.concatenate(frames))
+        parts = self._split(env_ids)
+        for w, local, _ in parts:
+            self._conns[w].send(("render", (local,)))
         deadline = self._deadline("render")
-        frames = [self._recv(w, "render", deadline) for w in range(len(self._conns))]
-        return torch.from_numpy(np.concatenate(frames))
+        answers = [(pos, self._recv(w, "render", deadline)) for w, _, pos in parts]
+        frames = np.empty((len(env_ids), *answers[0][1].shape[1:]), np.uint8)  # [N, H, W, 3]
+        for pos, frame in answers:
+            frames[pos] = frame
+        return torch.from_numpy(frames)
 
     def close(self) -> None:
         """Close every core; a worker that does not finish within STOP_TIMEOUT_S is killed."""

@@ -139,7 +139,7 @@ class ScriptedEnv:
         self.actions_log.append((env_ids, actions))
         return self._advance(env_ids)
 
-    def render(self):
+    def render(self, env_ids=None):
         return None
 
     def close(self):
@@ -208,8 +208,8 @@ class PushRightEnv:
             ended=ended,
         )
 
-    def render(self):
-        return self.images.clone()
+    def render(self, env_ids=None):
+        return self.images.clone() if env_ids is None else self.images[env_ids]
 
     def close(self):
         pass

@@ -104,8 +104,19 @@ def never_ends(out: StepOutput) -> None:
 
 
 class BadFrames(SameStart):
-    def render(self):
+    def render(self, env_ids=None):
         return torch.zeros(self.num_envs, 8, 8, 4, dtype=torch.uint8)  # RGBA, not RGB
+
+
+class SortsRenderedRows(SameStart):
+    """Renders a frame per environment (its index in every pixel), but ``render(ids)`` gives the
+    rows in ascending order rather than in ids' order."""
+
+    def render(self, env_ids=None):
+        frames = (
+            torch.arange(self.num_envs, dtype=torch.uint8).view(-1, 1, 1, 1).expand(-1, 4, 4, 3)
+        )
+        return frames if env_ids is None else frames[env_ids.sort().values]
 
 
 @pytest.mark.parametrize(
@@ -133,6 +144,7 @@ class BadFrames(SameStart):
         (StepEdit(reward_in_float64), r"step\(0\)\.reward: dtype torch\.float64"),
         (StepEdit(never_ends), "an episode ran past max_episode_steps=5 without truncation"),
         (env(BadFrames), r"render\(\): expected uint8 \[B, H, W, 3\], got torch.uint8 \(3, 8"),
+        (env(SortsRenderedRows), r"render\(env_ids=\[2, 0\]\) is not render\(\)'s rows \[2, 0\]"),
     ],
     ids=lambda case: type(case).__name__ if isinstance(case, ScriptedEnv) else None,
 )

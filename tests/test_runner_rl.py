@@ -213,3 +213,29 @@ def test_pooling_nothing_is_a_clear_error():
         overall({})
     with pytest.raises(ValueError, match="pooled_summary: no summaries to pool"):
         pooled_summary([])
+
+
+class RecordsRenders(PushRightEnv):
+    """PushRightEnv that keeps the rows each ``render`` call was asked for (None: every row)."""
+
+    def __init__(self, num_envs: int, **kw):
+        super().__init__(num_envs, **kw)
+        self.asked: list[list[int] | None] = []
+
+    def render(self, env_ids=None):
+        self.asked.append(None if env_ids is None else env_ids.tolist())
+        return super().render(env_ids)
+
+
+def test_a_video_renders_only_the_rows_it_shows(tmp_path):
+    """The video shows the first 4 of 8 environments (of two tasks, each task's first): only
+    those render, on every frame."""
+    env = RecordsRenders(8)
+    evaluate(env, PixelPolicy(), episodes=8, seed=3, video_path=tmp_path / "one.mp4")
+    assert len(env.asked) == 4 and all(rows == [0, 1, 2, 3] for rows in env.asked), env.asked
+    assert (tmp_path / "one.mp4").stat().st_size > 0
+    tasks = [RecordsRenders(3), RecordsRenders(2, threshold=0.0)]
+    env = MultiTaskEnv(tasks, ["a", "b"])
+    evaluate_by_task(env, PixelPolicy(), episodes=3, seed=3, video_path=tmp_path / "two.mp4")
+    for task in tasks:
+        assert len(task.asked) == 4 and all(rows == [0] for rows in task.asked), task.asked

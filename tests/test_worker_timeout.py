@@ -70,8 +70,8 @@ class CountingCore:
         self.count[ids] += 1
         return self._pack(ids), np.zeros((len(ids), 4), np.float32), None
 
-    def render(self) -> np.ndarray:
-        return np.zeros((len(self.count), 4, 4, 3), np.uint8)
+    def render(self, ids=None) -> np.ndarray:
+        return np.zeros((len(self.count) if ids is None else len(ids), 4, 4, 3), np.uint8)
 
     def close(self) -> None:
         pass

@@ -198,18 +198,17 @@ class LiberoCore:
                 self._start(ids[row], self._next_seed(ids[row]))
         return self._pack(ids), scalars, final
 
-    def render(self) -> np.ndarray:
-        """uint8 [n, H, W, 3]: the agent-view frames of the latest observations (rendered here
-        when the observations have no cameras)."""
+    def render(self, ids: list[int] | None = None) -> np.ndarray:
+        """uint8 [n or len(ids), H, W, 3]: the agent-view frames of the latest observations of
+        every environment or of ``ids`` (local indices; rendered here when the observations have
+        no cameras)."""
+        ids = range(len(self.envs)) if ids is None else ids
         if self._cameras:
-            return np.stack([r[CAMERAS["agentview"]][::-1, ::-1] for r in self._raw])
+            return np.stack([self._raw[i][CAMERAS["agentview"]][::-1, ::-1] for i in ids])
         size = self.cfg.image_size
-        return np.stack(
-            [
-                e.sim.render(camera_name="agentview", width=size, height=size)[::-1, ::-1]
-                for e in self.envs
-            ]
-        )
+        sims = [self.envs[i].sim for i in ids]
+        frames = [s.render(camera_name="agentview", width=size, height=size) for s in sims]
+        return np.ascontiguousarray(np.stack(frames)[:, ::-1, ::-1])  # uint8 [N, H, W, 3], upright
 
     def close(self) -> None:
         for env in self.envs:

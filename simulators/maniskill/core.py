@@ -478,8 +478,13 @@ class ManiSkillCore:
         )
         return final, new
 
-    def render(self) -> torch.Tensor:
-        return self.env.render()  # uint8 [B, H, W, 3]
+    def render(self, env_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 [B or N, H, W, 3]; on physx_cuda every scene renders at once and ``env_ids``
+        picks rows, on physx_cpu only ``env_ids``' environments render."""
+        if isinstance(self.env, SerialEnvs):
+            return self.env.render(env_ids)
+        frames = self.env.render()  # uint8 [B, H, W, 3]
+        return frames if env_ids is None else frames[env_ids.to(frames.device)]
 
     def close(self) -> None:
         self.env.close()

@@ -145,8 +145,9 @@ class _WorkerCore:
         return self._pack(obs), scalars, None if final is None else self._pack(final)
 
     @torch.no_grad()
-    def render(self) -> np.ndarray:
-        return self.core.render().numpy()
+    def render(self, ids: list[int] | None = None) -> np.ndarray:
+        """uint8 [n or len(ids), H, W, 3]; ids: local env indices."""
+        return self.core.render(None if ids is None else torch.tensor(ids)).numpy()
 
     def close(self) -> None:
         self.core.close()
@@ -225,9 +226,9 @@ class ManiSkillEnv:
     def step_wait(self, env_ids: torch.Tensor) -> StepOutput:
         return self._pool.step_wait(env_ids)
 
-    def render(self) -> torch.Tensor:
-        """uint8 [B, H, W, 3] frames of the task's render camera."""
-        return self._pool.render() if self._pool is not None else self._core.render()
+    def render(self, env_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 [B or N, H, W, 3] frames of the task's render camera."""
+        return (self._pool or self._core).render(env_ids)
 
     def close(self) -> None:
         (self._pool or self._core).close()

@@ -155,8 +155,10 @@ class SerialEnvs:
         """ManiSkill's per-environment episode RNG, one live RandomState per environment."""
         return [e._batched_episode_rng[0] for e in self.envs]
 
-    def render(self) -> torch.Tensor:
-        return torch.cat([e.render() for e in self.envs])  # uint8 [n, H, W, 3]
+    def render(self, env_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 [n or N, H, W, 3]: every environment's frame, or only ``env_ids``'."""
+        envs = self.envs if env_ids is None else [self.envs[i] for i in env_ids.tolist()]
+        return torch.cat([e.render() for e in envs])
 
     def close(self) -> None:
         for e in self.envs:

@@ -226,26 +226,30 @@ class MuJoCoEnv:
         )
 
     # --- rendering ----------------------------------------------------------------------------
-    def _render_all(self, size: int, camera: str = "base_camera") -> torch.Tensor:
+    def _render_all(
+        self, size: int, camera: str = "base_camera", env_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """uint8 [B or N, size, size, 3]: every environment's view, or only ``env_ids``'."""
         if size not in self._renderers:
             self._renderers[size] = mujoco.Renderer(self.model, size, size)
         r = self._renderers[size]
         d = self._data
-        frames = np.empty((self.num_envs, size, size, 3), dtype=np.uint8)  # uint8 [B, H, W, 3]
-        for i in range(self.num_envs):  # one GL context renders each environment's state in turn
+        ids = range(self.num_envs) if env_ids is None else [int(i) for i in env_ids.tolist()]
+        frames = np.empty((len(ids), size, size, 3), dtype=np.uint8)  # uint8 [N, H, W, 3]
+        for row, i in enumerate(ids):  # one GL context renders each environment's state in turn
             if self._models is not None:  # the world's cube, camera and light
                 self._randomized.apply(self.model, self.world_params, i)
             mujoco.mj_setState(self.model, d, self._state[i], self._spec_state)
             d.mocap_pos[:] = self._mocap[i].reshape(-1, 3)
             mujoco.mj_forward(self.model, d)
             r.update_scene(d, camera=camera)
-            frames[i] = r.render()
+            frames[row] = r.render()
         if self._models is not None:
             self._randomized.apply(self.model, nominal(1, self.device), 0)  # as written again
         return torch.from_numpy(frames)
 
-    def render(self) -> torch.Tensor:
-        return self._render_all(self.cfg.render_size)
+    def render(self, env_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self._render_all(self.cfg.render_size, env_ids=env_ids)
 
     def close(self) -> None:
         for r in self._renderers.values():

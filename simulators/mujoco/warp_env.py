@@ -452,9 +452,11 @@ class MuJoCoWarpEnv:
         )
 
     # --- rendering ----------------------------------------------------------------------------
-    def render(self) -> torch.Tensor:
-        """uint8 [B, render_size, render_size, 3]: the front camera (evaluation videos)."""
-        return self._render(self.cfg.render_size, ("base_camera",))["base_camera"]
+    def render(self, env_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 [B or N, render_size, render_size, 3]: the front camera (evaluation videos);
+        every world renders in one launch, so ``env_ids`` only picks rows."""
+        frames = self._render(self.cfg.render_size, ("base_camera",))["base_camera"]
+        return frames if env_ids is None else frames[env_ids.to(frames.device)]
 
     def close(self, error: BaseException | None = None) -> None:
         """Free the renderers; then check the buffer peaks a last time (they may have grown past
