@@ -2,7 +2,8 @@
 dataclass schemas that live next to the code they configure, plus ``key.sub=value`` overrides.
 An override's value is read by the type of its setting: a str takes the text as typed (YAML 1.1
 read ``no`` as False and ``0755`` as 493), an int a whole number written as a float too
-(``5e6``), the rest YAML, as a file gives it.
+(``5e6``), the rest YAML, as a file gives it. A file's numbers are read by their settings' types
+too: ``3e-4``, which YAML 1.1 leaves as text, is a float, and ``5e6`` an int where one is due.
 
 A bad config raises ``ConfigError`` with one line naming the key path and the file it came from;
 the CLI prints it and exits with code 2. A schema's ``validate()`` checks the form of its values;
@@ -127,10 +128,7 @@ def _convert(hint: Any, text: str) -> Any:
     (``''``: the empty string), each item's text for a list of str, a whole number written as a
     float (``5e6``) for an int, and YAML's value for the rest, as a file gives it (None for an
     empty text)."""
-    args = typing.get_args(hint)
-    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
-    if optional and len(args) == 2:
-        hint = next(a for a in args if a is not type(None))
+    hint, optional = _unoptional(hint)
     if hint is str:
         if optional and text in _NULLS:
             return None
@@ -140,6 +138,36 @@ def _convert(hint: Any, text: str) -> Any:
         return _yaml(text, yaml.BaseLoader)  # (every scalar as its text)
     value = _yaml(text)
     if hint is int and isinstance(value, (str, float)):
+        return _whole(value)
+    return value
+
+
+def _unoptional(hint: Any) -> tuple[Any, bool]:
+    """(the type inside ``X | None``, True) for an optional setting's hint, else (hint, False)."""
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+    if optional and len(args) == 2:
+        return next(a for a in args if a is not type(None)), True
+    return hint, optional
+
+
+# a float in exponent form with no dot (3e-4, 5e6): YAML 1.2 and Python read it as a number,
+# PyYAML (YAML 1.1) as text
+_EXPONENT_FORM = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+")
+
+
+def _file_number(hint: Any, value: Any) -> Any:
+    """A file's ``value`` read by the type of its setting (``hint``), as an override's is: a float
+    in exponent form that YAML 1.1 left as text (``3e-4``) as a float, and a whole float (``5e6``,
+    ``5.0e6``) for an int as an int; a list of numbers item by item."""
+    hint, _ = _unoptional(hint)
+    if typing.get_origin(hint) in (list, tuple) and isinstance(value, list):
+        items = typing.get_args(hint)[:1]
+        return [_file_number(items[0], v) for v in value] if items else value
+    text = isinstance(value, str) and _EXPONENT_FORM.fullmatch(value) is not None
+    if hint is float and text:
+        return float(value)
+    if hint is int and (text or isinstance(value, float)):
         return _whole(value)
     return value
 
@@ -174,6 +202,8 @@ def _typed(cfg, data: dict, name: str, prefix: str = "") -> dict:
         path = f"{prefix}{key}"
         if isinstance(value, _Text):
             value = expand_home(_convert(hints.get(key), value))
+        else:
+            value = _file_number(hints.get(key), value)
         node = cfg.get(key) if isinstance(cfg, DictConfig) and key in cfg else None
         if isinstance(node, ListConfig) and isinstance(value, dict):
             whole = f"{path}={OmegaConf.to_container(node)}".replace(" ", "")

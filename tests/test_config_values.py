@@ -1,5 +1,6 @@
 """How a config's values are read: a command-line value by the type of its setting, a YAML file
-as YAML (without duplicate keys), and the one-line errors for values that do not fit."""
+as YAML (without duplicate keys; its numbers by their settings' types), and the one-line errors
+for values that do not fit."""
 
 import dataclasses
 import textwrap
@@ -47,6 +48,29 @@ def test_an_int_setting_takes_a_whole_number_written_as_a_float():
             load(f"runner.total_env_steps={text}")
     with pytest.raises(ConfigError, match=r"^seed: .*'bool'"):  # (a bool is not a number)
         load("seed=true")
+
+
+def test_a_files_numbers_in_exponent_form_are_read_by_their_settings_type(tmp_path):
+    """PyYAML (YAML 1.1) reads ``3e-4`` and ``5e6``, with no dot, as text, which a float setting
+    refused; a file's number is now read by its setting's type, as an override's is."""
+    path = tmp_path / "exponents.yaml"
+    head = f"defaults: [{Path(REACH).resolve()}]\n"
+    text = """
+        algorithm: {learning_rate: 3e-4}
+        runner: {total_env_steps: 5e6, eval_episodes: 2.0e1, max_minutes: 1.5E+1, name: 1e3}
+        env: {randomize: {friction: 5e-2}}
+        policy: {hidden_sizes: [6.4e1, 32]}
+    """
+    path.write_text(head + textwrap.dedent(text).lstrip())
+    cfg = load_config(TrainConfig, path, files=False)[0]
+    assert cfg.algorithm.learning_rate == 3e-4 and cfg.env.randomize.friction == 0.05
+    runner = cfg.runner
+    assert (runner.total_env_steps, runner.eval_episodes, runner.max_minutes) == (5e6, 20, 15.0)
+    assert type(runner.total_env_steps) is int and runner.name == "1e3"  # (a str stays text)
+    assert cfg.policy.hidden_sizes == [64, 32]
+    path.write_text(head + "runner: {total_env_steps: 5.5e0}\n")  # (not whole: named a float)
+    with pytest.raises(ConfigError, match=r"^runner.total_env_steps: .*'float'.*exponents.yaml"):
+        load_config(TrainConfig, path, files=False)
 
 
 def test_one_item_of_a_list_is_refused_in_one_line(tmp_path, capsys):
