@@ -16,7 +16,9 @@ from pathlib import Path
 
 
 def curve(run: Path) -> list[dict]:
-    """[{env_steps, minutes, success}] per evaluation during training, in order."""
+    """[{env_steps, minutes, success}] per evaluation during training, in order; the final
+    evaluation (its rows say ``final``) is left out: it scores held-out episodes after training,
+    with more of them, so it is not a point on the training curve."""
     from embodied.logger import read_metrics
 
     minutes = {}  # iteration -> training minutes at its end
@@ -24,6 +26,8 @@ def curve(run: Path) -> list[dict]:
     for row in read_metrics(run / "metrics.jsonl"):  # (a non-finite number as NaN)
         if "time/minutes" in row:
             minutes[row["iteration"]] = row["time/minutes"]
+        if row.get("final"):
+            continue
         if "eval/success_rate" in row and row.get("iteration") in minutes:
             points.append(
                 {

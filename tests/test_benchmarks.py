@@ -45,11 +45,12 @@ def test_time_to_success_is_the_first_evaluation_at_the_threshold(tmp_path):
         {"env_steps": 200, "iteration": 2, "eval/success_rate": 0.92},
         {"env_steps": 300, "iteration": 3, "time/minutes": 1.5},
         {"env_steps": 300, "iteration": 3, "eval/success_rate": 0.95},
+        {"env_steps": 300, "iteration": 3, "eval/success_rate": 0.97, "final": True},
     ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     tts = load("time_to_success")
     points = tts.curve(tmp_path)
-    assert [p["minutes"] for p in points] == [0.5, 1.0, 1.5]
+    assert [p["minutes"] for p in points] == [0.5, 1.0, 1.5]  # (not the final evaluation)
     got = tts.reached(points, 0.9, raw_rate=10.0)  # 200 steps at 10 world-steps/s: 20 s
     assert got["reached"] and got["env_steps"] == 200 and got["minutes"] == 1.0
     assert got["lower_bound_minutes"] == pytest.approx(200 / 10 / 60)
