@@ -18,11 +18,8 @@ from embodied.contract import check_env  # noqa: E402
 from embodied.schema import UserError  # noqa: E402
 from embodied.simulators.mujoco import TASKS, MuJoCoConfig, make_env  # noqa: E402
 from embodied.simulators.mujoco.experts import EXPERTS  # noqa: E402
-from embodied.simulators.mujoco.warp_env import (  # noqa: E402
-    NJMAX,
-    BufferOverflow,
-    LaggedRead,
-)
+from embodied.simulators.mujoco.warp_env import NJMAX  # noqa: E402
+from embodied.simulators.mujoco.warp_guard import BufferOverflow, LaggedRead  # noqa: E402
 
 # Twice the worst difference between the backends that this test's own run measured (8 worlds,
 # seeds 100-107, 50 steps; 2026-11-28, docs/benchmarks.md), rounded up at the second digit, under
@@ -161,6 +158,54 @@ def test_an_overflow_at_close_is_raised_after_an_error_was_handled():
         except KeyError:
             with env:
                 pass
+
+
+BAD_ACTIONS_ERROR = (
+    "MuJoCo Warp task 'push': the actions of environments [1, 2] were not finite "
+    "(NaN or infinite; held at 0 since)"
+)
+
+
+def _bad_actions() -> torch.Tensor:
+    """f32 [3, 6]: NaN for world 1, infinity for world 2."""
+    bad = torch.zeros(3, 6)
+    bad[1, 0] = float("nan")
+    bad[2, 4] = float("inf")
+    return bad
+
+
+def _push(**kw) -> object:
+    cfg = MuJoCoConfig(task="push", num_envs=3, backend="warp", max_episode_steps=2, **kw)
+    env = make_env(cfg)
+    env.reset(seed=[1, 2, 3])
+    return env
+
+
+def test_a_non_finite_action_acts_as_zero_and_is_an_error_where_episodes_end():
+    """The warp step reads nothing from the device to check actions: a world's NaN action held
+    its servo target at NaN for the episode. It acts as zero, and the guard's next look (the
+    copy made where episodes end, checked where they end next) names the worlds."""
+    env = _push()
+    with pytest.raises(UserError) as raised:
+        with env:  # (close, on leaving, does not raise it again)
+            env.step(torch.zeros(3, 6))
+            states = env.step(_bad_actions()).final_obs.state  # episodes end: flags copied
+            env.step(torch.zeros(3, 6))
+            env.step(torch.zeros(3, 6))  # episodes end: the copy is checked
+    assert str(raised.value) == BAD_ACTIONS_ERROR
+    with _push() as env:
+        env.step(torch.zeros(3, 6))
+        zeros = env.step(torch.zeros(3, 6)).final_obs.state
+    assert torch.isfinite(states).all() and torch.equal(states, zeros)
+
+
+def test_a_non_finite_action_is_an_error_in_its_own_step_where_the_done_mask_is_read():
+    """With terminations the step reads the done mask every step: the guard's flags come along."""
+    with _push(ignore_terminations=False) as env:
+        env.step(torch.zeros(3, 6))
+        with pytest.raises(UserError) as raised:
+            env.step(_bad_actions())
+    assert str(raised.value) == BAD_ACTIONS_ERROR
 
 
 def test_a_lagged_read_returns_the_copy_of_the_call_before():

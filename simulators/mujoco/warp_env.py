@@ -11,10 +11,8 @@ before torch's work, so neither waits on the host.
 
 Host synchronisation: none in a step where no episode ends; the host counts each world's steps,
 so it knows which truncate. With ``ignore_terminations=false`` the done mask is read once a step.
-Contact and constraint counts are tracked on the device at every substep as peaks (they only
-grow). Where episodes end they are copied to the host without a wait, and the copy of the ending
-before is checked (``LaggedRead``); ``close`` checks the last ones. An overflow is an error naming
-the task and the buffer within two episodes of happening, never a silent loss of contacts.
+Buffer overflows and non-finite actions are tracked on the device and reach the host without a
+wait (``warp_guard.StepGuard``): an error within two episodes, never a silent loss of contacts.
 """
 
 from __future__ import annotations
@@ -36,6 +34,7 @@ from embodied.simulators.mujoco.config import MuJoCoConfig
 from embodied.simulators.mujoco.randomize import nominal
 from embodied.simulators.mujoco.streams import Streams
 from embodied.simulators.mujoco.tasks import TASKS
+from embodied.simulators.mujoco.warp_guard import StepGuard
 from embodied.simulators.mujoco.warp_randomize import BatchedWorlds
 from embodied.simulators.mujoco.warp_render import WarpCameras
 from embodied.simulators.mujoco.warp_setup import require_warp, timed_first_step, torch_device
@@ -59,10 +58,6 @@ from embodied.simulators.mujoco.worlds import (
 NJMAX = 160
 
 
-class BufferOverflow(RuntimeError):
-    """A world needed more contacts or constraints than MuJoCo Warp's buffers hold."""
-
-
 class Outcome(NamedTuple):
     """What a step reads from the state its physics left (``_after_physics``)."""
 
@@ -72,48 +67,6 @@ class Outcome(NamedTuple):
     success: torch.Tensor  # bool [B]
     terminated: torch.Tensor  # bool [B]: success, or none with ignore_terminations
     truncated: torch.Tensor  # bool [B]: the episode's last step
-
-
-class LaggedRead:
-    """A small device tensor read on the host one call late, so that no call waits on the
-    device: each call starts a copy into host memory (pinned on a GPU) and returns what the
-    call before copied, or None (the first call, or that copy still in flight on a GPU)."""
-
-    def __init__(self, like: torch.Tensor):
-        pinned = like.device.type == "cuda"
-        self._host = torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
-        self._landed: torch.cuda.Event | None = None  # on a GPU: set when the copy is done
-        self._copied = False  # a copy was started and not returned yet
-
-    def __call__(self, source: torch.Tensor) -> list | None:
-        ready = self._copied and (self._landed is None or self._landed.query())
-        if self._copied and not ready:
-            return None  # in flight: returned by a later call
-        before = self._host.tolist() if ready else None
-        self._host.copy_(source, non_blocking=True)
-        if source.device.type == "cuda":
-            self._landed = torch.cuda.Event()
-            self._landed.record(torch.cuda.current_stream(source.device))
-        self._copied = True
-        return before
-
-
-@cache
-def _peak_kernel():
-    """Warp kernel: peaks[0] = max(peaks[0], contacts of all worlds), peaks[1] = max(peaks[1],
-    constraints of any one world). Launched after every substep, so no overflow goes unseen."""
-    import warp as wp
-
-    @wp.kernel
-    def track_peaks(
-        nacon: wp.array(dtype=int), nefc: wp.array(dtype=int), peaks: wp.array(dtype=int)
-    ):
-        world = wp.tid()
-        wp.atomic_max(peaks, 1, nefc[world])
-        if world == 0:
-            wp.atomic_max(peaks, 0, nacon[0])
-
-    return track_peaks
 
 
 @cache
@@ -155,7 +108,7 @@ class MuJoCoWarpEnv:
                 nconmax=cfg.nconmax,
                 njmax=NJMAX if cfg.njmax is None else cfg.njmax,
             )
-            self._peaks = wp.zeros(2, dtype=int)  # int32 [2]: contacts (all worlds), constraints
+            self._guard = StepGuard(wp, self._d, self.task.name, self.device)
             self._batched = None  # the randomised model fields, a row per world
             if cfg.randomize.active:
                 nominal_fields = Randomized.of(self.host_model)
@@ -179,9 +132,7 @@ class MuJoCoWarpEnv:
         self._cameras: dict[tuple, WarpCameras] = {}  # (size, camera names) -> render context
         # compile (or load) before a capture
         timed_first_step(self.task.name, self.device.type, self._substep_all)
-        self._peaks.zero_()  # that step was from the model's own pose, not an episode's
-        self._lagged_peaks = LaggedRead(self._wp.to_torch(self._peaks))
-        self._overflowed = False  # a BufferOverflow was raised (close does not raise it again)
+        self._guard.restart_peaks()  # that step was from the model's own pose, not an episode's
 
     def _bind_views(self) -> None:
         """Torch views of MuJoCo Warp's arrays (no copies) and the columns read from them."""
@@ -233,11 +184,7 @@ class MuJoCoWarpEnv:
     def _substeps_on_current_stream(self) -> None:
         for _ in range(self._substeps):
             self._mjw.step(self._m, self._d)
-            self._wp.launch(
-                _peak_kernel(),
-                dim=self.num_envs,
-                inputs=[self._d.nacon, self._d.nefc, self._peaks],
-            )
+            self._guard.track_peaks()
 
     def _physics(self) -> None:
         """One control step of physics: on a GPU one captured graph, else the substeps."""
@@ -289,43 +236,13 @@ class MuJoCoWarpEnv:
 
     def check_buffers(self) -> None:
         """Raise BufferOverflow if any substep since construction needed more contacts or
-        constraints than the buffers hold (reads two ints from the device)."""
-        self._raise_on_overflow(*self.buffer_peaks)
-
-    def _check_buffers_lagged(self) -> None:
-        """Check the peaks as the last call copied them, and copy them again (no wait: the peaks
-        only grow, so a later look misses nothing)."""
-        peaks = self._lagged_peaks(self._wp.to_torch(self._peaks))
-        if peaks is not None:
-            self._raise_on_overflow(*peaks)
-
-    def _raise_on_overflow(self, contacts: int, constraints: int) -> None:
-        task = self.task.name
-        self._overflowed = contacts > self._d.naconmax or constraints > self._d.njmax
-        if contacts > self._d.naconmax:
-            raise BufferOverflow(
-                f"MuJoCo Warp task {task!r}: {contacts} contacts in one substep (all worlds "
-                f"together), more than its contact buffer holds ({self._d.naconmax}); raise "
-                "env.nconmax (contacts per world)"
-            )
-        if constraints > self._d.njmax:
-            raise BufferOverflow(
-                f"MuJoCo Warp task {task!r}: {constraints} constraints in one world, more than "
-                f"its constraint buffer holds ({self._d.njmax}); raise env.njmax"
-            )
+        constraints than the buffers hold, or UserError if an action was not finite."""
+        self._guard.check()
 
     @property
     def buffer_peaks(self) -> tuple[int, int]:
         """(contacts of all worlds, constraints of one world): the largest counts seen so far."""
-        contacts, constraints = self._wp.to_torch(self._peaks).tolist()
-        return contacts, constraints
-
-    def _read_done_and_peaks(self, terminated: torch.Tensor) -> np.ndarray:
-        """The terminated mask on the host, with the buffer peaks checked in the same read."""
-        peaks = self._wp.to_torch(self._peaks)
-        flags = torch.cat([terminated.to(torch.int32), peaks]).cpu().numpy()  # one sync
-        self._raise_on_overflow(int(flags[-2]), int(flags[-1]))
-        return flags[:-2].astype(bool)
+        return self._guard.buffer_peaks
 
     # --- observations -------------------------------------------------------------------------
     def _read(self) -> dict[str, torch.Tensor]:
@@ -418,8 +335,10 @@ class MuJoCoWarpEnv:
         return self._obs()
 
     def step(self, actions: torch.Tensor) -> StepOutput:
-        """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA."""
-        delta = actions.to(self.device, torch.float32).clamp(-MAX_DELTA, MAX_DELTA)
+        """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA; a world's
+        non-finite action acts as 0 and is an error at the next look (warp_guard.py)."""
+        delta = self._guard.finite(actions.to(self.device, torch.float32))
+        delta = delta.clamp(-MAX_DELTA, MAX_DELTA)
         self._target = torch.clamp(self._target + delta, self._low, self._high)
         self._ctrl.copy_(self._delayed())  # held for every substep
         torch.index_select(self._sensors, 1, self._pos_cols, out=self._previous)
@@ -428,12 +347,12 @@ class MuJoCoWarpEnv:
         readings, state, reward, success, terminated, truncated = self._outcome(self)
         done_host = self._elapsed >= self.spec.max_episode_steps  # the same rows, on the host
         if not self.cfg.ignore_terminations:
-            done_host = done_host | self._read_done_and_peaks(terminated)  # a read every step
+            done_host = done_host | self._guard.read_with(terminated)  # a read every step
         final = None
         ended = None
         if done_host.any():
             if self.cfg.ignore_terminations:
-                self._check_buffers_lagged()  # (no wait: the rows ended on the host's count)
+                self._guard.check_lagged()  # (no wait: the rows ended on the host's count)
             ended = torch.from_numpy(np.flatnonzero(done_host))  # long [n], CPU
             done = terminated | truncated
             final = self._obs(readings, state)
@@ -459,12 +378,12 @@ class MuJoCoWarpEnv:
         return frames if env_ids is None else frames[env_ids.to(frames.device)]
 
     def close(self, error: BaseException | None = None) -> None:
-        """Free the renderers; then check the buffer peaks a last time (they may have grown past
-        a buffer since the last look: BufferOverflow), unless an overflow was raised already.
+        """Free the renderers; then check the guard a last time (the peaks may have grown past a
+        buffer since the last look: BufferOverflow), unless it raised already.
         ``error``: one on its way out (``with`` passes it): what the check finds is printed
         beside it rather than raised over it (a one-line error would hide its traceback)."""
         self._cameras.clear()
-        if self._overflowed:
+        if self._guard.raised:
             return
         try:
             self.check_buffers()
