@@ -353,9 +353,59 @@ def _value_for_section(cfg, data: dict, prefix: str = "") -> tuple[str, Any] | N
     return None
 
 
+def _settled(schema: type, sources: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """``sources`` as ``compose`` merges them: a choice field's section given whole on the command
+    line (``algorithm={name: ppo}``) read as YAML, as in a file, so that its choice counts; and
+    where a later source changes a choice, each earlier source's settings of that field that only
+    its own choice has left behind (``algorithm.name=ppo`` over a GRPO file drops ``group_size``
+    and keeps ``learning_rate``; a key neither choice has stays, to be refused)."""
+    choices = getattr(schema, "CHOICES", {})
+    keys = getattr(schema, "CHOICE_KEYS", {})
+    sources = [(name, _sections_read(data, choices)) for name, data in sources]
+    base = OmegaConf.structured(schema)
+    for field_name, registry in choices.items():
+        key = keys.get(field_name, "name")
+        current = OmegaConf.get_type(base[field_name])
+        in_effect = []  # the dataclass each source's settings of the field were written for
+        for _, data in sources:
+            node = data.get(field_name)
+            if isinstance(node, dict) and isinstance(node.get(key), str) and node[key] in registry:
+                current = registry[node[key]]
+            in_effect.append(current)
+        final = _field_names(current)
+        sources = [
+            (name, _without(data, field_name, _field_names(kind) - final))
+            for (name, data), kind in zip(sources, in_effect)
+        ]
+    return sources
+
+
+def _sections_read(data: dict, choices: dict) -> dict:
+    """``data`` with each choice field's command-line text that YAML reads as a mapping read."""
+    out = dict(data)
+    for field_name in choices:
+        node = out.get(field_name)
+        if isinstance(node, _Text) and isinstance(_yaml(node), dict):
+            out[field_name] = _yaml(node)
+    return out
+
+
+def _field_names(kind: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else set()
+
+
+def _without(data: dict, field_name: str, dropped: set[str]) -> dict:
+    """``data`` without the keys ``dropped`` in its section ``field_name``."""
+    node = data.get(field_name)
+    if not dropped or not isinstance(node, dict):
+        return data
+    return {**data, field_name: {k: v for k, v in node.items() if k not in dropped}}
+
+
 def compose(schema: type, sources: list[tuple[str, dict]]):
     """Merge (source name, mapping) pairs in order into an instance of ``schema`` (ConfigError on
     a bad key or value), without running the ``validate()`` methods."""
+    sources = _settled(schema, sources)
     cfg = _base(schema, sources)
     for name, data in sources:
         try:

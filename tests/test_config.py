@@ -183,11 +183,13 @@ def test_policy_name_selects_the_policy_schema(tmp_path):
     assert isinstance(
         load_config(TrainConfig, write(tmp_path, "ac.yaml", "seed: 1"))[0].policy, ActorCriticConfig
     )
-    # the command line can switch the policy; every key is then checked against that schema
-    with pytest.raises(ConfigError, match=r"^policy.head: .*\(in .*vla.yaml\)$"):
-        load_config(
-            TrainConfig, cfg_file, ["policy.name=actor_critic"]
-        )  # head is not an actor-critic key
+    # the command line can switch the policy: the file's vla-only keys (head) are left behind,
+    # the keys both have (chunk_size) kept; a key neither has is still refused
+    switched = load_config(TrainConfig, cfg_file, ["policy.name=actor_critic"])[0].policy
+    assert isinstance(switched, ActorCriticConfig) and switched.chunk_size == 8
+    typo = write(tmp_path, "typo.yaml", "env: {obs_mode: rgb}\npolicy: {name: vla, haed: flow}")
+    with pytest.raises(ConfigError, match=r"^policy.haed: unknown key .*\(in .*typo.yaml\)$"):
+        load_config(TrainConfig, typo, ["policy.name=actor_critic"])
     with pytest.raises(
         ConfigError,
         match=r"policy.name: unknown policy 'transformer'; "

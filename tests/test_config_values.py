@@ -73,6 +73,44 @@ def test_a_files_numbers_in_exponent_form_are_read_by_their_settings_type(tmp_pa
         load_config(TrainConfig, path, files=False)
 
 
+GRPO_VLA = "configs/maniskill/multitask_vla_grpo.yaml"
+
+
+def test_a_choice_switched_on_the_command_line_keeps_the_settings_both_choices_have():
+    """``algorithm.name=ppo`` over a GRPO file (the README's way to train the VLA with a critic)
+    was refused: the file's group_size is no PPO key. The GRPO-only keys are left behind; the
+    shared ones (learning_rate, update_epochs) keep the file's values."""
+    from embodied.ppo import PPOConfig
+
+    cfg = load_config(TrainConfig, GRPO_VLA, ["algorithm.name=ppo", "policy.value_head=true"])[0]
+    assert isinstance(cfg.algorithm, PPOConfig)
+    assert (cfg.algorithm.learning_rate, cfg.algorithm.update_epochs) == (2e-5, 2)
+
+
+@pytest.mark.parametrize(
+    "overrides, field, kind",
+    [
+        (
+            ["algorithm={name: ppo, learning_rate: 1e-4}", "policy.value_head=true"],
+            "algorithm",
+            "PPOConfig",
+        ),
+        (["policy={name: actor_critic, hidden_sizes: [64]}"], "policy", "ActorCriticConfig"),
+        (
+            ["env={simulator: mujoco, task: pick, obs_mode: rgb, backend: rollout}"],
+            "env",
+            "MuJoCoConfig",
+        ),
+    ],
+)
+def test_a_section_given_whole_on_the_command_line_chooses_its_schema(overrides, field, kind):
+    """A section given whole is read as in a file, its choice key included: ``algorithm={name:
+    ppo}`` gave a GRPOConfig named "ppo" (the run trained GRPO, and its saved config could not
+    be read back), ``env={simulator: mujoco}`` a ManiSkillConfig."""
+    cfg = load_config(TrainConfig, GRPO_VLA, overrides, files=False)[0]
+    assert type(getattr(cfg, field)).__name__ == kind
+
+
 def test_one_item_of_a_list_is_refused_in_one_line(tmp_path, capsys):
     """``policy.hidden_sizes.0=64`` was a TypeError from OmegaConf's merge, with a traceback."""
     with pytest.raises(ConfigError) as err:
