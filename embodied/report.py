@@ -46,6 +46,19 @@ video.wide { width: 512px; }
 """
 
 
+def report_at_end(run_dir: Path, enabled: bool) -> None:
+    """Write RUN/report.html as a run ends (``runner.report``) and say where; a report that fails
+    loses the report only: the run's results are saved already."""
+    if not enabled:
+        return
+    try:
+        path = write_report(run_dir)
+    except Exception as error:  # (said, not raised: the run itself succeeded)
+        print(f"report not written: {type(error).__name__}: {error}")
+        return
+    print(f"report: {path}")
+
+
 def write_report(run_dir: Path) -> Path:
     """``RUN/report.html`` from what the run directory holds; its path."""
     data = read_run(Path(run_dir))

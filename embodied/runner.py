@@ -28,7 +28,7 @@ from embodied.events import EventLog
 from embodied.logger import RunLogger
 from embodied.multitask import check_tasks, make_env
 from embodied.recording import RunRecords, not_finite, record_dir
-from embodied.report import write_report
+from embodied.report import report_at_end
 from embodied.roles import (
     Roles,
     WorkerLost,
@@ -219,7 +219,7 @@ class Runner:
         except Stopped as stopped:
             self._event("stop", str(stopped))
             self.bar.close()
-            self._report()
+            report_at_end(self.run_dir, self.cfg.runner.report)
             raise
         except BaseException as error:
             self._event("failure", f"{type(error).__name__}: {error}".strip())
@@ -228,19 +228,8 @@ class Runner:
             self.bar.close()
             self.logger.close()
         self._event("end")
-        self._report()
+        report_at_end(self.run_dir, self.cfg.runner.report)
         return final
-
-    def _report(self) -> None:
-        """RUN/report.html (embodied/report.py); a report that fails loses the report only."""
-        if not self.cfg.runner.report:
-            return
-        try:
-            path = write_report(self.run_dir)
-        except Exception as error:  # (the run's results are saved: report what went wrong)
-            print(f"report not written: {type(error).__name__}: {error}")
-            return
-        print(f"report: {path}")
 
     def _event(self, kind: str, detail: str = "") -> None:
         """An event of the run (embodied/events.py) at its last completed iteration; one that

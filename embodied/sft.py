@@ -32,6 +32,7 @@ from embodied.learner import TrainerConfig, check_grad_norm
 from embodied.logger import RunLogger, write_atomic
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
 from embodied.multitask import SIMULATOR_CONFIGS, make_env
+from embodied.report import report_at_end
 from embodied.roles import load_checkpoint_for, make_engine, save_engine
 from embodied.run import (
     Clock,
@@ -76,6 +77,7 @@ class SFTRunnerConfig:
     torch_threads: int = 2
     progress: bool = True
     deterministic: bool = False  # the same floats on every x86 CPU (as runner.deterministic)
+    report: bool = True  # RUN/report.html when the run ends or stops (embodied/report.py)
 
     def validate(self) -> None:
         check_folder_name("name", self.name)
@@ -224,9 +226,14 @@ def sft(cfg: SFTConfig) -> dict:
                     learner.load(resume)
                 run = SFTRun(cfg, learner, frames, env_cfgs, env, run_dir, resume)
                 run.train()
+            except Stopped:
+                report_at_end(run_dir, cfg.runner.report)
+                raise
             finally:
                 learner.close()
-            return run.finish()
+            summary = run.finish()
+    report_at_end(run_dir, cfg.runner.report)
+    return summary
 
 
 def _resume_of(cfg: SFTConfig) -> dict | None:

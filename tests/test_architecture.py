@@ -247,6 +247,7 @@ ALLOWED = {
         "embodied.models",
         "embodied.multitask",
         "embodied.numerics",
+        "embodied.report",
         "embodied.roles",
         "embodied.run",
         "embodied.schema",

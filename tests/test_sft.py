@@ -78,6 +78,8 @@ def test_sft_trains_evaluates_and_saves_a_loadable_checkpoint(tmp_path, dataset,
     assert main(["sft", str(cfg)]) == 0
     summary = json.loads((tmp_path / "sft" / "metrics.json").read_text())
     assert summary["steps"] == 12
+    ended = (tmp_path / "sft" / "report.html").read_text()  # (runner.report: as the run ended)
+    assert "<td>steps</td><td>12</td>" in ended
     result = summary["final"]["PushCube-v1"]
     assert result["eval/episodes"] == 2
     losses = [
@@ -182,6 +184,7 @@ def test_sft_stopped_by_sigterm_saves_the_step_it_reached(tmp_path, dataset, mon
     ckpt = load_checkpoint(tmp_path / "sft" / "last")
     assert ckpt["counters"]["iteration"] == 10
     assert not (tmp_path / "sft" / "metrics.json").exists()  # stopped before its evaluation
+    assert (tmp_path / "sft" / "report.html").is_file()  # a stopped run has its report too
 
 
 def sft_config(tmp_path, dataset, name: str, **extra) -> str:
