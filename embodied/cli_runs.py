@@ -64,7 +64,11 @@ def _add_episodes(sub) -> None:
     outcome = ep.add_mutually_exclusive_group()
     outcome.add_argument("--successful", action="store_true", help="successful episodes only")
     outcome.add_argument("--failed", action="store_true", help="failed episodes only")
-    ep.add_argument("--partial", action="store_true", help="also episodes begun before the record")
+    ep.add_argument(
+        "--partial",
+        action="store_true",
+        help="also episodes whose first steps went unrecorded (begun mid-chunk after another)",
+    )
     ep.add_argument("--out", help="where the files go (default RUN/episodes)")
     ep.add_argument(
         "--resimulate",
@@ -92,7 +96,7 @@ def _add_report(sub) -> None:
         "report",
         help="write RUN/report.html: the run's success, per-task tables, time, episodes, events",
         description="Write one self-contained RUN/report.html (no server, no network) from what "
-        "the run directory holds: its config, the success curve with 95%% intervals (success "
+        "the run directory holds: its config, the success curve with 95% intervals (success "
         "once and at the end), per-task tables, throughput and time per phase, the best and "
         "worst episodes of its newest record, and its events. A run writes it at its end too.",
     )

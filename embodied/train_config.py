@@ -54,7 +54,9 @@ class RunnerConfig:
     # RUN/rollouts (0: off), and any iteration whose update is not finite or spikes
     record_rollouts: int = 0
     keep_rollouts: int = 5  # the newest N records of every Nth iteration stay (spikes: all)
-    spike_factor: float = 10.0  # a gradient norm over this x the median of the last 20 spikes
+    # a gradient norm over this x the median of the positive norms of the last 20 iterations (at
+    # least 2 of them) is a spike, recorded; 0: never
+    spike_factor: float = 10.0
     # train on a recorded run's rounds (RUN/rollouts), in their order, without simulators
     replay_from: str | None = None
     video: bool = True  # record the final evaluation as mp4

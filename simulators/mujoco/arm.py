@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 JOINTS = ("shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll", "gripper")
-# radians, the description's joint ranges; the gripper is closed at about -0.1, open at 1.75
+# radians, the description's joint ranges; the gripper's pads touch at about -0.03, open at 1.75
 RANGES = {
     "shoulder_pan": (-1.91986, 1.91986),
     "shoulder_lift": (-1.74533, 1.74533),
