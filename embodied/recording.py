@@ -173,7 +173,11 @@ class Pending:
             "lr": self.lr,
             "stream_seed": self.stream["seed"],
             "instructions": [list(i) for i in self.instructions],
-            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+            "metrics": {
+                k: v if math.isfinite(v) else str(v)  # ("nan", "inf": strict JSON; float() reads)
+                for k, v in metrics.items()
+                if isinstance(v, (int, float))
+            },
             "digest_after": self.digest_after,
             **context,
         }
@@ -219,6 +223,9 @@ def record_meta(run_dir: Path, iteration: int) -> dict:
     missing = sorted(set(META_KEYS) - set(meta))
     if missing:
         raise RecordError(f"{path / 'record.json'}: damaged (no {', '.join(missing)})")
+    if not isinstance(meta["metrics"], dict):
+        raise RecordError(f"{path / 'record.json'}: damaged (its metrics are not a JSON object)")
+    meta["metrics"] = {k: float(v) if isinstance(v, str) else v for k, v in meta["metrics"].items()}
     return meta
 
 

@@ -14,7 +14,14 @@ from tiny_runs import TINY_REACH
 import embodied.recording as recording
 from embodied.cli import main
 from embodied.events import read_events
-from embodied.recording import Pending, RecordPolicy, record_dir, recorded_iterations, spikes
+from embodied.recording import (
+    Pending,
+    RecordPolicy,
+    record_dir,
+    record_meta,
+    recorded_iterations,
+    spikes,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
@@ -151,6 +158,10 @@ def test_a_non_finite_update_stops_the_run_with_one_line_naming_it(tmp_path, cap
     # strict JSON (jq, JSON.parse): the non-finite loss is null, not Python's NaN token
     assert [r["iteration"] for r in rows] == [1, 2] and rows[1]["policy/loss"] is None
     assert "NaN" not in text and "Infinity" not in text
+    # and so is the record's: the loss as text that float() reads back (a replay compares it)
+    recorded = (record_dir(run_dir, 2) / "record.json").read_text()
+    assert "NaN" not in recorded and "Infinity" not in recorded
+    assert math.isnan(record_meta(run_dir, 2)["metrics"]["policy/loss"])
     events = [(e.kind, e.detail.split(":")[0]) for e in read_events(run_dir)]
     assert events[-2:] == [("record", "iteration 2"), ("failure", "NonFiniteUpdate")]
 
