@@ -22,7 +22,7 @@ from megatron_cases import (
     vl_forward,
     vla_samples,
 )
-from megatron_ranks import free_port, rank_main
+from megatron_ranks import rank_main
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
@@ -32,7 +32,7 @@ def ranks(request, tmp_path_factory):
     tp = request.param
     out = tmp_path_factory.mktemp(f"tp{tp}")
     tiny_qwen2_5_vl(out / "vlm")
-    torch.multiprocessing.spawn(rank_main, args=(tp, free_port(), str(out)), nprocs=tp)
+    torch.multiprocessing.spawn(rank_main, args=(tp, str(out)), nprocs=tp)
     return tp, out
 
 
