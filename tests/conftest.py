@@ -35,10 +35,26 @@ def local_ray():
     ray.shutdown()
 
 
+def _threads_kept():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def restored_threads():
+    """torch's thread count as it was before each test: a test (or an in-process ``train``) that
+    sets it would otherwise change the sums of every later test in the same worker."""
+    yield from _threads_kept()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def restored_threads_per_module():
+    """The same around each module: its module-scoped fixtures may train (``train`` sets it)."""
+    yield from _threads_kept()
+
+
 @pytest.fixture
 def one_thread():
     """torch on one thread here, as in a run's workers (runner.torch_threads): the same sums."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # (``restored_threads`` restores the count after the test)

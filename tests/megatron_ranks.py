@@ -3,8 +3,6 @@ of its own over gloo, builds every case on megatron-core and saves its results f
 compare with the torch reference."""
 
 import contextlib
-import os
-import socket
 
 import torch
 from megatron_cases import (
@@ -29,22 +27,16 @@ from megatron_cases import (
 from megatron_resume import resume_rank
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
-def tp_process(rank: int, tp: int, port: int):
-    """This process as TP rank ``rank`` of ``tp`` over gloo, megatron's groups set up."""
+def tp_process(rank: int, tp: int, rendezvous: str):
+    """This process as TP rank ``rank`` of ``tp`` over gloo, megatron's groups set up; the ranks
+    meet at the file ``rendezvous`` (no port that another process could take in between)."""
     import torch.distributed as dist
 
     from embodied.megatron import parallel
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=tp)
     try:
         parallel.initialize(tp, seed=0)
         yield
@@ -219,10 +211,10 @@ def vlm_rank(rank: int, tp: int, out: str) -> None:
     torch.save(result, f"{out}/vl{rank}.pt")
 
 
-def rank_main(rank: int, tp: int, port: int, out: str) -> None:
+def rank_main(rank: int, tp: int, out: str) -> None:
     """One TP rank's part of every test above (one process group: megatron is imported and
-    set up once per TP size)."""
-    with tp_process(rank, tp, port):
+    set up once per TP size; the ranks meet at the file ``out``/rendezvous)."""
+    with tp_process(rank, tp, f"{out}/rendezvous"):
         fusion_rank(rank, tp, out)
         head_rank(rank, tp, out)
         engine_rank(rank, tp, out)

@@ -425,6 +425,7 @@ def run_on(
     (the config block) the roles run on Ray and the env workers build ``env_factory(env_cfg)`` with
     8 environments in all (``env_cfg``: more of the env config). ``resume``: a checkpoint of the run
     to go on from. ``report``: write RUN/report.html at the end (RUN/config.yaml too)."""
+    from embodied import numerics
     from embodied.config import compose, save_config
     from embodied.roles import Roles, load_checkpoint_for, local_roles
     from embodied.run import rewind
@@ -454,6 +455,7 @@ def run_on(
     if cluster is not None:
         source.update(cluster=cluster, env={"num_envs": 8, **(env_cfg or {})})
     cfg = compose(TrainConfig, [("test", source)])
+    numerics.setup(cfg.runner.torch_threads)  # (as ``train`` does: another count sums apart)
     run_dir.mkdir(parents=True, exist_ok=True)
     if report:
         save_config(cfg, run_dir / "config.yaml")  # (as ``enter_run_dir`` does)

@@ -1,12 +1,14 @@
 """The direct data plane between env workers and a rollout worker (embodied/cluster/direct.py), in
 one process: members are threads here, each with its own connection, as env workers have."""
 
+import select
 import socket
 import threading
 from multiprocessing import AuthenticationError
 
 import pytest
 import torch
+from clocks import CEILING_S, wait_until
 from scripted_envs import ScriptedPolicy
 
 from embodied.cluster import direct
@@ -55,9 +57,13 @@ def test_a_member_that_never_connects_ends_the_wait_with_not_connected():
     made = []
     thread = threading.Thread(target=lambda: made.append(direct.connect(address, key, 0)))
     thread.start()
+    # member 0's connection waits in the backlog before the deadline starts: accepted at once
+    # however late its thread ran (the 0.2 s is member 1's, which never comes)
+    wait_until(lambda: select.select([listener], [], [], 0)[0], "member 0's connection")
     with pytest.raises(direct.NotConnected) as raised:
         direct.accept(listener, key, 2, timeout_s=0.2)
-    thread.join()
+    thread.join(CEILING_S)
+    assert not thread.is_alive(), "member 0 still waits for its handshake"
     assert str(raised.value) == (
         "1 of 2 env workers connected within 0.2 s (cluster.connect_timeout_s)"
     )

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from scripted_envs import ScriptedEnv, ScriptedPolicy
+from scripted_envs import PushRightEnv, ScriptedEnv, ScriptedPolicy, metric_rows, run_on
 
 from embodied.env_group import EnvGroup
 from embodied.episode_stats import EpisodeStats
@@ -217,3 +217,13 @@ def test_exploration_log_std_sets_the_actor_critics_own_log_std():
     assert policy.log_std.tolist() == [-1.25] * policy.log_std.numel()
     with pytest.raises(ValueError, match="no Gaussian head with a log_std"):
         GRPOConfig(exploration_log_std=-1.25).fit_policy(torch.nn.Linear(2, 2))
+
+
+def test_a_run_with_an_idle_environment_prints_its_note_once(tmp_path, capsys):
+    """9 environments in groups of 4: one fills no group and is not trained on; a run of
+    several iterations says so once."""
+    run = tmp_path / "run"
+    run_on(PushRightEnv(9), run, total_env_steps=9 * 3 * 4)
+    assert metric_rows(run, "iteration")[-1] >= 2
+    note = "GRPO: 1 environment(s) fill no group of 4 within their task and are not trained on"
+    assert capsys.readouterr().out.count(note) == 1

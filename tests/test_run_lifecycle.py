@@ -386,3 +386,19 @@ def test_a_failed_save_frees_what_it_wrote_and_only_a_write_error_is_called_one(
     assert not isinstance(raised.value, ck.CheckpointWriteError)
     frozen = [p.name for p in (tmp_path / "checkpoints").iterdir()]
     assert len(frozen) == 1 and frozen[0].startswith("frozen-")  # (written whole, before)
+
+
+def test_a_runs_numbers_do_not_depend_on_the_thread_count_left_by_an_earlier_test(tmp_path):
+    """``run_on`` sets runner.torch_threads as ``train`` does: two runs entered with 2 and with 1
+    torch threads write the same metrics (another count sums apart, and changes what trains)."""
+    rows = {}
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        run_on(PushRightEnv(8), tmp_path / f"t{threads}", total_env_steps=3 * STEPS, **RUN)
+        timed = ("time/", "eval/env_steps_per_s", "eval/policy_ms")  # measured, not reproducible
+        rows[threads] = [
+            {k: v for k, v in row.items() if not k.startswith(timed)}
+            for row in _rows(tmp_path / f"t{threads}")
+        ]
+    assert rows[2] == rows[1]

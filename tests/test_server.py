@@ -200,6 +200,21 @@ def test_a_reply_that_comes_after_its_timeout_is_dropped_not_taken_for_the_next(
         s.stop()
 
 
+class CountingLock:
+    """A lock that counts the calls that asked for it (a spy on the client's lock)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.asked = 0
+
+    def __enter__(self):
+        self.asked += 1
+        self.lock.acquire()
+
+    def __exit__(self, *exc_info):
+        self.lock.release()
+
+
 def test_two_threads_on_one_client_take_turns_and_each_gets_its_own_chunk():
     """An episode's executor thread may still wait on its reply when the next episode's asks:
     the client sends one request at a time (two waits on one connection raised websockets'
@@ -208,6 +223,7 @@ def test_two_threads_on_one_client_take_turns_and_each_gets_its_own_chunk():
     started = threading.Event()
     s = PolicyServer(gated(gate, started), CONTRACT, port=0).start()
     client = PolicyClient(url(s), CONTRACT, timeout_s=CEILING_S)
+    client._lock = CountingLock()
     answers, errors = {}, []
 
     def ask(value: float) -> None:
@@ -223,6 +239,13 @@ def test_two_threads_on_one_client_take_turns_and_each_gets_its_own_chunk():
         first.start()
         assert started.wait(CEILING_S)  # the first request is with the model, its reply held
         second.start()
+        # the second call is in ``infer`` while the first waits on its reply (without the lock
+        # the two would wait on the connection at once: one fails, and the wait ends)
+        wait_until(
+            lambda: client._lock.asked == 2,
+            "the second call at the client's lock",
+            gone=lambda: bool(errors),
+        )
         gate.set()
         first.join(CEILING_S)
         second.join(CEILING_S)

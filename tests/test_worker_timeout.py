@@ -6,7 +6,9 @@ counters defined here (module level: a spawned worker imports this module to bui
 Real time must pass for a pipe's timeout to fire, so these tests assert only that it fired (the
 error, the killed worker), never how long it took; pytest-timeout's ceiling fails a timeout that
 never fires instead of letting it hang. The seconds the error names are the deadline's own
-(``WorkerVecEnv._timeout``), so the message shows a reset's ten step timeouts."""
+(``WorkerVecEnv._timeout``), so the message shows a reset's ten step timeouts. No healthy answer
+is due within a short timeout: the hung worker is worker 0, read first, and the calls before
+the hang run with a timeout they cannot reach."""
 
 import os
 import signal
@@ -15,6 +17,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from clocks import CEILING_S
 
 from embodied.schema import ActionSpec, EnvSpec, ObsSpec
 from embodied.simulators.libero.config import LiberoConfig
@@ -92,27 +95,28 @@ def _counter_env(**kwargs) -> WorkerVecEnv:
 
 @CEILING
 def test_a_worker_hung_in_a_step_is_killed_and_the_error_names_it():
-    env = _counter_env(step_timeout_s=STEP_TIMEOUT_S)
+    env = _counter_env(step_timeout_s=CEILING_S)  # (pytest-timeout's ceiling comes first)
     procs = list(env._procs)
     try:
         env.reset(seed=7)  # environments 0-3: seeds 7, 8, 9, 10
-        env.reset(env_ids=torch.tensor([3]))  # environment 3 again, unseeded
+        env.reset(env_ids=torch.tensor([1]))  # environment 1 again, unseeded
         out = env.step(torch.zeros(4, 1))
         assert out.obs.state[:, 0].tolist() == [1, 1, 1, 1]  # a normal step before the hang
-        actions = torch.tensor([[0.0], [0.0], [0.0], [HANG]])  # environment 3: worker 1
+        env.step_timeout_s = STEP_TIMEOUT_S  # (the hang's step only)
+        actions = torch.tensor([[HANG], [0.0], [0.0], [0.0]])  # environment 0: worker 0
         with pytest.raises(WorkerTimeout) as raised:
             env.step(actions)
     finally:
         env.close()
     assert isinstance(raised.value, RuntimeError)
     assert str(raised.value) == (
-        "Counter Count-v0 worker 1 (environments 2-3, last reset seeds [9, None]) did not answer "
+        "Counter Count-v0 worker 0 (environments 0-1, last reset seeds [7, None]) did not answer "
         "a step within 1.5 s; it was killed"
     )
     assert not any(p.is_alive() for p in procs)
     assert all(_gone(p.pid) for p in procs)
-    assert procs[1].exitcode == -9  # the hung worker: killed
-    assert procs[0].exitcode == 0  # the other: stopped cleanly (it closed its core and returned)
+    assert procs[0].exitcode == -9  # the hung worker: killed
+    assert procs[1].exitcode == 0  # the other: stopped cleanly (it closed its core and returned)
     with pytest.raises(RuntimeError, match="Counter Count-v0: the environments are closed"):
         env.step(torch.zeros(4, 1))
 
@@ -123,11 +127,11 @@ def test_a_hung_reset_gets_ten_times_the_step_timeout():
     procs = list(env._procs)
     try:
         with pytest.raises(WorkerTimeout) as raised:
-            env.reset(seed=[1, 2, 3, HANG_SEED])
+            env.reset(seed=[HANG_SEED, 2, 3, 4])  # environment 0: worker 0, read first
     finally:
         env.close()
     assert str(raised.value) == (
-        f"Counter Count-v0 worker 1 (environments 2-3, last reset seeds [3, {HANG_SEED}]) did "
+        f"Counter Count-v0 worker 0 (environments 0-1, last reset seeds [{HANG_SEED}, 2]) did "
         "not answer a reset within 2 s; it was killed"
     )
     assert all(_gone(p.pid) for p in procs)
@@ -144,14 +148,14 @@ def test_a_worker_that_dies_mid_run_is_named_with_its_environments_seeds_and_end
         env.reset(seed=[4, 5, 6, 7])
         env.step(torch.zeros(4, 1))
         with pytest.raises(RuntimeError) as raised:
-            env.step(torch.tensor([[0.0], [action], [0.0], [0.0]]))  # environment 1: worker 0
+            env.step(torch.tensor([[0.0], [0.0], [action], [0.0]]))  # environment 2: worker 1
     finally:
         env.close()
     assert str(raised.value) == (
-        f"Counter Count-v0 worker 0 (environments 0-1, last reset seeds [4, 5]) died in a step "
+        f"Counter Count-v0 worker 1 (environments 2-3, last reset seeds [6, 7]) died in a step "
         f"({how})"
     )
-    assert all(_gone(p.pid) for p in procs) and procs[1].exitcode == 0  # the other: stopped
+    assert all(_gone(p.pid) for p in procs) and procs[0].exitcode == 0  # the other: stopped
     with pytest.raises(RuntimeError, match="Counter Count-v0: the environments are closed"):
         env.step(torch.zeros(4, 1))
 

@@ -3,6 +3,7 @@ than an episode train on episodes' starts only, and the run says so once (pick's
 lifting lies past step 16: rounds of 16 never lifted the cube; docs/benchmarks.md)."""
 
 import pytest
+from scripted_envs import PPO, TINY_VLA, PushRightEnv, metric_rows, run_on
 
 from embodied.config import load_config
 from embodied.simulators.mujoco import MuJoCoConfig, make_env
@@ -26,3 +27,19 @@ def test_ppo_notes_rounds_shorter_than_an_episode(num_steps, chunk, noted):
         "task's reward comes later, raise algorithm.num_steps)"
     ]
     assert algorithm.notes() == (expected if noted else [])
+
+
+def test_a_run_of_rounds_shorter_than_its_episodes_prints_the_note_once(tmp_path, capsys):
+    """Once in a run of several iterations: not per iteration, nor per copy of the algorithm
+    (the runner's plans rounds, the learner's computes advantages)."""
+    ppo = {**PPO, "num_steps": 2}  # rounds of 2 steps; the push env's episodes take 3
+    policy = {**TINY_VLA, "value_head": True}
+    run = tmp_path / "run"
+    run_on(PushRightEnv(8), run, total_env_steps=3 * 8 * 2, algorithm=ppo, policy=policy)
+    assert metric_rows(run, "iteration")[-1] == 3
+    note = (
+        "PPO: a round is 2 env steps and an episode up to 3; every round starts from a seeded "
+        "reset, so training sees only each episode's first 2 steps (if the task's reward comes "
+        "later, raise algorithm.num_steps)"
+    )
+    assert capsys.readouterr().out.count(note) == 1
