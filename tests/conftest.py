@@ -11,6 +11,10 @@ import torch
 # first: embodied makes torchvision importable before transformers looks for it
 import embodied  # noqa: F401
 
+# one thread per pytest process: `make test` runs two on two cores (more would oversubscribe
+# them), and every test starts from the same count, which the sums depend on
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -43,8 +47,8 @@ def _threads_kept():
 
 @pytest.fixture(autouse=True)
 def restored_threads():
-    """torch's thread count as it was before each test: a test (or an in-process ``train``) that
-    sets it would otherwise change the sums of every later test in the same worker."""
+    """torch's thread count as it was before each test (1): a test (or an in-process ``train``)
+    that sets it would otherwise change the sums of every later test in the same worker."""
     yield from _threads_kept()
 
 
