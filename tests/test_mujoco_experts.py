@@ -48,7 +48,11 @@ def test_inverse_kinematics_reach_reachable_points_pointing_down():
     assert (jaw[:, 0] * jaw[:, 1]).abs().max() < 1e-2  # the jaws close along x or y
 
 
-@pytest.mark.parametrize("task", sorted(EXPERTS))
+# the contact tasks take 35-60 s each on 2 cores: in the slow run (.ci/run runs it after the rest)
+TASKS = [t if t == "reach" else pytest.param(t, marks=pytest.mark.slow) for t in sorted(EXPERTS)]
+
+
+@pytest.mark.parametrize("task", TASKS)
 def test_each_expert_solves_its_task_on_both_backends_alike(task):
     seeds = list(range(1000, 1100))
     successes = {}
