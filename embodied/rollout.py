@@ -379,6 +379,7 @@ class _RoundBuffers:
         # the weight version that chose each chunk: long [T, B] on the host, sent once at the end
         self.version_host = torch.empty(T, B, dtype=torch.long)
         self.bootstrap = torch.zeros(T, B, device=self.device)  # V(last obs) of ended episodes
+        self.has_critic = getattr(policy, "has_critic", True)  # (without one, every V is 0)
 
     def act(self, t: int, stage: tuple[torch.Tensor | None, slice], obs: Observation) -> None:
         """The policy's chunk t for the stage's rows, kept and sent to their environments."""
@@ -409,7 +410,7 @@ class _RoundBuffers:
         buf.terminated[t, at] = step.terminated
         buf.truncated[t, at] = step.truncated
         buf.success[t, at] = step.success
-        if step.final_obs is not None:
+        if step.final_obs is not None and self.has_critic:  # (no critic: no copy for zeros)
             global_rows = step.ended if rows is None else rows[step.ended]
             # the critic's bootstrap only on the rows that ended (their episode's last obs)
             rows_here = host_to_device(global_rows, self.device)
@@ -422,7 +423,11 @@ class _RoundBuffers:
         done = _fill_round(buf, plan, host_to_device(self.envs.task_ids, self.device), stats)
         buf.policy_version = host_to_device(self.version_host, self.device)
         # V(s_{t+1}): the next chunk's value, V(s_T) after the last; V(last obs) where it ended
-        following = torch.cat([buf.values[1:], self.policy.value(last.to(self.device))[None]])
+        if self.has_critic:
+            after = self.policy.value(last.to(self.device))  # f32 [B]
+        else:  # (a copy of the last observation for zeros: none)
+            after = torch.zeros_like(buf.values[0])
+        following = torch.cat([buf.values[1:], after[None]])
         ended = done & buf.valid
         buf.next_values = torch.where(ended.any(-1), self.bootstrap, following)
         return buf

@@ -32,12 +32,19 @@ T = 3
 
 
 def run_rollout(
-    term_at=TERM_AT, chunk=K, chunks=T, stages=1, subsets=False, env=None, in_thread=False
+    term_at=TERM_AT,
+    chunk=K,
+    chunks=T,
+    stages=1,
+    subsets=False,
+    env=None,
+    in_thread=False,
+    policy=None,
 ):
     if env is None:
         env = ScriptedEnv(term_at, max_episode_steps=7, can_step_subsets=subsets)
     envs = EnvGroup(env, chunks_in_thread=in_thread)
-    policy = InferencePolicy(ScriptedPolicy(chunk))
+    policy = policy or InferencePolicy(ScriptedPolicy(chunk))
     stats = EpisodeStats(env.num_envs, envs.task_names, torch.device("cpu"))
     plan = CollectPlan(
         seeds=0,
@@ -118,6 +125,28 @@ def test_chunk_fields_by_hand():
     assert last.state[:, 0].tolist() == [0, 5, 0, 0]
     # every env's actions are its index: the chunks belong to the right columns
     assert torch.equal(batch.actions[..., 0, 0], torch.arange(4.0).expand(3, 4))
+
+
+def test_a_policy_without_a_critic_is_asked_for_no_value():
+    """GRPO's policy has no critic, so every value is 0: the final observations of ended
+    episodes and the round's last one were copied to its device only to get zeros back (on a GPU,
+    images through pageable memory, a wait each)."""
+    scripted = ScriptedPolicy(K)
+    scripted.has_critic = False
+    policy = InferencePolicy(scripted)
+    asked = []
+    policy.value = lambda obs: asked.append(obs.batch_size) or torch.zeros(obs.batch_size)
+    batch, _, _ = run_rollout(policy=policy)
+    assert asked == []
+    # 0 where the chunk's episode ended and after the round; env 1's chunk 0 ran on: V(s_1)
+    expected = torch.zeros(T, 4)
+    expected[0, 1] = 0.5 * 4 + 0.25  # (the act's value of chunk 1, t = 4, by the script)
+    torch.testing.assert_close(batch.next_values, expected)
+    critic = InferencePolicy(ScriptedPolicy(K))
+    valued = []
+    critic.value = lambda obs: valued.append(obs.batch_size) or scripted._value(obs)
+    run_rollout(policy=critic)
+    assert valued == [3, 4, 3, 4]  # the ended rows of the 3 chunks, then the last observation
 
 
 def test_chunk_discounting_and_gae_by_hand():
