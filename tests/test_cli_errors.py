@@ -116,6 +116,7 @@ CASES = [
     (["train", M, "env.task=fly"], ["env.task", "'fly'"]),
     (["train", M, "env.num_envs=0"], ["env.num_envs", "must be >= 1"]),
     (["train", MS, "env.tasks=[PushCube-v1,PullCube-v1]", "env.num_envs=3"], ["env.num_envs"]),
+    (["train", MS, "env.tasks=[PushCube-v1,PushCube-v1]"], ["env.tasks", "listed twice"]),
     # train: what sections ask of each other, before anything is built
     (
         ["train", "configs/maniskill/multitask_vla_grpo.yaml", "algorithm.group_size=64"],

@@ -67,6 +67,9 @@ class ManiSkillConfig(SimulatorConfig):
             raise ValueError(
                 f"obs_mode: must be 'state', 'rgb' or 'rgb+state', got {self.obs_mode!r}"
             )
+        repeated = [t for i, t in enumerate(self.tasks) if t in self.tasks[:i]]
+        if repeated:  # (its two copies would share one name: per-task statistics mix them)
+            raise ValueError(f"tasks: {repeated[0]} is listed twice; list each task once")
         if self.tasks and self.num_envs % len(self.tasks):
             raise ValueError(
                 f"num_envs: {self.num_envs} environments do not split evenly between "
