@@ -9,6 +9,7 @@ the same time.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -102,6 +103,8 @@ class MultiTaskEnv:
                 continue
             local = ids[mine] - lo
             sub_seed = None if seeds is None else [seeds[j] for j in mine.tolist()]
+            if isinstance(seed, numbers.Integral) and env_ids is None:
+                sub_seed = int(seed) + lo  # (an int stays one: ManiSkill's GPU batch resets once)
             parts.append(
                 env.reset(seed=sub_seed, env_ids=None if env_ids is None else local.to(env.device))
             )

@@ -78,6 +78,31 @@ def test_reset_seeds_golden():
         reset_seeds([1], [0, 1])
 
 
+class RecordsSeeds(PushRightEnv):
+    """PushRightEnv that keeps the seed argument of each reset."""
+
+    def __init__(self, num_envs: int):
+        super().__init__(num_envs)
+        self.seeds = []
+
+    def reset(self, *, seed=None, env_ids=None):
+        self.seeds.append(seed)
+        return super().reset(seed=seed, env_ids=env_ids)
+
+
+def test_an_int_seed_reaches_each_task_as_an_int_from_its_first_row():
+    """An int seeds a batch in one call (ManiSkill's GPU backend: one reset of every world, not
+    one per seed); a task took it as a list of per-row ints. A list stays a list."""
+    tasks = [RecordsSeeds(2), RecordsSeeds(3)]
+    env = MultiTaskEnv(tasks, ["a", "b"])
+    together = env.reset(seed=7)
+    assert [t.seeds for t in tasks] == [[7], [9]]
+    env.reset(seed=[1, 2, 3, 4, 5])
+    assert [t.seeds[-1] for t in tasks] == [[1, 2], [3, 4, 5]]
+    alone = [RecordsSeeds(2).reset(seed=7), RecordsSeeds(3).reset(seed=9)]
+    assert torch.equal(together.images["cam"], torch.cat([o.images["cam"] for o in alone]))
+
+
 def test_a_subset_of_rows_steps_in_its_own_tasks_and_the_other_rows_stay():
     """Rows of both tasks step alone (a cluster env worker's pipeline stage): each task's
     environments get their own rows' actions, the answer has those rows in order, an episode
