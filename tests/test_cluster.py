@@ -413,3 +413,24 @@ def test_megatron_tp_ranks_as_actor_workers_give_the_embedded_numbers(
     assert joined.keys() == want.keys()
     for key, value in want.items():
         torch.testing.assert_close(joined[key], value, rtol=1e-5, atol=1e-5)
+
+
+def test_an_env_worker_that_infers_runs_its_chunks_in_the_acting_thread():
+    """Its policy samples from the run's stream, which swaps torch's global generator: a chunk
+    stepping in a thread meanwhile (a simulator's automatic reset drawing from that generator)
+    would take the stream's numbers. A plain env worker, whose process only steps, keeps the
+    thread (its chunks of several actions pipeline); one that infers splits no stages for them."""
+    from scripted_envs import ScriptedEnv
+
+    from embodied.cluster.workers import EnvRolloutWorker, EnvWorker
+    from embodied.models import ActorCriticConfig
+
+    def factory(cfg):
+        return ScriptedEnv([2, 0, 3, 1], max_episode_steps=5, can_step_subsets=True)
+
+    plain = EnvWorker(None, factory)
+    policy = ActorCriticConfig(hidden_sizes=[16], use_images=False)
+    inferring = EnvRolloutWorker(None, factory, policy, "cpu", 1, 0, 0)
+    assert len(plain.group.stage_split(2, chunk_size=4)) == 2
+    assert inferring.group.stage_split(2, chunk_size=4) == [(None, slice(None))]
+    assert len(inferring.group.stage_split(2, chunk_size=1)) == 2  # (one action: asynchronous)

@@ -117,6 +117,9 @@ class EnvWorker(_Worker):
     """Environments ``[lo, hi)`` of the run: ``factory(env_cfg)`` (default ``make_env``) behind an
     ``EnvGroup``. Chunks are executed here: one call per chunk, not per environment step."""
 
+    # chunks of several actions step in a thread while the next stage's request comes
+    CHUNKS_IN_THREAD = True
+
     def __init__(self, env_cfg, factory, torch_threads: int = 1):
         self.spans = []
         _start(torch_threads)
@@ -125,7 +128,7 @@ class EnvWorker(_Worker):
 
             factory = make_env
         self.env = factory(env_cfg)
-        self.group = EnvGroup(self.env, chunks_in_thread=True)
+        self.group = EnvGroup(self.env, chunks_in_thread=self.CHUNKS_IN_THREAD)
 
     def facts(self) -> dict:
         group = self.group
@@ -144,7 +147,7 @@ class EnvWorker(_Worker):
         multi-task environment of all of them would (this worker's is one of its tasks). A
         restarted worker observes all of its own again until the driver says this again."""
         self.env.keep_privileged(keys)
-        self.group = EnvGroup(self.env, chunks_in_thread=True)
+        self.group = EnvGroup(self.env, chunks_in_thread=self.CHUNKS_IN_THREAD)
 
     @timed
     def reset(self, seeds: list[int] | None):
@@ -358,6 +361,12 @@ class EnvRolloutWorker(EnvWorker, RolloutWorker):
     environments (``collect``, the embedded loop), so no call crosses a process boundary per
     chunk. For policies that infer quickly on the env worker's device; a large VLA wants rollout
     workers of its own, on a GPU, batching the observations of several env workers."""
+
+    # its policy samples in this process from the run's stream, which swaps torch's global
+    # generator: a simulator drawing from it in a chunk thread at the same time (ManiSkill's
+    # automatic resets) would take the stream's numbers. Chunks run in the acting thread, as in
+    # the embedded run
+    CHUNKS_IN_THREAD = False
 
     def __init__(
         self, env_cfg, factory, policy_cfg, device: str, torch_threads: int, seed: int, rank: int
