@@ -11,7 +11,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
+
+
+def after_the_last_event_file(tb_dir: Path) -> None:
+    """Wait, if need be, for the second after the newest event file in ``tb_dir`` was made.
+    TensorBoard reads a run's files in name order, and a name is the second it was made, then
+    host, pid and a counter without padding ("...9" sorts after "...10"): a resumed process's
+    file made in the same second could sort before the last process's, whose purge would then
+    hide the new points (a test resuming twice within a second lost its third iteration)."""
+    stamps = [p.name.split(".")[3] for p in tb_dir.glob("events.out.tfevents.*")]
+    newest = max((int(s) for s in stamps if s.isdigit()), default=None)
+    if newest is not None and time.time() < newest + 1:
+        time.sleep(newest + 1 - time.time())
 
 
 class RunLogger:
@@ -27,6 +40,7 @@ class RunLogger:
         if enabled_tb:
             from torch.utils.tensorboard import SummaryWriter
 
+            after_the_last_event_file(Path(run_dir) / "tb")
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resumed_at)
             if resumed_at is not None:
                 self._scalars_again(read_metrics(path), resumed_at)

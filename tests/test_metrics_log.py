@@ -1,5 +1,6 @@
 """metrics.jsonl is strict JSON: a number that is not finite is written as null, TensorBoard
-still gets the float, and every reader in the code reads a null back as NaN."""
+still gets the float, and every reader in the code reads a null back as NaN. A resumed run's
+TensorBoard file is read after the earlier ones."""
 
 import json
 import math
@@ -69,3 +70,20 @@ def test_readers_take_null_as_not_finite_and_a_trim_writes_strict_json(tmp_path)
     assert [row["policy/grad_norm"] for row in kept] == [1.0, None, 3.0, None]
     with pytest.raises(ValueError, match="not JSON: Infinity"):
         strict(json.dumps(rows[1]))  # (what the file held before)
+
+
+def test_a_resumed_runs_event_file_sorts_after_the_last_ones(tmp_path):
+    """TensorBoard reads a run's event files in name order, and a name starts with the second it
+    was made: a resumed process's file made within the same second sorted before the last one
+    (its counter is not padded), and that file's purge hid the new points (a flaky test)."""
+    import time
+
+    from embodied.logger import RunLogger
+
+    tb = tmp_path / "tb"
+    tb.mkdir()
+    last = tb / f"events.out.tfevents.{int(time.time()) + 1:010d}.host.1.99"  # (a second ahead)
+    last.write_bytes(b"")
+    RunLogger(tmp_path, resumed_at=0).close()
+    names = sorted(p.name for p in tb.iterdir())
+    assert len(names) == 2 and names[0] == last.name  # the new file is read after it
