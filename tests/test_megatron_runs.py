@@ -165,6 +165,7 @@ def records_child(rank: int, tmp_path) -> None:
     (tmp_path / "replays.json").write_text(json.dumps(found))
 
 
+@pytest.mark.slow  # (48-65 s; the torch backend's replay, test_recording.py, is in the suite)
 def test_megatron_updates_replay_bit_for_bit_from_their_records_at_tp_1_and_2(tmp_path):
     """record -> replay on the megatron backend (PPO and GRPO, TP=1 and TP=2, CPU): the
     losses, KL, clip fraction, gradient norm and the weights after the update as the run's. A
