@@ -94,7 +94,9 @@ class MultiTaskEnv:
                 "MultiTaskEnv: reset all environments once before resetting some (env_ids)"
             )
         ids = torch.arange(self.num_envs) if env_ids is None else env_ids.cpu()
-        seeds = None if seed is None else reset_seeds(seed, ids.tolist())
+        # an int for all stays one, from each task's first row: ManiSkill's GPU batch resets once
+        whole = isinstance(seed, numbers.Integral) and env_ids is None
+        seeds = None if seed is None or whole else reset_seeds(seed, ids.tolist())
         parts = []
         for (lo, hi), env in zip(self.task_ranges, self.envs):
             mine = ((ids >= lo) & (ids < hi)).nonzero().squeeze(1)
@@ -103,8 +105,8 @@ class MultiTaskEnv:
                 continue
             local = ids[mine] - lo
             sub_seed = None if seeds is None else [seeds[j] for j in mine.tolist()]
-            if isinstance(seed, numbers.Integral) and env_ids is None:
-                sub_seed = int(seed) + lo  # (an int stays one: ManiSkill's GPU batch resets once)
+            if whole:
+                sub_seed = int(seed) + lo
             parts.append(
                 env.reset(seed=sub_seed, env_ids=None if env_ids is None else local.to(env.device))
             )
