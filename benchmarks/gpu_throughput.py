@@ -135,7 +135,7 @@ def ours_loop(env, compile_act: bool = False) -> Loop:
     policy = ActorCritic(env.spec, ActorCriticConfig()).to(env.device)
     inference = InferencePolicy(policy, compile_act=compile_act)
     group_of_env = torch.full((env.num_envs,), -1)
-    stats = EpisodeStats(env.num_envs, envs.task_names, env.device)
+    stats = EpisodeStats(envs.task_names, env.device)
     first_obs = []
 
     def prepare() -> None:

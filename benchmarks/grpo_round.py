@@ -47,7 +47,7 @@ def rounds_new(cfg, rounds: int) -> list[float]:
         for r in range(rounds):
             t0 = time.perf_counter()
             plan = algorithm.plan(1 + r, 0, episode_base=0)
-            stats = EpisodeStats(envs.num_envs, envs.task_names, env.device)
+            stats = EpisodeStats(envs.task_names, env.device)
             batch, _ = collect(envs, policy, envs.reset(seed=plan.seeds), plan, stats)
             algorithm.advantages(batch)
             times.append(time.perf_counter() - t0)

@@ -125,7 +125,7 @@ def ours(env, steps: int, episode: int) -> list[dict]:
             num_chunks=chunks,
             episode_base=0,
         )
-        stats = EpisodeStats(num_envs, envs.task_names, env.device)
+        stats = EpisodeStats(envs.task_names, env.device)
         collect(envs, inference, envs.reset(seed=0), plan, stats)  # warm-up
         obs = envs.reset(seed=0)
         (batch, _), sites = counted(partial(collect, envs, inference, obs, plan, stats))

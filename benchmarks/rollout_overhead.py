@@ -168,7 +168,7 @@ def bench_rollout(env, steps: int, stages: int = 1) -> tuple[float, float]:
     envs = EnvGroup(env)
     policy = InferencePolicy(ActorCritic(env.spec, ActorCriticConfig()))
     obs = envs.reset(seed=0)
-    stats = EpisodeStats(env.num_envs, envs.task_names, env.device)
+    stats = EpisodeStats(envs.task_names, env.device)
     plan = CollectPlan(
         seeds=0,
         group_of_env=torch.full((env.num_envs,), -1),

@@ -104,7 +104,7 @@ def collect_round(cfg, roles, stages: int, after_reset=None) -> tuple[int, float
     envs = roles.envs
     algorithm = build_algorithm(cfg, roles.spec, envs.task_of_env)
     plan = algorithm.plan(1, 0, 0)
-    stats = EpisodeStats(envs.num_envs, envs.task_names, roles.inference.device)
+    stats = EpisodeStats(envs.task_names, roles.inference.device)
     obs = envs.reset(seed=plan.seeds)
     if after_reset is not None:
         after_reset()

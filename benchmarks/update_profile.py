@@ -69,7 +69,7 @@ def one_round(cfg, roles):
     from embodied.rollout import CollectPlan
 
     B = roles.envs.num_envs
-    stats = EpisodeStats(B, roles.envs.task_names, roles.inference.device)  # (as the runner)
+    stats = EpisodeStats(roles.envs.task_names, roles.inference.device)  # (as the runner)
     plan = CollectPlan(
         seeds=cfg.seed,
         group_of_env=torch.full((B,), -1),

@@ -27,9 +27,9 @@ step (ManiSkill's <code>success_once</code>). <b>Success at end</b>: the share i
 holds at the episode's last step; a cube pushed onto the target and then off it counts for the
 first and not the second. Evaluations act deterministically (the policy's mean or most likely
 action) on seeded episodes; training episodes sample their actions, so <b>training success
-once</b> (the episodes that ended in each iteration's rollout) is usually lower than the
-evaluation's and lags it. Bands and brackets are 95% Wilson intervals over the episode
-count.</p>
+once</b> (the share of each environment's first episode of a rollout round that succeeded within
+the round) is usually lower than the evaluation's and lags it. Bands and brackets are 95%
+Wilson intervals over the episode count.</p>
 """
 
 STYLE = """

@@ -401,7 +401,7 @@ class Runner:
         """Rounds of chunks until the algorithm has enough (PPO: one), each added to the
         learner, which computes its advantages."""
         start = time.time()
-        stats = EpisodeStats(self.envs.num_envs, self.envs.task_names, self.roles.inference.device)
+        stats = EpisodeStats(self.envs.task_names, self.roles.inference.device)
         self.phase = "collect"
         steps_before = self.collected.env_steps
         if self.tuner is not None:
@@ -428,10 +428,9 @@ class Runner:
         is collected again from its reset once the cluster has replaced the worker."""
         failures = 0
         while True:
-            totals = stats.totals.clone()  # the finished episodes before this round
+            totals = stats.totals.clone()  # the episodes of the rounds before this one
             try:
                 obs = self.envs.reset(seed=plan.seeds)
-                stats.restart()  # every episode starts afresh: nothing carries over from a round
                 if self.needs_normalizer:
                     # normalisation statistics from the first observations, before anything acts
                     self.learner.init_normalizer(obs)

@@ -296,7 +296,7 @@ def prepared_samples(envs, policy, algorithm):
     """The samples of the algorithm's first round on ``envs`` with ``policy``, advantages set
     and prepared (as the learner gets them)."""
     plan = algorithm.plan(1, 0, episode_base=0)
-    stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
+    stats = EpisodeStats(envs.task_names, torch.device("cpu"))
     obs = envs.reset(seed=plan.seeds)
     batch, _ = collect(envs, InferencePolicy(policy), obs, plan, stats)
     algorithm.advantages(batch)

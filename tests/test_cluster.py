@@ -277,7 +277,7 @@ def test_env_workers_that_infer_act_on_the_privileged_keys_every_task_has(local_
     plan = CollectPlan(seeds=3, group_of_env=torch.full((8,), -1), num_chunks=3, episode_base=0)
     try:
         roles.sync(0)  # (all the weights: a copy of other shapes would refuse them)
-        stats = EpisodeStats(8, roles.envs.task_names, torch.device("cpu"))
+        stats = EpisodeStats(roles.envs.task_names, torch.device("cpu"))
         batch = roles.collect(roles.envs.reset(seed=plan.seeds), plan, stats).fetch()
     finally:
         roles.close()

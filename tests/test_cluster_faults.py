@@ -275,7 +275,7 @@ def test_a_simulator_error_mid_round_ends_the_round_with_that_error(local_ray, t
         roles.envs.reset(seed=np.int64(5))  # (a numpy seed is an integer too: env b gets 5 + b)
         assert roles.envs.seeds == [[5, 6, 7, 8], [9, 10, 11, 12]]
         saboteur.arm(1, "raise")
-        stats = EpisodeStats(8, roles.envs.task_names, torch.device("cpu"))
+        stats = EpisodeStats(roles.envs.task_names, torch.device("cpu"))
         obs = roles.envs.reset(seed=plan.seeds)
         with pytest.raises(ray.exceptions.RayTaskError, match="the simulator broke") as error:
             roles.collect(obs, plan, stats)

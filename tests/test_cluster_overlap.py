@@ -195,7 +195,7 @@ def test_one_env_worker_pipelines_its_own_rows_into_the_lockstep_round(local_ray
         assert 2 in roles.stage_candidates(chunk_size=2)
         for stages in (1, 2):
             envs = roles.envs
-            stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
+            stats = EpisodeStats(envs.task_names, torch.device("cpu"))
             obs = envs.reset(seed=plan.seeds)
             shards = roles.collect(obs, plan, stats, stages=stages, chunk_size=2)
             rounds[stages] = (shards.fetch(), stats)

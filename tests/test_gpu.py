@@ -107,7 +107,7 @@ def test_rollout_steps_without_episode_ends_do_not_synchronise():
         envs = EnvGroup(env)
         policy = ActorCritic(env.spec, ActorCriticConfig(hidden_sizes=[64])).to(env.device)
         inference = InferencePolicy(policy)
-        stats = EpisodeStats(env.num_envs, envs.task_names, env.device)
+        stats = EpisodeStats(envs.task_names, env.device)
         plan = CollectPlan(
             seeds=0,
             group_of_env=torch.full((env.num_envs,), -1),
@@ -232,7 +232,7 @@ def test_a_scripted_gpu_rollout_synchronises_only_where_episodes_end():
     envs = EnvGroup(env)
     policy = ActorCritic(env.spec, ActorCriticConfig(hidden_sizes=[64])).to("cuda")
     inference = InferencePolicy(policy)
-    stats = EpisodeStats(env.num_envs, envs.task_names, env.device)
+    stats = EpisodeStats(envs.task_names, env.device)
 
     def rollout(chunks):
         plan = CollectPlan(

@@ -51,7 +51,7 @@ def grpo(env, **cfg):
 
 def collect_round(envs, algorithm, iteration=1, round_index=0):
     plan = algorithm.plan(iteration, round_index, episode_base=0)
-    stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
+    stats = EpisodeStats(envs.task_names, torch.device("cpu"))
     obs = envs.reset(seed=plan.seeds)
     batch, _ = collect(envs, InferencePolicy(ScriptedPolicy(K)), obs, plan, stats)
     return plan, batch, obs, stats
@@ -125,12 +125,15 @@ def test_advantages_map_back_to_every_chunk_of_the_right_episode():
     offset = [{"task a": 0, "task b": 7}[text] for text in samples.obs.instruction]
     for b, o, adv in zip(local, offset, samples.advantages.tolist()):
         assert adv == pytest.approx(expected_adv[b + o], abs=1e-5)
-    # per-task statistics count every episode that ended: the idle envs 6 and 10 too, and env 1's
-    # second episode (steps 4-6, terminated again at the round's last step)
+    # per-task statistics count each env's first episode: the idle envs 6 and 10 too, and not
+    # env 1's second one (steps 4-6, terminated again at the round's last step)
     summary = stats.summary()
-    assert summary["episode/a/count"] == 8 and summary["episode/b/count"] == 4
-    assert summary["episode/a/success_once"] == pytest.approx(2 / 8)
+    assert summary["episode/a/count"] == 7 and summary["episode/b/count"] == 4
+    assert summary["episode/a/success_once"] == pytest.approx(2 / 7)
     assert summary["episode/b/success_once"] == pytest.approx(3 / 4)
+    assert summary["episode/unfinished"] == 0
+    # (the group members' outcomes, idle envs 6 and 10 left out: envs 0, 7 and 8 of 9)
+    assert metrics["grpo/episode_success"].item() == pytest.approx(3 / 9)
 
 
 def test_without_dynamic_sampling_uninformative_groups_stay_with_zero_advantage():
@@ -158,22 +161,20 @@ def test_an_episode_that_does_not_end_is_refused():
         algorithm.advantages(batch)
 
 
-def test_statistics_over_two_rounds_start_every_episode_afresh():
-    # the runner's rounds share one EpisodeStats; each round resets every env, so the episode
-    # each env began at the round's last step (after its truncation at step 5) must not carry
-    # its step into the next round's lengths
+def test_statistics_over_two_rounds_count_each_rounds_first_episodes():
+    # the runner's rounds share one EpisodeStats; each round resets every env, and the episode
+    # each env began at the round's last step (after its truncation at step 5) never counts
     envs, algorithm = grpo(make_env())
-    stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
+    stats = EpisodeStats(envs.task_names, torch.device("cpu"))
     policy = InferencePolicy(ScriptedPolicy(K))
     for round_index in range(2):
         plan = algorithm.plan(1, round_index, episode_base=0)
         obs = envs.reset(seed=plan.seeds)
-        stats.restart()
         collect(envs, policy, obs, plan, stats)
     summary = stats.summary()
-    # per round, task a: six episodes truncated at 5 steps and env 1's two of 3 steps each
-    assert summary["episode/a/count"] == 16
-    assert summary["episode/a/length"] == pytest.approx((2 * 6 * 5 + 2 * 2 * 3) / 16)
+    # per round, task a: six episodes truncated at 5 steps and env 1's first, of 3 steps
+    assert summary["episode/a/count"] == 14
+    assert summary["episode/a/length"] == pytest.approx(2 * (6 * 5 + 3) / 14)
     # task b: four episodes of 5 steps per round
     assert summary["episode/b/count"] == 8
     assert summary["episode/b/length"] == pytest.approx(5.0)
@@ -197,7 +198,7 @@ def test_the_kl_reference_sees_observations_through_the_live_normalisation():
     plan = algorithm.plan(1, 0, episode_base=0)
     obs = envs.reset(seed=plan.seeds)
     policy.update_normalizer(obs)  # statistics move away from the initial mean 0 / std 1
-    stats = EpisodeStats(envs.num_envs, envs.task_names, torch.device("cpu"))
+    stats = EpisodeStats(envs.task_names, torch.device("cpu"))
     batch, _ = collect(envs, InferencePolicy(policy), obs, plan, stats)
     algorithm.advantages(batch)
     samples = batch.samples()

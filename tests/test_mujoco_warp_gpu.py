@@ -160,7 +160,7 @@ def test_on_a_gpu_a_round_never_waits_on_the_device(compiled):
     policy = ActorCritic(envs.spec, ActorCriticConfig()).to("cuda")
     inference = InferencePolicy(policy, compile_act=compiled)
     plan = CollectPlan(seeds=0, group_of_env=torch.full((64,), -1), num_chunks=10, episode_base=0)
-    stats = EpisodeStats(64, envs.task_names, torch.device("cuda"))
+    stats = EpisodeStats(envs.task_names, torch.device("cuda"))
     collect(envs, inference, envs.reset(seed=0), plan, stats)  # warm-up: graphs, pinned memory
     obs = envs.reset(seed=0)
     (batch, _), sites = with_syncs(lambda: collect(envs, inference, obs, plan, stats))

@@ -100,7 +100,7 @@ def test_a_round_comes_back_as_it_was_collected():
     policy = build_policy(envs.spec, ActorCriticConfig(hidden_sizes=[8], use_images=False))
     algorithm = PPOAlgorithm(PPOConfig(**PPO), seed=0, num_envs=4)
     plan = algorithm.plan(1, 0, episode_base=0)
-    stats = EpisodeStats(4, envs.task_names, torch.device("cpu"))
+    stats = EpisodeStats(envs.task_names, torch.device("cpu"))
     batch, _ = collect(envs, InferencePolicy(policy), envs.reset(seed=plan.seeds), plan, stats)
     tensors = batch_tensors(batch, "r0/")
     assert "r0/advantages" not in tensors and "r0/obs/images/cam" in tensors

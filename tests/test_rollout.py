@@ -45,7 +45,7 @@ def run_rollout(
         env = ScriptedEnv(term_at, max_episode_steps=7, can_step_subsets=subsets)
     envs = EnvGroup(env, chunks_in_thread=in_thread)
     policy = policy or InferencePolicy(ScriptedPolicy(chunk))
-    stats = EpisodeStats(env.num_envs, envs.task_names, torch.device("cpu"))
+    stats = EpisodeStats(envs.task_names, torch.device("cpu"))
     plan = CollectPlan(
         seeds=0,
         group_of_env=torch.full((env.num_envs,), -1),
@@ -170,14 +170,28 @@ def test_chunk_discounting_and_gae_by_hand():
     assert batch.sample_mask.all()
 
 
-def test_every_episode_end_counts_in_the_statistics():
+def test_each_environments_first_episode_counts_in_the_statistics():
     _, _, stats = run_rollout()
     summary = stats.summary()
-    # env 0: 6 episodes of return 3 (two per chunk); env 1: one of 28; env 2: 3 of 10; env 3: 4 of 6
-    assert summary["episode/count"] == 14
-    assert summary["episode/return"] == pytest.approx((6 * 3 + 28 + 3 * 10 + 4 * 6) / 14)
-    assert summary["episode/length"] == pytest.approx((12 + 7 + 12 + 12) / 14)
+    # first episodes: env 0 of return 3 (1 + 2), env 1 of 28 (truncated at 7), env 2 of 10,
+    # env 3 of 6; the episodes after them in the round (env 0's five more, ...) do not count
+    assert summary["episode/count"] == 4
+    assert summary["episode/unfinished"] == 0
+    assert summary["episode/return"] == pytest.approx((3 + 28 + 10 + 6) / 4)
+    assert summary["episode/length"] == pytest.approx((2 + 7 + 4 + 3) / 4)
     assert summary["episode/success_once"] == 0.0
+
+
+def test_quick_successes_do_not_inflate_the_training_success():
+    # success ends env 0's episodes at step 30; the other three fail until their 220-step time
+    # limit, beyond the round's 64 steps (LIBERO's shape): 1 of 4 succeeded within the round
+    env = ScriptedEnv([30, 0, 0, 0], success_at=[30, 0, 0, 0], max_episode_steps=220)
+    _, _, stats = run_rollout(env=env, chunk=1, chunks=64)
+    summary = stats.summary()
+    assert summary["episode/success_once"] == 0.25
+    assert summary["episode/unfinished"] == 3
+    assert summary["episode/count"] == 1
+    assert summary["episode/length"] == 30
 
 
 def test_a_round_of_one_chunk_of_several_actions_by_hand():
@@ -190,39 +204,41 @@ def test_a_round_of_one_chunk_of_several_actions_by_hand():
         [1, 1, 1, 0],
     ]
     assert batch.episode_id.tolist() == [[0, 1, 2, 3]]
-    # env 0: 2 episodes of return 3; env 2: one of 10; env 3: one of 6; env 1 runs on (10)
+    # first episodes: env 0's of return 3, env 2's of 10, env 3's of 6; env 1's runs on
     summary = stats.summary()
-    assert summary["episode/count"] == 4
-    assert summary["episode/return"] == pytest.approx((2 * 3 + 10 + 6) / 4)
-    assert stats.returns.tolist() == [0, 10, 0, 1]  # env 0 ended on the chunk's last action
+    assert summary["episode/count"] == 3
+    assert summary["episode/unfinished"] == 1
+    assert summary["episode/return"] == pytest.approx((3 + 10 + 6) / 3)
 
 
-def test_statistics_of_a_round_carry_running_episodes_into_the_next_by_hand():
-    stats = EpisodeStats(3, ["a", "b"], torch.device("cpu"))
+def test_statistics_of_two_rounds_by_hand():
+    stats = EpisodeStats(["a", "b"], torch.device("cpu"))
     tasks = torch.tensor([0, 1, 1])
     # round 1, 3 steps: env 0 ends at step 1 (succeeded at step 0) and runs on; env 1 ends at
-    # steps 0 and 2; env 2 never ends
+    # steps 0 and 2 and succeeds at step 2, in its second episode; env 2 never ends, and
+    # succeeded at step 1
     reward = torch.tensor([[1.0, 10.0, 100.0], [2.0, 20.0, 200.0], [4.0, 40.0, 400.0]])
     done = torch.tensor([[0, 1, 0], [1, 0, 0], [0, 1, 0]], dtype=torch.bool)
-    success = torch.tensor([[1, 0, 0], [0, 0, 1], [0, 0, 0]], dtype=torch.bool)
+    success = torch.tensor([[1, 0, 0], [0, 0, 1], [0, 1, 0]], dtype=torch.bool)
     stats.record(tasks, reward, done, success)
-    # ended: env 0 (1+2, 2 steps, success), env 1 (10, 1 step), env 1 (20+40, 2 steps)
-    assert stats.totals.tolist() == [[1, 2], [3, 70], [2, 3], [1, 0]]
-    assert stats.returns.tolist() == [4, 0, 700]
-    assert stats.lengths.tolist() == [1, 0, 3]
-    assert stats.success.tolist() == [False, False, True]
-    # round 2, 1 step: env 0's episode and env 2's (which succeeded in round 1) end
+    # rows: started, ended, return and length of the ended, succeeded within the round
+    assert stats.totals.tolist() == [[1, 2], [1, 1], [3, 10], [2, 1], [1, 1]]
+    # round 2 (after a reset), 1 step: env 0's and env 2's episodes end, env 1's runs on
     stats.record(
         tasks,
         torch.tensor([[8.0, 80.0, 800.0]]),
         torch.tensor([[1, 0, 1]]) > 0,
         torch.zeros(1, 3, dtype=torch.bool),
     )
-    assert stats.totals.tolist() == [[2, 3], [15, 1570], [4, 7], [1, 1]]
-    assert stats.returns.tolist() == [0, 80, 0]
-    assert stats.lengths.tolist() == [0, 1, 0]
+    assert stats.totals.tolist() == [[2, 4], [2, 2], [11, 810], [3, 2], [1, 1]]
     summary = stats.summary()
-    assert summary["episode/a/count"] == 2 and summary["episode/b/return"] == 1570 / 3
+    assert summary["episode/success_once"] == 2 / 6
+    assert summary["episode/unfinished"] == 2
+    assert summary["episode/count"] == 4
+    assert summary["episode/return"] == (11 + 810) / 4
+    assert summary["episode/length"] == 5 / 4
+    assert summary["episode/a/success_once"] == 0.5 and summary["episode/b/return"] == 405
+    assert summary["episode/b/unfinished"] == 2
 
 
 def test_behaviour_logprob_at_chunk_level_sums_the_valid_actions_only():
@@ -292,7 +308,7 @@ def test_a_round_that_failed_midway_leaves_nothing_for_the_next_one():
             for chunk_future in running:
                 chunk_future.result()
         policy = InferencePolicy(ScriptedPolicy(chunk))
-        stats = EpisodeStats(env.num_envs, envs.task_names, torch.device("cpu"))
+        stats = EpisodeStats(envs.task_names, torch.device("cpu"))
         plan = CollectPlan(seeds=0, group_of_env=torch.full((5,), -1), num_chunks=4, episode_base=0)
         obs = envs.reset(seed=plan.seeds)
         batch, last = collect(envs, policy, obs, plan, stats, stages=2, chunk_size=chunk)
@@ -359,7 +375,7 @@ def test_environments_collected_in_parts_join_into_the_whole_round():
     def collect_rows(term_at, plan):
         env = ScriptedEnv(term_at, max_episode_steps=7)
         envs = EnvGroup(env)
-        stats = EpisodeStats(env.num_envs, envs.task_names, torch.device("cpu"))
+        stats = EpisodeStats(envs.task_names, torch.device("cpu"))
         policy = InferencePolicy(ScriptedPolicy(K))
         batch, _ = collect(envs, policy, envs.reset(seed=plan.seeds), plan, stats)
         return batch, stats

@@ -187,14 +187,14 @@ class EnvWorker(_Worker):
     @timed
     def collect(self, plan, stages: int, chunk_size: int, task_index):
         """A round from the last reset: ([its RolloutBatch in the object store, owned by this
-        worker], its finished episodes' totals f32 [4, this worker's tasks], the inference
+        worker], its first episodes' totals f32 [5, this worker's tasks], the inference
         copy's stream after it where it lives here). The batch stays here until the actor
         workers fetch it; ``task_index`` (long [this worker's tasks]) maps its task ids to the
         run's."""
         import ray
 
         with self._acting() as inference:
-            stats = EpisodeStats(self.group.num_envs, self.group.task_names, inference.device)
+            stats = EpisodeStats(self.group.task_names, inference.device)
             batch, _ = collect(
                 self.group,
                 inference,
