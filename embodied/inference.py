@@ -45,7 +45,7 @@ class InferencePolicy:
         """A chunk for every row; ``value`` is zeros f32 [B] for policies without a critic.
         Sampled actions draw from the stream; deterministic ones draw nothing."""
         sampling = self.stream is not None and not deterministic
-        with self.stream.drawing() if sampling else nullcontext():
+        with self.stream.drawing(self.device) if sampling else nullcontext():
             if deterministic:
                 out = self.policy.act(obs, deterministic=True)
             else:

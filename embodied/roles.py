@@ -123,7 +123,7 @@ class Learner:
         # the learner's stream (every data-parallel or TP rank derives the same one): the
         # policy's initial weights and the minibatch shuffles
         self.stream = Stream.derived(cfg.seed, "actor", 0)
-        with self.stream.drawing():
+        with self.stream.drawing(device):
             self._build(cfg, spec, task_of_env, device)
         self.rounds: list[RolloutBatch] = []  # the rounds collected for the next update
         # records (runner.record_rollouts): one rank keeps the iteration in progress (Pending),
@@ -221,7 +221,7 @@ class Learner:
         samples = Samples.cat(parts) if parts else None
         if samples is not None and self.cfg.trainer.backend != "megatron":
             check_minibatch(len(samples), self.cfg.algorithm.num_minibatches, self.engine)
-        with self.stream.drawing():
+        with self.stream.drawing(self.device):
             metrics = self._update(samples, [batch.obs for batch in rounds])
         if self.records:
             if not self.started:  # (no rounds)

@@ -8,9 +8,9 @@ batches' frames). The embedded run holds ``actor/0`` and
 numbers; a fixed worker count gives a reproducible run. Data-parallel actor ranks are one
 learner shard: they share ``actor/0`` and so draw the same minibatch permutations.
 
-A stream is swapped into torch's generators (the CPU's, and the current CUDA device's once the
-process uses CUDA) while its role draws, and out again afterwards, so that roles sharing a
-process (the embedded run) never draw from each other's stream. Deterministic actions draw
+A stream is swapped into torch's generators (the CPU's, and once the process uses CUDA that of
+the CUDA device its role draws on) while its role draws, and out again afterwards, so that roles
+sharing a process (the embedded run) never draw from each other's stream. Deterministic actions draw
 nothing (every policy here), so evaluations leave the streams where they are.
 """
 
@@ -44,7 +44,7 @@ class Stream:
     key: str  # "role/rank"
     seed: int  # what its CUDA generator starts from, the first time the process uses CUDA
     cpu: torch.Tensor  # torch's CPU generator state (uint8 [5056])
-    cuda: torch.Tensor | None = None  # the current CUDA device's generator state, once used
+    cuda: torch.Tensor | None = None  # its CUDA device's generator state, once used
 
     @classmethod
     def derived(cls, seed: int, role: str, rank: int, start: int = 0) -> Stream:
@@ -53,25 +53,27 @@ class Stream:
         return cls(stream_key(role, rank), value, cpu)
 
     @contextmanager
-    def drawing(self):
-        """Torch's generators are this stream's inside the block, the process's outside."""
+    def drawing(self, device: torch.device | str | None = None):
+        """Torch's generators are this stream's inside the block, the process's outside: the
+        CPU's and, once the process uses CUDA, that of ``device`` where it is a CUDA device (the
+        one the role draws on), else the current CUDA device's."""
         outside_cpu = torch.get_rng_state()
-        uses_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        outside_cuda = torch.cuda.get_rng_state() if uses_cuda else None
+        cuda = _cuda_index(device)
+        outside_cuda = None if cuda is None else torch.cuda.get_rng_state(cuda)
         torch.set_rng_state(self.cpu)
-        if uses_cuda:
+        if cuda is not None:
             if self.cuda is None:
-                torch.cuda.manual_seed(self.seed)
+                torch.cuda.default_generators[cuda].manual_seed(self.seed)
             else:
-                torch.cuda.set_rng_state(self.cuda)
+                torch.cuda.set_rng_state(self.cuda, cuda)
         try:
             yield self
         finally:
             self.cpu = torch.get_rng_state()
             torch.set_rng_state(outside_cpu)
-            if uses_cuda:
-                self.cuda = torch.cuda.get_rng_state()
-                torch.cuda.set_rng_state(outside_cuda)
+            if cuda is not None:
+                self.cuda = torch.cuda.get_rng_state(cuda)
+                torch.cuda.set_rng_state(outside_cuda, cuda)
 
     def state(self) -> dict:
         """What a checkpoint stores (and a restarted worker takes back with ``load``)."""
@@ -102,3 +104,14 @@ def resumed(stream: Stream, rng: dict | None, seed: int, iteration: int) -> None
         return
     role, rank = stream.key.split("/")
     stream.load(Stream.derived(seed, role, int(rank), start=iteration).state())
+
+
+def _cuda_index(device: torch.device | str | None) -> int | None:
+    """The index of the CUDA device whose generator a stream drawing on ``device`` swaps; None
+    while the process has not used CUDA."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    device = None if device is None else torch.device(device)
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device.index
+    return torch.cuda.current_device()

@@ -272,3 +272,31 @@ def test_maniskill_on_the_cpu_feeds_a_policy_on_the_gpu(tmp_path):
     ]
     assert [r["iteration"] for r in rows if "policy/loss" in r] == [1, 2, 3]
     assert summary["final"]["eval/episodes"] == 8
+
+
+def test_a_stream_drawing_on_a_second_gpu_swaps_that_devices_generator():
+    """A role on cuda:1 draws from its stream there, and cuda:0's generator (the current
+    device's) is left alone; a saved state continues the cuda:1 draws."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    from embodied.streams import Stream
+
+    torch.cuda.init()
+    devices = ("cuda:0", "cuda:1")
+    torch.cuda.manual_seed_all(5)
+    expected_outside = [torch.rand(3, device=d) for d in devices]
+    torch.cuda.manual_seed_all(5)
+    stream = Stream.derived(0, "rollout", 0)
+    with stream.drawing("cuda:1"):
+        inside = torch.rand(4, device="cuda:1")
+    own = torch.Generator("cuda:1").manual_seed(stream.seed)
+    assert torch.equal(inside, torch.rand(4, device="cuda:1", generator=own))
+    for device, expected in zip(devices, expected_outside):
+        assert torch.equal(torch.rand(3, device=device), expected), device
+    saved = stream.state()
+    with stream.drawing("cuda:1"):
+        expected_next = torch.rand(4, device="cuda:1")
+    again = Stream.derived(0, "rollout", 0)
+    again.load(saved)
+    with again.drawing("cuda:1"):
+        assert torch.equal(torch.rand(4, device="cuda:1"), expected_next)
