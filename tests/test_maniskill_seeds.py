@@ -192,6 +192,19 @@ def test_unseeded_resets_after_a_seeded_one_follow_each_rows_seed(cores):
     _assert_same_states(new, ref, RESET_ATOL)
 
 
+def test_unseeded_resets_before_any_seeded_one_differ_between_workers():
+    """Two cores as two worker processes hold them: before any seeded reset, their unseeded
+    episodes come from the OS's entropy, so the workers do not repeat one another's."""
+    first, second = (_core("PushCube-v1", "state", "pd_joint_delta_pos") for _ in range(2))
+    try:
+        for _ in range(2):  # the reset at start, then the episodes that follow it
+            a, b = first.reset(), second.reset()
+            assert not torch.equal(a.privileged["obj_pose"], b.privileged["obj_pose"])
+    finally:
+        first.close()
+        second.close()
+
+
 def test_a_partial_reset_with_an_int_seed_gives_each_row_the_seed_plus_its_id(cores):
     """As ``schema.reset_seeds`` and the cpu workers: row i of ``reset(seed=s, env_ids)``
     starts from s + i (it got s + its position among env_ids). (A full reset with an int on

@@ -245,7 +245,9 @@ class ManiSkillCore:
         self._elapsed_host = np.zeros(opts.num_envs, dtype=np.int64)
         # seeded resets copy one environment's episode to the others with the same seed
         self._share_resets = opts.task in SHARED_RESET_TASKS and self.env.reconfiguration_freq == 0
-        raw, _ = self.env.reset(seed=0)
+        # the first episodes from the OS's entropy (as on MuJoCo and LIBERO): unseeded resets
+        # continue from them, and from seed 0 every worker repeated one sequence of episodes
+        raw, _ = self.env.reset(seed=int(np.random.default_rng().integers(2**31)))
         self.spec = EnvSpec(
             obs=self._obs_spec(raw),
             action=self.action_spec,
