@@ -37,7 +37,23 @@ class ConfigError(Exception):
     """A config that cannot be used; ``str()`` is a single line for the user."""
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader with YAML 1.2's booleans: only true and false (PyYAML's YAML 1.1 also
+    reads yes, no, on and off as booleans: ``runner: {name: no}`` named a run "False"). A bool
+    setting still takes yes/no/on/off (OmegaConf converts the text)."""
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+class _UniqueKeyLoader(_Loader):
     """YAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the
     last silently: a second ``runner:`` block dropped the first)."""
 
@@ -113,7 +129,7 @@ def parse_overrides(overrides: list[str]) -> dict:
 _NULLS = ("", "~", "null", "Null", "NULL")  # (YAML's words for None)
 
 
-def _yaml(text: str, loader=yaml.SafeLoader) -> Any:
+def _yaml(text: str, loader=_Loader) -> Any:
     if text == "":
         return None
     try:
@@ -310,31 +326,22 @@ def _floats(value: Any, key: str) -> list[tuple[str, float]]:
     return []
 
 
-def _base(schema: type, sources: list[tuple[str, dict]]):
+def _base(schema: type, chosen: dict[str, tuple[Any, str]]):
     """The structured config to merge into. A schema may declare ``CHOICES = {field: registry}``
-    (registry: name -> dataclass): the last ``field.name`` given in the sources picks the
-    dataclass that validates that field (e.g. ``policy.name: vla`` -> ``VLAConfig``)."""
+    (registry: name -> dataclass): the last ``field.name`` given in the sources (``chosen``:
+    field -> (that name, its source), from ``_settled``) picks the dataclass that validates that
+    field (e.g. ``policy.name: vla`` -> ``VLAConfig``)."""
     cfg = OmegaConf.structured(schema)
-    keys = getattr(
-        schema, "CHOICE_KEYS", {}
-    )  # field -> the key that names the choice ("name" unless given)
-    for field_name, registry in getattr(schema, "CHOICES", {}).items():
-        chosen = None
-        where = None
-        key = keys.get(field_name, "name")
-        for src, data in sources:
-            node = data.get(field_name) if isinstance(data, dict) else None
-            if isinstance(node, dict) and key in node:
-                chosen = node[key]
-                where = src
-        if chosen is None:
-            continue
-        if chosen not in registry:
+    keys = getattr(schema, "CHOICE_KEYS", {})  # field -> the key that names the choice
+    for field_name, (name, where) in chosen.items():
+        registry = schema.CHOICES[field_name]
+        if not isinstance(name, str) or name not in registry:
+            key = keys.get(field_name, "name")
             raise ConfigError(
-                f"{field_name}.{key}: unknown {field_name} {chosen!r}; "
+                f"{field_name}.{key}: unknown {field_name} {name!r}; "
                 f"known: {sorted(registry)} (in {where})"
             )
-        cfg[field_name] = OmegaConf.structured(registry[chosen])
+        cfg[field_name] = OmegaConf.structured(registry[name])
     return cfg
 
 
@@ -353,8 +360,9 @@ def _value_for_section(cfg, data: dict, prefix: str = "") -> tuple[str, Any] | N
     return None
 
 
-def _settled(schema: type, sources: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
-    """``sources`` as ``compose`` merges them: a choice field's section given whole on the command
+def _settled(schema: type, sources: list[tuple[str, dict]]):
+    """``sources`` as ``compose`` merges them, and each choice field's last choice (field ->
+    (name, source name), for ``_base``): a choice field's section given whole on the command
     line (``algorithm={name: ppo}``) read as YAML, as in a file, so that its choice counts; and
     where a later source changes a choice, each earlier source's settings of that field that only
     its own choice has left behind (``algorithm.name=ppo`` over a GRPO file drops ``group_size``
@@ -363,21 +371,24 @@ def _settled(schema: type, sources: list[tuple[str, dict]]) -> list[tuple[str, d
     keys = getattr(schema, "CHOICE_KEYS", {})
     sources = [(name, _sections_read(data, choices)) for name, data in sources]
     base = OmegaConf.structured(schema)
+    chosen: dict[str, tuple[Any, str]] = {}
     for field_name, registry in choices.items():
         key = keys.get(field_name, "name")
         current = OmegaConf.get_type(base[field_name])
         in_effect = []  # the dataclass each source's settings of the field were written for
-        for _, data in sources:
+        for source, data in sources:
             node = data.get(field_name)
-            if isinstance(node, dict) and isinstance(node.get(key), str) and node[key] in registry:
-                current = registry[node[key]]
+            if isinstance(node, dict) and key in node:
+                chosen[field_name] = (node[key], source)
+                if isinstance(node[key], str) and node[key] in registry:
+                    current = registry[node[key]]
             in_effect.append(current)
         final = _field_names(current)
         sources = [
             (name, _without(data, field_name, _field_names(kind) - final))
             for (name, data), kind in zip(sources, in_effect)
         ]
-    return sources
+    return sources, chosen
 
 
 def _sections_read(data: dict, choices: dict) -> dict:
@@ -405,8 +416,8 @@ def _without(data: dict, field_name: str, dropped: set[str]) -> dict:
 def compose(schema: type, sources: list[tuple[str, dict]]):
     """Merge (source name, mapping) pairs in order into an instance of ``schema`` (ConfigError on
     a bad key or value), without running the ``validate()`` methods."""
-    sources = _settled(schema, sources)
-    cfg = _base(schema, sources)
+    sources, chosen = _settled(schema, sources)
+    cfg = _base(schema, chosen)
     for name, data in sources:
         try:
             cfg = OmegaConf.merge(cfg, _typed(cfg, data, name))

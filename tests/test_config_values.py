@@ -219,3 +219,15 @@ def test_the_vla_heads_error_names_the_command_line_once(capsys):
     line = capsys.readouterr().err.strip()
     assert "\n" not in line and line.endswith("(in the command line)"), line
     assert line.count("must be") == 1 and ".yaml" not in line, line
+
+
+def test_yes_no_on_off_are_text_for_a_text_setting_and_booleans_for_a_flag(tmp_path):
+    """PyYAML reads YAML 1.1, where ``no`` is False: ``runner: {name: no}`` in a file, or
+    ``runner={name: no}`` on the command line, named the run "False"."""
+    path = tmp_path / "named.yaml"
+    path.write_text("runner: {name: no, video: off}\n")
+    cfg = load_config(TrainConfig, path, files=False)[0]
+    assert (cfg.runner.name, cfg.runner.video) == ("no", False)
+    overrides = ["runner={name: off, video: yes, progress: no}"]
+    cfg = load_config(TrainConfig, path, overrides, files=False)[0]
+    assert (cfg.runner.name, cfg.runner.video, cfg.runner.progress) == ("off", True, False)
