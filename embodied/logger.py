@@ -28,9 +28,10 @@ def after_the_last_event_file(tb_dir: Path) -> None:
 
 
 class RunLogger:
-    """``resumed_at``: a resumed run's checkpoint's step. TensorBoard hides what an earlier
-    process logged from that step on (its final evaluation is at that step), and the rows
-    metrics.jsonl keeps at it (the runner trims the rest) are written to TensorBoard again."""
+    """``resumed_at``: the step from which a resumed run logs anew (its checkpoint's, or an
+    evaluation's it runs again: ``run.logged_again_from``). TensorBoard hides what an earlier
+    process logged from that step on, and the rows metrics.jsonl keeps from it (the runner
+    trims the rest) are written to TensorBoard again."""
 
     def __init__(self, run_dir: Path, enabled_tb: bool = True, resumed_at: int | None = None):
         path = Path(run_dir) / "metrics.jsonl"
@@ -47,10 +48,10 @@ class RunLogger:
 
     def _scalars_again(self, rows: list[dict], step: int) -> None:
         for row in rows:
-            if row.get("env_steps") == step:
+            if row.get("env_steps", -1) >= step:
                 for k, v in _scalars(row).items():
                     if "/" in k:  # (a metric, not the row's env_steps or iteration)
-                        self.tb.add_scalar(k, v, step)
+                        self.tb.add_scalar(k, v, row["env_steps"])
 
     def log(self, metrics: dict, step: int, **extra) -> None:
         """Write the numeric ``group/name`` entries at ``step`` (env steps)."""

@@ -290,10 +290,8 @@ def rewind(run_dir: Path, resume: dict, cfg, evaluates_beside: bool) -> None:
     logged."""
     counters = resume["counters"]
     done = counters["iteration"]
-    unsaved = unsaved_evaluation(counters)
-    if unsaved is not None and why_not_again(cfg, evaluates_beside, run_dir, counters, unsaved):
-        unsaved = None
-    trim_metrics(run_dir, done, None if unsaved is None else unsaved["iteration"])
+    again = evaluation_again(cfg, evaluates_beside, run_dir, counters)
+    trim_metrics(run_dir, done, None if again is None else again["iteration"])
     # the earlier process's result: the resumed run writes its own when it ends
     for result in ("metrics.json", "videos/final_eval.mp4", "videos/eval.mp4"):  # (sft's)
         (run_dir / result).unlink(missing_ok=True)
@@ -330,6 +328,24 @@ def unsaved_evaluation(counters: dict) -> dict | None:
     at = counters.get("evaluating")
     recorded = [e["iteration"] for e in counters.get("evals", [])]
     return None if at is None or at["iteration"] in recorded else at
+
+
+def evaluation_again(cfg, evaluates_beside: bool, run_dir: Path, counters: dict) -> dict | None:
+    """The counters (``EVALUATED_AT``) of the unsaved evaluation that a run resumed from a
+    checkpoint's ``counters`` runs again beside training; None where there is none."""
+    unsaved = unsaved_evaluation(counters)
+    if unsaved is None or why_not_again(cfg, evaluates_beside, run_dir, counters, unsaved):
+        return None
+    return unsaved
+
+
+def logged_again_from(cfg, evaluates_beside: bool, run_dir: Path, counters: dict) -> int:
+    """The env step from which a run resumed from ``counters`` logs anew: its checkpoint's, or
+    that of the evaluation it runs again where earlier (TensorBoard hides the earlier processes'
+    points from there on, and gets the rows metrics.jsonl keeps from there again)."""
+    again = evaluation_again(cfg, evaluates_beside, run_dir, counters)
+    steps = counters["env_steps"]
+    return steps if again is None else min(steps, again["env_steps"])
 
 
 def why_not_again(

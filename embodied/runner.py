@@ -47,6 +47,7 @@ from embodied.run import (
     bar_postfix,
     check_resume,
     enter_run_dir,
+    logged_again_from,
     run_dir_for,
     run_dir_held,
     unsaved_evaluation,
@@ -173,7 +174,9 @@ class Runner:
         self.pending: UpdateInFlight | None = None
         meta = run_meta(cfg, roles.spec)
         self.points = SavePoints(self.state, roles, run_dir, meta, cfg.runner.keep_checkpoints)
-        resumed_at = None if self.fresh else self.state.env_steps
+        counters = self.state.counters()
+        beside = roles.evaluates_beside
+        resumed_at = None if self.fresh else logged_again_from(cfg, beside, run_dir, counters)
         self.logger = RunLogger(run_dir, resumed_at=resumed_at)
         self.events = EventLog(run_dir)
         self._event("start" if self.fresh else "resume")

@@ -87,3 +87,57 @@ def test_a_resumed_runs_event_file_sorts_after_the_last_ones(tmp_path):
     RunLogger(tmp_path, resumed_at=0).close()
     names = sorted(p.name for p in tb.iterdir())
     assert len(names) == 2 and names[0] == last.name  # the new file is read after it
+
+
+def tensorboard_points(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Each TensorBoard scalar's (step, value) points, as TensorBoard shows them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+
+
+def test_a_resume_that_evaluates_an_earlier_iteration_again_shows_each_point_once(tmp_path):
+    """Iteration 2's checkpoint was saved while iteration 1's evaluation ran beside training;
+    its result was logged (at iteration 1's step, 10) after that save. The resumed run evaluates
+    iteration 1 again: TensorBoard showed both results at step 10, since it hid the first
+    process's points from the checkpoint's step (20) on only."""
+    from embodied.logger import RunLogger
+
+    first = RunLogger(tmp_path)
+    first.log({"policy/loss": 1.0}, 10, iteration=1)
+    first.log({"policy/loss": 2.0}, 20, iteration=2)
+    first.log({"eval/success_rate": 0.5}, 10, iteration=1)
+    first.log({"policy/loss": 9.0}, 30, iteration=3)  # (after the checkpoint: trimmed)
+    first.close()
+    trim_metrics(tmp_path, 2, evaluated=1)
+    again = RunLogger(tmp_path, resumed_at=10)
+    again.log({"eval/success_rate": 0.75}, 10, iteration=1)
+    again.log({"policy/loss": 3.0}, 30, iteration=3)
+    again.close()
+    shown = tensorboard_points(tmp_path)
+    assert shown["eval/success_rate"] == [(10, 0.75)]
+    assert shown["policy/loss"] == [(10, 1.0), (20, 2.0), (30, 3.0)]
+
+
+def test_a_resume_logs_anew_from_the_evaluation_it_runs_again(tmp_path):
+    from types import SimpleNamespace
+
+    from embodied.checkpoint import META, checkpoint_dir
+    from embodied.run import logged_again_from
+
+    cfg = SimpleNamespace(runner=SimpleNamespace(total_env_steps=100, max_minutes=None))
+    counters = {"iteration": 2, "env_steps": 20, "train_seconds": 5.0, "evals": []}
+    assert logged_again_from(cfg, True, tmp_path, counters) == 20  # nothing in flight
+    counters["evaluating"] = {"iteration": 1, "env_steps": 10, "train_seconds": 2.0}
+    assert logged_again_from(cfg, True, tmp_path, counters) == 20  # its checkpoint is gone
+    kept = checkpoint_dir(tmp_path, 1)
+    kept.mkdir(parents=True)
+    (kept / META).write_text("{}")
+    assert logged_again_from(cfg, True, tmp_path, counters) == 10
+    assert logged_again_from(cfg, False, tmp_path, counters) == 20  # no evaluation workers
+    counters["evals"] = [{"iteration": 1}]  # (its result was saved: nothing runs again)
+    assert logged_again_from(cfg, True, tmp_path, counters) == 20
