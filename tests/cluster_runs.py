@@ -3,12 +3,13 @@
 what the learner is sent, recorded."""
 
 import json
+import numbers
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from scripted_envs import GRPO, push_right_envs, run_on
+from scripted_envs import GRPO, ScriptedEnv, push_right_envs, run_on
 
 from embodied.cluster.learner import RemoteLearner
 from embodied.cluster.roles import RayRoles
@@ -162,3 +163,19 @@ def discarded_rounds(table: list[dict]) -> list[tuple[int, int]]:
     """(iteration, rounds discarded so far) of each metrics row that logs a discarded round."""
     key = "cluster/discarded_rounds"
     return [(r["iteration"], r[key]) for r in table if key in r]
+
+
+class WholeSeedEnv(ScriptedEnv):
+    """A ScriptedEnv whose observation tells a reset seeded by one int (ManiSkill's GPU backend
+    resets such a batch in one call) from one seeded by a list: its seed column is negated."""
+
+    def reset(self, *, seed=None, env_ids=None):
+        super().reset(seed=seed, env_ids=env_ids)
+        if isinstance(seed, numbers.Integral):
+            self.seed.neg_()
+        return self._obs()
+
+
+def whole_seed_envs(env_cfg) -> WholeSeedEnv:
+    """A cluster env worker's environments: ``env_cfg.num_envs`` WholeSeedEnv rows."""
+    return WholeSeedEnv([0] * env_cfg.num_envs)

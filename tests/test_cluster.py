@@ -19,6 +19,7 @@ from cluster_runs import (
     ONE_ROUND,
     ROOT,
     TWO_ENV_WORKERS,
+    WholeSeedEnv,
     assert_same_numbers,
     block_ray,
     discarded_rounds,
@@ -26,6 +27,7 @@ from cluster_runs import (
     roles_on,
     rows,
     untimed,
+    whole_seed_envs,
 )
 from safetensors.torch import load_file
 from scripted_envs import (
@@ -43,6 +45,7 @@ from embodied.cluster.inference import RemoteInference
 from embodied.cluster.learner import RemoteLearner
 from embodied.cluster.roles import RayRoles
 from embodied.config import load_config
+from embodied.env_group import EnvGroup
 from embodied.episode_stats import EpisodeStats
 from embodied.multitask import MultiTaskEnv
 from embodied.replay import differences, replay
@@ -283,6 +286,23 @@ def test_env_workers_that_infer_act_on_the_privileged_keys_every_task_has(local_
         roles.close()
     assert list(batch.obs.privileged) == ["goal"]
     assert batch.obs.privileged["goal"].shape == (3, 8, 1)
+
+
+def test_an_int_reset_seed_reaches_each_env_worker_as_an_int(local_ray, tmp_path):
+    """As in the embedded run: ManiSkill's GPU backend resets a batch seeded by one int in one
+    call, and one seeded by a list in a call per seed, from other initial states. Each env
+    worker was sent its rows' list."""
+    policy = {"name": "actor_critic", "hidden_sizes": [8], "use_images": False}
+    roles = roles_on(tmp_path, TWO_ENV_WORKERS, policy, whole_seed_envs)
+    try:
+        on_ray = roles.envs.reset(seed=5).fetch()
+        listed = roles.envs.reset(seed=list(range(5, 13))).fetch()
+    finally:
+        roles.close()
+    embedded = EnvGroup(WholeSeedEnv([0] * 8)).reset(seed=5)
+    assert embedded.state[:, 2].tolist() == [-s for s in range(5, 13)]
+    assert on_ray.state[:, 2].tolist() == embedded.state[:, 2].tolist()
+    assert listed.state[:, 2].tolist() == list(range(5, 13))
 
 
 def test_env_workers_holding_different_tasks_evaluate_as_the_embedded_run(

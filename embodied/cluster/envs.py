@@ -6,6 +6,7 @@ Rounds of training and evaluations run in the env workers themselves
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -160,7 +161,11 @@ class RemoteEnvGroup(WorkerGroup):
             None if seeds is None else list(seeds[lo:hi])
             for lo, hi in zip(self.bounds, self.bounds[1:])
         ]
-        refs = [worker.reset.remote(mine) for worker, mine in zip(self.workers, self.seeds)]
+        sent = self.seeds
+        if isinstance(seed, numbers.Integral):  # one int a worker, from its first row, as
+            # ``MultiTaskEnv`` gives each task: ManiSkill's GPU batch then resets in one call
+            sent = [int(seed) + lo for lo in self.bounds[:-1]]
+        refs = [worker.reset.remote(mine) for worker, mine in zip(self.workers, sent)]
         answers = self._wait(refs)
         instructions: dict[str, str] = {}
         for w, (_, theirs) in enumerate(answers):

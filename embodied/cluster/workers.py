@@ -150,7 +150,7 @@ class EnvWorker(_Worker):
         self.group = EnvGroup(self.env, chunks_in_thread=self.CHUNKS_IN_THREAD)
 
     @timed
-    def reset(self, seeds: list[int] | None):
+    def reset(self, seeds: int | list[int] | None):
         """Reset every environment: ([the observations in the object store, owned by this
         worker], the tasks' instructions). The observations stay here (a round starts from them,
         ``collect``) unless the driver's caller fetches them (an evaluation)."""
