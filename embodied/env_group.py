@@ -73,9 +73,10 @@ class EnvGroup:
         self._stepping: dict[int, deque[torch.Tensor]] = {}  # ... -> its rows stepping
 
     def reset(self, seed: int | Sequence[int] | None = None) -> Observation:
-        """Reset every environment (an int seed gives env b the seed ``seed + b``; a list, one
-        seed each) and check that each task's environments share one instruction. Whatever a
-        round that failed left running is finished and dropped first (``drain``)."""
+        """Reset every environment (an int seed gives env b the seed ``seed + b``, but on
+        ManiSkill's GPU backend ManiSkill's own derivation from it; a list, one seed each) and
+        check that each task's environments share one instruction. Whatever a round that
+        failed left running is finished and dropped first (``drain``)."""
         self.drain()
         obs = self.env.reset(seed=seed)
         instructions = tuple(obs.instruction[lo] for lo, _ in self._ranges)

@@ -101,9 +101,13 @@ def record_tasks(meta: dict) -> list[str]:
 
 def with_seeds(record: RecordedRounds, episodes: list[Episode]) -> list[Episode]:
     """``episodes`` with the reset seed of each that began at its round's reset (the round's
-    seeds, planned again: embodied/resimulate.py); one after an automatic reset has none."""
+    seeds, planned again: embodied/resimulate.py); one after an automatic reset has none, and
+    neither has one of ManiSkill's GPU backend reset with an int (PPO's plan): ManiSkill
+    derives each row's seed from it (design note 36)."""
     from embodied.resimulate import round_seeds
 
+    env = record.meta["config"]["env"]
+    derived = env.get("simulator") == "maniskill" and env.get("backend") == "gpu"
     seeds = {}
     for episode in episodes:
         if episode.chunks[0] != 0:
@@ -113,7 +117,10 @@ def with_seeds(record: RecordedRounds, episodes: list[Episode]) -> list[Episode]
             seeds[r] = round_seeds(record, r)
         planned = seeds[r]
         row = episode.row
-        episode.seed = planned + row if isinstance(planned, int) else int(planned[row])
+        if not isinstance(planned, int):
+            episode.seed = int(planned[row])
+        elif not derived:
+            episode.seed = planned + row
     return episodes
 
 

@@ -44,6 +44,7 @@ SET_BY_ADVANTAGES = ("advantages", "returns", "sample_mask")  # (computed again 
 SPIKE_WINDOW = 20  # iterations whose gradient norms make the median a spike is measured by
 FORMAT = "embodied-rollout-record-v1"
 # what a replay reads from record.json
+NON_FINITE_TEXTS = ("nan", "inf", "-inf")  # (how record.json writes a metric that is not finite)
 META_KEYS = ("instructions", "stream_seed", "lr", "metrics", "digest_after", "config", "spec")
 
 
@@ -225,7 +226,11 @@ def record_meta(run_dir: Path, iteration: int) -> dict:
         raise RecordError(f"{path / 'record.json'}: damaged (no {', '.join(missing)})")
     if not isinstance(meta["metrics"], dict):
         raise RecordError(f"{path / 'record.json'}: damaged (its metrics are not a JSON object)")
-    meta["metrics"] = {k: float(v) if isinstance(v, str) else v for k, v in meta["metrics"].items()}
+    for key, value in meta["metrics"].items():
+        if isinstance(value, str):  # (strict JSON: a number that is not finite is its text)
+            if value not in NON_FINITE_TEXTS:
+                raise RecordError(f"{path / 'record.json'}: damaged (metric {key} is {value!r})")
+            meta["metrics"][key] = float(value)
     return meta
 
 

@@ -25,7 +25,7 @@ class RunState:
 
     iteration: int = 0  # iterations finished
     env_steps: int = 0  # the finished iterations' env steps
-    episodes: int = 0  # episodes ended in them
+    episodes: int = 0  # first episodes of their rounds ended in them (episode_stats.py)
     train_seconds: float = 0.0  # training's wall clock (runner.max_minutes counts it)
     policy_version: int = 0  # weight syncs to the rollout workers
     rounds: int = 0  # rounds collected (episode ids and random streams follow them)

@@ -162,7 +162,7 @@ def test_an_overflow_at_close_is_raised_after_an_error_was_handled():
 
 BAD_ACTIONS_ERROR = (
     "MuJoCo Warp task 'push': the actions of environments [1, 2] were not finite "
-    "(NaN or infinite; held at 0 since)"
+    "(NaN or infinite; those entries acted as 0)"
 )
 
 

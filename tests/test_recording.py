@@ -184,6 +184,10 @@ def test_a_damaged_or_missing_record_is_one_line_naming_the_file(tmp_path, capsy
     assert main(["replay", str(run_dir), "--iteration", "5"]) == 2
     assert "no record of iteration 5" in capsys.readouterr().err
     meta = record_dir(run_dir, 1) / "record.json"
+    written = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**written, "metrics": {"policy/loss": "abc"}}))
+    with pytest.raises(Exception, match=r"record.json: damaged \(metric policy/loss is 'abc'\)"):
+        read_record(run_dir, 1)
     meta.write_text(json.dumps({"format": "x"}))
     with pytest.raises(Exception, match=r"record.json: damaged \(no config, digest_after"):
         read_record(run_dir, 1)

@@ -94,6 +94,31 @@ def test_an_episode_is_chosen_by_its_reset_seed(recorded):
     assert [e.row for e in chosen] == [4, 5, 6, 7]
 
 
+def test_an_int_seed_on_maniskills_gpu_backend_gives_its_episodes_no_seed(monkeypatch):
+    """PPO plans one int a round; ManiSkill's GPU backend derives each row's seed from it
+    (design note 36), so no row's episode is labelled ``seed + row``, which it did not start
+    from. Elsewhere row b started from ``seed + b``."""
+    from types import SimpleNamespace
+
+    from embodied import resimulate as resimulate_module
+    from embodied.episodes import Episode
+
+    monkeypatch.setattr(resimulate_module, "round_seeds", lambda record, r: 100)
+
+    def seeds(env: dict) -> list:
+        record = SimpleNamespace(meta={"config": {"env": env}})
+        episodes = [
+            Episode(r, row, [0], row, "0", True, 0.0, False, False, 1)
+            for r in (0, 1)
+            for row in (0, 2)
+        ]
+        return [e.seed for e in with_seeds(record, episodes)]
+
+    assert seeds({"simulator": "maniskill", "backend": "gpu"}) == [None] * 4
+    assert seeds({"simulator": "maniskill", "backend": "cpu"}) == [100, 102] * 2
+    assert seeds({"simulator": "mujoco", "backend": "warp"}) == [100, 102] * 2
+
+
 def test_a_chunked_policys_episodes_become_a_dataset_through_resimulation(tmp_path, capsys):
     """MuJoCo's pick task from cameras, a policy acting in chunks of 2, every iteration
     recorded: ``--to-dataset`` (no ``--iteration``: every record) re-simulates the rounds, keeps

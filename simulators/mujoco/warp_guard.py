@@ -141,5 +141,5 @@ class StepGuard:
             worlds = torch.nonzero(self._non_finite).flatten().tolist()
             raise UserError(
                 f"MuJoCo Warp task {self.task!r}: the actions of environments {worlds} were not "
-                "finite (NaN or infinite; held at 0 since)"
+                "finite (NaN or infinite; those entries acted as 0)"
             )
