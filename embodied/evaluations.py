@@ -15,8 +15,9 @@ from tqdm import tqdm
 from embodied.checkpoint import checkpoint_dir, load_checkpoint, mark_best
 from embodied.evaluate import overall, per_task
 from embodied.logger import RunLogger, write_atomic
+from embodied.resume import why_not_again
 from embodied.roles import Roles, WorkerLost
-from embodied.run import Interrupted, Stopped, StopSignals, bar_interval, why_not_again
+from embodied.run import Interrupted, Stopped, StopSignals, bar_interval
 from embodied.run_state import RunState, SavePoints
 from embodied.seeds import eval_seed
 from embodied.train_config import TrainConfig

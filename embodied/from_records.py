@@ -34,8 +34,9 @@ from embodied.recording import (
     weights_digest,
 )
 from embodied.replay import differences
+from embodied.resume import flatten
 from embodied.roles import Learner
-from embodied.run import enter_run_dir, flatten, run_dir_for, run_dir_held
+from embodied.run import enter_run_dir, run_dir_for, run_dir_held
 from embodied.run_state import RunState
 from embodied.schema import EnvSpec, UserError
 from embodied.train_config import run_meta

@@ -29,7 +29,7 @@ def after_the_last_event_file(tb_dir: Path) -> None:
 
 class RunLogger:
     """``resumed_at``: the step from which a resumed run logs anew (its checkpoint's, or an
-    evaluation's it runs again: ``run.logged_again_from``). TensorBoard hides what an earlier
+    evaluation's it runs again: ``resume.logged_again_from``). TensorBoard hides what an earlier
     process logged from that step on, and the rows metrics.jsonl keeps from it (the runner
     trims the rest) are written to TensorBoard again."""
 

@@ -29,6 +29,7 @@ from embodied.logger import RunLogger
 from embodied.multitask import check_tasks, make_env
 from embodied.recording import RunRecords, not_finite, record_dir
 from embodied.report import report_at_end
+from embodied.resume import check_resume, logged_again_from, unsaved_evaluation
 from embodied.roles import (
     Roles,
     WorkerLost,
@@ -45,12 +46,9 @@ from embodied.run import (
     StopSignals,
     bar_interval,
     bar_postfix,
-    check_resume,
     enter_run_dir,
-    logged_again_from,
     run_dir_for,
     run_dir_held,
-    unsaved_evaluation,
     write_trace,
 )
 from embodied.run_state import Collected, Progress, RunState, SavePoints, UpdateInFlight

@@ -33,13 +33,13 @@ from embodied.logger import RunLogger, write_atomic
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
 from embodied.multitask import SIMULATOR_CONFIGS, make_env
 from embodied.report import report_at_end
+from embodied.resume import check_resume
 from embodied.roles import load_checkpoint_for, make_engine, save_engine
 from embodied.run import (
     Clock,
     Stopped,
     StopSignals,
     bar_interval,
-    check_resume,
     enter_run_dir,
     run_dir_for,
     run_dir_held,

@@ -427,8 +427,8 @@ def run_on(
     to go on from. ``report``: write RUN/report.html at the end (RUN/config.yaml too)."""
     from embodied import numerics
     from embodied.config import compose, save_config
+    from embodied.resume import rewind
     from embodied.roles import Roles, load_checkpoint_for, local_roles
-    from embodied.run import rewind
     from embodied.runner import Runner
     from embodied.train_config import TrainConfig
 

@@ -393,7 +393,7 @@ def test_trim_metrics_drops_rows_past_the_checkpoint_and_an_unsaved_evaluation(t
     """Rows of iterations 1-3, the checkpoint at 2, and iteration 1's evaluation (beside
     training) logged but in no checkpoint: its row goes, so that its re-run logs it once."""
 
-    from embodied.run import trim_metrics
+    from embodied.resume import trim_metrics
 
     rows = [
         {"iteration": 0, "eval/success_rate": 0.1},  # before RL

@@ -243,7 +243,7 @@ def test_megatron_takes_a_vla_on_a_qwen2_5_vl_whose_language_model_splits(tmp_pa
 def test_resume_compares_only_the_keys_the_checkpoint_has(tmp_path):
     """A key newer than the checkpoint (its config lacks it) takes its default on resume; a key
     both have that changes the run's numbers is refused."""
-    from embodied.run import check_resume
+    from embodied.resume import check_resume
 
     saved = {"algorithm": {"gamma": 0.8}}
     check_resume(saved, {"algorithm": {"gamma": 0.8, "behaviour_weight_cap": 5.0}}, tmp_path, False)
@@ -257,7 +257,7 @@ def test_resume_may_change_what_the_run_records_and_reports_but_not_its_threads(
     """Rollout records, their pruning, the spike bound and the report change no number of the
     run (a record reads the random streams, it draws nothing); the thread count does (MKL and
     torch split their sums by thread)."""
-    from embodied.run import check_resume
+    from embodied.resume import check_resume
 
     keys = ("record_rollouts", "keep_rollouts", "spike_factor", "report", "torch_threads")
     saved = {"runner": dict(zip(keys, (0, 5, 10.0, True, 1)))}
@@ -271,7 +271,7 @@ def test_resume_may_change_what_the_run_records_and_reports_but_not_its_threads(
 def test_resume_refuses_another_precision_unless_forced(tmp_path):
     """trainer.* may change on resume (the backend, the TP size: the same numbers), but not
     trainer.precision: bf16 is not float32's rounding."""
-    from embodied.run import check_resume
+    from embodied.resume import check_resume
 
     saved = {"trainer": {"backend": "torch", "precision": "fp32", "tensor_parallel": 1}}
     moved = {"trainer": {"backend": "megatron", "precision": "fp32", "tensor_parallel": 2}}

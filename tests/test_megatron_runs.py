@@ -43,7 +43,7 @@ def resume_copy(tmp_path, source: str, name: str, iteration: int = 2) -> str:
     ``train`` does when it resumes); the checkpoint of that iteration to resume from."""
     import shutil
 
-    from embodied.run import trim_metrics
+    from embodied.resume import trim_metrics
 
     shutil.copytree(tmp_path / source, tmp_path / name, symlinks=True)
     trim_metrics(tmp_path / name, iteration)

@@ -10,7 +10,7 @@ import pytest
 from embodied import logger as metrics_log
 from embodied.recording import logged_grad_norms
 from embodied.report_data import read_run
-from embodied.run import trim_metrics
+from embodied.resume import trim_metrics
 
 
 def strict(line: str) -> dict:
@@ -127,7 +127,7 @@ def test_a_resume_logs_anew_from_the_evaluation_it_runs_again(tmp_path):
     from types import SimpleNamespace
 
     from embodied.checkpoint import META, checkpoint_dir
-    from embodied.run import logged_again_from
+    from embodied.resume import logged_again_from
 
     cfg = SimpleNamespace(runner=SimpleNamespace(total_env_steps=100, max_minutes=None))
     counters = {"iteration": 2, "env_steps": 20, "train_seconds": 5.0, "evals": []}

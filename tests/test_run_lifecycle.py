@@ -72,7 +72,7 @@ def test_a_resumed_run_ends_with_one_final_evaluation_and_no_stale_result(tmp_pa
     metrics.json (a resumed run that stopped showed that result as its own), and its own final
     evaluation is logged once (a finished run resumed had two). TensorBoard shows what
     metrics.jsonl holds: it kept the first process's final evaluation beside the second's."""
-    from embodied.run import rewind
+    from embodied.resume import rewind
 
     run = tmp_path / "run"
     kw = dict(save_every=1, **RUN)

@@ -1,0 +1,190 @@
+"""Resuming a run from a checkpoint: the check that the config still describes the same run,
+and the run directory taken back to the checkpoint (the metrics rows logged after it, the later
+checkpoints and rollout records, the evaluation beside training that the resumed run runs
+again)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from embodied.checkpoint import (
+    META,
+    checkpoint_dir,
+    drop_checkpoints_after,
+    iteration_dirs,
+    point_best,
+)
+from embodied.config import ConfigError
+from embodied.logger import metrics_line, read_jsonl, write_atomic
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+# keys a resumed run may change: where it writes, how it reports and how long it goes on
+RESUME_FREE = (
+    "runner.name",
+    "runner.output_dir",
+    "runner.resume",
+    "runner.resume_force",
+    "runner.overwrite",
+    "runner.progress",
+    "runner.max_minutes",
+    "runner.eval_every",
+    "runner.eval_episodes",
+    "runner.final_eval_episodes",
+    "runner.save_every",
+    "runner.keep_checkpoints",
+    "runner.video",
+    "runner.trace",
+    "runner.report",
+    # what the run records (rollouts, spikes): records draw no random number
+    "runner.record_rollouts",
+    "runner.keep_rollouts",
+    "runner.spike_factor",
+    "env.num_workers",  # environments are seeded per episode: the worker layout changes nothing
+    "env.step_timeout_s",
+)
+# where the roles run and which backend trains them: the same numbers (to float rounding);
+# but for how far collection runs ahead and the precision (bf16 is not float32's rounding)
+RESUME_FREE_PREFIX = ("cluster.", "trainer.")
+RESUME_BOUND = ("cluster.max_staleness", "trainer.precision")
+
+
+def check_resume(saved: dict, current: dict, checkpoint: Path, force: bool) -> None:
+    """Refuse to resume when a key that changes the run's numbers differs from the checkpoint's
+    config. ``runner.total_env_steps`` may grow unless the learning rate anneals over it. Keys
+    newer than the checkpoint (not in its config) are not compared."""
+    before = flatten(saved)
+    now = flatten(current)
+    free = set(RESUME_FREE)
+    if not now.get("algorithm.anneal_lr", False):
+        free.add("runner.total_env_steps")
+    # (a key the checkpoint's config lacks is newer than the run: it takes its default)
+    changed = [
+        k
+        for k in sorted(before)
+        if k not in free
+        and (not k.startswith(RESUME_FREE_PREFIX) or k in RESUME_BOUND)
+        and before.get(k) != now.get(k)
+    ]
+    if not changed or force:
+        return
+    first = changed[0]
+    more = f" (and {len(changed) - 1} more: {', '.join(changed[1:4])})" if len(changed) > 1 else ""
+    raise ConfigError(
+        f"runner.resume: {first} is {now.get(first)!r} here but {before.get(first)!r} in "
+        f"{checkpoint}{more}; that changes the run: set runner.resume_force=true to resume anyway"
+    )
+
+
+def trim_metrics(run_dir: Path, iteration: int, evaluated: int | None = None) -> None:
+    """Drop the metrics.jsonl rows logged after ``iteration`` (by a run that went on past its
+    last checkpoint), so a resumed run logs each iteration once; also the evaluation rows of
+    iteration ``evaluated`` (an evaluation beside training whose result no checkpoint holds:
+    the resumed run evaluates it again) and the final evaluation's (the resumed run ends with
+    its own)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = []
+    for row in read_jsonl(path):  # (without a line cut by the crash the run resumes from)
+        at = row.get("iteration", 0)
+        evaluation = any(key.startswith("eval/") for key in row)
+        if at <= iteration and not (evaluation and at == evaluated) and not row.get("final"):
+            kept.append(metrics_line(row))  # (an older file's NaN tokens as null)
+    write_atomic(path, "".join(kept))
+
+
+def rewind(run_dir: Path, resume: dict, cfg, evaluates_beside: bool) -> None:
+    """Take the run back to the checkpoint ``resume`` (loaded) before it goes on from there:
+    the metrics rows logged after it, those of the evaluation it will run again, the final
+    evaluation's result, the later checkpoints and rollout records go; ``RUN/best`` is its
+    best. An unfinished evaluation that cannot run again (``why_not_again``) keeps the rows it
+    logged."""
+    counters = resume["counters"]
+    done = counters["iteration"]
+    again = evaluation_again(cfg, evaluates_beside, run_dir, counters)
+    trim_metrics(run_dir, done, None if again is None else again["iteration"])
+    # the earlier process's result: the resumed run writes its own when it ends
+    for result in ("metrics.json", "videos/final_eval.mp4", "videos/eval.mp4"):  # (sft's)
+        (run_dir / result).unlink(missing_ok=True)
+    abandoned = drop_checkpoints_after(run_dir, done)
+    if abandoned:
+        print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
+    records = drop_records_after(run_dir, done)
+    if records:
+        print(f"resuming from iteration {done}: removed the later rollout records {records}")
+    best = counters.get("best")
+    point_best(run_dir, None if best is None else best["iteration"])
+
+
+def drop_records_after(run_dir: Path, iteration: int) -> list[int]:
+    """Remove the rollout records (``RUN/rollouts/iter_N``, embodied/recording.py) of the
+    iterations after ``iteration``, and any a write left staged; the iterations removed. A run
+    resumed from an earlier checkpoint abandons them: left, ``embodied episodes``,
+    ``runner.replay_from`` and the report would read iterations the run no longer has, and the
+    pruning, which keeps the newest, would remove the resumed run's own records first."""
+    folder = Path(run_dir) / "rollouts"
+    if not folder.is_dir():
+        return []
+    for staged in folder.glob("iter_*.tmp"):  # (a write cut short; nothing writes here now)
+        shutil.rmtree(staged)
+    later = [(at, path) for at, path in iteration_dirs(folder) if at > iteration]
+    for _, path in later:
+        shutil.rmtree(path)
+    return [at for at, _ in later]
+
+
+def unsaved_evaluation(counters: dict) -> dict | None:
+    """The counters of the evaluation beside training that was in flight when ``counters`` (a
+    checkpoint's) were saved, where they lack its result: a resume from them runs it again."""
+    at = counters.get("evaluating")
+    recorded = [e["iteration"] for e in counters.get("evals", [])]
+    return None if at is None or at["iteration"] in recorded else at
+
+
+def evaluation_again(cfg, evaluates_beside: bool, run_dir: Path, counters: dict) -> dict | None:
+    """The counters (``EVALUATED_AT``) of the unsaved evaluation that a run resumed from a
+    checkpoint's ``counters`` runs again beside training; None where there is none."""
+    unsaved = unsaved_evaluation(counters)
+    if unsaved is None or why_not_again(cfg, evaluates_beside, run_dir, counters, unsaved):
+        return None
+    return unsaved
+
+
+def logged_again_from(cfg, evaluates_beside: bool, run_dir: Path, counters: dict) -> int:
+    """The env step from which a run resumed from ``counters`` logs anew: its checkpoint's, or
+    that of the evaluation it runs again where earlier (TensorBoard hides the earlier processes'
+    points from there on, and gets the rows metrics.jsonl keeps from there again)."""
+    again = evaluation_again(cfg, evaluates_beside, run_dir, counters)
+    steps = counters["env_steps"]
+    return steps if again is None else min(steps, again["env_steps"])
+
+
+def why_not_again(
+    cfg, evaluates_beside: bool, run_dir: Path, counters: dict, at: dict
+) -> str | None:
+    """Why the unfinished evaluation ``at`` of a resumed checkpoint (``counters``) cannot run
+    again beside training; None where it can. Decided from the checkpoint alone, so that
+    ``rewind`` and the resumed run agree."""
+    run = cfg.runner
+    out_of_time = run.max_minutes is not None and counters["train_seconds"] >= run.max_minutes * 60
+    path = checkpoint_dir(run_dir, at["iteration"])
+    if not evaluates_beside:
+        return "it runs again only with cluster.eval.workers"
+    if counters["env_steps"] >= run.total_env_steps or out_of_time:
+        return "no iteration is left to run it beside"
+    if not (path / META).is_file():
+        return f"its checkpoint {path} is gone"
+    return None
