@@ -271,7 +271,7 @@ def _success_plot(data: RunData) -> bytes:
         low = [r.low for r in rates]
         high = [r.high for r in rates]
         axis.fill_between(steps, low, high, color=color, alpha=0.2)
-    # (an iteration where no episode ended logs none)
+    # (success within each round's first episodes, ended or not: episode_stats.py)
     train = [
         (r["env_steps"], r["episode/success_once"])
         for r in data.iterations

@@ -1,7 +1,6 @@
 """What every training command shares around its loop: the run directory's lifecycle (a fresh
-run, an overwrite, a rewind to the checkpoint a resume starts from), resuming (with a check
-that the config still describes the same run), the metrics log without duplicate rows, the
-checkpoints, the time limit, and stopping on Ctrl-C or SIGTERM at a consistent point.
+run, an overwrite, its lock; a resume's rewind to its checkpoint is resume.py's), the time
+limit, the progress bar, and stopping on Ctrl-C or SIGTERM at a consistent point.
 """
 
 from __future__ import annotations

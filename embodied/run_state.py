@@ -73,7 +73,7 @@ class Collected:
 
     iteration: int
     metrics: dict[str, float]
-    stats: EpisodeStats  # the episodes that ended in it
+    stats: EpisodeStats  # its rounds' first episodes
     start: float  # time.time() at its start
     seconds: float
     steps_before: int  # env steps before it
