@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import torch
 
-# the rows of ``EpisodeStats.totals``
-STARTED, ENDED, RETURN, LENGTH, SUCCEEDED = range(5)
-
 
 class EpisodeStats:
     """Per-task totals of the rounds' first episodes, on the device. ``summary()`` moves them to
