@@ -134,6 +134,47 @@ def test_a_placement_that_fits_passes_and_gives_one_bundle_per_worker():
     assert slots[2].resources == {"CPU": 1.0, "GPU": 0.5}
 
 
+IDLE = "cluster: the Ray cluster has {} GPU(s), but {}, so those workers run on the CPU; give "
+
+
+@pytest.mark.parametrize(
+    "roles, nodes, device, note",
+    [
+        (
+            {},
+            [{"CPU": 4.0, "GPU": 1.0}],
+            "auto",
+            IDLE.format(1, "cluster.rollout.num_gpus and cluster.actor.num_gpus are 0")
+            + "them a GPU or a share of one (cluster.actor.num_gpus=0.5)",
+        ),
+        (
+            dict(rollout=dict(num_gpus=0.5)),
+            [{"CPU": 4.0, "GPU": 2.0}],
+            "auto",
+            IDLE.format(2, "cluster.actor.num_gpus is 0")
+            + "them a GPU or a share of one (cluster.actor.num_gpus=0.5)",
+        ),
+        (  # inference in the env workers: theirs is the GPU it needs
+            dict(rollout=dict(workers=0), actor=dict(num_gpus=1)),
+            [{"CPU": 4.0}, {"CPU": 4.0, "GPU": 8.0}],
+            "auto",
+            IDLE.format(8, "cluster.env.num_gpus is 0")
+            + "them a GPU or a share of one (cluster.env.num_gpus=0.5)",
+        ),
+        (dict(rollout=dict(num_gpus=0.5), actor=dict(num_gpus=0.5)), [{"GPU": 1.0}], "auto", None),
+        ({}, [{"CPU": 4.0}], "auto", None),  # no GPU
+        ({}, [{"CPU": 4.0, "GPU": 1.0}], "cpu", None),  # the CPU chosen
+    ],
+)
+def test_workers_that_ask_for_no_gpu_on_a_cluster_with_gpus_get_a_note(roles, nodes, device, note):
+    """Ray shows a worker no GPU it did not ask for: with the default num_gpus 0 the learner
+    trained on the CPU of a GPU machine, and nothing said so."""
+    from embodied.cluster.placement import idle_gpus_note
+
+    cfg, _ = slots_of(**roles)
+    assert idle_gpus_note(cfg, nodes, device) == note
+
+
 def test_hybrid_gives_the_rollout_and_actor_workers_one_bundle():
     from embodied.cluster.placement import bundles_of, check_fits
 

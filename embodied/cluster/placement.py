@@ -172,20 +172,41 @@ def _fits(need: dict[str, float], node: dict[str, float]) -> bool:
     return all(node.get(name, 0.0) + 1e-9 >= amount for name, amount in need.items())
 
 
+def idle_gpus_note(cfg: ClusterConfig, nodes: list[dict[str, float]], device: str) -> str | None:
+    """A note where the Ray cluster has GPUs but the workers that train and act ask for none
+    with ``runner.device`` auto: Ray shows a worker no GPU it did not ask for, so they run on
+    the CPU (the embedded run would train on the environment's device)."""
+    gpus = sum(node.get("GPU", 0.0) for node in nodes)
+    acting = "env" if cfg.rollout.workers == 0 else "rollout"  # (where the inference copies live)
+    idle = [role for role in (acting, "actor") if not getattr(cfg, role).num_gpus]
+    if device != "auto" or gpus == 0 or not idle:
+        return None
+    keys = " and ".join(f"cluster.{role}.num_gpus" for role in idle)
+    return (
+        f"cluster: the Ray cluster has {_amount(gpus)} GPU(s), but {keys} "
+        f"{'is' if len(idle) == 1 else 'are'} 0, so those workers run on the CPU; give them "
+        f"a GPU or a share of one (cluster.{idle[-1]}.num_gpus=0.5)"
+    )
+
+
 def alive_nodes() -> list[dict[str, float]]:
     import ray
 
     return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
 
 
-def place(cfg: ClusterConfig):
-    """(the placement group, its slots), checked before anything starts."""
+def place(cfg: ClusterConfig, device: str = "auto"):
+    """(the placement group, its slots), checked before anything starts; ``device``: the run's
+    ``runner.device``."""
     import ray
     from ray.util.placement_group import placement_group
 
     nodes = alive_nodes()
     slots = plan_slots(cfg, nodes)
     check_fits(cfg, slots, nodes)
+    note = idle_gpus_note(cfg, nodes, device)
+    if note:
+        print(note)
     group = placement_group(bundles_of(slots), strategy=STRATEGIES[cfg.placement], name="")
     ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
     if not ready:

@@ -63,7 +63,7 @@ class RayRoles:
         self.event_log = EventLog(self.run_dir)
         try:
             env_cfgs = split_env(cfg.env, cluster.env.workers)
-            self.group, self.slots = place(cluster)
+            self.group, self.slots = place(cluster, cfg.runner.device)
             made = start_groups(cfg, env_cfgs, self.group, self.slots, env_factory, self._fault)
             self.groups = made.by_role()
             self.envs, self.learner, self.inference = made.envs, made.learner, made.inference
