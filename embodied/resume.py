@@ -65,8 +65,8 @@ def check_resume(saved: dict, current: dict, checkpoint: Path, force: bool) -> N
     """Refuse to resume when a key that changes the run's numbers differs from the checkpoint's
     config. ``runner.total_env_steps`` may grow unless the learning rate anneals over it. Keys
     newer than the checkpoint (not in its config) are not compared."""
-    before = flatten(saved)
-    now = flatten(current)
+    before = _torch_in_float32(flatten(saved))
+    now = _torch_in_float32(flatten(current))
     free = set(RESUME_FREE)
     if not now.get("algorithm.anneal_lr", False):
         free.add("runner.total_env_steps")
@@ -86,6 +86,14 @@ def check_resume(saved: dict, current: dict, checkpoint: Path, force: bool) -> N
         f"runner.resume: {first} is {now.get(first)!r} here but {before.get(first)!r} in "
         f"{checkpoint}{more}; that changes the run: set runner.resume_force=true to resume anyway"
     )
+
+
+def _torch_in_float32(flat: dict) -> dict:
+    """``flat`` (a flattened config) with the torch backend's precision as what it trains in:
+    float32, whatever the key says (``auto`` and ``fp32`` are the same run there)."""
+    if "trainer.precision" in flat and flat.get("trainer.backend", "torch") == "torch":
+        return {**flat, "trainer.precision": "fp32"}
+    return flat
 
 
 def trim_metrics(run_dir: Path, iteration: int, evaluated: int | None = None) -> None:

@@ -280,6 +280,15 @@ def test_resume_refuses_another_precision_unless_forced(tmp_path):
     with pytest.raises(ConfigError, match="trainer.precision is 'bf16' here but 'fp32'"):
         check_resume(saved, bf16, tmp_path, False)
     check_resume(saved, bf16, tmp_path, True)
+    # the torch backend trains in float32 whatever it says: auto and fp32 are one run there
+    auto = {"trainer": {"backend": "torch", "precision": "auto", "tensor_parallel": 1}}
+    check_resume(auto, saved, tmp_path, False)
+    check_resume(auto, moved, tmp_path, False)
+    with pytest.raises(ConfigError, match="trainer.precision is 'bf16' here but 'fp32'"):
+        check_resume(auto, bf16, tmp_path, False)
+    megatron_auto = {"trainer": {**moved["trainer"], "precision": "auto"}}
+    with pytest.raises(ConfigError, match="trainer.precision is 'auto' here but 'fp32'"):
+        check_resume(saved, megatron_auto, tmp_path, False)  # (bf16 on a GPU)
 
 
 def test_a_compiled_act_takes_a_fixed_number_of_pipeline_stages():
