@@ -245,9 +245,10 @@ class ManiSkillCore:
         self._elapsed_host = np.zeros(opts.num_envs, dtype=np.int64)
         # seeded resets copy one environment's episode to the others with the same seed
         self._share_resets = opts.task in SHARED_RESET_TASKS and self.env.reconfiguration_freq == 0
-        # the first episodes from the OS's entropy (as on MuJoCo and LIBERO): unseeded resets
-        # continue from them, and from seed 0 every worker repeated one sequence of episodes
-        raw, _ = self.env.reset(seed=int(np.random.default_rng().integers(2**31)))
+        # (seed 0: every core starts alike, so that equal seeds later give equal states, PhysX's
+        # contact caches included; the first unseeded reset draws its seed from entropy)
+        raw, _ = self.env.reset(seed=0)
+        self._seeded = False  # no reset of the caller's yet
         self.spec = EnvSpec(
             obs=self._obs_spec(raw),
             action=self.action_spec,
@@ -355,6 +356,12 @@ class ManiSkillCore:
         that state (bodies, joints, controller targets, RNGs) is copied to the other environments
         with the same seed. ManiSkill resets: one per distinct seed, whatever the batch size."""
         options = {} if env_ids is None else {"env_idx": env_ids.to(self.device)}
+        if seed is None and not self._seeded:
+            # the first episodes from the OS's entropy (as on MuJoCo and LIBERO): unseeded resets
+            # continue from them, and from the start-up's seed 0 every worker repeated one
+            # sequence of episodes
+            seed = int(np.random.default_rng().integers(2**31))
+        self._seeded = True
         if seed is None or self.opts.num_envs == 1 or (isinstance(seed, int) and env_ids is None):
             # one call; with several sub-environments ManiSkill derives a deterministic seed for
             # each from the int
