@@ -168,9 +168,8 @@ def _check_seeded_resets(env, obs: S.Observation, seed: int) -> None:
 def _check_partial_reset(env, seed: int, deterministic: bool) -> None:
     """Env 0 reset alone with ``seed + 100`` after a step: the full batch comes back, the other
     rows as the step left them, and (``deterministic``) row 0 as a full ``reset(seed=seed +
-    100)`` gives it (so a partial reset that resets nothing, or the wrong row, is caught). State
-    and privileged are compared, not images: a renderer may draw the other rows again (MuJoCo
-    Warp's, after the reset's forward pass, a substep later than a step's)."""
+    100)`` gives it (so a partial reset that resets nothing, or the wrong row, is caught): state,
+    privileged and, for the other rows, images."""
     B = env.num_envs
     dev = torch.device(env.device)
     fresh = env.reset(seed=seed + 100) if deterministic else None  # env 0's seed: seed + 100
@@ -181,7 +180,7 @@ def _check_partial_reset(env, seed: int, deterministic: bool) -> None:
     check_observation(part, env.spec, B, dev, "reset(env_ids=[0])")
     if B > 1:
         _require(
-            not _rows_differ(part, stepped, images=False)[1:].any(),
+            not _rows_differ(part, stepped)[1:].any(),
             "partial reset changed environments it was not asked to reset",
         )
     if fresh is not None:

@@ -294,8 +294,25 @@ class MuJoCoWarpEnv:
                 self._cameras[key] = WarpCameras(
                     self._wp, self._mjw, self.host_model, self.num_envs, cameras, size
                 )
+        self._pose()
         with self._on_torch_stream():
             return self._cameras[key].images(self._m, self._d)
+
+    def _pose(self) -> None:
+        """Every world's bodies, cameras and lights placed where its joints are now, as the
+        rollout backend draws them: a step leaves them where its last substep began (MuJoCo
+        places them before integrating), so without this a partial reset's forward pass would
+        move the other worlds' images a substep on."""
+
+        def place() -> None:
+            self._mjw.kinematics(self._m, self._d)
+            self._mjw.camlight(self._m, self._d)  # (fixed cameras: no subtree centres needed)
+
+        if self.device.type == "cuda":
+            self._as_graph("pose", place)
+        else:
+            with self._on_torch_stream():
+                place()
 
     # --- reset / step -------------------------------------------------------------------------
     def _reset_rows(self, rows: np.ndarray) -> None:
