@@ -24,11 +24,11 @@ import torch
 from embodied.deploy_policy import (
     GOAL,
     DeployError,
+    RobotInfer,
     check_fits,
     load_deployable,
     obs_to_wire,
     policy_chunk,
-    robot_infer,
     select_columns,
     serve_device,
     wire_to_obs,
@@ -206,9 +206,11 @@ def run_deploy(
         # handlers outlast the shutdown: a second Ctrl-C or a SIGTERM cannot cut it short.
         with EmergencyStop(keyboard=keyboard) as stop, SafeShutdown(env, hz=arm.control_hz) as sd:
             _warm_up(chunk_of, spec, env)
+            infer = RobotInfer(chunk_of, spec, env)
             new_executor = partial(
                 ChunkExecutor,
-                robot_infer(chunk_of, spec, env),
+                infer,
+                prepare=infer.prepare,
                 request_when_left=request_when_left,
                 blend_steps=blend_steps,
                 wait_s=0.5 / arm.control_hz,  # up to half a period for a late chunk

@@ -2,7 +2,7 @@
 
 A deployable checkpoint's policy reads only what an arm measures (joints, cameras) plus a goal its
 user may give; ``contract`` is what a policy server and its client must agree on; the wire format
-carries observations to a server; ``robot_infer`` turns a chunk into joint targets, joint deltas
+carries observations to a server; ``RobotInfer`` turns a chunk into joint targets, joint deltas
 accumulated as the simulator the policy was trained in steps them.
 """
 
@@ -158,25 +158,37 @@ def select_columns(obs: Observation, spec: EnvSpec, robot_spec: EnvSpec) -> Obse
     )
 
 
-def robot_infer(chunk_of, spec: EnvSpec, env):
-    """obs -> float64 [K, 6] joint targets (radians, the policy's frame) for the control loop: the
-    policy's chunk, with deltas (joint_delta) accumulated from the last command the arm was sent."""
+class RobotInfer:
+    """The control loop's ``infer``: (obs, base) -> float64 [K, 6] joint targets (radians, the
+    policy's frame), the policy's chunk with deltas (joint_delta) accumulated from ``base``.
+    ``prepare(obs)`` takes ``base`` on the control loop's thread when the chunk is asked for: the
+    last command before that step's (read on the inference thread, it was the step's own or not,
+    by the threads' timing)."""
 
-    def infer(obs: Observation) -> np.ndarray:
-        base = env.to_policy(env.safety.last)  # read before inference: the chunk starts from here
-        chunk = np.asarray(chunk_of(select_columns(obs, spec, env.spec)), np.float64)
-        if spec.action.space != "joint_delta":
+    def __init__(self, chunk_of, spec: EnvSpec, env):
+        self.chunk_of = chunk_of
+        self.spec = spec
+        self.env = env
+
+    def prepare(self, obs: Observation) -> tuple[Observation, np.ndarray]:
+        return obs, self.env.to_policy(self.env.safety.last)
+
+    def __call__(self, request: tuple[Observation, np.ndarray]) -> np.ndarray:
+        obs, base = request
+        chunk = self.chunk_of(select_columns(obs, self.spec, self.env.spec))
+        chunk = np.asarray(chunk, np.float64)
+        if self.spec.action.space != "joint_delta":
             return chunk
-        return accumulate(base, chunk, spec, env.spec)
-
-    return infer
+        return accumulate(base, chunk, self.spec, self.env.spec)
 
 
 def accumulate(base: np.ndarray, deltas: np.ndarray, spec: EnvSpec, arm: EnvSpec) -> np.ndarray:
     """The targets (f64 [K, 6]) that joint deltas (f64 [K, 6]) lead to from ``base`` (f64 [6]),
     as a simulator steps them: each delta within the policy's action bounds, each target within
     the arm's joint range (``arm.action``'s bounds, the policy's frame). Summed unclipped, a
-    policy that pushes against a limit would build up a debt it must undo before moving back."""
+    policy that pushes against a limit would build up a debt it must undo before moving back.
+    From a delta that is not finite on, every target is NaN: the safety layer rejects those
+    whole (a clip would make an infinity the largest step, a full-speed move)."""
     step_low = np.asarray(spec.action.low, np.float64)  # f64 [6]
     step_high = np.asarray(spec.action.high, np.float64)
     joint_low = np.asarray(arm.action.low, np.float64)  # f64 [6]
@@ -184,6 +196,9 @@ def accumulate(base: np.ndarray, deltas: np.ndarray, spec: EnvSpec, arm: EnvSpec
     targets = np.empty_like(deltas)  # f64 [K, 6]
     target = np.asarray(base, np.float64)
     for k, delta in enumerate(deltas):  # each step starts where the last one was clipped to
+        if not np.isfinite(delta).all():
+            targets[k:] = np.nan
+            break
         target = np.clip(target + np.clip(delta, step_low, step_high), joint_low, joint_high)
         targets[k] = target
     return targets

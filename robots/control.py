@@ -74,17 +74,21 @@ class RateTimer:
 class ChunkExecutor:
     """``infer(obs) -> float [K, A]`` (joint targets) runs on a background thread; ``action(step,
     obs)`` returns the action for this control step, or None when none is ready (the watchdog's
-    business). ``infer`` may raise: the error is logged and counted, and the chunk never comes."""
+    business). ``infer`` may raise: the error is logged and counted, and the chunk never comes.
+    ``prepare(obs)``, when given, runs on the control loop's thread as the request is made, and
+    ``infer`` gets what it returns: what the chunk starts from, before this step's command."""
 
     def __init__(
         self,
         infer: Callable,
         *,
+        prepare: Callable | None = None,
         request_when_left: int = 2,
         blend_steps: int = 2,
         wait_s: float = 0.0,
     ):
         self.infer = infer
+        self.prepare = prepare
         self.request_when_left = request_when_left
         self.blend_steps = blend_steps
         # with nothing planned, wait this long for the chunk in flight before giving up the step
@@ -143,7 +147,7 @@ class ChunkExecutor:
         while not self._results.empty():
             self._take(*self._results.get(), step)
         if not self.pending and len(self.plan) <= self.request_when_left:
-            self._requests.put((step, obs))
+            self._requests.put((step, obs if self.prepare is None else self.prepare(obs)))
             self.pending = True
         if not self.plan and self.pending and self.wait_s > 0:
             try:  # a fast policy answers within the step: use it now rather than a step late

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from embodied.cli import main
 from embodied.robots.arm import ArmConfig
@@ -32,6 +33,65 @@ def test_joint_deltas_accumulate_as_the_simulator_clips_them():
     deltas = np.array([[0.3, 0.05], [0.3, 0.05], [-0.1, -0.3]])  # f64 [3, 2]
     targets = accumulate(np.zeros(2), deltas, policy, arm)
     np.testing.assert_allclose(targets, [[0.1, 0.05], [0.15, 0.1], [0.05, 0.0]], atol=1e-12)
+
+
+def test_a_chunk_is_rejected_from_its_first_delta_that_is_not_finite():
+    """An infinite delta is not the largest step (a clip made it one: a full-speed move the
+    safety layer passed): that target and the rest of the chunk are NaN, which it rejects."""
+    from embodied.deploy_policy import accumulate
+
+    policy = SimpleNamespace(action=SimpleNamespace(low=(-0.1, -0.1), high=(0.1, 0.1)))
+    arm = SimpleNamespace(action=SimpleNamespace(low=(-1.0, -1.0), high=(1.0, 1.0)))
+    deltas = np.array([[0.05, 0.0], [np.inf, 0.0], [0.05, -np.inf], [0.05, 0.0]])
+    targets = accumulate(np.zeros(2), deltas, policy, arm)
+    np.testing.assert_allclose(targets[0], [0.05, 0.0])
+    assert np.isnan(targets[1:]).all()
+
+
+def test_a_joint_delta_chunk_starts_from_the_command_before_its_step():
+    """The chunk asked for at a step adds its deltas to the command the observation was taken
+    after, even when the inference thread runs only after that step's own command went out (it
+    read the last command itself, then, and began a step ahead)."""
+    import threading
+
+    from clocks import CEILING_S
+
+    from embodied.deploy_policy import RobotInfer
+    from embodied.robots.control import ChunkExecutor
+    from embodied.schema import ActionSpec, EnvSpec, Observation, ObsSpec
+
+    names = tuple(f"j{i}" for i in range(6))
+    sent = threading.Event()
+
+    def deltas_within(bound: float) -> EnvSpec:
+        action = ActionSpec(space="joint_delta", names=names, low=(-bound,) * 6, high=(bound,) * 6)
+        return EnvSpec(ObsSpec(state_names=names), action, max_episode_steps=10)
+
+    class Safety:
+        command = np.full(6, 0.5)  # the command the observation follows
+
+        @property
+        def last(self) -> np.ndarray:
+            if threading.current_thread() is not threading.main_thread():
+                sent.wait(CEILING_S)  # (the inference thread reads after this step's send)
+            return self.command
+
+    class Arm:
+        safety = Safety()
+        spec = deltas_within(1.0)  # the arm's joint range, in the policy's frame
+
+        def to_policy(self, command):
+            return command.copy()
+
+    infer = RobotInfer(lambda obs: np.full((3, 6), 0.01), deltas_within(0.1), Arm())
+    executor = ChunkExecutor(infer, prepare=infer.prepare, request_when_left=0)
+    obs = Observation(state=torch.zeros(1, 6), instruction=["reach"])
+    assert executor.action(0, obs) is None  # asked for; nothing planned yet
+    Arm.safety.command = np.full(6, 0.7)  # this step's command goes out
+    sent.set()
+    _, chunk, _ = executor._results.get(timeout=CEILING_S)
+    executor.close()
+    np.testing.assert_allclose(chunk[:, 0], [0.51, 0.52, 0.53])
 
 
 def test_the_summary_rates_success_over_episodes_that_ran_their_clock():
