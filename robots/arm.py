@@ -10,6 +10,7 @@ that arm (``lerobot-calibrate``) and refuses to run without one rather than prom
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -148,14 +149,14 @@ def connect(robot, cfg: ArmConfig) -> None:
     the cameras, then configures the servos, which ends with their torque on: a failure before
     that leaves the torque as the servos had it, one after switches it off (``release``)."""
     try:
-        robot.connect(calibrate=False)
+        with _watching_configure(robot) as configuring:
+            robot.connect(calibrate=False)
         calibrated = robot.is_calibrated
     except BaseException as e:
-        configuring = all(camera.is_connected for camera in robot.cameras.values())
         error = e
         if isinstance(e, Exception):
             error = cannot_connect(cfg, e)
-        release(robot, error, torque_off=configuring)
+        release(robot, error, torque_off=bool(configuring))
         if error is e:
             raise
         raise error from e
@@ -163,6 +164,28 @@ def connect(robot, cfg: ArmConfig) -> None:
         error = uncalibrated(robot, cfg)
         release(robot, error)  # (torque off, as lerobot-calibrate, the next step, has it)
         raise error
+
+
+@contextlib.contextmanager
+def _watching_configure(robot):
+    """A list that holds True once LeRobot's connect began configuring the servos (their torque
+    goes off there): the only sign of it, since a failed handshake leaves the bus connected too."""
+    began: list[bool] = []
+    own = vars(robot).get("configure")  # (an instance's own, as a test's fault sets one)
+    inner = robot.configure
+
+    def configure():
+        began.append(True)
+        return inner()
+
+    robot.configure = configure
+    try:
+        yield began
+    finally:
+        if own is None:
+            del robot.configure
+        else:
+            robot.configure = own
 
 
 def cannot_connect(cfg: ArmConfig, cause: Exception) -> RobotError:

@@ -350,67 +350,6 @@ def test_a_policy_pressing_on_a_limit_is_logged_at_its_1st_10th_and_100th_time(c
     assert [m.split("; ")[-1] for m in logged] == ["1 so far)", "10 so far)", "100 so far)"]
 
 
-def test_a_camera_that_cannot_open_is_one_error_and_the_bus_is_released(tmp_path, monkeypatch):
-    """LeRobot connects the bus, then the cameras: a camera that cannot open at its settings is
-    a RobotError naming it, and the bus it left open is closed. The servos were not configured
-    yet: their torque stays as it was (here on: an arm a previous run left holding)."""
-    from embodied.twin import make_twin_robot
-
-    cfg = ArmConfig(
-        robot="so101-sim", calibration_dir=str(tmp_path / "cal"), cameras={"wrist": "wrist"}
-    )
-    robot, twin, port = make_twin_robot(cfg)
-
-    def unsupported(*args, **kwargs):
-        raise RuntimeError("wrist: failed to set 640x480 at 30 fps")
-
-    monkeypatch.setattr(robot.cameras["wrist"], "connect", unsupported)
-    for servo in port.servos.values():
-        servo.set(*FEETECH_STS.torque, 1)
-    with pytest.raises(RobotError, match="so101-sim on the twin: cannot connect: wrist: failed"):
-        connect(robot, cfg)
-    assert not robot.bus.is_connected and all(port.torque().values())
-
-
-def test_a_ctrl_c_while_the_cameras_open_still_closes_the_bus(tmp_path, monkeypatch):
-    from embodied.twin import make_twin_robot
-
-    cfg = ArmConfig(
-        robot="so101-sim", calibration_dir=str(tmp_path / "cal"), cameras={"wrist": "wrist"}
-    )
-    robot, twin, port = make_twin_robot(cfg)
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(robot.cameras["wrist"], "connect", interrupted)
-    for servo in port.servos.values():  # an arm a previous run left holding
-        servo.set(*FEETECH_STS.torque, 1)
-    with pytest.raises(KeyboardInterrupt):
-        connect(robot, cfg)
-    assert not robot.bus.is_connected and all(port.torque().values())  # before the servos' set-up
-
-
-def test_a_connect_that_fails_while_configuring_the_servos_leaves_their_torque_off(
-    tmp_path, monkeypatch
-):
-    """LeRobot's configure runs with torque off and switches it on as it ends, even on an
-    error: a failure there (or after it) leaves the arm released, torque off."""
-    from embodied.twin import make_twin_robot
-
-    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"))
-    robot, twin, port = make_twin_robot(cfg)
-
-    def failing_configure():
-        robot.bus.enable_torque()  # (what LeRobot's torque_disabled() does on its way out)
-        raise ConnectionError("Failed to write 'P_Coefficient' on id_=3")
-
-    monkeypatch.setattr(robot, "configure", failing_configure)
-    with pytest.raises(RobotError, match="cannot connect: Failed to write 'P_Coefficient'"):
-        connect(robot, cfg)
-    assert not robot.bus.is_connected and not any(port.torque().values())
-
-
 def test_read_arm_prints_the_joints_as_lerobot_reads_them_with_torque_off(tmp_path):
     """`embodied read-arm`'s work: each line the twin's joints in degrees (the model's frame, as
     LeRobot reads a calibrated arm), the gripper as LeRobot's 0-100 and the model's radians; the

@@ -1,0 +1,91 @@
+"""Connecting to an arm through LeRobot's own driver, on the digital twin's software serial
+port: what fails to connect is one RobotError, what did connect is released, and the servos'
+torque goes off only where LeRobot's connect had begun configuring them (it switches it on there);
+before that, an arm a previous run left holding keeps holding."""
+
+import pytest
+
+from embodied.robots.arm import ArmConfig, RobotError, connect
+from embodied.robots.servo_port import FEETECH_STS
+
+
+def test_a_failed_handshake_on_an_arm_without_cameras_leaves_the_torque_on(tmp_path, monkeypatch):
+    """The bus's port opened, then its servo check failed (a missing motor, another firmware):
+    the servos were never configured, so the torque stays as they had it. It was switched off
+    when no camera was configured, since "all cameras connected" stood for "configuring"."""
+    from embodied.twin import make_twin_robot
+
+    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"))
+    robot, twin, port = make_twin_robot(cfg)
+
+    def missing_motor():
+        raise RuntimeError("Missing motor IDs: 4")
+
+    monkeypatch.setattr(robot.bus, "_handshake", missing_motor)
+    for servo in port.servos.values():  # an arm a previous run left holding
+        servo.set(*FEETECH_STS.torque, 1)
+    with pytest.raises(RobotError, match="so101-sim on the twin: cannot connect: Missing motor"):
+        connect(robot, cfg)
+    assert not robot.bus.is_connected and all(port.torque().values())
+    assert "configure" not in vars(robot)  # LeRobot's own method again
+
+
+def test_a_camera_that_cannot_open_is_one_error_and_the_bus_is_released(tmp_path, monkeypatch):
+    """LeRobot connects the bus, then the cameras: a camera that cannot open at its settings is
+    a RobotError naming it, and the bus it left open is closed. The servos were not configured
+    yet: their torque stays as it was (here on: an arm a previous run left holding)."""
+    from embodied.twin import make_twin_robot
+
+    cfg = ArmConfig(
+        robot="so101-sim", calibration_dir=str(tmp_path / "cal"), cameras={"wrist": "wrist"}
+    )
+    robot, twin, port = make_twin_robot(cfg)
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("wrist: failed to set 640x480 at 30 fps")
+
+    monkeypatch.setattr(robot.cameras["wrist"], "connect", unsupported)
+    for servo in port.servos.values():
+        servo.set(*FEETECH_STS.torque, 1)
+    with pytest.raises(RobotError, match="so101-sim on the twin: cannot connect: wrist: failed"):
+        connect(robot, cfg)
+    assert not robot.bus.is_connected and all(port.torque().values())
+
+
+def test_a_ctrl_c_while_the_cameras_open_still_closes_the_bus(tmp_path, monkeypatch):
+    from embodied.twin import make_twin_robot
+
+    cfg = ArmConfig(
+        robot="so101-sim", calibration_dir=str(tmp_path / "cal"), cameras={"wrist": "wrist"}
+    )
+    robot, twin, port = make_twin_robot(cfg)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(robot.cameras["wrist"], "connect", interrupted)
+    for servo in port.servos.values():  # an arm a previous run left holding
+        servo.set(*FEETECH_STS.torque, 1)
+    with pytest.raises(KeyboardInterrupt):
+        connect(robot, cfg)
+    assert not robot.bus.is_connected and all(port.torque().values())  # before the servos' set-up
+
+
+def test_a_connect_that_fails_while_configuring_the_servos_leaves_their_torque_off(
+    tmp_path, monkeypatch
+):
+    """LeRobot's configure runs with torque off and switches it on as it ends, even on an
+    error: a failure there (or after it) leaves the arm released, torque off."""
+    from embodied.twin import make_twin_robot
+
+    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"))
+    robot, twin, port = make_twin_robot(cfg)
+
+    def failing_configure():
+        robot.bus.enable_torque()  # (what LeRobot's torque_disabled() does on its way out)
+        raise ConnectionError("Failed to write 'P_Coefficient' on id_=3")
+
+    monkeypatch.setattr(robot, "configure", failing_configure)
+    with pytest.raises(RobotError, match="cannot connect: Failed to write 'P_Coefficient'"):
+        connect(robot, cfg)
+    assert not robot.bus.is_connected and not any(port.torque().values())
