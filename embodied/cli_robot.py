@@ -183,7 +183,7 @@ def _error_with_notes(e: BaseException) -> int:
 
 
 def cmd_read_arm(args) -> int:
-    from embodied.deploy import arm_robot, read_arm
+    from embodied.read_arm import arm_robot, read_arm
     from embodied.robots.arm import ArmConfig, RobotError
 
     if args.readings is not None and args.readings < 1:

@@ -285,6 +285,7 @@ ALLOWED = {
         "embodied.twin",
         "embodied.video",
     },
+    "embodied.read_arm": {"embodied.robots", "embodied.twin"},
     "embodied.deploy_policy": {
         "embodied.checkpoint",
         "embodied.demos",
@@ -310,7 +311,12 @@ ALLOWED = {
         "embodied.schema",
         "embodied.seeds",
     },
-    "embodied.cli_robot": {"embodied.cli_errors", "embodied.deploy", "embodied.robots"},
+    "embodied.cli_robot": {
+        "embodied.cli_errors",
+        "embodied.deploy",
+        "embodied.read_arm",
+        "embodied.robots",
+    },
     "embodied.cli_eval": {
         "embodied",
         "embodied.checkpoint",

@@ -354,7 +354,7 @@ def test_read_arm_prints_the_joints_as_lerobot_reads_them_with_torque_off(tmp_pa
     """`embodied read-arm`'s work: each line the twin's joints in degrees (the model's frame, as
     LeRobot reads a calibrated arm), the gripper as LeRobot's 0-100 and the model's radians; the
     arm is left with torque off, disconnected."""
-    from embodied.deploy import read_arm
+    from embodied.read_arm import read_arm
     from embodied.twin import make_twin_robot
 
     cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"))
@@ -379,7 +379,7 @@ def test_read_arm_prints_the_joints_as_lerobot_reads_them_with_torque_off(tmp_pa
 
 
 def test_read_arm_ends_on_ctrl_c_and_says_when_the_torque_may_still_be_on(tmp_path, monkeypatch):
-    from embodied.deploy import read_arm
+    from embodied.read_arm import read_arm
     from embodied.twin import make_twin_robot
 
     cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"))
