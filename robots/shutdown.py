@@ -79,12 +79,15 @@ def move_to_pose(
     stop: EmergencyStop | None = None,
     gripper_may_block: bool = False,
 ) -> bool:
-    """Step toward ``pose`` (radians [6], the arm's frame) until the arm is there (True),
-    ``timeout_s`` passes or ``stop`` is set (False). A bus error costs its tick and is retried;
-    MOVE_ERRORS_MAX in a row end the move (False). ``what`` names the move in the report and the
-    log; ``gripper_may_block``: the gripper's arrival is its command's (``_step_toward``)."""
+    """Step toward ``pose`` (radians [6], the arm's frame) until the arm is there (True), or
+    ``timeout_s`` beyond the time the rate limit needs to get there passes (so a slow
+    ``max_speed`` still arrives), or ``stop`` is set (False). A bus error costs its tick and is
+    retried; MOVE_ERRORS_MAX in a row end the move (False). ``what`` names the move in the
+    report and the log; ``gripper_may_block``: the gripper's arrival is its command's
+    (``_step_toward``)."""
     timer = RateTimer(hz, clock)
-    t_end = clock.monotonic() + timeout_s
+    limit_s = timeout_s + travel_s(env.safety, pose, hz)
+    t_end = clock.monotonic() + limit_s
     errors_in_a_row = 0
     while clock.monotonic() < t_end:
         if stop is not None and stop.is_set():
@@ -102,8 +105,19 @@ def move_to_pose(
                 log.error("the bus keeps failing during the %s: holding the last command", what)
                 return False
         timer.wait()
-    log.error("the %s did not arrive within %.0f s: holding position", what, timeout_s)
+    log.error("the %s did not arrive within %.0f s: holding position", what, limit_s)
     return False
+
+
+def travel_s(safety, pose: np.ndarray, hz: float) -> float:
+    """Seconds the rate limit takes to carry the command to ``pose`` (within the joint limits)
+    from the last one sent; before any, from the far end of each joint's range."""
+    target = safety.within_limits(pose)  # f64 [6]
+    if safety.last is None:
+        gap = np.maximum(target - safety.low, safety.high - target)
+    else:
+        gap = np.abs(target - safety.last)
+    return float(np.max(gap / safety.max_step)) / hz
 
 
 def _move_to_safe_pose(env, report: ShutdownReport, *, hz, timeout_s, tolerance, clock) -> bool:
@@ -147,7 +161,7 @@ def shut_down(
     env,
     *,
     hz: float,
-    timeout_s: float = 10.0,
+    timeout_s: float = 10.0,  # beyond the rate-limited move's own time (``move_to_pose``)
     tolerance: float = 0.05,
     disconnect: bool = True,
     clock: Clock = time,

@@ -24,12 +24,12 @@ HZ = 30.0
 FAILING_STEP = 10  # the control step whose goal write fails
 
 
-def twin_env(tmp_path):
+def twin_env(tmp_path, start: dict[str, float] | None = None, **arm):
     from embodied.twin import make_twin_robot
 
     clock = FakeClock()
-    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"), control_hz=HZ)
-    robot, twin, port = make_twin_robot(cfg, clock=clock)
+    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"), control_hz=HZ, **arm)
+    robot, twin, port = make_twin_robot(cfg, start=start, clock=clock)
     connect(robot, cfg)
     return RobotEnv(robot, cfg, SafetyLayer(default_safety(robot, cfg)), clock), twin, port
 
@@ -272,3 +272,24 @@ def test_after_a_failed_write_the_next_command_is_rate_limited_from_the_last_one
         executor.close()
         env.close()
     assert largest_goal_jump(port) <= env.safety.cfg.max_step + 1e-3
+
+
+def test_a_slow_arm_gets_the_time_its_speed_needs_for_the_moves_to_both_poses(tmp_path):
+    """At 0.1 rad/s (--robot.max-speed, lowered for a first run) a folded arm and the home pose
+    are over 12 s of rate-limited travel apart, both ways: each move's 10 s allowance comes on
+    top of the travel now. Before, both moves gave up at 10 s, and the torque stayed on."""
+    from embodied.robots.shutdown import ShutdownReport, move_to_pose, shut_down, travel_s
+    from embodied.simulators.mujoco.worlds import HOME_POSE
+
+    folded = {"shoulder_lift": -1.6, "elbow_flex": 1.6}  # (the model's frame)
+    env, twin, port = twin_env(tmp_path, start=folded, max_speed=0.1)
+    home = env.to_arm(np.asarray(HOME_POSE, np.float64))
+    env.safety.start(env.read_joints())
+    assert travel_s(env.safety, home, HZ) > 12  # (the elbow: 1.2 rad at 0.1 rad/s)
+    moved = ShutdownReport()
+    options = dict(hz=HZ, tolerance=0.05, clock=env.clock, what="move to the start pose")
+    assert move_to_pose(env, home, moved, timeout_s=10.0, **options)
+    assert travel_s(env.safety, np.asarray(env.safety.cfg.safe_pose), HZ) > 12
+    report = shut_down(env, hz=HZ, timeout_s=10.0, clock=env.clock)
+    assert report.torque_off and not report.failures
+    assert largest_goal_jump(port) <= 0.1 / HZ + 2 * 2 * np.pi / 4096  # (two encoder ticks)
