@@ -144,7 +144,7 @@ def _deploy_options_refused(args) -> str | None:
         return f"--hz: must be > 0 and finite (Hz), got {args.hz:g}"
     if args.episodes < 1:
         return f"--episodes: must be >= 1, got {args.episodes}"
-    if not 0 < args.episode_seconds < math.inf:
+    if args.episode_seconds is not None and not 0 < args.episode_seconds < math.inf:
         return f"--episode-seconds: must be > 0 and finite, got {args.episode_seconds:g}"
     if args.server and not args.server.startswith(("ws://", "wss://")):
         return f"--server {args.server!r}: expected ws://HOST:PORT (or wss://)"
@@ -288,7 +288,11 @@ def _add_deploy(sub) -> None:
         "--hz", type=float, help="control rate (default: the rate the policy was trained at)"
     )
     y.add_argument("--episodes", type=int, default=1)
-    y.add_argument("--episode-seconds", type=float, default=30.0)
+    y.add_argument(
+        "--episode-seconds",
+        type=float,
+        help="each episode's length (default: the policy's training episodes', as eval has them)",
+    )
     y.add_argument("--record", help="directory for one LeRobot dataset per episode")
     y.add_argument(
         "--goal",

@@ -167,7 +167,7 @@ def run_deploy(
     arm,
     *,
     hz: float | None = None,
-    episode_seconds: float = 30.0,
+    episode_seconds: float | None = None,
     server: str | None = None,
     episodes: int = 1,
     record: str | None = None,
@@ -178,7 +178,8 @@ def run_deploy(
     seed: int = 0,
 ) -> dict:
     """Deploy ``checkpoint`` on the arm of ``arm`` (ArmConfig) for ``episodes`` episodes of
-    ``episode_seconds``, at ``hz`` (None: the rate the policy was trained at). Each episode starts
+    ``episode_seconds`` (None: as long as its training's), at ``hz`` (None: the rate the policy
+    was trained at). Each episode starts
     at the policy's start pose (MuJoCo-trained policies); on the twin the task's scene is set up
     for it and its success judged."""
     from embodied.robots.control import ChunkExecutor, EmergencyStop
@@ -359,9 +360,9 @@ def _run_episodes(
     return episode_summaries
 
 
-def _fit_arm(arm, spec: EnvSpec, hz: float | None, episode_seconds: float) -> None:
-    """The arm's control rate, episode length, camera size and (unless given) instruction from
-    the policy's."""
+def _fit_arm(arm, spec: EnvSpec, hz: float | None, episode_seconds: float | None) -> None:
+    """The arm's control rate, episode length (None: the training's, so that the twin's success
+    is eval's), camera size and (unless given) instruction from the policy's."""
     told = list(dict.fromkeys(spec.instructions))  # (a multi-task policy's, each once)
     if not arm.instruction and len(told) > 1:
         raise DeployError(
@@ -377,6 +378,8 @@ def _fit_arm(arm, spec: EnvSpec, hz: float | None, episode_seconds: float) -> No
             f"leave --hz out to run at {trained_hz:g} Hz"
         )
     arm.control_hz = hz or trained_hz
+    if episode_seconds is None:
+        episode_seconds = spec.max_episode_steps / trained_hz
     arm.max_episode_steps = max(1, round(episode_seconds * arm.control_hz))
     sizes = {(c.height, c.width) for c in spec.obs.cameras}
     if len(sizes) > 1 or any(h != w for h, w in sizes):

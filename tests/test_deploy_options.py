@@ -156,3 +156,22 @@ def test_a_multi_task_policy_is_told_its_task_and_a_single_task_one_keeps_its_ow
     told = ArmConfig(robot="so101-sim", instruction="pick")
     _fit_arm(told, spec("push", "pick"), None, 1.0)
     assert told.instruction == "pick"
+
+
+def test_an_episode_lasts_as_long_as_the_policys_training_episodes_unless_told():
+    """Reach's 50 steps at 20 Hz: 2.5 s on the twin, as eval has its episodes (the default was
+    30 s, 600 steps, and the twin's success counted any of them), also at another --hz."""
+    from embodied.deploy import _fit_arm
+    from embodied.schema import ActionSpec, EnvSpec, ObsSpec
+
+    action = ActionSpec(space="joint_pos", names=("j",), low=(-1.0,), high=(1.0,))
+    spec = EnvSpec(ObsSpec(), action, max_episode_steps=50, instructions=("reach",))
+    trained = ArmConfig(robot="so101-sim")
+    _fit_arm(trained, spec, None, None)
+    assert (trained.control_hz, trained.max_episode_steps) == (20.0, 50)
+    faster = ArmConfig(robot="so101-sim")
+    _fit_arm(faster, spec, 30.0, None)
+    assert faster.max_episode_steps == 75  # (2.5 s at 30 Hz)
+    told = ArmConfig(robot="so101-sim")
+    _fit_arm(told, spec, None, 1.0)
+    assert told.max_episode_steps == 20
