@@ -396,6 +396,7 @@ def _begin(env, sim, scene: Scene, start: np.ndarray | None, stop, arm) -> bool:
     from embodied.robots.shutdown import ShutdownReport, move_to_pose
 
     if start is not None:
+        _check_in_range(env.safety, env.to_arm(start))
         report = ShutdownReport()
         arrived = move_to_pose(
             env,
@@ -414,6 +415,23 @@ def _begin(env, sim, scene: Scene, start: np.ndarray | None, stop, arm) -> bool:
     if sim is not None and scene.goal is not None:
         sim.place(scene.goal, scene.cube)
     return True
+
+
+def _check_in_range(safety, pose: np.ndarray, tolerance: float = 0.05) -> None:
+    """Refuse a start pose (radians [6], the arm's frame) that a joint's range, the calibrated one
+    less its margin, keeps the arm from: the move to it would end in a timeout, naming no joint."""
+    from embodied.robots.arm import JOINTS
+
+    gap = np.abs(safety.within_limits(pose) - pose)  # f64 [6]
+    if gap.max() <= tolerance:
+        return
+    j = int(gap.argmax())
+    raise DeployError(
+        f"the start pose's {JOINTS[j]} is {pose[j]:+.2f} rad (the arm's frame), outside the "
+        f"arm's range {safety.low[j]:+.2f}..{safety.high[j]:+.2f} rad (its calibration less "
+        "the joint margin): calibrate it over its whole travel (lerobot-calibrate), or check "
+        "--robot.joint-offsets"
+    )
 
 
 def _episode(env, executor, stop, arm):

@@ -175,3 +175,19 @@ def test_an_episode_lasts_as_long_as_the_policys_training_episodes_unless_told()
     told = ArmConfig(robot="so101-sim")
     _fit_arm(told, spec, None, 1.0)
     assert told.max_episode_steps == 20
+
+
+def test_a_start_pose_beyond_a_joints_calibrated_range_is_refused_naming_the_joint():
+    """The arm would stop at the range's end and time out without a word of why; within the
+    arrival tolerance of the range it is not refused."""
+    from embodied.deploy import DeployError, Scene, _begin, _check_in_range
+    from embodied.robots.safety import SafetyConfig, SafetyLayer
+
+    safety = SafetyLayer(SafetyConfig(joint_low=(-2.0,) * 6, joint_high=(2.0, 2, 2, 1.4, 2, 2)))
+    _check_in_range(safety, np.array([0.0, 0, 0, 1.44, 0, 0]))
+    home = np.array([0.0, -0.4, 0.37, 1.59, 0, 0.6])
+    with pytest.raises(DeployError, match=r"wrist_flex is \+1.59 rad .* range -2.00..\+1.40 rad"):
+        _check_in_range(safety, home)
+    env = SimpleNamespace(safety=safety, to_arm=lambda pose: pose)  # (refused before it moves)
+    with pytest.raises(DeployError, match="wrist_flex"):
+        _begin(env, None, Scene(None), home, stop=None, arm=None)
