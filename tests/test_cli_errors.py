@@ -265,6 +265,7 @@ CASES = [
         ["--robot.joint-signs '1,-1'", "6"],
     ),
     (["deploy", CK, "--robot", "r2d2"], ["robot", "'r2d2'"]),
+    (["deploy", CK, "--robot", "koch", "--robot.port", "/dev/ttyACM0"], ["koch", "rest pose"]),
     (["deploy", CK, "--robot", "so101"], ["robot.port"]),
     (["deploy", CK, "--robot", "so101-sim", "--hz", "0"], ["--hz", "got 0"]),
     (["deploy", CK, "--robot", "so101-sim", "--episodes", "0"], ["--episodes", "got 0"]),
