@@ -74,8 +74,12 @@ class TwinCamera(Camera):
         return self._frame
 
     def read_latest(self, max_age_ms: int = 500) -> np.ndarray:
+        """The last frame, as LeRobot's OpenCV camera gives it, but for its age: the twin's
+        renders keep no wall-clock pace a test could rely on."""
+        if not self.is_connected:  # (a capture thread that died: its last frame is stale)
+            raise RuntimeError(f"twin camera {self.camera}: its capture thread is not running")
         if self._frame is None:
-            raise RuntimeError(f"twin camera {self.camera}: not connected")
+            raise RuntimeError(f"twin camera {self.camera}: no frame captured yet")
         return self._frame
 
     def disconnect(self) -> None:

@@ -1,7 +1,8 @@
 """Connecting to an arm through LeRobot's own driver, on the digital twin's software serial
 port: what fails to connect is one RobotError, what did connect is released, and the servos'
 torque goes off only where LeRobot's connect had begun configuring them (it switches it on there);
-before that, an arm a previous run left holding keeps holding."""
+before that, an arm a previous run left holding keeps holding. A camera whose capture stopped
+gives no more frames."""
 
 import pytest
 
@@ -89,3 +90,21 @@ def test_a_connect_that_fails_while_configuring_the_servos_leaves_their_torque_o
     with pytest.raises(RobotError, match="cannot connect: Failed to write 'P_Coefficient'"):
         connect(robot, cfg)
     assert not robot.bus.is_connected and not any(port.torque().values())
+
+
+def test_a_twin_camera_whose_capture_thread_died_gives_no_more_frames(tmp_path):
+    """As LeRobot's OpenCV camera: a stopped capture thread is an error, not its last frame
+    served for the rest of the deploy."""
+    from embodied.twin import make_twin_robot
+    from embodied.twin_camera import TwinCamera
+
+    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"))
+    robot, twin, port = make_twin_robot(cfg)
+    camera = TwinCamera(twin, "wrist_camera", width=32, height=32, fps=30)
+    camera.connect()
+    assert camera.read_latest().shape == (32, 32, 3)
+    camera._stop.set()  # the thread ends, as on an error in a render
+    camera._thread.join()
+    with pytest.raises(RuntimeError, match="capture thread is not running"):
+        camera.read_latest()
+    camera.disconnect()
