@@ -40,13 +40,16 @@ class Clock(Protocol):
 
 
 class RateTimer:
-    """Ticks at ``hz`` on absolute deadlines; ``lateness`` holds seconds past each deadline."""
+    """Ticks at ``hz`` on absolute deadlines; ``lateness`` holds seconds past each deadline,
+    ``missed`` the whole periods given up after late ticks."""
 
     def __init__(self, hz: float, clock: Clock = time):
         self.clock = clock
         self.period = 1.0 / hz
         self.deadline = clock.monotonic()
+        self.started = self.deadline
         self.lateness: list[float] = []
+        self.missed = 0
 
     def wait(self) -> None:
         self.deadline += self.period
@@ -56,15 +59,20 @@ class RateTimer:
         late = self.clock.monotonic() - self.deadline
         self.lateness.append(late)
         if late > self.period:  # missed a whole tick: start over rather than rush to catch up
+            self.missed += int(late // self.period)
             self.deadline = self.clock.monotonic()
 
     def stats(self) -> dict:
-        """Achieved rate and jitter (milliseconds past the deadline, p50/p99/max)."""
+        """Achieved rate (ticks per second since the start), ticks missed, and jitter
+        (milliseconds past the deadline, p50/p99/max)."""
         if not self.lateness:
             return {}
         late = np.asarray(self.lateness) * 1e3
+        elapsed = self.clock.monotonic() - self.started
         return {
             "ticks": len(late),
+            "achieved_hz": len(late) / elapsed if elapsed > 0 else None,
+            "missed_ticks": self.missed,
             "jitter_p50_ms": float(np.percentile(late, 50)),
             "jitter_p99_ms": float(np.percentile(late, 99)),
             "jitter_max_ms": float(late.max()),

@@ -211,6 +211,8 @@ def test_rate_timer_keeps_absolute_deadlines_and_starts_over_after_a_missed_tick
     assert ticks == pytest.approx([0.01, 0.022, 0.031, 0.065, 0.075])
     stats = timer.stats()
     assert stats["ticks"] == 5
+    assert stats["achieved_hz"] == pytest.approx(5 / 0.075)  # not the 100 Hz asked for
+    assert stats["missed_ticks"] == 2  # (the fourth: 25 ms late, two whole periods)
     assert stats["jitter_p50_ms"] == pytest.approx(1.0)  # of 0, 2, 1, 25, 0 ms
     assert stats["jitter_p99_ms"] == pytest.approx(2 + 0.96 * 23)  # numpy's linear interpolation
     assert stats["jitter_max_ms"] == pytest.approx(25.0)
