@@ -349,6 +349,7 @@ def test_env_workers_holding_different_tasks_evaluate_as_the_embedded_run(
     assert evaluated == [selection, selection, held_out]
 
 
+@pytest.mark.slow  # (74 s on 2 cores; CI runs the slow set)
 def test_data_parallel_actor_workers_give_the_embedded_numbers_and_a_lost_one_stops_the_run(
     local_ray, tmp_path, monkeypatch, one_thread
 ):

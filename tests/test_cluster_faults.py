@@ -413,6 +413,7 @@ def weights_of(worker) -> tuple[dict, int | None, dict | None]:
     return worker.inference.policy.state_dict(), worker.version, worker.stream.state()
 
 
+@pytest.mark.slow  # (45 s on 2 cores; CI runs the slow set)
 def test_env_workers_that_infer_and_are_restarted_get_back_all_the_run_gave_them(
     local_ray, tmp_path, monkeypatch, capsys
 ):

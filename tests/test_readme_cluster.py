@@ -110,6 +110,7 @@ def run_block(block: list[list[str]], where: Path) -> list[str]:
     return outputs
 
 
+@pytest.mark.slow  # (91 s on 2 cores; CI runs the slow set)
 def test_the_first_cluster_command_fits_this_machine(tmp_path):
     """``cluster.enabled=true`` with the roles' default requests: a local Ray started by the run
     sizes them to the machine's CPUs (on 2 cores: 2/3 CPU each for env, rollout and actor)."""
