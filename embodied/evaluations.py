@@ -1,8 +1,10 @@
 """The evaluations of a training run: before RL, every ``runner.eval_every`` iterations (in the
 loop, or beside training on an evaluation worker while the next iterations run) and the final
-one. Each is recorded in the run's state, logged, and the best one's weights are kept as a
-checkpoint. An evaluation beside training is marked in flight in the state that checkpoints
-save until one holds its result, so a stop or a crash does not lose it: a resume runs it again.
+one. Each is recorded in the run's state, logged, and the best periodic one's weights are kept
+as a checkpoint (``RUN/best``); the one before RL has no checkpoint to keep, so where it scored
+higher than that best the final summary says so (``start_beats_best``). An evaluation beside
+training is marked in flight in the state that checkpoints save until one holds its result, so a
+stop or a crash does not lose it: a resume runs it again.
 """
 
 from __future__ import annotations
@@ -232,7 +234,11 @@ class Evaluations:
             "episodes": state.episodes,
             "minutes": minutes,
         }
+        beaten = start_beats_best(state.before, state.best)
+        summary["best_below_before"] = beaten is not None
         write_atomic(self.run_dir / "metrics.json", json.dumps(summary, indent=2))
+        if beaten is not None:
+            print(beaten)
         ci = final["eval/success_ci95"]
         if not_held_out:
             print(f"final evaluation, not held out: {not_held_out}")
@@ -242,3 +248,19 @@ class Evaluations:
             f"run in {self.run_dir}"
         )
         return summary
+
+
+def start_beats_best(before: dict | None, best: dict | None) -> str | None:
+    """A line saying that the policy the run started from scored higher before RL than the best
+    periodic evaluation (the same selection episodes), or None: ``RUN/best`` is then worse than
+    that start (``runner.init_from``), which has no checkpoint in the run."""
+    if not before or not best:
+        return None
+    start = overall(before)["eval/success_rate"]
+    if start <= best["success_rate"]:
+        return None
+    return (
+        f"the best checkpoint (iteration {best['iteration']}, success "
+        f"{best['success_rate']:.3f}) scored below the policy the run started from ({start:.3f} "
+        "before RL, on the same selection episodes): RUN/best is not an improvement on it"
+    )

@@ -2,7 +2,7 @@
 
 Training resets start at the config's ``seed`` (PPO: ``seed + i*B + b``; GRPO: per round and
 group, embodied/grpo.py) and must stay below ``EVAL_SEED_OFFSET``. Selection evaluations (the
-periodic ones and the one before RL, which pick the best checkpoint) reset episode i with
+periodic ones, which pick the best checkpoint, and the one before RL) reset episode i with
 ``EVAL_SEED_OFFSET + seed + i``; held-out ones (the final evaluation, ``embodied eval``,
 ``embodied bench``, the twin's scenes in ``embodied deploy``) add ``HELD_OUT_SEED_OFFSET``, so a
 checkpoint is never scored again on the episodes it was chosen on (docs/design-notes.md 45).

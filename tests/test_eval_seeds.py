@@ -184,3 +184,19 @@ def test_eval_of_the_best_checkpoint_shares_no_seed_with_the_evaluations_that_ch
     assert main(["eval", str(tmp_path / "run" / "best"), "--episodes", "6", "--seed", "3"]) == 0
     assert resets == [rows(HELD_OUT + 3, 4), rows(HELD_OUT + 7, 4)]
     capsys.readouterr()
+
+
+def test_a_start_that_scored_above_the_best_checkpoint_is_said_at_the_end():
+    """GRPO from an SFT policy at 0.8 before RL whose best periodic evaluation reached 0.2:
+    RUN/best names the 0.2 checkpoint (the start has none), and the summary says so."""
+    from embodied.evaluations import start_beats_best
+
+    def results(rate: float) -> dict:
+        return {"all": {"eval/success_rate": rate, "eval/episodes": 10}}
+
+    best = {"iteration": 1, "success_rate": 0.2}
+    line = start_beats_best(results(0.8), best)
+    assert line is not None and line.startswith("the best checkpoint (iteration 1, success 0.200)")
+    assert "(0.800 before RL" in line
+    assert start_beats_best(results(0.2), best) is None  # (a tie: the checkpoint is as good)
+    assert start_beats_best(None, best) is None and start_beats_best(results(0.8), None) is None

@@ -35,6 +35,7 @@ def test_grpo_raises_success(tmp_path):
     train_success = metric_rows(tmp_path / "grpo", "episode/success_once")
     assert sum(train_success[:3]) / 3 < 0.85 and sum(train_success[-3:]) / 3 > 0.95, train_success
     assert before < 0.5 and after == 1.0  # deterministic (mean) actions, 16 evaluation episodes
+    assert summary["best"] is None and summary["best_below_before"] is False  # (no periodic one)
     assert max(metric_rows(tmp_path / "grpo", "grpo/kept_groups")) >= 1
     assert (tmp_path / "grpo" / "last" / "model.safetensors").exists()
 
