@@ -193,8 +193,9 @@ def _episode_section(data: RunData) -> str:
     from embodied.recording import RecordError, read_rounds
 
     out = ["<h2>Episodes</h2>"]
-    video = data.run_dir / "videos" / "final_eval.mp4"
-    if video.is_file():
+    videos = [data.run_dir / "videos" / name for name in ("final_eval.mp4", "eval.mp4")]
+    video = next((v for v in videos if v.is_file()), None)  # (SFT's final one: eval.mp4)
+    if video is not None:
         out.append("<p>The final evaluation (the first environments, tiled):</p>")
         out.append(_video(video.read_bytes(), "final evaluation", "wide"))
     for record_meta in reversed(data.records):

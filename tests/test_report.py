@@ -212,6 +212,8 @@ def test_an_sft_runs_report_has_its_steps_and_each_tasks_final_evaluation(tmp_pa
     summary = {"run_dir": str(tmp_path), "steps": 40, "minutes": 0.8, "final": final}
     (tmp_path / "metrics.json").write_text(json.dumps({**summary, "evals": [middle]}))
     (tmp_path / "config.yaml").write_text("seed: 0\ndatasets: [demos/a]\nsteps: 40\n")
+    (tmp_path / "videos").mkdir()
+    (tmp_path / "videos" / "eval.mp4").write_bytes(b"an mp4")  # (SFT names its final one so)
     data = read_run(tmp_path)
     assert data.sft and [r["iteration"] for r in data.iterations] == [10, 20, 30, 40]
     assert [(e.iteration, sorted(e.tasks)) for e in data.evaluations] == [
@@ -233,6 +235,7 @@ def test_an_sft_runs_report_has_its_steps_and_each_tasks_final_evaluation(tmp_pa
     assert cells[i : i + 6] == ["push", "4", once, at_end, "2.000", "50.0"]
     assert "final evaluation: success once 0.500 [0.22, 0.78] over 8" in page
     assert 'alt="training metrics per step"' in page and 'alt="success once per task"' in page
+    assert 'title="final evaluation" src="data:video/mp4;base64,YW4gbXA0"' in page
 
 
 @pytest.mark.parametrize(
