@@ -47,6 +47,26 @@ from embodied.run import Interrupted
 from embodied.schema import Observation
 
 
+def pool_by_task(task_names: list[str], answers: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each env worker's ``{task: summary}`` pooled per task (its shares ran side by side). The
+    timing is the whole evaluation's, in every task's summary: each worker's tasks share its
+    own, so its steps/s count once in the sum and its policy's latency once in the mean (per
+    task, workers holding other tasks were left out). No video: a worker's file is its own."""
+    parts: dict[str, list[dict]] = {name: [] for name in task_names}
+    for results in answers:
+        for name, summary in results.items():
+            parts[name].append(summary)
+    pooled = {name: pooled_summary(theirs, side_by_side=True) for name, theirs in parts.items()}
+    timed = [next(iter(results.values())) for results in answers if results]
+    timed = [t for t in timed if "eval/env_steps_per_s" in t]
+    for summary in pooled.values():
+        summary.pop("eval/video", None)
+        if timed:
+            summary["eval/env_steps_per_s"] = sum(t["eval/env_steps_per_s"] for t in timed)
+            summary["eval/policy_ms"] = sum(t["eval/policy_ms"] for t in timed) / len(timed)
+    return pooled
+
+
 class RayRoles:
     """The roles as Ray actors in one placement group (see the module docstring), behind the
     ``Roles`` protocol the runner drives."""
@@ -204,17 +224,10 @@ class RayRoles:
         video = [video_path is not None and w == 0 for w in range(len(envs.workers))]
         env_calls = [w.evaluate.remote(*args) for w, args in zip(envs.workers, zip(shares, video))]
         answers, _ = self._wait_round(env_calls, self._serve_calls(), should_stop)
-        parts: dict[str, list[dict]] = {name: [] for name in envs.task_names}
-        for results, _ in answers:
-            for name, summary in results.items():
-                parts[name].append(summary)
-        # (each env worker's share ran beside the others')
-        pooled = {name: pooled_summary(theirs, side_by_side=True) for name, theirs in parts.items()}
+        pooled = pool_by_task(envs.task_names, [results for results, _ in answers])
         recorded = answers[0][1]
-        for summary in pooled.values():
-            summary.pop("eval/video", None)  # (the worker's own file)
-            if recorded is not None:
-                summary["eval/video"] = str(video_path)
+        for name in answers[0][0] if recorded is not None else ():  # (the tasks it shows)
+            pooled[name]["eval/video"] = str(video_path)
         if recorded is not None:
             Path(video_path).parent.mkdir(parents=True, exist_ok=True)
             Path(video_path).write_bytes(recorded)
