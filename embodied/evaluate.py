@@ -194,6 +194,7 @@ def _run(
             t0 = time.perf_counter()
             out = policy.act(obs.to(device), deterministic=deterministic)
             actions = out.actions.to(env.device)
+            _finish(actions.device)  # (else its kernels count as the simulator's step)
             timing.policy_s += time.perf_counter() - t0
             timing.policy_calls += 1
             for k in range(actions.shape[1]):
@@ -212,6 +213,13 @@ def _run(
         summary.update(timing.summary())
     video.write(summaries)
     return summaries
+
+
+def _finish(device: torch.device) -> None:
+    """Wait for the work queued on a CUDA ``device``: a policy's kernels run after ``act``
+    returns, and the step's transfer would wait for them instead (evaluation's timing only)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _new_round(

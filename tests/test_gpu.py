@@ -300,3 +300,33 @@ def test_a_stream_drawing_on_a_second_gpu_swaps_that_devices_generator():
     again.load(saved)
     with again.drawing("cuda:1"):
         assert torch.equal(torch.rand(4, device="cuda:1"), expected_next)
+
+
+def test_an_evaluation_times_the_policys_kernels_as_the_policys():
+    """``act`` returns before its kernels run; the step's transfer waited for them, so the policy
+    read as nearly free and the simulator as slower by its time. A policy of matmuls costing
+    more than the scripted steps: its measured time is what ``eval/policy_ms`` says."""
+    from embodied.evaluate import evaluate
+    from embodied.schema import PolicyOutput
+
+    weights = torch.randn(4096, 4096, device="cuda")
+
+    class HeavyPolicy:
+        def act(self, obs, *, deterministic=True):
+            x = weights
+            for _ in range(50):
+                x = (x @ weights).tanh()
+            actions = torch.zeros(obs.batch_size, 1, 1, device="cuda") + x[0, 0] * 0
+            return PolicyOutput(actions=actions, logprob=torch.zeros(obs.batch_size, device="cuda"))
+
+    env = ScriptedEnv([0] * 8, max_episode_steps=5, device="cuda")
+    policy = HeavyPolicy()
+    policy.act(env.reset(seed=0))  # (cuBLAS's first call)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    policy.act(env.reset(seed=0))
+    end.record()
+    torch.cuda.synchronize()
+    kernels_ms = start.elapsed_time(end)  # the same calls, timed on the device
+    summary = evaluate(env, policy, episodes=8, seed=0)
+    assert summary["eval/policy_ms"] > 0.5 * kernels_ms, (summary["eval/policy_ms"], kernels_ms)
