@@ -257,6 +257,7 @@ def run_bench(
             continue
         for r in results:
             r["key"] = key
+            r["hardware"] = meta["hardware"]  # (its timings': a resumed bench may run elsewhere)
         write_atomic(path, json.dumps({"key": key, "results": results}, indent=2))
         done += results
         for r in results:

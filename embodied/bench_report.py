@@ -60,6 +60,13 @@ def markdown(report: dict) -> str:
             f"| mean of task success rates ({n} tasks weighted equally) | {episodes} | "
             f"{report['mean_task_success']:.2f} | | | | | |"
         )
+    elsewhere = [r["task"] for r in report["tasks"] if r.get("hardware") != hw]
+    if elsewhere:  # (kept from an earlier process: its timings are that process's)
+        lines.append(
+            f"\nThe timings (env steps/s, policy ms) of {', '.join(elsewhere)} were measured by "
+            "an earlier process on other or unrecorded hardware (each task's `hardware` in "
+            "results.json)."
+        )
     for skipped in report.get("skipped", []):
         lines.append(f"\nSkipped `{skipped['task']}`: {skipped['reason']}.")
     return "\n".join(lines) + "\n"

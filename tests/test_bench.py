@@ -136,6 +136,8 @@ def test_killed_run_resumes_without_redoing_finished_tasks(tmp_path):
     assert first.stat().st_mtime_ns == stamp  # not redone
     report = json.loads((out / "results.json").read_text())
     assert [r["task"] for r in report["tasks"]] == ["mujoco/reach", "mujoco/push"]
+    assert all(r["hardware"] == report["hardware"] for r in report["tasks"])  # (one machine)
+    assert "earlier process" not in (out / "report.md").read_text()
 
 
 def test_a_kept_task_file_that_cannot_be_read_is_run_again(tmp_path, capsys):
@@ -306,11 +308,17 @@ def test_the_report_averages_task_success_rates_with_tasks_weighted_equally(tmp_
 
     hw = {"cpus": 2, "processor": "x86_64", "gpu": None, "torch": "2", "python": "3"}
     meta = {"suite": "s", "policy": "zero", "seed": 0, "hardware": hw}
-    report = write_report(tmp_path, meta, [row("a", 2, 1), row("b", 8, 8)])
+    rows = [{**row("a", 2, 1), "hardware": hw}, {**row("b", 8, 8), "hardware": hw}]
+    report = write_report(tmp_path, meta, rows)
     assert report["mean_task_success"] == 0.75
     assert json.loads((tmp_path / "results.json").read_text())["mean_task_success"] == 0.75
     table = (tmp_path / "report.md").read_text().splitlines()
     assert "| mean of task success rates (2 tasks weighted equally) | 10 | 0.75 |" in table[-1]
+    # a task kept from a process on a 64-core machine: its timings are said to be that one's
+    rows[1]["hardware"] = {**hw, "cpus": 64}
+    write_report(tmp_path, meta, rows)
+    page = (tmp_path / "report.md").read_text()
+    assert "The timings (env steps/s, policy ms) of b were measured by an earlier" in page
 
 
 def test_a_checkpoint_is_skipped_where_its_actions_mean_other_units_or_its_cameras_differ():
