@@ -8,7 +8,7 @@ import torch
 from scripted_envs import ScriptedEnv, ScriptedPolicy
 
 from embodied.contract import ContractError, check_env, check_policy, same_device
-from embodied.schema import StepOutput
+from embodied.schema import CameraSpec, StepOutput
 
 
 class SameStart(ScriptedEnv):
@@ -42,6 +42,27 @@ class ResetsNothing(SameStart):
         if env_ids is not None:
             return self._obs()  # a partial reset that resets nothing (and reseeds nothing)
         return super().reset(seed=seed)
+
+
+class RedrawsEveryRow(SameStart):
+    """Images are views of one frame buffer (as a GPU renderer's may be), and a partial reset
+    draws every row of it again, otherwise: the other rows' images change under the reset."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        cameras = (CameraSpec("cam", 4, 4),)
+        self.spec = replace(self.spec, obs=replace(self.spec.obs, cameras=cameras))
+        self.frames = torch.zeros(self.num_envs, 4, 4, 3, dtype=torch.uint8)  # uint8 [B, 4, 4, 3]
+        self.partial_resets = 0
+
+    def _obs(self, rows=slice(None)):
+        obs = super()._obs(rows)
+        self.frames.fill_(self.partial_resets)
+        return replace(obs, images={"cam": self.frames[rows]})  # (a view: no copy)
+
+    def reset(self, *, seed=None, env_ids=None):
+        self.partial_resets += env_ids is not None
+        return super().reset(seed=seed, env_ids=env_ids)
 
 
 class TruncatesEarly(SameStart):
@@ -125,6 +146,7 @@ class SortsRenderedRows(SameStart):
         (env(Unseeded), r"reset\(seed=s\) twice gave different states"),
         (env(ScriptedEnv), r"reset\(seed=\[s\]\*B\): state differs across envs"),
         (env(ResetsEverything), "partial reset changed environments it was not asked to reset"),
+        (env(RedrawsEveryRow), "partial reset changed environments it was not asked to reset"),
         (
             env(ResetsNothing),
             r"reset\(seed=100, env_ids=\[0\]\) gave env 0 another start than reset\(seed=100\)",
