@@ -30,7 +30,9 @@ class TwinCamera(Camera):
 
     @property
     def is_connected(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Connected and not yet disconnected, as LeRobot's OpenCV camera has it (a capture
+        thread that died is ``read_latest``'s error, not a robot that never connected)."""
+        return self._thread is not None
 
     @staticmethod
     def find_cameras() -> list:
@@ -76,7 +78,7 @@ class TwinCamera(Camera):
     def read_latest(self, max_age_ms: int = 500) -> np.ndarray:
         """The last frame, as LeRobot's OpenCV camera gives it, but for its age: the twin's
         renders keep no wall-clock pace a test could rely on."""
-        if not self.is_connected:  # (a capture thread that died: its last frame is stale)
+        if self._thread is None or not self._thread.is_alive():  # (its last frame is stale)
             raise RuntimeError(f"twin camera {self.camera}: its capture thread is not running")
         if self._frame is None:
             raise RuntimeError(f"twin camera {self.camera}: no frame captured yet")

@@ -92,19 +92,25 @@ def test_a_connect_that_fails_while_configuring_the_servos_leaves_their_torque_o
     assert not robot.bus.is_connected and not any(port.torque().values())
 
 
-def test_a_twin_camera_whose_capture_thread_died_gives_no_more_frames(tmp_path):
-    """As LeRobot's OpenCV camera: a stopped capture thread is an error, not its last frame
-    served for the rest of the deploy."""
+def test_a_twin_camera_whose_capture_thread_died_is_the_observations_error(tmp_path):
+    """As with LeRobot's OpenCV camera: a stopped capture thread is the camera's error when the
+    arm is observed, not its last frame served on, nor "SOFollower is not connected" (the twin
+    camera counted itself disconnected, and the arm's close then left the bus open)."""
+    from embodied.robots.arm import RobotEnv, default_safety
+    from embodied.robots.safety import SafetyLayer
     from embodied.twin import make_twin_robot
-    from embodied.twin_camera import TwinCamera
 
-    cfg = ArmConfig(robot="so101-sim", calibration_dir=str(tmp_path / "cal"))
+    cfg = ArmConfig(
+        robot="so101-sim", calibration_dir=str(tmp_path / "cal"), cameras={"wrist": "wrist"}
+    )
     robot, twin, port = make_twin_robot(cfg)
-    camera = TwinCamera(twin, "wrist_camera", width=32, height=32, fps=30)
-    camera.connect()
-    assert camera.read_latest().shape == (32, 32, 3)
+    connect(robot, cfg)
+    env = RobotEnv(robot, cfg, SafetyLayer(default_safety(robot, cfg)))
+    assert env.observe().images["wrist"].shape[-1] == 3
+    camera = robot.cameras["wrist"]
     camera._stop.set()  # the thread ends, as on an error in a render
     camera._thread.join()
-    with pytest.raises(RuntimeError, match="capture thread is not running"):
-        camera.read_latest()
-    camera.disconnect()
+    with pytest.raises(RobotError, match="twin camera wrist_camera: its capture thread is not"):
+        env.observe()
+    env.close()
+    assert not robot.bus.is_connected and not camera.is_connected
