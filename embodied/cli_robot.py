@@ -144,11 +144,10 @@ def _deploy_options_refused(args) -> str | None:
         return f"--hz: must be > 0 and finite (Hz), got {args.hz:g}"
     if args.episodes < 1:
         return f"--episodes: must be >= 1, got {args.episodes}"
-    if args.robot.startswith("koch"):  # (read-arm and the driver's contract take it)
-        return (
-            "--robot koch: deploy has the SO-100/SO-101's geometry and rest pose only (its "
-            "workspace check and the pose its torque goes off at would be another arm's)"
-        )
+    if args.robot.startswith("koch"):  # (before the checkpoint is read: run_deploy's too)
+        from embodied.deploy import KOCH_REFUSED
+
+        return KOCH_REFUSED
     if args.episode_seconds is not None and not 0 < args.episode_seconds < math.inf:
         return f"--episode-seconds: must be > 0 and finite, got {args.episode_seconds:g}"
     if args.server and not args.server.startswith(("ws://", "wss://")):

@@ -38,6 +38,11 @@ from embodied.seeds import check_seed, eval_seed
 
 log = logging.getLogger(__name__)
 
+KOCH_REFUSED = (
+    "--robot koch: deploy has the SO-100/SO-101's geometry and rest pose only (its workspace "
+    "check and the pose its torque goes off at would be another arm's)"
+)
+
 
 @dataclass
 class EpisodeRecorder:
@@ -186,6 +191,8 @@ def run_deploy(
     from embodied.robots.shutdown import SafeShutdown
 
     check_seed("--seed", seed)
+    if arm.robot.startswith("koch"):  # (read-arm and the driver's contract take it)
+        raise DeployError(KOCH_REFUSED)
     twin = arm.robot.endswith("-sim")
     if twin:  # (before a large checkpoint is read)
         from embodied.twin import twin_views

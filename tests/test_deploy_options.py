@@ -191,3 +191,12 @@ def test_a_start_pose_beyond_a_joints_calibrated_range_is_refused_naming_the_joi
     env = SimpleNamespace(safety=safety, to_arm=lambda pose: pose)  # (refused before it moves)
     with pytest.raises(DeployError, match="wrist_flex"):
         _begin(env, None, Scene(None), home, stop=None, arm=None)
+
+
+def test_a_deploy_to_a_koch_is_refused_before_anything_is_read_or_connected():
+    """The safety layer has the SO-101's geometry and rest pose only; from Python as from the
+    command line (tests/test_cli_errors.py), before the checkpoint is read."""
+    from embodied.deploy import DeployError, run_deploy
+
+    with pytest.raises(DeployError, match="--robot koch: deploy has the SO-100/SO-101's geometry"):
+        run_deploy("no/such/checkpoint", ArmConfig(robot="koch", port="/dev/null"))
