@@ -58,11 +58,11 @@ def _step_toward(env, pose: np.ndarray, tolerance: float, gripper_may_block: boo
     if env.safety.last is None:  # before the first episode began: start from the arm
         env.safety.start(env.read_joints())
     env.hold(pose)  # (where it fails, the next is rate-limited from the last command sent)
-    away = np.abs(env.read_joints() - pose)  # f64 [6]
+    target = env.safety.within_limits(pose)  # f64 [6]: where the commands stop, past a limit
+    away = np.abs(env.read_joints() - target)  # f64 [6]
     if gripper_may_block:
         gripper = env.spec.action.gripper
-        target = env.safety.within_limits(pose)[gripper]
-        away[gripper] = abs(env.safety.last[gripper] - target)  # the command, not the reading
+        away[gripper] = abs(env.safety.last[gripper] - target[gripper])  # the command's
     return bool(np.all(away < tolerance))
 
 

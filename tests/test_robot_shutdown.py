@@ -293,3 +293,36 @@ def test_a_slow_arm_gets_the_time_its_speed_needs_for_the_moves_to_both_poses(tm
     report = shut_down(env, hz=HZ, timeout_s=10.0, clock=env.clock)
     assert report.torque_off and not report.failures
     assert largest_goal_jump(port) <= 0.1 / HZ + 2 * 2 * np.pi / 4096  # (two encoder ticks)
+
+
+def test_a_pose_just_past_a_limit_is_reached_at_the_limit_by_a_sagging_joint():
+    """The start pose's wrist flex 0.04 rad past the calibrated range (within the 0.05 rad the
+    deploy lets through) and a loaded servo that settles 0.015 rad short of its command: the
+    arm is there when it is at the limit. Measured against the pose itself it never was, and
+    the move timed out without naming the joint."""
+    from types import SimpleNamespace
+
+    from embodied.robots.safety import SafetyConfig
+    from embodied.robots.shutdown import ShutdownReport, move_to_pose
+
+    limits = dict(joint_low=(-2.0,) * 6, joint_high=(2.0, 2.0, 2.0, 1.40, 2.0, 2.0))
+    safety = SafetyLayer(SafetyConfig(**limits, max_step=0.1, workspace_low=(-9.0,) * 3))
+    safety.start(np.zeros(6))
+    sag = np.array([0.0, 0.0, 0.0, 0.015, 0.0, 0.0])
+
+    class SaggingArm:
+        spec = SimpleNamespace(action=SimpleNamespace(gripper=5))
+
+        def __init__(self):
+            self.safety = safety
+
+        def hold(self, pose):
+            return self.safety.toward(pose)
+
+        def read_joints(self):
+            return self.safety.last - sag
+
+    pose = np.array([0.0, 0.0, 0.0, 1.44, 0.0, 0.0])
+    options = dict(hz=HZ, timeout_s=1.0, tolerance=0.05, clock=FakeClock(), what="start pose")
+    assert move_to_pose(SaggingArm(), pose, ShutdownReport(), **options)
+    assert safety.last[3] == pytest.approx(1.40)
