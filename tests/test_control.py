@@ -152,6 +152,24 @@ def test_watchdog_holds_then_stops_at_exact_steps_then_the_safe_pose_before_torq
         env.close()
 
 
+def test_a_policy_of_only_non_finite_actions_is_stopped_by_the_watchdog(tmp_path):
+    """Every command rejected (the safety layer holds) is no fresh action: the watchdog stops
+    the episode as it would without actions (it ran to its clock, holding, before)."""
+    clock = FakeClock()
+    env, twin, port = twin_env(tmp_path, clock, hold_after_s=0.15, stop_after_s=0.61)
+    ex = ChunkExecutor(lambda obs: np.full((4, 6), np.inf), wait_s=CEILING_S)
+    try:
+        with EmergencyStop(keyboard=False) as stop:
+            result = run_episode(env, ex, stop, hz=HZ, max_steps=200, clock=clock)
+        # step s at s / 30 s: stopped at step 19 (0.633 s > 0.61 s), before acting
+        assert result.reason == "watchdog" and result.steps == 19
+        assert env.safety.counts["nonfinite"] == 19 == result.acted
+        assert result.watchdog == {"hold": 1, "stop": 1}
+    finally:
+        ex.close()
+        env.close()
+
+
 class SignallingClock(FakeClock):
     """A FakeClock that raises SIGUSR1 in its ``nth`` sleep: a signal that lands while the loop
     waits for a tick."""
