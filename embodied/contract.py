@@ -177,12 +177,7 @@ def _check_partial_reset(env, seed: int, deterministic: bool) -> None:
     gen = torch.Generator().manual_seed(seed)
     stepped = env.step(_random_actions(env.spec.action, B, dev, gen)).obs
     # (a copy: a renderer's images may be views of a buffer the reset draws over)
-    stepped = S.Observation(
-        state=stepped.state.clone(),
-        instruction=stepped.instruction,
-        images={k: v.clone() for k, v in stepped.images.items()},
-        privileged={k: v.clone() for k, v in stepped.privileged.items()},
-    )
+    stepped = stepped.map(torch.clone)
     part = env.reset(seed=seed + 100, env_ids=torch.tensor([0], device=dev))
     check_observation(part, env.spec, B, dev, "reset(env_ids=[0])")
     if B > 1:
