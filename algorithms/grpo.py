@@ -41,6 +41,11 @@ def grpo_advantages(
     count = _group_sums(ones, group_ids, num_groups).clamp(min=1.0)  # f32 [G]
     mean = _group_sums(r, group_ids, num_groups) / count  # f32 [G]
     centred = r - mean[group_ids]  # f32 [E]
+    # equal rewards, compared as such: their float mean can miss them by a rounding error, and
+    # that error over the std (the same error) would be an advantage of order 1
+    high, low = _group_extremes(r, group_ids, num_groups)  # f32 [G] each
+    uniform = (high == low)[group_ids]  # bool [E]
+    centred = torch.where(uniform, 0.0, centred)
     std = (_group_sums(centred * centred, group_ids, num_groups) / count).sqrt()  # f32 [G]
     adv = centred / (std[group_ids] + eps) if scale_by_std else centred
     present = _group_sums(ones, group_ids, num_groups) > 0
@@ -59,17 +64,25 @@ def _present_mean(x: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
     return (x * weights).sum() / weights.sum().clamp(min=1.0)
 
 
+def _group_extremes(
+    r: torch.Tensor, group_ids: torch.Tensor, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The highest and lowest of ``r`` (f32 [E]) per group: f32 [G] each, -inf and inf for a
+    group without members."""
+    high = torch.full((num_groups,), -torch.inf, device=r.device)
+    low = torch.full((num_groups,), torch.inf, device=r.device)
+    high = high.scatter_reduce(0, group_ids, r, reduce="amax")
+    low = low.scatter_reduce(0, group_ids, r, reduce="amin")
+    return high, low
+
+
 def informative_groups(
     *, rewards: torch.Tensor, group_ids: torch.Tensor, num_groups: int
 ) -> torch.Tensor:
     """DAPO dynamic sampling: bool [G], True for groups whose members' outcomes differ. Groups
     whose members all got the same outcome (all failed, all succeeded) carry no gradient under
     group-normalised advantages; groups without members are False too."""
-    r = rewards.float()
-    high = torch.full((num_groups,), -torch.inf, device=r.device)
-    low = torch.full((num_groups,), torch.inf, device=r.device)
-    high = high.scatter_reduce(0, group_ids, r, reduce="amax")
-    low = low.scatter_reduce(0, group_ids, r, reduce="amin")
+    high, low = _group_extremes(rewards.float(), group_ids, num_groups)
     return high > low
 
 
@@ -80,6 +93,8 @@ def kl_penalty(
     old_logprob: torch.Tensor,
     mask: torch.Tensor | None = None,
     count: torch.Tensor | float | None = None,
+    prox_logprob: torch.Tensor | None = None,
+    behaviour_weight_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL(pi || pi_ref) on samples drawn by the behaviour policy pi_old, with Schulman's k3.
 
@@ -89,9 +104,24 @@ def kl_penalty(
     pi / pi_old (gradient through it) makes the loss's expectation KL(pi || pi_ref) as a function
     of pi, so its gradient is that of KL(pi || pi_ref). Inputs share one shape at any log-prob
     level; ``mask`` (bool, that shape) selects the entries that count; ``count``: a data-parallel
-    rank's denominator (embodied.algorithms.losses)."""
+    rank's denominator (embodied.algorithms.losses).
+
+    ``prox_logprob`` and ``behaviour_weight_cap`` (decoupled PPO, data from older weights): the
+    ratio is pi / pi_prox times the weight pi_prox / pi_old (no gradient), and the entries whose
+    weight exceeds the cap are left out, as ``ppo_policy_loss`` leaves them out of the policy
+    loss: an action the behaviour policy all but never took would make the term inf."""
     d = ref_logprob - logprob
     k3 = d.exp() - d - 1.0
-    ratio = (logprob - old_logprob).exp()
-    loss = masked_mean(ratio * k3, mask, count)
+    if prox_logprob is None:
+        weighted = (logprob - old_logprob).exp() * k3
+    else:
+        behaviour_weight = (prox_logprob - old_logprob).detach().exp()
+        over_cap = torch.zeros_like(behaviour_weight, dtype=torch.bool)
+        if behaviour_weight_cap is not None:
+            over_cap = behaviour_weight > behaviour_weight_cap
+            behaviour_weight = torch.where(over_cap, 0.0, behaviour_weight)  # (inf: NaN grads)
+        weighted = (logprob - prox_logprob).exp() * behaviour_weight * k3
+        # where, not only the product: a filtered entry's inf k3 must not make a NaN (inf * 0)
+        weighted = torch.where(over_cap, 0.0, weighted)
+    loss = masked_mean(weighted, mask, count)
     return loss, {"policy/kl_ref": loss.detach()}

@@ -294,6 +294,8 @@ class GRPO:
                 old_logprob=old_logprob,
                 mask=mask,
                 count=count,
+                prox_logprob=minibatch.prox_logprob,
+                behaviour_weight_cap=cfg.behaviour_weight_cap,
             )
             loss = loss + cfg.kl_coef * kl
             metrics.update(kl_metrics)

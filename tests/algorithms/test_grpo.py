@@ -57,6 +57,18 @@ def test_bad_shapes_are_refused():
         )
 
 
+@pytest.mark.parametrize("reward", [0.1, 0.7, 3.3, 1000.1])
+def test_a_group_of_equal_rewards_gets_advantage_zero_whatever_their_rounding(reward):
+    """The float mean of seven 1000.1s misses them by a rounding error, which over the std (the
+    same error) made an advantage of -0.98."""
+    rewards = torch.cat([torch.full((7,), reward), torch.tensor([0.0, 1.0])])
+    groups = torch.tensor([0] * 7 + [1, 1])
+    adv, metrics = grpo_advantages(rewards=rewards, group_ids=groups, num_groups=2)
+    assert adv[:7].tolist() == [0.0] * 7
+    assert adv[7:].tolist() == pytest.approx([-1.0, 1.0], rel=1e-5)
+    assert metrics["grpo/degenerate_groups"].item() == 0.5
+
+
 def test_dynamic_sampling_drops_all_zero_and_all_one_groups():
     keep = informative_groups(rewards=REWARDS, group_ids=GROUPS, num_groups=3)
     assert keep.tolist() == [True, False, True]
@@ -75,6 +87,38 @@ def test_kl_penalty_k3_golden():
     assert metrics["policy/kl_ref"].item() == pytest.approx(expected, rel=1e-6)
     same, _ = kl_penalty(logprob=logprob, ref_logprob=logprob, old_logprob=logprob)
     assert same.item() == 0.0
+
+
+def test_kl_penalty_leaves_out_what_the_behaviour_weight_cap_filters():
+    """Decoupled PPO: the ratio is pi / pi_prox times pi_prox / pi_old, and an entry whose weight
+    exceeds the cap is left out (still counted), as the policy loss leaves it out. Before, the
+    second entry's weight e^100 made the term inf and its gradient NaN."""
+    logprob = torch.zeros(3, requires_grad=True)
+    ref = torch.tensor([-0.5, -0.5, 0.0])
+    old = torch.tensor([0.0, -100.0, -1.0])
+    prox = torch.tensor([0.0, 0.0, -0.5])
+    loss, _ = kl_penalty(
+        logprob=logprob, ref_logprob=ref, old_logprob=old, prox_logprob=prox, behaviour_weight_cap=5
+    )
+    k3 = math.exp(-0.5) + 0.5 - 1
+    # entry 3: k3 is 0 (pi = ref); entry 1: weight 1, ratio 1
+    assert loss.item() == pytest.approx(k3 / 3, rel=1e-6)
+    (grad,) = torch.autograd.grad(loss, logprob)
+    assert torch.isfinite(grad).all()
+    assert grad[1].item() == 0.0
+    uncapped, _ = kl_penalty(
+        logprob=torch.tensor([0.0, 0.0]),
+        ref_logprob=torch.tensor([-0.5, -1.0]),
+        old_logprob=torch.tensor([0.0, -1.0]),
+        prox_logprob=torch.tensor([0.0, -0.5]),
+    )
+    # weight e^0.5 times ratio e^0.5: the product is pi / pi_old, today's estimator
+    plain, _ = kl_penalty(
+        logprob=torch.tensor([0.0, 0.0]),
+        ref_logprob=torch.tensor([-0.5, -1.0]),
+        old_logprob=torch.tensor([0.0, -1.0]),
+    )
+    assert uncapped.item() == pytest.approx(plain.item(), rel=1e-6)
 
 
 def test_kl_penalty_estimates_the_true_kl():
