@@ -59,6 +59,7 @@ def rollout_pid(run_dir: Path) -> int:
     return next(w["pid"] for w in status["workers"] if w["role"] == "rollout")
 
 
+@pytest.mark.slow  # (56 s on 2 cores, the default suite's longest; CI runs the slow set)
 def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_again(
     local_ray, tmp_path, monkeypatch, capsys
 ):
