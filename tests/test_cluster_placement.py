@@ -102,6 +102,24 @@ def slots_of(**roles):
             "ask for 2 CPU in all; no node of the Ray cluster has that much (2 node(s)); use "
             "cluster.placement=disaggregated",
         ),
+        # every bundle fits some node and the sums fit, but not how they divide (Ray would wait
+        # 120 s and blame other jobs): 2 + 2 + 2 CPUs on two 3-CPU nodes
+        (
+            dict(env=dict(workers=2, num_cpus=2), rollout=dict(num_cpus=1), actor=dict(num_cpus=1)),
+            [{"CPU": 3.0}, {"CPU": 3.0}],
+            "hybrid",
+            "cluster.placement: hybrid's bundles (2 CPU; 2 CPU; 2 CPU) fit the Ray cluster's sums "
+            "but cannot be divided among its nodes (2 node(s); a GPU share below 1 comes from one "
+            "device)",
+        ),
+        # three 0.6 GPU shares: 1.8 of a node's 2 GPUs, but a share comes from one device
+        (
+            dict(rollout=dict(workers=2, num_gpus=0.6), actor=dict(num_gpus=0.6)),
+            [{"CPU": 8.0, "GPU": 2.0}],
+            "collocated",
+            "cluster.placement: collocated's bundles (1 CPU; 1 CPU, 0.6 GPU; 1 CPU, 0.6 GPU; "
+            "1 CPU, 0.6 GPU) fit",
+        ),
     ],
 )
 def test_a_placement_that_cannot_fit_names_the_role_and_the_resource(
@@ -116,6 +134,37 @@ def test_a_placement_that_cannot_fit_names_the_role_and_the_resource(
     with pytest.raises(ConfigError) as raised:
         check_fits(cfg, slots, nodes)
     assert str(raised.value).startswith(error)
+
+
+@pytest.mark.parametrize(
+    "roles, nodes, placement",
+    [
+        # 2 + 1 + 1 + 2 CPUs on two 3-CPU nodes: only 2 + 1 beside 1 + 2 fits
+        (
+            dict(env=dict(workers=2, num_cpus=2), rollout=dict(num_cpus=1), actor=dict(num_cpus=1)),
+            [{"CPU": 3.0}, {"CPU": 3.0}],
+            "disaggregated",
+        ),
+        # 0.5 + 0.5 + 0.5 + 0.5 GPU: two shares on each device
+        (
+            dict(rollout=dict(workers=3, num_gpus=0.5), actor=dict(num_gpus=0.5)),
+            [{"CPU": 8.0, "GPU": 2.0}],
+            "collocated",
+        ),
+        # a whole GPU and a share: the share goes to the other device
+        (
+            dict(rollout=dict(num_gpus=0.7), actor=dict(num_gpus=1)),
+            [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 4.0, "GPU": 2.0}],
+            "collocated",
+        ),
+    ],
+)
+def test_a_placement_that_fits_only_one_way_is_accepted(roles, nodes, placement):
+    from embodied.cluster.placement import check_fits
+
+    cfg, _ = slots_of(**roles)
+    cfg.placement = placement
+    check_fits(cfg, plan_slots(cfg), nodes)
 
 
 def test_a_placement_that_fits_passes_and_gives_one_bundle_per_worker():

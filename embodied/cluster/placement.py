@@ -166,6 +166,92 @@ def check_fits(cfg: ClusterConfig, slots: list[Slot], nodes: list[dict[str, floa
                 f"{_amount(everything[short])} {short} in all; no node has that much ({where}); "
                 "use cluster.placement=hybrid or disaggregated"
             )
+    # 4. the bundles on the nodes together (collocated: on one node)
+    bundles = bundles_of(slots)
+    candidates = [[node] for node in nodes] if cfg.placement == "collocated" else [nodes]
+    if not any(_packs(bundles, group) is not False for group in candidates):
+        asked = "; ".join(
+            ", ".join(f"{_amount(v)} {k}" for k, v in sorted(need.items())) for need in bundles
+        )
+        raise ConfigError(
+            f"cluster.placement: {cfg.placement}'s bundles ({asked}) fit the Ray cluster's "
+            f"sums but cannot be divided among its nodes ({where}; a GPU share below 1 comes "
+            "from one device): ask for less, or use another cluster.placement"
+        )
+
+
+PACK_SEARCH_STEPS = 10_000  # (beyond it the packing is not settled, and Ray's wait decides)
+
+
+@dataclass
+class _Free:
+    """What is left on a node while bundles are placed: its resources, and its GPUs one by one
+    (Ray gives a GPU share below 1 from one device, a whole number of GPUs as whole devices)."""
+
+    resources: dict[str, float]
+    gpus: list[float]
+
+
+def _packs(bundles: list[dict[str, float]], nodes: list[dict[str, float]]) -> bool | None:
+    """Whether every bundle can be placed on ``nodes`` at once: a search over the bundles,
+    largest first; None where it does not settle within PACK_SEARCH_STEPS."""
+    order = sorted(bundles, key=lambda need: (need.get("GPU", 0.0), need.get("CPU", 0.0)))
+    free = [
+        _Free({k: v for k, v in node.items() if k != "GPU"}, _devices(node.get("GPU", 0.0)))
+        for node in nodes
+    ]
+    steps = [0]
+
+    def place(left: list[dict[str, float]]) -> bool | None:
+        if not left:
+            return True
+        steps[0] += 1
+        if steps[0] > PACK_SEARCH_STEPS:
+            return None
+        need = left[-1]
+        other = {k: v for k, v in need.items() if k != "GPU"}
+        gpu = need.get("GPU", 0.0)
+        unsettled = False
+        for node in free:
+            if not _fits(other, node.resources):
+                continue
+            for devices in _gpu_choices(node.gpus, gpu):
+                _take(node, other, devices, gpu, sign=-1.0)
+                placed = place(left[:-1])
+                _take(node, other, devices, gpu, sign=1.0)
+                if placed:
+                    return True
+                unsettled |= placed is None
+        return None if unsettled else False
+
+    return place(order)
+
+
+def _devices(gpus: float) -> list[float]:
+    """A node's GPUs one by one: whole devices, and the fraction Ray reports beyond them."""
+    whole = int(gpus + 1e-9)
+    rest = gpus - whole
+    return [1.0] * whole + ([rest] if rest > 1e-9 else [])
+
+
+def _gpu_choices(gpus: list[float], gpu: float) -> list[list[int]]:
+    """The devices a GPU request may take: one with room for a share below 1 (one per distinct
+    remainder), or that many whole free devices."""
+    if gpu <= 0:
+        return [[]]
+    if gpu < 1:
+        firsts = {left: i for i, left in reversed(list(enumerate(gpus))) if left + 1e-9 >= gpu}
+        return [[i] for i in firsts.values()]
+    whole = [i for i, left in enumerate(gpus) if left >= 1.0 - 1e-9]
+    return [whole[: int(gpu + 1e-9)]] if len(whole) >= int(gpu + 1e-9) else []
+
+
+def _take(node: _Free, other: dict[str, float], devices: list[int], gpu: float, sign: float):
+    """Take (sign -1) or give back (+1) a bundle's resources on ``node``."""
+    for name, amount in other.items():
+        node.resources[name] += sign * amount
+    for i in devices:
+        node.gpus[i] += sign * min(gpu, 1.0)
 
 
 def _fits(need: dict[str, float], node: dict[str, float]) -> bool:
