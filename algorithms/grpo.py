@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from embodied.algorithms.losses import masked_mean
+from embodied.algorithms.losses import behaviour_weights, masked_mean
 
 
 def _group_sums(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -115,11 +115,9 @@ def kl_penalty(
     if prox_logprob is None:
         weighted = (logprob - old_logprob).exp() * k3
     else:
-        behaviour_weight = (prox_logprob - old_logprob).detach().exp()
-        over_cap = torch.zeros_like(behaviour_weight, dtype=torch.bool)
-        if behaviour_weight_cap is not None:
-            over_cap = behaviour_weight > behaviour_weight_cap
-            behaviour_weight = torch.where(over_cap, 0.0, behaviour_weight)  # (inf: NaN grads)
+        behaviour_weight, over_cap = behaviour_weights(
+            prox_logprob, old_logprob, behaviour_weight_cap
+        )
         weighted = (logprob - prox_logprob).exp() * behaviour_weight * k3
         # where, not only the product: a filtered entry's inf k3 must not make a NaN (inf * 0)
         weighted = torch.where(over_cap, 0.0, weighted)

@@ -34,6 +34,19 @@ def masked_mean(
     return kept.sum() / count
 
 
+def behaviour_weights(
+    prox_logprob: torch.Tensor, old_logprob: torch.Tensor, cap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO's weights pi_prox / pi_old (no gradient), 0 where they exceed ``cap``
+    (AReaL's filter), and the bool mask of those entries (their shape)."""
+    weight = (prox_logprob - old_logprob).detach().exp()
+    over_cap = torch.zeros_like(weight, dtype=torch.bool)
+    if cap is not None:
+        over_cap = weight > cap
+        weight = torch.where(over_cap, 0.0, weight)  # (an inf weight would make NaN gradients)
+    return weight, over_cap
+
+
 def ppo_policy_loss(
     *,
     logprob: torch.Tensor,
@@ -67,11 +80,9 @@ def ppo_policy_loss(
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     surrogate = torch.max(pg_loss1, pg_loss2)
     if prox_logprob is not None:
-        behaviour_weight = (prox_logprob - old_logprob).detach().exp()
-        over_cap = torch.zeros_like(behaviour_weight, dtype=torch.bool)
-        if behaviour_weight_cap is not None:
-            over_cap = behaviour_weight > behaviour_weight_cap
-            behaviour_weight = torch.where(over_cap, 0.0, behaviour_weight)
+        behaviour_weight, over_cap = behaviour_weights(
+            prox_logprob, old_logprob, behaviour_weight_cap
+        )
         # where, not only the product: a filtered entry's inf must not make a NaN (inf * 0)
         surrogate = torch.where(over_cap, 0.0, behaviour_weight * surrogate)
     loss = masked_mean(surrogate, mask, count)

@@ -240,7 +240,10 @@ def _gpu_choices(gpus: list[float], gpu: float) -> list[list[int]]:
     if gpu <= 0:
         return [[]]
     if gpu < 1:
-        firsts = {left: i for i, left in reversed(list(enumerate(gpus))) if left + 1e-9 >= gpu}
+        firsts: dict[float, int] = {}  # remainder -> its first device
+        for i, left in enumerate(gpus):
+            if left + 1e-9 >= gpu:
+                firsts.setdefault(left, i)
         return [[i] for i in firsts.values()]
     whole = [i for i, left in enumerate(gpus) if left >= 1.0 - 1e-9]
     return [whole[: int(gpu + 1e-9)]] if len(whole) >= int(gpu + 1e-9) else []
