@@ -113,7 +113,7 @@ def save_checkpoint(
     }
     try:
         _write_staged(tmp, model, trainer, meta, shards)
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, SafetensorError) as e:  # (safetensors' is neither)
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, RuntimeError) and not _write_failed(e):
             raise  # (a fault of the shards' writer or of torch: its own traceback)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from scripted_envs import PPO, TINY_VLA, PushRightEnv, run_on
 
 from embodied.checkpoint import load_checkpoint
@@ -366,15 +367,25 @@ def test_a_failed_save_frees_what_it_wrote_and_only_a_write_error_is_called_one(
     def save():
         ck.save_checkpoint(tmp_path, 1, model=net, optimizer=None, counters={}, meta={})
 
-    def full(tensors, path, **kwargs):
+    def full(tensors, path, **kwargs):  # (safetensors' own error: not an OSError)
         Path(path).write_bytes(b"\0" * 64)  # part of the file
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    def torch_full(obj, path, *args, **kwargs):
+        Path(path).write_bytes(b"\0" * 64)
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64")
 
-    with monkeypatch.context() as m:
-        m.setattr(ck, "save_file", full)
-        with pytest.raises(ck.CheckpointWriteError, match="unexpected pos 64"):
-            save()
-    assert list((tmp_path / "checkpoints").iterdir()) == []
+    for module, name, broken, said in (
+        (ck, "save_file", full, "No space left on device"),
+        (torch, "save", torch_full, "unexpected pos 64"),
+    ):
+        with monkeypatch.context() as m:
+            m.setattr(module, name, broken)
+            with pytest.raises(ck.CheckpointWriteError, match=said):
+                save()
+        # (nothing but the frozen weights, when they were written whole before)
+        left = [p.name for p in (tmp_path / "checkpoints").iterdir()]
+        assert [name for name in left if not name.startswith("frozen-")] == []
 
     def cuda_fault(obj, path, *args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
