@@ -88,6 +88,18 @@ def check_resume(saved: dict, current: dict, checkpoint: Path, force: bool) -> N
     )
 
 
+def check_rl_resume(resume: dict, current: dict, force: bool) -> None:
+    """``check_resume`` for a loaded checkpoint an RL run resumes. One of embodied sft is refused
+    whatever ``force`` says: its config holds no algorithm to compare, and the resumed run would
+    write over the SFT run."""
+    if "sft" in resume["meta"]:
+        raise ConfigError(
+            f"runner.resume: {resume['path']} is a checkpoint of embodied sft, not of an RL run: "
+            f"start RL from its weights with runner.init_from={resume['path']}"
+        )
+    check_resume(resume["meta"]["config"], current, resume["path"], force)
+
+
 def _torch_in_float32(flat: dict) -> dict:
     """``flat`` (a flattened config) with the torch backend's precision as what it trains in:
     float32, whatever the key says (``auto`` and ``fp32`` are the same run there)."""

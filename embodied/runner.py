@@ -29,7 +29,7 @@ from embodied.logger import RunLogger
 from embodied.multitask import check_tasks, make_env
 from embodied.recording import RunRecords, not_finite, record_dir
 from embodied.report import report_at_end
-from embodied.resume import check_resume, logged_again_from, unsaved_evaluation
+from embodied.resume import check_rl_resume, logged_again_from, unsaved_evaluation
 from embodied.roles import (
     Roles,
     WorkerLost,
@@ -69,9 +69,7 @@ def train(cfg: TrainConfig) -> dict:
         return train_from_records(cfg)
     resume = load_checkpoint_for(cfg.runner.resume, "runner.resume") if cfg.runner.resume else None
     if resume is not None:
-        check_resume(
-            resume["meta"]["config"], to_dict(cfg), resume["path"], cfg.runner.resume_force
-        )
+        check_rl_resume(resume, to_dict(cfg), cfg.runner.resume_force)
         if saved_streams(resume["rng"]) is None:
             print(
                 f"resuming {resume['path']}: written before random streams per worker, so the "

@@ -275,6 +275,14 @@ def test_sft_keeps_an_earlier_run_unless_told_and_checks_a_resume(
     assert main(["sft", cfg, f"runner.resume={tmp_path / 'run'}", "learning_rate=0.1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("embodied: error: runner.resume: learning_rate is 0.1 here but 0.0003")
+    # an RL run refuses to resume it, forced or not (init_from starts RL from its weights)
+    rl = ["train", "configs/mujoco/pick_ppo.yaml", f"runner.resume={tmp_path / 'run'}"]
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert main([*rl, "runner.resume_force=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a checkpoint of embodied sft, not of an RL run" in err[0]
+    assert err[0].endswith(f"runner.init_from={tmp_path / 'run' / 'checkpoints' / 'iter_000002'}")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
 
 
 def test_sft_on_mujoco_demonstrations_evaluates_on_mujoco(tmp_path, capsys):
