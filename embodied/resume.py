@@ -100,6 +100,41 @@ def check_rl_resume(resume: dict, current: dict, force: bool) -> None:
     check_resume(resume["meta"]["config"], current, resume["path"], force)
 
 
+def check_weights_fit(state: dict, policy, key: str, path, spare: str | None = None) -> None:
+    """A ``ConfigError`` naming config key ``key`` when the weights ``state`` (a checkpoint's, at
+    ``path``) do not load into ``policy`` (a torch module): weights of other shapes, or missing
+    or unexpected ones (beside those whose names start with ``spare``)."""
+    mine = policy.state_dict()
+    resized = [k for k, v in state.items() if k in mine and v.shape != mine[k].shape]
+    if resized:  # (another chunk size or camera size: load_state_dict's RuntimeError)
+        k = resized[0]
+        raise ConfigError(
+            f"{key}: {path} does not fit this policy: {len(resized)} weights of other shapes, "
+            f"e.g. {k} {tuple(state[k].shape)} here {tuple(mine[k].shape)} (a chunk size, image "
+            "size or layer size that differs from the checkpoint's config)"
+        )
+    unmatched = sorted(set(mine).symmetric_difference(state))
+    bad = [k for k in unmatched if spare is None or not k.startswith(spare)]
+    if bad:
+        raise ConfigError(f"{key}: {path} does not fit this policy (mismatched weights: {bad[:5]})")
+
+
+def load_resumed(engine, checkpoint: dict) -> None:
+    """A resumed run's weights and optimizer state into ``engine``; ones that do not fit it (a
+    forced resume's other policy or trainable weights) are a ``ConfigError``, not torch's."""
+    path = checkpoint["path"]
+    check_weights_fit(checkpoint["model"], engine.torch_policy, "runner.resume", path)
+    groups = (checkpoint.get("optimizer") or {}).get("param_groups", [])
+    saved = sum(len(group["params"]) for group in groups)
+    trained = sum(p.requires_grad for p in engine.torch_policy.parameters())
+    if groups and saved != trained:
+        raise ConfigError(
+            f"runner.resume: {path}'s optimizer state holds {saved} weights but this run trains "
+            f"{trained} (a frozen part that differs from the checkpoint's config)"
+        )
+    engine.load_state_dict(checkpoint)
+
+
 def _torch_in_float32(flat: dict) -> dict:
     """``flat`` (a flattened config) with the torch backend's precision as what it trains in:
     float32, whatever the key says (``auto`` and ``fp32`` are the same run there)."""

@@ -24,6 +24,7 @@ from embodied.inference import InferencePolicy
 from embodied.learner import TorchEngine, TrainerConfig
 from embodied.models import build_policy
 from embodied.recording import Pending, weights_digest
+from embodied.resume import check_weights_fit, load_resumed
 from embodied.rollout import (
     CollectPlan,
     EpisodeStats,
@@ -73,25 +74,10 @@ def init_policy(cfg, spec: EnvSpec, device) -> torch.nn.Module:
                 f"runner.init_from: {cfg.runner.init_from} was trained with other inputs or "
                 f"actions than this environment's ({'; '.join(changes)})"
             )
+        # a critic may be added (PPO after SFT: fresh value head) or dropped (GRPO)
         state = checkpoint["model"]
-        mine = policy.state_dict()
-        resized = [k for k, v in state.items() if k in mine and v.shape != mine[k].shape]
-        if resized:  # (another chunk size or camera size: load_state_dict's RuntimeError)
-            k = resized[0]
-            raise ConfigError(
-                f"runner.init_from: {cfg.runner.init_from} does not fit policy "
-                f"{cfg.policy.name!r}: {len(resized)} weights of other shapes, e.g. {k} "
-                f"{tuple(state[k].shape)} here {tuple(mine[k].shape)} (a chunk size, image "
-                "size or layer size that differs from the checkpoint's config)"
-            )
-        missing, unexpected = policy.load_state_dict(state, strict=False)
-        # a critic may be added (PPO after SFT: fresh value head) or dropped (GRPO); nothing else
-        bad = [k for k in missing + unexpected if not k.startswith("value_mlp.")]
-        if bad:
-            raise ConfigError(
-                f"runner.init_from: {cfg.runner.init_from} does not fit policy "
-                f"{cfg.policy.name!r} (mismatched weights: {bad[:5]})"
-            )
+        check_weights_fit(state, policy, "runner.init_from", cfg.runner.init_from, "value_mlp.")
+        policy.load_state_dict(state, strict=False)
     return policy
 
 
@@ -297,7 +283,7 @@ class Learner:
     def load(self, checkpoint: dict) -> None:
         """Weights, optimizer state and random stream of a resumed run, at the configured
         learning rate (a forced resume may have changed it)."""
-        self.engine.load_state_dict(checkpoint)
+        load_resumed(self.engine, checkpoint)
         iteration = (checkpoint.get("counters") or {}).get("iteration", 0)
         resumed(self.stream, checkpoint.get("rng"), self.cfg.seed, iteration)
         self.engine.set_lr(self.cfg.algorithm.learning_rate)

@@ -33,7 +33,7 @@ from embodied.logger import RunLogger, write_atomic
 from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
 from embodied.multitask import SIMULATOR_CONFIGS, make_env
 from embodied.report import report_at_end
-from embodied.resume import check_resume
+from embodied.resume import check_resume, load_resumed
 from embodied.roles import load_checkpoint_for, make_engine, save_engine
 from embodied.run import (
     Clock,
@@ -178,7 +178,7 @@ class BCLearner:
 
     def load(self, checkpoint: dict) -> None:
         """A resumed run's weights, optimizer state and stream."""
-        self.engine.load_state_dict(checkpoint)
+        load_resumed(self.engine, checkpoint)
         step = (checkpoint.get("counters") or {}).get("iteration", 0)
         resumed(self.stream, checkpoint.get("rng"), self.cfg.seed, step)
 

@@ -105,6 +105,7 @@ ALLOWED = {
         "embodied.megatron",
         "embodied.models",
         "embodied.recording",
+        "embodied.resume",
         "embodied.rollout",
         "embodied.schema",
         "embodied.stages",

@@ -44,7 +44,7 @@ from embodied.cluster.envs import RemoteEnvGroup
 from embodied.cluster.inference import RemoteInference
 from embodied.cluster.learner import RemoteLearner
 from embodied.cluster.roles import RayRoles
-from embodied.config import load_config
+from embodied.config import ConfigError, load_config
 from embodied.env_group import EnvGroup
 from embodied.episode_stats import EpisodeStats
 from embodied.multitask import MultiTaskEnv
@@ -171,10 +171,15 @@ def test_inference_in_the_env_worker_gives_the_embedded_numbers(local_ray, tmp_p
 # (the default run resumes a Ray run in the data-parallel test, on the test task)
 @pytest.mark.slow
 def test_a_ppo_run_on_ray_resumes_to_the_embedded_numbers(local_ray, tmp_path):
-    """From its own checkpoint, the generator state included."""
+    """From its own checkpoint, the generator state included. A forced resume with a policy of
+    another size is the actor worker's one-line ConfigError, as in one process."""
     train(pushcube(tmp_path, "embedded"))
     train(pushcube(tmp_path, "ray", ON_RAY))
     checkpoint = tmp_path / "ray" / "checkpoints" / "iter_000002"
+    resize = [f"runner.resume={checkpoint}", "runner.resume_force=true", "policy.hidden_sizes=[8]"]
+    with pytest.raises(ConfigError, match="weights of other shapes") as raised:
+        train(pushcube(tmp_path, "ray", [*ON_RAY, *resize]))
+    assert type(raised.value) is ConfigError and "\n" not in str(raised.value)
     train(pushcube(tmp_path, "ray", [*ON_RAY, f"runner.resume={checkpoint}"]))
     assert_same_numbers(rows(tmp_path / "embedded"), rows(tmp_path / "ray"))
 

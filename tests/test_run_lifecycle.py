@@ -320,6 +320,36 @@ def test_a_checkpoint_to_start_from_with_weights_of_other_shapes_is_one_line(tmp
     assert line.startswith(f"embodied: error: runner.init_from: {tmp_path}/small/last does not ")
     assert "weights of other shapes, e.g. actor.0.bias (8,) here (16,)" in line
     assert not (tmp_path / "big").exists()
+    # a forced resume of the small run at another size: the same line, the run left as it was
+    rows = (tmp_path / "small" / "metrics.jsonl").read_text()
+    forced = [f"runner.resume={tmp_path}/small", "runner.resume_force=true"]
+    assert main([*argv, "policy.hidden_sizes=[16]", *forced]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"embodied: error: runner.resume: {tmp_path}/small/checkpoints/")
+    assert "weights of other shapes, e.g. actor.0.bias (8,) here (16,)" in line
+    assert (tmp_path / "small" / "metrics.jsonl").read_text() == rows
+
+
+def test_a_resumed_optimizer_state_for_other_trainable_weights_is_one_line():
+    """A forced resume whose policy trains fewer weights than the checkpoint's optimizer state
+    holds (a part frozen since): a ConfigError counting both, not torch's ValueError."""
+    from types import SimpleNamespace
+
+    from embodied.config import ConfigError
+    from embodied.resume import load_resumed
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.Adam(net.parameters())
+    checkpoint = {"path": "ck", "model": net.state_dict(), "optimizer": optimizer.state_dict()}
+    loaded = []
+    engine = SimpleNamespace(torch_policy=net, load_state_dict=loaded.append)
+    load_resumed(engine, checkpoint)
+    assert loaded == [checkpoint]
+    net[0].requires_grad_(False)
+    said = "runner.resume: ck's optimizer state holds 4 weights but this run trains 2 "
+    with pytest.raises(ConfigError, match=said):
+        load_resumed(engine, checkpoint)
+    assert len(loaded) == 1  # (refused before the engine took anything)
 
 
 def test_a_checkpoint_to_start_from_that_acts_otherwise_is_refused(tmp_path, capsys):

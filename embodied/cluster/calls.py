@@ -22,8 +22,9 @@ RAY_GONE = (
 
 def get(refs, role: str, name=None):
     """``ray.get``, with a dead worker, or one that Ray restarted since it last took part
-    (``NotConnected``), as ``WorkerLost``; ``name(i)`` describes the worker of ``refs[i]`` (of a
-    single reference: ``name(0)``, or ``name`` itself, a string)."""
+    (``NotConnected``), as ``WorkerLost``; a worker's ``ConfigError`` as itself (one line: the
+    user's to fix). ``name(i)`` describes the worker of ``refs[i]`` (of a single reference:
+    ``name(0)``, or ``name`` itself, a string)."""
     import ray
 
     try:
@@ -31,6 +32,8 @@ def get(refs, role: str, name=None):
     except ray.exceptions.RayActorError as error:
         raise lost(role, error, _named(refs, name)) from None
     except ray.exceptions.RayTaskError as error:
+        if isinstance(error.cause, ConfigError):
+            raise error.cause from None
         if not isinstance(error.cause, NotConnected):
             raise
         raise WorkerLost(role, str(error.cause), _named(refs, name)) from None

@@ -60,10 +60,8 @@ class Pending:
             rank = self.refs.index(ready[0])
             try:
                 get(ready[0], "actor", self._named(rank))
-            except ray.exceptions.RayTaskError as error:
+            except ray.exceptions.RayTaskError:
                 self._raise_if_one_died()  # a rank's collective failed because a peer died
-                if isinstance(error.cause, ConfigError):  # (one line: the user's to fix)
-                    raise error.cause from None
                 raise
         return get(self.refs[0], "actor", self.name)
 
