@@ -208,6 +208,28 @@ def test_a_non_finite_action_is_an_error_in_its_own_step_where_the_done_mask_is_
     assert str(raised.value) == BAD_ACTIONS_ERROR
 
 
+@pytest.mark.parametrize("fault", ["overflow", "non-finite"])
+def test_rounds_shorter_than_episodes_are_looked_at_from_their_resets(fault):
+    """The runner starts every round with a seeded reset, and its rounds are shorter than the
+    episodes (push: 40 steps of 80), so no episode ends inside a step: each reset looks (at the
+    copy the reset before made; no wait), and the round after the fault's raises."""
+    njmax = 8 if fault == "overflow" else None
+    cfg = MuJoCoConfig(task="push", num_envs=3, backend="warp", max_episode_steps=50, njmax=njmax)
+    actions = torch.zeros(3, 6) if fault == "overflow" else _bad_actions()
+    env = make_env(cfg)
+    env.reset(seed=0)
+    env.step(actions)  # the fault, in a step nothing reads
+    env.step(torch.zeros(3, 6))
+    env.reset(seed=1)  # the flags copied
+    env.step(torch.zeros(3, 6))
+    expected = BufferOverflow if fault == "overflow" else UserError
+    with pytest.raises(expected) as raised:
+        env.reset(seed=2)  # the copy checked
+    env.close()  # (said once: close does not raise it again)
+    said = "constraint buffer holds (8)" if fault == "overflow" else BAD_ACTIONS_ERROR
+    assert said in str(raised.value)
+
+
 def test_a_lagged_read_returns_the_copy_of_the_call_before():
     """Hand-built: each call returns what the previous call copied, never the tensor now."""
     source = torch.tensor([1, 2], dtype=torch.int32)

@@ -12,7 +12,8 @@ before torch's work, so neither waits on the host.
 Host synchronisation: none in a step where no episode ends; the host counts each world's steps,
 so it knows which truncate. With ``ignore_terminations=false`` the done mask is read once a step.
 Buffer overflows and non-finite actions are tracked on the device and reach the host without a
-wait (``warp_guard.StepGuard``): an error within two episodes, never a silent loss of contacts.
+wait (``warp_guard.StepGuard``): an error at the second reset or episode ending after them,
+never a silent loss of contacts.
 """
 
 from __future__ import annotations
@@ -346,6 +347,8 @@ class MuJoCoWarpEnv:
     def reset(
         self, *, seed: int | Sequence[int] | None = None, env_ids: torch.Tensor | None = None
     ) -> Observation:
+        # a look at the guard's flags (no wait): a round shorter than an episode ends none
+        self._guard.check_lagged()
         ids = list(range(self.num_envs)) if env_ids is None else env_ids.tolist()  # (one read)
         reseed(self._streams, seed, ids)
         self._reset_rows(np.array(ids, dtype=np.int64))

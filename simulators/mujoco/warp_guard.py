@@ -6,8 +6,8 @@ an action that is not finite (its world's servo target would stay NaN until the 
 ``StepGuard`` keeps both on the device: a kernel launched after every substep tracks the buffer
 peaks (they only grow), and every step marks the worlds whose action was not finite (that action
 acts as zero meanwhile). They reach the host where a step reads the device anyway (the done
-mask), else one call late where episodes end (``LaggedRead``: no wait), and at ``close``. Either
-is an error within two episodes, naming the task, the buffer or the worlds.
+mask), else one call late at each reset and where episodes end (``LaggedRead``: no wait), and
+at ``close``: an error naming the task, the buffer or the worlds.
 """
 
 from __future__ import annotations
