@@ -237,23 +237,20 @@ if want cluster_gpu; then  # issue 33: a GPU rollout worker, weight sync by CUDA
   fi
 fi
 
-if has mani_skill; then
-  if want runner_tests; then  # the runner on CUDA, ManiSkill's physx_cpu feeding a GPU policy
-    stage runner_tests
-    run_for "${PYTEST_LIMIT:-420}" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
-      tests/test_gpu.py tests/test_maniskill_seeds.py 2>&1 | tee "$OUT/pytest_gpu.log"
+if want runner_tests; then  # the runner on CUDA: scripted envs, and where ManiSkill's bundle is
+  stage runner_tests  # (.gpu) its physx_cpu feeding a GPU policy (those tests skip without it)
+  tests=(tests/test_gpu.py)
+  if has mani_skill; then tests+=(tests/test_maniskill_seeds.py); fi
+  run_for "${PYTEST_LIMIT:-420}" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider \
+    "${tests[@]}" 2>&1 | tee "$OUT/pytest_gpu.log"
+fi
+if want host_syncs; then
+  stage host_syncs
+  run_for 150 python3 benchmarks/host_syncs.py --env scripted --num-envs 4096 \
+    --steps 100 --json "$OUT/host_syncs_scripted.json" 2>&1 | tee "$OUT/host_syncs.log"
+  if has mani_skill && ls ~/.sapien/physx/*/libPhysXGpu_64.so >/dev/null 2>&1; then
+    run_for 200 python3 benchmarks/host_syncs.py --env maniskill --num-envs 1024 \
+      --json "$OUT/host_syncs_maniskill.json" 2>&1 | tee -a "$OUT/host_syncs.log"
   fi
-  if want host_syncs; then
-    stage host_syncs
-    run_for 150 python3 benchmarks/host_syncs.py --env scripted --num-envs 4096 \
-      --steps 100 --json "$OUT/host_syncs_scripted.json" 2>&1 | tee "$OUT/host_syncs.log"
-    if ls ~/.sapien/physx/*/libPhysXGpu_64.so >/dev/null 2>&1; then
-      run_for 200 python3 benchmarks/host_syncs.py --env maniskill --num-envs 1024 \
-        --json "$OUT/host_syncs_maniskill.json" 2>&1 | tee -a "$OUT/host_syncs.log"
-    fi
-  fi
-else
-  echo "ManiSkill's bundle (.gpu) is not here: runner_tests and host_syncs are skipped" \
-    | tee -a "$OUT/stages.log"
 fi
 stage done

@@ -74,7 +74,7 @@ if [[ $phases == *" cluster "* || $phases == *" learning "* ]]; then later=200; 
 if [[ $phases == *" warp "* ]]; then
   suite $(($(left) - later)) \
     STAGES="device warp_compile warp_throughput warp_tests warp_rgb_profile warp_peaks warp_update
-      warp_cache"
+      warp_cache runner_tests"
 fi
 if [[ $phases == *" cluster "* ]]; then
   suite $(($(left) > 400 ? 240 : $(left) - 160)) STAGES=cluster_gpu
