@@ -91,6 +91,10 @@ class Evaluations:
         self.take(wait=last)
         if not due:
             return
+        if self.starting is None:
+            # in the loop: a stop before or during it saves this iteration naming it, and the
+            # resumed run runs it first (``again``)
+            self.mark_in_flight(self.state.at())
         if self.stop.requested:
             raise Interrupted
         self.take(wait=True)  # (one at a time)
@@ -125,12 +129,17 @@ class Evaluations:
         self.beside = (handle, at)
 
     def again(self, at: dict) -> None:
-        """Start again, beside training, the evaluation that was running when the run stopped,
-        on its iteration's weights (that checkpoint was kept for it); its result is recorded
-        at that iteration as it would have been. Where it cannot run again, say so once."""
+        """Run again the evaluation that was running (or due) when the run stopped, on its
+        iteration's weights: beside training from its checkpoint (kept for it), or in the loop
+        now where the resumed checkpoint is its iteration's. Its result is recorded at that
+        iteration as it would have been. Where it cannot run again, say so once."""
         iteration = at["iteration"]
         counters = self.state.counters()
         why = why_not_again(self.cfg, self.roles.evaluates_beside, self.run_dir, counters, at)
+        if why is None and not self.roles.evaluates_beside:  # (the weights are its iteration's)
+            self.bar.write(f"evaluating iteration {iteration} (unfinished when the run stopped)")
+            self.record(self.run(self.cfg.runner.eval_episodes, held_out=False), at)
+            return
         if why is not None:
             self.landed(iteration)
             self.bar.write(

@@ -231,12 +231,14 @@ def why_not_again(
     cfg, evaluates_beside: bool, run_dir: Path, counters: dict, at: dict
 ) -> str | None:
     """Why the unfinished evaluation ``at`` of a resumed checkpoint (``counters``) cannot run
-    again beside training; None where it can. Decided from the checkpoint alone, so that
-    ``rewind`` and the resumed run agree."""
+    again; None where it can: in the loop where the checkpoint is its iteration's, else beside
+    training. Decided from the checkpoint alone, so that ``rewind`` and the resumed run agree."""
     run = cfg.runner
     out_of_time = run.max_minutes is not None and counters["train_seconds"] >= run.max_minutes * 60
     path = checkpoint_dir(run_dir, at["iteration"])
     if not evaluates_beside:
+        if at["iteration"] == counters["iteration"]:
+            return None  # (in the loop, first: the weights it evaluates are the resumed ones)
         return "it runs again only with cluster.eval.workers"
     if counters["env_steps"] >= run.total_env_steps or out_of_time:
         return "no iteration is left to run it beside"

@@ -203,11 +203,11 @@ class Runner:
                 except Interrupted:
                     self._stopped_between_iterations()
                 except Exception as error:
-                    # a failure outside the update (a simulator worker that hung, say): the
-                    # weights are still the last completed iteration's, so keep them (unless
-                    # keeping them is what failed)
+                    # a failure outside the update (a simulator worker that hung, a worker lost
+                    # once too often, in a round or a sync): the weights are still the last
+                    # completed iteration's, so keep them (unless keeping them is what failed)
                     unsaved = isinstance(error, CheckpointWriteError)
-                    if self.phase not in ("collect", "evaluate") or unsaved:
+                    if self.phase not in ("collect", "updated", "evaluate") or unsaved:
                         raise
                     if self.stop.requested:  # a signal to the process group ended a worker too
                         self._stopped_between_iterations()
@@ -294,12 +294,7 @@ class Runner:
         record = self._record(collected, updated)  # (the learner writes it, or drops it)
         update_seconds = time.time() - done.start
         state.policy_version += 1
-        if not stopping:  # (a stop after a lost worker: only what the checkpoint needs)
-            metrics.update(self.roles.sync(state.policy_version))
-            role_metrics, spans = self.roles.metrics()
-            metrics.update(role_metrics)
-            self._trace(spans, done, update_seconds)
-        # 4. log, at the iteration's own progress (the next one may be collected already)
+        # the iteration's own progress (the next one may be collected already)
         state.iteration = collected.iteration
         state.train_seconds = self.clock.seconds
         state.env_steps = collected.progress.env_steps
@@ -307,11 +302,20 @@ class Runner:
         episodes = collected.stats.summary()
         state.episodes += int(episodes.get("episode/count", 0))
         metrics.update(episodes)
-        self._log(metrics, done, update_seconds)
         if bad := not_finite(updated):  # the weights it stepped are not usable: stop, unsaved
+            self._log(metrics, done, update_seconds)
             saved = self.points.saved and checkpoint_dir(self.run_dir, self.points.saved)
             raise NonFiniteUpdate(collected.iteration, bad, record, saved or None)
         self.points.complete(state)
+        self.phase = "updated"  # the actor holds the iteration: a failure from here saves it
+        try:
+            if not stopping:  # (a stop after a lost worker: only what the checkpoint needs)
+                metrics.update(self.roles.sync(state.policy_version))
+                role_metrics, spans = self.roles.metrics()
+                metrics.update(role_metrics)
+                self._trace(spans, done, update_seconds)
+        finally:  # 4. log (without the sync's numbers where the sync failed)
+            self._log(metrics, done, update_seconds)
         if stopping:
             return True
         if last is None:

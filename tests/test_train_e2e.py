@@ -85,13 +85,18 @@ class SignallingLogger(embodied.runner.RunLogger):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class ProcessDied(BaseException):
+    """A death nothing in the process outlives (a power loss): no handler saves after it."""
+
+
 class CrashingLogger(embodied.runner.RunLogger):
-    """Writes iteration 3's row, then fails: the run dies past its last checkpoint (2)."""
+    """Writes iteration 3's row, then the process dies: past its last checkpoint (2). (An
+    ordinary error there would save iteration 3: its update is done.)"""
 
     def log(self, metrics, step, **extra):
         super().log(metrics, step, **extra)
         if extra.get("iteration") == 3 and "policy/loss" in metrics:
-            raise RuntimeError("a crash after logging")
+            raise ProcessDied("a crash after logging")
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +112,7 @@ def runs(tmp_path_factory):
     resumed = train(tiny_config(tmp, "other", 4, [f"runner.resume={tmp / 'sigterm'}"]))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(embodied.runner, "RunLogger", CrashingLogger)
-        with pytest.raises(RuntimeError, match="a crash after logging"):
+        with pytest.raises(ProcessDied, match="a crash after logging"):
             train(tiny_config(tmp, "crash", 4, ["runner.save_every=2"]))
     assert load_checkpoint(tmp / "crash")["counters"]["iteration"] == 2
     records = ["runner.record_rollouts=1"]  # (turned on at the resume: no number changes)
@@ -173,6 +178,11 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_uninterrupted_run(runs):
         for key in COMPARED:
             assert a[it][key] == b[it][key], (it, key)
     assert resumed["final"]["eval/return"] == full["final"]["eval/return"]
+    # the evaluation due at iteration 2, which the stop came before, ran first on resume
+    evals = [(e["iteration"], e["success_rate"]) for e in resumed["evals"]]
+    assert [at for at, _ in evals] == [2]
+    assert evals == [(e["iteration"], e["success_rate"]) for e in full["evals"]]
+    assert resumed["best"] == full["best"] and best_iteration(tmp / "sigterm") == 2
     assert load_checkpoint(tmp / "sigterm")["counters"]["env_steps"] == 4 * STEPS_PER_ITER
     starts = json.loads((tmp / "sigterm" / "host.json").read_text())["starts"]
     assert [start["iteration"] for start in starts] == [0, 2]  # the resume added its start
