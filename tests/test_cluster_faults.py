@@ -261,6 +261,34 @@ def test_workers_restarted_between_rounds_are_found_unconnected_and_brought_back
     recorder.assert_whole_rounds()
 
 
+def test_a_worker_lost_in_a_call_to_several_is_named_before_a_survivors_error(local_ray, tmp_path):
+    """A survivor's error (as a collective fails when its peer goes) can reach ray.get before
+    Ray reports the peer's death: it was raised as it was, no WorkerLost, and nothing was
+    recovered. Here the peer says it is going, and exits half a second later."""
+    from embodied.cluster.calls import get
+
+    going = tmp_path / "going"
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class Peer:
+        def broken(self):
+            while not going.exists():
+                time.sleep(0.01)
+            raise RuntimeError("the collective its peer left")
+
+        def die(self):
+            going.touch()
+            time.sleep(0.5)
+            os._exit(1)
+
+    survivor, dying = Peer.remote(), Peer.remote()
+    ray.get([survivor.__ray_ready__.remote(), dying.__ray_ready__.remote()])  # (both started)
+    calls = [survivor.broken.remote(), dying.die.remote()]
+    with pytest.raises(WorkerLost, match=r"^rollout worker 1 lost: "):
+        get(calls, "rollout", lambda index: f"rollout worker {index}")
+    ray.kill(survivor)
+
+
 def test_a_simulator_error_mid_round_ends_the_round_with_that_error(local_ray, tmp_path):
     """An env worker's simulator raises at a round's second step: its rollout worker and the
     other env worker lose their links, and the round ends with the simulator's own error, not

@@ -14,6 +14,7 @@ from embodied.roles import WorkerLost, WorkerNotStarted
 from embodied.schema import UserError
 
 RESTART_TIMEOUT_S = 300.0  # how long a lost worker may take to come back
+LOSS_NOTICE_S = 10.0  # how long after its peers' errors Ray may take to report a worker's death
 RAY_GONE = (
     "Ray's GCS no longer answers: the cluster's daemons stopped (a signal to every process of "
     "the job?), and nothing can be restarted"
@@ -22,9 +23,9 @@ RAY_GONE = (
 
 def get(refs, role: str, name=None):
     """``ray.get``, with a dead worker, or one that Ray restarted since it last took part
-    (``NotConnected``), as ``WorkerLost``; a worker's ``ConfigError`` as itself (one line: the
-    user's to fix). ``name(i)`` describes the worker of ``refs[i]`` (of a single reference:
-    ``name(0)``, or ``name`` itself, a string)."""
+    (``NotConnected``), as ``WorkerLost``, before any other worker's error; a worker's
+    ``ConfigError`` as itself (one line: the user's to fix). ``name(i)`` describes the worker of
+    ``refs[i]`` (of a single reference: ``name(0)``, or ``name`` itself, a string)."""
     import ray
 
     try:
@@ -32,11 +33,33 @@ def get(refs, role: str, name=None):
     except ray.exceptions.RayActorError as error:
         raise lost(role, error, _named(refs, name)) from None
     except ray.exceptions.RayTaskError as error:
+        if isinstance(refs, list):  # (Ray raises the first error to arrive)
+            _raise_if_one_was_lost(refs, role, name)
         if isinstance(error.cause, ConfigError):
             raise error.cause from None
         if not isinstance(error.cause, NotConnected):
             raise
         raise WorkerLost(role, str(error.cause), _named(refs, name)) from None
+
+
+def _raise_if_one_was_lost(refs: list, role: str, name) -> None:
+    """``WorkerLost`` for the first call in ``refs`` whose worker died or was restarted, once
+    Ray has had time to say so: a survivor's error (a collective they shared, broken by the
+    loss) reaches ``ray.get`` first and would hide it, and recovery would never start."""
+    import ray
+
+    ray.wait(refs, num_returns=len(refs), timeout=LOSS_NOTICE_S)  # (a death's error comes later)
+    for index, ref in enumerate(refs):
+        if not ray.wait([ref], timeout=0)[0]:
+            continue
+        worker = name(index) if callable(name) else name
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as error:
+            raise lost(role, error, worker) from None
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(error.cause, NotConnected):
+                raise WorkerLost(role, str(error.cause), worker) from None
 
 
 def _named(refs, name) -> str | None:
