@@ -310,6 +310,19 @@ def push_right_envs(env_cfg) -> PushRightEnv:
     return PushRightEnv(env_cfg.num_envs)
 
 
+class BrokenOnceFlagged:
+    """A cluster's ``env_factory``: the test task's environments, until the test creates the file
+    ``flag``; a worker built after that (one Ray restarted) fails in its constructor."""
+
+    def __init__(self, flag):
+        self.flag = str(flag)
+
+    def __call__(self, env_cfg) -> PushRightEnv:
+        if Path(self.flag).exists():
+            raise RuntimeError("the simulator did not start")
+        return PushRightEnv(env_cfg.num_envs)
+
+
 PUSH_RIGHT_TASKS = {"near": 0.0, "far": 0.5}  # test tasks by name: their success thresholds
 
 

@@ -1,14 +1,15 @@
 """Losses on a local Ray beyond what replacing a worker mends: a worker lost once too often in a
 weight sync stops the run with the finished update's iteration saved; a rank lost inside the
-update's collective stops it with one line."""
+update's collective stops it with one line; an evaluation worker that cannot come back loses
+the evaluations beside training, not the run."""
 
 import os
 import signal
 import time
 
 import pytest
-from cluster_runs import CLUSTER, ONE_ROUND, rows, run_rounds
-from scripted_envs import push_right_envs, run_on
+from cluster_runs import CLUSTER, ONE_ROUND, roles_on, rows, run_rounds
+from scripted_envs import TINY_VLA, BrokenOnceFlagged, push_right_envs, run_on
 
 from embodied.checkpoint import load_checkpoint
 from embodied.cluster.inference import RemoteInference
@@ -98,3 +99,38 @@ def test_a_rank_lost_inside_the_update_collective_stops_the_run_with_one_line(
     assert outcomes == ["WorkerLost"]  # lost inside the update
     assert "policy/loss" not in (tmp_path / "ray" / "metrics.jsonl").read_text()
     assert not list((tmp_path / "ray").glob("checkpoints/iter_*"))
+
+
+@pytest.mark.slow  # (about 20 s)
+def test_an_evaluation_worker_that_cannot_come_back_loses_evaluations_not_the_run(
+    local_ray, tmp_path
+):
+    """The evaluation worker SIGKILLed mid-evaluation, and its simulator fails to start when
+    Ray restarts it: that evaluation and every later one are lost, each with one line, and the
+    run's other calls go on. The restart's error used to end the run (WorkerNotStarted)."""
+    cluster = {**CLUSTER, "env": dict(num_cpus=0.5), "eval": dict(workers=1, num_cpus=0.5)}
+    broken = tmp_path / "broken"
+    roles = roles_on(tmp_path, cluster, TINY_VLA, BrokenOnceFlagged(broken))
+    try:
+        roles.sync(1)
+        long = roles.start_evaluation(episodes=4000, seed=0)  # 1500 steps of 8 environments
+        (evaluator,) = roles.groups["eval"].workers
+        pid = ray.get(evaluator.ping.remote())
+        broken.touch()  # (a simulator built from here fails)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerLost, match=rf"^eval worker 0 \(pid {pid} on .+\) lost: "):
+            long.result()
+        roles.metrics()
+        roles.sync(2)
+        said = (
+            r"could not start: RuntimeError: the simulator did not start; no evaluation runs "
+            "beside training from here$"
+        )
+        for version in (3, 4):
+            with pytest.raises(WorkerLost, match=said):
+                roles.start_evaluation(episodes=8, seed=0).result()
+            roles.metrics()
+            roles.sync(version)
+        assert [event["role"] for event in roles.events] == ["eval", "eval"]
+    finally:
+        roles.close()

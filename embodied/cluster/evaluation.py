@@ -7,8 +7,13 @@ from collections.abc import Callable
 
 from embodied.cluster.calls import get
 from embodied.cluster.group import WorkerGroup
+from embodied.config import ConfigError
 from embodied.evaluate import pooled_summary, split_episodes
-from embodied.roles import WorkerLost
+from embodied.roles import WorkerLost, WorkerNotStarted
+from embodied.schema import UserError
+
+# what a worker that Ray restarted gives where its constructor raised (``calls.not_started``)
+NOT_STARTED = (WorkerNotStarted, ConfigError, UserError)
 
 
 class Evaluation:
@@ -33,34 +38,59 @@ class Evaluation:
 
         try:
             parts = get(self.refs, "eval", self.name)
-        except WorkerLost as lost:
+        except (WorkerLost, WorkerNotStarted) as error:  # (a restart whose constructor raised)
             # the others finish their shares first: the next evaluation must not find one
             # still running (it would share that worker's environments and policy)
             ray.wait(self.refs, num_returns=len(self.refs))
+            lost = error if isinstance(error, WorkerLost) else WorkerLost("eval", str(error))
             self.worker_lost(lost)
-            raise
+            raise lost from None
         return {
             task: pooled_summary([part[task] for part in parts], side_by_side=True)
             for task in parts[0]
         }
 
 
+class LostEvaluation:
+    """An evaluation that cannot start: its workers cannot come back (``error``)."""
+
+    def __init__(self, error: WorkerLost):
+        self.error = error
+
+    def ready(self) -> bool:
+        return True
+
+    def result(self) -> dict[str, dict]:
+        raise self.error
+
+
 class EvalGroup(WorkerGroup):
     """The evaluation workers. A lost one loses its evaluation only: the run's other calls go
     on (``timing`` and ``locate`` answer without it), and the next evaluation waits until Ray
-    has restarted it (``restore``). ``fault(error)`` records each loss."""
+    has restarted it (``restore``). One that cannot come back (its constructor raised again, or
+    it is not back in time) loses every later evaluation, said each time; training goes on.
+    ``fault(error)`` records each loss."""
 
     def __init__(self, workers: list, fault: Callable[[WorkerLost], None]):
         super().__init__("eval", workers)
         self.fault = fault
         self.lost = False  # a worker died: the next evaluation waits for it
+        self.gone: WorkerLost | None = None  # why the workers cannot evaluate any more
 
-    def start(self, weights, version: int, episodes: int, seed: int) -> Evaluation:
+    def start(self, weights, version: int, episodes: int, seed: int):
         """An evaluation at ``weights`` (an object-store reference to all of them: a worker Ray
-        restarted lost its own), the episodes split between the workers."""
-        if self.lost:
-            self.restore()
-            self.lost = False
+        restarted lost its own), the episodes split between the workers; a ``LostEvaluation``
+        where they cannot come back."""
+        if self.lost and self.gone is None:
+            try:
+                self.restore()
+                self.lost = False
+            except (WorkerLost, *NOT_STARTED) as error:
+                detail = f"{error}; no evaluation runs beside training from here"
+                self.gone = WorkerLost("eval", detail)
+                self.fault(self.gone)
+        if self.gone is not None:
+            return LostEvaluation(self.gone)
         shares = split_episodes(episodes, seed, len(self.workers))
         refs = [
             worker.evaluate.remote(weights, version, share_episodes, share_seed)
@@ -73,16 +103,20 @@ class EvalGroup(WorkerGroup):
         self.lost = True
 
     def timing(self) -> list[tuple[float, list]] | None:
+        """The workers' timing; None while one is lost (a restarting one would hold the call
+        for as long as its constructor runs)."""
+        if self.lost:
+            return None  # (its heartbeat stays when it last answered)
         try:
             return super().timing()
-        except WorkerLost:
+        except (WorkerLost, *NOT_STARTED):
             self.lost = True
-            return None  # (its heartbeat stays when it last answered)
+            return None
 
     def locate(self) -> None:
         try:
             super().locate()
-        except WorkerLost:
+        except (WorkerLost, *NOT_STARTED):
             self.lost = True
 
     def close(self) -> None:
