@@ -190,7 +190,19 @@ RUN_FILES = (
 
 
 def run_dir_of(checkpoint: Path, given: str) -> Path:
-    """A checkpoint lives in RUN/checkpoints/iter_N: a resumed run keeps writing to RUN."""
+    """A checkpoint lives in RUN/checkpoints/iter_N: a resumed run keeps writing to RUN, whose
+    ``last`` and ``best`` must be links (it moves them)."""
+    in_run = checkpoint.parent
+    if in_run.name == "checkpoints":
+        in_run = in_run.parent
+    for link in (in_run / "last", in_run / "best"):
+        if link.exists() and not link.is_symlink():
+            raise ConfigError(
+                f"runner.resume: {link} is a directory, not a link: the run was copied "
+                "following its links; copy it keeping them (cp -a, rsync -a), or remove "
+                f"{in_run / 'last'} and {in_run / 'best'} and resume from one of "
+                f"{in_run / 'checkpoints'}"
+            )
     if checkpoint.parent.name != "checkpoints":
         raise ConfigError(
             f"runner.resume: {given} is not inside a run directory (RUN/checkpoints/iter_N); "

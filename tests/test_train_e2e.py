@@ -221,6 +221,23 @@ def test_a_resume_that_changes_the_run_is_refused(runs, tmp_path):
     )
 
 
+@pytest.mark.parametrize("given", ["", "last", "checkpoints/iter_000003"])
+def test_a_run_copied_following_its_links_is_refused_with_how_to_copy_it(runs, tmp_path, given):
+    """``cp -r`` or a sync makes RUN/last and RUN/best directories: the resume said the run was
+    not a run directory, or failed moving the link (IsADirectoryError) after rewinding it."""
+    tmp, _, _ = runs
+    copy = tmp_path / "copied"
+    shutil.copytree(tmp / "full", copy, symlinks=False)
+    rows_before = (copy / "metrics.jsonl").read_text()
+    resume = f"runner.resume={copy / given}" if given else f"runner.resume={copy}"
+    with pytest.raises(ConfigError) as refused:
+        train(tiny_config(tmp_path, "x", 4, [resume]))
+    said = str(refused.value)
+    assert said.startswith(f"runner.resume: {copy / 'last'} is a directory, not a link: ")
+    assert "(cp -a, rsync -a)" in said and "\n" not in said
+    assert (copy / "metrics.jsonl").read_text() == rows_before  # (nothing rewound)
+
+
 def test_a_resume_from_an_older_checkpoint_abandons_the_later_ones(runs, tmp_path, capsys):
     tmp, _, _ = runs
     run = tmp_path / "older"
