@@ -418,10 +418,13 @@ def test_trim_metrics_drops_rows_past_the_checkpoint_and_an_unsaved_evaluation(t
 
 
 def test_an_unfinished_evaluation_keeps_its_rows_when_no_worker_can_run_it_again(tmp_path, capsys):
-    """Iteration 1's checkpoint names its evaluation beside training as in flight, and that
-    evaluation's row was logged after iteration 2's (hand-built from a real run). An embedded
-    resume has no evaluation worker to run it again: its row stays, once, and the run says why.
-    (The other reasons, and the re-run, are resumed runs on Ray: tests/test_cluster_overlap.py.)"""
+    """Iteration 2's checkpoint names iteration 1's evaluation beside training as in flight (it
+    ran while iteration 2 trained), and that evaluation's row was logged after iteration 2's
+    (hand-built from a real run). An embedded resume has no evaluation worker to run it on
+    iteration 1's weights: its row stays, once, and the run says why. (From iteration 1's own
+    checkpoint it runs in the loop first, as a stopped in-line one does: test_train_e2e.py. The
+    other reasons, and the re-run beside training, are resumed runs on Ray:
+    tests/test_cluster_overlap.py.)"""
     from scripted_envs import PPO, TINY_VLA, PushRightEnv, run_on
 
     run = tmp_path / "run"
@@ -429,18 +432,20 @@ def test_an_unfinished_evaluation_keeps_its_rows_when_no_worker_can_run_it_again
     kw = dict(total_env_steps=3 * steps, algorithm=PPO, policy={**TINY_VLA, "value_head": True})
     torch.manual_seed(0)
     run_on(PushRightEnv(8), run, save_every=1, **kw)
-    first = run / "checkpoints" / "iter_000001"
-    trainer = torch.load(first / "trainer.pt", weights_only=False)
-    counters = trainer["counters"]
-    counters["evaluating"] = {k: counters[k] for k in ("iteration", "env_steps", "train_seconds")}
-    torch.save(trainer, first / "trainer.pt")
+    first, second = (run / "checkpoints" / f"iter_00000{i}" for i in (1, 2))
+    at = torch.load(first / "trainer.pt", weights_only=False)["counters"]
+    trainer = torch.load(second / "trainer.pt", weights_only=False)
+    trainer["counters"]["evaluating"] = {
+        k: at[k] for k in ("iteration", "env_steps", "train_seconds")
+    }
+    torch.save(trainer, second / "trainer.pt")
     metrics = run / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     evaluation = {"iteration": 1, "env_steps": steps, "eval/success_rate": 0.25}
     late = [rows[0], rows[1], evaluation, *rows[2:]]  # logged after iteration 2's row
     metrics.write_text("".join(json.dumps(row) + "\n" for row in late))
     torch.manual_seed(0)
-    run_on(PushRightEnv(8), run, resume=str(first), **kw)
+    run_on(PushRightEnv(8), run, resume=str(second), **kw)
     out = capsys.readouterr()
     said = "the evaluation of iteration 1 was unfinished: it runs again only with cluster.eval"
     assert said in out.out + out.err
