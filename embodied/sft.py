@@ -320,6 +320,8 @@ class SFTRun:
             mininterval=bar_interval(),
         )
         self.policy.train()
+        if self._unevaluated():  # (a stop came between its step and its evaluation)
+            self._evaluate()
         with StopSignals() as stop:
             while self.step < cfg.steps:
                 self.step += 1
@@ -360,24 +362,35 @@ class SFTRun:
         bar.set_postfix(loss=f"{metrics['sft/loss']:.4f}")
 
     def _evaluate_or_save(self) -> None:
+        """The evaluation due at this step, then the checkpoint due (which then holds it)."""
         run = self.cfg.runner
         if self.step >= self.cfg.steps:
             return  # (the end saves and evaluates)
+        if run.eval_every and self.step % run.eval_every == 0 and not self.clock.out_of_time:
+            self._evaluate()
         if run.save_every and self.step % run.save_every == 0:
             self.save()
-        if run.eval_every and self.step % run.eval_every == 0 and not self.clock.out_of_time:
-            self.learner.refresh()
-            results = evaluate_tasks(
-                self.policy,
-                self.env,
-                list(self.env_cfgs),
-                run.eval_episodes,
-                eval_seed(self.cfg.seed, held_out=False),
-                self.step,
-                self.logger,
-            )
-            self.evals.append(results)
-            self.policy.train()
+
+    def _unevaluated(self) -> bool:
+        """Whether the step a run resumes at was due an evaluation its checkpoint lacks."""
+        every = self.cfg.runner.eval_every
+        due = every and 0 < self.step < self.cfg.steps and self.step % every == 0
+        return bool(due) and len(self.evals) < self.step // every
+
+    def _evaluate(self) -> None:
+        """An evaluation of this step's weights on the selection seeds, recorded and logged."""
+        self.learner.refresh()
+        results = evaluate_tasks(
+            self.policy,
+            self.env,
+            list(self.env_cfgs),
+            self.cfg.runner.eval_episodes,
+            eval_seed(self.cfg.seed, held_out=False),
+            self.step,
+            self.logger,
+        )
+        self.evals.append(results)
+        self.policy.train()
 
     def finish(self) -> dict:
         """The final evaluation (with its video) -> the run's summary, also metrics.json."""

@@ -160,7 +160,8 @@ def test_few_shot_sft_keeps_the_first_episodes(dataset):
 
 def test_sft_stopped_by_sigterm_saves_the_step_it_reached(tmp_path, dataset, monkeypatch, capsys):
     """`embodied sft` stopped by SIGTERM: the step it reached saved, one line saying where,
-    exit code 143 (128 + the signal), as `embodied train`; it was a traceback and exit 1."""
+    exit code 143 (128 + the signal), as `embodied train`; it was a traceback and exit 1. The
+    stop came before that step's evaluation: the resumed run runs it first (it was lost)."""
     import os
     import signal
 
@@ -172,12 +173,13 @@ def test_sft_stopped_by_sigterm_saves_the_step_it_reached(tmp_path, dataset, mon
             if step == 10:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(embodied.sft, "RunLogger", SignallingLogger)
     cfg = tmp_path / "sft.yaml"
     run = {"name": "sft", "output_dir": str(tmp_path), "eval_episodes": 2, "progress": False}
     body = {"datasets": [str(dataset)], "env": ENV, "policy": TINY_VLA, "runner": run}
-    cfg.write_text(json.dumps({**body, "steps": 30, "batch_size": 4, "warmup_steps": 2}))
-    assert main(["sft", str(cfg)]) == 128 + signal.SIGTERM
+    cfg.write_text(json.dumps({**body, "steps": 12, "batch_size": 4, "warmup_steps": 2}))
+    with monkeypatch.context() as m:
+        m.setattr(embodied.sft, "RunLogger", SignallingLogger)
+        assert main(["sft", str(cfg), "runner.eval_every=10"]) == 128 + signal.SIGTERM
     where = tmp_path / "sft" / "last"
     last = capsys.readouterr().err.splitlines()[-1]
     assert last == f"embodied: stopped after step 10; checkpoint: {where}"
@@ -185,6 +187,11 @@ def test_sft_stopped_by_sigterm_saves_the_step_it_reached(tmp_path, dataset, mon
     assert ckpt["counters"]["iteration"] == 10
     assert not (tmp_path / "sft" / "metrics.json").exists()  # stopped before its evaluation
     assert (tmp_path / "sft" / "report.html").is_file()  # a stopped run has its report too
+    assert main(["sft", str(cfg), "runner.eval_every=10", f"runner.resume={where}"]) == 0
+    assert len(json.loads((tmp_path / "sft" / "metrics.json").read_text())["evals"]) == 1
+    rows = (json.loads(line) for line in open(tmp_path / "sft" / "metrics.jsonl"))
+    evaluated = [r["iteration"] for r in rows if "eval/PushCube-v1/success_rate" in r]
+    assert evaluated == [10, 12]  # (12: the final evaluation)
 
 
 def sft_config(tmp_path, dataset, name: str, **extra) -> str:
