@@ -398,6 +398,10 @@ class DemoDataset:
                 f"{root}: dataset version {info.get('codebase_version')}, "
                 f"expected {CODEBASE_VERSION}"
             )
+        needed = ("observation.state", "action", "episode_index", "frame_index", "task_index")
+        lacking = [k for k in needed if k not in info.get("features", {})]
+        if lacking:  # (an image-only dataset, or one that names its columns otherwise)
+            raise ValueError(f"{root}: no {', '.join(lacking)} feature (meta/info.json)")
         stats = json.loads((root / "meta" / "stats.json").read_text())
         tasks_df = pd.read_parquet(root / "meta" / "tasks.parquet")
         tasks = [

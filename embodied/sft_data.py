@@ -30,6 +30,7 @@ def load_frames(paths: list[str], episodes: int = 0) -> Frames:
     sets = [set(p.images) for p in parts]
     if any(s != sets[0] for s in sets):
         raise ValueError(f"datasets: cameras differ between datasets: {sets}")
+    _check_sizes(paths, parts)
     offset = 0
     starts = []
     ends = []
@@ -56,6 +57,21 @@ def load_frames(paths: list[str], episodes: int = 0) -> Frames:
     )
     tasks = [p.info.get("embodied", {}).get("task") for p in parts]
     return Frames(cat, instructions, tasks, [(str(path), p.info) for path, p in zip(paths, parts)])
+
+
+def _check_sizes(paths: list[str], parts: list[DemoDataset]) -> None:
+    """A ValueError naming the first dataset whose state, actions or images differ in size from
+    the first one's (their frames are joined into one batch: torch.cat's error otherwise)."""
+    first = parts[0]
+    for path, part in zip(paths[1:], parts[1:]):
+        pairs = {"state": (part.state, first.state), "actions": (part.actions, first.actions)}
+        pairs.update({f"camera {c}": (part.images[c], first.images[c]) for c in first.images})
+        for what, (mine, theirs) in pairs.items():
+            if mine.shape[1:] != theirs.shape[1:]:
+                raise ValueError(
+                    f"datasets: {path}'s {what} is {tuple(mine.shape[1:])} per frame, "
+                    f"{paths[0]}'s {tuple(theirs.shape[1:])}; one run's datasets share sizes"
+                )
 
 
 def check_fits(

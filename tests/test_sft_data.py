@@ -1,5 +1,5 @@
 """What SFT checks of its datasets before it trains: hand-built dataset metadata against the
-spec of the policy it trains."""
+spec of the policy it trains; written datasets that differ from each other, or lack a column."""
 
 import pytest
 
@@ -61,3 +61,63 @@ def test_a_dataset_that_does_not_fit_is_named_with_what_differs(dataset, privile
     with pytest.raises(ValueError, match="datasets: ") as refused:
         fits(info(), dataset, privileged=privileged)
     assert said.replace("ds0", "ds1") in str(refused.value)
+
+
+def written(root, state: int = 4, image: int = 8):
+    """A one-episode LeRobot dataset of 3 frames: ``state`` state values, 2 actions, one
+    camera of ``image`` x ``image`` pixels."""
+    import numpy as np
+
+    from embodied.dataset import LeRobotWriter
+
+    writer = LeRobotWriter(
+        root,
+        fps=20,
+        cameras={"front": (image, image)},
+        state_names=[f"s{i}" for i in range(state)],
+        action_names=["a0", "a1"],
+    )
+    writer.add_episode(
+        images={"front": np.zeros((3, image, image, 3), np.uint8)},
+        state=np.zeros((3, state), np.float32),
+        actions=np.zeros((3, 2), np.float32),
+        rewards=np.zeros(3, np.float32),
+        success=np.array([False, False, True]),
+        task="push",
+    )
+    return writer.close()
+
+
+@pytest.mark.parametrize(
+    "other, said",
+    [
+        (dict(state=5), "'s state is (5,) per frame, "),
+        (dict(image=16), "'s camera front is (16, 16, 3) per frame, "),
+    ],
+)
+def test_datasets_of_other_sizes_are_named_before_their_frames_are_joined(tmp_path, other, said):
+    """They were joined first (torch.cat's RuntimeError, a traceback) and checked after."""
+    from embodied.sft_data import load_frames
+
+    first, second = written(tmp_path / "first"), written(tmp_path / "second", **other)
+    with pytest.raises(ValueError) as refused:
+        load_frames([str(first), str(second)])
+    assert str(refused.value).startswith(f"datasets: {second}{said}")
+    assert len(load_frames([str(first), str(first)]).data) == 6  # (alike: joined)
+
+
+def test_a_dataset_without_state_or_actions_is_one_line_naming_them(tmp_path):
+    """An image-only dataset, or one naming its columns otherwise (without the columns too: a
+    KeyError traceback before)."""
+    import json
+
+    from embodied.dataset import DemoDataset
+
+    root = written(tmp_path / "data")
+    meta = root / "meta" / "info.json"
+    info = json.loads(meta.read_text())
+    del info["features"]["observation.state"], info["features"]["action"]
+    meta.write_text(json.dumps(info))
+    with pytest.raises(ValueError) as refused:
+        DemoDataset.load(root)
+    assert str(refused.value) == f"{root}: no observation.state, action feature (meta/info.json)"
