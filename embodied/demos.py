@@ -57,6 +57,11 @@ class DemosConfig:
             raise ValueError("episodes: need 1 <= episodes <= max_attempts")
         if self.max_attempts > MAX_SEED:
             raise ValueError(f"max_attempts: at most {MAX_SEED:_}, got {self.max_attempts}")
+        if not hasattr(self.env, "task"):  # (the dataset names its one task)
+            raise ValueError(
+                f"env.simulator: demonstrations are recorded from ManiSkill's or MuJoCo's tasks, "
+                f"not {self.env.simulator}'s"
+            )
         if "rgb" not in self.env.obs_mode:
             raise ValueError(
                 "env.obs_mode: demonstrations need cameras (ManiSkill's 'rgb+state', MuJoCo's "

@@ -126,6 +126,19 @@ def test_config_errors(tmp_path, expert, capsys):
     assert "cameras" in capsys.readouterr().err
 
 
+def test_demonstrations_from_libero_are_refused_before_anything_is_built(tmp_path, capsys):
+    """LIBERO's config names a suite and a task id, no task: it validated, then failed with an
+    AttributeError after the expert and the simulator were built."""
+    cfg = tmp_path / "demos.yaml"
+    env = {"simulator": "libero", "obs_mode": "rgb"}
+    cfg.write_text(json.dumps({"expert": str(tmp_path / "no-checkpoint"), "env": env}))
+    assert main(["demos", str(cfg)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "embodied: error: env.simulator: demonstrations are recorded from ManiSkill's or "
+        f"MuJoCo's tasks, not libero's (in {cfg})"
+    )
+
+
 def test_the_scripted_expert_records_the_mujoco_pick_task(tmp_path, capsys):
     # the shipped config as the README runs it, smaller: the expert needs no checkpoint
     argv = [
