@@ -21,6 +21,7 @@ import sys
 import traceback
 import warnings
 from collections import Counter
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -30,7 +31,8 @@ import torch
 def counted(fn):
     """(fn's result, where its host syncs happened: "file:line" -> count). Torch's sync debug
     mode warns from the innermost Python frame, which may be torch's own; each sync is counted
-    at the innermost frame outside torch instead: the line that called into it."""
+    at the innermost frame outside torch instead: the line that called into it. Warp's own
+    waits are counted too (``warp_waits_counted``)."""
     sites: Counter[str] = Counter()
 
     def note(message, category, filename, lineno, file=None, line=None):
@@ -43,24 +45,64 @@ def counted(fn):
         warnings.showwarning = note
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            out = fn()
+            with warp_waits_counted(sites):
+                out = fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return out, sites
+
+
+WARP_WAITS = ("synchronize", "synchronize_device", "synchronize_stream", "synchronize_event")
+
+
+@contextmanager
+def warp_waits_counted(sites: Counter[str]):
+    """Count Warp's own waits on the device into ``sites``, which torch's debug mode never sees
+    (Warp calls CUDA itself): each call of Warp's synchronize functions, at the innermost line
+    outside Warp, MuJoCo Warp and torch. Outside a captured graph MuJoCo Warp's solver loop
+    waits once an iteration (``wp.capture_while``): what the warp env's graphs avoid."""
+    warp = sys.modules.get("warp")
+    if warp is None:  # (nothing in this process uses Warp)
+        yield
+        return
+    packages = [warp, sys.modules.get("mujoco_warp")]
+    skipped = tuple(Path(m.__file__).resolve().parent for m in packages if m is not None)
+    originals = {name: getattr(warp, name) for name in WARP_WAITS}
+
+    def counting(original):
+        def wait(*args, **kwargs):
+            sites[site_of(traceback.extract_stack()[:-1], "warp", 0, skipped=skipped)] += 1
+            return original(*args, **kwargs)
+
+        return wait
+
+    for name, original in originals.items():
+        setattr(warp, name, counting(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(warp, name, original)
 
 
 TORCH_DIR = Path(torch.__file__).resolve().parent
 
 
 def site_of(
-    stack: list[traceback.FrameSummary], filename: str, lineno: int, torch_dir: Path = TORCH_DIR
+    stack: list[traceback.FrameSummary],
+    filename: str,
+    lineno: int,
+    torch_dir: Path = TORCH_DIR,
+    skipped: tuple[Path, ...] = (),
 ) -> str:
-    """ "file:line" of the innermost frame of ``stack`` outside torch's package (``torch_dir``)
-    and the warnings module, else the warning's own ``filename:lineno``. (By torch's folder, not
-    by a folder named torch: the GPU image keeps every package under /opt/torch/.venv.)"""
+    """ "file:line" of the innermost frame of ``stack`` outside torch's package (``torch_dir``),
+    the ``skipped`` folders and the warnings module, else the warning's own ``filename:lineno``.
+    (By torch's folder, not by a folder named torch: the GPU image keeps every package under
+    /opt/torch/.venv.)"""
     for frame in reversed(stack):
         path = Path(frame.filename)
-        if not path.is_relative_to(torch_dir) and path.name != "warnings.py":
+        inside = any(path.is_relative_to(folder) for folder in (torch_dir, *skipped))
+        if not inside and path.name != "warnings.py":
             return f"{path.name}:{frame.lineno}"
     return f"{Path(filename).name}:{lineno}"
 

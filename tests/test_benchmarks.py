@@ -100,6 +100,27 @@ def test_a_host_sync_is_counted_at_the_innermost_line_outside_torch():
     assert host_syncs.sites_text(Counter()) == "none"
 
 
+def test_warps_own_waits_are_counted_at_the_line_that_led_to_them():
+    """Torch's sync debug mode never sees Warp's waits (the ones MuJoCo Warp's solver makes
+    outside a captured graph): the GPU tests that a step never waits count them beside."""
+    warp = pytest.importorskip("warp")
+    host_syncs = load("host_syncs")
+
+    def waits() -> None:
+        warp.synchronize()
+        warp.synchronize_device("cpu")
+
+    first = waits.__code__.co_firstlineno + 1
+    whole = warp.synchronize
+    sites = Counter()
+    with host_syncs.warp_waits_counted(sites):
+        waits()
+    assert sites == Counter(
+        {f"test_benchmarks.py:{first}": 1, f"test_benchmarks.py:{first + 1}": 1}
+    )
+    assert warp.synchronize is whole  # (put back)
+
+
 def test_a_step_profile_sums_kernels_per_step_and_ranks_the_costliest():
     """benchmarks/kernel_profile.py on hand-built launches: 2 steps, 3 kernel names."""
     kernel_profile = load("kernel_profile")

@@ -129,6 +129,7 @@ def test_on_a_gpu_no_step_reads_the_device_until_episodes_end_and_cpu_agrees():
             out = gpu.step(actions)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert {"physics", "forward"} <= set(gpu._graphs)  # (Warp's waits, which torch never sees)
     for _ in range(4):
         expected = cpu.step(actions.cpu())
     torch.testing.assert_close(out.obs.state.cpu(), expected.obs.state, atol=1e-4, rtol=0)
@@ -237,3 +238,79 @@ def test_on_a_gpu_the_scripted_expert_records_what_it_records_on_the_cpu():
         joints = [np.stack(episode.state)[:, :6] for episode in (gpu, cpu)]
         np.testing.assert_allclose(*joints, atol=1e-3)
         np.testing.assert_allclose(np.stack(gpu.actions), np.stack(cpu.actions), atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_cameras_see_what_the_cpu_device_sees_and_a_masked_reset_redraws_its_rows():
+    """The CUDA render path (the pose's captured graph on the side stream, the BVH refit on the
+    device) against the CPU device's: the goal and cube on the same pixels (measured on the CPU
+    against MuJoCo's renderer: within 1.5 px); a masked reset redraws its own rows only; and the
+    contract's checks of a CUDA rgb env."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from test_mujoco_warp import _centroids
+
+    from embodied.contract import check_env
+
+    seeds = [11, 12, 13, 14]
+    images = {}
+    for device in ("cpu", "cuda"):
+        cfg = MuJoCoConfig(
+            task="push", num_envs=4, backend="warp", device=device, obs_mode="rgb", image_size=64
+        )
+        with make_env(cfg) as env:
+            images[device] = env.reset(seed=seeds).images["base_camera"].cpu()
+            stepped = env.step(torch.full((4, 6), 0.05, device=device)).obs
+            again = env.reset(seed=[7], env_ids=torch.tensor([1], device=device))
+            before, after = stepped.images["base_camera"].cpu(), again.images["base_camera"].cpu()
+            assert torch.equal(after[[0, 2, 3]], before[[0, 2, 3]]), device
+            assert not torch.equal(after[1], before[1]), device
+    for color in ("red", "blue"):
+        gap = _centroids(images["cuda"], color) - _centroids(images["cpu"], color)
+        assert gap.abs().max() < 1.0, (color, gap)
+    cfg = MuJoCoConfig(
+        task="push",
+        num_envs=3,
+        backend="warp",
+        device="cuda",
+        obs_mode="rgb",
+        image_size=32,
+        max_episode_steps=6,
+    )
+    with make_env(cfg) as env:
+        check_env(env, seed=1)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_randomized_worlds_are_the_cpu_devices_and_never_wait_on_the_device():
+    """Per-world model rows written by torch, read by the captured graphs on the side stream:
+    the same draws and the same motion as on the CPU device, and no wait (Warp's or torch's)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from embodied.simulators.mujoco.randomize import RandomizeConfig
+
+    spread = RandomizeConfig(cube_size=0.3, mass=0.3, friction=0.3, servo_gain=0.3, camera_pos=0.02)
+    cfg = dict(task="push", num_envs=8, backend="warp", max_episode_steps=50, randomize=spread)
+    gpu = make_env(MuJoCoConfig(device="cuda", **cfg))
+    cpu = make_env(MuJoCoConfig(device="cpu", **cfg))
+    actions = torch.linspace(-0.05, 0.05, 8 * 6).reshape(8, 6)
+    gpu.reset(seed=3)  # warm-up: the graphs, pinned memory
+    gpu.step(actions.cuda())
+
+    def round_on_the_gpu():
+        gpu.reset(seed=5)
+        for _ in range(4):
+            out = gpu.step(actions.cuda())
+        return out
+
+    out, sites = with_syncs(round_on_the_gpu)
+    assert sites == []
+    cpu.reset(seed=5)
+    for _ in range(4):
+        expected = cpu.step(actions)
+    for field in ("cube_scale", "mass_scale", "friction_scale", "gain_scale", "camera_offset"):
+        a, b = getattr(gpu.world_params, field).cpu(), getattr(cpu.world_params, field)
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=field)
+    torch.testing.assert_close(out.obs.state.cpu(), expected.obs.state, atol=1e-4, rtol=0)
+    gpu.close()
+    cpu.close()
