@@ -190,6 +190,7 @@ SIMULATORS = [
         "configs/mujoco/reach_ppo.yaml",
         ["env.num_envs=4", "algorithm.num_steps=8", "env.render_size=32"],
         id="mujoco",
+        marks=pytest.mark.slow,  # (40 s; PPO and GRPO on Ray stay in the default suite)
     ),
     pytest.param(
         "configs/libero/spatial_ppo_state.yaml",

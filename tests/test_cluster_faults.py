@@ -345,6 +345,7 @@ def test_a_role_lost_too_often_stops_the_run_with_a_resumable_checkpoint(
     assert discarded_rounds(rows(tmp_path / "ray")) == []
 
 
+@pytest.mark.slow  # (36 s; a round lost with its env worker stays in the default suite)
 def test_the_first_observations_lost_with_their_env_worker_lose_only_that_round(
     local_ray, tmp_path, monkeypatch
 ):

@@ -22,6 +22,7 @@ CFG = ManiSkillConfig(
 )
 
 
+@pytest.mark.slow  # (41 s: two ManiSkill tasks' contract; CI runs the slow set)
 def test_two_tasks_pass_the_contract_with_their_instructions():
     with make_env(CFG) as env:
         assert isinstance(env, MultiTaskEnv) and env.num_envs == 4

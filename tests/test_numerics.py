@@ -45,6 +45,7 @@ def tiny_run(tmp_path, name: str, pinned: bool, env: dict) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
 
 
+@pytest.mark.slow  # (47 s: four tiny training processes; CI runs the slow set)
 @pytest.mark.skipif(not has_avx2(), reason="needs a CPU whose torch kernels can be AVX2 or not")
 def test_a_pinned_run_repeats_bit_for_bit_where_torch_would_choose_other_kernels(tmp_path):
     """ATEN_CPU_CAPABILITY=avx2 against default stands in for two CPUs: unpinned, torch's

@@ -267,6 +267,7 @@ def test_a_resumed_sft_run_ends_where_the_uninterrupted_one_did(tmp_path, datase
         assert torch.equal(again["model"][key], value), key
 
 
+@pytest.mark.slow  # (30 s; CI runs the slow set)
 def test_sft_keeps_an_earlier_run_unless_told_and_checks_a_resume(
     tmp_path, dataset, capsys, monkeypatch
 ):
