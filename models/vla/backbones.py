@@ -157,8 +157,8 @@ class MiniLMText(nn.Module):
         missing = sorted(set(texts) - self._cache.keys())
         if missing:  # a handful of distinct instructions per run: encode each once
             with torch.no_grad():
-                for t, e in zip(missing, self.encode(missing)):
-                    self._cache[t] = e
+                for t in missing:  # (alone: padded beside a longer one, its last bits differ)
+                    self._cache[t] = self.encode([t])[0]
         return torch.stack([self._cache[t] for t in texts])  # f32 [B, D]
 
     def train(self, mode: bool = True):

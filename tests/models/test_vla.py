@@ -191,6 +191,28 @@ def test_behaviour_cloning_fits_a_fixed_batch(head):
     assert err.mean() < 0.1
 
 
+@pytest.mark.parametrize("head", HEADS)
+def test_the_behaviour_cloning_loss_ignores_the_steps_its_mask_drops(head):
+    """A chunk's steps past its episode's end (mask 0) repeat the last action: the loss does not
+    see them, whatever they hold; without the mask it would (the test can tell)."""
+    torch.manual_seed(5)
+    policy = VLA(SPEC, tiny(head))
+    obs = random_observation(SPEC, 6)
+    low, high = SPEC.action.bounds()
+    target = low + torch.rand(6, 3, 4) * (high - low)  # physical chunks
+    garbage = target.clone()
+    garbage[:, -1] = high * 1e3  # (far outside the actions' range)
+    mask = torch.ones(6, 3)
+    mask[:, -1] = 0
+
+    def loss(chunks, mask=None) -> torch.Tensor:
+        torch.manual_seed(0)  # (the flow head draws its noise and time)
+        return policy.bc_loss(obs, chunks, mask)[0]
+
+    assert torch.equal(loss(garbage, mask), loss(target, mask))
+    assert not torch.equal(loss(garbage), loss(target))
+
+
 def assert_checkpoint_acts_alone(policy, cfg, spec, tmp_path, batch: int = 4) -> None:
     """Normalization set from data maps [-1, 1] onto the data's range; a policy rebuilt from the
     checkpoint alone (its config in meta, its weights and buffers) acts exactly as the original."""
@@ -276,6 +298,22 @@ def test_bad_configs_are_refused():
         VLA(two_sizes, tiny("gaussian", privileged_keys=[]))
     with pytest.raises(UserError, match=r"^policy.privileged_keys: \['obj_pose'\] not among"):
         VLA(SPEC, tiny("gaussian", privileged_keys=["obj_pose"]))
+
+
+def test_a_frozen_instructions_embedding_does_not_depend_on_the_others_beside_it():
+    """Encoded in one padded batch, an instruction's embedding differed in its last bits with
+    the longest one beside it (6e-8): a resumed run or `embodied eval`, whose first batch groups
+    the instructions otherwise, acted on other numbers than the run it repeats."""
+    from embodied.models.vla.backbones import MiniLMText
+
+    short = "pick up the cube"
+    long = "put the long red block on top of the small green plate near the bowl"
+    encoders = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        encoders.append(MiniLMText(pretrained=False, hidden=32, layers=1).requires_grad_(False))
+    alone, beside = encoders[0]([short])[0], encoders[1]([short, long])[0]
+    assert torch.equal(alone, beside)
 
 
 def test_pretrained_backbones_load_offline():
