@@ -84,7 +84,8 @@ def check_fits(
     """A ValueError naming the dataset and what differs, where a dataset's frames are not what
     the policy for ``spec`` reads and does (it reads ``privileged`` and ``cameras``, at their
     size unless ``any_size``: a policy that resizes): its action space (where the dataset
-    says), the sizes of its actions and state, its cameras and their size. SFT on
+    says), its recording rate (where it says), the sizes of its actions and state, its cameras
+    and their size. SFT on
     them trained in silence on numbers of another kind (a deploy recording's joint positions as
     joint deltas)."""
     for path, info in frames.infos:
@@ -93,6 +94,11 @@ def check_fits(
         space = info.get("embodied", {}).get("action_space")
         if space is not None and space != spec.action.space:
             problems.append(f"actions in {space}, the policy's in {spec.action.space}")
+        fps = info.get("fps")  # (a step's delta and a chunk's span are the rate's)
+        if fps is not None and abs(fps - spec.action.control_hz) > 1e-6:
+            problems.append(
+                f"recorded at {fps:g} Hz, the policy acts at {spec.action.control_hz:g} Hz"
+            )
         for what, key, names in (
             ("actions", "action", spec.action.names),
             ("state", "observation.state", spec.obs.state_names),

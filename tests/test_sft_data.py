@@ -35,6 +35,7 @@ def fits(*infos, privileged=(), cameras=SPEC.obs.cameras, any_size=False) -> Non
 
 def test_a_dataset_of_the_policys_kind_fits_whatever_it_names_its_columns():
     fits(info(), info(space=None))  # (a dataset that does not say its action space)
+    fits({**info(), "fps": 20})  # (at the policy's rate)
     fits(info(privileged={"goal_pos": 3}), privileged=("goal_pos",))
     fits(info(cameras={}), cameras=())  # a policy that reads no camera (use_images=false)
     fits(info(cameras={"front": (32, 32)}), any_size=True)  # one that resizes (SmolVLA)
@@ -49,6 +50,7 @@ def test_a_dataset_of_the_policys_kind_fits_whatever_it_names_its_columns():
             "ds0 does not fit the policy: actions in joint_pos, the policy's in joint_delta",
         ),
         (info(actions=3), (), "3 actions, the policy's 2"),
+        ({**info(), "fps": 30}, (), "recorded at 30 Hz, the policy acts at 20 Hz"),
         (info(state=5), (), "5 state, the policy's 2"),
         (info(cameras={"front": (32, 32)}), (), "camera front 32x32, the policy's 64x64"),
         (info(cameras={"wrist": (64, 64)}), (), "camera front none, the policy's 64x64"),
