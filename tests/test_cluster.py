@@ -311,6 +311,7 @@ def test_an_int_reset_seed_reaches_each_env_worker_as_an_int(local_ray, tmp_path
     assert listed.state[:, 2].tolist() == list(range(5, 13))
 
 
+@pytest.mark.slow  # (28 s; CI runs the slow set)
 def test_env_workers_holding_different_tasks_evaluate_as_the_embedded_run(
     local_ray, tmp_path, one_thread, monkeypatch
 ):

@@ -134,6 +134,7 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     assert counts == [8.0] * iterations
 
 
+@pytest.mark.slow  # (36 s; a role lost too often stays in the default suite; CI runs this)
 def test_an_env_worker_lost_before_the_learner_fetched_its_round_loses_that_round(
     local_ray, tmp_path, monkeypatch
 ):

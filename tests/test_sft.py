@@ -158,6 +158,7 @@ def test_few_shot_sft_keeps_the_first_episodes(dataset):
     )
 
 
+@pytest.mark.slow  # (35 s: a stopped run and its resume; CI runs the slow set)
 def test_sft_stopped_by_sigterm_saves_the_step_it_reached(tmp_path, dataset, monkeypatch, capsys):
     """`embodied sft` stopped by SIGTERM: the step it reached saved, one line saying where,
     exit code 143 (128 + the signal), as `embodied train`; it was a traceback and exit 1. The
