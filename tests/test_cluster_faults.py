@@ -134,6 +134,29 @@ def test_workers_killed_mid_rollout_are_replaced_and_their_rounds_collected_agai
     assert counts == [8.0] * iterations
 
 
+@pytest.mark.slow  # (about 20 s each)
+@pytest.mark.parametrize("weight_sync", ["object_store", "broadcast"])
+def test_a_round_lost_beside_the_update_is_collected_again_with_the_updates_weights(
+    local_ray, tmp_path, monkeypatch, weight_sync
+):
+    """cluster.max_staleness 1: the rollout worker SIGKILLed in the third iteration's round,
+    collected while the second update runs. The actor holds only that update's weights, so the
+    round collected again acts with them and says so (version 2, not the lost round's 1); the
+    copies' new weight-sync group waits for the update rather than beside it."""
+    run_dir = tmp_path / "ray"
+    saboteur = Saboteur(tmp_path)
+    recorder = Arming(saboteur, run_dir, {2: rollout_pid})
+    recorder.patch(monkeypatch)
+    iterations = 4
+    cluster = {**TWO_ENV_WORKERS, "max_staleness": 1, "weight_sync": weight_sync}
+    run_rounds(run_dir, iterations, env_factory=saboteur, cluster=cluster)
+    assert saboteur.killed(2) is not None
+    assert discarded_rounds(rows(run_dir)) == [(3, 1)]
+    versions = [samples.policy_version.unique().tolist() for samples in recorder.samples]
+    assert versions == [[0], [0], [2], [2]]
+    recorder.assert_whole_rounds()
+
+
 @pytest.mark.slow  # (36 s; a role lost too often stays in the default suite; CI runs this)
 def test_an_env_worker_lost_before_the_learner_fetched_its_round_loses_that_round(
     local_ray, tmp_path, monkeypatch

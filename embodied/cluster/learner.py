@@ -111,6 +111,7 @@ class RemoteLearner(WorkerGroup):
         super().__init__("actor", workers)
         self.sharded = sharded  # megatron's TP ranks: each saves its shard of a checkpoint
         self.rounds_added = 0  # (each round's key: a rank that added a lost round drops it)
+        self.unsynced: list = []  # the ranks' calls of an update inference has no weights of
         self._lr = lr
         self.device = torch.device("cpu")
 
@@ -157,7 +158,19 @@ class RemoteLearner(WorkerGroup):
         """The update of the rounds added since the last one, running in the actor workers;
         the handle's ``result()`` waits for it."""
         refs = [w.update.remote() for w in self.workers]
+        self.unsynced = refs
         return Pending(self.workers, refs, self.describe)
+
+    def settle(self) -> bool:
+        """Wait for the update started since inference last took the weights, if there is one
+        (its result stays for the runner): whether there was. The weights rank 0 sends next are
+        then that update's, and the actor is free for the next collective."""
+        import ray
+
+        refs, self.unsynced = self.unsynced, []
+        if refs:
+            ray.wait(refs, num_returns=len(refs))
+        return bool(refs)
 
     def set_lr(self, lr: float) -> None:
         """Queued behind the update in flight (an actor runs its calls in order): it applies

@@ -109,6 +109,7 @@ class RayRoles:
         """The actor's weights to every inference copy (``RemoteInference.send_weights``). An
         inference worker lost on the way is replaced and the sync sent again."""
         t0 = time.perf_counter()
+        self.learner.settle()  # (the update these weights come from has ended: its result is in)
         failures = 0
         while True:
             try:
@@ -332,7 +333,12 @@ class RayRoles:
         tqdm.write(f"{lost}; replaced, {then} (failure {failures} in a row)")
 
     def _restore(self) -> None:
-        """The env and inference groups' restarted workers back in the run, connected afresh."""
+        """The env and inference groups' restarted workers back in the run, connected afresh.
+        An update in flight (cluster.max_staleness 1) is waited for first: the copies can only
+        get its weights (the actor holds no others), one version on from the lost round's, and
+        a weight-sync group's rendezvous would otherwise wait behind it (SYNC_TIMEOUT_S)."""
+        if self.learner.settle():
+            self.inference.version += 1
         self.envs.restore()
         self.inference.restore()
         if not self.in_env:
