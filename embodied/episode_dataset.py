@@ -52,9 +52,10 @@ class EpisodeDatasets:
         self.spec = EnvSpec.from_dict(record.meta["spec"])
         # what the recorded policy read (an MLP's privileged_keys null: all of them), so that
         # the dataset fits that policy for embodied sft
-        self.privileged = record_config(record).policy.read_privileged(self.spec)
+        config = record_config(record)
+        self.privileged = config.policy.read_privileged(self.spec)
         self.source = source
-        self.simulator_task = record.meta["config"]["env"].get("task")
+        self.simulator_task = config.env.task_name()  # (the name of a one-task run's "all")
         self.writers = {}
         self.count = 0
 

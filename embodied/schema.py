@@ -276,6 +276,15 @@ class SimulatorConfig:
     # where a seed draws its own episode, so held-out seeds hold others out
     no_held_out: ClassVar[str] = ""
 
+    def task_name(self) -> str | None:
+        """The one task this config sets up, as a dataset names it (``embodied.task`` in its
+        info.json); None where the simulator has no choice of task."""
+        return getattr(self, "task", None)
+
+    def with_task(self, name: str) -> SimulatorConfig:
+        """This config set up for the task ``task_name`` names (ValueError: not one of its)."""
+        return replace(self, task=name) if hasattr(self, "task") else self
+
 
 def check_at_least(section: Any, minimum: int, *keys: str) -> None:
     """A config's check: a ValueError naming the first of ``keys`` (fields of ``section``) below

@@ -209,7 +209,7 @@ def sft(cfg: SFTConfig) -> dict:
     torch.manual_seed(cfg.seed)  # the policy's initial weights
     frames = load_frames(cfg.datasets, cfg.episodes_per_dataset)  # (a bad dataset fails first)
     resume = _resume_of(cfg)
-    default_task = getattr(cfg.env, "task", None)
+    default_task = cfg.env.task_name()
     env_cfgs = task_configs(cfg.env, [t or default_task for t in frames.tasks])
     run_dir = run_dir_for(cfg.runner, resume)  # (refused before an environment is built)
     # one environment for the spec and every evaluation: a simulator's start can take seconds
@@ -256,7 +256,13 @@ def task_configs(env: SimulatorConfig, tasks: list[str]) -> dict[str, SimulatorC
             f"datasets: tasks {names} on {env.simulator}; several tasks in one SFT run need "
             "ManiSkill (a multi-task environment), or one dataset's task per run"
         )
-    return {t: replace(env, task=t) if hasattr(env, "task") else env for t in names}
+    configs = {}
+    for name in names:
+        try:
+            configs[name] = env if name is None else env.with_task(name)
+        except ValueError as error:
+            raise ConfigError(f"datasets: task {name!r} on {env.simulator}: {error}") from None
+    return configs
 
 
 def lr_at(cfg: SFTConfig, s: int) -> float:

@@ -144,6 +144,14 @@ def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path):
         LiberoConfig(suite="libero_101").validate()
     with pytest.raises(ValueError, match="tasks 0..9"):
         LiberoConfig(task_id=10).validate()
+    # a dataset's task that the suite lacks, or that is no LIBERO task, before anything is built
+    from embodied.config import ConfigError
+    from embodied.sft import task_configs
+
+    with pytest.raises(ConfigError, match=r"task 'libero_goal/12' on libero: task_id: .* 0..9"):
+        task_configs(LiberoConfig(), ["libero_goal/12"])
+    with pytest.raises(ConfigError, match=r"not a LIBERO task \(suite/task_id\): 'PushCube-v1'"):
+        task_configs(LiberoConfig(), ["PushCube-v1"])
     monkeypatch.setattr(
         paths, "_package_dir", lambda name: tmp_path
     )  # an asset package without its files
@@ -154,10 +162,13 @@ def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path):
 def test_train_from_yaml_on_libero(tmp_path, capsys):
     """Training's final evaluation and `embodied eval` run the 50 fixed initial states that the
     selection evaluations ran (seed % 50; both seed offsets are multiples of 50): each says so,
-    and neither records its result as held out."""
+    and neither records its result as held out. Its recorded episodes make a dataset that names
+    the task (suite/task_id), which an SFT run's evaluation is set up for."""
     import json
 
     from embodied.cli import main
+    from embodied.sft import task_configs
+    from embodied.sft_data import load_frames
 
     rc = main(
         [
@@ -168,8 +179,10 @@ def test_train_from_yaml_on_libero(tmp_path, capsys):
             "env.max_episode_steps=4",
             "env.settle_steps=1",
             "env.image_size=32",
+            "env.task_id=3",
             "algorithm.num_steps=4",
             "runner.total_env_steps=16",
+            "runner.record_rollouts=1",
             "runner.eval_episodes=2",
             "runner.final_eval_episodes=2",
             "runner.progress=false",
@@ -190,3 +203,10 @@ def test_train_from_yaml_on_libero(tmp_path, capsys):
         "simulator: libero" in (run / "config.yaml").read_text()
         and (run / "last" / "model.safetensors").exists()
     )
+    dataset = tmp_path / "dataset"
+    assert main(["episodes", str(run), "--iteration", "1", "--to-dataset", str(dataset)]) == 0
+    info = json.loads((dataset / "meta" / "info.json").read_text())
+    assert info["embodied"]["task"] == "libero_spatial/3"
+    tasks = load_frames([str(dataset)]).tasks
+    (configured,) = task_configs(LiberoConfig(suite="libero_goal"), tasks).values()
+    assert (configured.suite, configured.task_id) == ("libero_spatial", 3)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from embodied.schema import SimulatorConfig, check_episode_limit
@@ -69,6 +69,18 @@ class LiberoConfig(SimulatorConfig):
         if self.settle_steps < 0:
             raise ValueError(f"settle_steps: must be >= 0, got {self.settle_steps}")
         check_episode_limit(self.max_episode_steps)
+
+    def task_name(self) -> str:
+        """The suite and task index ("libero_goal/3"), as a dataset recorded on it names it."""
+        return f"{self.suite}/{self.task_id}"
+
+    def with_task(self, name: str) -> LiberoConfig:
+        suite, _, task_id = name.partition("/")
+        if not task_id.isdigit():
+            raise ValueError(f"not a LIBERO task (suite/task_id): {name!r}")
+        configured = replace(self, suite=suite, task_id=int(task_id))
+        configured.validate()
+        return configured
 
     @property
     def episode_steps(self) -> int:
