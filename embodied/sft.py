@@ -54,6 +54,7 @@ from embodied.sft_data import (
     load_frames,
     norm_data,
     set_norm_stats,
+    task_configs,
 )
 from embodied.simulators.maniskill import ManiSkillConfig
 from embodied.streams import Stream, resumed
@@ -246,23 +247,6 @@ def _resume_of(cfg: SFTConfig) -> dict | None:
         raise ConfigError(f"runner.resume: {resume['path']} is not a checkpoint of embodied sft")
     check_resume(saved, to_dict(cfg), resume["path"], cfg.runner.resume_force)
     return resume
-
-
-def task_configs(env: SimulatorConfig, tasks: list[str]) -> dict[str, SimulatorConfig]:
-    """The evaluation config of each task the datasets hold (their order, each once)."""
-    names = list(dict.fromkeys(tasks))
-    if len(names) > 1 and env.simulator != "maniskill":
-        raise ConfigError(
-            f"datasets: tasks {names} on {env.simulator}; several tasks in one SFT run need "
-            "ManiSkill (a multi-task environment), or one dataset's task per run"
-        )
-    configs = {}
-    for name in names:
-        try:
-            configs[name] = env if name is None else env.with_task(name)
-        except ValueError as error:
-            raise ConfigError(f"datasets: task {name!r} on {env.simulator}: {error}") from None
-    return configs
 
 
 def lr_at(cfg: SFTConfig, s: int) -> float:

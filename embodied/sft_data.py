@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from embodied.dataset import DemoDataset, image_key, privileged_key
-from embodied.schema import CameraSpec, EnvSpec, NormStats, Observation
+from embodied.schema import CameraSpec, EnvSpec, NormStats, Observation, SimulatorConfig
 
 
 @dataclass
@@ -22,6 +22,23 @@ class Frames:
     instructions: list[str]  # per frame
     tasks: list[str]  # simulator task id per dataset, in order
     infos: list[tuple[str, dict]]  # (path, meta/info.json) per dataset, in order
+
+
+def task_configs(env: SimulatorConfig, tasks: list[str]) -> dict[str, SimulatorConfig]:
+    """The evaluation config of each task the datasets hold (their order, each once)."""
+    names = list(dict.fromkeys(tasks))
+    if len(names) > 1 and env.simulator != "maniskill":
+        raise ValueError(
+            f"datasets: tasks {names} on {env.simulator}; several tasks in one SFT run need "
+            "ManiSkill (a multi-task environment), or one dataset's task per run"
+        )
+    configs = {}
+    for name in names:
+        try:
+            configs[name] = env if name is None else env.with_task(name)
+        except ValueError as error:
+            raise ValueError(f"datasets: task {name!r} on {env.simulator}: {error}") from None
+    return configs
 
 
 def load_frames(paths: list[str], episodes: int = 0) -> Frames:

@@ -145,12 +145,11 @@ def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="tasks 0..9"):
         LiberoConfig(task_id=10).validate()
     # a dataset's task that the suite lacks, or that is no LIBERO task, before anything is built
-    from embodied.config import ConfigError
-    from embodied.sft import task_configs
+    from embodied.sft_data import task_configs
 
-    with pytest.raises(ConfigError, match=r"task 'libero_goal/12' on libero: task_id: .* 0..9"):
+    with pytest.raises(ValueError, match=r"task 'libero_goal/12' on libero: task_id: .* 0..9"):
         task_configs(LiberoConfig(), ["libero_goal/12"])
-    with pytest.raises(ConfigError, match=r"not a LIBERO task \(suite/task_id\): 'PushCube-v1'"):
+    with pytest.raises(ValueError, match=r"not a LIBERO task \(suite/task_id\): 'PushCube-v1'"):
         task_configs(LiberoConfig(), ["PushCube-v1"])
     monkeypatch.setattr(
         paths, "_package_dir", lambda name: tmp_path
@@ -167,8 +166,7 @@ def test_train_from_yaml_on_libero(tmp_path, capsys):
     import json
 
     from embodied.cli import main
-    from embodied.sft import task_configs
-    from embodied.sft_data import load_frames
+    from embodied.sft_data import load_frames, task_configs
 
     rc = main(
         [

@@ -130,7 +130,8 @@ def test_a_multi_task_sft_checkpoint_is_evaluated_on_every_task(tmp_path):
 
     from embodied.cli_eval import _eval_config
     from embodied.config import load_config
-    from embodied.sft import SFTConfig, _meta, task_configs
+    from embodied.sft import SFTConfig, _meta
+    from embodied.sft_data import task_configs
 
     cfg = tmp_path / "sft.yaml"
     cfg.write_text(json.dumps({"env": ENV, "policy": TINY_VLA, "datasets": ["d"]}))
