@@ -2,8 +2,11 @@
 equal on both backends), each range doing what it says in the physics, and kept with recorded
 episodes."""
 
+import copy
 from dataclasses import replace
 
+import mujoco
+import numpy as np
 import pytest
 import torch
 from one_line import one_line_error, run_cli
@@ -150,6 +153,62 @@ def test_both_backends_randomise_alike():
                 gap = max(gap, (w - r).abs().max().item())
                 apart = max(apart, (r - p).abs().max().item())
     assert gap < 1e-4 and apart > 0.05
+
+
+def test_a_worlds_cube_is_the_solid_cube_mujoco_would_compile_at_its_mass_and_size():
+    """The cube's inertia is a solid cube's of the drawn mass and size, and what MuJoCo derives
+    from them (mj_setConst: the inverse weights that set its contacts' softness, the subtree
+    masses) is each world's own on both backends. They were the 30 g cube's as written: a 0.7x
+    cube sliding on the table ended 13 mm from where the compiled one did."""
+    pytest.importorskip("mujoco_warp")
+    ranges = RandomizeConfig(cube_size=0.3, mass=0.3)
+    with _env("rollout", "push", ranges) as rollout, _env("warp", "push", ranges) as warp:
+        rollout.reset(seed=list(range(8)))
+        warp.reset(seed=list(range(8)))
+        nominal = rollout.model  # (the shared model: as written)
+        cube = nominal.body("cube").id
+        dofs = slice(int(nominal.body_dofadr[cube]), int(nominal.body_dofadr[cube]) + 6)
+        params = rollout.world_params
+        assert params.mass_scale.min() < 0.85 and params.mass_scale.max() > 1.15
+        view = warp._batched.view
+        for i, world in enumerate(rollout._models):
+            mass, size = float(params.mass_scale[i]), float(params.cube_scale[i])
+            expected = nominal.body_inertia[cube] * mass * size**2
+            np.testing.assert_allclose(world.body_inertia[cube], expected, rtol=1e-12)
+            compiled = copy.deepcopy(world)
+            mujoco.mj_setConst(compiled, mujoco.MjData(compiled))
+            for name, at in (("body_invweight0", cube), ("dof_invweight0", dofs)):
+                ours = getattr(world, name)[at]
+                np.testing.assert_allclose(ours, getattr(compiled, name)[at], rtol=1e-9)
+                on_warp = view[name][i, at].double().numpy()
+                np.testing.assert_allclose(on_warp, ours, rtol=1e-6)
+            np.testing.assert_allclose(world.body_subtreemass, compiled.body_subtreemass)
+            assert abs(world.body_invweight0[cube, 0] - nominal.body_invweight0[cube, 0]) > 1.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_cube_slides_on_the_table_at_its_worlds_friction(backend):
+    """A contact takes the larger of its geoms' frictions: the table's scales with the cube's,
+    so a world drawn below 1 slides on less friction (it slid on the table's 1.0)."""
+    with _env(backend, "push", RandomizeConfig(friction=0.3)) as env:
+        env.reset(seed=list(range(8)))
+        scale = env.world_params.friction_scale
+        assert scale.min() < 0.85
+        if backend == "warp":
+            table = env.host_model.geom("table").id
+            friction = env._batched.view["geom_friction"][:, table, 0]
+            torch.testing.assert_close(friction, scale)
+            return
+        env.step(torch.zeros(8, 6))  # (the cube at rest on the table)
+        for i, world in enumerate(env._models):
+            data = mujoco.MjData(world)
+            mujoco.mj_setState(world, data, env._state[i], env._spec_state)
+            mujoco.mj_forward(world, data)
+            pair = {world.geom("table").id, int(world.body_geomadr[world.body("cube").id])}
+            on_table = [c for c in data.contact[: data.ncon] if {c.geom1, c.geom2} == pair]
+            assert on_table
+            for contact in on_table:
+                assert contact.friction[0] == pytest.approx(float(scale[i]), rel=1e-6)
 
 
 def test_each_world_draw_is_kept_with_its_recorded_episode(tmp_path, capsys):

@@ -21,6 +21,8 @@ from embodied.simulators.mujoco.worlds import Randomized
 FIELDS = (
     "body_mass",
     "body_inertia",
+    "body_invweight0",
+    "dof_invweight0",
     "geom_size",
     "geom_rbound",
     "geom_aabb",
@@ -50,6 +52,10 @@ class BatchedWorlds:
         self._camera_pos = torch.tensor(nominal.camera_pos, dtype=torch.float32, device=device)
         self._light_pos = torch.tensor(nominal.light_pos, dtype=torch.float32, device=device)
         self._inertia = torch.tensor(nominal.inertia, dtype=torch.float32, device=device)
+        self._invweight = torch.tensor(nominal.invweight, dtype=torch.float32, device=device)
+        self._dof_invweight = torch.tensor(
+            nominal.dof_invweight, dtype=torch.float32, device=device
+        )
 
     def put(self, ids: torch.Tensor, p: WorldParams) -> None:
         """Worlds ``ids`` (int64 [N] on the device) take the draws ``p`` (N worlds)."""
@@ -60,8 +66,14 @@ class BatchedWorlds:
             v["geom_size"][ids, n.cube_geom] = half[:, None].expand(-1, 3)
             v["geom_rbound"][ids, n.cube_geom] = half * 3.0**0.5
             v["geom_aabb"][ids, n.cube_geom, 1] = half[:, None].expand(-1, 3)
+            # as Randomized.apply: a solid cube, and the inverse weights mj_setConst derives
+            scales = torch.stack([p.mass_scale, p.mass_scale * p.cube_scale**2], 1)  # f32 [N, 2]
             v["body_mass"][ids, n.cube_body] = n.mass * p.mass_scale
-            v["body_inertia"][ids, n.cube_body] = self._inertia * p.mass_scale[:, None]
+            v["body_inertia"][ids, n.cube_body] = self._inertia * scales[:, 1:]
+            v["body_invweight0"][ids, n.cube_body] = self._invweight / scales
+            dofs = slice(n.cube_dof, n.cube_dof + 6)
+            per_dof = scales.repeat_interleave(3, dim=1)  # f32 [N, 6]
+            v["dof_invweight0"][ids, dofs] = self._dof_invweight / per_dof
         friction = self._friction * p.friction_scale[:, None]  # f32 [N, G]
         v["geom_friction"][ids[:, None], self._friction_geoms, 0] = friction
         kp = self._kp * p.gain_scale  # f32 [N, 6]

@@ -124,11 +124,18 @@ class Randomized:
 
     cube_body: int
     cube_geom: int
-    friction_geoms: tuple[int, ...]  # the cube's and the pads': their sliding friction scales
+    cube_dof: int  # the first of its free joint's 6 (3 translations, then 3 rotations)
+    # the cube's, the pads' and the table's: their sliding friction scales (a contact takes the
+    # larger of its two geoms', so the table's must scale for the cube's to reach it)
+    friction_geoms: tuple[int, ...]
     camera: int  # the front camera
     half: float  # the cube's half-size, metres
     mass: float
     inertia: np.ndarray  # [3]
+    # what MuJoCo derives from the cube's mass and inertia (mj_setConst), which the solver reads
+    invweight: np.ndarray  # [2] body_invweight0: translation, rotation
+    dof_invweight: np.ndarray  # [6] dof_invweight0 of its free joint
+    world_mass: float  # body_subtreemass of the world body: every body's mass
     friction: np.ndarray  # [len(friction_geoms)]
     kp: np.ndarray  # [6] the servos' gains
     camera_pos: np.ndarray  # [3]
@@ -139,17 +146,22 @@ class Randomized:
     def of(cls, model: mujoco.MjModel) -> Randomized:
         body = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_BODY, "cube")
         geom = int(model.body_geomadr[body]) if body >= 0 else -1
-        pads = [model.geom(name).id for name in ("fixed_jaw_pad", "moving_jaw_pad")]
-        geoms = tuple(([geom] if geom >= 0 else []) + pads)
+        others = ("fixed_jaw_pad", "moving_jaw_pad", "table")
+        geoms = tuple(([geom] if geom >= 0 else []) + [model.geom(n).id for n in others])
         camera = model.camera("base_camera").id
+        dof = int(model.body_dofadr[body]) if body >= 0 else -1
         return cls(
             cube_body=body,
             cube_geom=geom,
+            cube_dof=dof,
             friction_geoms=geoms,
             camera=camera,
             half=float(model.geom_size[geom, 0]) if geom >= 0 else 0.0,
             mass=float(model.body_mass[body]) if body >= 0 else 0.0,
             inertia=model.body_inertia[body].copy() if body >= 0 else np.zeros(3),
+            invweight=model.body_invweight0[body].copy() if body >= 0 else np.zeros(2),
+            dof_invweight=model.dof_invweight0[dof : dof + 6].copy() if body >= 0 else np.zeros(6),
+            world_mass=float(model.body_subtreemass[0]),
             friction=model.geom_friction[list(geoms), 0].copy(),
             kp=model.actuator_gainprm[:, 0].copy(),
             camera_pos=model.cam_pos[camera].copy(),
@@ -161,13 +173,7 @@ class Randomized:
         """Write world ``row`` of ``p`` into ``model`` (a world's own copy on the rollout backend;
         the shared model, briefly, to render a world)."""
         if self.cube_body >= 0:
-            half = self.half * float(p.cube_scale[row])
-            model.geom_size[self.cube_geom] = half
-            model.geom_rbound[self.cube_geom] = half * np.sqrt(3.0)
-            model.geom_aabb[self.cube_geom, 3:] = half
-            scale = float(p.mass_scale[row])
-            model.body_mass[self.cube_body] = self.mass * scale
-            model.body_inertia[self.cube_body] = self.inertia * scale
+            self._apply_cube(model, float(p.cube_scale[row]), float(p.mass_scale[row]))
         model.geom_friction[list(self.friction_geoms), 0] = self.friction * float(
             p.friction_scale[row]
         )
@@ -177,3 +183,21 @@ class Randomized:
         model.cam_pos[self.camera] = self.camera_pos + p.camera_offset[row].double().cpu().numpy()
         model.light_pos[0] = self.light_pos + p.light_offset[row].double().cpu().numpy()
         model.light_diffuse[0] = self.light_diffuse * float(p.light_scale[row])
+
+    def _apply_cube(self, model: mujoco.MjModel, size: float, mass: float) -> None:
+        """The cube ``size`` and ``mass`` times its own: a solid cube, so its inertia scales by
+        mass x size^2; and what mj_setConst would derive from them (its inverse weights set the
+        softness of its contacts; its subtree mass, its centre of mass)."""
+        body = self.cube_body
+        half = self.half * size
+        model.geom_size[self.cube_geom] = half
+        model.geom_rbound[self.cube_geom] = half * np.sqrt(3.0)
+        model.geom_aabb[self.cube_geom, 3:] = half
+        rotation = mass * size**2  # (the inertia's scale)
+        model.body_mass[body] = self.mass * mass
+        model.body_inertia[body] = self.inertia * rotation
+        model.body_invweight0[body] = self.invweight / (mass, rotation)
+        dofs = slice(self.cube_dof, self.cube_dof + 6)
+        model.dof_invweight0[dofs] = self.dof_invweight / np.repeat((mass, rotation), 3)
+        model.body_subtreemass[body] = self.mass * mass
+        model.body_subtreemass[0] = self.world_mass + self.mass * (mass - 1.0)
