@@ -301,7 +301,8 @@ def _add_deploy(sub) -> None:
     y.add_argument(
         "--goal",
         help="X,Y,Z: the goal the policy is given (metres, the arm's base frame), for policies "
-        "trained with policy.privileged_keys=[goal_pos]; the twin draws one per episode without",
+        "trained with policy.privileged_keys=[goal_pos]; the twin draws one per episode without "
+        "(pick's is the cube's place at z = 0.065: the twin puts its cube under it)",
     )
     y.add_argument(
         "--seed",

@@ -135,19 +135,29 @@ class Scene:
 def episode_scenes(train_cfg, goal, twin: bool, episodes: int, seed: int) -> list[Scene]:
     """One Scene per episode. On the twin the MuJoCo task's own sampler draws goal and cube from
     the held-out seeds: episode e's is ``embodied eval``'s episode e's at ``seed`` (a given goal
-    replaces the drawn one); a real arm gets the given goal."""
+    replaces the drawn one, and places the cube where the task's goal is the cube's: pick); a
+    real arm gets the given goal."""
     given = None if goal is None else np.asarray(goal, np.float64)
-    if not twin or train_cfg.env.simulator != "mujoco":
+    if train_cfg.env.simulator != "mujoco":
         return [Scene(given) for _ in range(episodes)]
     from embodied.simulators.mujoco.streams import Streams
     from embodied.simulators.mujoco.tasks import TASKS
     from embodied.simulators.mujoco.worlds import draw_initial, reseed
 
+    task = TASKS[train_cfg.env.task]
+    try:
+        under = None if given is None else task.cube_under(tuple(given.tolist()))
+    except ValueError as e:
+        raise DeployError(f"--goal: {e}") from None
+    if not twin:
+        return [Scene(given) for _ in range(episodes)]
     streams = Streams(episodes, torch.device("cpu"))
     first = eval_seed(seed, held_out=True)
     reseed(streams, [first + e for e in range(episodes)], list(range(episodes)))
-    drawn = draw_initial(streams, TASKS[train_cfg.env.task], torch.arange(episodes), 0.0)
+    drawn = draw_initial(streams, task, torch.arange(episodes), 0.0)
     cubes = None if drawn.cube is None else drawn.cube.double().numpy()
+    if under is not None:
+        cubes = np.tile(np.asarray(under, np.float64), (episodes, 1))  # f64 [E, 3]
     return [
         Scene(
             drawn.goal[e].double().numpy() if given is None else given,

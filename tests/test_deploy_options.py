@@ -20,6 +20,35 @@ def test_a_goal_on_the_table_passes_the_reach_check_and_one_under_it_does_not():
         _check_reachable("0.25,0.03,-0.001", (0.25, 0.03, -0.001))
 
 
+def test_a_pick_goal_places_the_twins_cube_beneath_it_and_another_height_is_refused():
+    """Pick's goal is the cube's place lifted 5 cm: a given one puts the twin's cube under it,
+    at rest, so the twin judges the lift (the drawn cube stayed where it was, and a goal at
+    z = 0.01 was a success before anything moved). A goal at another height is one line, on a
+    real arm too."""
+    from clocks import FakeClock
+
+    from embodied.deploy import DeployError, episode_scenes
+    from embodied.twin import ArmTwin
+
+    cfg = SimpleNamespace(env=SimpleNamespace(simulator="mujoco", task="pick"))
+    scenes = episode_scenes(cfg, (0.21, 0.03, 0.065), twin=True, episodes=2, seed=0)
+    for scene in scenes:
+        np.testing.assert_allclose(scene.cube, [0.21, 0.03, 0.015])
+        np.testing.assert_allclose(scene.goal, [0.21, 0.03, 0.065])
+    twin = ArmTwin("pick", clock=FakeClock())
+    twin.place(scenes[0].goal, scenes[0].cube)
+    assert not twin.success()
+    for twin_or_arm in (True, False):
+        with pytest.raises(DeployError, match=r"--goal: pick's goal .* z = 0\.065 .* z = 0\.01$"):
+            episode_scenes(cfg, (0.2, 0.0, 0.01), twin=twin_or_arm, episodes=1, seed=0)
+    drawn = episode_scenes(cfg, None, twin=True, episodes=2, seed=0)  # the task's own draws
+    assert drawn[0].cube[0] != drawn[1].cube[0]
+    push = SimpleNamespace(env=SimpleNamespace(simulator="mujoco", task="push"))
+    (given,) = episode_scenes(push, (0.25, 0.0, 0.001), twin=True, episodes=1, seed=0)
+    (own,) = episode_scenes(push, None, twin=True, episodes=1, seed=0)
+    np.testing.assert_allclose(given.cube, own.cube)  # (push: the cube drawn apart)
+
+
 def test_joint_deltas_accumulate_as_the_simulator_clips_them():
     """Each delta within the policy's bounds (0.1 rad), each target within the arm's range (the
     first joint's top at 0.15): the third step moves back from where the arm is told to be, not

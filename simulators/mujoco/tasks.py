@@ -47,6 +47,11 @@ class Task:
         in [0, 1], success bool [B])."""
         raise NotImplementedError
 
+    def cube_under(self, goal: tuple[float, float, float]) -> tuple[float, ...] | None:
+        """Where a goal a user gives puts the cube (metres), for a task whose goal is defined by
+        the cube's place; None where the two are drawn apart (ValueError: a goal it never has)."""
+        return None
+
 
 def _between(u: torch.Tensor, low: tuple[float, ...], high: tuple[float, ...]) -> torch.Tensor:
     """Uniforms f32 [N, D] in [0, 1) -> f32 [N, D] in [low, high) per column (Python floats:
@@ -118,6 +123,16 @@ class Pick(Task):
         success = cube[:, 2] >= lifted
         dense = (reach + grasped.float() + 2.0 * lift) / 4.0
         return dense.masked_fill(success, 1.0), success
+
+    def cube_under(self, goal):
+        """The cube at rest LIFT below the goal (the model's cube, as written)."""
+        height = CUBE_HALF + LIFT
+        if abs(goal[2] - height) > 1e-3:
+            raise ValueError(
+                f"pick's goal is {LIFT:g} m over the cube's centre at rest, at z = {height:g} "
+                f"(its x, y: the cube's place), got z = {goal[2]:g}"
+            )
+        return (goal[0], goal[1], CUBE_HALF)
 
 
 GOAL_AND_CUBE = (  # the sensors of the tasks with a cube, each a privileged key of its name
