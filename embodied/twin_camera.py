@@ -26,7 +26,8 @@ class TwinCamera(Camera):
         self._frame = None
         self._thread = None
         self._stop = threading.Event()
-        self._fresh = threading.Event()
+        self._fresh = threading.Event()  # a frame, or the error that ended the capture thread
+        self._error: BaseException | None = None
 
     @property
     def is_connected(self) -> bool:
@@ -40,14 +41,29 @@ class TwinCamera(Camera):
 
     def connect(self, warmup: bool = True) -> None:
         self._stop.clear()
+        self._error = None
         self._thread = threading.Thread(
             target=self._capture, daemon=True, name=f"twin-camera-{self.camera}"
         )
         self._thread.start()
         if warmup and not self._fresh.wait(30):
             raise TimeoutError(f"twin camera {self.camera}: no frame within 30 s")
+        self._raise_if_failed()
 
     def _capture(self) -> None:
+        """Render frames until told to stop; an error (a renderer that cannot start: no EGL)
+        is kept for the reads to raise, rather than a thread's traceback and a timeout."""
+        try:
+            self._render_frames()
+        except Exception as error:
+            self._error = error
+            self._fresh.set()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"twin camera {self.camera}: {self._error}") from self._error
+
+    def _render_frames(self) -> None:
         with self.twin._lock:  # the GL context belongs to this thread
             vis = self.twin.model.vis.global_
             vis.offwidth = max(vis.offwidth, self.width)
@@ -73,11 +89,13 @@ class TwinCamera(Camera):
         self._fresh.clear()
         if not self._fresh.wait(timeout_ms / 1e3):
             raise TimeoutError(f"twin camera {self.camera}: no new frame within {timeout_ms} ms")
+        self._raise_if_failed()
         return self._frame
 
     def read_latest(self, max_age_ms: int = 500) -> np.ndarray:
         """The last frame, as LeRobot's OpenCV camera gives it, but for its age: the twin's
         renders keep no wall-clock pace a test could rely on."""
+        self._raise_if_failed()
         if self._thread is None or not self._thread.is_alive():  # (its last frame is stale)
             raise RuntimeError(f"twin camera {self.camera}: its capture thread is not running")
         if self._frame is None:

@@ -114,3 +114,22 @@ def test_a_twin_camera_whose_capture_thread_died_is_the_observations_error(tmp_p
         env.observe()
     env.close()
     assert not robot.bus.is_connected and not camera.is_connected
+
+
+def test_a_twin_camera_whose_renderer_cannot_start_says_why_at_once(tmp_path, monkeypatch):
+    """A renderer that cannot start (no EGL on the machine) is the connect's one error, naming
+    the cause; it was a thread's traceback and, 30 s later, "no frame within 30 s"."""
+    import embodied.twin_camera
+    from embodied.twin import make_twin_robot
+
+    def no_display(*args, **kwargs):
+        raise RuntimeError("EGL: no display")
+
+    cfg = ArmConfig(
+        robot="so101-sim", calibration_dir=str(tmp_path / "cal"), cameras={"wrist": "wrist"}
+    )
+    robot, twin, port = make_twin_robot(cfg)
+    monkeypatch.setattr(embodied.twin_camera.mujoco, "Renderer", no_display)
+    with pytest.raises(RobotError, match="cannot connect: twin camera wrist_camera: EGL: no disp"):
+        connect(robot, cfg)
+    assert not robot.bus.is_connected
