@@ -236,11 +236,29 @@ def _expert_and_env(cfg: DemosConfig):
     if cfg.expert == SCRIPTED:
         env = make_env(cfg.env)
         return scripted_expert(cfg.env, env.device), cfg.env.task, env
+    from embodied.checkpoint import load_policy_checkpoint
+    from embodied.schema import EnvSpec
+
     try:
-        expert, expert_cfg = load_policy(cfg.expert)
+        ckpt = load_policy_checkpoint(cfg.expert)
+        expert, expert_cfg = load_policy(ckpt)
     except (FileNotFoundError, UserError) as e:
         raise UserError(f"expert: {e}") from None
-    return expert, expert_cfg.env.task, make_env(cfg.env)
+    trained = expert_cfg.env
+    tasks = getattr(trained, "tasks", None) or [getattr(trained, "task", None)]
+    if trained.simulator != cfg.env.simulator or cfg.env.task not in tasks:
+        raise UserError(
+            f"expert: trained on {trained.simulator}'s {', '.join(map(str, tasks))}, not "
+            f"{cfg.env.simulator}'s {cfg.env.task}: its demonstrations would be of another task"
+        )
+    env = make_env(cfg.env)
+    # (a state expert may drive an environment with cameras: they are what it records)
+    changes = EnvSpec.from_dict(ckpt["meta"]["spec"]).input_changes(env.spec)
+    changes = [change for change in changes if not change.startswith("cameras")]
+    if changes:
+        env.close()
+        raise UserError(f"expert: trained with other inputs or actions ({'; '.join(changes)})")
+    return expert, cfg.env.task, env
 
 
 @dataclass

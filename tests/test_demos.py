@@ -126,6 +126,18 @@ def test_config_errors(tmp_path, expert, capsys):
     assert "cameras" in capsys.readouterr().err
 
 
+def test_an_expert_of_another_task_or_other_actions_is_refused(tmp_path, expert, capsys):
+    """The expert's checkpoint against the environment it would record: another task, or other
+    actions, is one line before anything is written (they recorded, or failed in torch's matrix
+    product at the first action)."""
+    assert _demos(tmp_path / "a", expert, "env.task=PickCube-v1") == 2
+    err = capsys.readouterr().err
+    assert "expert: trained on maniskill's PushCube-v1, not maniskill's PickCube-v1" in err
+    assert _demos(tmp_path / "b", expert, "env.control_mode=pd_ee_delta_pos") == 2
+    assert "expert: trained with other inputs or actions (" in capsys.readouterr().err
+    assert not (tmp_path / "a" / "ds").exists() and not (tmp_path / "b" / "ds").exists()
+
+
 def test_demonstrations_from_libero_are_refused_before_anything_is_built(tmp_path, capsys):
     """LIBERO's config names a suite and a task id, no task: it validated, then failed with an
     AttributeError after the expert and the simulator were built."""
