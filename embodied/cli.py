@@ -61,6 +61,11 @@ def check_config(args, *, files: bool = True):
         expand(cfg, source_of("tasks", sources))  # (the file, or tasks=[...] on the command line)
     elif args.command != "sft":  # (SFT's tasks are its datasets')
         check_tasks(cfg.env)
+    trainer = getattr(cfg, "trainer", None)
+    if files and trainer is not None and trainer.backend == "megatron":
+        from embodied.megatron import require
+
+        require()  # (an extra: installed where the run is, not where its config is checked)
     return cfg
 
 

@@ -372,3 +372,25 @@ def test_a_helper_rank_that_cannot_write_its_shard_fails_the_save_as_a_full_disk
     assert error.endswith("MiB free there); no checkpoint was saved")
     assert [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir()] == []
     assert (tmp_path / "left.txt").read_text() == "0"
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_the_backend_without_megatron_core_installed_is_one_line(
+    command, tmp_path, monkeypatch, capsys
+):
+    """An extra like Ray or Warp: its absence names the install, before any run directory (it
+    was a ModuleNotFoundError traceback, SFT's after the run directory was made)."""
+    import sys
+
+    from one_line import one_line_error, run_cli
+
+    config = {
+        "train": "configs/maniskill/multitask_vla_grpo.yaml",
+        "sft": "configs/maniskill/multitask_vla_sft.yaml",
+    }[command]
+    monkeypatch.setitem(sys.modules, "megatron", None)  # (as where it is not installed)
+    argv = [command, config, "trainer.backend=megatron", f"runner.output_dir={tmp_path}"]
+    argv += ["runner.init_from=null"] if command == "train" else []  # (no SFT run to start from)
+    rc, err = run_cli(argv, capsys)
+    one_line_error(rc, err, "trainer.backend", "pip install 'embodied[megatron]'")
+    assert not any(tmp_path.iterdir())

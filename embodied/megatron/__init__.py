@@ -4,6 +4,19 @@ from the torch layout. Nothing here is imported unless that backend is chosen.""
 
 import warnings
 
+from embodied.config import ConfigError
+
 # megatron-core warns on import that Transformer Engine and Apex are absent (it falls back to
 # torch, which is what runs on a CPU): once per module, several times
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(are|is) not")
+
+
+def require() -> None:
+    """A ConfigError naming the extra where megatron-core is not installed (before a run)."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "trainer.backend: megatron needs megatron-core, which is not installed here: "
+            "pip install 'embodied[megatron]' (or trainer.backend=torch)"
+        ) from None
