@@ -38,7 +38,7 @@ def tp_process(rank: int, tp: int, rendezvous: str):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=tp)
     try:
-        parallel.initialize(tp, seed=0)
+        parallel.initialize(tp, seed=0, device=torch.device("cpu"))
         yield
         parallel.destroy()
     finally:

@@ -160,6 +160,35 @@ def test_sft_steps_on_megatron_are_the_torch_steps(ranks, head):
             torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-5)
 
 
+def test_a_learner_on_the_cpu_of_a_machine_with_a_gpu_takes_the_cpu_path(tmp_path):
+    """SFT's learner is on the CPU whatever the machine has (so are the TP ranks of one run):
+    in a process where CUDA is available, megatron's buffers, scratch and random states follow
+    the learner, and its steps are the torch steps. They followed the machine: the weights moved
+    into a CUDA buffer, and the first step failed (here, with no driver to give one)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    script = (
+        "import sys, torch\n"
+        "torch.cuda.is_available = lambda: True  # (a machine with a GPU)\n"
+        "from megatron_cases import bc_steps\n"
+        "torch.save(bc_steps('megatron'), sys.argv[1])\n"
+    )
+    out = tmp_path / "steps.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(out)], cwd=tests, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = torch.load(out)
+    want = bc_steps("torch")
+    for key in ("loss0", "loss1", "grad_norm0", "grad_norm1"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    for name, value in want["state"].items():
+        torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-5)
+
+
 def assert_equal_states(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for name, value in want.items():

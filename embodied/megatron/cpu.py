@@ -25,7 +25,9 @@
   GPU there is none to keep, and they read an empty state and set nothing.
 
 ``use_cpu_corners()`` installs the first two and the last; the process group set-up calls it
-when there is no GPU, so tests and CPU runs take the same path. On a GPU nothing here is used.
+when the learner is on the CPU (``parallel.initialize``), so tests and CPU runs take the same
+path, on a machine with a GPU too (SFT, TP ranks in one run). A learner on a GPU uses none of
+this.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.utils import GlobalMemoryBuffer
 from torch.overrides import TorchFunctionMode
+
+# whether this process's megatron ranks run on the CPU (``use_cpu_corners`` says so; until then,
+# whether the machine has no GPU): the corners below follow the learner, not the machine
+_on_cpu = not torch.cuda.is_available()
+
+
+def on_cpu() -> bool:
+    return _on_cpu
 
 
 class CPUMemoryBuffer(GlobalMemoryBuffer):
@@ -82,6 +92,8 @@ class CPURNGStatesTracker(megatron_random.CudaRNGStatesTracker):
 def use_cpu_corners(seed: int) -> None:
     """Install the CPU buffer and the CPU RNG tracker (after ``initialize_model_parallel``),
     the model-parallel RNG state seeded as megatron seeds it: ``seed + 2718 + tp_rank``."""
+    global _on_cpu
+    _on_cpu = True
     parallel_state._GLOBAL_MEMORY_BUFFER = CPUMemoryBuffer()
     tracker = CPURNGStatesTracker()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -130,7 +142,7 @@ class CudaOnCPU(TorchFunctionMode):
 def cuda_corners():
     """Around megatron-core's DDP and optimizer calls: nothing on a GPU, ``CudaOnCPU`` (and a
     ``torch.cuda.current_device`` that answers device 0 instead of raising) on a CPU."""
-    if torch.cuda.is_available():
+    if not _on_cpu:
         yield
         return
     current_device = torch.cuda.current_device
@@ -143,8 +155,9 @@ def cuda_corners():
 
 
 def rotary_on_cpu(model: torch.nn.Module) -> None:
-    """Run every rotary embedding's ``get_emb`` of ``model`` in ``cuda_corners()`` (no GPU)."""
-    if torch.cuda.is_available():
+    """Run every rotary embedding's ``get_emb`` of ``model`` in ``cuda_corners()`` (a learner
+    on the CPU)."""
+    if not _on_cpu:
         return
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 

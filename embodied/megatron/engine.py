@@ -83,11 +83,12 @@ def join_ranks(policy: torch.nn.Module, cfg) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as state
 
+    device = next(policy.parameters()).device
     if not dist.is_initialized():
-        backend = "nccl" if next(policy.parameters()).is_cuda else "gloo"
+        backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not state.model_parallel_is_initialized():
-        parallel.initialize(cfg.trainer.tensor_parallel, seed=cfg.seed)
+        parallel.initialize(cfg.trainer.tensor_parallel, seed=cfg.seed, device=device)
     if dist.get_world_size() > 1:
         weights = [policy.state_dict() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(weights, src=0)

@@ -64,7 +64,7 @@ class MegatronDiscreteHead(nn.Module):
             tensor_model_parallel_size=parallel.tp_size(),
             params_dtype=dtype,
             bf16=dtype == torch.bfloat16,
-            use_cpu_initialization=not torch.cuda.is_available(),
+            use_cpu_initialization=parallel.on_cpu(),
             gradient_accumulation_fusion=False,
             # (initialised, then overwritten by ``load_torch_state``: megatron marks a parallel
             # linear's weight as sharded only where it initialises it, and the gradient norm

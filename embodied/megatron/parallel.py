@@ -8,21 +8,22 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
-from embodied.megatron.cpu import use_cpu_corners
+from embodied.megatron.cpu import on_cpu, use_cpu_corners
 from embodied.megatron.layout import from_megatron
 
 COLLECTIVE_TIMEOUT_MINUTES = 10  # as the default group's (the lockstep and Ray process groups)
 
 
-def initialize(tensor_parallel: int, seed: int) -> None:
+def initialize(tensor_parallel: int, seed: int, device: torch.device) -> None:
     """Tensor-parallel groups of ``tensor_parallel`` consecutive ranks of the default group
-    (initialised: gloo on CPU, NCCL on GPUs); the rest of the world is data-parallel."""
+    (initialised: gloo on CPU, NCCL on GPUs); the rest of the world is data-parallel. ``device``:
+    the learner's (on the CPU, megatron's CUDA corners answer there: cpu.py)."""
     # (megatron's groups would wait 30 minutes for a lost rank; the default group waits 10)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         distributed_timeout_minutes=COLLECTIVE_TIMEOUT_MINUTES,
     )
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         model_parallel_cuda_manual_seed(seed)
     else:
         use_cpu_corners(seed)
@@ -93,7 +94,7 @@ def transformer_config(dtype: torch.dtype, recompute: bool = False, **fields) ->
         attention_dropout=0.0,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=on_cpu(),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
