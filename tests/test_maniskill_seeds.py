@@ -205,6 +205,18 @@ def test_unseeded_resets_before_any_seeded_one_differ_between_workers():
         second.close()
 
 
+def test_a_reset_of_no_rows_as_the_first_gives_the_batch_and_seeds_nothing():
+    """A worker none of whose environments a partial reset names gets an empty one: the batch
+    as it is, its first episodes still to come from entropy (it died of an UnboundLocalError
+    with several environments; with one, it took a seed it reset nothing with)."""
+    core = _core("PushCube-v1", "state", "pd_joint_delta_pos")
+    try:
+        obs = core.reset(seed=5, env_ids=torch.tensor([], dtype=torch.long))
+        assert obs.state.shape[0] == B and not core._seeded
+    finally:
+        core.close()
+
+
 def test_a_partial_reset_with_an_int_seed_gives_each_row_the_seed_plus_its_id(cores):
     """As ``schema.reset_seeds`` and the cpu workers: row i of ``reset(seed=s, env_ids)``
     starts from s + i (it got s + its position among env_ids). (A full reset with an int on

@@ -355,6 +355,8 @@ class ManiSkillCore:
         seeded from the list's first entry, and the environment's own numpy RNG both get it), and
         that state (bodies, joints, controller targets, RNGs) is copied to the other environments
         with the same seed. ManiSkill resets: one per distinct seed, whatever the batch size."""
+        if env_ids is not None and len(env_ids) == 0:  # (a worker none of whose rows resets)
+            return self.observation(self.env.get_obs())
         options = {} if env_ids is None else {"env_idx": env_ids.to(self.device)}
         if seed is None and not self._seeded:
             # the first episodes from the OS's entropy (as on MuJoCo and LIBERO): unseeded resets
