@@ -359,9 +359,8 @@ class ManiSkillCore:
             return self.observation(self.env.get_obs())
         options = {} if env_ids is None else {"env_idx": env_ids.to(self.device)}
         if seed is None and not self._seeded:
-            # the first episodes from the OS's entropy (as on MuJoCo and LIBERO): unseeded resets
-            # continue from them, and from the start-up's seed 0 every worker repeated one
-            # sequence of episodes
+            # the first episodes from the OS's entropy (as on MuJoCo and LIBERO), unseeded ones
+            # on from them: from the start-up's seed 0 every worker repeated one sequence
             seed = int(np.random.default_rng().integers(2**31))
         self._seeded = True
         if seed is None or self.opts.num_envs == 1 or (isinstance(seed, int) and env_ids is None):
