@@ -110,7 +110,9 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
             label = task.name or f"{simulator}/{_task_label(env)}"
             if combo and task.name:
                 label += "/" + "/".join(str(v) for v in combo.values())
-            items.append(BenchItem(label, env, task.episodes or cfg.episodes))
+            episodes = task.episodes or cfg.episodes
+            _check_distinct(env, episodes, f"{where}: {label}", source)
+            items.append(BenchItem(label, env, episodes))
     names = [it.name for it in items]
     if len(set(names)) != len(names):
         raise ConfigError(
@@ -118,6 +120,17 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
             f"give them `name:` (in {source})"
         )
     return items
+
+
+def _check_distinct(env, episodes: int, where: str, source: str) -> None:
+    """A ConfigError where ``episodes`` would repeat a task's episodes (LIBERO's 50 initial
+    states): repeats would be counted as evidence, the interval narrowed by nothing new."""
+    limit = env.distinct_episodes
+    if limit is not None and episodes > limit:
+        raise ConfigError(
+            f"{where}: episodes {episodes}, but {env.simulator} has {limit} distinct episodes "
+            f"per task (those beyond repeat them); set episodes <= {limit} (in {source})"
+        )
 
 
 def _product(values: list[list]) -> list[tuple]:
@@ -374,6 +387,7 @@ def _run_task(
                 "policy_ms": s["eval/policy_ms"],
                 "video": os.path.relpath(s["eval/video"], out_dir) if "eval/video" in s else None,
                 "minutes": minutes,
+                "held_out": not item.env.no_held_out,  # (LIBERO: the selection's episodes)
                 "env": to_dict(item.env),
             }
         )

@@ -67,6 +67,13 @@ def markdown(report: dict) -> str:
             "an earlier process on other or unrecorded hardware (each task's `hardware` in "
             "results.json)."
         )
+    repeated = [r for r in report["tasks"] if r.get("held_out") is False]
+    if repeated:
+        lines.append(
+            f"\nNot held out: {', '.join(r['task'] for r in repeated)}. Their episodes are the "
+            "ones a training run's evaluations ran (LIBERO's 50 initial states per task), so a "
+            "checkpoint chosen on them (`best`) scores its selection's episodes."
+        )
     for skipped in report.get("skipped", []):
         lines.append(f"\nSkipped `{skipped['task']}`: {skipped['reason']}.")
     return "\n".join(lines) + "\n"

@@ -275,6 +275,9 @@ class SimulatorConfig:
     # selection evaluations ran (a simulator whose seed picks one of a few fixed scenes); empty
     # where a seed draws its own episode, so held-out seeds hold others out
     no_held_out: ClassVar[str] = ""
+    # how many distinct episodes a task has (a seed picks one of them), None: unbounded; a
+    # count beyond it repeats episodes, which are no more evidence
+    distinct_episodes: ClassVar[int | None] = None
 
     def task_name(self) -> str | None:
         """The one task this config sets up, as a dataset names it (``embodied.task`` in its

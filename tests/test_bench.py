@@ -67,7 +67,7 @@ def test_report_of_the_zero_policy_on_reach(tmp_path):
     assert r["mean_length"] == 50.0 and r["success_ci95"] == pytest.approx(
         list(wilson_interval(0, 4))
     )
-    assert r["env_steps_per_s"] > 0 and r["policy_ms"] > 0
+    assert r["env_steps_per_s"] > 0 and r["policy_ms"] > 0 and r["held_out"] is True
     # the same episodes evaluated directly give the same return: the bench adds nothing to them
     with MuJoCoEnv(MuJoCoConfig(task="reach", num_envs=2, render_size=32)) as env:
         seed = eval_seed(0, held_out=True)  # (as `embodied eval`: the held-out seeds)
@@ -185,6 +185,10 @@ def test_bad_suites_are_clear_errors(tmp_path, capsys):
         bench(suite(tmp_path, [{"env": {**REACH, "task": "fly"}}]))
     assert main(["bench", str(tmp_path / "missing.yaml")]) == 2
     assert "config file not found" in capsys.readouterr().err
+    # LIBERO's 51st episode would repeat its first: counted, it narrowed the interval
+    libero = [{"env": {"simulator": "libero"}, "episodes": 51}]
+    with pytest.raises(ConfigError, match=r"tasks\[0\]: libero/libero_spatial/0: episodes 51, but"):
+        bench(suite(tmp_path, libero))
 
 
 @pytest.mark.slow  # two minutes; the bench path runs by default in the tests around it
@@ -319,6 +323,11 @@ def test_the_report_averages_task_success_rates_with_tasks_weighted_equally(tmp_
     write_report(tmp_path, meta, rows)
     page = (tmp_path / "report.md").read_text()
     assert "The timings (env steps/s, policy ms) of b were measured by an earlier" in page
+    # LIBERO's episodes are its 50 initial states, which a checkpoint's selection ran too
+    rows[0].update(simulator="libero", held_out=False)
+    write_report(tmp_path, meta, rows)
+    page = (tmp_path / "report.md").read_text()
+    assert "Not held out: a. Their episodes are the ones a training run's evaluations" in page
 
 
 def test_a_checkpoint_is_skipped_where_its_actions_mean_other_units_or_its_cameras_differ():

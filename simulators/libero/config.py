@@ -28,6 +28,7 @@ class LiberoConfig(SimulatorConfig):
         "LIBERO evaluates each task on its 50 fixed initial states (episode i: state (seed + i) "
         "% 50), the states the selection evaluations ran: its episodes are not held out"
     )
+    distinct_episodes: ClassVar[int] = 50  # (its initial states per task)
     suite: str = (
         "libero_spatial"  # libero_spatial | libero_object | libero_goal | libero_10 | libero_90
     )
