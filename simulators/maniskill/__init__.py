@@ -6,7 +6,12 @@ from embodied.simulators.maniskill.core import (
     check_assets,
     instruction_for,
 )
-from embodied.simulators.maniskill.env import ManiSkillConfig, ManiSkillEnv, make_env
+from embodied.simulators.maniskill.env import (
+    ManiSkillConfig,
+    ManiSkillEnv,
+    check_reward_mode,
+    make_env,
+)
 
 __all__ = [
     "INSTRUCTIONS",
@@ -14,6 +19,7 @@ __all__ = [
     "ManiSkillEnv",
     "MissingAssetError",
     "check_assets",
+    "check_reward_mode",
     "instruction_for",
     "make_env",
 ]

@@ -156,6 +156,18 @@ class _WorkerCore:
         self.core.close()
 
 
+def check_reward_mode(task: str, reward_mode: str) -> None:
+    """A UserError where ``task`` (registered) computes no reward of ``reward_mode`` (ManiSkill's
+    NotImplementedError in every worker otherwise)."""
+    from mani_skill.utils.registration import REGISTERED_ENVS
+
+    supported = list(REGISTERED_ENVS[task].cls.SUPPORTED_REWARD_MODES)
+    if reward_mode not in supported:
+        raise UserError(
+            f"env.reward_mode: {task} rewards {', '.join(supported)}, not {reward_mode!r}"
+        )
+
+
 class ManiSkillEnv:
     """VecEnv over a ManiSkill3 task (see module docstring for the backends)."""
 
