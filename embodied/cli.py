@@ -90,6 +90,7 @@ def _load(args):
 def cmd_train(args) -> int:
     from embodied.checkpoint import CheckpointWriteError
     from embodied.config import ConfigError
+    from embodied.megatron import RankLost
     from embodied.roles import WorkerLost, WorkerNotStarted
     from embodied.run import NonFiniteUpdate, Stopped
     from embodied.runner import train
@@ -106,7 +107,7 @@ def cmd_train(args) -> int:
     except (CheckpointWriteError, NonFiniteUpdate) as e:  # (what stands is in the message)
         _error(str(e))
         return 1
-    except (WorkerLost, WorkerNotStarted) as e:  # a cluster role lost (or one that never started)
+    except (WorkerLost, WorkerNotStarted, RankLost) as e:  # a role's process lost (or unstarted)
         print(f"embodied: error: {e}{_resume_hint(cfg)}", file=sys.stderr)
         return 1
     return 0
@@ -171,6 +172,7 @@ def _stopped(stop) -> int:
 
 def cmd_sft(args) -> int:
     from embodied.checkpoint import CheckpointWriteError
+    from embodied.megatron import RankLost
     from embodied.run import Stopped
     from embodied.sft import sft
 
@@ -183,7 +185,7 @@ def cmd_sft(args) -> int:
         return _stopped(e)
     except (FileNotFoundError, ValueError) as e:
         return _error(str(e))
-    except CheckpointWriteError as e:
+    except (CheckpointWriteError, RankLost) as e:
         _error(str(e))
         return 1
     return 0

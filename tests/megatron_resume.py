@@ -153,3 +153,31 @@ def shard_write_fails(rank: int, out) -> None:
     finally:
         learner.close()
     (out / "left.txt").write_text(str(len(multiprocessing.active_children())))
+
+
+def helper_killed(rank: int, out) -> None:
+    """In a process of its own: SFT's learner at TP=2, its helper rank SIGKILLed between two
+    steps; the error the second step ended with, and how many processes are left."""
+    import multiprocessing
+    import os
+    import signal
+
+    from embodied.megatron import RankLost
+    from embodied.megatron.lockstep import Lockstep, start_ranks
+
+    torch.set_num_threads(1)
+    cfg, spec, norm_data, data = bc_parts("megatron", tensor_parallel=2)
+    cpu = torch.device("cpu")
+    helpers = start_ranks(cfg, cpu, BCLearner, spec, norm_data)
+    learner = Lockstep(BCLearner(cfg, spec, norm_data, cpu), helpers)
+    (helper, _) = helpers[0]
+    try:
+        learner.bc_step(*data, None, 1e-3)
+        os.kill(helper.pid, signal.SIGKILL)
+        helper.join()
+        learner.bc_step(*data, None, 1e-3)
+    except RankLost as error:
+        (out / "error.txt").write_text(f"{error} / {helper.pid}")
+    finally:
+        learner.close()
+    (out / "left.txt").write_text(str(len(multiprocessing.active_children())))

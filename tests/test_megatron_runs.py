@@ -374,6 +374,20 @@ def test_a_helper_rank_that_cannot_write_its_shard_fails_the_save_as_a_full_disk
     assert (tmp_path / "left.txt").read_text() == "0"
 
 
+@pytest.mark.slow  # (a failure path, as the ones above)
+def test_a_helper_rank_killed_between_two_steps_is_one_line_naming_it(tmp_path):
+    """TP=2: rank 1's process SIGKILLed (the OOM killer, say) between two SFT steps: the next
+    step ends with one line naming the rank, its process and how it ended (a BrokenPipeError
+    or gloo's error from inside torch before), and no process is left."""
+    pytest.importorskip("megatron.core")
+    from megatron_resume import helper_killed
+
+    torch.multiprocessing.spawn(helper_killed, args=(tmp_path,), nprocs=1)
+    error, pid = (tmp_path / "error.txt").read_text().split(" / ")
+    assert error == f"TP rank 1 (pid {pid}) exited with code -9 during bc_step"
+    assert (tmp_path / "left.txt").read_text() == "0"
+
+
 @pytest.mark.parametrize("command", ["train", "sft"])
 def test_the_backend_without_megatron_core_installed_is_one_line(
     command, tmp_path, monkeypatch, capsys

@@ -11,6 +11,12 @@ from embodied.config import ConfigError
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(are|is) not")
 
 
+class RankLost(RuntimeError):
+    """A TP rank's helper process exited (killed, out of memory, its own error) during a call:
+    one line naming it. What it held of the learner is lost with it: the run ends (it can
+    resume)."""
+
+
 def require() -> None:
     """A ConfigError naming the extra where megatron-core is not installed (before a run)."""
     try:

@@ -13,11 +13,14 @@ inside a call keep the process group's timeout.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import multiprocessing
+import shutil
 import signal
-import socket
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +36,7 @@ from embodied.checkpoint import (
     staging_dir,
 )
 from embodied.config import ConfigError
+from embodied.megatron import RankLost
 
 # a helper that died leaves rank 0 waiting in a collective: this bounds the wait
 COLLECTIVE_TIMEOUT_S = 600
@@ -41,9 +45,11 @@ HELPER_REPORT_S = 5
 
 
 def _address() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    """Where the ranks meet: a file in a directory of its own, removed when this process
+    exits (a TCP port picked and released beforehand could be taken in between)."""
+    directory = tempfile.mkdtemp(prefix="embodied-tp-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return f"file://{directory}/rendezvous"
 
 
 def _join(rank: int, size: int, address: str, device: str) -> None:
@@ -137,12 +143,32 @@ class Lockstep:
             control.send(message)
 
     def _call(self, name: str, *args, **kw):
-        """``name`` on every rank: broadcast, then here."""
+        """``name`` on every rank: broadcast, then here. A helper gone (its pipe, or the
+        collective it left) is a ``RankLost`` naming it, not the pipe's or gloo's error."""
         self.busy = True
-        self._broadcast(name, *args)
-        result = getattr(self.learner, name)(*args, **kw)
+        try:
+            self._broadcast(name, *args)
+            result = getattr(self.learner, name)(*args, **kw)
+        except (OSError, RuntimeError) as error:
+            self._raise_if_one_died(name, error)
+            raise
         self.busy = False
         return result
+
+    def _raise_if_one_died(self, name: str, error: BaseException) -> None:
+        """``RankLost`` for a helper that has exited (or does within HELPER_REPORT_S: a
+        collective fails as its peer's process ends)."""
+        deadline = time.monotonic() + HELPER_REPORT_S
+        while True:
+            for rank, (helper, _) in enumerate(self.helpers, 1):
+                if not helper.is_alive():
+                    raise RankLost(
+                        f"TP rank {rank} (pid {helper.pid}) exited with code {helper.exitcode} "
+                        f"during {name}"
+                    ) from error
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
 
     def _positional_call(self, name: str, *args):
         return self._call(name, *args)  # (the helpers get positional arguments only)
