@@ -311,8 +311,9 @@ class MegatronEngine(AdamStates, LearningRate):
         tensors = shard_tensors(weights, None if step is None else moments, step)
         write_shard(directory, parallel.tp_rank(), tp, tensors)
         dist.barrier(group=group)  # (every file is written)
+        # rank 0 looks: it commits the directory next (another rank looking raced its rename)
         missing = [name for name in shard_files(tp) if not (directory / name).is_file()]
-        if missing:  # (ranks on nodes that do not share the run directory's file system)
+        if parallel.tp_rank() == 0 and missing:  # (ranks on nodes sharing no file system)
             raise RuntimeError(
                 f"{directory}: the shard files {missing} of other TP ranks are not here; the "
                 "ranks of a megatron run need a file system they share with the run directory"
