@@ -103,15 +103,15 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
             except ConfigError as e:
                 raise ConfigError(f"{where}.env.{e}") from None
             validate_tree(env, f"{where}.env.", sources, files=False)
-            try:
-                check_tasks(env)  # a typo in the last task fails before the first one runs
-            except UserError as e:
-                raise type(e)(f"{where}: {e} (in {source})") from None
             label = task.name or f"{simulator}/{_task_label(env)}"
             if combo and task.name:
                 label += "/" + "/".join(str(v) for v in combo.values())
             episodes = task.episodes or cfg.episodes
             _check_distinct(env, episodes, f"{where}: {label}", source)
+            try:
+                check_tasks(env)  # a typo in the last task fails before the first one runs
+            except UserError as e:
+                raise type(e)(f"{where}: {e} (in {source})") from None
             items.append(BenchItem(label, env, episodes))
     names = [it.name for it in items]
     if len(set(names)) != len(names):
@@ -260,6 +260,8 @@ def run_bench(
         path = out_dir / "tasks" / f"{_file_name(item.name)}.json"
         kept = _kept_results(path, key, counted)
         if kept is not None:
+            for r in kept:  # (a file written before rows said so)
+                r.setdefault("held_out", not item.env.no_held_out)
             done += kept
             continue
         try:

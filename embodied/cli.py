@@ -185,8 +185,11 @@ def cmd_sft(args) -> int:
         return _stopped(e)
     except (FileNotFoundError, ValueError) as e:
         return _error(str(e))
-    except (CheckpointWriteError, RankLost) as e:
+    except CheckpointWriteError as e:
         _error(str(e))
+        return 1
+    except RankLost as e:  # (its last checkpoint stands)
+        print(f"embodied: error: {e}{_resume_hint(cfg)}", file=sys.stderr)
         return 1
     return 0
 

@@ -286,7 +286,11 @@ class SimulatorConfig:
 
     def with_task(self, name: str) -> SimulatorConfig:
         """This config set up for the task ``task_name`` names (ValueError: not one of its)."""
-        return replace(self, task=name) if hasattr(self, "task") else self
+        if not hasattr(self, "task"):
+            return self
+        configured = replace(self, task=name)
+        configured.validate()
+        return configured
 
 
 def check_at_least(section: Any, minimum: int, *keys: str) -> None:

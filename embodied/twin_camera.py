@@ -86,6 +86,7 @@ class TwinCamera(Camera):
         return self.async_read(1000)
 
     def async_read(self, timeout_ms: float = 200) -> np.ndarray:
+        self._raise_if_failed()  # (before the clear: the failure set the event)
         self._fresh.clear()
         if not self._fresh.wait(timeout_ms / 1e3):
             raise TimeoutError(f"twin camera {self.camera}: no new frame within {timeout_ms} ms")

@@ -151,6 +151,10 @@ def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path, c
         task_configs(LiberoConfig(), ["libero_goal/12"])
     with pytest.raises(ValueError, match=r"not a LIBERO task \(suite/task_id\): 'PushCube-v1'"):
         task_configs(LiberoConfig(), ["PushCube-v1"])
+    from embodied.simulators.mujoco import MuJoCoConfig
+
+    with pytest.raises(ValueError, match="task 'libero_goal/1' on mujoco: task: unknown MuJoCo"):
+        task_configs(MuJoCoConfig(), ["libero_goal/1"])  # (a dataset recorded on LIBERO)
     monkeypatch.setattr(
         paths, "_package_dir", lambda name: tmp_path
     )  # an asset package without its files
@@ -160,7 +164,10 @@ def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path, c
     # first (a traceback after them)
     from one_line import one_line_error, run_cli
 
-    argv = ["bench", "configs/bench/smoke.yaml", "--policy", "zero", "--out", str(tmp_path)]
+    suite = tmp_path / "suite.yaml"
+    tasks = '[{"env": {"simulator": "mujoco"}}, {"env": {"simulator": "libero"}}]'
+    suite.write_text(f'{{"name": "s", "tasks": {tasks}}}')  # (a MuJoCo task before it)
+    argv = ["bench", str(suite), "--policy", "zero", "--out", str(tmp_path)]
     for args in (argv, ["train", "configs/libero/spatial_ppo_state.yaml"]):
         one_line_error(*run_cli(args, capsys), "LIBERO assets missing", "pip install")
     assert not (tmp_path / "tasks").exists()

@@ -183,6 +183,8 @@ def test_a_worlds_cube_is_the_solid_cube_mujoco_would_compile_at_its_mass_and_si
                 on_warp = view[name][i, at].double().numpy()
                 np.testing.assert_allclose(on_warp, ours, rtol=1e-6)
             np.testing.assert_allclose(world.body_subtreemass, compiled.body_subtreemass)
+            on_warp = view["body_subtreemass"][i].double().numpy()
+            np.testing.assert_allclose(on_warp, world.body_subtreemass, rtol=1e-6)
             assert abs(world.body_invweight0[cube, 0] - nominal.body_invweight0[cube, 0]) > 1.0
 
 

@@ -133,3 +133,5 @@ def test_a_twin_camera_whose_renderer_cannot_start_says_why_at_once(tmp_path, mo
     with pytest.raises(RobotError, match="cannot connect: twin camera wrist_camera: EGL: no disp"):
         connect(robot, cfg)
     assert not robot.bus.is_connected
+    with pytest.raises(RuntimeError, match="twin camera wrist_camera: EGL: no display"):
+        robot.cameras["wrist"].read()  # (a read waits for a frame: the failure is the answer)

@@ -23,6 +23,7 @@ FIELDS = (
     "body_inertia",
     "body_invweight0",
     "dof_invweight0",
+    "body_subtreemass",
     "geom_size",
     "geom_rbound",
     "geom_aabb",
@@ -66,7 +67,7 @@ class BatchedWorlds:
             v["geom_size"][ids, n.cube_geom] = half[:, None].expand(-1, 3)
             v["geom_rbound"][ids, n.cube_geom] = half * 3.0**0.5
             v["geom_aabb"][ids, n.cube_geom, 1] = half[:, None].expand(-1, 3)
-            # as Randomized.apply: a solid cube, and the inverse weights mj_setConst derives
+            # as Randomized.apply: a solid cube, what mj_setConst derives (inverse weights, masses)
             scales = torch.stack([p.mass_scale, p.mass_scale * p.cube_scale**2], 1)  # f32 [N, 2]
             v["body_mass"][ids, n.cube_body] = n.mass * p.mass_scale
             v["body_inertia"][ids, n.cube_body] = self._inertia * scales[:, 1:]
@@ -74,6 +75,8 @@ class BatchedWorlds:
             dofs = slice(n.cube_dof, n.cube_dof + 6)
             per_dof = scales.repeat_interleave(3, dim=1)  # f32 [N, 6]
             v["dof_invweight0"][ids, dofs] = self._dof_invweight / per_dof
+            v["body_subtreemass"][ids, n.cube_body] = n.mass * p.mass_scale
+            v["body_subtreemass"][ids, 0] = n.world_mass + n.mass * (p.mass_scale - 1.0)
         friction = self._friction * p.friction_scale[:, None]  # f32 [N, G]
         v["geom_friction"][ids[:, None], self._friction_geoms, 0] = friction
         kp = self._kp * p.gain_scale  # f32 [N, 6]
