@@ -252,13 +252,28 @@ def _expert_and_env(cfg: DemosConfig):
             f"{cfg.env.simulator}'s {cfg.env.task}: its demonstrations would be of another task"
         )
     env = make_env(cfg.env)
-    # (a state expert may drive an environment with cameras: they are what it records)
-    changes = EnvSpec.from_dict(ckpt["meta"]["spec"]).input_changes(env.spec)
-    changes = [change for change in changes if not change.startswith("cameras")]
+    changes = expert_misfits(EnvSpec.from_dict(ckpt["meta"]["spec"]), env.spec)
     if changes:
         env.close()
         raise UserError(f"expert: trained with other inputs or actions ({'; '.join(changes)})")
     return expert, cfg.env.task, env
+
+
+def expert_misfits(trained, given) -> list[str]:
+    """How an expert trained on spec ``trained`` would not act in an environment of spec
+    ``given``: other state or actions, or cameras it reads that ``given`` lacks at their size.
+    Cameras it does not read may be there (a state expert drives an rgb environment: they are
+    what the demonstrations record)."""
+    changes = [c for c in trained.input_changes(given) if not c.startswith("cameras")]
+    there = {(c.name, c.height, c.width) for c in given.obs.cameras}
+    lacking = [
+        f"{c.name} {c.height}x{c.width}"
+        for c in trained.obs.cameras
+        if (c.name, c.height, c.width) not in there
+    ]
+    if lacking:
+        changes.append(f"cameras {lacking} not in the environment")
+    return changes
 
 
 @dataclass

@@ -138,6 +138,32 @@ def test_an_expert_of_another_task_or_other_actions_is_refused(tmp_path, expert,
     assert not (tmp_path / "a" / "ds").exists() and not (tmp_path / "b" / "ds").exists()
 
 
+def test_an_expert_fits_an_environment_with_its_cameras_and_maybe_more():
+    """Hand-built specs: a state expert drives an rgb environment (its cameras are what is
+    recorded); an image expert needs its cameras at their size (one it lacked was a KeyError at
+    the first action), and extra ones are recorded beside them."""
+    from embodied.demos import expert_misfits
+    from embodied.schema import ActionSpec, CameraSpec
+
+    def spec(*cameras: tuple[str, int]) -> EnvSpec:
+        obs = ObsSpec(tuple(CameraSpec(n, s, s) for n, s in cameras), ("a", "b"))
+        action = ActionSpec("joint_delta", ("x", "y"), (-1.0, -1.0), (1.0, 1.0))
+        return EnvSpec(obs=obs, action=action, max_episode_steps=4)
+
+    state, front = spec(), spec(("front", 64))
+    assert expert_misfits(state, spec(("front", 64), ("wrist", 64))) == []
+    assert expert_misfits(front, spec(("front", 64), ("wrist", 64))) == []
+    assert expert_misfits(front, spec(("wrist", 64))) == [
+        "cameras ['front 64x64'] not in the environment"
+    ]
+    assert expert_misfits(front, spec(("front", 128))) == [
+        "cameras ['front 64x64'] not in the environment"
+    ]
+    assert expert_misfits(spec(), EnvSpec(ObsSpec(state_names=("a",)), state.action, 4)) == [
+        "state ['a', 'b'] -> ['a']"
+    ]
+
+
 def test_demonstrations_from_libero_are_refused_before_anything_is_built(tmp_path, capsys):
     """LIBERO's config names a suite and a task id, no task: it validated, then failed with an
     AttributeError after the expert and the simulator were built."""
