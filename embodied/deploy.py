@@ -145,8 +145,9 @@ def episode_scenes(train_cfg, goal, twin: bool, episodes: int, seed: int) -> lis
     from embodied.simulators.mujoco.worlds import draw_initial, reseed
 
     task = TASKS[train_cfg.env.task]
+    sizes = 0.0 if twin else train_cfg.env.randomize.cube_size  # (the twin's cube: as written)
     try:
-        under = None if given is None else task.cube_under(tuple(given.tolist()))
+        under = None if given is None else task.cube_under(tuple(given.tolist()), sizes)
     except ValueError as e:
         raise DeployError(f"--goal: {e}") from None
     if not twin:

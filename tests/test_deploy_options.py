@@ -24,13 +24,15 @@ def test_a_pick_goal_places_the_twins_cube_beneath_it_and_another_height_is_refu
     """Pick's goal is the cube's place lifted 5 cm: a given one puts the twin's cube under it,
     at rest, so the twin judges the lift (the drawn cube stayed where it was, and a goal at
     z = 0.01 was a success before anything moved). A goal at another height is one line, on a
-    real arm too."""
+    real arm too, where a policy trained on cubes of several sizes takes their heights."""
     from clocks import FakeClock
 
     from embodied.deploy import DeployError, episode_scenes
+    from embodied.simulators.mujoco import MuJoCoConfig
+    from embodied.simulators.mujoco.randomize import RandomizeConfig
     from embodied.twin import ArmTwin
 
-    cfg = SimpleNamespace(env=SimpleNamespace(simulator="mujoco", task="pick"))
+    cfg = SimpleNamespace(env=MuJoCoConfig(task="pick"))
     scenes = episode_scenes(cfg, (0.21, 0.03, 0.065), twin=True, episodes=2, seed=0)
     for scene in scenes:
         np.testing.assert_allclose(scene.cube, [0.21, 0.03, 0.015])
@@ -41,9 +43,16 @@ def test_a_pick_goal_places_the_twins_cube_beneath_it_and_another_height_is_refu
     for twin_or_arm in (True, False):
         with pytest.raises(DeployError, match=r"--goal: pick's goal .* z = 0\.065 .* z = 0\.01$"):
             episode_scenes(cfg, (0.2, 0.0, 0.01), twin=twin_or_arm, episodes=1, seed=0)
+    sizes = SimpleNamespace(env=MuJoCoConfig(task="pick", randomize=RandomizeConfig(cube_size=0.2)))
+    (arm,) = episode_scenes(sizes, (0.2, 0.0, 0.0625), twin=False, episodes=1, seed=0)
+    np.testing.assert_allclose(arm.goal, [0.2, 0.0, 0.0625])  # (a 2.5 cm cube's: 0.83x)
+    with pytest.raises(DeployError, match=r"z in \[0\.062, 0\.068\] .* got z = 0\.06$"):
+        episode_scenes(sizes, (0.2, 0.0, 0.06), twin=False, episodes=1, seed=0)
+    with pytest.raises(DeployError, match=r"at z = 0\.065 "):  # (the twin's cube: as written)
+        episode_scenes(sizes, (0.2, 0.0, 0.0625), twin=True, episodes=1, seed=0)
     drawn = episode_scenes(cfg, None, twin=True, episodes=2, seed=0)  # the task's own draws
     assert drawn[0].cube[0] != drawn[1].cube[0]
-    push = SimpleNamespace(env=SimpleNamespace(simulator="mujoco", task="push"))
+    push = SimpleNamespace(env=MuJoCoConfig(task="push"))
     (given,) = episode_scenes(push, (0.25, 0.0, 0.001), twin=True, episodes=1, seed=0)
     (own,) = episode_scenes(push, None, twin=True, episodes=1, seed=0)
     np.testing.assert_allclose(given.cube, own.cube)  # (push: the cube drawn apart)

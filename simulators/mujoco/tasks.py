@@ -47,9 +47,10 @@ class Task:
         in [0, 1], success bool [B])."""
         raise NotImplementedError
 
-    def cube_under(self, goal: tuple[float, float, float]) -> tuple[float, ...] | None:
+    def cube_under(self, goal: tuple[float, ...], size_range: float) -> tuple[float, ...] | None:
         """Where a goal a user gives puts the cube (metres), for a task whose goal is defined by
-        the cube's place; None where the two are drawn apart (ValueError: a goal it never has)."""
+        the cube's place, its size within ``size_range`` of the model's (randomize.cube_size);
+        None where the two are drawn apart (ValueError: a goal it never has)."""
         return None
 
 
@@ -124,15 +125,16 @@ class Pick(Task):
         dense = (reach + grasped.float() + 2.0 * lift) / 4.0
         return dense.masked_fill(success, 1.0), success
 
-    def cube_under(self, goal):
-        """The cube at rest LIFT below the goal (the model's cube, as written)."""
-        height = CUBE_HALF + LIFT
-        if abs(goal[2] - height) > 1e-3:
+    def cube_under(self, goal, size_range):
+        """The cube at rest LIFT below the goal."""
+        low, high = (CUBE_HALF * (1.0 + side * size_range) + LIFT for side in (-1, 1))
+        if not low - 1e-3 <= goal[2] <= high + 1e-3:
+            heights = f"z = {low:g}" if low == high else f"z in [{low:g}, {high:g}]"
             raise ValueError(
-                f"pick's goal is {LIFT:g} m over the cube's centre at rest, at z = {height:g} "
-                f"(its x, y: the cube's place), got z = {goal[2]:g}"
+                f"pick's goal is {LIFT:g} m over the cube's centre at rest, at {heights} (its "
+                f"x, y: the cube's place), got z = {goal[2]:g}"
             )
-        return (goal[0], goal[1], CUBE_HALF)
+        return (goal[0], goal[1], goal[2] - LIFT)
 
 
 GOAL_AND_CUBE = (  # the sensors of the tasks with a cube, each a privileged key of its name
