@@ -31,7 +31,7 @@ from embodied.config import ConfigError, check_folder_name, compose, to_dict, va
 from embodied.evaluate import evaluate_by_task
 from embodied.logger import write_atomic
 from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
-from embodied.schema import UserError, check_at_least
+from embodied.schema import UserError, check_at_least, check_distinct_episodes
 from embodied.seeds import check_seed, eval_seed
 
 POLICIES = ("random", "zero")  # baselines; any other policy comes from --checkpoint
@@ -107,7 +107,10 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
             if combo and task.name:
                 label += "/" + "/".join(str(v) for v in combo.values())
             episodes = task.episodes or cfg.episodes
-            _check_distinct(env, episodes, f"{where}: {label}", source)
+            try:
+                check_distinct_episodes(env, {f"{where}: {label}: episodes": episodes})
+            except ValueError as e:
+                raise ConfigError(f"{e} (in {source})") from None
             try:
                 check_tasks(env)  # a typo in the last task fails before the first one runs
             except UserError as e:
@@ -120,17 +123,6 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
             f"give them `name:` (in {source})"
         )
     return items
-
-
-def _check_distinct(env, episodes: int, where: str, source: str) -> None:
-    """A ConfigError where ``episodes`` would repeat a task's episodes (LIBERO's 50 initial
-    states): repeats would be counted as evidence, the interval narrowed by nothing new."""
-    limit = env.distinct_episodes
-    if limit is not None and episodes > limit:
-        raise ConfigError(
-            f"{where}: episodes {episodes}, but {env.simulator} has {limit} distinct episodes "
-            f"per task (those beyond repeat them); set episodes <= {limit} (in {source})"
-        )
 
 
 def _product(values: list[list]) -> list[tuple]:

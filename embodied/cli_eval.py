@@ -16,6 +16,7 @@ def cmd_eval(args) -> int:
     from embodied import numerics
     from embodied.checkpoint import load_policy_checkpoint
     from embodied.multitask import make_env
+    from embodied.schema import check_distinct_episodes
     from embodied.seeds import check_seed
 
     check_seed("--seed", args.seed)  # (a UserError: one line)
@@ -28,6 +29,10 @@ def cmd_eval(args) -> int:
     except FileNotFoundError as e:
         return _error(str(e))
     cfg = _eval_config(args, ckpt)  # (ConfigError, UserError: one line, from main)
+    try:
+        check_distinct_episodes(cfg.env, {"--episodes": args.episodes})
+    except ValueError as e:
+        return _error(str(e))
     if cfg.runner.deterministic:  # the run's floats again, on any CPU
         numerics.restart_pinned(True, getattr(args, "restartable", False))
         numerics.pin()

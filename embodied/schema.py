@@ -293,6 +293,19 @@ class SimulatorConfig:
         return configured
 
 
+def check_distinct_episodes(env: SimulatorConfig, counts: dict[str, int]) -> None:
+    """A ValueError naming the first of ``counts`` (what says it -> episodes per task) beyond the
+    distinct episodes of ``env``'s tasks (LIBERO's 50 initial states): those beyond would repeat
+    them, counted as evidence that narrows the interval with nothing new."""
+    limit = env.distinct_episodes
+    for key, episodes in counts.items():
+        if limit is not None and episodes > limit:
+            raise ValueError(
+                f"{key}: {episodes}, but {env.simulator} has {limit} distinct episodes per task "
+                f"(those beyond repeat them); set it to {limit} or fewer"
+            )
+
+
 def check_at_least(section: Any, minimum: int, *keys: str) -> None:
     """A config's check: a ValueError naming the first of ``keys`` (fields of ``section``) below
     ``minimum``."""

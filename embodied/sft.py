@@ -44,7 +44,7 @@ from embodied.run import (
     run_dir_for,
     run_dir_held,
 )
-from embodied.schema import SimulatorConfig, check_at_least
+from embodied.schema import SimulatorConfig, check_at_least, check_distinct_episodes
 from embodied.seeds import check_seed, eval_seed
 from embodied.sft_data import (
     Frames,
@@ -130,6 +130,7 @@ class SFTConfig:
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
         check_cameras(self.policy, self.env)
+        check_distinct_episodes(self.env, {"runner.eval_episodes": self.runner.eval_episodes})
         check_grad_norm(self.max_grad_norm)
         if self.trainer.backend == "megatron":
             check_megatron(self.trainer, self.policy, ClusterConfig())

@@ -21,6 +21,7 @@ from embodied.schema import (
     SimulatorConfig,
     check_at_least,
     check_device_name,
+    check_distinct_episodes,
     checked_device,
 )
 from embodied.seeds import check_seed
@@ -127,6 +128,11 @@ class TrainConfig:
         """What the sections ask of each other, before anything is built."""
         check_seed("seed", self.seed)
         check_cameras(self.policy, self.env)
+        run = self.runner
+        counts = {"runner.eval_episodes": run.eval_episodes}
+        check_distinct_episodes(
+            self.env, {**counts, "runner.final_eval_episodes": run.final_eval_episodes}
+        )
         if self.runner.replay_from and self.cluster.enabled:
             raise ValueError(
                 "runner.replay_from: trains in this process from records, without simulators "

@@ -194,7 +194,7 @@ def test_bad_suites_are_clear_errors(tmp_path, capsys):
     assert "config file not found" in capsys.readouterr().err
     # LIBERO's 51st episode would repeat its first: counted, it narrowed the interval
     libero = [{"env": {"simulator": "libero"}, "episodes": 51}]
-    with pytest.raises(ConfigError, match=r"tasks\[0\]: libero/libero_spatial/0: episodes 51, but"):
+    with pytest.raises(ConfigError, match=r"tasks\[0\]: libero/libero_spatial/0: episodes: 51,"):
         bench(suite(tmp_path, libero))
 
 

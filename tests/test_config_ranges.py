@@ -14,6 +14,15 @@ CASES = [
     # each section's own checks (validate()), named at their key and where it was set
     (["train", M, "runner.eval_episodes=0"], ["runner.eval_episodes: must be >= 1, got 0"]),
     (["train", M, "runner.final_eval_episodes=0"], ["runner.final_eval_episodes", "got 0"]),
+    # LIBERO's 50 initial states per task: a 51st episode repeats the first (no new evidence)
+    (
+        ["train", "configs/libero/spatial_ppo_state.yaml", "runner.final_eval_episodes=100"],
+        ["runner.final_eval_episodes: 100, but libero has 50 distinct episodes per task"],
+    ),
+    (
+        ["sft", SFT, "env={simulator: libero, obs_mode: rgb}", "runner.eval_episodes=51"],
+        ["runner.eval_episodes: 51", "50 or fewer"],
+    ),
     (["train", M, "runner.spike_factor=-1"], ["runner.spike_factor: must be >= 0", "-1.0"]),
     (["train", M, "runner.keep_rollouts=0"], ["runner.keep_rollouts: must be >= 1"]),
     (["train", M, "runner.keep_checkpoints=0"], ["runner.keep_checkpoints: must be >= 1"]),

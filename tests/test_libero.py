@@ -212,6 +212,8 @@ def test_train_from_yaml_on_libero(tmp_path, capsys):
     record = json.loads((run / "last" / "eval.json").read_text())
     assert record["made_from"]["held_out"] is False and record["eval/episodes"] == 2
     assert f"note: {note}" in capsys.readouterr().err
+    assert main(["eval", str(run / "last"), "--episodes", "51"]) == 2  # (a 51st repeats the 1st)
+    assert "--episodes: 51, but libero has 50 distinct episodes" in capsys.readouterr().err
     assert (
         "simulator: libero" in (run / "config.yaml").read_text()
         and (run / "last" / "model.safetensors").exists()
