@@ -206,7 +206,9 @@ class Runner:
                     # a failure outside the update (a simulator worker that hung, a worker lost
                     # once too often, in a round or a sync): the weights are still the last
                     # completed iteration's, so keep them (unless keeping them is what failed)
+                    # (or a TP rank lost: no checkpoint can be written without its shard)
                     unsaved = isinstance(error, CheckpointWriteError)
+                    unsaved = unsaved or getattr(error, "shard_lost", False)
                     if self.phase not in ("collect", "updated", "evaluate") or unsaved:
                         raise
                     if self.stop.requested:  # a signal to the process group ended a worker too

@@ -349,6 +349,63 @@ def failing_child(rank: int, tmp_path) -> None:
     (tmp_path / "fails" / "left.txt").write_text(str(len(multiprocessing.active_children())))
 
 
+def helper_killed_in_a_run(rank: int, tmp_path) -> None:
+    """A TP=2 run (no checkpoint but the last's) whose helper rank is SIGKILLed as its second
+    round is added; writes the error the run ended with and how many processes are left."""
+    torch.set_num_threads(1)
+    import multiprocessing
+    import os
+    import signal
+
+    from embodied.megatron import RankLost
+    from embodied.megatron.lockstep import Lockstep
+
+    add_round = Lockstep.add_round
+    calls = []
+
+    def killing(self, batch):
+        calls.append(1)
+        if len(calls) == 2:
+            (helper, _) = self.helpers[0]
+            os.kill(helper.pid, signal.SIGKILL)
+            helper.join()
+        return add_round(self, batch)
+
+    Lockstep.add_round = killing
+    try:
+        from scripted_envs import GRPO, TINY_VLA, PushRightEnv, run_on
+
+        torch.manual_seed(0)
+        run_on(
+            PushRightEnv(8),
+            tmp_path / "run",
+            total_env_steps=8 * 3 * E2E_ITERATIONS,
+            policy={**TINY_VLA, **E2E_POLICY},
+            algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
+            save_every=0,  # (iteration 1 unsaved when the rank is lost)
+            trainer={"backend": "megatron", "tensor_parallel": 2},
+        )
+    except RankLost as error:
+        (tmp_path / "error.txt").write_text(str(error))
+    finally:
+        Lockstep.add_round = add_round
+    (tmp_path / "left.txt").write_text(str(len(multiprocessing.active_children())))
+
+
+@pytest.mark.slow  # (a failure path, as the ones below)
+def test_a_helper_rank_killed_while_a_round_is_added_ends_the_run_naming_it(tmp_path):
+    """The runner keeps the last completed iteration when a round fails, unless nothing can be
+    saved: with a TP rank gone, its shard cannot be, and the run ends with the rank's line (it
+    ended with a broken pipe's 'checkpoint not written' as it tried to save iteration 1)."""
+    pytest.importorskip("megatron.core")
+    torch.multiprocessing.spawn(helper_killed_in_a_run, args=(tmp_path,), nprocs=1)
+    error = (tmp_path / "error.txt").read_text()
+    assert error.startswith("TP rank 1 (pid ") and error.endswith("code -9 during add_round")
+    assert (tmp_path / "left.txt").read_text() == "0"
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not checkpoints.exists() or not [p for p in checkpoints.iterdir() if p.is_dir()]
+
+
 @pytest.mark.slow  # (13 s: the failure path; the parity runs above are in the default suite)
 def test_a_tp2_run_that_fails_on_rank_0_ends_with_its_error_and_no_rank_left(tmp_path):
     pytest.importorskip("megatron.core")

@@ -16,6 +16,8 @@ class RankLost(RuntimeError):
     one line naming it. What it held of the learner is lost with it: the run ends (it can
     resume)."""
 
+    shard_lost = True  # (the runner saves nothing after it: a checkpoint needs every shard)
+
 
 def require() -> None:
     """A ConfigError naming the extra where megatron-core is not installed (before a run)."""

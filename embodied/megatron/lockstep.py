@@ -44,6 +44,11 @@ COLLECTIVE_TIMEOUT_S = 600
 HELPER_REPORT_S = 5
 
 
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def _address() -> str:
     """Where the ranks meet: a file in a directory of its own, removed when this process
     exits (a TCP port picked and released beforehand could be taken in between)."""
@@ -157,15 +162,15 @@ class Lockstep:
 
     def _raise_if_one_died(self, name: str, error: BaseException) -> None:
         """``RankLost`` for a helper that has exited (or does within HELPER_REPORT_S: a
-        collective fails as its peer's process ends)."""
+        collective fails as its peer's process ends). One that ended on an error of its own
+        (exit code 1: every rank may have met the same one) has this rank's error named too."""
         deadline = time.monotonic() + HELPER_REPORT_S
         while True:
             for rank, (helper, _) in enumerate(self.helpers, 1):
                 if not helper.is_alive():
-                    raise RankLost(
-                        f"TP rank {rank} (pid {helper.pid}) exited with code {helper.exitcode} "
-                        f"during {name}"
-                    ) from error
+                    how = f"TP rank {rank} (pid {helper.pid}) exited with code {helper.exitcode}"
+                    here = "" if helper.exitcode < 0 else f"; rank 0: {_first_line(error)}"
+                    raise RankLost(f"{how} during {name}{here}") from error
             if time.monotonic() > deadline:
                 return
             time.sleep(0.1)
@@ -202,7 +207,10 @@ class Lockstep:
         except CheckpointWriteError:
             raise
         except (OSError, RuntimeError) as error:  # (a collective with a helper gone, its pipe)
-            why = self._helper_failure() or error
+            said = self._helper_failure()  # (a helper that could not write its shard says so)
+            if said is None:
+                self._raise_if_one_died("save", error)
+            why = said or error
             final = checkpoint_dir(run_dir, iteration)
             raise CheckpointWriteError(not_written(final, Path(run_dir), why)) from error
         self.busy = False
