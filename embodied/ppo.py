@@ -66,7 +66,9 @@ class PPOConfig(AlgorithmConfig):
     vf_clip: float | None = None  # None: unclipped value loss
     ent_coef: float = 0.0
     max_grad_norm: float = 0.5
-    target_kl: float | None = 0.1  # stop the epochs early once approx_kl exceeds it
+    # stop the epochs early once a minibatch's approx_kl exceeds it; approx_kl is per unit of
+    # logprob_level (a chunk's sums its K x A dimensions: the same target stops sooner there)
+    target_kl: float | None = 0.1
     norm_adv: bool = True
     reward_scale: float = 1.0
 
