@@ -128,11 +128,11 @@ class TrainConfig:
         """What the sections ask of each other, before anything is built."""
         check_seed("seed", self.seed)
         check_cameras(self.policy, self.env)
-        run = self.runner
-        counts = {"runner.eval_episodes": run.eval_episodes}
-        check_distinct_episodes(
-            self.env, {**counts, "runner.final_eval_episodes": run.final_eval_episodes}
-        )
+        counts = {
+            "runner.eval_episodes": self.runner.eval_episodes,
+            "runner.final_eval_episodes": self.runner.final_eval_episodes,
+        }
+        check_distinct_episodes(self.env, counts)
         if self.runner.replay_from and self.cluster.enabled:
             raise ValueError(
                 "runner.replay_from: trains in this process from records, without simulators "

@@ -20,9 +20,10 @@ def e2e_run(
     *,
     policy: dict | None = None,
     iterations: int = E2E_ITERATIONS,
+    save_every: int = 1,
 ) -> dict:
-    """GRPO on the test task, one round per update, a checkpoint per iteration; ``policy``
-    over the tiny VLA's config."""
+    """GRPO on the test task, one round per update, a checkpoint per iteration (``save_every``);
+    ``policy`` over the tiny VLA's config."""
     from scripted_envs import GRPO, TINY_VLA, PushRightEnv, run_on
 
     torch.manual_seed(0)  # (as ``train`` seeds before it builds the roles)
@@ -32,7 +33,7 @@ def e2e_run(
         total_env_steps=8 * 3 * iterations,
         policy={**TINY_VLA, **E2E_POLICY, **(policy or {})},
         algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
-        save_every=1,
+        save_every=save_every,
         trainer=trainer,
         resume=resume,
     )
@@ -373,18 +374,8 @@ def helper_killed_in_a_run(rank: int, tmp_path) -> None:
 
     Lockstep.add_round = killing
     try:
-        from scripted_envs import GRPO, TINY_VLA, PushRightEnv, run_on
-
-        torch.manual_seed(0)
-        run_on(
-            PushRightEnv(8),
-            tmp_path / "run",
-            total_env_steps=8 * 3 * E2E_ITERATIONS,
-            policy={**TINY_VLA, **E2E_POLICY},
-            algorithm={**GRPO, "max_rounds": 1, "dynamic_sampling": False},
-            save_every=0,  # (iteration 1 unsaved when the rank is lost)
-            trainer={"backend": "megatron", "tensor_parallel": 2},
-        )
+        trainer = {"backend": "megatron", "tensor_parallel": 2}
+        e2e_run(tmp_path / "run", trainer, save_every=0)  # (iteration 1 unsaved at the loss)
     except RankLost as error:
         (tmp_path / "error.txt").write_text(str(error))
     finally:
