@@ -23,14 +23,12 @@ checkpoint: every reader sees the torch layout.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import re
 import shutil
 import tempfile
-import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -39,6 +37,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from embodied.frozen_weights import frozen_digest, frozen_keys
 from embodied.schema import UserError
 
 MODEL = "model.safetensors"
@@ -47,9 +46,6 @@ META = "meta.json"
 LAST = "last"
 BEST = "best"
 ITERATION = re.compile(r"iter_(\d+)")
-
-# model -> (key, weak references to its frozen tensors, digest): see _frozen_digest
-_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class CheckpointError(UserError):
@@ -250,7 +246,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dict:
-    """{"path", "meta", "model": the full state dict} plus "optimizer", "rng" and "counters"
+    """{"path", "meta", "model": the full state dict (the weights that acted)} plus
+    "optimizer", "rng", "counters" and "main_weights" (a bf16 megatron run's float32 weights)
     when ``with_trainer_state``."""
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
@@ -276,8 +273,16 @@ def load_checkpoint(path: str | Path, *, with_trainer_state: bool = True) -> dic
     if meta.get("shards"):
         from embodied.megatron.shards import join
 
+        # (a bf16 run's float32 main weights: what a resumed run continues from, not what acted)
+        mains = out.setdefault("main_weights", {}) if with_trainer_state else None
         try:
-            join(read_shards(ckpt, meta["shards"]), meta["shards"], model, out.get("optimizer"))
+            join(
+                read_shards(ckpt, meta["shards"]),
+                meta["shards"],
+                model,
+                out.get("optimizer"),
+                mains,
+            )
         except CheckpointError:
             raise
         except ValueError as e:  # (shards that do not fit: named)
@@ -348,23 +353,9 @@ def _load_tensors(path: Path) -> dict:
         raise CheckpointError(f"{path}: cannot be read ({e}); the checkpoint is damaged") from None
 
 
-def frozen_keys(model: torch.nn.Module) -> set[str]:
-    """State-dict keys of frozen parameters, and of the buffers of modules whose own parameters
-    exist and are all frozen."""
-    keys = set()
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        own = module.named_parameters(prefix, recurse=False, remove_duplicate=False)
-        params = dict(own)
-        keys.update(k for k, p in params.items() if not p.requires_grad)
-        if params and not any(p.requires_grad for p in params.values()):
-            buffers = module.named_buffers(prefix, recurse=False, remove_duplicate=False)
-            keys.update(k for k, _ in buffers)
-    return keys
-
-
 def _save_frozen(ckpts: Path, model: torch.nn.Module, frozen: dict) -> str:
     """The name of the frozen weights' file, written unless it exists."""
-    name = f"frozen-{_frozen_digest(model, frozen)}.safetensors"
+    name = f"frozen-{frozen_digest(model, frozen)}.safetensors"
     if not (ckpts / name).exists():
         tmp = ckpts / f".{name}.tmp"
         try:
@@ -375,30 +366,6 @@ def _save_frozen(ckpts: Path, model: torch.nn.Module, frozen: dict) -> str:
         os.replace(tmp, ckpts / name)
         fsync(ckpts)
     return name
-
-
-def _frozen_digest(model: torch.nn.Module, frozen: dict) -> str:
-    """_digest(frozen), remembered per model while every frozen tensor is the same object at the
-    same version (in-place changes count up ``_version``), address and dtype. PyTorch does not
-    count changes made through ``tensor.data``: those are not seen."""
-    names = sorted(frozen)
-    key = [(k, frozen[k]._version, frozen[k].data_ptr(), frozen[k].dtype) for k in names]
-    cached = _DIGESTS.get(model)
-    if cached and cached[0] == key and all(r() is frozen[k] for k, r in zip(names, cached[1])):
-        return cached[2]
-    digest = _digest(frozen)
-    _DIGESTS[model] = (key, [weakref.ref(frozen[k]) for k in names], digest)
-    return digest
-
-
-def _digest(tensors: dict) -> str:
-    """sha1 over the sorted names, dtypes, shapes and bytes of ``tensors``: 16 hex digits."""
-    h = hashlib.sha1()
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()[:16]
 
 
 def _save_tensors(tensors: dict, path: Path) -> None:

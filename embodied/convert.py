@@ -98,6 +98,8 @@ def _from_checkpoint(source: Path, to: str, tp: int):
     model = ckpt["model"]
     optimizer = ckpt.get("optimizer")
     trainer = {"optimizer": optimizer, "rng": ckpt.get("rng"), "counters": ckpt.get("counters")}
+    if ckpt.get("main_weights"):  # (a bf16 run's float32 weights: kept for a resumed run)
+        trainer["main_weights"] = ckpt["main_weights"]
 
     def write(out: Path) -> None:
         from embodied.checkpoint import write_shard

@@ -132,7 +132,9 @@ def load_resumed(engine, checkpoint: dict) -> None:
             f"runner.resume: {path}'s optimizer state holds {saved} weights but this run trains "
             f"{trained} (a frozen part that differs from the checkpoint's config)"
         )
-    engine.load_state_dict(checkpoint)
+    # (a bf16 megatron run continues from its float32 main weights, on either backend)
+    model = {**checkpoint["model"], **(checkpoint.get("main_weights") or {})}
+    engine.load_state_dict({**checkpoint, "model": model})
 
 
 def _torch_in_float32(flat: dict) -> dict:

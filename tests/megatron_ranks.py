@@ -3,6 +3,7 @@ of its own over gloo, builds every case on megatron-core and saves its results f
 compare with the torch reference."""
 
 import contextlib
+from pathlib import Path
 
 import torch
 from megatron_cases import (
@@ -135,7 +136,7 @@ def engine_rank(rank: int, tp: int, out: str) -> None:
 def bf16_rank(rank: int, tp: int, out: str) -> None:
     """One TP rank: GRPO's two steps of the tiny VLA with the discrete head, its shards (the
     fusion, the head) in bf16: their dtypes, the optimizer's main weights before and after
-    (gathered, torch layout), the weights after, the loss and the norms."""
+    (gathered, torch layout), the weights after, the loss and the norms; its shard files."""
     from embodied.megatron.engine import MegatronEngine
 
     policy, algorithm, samples = vla_samples("grpo", head="discrete")
@@ -153,6 +154,9 @@ def bf16_rank(rank: int, tp: int, out: str) -> None:
     result.update(two_steps(engine, algorithm, samples, lambda e: {}))
     result["main_after"] = main_weights()
     result["weights_after"] = engine.torch_state()
+    if rank == 0:  # (the checkpoint's shard files: rank 0 makes their directory)
+        Path(out, "bf16_shards").mkdir()
+    result["shards"] = engine.write_shards(Path(out, "bf16_shards"))
     torch.save(result, f"{out}/bf16{rank}.pt")
 
 

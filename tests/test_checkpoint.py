@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from embodied import checkpoint as ck
+from embodied import frozen_weights
 from embodied.checkpoint import (
     best_iteration,
     load_checkpoint,
@@ -141,8 +142,8 @@ def test_a_gpu_runs_trainer_state_resumes_on_a_machine_without_one(tmp_path, mon
 
 def test_frozen_weights_are_written_once_and_hashed_once(tmp_path, monkeypatch):
     hashed = []
-    digest = ck._digest
-    monkeypatch.setattr(ck, "_digest", lambda t: hashed.append(1) or digest(t))
+    digest = frozen_weights._digest
+    monkeypatch.setattr(frozen_weights, "_digest", lambda t: hashed.append(1) or digest(t))
     net, opt = make()
     save(tmp_path, 1, net, opt)
     [name] = frozen_files(tmp_path)

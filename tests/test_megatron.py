@@ -123,6 +123,30 @@ def test_bf16_shards_keep_float32_main_weights_and_follow_the_float32_update(ran
         qkv = got["main_after"]["fusion.layers.0.self_attn.in_proj_weight"]
         below_bf16 = qkv != qkv.to(torch.bfloat16).float()
         assert below_bf16.float().mean() > 0.9  # (float32 main weights, not bf16's)
+    assert_shards_keep_what_acted_and_the_main_weights(tmp_path, got)
+
+
+def assert_shards_keep_what_acted_and_the_main_weights(tmp_path, got: dict) -> None:
+    """A bf16 run's shard files, joined: the weights are those that acted (the bf16 ones, as
+    float32: what an evaluation loads), the main weights the optimizer's float32 ones (what a
+    resumed run continues from)."""
+    from embodied.checkpoint import read_shards
+    from embodied.megatron.shards import join
+
+    info = got["shards"]
+    files = read_shards(tmp_path / "bf16_shards", info)
+    model, mains = {}, {}
+    join(files, info, model, None, mains)
+    assert model.keys() == mains.keys()
+    assert {k.split(".")[0] for k in model} == {"fusion", "head"}
+    for name, weight in model.items():
+        assert weight.dtype == torch.float32
+        assert torch.equal(weight, got["weights_after"][name].float()), name
+        assert torch.equal(mains[name], got["main_after"][name]), name
+    assert not torch.equal(model["head.logits.weight"], mains["head.logits.weight"])
+    asked_none = {}
+    join(files, info, asked_none, None)  # (what an evaluation does: no main weights)
+    assert asked_none.keys() == model.keys()
 
 
 def assert_the_same_update(mains: dict, start: dict, after: dict) -> None:

@@ -305,21 +305,35 @@ def bf16_e2e_child(rank: int, tmp_path) -> None:
 
 
 @pytest.mark.slow  # (22 s; bf16's update is in the suite)
-def test_a_bf16_run_saves_its_float32_main_weights_and_resumes_to_the_same_numbers(tmp_path):
-    """`trainer.precision=bf16` at TP=2: the shard files hold the float32 main weights (not
-    bf16-representable), and the run resumed after iteration 1 logs iteration 2 again to
-    1e-5: the main weights come back exact (resumed from their bf16 rounding, it would not)."""
+def test_a_bf16_run_saves_what_acted_and_its_main_weights_and_resumes_to_the_same_numbers(
+    tmp_path,
+):
+    """`trainer.precision=bf16` at TP=2: the shard files hold the weights that acted (bf16's,
+    as float32: what an evaluation loads) and the float32 main weights (not bf16-representable)
+    beside them, and the run resumed after iteration 1 logs iteration 2 again to 1e-5: the main
+    weights come back exact (resumed from their bf16 rounding, it would not)."""
     pytest.importorskip("megatron.core")
     from safetensors.torch import load_file
+
+    from embodied.checkpoint import load_checkpoint
 
     torch.set_num_threads(1)
     torch.multiprocessing.spawn(bf16_e2e_child, args=(tmp_path,), nprocs=1)
     last = tmp_path / "bf16" / "checkpoints" / "iter_000002"
-    qkv = load_file(last / "model-tp01-of-02.safetensors")[
-        "weight/fusion/layers.0.self_attention.linear_qkv.weight"
-    ]
-    assert qkv.dtype == torch.float32
-    assert (qkv != qkv.to(torch.bfloat16).float()).float().mean() > 0.9
+    shard = load_file(last / "model-tp01-of-02.safetensors")
+    name = "fusion/layers.0.self_attention.linear_qkv.weight"
+    acted, main = shard[f"weight/{name}"], shard[f"main/{name}"]
+    assert acted.dtype == main.dtype == torch.float32
+    assert torch.equal(acted, main.to(torch.bfloat16).float())
+    assert (main != acted).float().mean() > 0.9
+    assert "main_weights" not in load_checkpoint(last, with_trainer_state=False)
+    mains = load_checkpoint(last)["main_weights"]
+    assert {key.split(".")[0] for key in mains} == {"fusion"}
+    # converted to the torch layout, the main weights stay with the trainer state
+    assert convert_cli(last, "--to", "torch", tmp_path / "converted")[0] == 0
+    converted = load_checkpoint(tmp_path / "converted")
+    assert converted["main_weights"].keys() == mains.keys()
+    assert all(torch.equal(converted["main_weights"][k], v) for k, v in mains.items())
     assert_rows_close(metric_table(tmp_path / "again"), metric_table(tmp_path / "bf16"))
 
 

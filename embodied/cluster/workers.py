@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from embodied import numerics
-from embodied.checkpoint import frozen_keys
 from embodied.cluster import direct
 from embodied.cluster.shared import SharedWeights
 from embodied.cluster.status import where
@@ -30,6 +29,7 @@ from embodied.cluster.wire import from_wire, to_wire
 from embodied.env_group import EnvGroup
 from embodied.episode_stats import EpisodeStats
 from embodied.evaluate import evaluate_by_task, evaluate_shares
+from embodied.frozen_weights import frozen_keys
 from embodied.inference import InferencePolicy
 from embodied.models import build_policy
 from embodied.rollout import collect

@@ -279,9 +279,9 @@ class MegatronEngine(AdamStates, LearningRate):
             raise ValueError(f"the torch copy does not fit: {missing + loaded.unexpected_keys}")
 
     def write_shards(self, directory: Path) -> dict:
-        """This TP rank's shards of the trained sharded modules (weights, Adam moments, step) as
-        its file in ``directory``, which TP rank 0 makes; every TP rank calls this. Returns
-        meta.json's "shards" (embodied/megatron/shards.py)."""
+        """This TP rank's shards of the trained sharded modules (weights, Adam moments, step, a
+        bf16 run's main weights) as its file in ``directory``, which TP rank 0 makes; every TP
+        rank calls this. Returns meta.json's "shards" (embodied/megatron/shards.py)."""
         import torch.distributed as dist
 
         from embodied.checkpoint import write_shard
@@ -291,6 +291,7 @@ class MegatronEngine(AdamStates, LearningRate):
             raise NotImplementedError("checkpoints of data-parallel megatron ranks")
         trained = trainable_modules(self.torch_policy)
         weights = {}
+        mains = {} if self.dtype != torch.float32 else None
         moments = {key: {} for key in MOMENTS}
         step = None
         for info in trained:
@@ -298,8 +299,11 @@ class MegatronEngine(AdamStates, LearningRate):
             part = self.parts[name]
             for key, param in part.named_parameters():
                 key = f"{name}/{key[len(part.shard_prefix) :]}"
-                # the float32 main weight (a bf16 run's weights are its rounding)
-                weights[key] = self._main_param(param).detach().view(param.shape)
+                # what acted (a bf16 run's: the rounding of its float32 main weights, kept too)
+                weights[key] = param.detach().float()
+                if mains is not None:
+                    # (a copy: a float32 norm's main weight is the weight itself)
+                    mains[key] = self._main_param(param).detach().view(param.shape).clone()
                 state = self._adam_state(param)
                 if state is not None:
                     step = state["step"]
@@ -308,7 +312,7 @@ class MegatronEngine(AdamStates, LearningRate):
         group = parallel.tp_group()
         dist.barrier(group=group)  # (rank 0 has made the directory)
         tp = parallel.tp_size()
-        tensors = shard_tensors(weights, None if step is None else moments, step)
+        tensors = shard_tensors(weights, None if step is None else moments, step, mains)
         write_shard(directory, parallel.tp_rank(), tp, tensors)
         dist.barrier(group=group)  # (every file is written)
         # rank 0 looks: it commits the directory next (another rank looking raced its rename)

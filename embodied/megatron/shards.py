@@ -7,15 +7,18 @@ TP rank, in megatron's layout, written by that rank::
 
     iter_000010/model-tp00-of-02.safetensors   rank 0's shards: weight/<module>/<name>,
     iter_000010/model-tp01-of-02.safetensors   exp_avg/<module>/<name>, exp_avg_sq/...
-                                               (after the first step), step
+                                               (after the first step), step; main/...
+                                               (a bf16 run: its float32 main weights)
     iter_000010/model.safetensors              everything else, whole, in the torch layout
     iter_000010/trainer.pt                     Adam's state of everything else
     iter_000010/meta.json                      "shards": what ``join`` needs (below)
 
 ``join`` puts the shards back into the torch layout, so a sharded checkpoint loads as any other
-(``load_checkpoint``) at any TP size or on the torch backend; ``split`` makes the shards of a
-torch-layout state (``embodied convert --to megatron``). The files are written and read by
-embodied/checkpoint.py (``write_shard``, ``read_shards``).
+(``load_checkpoint``) at any TP size or on the torch backend. A bf16 run's ``weight/`` tensors
+are what acted (the bf16 weights, as float32); its optimizer's float32 main weights (``main/``)
+are what a resumed run continues from, and are joined only with the trainer state. ``split``
+makes the shards of a torch-layout state (``embodied convert --to megatron``). The files are
+written and read by embodied/checkpoint.py (``write_shard``, ``read_shards``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from embodied.megatron.layout import from_megatron, to_megatron
 from embodied.models.vla.heads import DiscreteTokenHead
 
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
+MAIN = "main"  # (a bf16 run's float32 main weights)
 # the VLM language models megatron shards (Qwen2-VL's is the same model: untested, not listed)
 TEXT_FAMILIES = ("qwen2_5_vl_text",)
 
@@ -122,10 +126,13 @@ def shard_tensors(
     weights: dict[str, torch.Tensor],
     moments: dict[str, dict[str, torch.Tensor]] | None,
     step: torch.Tensor | None,
+    mains: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One rank's file content from its weights and Adam moments ({"exp_avg": {name: ..},
-    "exp_avg_sq": ..}; None before the first step), keyed "<module>/<megatron name>"."""
+    """One rank's file content from its weights, Adam moments ({"exp_avg": {name: ..},
+    "exp_avg_sq": ..}; None before the first step) and main weights (a bf16 run's), keyed
+    "<module>/<megatron name>"."""
     out = {f"weight/{name}": tensor for name, tensor in weights.items()}
+    out.update({f"{MAIN}/{name}": tensor for name, tensor in (mains or {}).items()})
     if moments is not None:
         for kind, values in moments.items():
             out.update({f"{kind}/{name}": tensor for name, tensor in values.items()})
@@ -169,14 +176,21 @@ def split(
 
 
 def join(
-    files: list[dict[str, torch.Tensor]], info: dict, model: dict, optimizer: dict | None
+    files: list[dict[str, torch.Tensor]],
+    info: dict,
+    model: dict,
+    optimizer: dict | None,
+    mains: dict | None = None,
 ) -> None:
     """Put every rank's shards back into the torch-layout ``model`` state and, when given,
-    ``optimizer``'s state (in place): ``split``'s inverse."""
+    ``optimizer``'s state and ``mains`` (a bf16 run's main weights; in place): ``split``'s
+    inverse."""
     check_same_shapes(files, info["files"])
     index = {name: i for i, name in enumerate(info["trainable"])}
     with_moments = optimizer is not None and "step" in files[0]
     kinds = KINDS if with_moments else KINDS[:1]
+    if mains is not None and any(key.startswith(f"{MAIN}/") for key in files[0]):
+        kinds += (MAIN,)
     for module, key in _modules(info):
         prefix = module["module"] + "."
         joined = {}
@@ -193,6 +207,8 @@ def join(
                     f"({type(e).__name__}: {e})"
                 ) from None
         model.update({prefix + name: tensor for name, tensor in joined["weight"].items()})
+        if MAIN in joined:
+            mains.update({prefix + name: tensor for name, tensor in joined[MAIN].items()})
         if not with_moments:
             continue
         for name in joined["weight"]:
