@@ -8,6 +8,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch
+
 from embodied.checkpoint import (
     META,
     checkpoint_dir,
@@ -61,13 +63,20 @@ RESUME_FREE_PREFIX = ("cluster.", "trainer.")
 RESUME_BOUND = ("cluster.max_staleness", "trainer.precision")
 
 
-def check_resume(saved: dict, current: dict, checkpoint: Path, force: bool) -> None:
+def check_resume(
+    saved: dict, current: dict, checkpoint: Path, force: bool, trained_in: str | None = None
+) -> None:
     """Refuse to resume when a key that changes the run's numbers differs from the checkpoint's
     config. ``runner.total_env_steps`` may grow unless the learning rate anneals over it. Keys
-    newer than the checkpoint (not in its config) are not compared."""
+    newer than the checkpoint (not in its config) are not compared. ``trained_in``: the
+    precision the checkpoint's meta.json records, compared once the engine is built
+    (``load_resumed``: ``auto`` depends on the device) instead of ``trainer.precision``'s text
+    (checkpoints from before 2026-11-29 record none)."""
     before = _torch_in_float32(flatten(saved))
     now = _torch_in_float32(flatten(current))
     free = set(RESUME_FREE)
+    if trained_in is not None:
+        free.add("trainer.precision")
     if not now.get("algorithm.anneal_lr", False):
         free.add("runner.total_env_steps")
     # (a key the checkpoint's config lacks is newer than the run: it takes its default)
@@ -75,7 +84,7 @@ def check_resume(saved: dict, current: dict, checkpoint: Path, force: bool) -> N
         k
         for k in sorted(before)
         if k not in free
-        and (not k.startswith(RESUME_FREE_PREFIX) or k in RESUME_BOUND)
+        and (not k.startswith(RESUME_FREE_PREFIX) or k in set(RESUME_BOUND) - free)
         and before.get(k) != now.get(k)
     ]
     if not changed or force:
@@ -97,7 +106,8 @@ def check_rl_resume(resume: dict, current: dict, force: bool) -> None:
             f"runner.resume: {resume['path']} is a checkpoint of embodied sft, not of an RL run: "
             f"start RL from its weights with runner.init_from={resume['path']}"
         )
-    check_resume(resume["meta"]["config"], current, resume["path"], force)
+    meta = resume["meta"]
+    check_resume(meta["config"], current, resume["path"], force, meta.get("precision"))
 
 
 def check_weights_fit(state: dict, policy, key: str, path, spare: str | None = None) -> None:
@@ -119,10 +129,23 @@ def check_weights_fit(state: dict, policy, key: str, path, spare: str | None = N
         raise ConfigError(f"{key}: {path} does not fit this policy (mismatched weights: {bad[:5]})")
 
 
-def load_resumed(engine, checkpoint: dict) -> None:
+def trained_in(engine) -> str:
+    """The precision ``engine`` trains in: "bf16" (megatron's shards) or "fp32"."""
+    return "bf16" if getattr(engine, "dtype", torch.float32) == torch.bfloat16 else "fp32"
+
+
+def load_resumed(engine, checkpoint: dict, force: bool) -> None:
     """A resumed run's weights and optimizer state into ``engine``; ones that do not fit it (a
-    forced resume's other policy or trainable weights) are a ``ConfigError``, not torch's."""
+    forced resume's other policy or trainable weights), or another precision than the
+    checkpoint's unless ``force``, are a ``ConfigError``, not torch's."""
     path = checkpoint["path"]
+    saved = checkpoint["meta"].get("precision")
+    if saved not in (None, trained_in(engine)) and not force:
+        raise ConfigError(
+            f"runner.resume: {path} trained in {saved} but this run trains in "
+            f"{trained_in(engine)} (trainer.precision: auto is bf16 on a GPU, fp32 on the CPU); "
+            "that changes the run: set runner.resume_force=true to resume anyway"
+        )
     check_weights_fit(checkpoint["model"], engine.torch_policy, "runner.resume", path)
     groups = (checkpoint.get("optimizer") or {}).get("param_groups", [])
     saved = sum(len(group["params"]) for group in groups)
@@ -132,9 +155,9 @@ def load_resumed(engine, checkpoint: dict) -> None:
             f"runner.resume: {path}'s optimizer state holds {saved} weights but this run trains "
             f"{trained} (a frozen part that differs from the checkpoint's config)"
         )
-    # (a bf16 megatron run continues from its float32 main weights, on either backend)
-    model = {**checkpoint["model"], **(checkpoint.get("main_weights") or {})}
-    engine.load_state_dict({**checkpoint, "model": model})
+    if checkpoint.get("main_weights"):  # (a bf16 megatron run's: continued from, either backend)
+        checkpoint = {**checkpoint, "model": {**checkpoint["model"], **checkpoint["main_weights"]}}
+    engine.load_state_dict(checkpoint)
 
 
 def _torch_in_float32(flat: dict) -> dict:

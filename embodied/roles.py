@@ -24,7 +24,7 @@ from embodied.inference import InferencePolicy
 from embodied.learner import TorchEngine, TrainerConfig
 from embodied.models import build_policy
 from embodied.recording import Pending, weights_digest
-from embodied.resume import check_weights_fit, load_resumed
+from embodied.resume import check_weights_fit, load_resumed, trained_in
 from embodied.rollout import (
     CollectPlan,
     EpisodeStats,
@@ -283,7 +283,7 @@ class Learner:
     def load(self, checkpoint: dict) -> None:
         """Weights, optimizer state and random stream of a resumed run, at the configured
         learning rate (a forced resume may have changed it)."""
-        load_resumed(self.engine, checkpoint)
+        load_resumed(self.engine, checkpoint, self.cfg.runner.resume_force)
         iteration = (checkpoint.get("counters") or {}).get("iteration", 0)
         resumed(self.stream, checkpoint.get("rng"), self.cfg.seed, iteration)
         self.engine.set_lr(self.cfg.algorithm.learning_rate)
@@ -326,13 +326,16 @@ def make_engine(policy: torch.nn.Module, trainer: TrainerConfig, **options):
 
 def save_engine(engine, run_dir: Path, iteration: int, **kw) -> Path:
     """``save_checkpoint`` of an engine's policy and optimizer (``kw``: counters, meta, rng,
-    keep, protect); every TP rank calls this (each writes its shard). Returns the checkpoint."""
+    keep, protect); every TP rank calls this (each writes its shard). Returns the checkpoint.
+    Its meta.json records the precision the engine trains in (``auto`` resolved)."""
+    meta = {**kw.pop("meta", {}), "precision": trained_in(engine)}
     return save_checkpoint(
         run_dir,
         iteration,
         model=engine.torch_policy,
         optimizer=engine.checkpoint_optimizer,
         shards=engine.checkpoint_shards,
+        meta=meta,
         **kw,
     )
 

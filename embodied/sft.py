@@ -180,7 +180,7 @@ class BCLearner:
 
     def load(self, checkpoint: dict) -> None:
         """A resumed run's weights, optimizer state and stream."""
-        load_resumed(self.engine, checkpoint)
+        load_resumed(self.engine, checkpoint, self.cfg.runner.resume_force)
         step = (checkpoint.get("counters") or {}).get("iteration", 0)
         resumed(self.stream, checkpoint.get("rng"), self.cfg.seed, step)
 
@@ -246,7 +246,8 @@ def _resume_of(cfg: SFTConfig) -> dict | None:
     saved = resume["meta"].get("sft")
     if saved is None:
         raise ConfigError(f"runner.resume: {resume['path']} is not a checkpoint of embodied sft")
-    check_resume(saved, to_dict(cfg), resume["path"], cfg.runner.resume_force)
+    force = cfg.runner.resume_force
+    check_resume(saved, to_dict(cfg), resume["path"], force, resume["meta"].get("precision"))
     return resume
 
 

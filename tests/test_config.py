@@ -3,6 +3,7 @@
 import textwrap
 
 import pytest
+import torch
 
 from embodied.cli import main
 from embodied.config import ConfigError, load_config
@@ -289,6 +290,35 @@ def test_resume_refuses_another_precision_unless_forced(tmp_path):
     megatron_auto = {"trainer": {**moved["trainer"], "precision": "auto"}}
     with pytest.raises(ConfigError, match="trainer.precision is 'auto' here but 'fp32'"):
         check_resume(saved, megatron_auto, tmp_path, False)  # (bf16 on a GPU)
+
+
+def test_resume_compares_the_precision_a_checkpoint_trained_in_with_the_built_engines(tmp_path):
+    """A checkpoint records the precision its engine trained in (``auto`` resolved): a resume
+    compares that with the built engine's (megatron's auto is bf16 on a GPU, fp32 on the CPU),
+    not trainer.precision's text, and refuses another unless forced."""
+    from embodied.checkpoint import load_checkpoint
+    from embodied.learner import TorchEngine
+    from embodied.resume import check_resume, load_resumed
+    from embodied.roles import save_engine
+
+    def engine(seed: int) -> TorchEngine:
+        torch.manual_seed(seed)
+        return TorchEngine(torch.nn.Linear(3, 2), learning_rate=1e-3, max_grad_norm=1.0)
+
+    saved = engine(0)
+    save_engine(saved, tmp_path, 1, meta={"config": {}}, counters={"iteration": 1})
+    checkpoint = load_checkpoint(tmp_path / "last")
+    assert checkpoint["meta"]["precision"] == "fp32"
+    auto = {"trainer": {"backend": "megatron", "precision": "auto", "tensor_parallel": 1}}
+    fp32 = {"trainer": {**auto["trainer"], "precision": "fp32"}}
+    check_resume(fp32, auto, tmp_path, False, "fp32")  # (compared when built)
+    resumed = engine(1)
+    load_resumed(resumed, checkpoint, False)
+    assert torch.equal(resumed.policy.weight, saved.policy.weight)
+    checkpoint["meta"]["precision"] = "bf16"  # (a megatron run's on a GPU, auto)
+    with pytest.raises(ConfigError, match="trained in bf16 but this run trains in fp32"):
+        load_resumed(engine(1), checkpoint, False)
+    load_resumed(engine(1), checkpoint, True)
 
 
 def test_a_compiled_act_takes_a_fixed_number_of_pipeline_stages():

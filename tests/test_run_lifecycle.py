@@ -340,15 +340,16 @@ def test_a_resumed_optimizer_state_for_other_trainable_weights_is_one_line():
 
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     optimizer = torch.optim.Adam(net.parameters())
-    checkpoint = {"path": "ck", "model": net.state_dict(), "optimizer": optimizer.state_dict()}
+    state = {"model": net.state_dict(), "optimizer": optimizer.state_dict()}
+    checkpoint = {"path": "ck", "meta": {}, **state}
     loaded = []
     engine = SimpleNamespace(torch_policy=net, load_state_dict=loaded.append)
-    load_resumed(engine, checkpoint)
+    load_resumed(engine, checkpoint, False)
     assert loaded == [checkpoint]
     net[0].requires_grad_(False)
     said = "runner.resume: ck's optimizer state holds 4 weights but this run trains 2 "
     with pytest.raises(ConfigError, match=said):
-        load_resumed(engine, checkpoint)
+        load_resumed(engine, checkpoint, False)
     assert len(loaded) == 1  # (refused before the engine took anything)
 
 
