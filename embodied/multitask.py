@@ -213,20 +213,21 @@ SIMULATOR_CONFIGS: dict[str, type] = {}  # simulator name -> config dataclass, f
 
 def check_tasks(cfg) -> None:
     """What the simulator itself must say about a config, before anything is built: every
-    ManiSkill task known, its assets installed and its reward mode computed; LIBERO and its
-    assets installed (``UserError`` naming what is missing). MuJoCo's tasks and LIBERO's are
-    checked by their configs' ``validate()``."""
+    ManiSkill task known, its assets installed, its reward mode computed and its robot's
+    controller named by ``control_mode``; LIBERO and its assets installed (``UserError`` naming
+    what is missing). MuJoCo's tasks and LIBERO's are checked by their configs' ``validate()``."""
     if cfg.simulator == "libero":
         from embodied.simulators.libero.paths import check_installed
 
         check_installed()
     if cfg.simulator != "maniskill":
         return
-    from embodied.simulators.maniskill import check_assets, check_reward_mode
+    from embodied.simulators.maniskill import check_assets, check_control_mode, check_reward_mode
 
     for task in cfg.tasks or [cfg.task]:
         check_assets(task)
         check_reward_mode(task, cfg.reward_mode)
+        check_control_mode(task, cfg.control_mode)
 
 
 def make_env(cfg):

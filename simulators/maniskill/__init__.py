@@ -9,6 +9,7 @@ from embodied.simulators.maniskill.core import (
 from embodied.simulators.maniskill.env import (
     ManiSkillConfig,
     ManiSkillEnv,
+    check_control_mode,
     check_reward_mode,
     make_env,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "ManiSkillEnv",
     "MissingAssetError",
     "check_assets",
+    "check_control_mode",
     "check_reward_mode",
     "instruction_for",
     "make_env",
