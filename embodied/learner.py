@@ -103,6 +103,11 @@ class TrainEngine(Protocol):
         dict over ``torch_policy`` (every TP rank calls it: sharded state is gathered); what a
         rollout record keeps, and ``load_state_dict`` takes back."""
 
+    def main_weights(self) -> dict[str, torch.Tensor]:
+        """The optimizer's float32 copies of weights that act in another precision, in the torch
+        layout (every TP rank calls it); {} where the weights are float32 (what a record keeps
+        beside ``torch_policy``'s state, and ``load_state_dict`` takes back in its model)."""
+
     def close(self) -> None:
         """Release what the engine holds across processes (at the run's end)."""
 
@@ -280,6 +285,9 @@ class TorchEngine(LearningRate):
         torch.save(self.optimizer.state_dict(), buffer)  # (a deep host copy)
         buffer.seek(0)
         return torch.load(buffer, map_location="cpu", weights_only=True)
+
+    def main_weights(self) -> dict[str, torch.Tensor]:
+        return {}  # (float32 weights: they are their own)
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state["model"])

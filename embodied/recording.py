@@ -12,7 +12,8 @@ runner, which sees the update's metrics, decides whether it is written (``Record
 A record is ``RUN/rollouts/iter_NNNNNN/``:
 - ``rounds.safetensors.zst``: every round's tensors (``r<i>/<field>``), zstd-compressed
   (lossless: a replay must see the log-probabilities' inputs as they were);
-- ``learner.safetensors``: the policy's state before the update, and the learner's stream;
+- ``learner.safetensors``: the policy's state before the update (``main/<name>``: a bf16
+  megatron run's float32 main weights), and the learner's stream;
 - ``optimizer.pt``: the optimizer's state before the update;
 - ``record.json``: the iteration, why it was recorded, the learning rate, each round's
   instructions, the update's metrics as logged, and a digest of the weights after it.
@@ -40,6 +41,7 @@ from embodied.rollout import RolloutBatch
 from embodied.schema import Observation, UserError
 
 RECORDS = "rollouts"
+MAIN = "main"  # learner.safetensors' prefix of a bf16 run's main weights
 SET_BY_ADVANTAGES = ("advantages", "returns", "sample_mask")  # (computed again on replay)
 SPIKE_WINDOW = 20  # iterations whose gradient norms make the median a spike is measured by
 FORMAT = "embodied-rollout-record-v1"
@@ -121,6 +123,7 @@ class Pending:
     optimizer: dict
     lr: float
     stream: dict
+    main_weights: dict[str, torch.Tensor]  # (a bf16 megatron run's float32 weights; else {})
     rounds: list[dict[str, torch.Tensor]] = field(default_factory=list)
     instructions: list[tuple[str, ...]] = field(default_factory=list)
     digest_after: str = ""  # the weights after the update, once it has run
@@ -130,7 +133,8 @@ class Pending:
         model = {
             k: v.detach().to("cpu", copy=True) for k, v in engine.torch_policy.state_dict().items()
         }
-        return cls(model, engine.whole_optimizer_state(), engine.lr, stream.state())
+        mains = {k: v.to("cpu", copy=True) for k, v in engine.main_weights().items()}
+        return cls(model, engine.whole_optimizer_state(), engine.lr, stream.state(), mains)
 
     def add(self, batch: RolloutBatch) -> None:
         self.rounds.append(batch_tensors(batch, f"r{len(self.rounds)}/"))
@@ -165,7 +169,8 @@ class Pending:
         packed = zstandard.ZstdCompressor(level=3).compress(save(rounds))
         (staging / "rounds.safetensors.zst").write_bytes(packed)
         stream = {f"stream/{k}": v for k, v in self.stream.items() if isinstance(v, torch.Tensor)}
-        save_file({**self.model, **stream}, staging / "learner.safetensors")
+        mains = {f"{MAIN}/{k}": v for k, v in self.main_weights.items()}
+        save_file({**self.model, **mains, **stream}, staging / "learner.safetensors")
         torch.save(self.optimizer, staging / "optimizer.pt")
         meta = {
             "format": FORMAT,
@@ -204,12 +209,14 @@ class Record(RecordedRounds):
     model: dict[str, torch.Tensor]
     stream: dict
     optimizer: dict
+    main_weights: dict[str, torch.Tensor]  # (a bf16 megatron run's float32 weights; else {})
 
 
 def restore_before(learner, record: Record) -> None:
     """``learner`` (every TP rank of it) as it was before the recorded update: weights,
     optimizer, learning rate and random stream."""
-    learner.restore_record(record.model, record.optimizer, record.meta["lr"], record.stream)
+    model = {**record.model, **record.main_weights}  # (a bf16 run goes on from the float32 ones)
+    learner.restore_record(model, record.optimizer, record.meta["lr"], record.stream)
 
 
 def record_meta(run_dir: Path, iteration: int) -> dict:
@@ -258,7 +265,9 @@ def read_record(run_dir: Path, iteration: int, device="cpu") -> Record:
         raise RecordError(f"{path / 'learner.safetensors'}: damaged (no stream/cpu)")
     stream = {"seed": recorded.meta["stream_seed"], "cpu": learner.pop("stream/cpu")}
     stream["cuda"] = learner.pop("stream/cuda", None)
-    return Record(path, recorded.meta, recorded.rounds, learner, stream, optimizer)
+    start = f"{MAIN}/"
+    mains = {k[len(start) :]: learner.pop(k) for k in list(learner) if k.startswith(start)}
+    return Record(path, recorded.meta, recorded.rounds, learner, stream, optimizer, mains)
 
 
 def _read(path: Path, how):

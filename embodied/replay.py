@@ -6,8 +6,8 @@ difference in the metrics elsewhere (the weights' digest compares bit for bit on
 says whether it is equal, and the metrics decide). Not bit for bit: an
 update shared by data-parallel actor workers (each summed its share of every minibatch), one
 recorded on a GPU and replayed on the CPU, ``offload_optimizer``'s bookkeeping metric. A
-megatron run's update is replayed at its TP size (its weights before the update are the float32
-torch copy's: a bf16 run's main weights are not kept, so its replay is not bit for bit).
+megatron run's update is replayed at its TP size (a bf16 run's from its float32 main weights,
+which the record keeps beside the bf16 ones that acted).
 """
 
 from __future__ import annotations

@@ -154,6 +154,7 @@ def bf16_rank(rank: int, tp: int, out: str) -> None:
     result.update(two_steps(engine, algorithm, samples, lambda e: {}))
     result["main_after"] = main_weights()
     result["weights_after"] = engine.torch_state()
+    result["engine_mains"] = engine.main_weights()  # (what a record keeps)
     if rank == 0:  # (the checkpoint's shard files: rank 0 makes their directory)
         Path(out, "bf16_shards").mkdir()
     result["shards"] = engine.write_shards(Path(out, "bf16_shards"))

@@ -144,6 +144,8 @@ def assert_shards_keep_what_acted_and_the_main_weights(tmp_path, got: dict) -> N
         assert torch.equal(weight, got["weights_after"][name].float()), name
         assert torch.equal(mains[name], got["main_after"][name]), name
     assert not torch.equal(model["head.logits.weight"], mains["head.logits.weight"])
+    assert got["engine_mains"].keys() == mains.keys()  # (gathered: the same at any TP size)
+    assert all(torch.equal(got["engine_mains"][k], v) for k, v in mains.items())
     asked_none = {}
     join(files, info, asked_none, None)  # (what an evaluation does: no main weights)
     assert asked_none.keys() == model.keys()

@@ -143,32 +143,35 @@ def records_child(rank: int, tmp_path) -> None:
         "ppo": ({**PPO, "num_steps": 3}, {"value_head": True}),
     }
     found = {}
-    for name, (algorithm, policy) in algorithms.items():
-        for tp in (1, 2):
-            run_dir = tmp_path / f"{name}_tp{tp}"
-            torch.manual_seed(0)
-            run_on(
-                PushRightEnv(8),
-                run_dir,
-                total_env_steps=8 * 3 * 2,
-                policy={**TINY_VLA, **E2E_POLICY, **policy},
-                algorithm=algorithm,
-                trainer={"backend": "megatron", "tensor_parallel": tp},
-                record_rollouts=1,
-            )
-            # (a TP=2 replay starts its helper rank, 10 s: its second iteration, whose record
-            # holds Adam's moments, is the harder case)
-            for iteration in (1, 2) if tp == 1 else (2,):
-                record, metrics, digest = replay(run_dir, iteration)
-                weights = (record.meta["digest_after"], digest)
-                differ = differences(record.meta["metrics"], metrics, 0.0, weights)
-                found[f"{name}_tp{tp}_{iteration}"] = {"differ": differ, "metrics": len(metrics)}
+    # (bf16: GRPO at TP=1; its record keeps the float32 main weights the update goes on from)
+    runs = [(name, tp, "fp32") for name in algorithms for tp in (1, 2)] + [("grpo", 1, "bf16")]
+    for name, tp, precision in runs:
+        algorithm, policy = algorithms[name]
+        run_dir = tmp_path / f"{name}_tp{tp}{'_bf16' * (precision == 'bf16')}"
+        torch.manual_seed(0)
+        run_on(
+            PushRightEnv(8),
+            run_dir,
+            total_env_steps=8 * 3 * 2,
+            policy={**TINY_VLA, **E2E_POLICY, **policy},
+            algorithm=algorithm,
+            trainer={"backend": "megatron", "tensor_parallel": tp, "precision": precision},
+            record_rollouts=1,
+        )
+        # (a TP=2 replay starts its helper rank, 10 s: its second iteration, whose record
+        # holds Adam's moments, is the harder case)
+        for iteration in (1, 2) if tp == 1 else (2,):
+            record, metrics, digest = replay(run_dir, iteration)
+            weights = (record.meta["digest_after"], digest)
+            differ = differences(record.meta["metrics"], metrics, 0.0, weights)
+            found[f"{run_dir.name}_{iteration}"] = {"differ": differ, "metrics": len(metrics)}
     (tmp_path / "replays.json").write_text(json.dumps(found))
 
 
 @pytest.mark.slow  # (48-65 s; the torch backend's replay, test_recording.py, is in the suite)
 def test_megatron_updates_replay_bit_for_bit_from_their_records_at_tp_1_and_2(tmp_path):
-    """record -> replay on the megatron backend (PPO and GRPO, TP=1 and TP=2, CPU): the
+    """record -> replay on the megatron backend (PPO and GRPO, TP=1 and TP=2, CPU; GRPO in bf16
+    at TP=1, from the float32 main weights its records keep): the
     losses, KL, clip fraction, gradient norm and the weights after the update as the run's. A
     TP=2 record holds the whole state in the torch layout, the fusion's Adam moments gathered
     from both ranks: they equal the TP=1 run's."""
@@ -179,12 +182,14 @@ def test_megatron_updates_replay_bit_for_bit_from_their_records_at_tp_1_and_2(tm
 
     torch.multiprocessing.spawn(records_child, args=(tmp_path,), nprocs=1)
     found = json.loads((tmp_path / "replays.json").read_text())
-    assert sorted(found) == [
-        f"{a}_tp{tp}_{i}" for a in ("grpo", "ppo") for tp, i in ((1, 1), (1, 2), (2, 2))
-    ]
+    fp32 = [f"{a}_tp{tp}_{i}" for a in ("grpo", "ppo") for tp, i in ((1, 1), (1, 2), (2, 2))]
+    assert sorted(found) == sorted([*fp32, "grpo_tp1_bf16_1", "grpo_tp1_bf16_2"])
     assert all(r["differ"] == [] and r["metrics"] >= 7 for r in found.values()), found
     whole = read_record(tmp_path / "grpo_tp1", 2)
     sharded = read_record(tmp_path / "grpo_tp2", 2)
+    assert whole.main_weights == {}
+    mains = read_record(tmp_path / "grpo_tp1_bf16", 2).main_weights
+    assert mains and {k.split(".")[0] for k in mains} == {"fusion"}
     assert any(k.startswith("fusion.") for k in sharded.model)
     assert sharded.model.keys() == whole.model.keys()
     state = sharded.optimizer["state"]

@@ -308,7 +308,7 @@ def hand_built_record():
         policy_version=torch.zeros(T, B, dtype=torch.long),
     )
     meta = {"iteration": 3, "config": {"env": {}}, "spec": PushRightEnv(1).spec.to_dict()}
-    return Record(None, meta, [batch], {}, {}, {})
+    return Record(None, meta, [batch], {}, {}, {}, {})
 
 
 def test_the_episodes_of_a_record_are_found_chosen_and_written(tmp_path):
@@ -460,6 +460,7 @@ def test_a_record_is_on_disk_before_its_rename_makes_it_one(tmp_path, monkeypatc
         optimizer={"state": {}, "param_groups": []},
         lr=1e-3,
         stream={"seed": 0},
+        main_weights={},
         rounds=[{"r0/x": torch.arange(3)}],
         instructions=[("push",)],
     )

@@ -33,7 +33,7 @@ def pending() -> Pending:
     """A small record in progress: weights, optimizer, learning rate, stream, one round."""
     optimizer = {"state": {}, "param_groups": []}
     rounds = [{"r0/x": torch.arange(3)}]
-    return Pending({"w": torch.ones(2)}, optimizer, 1e-3, {"seed": 0}, rounds, [("push",)])
+    return Pending({"w": torch.ones(2)}, optimizer, 1e-3, {"seed": 0}, {}, rounds, [("push",)])
 
 
 def full_disk(error: Exception):

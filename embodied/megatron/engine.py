@@ -324,6 +324,19 @@ class MegatronEngine(AdamStates, LearningRate):
             )
         return shard_info(trained, tp=tp, trainable=self.trainable)
 
+    def main_weights(self) -> dict[str, torch.Tensor]:
+        """A bf16 run's float32 main weights of the trained sharded modules in the torch layout
+        (every TP rank calls this: gathered); {} in a float32 run, whose weights they are."""
+        if self.dtype == torch.float32:
+            return {}
+        sharded = tuple(self.shard_prefixes.values())
+        mains = {
+            name: self._main_param(param).detach().view(param.shape)
+            for name, param in self.policy.named_parameters()
+            if param.requires_grad and name.startswith(sharded)
+        }
+        return self._torch_layout(mains)
+
     def _round_torch_copy(self) -> None:
         """In a bf16 run, the torch copy (what acts) holds the bf16 weights, as after every
         update, not the float32 values it was loaded with (every rank calls this)."""
