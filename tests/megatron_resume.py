@@ -155,9 +155,11 @@ def shard_write_fails(rank: int, out) -> None:
     (out / "left.txt").write_text(str(len(multiprocessing.active_children())))
 
 
-def helper_killed(rank: int, out) -> None:
+def helper_killed(rank: int, out, how: str = "killed") -> None:
     """In a process of its own: SFT's learner at TP=2, its helper rank SIGKILLed between two
-    steps; the error the second step ended with, and how many processes are left."""
+    steps (``how``: "killed"), or the second step given actions of another size, which every
+    rank fails on ("bad_batch"); the error the second step ended with, and how many processes
+    are left."""
     import multiprocessing
     import os
     import signal
@@ -173,8 +175,12 @@ def helper_killed(rank: int, out) -> None:
     (helper, _) = helpers[0]
     try:
         learner.bc_step(*data, None, 1e-3)
-        os.kill(helper.pid, signal.SIGKILL)
-        helper.join()
+        if how == "killed":
+            os.kill(helper.pid, signal.SIGKILL)
+            helper.join()
+        else:
+            obs, actions, mask = data
+            data = (obs, torch.cat([actions, actions], dim=-1), mask)  # (4 action dims of 2)
         learner.bc_step(*data, None, 1e-3)
     except RankLost as error:
         (out / "error.txt").write_text(f"{error} / {helper.pid}")

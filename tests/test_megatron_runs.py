@@ -442,16 +442,23 @@ def test_a_helper_rank_that_cannot_write_its_shard_fails_the_save_as_a_full_disk
 
 
 @pytest.mark.slow  # (a failure path, as the ones above)
-def test_a_helper_rank_killed_between_two_steps_is_one_line_naming_it(tmp_path):
-    """TP=2: rank 1's process SIGKILLed (the OOM killer, say) between two SFT steps: the next
-    step ends with one line naming the rank, its process and how it ended (a BrokenPipeError
-    or gloo's error from inside torch before), and no process is left."""
+@pytest.mark.parametrize("how", ["killed", "bad_batch"])
+def test_a_helper_rank_lost_between_two_steps_is_one_line_naming_it(tmp_path, how):
+    """TP=2: rank 1's process SIGKILLed (the OOM killer, say) between two SFT steps, or ended by
+    an error every rank meets (a batch of another action size): the next step ends with one
+    line naming the rank, its process and how it ended (a BrokenPipeError or gloo's error from
+    inside torch before), with rank 0's own error where the helper's was its own, and no
+    process is left."""
     pytest.importorskip("megatron.core")
     from megatron_resume import helper_killed
 
-    torch.multiprocessing.spawn(helper_killed, args=(tmp_path,), nprocs=1)
+    torch.multiprocessing.spawn(helper_killed, args=(tmp_path, how), nprocs=1)
     error, pid = (tmp_path / "error.txt").read_text().split(" / ")
-    assert error == f"TP rank 1 (pid {pid}) exited with code -9 during bc_step"
+    if how == "killed":
+        assert error == f"TP rank 1 (pid {pid}) exited with code -9 during bc_step"
+    else:
+        assert error.startswith(f"TP rank 1 (pid {pid}) exited with code 1 during bc_step; ")
+        assert "rank 0: RuntimeError: " in error and "\n" not in error
     assert (tmp_path / "left.txt").read_text() == "0"
 
 
