@@ -161,7 +161,7 @@ class _Video:
         if self.path is None or not self.frames:
             return
         write_mp4(self.path, self.frames, fps=self.env.spec.action.control_hz)
-        for summary in filter(None, summaries):
+        for summary in filter(None, summaries[:VIDEO_TILES]):  # (the tasks it shows)
             summary["eval/video"] = str(self.path)
 
 

@@ -240,3 +240,14 @@ def test_a_video_renders_only_the_rows_it_shows(tmp_path):
     evaluate_by_task(env, PixelPolicy(), episodes=3, seed=3, video_path=tmp_path / "two.mp4")
     for task in tasks:
         assert len(task.asked) == 4 and all(rows == [0] for rows in task.asked), task.asked
+
+
+def test_a_video_names_only_the_tasks_it_shows(tmp_path):
+    """Five tasks: the video shows the first four's first environments, and only their
+    summaries name it (the fifth's named a video that never showed it)."""
+    tasks = [RecordsRenders(1) for _ in range(5)]
+    env = MultiTaskEnv(tasks, [f"t{i}" for i in range(5)])
+    video = tmp_path / "five.mp4"
+    summaries = evaluate_by_task(env, PixelPolicy(), episodes=1, seed=3, video_path=video)
+    assert [summaries[f"t{i}"].get("eval/video") for i in range(5)] == [str(video)] * 4 + [None]
+    assert tasks[4].asked == [] and all(task.asked for task in tasks[:4])

@@ -227,8 +227,9 @@ class RayRoles:
         answers, _ = self._wait_round(env_calls, self._serve_calls(), should_stop)
         pooled = pool_by_task(envs.task_names, [results for results, _ in answers])
         recorded = answers[0][1]
-        for name in answers[0][0] if recorded is not None else ():  # (the tasks it shows)
-            pooled[name]["eval/video"] = str(video_path)
+        for name, summary in answers[0][0].items() if recorded is not None else ():
+            if "eval/video" in summary:  # (a task it shows)
+                pooled[name]["eval/video"] = str(video_path)
         if recorded is not None:
             Path(video_path).parent.mkdir(parents=True, exist_ok=True)
             Path(video_path).write_bytes(recorded)
