@@ -1,17 +1,13 @@
 """ManiSkill3 through the embodied contract."""
 
-from embodied.simulators.maniskill.core import (
+from embodied.simulators.maniskill.env import ManiSkillConfig, ManiSkillEnv, make_env
+from embodied.simulators.maniskill.tasks import (
     INSTRUCTIONS,
     MissingAssetError,
     check_assets,
-    instruction_for,
-)
-from embodied.simulators.maniskill.env import (
-    ManiSkillConfig,
-    ManiSkillEnv,
     check_control_mode,
     check_reward_mode,
-    make_env,
+    instruction_for,
 )
 
 __all__ = [

@@ -10,7 +10,6 @@ batched code path.
 
 from __future__ import annotations
 
-import difflib
 import logging
 from dataclasses import dataclass
 
@@ -23,26 +22,11 @@ from embodied.schema import (
     EnvSpec,
     Observation,
     ObsSpec,
-    UserError,
     ended_rows,
     host_to_device,
 )
 from embodied.simulators.maniskill.serial import SerialEnvs
-
-# Natural-language instructions per task; other tasks get their name split into words.
-INSTRUCTIONS = {
-    "PushCube-v1": "push the cube to the red and white target",
-    "PullCube-v1": "pull the cube back to the red and white target",
-    "PickCube-v1": "pick up the cube and move it to the green goal",
-    "StackCube-v1": "stack the red cube on top of the green cube",
-    "PokeCube-v1": "use the peg to poke the cube to the goal",
-    "PushT-v1": "push the T-shaped block onto the target",
-    "PlaceSphere-v1": "place the sphere into the bin",
-    "RollBall-v1": "roll the ball to the goal region",
-    "LiftPegUpright-v1": "lift the peg so that it stands upright",
-    "PegInsertionSide-v1": "insert the peg into the hole from the side",
-    "PickCubeSO100-v1": "pick up the cube",
-}
+from embodied.simulators.maniskill.tasks import check_assets, instruction_for
 
 # Tasks whose whole episode state is ManiSkill's state dict (bodies, joints, controller) and whose
 # environments are built alike: a seeded reset draws each distinct seed once and copies the state
@@ -66,62 +50,6 @@ STATE_KEYS = (("agent", "qpos"), ("agent", "qvel"), ("extra", "tcp_pose"))
 # the joints ("shoulder_pan.pos", ...), as embodied.robots names a real arm's, so that a policy
 # trained here deploys to the arm (or its twin) as it is. Other robots keep qpos_i / arm_i names.
 JOINT_NAMED_ROBOTS = ("so100",)
-
-
-class MissingAssetError(UserError, RuntimeError):
-    """A task's assets are not on disk (the user installs them; nothing is downloaded)."""
-
-
-def instruction_for(task: str) -> str:
-    if task in INSTRUCTIONS:
-        return INSTRUCTIONS[task]
-    name = task.rsplit("-v", 1)[0]
-    return "".join(" " + c.lower() if c.isupper() else c for c in name).strip()
-
-
-def _refuse_prompt(message: str) -> bool:
-    raise MissingAssetError(
-        f"{message.strip()} -- not downloading interactively; fetch them with "
-        "`python -m mani_skill.utils.download_asset <asset-id>` (needs internet)"
-    )
-
-
-def check_assets(task: str) -> None:
-    """Raise MissingAssetError naming every asset the task needs that is not on disk, and make
-    ManiSkill's own interactive download prompt raise instead of waiting for stdin."""
-    import mani_skill.envs  # noqa: F401  (registers the tasks)
-    from mani_skill.utils import assets, download_asset
-    from mani_skill.utils.registration import REGISTERED_ENVS
-
-    download_asset.prompt_yes_no = _refuse_prompt
-    if task not in REGISTERED_ENVS:
-        close = difflib.get_close_matches(str(task), list(REGISTERED_ENVS), n=3)
-        if close:
-            hint = f"did you mean {' or '.join(map(repr, close))}?"
-        else:
-            hint = f"registered: {', '.join(sorted(REGISTERED_ENVS)[:12])}, ..."
-        raise UserError(f"unknown ManiSkill task {task!r}; {hint}")
-    missing = []
-    for asset_id in REGISTERED_ENVS[task].asset_download_ids or []:
-        ids = (
-            assets.expand_data_group_into_individual_data_source_ids(asset_id)
-            if asset_id in assets.DATA_GROUPS
-            else [asset_id]
-        )
-        for source_id in ids:
-            if not assets.is_data_source_downloaded(source_id):
-                src = assets.DATA_SOURCES[source_id]
-                missing.append(f"{source_id} (expected at {src.output_dir / src.target_path})")
-    if missing:
-        shown = ", ".join(missing[:3]) + (
-            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        )
-        raise MissingAssetError(
-            f"ManiSkill task {task} needs assets that are not installed: {shown}. "
-            f"Get them with `python -m mani_skill.utils.download_asset {task}` on a machine with "
-            "internet, "
-            "or set MS_ASSET_DIR to where they are."
-        )
 
 
 @dataclass

@@ -22,7 +22,8 @@ from embodied.schema import (
     check_episode_limit,
     reset_seeds,
 )
-from embodied.simulators.maniskill.core import CoreOptions, ManiSkillCore, check_assets
+from embodied.simulators.maniskill.core import CoreOptions, ManiSkillCore
+from embodied.simulators.maniskill.tasks import check_assets
 from embodied.simulators.workers import WorkerVecEnv
 
 
@@ -154,52 +155,6 @@ class _WorkerCore:
 
     def close(self) -> None:
         self.core.close()
-
-
-def check_reward_mode(task: str, reward_mode: str) -> None:
-    """A UserError where ``task`` (registered) computes no reward of ``reward_mode`` (ManiSkill's
-    NotImplementedError in every worker otherwise)."""
-    from mani_skill.utils.registration import REGISTERED_ENVS
-
-    supported = list(REGISTERED_ENVS[task].cls.SUPPORTED_REWARD_MODES)
-    if reward_mode not in supported:
-        raise UserError(
-            f"env.reward_mode: {task} rewards {', '.join(supported)}, not {reward_mode!r}"
-        )
-
-
-def check_control_mode(task: str, control_mode: str | None) -> None:
-    """A UserError where the robot of ``task`` (registered) has no controller ``control_mode``
-    (ManiSkill's AssertionError in every worker otherwise)."""
-    modes = _control_modes(task)
-    if control_mode is None or modes is None or control_mode in modes[1]:
-        return
-    robot, names = modes
-    raise UserError(
-        f"env.control_mode: {task}'s robot ({robot}) has the controllers {', '.join(names)}, "
-        f"not {control_mode!r}"
-    )
-
-
-def _control_modes(task: str) -> tuple[str, list[str]] | None:
-    """(the task's default robot, its controllers' names), read without building a scene; None
-    where that cannot be read so (a robot of another kind: the worker's error stands)."""
-    import inspect
-
-    from mani_skill.agents.registration import REGISTERED_AGENTS
-    from mani_skill.utils.registration import REGISTERED_ENVS
-
-    spec = REGISTERED_ENVS[task]
-    robot = spec.default_kwargs.get("robot_uids")
-    if robot is None:
-        robot = inspect.signature(spec.cls.__init__).parameters["robot_uids"].default
-    if not isinstance(robot, str) or robot not in REGISTERED_AGENTS:
-        return None  # (several robots, or none named)
-    agent = object.__new__(REGISTERED_AGENTS[robot].agent_cls)
-    try:  # (the controllers are a property of the agent's class attributes)
-        return robot, sorted(agent._controller_configs)
-    except Exception:  # (an agent whose controllers need its scene)
-        return None
 
 
 class ManiSkillEnv:
