@@ -11,7 +11,10 @@ learning rate. An update whose weights before it are the recorded run's (its dig
 record's) is on-policy: records of consecutive iterations, replayed from the first, reproduce
 the recorded run. Any other is off-policy (rounds collected by other weights; the ratios use
 their stored behaviour log-probabilities), and the run says how many were. Each update is a
-metrics row; the weights are saved as a checkpoint at the end. No evaluation: nothing simulates.
+metrics row; the weights are saved as a checkpoint at the end, or at a stop (Ctrl-C, SIGTERM)
+after the update in progress. An update that is not finite stops the run unsaved, as in
+training. No evaluation: nothing simulates; the run's ``env`` is the records' (what an
+evaluation of its checkpoint builds), whatever the config says.
 """
 
 from __future__ import annotations
@@ -27,16 +30,25 @@ from embodied.recording import (
     RECORDS,
     Record,
     RecordError,
+    not_finite,
     read_record,
+    record_meta,
     recorded_iterations,
     restore_before,
     state_digest,
     weights_digest,
 )
-from embodied.replay import differences
+from embodied.replay import differences, record_config
 from embodied.resume import flatten
 from embodied.roles import Learner
-from embodied.run import enter_run_dir, run_dir_for, run_dir_held
+from embodied.run import (
+    NonFiniteUpdate,
+    Stopped,
+    StopSignals,
+    enter_run_dir,
+    run_dir_for,
+    run_dir_held,
+)
 from embodied.run_state import RunState
 from embodied.schema import EnvSpec, UserError
 from embodied.train_config import run_meta
@@ -49,6 +61,8 @@ def records_of(source: Path) -> tuple[Path, list[int]]:
     found = recorded_iterations(run_dir)
     if not found:
         raise RecordError(f"runner.replay_from: {source} holds no rollout records")
+    for iteration in found:  # (a damaged one fails before any update, not after some)
+        record_meta(run_dir, iteration)
     return run_dir, found
 
 
@@ -57,6 +71,7 @@ def train_from_records(cfg) -> dict:
     recorded, iterations = records_of(Path(cfg.runner.replay_from))
     check_apart(recorded / RECORDS, Path(cfg.runner.output_dir) / cfg.runner.name)
     first = read_record(recorded, iterations[0])
+    cfg.env = record_config(first).env  # (the weights' environment, not the config's)
     spec = EnvSpec.from_dict(first.meta["spec"])
     task_of_env = torch.tensor(first.meta["task_of_env"], dtype=torch.long)
     run_dir = run_dir_for(cfg.runner, None)
@@ -106,27 +121,33 @@ def restore_fitting(learner: Learner, record: Record, cfg) -> None:
 
 
 def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_dir, spec) -> dict:
-    """One update per record, in order, each logged; the checkpoint at the end."""
+    """One update per record, in order, each logged; the checkpoint at the end, or at a stop."""
     state = RunState()
     logger = RunLogger(run_dir)
     same = None  # whether the first update equals the recorded one
     off_policy = []  # the records replayed from weights other than the recorded run's
     try:
-        for index, iteration in enumerate(iterations):
-            record = read_record(recorded, iteration, learner.device)
-            if state_digest(learner.engine.torch_policy.state_dict()) != state_digest(record.model):
-                off_policy.append(iteration)
-            learner.engine.set_lr(record.meta["lr"])
-            for batch in record.rounds:
-                learner.add_round(batch)
-                state.env_steps += batch.valid.numel()  # (B x K per chunk, as collected)
-            metrics = {k: float(v) for k, v in learner.update().items()}
-            state.iteration += 1
-            if index == 0 and not cfg.runner.init_from:  # (the weights after it too)
-                weights = (record.meta["digest_after"], weights_digest(learner.engine.torch_policy))
-                same = differences(record.meta["metrics"], metrics, weights=weights)
-                print(_first_update_note(iteration, same))
-            logger.log(metrics, state.env_steps, iteration=state.iteration, replayed=iteration)
+        with StopSignals() as stop:
+            for index, iteration in enumerate(iterations):
+                record = read_record(recorded, iteration, learner.device)
+                if not _from_recorded_weights(learner, record):
+                    off_policy.append(iteration)
+                metrics = _update(learner, record, state)
+                if index == 0 and not cfg.runner.init_from:  # (the weights after it too)
+                    digest = weights_digest(learner.engine.torch_policy)
+                    same = differences(
+                        record.meta["metrics"],
+                        metrics,
+                        weights=(record.meta["digest_after"], digest),
+                    )
+                    print(_first_update_note(iteration, same))
+                logger.log(metrics, state.env_steps, iteration=state.iteration, replayed=iteration)
+                if bad := not_finite(metrics):  # (its weights are not usable: unsaved)
+                    raise NonFiniteUpdate(state.iteration, bad, record.path, None)
+                if stop.requested:
+                    _save(cfg, learner, state, run_dir, spec)
+                    done = f"stopped after {state.iteration} of {len(iterations)} records"
+                    raise Stopped(stop.signum, f"{done}; checkpoint: {run_dir / 'last'}")
     finally:
         logger.close()
     print(
@@ -139,15 +160,7 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
             else "the run reproduces the recorded one"
         )
     )
-    counters = state.counters()
-    save_checkpoint(
-        run_dir,
-        state.iteration,
-        model=learner.engine.torch_policy,
-        optimizer=learner.engine.checkpoint_optimizer,
-        counters=counters,
-        meta=run_meta(cfg, spec),
-    )
+    _save(cfg, learner, state, run_dir, spec)
     return {
         "run_dir": str(run_dir),
         "updates": state.iteration,
@@ -155,6 +168,33 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
         "first_update_matches": None if same is None else not same,
         "off_policy": off_policy,
     }
+
+
+def _from_recorded_weights(learner: Learner, record: Record) -> bool:
+    """Whether the learner's weights are the recorded run's before this record's update."""
+    return state_digest(learner.engine.torch_policy.state_dict()) == state_digest(record.model)
+
+
+def _update(learner: Learner, record: Record, state: RunState) -> dict[str, float]:
+    """The record's rounds, at its learning rate, as one update: its metrics."""
+    learner.engine.set_lr(record.meta["lr"])
+    for batch in record.rounds:
+        learner.add_round(batch)
+        state.env_steps += batch.valid.numel()  # (B x K per chunk, as collected)
+    metrics = {k: float(v) for k, v in learner.update().items()}
+    state.iteration += 1
+    return metrics
+
+
+def _save(cfg, learner: Learner, state: RunState, run_dir: Path, spec) -> None:
+    save_checkpoint(
+        run_dir,
+        state.iteration,
+        model=learner.engine.torch_policy,
+        optimizer=learner.engine.checkpoint_optimizer,
+        counters=state.counters(),
+        meta=run_meta(cfg, spec),
+    )
 
 
 def _first_update_note(iteration: int, differs: list[str]) -> str:

@@ -3,14 +3,17 @@ holds the records it would train on, a config whose policy the records' state do
 a first update that differs from the recorded one in its weights only."""
 
 import json
+import shutil
+import signal
 
 import pytest
 import torch
 import yaml
 from scripted_envs import PPO, PushRightEnv, run_on
 
+from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
-from embodied.recording import recorded_iterations
+from embodied.recording import read_record, recorded_iterations
 
 MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
 # one epoch of one minibatch: every metric is taken before the step, so a change that acts on
@@ -110,3 +113,48 @@ def test_the_first_update_is_compared_with_the_recorded_one_in_its_weights_too(
     assert "off-policy: records [2, 3]" in out
     rows = [json.loads(x) for x in (tmp_path / "clip" / "metrics.jsonl").read_text().splitlines()]
     assert [r["replayed"] for r in rows] == [1, 2, 3]
+    # the run's environment is the records' (what an evaluation of its checkpoint builds)
+    records_env = read_record(recorded, 1).meta["config"]["env"]
+    assert (
+        load_checkpoint(tmp_path / "same")["meta"]["config"]["env"]
+        == records_env
+        != {"simulator": "mujoco"}
+    )
+
+
+def test_an_update_that_is_not_finite_stops_the_run_unsaved(recorded, tmp_path, capsys):
+    """Records whose second update ran at a learning rate of 1e30: the third is not finite. The
+    run stops there with one line naming it and its record, saving nothing (it trained on and
+    saved the weights it stepped)."""
+    records = tmp_path / "blown" / "rollouts"
+    shutil.copytree(recorded / "rollouts", records)
+    meta_path = records / "iter_000002" / "record.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "lr": 1e30}))
+    replay = [f"runner.replay_from={records}", f"runner.output_dir={tmp_path}", "runner.name=nan"]
+    code, _, err = train(tmp_path, capsys, *replay)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "iteration 3: the update is not finite (" in err
+    assert f"its record {records / 'iter_000003'} holds the weights before it" in err
+    assert not (tmp_path / "nan" / "checkpoints").exists()
+
+
+def test_a_stop_signal_saves_the_updates_done(recorded, tmp_path, capsys, monkeypatch):
+    """SIGTERM during the second update: it finishes, is saved, and the run stops with the line
+    saying where (it ran on, or Ctrl-C's KeyboardInterrupt lost every update)."""
+    from embodied.roles import Learner
+
+    update = Learner.update
+    calls = []
+
+    def signalled(self):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return update(self)
+
+    monkeypatch.setattr(Learner, "update", signalled)
+    replay = [f"runner.replay_from={recorded}", f"runner.output_dir={tmp_path}", "runner.name=s"]
+    code, _, err = train(tmp_path, capsys, *replay)
+    assert code == 128 + signal.SIGTERM and "stopped after 2 of 3 records" in err
+    assert load_checkpoint(tmp_path / "s" / "last")["counters"]["iteration"] == 2
