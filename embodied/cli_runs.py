@@ -104,6 +104,18 @@ def _add_report(sub) -> None:
     o.set_defaults(func=cmd_report)
 
 
+def _shared(config: dict) -> str:
+    """Why a record's update cannot replay bit for bit in one process, where it was shared."""
+    cluster = config.get("cluster", {})
+    workers = cluster.get("actor", {}).get("workers", 1)
+    if not cluster.get("enabled") or workers <= 1:
+        return ""
+    return (
+        f" (recorded by {workers} data-parallel actor workers, each summing its share: not bit "
+        "for bit here; use --rtol)"
+    )
+
+
 def cmd_replay(args) -> int:
     from embodied.numerics import restart_pinned
     from embodied.recording import record_meta
@@ -115,16 +127,27 @@ def cmd_replay(args) -> int:
     try:
         checked_device("--device", args.device, "--device cpu")
         # a deterministic run's update replays in a process pinned as it was
-        runner = record_meta(Path(args.run), args.iteration)["config"]["runner"]
+        config = record_meta(Path(args.run), args.iteration)["config"]
+        if config.get("trainer", {}).get("backend") == "megatron":
+            from embodied.megatron import require
+
+            require()  # (an extra: a one-line error where it is not installed)
+        runner = config["runner"]
         restart_pinned(runner.get("deterministic"), getattr(args, "restartable", False))
         record, metrics, digest = replay(Path(args.run), args.iteration, args.device)
-    except UserError as e:  # (a record that is missing or damaged, the device)
+    except UserError as e:  # (a record that is missing or damaged, the device, an extra)
         return _error(str(e))
+    except RuntimeError as e:  # (a TP rank's process lost: RankLost, one line)
+        if not getattr(e, "shard_lost", False):
+            raise
+        _error(str(e))
+        return 1
     weights = None if args.rtol else (record.meta["digest_after"], digest)
     found = differences(record.meta["metrics"], metrics, args.rtol, weights)
     if found:
         print(
-            f"embodied: replay of iteration {args.iteration} differs: {'; '.join(found)}",
+            f"embodied: replay of iteration {args.iteration} differs{_shared(config)}: "
+            f"{'; '.join(found)}",
             file=sys.stderr,
         )
         return 1

@@ -47,7 +47,17 @@ SPIKE_WINDOW = 20  # iterations whose gradient norms make the median a spike is 
 FORMAT = "embodied-rollout-record-v1"
 # what a replay reads from record.json
 NON_FINITE_TEXTS = ("nan", "inf", "-inf")  # (how record.json writes a metric that is not finite)
-META_KEYS = ("instructions", "stream_seed", "lr", "metrics", "digest_after", "config", "spec")
+META_KEYS = (
+    "iteration",
+    "instructions",
+    "stream_seed",
+    "lr",
+    "metrics",
+    "digest_after",
+    "config",
+    "spec",
+    "task_of_env",
+)
 
 
 class RecordError(UserError):
@@ -231,6 +241,13 @@ def record_meta(run_dir: Path, iteration: int) -> dict:
     missing = sorted(set(META_KEYS) - set(meta))
     if missing:
         raise RecordError(f"{path / 'record.json'}: damaged (no {', '.join(missing)})")
+    if meta.get("format", FORMAT) != FORMAT:
+        raise RecordError(
+            f"{path / 'record.json'}: format {meta['format']!r}, not {FORMAT!r} (another version "
+            "of embodied wrote it)"
+        )
+    if not isinstance(meta["instructions"], list) or not isinstance(meta["config"], dict):
+        raise RecordError(f"{path / 'record.json'}: damaged (its instructions or config)")
     if not isinstance(meta["metrics"], dict):
         raise RecordError(f"{path / 'record.json'}: damaged (its metrics are not a JSON object)")
     for key, value in meta["metrics"].items():
@@ -247,6 +264,12 @@ def read_rounds(run_dir: Path, iteration: int, device="cpu") -> RecordedRounds:
     path = record_dir(run_dir, iteration)
     meta = record_meta(run_dir, iteration)
     tensors = _read(path / "rounds.safetensors.zst", lambda p: load(_unzstd(p.read_bytes())))
+    found = {key.split("/", 1)[0] for key in tensors}
+    if found != {f"r{i}" for i in range(len(meta["instructions"]))}:
+        raise RecordError(
+            f"{path}: damaged (record.json lists {len(meta['instructions'])} rounds, "
+            f"rounds.safetensors.zst holds {len(found)})"
+        )
     rounds = [
         batch_from(tensors, f"r{i}/", instructions, device)
         for i, instructions in enumerate(meta["instructions"])

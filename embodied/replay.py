@@ -3,11 +3,11 @@ the learner's state before it and the rounds it was given (embodied/recording.py
 it with the run: the update's metrics as logged, and the weights after it (a digest). On the
 machine and backend that recorded it they match bit for bit; ``--rtol`` allows a relative
 difference in the metrics elsewhere (the weights' digest compares bit for bit only: the command
-says whether it is equal, and the metrics decide). Not bit for bit: an
-update shared by data-parallel actor workers (each summed its share of every minibatch), one
-recorded on a GPU and replayed on the CPU, ``offload_optimizer``'s bookkeeping metric. A
-megatron run's update is replayed at its TP size (a bf16 run's from its float32 main weights,
-which the record keeps beside the bf16 ones that acted).
+says whether it is equal, and the metrics decide). Not bit for bit: an update shared by
+data-parallel actor workers (each summed its share of every minibatch; the command says so),
+one recorded on a GPU and replayed on the CPU (``offload_optimizer``'s bookkeeping metric is not
+compared). A megatron run's update is replayed at its TP size (a bf16 run's from its float32
+main weights, which the record keeps beside the bf16 ones that acted).
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ from embodied.recording import (
     restore_before,
     weights_digest,
 )
+
+# what an update logs of its own bookkeeping: the optimizer state offloaded to the host (0 where
+# the learner is on the CPU, as a replay of a GPU run's record may be)
+BOOKKEEPING = ("optimizer/offloaded_mb",)
 
 
 def record_config(record: RecordedRounds):
@@ -67,9 +71,10 @@ def differences(
     logged: dict, replayed: dict, rtol: float = 0.0, weights: tuple[str, str] | None = None
 ) -> list[str]:
     """What differs between the logged and the replayed update, one phrase each (empty: they
-    match): a metric beyond ``rtol`` (relative), one missing on either side, the weights."""
+    match): a metric beyond ``rtol`` (relative), one missing on either side, the weights. The
+    bookkeeping metrics (``BOOKKEEPING``: not the update's numbers) are not compared."""
     out = []
-    for key in sorted(set(logged) | set(replayed)):
+    for key in sorted((set(logged) | set(replayed)) - set(BOOKKEEPING)):
         if key not in replayed or key not in logged:
             out.append(f"{key} only {'logged' if key in logged else 'replayed'}")
             continue

@@ -3,6 +3,7 @@ a run resumed from an earlier checkpoint, an update that is not finite, gradient
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,59 @@ def test_gradient_norms_of_zero_set_no_scale_for_a_spike():
     assert policy.grad_norms == norms  # (the zeros stay in the window: the last 20 updates)
     assert not spikes(1.0, [0.0, 0.0, 0.0], 10.0) and spikes(1.0, [0.0, 0.05, 0.05], 10.0)
     assert not spikes(1.0, [0.01, 0.01], 0.0)  # (runner.spike_factor 0: off)
+
+
+def test_a_replay_compares_no_bookkeeping_and_names_what_it_cannot_replay(
+    tmp_path, capsys, monkeypatch
+):
+    """A GPU run's record replayed on the CPU: the offloaded optimizer's megabytes (0 here) are
+    bookkeeping, not compared (no --rtol passed them). An update that data-parallel actor
+    workers shared is said to be one when it differs; a megatron record where megatron-core is
+    not installed is one line naming the extra."""
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    run_on(PushRightEnv(8), run_dir, total_env_steps=8 * 6, record_rollouts=1, policy=MLP)
+    meta_path = record_dir(run_dir, 1) / "record.json"
+    meta = json.loads(meta_path.read_text())
+    meta["metrics"]["optimizer/offloaded_mb"] = 12.5  # (what a GPU run logs)
+    meta["config"]["cluster"]["offload_optimizer"] = True
+    meta_path.write_text(json.dumps(meta))
+    argv = ["replay", str(run_dir), "--iteration", "1"]
+    capsys.readouterr()
+    assert main(argv) == 0 and "bit for bit" in capsys.readouterr().out
+    meta["metrics"]["policy/loss"] += 1.0
+    meta["config"]["cluster"].update(enabled=True, actor={"workers": 2})
+    meta_path.write_text(json.dumps(meta))
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "differs (recorded by 2 data-parallel actor workers, " in err and "--rtol" in err
+    meta["config"]["trainer"] = {"backend": "megatron"}
+    meta_path.write_text(json.dumps(meta))
+    monkeypatch.setitem(sys.modules, "megatron", None)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'embodied[megatron]'" in err
+
+
+def test_a_record_json_without_what_readers_need_is_one_line_naming_it(tmp_path, capsys):
+    """record.json without its iteration or environments' tasks, of another format, or listing
+    more rounds than the file holds: one line naming it (tracebacks: KeyError, or the round's
+    missing 'state'), from `embodied replay` and `embodied episodes` alike."""
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    run_on(PushRightEnv(8), run_dir, total_env_steps=8 * 6, record_rollouts=1, policy=MLP)
+    meta_path = record_dir(run_dir, 1) / "record.json"
+    meta = json.loads(meta_path.read_text())
+    damaged = [
+        ({k: v for k, v in meta.items() if k != "task_of_env"}, "damaged (no task_of_env)"),
+        ({k: v for k, v in meta.items() if k != "iteration"}, "damaged (no iteration)"),
+        ({**meta, "format": "embodied-rollout-record-v9"}, "format 'embodied-rollout-record-v9'"),
+        ({**meta, "instructions": meta["instructions"] * 2}, "lists 2 rounds, "),
+    ]
+    capsys.readouterr()
+    for written, said in damaged:
+        meta_path.write_text(json.dumps(written))
+        for argv in (["replay", str(run_dir), "--iteration", "1"], ["episodes", str(run_dir)]):
+            assert main(argv) == 2, (argv, said)
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and said in err and "record" in err, err
