@@ -74,14 +74,16 @@ def _add_episodes(sub) -> None:
         "--resimulate",
         action="store_true",
         help="simulate the rounds again from their seeds and actions: a frame per step, "
-        "where the rewards diverge from the record, and each world's randomised parameters for "
+        "where the rewards or observations diverge from the record, and each world's randomised "
+        "parameters for "
         "--to-dataset (which does so by itself for chunked policies)",
     )
     ep.add_argument(
         "--atol",
         type=float,
         default=0.0,
-        help="re-simulated rewards within this of the recorded ones agree (default 0: equal)",
+        help="re-simulated rewards and observations within this of the recorded ones agree "
+        "(default 0: equal)",
     )
     ep.add_argument(
         "--to-dataset",

@@ -3,9 +3,10 @@ a seeded reset (the runner's ``_collect_round``), its seeds are the algorithm's 
 recorded iteration and round, and its actions are in the record, so the simulator can run the
 round again step by step and give what the record keeps only where chunks start: the
 observation before every action. Each world's randomisation is drawn from its reset seed, so it
-comes back too. The re-simulated rewards are compared with the recorded ones; where they differ
-(another machine's physics, a simulator that is not deterministic) the first step that differs
-is named.
+comes back too. The re-simulated rewards, and the state and privileged observations where chunks
+start, are compared with the recorded ones (images are not: renderers differ across machines);
+where they differ (another machine's physics, a simulator that is not deterministic) each row's
+first step that differs is named.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from embodied.schema import Observation, UserError
 
 @dataclass
 class Divergence:
-    """The first step where a row's re-simulated reward differs from the recorded one."""
+    """The first step where a row's re-simulation differs from the record: its reward, or a
+    component of its state or privileged observation where a chunk starts."""
 
     row: int
     step: int  # the round's environment step (chunk * K + k)
     recorded: float
     resimulated: float
+    what: str = "reward"  # "reward", "state[i]", or "<privileged key>[i]"
 
 
 @dataclass
@@ -50,13 +53,16 @@ class Resimulated:
     def summary(self) -> str:
         """One line: the round matches its record, or where each diverging row parts."""
         if not self.divergences:
-            return f"round {self.round_index}: re-simulated rewards equal the recorded ones"
+            return (
+                f"round {self.round_index}: re-simulated rewards and observations equal the "
+                "recorded ones"
+            )
         parts = [
-            f"row {d.row} from step {d.step} (recorded {d.recorded:.6g}, "
+            f"row {d.row} from step {d.step} ({d.what} recorded {d.recorded:.6g}, "
             f"re-simulated {d.resimulated:.6g})"
             for d in self.divergences
         ]
-        return f"round {self.round_index}: rewards diverge at " + "; ".join(parts)
+        return f"round {self.round_index}: the re-simulation diverges at " + "; ".join(parts)
 
 
 def simulator_for(record: RecordedRounds):
@@ -124,13 +130,15 @@ def resimulate(record: RecordedRounds, round_index: int, env, atol: float = 0.0)
             reset = (out.terminated | out.truncated).cpu().nonzero().squeeze(1).tolist()
             worlds.update(_worlds(env, reset, t * K + k + 1))  # (their next episode's draw)
     rewards = torch.stack(rewards)  # f32 [S, B]
-    recorded = by_step(batch.rewards.cpu())
+    obs = _stack(before[:-1])
+    found = _divergences(by_step(batch.rewards.cpu()), rewards, atol)
+    found += _obs_divergences(batch.obs, obs, K, atol)
     return Resimulated(
         round_index=round_index,
-        obs=_stack(before[:-1]),
+        obs=obs,
         rewards=rewards,
         success=torch.stack(success),
-        divergences=_divergences(recorded, rewards, atol),
+        divergences=_first_per_row(found),
         worlds=worlds,
     )
 
@@ -160,6 +168,33 @@ def _stack(steps: list[Observation]) -> Observation:
         images={c: torch.stack([o.images[c] for o in steps]) for c in first.images},
         privileged={k: torch.stack([o.privileged[k] for o in steps]) for k in first.privileged},
     )
+
+
+def _obs_divergences(recorded: Observation, again: Observation, K: int, atol: float):
+    """Each row's first chunk start whose state or privileged observation differs by more than
+    ``atol`` (``recorded``: [T, B, ...] at chunk starts; ``again``: [T * K, B, ...] per step)."""
+    pairs = {"state": (recorded.state, again.state)}
+    pairs.update({k: (v, again.privileged[k]) for k, v in recorded.privileged.items()})
+    found = []
+    for name, (before, resimulated) in pairs.items():
+        before = before.cpu().flatten(2)  # [T, B, D]
+        resimulated = resimulated[::K].cpu().flatten(2)  # [T, B, D]
+        differs = (before - resimulated).abs() > atol  # bool [T, B, D]
+        for row in differs.any(2).any(0).nonzero().squeeze(1).tolist():
+            t = int(differs[:, row].any(1).nonzero()[0])
+            i = int(differs[t, row].nonzero()[0])
+            a, b = float(before[t, row, i]), float(resimulated[t, row, i])
+            found.append(Divergence(row, t * K, a, b, f"{name}[{i}]"))
+    return found
+
+
+def _first_per_row(found: list[Divergence]) -> list[Divergence]:
+    """Each row's earliest divergence (a reward's before an observation's at one step), by row."""
+    first: dict[int, Divergence] = {}
+    for d in found:
+        if d.row not in first or d.step < first[d.row].step:
+            first[d.row] = d
+    return [first[row] for row in sorted(first)]
 
 
 def _divergences(recorded: torch.Tensor, resimulated: torch.Tensor, atol: float):

@@ -45,13 +45,29 @@ def test_a_recorded_round_resimulates_to_its_rewards_and_chunk_start_observation
     assert K == 2
     again = resimulate(recorded, 0, PushRightEnv(8))
     assert again.divergences == []
-    assert again.summary() == "round 0: re-simulated rewards equal the recorded ones"
+    assert again.summary() == (
+        "round 0: re-simulated rewards and observations equal the recorded ones"
+    )
     assert torch.equal(again.rewards, by_step(batch.rewards))
     assert torch.equal(again.success, by_step(batch.success))
     # what the record keeps, before each chunk, is the re-simulation's before each step t * K
     assert torch.equal(again.obs.images["cam"][::K], batch.obs.images["cam"])
     assert torch.equal(again.obs.state[::K], batch.obs.state)
     assert again.obs.state[1, :, 0].tolist() == [1.0] * B  # mid-chunk: one step into the episode
+
+
+def test_a_chunk_start_that_differs_is_named_though_the_rewards_agree(recorded):
+    """The record says chunk 1 began elsewhere: every row diverges at its first step, named by
+    the state's component (a sparse reward, agreeing until success, hid it)."""
+    K = recorded.rounds[0].rewards.shape[2]
+    recorded.rounds[0].obs.state[1, :, 0] += 5.0
+    again = resimulate(recorded, 0, PushRightEnv(8))
+    assert [(d.row, d.step, d.what) for d in again.divergences] == [
+        (row, K, "state[0]") for row in range(8)
+    ]
+    assert all(d.recorded == d.resimulated + 5.0 for d in again.divergences)
+    assert "row 0 from step 2 (state[0] recorded " in again.summary()
+    assert again.agrees(0, K - 1) and not again.agrees(0, K)
 
 
 def test_a_changed_action_is_named_where_the_rewards_diverge(recorded):
@@ -66,7 +82,8 @@ def test_a_changed_action_is_named_where_the_rewards_diverge(recorded):
     found = [(d.row, d.step, d.recorded, d.resimulated) for d in again.divergences]
     assert found == [(row, step, 1.0, 0.0)]
     assert again.summary() == (
-        f"round 0: rewards diverge at row {row} from step {step} (recorded 1, re-simulated 0)"
+        f"round 0: the re-simulation diverges at row {row} from step {step} (reward recorded 1, "
+        "re-simulated 0)"
     )
     assert again.agrees(row, step - 1) and not again.agrees(row, step)
     assert again.agrees((row + 1) % 8, 10**6)
@@ -138,7 +155,7 @@ def test_a_chunked_policys_episodes_become_a_dataset_through_resimulation(tmp_pa
     dataset = tmp_path / "rl_episodes"
     assert main(["episodes", str(tmp_path / "rl"), "--to-dataset", str(dataset)]) == 0
     out = capsys.readouterr().out
-    assert out.count("re-simulated rewards equal the recorded ones") == 2  # 2 iterations
+    assert out.count("re-simulated rewards and observations equal the recorded ones") == 2
     assert "left out" not in out
     written = int(out.split("wrote ")[1].split()[0])
     records = [read_record(tmp_path / "rl", i) for i in (1, 2)]
