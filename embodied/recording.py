@@ -41,6 +41,7 @@ from embodied.rollout import RolloutBatch
 from embodied.schema import Observation, UserError
 
 RECORDS = "rollouts"
+ABANDONED = "abandoned"  # RUN/rollouts/abandoned: the records a resume took out of the run
 MAIN = "main"  # learner.safetensors' prefix of a bf16 run's main weights
 SET_BY_ADVANTAGES = ("advantages", "returns", "sample_mask")  # (computed again on replay)
 SPIKE_WINDOW = 20  # iterations whose gradient norms make the median a spike is measured by
@@ -380,7 +381,11 @@ class RunRecords:
             self.event("record_failed", f"iteration {iteration} ({reason}): {failed}")
             return None
         if reason is not None:
-            prune_records(self.run_dir, self.keep)
+            try:
+                prune_records(self.run_dir, self.keep)
+            except OSError as error:  # (a record busy on NFS, say: it stays, as the run does)
+                print(f"older rollout records were not pruned: {error}")
+                self.event("record_failed", f"pruning after iteration {iteration}: {error}")
         return reason
 
 
@@ -409,10 +414,59 @@ def prune_records(run_dir: Path, keep: int) -> list[int]:
     every = []
     for iteration in recorded_iterations(run_dir):
         path = record_dir(Path(run_dir), iteration)
-        meta = path / "record.json"
-        if meta.exists() and json.loads(meta.read_text()).get("reason") == "every":
+        if record_reason(path) == "every":
             every.append(path)
     removed = every[: max(0, len(every) - keep)]
     for path in removed:
-        shutil.rmtree(path)
+        remove_record(path)
     return [int(path.name.split("_")[1]) for path in removed]
+
+
+def record_reason(path: Path) -> str | None:
+    """Why the record at ``path`` was written ("every", "spike", "non-finite"); None where its
+    record.json cannot be read."""
+    try:
+        meta = json.loads((path / "record.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("reason") if isinstance(meta, dict) else None
+
+
+def remove_record(path: Path) -> None:
+    """Remove a record whole: renamed out of the listing first (a name starting with "."), so
+    a crash meanwhile leaves no half record among them; earlier leftovers of such removals go
+    too."""
+    gone = path.with_name(f".{path.name}.removed")
+    shutil.rmtree(gone, ignore_errors=True)
+    path.rename(gone)
+    fsync(path.parent)
+    for leftover in path.parent.glob(".iter_*.removed"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def drop_records_after(run_dir: Path, iteration: int) -> tuple[list[int], list[int]]:
+    """Take the rollout records (``RUN/rollouts/iter_N``) of the iterations after ``iteration``
+    out of the run, and any a write left staged: (the iterations removed, those moved to
+    ``rollouts/abandoned/``). A run resumed from an earlier checkpoint abandons them: left,
+    ``embodied episodes``, ``runner.replay_from`` and the report would read iterations the run
+    no longer has, and the pruning, which keeps the newest, would remove the resumed run's own
+    records first. The non-finite and spike ones, never pruned (and what the failure's line
+    pointed at), are moved aside, not removed."""
+    folder = Path(run_dir) / RECORDS
+    if not folder.is_dir():
+        return [], []
+    for staged in folder.glob("iter_*.tmp"):  # (a write cut short; nothing writes here now)
+        shutil.rmtree(staged)
+    removed, kept = [], []
+    for at in [at for at in recorded_iterations(run_dir) if at > iteration]:
+        path = record_dir(Path(run_dir), at)
+        if record_reason(path) not in ("non-finite", "spike"):
+            remove_record(path)
+            removed.append(at)
+            continue
+        abandoned = folder / ABANDONED
+        abandoned.mkdir(exist_ok=True)
+        earlier = len(list(abandoned.glob(f"{path.name}-*")))  # (one per resume that took it)
+        path.rename(abandoned / f"{path.name}-{earlier + 1}")
+        kept.append(at)
+    return removed, kept

@@ -5,7 +5,6 @@ again)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -14,7 +13,6 @@ from embodied.checkpoint import (
     META,
     checkpoint_dir,
     drop_checkpoints_after,
-    iteration_dirs,
     point_best,
 )
 from embodied.config import ConfigError
@@ -202,28 +200,19 @@ def rewind(run_dir: Path, resume: dict, cfg, evaluates_beside: bool) -> None:
     abandoned = drop_checkpoints_after(run_dir, done)
     if abandoned:
         print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
-    records = drop_records_after(run_dir, done)
+    from embodied.recording import ABANDONED, drop_records_after  # (it imports the runner's)
+
+    records, kept = drop_records_after(run_dir, done)
     if records:
         print(f"resuming from iteration {done}: removed the later rollout records {records}")
+    if kept:
+        print(
+            f"resuming from iteration {done}: the later non-finite and spike records {kept} "
+            f"moved to {run_dir / 'rollouts' / ABANDONED} (the resumed run's iterations are "
+            "other updates)"
+        )
     best = counters.get("best")
     point_best(run_dir, None if best is None else best["iteration"])
-
-
-def drop_records_after(run_dir: Path, iteration: int) -> list[int]:
-    """Remove the rollout records (``RUN/rollouts/iter_N``, embodied/recording.py) of the
-    iterations after ``iteration``, and any a write left staged; the iterations removed. A run
-    resumed from an earlier checkpoint abandons them: left, ``embodied episodes``,
-    ``runner.replay_from`` and the report would read iterations the run no longer has, and the
-    pruning, which keeps the newest, would remove the resumed run's own records first."""
-    folder = Path(run_dir) / "rollouts"
-    if not folder.is_dir():
-        return []
-    for staged in folder.glob("iter_*.tmp"):  # (a write cut short; nothing writes here now)
-        shutil.rmtree(staged)
-    later = [(at, path) for at, path in iteration_dirs(folder) if at > iteration]
-    for _, path in later:
-        shutil.rmtree(path)
-    return [at for at, _ in later]
 
 
 def unsaved_evaluation(counters: dict) -> dict | None:

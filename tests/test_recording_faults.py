@@ -100,20 +100,30 @@ def test_a_full_disk_while_a_record_is_written_loses_that_record_not_the_run(
 
 def test_a_run_resumed_from_an_earlier_checkpoint_removes_the_later_records(tmp_path, capsys):
     """Records of iterations after the checkpoint are of a timeline the run no longer has, as
-    its later checkpoints and metrics rows: they go, and what the resumed run records stays."""
+    its later checkpoints and metrics rows: they go, and what the resumed run records stays. A
+    spike's record (never pruned; what its line pointed at) is moved aside, not removed."""
     torch.manual_seed(0)
     run_dir = tmp_path / "run"
     kw = dict(record_rollouts=1, keep_rollouts=2, policy=MLP, algorithm=PPO, save_every=2)
     run_on(PushRightEnv(8), run_dir, total_env_steps=8 * 6 * 4, **kw)
     assert recorded_iterations(run_dir) == [3, 4]
     (run_dir / "rollouts" / "iter_000005.tmp").mkdir()  # (a write cut short)
+    spike = record_dir(run_dir, 4) / "record.json"
+    spike.write_text(json.dumps({**json.loads(spike.read_text()), "reason": "spike"}))
     resume = str(run_dir / "checkpoints" / "iter_000002")
     capsys.readouterr()
     run_on(PushRightEnv(8), run_dir, total_env_steps=8 * 6 * 3, resume=resume, **kw)
     # the resumed run's iteration 3, not pruned in favour of the abandoned 4
-    assert sorted(p.name for p in (run_dir / "rollouts").iterdir()) == ["iter_000003"]
-    assert "resuming from iteration 2: removed the later rollout records [3, 4]" in (
-        capsys.readouterr().out
+    listed = sorted(p.name for p in (run_dir / "rollouts").iterdir())
+    assert listed == ["abandoned", "iter_000003"] and recorded_iterations(run_dir) == [3]
+    out = capsys.readouterr().out
+    assert "resuming from iteration 2: removed the later rollout records [3]" in out
+    assert "the later non-finite and spike records [4] moved to " in out
+    assert (
+        json.loads(
+            (run_dir / "rollouts" / "abandoned" / "iter_000004-1" / "record.json").read_text()
+        )["reason"]
+        == "spike"
     )
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(r["iteration"] for r in rows) == 3
@@ -236,3 +246,29 @@ def test_a_record_json_without_what_readers_need_is_one_line_naming_it(tmp_path,
             assert main(argv) == 2, (argv, said)
             err = capsys.readouterr().err.strip()
             assert len(err.splitlines()) == 1 and said in err and "record" in err, err
+
+
+def test_records_that_cannot_be_pruned_stay_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    """Removing an older record fails (busy on NFS, say): one line, an event, and the run goes
+    on (it died with a traceback after a completed update). A removal renames the record out of
+    the listing first, so one cut short leaves no half record among them."""
+    calls = []
+
+    def busy(path):
+        calls.append(path.name)
+        raise OSError(16, "Device or resource busy")
+
+    monkeypatch.setattr(recording, "remove_record", busy)
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    kw = dict(record_rollouts=1, keep_rollouts=1, policy=MLP, algorithm=PPO)
+    run_on(PushRightEnv(8), run_dir, total_env_steps=8 * 6 * 3, **kw)
+    assert calls and recorded_iterations(run_dir) == [1, 2, 3]
+    assert "older rollout records were not pruned: [Errno 16] Device or resource busy" in (
+        capsys.readouterr().out
+    )
+    assert any(e.kind == "record_failed" for e in read_events(run_dir))
+    monkeypatch.undo()
+    (run_dir / "rollouts" / ".iter_000009.removed").mkdir()  # (a removal cut short)
+    assert recording.prune_records(run_dir, keep=1) == [1, 2]
+    assert sorted(p.name for p in (run_dir / "rollouts").iterdir()) == ["iter_000003"]
