@@ -39,6 +39,7 @@ from embodied.recording import (
     weights_digest,
 )
 from embodied.replay import differences, record_config
+from embodied.report import report_at_end
 from embodied.resume import flatten
 from embodied.roles import Learner
 from embodied.run import (
@@ -161,6 +162,7 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
         )
     )
     _save(cfg, learner, state, run_dir, spec)
+    report_at_end(run_dir, cfg.runner.report)
     return {
         "run_dir": str(run_dir),
         "updates": state.iteration,

@@ -160,7 +160,8 @@ def _training_section(data: RunData) -> str:
 
 
 def _time_section(data: RunData) -> str:
-    if not data.iterations or data.sft:  # (SFT logs no phases or throughput)
+    timed = all("time/env_steps_per_s" in r for r in data.iterations)
+    if not data.iterations or data.sft or not timed:  # (SFT, replay_from: nothing simulated)
         return ""
     phases = phase_seconds(data.iterations)
     total = 60 * data.iterations[-1].get("time/minutes", 0.0)

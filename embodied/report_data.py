@@ -166,7 +166,9 @@ def read_run(run_dir: Path) -> RunData:
     summary_file = run_dir / "metrics.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
     sft = "steps" in (summary or {}) or any(SFT_LOSS in r for r in rows)
-    iterations = [r for r in rows if (SFT_LOSS if sft else "time/env_steps_per_s") in r]
+    # (an iteration's row; replay_from's updates simulate nothing: their rows say "replayed")
+    marks = (SFT_LOSS,) if sft else ("time/env_steps_per_s", "replayed")
+    iterations = [r for r in rows if any(mark in r for mark in marks)]
     host = run_dir / "host.json"
     starts = json.loads(host.read_text()).get("starts", []) if host.is_file() else []
     return RunData(

@@ -14,6 +14,7 @@ from scripted_envs import PPO, PushRightEnv, run_on
 from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
 from embodied.recording import read_record, recorded_iterations
+from embodied.report_data import read_run
 
 MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
 # one epoch of one minibatch: every metric is taken before the step, so a change that acts on
@@ -100,8 +101,10 @@ def test_the_first_update_is_compared_with_the_recorded_one_in_its_weights_too(
     """A clipping of the gradient that the recorded update did not have: the metrics are the
     recorded ones (taken before the step), the weights after it are not."""
     replay = [f"runner.replay_from={recorded / 'rollouts'}", f"runner.output_dir={tmp_path}"]
-    code, out, _ = train(tmp_path, capsys, *replay, "runner.name=same")
+    code, out, _ = train(tmp_path, capsys, *replay, "runner.name=same", "runner.report=true")
     assert code == 0 and "the first update (iteration 1 of the records) equals" in out
+    report = (tmp_path / "same" / "report.html").read_text()
+    assert "No iteration was logged" not in report
     assert "3 of 3 updates" in out
     code, out, _ = train(
         tmp_path, capsys, *replay, "runner.name=clip", "algorithm.max_grad_norm=0.05"
@@ -113,6 +116,7 @@ def test_the_first_update_is_compared_with_the_recorded_one_in_its_weights_too(
     assert "off-policy: records [2, 3]" in out
     rows = [json.loads(x) for x in (tmp_path / "clip" / "metrics.jsonl").read_text().splitlines()]
     assert [r["replayed"] for r in rows] == [1, 2, 3]
+    assert [len(read_run(tmp_path / n).iterations) for n in ("same", "clip")] == [3, 3]
     # the run's environment is the records' (what an evaluation of its checkpoint builds)
     records_env = read_record(recorded, 1).meta["config"]["env"]
     assert (
