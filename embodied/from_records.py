@@ -38,7 +38,7 @@ from embodied.recording import (
     state_digest,
     weights_digest,
 )
-from embodied.replay import differences, record_config
+from embodied.replay import differences, record_config, same_reference
 from embodied.report import report_at_end
 from embodied.resume import flatten
 from embodied.roles import Learner
@@ -80,6 +80,12 @@ def train_from_records(cfg) -> dict:
     with run_dir_held(run_dir):  # (left as it was if the records do not fit: nothing entered)
         learner = Learner(cfg, spec, task_of_env, cfg.runner.torch_device("cpu"))
         try:
+            if not same_reference(learner, first):
+                print(
+                    "note: the KL penalty's reference (from this config's runner.init_from or "
+                    "seed) is not the recorded run's, so the updates' KL terms are not the "
+                    "recorded ones"
+                )
             if not cfg.runner.init_from:
                 restore_fitting(learner, first, cfg)
             enter_run_dir(run_dir, cfg, None, False)

@@ -25,6 +25,7 @@ from embodied.recording import (
     restore_before,
     weights_digest,
 )
+from embodied.schema import UserError
 
 # what an update logs of its own bookkeeping: the optimizer state offloaded to the host (0 where
 # the learner is on the CPU, as a replay of a GPU run's record may be)
@@ -57,6 +58,7 @@ def replay(run_dir: Path, iteration: int, device: str = "cpu") -> tuple[Record, 
     # (at the run's trainer.tensor_parallel: the other TP ranks are processes of this one)
     learner = learner_for(cfg, spec, task_of_env, torch.device(device))
     try:
+        check_reference(learner, record)
         restore_before(learner, record)
         for batch in record.rounds:
             learner.add_round(batch)
@@ -65,6 +67,28 @@ def replay(run_dir: Path, iteration: int, device: str = "cpu") -> tuple[Record, 
     finally:
         learner.close()
     return record, {k: float(v) for k, v in metrics.items()}, digest
+
+
+def same_reference(learner, record: RecordedRounds) -> bool:
+    """Whether the learner's KL reference (GRPO's ``kl_coef > 0``) is the recorded run's, as far
+    as the record says (one recorded before its digest was kept says nothing)."""
+    from embodied.roles import reference_digest
+
+    recorded = record.meta.get("reference_digest")
+    return recorded is None or reference_digest(learner) == recorded
+
+
+def check_reference(learner, record: RecordedRounds) -> None:
+    """A ``UserError`` where the KL reference the learner was built with (GRPO's ``kl_coef >
+    0``, from ``runner.init_from`` or the seed: a record does not hold it) is not the recorded
+    run's: the replayed update would differ with nothing else to show why."""
+    if not same_reference(learner, record):
+        init_from = record_config(record).runner.init_from
+        source = f"runner.init_from={init_from}" if init_from else "the seed's initial weights"
+        raise UserError(
+            f"{record.path}: the KL penalty's reference ({source}) is not the recorded run's "
+            "(its checkpoint changed since?); the update cannot be replayed"
+        )
 
 
 def differences(

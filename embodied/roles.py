@@ -23,7 +23,7 @@ from embodied.evaluate import evaluate_by_task
 from embodied.inference import InferencePolicy
 from embodied.learner import TorchEngine, TrainerConfig
 from embodied.models import build_policy
-from embodied.recording import Pending, weights_digest
+from embodied.recording import Pending, state_digest, weights_digest
 from embodied.resume import check_weights_fit, load_resumed, trained_in
 from embodied.rollout import (
     CollectPlan,
@@ -118,6 +118,7 @@ class Learner:
             "config": to_dict(cfg),
             "spec": spec.to_dict(),
             "task_of_env": task_of_env.tolist(),
+            "reference_digest": reference_digest(self),  # (None: no KL reference)
         }
         self.pending: Pending | None = None  # (TP rank 0's; the others gather it with it)
         self.started = False  # the iteration in progress has its state before it taken
@@ -295,6 +296,17 @@ class Learner:
 
     def save(self, run_dir: Path, iteration: int, **kw) -> Path:
         return save_engine(self.engine, run_dir, iteration, **kw)
+
+
+def reference_digest(learner) -> str | None:
+    """A digest of the learner's KL reference (GRPO's ``kl_coef > 0``: the policy's weights as
+    they started, from ``runner.init_from`` or the seed), which a record does not hold: a replay
+    compares it with the recorded run's. None without one."""
+    reference = getattr(learner.algorithm, "reference", None)
+    if reference is None:
+        return None
+    # (tensors only: megatron's layers keep extra state of other kinds in theirs)
+    return state_digest({k: v for k, v in reference.state_dict().items() if torch.is_tensor(v)})
 
 
 def check_minibatch(samples: int, num_minibatches: int, engine) -> None:

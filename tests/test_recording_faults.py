@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import SafetensorError
-from scripted_envs import PPO, PushRightEnv, run_on
+from scripted_envs import GRPO, PPO, TINY_VLA, PushRightEnv, run_on
 from tiny_runs import TINY_REACH
 
 import embodied.recording as recording
@@ -272,3 +272,32 @@ def test_records_that_cannot_be_pruned_stay_and_the_run_goes_on(tmp_path, capsys
     (run_dir / "rollouts" / ".iter_000009.removed").mkdir()  # (a removal cut short)
     assert recording.prune_records(run_dir, keep=1) == [1, 2]
     assert sorted(p.name for p in (run_dir / "rollouts").iterdir()) == ["iter_000003"]
+
+
+def test_a_replay_whose_kl_reference_is_not_the_recorded_runs_is_one_line(tmp_path, capsys):
+    """GRPO with a KL penalty: its reference (the initial weights, a record does not hold them)
+    is recorded as a digest; the replay builds the same and matches bit for bit, and one built
+    from other weights (runner.init_from's checkpoint changed since) is refused with one line,
+    where the update differed with nothing to say why."""
+    torch.manual_seed(0)
+    run_dir = tmp_path / "run"
+    algorithm = {**GRPO, "kl_coef": 0.1}
+    run_on(
+        PushRightEnv(8),
+        run_dir,
+        total_env_steps=48,
+        record_rollouts=1,
+        policy=TINY_VLA,
+        algorithm=algorithm,
+    )
+    argv = ["replay", str(run_dir), "--iteration", "1"]
+    capsys.readouterr()
+    assert main(argv) == 0 and "bit for bit" in capsys.readouterr().out
+    meta_path = record_dir(run_dir, 1) / "record.json"
+    meta = json.loads(meta_path.read_text())
+    assert len(meta["reference_digest"]) == 64
+    meta_path.write_text(json.dumps({**meta, "reference_digest": "0" * 64}))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "the KL penalty's reference (the seed's initial weights) is not the recorded" in err
