@@ -135,8 +135,8 @@ class Scene:
 def episode_scenes(train_cfg, goal, twin: bool, episodes: int, seed: int) -> list[Scene]:
     """One Scene per episode. On the twin the MuJoCo task's own sampler draws goal and cube from
     the held-out seeds: episode e's is ``embodied eval``'s episode e's at ``seed`` (a given goal
-    replaces the drawn one, and places the cube where the task's goal is the cube's: pick); a
-    real arm gets the given goal."""
+    replaces the drawn one, and places the cube where the task's goals are drawn from: under
+    it for pick, behind it for push); a real arm gets the given goal."""
     given = None if goal is None else np.asarray(goal, np.float64)
     if train_cfg.env.simulator != "mujoco":
         return [Scene(given) for _ in range(episodes)]

@@ -20,7 +20,7 @@ def test_a_goal_on_the_table_passes_the_reach_check_and_one_under_it_does_not():
         _check_reachable("0.25,0.03,-0.001", (0.25, 0.03, -0.001))
 
 
-def test_a_pick_goal_places_the_twins_cube_beneath_it_and_another_height_is_refused():
+def test_a_given_goal_places_the_twins_cube_as_the_task_draws_it_and_another_height_is_refused():
     """Pick's goal is the cube's place lifted 5 cm: a given one puts the twin's cube under it,
     at rest, so the twin judges the lift (the drawn cube stayed where it was, and a goal at
     z = 0.01 was a success before anything moved). A goal at another height is one line, on a
@@ -52,10 +52,14 @@ def test_a_pick_goal_places_the_twins_cube_beneath_it_and_another_height_is_refu
         episode_scenes(sizes, (0.2, 0.0, 0.0625), twin=True, episodes=1, seed=0)
     drawn = episode_scenes(cfg, None, twin=True, episodes=2, seed=0)  # the task's own draws
     assert drawn[0].cube[0] != drawn[1].cube[0]
+    # push: the cube behind the given goal by the middle of its offsets (the seed's own cube lay
+    # within the success radius of 42 of 200 goals given at (0.2, 0, 0.001))
     push = SimpleNamespace(env=MuJoCoConfig(task="push"))
-    (given,) = episode_scenes(push, (0.25, 0.0, 0.001), twin=True, episodes=1, seed=0)
-    (own,) = episode_scenes(push, None, twin=True, episodes=1, seed=0)
-    np.testing.assert_allclose(given.cube, own.cube)  # (push: the cube drawn apart)
+    scenes = episode_scenes(push, (0.25, 0.01, 0.001), twin=True, episodes=3, seed=0)
+    for scene in scenes:
+        np.testing.assert_allclose(scene.cube, [0.25 - 0.065, 0.01, 0.015], atol=1e-12)
+    with pytest.raises(DeployError, match=r"^--goal: push's goal is on the table, at z = 0\.001"):
+        episode_scenes(push, (0.22, 0.05, 0.12), twin=False, episodes=1, seed=0)
 
 
 def test_joint_deltas_accumulate_as_the_simulator_clips_them():

@@ -48,9 +48,9 @@ class Task:
         raise NotImplementedError
 
     def cube_under(self, goal: tuple[float, ...], size_range: float) -> tuple[float, ...] | None:
-        """Where a goal a user gives puts the cube (metres), for a task whose goal is defined by
+        """Where a goal a user gives puts the cube (metres), for a task whose goal is drawn from
         the cube's place, its size within ``size_range`` of the model's (randomize.cube_size);
-        None where the two are drawn apart (ValueError: a goal it never has)."""
+        None for a task without a cube (ValueError: a goal it never has)."""
         return None
 
 
@@ -76,9 +76,11 @@ class Reach(Task):
 class Push(Task):
     """Push the cube into the red target region on the table (cube centre within 2.5 cm)."""
 
+    OFFSET = ((0.05, -0.03), (0.08, 0.03))  # the goal from the cube (x, y), low and high
+
     def sample(self, u, cube_scale):
         cube_xy = _between(u[:, :2], (0.17, -0.08), (0.22, 0.08))
-        offset = _between(u[:, 2:], (0.05, -0.03), (0.08, 0.03))
+        offset = _between(u[:, 2:], *self.OFFSET)
         on_table = CUBE_HALF * cube_scale[:, None]  # f32 [N, 1]: its centre at rest
         cube = torch.cat([cube_xy, on_table], 1)
         goal = torch.cat([cube_xy + offset, torch.full_like(on_table, 0.001)], 1)
@@ -98,6 +100,15 @@ class Push(Task):
         place = 1.0 - torch.tanh(10.0 * d_goal)
         success = d_goal < 0.025
         return ((reach + 2.0 * place) / 3.0).masked_fill(success, 1.0), success
+
+    def cube_under(self, goal, size_range):
+        """The cube behind the goal by the middle of push's offsets (it started inside the
+        success radius of a goal given apart from it); the goal is on the table."""
+        if abs(goal[2] - 0.001) > 1e-3:
+            raise ValueError(f"push's goal is on the table, at z = 0.001, got z = {goal[2]:g}")
+        (low_x, low_y), (high_x, high_y) = self.OFFSET
+        behind = (goal[0] - (low_x + high_x) / 2, goal[1] - (low_y + high_y) / 2)
+        return (*behind, CUBE_HALF)
 
 
 class Pick(Task):
