@@ -37,6 +37,7 @@ from embodied.schema import EnvSpec
 from embodied.seeds import check_seed, eval_seed
 
 log = logging.getLogger(__name__)
+WARM_UP_S = 60.0  # a served policy's first inference (a cold server: its set-up, compiles)
 
 KOCH_REFUSED = (
     "--robot koch: deploy has the SO-100/SO-101's geometry and rest pose only (its workspace "
@@ -214,7 +215,7 @@ def run_deploy(
     # what can refuse the run does so before the arm is touched: the policy's inputs, the server
     reads = _inputs(spec, arm, train_cfg, goal=goal, twin=twin)
     scenes = episode_scenes(train_cfg, goal, twin, episodes, seed)
-    client = _client(server, agreed)
+    client = _client(server, agreed, arm.watchdog_s)
     try:
         # the episode's, for a goal its user gives (read at every inference, the warm-up's too)
         scene = Scene(scenes[0].goal)
@@ -224,7 +225,7 @@ def run_deploy(
         # error reported (the shutdown's own failures are noted on it). The stop's signal
         # handlers outlast the shutdown: a second Ctrl-C or a SIGTERM cannot cut it short.
         with EmergencyStop(keyboard=keyboard) as stop, SafeShutdown(env, hz=arm.control_hz) as sd:
-            _warm_up(chunk_of, spec, env)
+            _warm_up(_chunk_source(policy, client, WARM_UP_S), spec, env)
             infer = RobotInfer(chunk_of, spec, env)
             new_executor = partial(
                 ChunkExecutor,
@@ -258,8 +259,9 @@ def _inputs(spec: EnvSpec, arm, train_cfg, *, goal, twin: bool) -> tuple[str, ..
 
 def _warm_up(chunk_of, spec: EnvSpec, env) -> None:
     """One inference before the first episode, its chunk unused: a policy's first call (lazy
-    set-up, a cold server) is not charged to the first episode's watchdog. An inference that
-    fails here ends the deploy before any episode (the arm then goes to its safe pose)."""
+    set-up, a cold server: up to ``WARM_UP_S``) is not charged to the first episode's watchdog.
+    An inference that fails here ends the deploy before any episode (the arm then goes to its
+    safe pose)."""
     obs = env.observe()
     t0 = time.monotonic()
     try:
@@ -276,19 +278,21 @@ def _recorder(record: str | None, arm, env) -> EpisodeRecorder | None:
     return EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot)
 
 
-def _client(server: str | None, agreed: dict):
-    """The policy server's client (None without a server), its contract agreed."""
+def _client(server: str | None, agreed: dict, watchdog_s: float):
+    """The policy server's client (None without a server), its contract agreed; a request may
+    take as long as the watchdog lets the arm wait (``--robot.watchdog``), 2 s at least."""
     if not server:
         return None
     from embodied.robots.server import PolicyClient
 
-    return PolicyClient(server, agreed)
+    return PolicyClient(server, agreed, timeout_s=max(2.0, watchdog_s))
 
 
-def _chunk_source(policy, client):
-    """obs -> the next chunk: from the policy server where there is one, else from ``policy``."""
+def _chunk_source(policy, client, timeout_s: float | None = None):
+    """obs -> the next chunk: from the policy server where there is one (a request within
+    ``timeout_s``; None: the client's), else from ``policy``."""
     if client is not None:
-        return lambda obs: client.infer(obs_to_wire(obs))
+        return lambda obs: client.infer(obs_to_wire(obs), timeout_s)
     return lambda obs: policy_chunk(policy, obs)
 
 

@@ -272,24 +272,25 @@ class PolicyClient:
         self.last_timing = {}
         self.round_trip_ms = []
 
-    def infer(self, obs: dict) -> np.ndarray:
+    def infer(self, obs: dict, timeout_s: float | None = None) -> np.ndarray:
+        """The chunk for ``obs``, within ``timeout_s`` (None: the client's)."""
         with self._lock:
             self._id += 1
             t0 = time.monotonic()
             self.ws.send(pack({"type": "infer", "id": self._id, "obs": obs}))
-            reply = self._reply_to(self._id, t0)
+            reply = self._reply_to(self._id, t0, timeout_s or self.timeout_s)
         self.round_trip_ms.append((time.monotonic() - t0) * 1e3)
         if reply["type"] != "chunk":
             raise RuntimeError(f"policy server: {reply.get('error')}")
         self.last_timing = reply["timing"]
         return reply["actions"]
 
-    def _reply_to(self, request: int, t0: float) -> dict:
-        """The reply to ``request`` (sent at ``t0``) within the timeout. A reply to an earlier
+    def _reply_to(self, request: int, t0: float, timeout_s: float) -> dict:
+        """The reply to ``request`` (sent at ``t0``) within ``timeout_s``. A reply to an earlier
         request, which came after its own timeout, is dropped: its chunk is a step stale. A reply
         without an id (to a message the server could not read) is this request's."""
         while True:
-            left = self.timeout_s - (time.monotonic() - t0)
+            left = timeout_s - (time.monotonic() - t0)
             reply = unpack(self.ws.recv(timeout=max(left, 0.0)))
             answered = reply.get("id")
             if answered is None or answered == request:

@@ -242,3 +242,18 @@ def test_a_deploy_to_a_koch_is_refused_before_anything_is_read_or_connected():
 
     with pytest.raises(DeployError, match="--robot koch: deploy has the SO-100/SO-101's geometry"):
         run_deploy("no/such/checkpoint", ArmConfig(robot="koch", port="/dev/null"))
+
+
+def test_a_served_policy_may_take_as_long_as_the_watchdog_lets_the_arm_wait(monkeypatch):
+    """The client's timeout is --robot.watchdog's (2 s at least): a served policy slower than
+    2 s timed out on every request whatever the watchdog said."""
+    from embodied import deploy
+
+    made = []
+    monkeypatch.setattr(
+        "embodied.robots.server.PolicyClient",
+        lambda url, agreed, timeout_s: made.append(timeout_s),
+    )
+    deploy._client("ws://127.0.0.1:1", {}, 10.0)
+    deploy._client("ws://127.0.0.1:1", {}, 0.5)
+    assert made == [10.0, 2.0] and deploy.WARM_UP_S >= 30

@@ -256,3 +256,21 @@ def test_two_threads_on_one_client_take_turns_and_each_gets_its_own_chunk():
         gate.set()
         client.close()
         s.stop()
+
+
+def test_a_request_waits_as_long_as_it_is_given():
+    """A request's own timeout (a deploy's warm-up: a cold server's first call), not the
+    client's; the late reply to it is dropped and the next request answered."""
+    gate = threading.Event()
+    s = PolicyServer(gated(gate), CONTRACT, port=0).start()
+    try:
+        client = PolicyClient(url(s), CONTRACT, timeout_s=CEILING_S)
+        obs = {"state": np.array([3.0, 4.0], np.float32)}
+        with pytest.raises(TimeoutError):
+            client.infer(obs, timeout_s=0.05)  # (the model holds it until the gate opens)
+        gate.set()
+        np.testing.assert_array_equal(client.infer(obs)[0], [6.0, 8.0])
+        client.close()
+    finally:
+        gate.set()
+        s.stop()
