@@ -59,7 +59,7 @@ def check_config(args, *, files: bool = True):
     cfg, sources = load_config(_schema(args.command), args.config, args.overrides, files=files)
     if args.command == "bench":
         expand(cfg, source_of("tasks", sources))  # (the file, or tasks=[...] on the command line)
-    elif args.command != "sft" and not getattr(cfg.runner, "replay_from", None):
+    elif args.command != "sft" and not getattr(getattr(cfg, "runner", None), "replay_from", None):
         check_tasks(cfg.env)  # (SFT's tasks are its datasets', replay_from's its records')
     trainer = getattr(cfg, "trainer", None)
     if files and trainer is not None and trainer.backend == "megatron":

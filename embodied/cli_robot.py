@@ -3,8 +3,10 @@ and their entry points (embodied/deploy.py does the work)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -70,6 +72,8 @@ def cmd_serve(args) -> int:
 
     from embodied.deploy import serve, serve_device
 
+    if why := _missing_real("serve", ("msgpack", "websockets")):
+        return _error(why)
     if not 0 <= args.port <= 65535:
         return _error(f"--port: must be 0..65535 (0: any free port), got {args.port}")
     if args.queue < 1:
@@ -104,7 +108,7 @@ def cmd_deploy(args) -> int:
     from embodied.deploy import DeployError, run_deploy
     from embodied.robots.arm import RobotError
 
-    if why := _deploy_options_refused(args):
+    if why := _missing_real("deploy", REAL) or _deploy_options_refused(args):
         return _error(why)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
@@ -124,8 +128,9 @@ def cmd_deploy(args) -> int:
             goal=goal,
             seed=args.seed,
         )
-    except (DeployError, RobotError, ValueError, FileNotFoundError, ConnectionError) as e:
-        # (a camera that stops giving frames: RobotEnv.observe's RobotError)
+    except (DeployError, RobotError, ValueError, OSError) as e:
+        # (a camera that stops giving frames: RobotEnv.observe's RobotError; a recording's disk
+        # that fills up; a lost connection)
         return _error_with_notes(e)  # the shutdown's notes too
     print(json.dumps(summary, indent=2))
     if not summary["torque_off_at_safe_pose"]:
@@ -152,11 +157,38 @@ def _deploy_options_refused(args) -> str | None:
         return f"--episode-seconds: must be > 0 and finite, got {args.episode_seconds:g}"
     if args.server and not args.server.startswith(("ws://", "wss://")):
         return f"--server {args.server!r}: expected ws://HOST:PORT (or wss://)"
-    record = Path(args.record) if args.record else None
-    if record is not None and record.exists() and (not record.is_dir() or any(record.iterdir())):
-        # the episodes would run on the arm and then fail to be written
+    return _record_refused(Path(args.record)) if args.record else None
+
+
+def _record_refused(record: Path) -> str | None:
+    """Why the recordings cannot go to ``record``, which is made here: the episodes would run
+    on the arm and then fail to be written."""
+    if record.exists() and (not record.is_dir() or any(record.iterdir())):
         return f"--record {record}: not empty; give a new directory for the recordings"
+    try:
+        record.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"--record {record}: cannot be made ({e.strerror or e})"
+    if not os.access(record, os.W_OK):
+        return f"--record {record}: not writable here"
     return None
+
+
+# what the robot commands import beyond the default install (the real extra, and LeRobot's own
+# package, which scripts/setup.sh installs without its dependencies)
+REAL = ("lerobot", "msgpack", "websockets")
+
+
+def _missing_real(command: str, modules: tuple[str, ...]) -> str | None:
+    """One line naming what ``command`` needs that is not installed, or None."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (
+        f"{command} needs {', '.join(missing)}, not installed here: pip install "
+        "'embodied[real]', then pip install --no-deps lerobot==0.4.4 (scripts/setup.sh with the "
+        "real extra does both)"
+    )
 
 
 def _deploy_arm(args):
@@ -190,6 +222,8 @@ def cmd_read_arm(args) -> int:
     from embodied.read_arm import arm_robot, read_arm
     from embodied.robots.arm import ArmConfig, RobotError
 
+    if why := _missing_real("read-arm", ("lerobot",)):
+        return _error(why)
     if args.readings is not None and args.readings < 1:
         return _error(f"--readings: must be >= 1, got {args.readings}")
     if not 0.1 <= args.hz <= 100:

@@ -253,6 +253,11 @@ def _inputs(spec: EnvSpec, arm, train_cfg, *, goal, twin: bool) -> tuple[str, ..
     if _sim_scene(twin, train_cfg):
         known = frozenset(spec.obs.privileged)
     reads = tuple(sorted(train_cfg.policy.read_privileged(spec)))
+    if goal is not None and GOAL not in reads and not _sim_scene(twin, train_cfg):
+        raise DeployError(
+            "--goal: the policy reads no goal (it was trained without "
+            "policy.privileged_keys=[goal_pos]); it would act without it"
+        )
     check_fits(reads, spec, arm.cameras, known=known)
     return reads
 

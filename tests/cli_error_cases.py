@@ -204,6 +204,14 @@ CASES = [
         ["--robot.joint-signs '1,-1'", "6"],
     ),
     (["deploy", CK, "--robot", "r2d2"], ["robot", "'r2d2'"]),
+    (  # (a path under a file: the episode ran on the arm, then a traceback)
+        ["deploy", CK, "--robot", "so101-sim", "--record", f"{R}/empty.yaml/rec"],
+        ["--record", "empty.yaml/rec: cannot be made (Not a directory)"],
+    ),
+    (  # (a real arm: the policy would act without the goal, reported as given)
+        ["deploy", CK, "--robot", "so101", "--robot.port", "/dev/ttyNONE", "--goal", "0.2,0,0.1"],
+        ["--goal: the policy reads no goal", "policy.privileged_keys=[goal_pos]"],
+    ),
     (["deploy", CK, "--robot", "koch", "--robot.port", "/dev/ttyACM0"], ["koch", "rest pose"]),
     (["deploy", CK, "--robot", "so101"], ["robot.port"]),
     (["deploy", CK, "--robot", "so101-sim", "--hz", "0"], ["--hz", "got 0"]),

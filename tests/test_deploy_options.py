@@ -1,6 +1,7 @@
 """`embodied deploy`'s parts that need no trained policy: its options, the summary it reports,
 the goal check, how joint-delta chunks accumulate (end to end on the twin: tests/test_deploy.py)."""
 
+import sys
 from collections import Counter
 from types import SimpleNamespace
 
@@ -257,3 +258,23 @@ def test_a_served_policy_may_take_as_long_as_the_watchdog_lets_the_arm_wait(monk
     deploy._client("ws://127.0.0.1:1", {}, 10.0)
     deploy._client("ws://127.0.0.1:1", {}, 0.5)
     assert made == [10.0, 2.0] and deploy.WARM_UP_S >= 30
+
+
+@pytest.mark.parametrize(
+    "argv, missing",
+    [
+        (["read-arm", "--robot", "so101", "--robot.port", "/dev/ttyACM0"], "lerobot"),
+        (["serve", "ck"], "msgpack"),
+        (["deploy", "ck", "--robot", "so101-sim"], "websockets"),
+    ],
+)
+def test_a_robot_command_without_the_real_extra_is_one_line(argv, missing, monkeypatch, capsys):
+    """LeRobot, msgpack or websockets not installed: one line naming the install (it was a
+    ModuleNotFoundError traceback, for deploy after the checkpoint was read)."""
+    from embodied.cli import main
+
+    monkeypatch.setitem(sys.modules, missing, None)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"needs {missing}, not installed here" in err
+    assert "pip install 'embodied[real]'" in err
