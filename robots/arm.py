@@ -290,6 +290,14 @@ def default_safety(robot, cfg: ArmConfig, **overrides) -> SafetyConfig:
     )
 
 
+def _centre_square(frame: torch.Tensor) -> torch.Tensor:
+    """The centred square of a frame [H, W, 3] (a 640x480 camera's middle 480x480)."""
+    height, width = frame.shape[:2]
+    side = min(height, width)
+    top, left = (height - side) // 2, (width - side) // 2
+    return frame[top : top + side, left : left + side]
+
+
 class RobotEnv:
     """A connected arm as a VecEnv with B = 1. Actions: float32 [1, 6] joint positions (radians,
     gripper included). A real scene cannot be reset by software: ``reset`` starts a new episode
@@ -381,6 +389,7 @@ class RobotEnv:
         images = {}
         for name in self.robot.cameras:
             frame = torch.from_numpy(np.ascontiguousarray(raw[name]))  # uint8 [H, W, 3]
+            frame = _centre_square(frame)  # (the simulators' cameras are square: not squashed)
             if frame.shape[:2] != (self.cfg.image_size, self.cfg.image_size):
                 frame = (
                     torch.nn.functional.interpolate(
@@ -412,6 +421,9 @@ class RobotEnv:
         return self.present
 
     def reset(self, *, seed=None, env_ids=None) -> Observation:
+        # at rest, as a simulator's reset gives: the start move's last reading, milliseconds
+        # ago, made one encoder tick 0.77 rad/s
+        self.present = None
         obs = self.observe()
         self.safety.start(self.present)
         self.elapsed = 0

@@ -284,13 +284,14 @@ def run_episode(
         seen = obs  # what this step's action is taken at: the frame keeps the two together
         action = executor.action(step, obs)
         now = clock.monotonic()
-        if action is not None and np.isfinite(action).all():
+        finite = action is not None and bool(np.isfinite(action).all())
+        if finite:
             watchdog.fresh(now)
         elif watchdog.stops(now):  # (a non-finite one is no action: the safety layer holds)
             result.reason = "watchdog"
             break
         if action is not None:
-            result.acted += 1
+            result.acted += finite  # (a non-finite one is rejected whole: the arm held)
             obs, sent, kinds, success = _act(env, action, timer)
         else:
             obs, sent, kinds, success = _hold(env, timer, watchdog.holding)

@@ -105,7 +105,8 @@ class SafetyLayer:
             kinds.append("joint_limit")
             self._intervene("joint_limit", f"joints {np.flatnonzero(clipped != q).tolist()}")
         step = np.clip(clipped - self.last, -self.max_step, self.max_step)
-        if not np.array_equal(step, clipped - self.last):
+        # (beyond rounding: a step of max_step taken as last + s gives back s to an ulp)
+        if np.any(np.abs(clipped - self.last) > np.asarray(self.max_step) * (1 + 1e-9)):
             kinds.append("rate_limit")
             self._intervene("rate_limit", f"max |step| {np.abs(clipped - self.last).max():.3f} rad")
         target = self.last + step

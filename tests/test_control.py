@@ -163,7 +163,7 @@ def test_a_policy_of_only_non_finite_actions_is_stopped_by_the_watchdog(tmp_path
             result = run_episode(env, ex, stop, hz=HZ, max_steps=200, clock=clock)
         # step s at s / 30 s: stopped at step 19 (0.633 s > 0.61 s), before acting
         assert result.reason == "watchdog" and result.steps == 19
-        assert env.safety.counts["nonfinite"] == 19 == result.acted
+        assert env.safety.counts["nonfinite"] == 19 and result.acted == 0  # (all held)
         assert result.watchdog == {"hold": 1, "stop": 1}
     finally:
         ex.close()
@@ -207,7 +207,7 @@ def test_a_nan_chunk_never_reaches_the_motors(tmp_path):
     try:
         with EmergencyStop(keyboard=False) as stop:
             result = run_episode(env, ex, stop, hz=HZ, max_steps=10, clock=clock)
-        assert result.reason == "done" and result.acted == 10  # every step had its (NaN) action
+        assert result.reason == "done" and result.acted == 0  # every (NaN) action held
         assert env.safety.counts["nonfinite"] == 10  # and every one was rejected
         assert all(np.all(np.isfinite(list(g.values()))) for g in port.goal_writes())
         start = port.goal_writes()[0]
@@ -332,3 +332,13 @@ def test_a_move_to_a_start_pose_waits_for_the_gripper_to_get_there(tmp_path):
         assert arrived and abs(env.read_joints()[GRIPPER] - pose[GRIPPER]) < 0.05
     finally:
         env.close()
+
+
+def test_an_episode_starts_at_rest_as_a_simulators_does(tmp_path):
+    """reset()'s velocities are zero, as a simulator's reset gives (the start move's last
+    reading, a moment before, made one encoder tick 0.77 rad/s)."""
+    clock = FakeClock()
+    env, _, _ = twin_env(tmp_path, clock, hold_after_s=1.0, stop_after_s=2.0)
+    env.read_joints()
+    env.present = env.present + 2 * np.pi / 4096  # (a tick since: the arm still settling)
+    assert env.reset().state[0, 6:].abs().max() == 0

@@ -328,6 +328,9 @@ def test_moving_to_a_pose_makes_headway_where_the_straight_way_dips_out_of_the_b
     heights = [tool_point(layer.toward(home))[2] for _ in range(100)]
     np.testing.assert_allclose(layer.last, home, atol=1e-9)  # it arrived
     assert min(heights) >= floor - 1e-9  # never out of the box on the way
+    # the rate limit is the move's plan, not an intervention (steps of max_step, taken as
+    # last + s, were counted where s came back an ulp over)
+    assert layer.counts["rate_limit"] == 0
 
 
 def test_a_policy_pressing_on_a_limit_is_logged_at_its_1st_10th_and_100th_time(caplog):
@@ -431,3 +434,17 @@ def _twin_safety(tmp_path, **arm):
         return default_safety(robot, cfg)
     finally:
         robot.disconnect()
+
+
+def test_a_camera_frame_is_cropped_to_its_centred_square_not_squashed():
+    """A 640x480 frame into a square image: its middle 480x480 (the simulators' cameras are
+    square); resized whole, what lies outside it was squashed in (16 of 128 columns here)."""
+    from embodied.robots.arm import _centre_square
+
+    frame = torch.zeros(480, 640, 3, dtype=torch.uint8)
+    frame[:, :80] = 255  # outside the centred square, left
+    frame[:, 80:81] = 7  # its first column
+    square = _centre_square(frame)
+    assert square.shape == (480, 480, 3) and int(square.max()) == 7
+    assert torch.equal(square[:, 0], frame[:, 80])
+    assert torch.equal(_centre_square(square), square)  # (a square frame as it is)
