@@ -335,8 +335,10 @@ def _add_deploy(sub) -> None:
     y.add_argument(
         "--goal",
         help="X,Y,Z: the goal the policy is given (metres, the arm's base frame), for policies "
-        "trained with policy.privileged_keys=[goal_pos]; the twin draws one per episode without "
-        "(pick's is the cube's place at z = 0.065: the twin puts its cube under it)",
+        "trained with policy.privileged_keys=[goal_pos], written with = before a minus sign "
+        "(--goal=-0.05,0.2,0.1); the twin draws one per episode without (pick's is the cube's "
+        "place at z = 0.065: the twin puts its cube under it; push's is on the table, z = 0.001, "
+        "the cube behind it)",
     )
     y.add_argument(
         "--seed",
@@ -357,7 +359,10 @@ def _add_deploy_arm_options(y) -> None:
         "(a policy trained with another simulator's joint conventions)",
     )
     y.add_argument(
-        "--robot.joint-offsets", dest="joint_offsets", help="radians, 6 comma-separated values"
+        "--robot.joint-offsets",
+        dest="joint_offsets",
+        help="radians, 6 comma-separated values, written with = before a minus sign "
+        "(--robot.joint-offsets=-0.1,0,0,0,0,0)",
     )
     y.add_argument(
         "--robot.watchdog",

@@ -365,26 +365,39 @@ def _run_episodes(
     (a stop, a fault) or ``stop`` (an EmergencyStop) comes between two: their summaries.
     ``scene`` takes each episode's goal for the policy."""
     episode_summaries = []
-    for ep, episode_scene in enumerate(scenes):
-        scene.goal = episode_scene.goal
-        began = not stop.is_set() and _begin(env, sim, episode_scene, start, stop, arm)
-        if stop.is_set():
-            log.warning("emergency stop (%s) before episode %d", stop.reason, ep)
-            break
-        if not began:
-            raise DeployError(f"episode {ep}: the arm did not reach its start pose")
-        executor = new_executor()
-        before = Counter(env.safety.counts)
-        result = _episode(env, executor, stop, arm)
-        saved = recorder.finish(result) if recorder else None
-        judged = env.judge is not None
-        summary = _episode_summary(result, executor, saved, episode_scene, judged=judged)
-        summary["interventions"] = dict(env.safety.counts - before)
-        episode_summaries.append(summary)
-        log.info("episode %d: %d steps, ended by %s", ep, result.steps, result.reason)
-        if result.reason != "done":
-            break
+    try:
+        for ep, episode_scene in enumerate(scenes):
+            scene.goal = episode_scene.goal
+            began = not stop.is_set() and _begin(env, sim, episode_scene, start, stop, arm)
+            if stop.is_set():
+                log.warning("emergency stop (%s) before episode %d", stop.reason, ep)
+                break
+            if not began:
+                raise DeployError(f"episode {ep}: the arm did not reach its start pose")
+            executor = new_executor()
+            before = Counter(env.safety.counts)
+            result = _episode(env, executor, stop, arm)
+            saved = recorder.finish(result) if recorder else None
+            judged = env.judge is not None
+            summary = _episode_summary(result, executor, saved, episode_scene, judged=judged)
+            summary["interventions"] = dict(env.safety.counts - before)
+            episode_summaries.append(summary)
+            log.info("episode %d: %s", ep, _so_far([summary]))
+            if result.reason != "done":
+                break
+    except Exception as e:  # (what the episodes before it gave is not lost with the run)
+        if episode_summaries:
+            e.add_note(f"before it: {_so_far(episode_summaries)}")
+        raise
     return episode_summaries
+
+
+def _so_far(summaries: list[dict]) -> str:
+    """Episodes in one phrase: how many, their steps, and their success where it was judged."""
+    steps = sum(s["steps"] for s in summaries)
+    said = f"{len(summaries)} episode(s) of {steps} steps"
+    judged = [s["success"] for s in summaries if s.get("success") is not None]
+    return said + (f", success in {sum(judged)} of {len(judged)}" if judged else "")
 
 
 def _fit_arm(arm, spec: EnvSpec, hz: float | None, episode_seconds: float | None) -> None:

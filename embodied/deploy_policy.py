@@ -38,7 +38,8 @@ def serve_device(name: str) -> torch.device:
 def load_deployable(checkpoint: str | Path, device: torch.device | str = "cpu", build=True):
     """(policy in eval mode on ``device``, its EnvSpec, contract dict, the config it was trained
     with) of a checkpoint. ``build=False``: no policy (None), for a deploy whose policy server
-    acts: neither its weights nor a VLM directory it names need be on the robot's machine."""
+    acts: its weights are not loaded there (the contract digests their files, which must be
+    there), and a VLM directory it names need not be."""
     from embodied.checkpoint import read_meta, resolve_checkpoint
     from embodied.demos import load_policy, trained_config
 

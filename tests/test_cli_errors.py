@@ -128,3 +128,25 @@ def test_no_traceback_reaches_the_terminal(argv, culprit, paths):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     one_line_error(res.returncode, res.stderr, culprit)
     assert res.stdout == ""
+
+
+def test_an_episode_that_cannot_begin_keeps_what_the_episodes_before_it_gave(
+    paths, capsys, monkeypatch
+):
+    """The second episode's start pose is not reached: the line names it and what the first
+    episode gave (its result was lost with the run)."""
+    import embodied.deploy
+
+    monkeypatch.undo()  # (the twin connects here)
+    begin = embodied.deploy._begin
+    calls = []
+
+    def second_fails(*args):
+        calls.append(1)
+        return begin(*args) if len(calls) == 1 else False
+
+    monkeypatch.setattr(embodied.deploy, "_begin", second_fails)
+    argv = ["deploy", paths["ckpt"], "--robot", "so101-sim", "--episodes", "3"]
+    rc, err = run_cli([*argv, "--episode-seconds", "0.2"], capsys)
+    one_line_error(rc, err, "episode 1: the arm did not reach its start pose")
+    assert "; before it: 1 episode(s) of " in err and " steps, success in " in err
