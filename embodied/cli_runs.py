@@ -185,7 +185,8 @@ def _episodes_options(args) -> str | None:
 def cmd_episodes(args) -> int:
     from embodied.episode_dataset import EpisodeDatasets
     from embodied.episodes import summary_line, write_episode
-    from embodied.recording import read_rounds, record_meta, recorded_iterations
+    from embodied.record_files import recorded_iterations
+    from embodied.recording import read_rounds, record_meta
     from embodied.resimulate import Resimulator
     from embodied.schema import UserError
 

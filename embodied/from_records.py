@@ -26,14 +26,13 @@ import torch
 
 from embodied.checkpoint import save_checkpoint
 from embodied.logger import RunLogger
+from embodied.record_files import RECORDS, recorded_iterations
 from embodied.recording import (
-    RECORDS,
     Record,
     RecordError,
     not_finite,
     read_record,
     record_meta,
-    recorded_iterations,
     restore_before,
     state_digest,
     weights_digest,
@@ -150,7 +149,7 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
                     print(_first_update_note(iteration, same))
                 logger.log(metrics, state.env_steps, iteration=state.iteration, replayed=iteration)
                 if bad := not_finite(metrics):  # (its weights are not usable: unsaved)
-                    raise NonFiniteUpdate(state.iteration, bad, record.path, None)
+                    raise NonFiniteUpdate(state.iteration, bad, None, None)
                 if stop.requested:
                     _save(cfg, learner, state, run_dir, spec)
                     done = f"stopped after {state.iteration} of {len(iterations)} records"
@@ -179,8 +178,11 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
 
 
 def _from_recorded_weights(learner: Learner, record: Record) -> bool:
-    """Whether the learner's weights are the recorded run's before this record's update."""
-    return state_digest(learner.engine.torch_policy.state_dict()) == state_digest(record.model)
+    """Whether the learner's weights are the recorded run's before this record's update: those
+    that acted, or a bf16 run's float32 main weights (what a learner of float32 weights took)."""
+    mine = state_digest(learner.engine.torch_policy.state_dict())
+    mains = {**record.model, **record.main_weights}
+    return mine in (state_digest(record.model), state_digest(mains))
 
 
 def _update(learner: Learner, record: Record, state: RunState) -> dict[str, float]:

@@ -16,7 +16,8 @@ from pathlib import Path
 from embodied.evaluate import wilson_interval
 from embodied.events import Event, read_events
 from embodied.logger import read_metrics
-from embodied.recording import record_dir, recorded_iterations
+from embodied.record_files import recorded_iterations
+from embodied.recording import record_dir
 from embodied.schema import UserError
 
 PHASE_PREFIX = "time/"  # the logged seconds of each phase: time/<phase>_s

@@ -47,7 +47,8 @@ class Resimulated:
     worlds: dict = field(default_factory=dict)
 
     def agrees(self, row: int, until: int) -> bool:
-        """Whether ``row``'s rewards equal the recorded ones up to step ``until``."""
+        """Whether ``row``'s rewards and chunk-start observations equal the recorded ones up to
+        step ``until``."""
         return all(d.step > until for d in self.divergences if d.row == row)
 
     def summary(self) -> str:

@@ -17,6 +17,7 @@ from embodied.checkpoint import (
 )
 from embodied.config import ConfigError
 from embodied.logger import metrics_line, read_jsonl, write_atomic
+from embodied.record_files import ABANDONED, drop_records_after
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -200,8 +201,6 @@ def rewind(run_dir: Path, resume: dict, cfg, evaluates_beside: bool) -> None:
     abandoned = drop_checkpoints_after(run_dir, done)
     if abandoned:
         print(f"resuming from iteration {done}: removed the later checkpoints {abandoned}")
-    from embodied.recording import ABANDONED, drop_records_after  # (it imports the runner's)
-
     records, kept = drop_records_after(run_dir, done)
     if records:
         print(f"resuming from iteration {done}: removed the later rollout records {records}")

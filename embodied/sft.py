@@ -221,11 +221,11 @@ def sft(cfg: SFTConfig) -> dict:
         any_size = cfg.policy.name == "smolvla"  # (it resizes and pads what it is given)
         check_fits(frames, spec, cfg.policy.read_privileged(spec), cameras, any_size)
         with run_dir_held(run_dir):
-            enter_run_dir(run_dir, cfg, resume, evaluates_beside=False)
             learner = bc_learner_for(cfg, spec, norm_data(frames))
             try:  # (TP ranks in processes end with the learner)
-                if resume is not None:
+                if resume is not None:  # (before the run directory is taken back: it may refuse)
                     learner.load(resume)
+                enter_run_dir(run_dir, cfg, resume, evaluates_beside=False)
                 run = SFTRun(cfg, learner, frames, env_cfgs, env, run_dir, resume)
                 run.train()
             except Stopped:

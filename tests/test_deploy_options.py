@@ -249,6 +249,7 @@ def test_a_served_policy_may_take_as_long_as_the_watchdog_lets_the_arm_wait(monk
     """The client's timeout is --robot.watchdog's (2 s at least): a served policy slower than
     2 s timed out on every request whatever the watchdog said."""
     from embodied import deploy
+    from embodied.schema import Observation
 
     made = []
     monkeypatch.setattr(
@@ -257,7 +258,14 @@ def test_a_served_policy_may_take_as_long_as_the_watchdog_lets_the_arm_wait(monk
     )
     deploy._client("ws://127.0.0.1:1", {}, 10.0)
     deploy._client("ws://127.0.0.1:1", {}, 0.5)
-    assert made == [10.0, 2.0] and deploy.WARM_UP_S >= 30
+    assert made == [10.0, 2.0]
+    # the warm-up's source asks with its own timeout, the episodes' with the client's
+    asked = []
+    client = SimpleNamespace(infer=lambda wire, timeout_s: asked.append(timeout_s))
+    obs = Observation(state=torch.zeros(1, 12), instruction=["x"], images={}, privileged={})
+    deploy._chunk_source(None, client, deploy.WARM_UP_S)(obs)
+    deploy._chunk_source(None, client)(obs)
+    assert asked == [deploy.WARM_UP_S, None] and deploy.WARM_UP_S >= 30
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ from scripted_envs import PPO, PushRightEnv, run_on
 
 from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
-from embodied.recording import read_record, recorded_iterations
+from embodied.record_files import recorded_iterations
+from embodied.recording import read_record
 from embodied.report_data import read_run
 
 MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
@@ -139,7 +140,7 @@ def test_an_update_that_is_not_finite_stops_the_run_unsaved(recorded, tmp_path, 
     code, _, err = train(tmp_path, capsys, *replay)
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "iteration 3: the update is not finite (" in err
-    assert f"its record {records / 'iter_000003'} holds the weights before it" in err
+    assert "no checkpoint was saved before it" in err and "holds the weights" not in err
     assert not (tmp_path / "nan" / "checkpoints").exists()
 
 

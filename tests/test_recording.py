@@ -13,6 +13,7 @@ from scripted_envs import GRPO, PPO, TINY_VLA, PushRightEnv, run_on
 
 from embodied.cli import main
 from embodied.episodes import choose, episodes_of
+from embodied.record_files import prune_records
 from embodied.recording import (
     Pending,
     RecordPolicy,
@@ -20,7 +21,6 @@ from embodied.recording import (
     batch_from,
     batch_tensors,
     logged_grad_norms,
-    prune_records,
     read_record,
     read_rounds,
     record_dir,
@@ -188,7 +188,7 @@ def test_a_damaged_or_missing_record_is_one_line_naming_the_file(tmp_path, capsy
     meta.write_text(json.dumps({**written, "metrics": {"policy/loss": "abc"}}))
     with pytest.raises(Exception, match=r"record.json: damaged \(metric policy/loss is 'abc'\)"):
         read_record(run_dir, 1)
-    meta.write_text(json.dumps({"format": "x"}))
+    meta.write_text(json.dumps({"reason": "every"}))
     with pytest.raises(Exception, match=r"record.json: damaged \(no config, digest_after"):
         read_record(run_dir, 1)
 

@@ -12,17 +12,12 @@ from safetensors import SafetensorError
 from scripted_envs import GRPO, PPO, TINY_VLA, PushRightEnv, run_on
 from tiny_runs import TINY_REACH
 
+import embodied.record_files as record_files
 import embodied.recording as recording
 from embodied.cli import main
 from embodied.events import read_events
-from embodied.recording import (
-    Pending,
-    RecordPolicy,
-    record_dir,
-    record_meta,
-    recorded_iterations,
-    spikes,
-)
+from embodied.record_files import recorded_iterations
+from embodied.recording import Pending, RecordPolicy, record_dir, record_meta, spikes
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = {"name": "actor_critic", "hidden_sizes": [16], "use_images": False}
@@ -258,7 +253,7 @@ def test_records_that_cannot_be_pruned_stay_and_the_run_goes_on(tmp_path, capsys
         calls.append(path.name)
         raise OSError(16, "Device or resource busy")
 
-    monkeypatch.setattr(recording, "remove_record", busy)
+    monkeypatch.setattr(record_files, "remove_record", busy)
     torch.manual_seed(0)
     run_dir = tmp_path / "run"
     kw = dict(record_rollouts=1, keep_rollouts=1, policy=MLP, algorithm=PPO)
@@ -270,7 +265,7 @@ def test_records_that_cannot_be_pruned_stay_and_the_run_goes_on(tmp_path, capsys
     assert any(e.kind == "record_failed" for e in read_events(run_dir))
     monkeypatch.undo()
     (run_dir / "rollouts" / ".iter_000009.removed").mkdir()  # (a removal cut short)
-    assert recording.prune_records(run_dir, keep=1) == [1, 2]
+    assert record_files.prune_records(run_dir, keep=1) == [1, 2]
     assert sorted(p.name for p in (run_dir / "rollouts").iterdir()) == ["iter_000003"]
 
 

@@ -437,14 +437,20 @@ def _twin_safety(tmp_path, **arm):
 
 
 def test_a_camera_frame_is_cropped_to_its_centred_square_not_squashed():
-    """A 640x480 frame into a square image: its middle 480x480 (the simulators' cameras are
-    square); resized whole, what lies outside it was squashed in (16 of 128 columns here)."""
-    from embodied.robots.arm import _centre_square
+    """A 640x480 camera into the policy's 120x120 image: its middle 480x480 (the simulators'
+    cameras are square); resized whole, the 80 white columns left of it were squashed in."""
+    from embodied.robots.safety import SafetyConfig
 
-    frame = torch.zeros(480, 640, 3, dtype=torch.uint8)
+    frame = np.zeros((480, 640, 3), np.uint8)
     frame[:, :80] = 255  # outside the centred square, left
-    frame[:, 80:81] = 7  # its first column
-    square = _centre_square(frame)
-    assert square.shape == (480, 480, 3) and int(square.max()) == 7
-    assert torch.equal(square[:, 0], frame[:, 80])
-    assert torch.equal(_centre_square(square), square)  # (a square frame as it is)
+
+    class Camera640:
+        cameras = {"front": None}
+
+        def get_observation(self):
+            return {**{f"{joint}.pos": 0.0 for joint in JOINTS}, "front": frame}
+
+    cfg = ArmConfig(robot="so101", port="/dev/null", image_size=120)
+    layer = SafetyLayer(SafetyConfig(joint_low=(-3.0,) * 6, joint_high=(3.0,) * 6))
+    image = RobotEnv(Camera640(), cfg, layer).observe().images["front"][0]
+    assert image.shape == (120, 120, 3) and int(image.max()) == 0

@@ -115,8 +115,9 @@ def _control_modes(task: str) -> tuple[str, list[str]] | None:
 
     spec = REGISTERED_ENVS[task]
     robot = spec.default_kwargs.get("robot_uids")
-    if robot is None:
-        robot = inspect.signature(spec.cls.__init__).parameters["robot_uids"].default
+    parameters = inspect.signature(spec.cls.__init__).parameters
+    if robot is None and "robot_uids" in parameters:  # (a task of one robot may take none)
+        robot = parameters["robot_uids"].default
     if not isinstance(robot, str) or robot not in REGISTERED_AGENTS:
         return None  # (several robots, or none named)
     agent = object.__new__(REGISTERED_AGENTS[robot].agent_cls)
