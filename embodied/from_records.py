@@ -150,7 +150,7 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
                 logger.log(metrics, state.env_steps, iteration=state.iteration, replayed=iteration)
                 if bad := not_finite(metrics):  # (its weights are not usable: unsaved)
                     raise NonFiniteUpdate(state.iteration, bad, None, None)
-                if stop.requested:
+                if stop.requested and index + 1 < len(iterations):  # (after the last: it ends)
                     _save(cfg, learner, state, run_dir, spec)
                     done = f"stopped after {state.iteration} of {len(iterations)} records"
                     raise Stopped(stop.signum, f"{done}; checkpoint: {run_dir / 'last'}")

@@ -150,3 +150,32 @@ def test_an_episode_that_cannot_begin_keeps_what_the_episodes_before_it_gave(
     rc, err = run_cli([*argv, "--episode-seconds", "0.2"], capsys)
     one_line_error(rc, err, "episode 1: the arm did not reach its start pose")
     assert "; before it: 1 episode(s) of " in err and " steps, success in " in err
+
+
+def test_a_served_policys_first_call_may_take_longer_than_the_episodes_calls(
+    paths, capsys, monkeypatch
+):
+    """deploy --server: the warm-up's request gets WARM_UP_S, the episodes' the client's
+    timeout (--robot.watchdog's); a cold server's first call was held to 2 s."""
+    import numpy as np
+
+    from embodied.deploy import WARM_UP_S
+
+    monkeypatch.undo()  # (the twin connects here)
+    asked = []
+
+    class Server:
+        def __init__(self, url, agreed, timeout_s):
+            self.timeout_s = timeout_s
+
+        def infer(self, wire, timeout_s=None):
+            asked.append(timeout_s)
+            return np.zeros((1, 6), np.float32)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("embodied.robots.server.PolicyClient", Server)
+    argv = ["deploy", paths["ckpt"], "--robot", "so101-sim", "--server", "ws://127.0.0.1:1"]
+    rc, _ = run_cli([*argv, "--episode-seconds", "0.2"], capsys)
+    assert rc == 0 and asked[0] == WARM_UP_S and len(asked) > 1 and set(asked[1:]) == {None}

@@ -144,9 +144,11 @@ def test_an_update_that_is_not_finite_stops_the_run_unsaved(recorded, tmp_path, 
     assert not (tmp_path / "nan" / "checkpoints").exists()
 
 
-def test_a_stop_signal_saves_the_updates_done(recorded, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("during", [2, 3])
+def test_a_stop_signal_saves_the_updates_done(recorded, tmp_path, capsys, monkeypatch, during):
     """SIGTERM during the second update: it finishes, is saved, and the run stops with the line
-    saying where (it ran on, or Ctrl-C's KeyboardInterrupt lost every update)."""
+    saying where (it ran on, or Ctrl-C's KeyboardInterrupt lost every update). During the last
+    one the run ends as it would have, exit 0."""
     from embodied.roles import Learner
 
     update = Learner.update
@@ -154,12 +156,15 @@ def test_a_stop_signal_saves_the_updates_done(recorded, tmp_path, capsys, monkey
 
     def signalled(self):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == during:
             signal.raise_signal(signal.SIGTERM)
         return update(self)
 
     monkeypatch.setattr(Learner, "update", signalled)
     replay = [f"runner.replay_from={recorded}", f"runner.output_dir={tmp_path}", "runner.name=s"]
     code, _, err = train(tmp_path, capsys, *replay)
-    assert code == 128 + signal.SIGTERM and "stopped after 2 of 3 records" in err
-    assert load_checkpoint(tmp_path / "s" / "last")["counters"]["iteration"] == 2
+    if during == 2:
+        assert code == 128 + signal.SIGTERM and "stopped after 2 of 3 records" in err
+    else:
+        assert code == 0 and "stopped" not in err
+    assert load_checkpoint(tmp_path / "s" / "last")["counters"]["iteration"] == during
