@@ -293,6 +293,15 @@ def test_sft_keeps_an_earlier_run_unless_told_and_checks_a_resume(
     assert len(err) == 1 and "is a checkpoint of embodied sft, not of an RL run" in err[0]
     assert err[0].endswith(f"runner.init_from={tmp_path / 'run' / 'checkpoints' / 'iter_000002'}")
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
+    # a checkpoint trained in another precision (a GPU's bf16): refused before the run directory
+    # is taken back (it deleted metrics.json and the final evaluation's rows first)
+    meta = tmp_path / "run" / "checkpoints" / "iter_000002" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "precision": "bf16"}))
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert main(["sft", cfg, f"runner.resume={tmp_path / 'run'}", "runner.eval_episodes=1"]) == 2
+    assert "trained in bf16 but this run trains in fp32" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
 
 
 def test_sft_on_mujoco_demonstrations_evaluates_on_mujoco(tmp_path, capsys):
