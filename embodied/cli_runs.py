@@ -119,6 +119,7 @@ def _shared(config: dict) -> str:
 
 
 def cmd_replay(args) -> int:
+    from embodied.megatron import RankLost, require
     from embodied.numerics import restart_pinned
     from embodied.recording import record_meta
     from embodied.replay import differences, replay
@@ -131,17 +132,13 @@ def cmd_replay(args) -> int:
         # a deterministic run's update replays in a process pinned as it was
         config = record_meta(Path(args.run), args.iteration)["config"]
         if config.get("trainer", {}).get("backend") == "megatron":
-            from embodied.megatron import require
-
             require()  # (an extra: a one-line error where it is not installed)
         runner = config["runner"]
         restart_pinned(runner.get("deterministic"), getattr(args, "restartable", False))
         record, metrics, digest = replay(Path(args.run), args.iteration, args.device)
     except UserError as e:  # (a record that is missing or damaged, the device, an extra)
         return _error(str(e))
-    except RuntimeError as e:  # (a TP rank's process lost: RankLost, one line)
-        if not getattr(e, "shard_lost", False):
-            raise
+    except RankLost as e:  # (a TP rank's process lost: one line)
         _error(str(e))
         return 1
     weights = None if args.rtol else (record.meta["digest_after"], digest)

@@ -181,8 +181,11 @@ def _from_recorded_weights(learner: Learner, record: Record) -> bool:
     """Whether the learner's weights are the recorded run's before this record's update: those
     that acted, or a bf16 run's float32 main weights (what a learner of float32 weights took)."""
     mine = state_digest(learner.engine.torch_policy.state_dict())
-    mains = {**record.model, **record.main_weights}
-    return mine in (state_digest(record.model), state_digest(mains))
+    if mine == state_digest(record.model):
+        return True
+    return bool(record.main_weights) and mine == state_digest(
+        {**record.model, **record.main_weights}
+    )
 
 
 def _update(learner: Learner, record: Record, state: RunState) -> dict[str, float]:
