@@ -87,9 +87,9 @@ def plot(path: Path, results: list[dict], title: str) -> None:
 
     names = [r["task"] for r in results]
     rate = [r["success_rate"] for r in results]
-    err = [
-        [r["success_rate"] - r["success_ci95"][0] for r in results],
-        [r["success_ci95"][1] - r["success_rate"] for r in results],
+    err = [  # (rows kept from before the interval held its rate: -1e-16 is refused)
+        [max(0.0, r["success_rate"] - r["success_ci95"][0]) for r in results],
+        [max(0.0, r["success_ci95"][1] - r["success_rate"]) for r in results],
     ]
     fig, (ax, speed) = plt.subplots(1, 2, figsize=(11, 0.5 * len(names) + 1.8), sharey=True)
     y = list(range(len(names)))

@@ -1,9 +1,10 @@
 """Configuration: YAML files composed with ``defaults:`` lists, strictly validated against the
 dataclass schemas that live next to the code they configure, plus ``key.sub=value`` overrides.
-An override's value is read by the type of its setting: a str takes the text as typed (YAML 1.1
-read ``no`` as False and ``0755`` as 493), an int a whole number written as a float too
-(``5e6``), the rest YAML, as a file gives it. A file's numbers are read by their settings' types
-too: ``3e-4``, which YAML 1.1 leaves as text, is a float, and ``5e6`` an int where one is due.
+Files are read as YAML 1.2 (``config_files``). An override's value is read by the type of its
+setting: a str takes the text as typed (YAML 1.1 read ``no`` as False and ``0755`` as 493), an
+int a whole number written as a float too (``5e6``), the rest YAML, as a file gives it. A file's
+numbers are read by their settings' types too: ``3e-4``, which YAML leaves as text without a
+dot, is a float, and ``5e6`` an int where one is due.
 
 A bad config raises ``ConfigError`` with one line naming the key path and the file it came from;
 the CLI prints it and exits with code 2. A schema's ``validate()`` checks the form of its values;
@@ -28,79 +29,10 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from embodied.config_files import ConfigError, YAMLLoader, read_yaml
 from embodied.logger import write_atomic
 
 COMMAND_LINE = "the command line"
-
-
-class ConfigError(Exception):
-    """A config that cannot be used; ``str()`` is a single line for the user."""
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML's safe loader with YAML 1.2's booleans: only true and false (PyYAML's YAML 1.1 also
-    reads yes, no, on and off as booleans: ``runner: {name: no}`` named a run "False"). A bool
-    setting still takes yes/no/on/off (OmegaConf converts the text)."""
-
-
-_BOOL = "tag:yaml.org,2002:bool"
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Loader.add_implicit_resolver(
-    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
-
-
-class _UniqueKeyLoader(_Loader):
-    """YAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the
-    last silently: a second ``runner:`` block dropped the first)."""
-
-    def construct_mapping(self, node, deep=False):
-        lines: dict = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # (``<<:`` merges keys on purpose)
-                continue
-            key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, typing.Hashable):
-                continue  # (the safe loader refuses it)
-            line = key_node.start_mark.line + 1
-            if key in lines:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"duplicate key {key!r}, first at line {lines[key]}",
-                    key_node.start_mark,
-                )
-            lines[key] = line
-        return super().construct_mapping(node, deep)
-
-
-def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
-    """(source name, mapping) for ``path`` and, first, everything its ``defaults:`` list names."""
-    if not path.is_file():
-        where = f" (listed in defaults of {chain[-1]})" if chain else ""
-        raise ConfigError(f"config file not found: {path}{where}")
-    if path.resolve() in [p.resolve() for p in chain]:
-        raise ConfigError(f"{path}: defaults form a cycle through {' -> '.join(map(str, chain))}")
-    try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{line}: invalid YAML ({getattr(e, 'problem', e)})") from None
-    if data is None:  # nothing but comments and blank lines: a run of all defaults is a mistake
-        raise ConfigError(f"{path}: config file is empty")
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    defaults = data.pop("defaults", []) or []
-    if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
-        raise ConfigError(f"{path}: 'defaults' must be a list of file paths relative to this file")
-    sources: list[tuple[str, dict]] = []
-    for d in defaults:
-        sources += _read_yaml((path.parent / d), chain + (path,))
-    return sources + [(str(path), data)]
 
 
 class _Text(str):
@@ -129,7 +61,7 @@ def parse_overrides(overrides: list[str]) -> dict:
 _NULLS = ("", "~", "null", "Null", "NULL")  # (YAML's words for None)
 
 
-def _yaml(text: str, loader=_Loader) -> Any:
+def _yaml(text: str, loader=YAMLLoader) -> Any:
     if text == "":
         return None
     try:
@@ -448,7 +380,7 @@ def load_config(
     """Compose ``path`` (and its defaults) with ``overrides`` into an instance of ``schema``,
     validated (``files``: the local files it names too). Returns ``(config, sources)`` where
     sources lists (file, mapping) in merge order."""
-    sources = _read_yaml(Path(path), ())
+    sources = read_yaml(Path(path), ())
     if overrides:
         sources.append((COMMAND_LINE, parse_overrides(overrides)))
     sources = [(name, expand_home(data)) for name, data in sources]  # (the files': a path)

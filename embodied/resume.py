@@ -218,8 +218,10 @@ def unsaved_evaluation(counters: dict) -> dict | None:
     """The counters of the evaluation beside training that was in flight when ``counters`` (a
     checkpoint's) were saved, where they lack its result: a resume from them runs it again."""
     at = counters.get("evaluating")
+    if at is None:  # (sft's checkpoints: their evaluations are {task: summary}, no iteration)
+        return None
     recorded = [e["iteration"] for e in counters.get("evals", [])]
-    return None if at is None or at["iteration"] in recorded else at
+    return None if at["iteration"] in recorded else at
 
 
 def evaluation_again(cfg, evaluates_beside: bool, run_dir: Path, counters: dict) -> dict | None:

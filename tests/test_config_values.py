@@ -73,6 +73,22 @@ def test_a_files_numbers_in_exponent_form_are_read_by_their_settings_type(tmp_pa
         load_config(TrainConfig, path, files=False)
 
 
+def test_a_leading_zero_is_decimal_and_dates_and_times_stay_text(tmp_path):
+    """YAML 1.1 read ``010`` as octal 8 (a sweep's ``seed=010`` ran seed 8, as ``seed=008`` did),
+    ``12:30`` as 750 and ``2024-05-01`` as a date, on the command line and in a file."""
+    cfg = load("seed=010", "env.num_envs=016", "runner.eval_every=008")
+    assert (cfg.seed, cfg.env.num_envs, cfg.runner.eval_every) == (10, 16, 8)
+    assert load("seed=0o17").seed == 15 and load("seed=0x1F").seed == 31  # (YAML 1.2's forms)
+    path = tmp_path / "padded.yaml"
+    head = f"defaults: [{Path(REACH).resolve()}]\n"
+    path.write_text(head + "seed: 011\nenv: {num_envs: 0032}\nrunner: {name: 2024-05-01}\n")
+    cfg = load_config(TrainConfig, path, files=False)[0]
+    assert (cfg.seed, cfg.env.num_envs, cfg.runner.name) == (11, 32, "2024-05-01")
+    for name in ("12:30", "2024_05_01"):
+        path.write_text(head + f"runner: {{name: {name}}}\n")
+        assert load_config(TrainConfig, path, files=False)[0].runner.name == name
+
+
 GRPO_VLA = "configs/maniskill/multitask_vla_grpo.yaml"
 
 

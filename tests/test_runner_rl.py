@@ -142,6 +142,15 @@ def test_wilson_interval_golden():
     assert abs(lo - 0.8501) < 1e-3 and abs(hi - 0.9589) < 1e-3
 
 
+def test_the_wilson_interval_holds_its_rate_at_none_and_all():
+    """The formula's bounds at 0/n and n/n missed the rate by a rounding for some n (100/100
+    gave 1 - 1e-16): the bench's plot refused the negative error bar and the suite stopped."""
+    for n in range(1, 501):
+        assert wilson_interval(n, n)[1] == 1.0 and wilson_interval(0, n)[0] == 0.0
+    lo, hi = wilson_interval(100, 100)
+    assert abs(lo - 0.9630) < 1e-4
+
+
 def test_ppo_with_a_value_head_raises_success(tmp_path):
     torch.manual_seed(0)
     policy = {**TINY_VLA, "value_head": True}

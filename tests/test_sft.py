@@ -250,17 +250,20 @@ def loss_rows(run_dir) -> list[tuple[int, float]]:
 def test_a_resumed_sft_run_ends_where_the_uninterrupted_one_did(tmp_path, dataset, capsys):
     """Stopped after step 6 (its checkpoint) and resumed: the same losses after step 6 and the
     same weights at step 12, bit for bit; each step is logged once; the run directory is the
-    original's, as `embodied train` keeps it."""
+    original's, as `embodied train` keeps it. Its checkpoint holds evaluations (at 3 and 6: a
+    resume from one was a KeyError), and the resumed run makes the one at 9."""
     cfg = sft_config(tmp_path, dataset, "run")
-    assert main(["sft", cfg, "runner.save_every=6", "runner.eval_episodes=1"]) == 0
+    every = ["runner.eval_every=3", "runner.eval_episodes=1"]
+    assert main(["sft", cfg, "runner.save_every=6", *every]) == 0
     run = tmp_path / "run"
     whole = load_checkpoint(run / "last")
     rows = loss_rows(run)
     assert [step for step, _ in rows] == [10, 12]
     resume = f"runner.resume={run / 'checkpoints' / 'iter_000006'}"
-    assert main(["sft", cfg, resume, "runner.eval_episodes=1"]) == 0
+    assert main(["sft", cfg, resume, *every]) == 0
     assert "resuming" in capsys.readouterr().out
     assert loss_rows(run) == rows
+    assert len(json.loads((run / "metrics.json").read_text())["evals"]) == 3  # (3, 6 and 9)
     finals = [r["iteration"] for r in map(json.loads, open(run / "metrics.jsonl")) if "final" in r]
     assert finals == [12]  # its own final evaluation, once (the resume dropped the first run's)
     again = load_checkpoint(run / "last")
