@@ -72,6 +72,9 @@ class BenchConfig:
                 raise ValueError(
                     f"tasks[{i}].episodes: must be >= 0 (0: the suite's), got {task.episodes}"
                 )
+            for key, values in task.sweep.items():  # (an empty list ran nothing, unsaid)
+                if not values:
+                    raise ValueError(f"tasks[{i}].sweep.{key}: an empty list runs no task")
 
 
 @dataclass
@@ -116,11 +119,12 @@ def expand(cfg: BenchConfig, source: str) -> list[BenchItem]:
             except UserError as e:
                 raise type(e)(f"{where}: {e} (in {source})") from None
             items.append(BenchItem(label, env, episodes))
-    names = [it.name for it in items]
+    names = [_file_name(it.name) for it in items]  # (pick/easy and pick_easy: one file)
     if len(set(names)) != len(names):
+        shared = sorted({it.name for it in items if names.count(_file_name(it.name)) > 1})
         raise ConfigError(
-            f"tasks: two tasks share a name ({sorted({n for n in names if names.count(n) > 1})}); "
-            f"give them `name:` (in {source})"
+            f"tasks: tasks share a name or the file name of one ({shared}); "
+            f"give them other `name:`s (in {source})"
         )
     return items
 
@@ -163,21 +167,25 @@ class _PolicySource:
     def __init__(self, policy: str | None, checkpoint: str | None, seed: int):
         self.seed = seed
         if checkpoint:
+            from embodied.checkpoint import load_policy_checkpoint
             from embodied.demos import load_policy
+            from embodied.schema import EnvSpec
 
-            ckpt = Path(checkpoint)
-            self.loaded, _ = load_policy(ckpt)
-            self.spec, path = self._checkpoint_spec(ckpt)
-            resolved = ckpt.resolve()  # RUN/last -> RUN/checkpoints/iter_N: label RUN_iter_N
-            inside_run = resolved.parent.name == "checkpoints"
+            # loaded once: a run that saves meanwhile moves RUN/last (the weights, the spec and
+            # the key are one checkpoint's)
+            loaded = load_policy_checkpoint(checkpoint)
+            self.loaded, _ = load_policy(loaded)
+            self.spec = EnvSpec.from_dict(loaded["meta"]["spec"])
+            path = Path(loaded["path"]).resolve()  # RUN/last, RUN -> RUN/checkpoints/iter_N
+            inside_run = path.parent.name == "checkpoints"
             self.label = _file_name(
-                f"{resolved.parent.parent.name}_{resolved.name}" if inside_run else resolved.name
+                f"{path.parent.parent.name}_{path.name}" if inside_run else path.name
             )
             # its contents too: a run retrained into the same directory rewrites the same path
-            self.key = f"checkpoint:{ckpt.resolve()}:{checkpoint_fingerprint(path)}"
+            self.key = f"checkpoint:{path}:{checkpoint_fingerprint(path)}"
         else:
             if policy not in POLICIES:
-                raise ValueError(
+                raise UserError(
                     f"--policy: unknown baseline {policy!r}; known: {list(POLICIES)} "
                     "(or --checkpoint)"
                 )
@@ -187,15 +195,6 @@ class _PolicySource:
         self.deterministic = (
             policy != "random" or checkpoint is not None
         )  # the random baseline samples (seeded)
-
-    @staticmethod
-    def _checkpoint_spec(ckpt: Path):
-        """The checkpoint's EnvSpec and its directory."""
-        from embodied.checkpoint import load_policy_checkpoint
-        from embodied.schema import EnvSpec
-
-        loaded = load_policy_checkpoint(ckpt)
-        return EnvSpec.from_dict(loaded["meta"]["spec"]), Path(loaded["path"])
 
     def for_env(self, spec):
         if self.loaded is None:
@@ -299,6 +298,8 @@ def _task_key(item: BenchItem, cfg: BenchConfig, policy_key: str) -> str:
         "first_seed": eval_seed(cfg.seed, held_out=True),  # (results on older seeds run again)
         "policy": policy_key,
     }
+    if not cfg.videos:  # (rows made without videos were kept, unsaid, when videos were asked for)
+        made_from["videos"] = False
     return hashlib.sha1(json.dumps(made_from, sort_keys=True).encode()).hexdigest()
 
 

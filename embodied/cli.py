@@ -35,7 +35,7 @@ def _schema(command: str) -> type:
 
         return TrainConfig
     if command == "sft":
-        from embodied.sft import SFTConfig
+        from embodied.sft_config import SFTConfig
 
         return SFTConfig
     if command == "demos":
@@ -149,10 +149,7 @@ def cmd_demos(args) -> int:
         return _error(f"output: {cfg.output} {why}")
     if why := file_in_the_way(cfg.output):
         return _error(f"output: {cfg.output} {why}; give a directory for the dataset")
-    try:
-        summary = record_demos(cfg)
-    except (FileNotFoundError, RuntimeError) as e:
-        return _error(str(e))
+    summary = record_demos(cfg)  # (its user errors are UserErrors; the rest keep a traceback)
     print(json.dumps(summary, indent=2))
     if summary["stopped"]:  # (the dataset holds the episodes kept before the signal)
         print(
@@ -173,7 +170,7 @@ def _stopped(stop) -> int:
 def cmd_sft(args) -> int:
     from embodied.checkpoint import CheckpointWriteError
     from embodied.megatron import RankLost
-    from embodied.run import Stopped
+    from embodied.run import NonFiniteUpdate, Stopped
     from embodied.sft import sft
 
     if (cfg := _load(args)) is None:
@@ -183,9 +180,7 @@ def cmd_sft(args) -> int:
         sft(cfg)
     except Stopped as e:
         return _stopped(e)
-    except (FileNotFoundError, ValueError) as e:
-        return _error(str(e))
-    except CheckpointWriteError as e:
+    except (CheckpointWriteError, NonFiniteUpdate) as e:  # (what stands is in the message)
         _error(str(e))
         return 1
     except RankLost as e:  # (its last checkpoint stands)
@@ -217,9 +212,7 @@ def cmd_bench(args) -> int:
             checkpoint=args.checkpoint,
             out=args.out,
         )
-    except ConfigError as e:
-        return _error(str(e))
-    except (FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError) as e:  # (a checkpoint not found: its one line)
         return _error(str(e))
     return 0
 

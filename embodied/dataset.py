@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from embodied.schema import UserError
+
 CODEBASE_VERSION = "v3.0"
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
@@ -353,7 +355,7 @@ def _data_columns(root: Path, info: dict) -> dict[str, list]:
             cols.setdefault(k, []).extend(v)
     frames = len(cols.get("episode_index", []))
     if frames != info.get("total_frames"):
-        raise ValueError(
+        raise UserError(
             f"{root}: its data files hold {frames} frames, meta/info.json counts "
             f"{info.get('total_frames')}: files of another recording are mixed in; record "
             "again into a new directory"
@@ -391,17 +393,17 @@ class DemoDataset:
 
         root = Path(root)
         if not (root / "meta" / "info.json").exists():
-            raise FileNotFoundError(f"{root} is not a complete LeRobot dataset (no meta/info.json)")
+            raise UserError(f"{root} is not a complete LeRobot dataset (no meta/info.json)")
         info = json.loads((root / "meta" / "info.json").read_text())
         if info.get("codebase_version") != CODEBASE_VERSION:
-            raise ValueError(
+            raise UserError(
                 f"{root}: dataset version {info.get('codebase_version')}, "
                 f"expected {CODEBASE_VERSION}"
             )
         needed = ("observation.state", "action", "episode_index", "frame_index", "task_index")
         lacking = [k for k in needed if k not in info.get("features", {})]
         if lacking:  # (an image-only dataset, or one that names its columns otherwise)
-            raise ValueError(f"{root}: no {', '.join(lacking)} feature (meta/info.json)")
+            raise UserError(f"{root}: no {', '.join(lacking)} feature (meta/info.json)")
         stats = json.loads((root / "meta" / "stats.json").read_text())
         tasks_df = pd.read_parquet(root / "meta" / "tasks.parquet")
         tasks = [
@@ -409,7 +411,7 @@ class DemoDataset:
         ]
         videos = [k for k, ft in info["features"].items() if ft["dtype"] == "video"]
         if videos:
-            raise ValueError(
+            raise UserError(
                 f"{root}: cameras stored as video ({', '.join(videos)}) are not read; store them "
                 "as images (LeRobotDataset.create(..., use_videos=False))"
             )

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from embodied.multitask import SIMULATOR_CONFIGS
-from embodied.schema import SimulatorConfig, UserError
+from embodied.schema import SimulatorConfig, UserError, check_at_least
 from embodied.seeds import MAX_SEED, check_seed
 from embodied.simulators.maniskill import ManiSkillConfig
 
@@ -53,14 +53,22 @@ class DemosConfig:
         if not self.expert:
             raise ValueError("expert: a checkpoint path is required")
         check_seed("seed", self.seed)  # (below the evaluation seeds, whatever max_attempts)
-        if self.episodes < 1 or self.max_attempts < self.episodes:
-            raise ValueError("episodes: need 1 <= episodes <= max_attempts")
+        check_at_least(self, 1, "episodes")
+        if self.max_attempts < self.episodes:
+            raise ValueError(
+                f"max_attempts: {self.max_attempts} is fewer than episodes ({self.episodes})"
+            )
         if self.max_attempts > MAX_SEED:
             raise ValueError(f"max_attempts: at most {MAX_SEED:_}, got {self.max_attempts}")
         if not hasattr(self.env, "task"):  # (the dataset names its one task)
             raise ValueError(
                 f"env.simulator: demonstrations are recorded from ManiSkill's or MuJoCo's tasks, "
                 f"not {self.env.simulator}'s"
+            )
+        if getattr(self.env, "tasks", None):  # (it recorded all, each named the first one)
+            raise ValueError(
+                "env.tasks: a dataset holds one task's demonstrations; set env.task and record "
+                "each task into its own dataset (embodied sft joins them)"
             )
         if "rgb" not in self.env.obs_mode:
             raise ValueError(
@@ -72,6 +80,14 @@ class DemosConfig:
                 f"expert: scripted experts exist for the MuJoCo tasks, not for {self.env.simulator}"
                 "; give a checkpoint"
             )
+
+
+def _kept(writer) -> str:
+    """The dataset of the episodes recorded before an error, closed: its path, or why not."""
+    try:
+        return str(writer.close())
+    except Exception as error:  # (the writer's own error: nothing to keep)
+        return f"no dataset: it could not be closed ({error})"
 
 
 def scripted_expert(env_cfg, device):
@@ -313,13 +329,17 @@ def record_demos(cfg: DemosConfig, *, progress: bool = True) -> dict:
                 if stop.requested:
                     break
                 _record_round(env, expert, writer, cfg, tally, bar)
+    except Exception as error:  # (a simulator's or the expert's: the episodes kept stand)
+        if tally.kept:
+            error.add_note(f"embodied demos: the {tally.kept} episodes kept are in {_kept(writer)}")
+        raise
     finally:
         bar.close()
         env.close()
     stopped = None if stop.signum is None else signal.Signals(stop.signum).name
     if tally.kept == 0:
         when = f"stopped ({stopped}) before" if stopped else "the expert succeeded in none of"
-        raise RuntimeError(f"{when} {tally.attempts} episodes; nothing recorded")
+        raise UserError(f"{when} {tally.attempts} episodes; nothing recorded")
     root = writer.close()
     return {
         "task": cfg.env.task,

@@ -16,27 +16,24 @@ lockstep (embodied/megatron/lockstep.py).
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 from tqdm import tqdm
 
 from embodied import numerics
-from embodied.cluster.config import ClusterConfig
-from embodied.config import ConfigError, check_folder_name, to_dict
+from embodied.config import ConfigError, to_dict
 from embodied.evaluate import evaluate_by_task, per_task
-from embodied.learner import TrainerConfig, check_grad_norm
 from embodied.logger import RunLogger, write_atomic
-from embodied.models import POLICY_CONFIGS, PolicyConfig, VLAConfig, build_policy
-from embodied.multitask import SIMULATOR_CONFIGS, make_env
+from embodied.models import build_policy
+from embodied.multitask import make_env
 from embodied.report import report_at_end
 from embodied.resume import check_resume, load_resumed
 from embodied.roles import load_checkpoint_for, make_engine, save_engine
 from embodied.run import (
     Clock,
+    NonFiniteUpdate,
     Stopped,
     StopSignals,
     bar_interval,
@@ -44,8 +41,9 @@ from embodied.run import (
     run_dir_for,
     run_dir_held,
 )
-from embodied.schema import SimulatorConfig, check_at_least, check_distinct_episodes
-from embodied.seeds import check_seed, eval_seed
+from embodied.schema import SimulatorConfig
+from embodied.seeds import eval_seed
+from embodied.sft_config import SFTConfig, lr_at
 from embodied.sft_data import (
     Frames,
     batch_of,
@@ -56,84 +54,7 @@ from embodied.sft_data import (
     set_norm_stats,
     task_configs,
 )
-from embodied.simulators.maniskill import ManiSkillConfig
 from embodied.streams import Stream, resumed
-from embodied.train_config import check_cameras, check_megatron, check_minutes
-
-
-@dataclass
-class SFTRunnerConfig:
-    # the bounds .inf turns off (config.py: any other float must be finite)
-    INFINITE: ClassVar[tuple[str, ...]] = ("max_minutes",)
-    name: str = "sft"  # run directory: output_dir/name
-    output_dir: str = "runs"
-    eval_every: int = 0  # steps between evaluations (0: only at the end)
-    eval_episodes: int = 100  # per task
-    max_minutes: float | None = None  # stop training after this long (then evaluate)
-    save_every: int = 0  # steps between checkpoints (0: only at the end)
-    keep_checkpoints: int = 3  # the newest N checkpoints stay
-    resume: str | None = None  # a run directory (or checkpoint) to continue from
-    resume_force: bool = False  # resume even though a key that changes the run differs
-    overwrite: bool = False  # a new run in a directory that holds one: remove the earlier run
-    torch_threads: int = 2
-    progress: bool = True
-    deterministic: bool = False  # the same floats on every x86 CPU (as runner.deterministic)
-    report: bool = True  # RUN/report.html when the run ends or stops (embodied/report.py)
-
-    def validate(self) -> None:
-        check_folder_name("name", self.name)
-        check_at_least(self, 1, "eval_episodes", "keep_checkpoints", "torch_threads")
-        check_at_least(self, 0, "eval_every", "save_every")
-        check_minutes(self.max_minutes)
-
-
-SFT_POLICIES = ("vla", "smolvla")  # the policies with a demonstration loss (bc_loss)
-
-
-@dataclass
-class SFTConfig:
-    # the bounds .inf turns off (config.py: any other float must be finite)
-    INFINITE: ClassVar[tuple[str, ...]] = ("max_grad_norm",)
-    # policy.name / env.simulator select the config schema of that section
-    CHOICES: ClassVar[dict] = {"policy": POLICY_CONFIGS, "env": SIMULATOR_CONFIGS}
-    CHOICE_KEYS: ClassVar[dict] = {"env": "simulator"}
-    seed: int = 0
-    datasets: list[str] = field(default_factory=list)  # LeRobot v3.0 dataset directories
-    # > 0: train on each dataset's first N episodes only (few-shot SFT)
-    episodes_per_dataset: int = 0
-    # evaluation environment, any simulator; each dataset's task (info.json "embodied.task")
-    # replaces its task
-    env: SimulatorConfig = field(default_factory=lambda: ManiSkillConfig(obs_mode="rgb"))
-    policy: PolicyConfig = field(default_factory=VLAConfig)
-    steps: int = 2000
-    batch_size: int = 32
-    learning_rate: float = 3e-4
-    weight_decay: float = 0.01
-    warmup_steps: int = 100  # linear warm-up, then cosine decay to 10%
-    max_grad_norm: float = 1.0
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    runner: SFTRunnerConfig = field(default_factory=SFTRunnerConfig)
-
-    def validate(self) -> None:
-        check_seed("seed", self.seed)
-        if not self.datasets:
-            raise ValueError("datasets: at least one dataset directory is required")
-        if self.policy.name not in SFT_POLICIES:
-            raise ValueError(
-                f"policy.name: embodied sft trains {' or '.join(SFT_POLICIES)} (a chunk head "
-                f"with a demonstration loss), got {self.policy.name!r}"
-            )
-        check_at_least(self, 1, "steps", "batch_size")
-        check_at_least(self, 0, "warmup_steps", "episodes_per_dataset")
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
-        check_cameras(self.policy, self.env)
-        check_distinct_episodes(self.env, {"runner.eval_episodes": self.runner.eval_episodes})
-        check_grad_norm(self.max_grad_norm)
-        if self.trainer.backend == "megatron":
-            check_megatron(self.trainer, self.policy, ClusterConfig())
 
 
 class BCLearner:
@@ -251,12 +172,33 @@ def _resume_of(cfg: SFTConfig) -> dict | None:
     return resume
 
 
-def lr_at(cfg: SFTConfig, s: int) -> float:
-    """Linear warm-up, then cosine decay to 10% (``s`` from 0)."""
-    warm = max(1, cfg.warmup_steps)
-    progress = min(1.0, max(0, s - warm) / max(1, cfg.steps - warm))
-    cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-    return cfg.learning_rate * min(1.0, (s + 1) / warm) * cosine
+class NonFiniteWatch:
+    """The first step at which any of ``keys`` of a step's metrics (0-dim tensors) was not
+    finite, kept on their device: read where the numbers are read anyway (logs, checkpoints),
+    not with a host sync per step."""
+
+    def __init__(self, keys: tuple[str, ...]):
+        self.keys = keys
+        self.found: torch.Tensor | None = None  # bool [], whether a step was not finite
+        self.step: torch.Tensor | None = None  # long [], the first such step
+        self.values: torch.Tensor | None = None  # f32 [len(keys)], its metrics
+
+    def see(self, step: int, metrics: dict[str, torch.Tensor]) -> None:
+        values = torch.stack([metrics[key].float() for key in self.keys])  # f32 [K]
+        bad = ~torch.isfinite(values).all()
+        if self.found is None:
+            self.found, self.step, self.values = bad, torch.full_like(bad, step, dtype=int), values
+            return
+        first = bad & ~self.found
+        self.step = torch.where(first, step, self.step)
+        self.values = torch.where(first, values, self.values)
+        self.found = self.found | bad
+
+    def first(self) -> tuple[int, dict[str, float]] | None:
+        """(the first non-finite step, its metrics), or None where every step was finite."""
+        if self.found is None or not bool(self.found):
+            return None
+        return int(self.step), dict(zip(self.keys, self.values.tolist()))
 
 
 class SFTRun:
@@ -273,6 +215,8 @@ class SFTRun:
         counters = {} if resume is None else resume["counters"]
         self.step = counters.get("iteration", 0)
         self.evals: list[dict] = counters.get("evals", [])
+        self.saved = None if resume is None else resume["path"]  # (the newest checkpoint)
+        self.watch = NonFiniteWatch(("sft/loss", "sft/grad_norm"))
         self.clock = Clock(counters.get("train_seconds", 0.0), cfg.runner.max_minutes)
         self.logger = RunLogger(run_dir, resumed_at=None if resume is None else self.step)
         self.meta = _meta(cfg, env_cfgs, env.spec)
@@ -280,6 +224,7 @@ class SFTRun:
             print(f"resuming {run_dir} from step {self.step}")
 
     def save(self) -> Path:
+        self._check_finite()
         counters = {
             "iteration": self.step,
             "env_steps": 0,
@@ -289,9 +234,16 @@ class SFTRun:
         rng = {"streams": {self.learner.stream.key: self.learner.stream.state()}}
         self.learner.refresh()
         keep = self.cfg.runner.keep_checkpoints
-        return self.learner.save(
+        self.saved = self.learner.save(
             self.run_dir, self.step, counters=counters, meta=self.meta, rng=rng, keep=keep
         )
+        return self.saved
+
+    def _check_finite(self) -> None:
+        """Stop, unsaved, where a step so far had a non-finite loss or gradient norm: its
+        weights are not usable (one NaN made them all NaN, and SFT saved them)."""
+        if found := self.watch.first():
+            raise NonFiniteUpdate(*found, None, self.saved)
 
     def train(self) -> None:
         cfg = self.cfg
@@ -344,9 +296,12 @@ class SFTRun:
             # f32 [C*B, P, F], cameras outermost
             feats = None if self.features is None else self.features[:, idx].flatten(0, 1)
             obs = batch_of(self.frames, idx)
-            return self.learner.bc_step(obs, chunk, mask, feats, lr_at(cfg, self.step - 1))
+            metrics = self.learner.bc_step(obs, chunk, mask, feats, lr_at(cfg, self.step - 1))
+        self.watch.see(self.step, metrics)
+        return metrics
 
     def _log(self, metrics: dict, bar: tqdm) -> None:
+        self._check_finite()
         metrics = {k: float(v) for k, v in metrics.items()}
         lr = lr_at(self.cfg, self.step - 1)
         metrics.update({"train/lr": lr, "time/minutes": self.clock.seconds / 60})

@@ -4,6 +4,7 @@ features of every frame, computed once."""
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
@@ -11,7 +12,14 @@ import torch
 from tqdm import tqdm
 
 from embodied.dataset import DemoDataset, image_key, privileged_key
-from embodied.schema import CameraSpec, EnvSpec, NormStats, Observation, SimulatorConfig
+from embodied.schema import (
+    CameraSpec,
+    EnvSpec,
+    NormStats,
+    Observation,
+    SimulatorConfig,
+    UserError,
+)
 
 
 @dataclass
@@ -28,7 +36,7 @@ def task_configs(env: SimulatorConfig, tasks: list[str]) -> dict[str, SimulatorC
     """The evaluation config of each task the datasets hold (their order, each once)."""
     names = list(dict.fromkeys(tasks))
     if len(names) > 1 and env.simulator != "maniskill":
-        raise ValueError(
+        raise UserError(
             f"datasets: tasks {names} on {env.simulator}; several tasks in one SFT run need "
             "ManiSkill (a multi-task environment), or one dataset's task per run"
         )
@@ -37,7 +45,7 @@ def task_configs(env: SimulatorConfig, tasks: list[str]) -> dict[str, SimulatorC
         try:
             configs[name] = env if name is None else env.with_task(name)
         except ValueError as error:
-            raise ValueError(f"datasets: task {name!r} on {env.simulator}: {error}") from None
+            raise UserError(f"datasets: task {name!r} on {env.simulator}: {error}") from None
     return configs
 
 
@@ -46,8 +54,9 @@ def load_frames(paths: list[str], episodes: int = 0) -> Frames:
     parts = [p.head(episodes) for p in parts] if episodes > 0 else parts
     sets = [set(p.images) for p in parts]
     if any(s != sets[0] for s in sets):
-        raise ValueError(f"datasets: cameras differ between datasets: {sets}")
+        raise UserError(f"datasets: cameras differ between datasets: {sets}")
     _check_sizes(paths, parts)
+    _check_finite(paths, parts)
     offset = 0
     starts = []
     ends = []
@@ -77,17 +86,38 @@ def load_frames(paths: list[str], episodes: int = 0) -> Frames:
 
 
 def _check_sizes(paths: list[str], parts: list[DemoDataset]) -> None:
-    """A ValueError naming the first dataset whose state, actions or images differ in size from
-    the first one's (their frames are joined into one batch: torch.cat's error otherwise)."""
+    """A UserError naming the first dataset whose state, actions, images or privileged keys
+    differ in size from the first one's (their frames are joined into one batch: torch.cat's
+    error otherwise)."""
     first = parts[0]
     for path, part in zip(paths[1:], parts[1:]):
         pairs = {"state": (part.state, first.state), "actions": (part.actions, first.actions)}
         pairs.update({f"camera {c}": (part.images[c], first.images[c]) for c in first.images})
+        shared = sorted(set(part.privileged) & set(first.privileged))
+        pairs.update({k: (part.privileged[k], first.privileged[k]) for k in shared})
         for what, (mine, theirs) in pairs.items():
             if mine.shape[1:] != theirs.shape[1:]:
-                raise ValueError(
+                raise UserError(
                     f"datasets: {path}'s {what} is {tuple(mine.shape[1:])} per frame, "
                     f"{paths[0]}'s {tuple(theirs.shape[1:])}; one run's datasets share sizes"
+                )
+
+
+def _check_finite(paths: list[str], parts: list[DemoDataset]) -> None:
+    """A UserError naming the first dataset, column and frame that is not finite: one NaN action
+    made the normalisation statistics NaN, then the loss and, after one step, every weight (SFT
+    trained on and saved them)."""
+    for path, part in zip(paths, parts):
+        columns = {"observation.state": part.state, "action": part.actions}
+        columns.update({privileged_key(k): v for k, v in part.privileged.items()})
+        for name, values in columns.items():
+            bad = (~torch.isfinite(values)).any(dim=1).nonzero().flatten()  # long [n]
+            if len(bad):
+                at = int(bad[0])
+                raise UserError(
+                    f"datasets: {path}'s {name} is not finite in {len(bad)} frames, first "
+                    f"episode {int(part.episode[at])} frame {int(part.frame[at])}: "
+                    f"{values[at].tolist()}"
                 )
 
 
@@ -98,7 +128,7 @@ def check_fits(
     cameras: tuple[CameraSpec, ...],
     any_size: bool = False,
 ) -> None:
-    """A ValueError naming the dataset and what differs, where a dataset's frames are not what
+    """A UserError naming the dataset and what differs, where a dataset's frames are not what
     the policy for ``spec`` reads and does (it reads ``privileged`` and ``cameras``, at their
     size unless ``any_size``: a policy that resizes): its action space (where the dataset
     says), its recording rate (where it says), the sizes of its actions and state, its cameras
@@ -135,8 +165,12 @@ def check_fits(
         lacking = [k for k in privileged if privileged_key(k) not in features]
         if lacking:
             problems.append(f"no {lacking} (the policy reads them: policy.privileged_keys)")
+        for key in sorted(set(privileged) - set(lacking)):
+            size = features[privileged_key(key)]["shape"][0]
+            if size != math.prod(spec.obs.privileged[key]):
+                problems.append(f"{size} {key}, the policy's {math.prod(spec.obs.privileged[key])}")
         if problems:
-            raise ValueError(f"datasets: {path} does not fit the policy: " + "; ".join(problems))
+            raise UserError(f"datasets: {path} does not fit the policy: " + "; ".join(problems))
 
 
 def norm_data(frames: Frames) -> dict[str, torch.Tensor]:

@@ -146,6 +146,14 @@ CASES = [
         ["output", "empty.yaml", "is a file"],
     ),
     (["demos", "configs/maniskill/demos_pushcube.yaml", "env.obs_mode=state"], ["env.obs_mode"]),
+    (
+        ["demos", "configs/mujoco/demos_pick.yaml", "max_attempts=10"],
+        ["max_attempts: 10 is fewer than episodes (50)", "(in the command line)"],
+    ),
+    (
+        ["demos", "configs/maniskill/demos_pushcube.yaml", "env.tasks=[PushCube-v1,PullCube-v1]"],
+        ["env.tasks: a dataset holds one task's demonstrations; set env.task"],
+    ),
     # bench
     (["bench", f"{R}/missing.yaml"], ["config file not found", "missing.yaml"]),
     (["bench", f"{R}/empty.yaml"], ["empty.yaml", "config file is empty"]),
@@ -157,7 +165,19 @@ CASES = [
     (["bench", SUITE, "--out", f"{R}/empty.yaml"], ["--out", "empty.yaml", "is a file"]),
     (
         ["bench", SUITE, "tasks=[{env: {simulator: mujoco}}, {env: {simulator: mujoco}}]"],
-        ["two tasks share a name", "'mujoco/reach'", "give them `name:` (in the command line)"],
+        ["tasks share a name", "'mujoco/reach'", "give them other `name:`s (in the command line)"],
+    ),
+    (
+        [
+            "bench",
+            SUITE,
+            "tasks=[{env: {simulator: mujoco}, name: a/b}, {env: {simulator: mujoco}, name: a_b}]",
+        ],
+        ["tasks share a name or the file name of one (['a/b', 'a_b'])"],
+    ),
+    (
+        ["bench", SUITE, "tasks=[{env: {simulator: mujoco}, sweep: {task: []}}]"],
+        ["tasks[0].sweep.task: an empty list runs no task"],
     ),
     (["bench", SUITE, "torch_threads=0"], ["torch_threads: must be >= 1, got 0"]),
     (

@@ -255,6 +255,17 @@ ALLOWED = {
     },
     # the other jobs and the command line
     "embodied.sft_data": {"embodied.dataset", "embodied.schema"},
+    "embodied.sft_config": {
+        "embodied.cluster",
+        "embodied.config",
+        "embodied.learner",
+        "embodied.models",
+        "embodied.multitask",
+        "embodied.schema",
+        "embodied.seeds",
+        "embodied.simulators",
+        "embodied.train_config",
+    },
     "embodied.sft": {
         "embodied.cluster",
         "embodied.config",
@@ -272,6 +283,7 @@ ALLOWED = {
         "embodied.run",
         "embodied.schema",
         "embodied.seeds",
+        "embodied.sft_config",
         "embodied.sft_data",
         "embodied.simulators",
         "embodied.streams",

@@ -269,6 +269,14 @@ def test_a_checkpoint_rewritten_at_the_same_path_is_evaluated_again(tmp_path, ca
     capsys.readouterr()
     bench(path, checkpoint=ckpt)
     assert "finished in an earlier run, kept" in capsys.readouterr().out
+    # the run directory: its last checkpoint, named and keyed as that one (it was "run")
+    bench(path, checkpoint=str(tmp_path / "run"))
+    assert "finished in an earlier run, kept" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "out" / "t").iterdir()] == ["run_iter_000001"]
+    # rows made without videos are not kept where videos are asked for now
+    bench(suite(tmp_path, [{"env": REACH}], episodes=2, videos=True), checkpoint=ckpt)
+    assert "kept" not in capsys.readouterr().out
+    assert (tmp_path / "out" / "t" / "run_iter_000001" / "videos").is_dir()
     assert main([*train, "runner.overwrite=true", "seed=1"]) == 0  # the same checkpoints/iter_1
     capsys.readouterr()
     bench(path, checkpoint=ckpt)

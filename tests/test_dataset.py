@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from embodied.dataset import DemoDataset, LeRobotWriter
+from embodied.schema import UserError
 
 
 def _episode(rng, T, task):
@@ -136,7 +137,7 @@ def test_refuses_overwrite_and_incomplete(tmp_path):
             "images": {"c": np.zeros((2, 8, 8, 3), np.uint8)},
         }
     )
-    with pytest.raises(FileNotFoundError, match="not a complete LeRobot dataset"):
+    with pytest.raises(UserError, match="not a complete LeRobot dataset"):
         DemoDataset.load(tmp_path / "ds")  # not closed yet
     w.close()
     with pytest.raises(FileExistsError):

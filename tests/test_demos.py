@@ -235,3 +235,28 @@ def test_a_stop_keeps_the_episodes_recorded_before_it(tmp_path, capsys, monkeypa
     assert "stopped (SIGINT) after 2 of 6 episodes; the dataset holds them" in out.err
     ds = DemoDataset.load(tmp_path / "ds")
     assert ds.num_episodes == 2 and len(ds) == 200
+
+
+def test_an_error_mid_recording_keeps_the_episodes_recorded_before_it(tmp_path, monkeypatch):
+    """A simulator's error in the second round: its traceback (it was one line and exit code 2,
+    as bad input) and the dataset of the first round's two episodes (they were thrown away)."""
+    import embodied.demos as demos
+
+    attempt = demos._attempt
+    rounds = []
+
+    def then_fail(*args, **kwargs):
+        rounds.append(1)
+        if len(rounds) == 2:
+            raise RuntimeError("the simulator died")
+        return attempt(*args, **kwargs)
+
+    monkeypatch.setattr(demos, "_attempt", then_fail)
+    argv = ["demos", "configs/mujoco/demos_pick.yaml", "episodes=6", "max_attempts=6"]
+    small = ["env.num_envs=2", "env.image_size=32", f"output={tmp_path / 'ds'}"]
+    with pytest.raises(RuntimeError, match="the simulator died") as raised:
+        main([*argv, *small])
+    assert raised.value.__notes__ == [
+        f"embodied demos: the 2 episodes kept are in {tmp_path / 'ds'}"
+    ]
+    assert DemoDataset.load(tmp_path / "ds").num_episodes == 2

@@ -2,6 +2,7 @@
 checkpoint that carries its normalization and that `embodied eval` loads."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -121,6 +122,34 @@ def test_sft_config_errors(tmp_path, capsys):
     assert main(["sft", str(cfg)]) == 2  # (it crashed with an AttributeError once it had data)
     err = capsys.readouterr().err
     assert "policy.name: embodied sft trains vla or smolvla" in err and "'actor_critic'" in err
+    cfg.write_text(json.dumps({"env": ENV, "policy": TINY_VLA, "datasets": ["d"], "steps": 50}))
+    assert main(["sft", str(cfg)]) == 2  # (under the default warm-up of 100: half the rate)
+    assert (
+        "warmup_steps: 100 of 50 steps; the learning rate would never reach"
+        in capsys.readouterr().err
+    )
+
+
+def test_a_step_that_is_not_finite_stops_the_run_unsaved(tmp_path, dataset, monkeypatch, capsys):
+    """A NaN loss at step 3 (one NaN frame, or a diverged step: every weight NaN after it) is
+    found at the next log, step 10: exit 1, one line, no checkpoint. SFT trained on to the
+    end, saved NaN weights and exited 0."""
+    import embodied.sft
+
+    step = embodied.sft.BCLearner.bc_step
+    calls = []
+
+    def diverging(self, *args):
+        calls.append(1)
+        metrics = step(self, *args)
+        return {**metrics, "sft/loss": metrics["sft/loss"] * (math.nan if len(calls) == 3 else 1)}
+
+    monkeypatch.setattr(embodied.sft.BCLearner, "bc_step", diverging)
+    assert main(["sft", sft_config(tmp_path, dataset, "nan")]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("embodied: error: iteration 3: the update is not finite (sft/loss nan")
+    assert last.endswith("; no checkpoint was saved before it")
+    assert not (tmp_path / "nan" / "last").exists() and len(calls) == 10
 
 
 def test_a_multi_task_sft_checkpoint_is_evaluated_on_every_task(tmp_path):

@@ -4,7 +4,7 @@ spec of the policy it trains; written datasets that differ from each other, or l
 import pytest
 
 from embodied.dataset import features
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec
+from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, UserError
 from embodied.sft_data import Frames, check_fits
 
 SPEC = EnvSpec(
@@ -60,14 +60,22 @@ def test_a_dataset_of_the_policys_kind_fits_whatever_it_names_its_columns():
 def test_a_dataset_that_does_not_fit_is_named_with_what_differs(dataset, privileged, said):
     """Each used to train in silence (a deploy recording's joint positions as joint deltas) or
     fail deep in the model (a camera of another size, a missing privileged key)."""
-    with pytest.raises(ValueError, match="datasets: ") as refused:
+    with pytest.raises(UserError, match="datasets: ") as refused:
         fits(info(), dataset, privileged=privileged)
     assert said.replace("ds0", "ds1") in str(refused.value)
 
 
-def written(root, state: int = 4, image: int = 8):
-    """A one-episode LeRobot dataset of 3 frames: ``state`` state values, 2 actions, one
-    camera of ``image`` x ``image`` pixels."""
+def test_a_privileged_key_of_another_size_is_named():
+    """It passed, and the policy's normalisation statistics failed to take it (a traceback)."""
+    with pytest.raises(UserError) as refused:
+        fits(info(privileged={"goal_pos": 2}), privileged=("goal_pos",))
+    assert str(refused.value).endswith("does not fit the policy: 2 goal_pos, the policy's 3")
+
+
+def written(root, state: int = 4, image: int = 8, goal: int = 0, actions=None):
+    """A one-episode LeRobot dataset of 3 frames: ``state`` state values, 2 actions (f32 [3, 2]
+    ``actions``, else zeros), one camera of ``image`` x ``image`` pixels and, where ``goal``, a
+    privileged goal_pos of that size."""
     import numpy as np
 
     from embodied.dataset import LeRobotWriter
@@ -78,14 +86,16 @@ def written(root, state: int = 4, image: int = 8):
         cameras={"front": (image, image)},
         state_names=[f"s{i}" for i in range(state)],
         action_names=["a0", "a1"],
+        privileged={"goal_pos": goal} if goal else None,
     )
     writer.add_episode(
         images={"front": np.zeros((3, image, image, 3), np.uint8)},
         state=np.zeros((3, state), np.float32),
-        actions=np.zeros((3, 2), np.float32),
+        actions=np.zeros((3, 2), np.float32) if actions is None else actions,
         rewards=np.zeros(3, np.float32),
         success=np.array([False, False, True]),
         task="push",
+        privileged={"goal_pos": np.zeros((3, goal), np.float32)} if goal else None,
     )
     return writer.close()
 
@@ -95,14 +105,16 @@ def written(root, state: int = 4, image: int = 8):
     [
         (dict(state=5), "'s state is (5,) per frame, "),
         (dict(image=16), "'s camera front is (16, 16, 3) per frame, "),
+        (dict(goal=2), "'s goal_pos is (2,) per frame, "),
     ],
 )
 def test_datasets_of_other_sizes_are_named_before_their_frames_are_joined(tmp_path, other, said):
     """They were joined first (torch.cat's RuntimeError, a traceback) and checked after."""
     from embodied.sft_data import load_frames
 
-    first, second = written(tmp_path / "first"), written(tmp_path / "second", **other)
-    with pytest.raises(ValueError) as refused:
+    first = written(tmp_path / "first", goal=3)
+    second = written(tmp_path / "second", **{"goal": 3, **other})
+    with pytest.raises(UserError) as refused:
         load_frames([str(first), str(second)])
     assert str(refused.value).startswith(f"datasets: {second}{said}")
     assert len(load_frames([str(first), str(first)]).data) == 6  # (alike: joined)
@@ -123,3 +135,19 @@ def test_a_dataset_without_state_or_actions_is_one_line_naming_them(tmp_path):
     with pytest.raises(ValueError) as refused:
         DemoDataset.load(root)
     assert str(refused.value) == f"{root}: no observation.state, action feature (meta/info.json)"
+
+
+def test_a_dataset_with_a_non_finite_number_is_named_with_its_column_and_frame(tmp_path):
+    """One NaN action made the normalisation statistics NaN, then every weight after one step;
+    SFT trained on and saved them, and exited 0."""
+    import numpy as np
+
+    from embodied.sft_data import load_frames
+
+    actions = np.zeros((3, 2), np.float32)
+    actions[2, 1] = np.nan
+    root = written(tmp_path / "nan", actions=actions)
+    with pytest.raises(UserError) as refused:
+        load_frames([str(root)])
+    said = f"datasets: {root}'s action is not finite in 1 frames, first episode 0 frame 2: "
+    assert str(refused.value) == said + "[0.0, nan]"
