@@ -36,6 +36,11 @@ def gae(
             raise ValueError(
                 f"gae: {name} has shape {tuple(t.shape)}, rewards {tuple(rewards.shape)}"
             )
+    if isinstance(gamma, torch.Tensor) and gamma.dim() and gamma.shape != rewards.shape:
+        # (a [T] discount broadcast over B as if per environment where T == B)
+        raise ValueError(
+            f"gae: gamma has shape {tuple(gamma.shape)}, rewards {tuple(rewards.shape)}"
+        )
     gamma = torch.as_tensor(gamma, dtype=rewards.dtype, device=rewards.device).expand_as(rewards)
     not_terminated = (~terminated).to(rewards.dtype)
     not_done = (~(terminated | truncated)).to(rewards.dtype)
@@ -58,6 +63,10 @@ def chunk_returns(
     rewards: f32 [..., K] per environment step; valid: bool [..., K], true for the actions that
     ran in the episode the chunk started in. Returns (sum_k gamma^k r_k over the valid actions,
     the discount of what follows: gamma^n for n valid actions), both f32 [...]."""
+    if valid.shape != rewards.shape:  # (a [T, B] mask broadcast over K where B == K)
+        raise ValueError(
+            f"chunk_returns: valid has shape {tuple(valid.shape)}, rewards {tuple(rewards.shape)}"
+        )
     K = rewards.shape[-1]
     powers = gamma ** torch.arange(K, dtype=rewards.dtype, device=rewards.device)  # f32 [K]
     weights = powers * valid.to(rewards.dtype)

@@ -1,8 +1,9 @@
 """Contact and constraint peaks of the MuJoCo Warp tasks, the numbers behind their buffer sizes.
 
-Each task runs ``--worlds`` worlds for ``--steps`` control steps twice: once with uniform random
-actions through ``env.step`` (what an untrained policy does), once with uniform random servo
-targets over the joints' whole range (``env.simulate``, harsher than any policy). Buffers are
+Each task runs ``--worlds`` worlds for ``--steps`` control steps twice: once with actions uniform
+in [-1, 1] through ``env.step``, which clips them to its +-0.1 rad deltas (so ~90% sit at a
+limit: the most violent an untrained policy can be, not a typical one), once with uniform random
+servo targets over the joints' whole range (``env.simulate``, harsher than any policy). Buffers are
 made large (``--njmax``, ``--nconmax``) so that nothing overflows, and the peaks that MuJoCo Warp's
 kernels counted are printed: contacts per world (the largest substep's total over all worlds,
 divided by the worlds) and constraints in the fullest world.

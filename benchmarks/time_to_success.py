@@ -21,7 +21,7 @@ def curve(run: Path) -> list[dict]:
     with more of them, so it is not a point on the training curve."""
     from embodied.logger import read_metrics
 
-    minutes = {}  # iteration -> training minutes at its end
+    minutes = {0: 0.0}  # iteration -> training minutes at its end (0: the evaluation before RL)
     points = []
     for row in read_metrics(run / "metrics.jsonl"):  # (a non-finite number as NaN)
         if "time/minutes" in row:

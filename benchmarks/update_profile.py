@@ -51,6 +51,9 @@ def build(args):
         f"env.device={args.device}",
         f"env.num_envs={args.worlds}",
         f"algorithm.num_steps={args.steps}",
+        # every epoch runs: the per-step figures divide by them (the repeats update on one batch,
+        # so its KL grows, and an early stop after one epoch read 4x too cheap)
+        "algorithm.target_kl=null",
         *([f"algorithm.num_minibatches={args.minibatches}"] if args.minibatches else []),
     ]
     root = Path(__file__).resolve().parents[1]
@@ -104,7 +107,7 @@ def measure(cfg, roles, repeats: int) -> dict:
         "worlds": cfg.env.num_envs,
         "steps": cfg.algorithm.num_steps,
         "samples": cfg.env.num_envs * cfg.algorithm.num_steps,
-        "gradient_steps": gradient_steps,  # (early stopping may take fewer: policy/epochs)
+        "gradient_steps": gradient_steps,  # (all of them: target_kl is off)
         "update_s_per_repeat": seconds,
         "update_s": median,
         "ms_per_gradient_step": 1000 * median / gradient_steps,

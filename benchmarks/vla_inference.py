@@ -2,9 +2,10 @@
 memory.
 
 Each (head, batch size) runs in a fresh process so that its peak memory is its own: on CPU the
-peak resident set size (ru_maxrss) while acting, minus the resident size after the model was
-built; on a GPU ``torch.cuda.max_memory_allocated``. Pretrained backbones (EfficientNet-Lite0 +
-all-MiniLM-L6-v2), one 128x128 camera, chunk K=4, the 8-dim Panda joint-delta action space.
+peak resident set size while acting (the warm-up act included: VmHWM, reset after the model was
+built), minus the resident size then (VmRSS); on a GPU ``torch.cuda.max_memory_allocated``.
+Pretrained backbones (EfficientNet-Lite0 + all-MiniLM-L6-v2), one 128x128 camera, chunk K=4, the
+8-dim Panda joint-delta action space.
 
 ``--heads ... smolvla`` adds LeRobot's SmolVLA (10 denoising steps, 16 VLM layers): from a local
 SmolVLM2 directory with ``--smolvlm DIR``, or else a random one shaped like SmolVLM2-500M (SigLIP
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import platform
-import resource
 import statistics
 import sys
 import tempfile
@@ -87,6 +87,20 @@ def _policy(head: str, spec, smolvlm: str):
     return SmolVLA(spec, SmolVLAConfig(vlm_path=str(path), load_vlm_weights=False, chunk_size=4))
 
 
+def host_memory_mib(field: str) -> float:
+    """This process's resident memory in MiB (Linux): ``VmRSS`` now, ``VmHWM`` its peak since
+    the last ``reset_host_peak``."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # (kB)
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_host_peak() -> None:
+    """VmHWM back to the resident size now (Linux's clear_refs, this process only)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def _run(
     head: str,
     batch: int,
@@ -103,12 +117,14 @@ def _run(
     spec = _spec(image_size)
     policy = _policy(head, spec, smolvlm).to(device).eval()
     obs = random_observation(spec, batch, device)
+    # (ru_maxrss read after the warm-up held the warm-up's own peak: the column read ~0)
+    base = host_memory_mib("VmRSS")
+    reset_host_peak()
     with torch.no_grad():
         policy.act(obs)  # warm-up (caches the instruction embedding)
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -119,7 +135,7 @@ def _run(
     peak = (
         torch.cuda.max_memory_allocated() / 2**20
         if device == "cuda"
-        else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+        else host_memory_mib("VmHWM") - base
     )
     params = sum(p.numel() for p in policy.parameters()) / 1e6
     queue.put((statistics.median(times), peak, params))

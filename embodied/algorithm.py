@@ -21,13 +21,28 @@ from embodied.rollout import LEVELS, CollectPlan, RolloutBatch, Samples, share_b
 @dataclass
 class AlgorithmConfig:
     name: str = ""  # selects the schema: ppo | grpo
+    # the Gaussian head's log std after runner.init_from: SFT fits only the mean, and sampling at
+    # the SFT's untrained std can fail most episodes the deterministic policy solves
+    exploration_log_std: float | None = None
 
     def check_with(self, policy, env) -> None:
         """What the algorithm asks of the policy's and the environments' configs (ValueError
         naming the key): nothing by default."""
 
     def fit_policy(self, policy: torch.nn.Module) -> None:
-        """Ready the built policy for this algorithm (ValueError naming the key)."""
+        """Ready the built policy for this algorithm (ValueError naming the key): the Gaussian's
+        log std (a VLA's head's, the actor-critic's own) set to ``exploration_log_std`` where
+        given."""
+        if self.exploration_log_std is None:
+            return
+        owner = getattr(policy, "head", policy)
+        log_std = getattr(owner, "log_std", None)
+        if log_std is None:
+            raise ValueError(
+                "algorithm.exploration_log_std: the policy has no Gaussian head with a log_std"
+            )
+        with torch.no_grad():
+            log_std.fill_(self.exploration_log_std)
 
     def build(self, cfg, spec, task_of_env: torch.Tensor, policy=None) -> Algorithm:
         """The algorithm (``policy``: the learner's, for what it scores against)."""

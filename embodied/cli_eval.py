@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from embodied.cli_errors import error as _error
 from embodied.logger import write_atomic
@@ -43,8 +44,24 @@ def cmd_eval(args) -> int:
         record = _evaluate(args, ckpt, cfg, env, policy)
     finally:
         env.close()
-    write_atomic(ckpt["path"] / "eval.json", json.dumps(record, indent=2))
-    print(json.dumps(record, indent=2))
+    print(json.dumps(record, indent=2))  # (first: the result stands whatever the disk does)
+    return _keep(record, ckpt["path"])
+
+
+def _keep(record: dict, checkpoint: Path) -> int:
+    """``record`` written to CHECKPOINT/eval.json: 0, or 1 and one line where it cannot be (a
+    run that trains on pruned the checkpoint meanwhile, a read-only disk)."""
+    from embodied.checkpoint import META
+
+    path = checkpoint / "eval.json"
+    if not (checkpoint / META).is_file():  # (writing would make a checkpoint of one file)
+        _error(f"{checkpoint} is gone (its run pruned it?): the result above is not kept")
+        return 1
+    try:
+        write_atomic(path, json.dumps(record, indent=2))
+    except OSError as e:
+        _error(f"cannot write {path} ({e.strerror or e}): the result above is not kept")
+        return 1
     return 0
 
 
@@ -54,9 +71,9 @@ def _policy(args, ckpt: dict, cfg, env):
     from embodied.models import build_policy
     from embodied.schema import UserError
 
-    if args.overrides:
-        _check_same_inputs(ckpt["meta"]["spec"], env.spec, args.overrides)
-    policy = build_policy(env.spec, cfg.policy).to(env.device)
+    # (without overrides too: a simulator that now orders its state otherwise, same sizes)
+    _check_same_inputs(ckpt["meta"]["spec"], env.spec, args.overrides)
+    policy = build_policy(env.spec, cfg.policy).to(_device(cfg, env))
     try:
         policy.load_state_dict(ckpt["model"])
     except RuntimeError as e:  # (overrides: a camera of another size, say)
@@ -68,6 +85,23 @@ def _policy(args, ckpt: dict, cfg, env):
             f"for this environment ({detail})"
         ) from None
     return policy.eval()
+
+
+def _device(cfg, env):
+    """The policy's device as the run's evaluations had it (``runner.device``: a CPU simulator's
+    run may act on CUDA; other kernels round otherwise), or the environment's, said so, on a
+    machine without the run's."""
+    from embodied.schema import UserError
+
+    try:
+        return cfg.runner.torch_device(env.device)
+    except UserError:
+        print(
+            f"note: the run acted on runner.device={cfg.runner.device}, which this machine "
+            f"lacks; acting on {env.device} (its numbers may differ in the last bits)",
+            file=sys.stderr,
+        )
+        return env.device
 
 
 def _evaluate(args, ckpt: dict, cfg, env, policy) -> dict:
@@ -89,6 +123,7 @@ def _evaluate(args, ckpt: dict, cfg, env, policy) -> dict:
         "held_out": not not_held_out,  # episodes no selection evaluation ran
         "episodes": args.episodes,
         "overrides": list(args.overrides),
+        "checkpoint": str(ckpt["path"]),  # (RUN and RUN/last resolved: its iteration)
         "env": to_dict(cfg.env),  # simulator, backend, task(s), num_envs
     }
     if len(getattr(env, "task_ranges", [])) < 2:
@@ -150,6 +185,12 @@ def _check_same_inputs(trained: dict, spec, overrides: list[str]) -> None:
     from embodied.schema import EnvSpec, UserError
 
     changes = EnvSpec.from_dict(trained).input_changes(spec)
+    if changes and not overrides:
+        raise UserError(
+            f"the policy was trained with other inputs or actions than its environment gives "
+            f"now ({'; '.join(changes)}): the simulator changed since (evaluate it with the "
+            "version it was trained with)"
+        )
     if changes:
         raise UserError(
             f"{' '.join(overrides)}: the policy was trained with other inputs or actions "

@@ -77,9 +77,9 @@ def _convert(hint: Any, text: str) -> Any:
     float (``5e6``) for an int, and YAML's value for the rest, as a file gives it (None for an
     empty text)."""
     hint, optional = _unoptional(hint)
+    if optional and text in _NULLS:  # (privileged_keys=null: all of the environment's)
+        return None
     if hint is str:
-        if optional and text in _NULLS:
-            return None
         quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
         return _yaml(text) if quoted else str(text)  # ('' and "no" as in a file)
     if typing.get_origin(hint) in (list, tuple) and typing.get_args(hint)[:1] == (str,):

@@ -62,9 +62,6 @@ class GRPOConfig(AlgorithmConfig):
     # where the PPO ratio is taken: chunk (one ratio over K*A dimensions: clips at the smallest
     # change) | action | token
     logprob_level: str = "action"
-    # the Gaussian head's log std after runner.init_from: SFT fits only the mean, and sampling at
-    # the SFT's untrained std can fail most episodes the deterministic policy solves
-    exploration_log_std: float | None = None
     learning_rate: float = 2e-5
     anneal_lr: bool = False  # linearly to 0 over total_env_steps
     update_epochs: int = 2
@@ -101,20 +98,12 @@ class GRPOConfig(AlgorithmConfig):
                 f"per task, and each task has {per_task} (env.num_envs={env.num_envs} over "
                 f"{tasks} task(s))"
             )
-
-    def fit_policy(self, policy: torch.nn.Module) -> None:
-        """The Gaussian's log std (a VLA's head's, the actor-critic's own) set to
-        ``exploration_log_std`` where given."""
-        if self.exploration_log_std is None:
-            return
-        owner = getattr(policy, "head", policy)
-        log_std = getattr(owner, "log_std", None)
-        if log_std is None:
+        most = tasks * (per_task // self.group_size) * self.max_rounds
+        if self.groups_per_batch > most:  # (every update ran max_rounds, on fewer, unsaid)
             raise ValueError(
-                "algorithm.exploration_log_std: the policy has no Gaussian head with a log_std"
+                f"algorithm.groups_per_batch: {self.groups_per_batch} groups, but an update's "
+                f"{self.max_rounds} rounds (algorithm.max_rounds) give at most {most}"
             )
-        with torch.no_grad():
-            log_std.fill_(self.exploration_log_std)
 
     def build(self, cfg, spec, task_of_env: torch.Tensor, policy=None) -> GRPO:
         return GRPO(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -105,8 +106,9 @@ def end_cut_line(path: Path) -> None:
 
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all: a crash leaves the old file or the new,
-    never part of one (a reader of metrics.json, config.yaml, a report)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    never part of one (a reader of metrics.json, config.yaml, a report). The temporary file is
+    this writer's own: two processes writing one report do not rename each other's half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "w") as f:
             f.write(text)

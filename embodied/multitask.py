@@ -32,6 +32,11 @@ def _compatible(specs: list[EnvSpec], names: list[str]) -> None:
             first.action.high,
         ):
             raise UserError(f"{pair} act in different action spaces or bounds")
+        # (the joined spec says the first's: deploy's rate, a dataset's fps, videos')
+        for what in ("space", "gripper", "control_hz"):
+            mine, theirs = getattr(s.action, what), getattr(first.action, what)
+            if mine != theirs:
+                raise UserError(f"{pair} differ in action {what}: {theirs} and {mine}")
         if s.max_episode_steps != first.max_episode_steps:
             raise UserError(
                 f"{pair} end episodes at {first.max_episode_steps} and {s.max_episode_steps} "

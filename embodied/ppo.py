@@ -107,6 +107,7 @@ class PPOConfig(AlgorithmConfig):
                 "algorithm.name: ppo needs a critic; set policy.value_head=true "
                 "(or train with algorithm.name=grpo)"
             )
+        super().fit_policy(policy)
 
     def build(self, cfg, spec, task_of_env: torch.Tensor, policy=None) -> PPO:
         return PPO(

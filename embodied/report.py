@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from embodied.logger import write_atomic
 from embodied.report_data import Rate, RunData, phase_seconds, read_run, run_status
 
 REPORT_FILE = "report.html"
@@ -78,9 +79,7 @@ def write_report(run_dir: Path) -> Path:
         f"<style>{STYLE}</style></head><body>\n" + "\n".join(sections) + "\n</body></html>\n"
     )
     path = data.run_dir / REPORT_FILE
-    tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(page)
-    tmp.replace(path)
+    write_atomic(path, page)
     return path
 
 

@@ -34,9 +34,10 @@ class RandomPolicy(nn.Module):
         A = self.low.shape[0]
         if deterministic:
             u = torch.full((B, 1, A), 0.5)
-        else:
+        else:  # (drawn on the CPU: the same actions on any device)
             u = torch.rand(B, 1, A, generator=self.generator)  # f32 [B, 1, A] in [0, 1)
         device = obs.state.device
+        u = u.to(self.low.device)  # (the bounds follow the module: a GPU simulator's bench)
         actions = (self.low + u * (self.high - self.low)).to(device)
         logp = self._logp(B, device)
         return PolicyOutput(actions=actions, logprob=logp.sum((1, 2)), extras={"logp_token": logp})

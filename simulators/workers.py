@@ -38,6 +38,8 @@ import torch
 
 from embodied.schema import Observation, StepOutput, ended_rows, reset_seeds
 
+AUTO_RESET = "auto-reset"  # (a worker's own reset after an episode ended: its seed is its own)
+
 # building a simulator (and its renderer) takes seconds; minutes means something is wrong
 START_TIMEOUT_S = 300.0
 RESET_TIMEOUT_FACTOR = 10  # resets and renders may take this many times the step timeout
@@ -143,7 +145,8 @@ class WorkerVecEnv:
         self.can_step_subsets = True
         self._everyone = torch.arange(num_envs)  # long [B]
         self._splits = {}
-        self._seeds: list[int | None] = [None] * num_envs  # the seed of each one's last reset
+        # the seed of each one's last reset (AUTO_RESET: the worker's own, from its own seed)
+        self._seeds: list[int | str | None] = [None] * num_envs
         self._closed = False
         if num_workers == 0:
             self._starts = np.array([0, num_envs])  # int [2]: one worker holds them all
@@ -319,6 +322,8 @@ class WorkerVecEnv:
             final = to_observation(_cat([r[2] if r[2] is not None else r[0] for r in results]))
         terminated = scalars[:, 1] > 0
         truncated = scalars[:, 2] > 0
+        for i in env_ids[terminated | truncated].tolist():  # (a hang's seed is not the round's)
+            self._seeds[i] = AUTO_RESET
         return StepOutput(
             obs=obs,
             reward=scalars[:, 0].contiguous(),

@@ -215,6 +215,7 @@ ALLOWED = {
     },
     "embodied.report": {
         "embodied.episodes",
+        "embodied.logger",
         "embodied.recording",
         "embodied.report_data",
         "embodied.schema",

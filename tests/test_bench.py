@@ -179,6 +179,12 @@ def test_baselines_pass_the_policy_contract(cls):
         assert bool((span > 0.8).all())
     else:
         assert torch.equal(out.actions, torch.zeros_like(out.actions))
+    # on the device its simulator's bench moves it to ("meta" standing in for CUDA: the random
+    # one drew on the CPU and added its bounds' device, an error)
+    on_device = cls(spec).to("meta")
+    for deterministic in (False, True):
+        out = on_device.act(random_observation(spec, 4, "meta"), deterministic=deterministic)
+        assert out.actions.device.type == "meta" and out.actions.shape == (4, 1, len(low))
 
 
 def test_bad_suites_are_clear_errors(tmp_path, capsys):

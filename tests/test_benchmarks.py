@@ -11,6 +11,25 @@ import torch
 from benchmark_scripts import load
 
 
+def test_vla_inferences_memory_column_counts_what_acting_allocates(monkeypatch):
+    """A policy whose act touches 256 MiB and frees it: the column read ~0 (the peak was taken
+    as the base after the warm-up act, which already reached it)."""
+    vla_inference = load("vla_inference")
+
+    class Hungry(torch.nn.Module):
+        def act(self, obs, **kw):
+            return torch.ones(2**26).sum()  # f32 [64 Mi]: 256 MiB, written, freed at return
+
+    class Queue(list):
+        put = list.append
+
+    monkeypatch.setattr(vla_inference, "_policy", lambda *args: Hungry())
+    results = Queue()
+    vla_inference._run("hungry", 1, "cpu", 32, 2, torch.get_num_threads(), "", results)
+    ((_, peak_mib, _),) = results
+    assert 240 < peak_mib < 600
+
+
 def test_the_pipelining_bound_peaks_at_1_5_where_simulation_is_half_the_inference():
     """2 stages, lockstep S + I: a stage waits for its simulation and half the inference
     (S + I/2), and the one rollout worker still infers for all (I)."""
@@ -56,6 +75,11 @@ def test_time_to_success_is_the_first_evaluation_at_the_threshold(tmp_path):
     assert got["lower_bound_minutes"] == pytest.approx(200 / 10 / 60)
     never = tts.reached(points, 0.99, raw_rate=None)  # "not reached" is a result: where it ended
     assert not never["reached"] and never["env_steps"] == 300 and never["success"] == 0.95
+    # from an SFT checkpoint: the evaluation before RL (iteration 0) is a point, at 0 minutes
+    before = {"env_steps": 0, "iteration": 0, "eval/success_rate": 0.95}
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [before, *rows]))
+    got = tts.reached(tts.curve(tmp_path), 0.9, raw_rate=None)
+    assert got["reached"] and got["env_steps"] == 0 and got["minutes"] == 0.0
 
 
 def test_the_sleeping_simulator_passes_the_contract_and_pays_the_first_action():
@@ -294,6 +318,7 @@ def test_an_update_is_timed_and_profiled_per_gradient_step():
         device="cpu", task="push", worlds=8, steps=4, minibatches=2, repeats=2
     )
     cfg, roles = bench.build(args)
+    assert cfg.algorithm.target_kl is None  # (an early stop made fewer steps than it divides by)
     try:
         row = bench.measure(cfg, roles, repeats=2)
     finally:

@@ -36,7 +36,50 @@ def test_eval_json_says_what_produced_it(checkpoint, capsys):
     assert (env["simulator"], env["backend"], env["task"]) == ("mujoco", "rollout", "reach")
     assert env["num_envs"] == 2 and env["home_noise"] == 0.05
     assert record["eval/episodes"] == 3 and "tasks" not in record  # one task
+    assert made_from["checkpoint"] == str(checkpoint.resolve())  # (RUN/last: which iteration)
     assert json.loads(capsys.readouterr().out) == record
+
+
+def test_a_checkpoint_whose_environment_changed_since_is_refused(checkpoint, tmp_path, capsys):
+    """Without overrides too (only they were checked: a simulator that now orders its state
+    otherwise, same sizes, was evaluated with the columns swapped)."""
+    import shutil
+
+    copy = tmp_path / "older"
+    shutil.copytree(checkpoint.resolve(), copy)
+    (copy / "eval.json").unlink(missing_ok=True)  # (the tests before evaluated it)
+    meta = json.loads((copy / "meta.json").read_text())
+    names = meta["spec"]["obs"]["state_names"]
+    meta["spec"]["obs"]["state_names"] = names[::-1]
+    (copy / "meta.json").write_text(json.dumps(meta))
+    assert main(["eval", str(copy), "--episodes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "the policy was trained with other inputs or actions than its environment gives" in err
+    assert not (copy / "eval.json").exists()
+
+
+def test_a_result_the_checkpoint_cannot_keep_is_printed_and_said(checkpoint, monkeypatch, capsys):
+    """A run that trains on pruned the checkpoint while it was evaluated: the result was lost in
+    a FileNotFoundError traceback (with --video, an iter_N of one video and eval.json was made)."""
+    import shutil
+
+    import embodied.cli_eval
+
+    pruned = checkpoint.parent / "pruned"
+    shutil.copytree(checkpoint.resolve(), pruned)
+    evaluate = embodied.cli_eval._evaluate
+
+    def then_pruned(*args):
+        record = evaluate(*args)
+        shutil.rmtree(pruned)
+        return record
+
+    monkeypatch.setattr(embodied.cli_eval, "_evaluate", then_pruned)
+    assert main(["eval", str(pruned), "--episodes", "1"]) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out)["eval/episodes"] == 1
+    said = f"embodied: error: {pruned} is gone (its run pruned it?): the result above is not kept"
+    assert out.err.strip().splitlines()[-1] == said and not pruned.exists()
 
 
 def test_a_multi_task_checkpoint_runs_each_tasks_episodes(checkpoint, monkeypatch, capsys):

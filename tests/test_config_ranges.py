@@ -54,8 +54,13 @@ CASES = [
     ),
     (["train", V, "policy.vision_width=0"], ["policy.vision_width: must be > 0, got 0.0"]),
     (
-        ["train", V, "policy.vision_depth=0.5"],  # (a traceback when the policy was built)
-        ["policy.vision_width: the pretrained EfficientNet-Lite0", "got 1.0 and 0.5"],
+        ["train", V, "policy.vision_depth=0.5"],  # (a traceback when the policy was built; then
+        # an error naming vision_width and the file)
+        [
+            "policy.vision_depth: the pretrained EfficientNet-Lite0",
+            "got 1.0 and 0.5",
+            "command line",
+        ],
     ),
     (["train", V, "policy.flow_noise_std=-1"], ["policy.flow_noise_std: must be > 0"]),
     (["train", V, "policy.flow_noise_std=0"], ["policy.flow_noise_std: must be > 0, got 0.0"]),

@@ -101,6 +101,18 @@ def test_a_choice_switched_on_the_command_line_keeps_the_settings_both_choices_h
     cfg = load_config(TrainConfig, GRPO_VLA, ["algorithm.name=ppo", "policy.value_head=true"])[0]
     assert isinstance(cfg.algorithm, PPOConfig)
     assert (cfg.algorithm.learning_rate, cfg.algorithm.update_epochs) == (2e-5, 2)
+    assert cfg.algorithm.exploration_log_std == -1.5  # (GRPO's alone, it was dropped: std -1)
+
+
+def test_a_null_word_sets_any_optional_setting_to_none_on_the_command_line(tmp_path):
+    """``policy.privileged_keys=null`` (all of the environment's) was an OmegaConf error: only a
+    str setting took the null words."""
+    path = tmp_path / "goal.yaml"
+    path.write_text(f"defaults: [{Path(REACH).resolve()}]\npolicy: {{privileged_keys: [goal]}}\n")
+    for word in ("null", "~", "Null"):
+        cfg = load_config(TrainConfig, path, [f"policy.privileged_keys={word}"], files=False)[0]
+        assert cfg.policy.privileged_keys is None
+    assert load("policy.privileged_keys=[goal]").policy.privileged_keys == ["goal"]
 
 
 @pytest.mark.parametrize(
@@ -190,7 +202,8 @@ def test_non_finite_numbers_in_a_dict_setting_are_refused(override, message):
     with pytest.raises(ConfigError) as err:
         load(override)
     assert str(err.value).startswith(message) and str(err.value).endswith("(in the command line)")
-    assert load("cluster.env.resources={a: 0.5}").cluster.env.resources == {"a": 0.5}
+    cfg = load("cluster.enabled=true", "cluster.env.resources={a: 0.5}")
+    assert cfg.cluster.env.resources == {"a": 0.5}
 
 
 @dataclasses.dataclass

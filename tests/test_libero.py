@@ -11,6 +11,7 @@ pytest.importorskip("libero")
 
 from embodied.contract import check_env  # noqa: E402
 from embodied.multitask import make_env  # noqa: E402
+from embodied.schema import UserError  # noqa: E402
 from embodied.simulators.libero import (  # noqa: E402
     SUITES,
     LiberoConfig,
@@ -135,6 +136,9 @@ def test_time_limit_truncates_and_state_mode_has_no_cameras():
         assert core.render().shape == (1, 32, 32, 3)  # videos still render the agent view
         flags = [core.step([0], np.zeros((1, 7), np.float32))[1][0, 1:3].tolist() for _ in range(2)]
         assert flags == [[0.0, 0.0], [0.0, 1.0]]  # (terminated, truncated) at steps 1 and 2
+        # a NaN passed the clip into robosuite: its gripper stayed NaN until the next reset
+        with pytest.raises(UserError, match=r"the actions of environments \[0\] are not finite"):
+            core.step([0], np.array([[0, 0, 0, 0, 0, 0, np.nan]], np.float32))
     finally:
         core.close()
 
@@ -155,6 +159,20 @@ def test_bad_config_and_missing_assets_are_clear_errors(monkeypatch, tmp_path, c
 
     with pytest.raises(ValueError, match="task 'libero_goal/1' on mujoco: task: unknown MuJoCo"):
         task_configs(MuJoCoConfig(), ["libero_goal/1"])  # (a dataset recorded on LIBERO)
+    # the extra holds neither hf-libero nor bddl (setup.sh installs them --no-deps): said so
+    found = paths._package_dir
+    for gone, said in (("libero", "hf-libero"), ("bddl", "bddl")):
+        monkeypatch.setattr(paths, "_package_dir", lambda n, g=gone: None if n == g else found(n))
+        with pytest.raises(paths.LiberoMissing) as refused:
+            paths.check_installed()
+        assert str(refused.value).startswith(f"LIBERO is not installed (no {said}): `pip install")
+        assert "`pip install --no-deps hf-libero==0.1.4 bddl==1.0.1`" in str(refused.value)
+    monkeypatch.setattr(paths, "_package_dir", found)
+    # a LIBERO_CONFIG_PATH without its config.yaml: LIBERO's prompt (a worker's EOFError)
+    monkeypatch.setenv("LIBERO_CONFIG_PATH", str(tmp_path))
+    with pytest.raises(paths.LiberoMissing, match=f"LIBERO_CONFIG_PATH={tmp_path} holds no"):
+        paths.prepare()
+    monkeypatch.delenv("LIBERO_CONFIG_PATH")
     monkeypatch.setattr(
         paths, "_package_dir", lambda name: tmp_path
     )  # an asset package without its files

@@ -1,6 +1,8 @@
 """MultiTaskEnv: two ManiSkill tasks behind one VecEnv pass the contract; each environment carries
 its own task's instruction; actions and resets reach the right task."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from scripted_envs import PushRightEnv, ScriptedEnv
@@ -160,3 +162,10 @@ def test_tasks_that_cannot_step_side_by_side_are_a_user_error_naming_them():
         MultiTaskEnv([short, long], ["a", "b"])
     with pytest.raises(UserError, match="env.tasks: a and c observe different cameras"):
         MultiTaskEnv([short, PushRightEnv(1)], ["a", "c"])
+    # the joined spec says the first task's rate: deploy's, a dataset's fps (it was accepted)
+    faster = ScriptedEnv([2], max_episode_steps=5)
+    faster.spec = replace(faster.spec, action=replace(faster.spec.action, control_hz=50.0))
+    with pytest.raises(
+        UserError, match="env.tasks: a and d differ in action control_hz: 20.0 and 50"
+    ):
+        MultiTaskEnv([short, faster], ["a", "d"])

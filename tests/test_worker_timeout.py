@@ -160,6 +160,30 @@ def test_a_worker_that_dies_mid_run_is_named_with_its_environments_seeds_and_end
         env.step(torch.zeros(4, 1))
 
 
+class EndingCore(CountingCore):
+    """CountingCore whose episodes end at 2 steps, each reset there by the core itself."""
+
+    def step(self, ids: list[int], actions: np.ndarray):
+        obs, scalars, _ = super().step(ids, actions)
+        scalars[:, 2] = self.count[ids, 0] >= 2  # truncated
+        final = obs if scalars[:, 2].any() else None
+        self.count[[i for i, done in zip(ids, scalars[:, 2]) if done]] = 0
+        return self._pack(ids), scalars, final
+
+
+def test_an_episode_the_worker_reset_itself_is_not_named_with_the_rounds_seed():
+    """The message named the seeds of the round's reset after a worker's own reset: a user who
+    reset with one got another episode than the one that hung."""
+    with WorkerVecEnv(EndingCore, 2, 0) as env:
+        env.reset(seed=[10, 11])
+        env.step(torch.zeros(2, 1))
+        assert env._held(0) == "environments 0-1, last reset seeds [10, 11]"
+        assert env.step(torch.zeros(2, 1)).truncated.tolist() == [True, True]
+        assert env._held(0) == "environments 0-1, last reset seeds ['auto-reset', 'auto-reset']"
+        env.reset(seed=5, env_ids=torch.tensor([1]))  # (environment i: seed + i)
+        assert env._held(0) == "environments 0-1, last reset seeds ['auto-reset', 6]"
+
+
 def test_in_process_cores_step_without_a_timeout_and_a_bad_timeout_is_refused():
     with WorkerVecEnv(CountingCore, 2, 0, step_timeout_s=0.001) as env:
         env.reset(seed=0)

@@ -24,7 +24,7 @@ the env workers' CPUs; a VLA wants rollout workers of its own on a GPU).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 
 PLACEMENTS = ("collocated", "disaggregated", "hybrid")
 ROLES = ("env", "rollout", "actor", "eval")
@@ -138,3 +138,27 @@ class ClusterConfig:
             raise ValueError(f"sync_bucket_mb: must be > 0, got {self.sync_bucket_mb}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts: must be >= 0, got {self.max_restarts}")
+        if not self.enabled and (key := _set_for_ray(self)):
+            raise ValueError(
+                f"{key}: applies to the roles on Ray, and cluster.enabled is false (one "
+                "process would ignore it); set cluster.enabled=true"
+            )
+
+
+ONE_PROCESS = ("enabled", "address", "offload_optimizer")  # (what a run without Ray reads)
+
+
+def _set_for_ray(cfg: ClusterConfig) -> str | None:
+    """The first setting of ``cfg`` that differs from its default and only Ray reads."""
+    default = ClusterConfig()
+    for f in fields(cfg):
+        mine, theirs = getattr(cfg, f.name), getattr(default, f.name)
+        if f.name in ONE_PROCESS or mine == theirs:
+            continue
+        if is_dataclass(mine):  # (a role's: name the field)
+            inner = next(
+                g.name for g in fields(mine) if getattr(mine, g.name) != getattr(theirs, g.name)
+            )
+            return f"{f.name}.{inner}"
+        return f.name
+    return None

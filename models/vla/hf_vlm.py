@@ -123,6 +123,20 @@ def unloadable_vlm(path: str | Path, error: Exception) -> VLMNotFound:
     )
 
 
+def check_loaded(path: Path, loading: dict) -> None:
+    """A VLMNotFound where the directory's weights are not its config's: transformers starts the
+    missing ones at random (frozen, by default: they stay random) and drops the unexpected ones,
+    saying so only in a report on stderr."""
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(loading.get(kind) or ())
+        if keys:
+            what = kind.replace("_keys", "")
+            raise VLMNotFound(
+                f"policy.vlm_path: {path}'s weights do not fit its config.json: {len(keys)} "
+                f"{what}, first {keys[0]} (a directory of another model's weights?)"
+            )
+
+
 class HFVisionLanguage(nn.Module):
     """(camera images, instruction) -> the VLM's last hidden states f32 [B, L, D] + mask
     bool [B, L]."""
@@ -136,11 +150,12 @@ class HFVisionLanguage(nn.Module):
             raise VLMNotFound(f"policy.{missing_vlm(path)}")
         try:
             self.processor = load_processor(path)
-            full = AutoModelForImageTextToText.from_pretrained(
-                path, local_files_only=True, dtype=torch.float32
+            full, loading = AutoModelForImageTextToText.from_pretrained(
+                path, local_files_only=True, dtype=torch.float32, output_loading_info=True
             )
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, RuntimeError) as e:  # (RuntimeError: weights' sizes)
             raise unloadable_vlm(path, e) from e
+        check_loaded(path, loading)
         self.model = full.model  # without the LM head: hidden states only
         self.out_dim = full.config.get_text_config().hidden_size
         self.image_token = self.processor.image_token

@@ -96,8 +96,9 @@ class VLAConfig(PolicyConfig):
                 raise ValueError(f"{key}: must be > 0, got {getattr(self, key)}")
         sizes = (self.vision_width, self.vision_depth)
         if self.vision_pretrained and sizes != (1.0, 1.0):
+            key = "vision_width" if self.vision_width != 1.0 else "vision_depth"
             raise ValueError(
-                f"vision_width: the pretrained EfficientNet-Lite0 (vision_pretrained=true) has "
+                f"{key}: the pretrained EfficientNet-Lite0 (vision_pretrained=true) has "
                 f"width and depth 1.0, got {sizes[0]} and {sizes[1]} (a smaller encoder: "
                 "vision_pretrained=false)"
             )

