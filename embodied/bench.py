@@ -250,6 +250,9 @@ def run_bench(
         key = _task_key(item, cfg, policies.key)
         path = out_dir / "tasks" / f"{_file_name(item.name)}.json"
         kept = _kept_results(path, key, counted)
+        if kept is not None and cfg.videos and not _have_videos(kept, out_dir):
+            print(f"{counted}: its earlier results have no video; run again", flush=True)
+            kept = None
         if kept is not None:
             for r in kept:  # (a file written before rows said so)
                 r.setdefault("held_out", not item.env.no_held_out)
@@ -298,9 +301,12 @@ def _task_key(item: BenchItem, cfg: BenchConfig, policy_key: str) -> str:
         "first_seed": eval_seed(cfg.seed, held_out=True),  # (results on older seeds run again)
         "policy": policy_key,
     }
-    if not cfg.videos:  # (rows made without videos were kept, unsaid, when videos were asked for)
-        made_from["videos"] = False
     return hashlib.sha1(json.dumps(made_from, sort_keys=True).encode()).hexdigest()
+
+
+def _have_videos(rows: list[dict], out_dir: Path) -> bool:
+    """Whether each kept row's video is there (rows made with ``videos: false`` have none)."""
+    return all(r.get("video") and (out_dir / r["video"]).is_file() for r in rows)
 
 
 def _kept_results(path: Path, key: str, counted: str) -> list[dict] | None:

@@ -374,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, UserError) as e:
-        return _error(str(e))
+    except (ConfigError, UserError) as e:  # (with its notes: demos' "the N episodes kept are in")
+        return _error("; ".join([str(e), *getattr(e, "__notes__", [])]))
     except KeyboardInterrupt:
         saves = args.command in ("train", "sft")  # the commands that write checkpoints as they go
         print(

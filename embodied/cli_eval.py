@@ -55,6 +55,10 @@ def _keep(record: dict, checkpoint: Path) -> int:
 
     path = checkpoint / "eval.json"
     if not (checkpoint / META).is_file():  # (writing would make a checkpoint of one file)
+        for video in checkpoint.glob("eval_*.mp4"):  # (--video made the directory again)
+            video.unlink()
+        if checkpoint.is_dir() and not any(checkpoint.iterdir()):
+            checkpoint.rmdir()
         _error(f"{checkpoint} is gone (its run pruned it?): the result above is not kept")
         return 1
     try:

@@ -388,6 +388,18 @@ class DemoDataset:
 
     @staticmethod
     def load(root: str | Path) -> DemoDataset:
+        try:
+            return DemoDataset._read(Path(root))
+        except UserError:
+            raise
+        except (OSError, ValueError) as e:  # (a partly copied directory: a file missing or cut)
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise UserError(
+                f"{root}: not a readable dataset ({type(e).__name__}: {first})"
+            ) from None
+
+    @staticmethod
+    def _read(root: Path) -> DemoDataset:
         import pandas as pd
         from PIL import Image
 

@@ -112,7 +112,11 @@ def load_policy(checkpoint: str | Path | dict, device="cpu"):
     ckpt = checkpoint if isinstance(checkpoint, dict) else load_policy_checkpoint(checkpoint)
     cfg = trained_config(ckpt["path"], ckpt["meta"])
     policy = build_policy(EnvSpec.from_dict(ckpt["meta"]["spec"]), cfg.policy).to(device)
-    policy.load_state_dict(ckpt["model"])
+    try:
+        policy.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # (a file its config names changed since: a vlm_path's model)
+        detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+        raise UserError(f"{ckpt['path']}: its weights do not fit its policy ({detail})") from None
     return policy.eval(), cfg
 
 

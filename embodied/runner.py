@@ -13,6 +13,7 @@ an update it finishes the iteration first.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from embodied import numerics
 from embodied.checkpoint import CheckpointWriteError, checkpoint_dir
+from embodied.cluster.config import ignored_in_one_process
 from embodied.config import to_dict
 from embodied.episode_stats import EpisodeStats
 from embodied.evaluations import Evaluations
@@ -93,6 +95,8 @@ def _train_in(run_dir: Path, cfg: TrainConfig, resume: dict | None) -> dict:
 
         roles = ray_roles(cfg, resume, run_dir)
     else:
+        if note := ignored_in_one_process(cfg.cluster):
+            print(note, file=sys.stderr)
         env = make_env(cfg.env)
         try:
             roles = local_roles(cfg, env, resume)

@@ -326,6 +326,7 @@ class SFTRun:
 
     def _evaluate(self) -> None:
         """An evaluation of this step's weights on the selection seeds, recorded and logged."""
+        self._check_finite()  # (NaN weights' actions: a simulator's error, or a 0 logged)
         self.learner.refresh()
         results = evaluate_tasks(
             self.policy,

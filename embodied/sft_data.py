@@ -165,8 +165,8 @@ def check_fits(
         lacking = [k for k in privileged if privileged_key(k) not in features]
         if lacking:
             problems.append(f"no {lacking} (the policy reads them: policy.privileged_keys)")
-        for key in sorted(set(privileged) - set(lacking)):
-            size = features[privileged_key(key)]["shape"][0]
+        for key in sorted(set(privileged) - set(lacking) & set(spec.obs.privileged)):
+            size = features[privileged_key(key)]["shape"][0]  # (one the env lacks: the policy's)
             if size != math.prod(spec.obs.privileged[key]):
                 problems.append(f"{size} {key}, the policy's {math.prod(spec.obs.privileged[key])}")
         if problems:

@@ -331,11 +331,6 @@ CASES = [
     ),
     (["train", M, "cluster.actor.resources.sim=-1"], ["cluster.actor.resources", "sim"]),
     (["train", M, "cluster.max_staleness=1"], ["cluster.max_staleness", "cluster.enabled=true"]),
-    (  # (one process trained alone, its saved config saying two actor workers)
-        ["train", M, "cluster.actor.workers=2", "cluster.placement=disaggregated"],
-        ["cluster.placement: applies to the roles on Ray", "set cluster.enabled=true"],
-    ),
-    (["train", M, "cluster.actor.workers=2"], ["cluster.actor.workers: applies to the roles"]),
     (
         ["train", V, "algorithm.groups_per_batch=10"],
         ["algorithm.groups_per_batch: 10 groups, but an update's 3 rounds", "give at most 9"],

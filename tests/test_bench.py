@@ -281,8 +281,11 @@ def test_a_checkpoint_rewritten_at_the_same_path_is_evaluated_again(tmp_path, ca
     assert [p.name for p in (tmp_path / "out" / "t").iterdir()] == ["run_iter_000001"]
     # rows made without videos are not kept where videos are asked for now
     bench(suite(tmp_path, [{"env": REACH}], episodes=2, videos=True), checkpoint=ckpt)
-    assert "kept" not in capsys.readouterr().out
+    assert "its earlier results have no video; run again" in capsys.readouterr().out
     assert (tmp_path / "out" / "t" / "run_iter_000001" / "videos").is_dir()
+    bench(suite(tmp_path, [{"env": REACH}], episodes=2, videos=False), checkpoint=ckpt)
+    assert "finished in an earlier run, kept" in capsys.readouterr().out  # (videos serve it)
+    suite(tmp_path, [{"env": REACH}], episodes=2, videos=True)
     assert main([*train, "runner.overwrite=true", "seed=1"]) == 0  # the same checkpoints/iter_1
     capsys.readouterr()
     bench(path, checkpoint=ckpt)

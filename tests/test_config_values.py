@@ -260,3 +260,21 @@ def test_yes_no_on_off_are_text_for_a_text_setting_and_booleans_for_a_flag(tmp_p
     overrides = ["runner={name: off, video: yes, progress: no}"]
     cfg = load_config(TrainConfig, path, overrides, files=False)[0]
     assert (cfg.runner.name, cfg.runner.video, cfg.runner.progress) == ("off", True, False)
+
+
+def test_cluster_settings_that_a_run_in_one_process_ignores_are_said():
+    """A cluster line copied without ``cluster.enabled=true`` trained in one process, its saved
+    config saying two actor workers; a note, not an error (a cluster config run with
+    ``cluster.enabled=false``, for a replay or on one machine, is meant)."""
+    from embodied.cluster.config import ignored_in_one_process
+
+    cluster = load(
+        "cluster.actor.workers=2", "cluster.placement=disaggregated", "cluster.offload_optimizer=1"
+    ).cluster
+    assert ignored_in_one_process(cluster) == (
+        "note: cluster.placement, cluster.actor.workers apply to the roles on Ray; "
+        "cluster.enabled is false, so this run, in one process, ignores them"
+    )
+    assert ignored_in_one_process(load("cluster.offload_optimizer=true").cluster) is None
+    on_ray = load("cluster.enabled=true", "cluster.actor.workers=2").cluster
+    assert ignored_in_one_process(on_ray) is None

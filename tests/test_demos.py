@@ -10,7 +10,7 @@ from embodied.checkpoint import save_checkpoint
 from embodied.cli import main
 from embodied.dataset import DemoDataset
 from embodied.models import ActorCritic, ActorCriticConfig
-from embodied.schema import EnvSpec, ObsSpec
+from embodied.schema import EnvSpec, ObsSpec, UserError
 from embodied.simulators.maniskill import ManiSkillConfig, ManiSkillEnv
 from embodied.train_config import TrainConfig, run_meta
 
@@ -237,7 +237,9 @@ def test_a_stop_keeps_the_episodes_recorded_before_it(tmp_path, capsys, monkeypa
     assert ds.num_episodes == 2 and len(ds) == 200
 
 
-def test_an_error_mid_recording_keeps_the_episodes_recorded_before_it(tmp_path, monkeypatch):
+def test_an_error_mid_recording_keeps_the_episodes_recorded_before_it(
+    tmp_path, monkeypatch, capsys
+):
     """A simulator's error in the second round: its traceback (it was one line and exit code 2,
     as bad input) and the dataset of the first round's two episodes (they were thrown away)."""
     import embodied.demos as demos
@@ -260,3 +262,19 @@ def test_an_error_mid_recording_keeps_the_episodes_recorded_before_it(tmp_path, 
         f"embodied demos: the 2 episodes kept are in {tmp_path / 'ds'}"
     ]
     assert DemoDataset.load(tmp_path / "ds").num_episodes == 2
+    # a user's error (a non-finite action, a full contact buffer): one line, the note in it
+    rounds.clear()
+    again = [*argv, "env.num_envs=2", "env.image_size=32", f"output={tmp_path / 'again'}"]
+
+    def user_error(*args, **kwargs):
+        rounds.append(1)
+        if len(rounds) == 2:
+            raise UserError("MuJoCo pick: the actions of environments [0] are not finite")
+        return attempt(*args, **kwargs)
+
+    monkeypatch.setattr(demos, "_attempt", user_error)
+    assert main(again) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith(
+        f"not finite; embodied demos: the 2 episodes kept are in {tmp_path / 'again'}"
+    )

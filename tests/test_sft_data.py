@@ -70,6 +70,20 @@ def test_a_privileged_key_of_another_size_is_named():
     with pytest.raises(UserError) as refused:
         fits(info(privileged={"goal_pos": 2}), privileged=("goal_pos",))
     assert str(refused.value).endswith("does not fit the policy: 2 goal_pos, the policy's 3")
+    # one the environment lacks (one task's of several): the policy's own error names it
+    fits(info(privileged={"is_grasped": 1}), privileged=("is_grasped",))
+
+
+def test_a_dataset_missing_a_file_is_one_line_naming_it(tmp_path):
+    """A partly copied directory (info.json there, stats.json not) was a FileNotFoundError
+    traceback from `embodied sft`."""
+    from embodied.dataset import DemoDataset
+
+    root = written(tmp_path / "partial")
+    (root / "meta" / "stats.json").unlink()
+    with pytest.raises(UserError) as refused:
+        DemoDataset.load(root)
+    assert str(refused.value).startswith(f"{root}: not a readable dataset (FileNotFoundError: ")
 
 
 def written(root, state: int = 4, image: int = 8, goal: int = 0, actions=None):

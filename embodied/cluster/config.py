@@ -138,27 +138,35 @@ class ClusterConfig:
             raise ValueError(f"sync_bucket_mb: must be > 0, got {self.sync_bucket_mb}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts: must be >= 0, got {self.max_restarts}")
-        if not self.enabled and (key := _set_for_ray(self)):
-            raise ValueError(
-                f"{key}: applies to the roles on Ray, and cluster.enabled is false (one "
-                "process would ignore it); set cluster.enabled=true"
-            )
 
 
 ONE_PROCESS = ("enabled", "address", "offload_optimizer")  # (what a run without Ray reads)
 
 
-def _set_for_ray(cfg: ClusterConfig) -> str | None:
-    """The first setting of ``cfg`` that differs from its default and only Ray reads."""
+def ignored_in_one_process(cfg: ClusterConfig) -> str | None:
+    """A note naming the settings of ``cfg`` that only Ray reads, where they differ from their
+    defaults and ``cluster.enabled`` is false: a run in one process ignores them (a cluster
+    line copied without ``enabled`` trained alone, unsaid). A note, not an error: a cluster
+    config run with ``cluster.enabled=false`` (a replay, a try on one machine) is meant."""
+    if cfg.enabled:
+        return None
     default = ClusterConfig()
+    keys = []
     for f in fields(cfg):
         mine, theirs = getattr(cfg, f.name), getattr(default, f.name)
         if f.name in ONE_PROCESS or mine == theirs:
             continue
-        if is_dataclass(mine):  # (a role's: name the field)
-            inner = next(
-                g.name for g in fields(mine) if getattr(mine, g.name) != getattr(theirs, g.name)
-            )
-            return f"{f.name}.{inner}"
-        return f.name
-    return None
+        if is_dataclass(mine):  # (a role's: name its fields)
+            keys += [
+                f"cluster.{f.name}.{g.name}"
+                for g in fields(mine)
+                if getattr(mine, g.name) != getattr(theirs, g.name)
+            ]
+        else:
+            keys.append(f"cluster.{f.name}")
+    if not keys:
+        return None
+    return (
+        f"note: {', '.join(keys)} apply to the roles on Ray; cluster.enabled is false, so this "
+        "run, in one process, ignores them"
+    )

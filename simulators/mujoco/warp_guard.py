@@ -21,8 +21,9 @@ import torch
 from embodied.schema import UserError
 
 
-class BufferOverflow(RuntimeError):
-    """A world needed more contacts or constraints than MuJoCo Warp's buffers hold."""
+class BufferOverflow(UserError, RuntimeError):
+    """A world needed more contacts or constraints than MuJoCo Warp's buffers hold (its message
+    names the setting that raises them: a user's fix, one line)."""
 
 
 class LaggedRead:
