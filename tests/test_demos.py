@@ -245,15 +245,19 @@ def test_an_error_mid_recording_keeps_the_episodes_recorded_before_it(
     import embodied.demos as demos
 
     attempt = demos._attempt
-    rounds = []
 
-    def then_fail(*args, **kwargs):
-        rounds.append(1)
-        if len(rounds) == 2:
-            raise RuntimeError("the simulator died")
-        return attempt(*args, **kwargs)
+    def failing_in_round_2(error: Exception):
+        rounds = []
 
-    monkeypatch.setattr(demos, "_attempt", then_fail)
+        def then_fail(*args, **kwargs):
+            rounds.append(1)
+            if len(rounds) == 2:
+                raise error
+            return attempt(*args, **kwargs)
+
+        return then_fail
+
+    monkeypatch.setattr(demos, "_attempt", failing_in_round_2(RuntimeError("the simulator died")))
     argv = ["demos", "configs/mujoco/demos_pick.yaml", "episodes=6", "max_attempts=6"]
     small = ["env.num_envs=2", "env.image_size=32", f"output={tmp_path / 'ds'}"]
     with pytest.raises(RuntimeError, match="the simulator died") as raised:
@@ -263,16 +267,9 @@ def test_an_error_mid_recording_keeps_the_episodes_recorded_before_it(
     ]
     assert DemoDataset.load(tmp_path / "ds").num_episodes == 2
     # a user's error (a non-finite action, a full contact buffer): one line, the note in it
-    rounds.clear()
     again = [*argv, "env.num_envs=2", "env.image_size=32", f"output={tmp_path / 'again'}"]
-
-    def user_error(*args, **kwargs):
-        rounds.append(1)
-        if len(rounds) == 2:
-            raise UserError("MuJoCo pick: the actions of environments [0] are not finite")
-        return attempt(*args, **kwargs)
-
-    monkeypatch.setattr(demos, "_attempt", user_error)
+    not_finite = UserError("MuJoCo pick: the actions of environments [0] are not finite")
+    monkeypatch.setattr(demos, "_attempt", failing_in_round_2(not_finite))
     assert main(again) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.endswith(
