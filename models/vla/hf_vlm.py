@@ -7,10 +7,12 @@ tower, projector, language model; the LM head is dropped); the language model's 
 states, with their attention mask, become fusion tokens. Nothing is fetched: the directory holds
 config.json, the weights and the processor files, as ``save_pretrained`` writes them.
 
-Without torchvision (the CPU install) transformers cannot build the video half of some processors
-(Qwen2.5-VL's, SmolVLM's); images need no torchvision, so such a processor is replaced by its
-tokenizer and image processor and the image placeholders are expanded here, the way the family's
-processor does it (without SmolVLM's decorative wrapper tokens around an image).
+Each camera image is one whole image: SmolVLM's processor would otherwise tile a large image into
+crops, each with its own tokens (SmolVLM2's files: up to 17 images' tokens per camera).
+Without torchvision transformers cannot build the video half of some processors (Qwen2.5-VL's,
+SmolVLM's); images need no torchvision, so such a processor is replaced by its tokenizer and image
+processor and the image placeholders are expanded here, as the family's processor does it: the
+same token ids either way (tests/models/test_hf_vlm.py).
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ class ImagesOnlyProcessor:
         self.image_seq_length = getattr(
             self.image_processor, "image_seq_length", None
         ) or extra.get("image_seq_len")
+        # SmolVLM and Idefics3 mark a whole image as their processors do: fake, global, fake
+        self.image_prefix, self.image_suffix = "", ""
+        self.splits_images = hasattr(self.image_processor, "do_image_splitting")
+        if self.splits_images:
+            fake = getattr(self.tokenizer, "fake_image_token", None) or "<fake_token_around_image>"
+            whole = getattr(self.tokenizer, "global_image_token", None) or "<global-img>"
+            self.image_prefix, self.image_suffix = fake + whole, fake
 
     def _tokens_per_image(self, image_inputs, n_images: int) -> list[int]:
         if "image_grid_thw" in image_inputs:  # Qwen2-VL family: one token per merged patch
@@ -64,6 +73,9 @@ class ImagesOnlyProcessor:
             "cannot tell how many tokens an image takes for this model; install its full processor"
         )
 
+    def _image_tokens(self, count: int) -> str:
+        return self.image_prefix + self.image_token * count + self.image_suffix
+
     def __call__(
         self,
         *,
@@ -71,23 +83,19 @@ class ImagesOnlyProcessor:
         images: list[list[np.ndarray]],
         return_tensors: str = "pt",
         padding=True,
+        do_image_splitting: bool = False,
     ):
+        if do_image_splitting:
+            raise ValueError("ImagesOnlyProcessor takes each image whole, not in tiles")
         flat = [im for sample in images for im in sample]
-        # one global image per camera (SmolVLM would tile large images into crops with their own
-        # tokens)
-        options = (
-            {"do_image_splitting": False}
-            if hasattr(self.image_processor, "do_image_splitting")
-            else {}
-        )
+        options = {"do_image_splitting": False} if self.splits_images else {}
         image_inputs = self.image_processor(images=flat, return_tensors=return_tensors, **options)
         counts = iter(self._tokens_per_image(image_inputs, len(flat)))
         expanded = []
         for prompt in text:
             parts = prompt.split(self.image_token)
-            expanded.append(
-                parts[0] + "".join(self.image_token * next(counts) + p for p in parts[1:])
-            )
+            images_then_text = (self._image_tokens(next(counts)) + p for p in parts[1:])
+            expanded.append(parts[0] + "".join(images_then_text))
         text_inputs = self.tokenizer(expanded, return_tensors=return_tensors, padding=padding)
         return {**text_inputs, **image_inputs}
 
@@ -165,6 +173,10 @@ class HFVisionLanguage(nn.Module):
         marks = ("<|vision_start|>", "<|vision_end|>")
         known = all(tok.convert_tokens_to_ids(m) not in (None, tok.unk_token_id) for m in marks)
         self.image_prompt = marks[0] + self.image_token + marks[1] if known else self.image_token
+        # one whole image per camera, not SmolVLM's tiles (their tokens grow with the resize)
+        image_processor = getattr(self.processor, "image_processor", None)
+        splits = hasattr(image_processor, "do_image_splitting")
+        self.image_options = {"do_image_splitting": False} if splits else {}
         self.freeze = freeze
         self.requires_grad_(not freeze)
         self.model.eval()
@@ -182,7 +194,9 @@ class HFVisionLanguage(nn.Module):
         frames = [cam.cpu().numpy() for cam in images]  # the processors take host images
         prompts = [self.image_prompt * len(images) + text for text in instructions]
         per_sample = [[f[b] for f in frames] for b in range(len(instructions))]
-        inputs = self.processor(text=prompts, images=per_sample, return_tensors="pt", padding=True)
+        inputs = self.processor(
+            text=prompts, images=per_sample, return_tensors="pt", padding=True, **self.image_options
+        )
         inputs = {
             k: v.to(device)
             for k, v in dict(inputs).items()

@@ -6,7 +6,7 @@ fine-tuned."""
 import pytest
 import torch
 from test_vla import HEADS, SPEC, tiny
-from tiny_vlms import FAMILIES, not_a_vlm, smolvlm
+from tiny_vlms import FAMILIES, not_a_vlm, qwen2_5_vl, smolvlm
 
 from embodied.contract import check_policy, random_observation
 from embodied.models import build_policy
@@ -119,3 +119,32 @@ def test_a_directory_whose_weights_do_not_fit_its_config_is_a_one_line_error(tmp
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(VLMNotFound, match=f"^policy.vlm_path: {path} cannot be loaded"):
         HFVisionLanguage(path)
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_5_vl"])
+def test_each_camera_is_one_whole_image_with_or_without_the_full_processor(tmp_path, family):
+    """SmolVLM2's files tile a large image into crops, each with its own tokens: each camera is
+    one whole image instead (2 x (4 image + 3 mark) + 3 text = 17 tokens here, not 81 with 2x2
+    tiles). The processor an install without torchvision falls back on gives the same token ids
+    and pixels as the family's own, marks included."""
+    import numpy as np
+
+    from embodied.models.vla.hf_vlm import HFVisionLanguage, ImagesOnlyProcessor
+
+    if family == "smolvlm":
+        path = smolvlm(tmp_path / family, tiles=True)
+    else:
+        path = qwen2_5_vl(tmp_path / family)
+    vlm = HFVisionLanguage(path)
+    images = np.random.default_rng(0).integers(0, 256, (2, 2, 64, 48, 3), dtype=np.uint8)
+    hidden, mask = vlm(list(torch.from_numpy(images).unbind(1)), ["push the cube", "pick the cube"])
+    if family == "smolvlm":
+        assert mask.shape == (2, 17)
+    text = [vlm.image_prompt * 2 + words for words in ("push the cube", "pick the red cube")]
+    per_sample = [list(cameras) for cameras in images]
+    full = vlm.processor(
+        text=text, images=per_sample, return_tensors="pt", padding=True, **vlm.image_options
+    )
+    alone = ImagesOnlyProcessor(path)(text=text, images=per_sample)
+    for key in ("input_ids", "attention_mask", "pixel_values"):  # (images batched or flat)
+        assert torch.equal(full[key].flatten(), alone[key].flatten()), key

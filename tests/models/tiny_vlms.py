@@ -152,9 +152,11 @@ def smolvlm(
     vision: dict | None = None,
     text: dict | None = None,
     weights: bool = True,
+    tiles: bool = False,
 ) -> Path:
-    """A SmolVLM2 directory; tiny by default. ``vision`` / ``text`` override the towers' sizes, and
-    ``weights=False`` writes the config alone (for SmolVLA's ``load_vlm_weights: false``)."""
+    """A SmolVLM2 directory; tiny by default. ``vision`` / ``text`` override the towers' sizes,
+    ``weights=False`` writes the config alone (for SmolVLA's ``load_vlm_weights: false``) and
+    ``tiles=True`` an image processor that tiles, as SmolVLM2's files do (2x2 crops here)."""
     from transformers import (
         SmolVLMConfig,
         SmolVLMForConditionalGeneration,
@@ -173,8 +175,8 @@ def smolvlm(
         end_of_utterance_token="<end_of_utterance>",
     )
     processor = SmolVLMImageProcessorPil(
-        do_image_splitting=False,
-        size={"longest_edge": image},
+        do_image_splitting=tiles,
+        size={"longest_edge": 2 * image if tiles else image},
         max_image_size={"longest_edge": image},
     )
     cfg = SmolVLMConfig(
