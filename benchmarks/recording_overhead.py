@@ -5,14 +5,17 @@ wall time between consecutive metric rows), and the records' disk per 1,000 env 
 
     python benchmarks/recording_overhead.py configs/maniskill/pushcube_ppo.yaml --iterations 6
     python benchmarks/recording_overhead.py configs/maniskill/multitask_vla_grpo.yaml \
-        runner.init_from=null runner.total_env_steps=5400 runner.max_minutes=5 --iterations 3
+        runner.init_from=null env.max_episode_steps=50 runner.max_minutes=5 --iterations 3
 
-(overrides right after the config; they come after the script's own, so they win)
+(overrides right after the config; they come after the script's own, so they win). A GRPO
+iteration is one round here (``algorithm.max_rounds=1``: an episode per environment), so its
+size is known before the run; that needs ``env.max_episode_steps``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -25,6 +28,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def iteration_steps(cfg) -> tuple[int, list[str]]:
+    """The env steps of one iteration and the overrides that fix them: PPO's ``num_steps``
+    chunks; GRPO's one round of an episode per environment."""
+    chunk = cfg.policy.chunk_size
+    if cfg.algorithm.name != "grpo":
+        return cfg.env.num_envs * chunk * cfg.algorithm.num_steps, []
+    limit = getattr(cfg.env, "max_episode_steps", None)
+    if limit is None:
+        raise SystemExit("recording_overhead: a GRPO config needs env.max_episode_steps")
+    return cfg.env.num_envs * chunk * math.ceil(limit / chunk), ["algorithm.max_rounds=1"]
+
+
 def run(config: str, out: Path, name: str, record: int, iterations: int, extra: list[str]):
     """One training run; (seconds per iteration after the first, env steps, (bytes of the
     recorded rounds, bytes of the rest: the learner's state and the metadata))."""
@@ -33,8 +48,9 @@ def run(config: str, out: Path, name: str, record: int, iterations: int, extra: 
     from embodied.train_config import TrainConfig
 
     cfg = load_config(TrainConfig, ROOT / config, extra)[0]
-    steps = cfg.env.num_envs * cfg.policy.chunk_size * getattr(cfg.algorithm, "num_steps", 1)
+    steps, sizing = iteration_steps(cfg)
     overrides = [
+        *sizing,
         f"runner.total_env_steps={steps * iterations}",
         f"runner.record_rollouts={record}",
         f"runner.keep_rollouts={iterations}",
@@ -51,6 +67,8 @@ def run(config: str, out: Path, name: str, record: int, iterations: int, extra: 
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     rows = read_metrics(out / name / "metrics.jsonl")  # (a non-finite number as NaN)
     training = [r for r in rows if "time/rollout_s" in r]
+    if len(training) < 2:
+        raise SystemExit(f"recording_overhead: {name} ran {len(training)} iteration(s), not 2+")
     seconds = [60 * (b["time/minutes"] - a["time/minutes"]) for a, b in zip(training, training[1:])]
     files = [f for f in (out / name / "rollouts").rglob("*") if f.is_file()] if record else []
     rounds = sum(f.stat().st_size for f in files if f.name == "rounds.safetensors.zst")

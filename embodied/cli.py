@@ -376,12 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ConfigError, UserError) as e:  # (with its notes: demos' "the N episodes kept are in")
         return _error("; ".join([str(e), *getattr(e, "__notes__", [])]))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (a stop in the training loop saves and returns: not here)
         saves = args.command in ("train", "sft")  # the commands that write checkpoints as they go
-        print(
-            "interrupted" + ("; the last checkpoint is in the run directory" if saves else ""),
-            file=sys.stderr,
-        )
+        said = "; nothing was saved since the run's last checkpoint, if it has one"
+        print("interrupted" + (said if saves else ""), file=sys.stderr)
         return 130
 
 

@@ -41,14 +41,22 @@ class Stopped(Exception):
 class NonFiniteUpdate(Exception):
     """An update whose loss or gradient norm is not finite: the weights it stepped are not
     usable, so the run stops there, unsaved (its last checkpoint stays the newest); ``str()``
-    is one line naming the iteration, the values, the update's record and that checkpoint."""
+    is one line naming the iteration (SFT's: ``unit="step"``), the values, the update's record
+    and that checkpoint."""
 
-    def __init__(self, iteration: int, values: dict, record: Path | None, saved: Path | None):
+    def __init__(
+        self,
+        iteration: int,
+        values: dict,
+        record: Path | None,
+        saved: Path | None,
+        unit: str = "iteration",
+    ):
         found = ", ".join(f"{key} {value}" for key, value in values.items())
         before = f"; its record {record} holds the weights before it" if record else ""
         kept = f"the last checkpoint is {saved}" if saved else "no checkpoint was saved before it"
         super().__init__(
-            f"iteration {iteration}: the update is not finite ({found}), so the weights it "
+            f"{unit} {iteration}: the update is not finite ({found}), so the weights it "
             f"stepped are not usable and the run stopped{before}; {kept}"
         )
         self.iteration = iteration

@@ -4,8 +4,8 @@ Reads one or more demonstration datasets (one task each, or mixed), installs the
 normalization statistics in the policy (state mean/std, action 1st/99th percentiles), trains the
 policy's own ``bc_loss`` on random frames with the next K actions as the target chunk, evaluates
 success per task in the simulator, and writes a checkpoint that ``embodied eval`` and RL
-fine-tuning (``policy_init``) load. With a frozen image encoder the image features of every frame
-are computed once and reused (the encoder is deterministic: BatchNorm in eval mode).
+fine-tuning (``runner.init_from``) load. With a frozen image encoder the image features of every
+frame are computed once and reused (the encoder is deterministic: BatchNorm in eval mode).
 
 The update runs on the configured backend (``trainer.backend``, ``trainer.tensor_parallel``) as
 RL's does: ``BCLearner`` holds the policy and its ``TrainEngine`` (AdamW with the config's weight
@@ -243,7 +243,7 @@ class SFTRun:
         """Stop, unsaved, where a step so far had a non-finite loss or gradient norm: its
         weights are not usable (one NaN made them all NaN, and SFT saved them)."""
         if found := self.watch.first():
-            raise NonFiniteUpdate(*found, None, self.saved)
+            raise NonFiniteUpdate(*found, None, self.saved, unit="step")
 
     def train(self) -> None:
         cfg = self.cfg

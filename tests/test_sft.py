@@ -148,7 +148,7 @@ def test_a_step_that_is_not_finite_stops_the_run_unsaved(tmp_path, dataset, monk
     # an evaluation due at 5 reads it first (it acted with NaN weights: a simulator's error)
     assert main(["sft", sft_config(tmp_path, dataset, "nan"), "runner.eval_every=5"]) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("embodied: error: iteration 3: the update is not finite (sft/loss nan")
+    assert last.startswith("embodied: error: step 3: the update is not finite (sft/loss nan")
     assert last.endswith("; no checkpoint was saved before it")
     assert not (tmp_path / "nan" / "last").exists() and len(calls) == 5
 
