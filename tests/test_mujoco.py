@@ -76,6 +76,44 @@ def test_a_non_finite_action_is_a_one_line_error_and_steps_nothing():
         assert torch.equal(after, fresh.step(torch.zeros(3, 6)).obs.state)  # as if never sent
 
 
+def test_actions_not_one_row_per_world_are_a_one_line_error():
+    """A [1, 6] row was added to every world's servo targets (broadcast): each world did world
+    0's action."""
+    with MuJoCoEnv(MuJoCoConfig(task="push", num_envs=3)) as env:
+        env.reset(seed=[1, 2, 3])
+        for shape in ((1, 6), (6,), (3, 5)):
+            with pytest.raises(UserError) as raised:
+                env.step(torch.zeros(shape))
+            assert str(raised.value) == f"MuJoCo push: actions of shape {shape}, expected (3, 6)"
+
+
+def test_the_home_pose_noise_is_uniform_over_what_each_joint_range_holds():
+    """The wrist's home angle is 0.018 rad inside its target bound: clamping +-0.1 rad of noise
+    put 40% of the episodes' wrists on that bound. Each joint is uniform over the part of its
+    +-noise its range holds (the others as before: home + (2u - 1) noise)."""
+    from embodied.simulators.mujoco.arm import JOINTS
+    from embodied.simulators.mujoco.streams import Streams
+    from embodied.simulators.mujoco.worlds import HIGH, HOME_POSE, LOW, draw_initial
+
+    ids = torch.arange(20_000)
+    streams = Streams(len(ids), torch.device("cpu"))
+    streams.reseed(ids, ids)
+    joints = draw_initial(streams, TASKS["pick"], ids, 0.1).joints.double()  # [N, 6]
+    low = torch.tensor([max(h - 0.1, lo) for h, lo in zip(HOME_POSE, LOW)], dtype=torch.float64)
+    high = torch.tensor([min(h + 0.1, hi) for h, hi in zip(HOME_POSE, HIGH)], dtype=torch.float64)
+    assert high[JOINTS.index("wrist_flex")] < HOME_POSE[JOINTS.index("wrist_flex")] + 0.02
+    assert ((joints >= low - 1e-6) & (joints <= high + 1e-6)).all()
+    assert (joints == torch.tensor(HIGH, dtype=torch.float64)).double().mean() < 1e-3
+    # uniform: the mean in the middle, a quarter below the first quarter (+-4 standard errors)
+    torch.testing.assert_close(
+        joints.mean(0), (low + high) / 2, atol=4 * 0.2 / 12**0.5 / 141, rtol=0
+    )
+    below = (joints < low + (high - low) / 4).double().mean(0)
+    torch.testing.assert_close(
+        below, torch.full((6,), 0.25, dtype=torch.float64), atol=0.013, rtol=0
+    )
+
+
 def test_servos_follow_the_commanded_deltas():
     with MuJoCoEnv(MuJoCoConfig(task="reach", num_envs=2)) as env:
         start = env.reset(seed=0).state[:, :6]
@@ -112,6 +150,25 @@ def test_push_success_is_the_cube_on_the_target():
     )
     assert success.tolist() == [True, False]
     np.testing.assert_allclose(reward[1], (1.0 + 2.0 * (1.0 - math.tanh(0.5))) / 3.0, rtol=1e-6)
+
+
+def test_push_succeeds_inside_the_red_disc_it_draws():
+    """The disc was drawn 3 cm across the centre, and success needed 2.5 cm: a cube inside the
+    red target the camera shows failed."""
+    import mujoco
+
+    from embodied.simulators.mujoco.worlds import build_model
+
+    model = build_model(MuJoCoConfig(task="push"), TASKS["push"])
+    radius = float(model.geom_size[int(model.body_geomadr[model.body("goal").id]), 0])
+    goal = torch.tensor([[0.25, 0.0, 0.001]] * 2)
+    cube = goal + torch.tensor([[radius - 1e-4, 0.0, 0.014], [radius + 1e-4, 0.0, 0.014]])
+    _, success = TASKS["push"].evaluate({"tcp_pos": cube, "goal_pos": goal, "cube_pos": cube})
+    assert (
+        model.geom_type[int(model.body_geomadr[model.body("goal").id])]
+        == mujoco.mjtGeom.mjGEOM_CYLINDER
+    )
+    assert success.tolist() == [True, False]
 
 
 def test_unknown_task_is_a_clear_error():

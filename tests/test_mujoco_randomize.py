@@ -29,10 +29,11 @@ WIDE = RandomizeConfig(
 )
 
 
-def _env(backend: str, task: str, randomize: RandomizeConfig, n: int = 8):
+def _env(backend: str, task: str, randomize: RandomizeConfig, n: int = 8, **cfg):
     if backend == "warp":
         pytest.importorskip("mujoco_warp")
-    return make_env(MuJoCoConfig(task=task, num_envs=n, backend=backend, randomize=randomize))
+    cfg = MuJoCoConfig(task=task, num_envs=n, backend=backend, randomize=randomize, **cfg)
+    return make_env(cfg)
 
 
 def test_uniforms_become_the_ranges_golden():
@@ -57,7 +58,9 @@ def test_uniforms_become_the_ranges_golden():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_turning_randomisation_on_changes_no_initial_place(backend):
     ranges = WIDE if backend == "rollout" else replace(WIDE, light=0.0)  # (warp: no brightness)
-    with _env(backend, "push", RandomizeConfig()) as plain, _env(backend, "push", ranges) as wide:
+    rgb = {"obs_mode": "rgb", "image_size": 16}  # (the camera's and light's ranges act on images)
+    plain = _env(backend, "push", RandomizeConfig(), **rgb)
+    with plain, _env(backend, "push", ranges, **rgb) as wide:
         a = plain.reset(seed=list(range(8))).privileged
         b = wide.reset(seed=list(range(8))).privileged
         torch.testing.assert_close(a["goal_pos"], b["goal_pos"])
@@ -213,6 +216,67 @@ def test_the_cube_slides_on_the_table_at_its_worlds_friction(backend):
                 assert contact.friction[0] == pytest.approx(float(scale[i]), rel=1e-6)
 
 
+def _cube_contacts(model: mujoco.MjModel, places: np.ndarray) -> list[list[tuple]]:
+    """The cube's contacts (other geom, friction) with the cube at each of ``places``."""
+    data = mujoco.MjData(model)
+    cube = int(model.body_geomadr[model.body("cube").id])
+    at = int(model.jnt_qposadr[model.body_jntadr[model.body("cube").id]])
+    found = []
+    for place in places:
+        data.qpos[at : at + 3] = place
+        mujoco.mj_forward(model, data)
+        pairs = [(c.geom1, c.geom2, c.friction[0]) for c in data.contact[: data.ncon]]
+        found.append([(a + b - cube, f) for a, b, f in pairs if cube in (a, b)])
+    return found
+
+
+def _around_the_jaw(model: mujoco.MjModel, n: int) -> np.ndarray:
+    data = mujoco.MjData(model)
+    mujoco.mj_forward(model, data)
+    jaw = data.geom("fixed_jaw_pad").xpos  # f64 [3]
+    return jaw + np.random.default_rng(0).uniform(-0.05, 0.05, (n, 3))
+
+
+def test_an_enlarged_cube_meets_the_arm_where_mujoco_compiled_at_its_size_would():
+    """MuJoCo tests a body's bounding box before its geoms. The cube's stayed the 3 cm box as
+    written, so an arm link inside a 1.3x cube's faces touched nothing (189 of 1,414 places)."""
+    from embodied.simulators.mujoco.arm import scene
+    from embodied.simulators.mujoco.worlds import Randomized
+
+    task, scale = TASKS["pick"], 1.3
+    written = f'size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}"'
+    assert written in task.bodies
+    half = CUBE_HALF * scale
+    bodies = task.bodies.replace(written, f'size="{half} {half} {half}"')
+    compiled = mujoco.MjModel.from_xml_string(scene(bodies, task.sensors))
+    ours = mujoco.MjModel.from_xml_string(scene(task.bodies, task.sensors))
+    Randomized.of(ours)._apply_cube(ours, scale, 1.0)
+    places = _around_the_jaw(compiled, 600)
+    table = compiled.geom("table").id
+    touches = [{g for g, _ in c if g != table} for c in _cube_contacts(compiled, places)]
+    assert sum(bool(t) for t in touches) > 100  # (the arm's links around the places)
+    assert [{g for g, _ in c if g != table} for c in _cube_contacts(ours, places)] == touches
+
+
+def test_a_world_below_1_has_its_friction_in_every_contact_of_the_cube():
+    """A contact takes the larger of its two geoms' frictions: a world drawn at 0.5 had the
+    cube slide on the arm's finger boxes at 1.0 (the pads and the table alone scaled)."""
+    from embodied.simulators.mujoco.worlds import Randomized, build_model
+
+    model = build_model(MuJoCoConfig(task="pick"), TASKS["pick"])
+    nominal = model.geom_friction[:, 0].copy()
+    params = draw(RandomizeConfig(friction=0.5), torch.zeros(1, NUM_DRAWS))
+    assert float(params.friction_scale[0]) == 0.5
+    Randomized.of(model).apply(model, params, 0)
+    cube = int(model.body_geomadr[model.body("cube").id])
+    seen = set()
+    for contacts in _cube_contacts(model, _around_the_jaw(model, 300)):
+        for other, friction in contacts:
+            assert friction == pytest.approx(0.5 * max(nominal[other], nominal[cube]), rel=1e-9)
+            seen.add(model.geom(other).name)
+    assert {"fixed_finger", "fixed_jaw_pad"} <= seen, seen
+
+
 def test_each_world_draw_is_kept_with_its_recorded_episode(tmp_path, capsys):
     import pyarrow.parquet as pq
 
@@ -267,12 +331,16 @@ def test_a_range_out_of_bounds_is_named_under_randomize(ranges, message):
             "has none",
         ),
         (["env.nconmax=64"], "env.nconmax: sizes MuJoCo Warp's buffers (env.backend=warp)"),
+        (
+            ["env.randomize.camera_pos=0.02"],
+            "env.randomize.camera_pos: varies the images, and obs_mode=state has none",
+        ),
     ],
 )
 def test_a_setting_its_backend_or_task_would_ignore_is_a_one_line_config_error(
     overrides, message, capsys
 ):
     """Before, each was accepted and did nothing; the light's range was recorded with each
-    demonstration's world as if applied."""
+    demonstration's world as if applied, and a state policy's camera range too."""
     rc, err = run_cli(["train", "configs/mujoco/reach_ppo.yaml", *overrides], capsys)
     one_line_error(rc, err, message)

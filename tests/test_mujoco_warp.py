@@ -30,9 +30,12 @@ from embodied.simulators.mujoco.warp_guard import BufferOverflow, LaggedRead  # 
 # In contact the two pipelines (MuJoCo's C collision functions and solver in float64, MuJoCo
 # Warp's in float32) part by millimetres, and a squeezed gripper settles 0.1 rad apart. That is
 # the backends, not chaos: the rollout backend against itself with 1e-6 rad moved joints stays
-# within 1e-5 on the same actions. These bounds hold for these seeds: other worlds part further
-# (push's joints by 0.147 rad over seeds 100-131, measured before the streams changed), which the
-# experts' success over 100 seeds on both backends measures instead (test_mujoco_experts.py).
+# within 1e-5 on the same actions. In contact a world may part further: a push that moves the
+# cube on one backend and slips past it on the other (over seeds 100-131, 3 of push's 32 worlds'
+# cubes parted by more than its bound below, by up to 0.27 m, where the wrist's start is uniform
+# over its range; 1 of 32 while 40% of the wrists started on its bound). So in contact each
+# bound holds in all but one of the 8 worlds; the experts' success over 100 seeds on both
+# backends measures the rest (test_mujoco_experts.py).
 TOLERANCE = {
     "reach": {"joint": 1.6e-6, "tcp_pos": 2.4e-7},
     "push": {"joint": 0.032, "tcp_pos": 0.0071, "cube_pos": 0.049},
@@ -66,7 +69,7 @@ def test_both_backends_start_alike_and_follow_the_same_trajectories(task):
         )
     g = torch.Generator().manual_seed(0)
     expert = EXPERTS[task]()
-    worst = dict.fromkeys(TOLERANCE[task], 0.0)
+    worst = {key: torch.zeros(len(SEEDS)) for key in TOLERANCE[task]}  # f32 [8]: each world's
     obs_r = first_r
     for _ in range(50):
         if task == "reach":
@@ -76,13 +79,14 @@ def test_both_backends_start_alike_and_follow_the_same_trajectories(task):
         out_w = warp.step(actions)
         out_r = rollout.step(actions)
         obs_r = out_r.obs
-        joint = (out_w.obs.state[:, :6] - out_r.obs.state[:, :6]).abs().max().item()
-        worst["joint"] = max(worst["joint"], joint)
+        joint = (out_w.obs.state[:, :6] - out_r.obs.state[:, :6]).abs().amax(1)
+        worst["joint"] = torch.maximum(worst["joint"], joint)
         for key in set(worst) - {"joint"}:
-            gap = (out_w.obs.privileged[key] - out_r.obs.privileged[key]).norm(dim=-1).max()
-            worst[key] = max(worst[key], gap.item())
+            gap = (out_w.obs.privileged[key] - out_r.obs.privileged[key]).norm(dim=-1)
+            worst[key] = torch.maximum(worst[key], gap)
         assert torch.equal(out_w.truncated, out_r.truncated)
-    assert all(worst[k] <= TOLERANCE[task][k] for k in worst), worst
+    parted = {key: int((worst[key] > TOLERANCE[task][key]).sum()) for key in worst}
+    assert all(n <= (0 if task == "reach" else 1) for n in parted.values()), (parted, worst)
 
 
 def test_equal_seeds_give_equal_worlds_and_a_masked_reset_leaves_the_others():
@@ -179,6 +183,14 @@ def _push(**kw) -> object:
     env = make_env(cfg)
     env.reset(seed=[1, 2, 3])
     return env
+
+
+def test_actions_not_one_row_per_world_are_a_one_line_error():
+    """A [1, 6] row broadcast to every world (each did world 0's action)."""
+    with _push() as env:
+        with pytest.raises(UserError) as raised:
+            env.step(torch.zeros(1, 6))
+    assert str(raised.value) == "MuJoCo Warp task 'push': actions of shape (1, 6), expected (3, 6)"
 
 
 def test_a_non_finite_action_acts_as_zero_and_is_an_error_where_episodes_end():

@@ -289,7 +289,7 @@ def test_on_a_gpu_randomized_worlds_are_the_cpu_devices_and_never_wait_on_the_de
         pytest.skip("needs CUDA")
     from embodied.simulators.mujoco.randomize import RandomizeConfig
 
-    spread = RandomizeConfig(cube_size=0.3, mass=0.3, friction=0.3, servo_gain=0.3, camera_pos=0.02)
+    spread = RandomizeConfig(cube_size=0.3, mass=0.3, friction=0.3, servo_gain=0.3)
     cfg = dict(task="push", num_envs=8, backend="warp", max_episode_steps=50, randomize=spread)
     gpu = make_env(MuJoCoConfig(device="cuda", **cfg))
     cpu = make_env(MuJoCoConfig(device="cpu", **cfg))

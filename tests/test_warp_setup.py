@@ -74,3 +74,26 @@ def test_warm_steps_every_scene_and_says_what_it_compiled():
         if not line.startswith("MuJoCo Warp: compiled")  # (a cold cache)
     ]
     assert [scene and scene.group(1) for scene in scenes] == ["pick", "push", "reach", "renderer"]
+
+
+def test_warp_without_mujoco_warp_is_the_one_line_install_hint(monkeypatch):
+    """warp-lang comes with other packages: without mujoco-warp beside it, a ModuleNotFoundError
+    traceback."""
+    from embodied.schema import UserError
+    from embodied.simulators.mujoco.warp_setup import require_warp
+
+    monkeypatch.setitem(sys.modules, "mujoco_warp", None)
+    with pytest.raises(UserError, match=r"^env.backend=warp needs MuJoCo Warp: pip install"):
+        require_warp()
+
+
+def test_a_cuda_architecture_without_a_cuda_cache_is_refused(monkeypatch, capsys):
+    """`warm --cuda-arch 80` warmed the CPU cache alone and said nothing of the 80."""
+    from embodied.simulators.mujoco import warm
+
+    monkeypatch.setattr(sys, "argv", ["warm", "--cuda-arch", "80"])
+    monkeypatch.setattr(warm, "warm", lambda device: pytest.fail("warmed"))
+    with pytest.raises(SystemExit) as stopped:
+        warm.main()
+    assert stopped.value.code == 2
+    assert "--cuda-arch: only with --cuda-cache DIR" in capsys.readouterr().err

@@ -25,7 +25,9 @@ class MuJoCoConfig(SimulatorConfig):
     render_size: int = 128
     max_episode_steps: int | None = None  # None: the task's own
     ignore_terminations: bool = True  # success does not end the episode (see ManiSkillConfig)
-    home_noise: float = 0.1  # radians of uniform noise on the home pose at reset
+    # radians: each joint uniform within this of its home angle at reset (where its range
+    # allows)
+    home_noise: float = 0.1
     backend: str = "rollout"  # rollout: mujoco.rollout on the CPU | warp: MuJoCo Warp
     device: str = "cpu"  # the warp backend's device: cpu (Warp's CPU device) | cuda | cuda:N
     nconmax: int | None = None  # warp: contacts per world (pooled over worlds); None: its default
@@ -82,6 +84,9 @@ class MuJoCoConfig(SimulatorConfig):
                 "randomize.light: the warp backend cannot vary the light's brightness (MuJoCo "
                 "Warp's renderer has no per-world light intensity); env.backend=rollout does"
             )
+        seen = [name for name in ("camera_pos", "light_pos", "light") if getattr(r, name)]
+        if seen and self.obs_mode == "state":  # (no image: only evaluation videos would show it)
+            return f"randomize.{seen[0]}: varies the images, and obs_mode=state has none"
         cube = [name for name in ("cube_size", "cube_yaw", "mass") if getattr(r, name)]
         if cube and "cube_pos" not in TASKS[self.task].privileged:
             return f"randomize.{cube[0]}: the {self.task} task has no cube to vary"

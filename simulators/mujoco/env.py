@@ -37,6 +37,7 @@ from embodied.simulators.mujoco.worlds import (  # noqa: E402
     MAX_DELTA,
     Randomized,
     build_model,
+    check_action_shape,
     draw_initial,
     make_spec,
     reseed,
@@ -159,6 +160,7 @@ class MuJoCoEnv:
     def step(self, actions: torch.Tensor) -> StepOutput:
         """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA; a non-finite
         one is a UserError (it would hold the servo target at NaN until the episode ends)."""
+        check_action_shape(f"MuJoCo {self.task.name}", actions, self.num_envs)
         a = actions.detach().cpu().numpy().astype(np.float64)  # f64 [B, 6]
         finite = np.isfinite(a).all(axis=1)  # bool [B]
         if not finite.all():

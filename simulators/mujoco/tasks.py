@@ -16,9 +16,11 @@ GOAL_MARKER = (
     '<geom type="sphere" size="0.015" rgba="0.1 0.9 0.1 0.6" contype="0" conaffinity="0"/>'
     "</body>"
 )
+PUSH_RADIUS = 0.025  # metres: push succeeds with the cube's centre within the red disc drawn
 GOAL_REGION = (
     '<body name="goal" mocap="true" pos="0.2 0 0.001">'
-    '<geom type="cylinder" size="0.03 0.001" rgba="0.9 0.1 0.1 0.7" contype="0" conaffinity="0"/>'
+    f'<geom type="cylinder" size="{PUSH_RADIUS} 0.001" rgba="0.9 0.1 0.1 0.7" contype="0" '
+    'conaffinity="0"/>'
     "</body>"
 )
 CUBE_HALF = 0.015  # metres
@@ -98,7 +100,7 @@ class Push(Task):
         behind = torch.cat([behind_xy, cube[:, 2:]], 1)
         reach = 1.0 - torch.tanh(10.0 * torch.linalg.vector_norm(tcp - behind, dim=-1))
         place = 1.0 - torch.tanh(10.0 * d_goal)
-        success = d_goal < 0.025
+        success = d_goal < PUSH_RADIUS
         return ((reach + 2.0 * place) / 3.0).masked_fill(success, 1.0), success
 
     def cube_under(self, goal, size_range):

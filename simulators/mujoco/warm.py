@@ -49,17 +49,18 @@ def main() -> None:
     )
     parser.add_argument(
         "--cuda-arch",
-        default="90",
         help="with --cuda-cache: the GPUs' architectures, comma-separated (H100, H200: 90)",
     )
     args = parser.parse_args()
+    if args.cuda_arch is not None and not args.cuda_cache:
+        parser.error("--cuda-arch: only with --cuda-cache DIR (it names the GPUs to build for)")
     if args.cuda_cache and args.device != "cpu":
         sys.exit("warm: --cuda-cache compiles on Warp's CPU device; leave out --device")
     building = contextlib.nullcontext(None)
     if args.cuda_cache:
         from embodied.simulators.mujoco.warp_aot import compiling_for_cuda
 
-        building = compiling_for_cuda(args.cuda_cache, cuda_archs(parser, args.cuda_arch))
+        building = compiling_for_cuda(args.cuda_cache, cuda_archs(parser, args.cuda_arch or "90"))
     with building as cuda:
         warm(args.device)
     if cuda is not None:

@@ -46,6 +46,7 @@ from embodied.simulators.mujoco.worlds import (
     MAX_DELTA,
     Randomized,
     build_model,
+    check_action_shape,
     draw_initial,
     make_spec,
     reseed,
@@ -357,6 +358,9 @@ class MuJoCoWarpEnv:
     def step(self, actions: torch.Tensor) -> StepOutput:
         """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA; a world's
         non-finite action acts as 0 and is an error at the next look (warp_guard.py)."""
+        check_action_shape(
+            f"MuJoCo Warp task {self.task.name!r}", actions, self.num_envs
+        )  # (host metadata: no sync)
         delta = self._guard.finite(actions.to(self.device, torch.float32))
         delta = delta.clamp(-MAX_DELTA, MAX_DELTA)
         self._target = torch.clamp(self._target + delta, self._low, self._high)

@@ -20,20 +20,24 @@ MUJOCO_WARP_VERSION = "3.8.1"
 
 def require_warp() -> tuple[ModuleType, ModuleType]:
     """(warp, mujoco_warp), or a one-line UserError saying what to install."""
+    missing = UserError(
+        "env.backend=warp needs MuJoCo Warp: pip install 'embodied[warp]' "
+        f"(mujoco-warp=={MUJOCO_WARP_VERSION} warp-lang=={WARP_VERSION})"
+    )
     try:
         import warp
     except ImportError:
-        raise UserError(
-            "env.backend=warp needs MuJoCo Warp: pip install 'embodied[warp]' "
-            f"(mujoco-warp=={MUJOCO_WARP_VERSION} warp-lang=={WARP_VERSION})"
-        ) from None
+        raise missing from None
     if warp.__version__ != WARP_VERSION:
         raise UserError(
             f"env.backend=warp: warp-lang {warp.__version__} is installed, but mujoco-warp "
             f"{MUJOCO_WARP_VERSION}'s kernels compile with warp-lang {WARP_VERSION}: "
             f"pip install warp-lang=={WARP_VERSION}"
         )
-    import mujoco_warp
+    try:  # (warp-lang alone comes with other packages)
+        import mujoco_warp
+    except ImportError:
+        raise missing from None
 
     warp.config.quiet = True  # one line for the first compile (below), not one per module
     # the GPU's own machine code (cubin) in Warp's cache; where the driver is newer than Warp's
