@@ -22,6 +22,8 @@ def _cameras(values: list[str]) -> dict[str, str]:
                 f"--camera {v!r}: expected NAME=SOURCE "
                 "(an OpenCV index or device; the twin: front or wrist)"
             )
+        if name in out:
+            raise ValueError(f"--camera {name}: given twice ({out[name]!r} and {source!r})")
         out[name] = source
     return out
 
@@ -246,10 +248,8 @@ def add_robot_commands(sub) -> None:
     _add_read_arm(sub)
 
 
-def _add_arm_options(parser) -> None:
-    parser.add_argument(
-        "--robot", default="so101", help="so100 | so101 | koch | so100-sim | so101-sim"
-    )
+def _add_arm_options(parser, robots: str = "so100 | so101 | koch | so100-sim | so101-sim") -> None:
+    parser.add_argument("--robot", default="so101", help=robots)
     parser.add_argument(
         "--robot.port", dest="robot_port", help="the arm's serial port, e.g. /dev/ttyACM0"
     )
@@ -305,13 +305,14 @@ def _add_deploy(sub) -> None:
     y = sub.add_parser(
         "deploy",
         help="drive a robot arm (or its digital twin) with a checkpoint",
-        description="Run CHECKPOINT on an SO-100/SO-101/Koch arm through LeRobot's drivers (or "
+        description="Run CHECKPOINT on an SO-100/SO-101 arm through LeRobot's drivers (or "
         "so101-sim, the MuJoCo twin), every command through the safety layer. Enter, "
         "Ctrl-C or SIGTERM stops; the arm then goes to its safe pose and torque is "
         "switched off there.",
     )
     y.add_argument("checkpoint", help="a checkpoint directory or RUN/last")
-    _add_arm_options(y)
+    # (the Koch is refused until its geometry is in the safety layer)
+    _add_arm_options(y, robots="so100 | so101 | so100-sim | so101-sim")
     y.add_argument("--camera", action="append", help="NAME=SOURCE, once per camera the policy uses")
     y.add_argument(
         "--server", help="ws://HOST:PORT of `embodied serve` (default: infer in this process)"

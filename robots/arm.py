@@ -28,6 +28,9 @@ JOINTS = ("shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_ro
 GRIPPER = JOINTS.index("gripper")
 STATE_NAMES = tuple(f"{j}.pos" for j in JOINTS) + tuple(f"{j}.vel" for j in JOINTS)  # RobotEnv's
 ROBOTS = ("so100", "so101", "koch")  # "-sim" of an SO arm: the digital twin (embodied/twin.py)
+# rad/s: the STS3215's no-load speed at 12 V (0.22 s per 60 degrees), the most robot.max_speed
+# may be: above it the rate limit no longer limits, the moves to the start and safe poses included
+MAX_SPEED = 4.7
 
 
 class RobotError(RuntimeError):
@@ -56,7 +59,7 @@ class ArmConfig:
     instruction: str = ""
     joint_margin: float = 0.05  # radians kept clear of each calibrated end of travel
     # radians per second per joint (the safety layer's rate limit, per step at control_hz): the
-    # speed the MuJoCo tasks allow (0.1 rad a step at 20 Hz), a little under the STS3215's
+    # speed the MuJoCo tasks allow (0.1 rad a step at 20 Hz), under the STS3215's (MAX_SPEED)
     max_speed: float = 2.0
     # the watchdog: without a fresh action for this long an episode stops (the arm holds its last
     # command from a quarter of it); a policy slower than its chunks last needs more
@@ -81,8 +84,11 @@ class ArmConfig:
             raise ValueError("robot: control_hz, image_size and max_episode_steps must be positive")
         if not 0 < self.watchdog_s < math.inf:
             raise ValueError(f"robot.watchdog: seconds, > 0 and finite, got {self.watchdog_s:g}")
-        if not 0 < self.max_speed < math.inf:
-            raise ValueError(f"robot.max_speed: rad/s, > 0 and finite, got {self.max_speed:g}")
+        if not 0 < self.max_speed <= MAX_SPEED:
+            raise ValueError(
+                f"robot.max_speed: rad/s, > 0 and at most {MAX_SPEED} (the STS3215 servos' "
+                f"no-load speed: a faster limit limits nothing), got {self.max_speed:g}"
+            )
         closed, opened = self.gripper_range
         if not (math.isfinite(closed) and math.isfinite(opened) and closed < opened):
             raise ValueError(

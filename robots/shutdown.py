@@ -18,6 +18,8 @@ from embodied.robots.control import Clock, EmergencyStop, RateTimer
 log = logging.getLogger(__name__)
 
 MOVE_ERRORS_MAX = 3  # consecutive bus errors that end the move to the safe pose
+# noted on the error that stopped an arm short of its safe pose (its line is all a user reads)
+TORQUE_STAYS_ON = "the arm did not reach its safe pose: its torque stays on; move it by hand"
 
 
 @dataclass
@@ -237,4 +239,6 @@ class SafeShutdown:
             self.report.raise_first()
         else:
             self.report.attach_to(error)
+            if not self.report.torque_off:  # (a move that timed out notes no failure)
+                error.add_note(TORQUE_STAYS_ON)
         return False  # the body's error, if any, goes on

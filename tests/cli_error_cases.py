@@ -260,6 +260,24 @@ CASES = [
     (["read-arm", "--robot", "so101-sim", "--readings", "0"], ["--readings: must be >= 1"]),
     (["deploy", CK, "--robot", "so101-sim", "--robot.max-speed", "0"], ["max_speed", "got 0"]),
     (["deploy", CK, "--robot", "so101-sim", "--robot.max-speed", "nan"], ["max_speed", "nan"]),
+    # (100 for 1.00: 5 rad a step, past any joint's range: no rate limit, the safe pose's move too)
+    (
+        ["deploy", CK, "--robot", "so101-sim", "--robot.max-speed", "100"],
+        ["robot.max_speed", "at most 4.7", "got 100"],
+    ),
+    (
+        [
+            "deploy",
+            CK,
+            "--robot",
+            "so101-sim",
+            "--camera",
+            "front=front",
+            "--camera",
+            "front=wrist",
+        ],
+        ["--camera front: given twice ('front' and 'wrist')"],
+    ),
     (
         ["deploy", CK, "--robot", "so101-sim", "--robot.gripper-range", "1.7,-0.2"],
         ["robot.gripper_range", "the first smaller, got (1.7, -0.2)"],

@@ -245,6 +245,18 @@ def test_a_deploy_to_a_koch_is_refused_before_anything_is_read_or_connected():
         run_deploy("no/such/checkpoint", ArmConfig(robot="koch", port="/dev/null"))
 
 
+def test_deploys_help_offers_the_arms_it_drives(capsys):
+    """The help named a Koch arm, which deploy always refuses; read-arm still reads one."""
+    from embodied.cli import main
+
+    for command, koch in (("deploy", False), ("read-arm", True)):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        shown = capsys.readouterr().out
+        assert ("koch" in shown.lower()) == koch, shown
+        assert "so101-sim" in shown
+
+
 def test_a_served_policy_may_take_as_long_as_the_watchdog_lets_the_arm_wait(monkeypatch):
     """The client's timeout is --robot.watchdog's (2 s at least): a served policy slower than
     2 s timed out on every request whatever the watchdog said."""

@@ -18,7 +18,11 @@ from embodied.robots.arm import ArmConfig, RobotEnv, connect, default_safety  # 
 from embodied.robots.control import ChunkExecutor, EmergencyStop, run_episode  # noqa: E402
 from embodied.robots.safety import SafetyLayer  # noqa: E402
 from embodied.robots.servo_port import FEETECH_STS, INST_SYNC_WRITE, ticks_to_rad  # noqa: E402
-from embodied.robots.shutdown import MOVE_ERRORS_MAX, SafeShutdown  # noqa: E402
+from embodied.robots.shutdown import (  # noqa: E402
+    MOVE_ERRORS_MAX,
+    TORQUE_STAYS_ON,
+    SafeShutdown,
+)
 
 HZ = 30.0
 FAILING_STEP = 10  # the control step whose goal write fails
@@ -143,12 +147,33 @@ def test_a_dead_bus_keeps_the_torque_on_but_still_disconnects(tmp_path, monkeypa
     assert raised.value is step_errors[0]
     assert len(move_errors) == MOVE_ERRORS_MAX  # then the move gave up
     assert raised.value.__notes__ == [
-        f"safe shutdown: move to the safe pose failed: {e!r}" for e in move_errors
+        *(f"safe shutdown: move to the safe pose failed: {e!r}" for e in move_errors),
+        TORQUE_STAYS_ON,
     ]
     assert not torque_off_writes(port, connected) and all(port.torque().values())  # not dropped
     assert not env.robot.is_connected  # the disconnect was still tried, and done
     assert "the bus keeps failing during the move to the safe pose" in caplog.text
     assert "not at the safe pose: torque stays on" in caplog.text
+
+
+def test_an_error_that_leaves_the_arm_short_of_its_safe_pose_says_its_torque_stays_on(
+    tmp_path, monkeypatch
+):
+    """What stopped the episode (a stalled joint, an obstacle) stops the move to the safe pose
+    too: it times out, with no failure to note, and the error's line (all a user reads) said
+    nothing of the torque left on."""
+    from embodied.robots import shutdown
+
+    env, twin, port = twin_env(tmp_path)
+    monkeypatch.setattr(shutdown, "_step_toward", lambda *args, **kwargs: False)  # (stalled)
+    try:
+        with pytest.raises(ValueError) as raised:
+            with SafeShutdown(env, hz=HZ, timeout_s=2, clock=env.clock) as stopping:
+                raise ValueError("episode 0: the arm did not reach its start pose")
+    finally:
+        env.close()
+    assert raised.value.__notes__ == [TORQUE_STAYS_ON] and not stopping.torque_off
+    assert all(port.torque().values())
 
 
 def test_a_failed_torque_off_is_raised_after_the_disconnect(tmp_path, monkeypatch):
