@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from embodied.schema import Observation, StepOutput, ended_rows, reset_seeds
+from embodied.schema import Observation, StepOutput, UserError, ended_rows, reset_seeds
 
 AUTO_RESET = "auto-reset"  # (a worker's own reset after an episode ended: its seed is its own)
 
@@ -72,6 +72,8 @@ def _serve(conn, make_core: Callable, count: int) -> None:
                 return
     except (KeyboardInterrupt, EOFError):
         return
+    except UserError as e:  # bad input (a task's missing asset): its line, as in one process
+        conn.send(("user_error", str(e)))
     except Exception:  # report to the parent instead of dying silently
         conn.send(("error", traceback.format_exc()))
 
@@ -194,6 +196,8 @@ class WorkerVecEnv:
     def _payload(self, conn):
         """The answer on ``conn``; EOFError where its worker died (the caller names it)."""
         status, payload = conn.recv()
+        if status == "user_error":
+            raise UserError(payload)
         if status == "error":
             raise RuntimeError(f"{self.name} worker failed:\n{payload}")
         return payload
@@ -306,6 +310,13 @@ class WorkerVecEnv:
         workers queue requests in order, so several subsets may be in flight."""
         self._check_open()
         a = actions.detach().to("cpu", torch.float32).numpy()
+        finite = np.isfinite(a).all(axis=1)  # bool [N] (a NaN reached ManiSkill's controllers)
+        if not finite.all():
+            bad = np.flatnonzero(~finite)
+            raise UserError(
+                f"{self._who()}: the actions of environments {env_ids[bad].tolist()} are not "
+                f"finite (first: {a[bad[0]].tolist()})"
+            )
         for w, local, pos in self._split(env_ids):
             self._conns[w].send(("step", (local, a[pos])))
 

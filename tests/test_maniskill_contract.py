@@ -107,6 +107,66 @@ def test_missing_asset_fails_fast_with_a_named_asset_and_no_prompt():
     assert res.returncode != 0 and "MissingAssetError" in res.stderr and "(y|n)" not in res.stdout
 
 
+def test_a_tasks_robot_assets_are_checked_with_the_tasks():
+    """The robot's own assets (its description, meshes) were not checked: every worker failed
+    on them instead."""
+    from mani_skill.utils import assets
+
+    if assets.is_data_source_downloaded("unitree_h1"):
+        pytest.skip("the unitree_h1 assets are installed here")
+    with pytest.raises(
+        MissingAssetError, match=r"unitree_h1 \(expected.*download_asset unitree_h1"
+    ):
+        check_assets("UnitreeH1Stand-v1")
+
+
+def test_control_modes_get_the_contracts_action_space_and_velocities_are_refused():
+    """The checks that a policy's actions are an environment's compare the action space: the
+    target-delta poses were labelled absolute poses, and velocities joint positions."""
+    from embodied.schema import UserError
+    from embodied.simulators.maniskill.tasks import action_space, check_control_mode
+
+    expected = {
+        "pd_ee_target_delta_pose": "ee_delta_pose",
+        "pd_ee_target_delta_pos": "ee_delta_pose",
+        "pd_ee_delta_pose": "ee_delta_pose",
+        "pd_ee_pose": "ee_pose",
+        "pd_joint_pos": "joint_pos",
+        "pd_joint_delta_pos": "joint_delta",
+        "pd_joint_target_delta_pos": "joint_delta",
+    }
+    assert {mode: action_space(mode) for mode in expected} == expected
+    for mode in ("pd_joint_vel", "pd_joint_pos_vel"):
+        with pytest.raises(UserError, match=f"^env.control_mode: {mode} commands velocities"):
+            check_control_mode("PickCube-v1", mode)
+
+
+def test_a_config_of_several_tasks_sets_up_one_only_through_with_task():
+    """with_task kept env.tasks (SFT built every listed task for a dataset of one, and stopped
+    at its first evaluation on KeyError 'all'), task_name named the ignored task, and a
+    ManiSkillEnv ran env.task, ignoring env.tasks."""
+    from embodied.schema import UserError
+
+    several = ManiSkillConfig(tasks=["PickCube-v1", "PullCube-v1"], num_envs=4)
+    assert several.task_name() is None
+    one = several.with_task("PullCube-v1")
+    assert (one.task, one.tasks, one.task_name()) == ("PullCube-v1", [], "PullCube-v1")
+    with pytest.raises(UserError, match=r"^env.tasks: one ManiSkillEnv runs one task"):
+        ManiSkillEnv(several)
+
+
+def test_a_non_finite_action_is_a_one_line_error_before_any_step(env):
+    """A NaN reached ManiSkill's controllers (their drive target) and inf a full-bound command."""
+    from embodied.schema import UserError
+
+    env.reset(seed=0)
+    bad = torch.zeros(3, env.spec.action.dim)
+    bad[2, 0] = float("nan")
+    with pytest.raises(UserError, match=r"the actions of environments \[2\] are not finite"):
+        env.step(bad)
+    assert env.step(torch.zeros(3, env.spec.action.dim)).reward.shape == (3,)
+
+
 def test_unknown_task_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown ManiSkill task 'PushCubez-v1'"):
         check_assets("PushCubez-v1")

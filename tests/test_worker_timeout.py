@@ -1,6 +1,7 @@
 """WorkerVecEnv's timeouts: a worker that hangs is killed, the others are stopped, the env is
 closed, and the error names the simulator, the task, the worker, its environments and their
-seeds; a worker that dies is named the same way, with how it ended. The cores are small numpy
+seeds; a worker that dies is named the same way, with how it ended; a core's user error is that
+error, one line, as in one process. The cores are small numpy
 counters defined here (module level: a spawned worker imports this module to build one).
 
 Real time must pass for a pipe's timeout to fire, so these tests assert only that it fired (the
@@ -19,7 +20,7 @@ import pytest
 import torch
 from clocks import CEILING_S
 
-from embodied.schema import ActionSpec, EnvSpec, ObsSpec
+from embodied.schema import ActionSpec, EnvSpec, ObsSpec, UserError
 from embodied.simulators.libero.config import LiberoConfig
 from embodied.simulators.maniskill import ManiSkillConfig
 from embodied.simulators.workers import WorkerTimeout, WorkerVecEnv
@@ -27,6 +28,7 @@ from embodied.simulators.workers import WorkerTimeout, WorkerVecEnv
 HANG = 99.0  # an action that makes a core's step never return (a simulator stuck in its solver)
 EXIT = 77.0  # an action on which a core's process exits with code 3 (a crash in native code)
 KILL = 55.0  # an action on which a core's process is killed by SIGKILL (the OOM killer's signal)
+REFUSED = 33.0  # an action a core refuses with a UserError (bad input, as LIBERO's NaN check)
 HANG_SEED = 666  # a reset seed that makes a core's reset never return
 STEP_TIMEOUT_S = 1.5
 CEILING = pytest.mark.timeout(120)  # a timeout of seconds that never fires fails here
@@ -70,6 +72,8 @@ class CountingCore:
             os._exit(3)
         if np.any(actions == KILL):
             os.kill(os.getpid(), signal.SIGKILL)
+        if np.any(actions == REFUSED):
+            raise UserError(f"Count-v0: action {REFUSED} refused")
         self.count[ids] += 1
         return self._pack(ids), np.zeros((len(ids), 4), np.float32), None
 
@@ -119,6 +123,29 @@ def test_a_worker_hung_in_a_step_is_killed_and_the_error_names_it():
     assert procs[1].exitcode == 0  # the other: stopped cleanly (it closed its core and returned)
     with pytest.raises(RuntimeError, match="Counter Count-v0: the environments are closed"):
         env.step(torch.zeros(4, 1))
+
+
+@CEILING
+def test_a_cores_user_error_is_itself_and_a_non_finite_action_is_refused_before_any_step():
+    """A core's UserError came back as "Counter worker failed:" and its traceback (exit 1, not
+    the line of bad input); a NaN action reached the simulator (ManiSkill's controllers took it
+    as their drive target)."""
+    env = _counter_env()
+    try:
+        env.reset(seed=7)
+        bad = torch.zeros(4, 1)
+        bad[1, 0], bad[3, 0] = float("nan"), float("inf")
+        with pytest.raises(UserError) as raised:
+            env.step(bad)
+        assert str(raised.value) == (
+            "Counter Count-v0: the actions of environments [1, 3] are not finite (first: [nan])"
+        )
+        assert env.step(torch.zeros(4, 1)).obs.state[:, 0].tolist() == [1, 1, 1, 1]  # (none sent)
+        with pytest.raises(UserError) as raised:
+            env.step(torch.tensor([[0.0], [0.0], [REFUSED], [0.0]]))
+        assert str(raised.value) == f"Count-v0: action {REFUSED} refused"
+    finally:
+        env.close()
 
 
 @CEILING

@@ -26,7 +26,7 @@ from embodied.schema import (
     host_to_device,
 )
 from embodied.simulators.maniskill.serial import SerialEnvs
-from embodied.simulators.maniskill.tasks import check_assets, instruction_for
+from embodied.simulators.maniskill.tasks import action_space, check_assets, instruction_for
 
 # Tasks whose whole episode state is ManiSkill's state dict (bodies, joints, controller) and whose
 # environments are built alike: a seeded reset draws each distinct seed once and copies the state
@@ -214,17 +214,8 @@ class ManiSkillCore:
         mode = self.env.control_mode
         if self._joints is not None and "joint" in mode and len(names) == len(self._joints):
             names = list(self._joints)  # one action per joint, in joint order
-        space = (
-            "ee_delta_pose"
-            if "ee_delta" in mode
-            else "ee_pose"
-            if "ee" in mode
-            else "joint_delta"
-            if "delta" in mode
-            else "joint_pos"
-        )
         spec = ActionSpec(
-            space=space,
+            space=action_space(mode),
             names=tuple(names),
             low=tuple(low),
             high=tuple(high),

@@ -93,6 +93,14 @@ class ManiSkillConfig(SimulatorConfig):
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         check_episode_limit(self.max_episode_steps)
 
+    def task_name(self) -> str | None:
+        return None if self.tasks else self.task  # (with tasks, task is ignored)
+
+    def with_task(self, name: str) -> ManiSkillConfig:
+        """This config set up for the one task ``name`` (its tasks cleared: kept, every listed
+        task was built)."""
+        return SimulatorConfig.with_task(replace(self, tasks=[]), name)
+
 
 def _core_options(cfg: ManiSkillConfig, num_envs: int, sim_backend: str) -> CoreOptions:
     return CoreOptions(
@@ -162,6 +170,11 @@ class ManiSkillEnv:
 
     def __init__(self, cfg: ManiSkillConfig):
         cfg.validate()
+        if cfg.tasks:  # (it would run env.task, which tasks says is ignored)
+            raise UserError(
+                "env.tasks: one ManiSkillEnv runs one task (env.task); embodied.multitask."
+                "make_env runs several"
+            )
         check_assets(cfg.task)  # fail here, before any worker starts
         self.cfg = cfg
         self.num_envs = cfg.num_envs

@@ -58,7 +58,10 @@ def check_assets(task: str) -> None:
             hint = f"registered: {', '.join(sorted(REGISTERED_ENVS)[:12])}, ..."
         raise UserError(f"unknown ManiSkill task {task!r}; {hint}")
     missing = []
-    for asset_id in REGISTERED_ENVS[task].asset_download_ids or []:
+    robot = _default_robot(task)  # (its own assets: a robot's description, meshes)
+    robot_ids = [] if robot is None else _robot_assets(robot)
+    fetch = task  # what download_asset is given: the task fetches the task's own
+    for asset_id in [*(REGISTERED_ENVS[task].asset_download_ids or []), *robot_ids]:
         ids = (
             assets.expand_data_group_into_individual_data_source_ids(asset_id)
             if asset_id in assets.DATA_GROUPS
@@ -68,13 +71,14 @@ def check_assets(task: str) -> None:
             if not assets.is_data_source_downloaded(source_id):
                 src = assets.DATA_SOURCES[source_id]
                 missing.append(f"{source_id} (expected at {src.output_dir / src.target_path})")
+                fetch = source_id if asset_id in robot_ids else fetch
     if missing:
         shown = ", ".join(missing[:3]) + (
             f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         )
         raise MissingAssetError(
             f"ManiSkill task {task} needs assets that are not installed: {shown}. "
-            f"Get them with `python -m mani_skill.utils.download_asset {task}` on a machine with "
+            f"Get them with `python -m mani_skill.utils.download_asset {fetch}` on a machine with "
             "internet, "
             "or set MS_ASSET_DIR to where they are."
         )
@@ -92,9 +96,27 @@ def check_reward_mode(task: str, reward_mode: str) -> None:
         )
 
 
+def action_space(control_mode: str) -> str:
+    """The contract's action space (schema.ACTION_SPACES) of a ManiSkill control mode; a
+    UserError for velocities, which none holds. The checks that a policy's actions are an
+    environment's compare it: pd_ee_target_delta_pose was labelled ee_pose and pd_joint_vel
+    joint_pos, so a policy of absolute poses passed as one of deltas."""
+    if "_vel" in control_mode:
+        raise UserError(
+            f"env.control_mode: {control_mode} commands velocities; the actions a policy gives "
+            "are joint positions or deltas, or end-effector poses or deltas"
+        )
+    delta = "delta" in control_mode
+    if "_ee_" in control_mode:
+        return "ee_delta_pose" if delta else "ee_pose"
+    return "joint_delta" if delta else "joint_pos"
+
+
 def check_control_mode(task: str, control_mode: str | None) -> None:
     """A UserError where the robot of ``task`` (registered) has no controller ``control_mode``
-    (ManiSkill's AssertionError in every worker otherwise)."""
+    (ManiSkill's AssertionError in every worker otherwise), or one of velocities."""
+    if control_mode is not None:
+        action_space(control_mode)
     modes = _control_modes(task)
     if control_mode is None or modes is None or control_mode in modes[1]:
         return
@@ -105,9 +127,9 @@ def check_control_mode(task: str, control_mode: str | None) -> None:
     )
 
 
-def _control_modes(task: str) -> tuple[str, list[str]] | None:
-    """(the task's default robot, its controllers' names), read without building a scene; None
-    where that cannot be read so (a robot of another kind: the worker's error stands)."""
+def _default_robot(task: str) -> str | None:
+    """The registered robot ``task`` builds by default, read without building a scene; None
+    where that cannot be read so (several robots, or one its ``__init__`` names)."""
     import inspect
 
     from mani_skill.agents.registration import REGISTERED_AGENTS
@@ -119,7 +141,24 @@ def _control_modes(task: str) -> tuple[str, list[str]] | None:
     if robot is None and "robot_uids" in parameters:  # (a task of one robot may take none)
         robot = parameters["robot_uids"].default
     if not isinstance(robot, str) or robot not in REGISTERED_AGENTS:
-        return None  # (several robots, or none named)
+        return None
+    return robot
+
+
+def _robot_assets(robot: str) -> list[str]:
+    from mani_skill.agents.registration import REGISTERED_AGENTS
+
+    return list(REGISTERED_AGENTS[robot].asset_download_ids or [])
+
+
+def _control_modes(task: str) -> tuple[str, list[str]] | None:
+    """(the task's default robot, its controllers' names), read without building a scene; None
+    where that cannot be read so (a robot of another kind: the worker's error stands)."""
+    from mani_skill.agents.registration import REGISTERED_AGENTS
+
+    robot = _default_robot(task)
+    if robot is None:
+        return None
     agent = object.__new__(REGISTERED_AGENTS[robot].agent_cls)
     try:  # (the controllers are a property of the agent's class attributes)
         return robot, sorted(agent._controller_configs)
