@@ -218,10 +218,11 @@ def cmd_episodes(args) -> int:
                     continue
                 video, plot = write_episode(record, episode, out, again)
                 print(f"{summary_line(episode)}: {video or 'no camera'}, {plot}")
-    except UserError as e:  # (a record, a dataset directory, a re-simulation)
+    except (UserError, OSError) as e:  # (a record, a dataset directory, a re-simulation; a
+        # folder this user cannot write, a full disk)
         if datasets is not None:
             print(f"the datasets under {args.to_dataset} are incomplete (no metadata written)")
-        return _error(str(e))
+        return _error(_cannot_write(e) if isinstance(e, OSError) else str(e))
     finally:
         resimulator.close()
     if datasets is not None:
@@ -293,5 +294,12 @@ def cmd_report(args) -> int:
         path = write_report(Path(args.run))
     except UserError as e:
         return _error(str(e))
+    except OSError as e:  # (a colleague's run directory, a read-only mount, a full disk)
+        return _error(_cannot_write(e))
     print(f"wrote {path}")
     return 0
+
+
+def _cannot_write(error: OSError) -> str:
+    where = error.filename or "the output"
+    return f"{where}: cannot write ({error.strerror or error})"

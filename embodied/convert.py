@@ -87,7 +87,10 @@ def _from_checkpoint(source: Path, to: str, tp: int):
     from embodied.checkpoint import load_policy_checkpoint
     from embodied.demos import load_policy
 
-    ckpt = load_policy_checkpoint(source, with_trainer_state=to != "hf")
+    try:
+        ckpt = load_policy_checkpoint(source, with_trainer_state=to != "hf")
+    except FileNotFoundError as e:  # (a frozen-weights file not copied along, say)
+        raise ConvertError(str(e)) from None
     meta = {k: v for k, v in ckpt["meta"].items() if k not in ("shards", "frozen")}
     if to == "hf":
         return lambda out: _vlm_to_hf(ckpt, out)
@@ -148,11 +151,17 @@ def _vlm_to_hf(ckpt: dict, out: Path) -> None:
         )
     import embodied  # noqa: F401  (transformers' vision models need its torchvision workaround)
 
-    full = AutoModelForImageTextToText.from_pretrained(
-        path, local_files_only=True, dtype=torch.float32
-    )
     weights = {k[len(prefix) :]: v for k, v in ckpt["model"].items() if k.startswith(prefix)}
-    full.model.load_state_dict(weights)
+    try:
+        full = AutoModelForImageTextToText.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32
+        )
+        full.model.load_state_dict(weights)
+    except (OSError, ValueError, RuntimeError) as e:  # (another model there now)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConvertError(
+            f"{ckpt['path']}: its policy.vlm_path {path} does not take its weights: {first}"
+        ) from None
     _copy_side_files(path, out)
     full.save_pretrained(out)
 

@@ -10,6 +10,7 @@ collected again), ``record`` (an update recorded for a non-finite loss or a spik
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +56,8 @@ class EventLog:
             end_cut_line(self.path)
             with open(self.path, "a") as f:
                 f.write(json.dumps(asdict(event)) + "\n")
+                f.flush()
+                os.fsync(f.fileno())  # as metrics rows are: the report's status reads both
         return event
 
 

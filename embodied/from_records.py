@@ -149,13 +149,15 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
                     print(_first_update_note(iteration, same))
                 logger.log(metrics, state.env_steps, iteration=state.iteration, replayed=iteration)
                 if bad := not_finite(metrics):  # (its weights are not usable: unsaved)
-                    raise NonFiniteUpdate(state.iteration, bad, None, None)
+                    raise NonFiniteUpdate(iteration, bad, None, None, unit="replayed iteration")
                 if stop.requested and index + 1 < len(iterations):  # (after the last: it ends)
                     _save(cfg, learner, state, run_dir, spec)
                     done = f"stopped after {state.iteration} of {len(iterations)} records"
                     raise Stopped(stop.signum, f"{done}; checkpoint: {run_dir / 'last'}")
     finally:
         logger.close()
+    # (the weights after each update are compared only by the next one's start: the last's here)
+    last_equal = weights_digest(learner.engine.torch_policy) == record.meta["digest_after"]
     print(
         f"{len(iterations) - len(off_policy)} of {len(iterations)} updates started from the "
         "recorded run's own weights (on-policy); "
@@ -164,6 +166,8 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
             "log-probabilities)"
             if off_policy
             else "the run reproduces the recorded one"
+            if last_equal
+            else f"the weights after record {iterations[-1]}'s update differ from the recording"
         )
     )
     _save(cfg, learner, state, run_dir, spec)

@@ -8,7 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from embodied.checkpoint import fsync
+from embodied.checkpoint import fsync, iteration_dirs
 
 RECORDS = "rollouts"
 ABANDONED = "abandoned"  # RUN/rollouts/abandoned: the records a resume took out of the run
@@ -19,11 +19,14 @@ def record_dir(run_dir: Path, iteration: int) -> Path:
 
 
 def recorded_iterations(run_dir: Path) -> list[int]:
-    """The iterations with a record under RUN/rollouts, in order (not one still staged; a
-    damaged one is ``read_record``'s to name)."""
-    paths = (Path(run_dir) / RECORDS).glob("iter_[0-9]*")
-    done = [p for p in paths if p.is_dir() and p.suffix != ".tmp"]
-    return sorted(int(p.name.split("_")[1]) for p in done)
+    """The iterations with a record under RUN/rollouts, in order: folders named ``iter_N`` and
+    nothing else (not one still staged, nor a user's copy, ``iter_000005.bak``: its number
+    stopped the run's next record, ``iter_000005_orig`` counted 5 twice); a damaged one is
+    ``read_record``'s to name."""
+    folder = Path(run_dir) / RECORDS
+    if not folder.is_dir():
+        return []
+    return [iteration for iteration, path in iteration_dirs(folder) if path.is_dir()]
 
 
 def prune_records(run_dir: Path, keep: int) -> list[int]:

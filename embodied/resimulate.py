@@ -180,7 +180,7 @@ def _obs_divergences(recorded: Observation, again: Observation, K: int, atol: fl
     for name, (before, resimulated) in pairs.items():
         before = before.cpu().flatten(2)  # [T, B, D]
         resimulated = resimulated[::K].cpu().flatten(2)  # [T, B, D]
-        differs = (before - resimulated).abs() > atol  # bool [T, B, D]
+        differs = _apart(before, resimulated, atol)  # bool [T, B, D]
         for row in differs.any(2).any(0).nonzero().squeeze(1).tolist():
             t = int(differs[:, row].any(1).nonzero()[0])
             i = int(differs[t, row].nonzero()[0])
@@ -200,7 +200,7 @@ def _first_per_row(found: list[Divergence]) -> list[Divergence]:
 
 def _divergences(recorded: torch.Tensor, resimulated: torch.Tensor, atol: float):
     """Each row's first step whose rewards differ by more than ``atol``."""
-    differs = (recorded - resimulated).abs() > atol  # bool [S, B]
+    differs = _apart(recorded, resimulated, atol)  # bool [S, B]
     found = []
     for row in differs.any(0).nonzero().squeeze(1).tolist():
         step = int(differs[:, row].nonzero()[0])
@@ -208,3 +208,9 @@ def _divergences(recorded: torch.Tensor, resimulated: torch.Tensor, atol: float)
             Divergence(row, step, float(recorded[step, row]), float(resimulated[step, row]))
         )
     return found
+
+
+def _apart(recorded: torch.Tensor, resimulated: torch.Tensor, atol: float) -> torch.Tensor:
+    """Where two values differ by more than ``atol``, a NaN against a number included (``>``
+    is False for a NaN: a re-simulation that blew up agreed with its record)."""
+    return ~torch.isclose(recorded, resimulated, rtol=0.0, atol=atol, equal_nan=True)

@@ -310,6 +310,7 @@ class Runner:
         metrics.update(episodes)
         if bad := not_finite(updated):  # the weights it stepped are not usable: stop, unsaved
             self._log(metrics, done, update_seconds)
+            self.state = self.points.state.copy()  # (the failure event's: the last completed)
             saved = self.points.saved and checkpoint_dir(self.run_dir, self.points.saved)
             raise NonFiniteUpdate(collected.iteration, bad, record, saved or None)
         self.points.complete(state)

@@ -389,6 +389,7 @@ CASES = [
         ["no checkpoint at", "nor is it a Hugging Face model directory (config.json)"],
     ),
     (["convert", CK, "--to", "tpu", f"{R}/o"], ["--to", "'tpu'"]),
+    (["convert", f"{R}/no_weights", "--to", "torch", f"{R}/o"], ["no_weights/model.safetensors"]),
     (["convert", CK, "--to", "torch", "--tensor-parallel", "2", f"{R}/o"], ["--to megatron only"]),
     (["convert", CK, "--to", "megatron", "--tensor-parallel", "0", f"{R}/o"], ["at least 1"]),
     (["convert", CK, "--to", "torch", f"{R}/run"], ["run exists", "new directory"]),

@@ -37,6 +37,8 @@ def paths(tmp_path_factory):
     for name, (file, text) in damaged.items():
         shutil.copytree(ckpt, root / name)
         (root / name / file).write_text(text)
+    shutil.copytree(ckpt, root / "no_weights")  # (copied without its weights file)
+    (root / "no_weights" / "model.safetensors").unlink()
     files = {
         "empty.yaml": "",
         "comments.yaml": "# nothing but a comment\n",

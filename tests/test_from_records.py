@@ -130,18 +130,36 @@ def test_the_first_update_is_compared_with_the_recorded_one_in_its_weights_too(
 def test_an_update_that_is_not_finite_stops_the_run_unsaved(recorded, tmp_path, capsys):
     """Records whose second update ran at a learning rate of 1e30: the third is not finite. The
     run stops there with one line naming it and its record, saving nothing (it trained on and
-    saved the weights it stepped)."""
+    saved the weights it stepped). Replayed from the second, the line names the third record
+    (it named the replay's second update "iteration 2")."""
     records = tmp_path / "blown" / "rollouts"
     shutil.copytree(recorded / "rollouts", records)
+    shutil.rmtree(records / "iter_000001")
     meta_path = records / "iter_000002" / "record.json"
     meta = json.loads(meta_path.read_text())
     meta_path.write_text(json.dumps({**meta, "lr": 1e30}))
     replay = [f"runner.replay_from={records}", f"runner.output_dir={tmp_path}", "runner.name=nan"]
     code, _, err = train(tmp_path, capsys, *replay)
     assert code == 1 and len(err.strip().splitlines()) == 1, err
-    assert "iteration 3: the update is not finite (" in err
+    assert "error: replayed iteration 3: the update is not finite (" in err
     assert "no checkpoint was saved before it" in err and "holds the weights" not in err
     assert not (tmp_path / "nan" / "checkpoints").exists()
+
+
+def test_a_replay_says_it_reproduces_the_recording_only_where_its_last_weights_are_recorded(
+    recorded, tmp_path, capsys
+):
+    """Only the weights before each update were compared: a replay whose last update differed
+    said "the first update differs" and then "the run reproduces the recorded one"."""
+    records = tmp_path / "last" / "rollouts"
+    shutil.copytree(recorded / "rollouts" / "iter_000003", records / "iter_000003")
+    replay = [f"runner.replay_from={records}", f"runner.output_dir={tmp_path}"]
+    code, out, _ = train(tmp_path, capsys, *replay, "runner.name=same")
+    assert code == 0 and "1 of 1 updates" in out and "the run reproduces the recorded one" in out
+    clipped = ["runner.name=clip", "algorithm.max_grad_norm=0.05"]
+    code, out, _ = train(tmp_path, capsys, *replay, *clipped)
+    assert code == 0 and "reproduces" not in out
+    assert "the weights after record 3's update differ from the recording" in out
 
 
 @pytest.mark.parametrize("during", [2, 3])

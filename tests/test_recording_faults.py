@@ -170,6 +170,24 @@ def test_a_non_finite_update_stops_the_run_with_one_line_naming_it(tmp_path, cap
     assert math.isnan(record_meta(run_dir, 2)["metrics"]["policy/loss"])
     events = [(e.kind, e.detail.split(":")[0]) for e in read_events(run_dir)]
     assert events[-2:] == [("record", "iteration 2"), ("failure", "NonFiniteUpdate")]
+    # at the last completed iteration (it named the one that failed, as if done)
+    failure = read_events(run_dir)[-1]
+    assert (failure.iteration, failure.env_steps) == (1, rows[0]["env_steps"])
+
+
+def test_only_folders_named_as_records_are_records(tmp_path):
+    """A user's copy beside the records: iter_000005.bak stopped the run's next record (its
+    number did not parse), iter_000005_orig counted iteration 5 twice (its episodes went into a
+    dataset twice, a replay replayed it twice)."""
+    rollouts = tmp_path / "rollouts"
+    for name in ("iter_000005", "iter_000005.bak", "iter_000005_orig", "iter_000007.tmp"):
+        (rollouts / name).mkdir(parents=True)
+    (rollouts / "iter_000005" / "record.json").write_text('{"reason": "every"}')
+    (rollouts / "iter_000009").write_text("a file")
+    assert recorded_iterations(tmp_path) == [5]
+    assert record_files.prune_records(tmp_path, 0) == [5]
+    assert recorded_iterations(tmp_path) == [] and (rollouts / "iter_000005.bak").is_dir()
+    assert recorded_iterations(tmp_path / "no_run") == []
 
 
 def test_gradient_norms_of_zero_set_no_scale_for_a_spike():

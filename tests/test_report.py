@@ -143,6 +143,36 @@ def test_not_a_run_is_one_line(tmp_path, capsys):
     assert err == f"embodied: error: {tmp_path}: not a training run (no metrics.jsonl)"
 
 
+def test_a_report_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch):
+    """A colleague's run directory, a read-only mount or a full disk: a PermissionError
+    traceback before."""
+    import embodied.report
+
+    lines = [json.dumps(row) for row in HAND_BUILT]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    target = tmp_path / "report.html"
+
+    def refused(path, text):
+        raise PermissionError(13, "Permission denied", str(target))
+
+    monkeypatch.setattr(embodied.report, "write_atomic", refused)
+    capsys.readouterr()
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"embodied: error: {target}: cannot write (Permission denied)"
+
+
+def test_events_are_on_disk_when_added(tmp_path, monkeypatch):
+    """Synced as each metrics row is: after a machine's crash the report's status read an
+    earlier stop where the resume after it was lost."""
+    import os
+
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
+    EventLog(tmp_path).add("resume", 3, 300)
+    assert synced == [str(tmp_path / "events.jsonl")]
+
+
 def _pixels(png: bytes, box: dict) -> np.ndarray:
     """uint8 [H, W, 3] of the screenshot inside an element's box."""
     shot = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))

@@ -3,6 +3,7 @@ chunk starts come back as recorded, a changed action is named where it diverges,
 policy's episodes become a dataset with a frame per step that LeRobot reads and SFT trains on."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -203,3 +204,15 @@ def test_a_chunked_policys_episodes_become_a_dataset_through_resimulation(tmp_pa
     body = {"datasets": [str(dataset)], "env": env, "policy": policy, "steps": 1}
     sft.write_text(json.dumps({**body, "batch_size": 4, "warmup_steps": 1, "runner": runner}))
     assert main(["sft", str(sft)]) == 0
+
+
+def test_a_nan_against_a_number_differs_and_a_nan_against_a_nan_does_not():
+    """``>`` is False for a NaN: a re-simulation that blew up agreed with its record, and its
+    NaN frames went into a dataset."""
+    from embodied.resimulate import _divergences
+
+    recorded = torch.tensor([[1.0, float("nan"), 2.0]])  # [S=1, B=3]
+    again = torch.tensor([[float("nan"), float("nan"), 2.0]])
+    found = _divergences(recorded, again, 0.0)
+    assert [(d.row, d.step, d.recorded) for d in found] == [(0, 0, 1.0)]
+    assert math.isnan(found[0].resimulated)
