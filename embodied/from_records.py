@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from embodied.checkpoint import save_checkpoint
+from embodied.events import EventLog
 from embodied.logger import RunLogger
-from embodied.record_files import RECORDS, recorded_iterations
+from embodied.record_files import RECORDS, record_dir, recorded_iterations
 from embodied.recording import (
     Record,
     RecordError,
@@ -63,6 +64,10 @@ def records_of(source: Path) -> tuple[Path, list[int]]:
         raise RecordError(f"runner.replay_from: {source} holds no rollout records")
     for iteration in found:  # (a damaged one fails before any update, not after some)
         record_meta(run_dir, iteration)
+        path = record_dir(run_dir, iteration)
+        for name in ("rounds.safetensors.zst", "learner.safetensors", "optimizer.pt"):
+            if not (path / name).is_file():  # (a copy cut short; damage inside is read later)
+                raise RecordError(f"{path / name}: missing from the record")
     return run_dir, found
 
 
@@ -130,6 +135,8 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
     """One update per record, in order, each logged; the checkpoint at the end, or at a stop."""
     state = RunState()
     logger = RunLogger(run_dir)
+    events = EventLog(run_dir)  # (the report's status: a replay's end, stop or failure)
+    events.add("start", 0, 0)
     same = None  # whether the first update equals the recorded one
     off_policy = []  # the records replayed from weights other than the recorded run's
     try:
@@ -153,7 +160,23 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
                 if stop.requested and index + 1 < len(iterations):  # (after the last: it ends)
                     _save(cfg, learner, state, run_dir, spec)
                     done = f"stopped after {state.iteration} of {len(iterations)} records"
+                    events.add("stop", state.iteration, state.env_steps, done)
+                    report_at_end(run_dir, cfg.runner.report)
                     raise Stopped(stop.signum, f"{done}; checkpoint: {run_dir / 'last'}")
+    except NonFiniteUpdate as error:  # (at the last update that completed)
+        events.add("failure", state.iteration - 1, None, f"NonFiniteUpdate: {error}")
+        raise
+    except Stopped:
+        raise
+    except RecordError as error:  # (damaged inside: the updates before it are kept)
+        if state.iteration:
+            _save(cfg, learner, state, run_dir, spec)
+            error.add_note(f"the {state.iteration} updates before it are saved: {run_dir}/last")
+        events.add("failure", state.iteration, state.env_steps, "RecordError")
+        raise
+    except BaseException as error:
+        events.add("failure", state.iteration, state.env_steps, f"{type(error).__name__}")
+        raise
     finally:
         logger.close()
     # (the weights after each update are compared only by the next one's start: the last's here)
@@ -171,6 +194,7 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
         )
     )
     _save(cfg, learner, state, run_dir, spec)
+    events.add("end", state.iteration, state.env_steps)
     report_at_end(run_dir, cfg.runner.report)
     return {
         "run_dir": str(run_dir),

@@ -115,7 +115,9 @@ def _header(data: RunData) -> str:
 def _success_section(data: RunData) -> str:
     out = ["<h2>Success</h2>", DEFINITIONS]
     if not data.evaluations:
-        return "\n".join(out + ["<p>No evaluation was logged (runner.eval_every).</p>"])
+        replayed = any("replayed" in row for row in data.iterations)
+        why = "runner.replay_from simulates nothing" if replayed else "runner.eval_every"
+        return "\n".join(out + [f"<p>No evaluation was logged ({why}).</p>"])
     final = data.final or data.evaluations[-1]
     label = (
         "final evaluation" if data.final else f"last evaluation ({_unit(data)} {final.iteration})"

@@ -183,6 +183,7 @@ ALLOWED = {
     },
     "embodied.from_records": {
         "embodied.checkpoint",
+        "embodied.events",
         "embodied.logger",
         "embodied.record_files",
         "embodied.recording",

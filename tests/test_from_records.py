@@ -3,6 +3,7 @@ holds the records it would train on, a config whose policy the records' state do
 a first update that differs from the recorded one in its weights only."""
 
 import json
+import re
 import shutil
 import signal
 
@@ -13,6 +14,7 @@ from scripted_envs import PPO, PushRightEnv, run_on
 
 from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
+from embodied.events import read_events
 from embodied.record_files import recorded_iterations
 from embodied.recording import read_record
 from embodied.report_data import read_run
@@ -106,6 +108,11 @@ def test_the_first_update_is_compared_with_the_recorded_one_in_its_weights_too(
     assert code == 0 and "the first update (iteration 1 of the records) equals" in out
     report = (tmp_path / "same" / "report.html").read_text()
     assert "No iteration was logged" not in report
+    # its end is logged (it read "running, stopped or cut off"), and why it has no evaluation
+    assert [e.kind for e in read_events(tmp_path / "same")] == ["start", "end"]
+    cells = re.findall(r"<td>(.*?)</td>", report)
+    assert cells[cells.index("status") + 1] == "end"
+    assert "No evaluation was logged (runner.replay_from simulates nothing)" in report
     assert "3 of 3 updates" in out
     code, out, _ = train(
         tmp_path, capsys, *replay, "runner.name=clip", "algorithm.max_grad_norm=0.05"
@@ -144,6 +151,8 @@ def test_an_update_that_is_not_finite_stops_the_run_unsaved(recorded, tmp_path, 
     assert "error: replayed iteration 3: the update is not finite (" in err
     assert "no checkpoint was saved before it" in err and "holds the weights" not in err
     assert not (tmp_path / "nan" / "checkpoints").exists()
+    failure = read_events(tmp_path / "nan")[-1]
+    assert (failure.kind, failure.iteration) == ("failure", 1)  # (the update that completed)
 
 
 def test_a_replay_says_it_reproduces_the_recording_only_where_its_last_weights_are_recorded(
@@ -160,6 +169,26 @@ def test_a_replay_says_it_reproduces_the_recording_only_where_its_last_weights_a
     code, out, _ = train(tmp_path, capsys, *replay, *clipped)
     assert code == 0 and "reproduces" not in out
     assert "the weights after record 3's update differ from the recording" in out
+
+
+def test_a_record_cut_short_fails_before_any_update_and_a_damaged_one_keeps_those_done(
+    recorded, tmp_path, capsys
+):
+    """Only record.json was read up front: a later record's missing or damaged file ended the
+    run after the updates before it, and they were lost (no checkpoint)."""
+    records = tmp_path / "damaged" / "rollouts"
+    shutil.copytree(recorded / "rollouts", records)
+    optimizer = records / "iter_000003" / "optimizer.pt"
+    optimizer.unlink()
+    replay = [f"runner.replay_from={records}", f"runner.output_dir={tmp_path}"]
+    code, _, err = train(tmp_path, capsys, *replay, "runner.name=missing")
+    assert code == 2 and f"{optimizer}: missing from the record" in err
+    assert not (tmp_path / "missing").exists()
+    optimizer.write_bytes(b"cut short")
+    code, _, err = train(tmp_path, capsys, *replay, "runner.name=cut")
+    assert code == 2 and f"{optimizer}: damaged" in err, err
+    assert f"the 2 updates before it are saved: {tmp_path / 'cut'}/last" in err
+    assert load_checkpoint(tmp_path / "cut" / "last")["counters"]["iteration"] == 2
 
 
 @pytest.mark.parametrize("during", [2, 3])
@@ -186,3 +215,5 @@ def test_a_stop_signal_saves_the_updates_done(recorded, tmp_path, capsys, monkey
     else:
         assert code == 0 and "stopped" not in err
     assert load_checkpoint(tmp_path / "s" / "last")["counters"]["iteration"] == during
+    events = [(e.kind, e.iteration) for e in read_events(tmp_path / "s")]
+    assert events == [("start", 0), ("stop", 2) if during == 2 else ("end", 3)]
