@@ -129,6 +129,7 @@ def cmd_deploy(args) -> int:
             record=args.record,
             goal=goal,
             seed=args.seed,
+            device=args.device,
         )
     except (DeployError, RobotError, ValueError, OSError) as e:
         # (a camera that stops giving frames: RobotEnv.observe's RobotError; a recording's disk
@@ -316,6 +317,12 @@ def _add_deploy(sub) -> None:
     y.add_argument("--camera", action="append", help="NAME=SOURCE, once per camera the policy uses")
     y.add_argument(
         "--server", help="ws://HOST:PORT of `embodied serve` (default: infer in this process)"
+    )
+    y.add_argument(
+        "--device",
+        default="auto",
+        help="without --server, where the policy runs: auto (cuda where this machine has it, "
+        "else cpu), cpu, cuda or cuda:N",
     )
     y.add_argument(
         "--instruction",

@@ -133,12 +133,14 @@ def run_deploy(
     keyboard: bool | None = None,
     goal: tuple[float, float, float] | None = None,
     seed: int = 0,
+    device: str = "auto",
 ) -> dict:
     """Deploy ``checkpoint`` on the arm of ``arm`` (ArmConfig) for ``episodes`` episodes of
     ``episode_seconds`` (None: as long as its training's), at ``hz`` (None: the rate the policy
     was trained at). Each episode starts
     at the policy's start pose (MuJoCo-trained policies); on the twin the task's scene is set up
-    for it and its success judged."""
+    for it and its success judged. ``device``: where a policy in this process runs (as
+    ``serve``'s: auto is cuda where the machine has it)."""
     from embodied.robots.control import ChunkExecutor, EmergencyStop
     from embodied.robots.shutdown import SafeShutdown
 
@@ -150,7 +152,8 @@ def run_deploy(
         from embodied.twin import twin_views
 
         twin_views(arm)
-    policy, spec, agreed, train_cfg = load_deployable(checkpoint, build=server is None)
+    device = serve_device(device) if server is None else torch.device("cpu")
+    policy, spec, agreed, train_cfg = load_deployable(checkpoint, device, build=server is None)
     _fit_arm(arm, spec, hz, episode_seconds)
     # what can refuse the run does so before the arm is touched: the policy's inputs, the server
     reads = _inputs(spec, arm, train_cfg, goal=goal, twin=twin)
@@ -160,12 +163,12 @@ def run_deploy(
         # the episode's, for a goal its user gives (read at every inference, the warm-up's too)
         scene = Scene(scenes[0].goal)
         env, sim = _robot_env(arm, train_cfg, spec, reads, scene, twin=twin)
-        chunk_of = _chunk_source(policy, client)
+        chunk_of = _chunk_source(policy, client, device=device)
         # safe pose, torque off there, disconnect: always, and a bus error in a step stays the
         # error reported (the shutdown's own failures are noted on it). The stop's signal
         # handlers outlast the shutdown: a second Ctrl-C or a SIGTERM cannot cut it short.
         with EmergencyStop(keyboard=keyboard) as stop, SafeShutdown(env, hz=arm.control_hz) as sd:
-            _warm_up(_chunk_source(policy, client, WARM_UP_S), spec, env)
+            _warm_up(_chunk_source(policy, client, WARM_UP_S, device), spec, env)
             infer = RobotInfer(chunk_of, spec, env)
             new_executor = partial(
                 ChunkExecutor,
@@ -233,12 +236,12 @@ def _client(server: str | None, agreed: dict, watchdog_s: float):
     return PolicyClient(server, agreed, timeout_s=max(2.0, watchdog_s))
 
 
-def _chunk_source(policy, client, timeout_s: float | None = None):
+def _chunk_source(policy, client, timeout_s: float | None = None, device=None):
     """obs -> the next chunk: from the policy server where there is one (a request within
-    ``timeout_s``; None: the client's), else from ``policy``."""
+    ``timeout_s``; None: the client's), else from ``policy`` on ``device``."""
     if client is not None:
         return lambda obs: client.infer(obs_to_wire(obs), timeout_s)
-    return lambda obs: policy_chunk(policy, obs)
+    return lambda obs: policy_chunk(policy, obs.to(device))
 
 
 def _summary(episodes: list[dict], arm, env, shutdown, stop) -> dict:

@@ -212,6 +212,10 @@ CASES = [
     (["serve", CK, "--port", "70000"], ["--port", "70000"]),
     (["serve", CK, "--queue", "0"], ["--queue", "got 0"]),
     (["serve", CK, "--device", "tpu"], ["--device: must be auto, cpu, cuda or cuda:N, got 'tpu'"]),
+    (
+        ["deploy", CK, "--robot", "so101-sim", "--device", "tpu"],
+        ["--device: must be auto, cpu, cuda or cuda:N, got 'tpu'"],
+    ),
     # deploy (--robot so101-sim: the MuJoCo twin; a real arm's cases fail before connecting)
     (["deploy", f"{R}/nowhere", "--robot", "so101-sim"], ["no checkpoint at", "nowhere"]),
     (["deploy", CK, "--robot", "so101-sim", "--camera", "wrist"], ["--camera 'wrist'"]),

@@ -257,6 +257,29 @@ def test_deploys_help_offers_the_arms_it_drives(capsys):
         assert "so101-sim" in shown
 
 
+def test_a_policy_in_the_deploy_process_runs_on_its_device(monkeypatch):
+    """It always ran on the CPU: a VLA on a machine with a GPU outlasted its chunks and the
+    watchdog stopped its episodes. auto is cuda where the machine has it, as serve's."""
+    from embodied import deploy
+
+    asked = []
+
+    def loaded(checkpoint, device, build):
+        asked.append(device)
+        raise deploy.DeployError("loaded")
+
+    monkeypatch.setattr(deploy, "load_deployable", loaded)
+    arm = ArmConfig(robot="so101-sim")
+    for device in ("auto", "cpu"):
+        with pytest.raises(deploy.DeployError, match="loaded"):
+            deploy.run_deploy("ckpt", arm, device=device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(deploy.DeployError, match="loaded"):
+        deploy.run_deploy("ckpt", arm)
+    assert asked == [torch.device("cpu")] * 2 + [torch.device("cuda")]
+
+
 def test_a_served_policy_may_take_as_long_as_the_watchdog_lets_the_arm_wait(monkeypatch):
     """The client's timeout is --robot.watchdog's (2 s at least): a served policy slower than
     2 s timed out on every request whatever the watchdog said."""
