@@ -222,7 +222,7 @@ def cmd_episodes(args) -> int:
         # folder this user cannot write, a full disk)
         if datasets is not None:
             print(f"the datasets under {args.to_dataset} are incomplete (no metadata written)")
-        return _error(_cannot_write(e) if isinstance(e, OSError) else str(e))
+        return _error(_os_error(e) if isinstance(e, OSError) else str(e))
     finally:
         resimulator.close()
     if datasets is not None:
@@ -295,11 +295,11 @@ def cmd_report(args) -> int:
     except UserError as e:
         return _error(str(e))
     except OSError as e:  # (a colleague's run directory, a read-only mount, a full disk)
-        return _error(_cannot_write(e))
+        return _error(_os_error(e))
     print(f"wrote {path}")
     return 0
 
 
-def _cannot_write(error: OSError) -> str:
-    where = error.filename or "the output"
-    return f"{where}: cannot write ({error.strerror or error})"
+def _os_error(error: OSError) -> str:
+    """An OSError of reading or writing a file as one line: the file, then why."""
+    return f"{error.filename}: {error.strerror}" if error.filename else str(error)

@@ -158,9 +158,9 @@ def _vlm_to_hf(ckpt: dict, out: Path) -> None:
         )
         full.model.load_state_dict(weights)
     except (OSError, ValueError, RuntimeError) as e:  # (another model there now)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        said = " ".join(str(e).split()) or type(e).__name__  # (torch's: a header, then why)
         raise ConvertError(
-            f"{ckpt['path']}: its policy.vlm_path {path} does not take its weights: {first}"
+            f"{ckpt['path']}: its policy.vlm_path {path} does not take its weights: {said[:300]}"
         ) from None
     _copy_side_files(path, out)
     full.save_pretrained(out)

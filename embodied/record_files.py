@@ -19,14 +19,15 @@ def record_dir(run_dir: Path, iteration: int) -> Path:
 
 
 def recorded_iterations(run_dir: Path) -> list[int]:
-    """The iterations with a record under RUN/rollouts, in order: folders named ``iter_N`` and
-    nothing else (not one still staged, nor a user's copy, ``iter_000005.bak``: its number
-    stopped the run's next record, ``iter_000005_orig`` counted 5 twice); a damaged one is
-    ``read_record``'s to name."""
+    """The iterations with a record under RUN/rollouts, in order: folders named as
+    ``record_dir`` names them and nothing else (not one still staged, nor a user's copy:
+    ``iter_000005.bak``'s number stopped the run's next record, ``iter_000005_orig`` or
+    ``iter_5`` counted 5 twice); a damaged one is ``read_record``'s to name."""
     folder = Path(run_dir) / RECORDS
     if not folder.is_dir():
         return []
-    return [iteration for iteration, path in iteration_dirs(folder) if path.is_dir()]
+    found = iteration_dirs(folder)  # (iter_5 beside iter_000005: a copy, not a record)
+    return [i for i, path in found if path.is_dir() and path.name == record_dir(run_dir, i).name]
 
 
 def prune_records(run_dir: Path, keep: int) -> list[int]:

@@ -42,6 +42,11 @@ def task_configs(env: SimulatorConfig, tasks: list[str]) -> dict[str, SimulatorC
         )
     configs = {}
     for name in names:
+        if name is None and getattr(env, "tasks", None):  # (its task would be every one listed)
+            raise UserError(
+                f"datasets: one names no task, and env.tasks lists {list(env.tasks)}: set "
+                "env.task to the task it holds, without env.tasks"
+            )
         try:
             configs[name] = env if name is None else env.with_task(name)
         except ValueError as error:

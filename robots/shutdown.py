@@ -18,8 +18,9 @@ from embodied.robots.control import Clock, EmergencyStop, RateTimer
 log = logging.getLogger(__name__)
 
 MOVE_ERRORS_MAX = 3  # consecutive bus errors that end the move to the safe pose
-# noted on the error that stopped an arm short of its safe pose (its line is all a user reads)
+# noted on the error whose shutdown left the torque on (its line is all a user reads)
 TORQUE_STAYS_ON = "the arm did not reach its safe pose: its torque stays on; move it by hand"
+TORQUE_NOT_OFF = "the arm is at its safe pose, but its torque stays on (switching it off failed)"
 
 
 @dataclass
@@ -240,5 +241,6 @@ class SafeShutdown:
         else:
             self.report.attach_to(error)
             if not self.report.torque_off:  # (a move that timed out notes no failure)
-                error.add_note(TORQUE_STAYS_ON)
+                at_safe_pose = "move to the safe pose" in self.report.arrived
+                error.add_note(TORQUE_NOT_OFF if at_safe_pose else TORQUE_STAYS_ON)
         return False  # the body's error, if any, goes on

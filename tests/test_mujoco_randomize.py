@@ -158,6 +158,23 @@ def test_both_backends_randomise_alike():
     assert gap < 1e-4 and apart > 0.05
 
 
+def test_both_backends_place_each_worlds_camera_and_light_alike():
+    """Each world's camera and light rows (MuJoCo Warp's written by torch on its device) are the
+    rollout backend's per-world models' (rgb: a state run may not vary what no image shows)."""
+    ranges = RandomizeConfig(camera_pos=0.02, light_pos=0.1)
+    rgb = {"obs_mode": "rgb", "image_size": 16}
+    warp = _env("warp", "push", ranges, **rgb)
+    with warp, _env("rollout", "push", ranges, **rgb) as rollout:
+        warp.reset(seed=list(range(8)))
+        rollout.reset(seed=list(range(8)))
+        camera = rollout.model.camera("base_camera").id
+        for field, row in (("cam_pos", camera), ("light_pos", 0)):
+            ours = np.stack([getattr(world, field)[row] for world in rollout._models])  # [8, 3]
+            on_warp = warp._batched.view[field][:, row].double().cpu().numpy()
+            np.testing.assert_allclose(on_warp, ours, atol=1e-6, err_msg=field)
+            assert np.abs(ours - getattr(rollout.model, field)[row]).max() > 0.005, field
+
+
 def test_a_worlds_cube_is_the_solid_cube_mujoco_would_compile_at_its_mass_and_size():
     """The cube's inertia is a solid cube's of the drawn mass and size, and what MuJoCo derives
     from them (mj_setConst: the inverse weights that set its contacts' softness, the subtree

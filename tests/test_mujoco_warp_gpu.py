@@ -308,7 +308,8 @@ def test_on_a_gpu_randomized_worlds_are_the_cpu_devices_and_never_wait_on_the_de
     cpu.reset(seed=5)
     for _ in range(4):
         expected = cpu.step(actions)
-    for field in ("cube_scale", "mass_scale", "friction_scale", "gain_scale", "camera_offset"):
+    # (the camera's rows: test_mujoco_randomize.py, rgb, on Warp's CPU device)
+    for field in ("cube_scale", "mass_scale", "friction_scale", "gain_scale"):
         a, b = getattr(gpu.world_params, field).cpu(), getattr(cpu.world_params, field)
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=field)
     torch.testing.assert_close(out.obs.state.cpu(), expected.obs.state, atol=1e-4, rtol=0)

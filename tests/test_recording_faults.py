@@ -180,7 +180,8 @@ def test_only_folders_named_as_records_are_records(tmp_path):
     number did not parse), iter_000005_orig counted iteration 5 twice (its episodes went into a
     dataset twice, a replay replayed it twice)."""
     rollouts = tmp_path / "rollouts"
-    for name in ("iter_000005", "iter_000005.bak", "iter_000005_orig", "iter_000007.tmp"):
+    copies = ("iter_000005.bak", "iter_000005_orig", "iter_5", "iter_0000005", "iter_000007.tmp")
+    for name in ("iter_000005", *copies):
         (rollouts / name).mkdir(parents=True)
     (rollouts / "iter_000005" / "record.json").write_text('{"reason": "every"}')
     (rollouts / "iter_000009").write_text("a file")

@@ -159,7 +159,7 @@ def test_a_report_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypat
     capsys.readouterr()
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"embodied: error: {target}: cannot write (Permission denied)"
+    assert err == f"embodied: error: {target}: Permission denied"
 
 
 def test_events_are_on_disk_when_added(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from embodied.robots.safety import SafetyLayer  # noqa: E402
 from embodied.robots.servo_port import FEETECH_STS, INST_SYNC_WRITE, ticks_to_rad  # noqa: E402
 from embodied.robots.shutdown import (  # noqa: E402
     MOVE_ERRORS_MAX,
+    TORQUE_NOT_OFF,
     TORQUE_STAYS_ON,
     SafeShutdown,
 )
@@ -174,6 +175,24 @@ def test_an_error_that_leaves_the_arm_short_of_its_safe_pose_says_its_torque_sta
         env.close()
     assert raised.value.__notes__ == [TORQUE_STAYS_ON] and not stopping.torque_off
     assert all(port.torque().values())
+
+
+def test_an_error_whose_shutdown_could_not_switch_the_torque_off_says_so(tmp_path, monkeypatch):
+    """At the safe pose, a torque off that fails: noted as such, not as a pose missed."""
+    env, twin, port = twin_env(tmp_path)
+
+    def no_answer(*args, **kwargs):
+        raise ConnectionError("torque off: no status packet")
+
+    monkeypatch.setattr(env.robot.bus, "disable_torque", no_answer)
+    try:
+        with pytest.raises(ValueError) as raised:
+            with SafeShutdown(env, hz=HZ, timeout_s=15, clock=env.clock):
+                raise ValueError("episode 0: stopped")
+    finally:
+        env.close()
+    assert raised.value.__notes__[-1] == TORQUE_NOT_OFF
+    assert TORQUE_STAYS_ON not in raised.value.__notes__
 
 
 def test_a_failed_torque_off_is_raised_after_the_disconnect(tmp_path, monkeypatch):

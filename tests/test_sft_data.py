@@ -165,3 +165,15 @@ def test_a_dataset_with_a_non_finite_number_is_named_with_its_column_and_frame(t
         load_frames([str(root)])
     said = f"datasets: {root}'s action is not finite in 1 frames, first episode 0 frame 2: "
     assert str(refused.value) == said + "[0.0, nan]"
+
+
+def test_a_dataset_of_no_task_with_env_tasks_is_one_line():
+    """Its task was the env's every listed task: SFT trained, then stopped at its first
+    evaluation on KeyError 'all'."""
+    from embodied.sft_data import task_configs
+    from embodied.simulators.maniskill import ManiSkillConfig
+
+    several = ManiSkillConfig(tasks=["PickCube-v1", "PullCube-v1"], num_envs=4)
+    with pytest.raises(UserError, match=r"^datasets: one names no task, and env.tasks lists"):
+        task_configs(several, [None])
+    assert task_configs(several, ["PullCube-v1"])["PullCube-v1"].tasks == []

@@ -60,7 +60,7 @@ def check_assets(task: str) -> None:
     missing = []
     robot = _default_robot(task)  # (its own assets: a robot's description, meshes)
     robot_ids = [] if robot is None else _robot_assets(robot)
-    fetch = task  # what download_asset is given: the task fetches the task's own
+    fetch = []  # what download_asset is given: the task fetches the task's own
     for asset_id in [*(REGISTERED_ENVS[task].asset_download_ids or []), *robot_ids]:
         ids = (
             assets.expand_data_group_into_individual_data_source_ids(asset_id)
@@ -71,16 +71,18 @@ def check_assets(task: str) -> None:
             if not assets.is_data_source_downloaded(source_id):
                 src = assets.DATA_SOURCES[source_id]
                 missing.append(f"{source_id} (expected at {src.output_dir / src.target_path})")
-                fetch = source_id if asset_id in robot_ids else fetch
+                fetch.append(source_id if asset_id in robot_ids else task)
     if missing:
         shown = ", ".join(missing[:3]) + (
             f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         )
+        commands = [
+            f"`python -m mani_skill.utils.download_asset {f}`" for f in dict.fromkeys(fetch)
+        ]
         raise MissingAssetError(
-            f"ManiSkill task {task} needs assets that are not installed: {shown}. "
-            f"Get them with `python -m mani_skill.utils.download_asset {fetch}` on a machine with "
-            "internet, "
-            "or set MS_ASSET_DIR to where they are."
+            f"ManiSkill task {task} needs assets that are not installed: {shown}. Get them with "
+            f"{' and '.join(commands)} on a machine with internet, or set MS_ASSET_DIR to where "
+            "they are."
         )
 
 

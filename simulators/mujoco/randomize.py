@@ -8,8 +8,8 @@ scale drawn in [1 - r, 1 + r]) or absolute (an offset in [-r, r]); 0 turns it of
 
 What each backend applies (``RandomizeConfig`` names the fields):
 - both: the cube's size, yaw, mass (and a solid cube's inertia), the sliding friction of the
-  cube, the fingertip pads and the table, each servo's gain, a command delay of whole control
-  steps, the front camera's position, the light's position;
+  cube and every geom that can touch it (the arm's, the table), each servo's gain, a command
+  delay of whole control steps, the front camera's position, the light's position;
 - the rollout backend only: the light's brightness (MuJoCo Warp's renderer has no per-world light
   intensity).
 A range the run cannot apply (the light's brightness on warp, the cube's on reach, which has no
@@ -31,7 +31,7 @@ class RandomizeConfig:
 
     cube_size: float = 0.0  # relative: the cube's half-size x U(1 - r, 1 + r) (push, pick)
     cube_yaw: float = 0.0  # radians: the cube starts turned by U(-r, r) about the vertical
-    friction: float = 0.0  # relative: sliding friction of the cube, the pads and the table
+    friction: float = 0.0  # relative: sliding friction of the cube and all that can touch it
     mass: float = 0.0  # relative: the cube's mass and inertia (push, pick)
     servo_gain: float = 0.0  # relative: each servo's position gain, apart
     action_delay: int = 0  # control steps: each world's commands act 0..r steps late

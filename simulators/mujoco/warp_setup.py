@@ -36,7 +36,9 @@ def require_warp() -> tuple[ModuleType, ModuleType]:
         )
     try:  # (warp-lang alone comes with other packages)
         import mujoco_warp
-    except ImportError:
+    except ModuleNotFoundError as error:
+        if error.name != "mujoco_warp":  # (one of its own dependencies: its message says which)
+            raise
         raise missing from None
 
     warp.config.quiet = True  # one line for the first compile (below), not one per module
