@@ -177,14 +177,19 @@ def test_an_error_that_leaves_the_arm_short_of_its_safe_pose_says_its_torque_sta
     assert all(port.torque().values())
 
 
-def test_an_error_whose_shutdown_could_not_switch_the_torque_off_says_so(tmp_path, monkeypatch):
-    """At the safe pose, a torque off that fails: noted as such, not as a pose missed."""
-    env, twin, port = twin_env(tmp_path)
+def no_torque_off(monkeypatch, env) -> None:
+    """The bus answers no torque-off write."""
 
     def no_answer(*args, **kwargs):
         raise ConnectionError("torque off: no status packet")
 
     monkeypatch.setattr(env.robot.bus, "disable_torque", no_answer)
+
+
+def test_an_error_whose_shutdown_could_not_switch_the_torque_off_says_so(tmp_path, monkeypatch):
+    """At the safe pose, a torque off that fails: noted as such, not as a pose missed."""
+    env, twin, port = twin_env(tmp_path)
+    no_torque_off(monkeypatch, env)
     try:
         with pytest.raises(ValueError) as raised:
             with SafeShutdown(env, hz=HZ, timeout_s=15, clock=env.clock):
@@ -197,11 +202,7 @@ def test_an_error_whose_shutdown_could_not_switch_the_torque_off_says_so(tmp_pat
 
 def test_a_failed_torque_off_is_raised_after_the_disconnect(tmp_path, monkeypatch):
     env, twin, port = twin_env(tmp_path)
-
-    def no_answer(*args, **kwargs):
-        raise ConnectionError("torque off: no status packet")
-
-    monkeypatch.setattr(env.robot.bus, "disable_torque", no_answer)
+    no_torque_off(monkeypatch, env)
     try:
         with pytest.raises(ConnectionError, match="torque off: no status packet") as raised:
             run_then_shut_down(env, max_steps=5)  # the episode itself ends well
