@@ -12,8 +12,8 @@ SOURCE is one of
 - such a megatron directory (megatron.json): ``--to hf`` writes the Hugging Face directory
   back, ``--to megatron`` reshards it.
 
-Every output is written into a hidden sibling directory and renamed into place: an interrupted
-conversion leaves no half-written OUT.
+Every output is written into a hidden sibling directory, synced and renamed into place: an
+interrupted conversion (a machine's crash included) leaves no half-written OUT.
 """
 
 from __future__ import annotations
@@ -58,12 +58,18 @@ def convert(source: str | Path, to: str, out: str | Path, *, tensor_parallel: in
     else:
         _require_checkpoint(source)
         write = _from_checkpoint(source, to, tensor_parallel)
+    from embodied.checkpoint import fsync
+
     staging = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         write(staging)
+        for path in sorted(staging.rglob("*")):  # (the rename may reach the disk before them)
+            fsync(path)
+        fsync(staging)
         os.replace(staging, out)
+        fsync(out.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out

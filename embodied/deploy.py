@@ -223,7 +223,8 @@ def _recorder(record: str | None, arm, env) -> EpisodeRecorder | None:
     """Where each episode is written as it ends (``--record``), if anywhere."""
     if not record:
         return None
-    return EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot)
+    judged = env.judge is not None
+    return EpisodeRecorder(Path(record), arm.control_hz, env.spec, arm.robot, judged=judged)
 
 
 def _client(server: str | None, agreed: dict, watchdog_s: float):

@@ -20,6 +20,9 @@ class EpisodeRecorder:
     fps: float
     spec: EnvSpec
     robot_type: str
+    # whether a judge scored success (the twin of a MuJoCo task); a real arm's episodes are not
+    # judged, and their success column (all False) says nothing of them
+    judged: bool = True
     count: int = 0
 
     def finish(self, result) -> Path | None:
@@ -64,6 +67,7 @@ class EpisodeRecorder:
                 "wall_time_s": [round(f["t"] - t0, 4) for f in frames],
                 "interventions": [",".join(f["interventions"]) for f in frames],
                 "jitter_p99_ms": result.timing.get("jitter_p99_ms"),
+                "success_judged": self.judged,
             },
         )
         writer.close()

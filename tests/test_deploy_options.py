@@ -280,6 +280,17 @@ def test_a_policy_in_the_deploy_process_runs_on_its_device(monkeypatch):
     assert asked == [torch.device("cpu")] * 2 + [torch.device("cuda")]
 
 
+def test_a_recording_says_whether_its_episodes_success_was_judged(tmp_path):
+    """A real arm has no judge: its recording's success column (all False) read as failures."""
+    from embodied.deploy import _recorder
+
+    arm = ArmConfig(robot="so101-sim")
+    for judge, judged in ((None, False), (lambda: True, True)):
+        env = SimpleNamespace(judge=judge, spec=None)
+        assert _recorder(str(tmp_path), arm, env).judged is judged
+    assert _recorder(None, arm, env) is None
+
+
 def test_a_served_policy_may_take_as_long_as_the_watchdog_lets_the_arm_wait(monkeypatch):
     """The client's timeout is --robot.watchdog's (2 s at least): a served policy slower than
     2 s timed out on every request whatever the watchdog said."""

@@ -315,6 +315,23 @@ def test_convert_takes_a_hugging_face_qwen2_to_megatron_shards_and_back_bit_exac
     assert code == 2 and "key-value groups 2, a vocabulary of 64 and an MLP of 48 must" in err
 
 
+def test_a_conversion_is_on_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """Staged and renamed, never synced: after a machine's crash OUT could stand complete with
+    its files cut short (a conversion is often the last step before its source is deleted)."""
+    import os
+
+    from embodied.convert import convert
+
+    tiny_qwen2(False).save_pretrained(tmp_path / "hf")
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
+    out = convert(tmp_path / "hf", "megatron", tmp_path / "tp1")
+    staged = str(tmp_path / ".tp1.tmp")
+    written = sorted(p.name for p in out.iterdir())
+    assert sorted(s.rsplit("/", 1)[1] for s in synced if s.startswith(staged + "/")) == written
+    assert synced[-2:] == [staged, str(tmp_path)] and len(written) >= 2
+
+
 def test_convert_names_the_file_or_key_of_a_bad_hugging_face_or_megatron_input(tmp_path):
     """One line, exit 2, naming what is wrong: a Qwen2Model's weights (no "model." prefix), an
     untied model without lm_head, a damaged config.json or one without a layer count, a
