@@ -163,36 +163,14 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
                     events.add("stop", state.iteration, state.env_steps, done)
                     report_at_end(run_dir, cfg.runner.report)
                     raise Stopped(stop.signum, f"{done}; checkpoint: {run_dir / 'last'}")
-    except NonFiniteUpdate as error:  # (at the last update that completed)
-        events.add("failure", state.iteration - 1, None, f"NonFiniteUpdate: {error}")
-        raise
-    except Stopped:
-        raise
-    except RecordError as error:  # (damaged inside: the updates before it are kept)
-        if state.iteration:
-            _save(cfg, learner, state, run_dir, spec)
-            error.add_note(f"the {state.iteration} updates before it are saved: {run_dir}/last")
-        events.add("failure", state.iteration, state.env_steps, "RecordError")
-        raise
     except BaseException as error:
-        events.add("failure", state.iteration, state.env_steps, f"{type(error).__name__}")
+        _failed(error, events, state, lambda: _save(cfg, learner, state, run_dir, spec), run_dir)
         raise
     finally:
         logger.close()
     # (the weights after each update are compared only by the next one's start: the last's here)
     last_equal = weights_digest(learner.engine.torch_policy) == record.meta["digest_after"]
-    print(
-        f"{len(iterations) - len(off_policy)} of {len(iterations)} updates started from the "
-        "recorded run's own weights (on-policy); "
-        + (
-            f"off-policy: records {off_policy} (their ratios use the stored behaviour "
-            "log-probabilities)"
-            if off_policy
-            else "the run reproduces the recorded one"
-            if last_equal
-            else f"the weights after record {iterations[-1]}'s update differ from the recording"
-        )
-    )
+    print(_closing_line(iterations, off_policy, last_equal))
     _save(cfg, learner, state, run_dir, spec)
     events.add("end", state.iteration, state.env_steps)
     report_at_end(run_dir, cfg.runner.report)
@@ -203,6 +181,39 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
         "first_update_matches": None if same is None else not same,
         "off_policy": off_policy,
     }
+
+
+def _failed(error: BaseException, events: EventLog, state: RunState, save_done, run_dir) -> None:
+    """The event of a replay that ``error`` ended (a stop logged its own), at the last update
+    that completed; a record damaged inside keeps the updates before it (``save_done``)."""
+    if isinstance(error, Stopped):
+        return
+    if isinstance(error, NonFiniteUpdate):  # (its update counted, not completed)
+        events.add("failure", state.iteration - 1, None, f"NonFiniteUpdate: {error}")
+        return
+    if isinstance(error, RecordError) and state.iteration:
+        save_done()
+        error.add_note(f"the {state.iteration} updates before it are saved: {run_dir}/last")
+    events.add("failure", state.iteration, state.env_steps, type(error).__name__)
+
+
+def _closing_line(iterations: list[int], off_policy: list[int], last_equal: bool) -> str:
+    """How many updates started from the recorded weights, and whether the run reproduces the
+    recording (every update on-policy and the last one's weights the recorded ones)."""
+    if off_policy:
+        verdict = (
+            f"off-policy: records {off_policy} (their ratios use the stored behaviour "
+            "log-probabilities)"
+        )
+    elif last_equal:
+        verdict = "the run reproduces the recorded one"
+    else:
+        verdict = f"the weights after record {iterations[-1]}'s update differ from the recording"
+    on_policy = len(iterations) - len(off_policy)
+    return (
+        f"{on_policy} of {len(iterations)} updates started from the recorded run's own weights "
+        f"(on-policy); {verdict}"
+    )
 
 
 def _from_recorded_weights(learner: Learner, record: Record) -> bool:
