@@ -71,6 +71,7 @@ def _reference_reset(core: ManiSkillCore, ids: list[int], seeds: list[int]) -> O
         raw, _ = core.env.reset(seed=s, options={"env_idx": torch.tensor([i])})
     core.elapsed[ids] = 0
     core._elapsed_host[ids] = 0
+    core._seeded = True  # (seeded by its caller: its next unseeded reset follows these seeds)
     return core.observation(raw)
 
 
