@@ -87,6 +87,20 @@ def test_warp_without_mujoco_warp_is_the_one_line_install_hint(monkeypatch):
         require_warp()
 
 
+def test_a_missing_dependency_of_mujoco_warp_names_itself(monkeypatch, tmp_path):
+    """mujoco_warp installed without one of its own imports: that import's error, not "pip
+    install embodied[warp]" (which has it installed already)."""
+    from embodied.simulators.mujoco.warp_setup import require_warp
+
+    (tmp_path / "mujoco_warp").mkdir()
+    (tmp_path / "mujoco_warp" / "__init__.py").write_text("import a_dependency_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mujoco_warp", raising=False)
+    with pytest.raises(ModuleNotFoundError) as raised:
+        require_warp()
+    assert raised.value.name == "a_dependency_not_installed"
+
+
 def test_a_cuda_architecture_without_a_cuda_cache_is_refused(monkeypatch, capsys):
     """`warm --cuda-arch 80` warmed the CPU cache alone and said nothing of the 80."""
     from embodied.simulators.mujoco import warm
