@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 ACTION_SPACES = ("ee_delta_pose", "ee_pose", "joint_pos", "joint_delta")
@@ -64,6 +65,18 @@ class UserError(ValueError):
     """Bad input the user can fix (a task, a path, a checkpoint, a command-line value), raised
     where it is first used. ``str()`` is one line naming the culprit; the CLI prints it and exits
     with code 2. Any other exception is a bug and keeps its traceback."""
+
+
+def refuse_non_finite(who: str, actions: np.ndarray, rows: Sequence[int]) -> None:
+    """A UserError naming the environments (``rows``: each action row's) whose actions ([n, A],
+    on the host) hold a NaN or an infinity: a simulator would take a NaN as its target."""
+    finite = np.isfinite(actions).all(axis=1)  # bool [n]
+    if not finite.all():
+        bad = np.flatnonzero(~finite)
+        raise UserError(
+            f"{who}: the actions of environments {[int(rows[i]) for i in bad]} are not finite "
+            f"(first: {actions[bad[0]].tolist()})"
+        )
 
 
 @dataclass

@@ -36,7 +36,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from embodied.schema import Observation, StepOutput, UserError, ended_rows, reset_seeds
+from embodied.schema import (
+    Observation,
+    StepOutput,
+    UserError,
+    ended_rows,
+    refuse_non_finite,
+    reset_seeds,
+)
 
 AUTO_RESET = "auto-reset"  # (a worker's own reset after an episode ended: its seed is its own)
 
@@ -310,13 +317,7 @@ class WorkerVecEnv:
         workers queue requests in order, so several subsets may be in flight."""
         self._check_open()
         a = actions.detach().to("cpu", torch.float32).numpy()
-        finite = np.isfinite(a).all(axis=1)  # bool [N] (a NaN reached ManiSkill's controllers)
-        if not finite.all():
-            bad = np.flatnonzero(~finite)
-            raise UserError(
-                f"{self._who()}: the actions of environments {env_ids[bad].tolist()} are not "
-                f"finite (first: {a[bad[0]].tolist()})"
-            )
+        refuse_non_finite(self._who(), a, env_ids)  # (a NaN was ManiSkill's drive target)
         for w, local, pos in self._split(env_ids):
             self._conns[w].send(("step", (local, a[pos])))
 

@@ -19,7 +19,13 @@ os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering; must precede ro
 
 import numpy as np  # noqa: E402
 
-from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec, UserError  # noqa: E402
+from embodied.schema import (  # noqa: E402
+    ActionSpec,
+    CameraSpec,
+    EnvSpec,
+    ObsSpec,
+    refuse_non_finite,
+)
 from embodied.simulators.libero.config import LiberoConfig  # noqa: E402
 from embodied.simulators.libero.paths import prepare  # noqa: E402
 
@@ -179,13 +185,8 @@ class LiberoCore:
     def step(self, ids: list[int], actions: np.ndarray):
         """actions: f32 [n, 7] physical units for environments ``ids`` -> (obs of ids, f32 [n, 4]
         reward/terminated/truncated/success, final obs of ids or None)."""
-        finite = np.isfinite(actions).all(axis=1)  # bool [n]
-        if not finite.all():  # (one NaN held robosuite's gripper at NaN until the next reset)
-            rows = [ids[r] for r in np.flatnonzero(~finite)]
-            raise UserError(
-                f"LIBERO {self.cfg.suite}/{self.cfg.task_id}: the actions of environments {rows} "
-                f"are not finite (first: {actions[np.flatnonzero(~finite)[0]].tolist()})"
-            )
+        # (one NaN held robosuite's gripper at NaN until the next reset)
+        refuse_non_finite(f"LIBERO {self.cfg.suite}/{self.cfg.task_id}", actions, ids)
         actions = np.clip(actions, self._low, self._high)
         scalars = np.zeros((len(ids), 4), dtype=np.float32)
         for row, i in enumerate(ids):

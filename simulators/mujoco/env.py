@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mujoco import rollout  # noqa: E402
 
-from embodied.schema import Observation, StepOutput, UserError  # noqa: E402
+from embodied.schema import Observation, StepOutput, refuse_non_finite  # noqa: E402
 from embodied.simulators.mujoco.arm import JOINTS  # noqa: E402
 from embodied.simulators.mujoco.config import MuJoCoConfig  # noqa: E402
 from embodied.simulators.mujoco.randomize import nominal  # noqa: E402
@@ -162,13 +162,7 @@ class MuJoCoEnv:
         one is a UserError (it would hold the servo target at NaN until the episode ends)."""
         check_action_shape(f"MuJoCo {self.task.name}", actions, self.num_envs)
         a = actions.detach().cpu().numpy().astype(np.float64)  # f64 [B, 6]
-        finite = np.isfinite(a).all(axis=1)  # bool [B]
-        if not finite.all():
-            rows = np.flatnonzero(~finite).tolist()
-            raise UserError(
-                f"MuJoCo {self.task.name}: the actions of environments {rows} are not finite "
-                f"(first: {a[rows[0]].tolist()})"
-            )
+        refuse_non_finite(f"MuJoCo {self.task.name}", a, range(self.num_envs))
         a = np.clip(a, -MAX_DELTA, MAX_DELTA)
         self._target = np.clip(self._target + a, self._low, self._high)
         self._previous = self._sensors[:, self._pos_cols]  # f64 [B, 6] (a gather: a copy)
