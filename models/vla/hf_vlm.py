@@ -27,6 +27,12 @@ from torch import nn
 from embodied.schema import UserError
 
 
+def whole_images(image_processor) -> dict:
+    """The option that makes ``image_processor`` take each image whole: SmolVLM's and
+    Idefics3's would tile a large one into crops, each with its own tokens; others take it so."""
+    return {"do_image_splitting": False} if hasattr(image_processor, "do_image_splitting") else {}
+
+
 class ImagesOnlyProcessor:
     """Tokenizer + image processor of a VLM directory: ``__call__(text, images)`` expands each
     image placeholder in ``text`` into the number of tokens the model expects for that image."""
@@ -55,10 +61,11 @@ class ImagesOnlyProcessor:
         self.image_seq_length = getattr(
             self.image_processor, "image_seq_length", None
         ) or extra.get("image_seq_len")
-        # SmolVLM and Idefics3 mark a whole image as their processors do: fake, global, fake
+        self.options = whole_images(self.image_processor)
+        # SmolVLM and Idefics3 (the processors that tile) mark a whole image as their processors
+        # do: fake, global, fake
         self.image_prefix, self.image_suffix = "", ""
-        self.splits_images = hasattr(self.image_processor, "do_image_splitting")
-        if self.splits_images:
+        if self.options:
             fake = getattr(self.tokenizer, "fake_image_token", None) or "<fake_token_around_image>"
             whole = getattr(self.tokenizer, "global_image_token", None) or "<global-img>"
             self.image_prefix, self.image_suffix = fake + whole, fake
@@ -88,8 +95,9 @@ class ImagesOnlyProcessor:
         if do_image_splitting:
             raise ValueError("ImagesOnlyProcessor takes each image whole, not in tiles")
         flat = [im for sample in images for im in sample]
-        options = {"do_image_splitting": False} if self.splits_images else {}
-        image_inputs = self.image_processor(images=flat, return_tensors=return_tensors, **options)
+        image_inputs = self.image_processor(
+            images=flat, return_tensors=return_tensors, **self.options
+        )
         counts = iter(self._tokens_per_image(image_inputs, len(flat)))
         expanded = []
         for prompt in text:
@@ -174,9 +182,7 @@ class HFVisionLanguage(nn.Module):
         known = all(tok.convert_tokens_to_ids(m) not in (None, tok.unk_token_id) for m in marks)
         self.image_prompt = marks[0] + self.image_token + marks[1] if known else self.image_token
         # one whole image per camera, not SmolVLM's tiles (their tokens grow with the resize)
-        image_processor = getattr(self.processor, "image_processor", None)
-        splits = hasattr(image_processor, "do_image_splitting")
-        self.image_options = {"do_image_splitting": False} if splits else {}
+        self.image_options = whole_images(getattr(self.processor, "image_processor", None))
         self.freeze = freeze
         self.requires_grad_(not freeze)
         self.model.eval()

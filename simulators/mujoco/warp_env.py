@@ -358,9 +358,8 @@ class MuJoCoWarpEnv:
     def step(self, actions: torch.Tensor) -> StepOutput:
         """actions: f32 [B, 6] joint-position deltas in radians, within +-MAX_DELTA; a world's
         non-finite action acts as 0 and is an error at the next look (warp_guard.py)."""
-        check_action_shape(
-            f"MuJoCo Warp task {self.task.name!r}", actions, self.num_envs
-        )  # (host metadata: no sync)
+        who = f"MuJoCo Warp task {self.task.name!r}"
+        check_action_shape(who, actions, self.num_envs)  # (host metadata: no sync)
         delta = self._guard.finite(actions.to(self.device, torch.float32))
         delta = delta.clamp(-MAX_DELTA, MAX_DELTA)
         self._target = torch.clamp(self._target + delta, self._low, self._high)
