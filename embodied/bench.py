@@ -29,7 +29,7 @@ from embodied.bench_report import write_report
 from embodied.checkpoint import META
 from embodied.config import ConfigError, check_folder_name, compose, to_dict, validate_tree
 from embodied.evaluate import evaluate_by_task
-from embodied.logger import write_atomic
+from embodied.logger import file_in_the_way, write_atomic
 from embodied.multitask import SIMULATOR_CONFIGS, check_tasks, make_env
 from embodied.schema import UserError, check_at_least, check_distinct_episodes
 from embodied.seeds import check_seed, eval_seed
@@ -54,7 +54,7 @@ class BenchTask:
 @dataclass
 class BenchConfig:
     name: str = "bench"
-    seed: int = 0
+    seed: int = 0  # (episodes overlap between seeds closer than ``episodes``)
     episodes: int = 10  # per task
     videos: bool = True  # an mp4 per task: its first round of episodes, up to 4 side by side
     output_dir: str = "runs/bench"  # the report goes to output_dir/name/<policy>
@@ -174,7 +174,7 @@ class _PolicySource:
             # loaded once: a run that saves meanwhile moves RUN/last (the weights, the spec and
             # the key are one checkpoint's)
             loaded = load_policy_checkpoint(checkpoint)
-            self.loaded, _ = load_policy(loaded)
+            self.loaded, self.trained = load_policy(loaded)
             self.spec = EnvSpec.from_dict(loaded["meta"]["spec"])
             path = Path(loaded["path"]).resolve()  # RUN/last, RUN -> RUN/checkpoints/iter_N
             inside_run = path.parent.name == "checkpoints"
@@ -196,6 +196,13 @@ class _PolicySource:
             policy != "random" or checkpoint is not None
         )  # the random baseline samples (seeded)
 
+    def device(self, env_device: torch.device) -> torch.device:
+        """Where the policy acts: a checkpoint's as in ``embodied eval`` (its run's
+        ``runner.device``), a baseline on the environment's device."""
+        if self.loaded is None:
+            return env_device
+        return self.trained.runner.acting_device(env_device)
+
     def for_env(self, spec):
         if self.loaded is None:
             from embodied.models.baselines import BASELINES
@@ -208,10 +215,12 @@ class _PolicySource:
         )
         if not problems and trained != given:
             problems.append(f"camera sizes {trained} -> {given}")
+        # only the keys the policy reads: a task need not give the others it was trained beside
+        read = getattr(self.loaded, "privileged_inputs", tuple(self.spec.obs.privileged))
         missing = {
             k: v
             for k, v in self.spec.obs.privileged.items()
-            if tuple(spec.obs.privileged.get(k, ())) != tuple(v)
+            if k in read and tuple(spec.obs.privileged.get(k, ())) != tuple(v)
         }
         if missing:
             problems.append(f"privileged state {sorted(missing)} missing or of another shape")
@@ -235,6 +244,9 @@ def run_bench(
     items = expand(cfg, source)
     policies = _PolicySource(policy, checkpoint, cfg.seed)
     out_dir = Path(out) if out else Path(cfg.output_dir) / cfg.name / policies.label
+    if why := file_in_the_way(out_dir):
+        setting = "--out" if out else "output_dir"
+        raise UserError(f"{setting}: {out_dir} {why}; give a directory for the report")
     (out_dir / "tasks").mkdir(parents=True, exist_ok=True)
     meta = {
         "suite": cfg.name,
@@ -305,8 +317,10 @@ def _task_key(item: BenchItem, cfg: BenchConfig, policy_key: str) -> str:
 
 
 def _have_videos(rows: list[dict], out_dir: Path) -> bool:
-    """Whether each kept row's video is there (rows made with ``videos: false`` have none)."""
-    return all(r.get("video") and (out_dir / r["video"]).is_file() for r in rows)
+    """Whether the kept rows' video is there (rows made with ``videos: false`` have none; of a
+    multi-task item's rows only the first VIDEO_TILES tasks' name it)."""
+    videos = [r["video"] for r in rows if r.get("video")]
+    return bool(videos) and all((out_dir / v).is_file() for v in videos)
 
 
 def _kept_results(path: Path, key: str, counted: str) -> list[dict] | None:
@@ -348,7 +362,8 @@ def _run_task(
         instructions = (
             dict(zip(names, env.spec.instructions)) if names else {"all": env.spec.instructions[0]}
         )
-        policy = policy.to(env.device).eval() if isinstance(policy, torch.nn.Module) else policy
+        if isinstance(policy, torch.nn.Module):
+            policy = policy.to(policies.device(env.device)).eval()
         video = out_dir / "videos" / f"{_file_name(item.name)}.mp4" if cfg.videos else None
         with tqdm(
             total=item.episodes * len(names or [0]),

@@ -48,6 +48,18 @@ BEST = "best"
 ITERATION = re.compile(r"iter_(\d+)")
 
 
+def misfit_detail(error: RuntimeError) -> str:
+    """The first finding of ``load_state_dict``'s error (its first line only says it failed)."""
+    text = str(error)
+    return next((line.strip() for line in text.splitlines()[1:] if line.strip()), text)
+
+
+def weights_misfit(path, error: RuntimeError) -> UserError:
+    """Checkpoint ``path``'s weights that do not fit the policy its config builds now (a file
+    the config names changed since: a vlm_path's model), as one line."""
+    return UserError(f"{path}: its weights do not fit its policy ({misfit_detail(error)})")
+
+
 class CheckpointError(UserError):
     """A checkpoint whose files cannot be read: damaged, or not written by embodied."""
 

@@ -72,40 +72,24 @@ def _keep(record: dict, checkpoint: Path) -> int:
 def _policy(args, ckpt: dict, cfg, env):
     """The checkpoint's policy for ``env``, in eval mode; a UserError where overrides made an
     environment it cannot act in."""
+    from embodied.checkpoint import misfit_detail, weights_misfit
     from embodied.models import build_policy
     from embodied.schema import UserError
 
     # (without overrides too: a simulator that now orders its state otherwise, same sizes)
     _check_same_inputs(ckpt["meta"]["spec"], env.spec, args.overrides)
-    policy = build_policy(env.spec, cfg.policy).to(_device(cfg, env))
+    policy = build_policy(env.spec, cfg.policy).to(cfg.runner.acting_device(env.device))
     try:
         policy.load_state_dict(ckpt["model"])
     except RuntimeError as e:  # (overrides: a camera of another size, say)
-        if not args.overrides:
-            raise
-        detail = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
+        if not args.overrides:  # (a file its config names changed since: a vlm_path's model)
+            raise weights_misfit(ckpt["path"], e) from None
+        detail = misfit_detail(e)
         raise UserError(
             f"{' '.join(args.overrides)}: the checkpoint's weights do not fit the policy "
             f"for this environment ({detail})"
         ) from None
     return policy.eval()
-
-
-def _device(cfg, env):
-    """The policy's device as the run's evaluations had it (``runner.device``: a CPU simulator's
-    run may act on CUDA; other kernels round otherwise), or the environment's, said so, on a
-    machine without the run's."""
-    from embodied.schema import UserError
-
-    try:
-        return cfg.runner.torch_device(env.device)
-    except UserError:
-        print(
-            f"note: the run acted on runner.device={cfg.runner.device}, which this machine "
-            f"lacks; acting on {env.device} (its numbers may differ in the last bits)",
-            file=sys.stderr,
-        )
-        return env.device
 
 
 def _evaluate(args, ckpt: dict, cfg, env, policy) -> dict:
@@ -217,7 +201,11 @@ def add_eval(sub) -> None:
         "--video", action="store_true", help="write an mp4 of the first round of episodes"
     )
     e.add_argument(
-        "--seed", type=int, default=0, help="evaluation seed, in [0, 100000000) (default 0)"
+        "--seed",
+        type=int,
+        default=0,
+        help="evaluation seed, in [0, 100000000) (default 0); episode i resets with the seed "
+        "plus i, so seeds closer than --episodes share episodes",
     )
     e.add_argument(
         "--num-envs", type=int, default=None, help="environments in parallel (default: as trained)"

@@ -105,7 +105,7 @@ def _row(columns: dict[str, list], i: int) -> dict:
 def load_policy(checkpoint: str | Path | dict, device="cpu"):
     """A trained policy rebuilt on the spec it was trained with -> (policy in eval mode, train
     config). ``checkpoint``: a path, or what ``load_policy_checkpoint`` returned."""
-    from embodied.checkpoint import load_policy_checkpoint
+    from embodied.checkpoint import load_policy_checkpoint, weights_misfit
     from embodied.models import build_policy
     from embodied.schema import EnvSpec
 
@@ -115,8 +115,7 @@ def load_policy(checkpoint: str | Path | dict, device="cpu"):
     try:
         policy.load_state_dict(ckpt["model"])
     except RuntimeError as e:  # (a file its config names changed since: a vlm_path's model)
-        detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
-        raise UserError(f"{ckpt['path']}: its weights do not fit its policy ({detail})") from None
+        raise weights_misfit(ckpt["path"], e) from None
     return policy.eval(), cfg
 
 

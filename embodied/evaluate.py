@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,7 +162,11 @@ class _Video:
     def write(self, summaries: list[dict | None]) -> None:
         if self.path is None or not self.frames:
             return
-        write_mp4(self.path, self.frames, fps=self.env.spec.action.control_hz)
+        try:
+            write_mp4(self.path, self.frames, fps=self.env.spec.action.control_hz)
+        except OSError as e:  # (a full or read-only disk: the evaluation's numbers stand)
+            print(f"note: video {self.path} not written ({e.strerror or e})", file=sys.stderr)
+            return
         for summary in filter(None, summaries[:VIDEO_TILES]):  # (the tasks it shows)
             summary["eval/video"] = str(self.path)
 

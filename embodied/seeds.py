@@ -31,7 +31,8 @@ def check_seed(key: str, seed: int) -> None:
 def eval_seed(seed: int, *, held_out: bool) -> int:
     """The reset seed of episode 0 of an evaluation at the config's ``seed``; episode i's is this
     plus i. ``held_out``: an evaluation that reports a result (final, eval, bench), on episodes
-    that no selection evaluation ran; else a selection one (periodic, before RL)."""
+    that no selection evaluation ran; else a selection one (periodic, before RL). Seeds s and
+    s + 1 share all but one episode: independent evaluations take seeds ``episodes`` apart."""
     return EVAL_SEED_OFFSET + seed + (HELD_OUT_SEED_OFFSET if held_out else 0)
 
 

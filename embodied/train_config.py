@@ -3,6 +3,7 @@ sections ask of each other, checked before anything is built."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -19,6 +20,7 @@ from embodied.multitask import SIMULATOR_CONFIGS
 from embodied.ppo import PPOConfig
 from embodied.schema import (
     SimulatorConfig,
+    UserError,
     check_at_least,
     check_device_name,
     check_distinct_episodes,
@@ -105,6 +107,20 @@ class RunnerConfig:
             return torch.device(auto)
         instead = "runner.device=auto (the environment's device) or cpu"
         return checked_device("runner.device", self.device, instead)
+
+    def acting_device(self, env_device: torch.device) -> torch.device:
+        """Where a checkpoint of this run acts in ``embodied eval`` and ``bench``: where its
+        evaluations acted (a CPU simulator's run may act on CUDA; other kernels round otherwise),
+        or the environment's device, said so, on a machine without that one."""
+        try:
+            return self.torch_device(env_device)
+        except UserError:
+            print(
+                f"note: the run acted on runner.device={self.device}, which this machine "
+                f"lacks; acting on {env_device} (its numbers may differ in the last bits)",
+                file=sys.stderr,
+            )
+            return torch.device(env_device)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import imageio.v2 as imageio
@@ -21,6 +22,12 @@ def tile(frames: torch.Tensor, max_tiles: int = 4) -> np.ndarray:
 
 
 def write_mp4(path: Path, frames: list[np.ndarray], fps: float) -> Path:
+    """``frames`` as ``path``, whole or not at all (a full disk leaves no half video there)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    imageio.mimwrite(str(path), frames, fps=fps, codec="libx264", macro_block_size=16)
+    partial = path.with_name(f"{path.stem}.partial{path.suffix}")  # (ffmpeg reads the suffix)
+    try:
+        imageio.mimwrite(str(partial), frames, fps=fps, codec="libx264", macro_block_size=16)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path

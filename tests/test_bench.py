@@ -94,12 +94,10 @@ def test_same_seed_same_results(tmp_path):
     second = bench(path, out=str(tmp_path / "b"))["tasks"][0]
     for key in ("successes", "mean_return", "mean_length", "success_at_end"):
         assert first[key] == second[key]
-    other = bench(suite(tmp_path, [{"env": REACH}], videos=False, seed=1), out=str(tmp_path / "c"))[
-        "tasks"
-    ][0]
-    assert (
-        other["mean_return"] != first["mean_return"]
-    )  # another seed: other goals, other random actions
+    # seed 4: four other episodes (seed 1 shared three of seed 0's four)
+    apart = suite(tmp_path, [{"env": REACH}], videos=False, seed=4)
+    other = bench(apart, out=str(tmp_path / "c"))["tasks"][0]
+    assert other["mean_return"] != first["mean_return"]  # other goals, other random actions
 
 
 def test_sweep_and_names(tmp_path):
@@ -358,16 +356,19 @@ def test_the_report_averages_task_success_rates_with_tasks_weighted_equally(tmp_
     assert (tmp_path / "success.png").stat().st_size > 0
 
 
+def spec(space="joint_delta", size=64, privileged=None):
+    from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec
+
+    cameras = (CameraSpec("front", size, size),)
+    obs = ObsSpec(cameras=cameras, state_names=("q",), privileged=privileged or {})
+    action = ActionSpec(space=space, names=("j",), low=(-1.0,), high=(1.0,))
+    return EnvSpec(obs, action, max_episode_steps=10)
+
+
 def test_a_checkpoint_is_skipped_where_its_actions_mean_other_units_or_its_cameras_differ():
     """Same joint names in another action space (a delta policy on position control) or the
     same camera at another size: the task is skipped with the reason, not run."""
     from embodied.bench import SpecMismatch, _PolicySource
-    from embodied.schema import ActionSpec, CameraSpec, EnvSpec, ObsSpec
-
-    def spec(space="joint_delta", size=64):
-        obs = ObsSpec(cameras=(CameraSpec("front", size, size),), state_names=("q",))
-        action = ActionSpec(space=space, names=("j",), low=(-1.0,), high=(1.0,))
-        return EnvSpec(obs, action, max_episode_steps=10)
 
     source = _PolicySource.__new__(_PolicySource)
     source.loaded, source.spec = "the policy", spec()
@@ -376,3 +377,67 @@ def test_a_checkpoint_is_skipped_where_its_actions_mean_other_units_or_its_camer
         source.for_env(spec(space="joint_pos"))
     with pytest.raises(SpecMismatch, match=r"camera sizes \[\('front', 64, 64\)\] -> "):
         source.for_env(spec(size=128))
+
+
+def test_a_checkpoint_needs_only_the_privileged_state_its_policy_reads():
+    """A multi-task VLA trained beside tasks that gave obj_pose reads goal_pos only: a task
+    without obj_pose was skipped ("privileged state ['obj_pose'] missing")."""
+    from embodied.bench import SpecMismatch, _PolicySource
+
+    class ReadsTheGoal:
+        privileged_inputs = ("goal_pos",)
+
+    source = _PolicySource.__new__(_PolicySource)
+    source.loaded = ReadsTheGoal()
+    source.spec = spec(privileged={"goal_pos": (3,), "obj_pose": (7,)})
+    assert source.for_env(spec(privileged={"goal_pos": (3,)})) is source.loaded
+    with pytest.raises(SpecMismatch, match=r"privileged state \['goal_pos'\] missing"):
+        source.for_env(spec(privileged={"obj_pose": (7,), "goal_pos": (2,)}))
+    source.loaded = "a policy that does not say"  # (every trained key, as before)
+    with pytest.raises(SpecMismatch, match=r"privileged state \['obj_pose'\] missing"):
+        source.for_env(spec(privileged={"goal_pos": (3,)}))
+
+
+def test_a_multi_task_items_video_is_checked_by_the_rows_that_name_it(tmp_path):
+    """Five tasks: the video shows (and names) the first four; the fifth row's None made every
+    resume run the whole item again."""
+    from embodied.bench import _have_videos
+
+    (tmp_path / "videos").mkdir()
+    (tmp_path / "videos" / "item.mp4").write_bytes(b"mp4")
+    rows = [{"task": f"item/{t}", "video": "videos/item.mp4"} for t in "abcd"]
+    assert _have_videos([*rows, {"task": "item/e", "video": None}], tmp_path)
+    assert not _have_videos([{**r, "video": None} for r in rows], tmp_path)  # (videos: false)
+    assert not _have_videos([*rows, {"task": "x", "video": "videos/gone.mp4"}], tmp_path)
+
+
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "f.txt").write_text("a file")
+    path = suite(tmp_path, [{"env": REACH}], videos=False)
+    assert main(["bench", str(path), "--policy", "zero", f"output_dir={tmp_path / 'f.txt'}"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    where = tmp_path / "f.txt" / "t" / "zero"
+    assert line == (
+        f"embodied: error: output_dir: {where} is inside {tmp_path / 'f.txt'}, a file; "
+        "give a directory for the report"
+    )
+
+
+def test_a_checkpoint_acts_on_its_runs_device_as_in_eval(monkeypatch, capsys):
+    """A run trained with runner.device=cuda on a CPU simulator: the bench acted on the
+    simulator's CPU (``embodied eval`` on cuda, so other kernels and other numbers); on a machine
+    without the run's device, on the simulator's, said so. Baselines act on the simulator's."""
+    from embodied.bench import _PolicySource
+    from embodied.train_config import TrainConfig
+
+    source = _PolicySource.__new__(_PolicySource)
+    source.loaded, source.trained = "the policy", TrainConfig()
+    source.trained.runner.device = "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert source.device(torch.device("cpu")) == torch.device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert source.device(torch.device("cpu")) == torch.device("cpu")
+    assert "note: the run acted on runner.device=cuda:1" in capsys.readouterr().err
+    source.loaded = None
+    assert source.device(torch.device("cpu")) == torch.device("cpu")

@@ -115,3 +115,39 @@ def test_a_multi_task_checkpoint_runs_each_tasks_episodes(checkpoint, monkeypatc
     assert record["eval/success_rate"] == pytest.approx(mean)
     lines = out[: out.index("{")].splitlines()
     assert [line.split(":")[0] for line in lines] == ["a", "b", "overall (mean over 2 tasks)"]
+
+
+def test_weights_that_do_not_fit_their_policy_are_one_line(checkpoint, tmp_path, capsys):
+    """A config that no longer builds the saved weights' policy (a file it names changed since),
+    no overrides given: a RuntimeError traceback, as bench and demos said it in one line."""
+    import shutil
+
+    copy = tmp_path / "wider"
+    shutil.copytree(checkpoint.resolve(), copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["config"]["policy"]["hidden_sizes"] = [24, 24]  # (the spec, as saved)
+    (copy / "meta.json").write_text(json.dumps(meta))
+    assert main(["eval", str(copy), "--episodes", "1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"embodied: error: {copy}: its weights do not fit its policy (")
+
+
+def test_a_video_that_cannot_be_written_leaves_the_result(checkpoint, monkeypatch, capsys):
+    """A full disk under --video: the OSError escaped before the result was printed (all its
+    episodes lost); the result is printed and kept, the video said not written, none left."""
+    import imageio.v2 as imageio
+
+    def disk_full(path, *args, **kwargs):
+        open(path, "wb").write(b"half a video")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(imageio, "mimwrite", disk_full)
+    assert main(["eval", str(checkpoint), "--episodes", "1", "--video"]) == 0
+    out = capsys.readouterr()
+    record = json.loads(out.out)
+    assert record["eval/episodes"] == 1 and "eval/video" not in record
+    video = checkpoint.resolve() / "eval_1.mp4"
+    assert out.err.strip().splitlines()[-1] == (
+        f"note: video {video} not written (No space left on device)"
+    )
+    assert list(checkpoint.glob("eval_1*")) == []
