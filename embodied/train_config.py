@@ -94,8 +94,11 @@ class RunnerConfig:
             )
         if self.replay_from and self.resume:
             raise ValueError("replay_from: starts a run from records; it cannot resume one")
-        if self.spike_factor < 0:
-            raise ValueError(f"spike_factor: must be >= 0 (0: no spikes), got {self.spike_factor}")
+        if self.spike_factor < 0 or 0 < self.spike_factor <= 1:  # (<= 1: half the updates)
+            raise ValueError(
+                f"spike_factor: 0 (no spikes) or a multiple > 1 of the median gradient norm, "
+                f"got {self.spike_factor}"
+            )
         check_minutes(self.max_minutes)
         check_device_name("device", self.device, auto=True)
 

@@ -23,7 +23,7 @@ CASES = [
         ["sft", SFT, "env={simulator: libero, obs_mode: rgb}", "runner.eval_episodes=51"],
         ["runner.eval_episodes: 51", "50 or fewer"],
     ),
-    (["train", M, "runner.spike_factor=-1"], ["runner.spike_factor: must be >= 0", "-1.0"]),
+    (["train", M, "runner.spike_factor=-1"], ["runner.spike_factor: 0 (no spikes)", "-1.0"]),
     (["train", M, "runner.keep_rollouts=0"], ["runner.keep_rollouts: must be >= 1"]),
     (["train", M, "runner.keep_checkpoints=0"], ["runner.keep_checkpoints: must be >= 1"]),
     (["train", M, "runner.torch_threads=0"], ["runner.torch_threads: must be >= 1"]),
@@ -138,6 +138,14 @@ CASES = [
     (["train", M, "cluster.connect_timeout_s=0"], ["cluster.connect_timeout_s: must be > 0"]),
     (["train", M, "cluster.sync_bucket_mb=0"], ["cluster.sync_bucket_mb: must be > 0"]),
     (["train", M, "cluster.max_restarts=-1"], ["cluster.max_restarts: must be >= 0"]),
+    (["train", M, "cluster.num_cpus=0"], ["cluster.num_cpus: must be >= 1", "got 0"]),
+    (["train", M, "cluster.num_gpus=-1"], ["cluster.num_gpus: must be >= 0", "got -1"]),
+    (
+        ["train", M, "cluster.address=auto", "cluster.num_gpus=2"],
+        ["cluster.num_gpus: sizes a Ray this run starts", "address auto has its own"],
+    ),
+    # at 1 half the updates (and at 0.5 nearly all) were spikes, each record kept for good
+    (["train", M, "runner.spike_factor=1"], ["runner.spike_factor: 0 (no spikes) or a multiple"]),
     (["train", M, "cluster.eval.workers=1"], ["cluster.eval.workers", "cluster.enabled=true"]),
     (
         [

@@ -96,3 +96,30 @@ def test_a_missing_model_directory_is_a_files_check_only(tmp_path, monkeypatch):
         check_config(absent)
     with pytest.raises(ConfigError, match="policy.vlm_path: SmolVLA needs a local SmolVLM2"):
         check_config(parse(["sft", yaml]), files=False)
+
+
+def test_a_config_that_trains_on_pickcube_reads_its_goal(monkeypatch):
+    """PickCube hides its goal (a point in the air) from the cameras: a policy that does not read
+    goal_pos cannot know where to lift (pickcube_rgb_ppo.yaml's read no privileged state)."""
+    from embodied.config import load_config
+    from embodied.schema import ActionSpec, EnvSpec, ObsSpec
+    from embodied.sft_config import SFTConfig
+    from embodied.train_config import TrainConfig
+
+    monkeypatch.chdir(ROOT)
+    privileged = {"goal_pos": (3,), "is_grasped": (1,)}  # (what PickCube gives beside cameras)
+    action = ActionSpec(space="joint_delta", names=("j",), low=(-1.0,), high=(1.0,))
+    spec = EnvSpec(ObsSpec(privileged=privileged), action, max_episode_steps=10)
+    checked = []
+    for path in whole_configs():
+        if command_of(path) not in ("train", "sft"):
+            continue
+        schema = TrainConfig if command_of(path) == "train" else SFTConfig
+        cfg, _ = load_config(
+            schema, path, readme_argv(path)[2:] if readme_argv(path) else [], files=False
+        )
+        tasks = [getattr(cfg.env, "task", None), *(getattr(cfg.env, "tasks", None) or [])]
+        if "PickCube-v1" in tasks:
+            checked.append(path)
+            assert "goal_pos" in cfg.policy.read_privileged(spec), path
+    assert "configs/maniskill/pickcube_rgb_ppo.yaml" in checked and len(checked) >= 4

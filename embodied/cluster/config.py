@@ -138,6 +138,20 @@ class ClusterConfig:
             raise ValueError(f"sync_bucket_mb: must be > 0, got {self.sync_bucket_mb}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts: must be >= 0, got {self.max_restarts}")
+        self._check_local_size()
+
+    def _check_local_size(self) -> None:
+        """``num_cpus``/``num_gpus`` size a Ray this run starts: in range, and not beside an
+        ``address`` (a cluster joined has its own; they were ignored)."""
+        for key, least in (("num_cpus", 1), ("num_gpus", 0)):
+            value = getattr(self, key)
+            if value is not None and value < least:
+                raise ValueError(f"{key}: must be >= {least} (or null: the machine's), got {value}")
+            if value is not None and self.address:
+                raise ValueError(
+                    f"{key}: sizes a Ray this run starts; the cluster at address "
+                    f"{self.address} has its own (set the roles' num_cpus/num_gpus instead)"
+                )
 
 
 ONE_PROCESS = ("enabled", "address", "offload_optimizer")  # (what a run without Ray reads)

@@ -128,7 +128,7 @@ class MiniLMText(nn.Module):
                 vocab_size=self.tokenizer.vocab_size,
                 hidden_size=hidden,
                 num_hidden_layers=layers,
-                num_attention_heads=max(1, hidden // 16),
+                num_attention_heads=_heads(hidden),
                 intermediate_size=4 * hidden,
             )
             self.model = transformers.BertModel(config)
@@ -176,3 +176,9 @@ class MiniLMText(nn.Module):
         if any(key.startswith(prefix) for key in state_dict):
             self._cache.clear()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _heads(hidden: int) -> int:
+    """Attention heads of the random text encoder: about one per 16 features, a divisor of
+    ``hidden`` (BERT's check; 384: 24 heads)."""
+    return max(h for h in range(1, max(1, hidden // 16) + 1) if hidden % h == 0)

@@ -41,7 +41,7 @@ from embodied.models.vla.heads import (
     gaussian_logpdf,
     sample_flow_chain,
 )
-from embodied.models.vla.hf_vlm import unloadable_vlm
+from embodied.models.vla.hf_vlm import VLMNotFound, missing_vlm, unloadable_vlm
 from embodied.models.vla.normalization import NormalizedVLA
 from embodied.schema import EnvSpec, Observation, PolicyOutput, UserError, check_at_least
 
@@ -84,13 +84,14 @@ class SmolVLAConfig(PolicyConfig):
         check_at_least(self, 0, "image_size")
         if self.flow_noise_std <= 0:
             raise ValueError(f"flow_noise_std: must be > 0, got {self.flow_noise_std}")
+        if not self.expert_width_multiplier > 0:  # (the expert's width: the VLM's times this)
+            raise ValueError(
+                f"expert_width_multiplier: must be > 0, got {self.expert_width_multiplier}"
+            )
 
     def check_files(self) -> None:
         if not (Path(self.vlm_path) / "config.json").is_file():
-            raise ValueError(
-                f"vlm_path: {self.vlm_path} is not a model directory (config.json, weights and "
-                "processor files, as save_pretrained writes them)"
-            )
+            raise ValueError(missing_vlm(self.vlm_path))
 
 
 def lerobot_smolvla():
@@ -138,7 +139,8 @@ class SmolVLA(NormalizedVLA):
 
     def __init__(self, spec: EnvSpec, cfg: SmolVLAConfig):
         cfg.validate()
-        cfg.check_files()
+        if not (Path(cfg.vlm_path) / "config.json").is_file():  # (a checkpoint's, moved since)
+            raise VLMNotFound(f"policy.{missing_vlm(cfg.vlm_path)}")
         if not spec.obs.cameras:
             raise UserError(
                 "policy: SmolVLA needs camera images: use an obs_mode with cameras "

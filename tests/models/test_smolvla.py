@@ -146,8 +146,11 @@ def test_bad_configs_are_refused(vlm_dir, tmp_path):
     from the CLI, not LeRobot's or transformers' traceback."""
     with pytest.raises(ValueError, match="vlm_path"):
         SmolVLA(SPEC32, SmolVLAConfig())
-    with pytest.raises(ValueError, match="not a model directory"):
+    # (a checkpoint's directory moved since: its config is not validated by the loader)
+    with pytest.raises(VLMNotFound, match=f"^policy.vlm_path: {tmp_path} is not a model dir"):
         SmolVLA(SPEC32, SmolVLAConfig(vlm_path=str(tmp_path)))
+    with pytest.raises(ValueError, match="^expert_width_multiplier: must be > 0, got -0.5$"):
+        SmolVLA(SPEC32, tiny(vlm_dir, expert_width_multiplier=-0.5))
     with pytest.raises(ValueError, match="flow_noise_std"):
         SmolVLA(SPEC32, tiny(vlm_dir, flow_noise_std=0.0))
     with pytest.raises(ValueError, match="^flow_steps: must be >= 1, got 0$"):

@@ -302,6 +302,16 @@ def test_bad_configs_are_refused():
         VLA(SPEC, tiny("gaussian", privileged_keys=["obj_pose"]))
 
 
+def test_a_random_text_encoder_of_any_width_builds():
+    """text_hidden=50: 3 heads (one per 16 features) do not divide it, and BERT's ValueError
+    was a traceback; 2 heads now, and a multiple of 16 keeps its heads (384: 24)."""
+    from embodied.models.vla.backbones import _heads
+
+    assert [_heads(h) for h in (50, 384, 32, 8, 17)] == [2, 24, 2, 1, 1]
+    policy = VLA(SPEC, tiny("gaussian", text_hidden=50))
+    assert policy.text.model.config.num_attention_heads == 2
+
+
 def test_a_frozen_instructions_embedding_does_not_depend_on_the_others_beside_it():
     """Encoded in one padded batch, an instruction's embedding differed in its last bits with
     the longest one beside it (6e-8): a resumed run or `embodied eval`, whose first batch groups
