@@ -4,17 +4,20 @@ what the learner is sent, recorded."""
 
 import json
 import numbers
+import os
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from scripted_envs import GRPO, ScriptedEnv, push_right_envs, run_on
+from scripted_envs import GRPO, PushRightEnv, ScriptedEnv, push_right_envs, run_on
 
 from embodied.cluster.learner import RemoteLearner
 from embodied.cluster.roles import RayRoles
 from embodied.config import load_config
 from embodied.roles import Roles
+from embodied.schema import UserError
 from embodied.train_config import TrainConfig
 
 ray = pytest.importorskip("ray")
@@ -179,3 +182,86 @@ class WholeSeedEnv(ScriptedEnv):
 def whole_seed_envs(env_cfg) -> WholeSeedEnv:
     """A cluster env worker's environments: ``env_cfg.num_envs`` WholeSeedEnv rows."""
     return WholeSeedEnv([0] * env_cfg.num_envs)
+
+
+class Saboteur:
+    """A cluster env worker's ``PushRightEnv`` that kills a process mid-round when the test arms
+    it (a cluster's ``env_factory``). The test writes ``DIR/armed-<n>`` holding the pid to kill
+    (``self``: the env worker that finds it; ``raise``: no kill, the step raises, as a simulator
+    with a bug). The first environment that reaches the second step
+    of a round claims it (``DIR/claimed-<n>``, its process id inside), sends SIGKILL and steps
+    on; a process restarted afterwards finds it claimed."""
+
+    def __init__(self, gate_dir):
+        self.gate_dir = str(gate_dir)
+
+    def __call__(self, env_cfg) -> PushRightEnv:
+        return SabotagedPushRightEnv(env_cfg.num_envs, self.gate_dir)
+
+    def arm(self, n: int, pid: int | str) -> None:
+        path = Path(self.gate_dir) / f"armed-{n}"
+        path.with_suffix(".tmp").write_text(str(pid))
+        path.with_suffix(".tmp").replace(path)
+
+    def killed(self, n: int) -> int | None:
+        """The pid of the process that claimed gate ``n`` (it killed itself, or the armed pid)."""
+        path = Path(self.gate_dir) / f"claimed-{n}"
+        text = path.read_text() if path.exists() else ""
+        return int(text) if text else None
+
+
+# a simulator's own error (a bug: its traceback), and a user's (a non-finite action: one line)
+BROKE = {
+    "raise": RuntimeError("the simulator broke"),
+    "user": UserError("the actions of environments [1] are not finite"),
+}
+
+
+class SabotagedPushRightEnv(PushRightEnv):
+    def __init__(self, num_envs: int, gate_dir: str):
+        super().__init__(num_envs)
+        self.gate_dir = Path(gate_dir)
+        self.round_steps = 0
+
+    def reset(self, *, seed=None, env_ids=None):
+        if env_ids is None:  # (a round's reset)
+            self.round_steps = 0
+        return super().reset(seed=seed, env_ids=env_ids)
+
+    def step(self, actions):
+        self.round_steps += 1
+        if self.round_steps == 2:
+            for armed in sorted(self.gate_dir.glob("armed-*")):
+                claimed = self.gate_dir / armed.name.replace("armed", "claimed")
+                try:
+                    handle = os.open(claimed, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                except FileExistsError:
+                    continue
+                target = armed.read_text()
+                if target in BROKE:
+                    os.close(handle)
+                    raise BROKE[target]
+                pid = os.getpid() if target == "self" else int(target)
+                os.write(handle, str(pid).encode())
+                os.close(handle)
+                os.kill(pid, signal.SIGKILL)
+        return super().step(actions)
+
+
+def unready_evaluators(env_cfg) -> PushRightEnv:
+    """Env workers' environments (4 of the run's 8 each); an evaluation worker's (all 8) cannot
+    start, as on a node without the simulator's assets."""
+    if env_cfg.num_envs == 8:
+        raise UserError("env.task: its assets are not on this node")
+    return PushRightEnv(env_cfg.num_envs)
+
+
+class OverflowAtClose(PushRightEnv):
+    """Closing raises a user's error, as MuJoCo Warp's last contact-buffer check can."""
+
+    def close(self):
+        raise UserError("MuJoCo push: the contact buffer overflowed")
+
+
+def overflowing_at_close(env_cfg) -> OverflowAtClose:
+    return OverflowAtClose(env_cfg.num_envs)

@@ -20,8 +20,6 @@ function of the state, to tell samples apart).
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import numpy as np
@@ -347,63 +345,6 @@ def push_right_tasks_with_goals(env_cfg) -> MultiTaskEnv:
         for task in env_cfg.tasks
     ]
     return MultiTaskEnv(envs, list(env_cfg.tasks))
-
-
-class Saboteur:
-    """A cluster env worker's ``PushRightEnv`` that kills a process mid-round when the test arms
-    it (a cluster's ``env_factory``). The test writes ``DIR/armed-<n>`` holding the pid to kill
-    (``self``: the env worker that finds it; ``raise``: no kill, the step raises, as a simulator
-    with a bug). The first environment that reaches the second step
-    of a round claims it (``DIR/claimed-<n>``, its process id inside), sends SIGKILL and steps
-    on; a process restarted afterwards finds it claimed."""
-
-    def __init__(self, gate_dir):
-        self.gate_dir = str(gate_dir)
-
-    def __call__(self, env_cfg) -> PushRightEnv:
-        return SabotagedPushRightEnv(env_cfg.num_envs, self.gate_dir)
-
-    def arm(self, n: int, pid: int | str) -> None:
-        path = Path(self.gate_dir) / f"armed-{n}"
-        path.with_suffix(".tmp").write_text(str(pid))
-        path.with_suffix(".tmp").replace(path)
-
-    def killed(self, n: int) -> int | None:
-        """The pid of the process that claimed gate ``n`` (it killed itself, or the armed pid)."""
-        path = Path(self.gate_dir) / f"claimed-{n}"
-        text = path.read_text() if path.exists() else ""
-        return int(text) if text else None
-
-
-class SabotagedPushRightEnv(PushRightEnv):
-    def __init__(self, num_envs: int, gate_dir: str):
-        super().__init__(num_envs)
-        self.gate_dir = Path(gate_dir)
-        self.round_steps = 0
-
-    def reset(self, *, seed=None, env_ids=None):
-        if env_ids is None:  # (a round's reset)
-            self.round_steps = 0
-        return super().reset(seed=seed, env_ids=env_ids)
-
-    def step(self, actions):
-        self.round_steps += 1
-        if self.round_steps == 2:
-            for armed in sorted(self.gate_dir.glob("armed-*")):
-                claimed = self.gate_dir / armed.name.replace("armed", "claimed")
-                try:
-                    handle = os.open(claimed, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-                except FileExistsError:
-                    continue
-                target = armed.read_text()
-                if target == "raise":
-                    os.close(handle)
-                    raise RuntimeError("the simulator broke")
-                pid = os.getpid() if target == "self" else int(target)
-                os.write(handle, str(pid).encode())
-                os.close(handle)
-                os.kill(pid, signal.SIGKILL)
-        return super().step(actions)
 
 
 def subset_stepping_envs(env_cfg) -> ScriptedEnv:

@@ -443,6 +443,27 @@ def test_megatron_tp_ranks_as_actor_workers_give_the_embedded_numbers(
         torch.testing.assert_close(joined[key], value, rtol=1e-5, atol=1e-5)
 
 
+def test_a_survivor_told_its_keys_in_recovery_drops_the_failed_rounds_steps():
+    """A peer lost mid-round: the survivor's other stage was still stepping, and the new group
+    that ``keep_privileged`` made (recovery) left it queued: the next round's reset took that
+    step's answer. It is finished and dropped; the next round steps from the reset."""
+    from scripted_envs import ScriptedEnv
+
+    from embodied.cluster.workers import EnvWorker
+    from embodied.multitask import MultiTaskEnv
+
+    core = ScriptedEnv([0, 0, 0, 0], max_episode_steps=9, can_step_subsets=True)
+    worker = EnvWorker(None, lambda cfg: MultiTaskEnv([core], ["a"]))
+    worker.group.reset(seed=0)
+    worker.group.send(torch.ones(2, 1, 1), torch.tensor([1, 3]))  # (never received)
+    worker.keep_privileged([])
+    assert core.pending == []
+    obs = worker.group.reset(seed=10)
+    assert obs.state[:, 0].tolist() == [0.0] * 4  # (t: every row at its start)
+    worker.group.send(torch.ones(2, 1, 1), torch.tensor([1, 3]))
+    assert worker.group.receive(torch.tensor([1, 3])).obs.state[:, 0].tolist() == [1.0, 1.0]
+
+
 def test_an_env_worker_that_infers_runs_its_chunks_in_the_acting_thread():
     """Its policy samples from the run's stream, which swaps torch's global generator: a chunk
     stepping in a thread meanwhile (a simulator's automatic reset drawing from that generator)

@@ -17,12 +17,13 @@ from cluster_runs import (
     ONE_ROUND,
     TWO_ENV_WORKERS,
     Recorder,
+    Saboteur,
     discarded_rounds,
     roles_on,
     rows,
     run_rounds,
 )
-from scripted_envs import Saboteur, push_right_tasks_with_goals, run_on
+from scripted_envs import push_right_tasks_with_goals, run_on
 
 from embodied.checkpoint import load_checkpoint
 from embodied.cli import main
@@ -31,6 +32,7 @@ from embodied.cluster.roles import RayRoles
 from embodied.episode_stats import EpisodeStats
 from embodied.roles import WorkerLost
 from embodied.rollout import CollectPlan
+from embodied.schema import UserError
 
 ray = pytest.importorskip("ray")
 
@@ -313,10 +315,15 @@ def test_a_worker_lost_in_a_call_to_several_is_named_before_a_survivors_error(lo
     ray.kill(survivor)
 
 
-def test_a_simulator_error_mid_round_ends_the_round_with_that_error(local_ray, tmp_path):
+@pytest.mark.parametrize(
+    "broke",
+    [pytest.param("raise", marks=pytest.mark.slow), "user"],  # (a round's set-up each)
+)
+def test_a_simulator_error_mid_round_ends_the_round_with_that_error(local_ray, tmp_path, broke):
     """An env worker's simulator raises at a round's second step: its rollout worker and the
     other env worker lose their links, and the round ends with the simulator's own error, not
-    theirs."""
+    theirs: a bug with its traceback, a user's error (a non-finite action) as itself, one line
+    (the text of Ray's wrapper of it was the worker's traceback)."""
     import ray
 
     saboteur = Saboteur(tmp_path)
@@ -327,12 +334,17 @@ def test_a_simulator_error_mid_round_ends_the_round_with_that_error(local_ray, t
         roles.sync(0)
         roles.envs.reset(seed=np.int64(5))  # (a numpy seed is an integer too: env b gets 5 + b)
         assert roles.envs.seeds == [[5, 6, 7, 8], [9, 10, 11, 12]]
-        saboteur.arm(1, "raise")
+        saboteur.arm(1, broke)
         stats = EpisodeStats(roles.envs.task_names, torch.device("cpu"))
         obs = roles.envs.reset(seed=plan.seeds)
-        with pytest.raises(ray.exceptions.RayTaskError, match="the simulator broke") as error:
+        with pytest.raises((ray.exceptions.RayTaskError, UserError)) as error:
             roles.collect(obs, plan, stats)
-        assert isinstance(error.value.cause, RuntimeError)
+        if broke == "raise":
+            assert isinstance(error.value.cause, RuntimeError)
+            assert "the simulator broke" in str(error.value)
+        else:
+            assert type(error.value) is UserError
+            assert str(error.value) == "the actions of environments [1] are not finite"
         assert (tmp_path / "claimed-1").exists() and saboteur.killed(1) is None  # (no kill)
     finally:
         roles.close()

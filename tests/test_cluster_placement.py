@@ -9,7 +9,17 @@ import signal
 
 import pytest
 import torch
-from cluster_runs import ON_RAY, ROOT, TINY, block_ray, roles_on, rows
+from cluster_runs import (
+    ON_RAY,
+    ROOT,
+    TINY,
+    TWO_ENV_WORKERS,
+    block_ray,
+    overflowing_at_close,
+    roles_on,
+    rows,
+    unready_evaluators,
+)
 from tiny_runs import TINY_REACH
 
 from embodied.cli import main
@@ -86,6 +96,14 @@ def slots_of(**roles):
             [{"CPU": 2.0}, {"CPU": 2.0}],
             "collocated",
             "cluster.placement: collocated puts every worker on one node",
+        ),
+        # each resource fits on some node, all of them on none (a StopIteration traceback)
+        (
+            dict(env=dict(num_cpus=1), rollout=dict(num_gpus=0.5), actor=dict(num_gpus=0.5)),
+            [{"CPU": 8.0}, {"CPU": 2.0, "GPU": 1.0}],
+            "collocated",
+            "cluster.placement: collocated puts every worker on one node, and they ask for "
+            "3 CPU, 1 GPU in all; no node has all of it (2 node(s)); use",
         ),
         (
             dict(env=dict(resources={"sim": 1})),
@@ -372,3 +390,32 @@ def test_a_lost_actor_worker_stops_the_run_with_one_line_and_no_resume_without_a
     )
     assert len(killed) == 1 and "collected again" not in out
     assert [r for r in rows(run) if "policy/loss" in r] == []
+
+
+def test_an_evaluation_worker_that_cannot_start_stops_the_run_at_its_start(local_ray, tmp_path):
+    """As any role's worker: it was marked lost without a word, every evaluation beside
+    training and the best checkpoint lost, and `embodied cluster status` a KeyError."""
+    from embodied.schema import UserError
+
+    env = dict(workers=2, num_cpus=0.25)  # (4 environments each)
+    cluster = {**TWO_ENV_WORKERS, "env": env, "eval": dict(workers=1, num_cpus=0.5)}
+    with pytest.raises(UserError, match="^env.task: its assets are not on this node$"):
+        roles_on(tmp_path, cluster, {"hidden_sizes": [8], "use_images": False}, unready_evaluators)
+    assert ray.util.placement_group_table() == {} or all(
+        group["state"] == "REMOVED" for group in ray.util.placement_group_table().values()
+    )
+
+
+def test_an_environment_that_fails_to_close_still_takes_the_cluster_down(local_ray, tmp_path):
+    """Its error (one line) stopped the close halfway: the status never said the run ended, the
+    workers and the placement group were left on the cluster."""
+    from embodied.cluster.status import read_status
+    from embodied.schema import UserError
+
+    policy = {"hidden_sizes": [8], "use_images": False}
+    roles = roles_on(tmp_path, TWO_ENV_WORKERS, policy, overflowing_at_close)
+    roles.sync(1)
+    with pytest.raises(UserError, match="^MuJoCo push: the contact buffer overflowed$"):
+        roles.close()
+    assert read_status(tmp_path)["ended"] is not None
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())

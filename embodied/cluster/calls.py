@@ -8,11 +8,15 @@ import importlib
 import re
 import time
 
+from embodied.checkpoint import CheckpointWriteError
 from embodied.cluster.direct import NotConnected
 from embodied.config import ConfigError
 from embodied.roles import WorkerLost, WorkerNotStarted
 from embodied.schema import UserError
 
+# a worker's errors that are the user's to fix, raised as themselves (one line): the text of
+# Ray's wrapper of them is the worker's traceback
+USERS_ERRORS = (ConfigError, UserError, CheckpointWriteError)
 RESTART_TIMEOUT_S = 300.0  # how long a lost worker may take to come back
 LOSS_NOTICE_S = 10.0  # how long after its peers' errors Ray may take to report a worker's death
 RAY_GONE = (
@@ -35,7 +39,7 @@ def get(refs, role: str, name=None):
     except ray.exceptions.RayTaskError as error:
         if isinstance(refs, list):  # (Ray raises the first error to arrive)
             _raise_if_one_was_lost(refs, role, name)
-        if isinstance(error.cause, ConfigError):
+        if isinstance(error.cause, USERS_ERRORS):
             raise error.cause from None
         if not isinstance(error.cause, NotConnected):
             raise

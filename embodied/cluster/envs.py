@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied.cluster.calls import Traffic, get
+from embodied.cluster.calls import USERS_ERRORS, Traffic, get
 from embodied.cluster.group import WorkerGroup
 from embodied.cluster.wire import from_wire
 from embodied.config import ConfigError
@@ -204,3 +204,7 @@ class RemoteEnvGroup(WorkerGroup):
             ray.get([w.close.remote() for w in self.workers], timeout=30)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
             pass  # a dead or hung worker: it is killed with the rest
+        except ray.exceptions.RayTaskError as error:  # (its simulator's own close raised)
+            if isinstance(error.cause, USERS_ERRORS):
+                raise error.cause from None
+            raise

@@ -114,9 +114,15 @@ class EvalGroup(WorkerGroup):
             return None
 
     def locate(self) -> None:
+        """Where each worker runs; one lost meanwhile is left (``lost``). At the run's start a
+        worker that cannot start stops the run, as any role's does: every evaluation beside
+        training (and the best checkpoint) was lost without a word."""
+        at_start = not any(self.placed)
         try:
             super().locate()
         except (WorkerLost, *NOT_STARTED):
+            if at_start:
+                raise
             self.lost = True
 
     def close(self) -> None:

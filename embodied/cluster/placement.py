@@ -156,15 +156,18 @@ def check_fits(cfg: ClusterConfig, slots: list[Slot], nodes: list[dict[str, floa
             for name, amount in slot.resources.items():
                 everything[name] = everything.get(name, 0.0) + amount
         if not any(_fits(everything, node) for node in nodes):
-            short = next(
+            short = [
                 name
                 for name in sorted(everything)
                 if all(node.get(name, 0.0) + 1e-9 < everything[name] for node in nodes)
-            )
+            ]
+            # (none short everywhere: each resource fits on some node, all of them on none)
+            asked = short[:1] or sorted(everything)
+            amounts = ", ".join(f"{_amount(everything[name])} {name}" for name in asked)
             raise ConfigError(
                 f"cluster.placement: collocated puts every worker on one node, and they ask for "
-                f"{_amount(everything[short])} {short} in all; no node has that much ({where}); "
-                "use cluster.placement=hybrid or disaggregated"
+                f"{amounts} in all; no node has {'that much' if short else 'all of it'} "
+                f"({where}); use cluster.placement=hybrid or disaggregated"
             )
     # 4. the bundles on the nodes together (collocated: on one node)
     bundles = bundles_of(slots)

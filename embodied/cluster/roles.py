@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from embodied.cluster.calls import RAY_GONE, control_plane_up, get, lost
+from embodied.cluster.calls import RAY_GONE, USERS_ERRORS, control_plane_up, get, lost
 from embodied.cluster.direct import NotConnected, members_of
 from embodied.cluster.envs import split_env
 from embodied.cluster.evaluation import Evaluation
@@ -194,7 +194,10 @@ class RayRoles:
                 raise WorkerLost(role, str(error.cause), self.groups[role].describe(index))
         if failed:  # the error that ended the round, before the links it broke
             broken = (ConnectionError, EOFError)
-            raise min((e for _, _, e in failed), key=lambda e: isinstance(e.cause, broken))
+            first = min((e for _, _, e in failed), key=lambda e: isinstance(e.cause, broken))
+            if isinstance(first.cause, USERS_ERRORS):
+                raise first.cause from None
+            raise first
         t0 = time.perf_counter()
         answers = ray.get(env_calls)
         self.envs.traffic.wait_s += time.perf_counter() - t0
@@ -388,9 +391,18 @@ class RayRoles:
             return
         # (Ray's daemons stopped by a signal to every process: nothing to close through them)
         up = control_plane_up()
-        for role in ("env", "eval"):  # (their environments closed first)
-            if role in self.groups and up:
-                self.groups[role].close()
+        try:
+            for role in ("env", "eval"):  # (their environments closed first)
+                if role in self.groups and up:
+                    self.groups[role].close()
+        finally:  # (an environment's close may raise: MuJoCo Warp's last overflow check)
+            self._take_down(up)
+
+    def _take_down(self, up: bool) -> None:
+        """The status marked ended, every worker killed, the placement group removed, and a
+        Ray this run started shut down."""
+        import ray
+
         written = (self.run_dir / STATUS_FILE).exists()  # (at the run's first weight sync)
         if written and hasattr(self, "since"):
             self.ended = time.time()

@@ -147,6 +147,7 @@ class EnvWorker(_Worker):
         multi-task environment of all of them would (this worker's is one of its tasks). A
         restarted worker observes all of its own again until the driver says this again."""
         self.env.keep_privileged(keys)
+        self.group.drain()  # (recovery: a failed round's step may still be in flight)
         self.group = EnvGroup(self.env, chunks_in_thread=self.CHUNKS_IN_THREAD)
 
     @timed
