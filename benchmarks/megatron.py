@@ -60,7 +60,7 @@ def run_rank(rank: int, backend: str, tp: int, recompute: bool, port: int, args,
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=tp)
-        parallel.initialize(tp, seed=0)
+        parallel.initialize(tp, seed=0, device=torch.device("cpu"))
     torch.manual_seed(0)
     envs = EnvGroup(PushRightEnv(args.envs))
     sizes = {"d_model": args.d_model, "layers": args.layers, "heads": args.heads}

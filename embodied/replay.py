@@ -50,6 +50,8 @@ def replay(run_dir: Path, iteration: int, device: str = "cpu") -> tuple[Record, 
     cfg = record_config(record)
     cfg.cluster.enabled = False  # (the update in this process, as one actor worker ran it)
     cfg.runner.record_rollouts = 0  # (a replay records nothing)
+    # the precision the run trained in: "auto" of a GPU run's bf16 was float32 on the CPU
+    cfg.trainer.precision = record.meta.get("precision", cfg.trainer.precision)
     if cfg.runner.deterministic:  # the run's portable kernels (the CLI starts over pinned)
         numerics.pin()
     numerics.setup(cfg.runner.torch_threads)  # (the run's threads: another count sums apart)

@@ -119,6 +119,7 @@ class Learner:
             "spec": spec.to_dict(),
             "task_of_env": task_of_env.tolist(),
             "reference_digest": reference_digest(self),  # (None: no KL reference)
+            "precision": trained_in(self.engine),  # (trainer.precision auto: by the device)
         }
         self.pending: Pending | None = None  # (TP rank 0's; the others gather it with it)
         self.started = False  # the iteration in progress has its state before it taken
@@ -410,6 +411,13 @@ class LocalRoles:
         self.spec: EnvSpec = env.spec
         device = cfg.runner.torch_device(env.device)
         self.learner = learner_for(cfg, env.spec, self.envs.task_of_env, device)
+        try:
+            self._start(cfg, resume)
+        except BaseException:  # (a refused resume: megatron's groups left for a later run)
+            self.learner.close()
+            raise
+
+    def _start(self, cfg, resume: dict | None) -> None:
         # the one inference shard's stream: rollout worker 0's on Ray
         stream = Stream.derived(cfg.seed, "rollout", 0)
         self.inference = InferencePolicy(

@@ -165,7 +165,7 @@ def bc_parts(backend: str, head: str = "gaussian", tensor_parallel: int = 1):
 
 
 def bc_step(learner, data, step: int, out: dict) -> None:
-    """SFT's step ``step`` (0, 1: its learning rate) into ``out``: loss, norm, accuracy."""
+    """SFT's step ``step`` (0, 1, 2: its learning rate) into ``out``: loss, norm, accuracy."""
     metrics = learner.bc_step(*data, None, 1e-3 / (1 + step))
     out[f"loss{step}"] = metrics["sft/loss"].item()
     out[f"grad_norm{step}"] = metrics["sft/grad_norm"].item()
@@ -173,12 +173,12 @@ def bc_step(learner, data, step: int, out: dict) -> None:
 
 
 def bc_steps(backend: str, head: str = "gaussian") -> dict:
-    """SFT's learner (``bc_setup``) on ``backend``: two clipped AdamW steps (both clip) of the
-    tiny VLA's behaviour-cloning loss on the test task's observations -> each step's loss and
-    gradient norm, the weights after both."""
+    """SFT's learner (``bc_setup``) on ``backend``: three clipped AdamW steps of the tiny VLA's
+    behaviour-cloning loss on the test task's observations -> each step's loss and gradient
+    norm, the weights after the three."""
     learner, data = bc_setup(backend, head)
     out = {}
-    for step in range(2):
+    for step in range(3):
         bc_step(learner, data, step, out)
     learner.refresh()
     out["state"] = learner.engine.torch_policy.state_dict()

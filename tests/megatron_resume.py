@@ -81,16 +81,18 @@ def save_bc(learner, run_dir, step: int) -> None:
 
 
 def bc_resumed(run_dir) -> dict:
-    """SFT's first step, its checkpoint, a new learner loaded from it, the second step: the
-    checkpoint, what the new learner holds after the load (weights on megatron, its main
-    weights, the torch copy, Adam's state) and the second step's numbers and weights."""
+    """SFT's first two steps, their checkpoint, a new learner loaded from it, the third step:
+    the checkpoint, what the new learner holds after the load (weights on megatron, its main
+    weights, the torch copy, Adam's state) and the third step's numbers and weights. (After
+    one step the load's dummy step counts 1 too: a count not restored passed.)"""
     from embodied.checkpoint import checkpoint_dir, load_checkpoint
 
     first, data = bc_setup("megatron")
     out = {}
-    bc_step(first, data, 0, out)
-    save_bc(first, run_dir, 1)
-    checkpoint = load_checkpoint(checkpoint_dir(run_dir, 1))
+    for step in range(2):
+        bc_step(first, data, step, out)
+    save_bc(first, run_dir, 2)
+    checkpoint = load_checkpoint(checkpoint_dir(run_dir, 2))
     learner, _ = bc_setup("megatron")
     learner.load(checkpoint)
     engine = learner.engine
@@ -105,7 +107,7 @@ def bc_resumed(run_dir) -> dict:
     out.update({f"loaded_{k}": {n: t.clone() for n, t in v.items()} for k, v in loaded.items()})
     out["loaded_adam"] = engine.whole_optimizer_state()
     out["checkpoint"] = {"model": checkpoint["model"], "optimizer": checkpoint["optimizer"]}
-    bc_step(learner, data, 1, out)
+    bc_step(learner, data, 2, out)
     learner.refresh()
     out["state"] = engine.torch_policy.state_dict()
     out["adam"] = engine.whole_optimizer_state()

@@ -1,10 +1,8 @@
 """The import direction of shared/DESIGN.md section 1, as an allow-list: what each part of the
-package may import (docs/design-notes.md 60).
-
-grimp (import-linter's import graph) walks a package's folder on disk and does not see
-setuptools' package-dir mapping, so the test lays the source out as installed (simulators/ ->
-embodied/simulators/, ...) in a temporary directory and builds the graph of that copy.
-"""
+package may import (docs/design-notes.md 60). grimp (import-linter's import graph) walks a
+package's folder on disk and does not see setuptools' package-dir mapping, so the test lays the
+source out as installed (simulators/ -> embodied/simulators/, ...) in a temporary directory and
+builds the graph of that copy."""
 
 import json
 import os
@@ -100,6 +98,7 @@ ALLOWED = {
         "embodied.models",
         "embodied.numerics",
         "embodied.rollout",
+        "embodied.schema",
     },
     # the roles, in one process and on Ray; the run's config and its runner
     "embodied.roles": {

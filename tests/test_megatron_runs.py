@@ -158,6 +158,11 @@ def records_child(rank: int, tmp_path) -> None:
             trainer={"backend": "megatron", "tensor_parallel": tp, "precision": precision},
             record_rollouts=1,
         )
+        if precision == "bf16":  # (its config as a GPU run's says it: auto, bf16 there)
+            for record_json in run_dir.glob("rollouts/*/record.json"):
+                meta = json.loads(record_json.read_text())
+                meta["config"]["trainer"]["precision"] = "auto"
+                record_json.write_text(json.dumps(meta))
         # (a TP=2 replay starts its helper rank, 10 s: its second iteration, whose record
         # holds Adam's moments, is the harder case)
         for iteration in (1, 2) if tp == 1 else (2,):
@@ -171,7 +176,8 @@ def records_child(rank: int, tmp_path) -> None:
 @pytest.mark.slow  # (48-65 s; the torch backend's replay, test_recording.py, is in the suite)
 def test_megatron_updates_replay_bit_for_bit_from_their_records_at_tp_1_and_2(tmp_path):
     """record -> replay on the megatron backend (PPO and GRPO, TP=1 and TP=2, CPU; GRPO in bf16
-    at TP=1, from the float32 main weights its records keep): the
+    at TP=1, from the float32 main weights its records keep, its config's precision "auto" as a
+    GPU run's: the replay on the CPU ran it in float32): the
     losses, KL, clip fraction, gradient norm and the weights after the update as the run's. A
     TP=2 record holds the whole state in the torch layout, the fusion's Adam moments gathered
     from both ranks: they equal the TP=1 run's."""

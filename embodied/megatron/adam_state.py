@@ -99,8 +99,10 @@ class AdamStates:
             for kind in MOMENTS
         }
         for index, name in enumerate(self.trainable):
+            # (a weight whole on every rank: its own count, as optimizer_state_dict's)
+            own = states[name][1]["step"] if name in states else step
             out["state"][index] = {
-                "step": step.clone(),
+                "step": own.clone(),
                 **{kind: moments[kind][name].clone() for kind in MOMENTS},
             }
         return out
@@ -129,7 +131,8 @@ class AdamStates:
         if not state:
             return
         by_name = {self.trainable[index]: entry for index, entry in state.items()}
-        step = next(iter(state.values()))["step"]  # (one count: every parameter steps together)
+        # (the sharded modules' weights step together; a weight no loss reached keeps its count)
+        step = next(iter(state.values()))["step"]
         moments = {
             kind: self._rank_layout({k: e[kind] for k, e in by_name.items()}) for kind in MOMENTS
         }
@@ -137,7 +140,8 @@ class AdamStates:
         for name, param in self.policy.named_parameters():
             if not param.requires_grad:
                 continue
-            tensors = {"param": self._main_param(param).clone(), "step": step.clone()}
+            own = by_name[name]["step"] if name in by_name else step
+            tensors = {"param": self._main_param(param).clone(), "step": own.clone()}
             for kind in MOMENTS:
                 # (torch's Adam keeps none for a weight no loss reached: GRPO's critic)
                 value = moments[kind].get(name, torch.zeros_like(param, dtype=torch.float32))

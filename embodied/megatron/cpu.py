@@ -105,6 +105,25 @@ def use_cpu_corners(seed: int) -> None:
     megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state
 
 
+# megatron's own CUDA RNG state functions, put back for a learner on a GPU
+_CUDA_RNG_STATE_FUNCTIONS = (
+    megatron_random._get_cuda_rng_state,
+    megatron_random._set_cuda_rng_state,
+)
+
+
+def use_cuda_path() -> None:
+    """Take out what ``use_cpu_corners`` installed (a CPU learner earlier in this process, SFT
+    say): a learner on a GPU would have its weights moved into CPU buffers by ``CudaOnCPU``.
+    The RNG tracker is made anew by ``model_parallel_cuda_manual_seed`` after this."""
+    global _on_cpu
+    _on_cpu = False
+    get_state, set_state = _CUDA_RNG_STATE_FUNCTIONS
+    megatron_random._get_cuda_rng_state = get_state
+    megatron_random._set_cuda_rng_state = set_state
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
 def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8)
 

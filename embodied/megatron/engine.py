@@ -84,6 +84,8 @@ def join_ranks(policy: torch.nn.Module, cfg) -> None:
     from megatron.core import parallel_state as state
 
     device = next(policy.parameters()).device
+    if device.type == "cuda":  # (megatron's buffers go to the current device: cuda:N's too)
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -318,7 +320,7 @@ class MegatronEngine(AdamStates, LearningRate):
         # rank 0 looks: it commits the directory next (another rank looking raced its rename)
         missing = [name for name in shard_files(tp) if not (directory / name).is_file()]
         if parallel.tp_rank() == 0 and missing:  # (ranks on nodes sharing no file system)
-            raise RuntimeError(
+            raise OSError(  # (the save's error: the checkpoint is not written, one line)
                 f"{directory}: the shard files {missing} of other TP ranks are not here; the "
                 "ranks of a megatron run need a file system they share with the run directory"
             )

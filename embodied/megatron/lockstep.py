@@ -19,6 +19,7 @@ import functools
 import multiprocessing
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from embodied.checkpoint import (
 )
 from embodied.config import ConfigError
 from embodied.megatron import RankLost
+from embodied.schema import UserError
 
 # a helper that died leaves rank 0 waiting in a collective: this bounds the wait
 COLLECTIVE_TIMEOUT_S = 600
@@ -71,7 +73,8 @@ def start_ranks(cfg, device, learner_class: type, *args) -> list:
     if torch.device(device).type == "cuda":
         raise ConfigError(
             "trainer.tensor_parallel: ranks in processes of one run are CPU-only for now "
-            "(each GPU rank needs a device of its own); use runner.device=cpu"
+            "(each GPU rank needs a device of its own); use runner.device=cpu (embodied "
+            "replay: --device cpu)"
         )
     size = cfg.trainer.tensor_parallel
     address = _address()
@@ -108,7 +111,14 @@ def serve(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     numerics.setup(cfg.runner.torch_threads)  # (and the pins of the run that started it)
     _join(rank, size, address, device)
-    learner = learner_class(cfg, *args, torch.device(device))
+    try:
+        _serve_calls(rank, control, learner_class(cfg, *args, torch.device(device)))
+    except (ConfigError, UserError):  # (every rank meets them: rank 0 says it, in one line)
+        sys.exit(1)
+
+
+def _serve_calls(rank: int, control, learner) -> None:
+    """Run each call rank 0 sends to this helper's ``learner`` until it says stop or is gone."""
     while True:
         try:
             name, args, rng = control.recv()
@@ -123,10 +133,18 @@ def serve(
                 learner.engine.write_shards(Path(directory))
             except Exception as error:  # (a full disk here: rank 0 reports it)
                 control.send(("failed", f"TP rank {rank}: {type(error).__name__}: {error}"))
-                raise
+                sys.exit(1)
             continue
         getattr(learner, name)(*args)
     learner.close()
+
+
+def _close_quietly(learner) -> None:
+    """``learner.close()`` after a failure: its own error would hide the failure's."""
+    try:
+        learner.close()
+    except Exception:
+        pass
 
 
 class Lockstep:
@@ -233,13 +251,18 @@ class Lockstep:
         may be waiting in a collective that never completes: they are terminated instead."""
         if not self.helpers:
             return
+        if not self.busy:
+            try:
+                self._broadcast("stop")
+            except OSError:  # (a helper gone since the last call: its pipe is broken)
+                self.busy = True
         if self.busy:
             for helper, _ in self.helpers:
                 helper.kill()  # (they ignore SIGTERM)
                 helper.join(timeout=10)
             self.helpers = []
+            _close_quietly(self.learner)  # (its process group: a later run in this process)
             return
-        self._broadcast("stop")
         for helper, _ in self.helpers:
             helper.join(timeout=60)
             if helper.is_alive():

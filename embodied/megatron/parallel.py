@@ -8,7 +8,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
-from embodied.megatron.cpu import on_cpu, use_cpu_corners
+from embodied.megatron.cpu import on_cpu, use_cpu_corners, use_cuda_path
 from embodied.megatron.layout import from_megatron
 
 COLLECTIVE_TIMEOUT_MINUTES = 10  # as the default group's (the lockstep and Ray process groups)
@@ -24,6 +24,7 @@ def initialize(tensor_parallel: int, seed: int, device: torch.device) -> None:
         distributed_timeout_minutes=COLLECTIVE_TIMEOUT_MINUTES,
     )
     if device.type == "cuda":
+        use_cuda_path()
         model_parallel_cuda_manual_seed(seed)
     else:
         use_cpu_corners(seed)
