@@ -85,9 +85,9 @@ def _convert(hint: Any, text: str) -> Any:
     if typing.get_origin(hint) in (list, tuple) and typing.get_args(hint)[:1] == (str,):
         return _yaml(text, yaml.BaseLoader)  # (every scalar as its text)
     value = _yaml(text)
-    if hint is int and isinstance(value, (str, float)):
+    if hint is int and isinstance(value, str):
         return _whole(value)
-    return value
+    return _file_number(hint, value)  # (a file's rules: 5e6, and [6.4e1, 32] item by item)
 
 
 def _unoptional(hint: Any) -> tuple[Any, bool]:
@@ -273,6 +273,8 @@ def _base(schema: type, chosen: dict[str, tuple[Any, str]]):
                 f"{field_name}.{key}: unknown {field_name} {name!r}; "
                 f"known: {sorted(registry)} (in {where})"
             )
+        if OmegaConf.get_type(cfg[field_name]) is registry[name]:
+            continue  # (the schema's own default of that kind: its values, SFT's rgb say)
         cfg[field_name] = OmegaConf.structured(registry[name])
     return cfg
 

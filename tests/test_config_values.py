@@ -48,6 +48,10 @@ def test_an_int_setting_takes_a_whole_number_written_as_a_float():
             load(f"runner.total_env_steps={text}")
     with pytest.raises(ConfigError, match=r"^seed: .*'bool'"):  # (a bool is not a number)
         load("seed=true")
+    # a list of ints item by item, as a file's (the command line refused 64.0)
+    assert load("policy.hidden_sizes=[6.4e1,32]").policy.hidden_sizes == [64, 32]
+    with pytest.raises(ConfigError, match=r"^policy.hidden_sizes\[0\]: .*'float'"):
+        load("policy.hidden_sizes=[64.5,32]")
 
 
 def test_a_files_numbers_in_exponent_form_are_read_by_their_settings_type(tmp_path):
@@ -278,3 +282,20 @@ def test_cluster_settings_that_a_run_in_one_process_ignores_are_said():
     assert ignored_in_one_process(load("cluster.offload_optimizer=true").cluster) is None
     on_ray = load("cluster.enabled=true", "cluster.actor.workers=2").cluster
     assert ignored_in_one_process(on_ray) is None
+
+
+def test_naming_the_default_choice_keeps_the_schemas_own_default():
+    """``env.simulator: maniskill`` (already SFT's and demos' simulator) replaced their default
+    section by ManiSkill's class defaults: obs_mode state, and a refusal of a key never set."""
+    from embodied.config import compose
+    from embodied.demos import DemosConfig
+    from embodied.sft_config import SFTConfig
+
+    named = {"simulator": "maniskill", "task": "PushCube-v1"}
+    sft = compose(SFTConfig, [("a.yaml", {"datasets": ["d"], "env": named})])
+    assert sft.env.obs_mode == "rgb"
+    assert compose(DemosConfig, [("b.yaml", {"env": named})]).env.obs_mode == "rgb+state"
+    # another choice, or the same one on a schema whose default is another kind, as before
+    mujoco = compose(SFTConfig, [("a.yaml", {"datasets": ["d"], "env": {"simulator": "mujoco"}})])
+    assert type(mujoco.env).__name__ == "MuJoCoConfig"
+    assert compose(TrainConfig, [("c.yaml", {"env": named})]).env.obs_mode == "state"
