@@ -27,7 +27,15 @@ class AlgorithmConfig:
 
     def check_with(self, policy, env) -> None:
         """What the algorithm asks of the policy's and the environments' configs (ValueError
-        naming the key): nothing by default."""
+        naming the key): a Gaussian where ``exploration_log_std`` is set (a flow head failed
+        only after the simulators were built)."""
+        if self.exploration_log_std is not None and not policy.has_gaussian():
+            head = f" (head {policy.head})" if hasattr(policy, "head") else ""
+            raise ValueError(
+                f"algorithm.exploration_log_std: sets a Gaussian head's log std, and policy "
+                f"{policy.name!r}{head} samples otherwise; set algorithm.exploration_log_std=null "
+                "(a flow's noise is policy.flow_noise_std)"
+            )
 
     def fit_policy(self, policy: torch.nn.Module) -> None:
         """Ready the built policy for this algorithm (ValueError naming the key): the Gaussian's

@@ -90,6 +90,7 @@ class GRPOConfig(AlgorithmConfig):
             raise ValueError(f"kl_coef: must be >= 0, got {self.kl_coef}")
 
     def check_with(self, policy, env) -> None:
+        super().check_with(policy, env)
         tasks = len(getattr(env, "tasks", None) or []) or 1
         per_task = env.num_envs // tasks
         if per_task < self.group_size:

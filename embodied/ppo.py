@@ -94,6 +94,7 @@ class PPOConfig(AlgorithmConfig):
             raise ValueError(f"reward_scale: must be > 0, got {self.reward_scale}")
 
     def check_with(self, policy, env) -> None:
+        super().check_with(policy, env)
         if not policy.has_critic():
             fix = "set policy.value_head=true" if hasattr(policy, "value_head") else ""
             raise ValueError(

@@ -26,3 +26,8 @@ class PolicyConfig:
     def has_critic(self) -> bool:
         """Whether the policy built from this config has a value head (PPO needs one)."""
         return True
+
+    def has_gaussian(self) -> bool:
+        """Whether its actions are sampled from a Gaussian with a log std (what
+        ``algorithm.exploration_log_std`` sets)."""
+        return True

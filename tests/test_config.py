@@ -237,7 +237,8 @@ def test_megatron_takes_a_vla_on_a_qwen2_5_vl_whose_language_model_splits(tmp_pa
             TrainConfig,
             path,
             ["trainer.backend=megatron", "trainer.tensor_parallel=3"]
-            + ["policy.heads=3", "policy.d_model=96", "policy.head=discrete", "policy.bins=100"],
+            + ["policy.heads=3", "policy.d_model=96", "policy.head=discrete", "policy.bins=100"]
+            + ["algorithm.exploration_log_std=null"],  # (the discrete head has no log std)
         )
 
 

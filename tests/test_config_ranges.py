@@ -144,6 +144,9 @@ CASES = [
         ["train", M, "cluster.address=auto", "cluster.num_gpus=2"],
         ["cluster.num_gpus: sizes a Ray this run starts", "address auto has its own"],
     ),
+    # a flow head has no log std to set: refused after the simulators were built
+    (["train", V, "policy.head=flow"], ["algorithm.exploration_log_std: sets a Gaussian head"]),
+    (["train", V, "policy.head=discrete"], ["policy 'vla' (head discrete) samples otherwise"]),
     # at 1 half the updates (and at 0.5 nearly all) were spikes, each record kept for good
     (["train", M, "runner.spike_factor=1"], ["runner.spike_factor: 0 (no spikes) or a multiple"]),
     (["train", M, "cluster.eval.workers=1"], ["cluster.eval.workers", "cluster.enabled=true"]),

@@ -83,6 +83,9 @@ class VLAConfig(PolicyConfig):
     def has_critic(self) -> bool:
         return self.value_head
 
+    def has_gaussian(self) -> bool:
+        return self.head == "gaussian"
+
     def validate(self) -> None:
         if self.head not in HEADS:
             raise ValueError(f"head: must be one of {sorted(HEADS)}, got {self.head!r}")

@@ -75,6 +75,9 @@ class SmolVLAConfig(PolicyConfig):
     def has_critic(self) -> bool:
         return False  # no value head: GRPO
 
+    def has_gaussian(self) -> bool:
+        return False  # (a flow: its noise is policy.flow_noise_std)
+
     def validate(self) -> None:
         if not self.vlm_path:
             raise ValueError(

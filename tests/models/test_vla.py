@@ -302,6 +302,26 @@ def test_bad_configs_are_refused():
         VLA(SPEC, tiny("gaussian", privileged_keys=["obj_pose"]))
 
 
+def test_a_run_started_from_a_checkpoint_takes_its_configs_flow_noise(tmp_path):
+    """SFT never trains the flow's noise std, so a GRPO run from its checkpoint kept SFT's
+    initial one whatever ``policy.flow_noise_std`` said; the other weights are the checkpoint's."""
+    from types import SimpleNamespace
+
+    from embodied.roles import init_policy
+
+    sft = VLA(SPEC, tiny("flow", flow_noise_std=0.1))
+    meta = {"config": {}, "spec": SPEC.to_dict()}
+    save_checkpoint(tmp_path, 1, model=sft, optimizer=None, counters={}, meta=meta)
+    runner = SimpleNamespace(init_from=str(tmp_path / "last"))
+    policy = init_policy(
+        SimpleNamespace(policy=tiny("flow", flow_noise_std=0.3), runner=runner), SPEC, "cpu"
+    )
+    torch.testing.assert_close(policy.head.log_sigma.exp(), torch.full((4,), 0.3))
+    for name, value in sft.state_dict().items():
+        if not name.endswith("log_sigma"):
+            assert torch.equal(policy.state_dict()[name], value), name
+
+
 def test_a_random_text_encoder_of_any_width_builds():
     """text_hidden=50: 3 heads (one per 16 features) do not divide it, and BERT's ValueError
     was a traceback; 2 heads now, and a multiple of 16 keeps its heads (384: 24)."""
