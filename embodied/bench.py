@@ -174,7 +174,8 @@ class _PolicySource:
             # loaded once: a run that saves meanwhile moves RUN/last (the weights, the spec and
             # the key are one checkpoint's)
             loaded = load_policy_checkpoint(checkpoint)
-            self.loaded, self.trained = load_policy(loaded)
+            self.loaded, trained = load_policy(loaded)
+            self.acts_on = _acts_on(trained.runner)
             self.spec = EnvSpec.from_dict(loaded["meta"]["spec"])
             path = Path(loaded["path"]).resolve()  # RUN/last, RUN -> RUN/checkpoints/iter_N
             inside_run = path.parent.name == "checkpoints"
@@ -190,6 +191,7 @@ class _PolicySource:
                     "(or --checkpoint)"
                 )
             self.loaded = None
+            self.acts_on = None
             self.label = policy
             self.key = policy
         self.deterministic = (
@@ -199,9 +201,7 @@ class _PolicySource:
     def device(self, env_device: torch.device) -> torch.device:
         """Where the policy acts: a checkpoint's as in ``embodied eval`` (its run's
         ``runner.device``), a baseline on the environment's device."""
-        if self.loaded is None:
-            return env_device
-        return self.trained.runner.acting_device(env_device)
+        return env_device if self.acts_on is None else self.acts_on
 
     def for_env(self, spec):
         if self.loaded is None:
@@ -259,7 +259,7 @@ def run_bench(
     meta["skipped"] = []  # tasks the checkpoint cannot act in, with the reason
     for n, item in enumerate(items, 1):
         counted = f"[{n}/{len(items)}] {item.name}"
-        key = _task_key(item, cfg, policies.key)
+        key = _task_key(item, cfg, policies)
         path = out_dir / "tasks" / f"{_file_name(item.name)}.json"
         kept = _kept_results(path, key, counted)
         if kept is not None and cfg.videos and not _have_videos(kept, out_dir):
@@ -305,14 +305,26 @@ def checkpoint_fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _task_key(item: BenchItem, cfg: BenchConfig, policy_key: str) -> str:
-    """What a task's results were made from: its env, episodes, the suite's seed, the policy."""
+def _acts_on(runner) -> torch.device | None:
+    """Where a checkpoint acts, as in ``embodied eval``: its run's ``runner.device`` (None: the
+    simulator's, for auto or, said once, on a machine without that device)."""
+    if runner.device == "auto":
+        return None
+    acting = runner.acting_device(torch.device("cpu"))  # (the note where the machine lacks it)
+    return acting if acting.type != "cpu" or runner.device == "cpu" else None
+
+
+def _task_key(item: BenchItem, cfg: BenchConfig, policies: _PolicySource) -> str:
+    """What a task's results were made from: its env, episodes, the suite's seed, the policy
+    (and where it acted, where not on the simulator's device: other kernels, other numbers)."""
     made_from = {
         "env": to_dict(item.env),
         "episodes": item.episodes,
         "first_seed": eval_seed(cfg.seed, held_out=True),  # (results on older seeds run again)
-        "policy": policy_key,
+        "policy": policies.key,
     }
+    if policies.acts_on is not None:
+        made_from["acts_on"] = str(policies.acts_on)
     return hashlib.sha1(json.dumps(made_from, sort_keys=True).encode()).hexdigest()
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -165,10 +167,31 @@ class _Video:
         try:
             write_mp4(self.path, self.frames, fps=self.env.spec.action.control_hz)
         except OSError as e:  # (a full or read-only disk: the evaluation's numbers stand)
-            print(f"note: video {self.path} not written ({e.strerror or e})", file=sys.stderr)
+            _not_written(self.path, e)
             return
         for summary in filter(None, summaries[:VIDEO_TILES]):  # (the tasks it shows)
             summary["eval/video"] = str(self.path)
+
+
+def _not_written(path: Path, error: OSError) -> None:
+    print(f"note: video {path} not written ({error.strerror or error})", file=sys.stderr)
+
+
+def write_recorded_video(path: Path, data: bytes) -> bool:
+    """An evaluation's mp4 recorded elsewhere (an env worker's bytes) as ``path``, whole or not
+    at all; False, said, where the disk refuses it (the evaluation's numbers stand)."""
+    partial = path.with_name(f"{path.stem}.partial{path.suffix}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    except OSError as e:
+        _not_written(path, e)
+        return False
+    finally:
+        with contextlib.suppress(OSError):  # (none made: no directory to make it in)
+            partial.unlink(missing_ok=True)
+    return True
 
 
 def _run(

@@ -77,9 +77,9 @@ def init_policy(cfg, spec: EnvSpec, device) -> torch.nn.Module:
         # a critic may be added (PPO after SFT: fresh value head) or dropped (GRPO)
         state = checkpoint["model"]
         check_weights_fit(state, policy, "runner.init_from", cfg.runner.init_from, "value_mlp.")
-        # a flow's noise std (log_sigma: the VLA head's, SmolVLA's) as this config says: SFT
-        # never trains it, and its initial value overrode the config's
-        fresh = policy.state_dict().items()
+        # an SFT checkpoint's flow noise std (log_sigma: the VLA head's, SmolVLA's) is its
+        # initial one, never trained: this config's instead (an RL checkpoint's is trained)
+        fresh = policy.state_dict().items() if "sft" in checkpoint["meta"] else ()
         noise = {k: v.clone() for k, v in fresh if k.rpartition(".")[2] == "log_sigma"}
         policy.load_state_dict({**state, **noise}, strict=False)
     return policy

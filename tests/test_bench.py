@@ -423,21 +423,28 @@ def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     )
 
 
-def test_a_checkpoint_acts_on_its_runs_device_as_in_eval(monkeypatch, capsys):
+def test_a_checkpoint_acts_on_its_runs_device_as_in_eval(monkeypatch, capsys, tmp_path):
     """A run trained with runner.device=cuda on a CPU simulator: the bench acted on the
     simulator's CPU (``embodied eval`` on cuda, so other kernels and other numbers); on a machine
     without the run's device, on the simulator's, said so. Baselines act on the simulator's."""
-    from embodied.bench import _PolicySource
-    from embodied.train_config import TrainConfig
+    from embodied.bench import BenchItem, _acts_on, _PolicySource, _task_key
+    from embodied.train_config import RunnerConfig
 
     source = _PolicySource.__new__(_PolicySource)
-    source.loaded, source.trained = "the policy", TrainConfig()
-    source.trained.runner.device = "cuda:1"
+    source.key = "checkpoint:run"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    source.acts_on = _acts_on(RunnerConfig(device="cuda:1"))
     assert source.device(torch.device("cpu")) == torch.device("cuda:1")
+    cfg, _ = load_config(BenchConfig, suite(Path(tmp_path), [{"env": REACH}]))
+    item = BenchItem("reach", MuJoCoConfig(), 4)
+    on_cuda = _task_key(item, cfg, source)
+    # a machine without cuda:1: the simulator's device, said once, and the task's key another
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert source.device(torch.device("cpu")) == torch.device("cpu")
-    assert "note: the run acted on runner.device=cuda:1" in capsys.readouterr().err
-    source.loaded = None
-    assert source.device(torch.device("cpu")) == torch.device("cpu")
+    source.acts_on = _acts_on(RunnerConfig(device="cuda:1"))
+    assert source.acts_on is None and source.device(torch.device("cpu")) == torch.device("cpu")
+    assert capsys.readouterr().err.count("note: the run acted on runner.device=cuda:1") == 1
+    assert _task_key(item, cfg, source) != on_cuda
+    for device in ("auto", "cpu"):
+        want = None if device == "auto" else torch.device("cpu")
+        assert _acts_on(RunnerConfig(device=device)) == want

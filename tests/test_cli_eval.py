@@ -151,3 +151,16 @@ def test_a_video_that_cannot_be_written_leaves_the_result(checkpoint, monkeypatc
         f"note: video {video} not written (No space left on device)"
     )
     assert list(checkpoint.glob("eval_1*")) == []
+
+
+def test_a_recorded_video_the_disk_refuses_is_said_and_leaves_no_file(tmp_path, capsys):
+    """On Ray the driver writes the env worker's recording: a full disk there lost the final
+    evaluation's result in an OSError, with half a video left."""
+    from embodied.evaluate import write_recorded_video
+
+    (tmp_path / "file").write_text("not a directory")
+    refused = tmp_path / "file" / "final_eval.mp4"
+    assert not write_recorded_video(refused, b"mp4 bytes")
+    assert capsys.readouterr().err.startswith(f"note: video {refused} not written (")
+    assert write_recorded_video(tmp_path / "videos" / "v.mp4", b"mp4 bytes")
+    assert [p.name for p in (tmp_path / "videos").iterdir()] == ["v.mp4"]

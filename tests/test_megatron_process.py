@@ -52,7 +52,7 @@ def test_a_gpu_learner_after_a_cpu_one_leaves_the_cpu_corners(monkeypatch):
 
     from embodied.megatron import cpu, parallel
 
-    cuda_state = megatron_random._get_cuda_rng_state
+    cuda_state = cpu._CUDA_RNG_STATE_FUNCTIONS[0]  # (megatron's own, whatever ran before)
     seeded = []
     monkeypatch.setattr(parallel, "model_parallel_cuda_manual_seed", seeded.append)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -68,26 +68,23 @@ def test_a_gpu_learner_after_a_cpu_one_leaves_the_cpu_corners(monkeypatch):
         dist.destroy_process_group()
 
 
-def test_a_learner_on_cuda_n_makes_it_the_current_device(monkeypatch):
+def test_a_learner_on_another_cuda_device_than_the_current_one_is_one_line(monkeypatch):
     """Megatron's buffers go to the current CUDA device: with the policy on cuda:1 they went
-    to cuda:0, and the trainable weights with them (the first update failed)."""
+    to cuda:0, and the trainable weights with them (the first update failed). Making cuda:1
+    current would move a simulator's index-less "cuda" tensors: refused, saying what to do."""
     pytest.importorskip("megatron.core")
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from embodied.megatron.engine import check_current_device
+    from embodied.schema import UserError
 
-    from embodied.megatron import engine, parallel
-
-    current = []
-    monkeypatch.setattr(torch.cuda, "set_device", current.append)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
-    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
-    monkeypatch.setattr(parallel, "initialize", lambda tp, seed, device: current.append(device))
-    on_cuda_1 = SimpleNamespace()
-    on_cuda_1.parameters = lambda: iter([SimpleNamespace(device=torch.device("cuda:1"))])
-    cfg = SimpleNamespace(trainer=SimpleNamespace(tensor_parallel=1), seed=0)
-    engine.join_ranks(on_cuda_1, cfg)
-    assert current == [torch.device("cuda:1")] * 2  # (the current device first, then the groups)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # (no GPU here)
+    for fine in ("cpu", "cuda", "cuda:0"):
+        check_current_device(torch.device(fine))
+    with pytest.raises(UserError) as refused:
+        check_current_device(torch.device("cuda:1"))
+    assert str(refused.value) == (
+        "runner.device=cuda:1: the megatron backend trains on the current CUDA device (cuda:0); "
+        "use runner.device=cuda, or CUDA_VISIBLE_DEVICES=1 to make that GPU the current one"
+    )
 
 
 def test_a_helper_rank_gone_before_the_close_is_no_broken_pipe():

@@ -130,7 +130,7 @@ def test_a_recorded_update_replays_bit_for_bit(tmp_path, algorithm, capsys):
     assert len(losses) >= 2 and set(losses) <= set(recorded) == set(range(1, max(recorded) + 1))
     for iteration in recorded:
         record, metrics, digest = replay(run_dir, iteration)
-        assert record.meta["reason"] == "every"
+        assert record.meta["reason"] == "every" and record.meta["precision"] == "fp32"
         assert metrics.get("policy/loss") == losses.get(iteration)
         logged = record.meta["metrics"]
         assert differences(logged, metrics, weights=(record.meta["digest_after"], digest)) == []
@@ -471,3 +471,29 @@ def test_a_record_is_on_disk_before_its_rename_makes_it_one(tmp_path, monkeypatc
     assert before == {staging / name for name in files} | {staging}
     assert flushed[-2:] == [(final.parent, True), (tmp_path, True)]
     assert sorted(p.name for p in final.iterdir()) == sorted(files)
+
+
+def test_a_replay_runs_at_the_precision_its_record_says(monkeypatch):
+    """A GPU run's config says precision auto (bf16 there): replayed on the CPU, auto is float32,
+    a different update said to differ. The record says what the update ran in."""
+    from types import SimpleNamespace
+
+    import embodied.replay
+    import embodied.roles
+    from embodied.config import to_dict
+    from embodied.train_config import TrainConfig
+
+    class Built(Exception):
+        pass
+
+    def learner_for(cfg, *args):
+        raise Built(cfg.trainer.precision)
+
+    config = to_dict(TrainConfig())  # (trainer.precision: auto)
+    for said, precision in (({"precision": "bf16"}, "bf16"), ({}, "auto")):
+        meta = {"config": config, "spec": PushRightEnv(2).spec.to_dict(), "task_of_env": [0, 0]}
+        record = SimpleNamespace(meta={**meta, **said})
+        monkeypatch.setattr(embodied.replay, "read_record", lambda *args, r=record: r)
+        monkeypatch.setattr(embodied.roles, "learner_for", learner_for)
+        with pytest.raises(Built, match=f"^{precision}$"):  # (a record from before: as it was)
+            embodied.replay.replay("run", 1)

@@ -39,7 +39,7 @@ from embodied.cluster.status import STATUS_FILE, write_status
 from embodied.cluster.wire import from_wire, to_wire, wire_bytes
 from embodied.cluster.wiring import start_groups
 from embodied.episode_stats import EpisodeStats
-from embodied.evaluate import pooled_summary
+from embodied.evaluate import pooled_summary, write_recorded_video
 from embodied.events import EventLog
 from embodied.roles import WorkerLost
 from embodied.rollout import CollectPlan
@@ -230,12 +230,10 @@ class RayRoles:
         answers, _ = self._wait_round(env_calls, self._serve_calls(), should_stop)
         pooled = pool_by_task(envs.task_names, [results for results, _ in answers])
         recorded = answers[0][1]
-        for name, summary in answers[0][0].items() if recorded is not None else ():
+        written = recorded is not None and write_recorded_video(Path(video_path), recorded)
+        for name, summary in answers[0][0].items() if written else ():
             if "eval/video" in summary:  # (a task it shows)
                 pooled[name]["eval/video"] = str(video_path)
-        if recorded is not None:
-            Path(video_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(video_path).write_bytes(recorded)
         if progress is not None:
             progress.update(episodes * len(pooled))
         return pooled

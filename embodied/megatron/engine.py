@@ -37,6 +37,7 @@ from embodied.megatron.layout import to_megatron
 from embodied.megatron.shards import modules, shard_info, trainable_modules
 from embodied.megatron.vlm import MegatronTextModel
 from embodied.rollout import Samples, logprob_at
+from embodied.schema import UserError
 
 
 def shard_policy(
@@ -76,6 +77,20 @@ def shard_policy(
     return parts
 
 
+def check_current_device(device: torch.device) -> None:
+    """Megatron allocates its buffers (gradients, the distributed optimizer's, attention
+    scratch) on the current CUDA device: a learner on another one is a one-line error (setting
+    it moved the simulator's index-less "cuda" tensors with it)."""
+    if device.type != "cuda" or device.index in (None, torch.cuda.current_device()):
+        return
+    current = torch.cuda.current_device()
+    raise UserError(
+        f"runner.device={device}: the megatron backend trains on the current CUDA device "
+        f"(cuda:{current}); use runner.device=cuda, or CUDA_VISIBLE_DEVICES={device.index} to "
+        "make that GPU the current one"
+    )
+
+
 def join_ranks(policy: torch.nn.Module, cfg) -> None:
     """This process in megatron's groups: a group of one if it is in none yet (the embedded
     run at TP=1); with TP ranks, every rank takes rank 0's initial weights (before anything is
@@ -84,8 +99,7 @@ def join_ranks(policy: torch.nn.Module, cfg) -> None:
     from megatron.core import parallel_state as state
 
     device = next(policy.parameters()).device
-    if device.type == "cuda":  # (megatron's buffers go to the current device: cuda:N's too)
-        torch.cuda.set_device(device)
+    check_current_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

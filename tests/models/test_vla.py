@@ -304,22 +304,31 @@ def test_bad_configs_are_refused():
 
 def test_a_run_started_from_a_checkpoint_takes_its_configs_flow_noise(tmp_path):
     """SFT never trains the flow's noise std, so a GRPO run from its checkpoint kept SFT's
-    initial one whatever ``policy.flow_noise_std`` said; the other weights are the checkpoint's."""
+    initial one whatever ``policy.flow_noise_std`` said; the other weights are the checkpoint's.
+    An RL checkpoint's noise std was trained: a run from it keeps it."""
     from types import SimpleNamespace
 
     from embodied.roles import init_policy
 
     sft = VLA(SPEC, tiny("flow", flow_noise_std=0.1))
-    meta = {"config": {}, "spec": SPEC.to_dict()}
-    save_checkpoint(tmp_path, 1, model=sft, optimizer=None, counters={}, meta=meta)
-    runner = SimpleNamespace(init_from=str(tmp_path / "last"))
-    policy = init_policy(
-        SimpleNamespace(policy=tiny("flow", flow_noise_std=0.3), runner=runner), SPEC, "cpu"
-    )
+    meta = {"config": {}, "spec": SPEC.to_dict(), "sft": {}}  # (what embodied sft writes)
+    save_checkpoint(tmp_path / "sft", 1, model=sft, optimizer=None, counters={}, meta=meta)
+    runner = SimpleNamespace(init_from=str(tmp_path / "sft" / "last"))
+    cfg = SimpleNamespace(policy=tiny("flow", flow_noise_std=0.3), runner=runner)
+    policy = init_policy(cfg, SPEC, "cpu")
     torch.testing.assert_close(policy.head.log_sigma.exp(), torch.full((4,), 0.3))
     for name, value in sft.state_dict().items():
         if not name.endswith("log_sigma"):
             assert torch.equal(policy.state_dict()[name], value), name
+    # an RL checkpoint's noise is trained: kept
+    with torch.no_grad():
+        sft.head.log_sigma.fill_(math.log(0.25))
+    del meta["sft"]
+    save_checkpoint(tmp_path / "rl", 1, model=sft, optimizer=None, counters={}, meta=meta)
+    runner.init_from = str(tmp_path / "rl" / "last")
+    torch.testing.assert_close(
+        init_policy(cfg, SPEC, "cpu").head.log_sigma.exp(), torch.full((4,), 0.25)
+    )
 
 
 def test_a_random_text_encoder_of_any_width_builds():
