@@ -392,6 +392,7 @@ def test_a_lost_actor_worker_stops_the_run_with_one_line_and_no_resume_without_a
     assert [r for r in rows(run) if "policy/loss" in r] == []
 
 
+@pytest.mark.slow  # (18-45 s: a start that fails; a worker that cannot start is in the suite)
 def test_an_evaluation_worker_that_cannot_start_stops_the_run_at_its_start(local_ray, tmp_path):
     """As any role's worker: it was marked lost without a word, every evaluation beside
     training and the best checkpoint lost, and `embodied cluster status` a KeyError."""
