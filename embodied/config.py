@@ -152,6 +152,7 @@ def _typed(cfg, data: dict, name: str, prefix: str = "") -> dict:
             value = expand_home(_convert(hints.get(key), value))
         else:
             value = _file_number(hints.get(key), value)
+        _refuse_marks(path, hints.get(key), value, name)
         node = cfg.get(key) if isinstance(cfg, DictConfig) and key in cfg else None
         if isinstance(node, ListConfig) and isinstance(value, dict):
             whole = f"{path}={OmegaConf.to_container(node)}".replace(" ", "")
@@ -163,6 +164,17 @@ def _typed(cfg, data: dict, name: str, prefix: str = "") -> dict:
             value = _typed(node, value, name, path + ".")
         out[key] = value
     return out
+
+
+def _refuse_marks(path: str, hint: Any, value: Any, name: str) -> None:
+    """A ConfigError for what OmegaConf would take silently: ``???`` (its mark of a value not
+    set: the setting kept its earlier value) and a number other than 0 or 1 for a bool (``2``
+    was true)."""
+    if value == "???":
+        raise ConfigError(f"{path}: ??? marks a value not set; give one (in {name})")
+    number = type(value) is float or (type(value) is int and value not in (0, 1))
+    if _unoptional(hint)[0] is bool and number:
+        raise ConfigError(f"{path}: true or false, got {value} (in {name})")
 
 
 def _leaf_paths(d: dict, prefix: str = "") -> list[str]:

@@ -299,3 +299,19 @@ def test_naming_the_default_choice_keeps_the_schemas_own_default():
     mujoco = compose(SFTConfig, [("a.yaml", {"datasets": ["d"], "env": {"simulator": "mujoco"}})])
     assert type(mujoco.env).__name__ == "MuJoCoConfig"
     assert compose(TrainConfig, [("c.yaml", {"env": named})]).env.obs_mode == "state"
+
+
+def test_what_omegaconf_would_take_silently_is_refused(tmp_path):
+    """``runner.name=???`` (OmegaConf's mark of a value not set) left the file's name in place
+    without a word; ``runner.progress=2`` was true. A file's alike."""
+    with pytest.raises(ConfigError, match=r"^runner.name: \?\?\? marks a value not set; give one"):
+        load("runner.name=???")
+    for text in ("2", "-1", "0.5", "1.0"):
+        with pytest.raises(ConfigError, match=f"^runner.progress: true or false, got {text} "):
+            load(f"runner.progress={text}")
+    assert load("runner.progress=no").runner.progress is False  # (a bool's words stay)
+    assert load("runner.progress=0").runner.progress is False  # (and 0 and 1)
+    path = tmp_path / "bool.yaml"
+    path.write_text(f"defaults: [{Path(REACH).resolve()}]\nrunner: {{video: 3}}\n")
+    with pytest.raises(ConfigError, match=r"^runner.video: true or false, got 3 \(in .*bool"):
+        load_config(TrainConfig, path, files=False)
