@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -14,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from embodied.logger import write_atomic
 from embodied.rollout import share_bounds
 from embodied.run import Interrupted
 from embodied.video import tile, write_mp4
@@ -180,17 +179,12 @@ def _not_written(path: Path, error: OSError) -> None:
 def write_recorded_video(path: Path, data: bytes) -> bool:
     """An evaluation's mp4 recorded elsewhere (an env worker's bytes) as ``path``, whole or not
     at all; False, said, where the disk refuses it (the evaluation's numbers stand)."""
-    partial = path.with_name(f"{path.stem}.partial{path.suffix}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_bytes(data)
-        os.replace(partial, path)
+        write_atomic(path, data)
     except OSError as e:
         _not_written(path, e)
         return False
-    finally:
-        with contextlib.suppress(OSError):  # (none made: no directory to make it in)
-            partial.unlink(missing_ok=True)
     return True
 
 

@@ -104,13 +104,14 @@ def end_cut_line(path: Path) -> None:
             f.write(b"\n")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: a crash leaves the old file or the new,
-    never part of one (a reader of metrics.json, config.yaml, a report). The temporary file is
-    this writer's own: two processes writing one report do not rename each other's half."""
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write ``text`` (or bytes: a recorded video's) to ``path`` whole or not at all: a crash
+    leaves the old file or the new, never part of one (a reader of metrics.json, config.yaml, a
+    report). The temporary file is this writer's own: two processes writing one report do not
+    rename each other's half."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -76,7 +76,7 @@ ALLOWED = {
         "embodied.run",
         "embodied.schema",
     },
-    "embodied.evaluate": {"embodied.rollout", "embodied.run", "embodied.video"},
+    "embodied.evaluate": {"embodied.logger", "embodied.rollout", "embodied.run", "embodied.video"},
     "embodied.learner": {"embodied.rollout"},
     "embodied.algorithm": {"embodied.algorithms", "embodied.learner", "embodied.rollout"},
     "embodied.ppo": {
