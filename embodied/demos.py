@@ -271,11 +271,17 @@ def _expert_and_env(cfg: DemosConfig):
             f"{cfg.env.simulator}'s {cfg.env.task}: its demonstrations would be of another task"
         )
     env = make_env(cfg.env)
-    changes = expert_misfits(EnvSpec.from_dict(ckpt["meta"]["spec"]), env.spec)
+    trained_spec = EnvSpec.from_dict(ckpt["meta"]["spec"])
+    changes = expert_misfits(trained_spec, env.spec)
+    unread = sorted(
+        set(expert_cfg.policy.read_privileged(trained_spec)) - set(env.spec.obs.privileged)
+    )
+    if unread:  # (ManiSkill's rgb mode gives image agents' inputs only)
+        changes.append(f"reads {', '.join(unread)}, which env.obs_mode={cfg.env.obs_mode} lacks")
     if changes:
         env.close()
         raise UserError(f"expert: trained with other inputs or actions ({'; '.join(changes)})")
-    return expert, cfg.env.task, env
+    return expert.to(env.device), cfg.env.task, env  # (acts on the simulator's observations)
 
 
 def expert_misfits(trained, given) -> list[str]:

@@ -159,6 +159,7 @@ def run_deploy(
     reads = _inputs(spec, arm, train_cfg, goal=goal, twin=twin)
     scenes = episode_scenes(train_cfg, goal, twin, episodes, seed)
     client = _client(server, agreed, arm.watchdog_s)
+    episode_summaries = []
     try:
         # the episode's, for a goal its user gives (read at every inference, the warm-up's too)
         scene = Scene(scenes[0].goal)
@@ -174,6 +175,7 @@ def run_deploy(
                 ChunkExecutor,
                 infer,
                 prepare=infer.prepare,
+                command=infer.command,
                 request_when_left=request_when_left,
                 blend_steps=blend_steps,
                 wait_s=0.5 / arm.control_hz,  # up to half a period for a late chunk
@@ -183,6 +185,10 @@ def run_deploy(
             episode_summaries = _run_episodes(
                 env, sim, arm, scenes, scene, start, new_executor, recorder, stop
             )
+    except Exception as e:  # the shutdown's own failure: the episodes it followed are said
+        if episode_summaries:
+            e.add_note(f"before it: {_so_far(episode_summaries)}")
+        raise
     finally:
         if client is not None:
             client.close()

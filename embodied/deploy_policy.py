@@ -3,11 +3,13 @@
 A deployable checkpoint's policy reads only what an arm measures (joints, cameras) plus a goal its
 user may give; ``contract`` is what a policy server and its client must agree on; the wire format
 carries observations to a server; ``RobotInfer`` turns a chunk into joint targets, joint deltas
-accumulated as the simulator the policy was trained in steps them.
+added as the simulator the policy was trained in adds them: to its last target (MuJoCo), or to the
+joints as measured at the step (ManiSkill's pd_joint_delta_pos: ``deltas_from`` "measured").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -47,7 +49,18 @@ def load_deployable(checkpoint: str | Path, device: torch.device | str = "cpu", 
     meta = read_meta(path, of_policy=True)
     spec = EnvSpec.from_dict(meta["spec"])
     policy, train_cfg = load_policy(path, device) if build else (None, trained_config(path, meta))
+    if spec.action.deltas_from is None:
+        spec = _deltas_said(spec, train_cfg)
     return policy, spec, contract(spec, path), train_cfg
+
+
+def _deltas_said(spec: EnvSpec, train_cfg) -> EnvSpec:
+    """The spec of a checkpoint saved before specs said what deltas add to, saying it: ManiSkill's
+    delta modes other than the *_target_* ones add them to the joints as measured."""
+    mode = getattr(train_cfg.env, "control_mode", None) or ""
+    measured = train_cfg.env.simulator == "maniskill" and "delta" in mode and "target" not in mode
+    said = "measured" if measured else "target"
+    return dataclasses.replace(spec, action=dataclasses.replace(spec.action, deltas_from=said))
 
 
 def contract(spec: EnvSpec, path: Path) -> dict:
@@ -164,12 +177,16 @@ class RobotInfer:
     policy's frame), the policy's chunk with deltas (joint_delta) accumulated from ``base``.
     ``prepare(obs)`` takes ``base`` on the control loop's thread when the chunk is asked for: the
     last command before that step's (read on the inference thread, it was the step's own or not,
-    by the threads' timing)."""
+    by the threads' timing). Deltas from the joints as measured stay deltas in the plan, and
+    ``command`` adds each to the arm's pose as its step reads it (a blocked joint's target stays
+    a step from where it is, as in the simulator, instead of winding up to its limit)."""
 
     def __init__(self, chunk_of, spec: EnvSpec, env):
         self.chunk_of = chunk_of
         self.spec = spec
         self.env = env
+        action = spec.action
+        self.measured = action.space == "joint_delta" and action.deltas_from == "measured"
 
     def prepare(self, obs: Observation) -> tuple[Observation, np.ndarray]:
         return obs, self.env.to_policy(self.env.safety.last)
@@ -178,9 +195,19 @@ class RobotInfer:
         obs, base = request
         chunk = self.chunk_of(select_columns(obs, self.spec, self.env.spec))
         chunk = np.asarray(chunk, np.float64)
-        if self.spec.action.space != "joint_delta":
+        if self.spec.action.space != "joint_delta" or self.measured:
             return chunk
         return accumulate(base, chunk, self.spec, self.env.spec)
+
+    def command(self, planned: np.ndarray) -> np.ndarray:
+        """The joint targets (f64 [6]) sent for a planned action: a delta from the joints as
+        measured added to the arm's present pose (read with this step's observation)."""
+        if not self.measured:
+            return planned
+        present = self.env.to_policy(self.env.present)
+        return accumulate(present, np.asarray(planned, np.float64)[None], self.spec, self.env.spec)[
+            0
+        ]
 
 
 def accumulate(base: np.ndarray, deltas: np.ndarray, spec: EnvSpec, arm: EnvSpec) -> np.ndarray:

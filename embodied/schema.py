@@ -17,6 +17,9 @@ import numpy as np
 import torch
 
 ACTION_SPACES = ("ee_delta_pose", "ee_pose", "joint_pos", "joint_delta")
+# what a delta space's action adds to: the last target (MuJoCo; ManiSkill's *_target_delta_*
+# modes) or the pose as measured at the step (ManiSkill's pd_joint_delta_pos, LIBERO's OSC)
+DELTAS_FROM = ("target", "measured")
 
 
 def check_device_name(key: str, name: str, auto: bool = False) -> None:
@@ -196,10 +199,17 @@ class ActionSpec:
     high: tuple[float, ...]
     gripper: int | None = None  # index of the gripper dimension, if any
     control_hz: float = 20.0
+    # one of DELTAS_FROM (a delta space's; "target" for the others); None: not said (a spec
+    # saved before specs said it)
+    deltas_from: str | None = "target"
 
     def __post_init__(self):
         if self.space not in ACTION_SPACES:
             raise ValueError(f"ActionSpec.space must be one of {ACTION_SPACES}, got {self.space!r}")
+        if self.deltas_from not in (*DELTAS_FROM, None):
+            raise ValueError(
+                f"ActionSpec.deltas_from must be one of {DELTAS_FROM}, got {self.deltas_from!r}"
+            )
         if not (len(self.names) == len(self.low) == len(self.high)):
             raise ValueError("ActionSpec names, low and high must have the same length")
         if any(lo >= hi for lo, hi in zip(self.low, self.high)):
@@ -249,9 +259,10 @@ class EnvSpec:
                     [c.name for c in other.obs.cameras],
                 ),
                 ("action space", self.action.space, other.action.space),
+                ("deltas from", self.action.deltas_from, other.action.deltas_from),
                 ("actions", list(self.action.names), list(other.action.names)),
             ]
-            if old != new
+            if old != new and None not in (old, new)  # (a spec that does not say: unknown)
         ]
 
     @staticmethod
@@ -272,6 +283,8 @@ class EnvSpec:
                 ),
                 gripper=a["gripper"],
                 control_hz=a["control_hz"],
+                # (None in a spec saved before it was said; deploy reads it from the config)
+                deltas_from=a.get("deltas_from"),
             ),
             max_episode_steps=d["max_episode_steps"],
             instructions=tuple(d["instructions"]),

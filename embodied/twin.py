@@ -187,27 +187,37 @@ def twin_views(cfg: ArmConfig) -> dict[str, str]:
     return views
 
 
+def _write_calibration(path: Path) -> None:
+    """The twin's calibration at ``path``; another one there (a real arm's, of the same id) is
+    refused, not replaced."""
+    calibration = twin_calibration()
+    if path.exists() and json.loads(path.read_text()) != calibration:
+        raise ValueError(
+            f"calibration_dir: {path} holds another calibration than the twin's; give the twin "
+            "a directory or an id of its own"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(calibration, indent=2))
+
+
 def make_twin_robot(
     cfg: ArmConfig, task: str = "push", start: dict[str, float] | None = None, clock=time
 ):
     """(LeRobot SOFollower wired to the twin, the twin, its serial port). ``cfg.cameras`` maps the
     policy's camera names to twin cameras ("front", "wrist"); the twin simulates on ``clock``."""
     views = twin_views(cfg)
-    cal_dir = (
-        Path(cfg.calibration_dir)
-        if cfg.calibration_dir
-        else Path(tempfile.mkdtemp(prefix="embodied-twin-"))
-    )
-    cal_dir.mkdir(parents=True, exist_ok=True)
-    (cal_dir / f"{cfg.id}.json").write_text(json.dumps(twin_calibration(), indent=2))
-    real_cfg = replace(
-        cfg,
-        robot=cfg.robot.removesuffix("-sim"),
-        port="twin",
-        cameras={},
-        calibration_dir=str(cal_dir),
-    )
-    robot = make_robot(real_cfg)
+    # LeRobot reads the calibration as the robot is made: a directory of its own is gone after
+    with tempfile.TemporaryDirectory(prefix="embodied-twin-") as own:
+        cal_dir = Path(cfg.calibration_dir or own)
+        _write_calibration(cal_dir / f"{cfg.id}.json")
+        real_cfg = replace(
+            cfg,
+            robot=cfg.robot.removesuffix("-sim"),
+            port="twin",
+            cameras={},
+            calibration_dir=str(cal_dir),
+        )
+        robot = make_robot(real_cfg)
     twin = ArmTwin(task, start, clock)
     ranges = {SERVO_IDS[j]: (c["range_min"], c["range_max"]) for j, c in twin_calibration().items()}
     port = FeetechPort(ranges, physics=twin)

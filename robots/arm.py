@@ -460,7 +460,7 @@ class RobotEnv:
             raise
 
     def step(self, actions: torch.Tensor, settle: Callable[[], None] | None = None) -> StepOutput:
-        """actions: float32 [1, 6] joint positions, radians, in the policy's frame. ``settle``
+        """actions: float [1, 6] joint positions, radians, in the policy's frame. ``settle``
         (the control loop's wait for its next tick) runs between the command and the reading, so
         the observation is the arm a period after the command, as a simulator's step returns it."""
         sent = self.send(self.to_arm(actions.detach().to("cpu", torch.float64).numpy().reshape(-1)))

@@ -84,19 +84,22 @@ class ChunkExecutor:
     obs)`` returns the action for this control step, or None when none is ready (the watchdog's
     business). ``infer`` may raise: the error is logged and counted, and the chunk never comes.
     ``prepare(obs)``, when given, runs on the control loop's thread as the request is made, and
-    ``infer`` gets what it returns: what the chunk starts from, before this step's command."""
+    ``infer`` gets what it returns: what the chunk starts from, before this step's command.
+    ``command(planned)``, when given, makes a planned action what is sent, as its step comes."""
 
     def __init__(
         self,
         infer: Callable,
         *,
         prepare: Callable | None = None,
+        command: Callable | None = None,
         request_when_left: int = 2,
         blend_steps: int = 2,
         wait_s: float = 0.0,
     ):
         self.infer = infer
         self.prepare = prepare
+        self.command = command
         self.request_when_left = request_when_left
         self.blend_steps = blend_steps
         # with nothing planned, wait this long for the chunk in flight before giving up the step
@@ -165,7 +168,8 @@ class ChunkExecutor:
         if not self.plan:
             return None
         self.plan_step = step + 1
-        return self.plan.pop(0)
+        planned = self.plan.pop(0)
+        return planned if self.command is None else self.command(planned)
 
     def close(self) -> None:
         try:
@@ -307,7 +311,8 @@ def run_episode(
 def _act(env, action: np.ndarray, timer: RateTimer) -> tuple:
     """Send ``action`` and read the arm a period later (what the policy was trained to see
     next): (observation, what was sent, interventions, the judge's success)."""
-    command = torch.from_numpy(np.asarray(action, np.float32))[None]  # f32 [1, 6]
+    # (float64: a target the policy's side clipped to a joint's limit stays within it)
+    command = torch.from_numpy(np.asarray(action, np.float64))[None]  # f64 [1, 6]
     out = env.step(command, settle=timer.wait)
     return out.obs, out.info["sent"], out.info["interventions"], bool(out.success[0])
 

@@ -101,9 +101,10 @@ class SafetyLayer:
             self._intervene("nonfinite", f"rejected {q.tolist()}")
             return self.last.copy(), ["nonfinite"]
         clipped = np.clip(q, self.low, self.high)
-        if not np.array_equal(clipped, q):
+        beyond = np.abs(clipped - q) > 1e-9  # (a target an ulp outside, by rounding, is not)
+        if beyond.any():
             kinds.append("joint_limit")
-            self._intervene("joint_limit", f"joints {np.flatnonzero(clipped != q).tolist()}")
+            self._intervene("joint_limit", f"joints {np.flatnonzero(beyond).tolist()}")
         step = np.clip(clipped - self.last, -self.max_step, self.max_step)
         # (beyond rounding: a step of max_step taken as last + s gives back s to an ulp)
         if np.any(np.abs(clipped - self.last) > np.asarray(self.max_step) * (1 + 1e-9)):

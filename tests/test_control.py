@@ -217,6 +217,32 @@ def test_a_nan_chunk_never_reaches_the_motors(tmp_path):
         env.close()
 
 
+def test_a_policy_holding_a_joint_at_its_limit_is_no_joint_limit_intervention(tmp_path):
+    """A target the deploy's side clipped to a joint's limit reaches the safety layer as it was:
+    sent as float32, the twin's gripper limit (-0.12453) rounded outside it, and a grasp counted
+    a joint_limit intervention at every step. A target a micro-radian outside still counts."""
+    clock = FakeClock()
+    env, twin, port = twin_env(tmp_path, clock)
+    low = env.safety.low  # f64 [6], the arm's frame
+    assert np.float32(low[5]) < low[5]  # (the case: float32 rounds this limit outside)
+
+    def infer(obs):  # the joints where they are, the gripper closed to its limit
+        target = env.safety.last.copy()
+        target[5] = low[5]
+        return np.repeat(env.to_policy(target)[None], 4, 0)
+
+    ex = ChunkExecutor(infer, request_when_left=0, wait_s=CEILING_S)
+    try:
+        with EmergencyStop(keyboard=False) as stop:
+            result = run_episode(env, ex, stop, hz=HZ, max_steps=20, clock=clock)
+        assert result.acted == 20 and env.safety.counts["joint_limit"] == 0
+        _, kinds = env.safety.filter(low - np.array([0, 0, 0, 0, 0, 1e-6]))
+        assert kinds[:1] == ["joint_limit"]
+    finally:
+        ex.close()
+        env.close()
+
+
 def test_rate_timer_keeps_absolute_deadlines_and_starts_over_after_a_missed_tick():
     clock = FakeClock(overshoot=[0.0, 0.002, 0.001, 0.025, 0.0])  # how late each sleep wakes
     timer = RateTimer(100.0, clock)

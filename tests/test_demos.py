@@ -136,6 +136,32 @@ def test_an_expert_of_another_task_or_other_actions_is_refused(tmp_path, expert,
     assert _demos(tmp_path / "b", expert, "env.control_mode=pd_ee_delta_pos") == 2
     assert "expert: trained with other inputs or actions (" in capsys.readouterr().err
     assert not (tmp_path / "a" / "ds").exists() and not (tmp_path / "b" / "ds").exists()
+    # ManiSkill's rgb mode has no state agent's inputs: a KeyError at the first action before
+    assert _demos(tmp_path / "c", expert, "env.obs_mode=rgb") == 2
+    assert "reads goal_pos, " in capsys.readouterr().err
+
+
+def test_a_checkpoint_expert_acts_where_the_simulator_gives_its_observations(
+    tmp_path, expert, monkeypatch
+):
+    """A GPU simulator's observations are on its device, and the expert moves there (it stayed
+    on the CPU: torch's device error at its first action). Here the device is torch's "meta"."""
+    import embodied.multitask as multitask
+    from embodied.demos import DemosConfig, _expert_and_env
+
+    made = multitask.make_env
+
+    def on_meta(cfg):
+        env = made(cfg)
+        env.device = torch.device("meta")
+        return env
+
+    monkeypatch.setattr(multitask, "make_env", on_meta)
+    env_cfg = ManiSkillConfig(obs_mode="rgb+state", **{**ENV, "num_workers": 0})
+    cfg = DemosConfig(expert=str(expert), env=env_cfg, output=str(tmp_path / "ds"))
+    policy, _, env = _expert_and_env(cfg)
+    env.close()
+    assert {p.device.type for p in policy.parameters()} == {"meta"}
 
 
 def test_an_expert_fits_an_environment_with_its_cameras_and_maybe_more():

@@ -137,6 +137,92 @@ def test_a_joint_delta_chunk_starts_from_the_command_before_its_step():
     np.testing.assert_allclose(chunk[:, 0], [0.51, 0.52, 0.53])
 
 
+@pytest.mark.parametrize("deltas_from", ["target", "measured"])
+def test_deltas_are_added_as_the_policys_simulator_adds_them(deltas_from):
+    """MuJoCo adds a delta to its last target; ManiSkill's pd_joint_delta_pos to the joints as
+    measured at the step, so a blocked joint's target stays a delta from where it is. Deployed,
+    the second kind wound up from the last command to the joint's limit (0.51, 0.52 here)."""
+    from clocks import CEILING_S
+
+    from embodied.deploy_policy import RobotInfer
+    from embodied.robots.control import ChunkExecutor
+    from embodied.schema import ActionSpec, EnvSpec, Observation, ObsSpec
+
+    names = tuple(f"j{i}" for i in range(6))
+
+    def deltas_within(bound: float) -> EnvSpec:
+        action = ActionSpec(
+            "joint_delta", names, (-bound,) * 6, (bound,) * 6, deltas_from=deltas_from
+        )
+        return EnvSpec(ObsSpec(state_names=names), action, max_episode_steps=10)
+
+    arm = SimpleNamespace(
+        safety=SimpleNamespace(last=np.full(6, 0.5)),  # the last command
+        present=np.full(6, 0.4),  # where the (blocked) arm is
+        spec=deltas_within(1.0),
+        to_policy=lambda q: np.asarray(q, float) * 2 - 0.4,  # the policy's frame: 0.4 -> 0.4
+    )
+    infer = RobotInfer(lambda obs: np.full((3, 6), 0.02), deltas_within(0.01), arm)
+    executor = ChunkExecutor(infer, prepare=infer.prepare, command=infer.command, wait_s=CEILING_S)
+    obs = Observation(state=torch.zeros(1, 6), instruction=["reach"])
+    try:
+        first = executor.action(0, obs)
+        arm.present = np.full(6, 0.45)  # the next step's reading
+        second = executor.action(1, obs)
+    finally:
+        executor.close()
+    # each delta within the policy's bound (0.01); from the last command 0.5 (0.6 in the frame)
+    expected = [0.61, 0.62] if deltas_from == "target" else [0.41, 0.51]
+    np.testing.assert_allclose([first[0], second[0]], expected, atol=1e-12)
+
+
+def test_a_spec_saved_before_it_said_its_deltas_reads_them_from_the_control_mode():
+    """A checkpoint's spec without ``deltas_from`` is read as its config's simulator adds them:
+    ManiSkill's pd_joint_delta_pos from the joints as measured, its target modes and MuJoCo
+    from the last target; demos and eval do not compare a spec that does not say."""
+    from embodied.deploy_policy import _deltas_said
+    from embodied.schema import ActionSpec, EnvSpec, ObsSpec
+
+    action = {"space": "joint_delta", "names": ["j"], "low": [-1], "high": [1], "gripper": None}
+    saved = {
+        "obs": {"cameras": [], "state_names": ["j"], "privileged": {}},
+        "action": {**action, "control_hz": 20.0},
+        "max_episode_steps": 5,
+        "instructions": [],
+    }
+    old = EnvSpec.from_dict(saved)
+    assert old.action.deltas_from is None
+    for simulator, mode, said in [
+        ("maniskill", "pd_joint_delta_pos", "measured"),
+        ("maniskill", "pd_joint_target_delta_pos", "target"),
+        ("mujoco", None, "target"),
+    ]:
+        cfg = SimpleNamespace(env=SimpleNamespace(simulator=simulator, control_mode=mode))
+        assert _deltas_said(old, cfg).action.deltas_from == said
+    new = EnvSpec(ObsSpec(state_names=("j",)), ActionSpec("joint_delta", ("j",), (-1,), (1,)), 5)
+    measured = EnvSpec(new.obs, ActionSpec(**{**vars(new.action), "deltas_from": "measured"}), 5)
+    assert old.input_changes(measured) == [] and new.input_changes(old) == []
+    assert new.input_changes(measured) == ["deltas from target -> measured"]
+
+
+def test_the_twin_judges_success_by_the_tasks_own_rule():
+    from clocks import FakeClock
+
+    from embodied.twin import ArmTwin
+
+    reach = ArmTwin("reach", clock=FakeClock())  # no time passes: the arm stays at home
+    tcp = reach.data.site("tcp").xpos.copy()
+    reach.place(goal=tcp + [0.0, 0.0, 0.019])
+    assert reach.success()  # within 2 cm
+    reach.place(goal=tcp + [0.0, 0.0, 0.021])
+    assert not reach.success()
+    pick = ArmTwin("pick", clock=FakeClock())
+    pick.place(goal=np.array([0.2, 0.0, 0.065]), cube=np.array([0.2, 0.0, 0.066]))
+    assert pick.success()  # lifted 5 cm (its centre at 6.5 cm or more)
+    pick.place(goal=np.array([0.2, 0.0, 0.065]), cube=np.array([0.2, 0.0, 0.015]))
+    assert not pick.success()
+
+
 def test_the_summary_rates_success_over_episodes_that_ran_their_clock():
     """An emergency-stopped episode keeps its own entry but not the rate; the interventions of
     the moves to the start and safe poses are apart from the episodes'."""

@@ -135,3 +135,23 @@ def test_a_twin_camera_whose_renderer_cannot_start_says_why_at_once(tmp_path, mo
     assert not robot.bus.is_connected
     with pytest.raises(RuntimeError, match="twin camera wrist_camera: EGL: no display"):
         robot.cameras["wrist"].read()  # (a read waits for a frame: the failure is the answer)
+
+
+def test_the_twin_leaves_no_calibration_behind_and_replaces_none(tmp_path, monkeypatch):
+    """Without a calibration directory the twin's lives only while LeRobot reads it (every twin
+    run left one in /tmp); a directory holding another calibration of the same id (a real
+    arm's) is refused, not overwritten."""
+    import json
+    import tempfile
+
+    from embodied.twin import make_twin_robot
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    robot, _, _ = make_twin_robot(ArmConfig(robot="so101-sim"))
+    assert robot.calibration and list(tmp_path.glob("embodied-twin-*")) == []
+    real = tmp_path / "cal" / "embodied.json"
+    real.parent.mkdir()
+    real.write_text(json.dumps({"shoulder_pan": {"id": 1}}))
+    with pytest.raises(ValueError, match="holds another calibration than the twin's"):
+        make_twin_robot(ArmConfig(robot="so101-sim", calibration_dir=str(real.parent)))
+    assert json.loads(real.read_text()) == {"shoulder_pan": {"id": 1}}

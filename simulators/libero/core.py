@@ -115,6 +115,7 @@ class LiberoCore:
                 tuple(self._scale.tolist()) + (1.0,),
                 gripper=6,
                 control_hz=float(self.envs[0].env.control_freq),
+                deltas_from="measured",  # (the goal is an offset from the pose as it is)
             ),
             max_episode_steps=self.cfg.episode_steps,
             instructions=(self.instruction,),

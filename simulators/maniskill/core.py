@@ -214,6 +214,9 @@ class ManiSkillCore:
         mode = self.env.control_mode
         if self._joints is not None and "joint" in mode and len(names) == len(self._joints):
             names = list(self._joints)  # one action per joint, in joint order
+        # a delta controller without use_target adds to the joints as measured (pd_joint_delta_pos)
+        deltas = [c.config for c in subs.values() if getattr(c.config, "use_delta", False)]
+        measured = any(not getattr(config, "use_target", False) for config in deltas)
         spec = ActionSpec(
             space=action_space(mode),
             names=tuple(names),
@@ -221,6 +224,7 @@ class ManiSkillCore:
             high=tuple(high),
             gripper=gripper,
             control_hz=float(self.env.control_freq),
+            deltas_from="measured" if measured else "target",
         )
         to = dict(dtype=torch.float32, device=self.device)
         return spec, torch.tensor(scale, **to), torch.tensor(offset, **to)
