@@ -17,11 +17,12 @@ parallelism, but no round trip between processes either, which on a machine with
 costs more than parallel workers win back (docs/benchmarks.md, environment throughput).
 
 Timeouts: a worker that does not answer a step within ``step_timeout_s`` (a reset or a render within
-``RESET_TIMEOUT_FACTOR`` times that) is killed, the others are stopped, the env is closed and
-``WorkerTimeout`` says which worker, which environments and the seeds they were last reset with.
-A hung simulator would otherwise hang the whole run. A core in this process (``num_workers=0``)
-cannot time out: nothing could interrupt it. A worker that dies (a crash, an out-of-memory kill)
-is named the same way, with its exit code or signal.
+``RESET_TIMEOUT_FACTOR`` times that; a step's own resets of ended episodes count as the step's) is
+killed, the others are stopped, the env is closed and ``WorkerTimeout`` says which worker, which
+environments and the seeds they were last reset with. A hung simulator would otherwise hang the
+whole run. A core in this process (``num_workers=0``) cannot time out: nothing could interrupt it.
+A worker that dies (a crash, an out-of-memory kill, in a call or between calls) or whose core
+raises is named the same way, with its exit code or signal, or the core's error.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ AUTO_RESET = "auto-reset"  # (a worker's own reset after an episode ended: its s
 
 # building a simulator (and its renderer) takes seconds; minutes means something is wrong
 START_TIMEOUT_S = 300.0
+# a pipe is polled at most this long at a time (select's timeout is a C int of milliseconds)
+POLL_SLICE_S = 86400.0
 RESET_TIMEOUT_FACTOR = 10  # resets and renders may take this many times the step timeout
 STOP_TIMEOUT_S = 10.0  # a worker told to close has this long to answer before it is killed
 
@@ -179,17 +182,17 @@ class WorkerVecEnv:
             self._conns.append(parent)
             self._procs.append(p)
         try:
-            self.spec = [self._started(c) for c in self._conns][0]
+            self.spec = [self._started(w) for w in range(len(self._conns))][0]
         except BaseException:
             self.close()
             raise
 
-    def _started(self, conn):
+    def _started(self, w: int):
+        conn = self._conns[w]
         if not conn.poll(START_TIMEOUT_S):
-            raise RuntimeError(
-                f"a {self.name} worker did not start within {START_TIMEOUT_S:.0f} s. Workers are "
-                "spawned: a script that creates environments must guard its top level with "
-                "`if __name__ == '__main__':`"
+            raise WorkerTimeout(
+                f"{self._who()} worker {w} ({self._environments(w)}) did not start within "
+                f"{START_TIMEOUT_S:.0f} s; it was killed"
             )
         try:
             return self._payload(conn)
@@ -200,12 +203,15 @@ class WorkerVecEnv:
                 "`if __name__ == '__main__':`)"
             ) from None
 
-    def _payload(self, conn):
-        """The answer on ``conn``; EOFError where its worker died (the caller names it)."""
+    def _payload(self, conn, failed=None):
+        """The answer on ``conn``; EOFError where its worker died (the caller names it). A core's
+        error: ``failed(text)`` where given (it names the worker), else raised here."""
         status, payload = conn.recv()
         if status == "user_error":
             raise UserError(payload)
         if status == "error":
+            if failed is not None:
+                failed(payload)
             raise RuntimeError(f"{self.name} worker failed:\n{payload}")
         return payload
 
@@ -224,12 +230,32 @@ class WorkerVecEnv:
     def _recv(self, w: int, what: str, deadline: float | None):
         """Worker ``w``'s next answer; past ``deadline`` the worker is killed (WorkerTimeout)."""
         conn = self._conns[w]
-        if deadline is not None and not conn.poll(max(0.0, deadline - time.monotonic())):
+        if deadline is not None and not _answered(conn, deadline):
             self._time_out(w, what)
         try:
-            return self._payload(conn)
+            return self._payload(conn, lambda text: self._failed(w, what, text))
         except EOFError:
             self._died(w, what)
+
+    def _send(self, w: int, what: str, message: tuple) -> None:
+        """``message`` to worker ``w``; one gone since its last answer (killed while idle: an
+        out-of-memory kill during an update) is named as one that died in the ``what``."""
+        try:
+            self._conns[w].send(message)
+        except (BrokenPipeError, ConnectionResetError):
+            self._died(w, what)
+
+    def _failed(self, w: int, what: str, text: str) -> None:
+        """Worker ``w``'s core raised in a ``what`` (the worker has ended): the others are
+        stopped, the env is closed, and the error names the worker, its environments and seeds,
+        with the core's traceback."""
+        self._procs[w].join(timeout=STOP_TIMEOUT_S)
+        self._conns[w].close()
+        self._conns[w] = self._procs[w] = None  # close() skips it
+        self.close()
+        raise RuntimeError(
+            f"{self._who()} worker {w} ({self._held(w)}) failed in a {what}:\n{text}"
+        )
 
     def _died(self, w: int, what: str) -> None:
         """Worker ``w`` ended while a ``what`` was in flight: the others are stopped, the env is
@@ -262,8 +288,11 @@ class WorkerVecEnv:
 
     def _held(self, w: int) -> str:
         lo, hi = int(self._starts[w]), int(self._starts[w + 1])
-        where = f"environment {lo}" if hi - lo == 1 else f"environments {lo}-{hi - 1}"
-        return f"{where}, last reset seeds {self._seeds[lo:hi]}"
+        return f"{self._environments(w)}, last reset seeds {self._seeds[lo:hi]}"
+
+    def _environments(self, w: int) -> str:
+        lo, hi = int(self._starts[w]), int(self._starts[w + 1])
+        return f"environment {lo}" if hi - lo == 1 else f"environments {lo}-{hi - 1}"
 
     def _kill(self, w: int) -> None:
         proc = self._procs[w]
@@ -285,10 +314,10 @@ class WorkerVecEnv:
         seeds = reset_seeds(seed, ids)
         for i, s in zip(ids, seeds):
             self._seeds[i] = s
-        for w, conn in enumerate(self._conns):
+        for w in range(len(self._conns)):
             lo, hi = self._starts[w], self._starts[w + 1]
             mine = [(i - lo, s) for i, s in zip(ids, seeds) if lo <= i < hi]
-            conn.send(("reset", ([i for i, _ in mine], [s for _, s in mine])))
+            self._send(w, "reset", ("reset", ([i for i, _ in mine], [s for _, s in mine])))
         deadline = self._deadline("reset")
         packs = [self._recv(w, "reset", deadline) for w in range(len(self._conns))]
         return to_observation(_cat(packs))
@@ -303,6 +332,8 @@ class WorkerVecEnv:
         per id set (a rollout steps the same sets every step)."""
         key = tuple(env_ids.tolist())
         if key not in self._splits:
+            if list(key) != sorted(set(key)):  # (answers are joined in worker order)
+                raise ValueError(f"env_ids: must be ascending and distinct, got {list(key)}")
             out = []
             for w in range(len(self._conns)):
                 lo, hi = self._starts[w], self._starts[w + 1]
@@ -319,7 +350,7 @@ class WorkerVecEnv:
         a = actions.detach().to("cpu", torch.float32).numpy()
         refuse_non_finite(self._who(), a, env_ids)  # (a NaN was ManiSkill's drive target)
         for w, local, pos in self._split(env_ids):
-            self._conns[w].send(("step", (local, a[pos])))
+            self._send(w, "step", ("step", (local, a[pos])))
 
     def step_wait(self, env_ids: torch.Tensor) -> StepOutput:
         """Finish the ``step_async`` of ``env_ids``; every tensor has N = len(env_ids) rows. A
@@ -350,14 +381,14 @@ class WorkerVecEnv:
         """uint8 [B, H, W, 3], or [N, H, W, 3] for ``env_ids``: only their workers render."""
         self._check_open()
         if env_ids is None:
-            for conn in self._conns:
-                conn.send(("render", (None,)))
+            for w in range(len(self._conns)):
+                self._send(w, "render", ("render", (None,)))
             deadline = self._deadline("render")
             frames = [self._recv(w, "render", deadline) for w in range(len(self._conns))]
             return torch.from_numpy(np.concatenate(frames))
         parts = self._split(env_ids)
         for w, local, _ in parts:
-            self._conns[w].send(("render", (local,)))
+            self._send(w, "render", ("render", (local,)))
         deadline = self._deadline("render")
         answers = [(pos, self._recv(w, "render", deadline)) for w, _, pos in parts]
         frames = np.empty((len(env_ids), *answers[0][1].shape[1:]), np.uint8)  # [N, H, W, 3]
@@ -383,6 +414,17 @@ class WorkerVecEnv:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _answered(conn, deadline: float) -> bool:
+    """Whether ``conn`` has an answer by ``deadline`` (monotonic seconds), polled a slice at a
+    time: a poll of more than ~24 days overflows (a week's step timeout gives resets ten)."""
+    while True:
+        left = deadline - time.monotonic()
+        if conn.poll(max(0.0, min(left, POLL_SLICE_S))):
+            return True
+        if left <= POLL_SLICE_S:
+            return False
 
 
 def _stop(conn, proc) -> None:

@@ -29,6 +29,7 @@ HANG = 99.0  # an action that makes a core's step never return (a simulator stuc
 EXIT = 77.0  # an action on which a core's process exits with code 3 (a crash in native code)
 KILL = 55.0  # an action on which a core's process is killed by SIGKILL (the OOM killer's signal)
 REFUSED = 33.0  # an action a core refuses with a UserError (bad input, as LIBERO's NaN check)
+FAIL = 44.0  # an action on which a core raises (a solver that diverged)
 HANG_SEED = 666  # a reset seed that makes a core's reset never return
 STEP_TIMEOUT_S = 1.5
 CEILING = pytest.mark.timeout(120)  # a timeout of seconds that never fires fails here
@@ -74,6 +75,8 @@ class CountingCore:
             os.kill(os.getpid(), signal.SIGKILL)
         if np.any(actions == REFUSED):
             raise UserError(f"Count-v0: action {REFUSED} refused")
+        if np.any(actions == FAIL):
+            raise ValueError("solver diverged")
         self.count[ids] += 1
         return self._pack(ids), np.zeros((len(ids), 4), np.float32), None
 
@@ -224,3 +227,67 @@ def test_simulator_configs_carry_a_positive_step_timeout(config):
     assert config().step_timeout_s == 120.0
     with pytest.raises(ValueError, match=r"^step_timeout_s: must be > 0 \(seconds\), got -1"):
         config(step_timeout_s=-1).validate()
+
+
+@CEILING
+def test_a_worker_killed_between_calls_or_whose_core_raises_is_named_and_the_env_closed():
+    """A worker killed while idle (an out-of-memory kill during an update) gave a bare
+    BrokenPipeError at the next send, the env left open; a core's exception came back as
+    "Counter worker failed:" with no worker, environments or seeds, the other worker running."""
+    for failure in ("killed", "raised"):
+        env = _counter_env()
+        procs = list(env._procs)
+        try:
+            env.reset(seed=[4, 5, 6, 7])
+            actions = torch.zeros(4, 1)
+            if failure == "killed":
+                os.kill(procs[1].pid, signal.SIGKILL)
+                procs[1].join()
+            else:
+                actions[2, 0] = FAIL  # environment 2: worker 1
+            with pytest.raises(RuntimeError) as raised:
+                env.step(actions)
+        finally:
+            env.close()
+        said = "Counter Count-v0 worker 1 (environments 2-3, last reset seeds [6, 7])"
+        if failure == "killed":
+            assert str(raised.value) == f"{said} died in a step (killed by SIGKILL)"
+        else:
+            assert str(raised.value).startswith(f"{said} failed in a step:\nTraceback")
+            assert str(raised.value).endswith("ValueError: solver diverged\n")
+        assert env._closed and all(_gone(p.pid) for p in procs) and procs[0].exitcode == 0
+
+
+@CEILING
+def test_a_step_timeout_of_weeks_still_polls_and_ids_out_of_order_are_refused():
+    """select's timeout is a C int of milliseconds: a reset's ten times a step timeout of 3e5 s
+    overflowed it (OverflowError at every reset). Answers are joined in worker order: ids out
+    of order gave each environment another's row."""
+    with _counter_env(step_timeout_s=3e5) as env:
+        assert env.reset(seed=0).state.shape == (4, 1)
+        env.step_async(torch.zeros(1, 1), torch.tensor([3]))
+        assert env.step_wait(torch.tensor([3])).obs.state[:, 0].tolist() == [1]
+        with pytest.raises(
+            ValueError, match=r"env_ids: must be ascending and distinct, got \[3, 0\]"
+        ):
+            env.step_async(torch.zeros(2, 1), torch.tensor([3, 0]))
+
+
+class NeverStarts(CountingCore):
+    def __init__(self, n: int):
+        _forever()  # (an asset load or a renderer's start that hangs)
+
+
+@CEILING
+def test_a_worker_that_does_not_start_is_a_timeout_naming_it(monkeypatch):
+    """It said to guard the script with `if __name__ == '__main__':`, which makes a worker die at
+    once (tested apart), not hang; and named no task or worker."""
+    import embodied.simulators.workers as workers
+
+    monkeypatch.setattr(workers, "START_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(workers, "STOP_TIMEOUT_S", 1.0)
+    with pytest.raises(WorkerTimeout) as raised:
+        WorkerVecEnv(NeverStarts, 2, 1, name="Counter", task="Count-v0")
+    assert str(raised.value) == (
+        "Counter Count-v0 worker 0 (environments 0-1) did not start within 1 s; it was killed"
+    )
