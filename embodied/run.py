@@ -224,12 +224,17 @@ def run_dir_for(runner, resume: dict | None) -> Path:
     or ``output_dir/name``, which must not hold an earlier run unless ``overwrite``."""
     if resume is not None:
         run_dir = run_dir_of(resume["path"], runner.resume)
-        check_writable(run_dir, "runner.resume")
+        check_writable(run_dir, run_dir_keys(resume))
         return run_dir
     run_dir = Path(runner.output_dir) / runner.name
     check_fresh(run_dir, runner.overwrite)
-    check_writable(run_dir, "runner.output_dir, runner.name")
+    check_writable(run_dir, run_dir_keys(resume))
     return run_dir
+
+
+def run_dir_keys(resume: dict | None) -> str:
+    """The settings that chose a run's directory, as its errors name them."""
+    return "runner.output_dir, runner.name" if resume is None else "runner.resume"
 
 
 def check_writable(run_dir: Path, keys: str) -> None:
@@ -243,20 +248,21 @@ def check_writable(run_dir: Path, keys: str) -> None:
 
 
 @contextmanager
-def run_dir_held(run_dir: Path):
+def run_dir_held(run_dir: Path, keys: str = run_dir_keys(None)):
     """The run directory for this process alone until the block ends: a second process on it (a
     double submit, a job requeued while the first still drains) is refused here, before it
     builds anything or touches a file. What this made is removed again if the block leaves the
-    directory holding nothing but the lock (a run whose simulator failed to build)."""
+    directory holding nothing but the lock (a run whose simulator failed to build). ``keys``:
+    the settings that chose the directory (``run_dir_keys``), as its errors name them."""
     made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock_made = not (run_dir / LOCK).exists()
         lock = open(run_dir / LOCK, "a+")
     except OSError as e:
-        raise _unwritable(run_dir, e) from None
+        raise _unwritable(run_dir, e, keys) from None
     try:
-        _lock(lock, run_dir)
+        _lock(lock, run_dir, keys)
         yield
     finally:
         lock.close()  # (the lock goes with it, and with the process however it ends)
@@ -266,7 +272,7 @@ def run_dir_held(run_dir: Path):
                 folder.rmdir()
 
 
-def _lock(lock, run_dir: Path) -> None:
+def _lock(lock, run_dir: Path, keys: str) -> None:
     """Hold ``lock`` (RUN/.lock, open) for this process, its pid written in it; a ConfigError
     naming the process that holds it. A filesystem without locks (some network ones) runs
     unlocked, saying so."""
@@ -275,9 +281,11 @@ def _lock(lock, run_dir: Path) -> None:
     except BlockingIOError:
         lock.seek(0)
         holder = lock.read().strip() or "?"
+        resumed = keys == run_dir_keys({})  # (another name would not resume this run)
         raise ConfigError(
-            f"runner.name: {run_dir} is in use by another run (process {holder}); wait for it "
-            "to end, or choose another runner.name"
+            f"{'runner.resume' if resumed else 'runner.name'}: {run_dir} is in use by another "
+            f"run (process {holder}); wait for it to end"
+            + ("" if resumed else ", or choose another runner.name")
         ) from None
     except OSError as e:  # ENOLCK, EOPNOTSUPP, ENOSYS: no flock there
         print(f"{run_dir}: not locked ({e.strerror}): a second run into it would not be refused")
@@ -286,12 +294,6 @@ def _lock(lock, run_dir: Path) -> None:
     lock.truncate()
     lock.write(f"{os.getpid()}\n")
     lock.flush()
-
-
-def _unwritable(run_dir: Path, error: OSError) -> ConfigError:
-    """The one line for a run directory that could not be made or written in."""
-    reason = error.strerror or error
-    return ConfigError(f"runner.output_dir, runner.name: cannot write in {run_dir} ({reason})")
 
 
 def enter_run_dir(run_dir: Path, cfg, resume: dict | None, evaluates_beside: bool) -> None:
@@ -308,7 +310,13 @@ def enter_run_dir(run_dir: Path, cfg, resume: dict | None, evaluates_beside: boo
         save_config(cfg, run_dir / "config.yaml")
         numerics.record(run_dir, iteration=start, deterministic=cfg.runner.deterministic)
     except OSError as e:
-        raise _unwritable(run_dir, e) from None
+        raise _unwritable(run_dir, e, run_dir_keys(resume)) from None
+
+
+def _unwritable(run_dir: Path, error: OSError, keys: str) -> ConfigError:
+    """The one line for a run directory that could not be made or written in (``keys``: the
+    settings that chose it)."""
+    return ConfigError(f"{keys}: cannot write in {run_dir} ({error.strerror or error})")
 
 
 def check_fresh(run_dir: Path, overwrite: bool) -> None:

@@ -101,6 +101,9 @@ class SavePoints:
         self.meta = meta
         self.keep = keep
         self.saved = state.iteration  # the newest checkpoint's iteration
+        # the run's Clock once it runs: a checkpoint counts the time until it was saved (an
+        # evaluation after the update included; a resume would train that much longer)
+        self.clock = None
         self.complete(state)
 
     def complete(self, state: RunState) -> None:
@@ -114,6 +117,8 @@ class SavePoints:
         iteration = self.state.iteration
         if iteration == 0 or iteration == self.saved:
             return
+        if self.clock is not None:
+            self.state.train_seconds = self.clock.seconds
         protect = [] if self.state.best is None else [self.state.best["iteration"]]
         if evaluating is not None:
             protect.append(evaluating)

@@ -31,7 +31,7 @@ from embodied.logger import RunLogger
 from embodied.multitask import check_tasks, make_env
 from embodied.recording import RunRecords, not_finite, record_dir
 from embodied.report import report_at_end
-from embodied.resume import check_rl_resume, logged_again_from, unsaved_evaluation
+from embodied.resume import check_rl_resume, logged_again_from, skipped_as_last, unsaved_evaluation
 from embodied.roles import (
     Roles,
     WorkerLost,
@@ -51,6 +51,7 @@ from embodied.run import (
     enter_run_dir,
     run_dir_for,
     run_dir_held,
+    run_dir_keys,
     write_trace,
 )
 from embodied.run_state import Collected, Progress, RunState, SavePoints, UpdateInFlight
@@ -78,7 +79,7 @@ def train(cfg: TrainConfig) -> dict:
                 "run's random streams restart here (derived afresh at its iteration)"
             )
     run_dir = run_dir_for(cfg.runner, resume)
-    with run_dir_held(run_dir):  # (a second process on it is refused before it builds)
+    with run_dir_held(run_dir, run_dir_keys(resume)):  # (a second process: refused here)
         return _train_in(run_dir, cfg, resume)
 
 
@@ -252,7 +253,10 @@ class Runner:
         run = self.cfg.runner
         self.evaluations.before_rl(self.algorithm.evaluates_before)
         self.clock = Clock(self.state.train_seconds, run.max_minutes)
-        unfinished = unsaved_evaluation(self.state.counters())  # (a resumed checkpoint's)
+        self.points.clock = self.clock
+        # a resumed checkpoint's evaluation: one it left unfinished, or one it skipped as last
+        counters = self.state.counters()
+        unfinished = unsaved_evaluation(counters) or skipped_as_last(run, counters, self.clock)
         if unfinished is not None:
             self.evaluations.again(unfinished)
         self.first_iteration = self.state.iteration + 1
@@ -296,9 +300,9 @@ class Runner:
         self.phase = "update"  # a failure while waiting for it leaves the weights unsaved
         metrics = collected.metrics
         updated = done.update.result()
+        update_seconds = time.time() - done.start  # (not the record's writing, below)
         metrics.update(updated)
         record = self._record(collected, updated)  # (the learner writes it, or drops it)
-        update_seconds = time.time() - done.start
         state.policy_version += 1
         # the iteration's own progress (the next one may be collected already)
         state.iteration = collected.iteration
@@ -339,7 +343,7 @@ class Runner:
         if self.clock.out_of_time:
             self._event("out_of_time", f"runner.max_minutes={run.max_minutes}")
             self.bar.write(
-                f"stopping after {state.train_seconds / 60:.1f} min "
+                f"stopping after {self.clock.seconds / 60:.1f} min "
                 f"(runner.max_minutes={run.max_minutes})"
             )
             return True

@@ -40,6 +40,7 @@ from embodied.run import (
     enter_run_dir,
     run_dir_for,
     run_dir_held,
+    run_dir_keys,
 )
 from embodied.schema import SimulatorConfig
 from embodied.seeds import eval_seed
@@ -141,7 +142,7 @@ def sft(cfg: SFTConfig) -> dict:
         cameras = spec.obs.cameras if getattr(cfg.policy, "use_images", True) else ()
         any_size = cfg.policy.name == "smolvla"  # (it resizes and pads what it is given)
         check_fits(frames, spec, cfg.policy.read_privileged(spec), cameras, any_size)
-        with run_dir_held(run_dir):
+        with run_dir_held(run_dir, run_dir_keys(resume)):
             learner = bc_learner_for(cfg, spec, norm_data(frames))
             try:  # (TP ranks in processes end with the learner)
                 if resume is not None:  # (before the run directory is taken back: it may refuse)
@@ -215,6 +216,8 @@ class SFTRun:
         counters = {} if resume is None else resume["counters"]
         self.step = counters.get("iteration", 0)
         self.evals: list[dict] = counters.get("evals", [])
+        # the step of the last of them (None: none, or a checkpoint from before it was kept)
+        self.evaluated_at: int | None = counters.get("evaluated_at")
         self.saved = None if resume is None else resume["path"]  # (the newest checkpoint)
         self.watch = NonFiniteWatch(("sft/loss", "sft/grad_norm"))
         self.clock = Clock(counters.get("train_seconds", 0.0), cfg.runner.max_minutes)
@@ -230,6 +233,7 @@ class SFTRun:
             "env_steps": 0,
             "train_seconds": self.clock.seconds,
             "evals": self.evals,
+            "evaluated_at": self.evaluated_at,
         }
         rng = {"streams": {self.learner.stream.key: self.learner.stream.state()}}
         self.learner.refresh()
@@ -268,6 +272,9 @@ class SFTRun:
             self._evaluate()
         with StopSignals() as stop:
             while self.step < cfg.steps:
+                if self.clock.out_of_time:  # (before a step: a resumed run may be out already)
+                    bar.write(f"stopping after {self.step} steps ({cfg.runner.max_minutes} min)")
+                    break
                 self.step += 1
                 metrics = self._bc_step()
                 bar.update(1)
@@ -281,9 +288,6 @@ class SFTRun:
                     message = f"stopped after step {self.step}; checkpoint: {where}"
                     raise Stopped(stop.signum, message)
                 self._evaluate_or_save()
-                if self.clock.out_of_time:
-                    bar.write(f"stopping after {self.step} steps ({cfg.runner.max_minutes} min)")
-                    break
         bar.close()
         self.checkpoint = self.save()
 
@@ -319,10 +323,16 @@ class SFTRun:
             self.save()
 
     def _unevaluated(self) -> bool:
-        """Whether the step a run resumes at was due an evaluation its checkpoint lacks."""
+        """Whether the step a run resumes at was due an evaluation its checkpoint lacks (one a
+        run out of time skipped is not: it ends there). ``runner.eval_every`` may differ from
+        the stopped run's: the step of its last evaluation decides, not their count."""
         every = self.cfg.runner.eval_every
         due = every and 0 < self.step < self.cfg.steps and self.step % every == 0
-        return bool(due) and len(self.evals) < self.step // every
+        if not due or self.clock.out_of_time:
+            return False
+        if self.evaluated_at is None:  # (none yet, or an older checkpoint's: by their count)
+            return len(self.evals) < self.step // every
+        return self.evaluated_at != self.step
 
     def _evaluate(self) -> None:
         """An evaluation of this step's weights on the selection seeds, recorded and logged."""
@@ -338,6 +348,7 @@ class SFTRun:
             self.logger,
         )
         self.evals.append(results)
+        self.evaluated_at = self.step
         self.policy.train()
 
     def finish(self) -> dict:

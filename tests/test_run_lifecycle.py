@@ -34,11 +34,17 @@ def test_a_clock_that_runs_out_during_an_evaluation_still_saves_the_last_iterati
 
     monkeypatch.setattr(Evaluations, "periodic", evaluate_then_out_of_time)
     monkeypatch.setattr(Clock, "out_of_time", property(lambda self: 2 in evaluated))
+    seconds = Clock.seconds  # (the evaluation takes an hour on the run's clock)
+    monkeypatch.setattr(
+        Clock, "seconds", property(lambda self: seconds.fget(self) + 3600 * (2 in evaluated))
+    )
     run = tmp_path / "run"
     torch.manual_seed(0)
     summary = run_on(PushRightEnv(8), run, total_env_steps=5 * STEPS, max_minutes=60, **RUN)
     assert evaluated == [1, 2] and summary["final"]["iteration"] == 2
-    assert load_checkpoint(run)["counters"]["iteration"] == 2
+    counters = load_checkpoint(run)["counters"]
+    # its training time counts the evaluation: a resume would train past the limit otherwise
+    assert counters["iteration"] == 2 and counters["train_seconds"] >= 3600
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["iteration"] for row in rows if "policy/loss" in row] == [1, 2]
 
@@ -240,6 +246,14 @@ def test_a_second_process_on_a_run_directory_in_use_is_refused(tmp_path, capsys)
     assert (run / ".lock").read_text() == f"{os.getpid()}\n"  # (the process that ran last)
     with open(run / ".lock") as lock:  # released at the run's end
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder = open(run / ".lock", "w")  # a resume of it, another process holding it again
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert main([*argv, f"runner.resume={run}"]) == 2
+    assert capsys.readouterr().err.startswith(  # (another runner.name would not resume it)
+        f"embodied: error: runner.resume: {run} is in use by another run (process ?); wait for "
+        "it to end\n"
+    )
+    holder.close()
 
 
 def test_a_filesystem_without_locks_runs_unlocked_and_says_so(tmp_path, monkeypatch, capsys):
@@ -444,3 +458,17 @@ def test_a_runs_numbers_do_not_depend_on_the_thread_count_left_by_an_earlier_tes
             for row in _rows(tmp_path / f"t{threads}")
         ]
     assert rows[2] == rows[1]
+
+
+def test_a_run_continued_past_its_end_evaluates_the_iteration_it_ended_at(tmp_path):
+    """Iteration 2 was the run's last: its due evaluation was skipped for the final one. Given
+    more env steps and resumed, the run evaluates it first, as a run given the larger budget
+    from its start did (it went on to iteration 3: iteration 2 was never a candidate for best)."""
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    first = run_on(PushRightEnv(8), run, total_env_steps=2 * STEPS, eval_every=2, **RUN)
+    assert first["evals"] == []
+    longer = dict(total_env_steps=4 * STEPS, eval_every=2, resume=str(run / "last"), **RUN)
+    summary = run_on(PushRightEnv(8), run, **longer)
+    assert [e["iteration"] for e in summary["evals"]] == [2]
+    assert summary["final"]["iteration"] == 4

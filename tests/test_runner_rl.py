@@ -166,10 +166,12 @@ def test_ppo_with_a_value_head_raises_success(tmp_path):
 def test_the_update_is_timed_around_the_update(tmp_path, monkeypatch):
     """``time/update_s`` spans the update, which in one process runs inside ``start_update``.
     The runner's clock is a counter here (each reading adds 1 s) and the update adds 100 s, so
-    a timer started before the update reads at least 100 s, one started after it about 1 s."""
+    a timer started before the update reads at least 100 s, one started after it about 1 s;
+    writing the iteration's rollout record (50 s) after the update is not in it."""
     import types
 
     import embodied.runner
+    from embodied.recording import Pending
     from embodied.roles import Learner
 
     now = [0.0]
@@ -184,11 +186,18 @@ def test_the_update_is_timed_around_the_update(tmp_path, monkeypatch):
         now[0] += 100.0
         return update(learner)
 
+    write = Pending.write
+
+    def slow_write(*args, **kwargs):  # (a record's compression and fsync: not the update's)
+        now[0] += 50.0
+        return write(*args, **kwargs)
+
     monkeypatch.setattr(embodied.runner, "time", types.SimpleNamespace(time=clock))
     monkeypatch.setattr(Learner, "update", slow_update)
-    run_on(PushRightEnv(8), tmp_path / "run", total_env_steps=8 * 3 * 2)
+    monkeypatch.setattr(Pending, "write", slow_write)
+    run_on(PushRightEnv(8), tmp_path / "run", total_env_steps=8 * 3 * 2, record_rollouts=1)
     update_s = metric_rows(tmp_path / "run", "time/update_s")
-    assert len(update_s) == 2 and all(100 < s < 110 for s in update_s)
+    assert len(update_s) == 2 and all(100 < s < 110 for s in update_s), update_s
 
 
 def _part(episodes: int, wins: int, steps_per_s: float, policy_ms: float) -> dict:

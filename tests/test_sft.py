@@ -211,7 +211,7 @@ def test_sft_stopped_by_sigterm_saves_the_step_it_reached(tmp_path, dataset, mon
     cfg.write_text(json.dumps({**body, "steps": 12, "batch_size": 4, "warmup_steps": 2}))
     with monkeypatch.context() as m:
         m.setattr(embodied.sft, "RunLogger", SignallingLogger)
-        assert main(["sft", str(cfg), "runner.eval_every=10"]) == 128 + signal.SIGTERM
+        assert main(["sft", str(cfg), "runner.eval_every=5"]) == 128 + signal.SIGTERM
     where = tmp_path / "sft" / "last"
     last = capsys.readouterr().err.splitlines()[-1]
     assert last == f"embodied: stopped after step 10; checkpoint: {where}"
@@ -219,11 +219,42 @@ def test_sft_stopped_by_sigterm_saves_the_step_it_reached(tmp_path, dataset, mon
     assert ckpt["counters"]["iteration"] == 10
     assert not (tmp_path / "sft" / "metrics.json").exists()  # stopped before its evaluation
     assert (tmp_path / "sft" / "report.html").is_file()  # a stopped run has its report too
+    # resumed evaluating every 10 steps: step 10 is still due (one evaluation, at 5, counted
+    # as the one 10 steps gave, and 10's was lost)
     assert main(["sft", str(cfg), "runner.eval_every=10", f"runner.resume={where}"]) == 0
-    assert len(json.loads((tmp_path / "sft" / "metrics.json").read_text())["evals"]) == 1
+    assert len(json.loads((tmp_path / "sft" / "metrics.json").read_text())["evals"]) == 2
     rows = (json.loads(line) for line in open(tmp_path / "sft" / "metrics.jsonl"))
     evaluated = [r["iteration"] for r in rows if "eval/PushCube-v1/success_rate" in r]
-    assert evaluated == [10, 12]  # (12: the final evaluation)
+    assert evaluated == [5, 10, 12]  # (12: the final evaluation)
+    # a run resumed out of its time trains no step more (it trained one, then stopped)
+    with monkeypatch.context() as m:
+        m.setattr(embodied.sft.Clock, "out_of_time", property(lambda self: True))
+        step_10 = tmp_path / "sft" / "checkpoints" / "iter_000010"
+        assert main(["sft", str(cfg), "runner.max_minutes=1", f"runner.resume={step_10}"]) == 0
+    assert load_checkpoint(tmp_path / "sft" / "last")["counters"]["iteration"] == 10
+
+
+def test_the_evaluation_a_resume_owes_is_found_by_its_step_not_by_their_count():
+    """A run evaluating every 5 steps, stopped at step 10 between the step and its evaluation,
+    resumed evaluating every 10: its one evaluation (at 5) was counted as the one due by 10,
+    and 10's was lost. A run that ended out of time skipped its evaluation: none is owed."""
+    from types import SimpleNamespace
+
+    from embodied.sft import SFTRun
+
+    run = SFTRun.__new__(SFTRun)  # (its bookkeeping alone)
+    run.cfg = SimpleNamespace(steps=20, runner=SimpleNamespace(eval_every=10))
+    run.clock = SimpleNamespace(out_of_time=False)
+    run.step, run.evals, run.evaluated_at = 10, [{}], 5
+    assert run._unevaluated()
+    run.evaluated_at = 10
+    assert not run._unevaluated()
+    run.evals, run.evaluated_at = [], None  # none yet
+    assert run._unevaluated()
+    run.evals = [{}]  # a checkpoint from before the step was kept: by the count
+    assert not run._unevaluated()
+    run.evaluated_at, run.clock.out_of_time = 5, True
+    assert not run._unevaluated()
 
 
 def sft_config(tmp_path, dataset, name: str, **extra) -> str:
