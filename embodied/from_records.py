@@ -76,7 +76,11 @@ def train_from_records(cfg) -> dict:
     recorded, iterations = records_of(Path(cfg.runner.replay_from))
     check_apart(recorded / RECORDS, Path(cfg.runner.output_dir) / cfg.runner.name)
     first = read_record(recorded, iterations[0])
-    cfg.env = record_config(first).env  # (the weights' environment, not the config's)
+    recorded_cfg = record_config(first)
+    cfg.env = recorded_cfg.env  # (the weights' environment, not the config's)
+    # an asynchronous run's updates weigh by the proximal policy; this run's learner is alone,
+    # with no setting of its own for that (cluster.max_staleness needs the cluster)
+    cfg.cluster.max_staleness = recorded_cfg.cluster.max_staleness
     spec = EnvSpec.from_dict(first.meta["spec"])
     task_of_env = torch.tensor(first.meta["task_of_env"], dtype=torch.long)
     run_dir = run_dir_for(cfg.runner, None)
@@ -124,7 +128,9 @@ def restore_fitting(learner: Learner, record: Record, cfg) -> None:
             for k in sorted(set(here) | set(there))
             if here.get(k) != there.get(k)
         ]
-        why = "; ".join(differ[:3]) or str(error).strip().splitlines()[0]
+        # all of them: the first few by name may change no weight's shape (activation)
+        more = f"; and {len(differ) - 8} more" if len(differ) > 8 else ""
+        why = "; ".join(differ[:8]) + more or str(error).strip().splitlines()[0]
         raise UserError(
             f"runner.replay_from: the records' learner state does not fit this config ({why}); "
             "train with the recorded run's policy and algorithm"
@@ -163,16 +169,17 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
                     events.add("stop", state.iteration, state.env_steps, done)
                     report_at_end(run_dir, cfg.runner.report)
                     raise Stopped(stop.signum, f"{done}; checkpoint: {run_dir / 'last'}")
+        # (the weights after each update are compared only by the next one's start: the last's
+        # here)
+        last_equal = weights_digest(learner.engine.torch_policy) == record.meta["digest_after"]
+        print(_closing_line(iterations, off_policy, last_equal))
+        _save(cfg, learner, state, run_dir, spec)  # (a failing one is the run's failure event)
+        events.add("end", state.iteration, state.env_steps)
     except BaseException as error:
         _failed(error, events, state, lambda: _save(cfg, learner, state, run_dir, spec), run_dir)
         raise
     finally:
         logger.close()
-    # (the weights after each update are compared only by the next one's start: the last's here)
-    last_equal = weights_digest(learner.engine.torch_policy) == record.meta["digest_after"]
-    print(_closing_line(iterations, off_policy, last_equal))
-    _save(cfg, learner, state, run_dir, spec)
-    events.add("end", state.iteration, state.env_steps)
     report_at_end(run_dir, cfg.runner.report)
     return {
         "run_dir": str(run_dir),

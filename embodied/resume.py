@@ -109,6 +109,21 @@ def check_rl_resume(resume: dict, current: dict, force: bool) -> None:
     check_resume(meta["config"], current, resume["path"], force, meta.get("precision"))
 
 
+def check_reference(checkpoint: dict, rebuilt: str | None, init_from: str | None) -> None:
+    """A ConfigError where a resumed run's KL reference (its digest ``rebuilt``: from
+    ``runner.init_from`` as it reads now, or the seed) is not the one the ``checkpoint``'s run
+    penalised against: the init_from run's ``last`` moved on since, say. (Checkpoints from
+    before it was saved say nothing.)"""
+    saved = checkpoint["meta"].get("reference_digest")
+    if saved is None or saved == rebuilt:
+        return
+    raise ConfigError(
+        f"runner.init_from: {init_from} gives other weights than the KL penalty's reference of "
+        f"the run {checkpoint['path']} resumes (its weights when it started): point it at "
+        "the checkpoint the run started from"
+    )
+
+
 def check_weights_fit(state: dict, policy, key: str, path, spare: str | None = None) -> None:
     """A ``ConfigError`` naming config key ``key`` when the weights ``state`` (a checkpoint's, at
     ``path``) do not load into ``policy`` (a torch module): weights of other shapes, or missing

@@ -24,14 +24,8 @@ from embodied.inference import InferencePolicy
 from embodied.learner import TorchEngine, TrainerConfig
 from embodied.models import build_policy
 from embodied.recording import Pending, state_digest, weights_digest
-from embodied.resume import check_weights_fit, load_resumed, trained_in
-from embodied.rollout import (
-    CollectPlan,
-    EpisodeStats,
-    RolloutBatch,
-    Samples,
-    collect,
-)
+from embodied.resume import check_reference, check_weights_fit, load_resumed, trained_in
+from embodied.rollout import CollectPlan, EpisodeStats, RolloutBatch, Samples, collect
 from embodied.schema import EnvSpec, Observation, UserError
 from embodied.stages import stage_candidates
 from embodied.streams import Stream, resumed
@@ -288,7 +282,8 @@ class Learner:
 
     def load(self, checkpoint: dict) -> None:
         """Weights, optimizer state and random stream of a resumed run, at the configured
-        learning rate (a forced resume may have changed it)."""
+        learning rate (a forced resume may have changed it); its KL reference the run's own."""
+        check_reference(checkpoint, self.context["reference_digest"], self.cfg.runner.init_from)
         load_resumed(self.engine, checkpoint, self.cfg.runner.resume_force)
         iteration = (checkpoint.get("counters") or {}).get("iteration", 0)
         resumed(self.stream, checkpoint.get("rng"), self.cfg.seed, iteration)
@@ -299,14 +294,15 @@ class Learner:
     def close(self) -> None:
         self.engine.close()
 
-    def save(self, run_dir: Path, iteration: int, **kw) -> Path:
-        return save_engine(self.engine, run_dir, iteration, **kw)
+    def save(self, run_dir: Path, iteration: int, meta: dict | None = None, **kw) -> Path:
+        meta = {**(meta or {}), "reference_digest": self.context["reference_digest"]}
+        return save_engine(self.engine, run_dir, iteration, meta=meta, **kw)
 
 
 def reference_digest(learner) -> str | None:
     """A digest of the learner's KL reference (GRPO's ``kl_coef > 0``: the policy's weights as
-    they started, from ``runner.init_from`` or the seed), which a record does not hold: a replay
-    compares it with the recorded run's. None without one."""
+    they started, from ``runner.init_from`` or the seed), which records and checkpoints do not
+    hold: a replay or a resume compares it with the recorded run's. None without one."""
     reference = getattr(learner.algorithm, "reference", None)
     if reference is None:
         return None

@@ -304,14 +304,19 @@ def test_roles_without_num_cpus_share_the_cpus_the_cluster_has(roles, nodes, pla
 
 
 def test_env_configs_split_by_rows_and_tasks():
-    from embodied.cluster.envs import split_env
+    from embodied.cluster.envs import split_env, untimed_note
     from embodied.config import ConfigError
     from embodied.simulators.maniskill import ManiSkillConfig
 
     one = ManiSkillConfig(num_envs=8, num_workers=4)
     assert [(c.num_envs, c.num_workers) for c in split_env(one, 2)] == [(4, 2), (4, 2)]
-    # a share of one simulator process: the env worker simulates in its own process
+    # a share of one simulator process: the env worker simulates in its own process, where
+    # env.step_timeout_s does not apply (said at the start)
     assert [(c.num_envs, c.num_workers) for c in split_env(one, 4)] == [(2, 0)] * 4
+    assert untimed_note(one, split_env(one, 2)) is None
+    note = untimed_note(one, split_env(one, 4))
+    assert note.startswith("note: env.num_workers=4 over 4 env workers is one simulator process")
+    assert "env.step_timeout_s does not apply" in note and "env.num_workers=8 keeps" in note
     single = ManiSkillConfig(num_envs=8, num_workers=1)
     assert [(c.num_envs, c.num_workers) for c in split_env(single, 1)] == [(8, 0)]
     three = ManiSkillConfig(tasks=["A", "B", "C"], num_envs=12, num_workers=3)

@@ -87,6 +87,11 @@ def test_records_that_do_not_fit_the_config_are_one_line_and_leave_no_run_direct
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "policy.hidden_sizes is [64] here, [16] in the records" in err
     assert not (tmp_path / "wide").exists()
+    # keys that change no weight's shape named before it (by name) do not hide it
+    named_first = {"activation": "relu", "compile_act": True, "chunk_size": 1, "init_log_std": -1}
+    policy = {**wider, **named_first, "chunk_size": 2}
+    code, _, err = train(tmp_path, capsys, *replay, "runner.name=wide", policy=policy)
+    assert code == 2 and "policy.hidden_sizes is [64] here" in err, err
     # an earlier run in the way with runner.overwrite=true: untouched by the refusal
     (tmp_path / "kept").mkdir()
     (tmp_path / "kept" / "config.yaml").write_text("{}")
@@ -217,3 +222,44 @@ def test_a_stop_signal_saves_the_updates_done(recorded, tmp_path, capsys, monkey
     assert load_checkpoint(tmp_path / "s" / "last")["counters"]["iteration"] == during
     events = [(e.kind, e.iteration) for e in read_events(tmp_path / "s")]
     assert events == [("start", 0), ("stop", 2) if during == 2 else ("end", 3)]
+
+
+def test_a_final_checkpoint_that_cannot_be_written_is_the_runs_failure(
+    recorded, tmp_path, capsys, monkeypatch
+):
+    """The save after the last update was outside what records a failure: a full disk there
+    left the run "running or cut off" (only its start event), every update done."""
+    import embodied.from_records
+    from embodied.checkpoint import CheckpointWriteError
+
+    def full_disk(*args):
+        raise CheckpointWriteError("disk full")
+
+    monkeypatch.setattr(embodied.from_records, "_save", full_disk)
+    replay = [f"runner.replay_from={recorded}", f"runner.output_dir={tmp_path}", "runner.name=f"]
+    code, _, err = train(tmp_path, capsys, *replay)
+    assert code != 0 and "disk full" in err
+    events = [(e.kind, e.iteration) for e in read_events(tmp_path / "f")]
+    assert events == [("start", 0), ("failure", 3)]
+
+
+def test_the_records_of_an_asynchronous_run_are_replayed_as_it_updated(recorded, tmp_path, capsys):
+    """A run with cluster.max_staleness 1 weighs its updates by the proximal policy; replayed
+    from its records (cluster.enabled false, which cannot take max_staleness 1) the update was
+    plain PPO and "differed". Here a record rewritten as an asynchronous run's, its update
+    and weights after it as ``embodied replay`` gives them from its config."""
+    from embodied.replay import replay
+
+    records = tmp_path / "async" / "rollouts"
+    shutil.copytree(recorded / "rollouts" / "iter_000001", records / "iter_000001")
+    meta_path = records / "iter_000001" / "record.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["cluster"] = {**meta["config"].get("cluster", {}), "max_staleness": 1}
+    meta["config"]["cluster"]["enabled"] = True
+    meta_path.write_text(json.dumps(meta))
+    _, metrics, digest = replay(records.parent, 1)
+    assert "policy/behaviour_weight" in metrics  # (the proximal policy's update)
+    meta_path.write_text(json.dumps({**meta, "metrics": metrics, "digest_after": digest}))
+    source = [f"runner.replay_from={records}", f"runner.output_dir={tmp_path}", "runner.name=a"]
+    code, out, _ = train(tmp_path, capsys, *source)
+    assert code == 0 and "the first update (iteration 1 of the records) equals" in out, out

@@ -106,6 +106,7 @@ def test_a_round_comes_back_as_it_was_collected():
     assert "r0/advantages" not in tensors and "r0/obs/images/cam" in tensors
     assert tensors["r0/actions"].shape == batch.actions.shape
     back = batch_from(tensors, "r0/", batch.instructions)
+    assert batch_tensors(back, "r0/").keys() == tensors.keys()  # (a camera lost: none compared)
     for name, tensor in batch_tensors(back, "r0/").items():
         assert torch.equal(tensor, tensors[name]), name
     assert back.instructions == batch.instructions

@@ -472,3 +472,26 @@ def test_a_run_continued_past_its_end_evaluates_the_iteration_it_ended_at(tmp_pa
     summary = run_on(PushRightEnv(8), run, **longer)
     assert [e["iteration"] for e in summary["evals"]] == [2]
     assert summary["final"]["iteration"] == 4
+
+
+def test_a_resume_whose_kl_reference_is_not_the_runs_is_one_line(tmp_path):
+    """GRPO's KL reference is the policy as it started (from runner.init_from, read again by a
+    resume: that run may have trained on since). The checkpoint keeps its digest, and a resume
+    that rebuilds another reference is refused instead of penalising against other weights."""
+    from scripted_envs import GRPO
+
+    from embodied.config import ConfigError
+
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    kl = dict(algorithm={**GRPO, "kl_coef": 0.1}, policy=TINY_VLA)
+    first = run_on(PushRightEnv(8), run, total_env_steps=8 * 3 * 4, save_every=1, **kl)
+    more = dict(total_env_steps=8 * 3 * 8, resume=str(run / "last"), **kl)
+    resumed = run_on(PushRightEnv(8), run, **more)  # (its own reference: it resumes)
+    assert resumed["final"]["iteration"] > first["final"]["iteration"]
+    meta_path = run / "last" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["reference_digest"] is not None  # (the policy's weights as the run started)
+    meta_path.write_text(json.dumps({**meta, "reference_digest": "another"}))
+    with pytest.raises(ConfigError, match="gives other weights than the KL penalty's reference"):
+        run_on(PushRightEnv(8), run, total_env_steps=8 * 3 * 8, resume=str(run / "last"), **kl)

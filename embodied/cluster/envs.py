@@ -64,6 +64,20 @@ def split_env(env_cfg, workers: int) -> list:
     return [dataclasses.replace(env_cfg, num_envs=n // workers, **share) for _ in range(workers)]
 
 
+def untimed_note(env_cfg, shares: list) -> str | None:
+    """A note where ``split_env`` ran each env worker's one simulator process in the worker
+    itself: ``env.step_timeout_s`` bounds a simulator subprocess's answer, and none is left."""
+    asked = getattr(env_cfg, "num_workers", 0)
+    if not asked or getattr(shares[0], "num_workers", 0) or not hasattr(env_cfg, "step_timeout_s"):
+        return None
+    return (
+        f"note: env.num_workers={asked} over {len(shares)} env workers is one simulator process "
+        "each, run in the env worker itself (no hop between processes), where "
+        "env.step_timeout_s does not apply: a simulator that hangs stops the run only when "
+        f"stopped; env.num_workers={2 * len(shares)} keeps two subprocesses each, and the timeout"
+    )
+
+
 def episode_shares(
     held: list[list[int]], tasks: int, episodes: int, seed: int
 ) -> list[list[tuple[int, int]]]:

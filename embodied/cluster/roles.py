@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from embodied.cluster.calls import RAY_GONE, USERS_ERRORS, control_plane_up, get, lost
 from embodied.cluster.direct import NotConnected, members_of
-from embodied.cluster.envs import split_env
+from embodied.cluster.envs import split_env, untimed_note
 from embodied.cluster.evaluation import Evaluation
 from embodied.cluster.learner import RoundShards
 from embodied.cluster.placement import place
@@ -83,6 +83,8 @@ class RayRoles:
         self.event_log = EventLog(self.run_dir)
         try:
             env_cfgs = split_env(cfg.env, cluster.env.workers)
+            if note := untimed_note(cfg.env, env_cfgs):
+                print(note)
             self.group, self.slots = place(cluster, cfg.runner.device)
             made = start_groups(cfg, env_cfgs, self.group, self.slots, env_factory, self._fault)
             self.groups = made.by_role()

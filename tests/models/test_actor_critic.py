@@ -82,6 +82,22 @@ def test_running_norm_matches_batch_statistics():
     torch.testing.assert_close(fresh(x), norm(x))
 
 
+def test_a_feature_constant_at_the_first_reset_starts_at_unit_variance_and_inputs_are_clipped():
+    """Design note 35: the first batch sets the statistics, but a feature constant across it
+    (velocities at rest) keeps variance 1, not 0 (every later value was blown up to the clip);
+    later batches merge by Welford's rule; normalized inputs are clipped to +-10."""
+    norm = RunningNorm(2)
+    norm.update(torch.tensor([[0.0, 1.0], [0.0, 3.0]]))
+    assert norm.mean.tolist() == [0.0, 2.0] and norm.var.tolist() == [1.0, 1.0]
+    norm.update(torch.tensor([[0.5, 2.0]]))  # n = 1 onto count 2: delta (0.5, 0)
+    expected_var = [(2 * 1 + 0.5**2 * 2 * 1 / 3) / 3, 2 * 1 / 3]
+    torch.testing.assert_close(norm.var, torch.tensor(expected_var))
+    torch.testing.assert_close(norm.mean, torch.tensor([0.5 / 3, 2.0]))
+    out = norm(torch.tensor([[1e6, 0.0]]))
+    assert out[0, 0] == 10.0
+    torch.testing.assert_close(out[0, 1], torch.tensor(-2.0 / (2 / 3 + 1e-8) ** 0.5))
+
+
 def test_normalizer_update_accepts_time_major_observations():
     policy = ActorCritic(STATE_SPEC, ActorCriticConfig(hidden_sizes=[8]))
     obs = random_observation(STATE_SPEC, 6).map(
