@@ -289,12 +289,9 @@ class LeRobotWriter:
         if not self._buffer:
             return
         columns = {k: [x for ep in self._buffer for x in ep[k]] for k in self._buffer[0]}
-        ds = datasets.Dataset.from_dict(
-            columns, features=_hf_features(self.features), split="train"
-        )
-        ds = ds.with_format("arrow").map(
-            embed_table_storage, batched=False
-        )  # PNG bytes inside the parquet
+        features = _hf_features(self.features)
+        ds = datasets.Dataset.from_dict(columns, features=features, split="train")
+        ds = ds.with_format("arrow").map(embed_table_storage, batched=False)  # PNGs in it
         path = self.root / DATA_PATH.format(chunk_index=0, file_index=self._file_index)
         path.parent.mkdir(parents=True, exist_ok=True)
         ds.to_parquet(str(path))
@@ -312,13 +309,11 @@ class LeRobotWriter:
         path = self.root / EPISODES_PATH.format(chunk_index=0, file_index=0)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_rows(self.episodes, path)
-        pd.DataFrame({"task_index": list(self.tasks.values())}, index=list(self.tasks)).to_parquet(
-            meta / "tasks.parquet"
-        )
+        tasks = pd.DataFrame({"task_index": list(self.tasks.values())}, index=list(self.tasks))
+        tasks.to_parquet(meta / "tasks.parquet")
         stats = {k: _stats(np.concatenate(v)) for k, v in self._all.items()}
-        stats.update(
-            {image_key(c): _image_stats(np.concatenate(v)) for c, v in self._images.items()}
-        )
+        images = {image_key(c): _image_stats(np.concatenate(v)) for c, v in self._images.items()}
+        stats.update(images)
         (meta / "stats.json").write_text(json.dumps(stats, indent=2))
         info = {
             "codebase_version": CODEBASE_VERSION,
@@ -340,6 +335,11 @@ class LeRobotWriter:
         # process killed while writing it leaves no half-written marker
         partial = meta / "info.json.partial"
         partial.write_text(json.dumps(info, indent=2))
+        # and on disk before it: after a power loss the marker could stand over empty files
+        for path in (*sorted(self.root.rglob("*")), self.root):
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
         os.replace(partial, meta / "info.json")
         return self.root
 

@@ -207,3 +207,27 @@ def test_lerobots_own_loader_reads_what_we_write(tmp_path):
         torch.from_numpy(eps[1]["images"]["base_camera"][1]).permute(2, 0, 1).float() / 255
     )  # LeRobot: f32 [3, H, W]
     torch.testing.assert_close(frame["observation.images.base_camera"], image)
+
+
+def test_a_dataset_is_on_disk_before_its_info_json_marks_it_complete(tmp_path, monkeypatch):
+    """Nothing was synced: after a power loss info.json could stand over data files cut short
+    (deploy's and demos' recordings promise their finished episodes survive a crash)."""
+    import os
+
+    synced = []
+    replace = os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
+
+    def replace_seen(src, dst):
+        synced.append(f"renamed {dst}")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_seen)
+    w = LeRobotWriter(tmp_path / "ds", fps=20, cameras={}, state_names=["q"], action_names=["a"])
+    zeros = {"state": np.zeros((2, 1), np.float32), "actions": np.zeros((2, 1), np.float32)}
+    w.add_episode(**_episode(np.random.default_rng(2), 2, "t") | zeros | {"images": {}})
+    root = w.close()
+    before = synced[: synced.index(f"renamed {root / 'meta' / 'info.json'}")]
+    files = [str(p) for p in root.rglob("*") if p.is_file() and p.name != "info.json"]
+    assert set(files) | {str(root / "meta" / "info.json.partial")} <= set(before)
+    assert str(root / "data" / "chunk-000" / "file-000.parquet") in before
