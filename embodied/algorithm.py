@@ -52,6 +52,11 @@ class AlgorithmConfig:
         with torch.no_grad():
             log_std.fill_(self.exploration_log_std)
 
+    def keeps_reference(self) -> bool:
+        """Whether the algorithm scores against the policy's starting weights (GRPO's KL
+        reference), which a resume rebuilds from ``runner.init_from``."""
+        return False
+
     def build(self, cfg, spec, task_of_env: torch.Tensor, policy=None) -> Algorithm:
         """The algorithm (``policy``: the learner's, for what it scores against)."""
         raise NotImplementedError

@@ -40,10 +40,7 @@ DEFAULT_FEATURES = {
         ("task_index", "int64"),
     )
 }
-SCALARS = set(DEFAULT_FEATURES) | {
-    "next.reward",
-    "next.success",
-}  # one value per frame, not a vector
+SCALARS = set(DEFAULT_FEATURES) | {"next.reward", "next.success"}  # one value per frame
 FILE_SIZE_MB = 100  # a new data file once the buffered frames exceed this
 
 
@@ -104,9 +101,8 @@ def _stats(x: np.ndarray) -> dict:
 
 def _image_stats(frames: np.ndarray) -> dict:
     """Per-channel statistics of uint8 [N, H, W, 3] frames scaled to [0, 1], shaped [3, 1, 1]."""
-    x = (
-        frames[:: max(1, len(frames) // 100)].reshape(-1, 3).astype(np.float64) / 255.0
-    )  # subsample <= ~100 frames
+    every = max(1, len(frames) // 100)  # (about 100 frames)
+    x = frames[::every].reshape(-1, 3).astype(np.float64) / 255.0
     out = _stats(x)
     return {k: [[[v]] for v in vals] if k != "count" else [len(frames)] for k, vals in out.items()}
 
@@ -127,11 +123,8 @@ def features(
         }
         for c, (h, w) in cameras.items()
     }
-    out["observation.state"] = {
-        "dtype": "float32",
-        "shape": [len(state_names)],
-        "names": list(state_names),
-    }
+    state = {"dtype": "float32", "shape": [len(state_names)], "names": list(state_names)}
+    out["observation.state"] = state
     for key, size in privileged.items():
         out[privileged_key(key)] = {"dtype": "float32", "shape": [size], "names": None}
     out["action"] = {"dtype": "float32", "shape": [len(action_names)], "names": list(action_names)}
@@ -335,13 +328,20 @@ class LeRobotWriter:
         # process killed while writing it leaves no half-written marker
         partial = meta / "info.json.partial"
         partial.write_text(json.dumps(info, indent=2))
-        # and on disk before it: after a power loss the marker could stand over empty files
-        for path in (*sorted(self.root.rglob("*")), self.root):
-            fd = os.open(path, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+        # on disk before it (after a power loss the marker could stand over empty files), the
+        # rename and the dataset's own entry after it
+        _sync([*sorted(self.root.rglob("*")), self.root])
         os.replace(partial, meta / "info.json")
+        _sync([meta, self.root.parent])
         return self.root
+
+
+def _sync(paths: list[Path]) -> None:
+    """Each file or folder (its entries) of ``paths`` flushed to disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
 
 
 def _data_columns(root: Path, info: dict) -> dict[str, list]:

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from embodied.checkpoint import save_checkpoint
 from embodied.events import EventLog
 from embodied.logger import RunLogger
 from embodied.record_files import RECORDS, record_dir, recorded_iterations
@@ -78,15 +77,17 @@ def train_from_records(cfg) -> dict:
     first = read_record(recorded, iterations[0])
     recorded_cfg = record_config(first)
     cfg.env = recorded_cfg.env  # (the weights' environment, not the config's)
-    # an asynchronous run's updates weigh by the proximal policy; this run's learner is alone,
-    # with no setting of its own for that (cluster.max_staleness needs the cluster)
-    cfg.cluster.max_staleness = recorded_cfg.cluster.max_staleness
     spec = EnvSpec.from_dict(first.meta["spec"])
     task_of_env = torch.tensor(first.meta["task_of_env"], dtype=torch.long)
     run_dir = run_dir_for(cfg.runner, None)
     cfg.runner.record_rollouts = 0  # (this run's updates are the records' own)
+    # an asynchronous run's updates weigh by the proximal policy: its learner's config says so
+    # (cluster.max_staleness needs the cluster, and this run's own config is saved as given)
+    staleness = recorded_cfg.cluster.max_staleness
+    cluster = dataclasses.replace(cfg.cluster, max_staleness=staleness)
+    learner_cfg = dataclasses.replace(cfg, cluster=cluster)
     with run_dir_held(run_dir):  # (left as it was if the records do not fit: nothing entered)
-        learner = Learner(cfg, spec, task_of_env, cfg.runner.torch_device("cpu"))
+        learner = Learner(learner_cfg, spec, task_of_env, cfg.runner.torch_device("cpu"))
         try:
             if not same_reference(learner, first):
                 print(
@@ -246,14 +247,8 @@ def _update(learner: Learner, record: Record, state: RunState) -> dict[str, floa
 
 
 def _save(cfg, learner: Learner, state: RunState, run_dir: Path, spec) -> None:
-    save_checkpoint(
-        run_dir,
-        state.iteration,
-        model=learner.engine.torch_policy,
-        optimizer=learner.engine.checkpoint_optimizer,
-        counters=state.counters(),
-        meta=run_meta(cfg, spec),
-    )
+    # (the learner's save: its precision and KL reference in the meta, as a run's)
+    learner.save(run_dir, state.iteration, counters=state.counters(), meta=run_meta(cfg, spec))
 
 
 def _first_update_note(iteration: int, differs: list[str]) -> str:

@@ -106,6 +106,9 @@ class GRPOConfig(AlgorithmConfig):
                 f"{self.max_rounds} rounds (algorithm.max_rounds) give at most {most}"
             )
 
+    def keeps_reference(self) -> bool:
+        return self.kl_coef > 0
+
     def build(self, cfg, spec, task_of_env: torch.Tensor, policy=None) -> GRPO:
         return GRPO(
             self,

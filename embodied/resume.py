@@ -109,19 +109,24 @@ def check_rl_resume(resume: dict, current: dict, force: bool) -> None:
     check_resume(meta["config"], current, resume["path"], force, meta.get("precision"))
 
 
-def check_reference(checkpoint: dict, rebuilt: str | None, init_from: str | None) -> None:
+def check_reference(checkpoint: dict, rebuilt: str | None, runner) -> None:
     """A ConfigError where a resumed run's KL reference (its digest ``rebuilt``: from
     ``runner.init_from`` as it reads now, or the seed) is not the one the ``checkpoint``'s run
-    penalised against: the init_from run's ``last`` moved on since, say. (Checkpoints from
-    before it was saved say nothing.)"""
+    penalised against: the init_from run's ``last`` moved on since, say; with
+    ``runner.resume_force`` a note. (Checkpoints from before it was saved say nothing, and a
+    resumed run without a KL penalty has no reference.)"""
     saved = checkpoint["meta"].get("reference_digest")
-    if saved is None or saved == rebuilt:
+    if saved is None or rebuilt is None or saved == rebuilt:
         return
-    raise ConfigError(
-        f"runner.init_from: {init_from} gives other weights than the KL penalty's reference of "
-        f"the run {checkpoint['path']} resumes (its weights when it started): point it at "
-        "the checkpoint the run started from"
+    said = (
+        f"runner.init_from: {runner.init_from or 'null (the seed)'} gives other weights than "
+        f"the KL penalty's reference of the run {checkpoint['path']} resumes (its weights when "
+        "it started)"
     )
+    if runner.resume_force:
+        print(f"note: {said}; runner.resume_force: the penalty is against these")
+        return
+    raise ConfigError(f"{said}: point it at the checkpoint the run started from")
 
 
 def check_weights_fit(state: dict, policy, key: str, path, spare: str | None = None) -> None:

@@ -58,9 +58,11 @@ def load_checkpoint_for(path: str, key: str, trainer_state: bool = True) -> dict
 
 
 def init_policy(cfg, spec: EnvSpec, device) -> torch.nn.Module:
-    """The policy for ``spec``, with weights (and normalization) from ``runner.init_from``."""
+    """The policy for ``spec``, with weights (and normalization) from ``runner.init_from``; a
+    resume's own replace them, and it reads init_from only for a reference made of them."""
     policy = build_policy(spec, cfg.policy).to(device)
-    if cfg.runner.init_from:
+    resumed = cfg.runner.resume and not cfg.algorithm.keeps_reference()
+    if cfg.runner.init_from and not resumed:
         checkpoint = load_checkpoint_for(cfg.runner.init_from, "runner.init_from", False)
         changes = EnvSpec.from_dict(checkpoint["meta"]["spec"]).input_changes(spec)
         if changes:  # (weights of equal shapes would load, and act on other numbers)
@@ -283,7 +285,7 @@ class Learner:
     def load(self, checkpoint: dict) -> None:
         """Weights, optimizer state and random stream of a resumed run, at the configured
         learning rate (a forced resume may have changed it); its KL reference the run's own."""
-        check_reference(checkpoint, self.context["reference_digest"], self.cfg.runner.init_from)
+        check_reference(checkpoint, self.context["reference_digest"], self.cfg.runner)
         load_resumed(self.engine, checkpoint, self.cfg.runner.resume_force)
         iteration = (checkpoint.get("counters") or {}).get("iteration", 0)
         resumed(self.stream, checkpoint.get("rng"), self.cfg.seed, iteration)

@@ -86,7 +86,7 @@ def train(cfg: TrainConfig) -> dict:
 def _train_in(run_dir: Path, cfg: TrainConfig, resume: dict | None) -> dict:
     """``train``'s roles built, then its run in ``run_dir`` (held by this process)."""
     # a bad checkpoint or task fails before the run directory and the environments are made
-    if cfg.runner.init_from:
+    if cfg.runner.init_from and (resume is None or cfg.algorithm.keeps_reference()):
         load_checkpoint_for(cfg.runner.init_from, "runner.init_from", trainer_state=False)
     check_tasks(cfg.env)
     # the roles first: a simulator or a placement that fails leaves no run directory behind
@@ -255,8 +255,9 @@ class Runner:
         self.clock = Clock(self.state.train_seconds, run.max_minutes)
         self.points.clock = self.clock
         # a resumed checkpoint's evaluation: one it left unfinished, or one it skipped as last
-        counters = self.state.counters()
-        unfinished = unsaved_evaluation(counters) or skipped_as_last(run, counters, self.clock)
+        unfinished = unsaved_evaluation(counters := self.state.counters())
+        if unfinished is None and (skipped := skipped_as_last(run, counters, self.clock)):
+            unfinished = self.evaluations.mark_in_flight(skipped)  # (a stop keeps it owed)
         if unfinished is not None:
             self.evaluations.again(unfinished)
         self.first_iteration = self.state.iteration + 1

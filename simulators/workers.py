@@ -240,6 +240,9 @@ class WorkerVecEnv:
     def _send(self, w: int, what: str, message: tuple) -> None:
         """``message`` to worker ``w``; one gone since its last answer (killed while idle: an
         out-of-memory kill during an update) is named as one that died in the ``what``."""
+        if not self._procs:  # (a core in this process: its own errors are its own)
+            self._conns[w].send(message)
+            return
         try:
             self._conns[w].send(message)
         except (BrokenPipeError, ConnectionResetError):
@@ -250,8 +253,7 @@ class WorkerVecEnv:
         stopped, the env is closed, and the error names the worker, its environments and seeds,
         with the core's traceback."""
         self._procs[w].join(timeout=STOP_TIMEOUT_S)
-        self._conns[w].close()
-        self._conns[w] = self._procs[w] = None  # close() skips it
+        self._kill(w)  # (one that has not ended by now: a thread of the core's left running)
         self.close()
         raise RuntimeError(
             f"{self._who()} worker {w} ({self._held(w)}) failed in a {what}:\n{text}"
@@ -327,21 +329,23 @@ class WorkerVecEnv:
         self.step_async(actions, self._everyone)
         return self.step_wait(self._everyone)
 
-    def _split(self, env_ids: torch.Tensor) -> list[tuple[int, list[int], list[int]]]:
+    def _split(self, env_ids: torch.Tensor, ordered=True) -> list[tuple[int, list[int], list[int]]]:
         """(worker, local ids, positions in env_ids) per worker holding some of env_ids; cached
-        per id set (a rollout steps the same sets every step)."""
+        per id set (a rollout steps the same sets every step). ``ordered``: the ids must be
+        ascending (a render places each frame by its position: any order)."""
         key = tuple(env_ids.tolist())
         if key not in self._splits:
-            if list(key) != sorted(set(key)):  # (answers are joined in worker order)
-                raise ValueError(f"env_ids: must be ascending and distinct, got {list(key)}")
             out = []
             for w in range(len(self._conns)):
                 lo, hi = self._starts[w], self._starts[w + 1]
                 pos = [j for j, i in enumerate(key) if lo <= i < hi]
                 if pos:
                     out.append((w, [key[j] - lo for j in pos], pos))
-            self._splits[key] = out
-        return self._splits[key]
+            self._splits[key] = (out, list(key) == sorted(set(key)))
+        out, ascending = self._splits[key]
+        if ordered and not ascending:  # (a step's answers are joined in worker order)
+            raise ValueError(f"env_ids: must be ascending and distinct, got {list(key)}")
+        return out
 
     def step_async(self, actions: torch.Tensor, env_ids: torch.Tensor) -> None:
         """Start stepping environments ``env_ids`` (long [N], ascending) with actions f32 [N, A];
@@ -386,7 +390,7 @@ class WorkerVecEnv:
             deadline = self._deadline("render")
             frames = [self._recv(w, "render", deadline) for w in range(len(self._conns))]
             return torch.from_numpy(np.concatenate(frames))
-        parts = self._split(env_ids)
+        parts = self._split(env_ids, ordered=False)
         for w, local, _ in parts:
             self._send(w, "render", ("render", (local,)))
         deadline = self._deadline("render")

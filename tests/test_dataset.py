@@ -231,3 +231,5 @@ def test_a_dataset_is_on_disk_before_its_info_json_marks_it_complete(tmp_path, m
     files = [str(p) for p in root.rglob("*") if p.is_file() and p.name != "info.json"]
     assert set(files) | {str(root / "meta" / "info.json.partial")} <= set(before)
     assert str(root / "data" / "chunk-000" / "file-000.parquet") in before
+    after = synced[len(before) + 1 :]  # the rename, and the dataset's entry in its folder
+    assert after == [str(root / "meta"), str(tmp_path)]

@@ -263,3 +263,11 @@ def test_the_records_of_an_asynchronous_run_are_replayed_as_it_updated(recorded,
     source = [f"runner.replay_from={records}", f"runner.output_dir={tmp_path}", "runner.name=a"]
     code, out, _ = train(tmp_path, capsys, *source)
     assert code == 0 and "the first update (iteration 1 of the records) equals" in out, out
+    # its own config is as given (max_staleness 1 needs the cluster: it could not run again),
+    # and its checkpoint's meta is a run's (the precision, the KL reference's digest)
+    from embodied.config import load_config
+    from embodied.train_config import TrainConfig
+
+    assert load_config(TrainConfig, tmp_path / "a" / "config.yaml")[0].cluster.max_staleness == 0
+    meta = json.loads((tmp_path / "a" / "last" / "meta.json").read_text())
+    assert {"precision", "reference_digest"} <= meta.keys()

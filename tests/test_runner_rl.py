@@ -269,3 +269,45 @@ def test_a_video_names_only_the_tasks_it_shows(tmp_path):
     summaries = evaluate_by_task(env, PixelPolicy(), episodes=1, seed=3, video_path=video)
     assert [summaries[f"t{i}"].get("eval/video") for i in range(5)] == [str(video)] * 4 + [None]
     assert tasks[4].asked == [] and all(task.asked for task in tasks[:4])
+
+
+def test_a_resumes_kl_reference_is_checked_only_where_both_runs_have_one():
+    """The digest a checkpoint keeps against the one a resume rebuilds: other weights are one
+    line, or a note with runner.resume_force; a resumed run without a KL penalty (kl_coef 0,
+    forced) has no reference to compare (it was refused, naming "None")."""
+    from types import SimpleNamespace
+
+    from embodied.config import ConfigError
+    from embodied.resume import check_reference
+
+    saved = {"meta": {"reference_digest": "abc"}, "path": "RUN/last"}
+    runner = SimpleNamespace(init_from="SFT/last", resume_force=False)
+    check_reference(saved, "abc", runner)
+    check_reference(saved, None, runner)
+    check_reference({"meta": {}, "path": "OLD/last"}, "xyz", runner)
+    with pytest.raises(ConfigError, match="^runner.init_from: SFT/last gives other weights"):
+        check_reference(saved, "xyz", runner)
+    check_reference(saved, "xyz", SimpleNamespace(init_from=None, resume_force=True))
+
+
+def test_a_resume_does_not_read_the_checkpoint_it_started_from_unless_it_keeps_a_reference(
+    tmp_path, capsys
+):
+    """PPO from ``runner.init_from``: the resume's weights are its checkpoint's, so the start's
+    checkpoint, deleted since (a large SFT run cleaned up), no longer stops the resume (the only
+    way on was resume_force, which turns every other check off)."""
+    import shutil
+
+    from tiny_runs import TINY_REACH
+
+    from embodied.checkpoint import load_checkpoint
+    from embodied.cli import main
+
+    base = ["train", "configs/mujoco/reach_ppo.yaml", *TINY_REACH, f"runner.output_dir={tmp_path}"]
+    assert main([*base, "runner.name=start"]) == 0
+    assert main([*base, "runner.name=rl", f"runner.init_from={tmp_path / 'start'}"]) == 0
+    shutil.rmtree(tmp_path / "start")
+    longer = ["runner.total_env_steps=64", f"runner.resume={tmp_path / 'rl'}"]
+    init = f"runner.init_from={tmp_path / 'start'}"
+    assert main([*base, "runner.name=rl", init, *longer]) == 0, capsys.readouterr().err
+    assert load_checkpoint(tmp_path / "rl")["counters"]["iteration"] == 2

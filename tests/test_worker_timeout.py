@@ -13,6 +13,7 @@ the hang run with a timeout they cannot reach."""
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -30,6 +31,8 @@ EXIT = 77.0  # an action on which a core's process exits with code 3 (a crash in
 KILL = 55.0  # an action on which a core's process is killed by SIGKILL (the OOM killer's signal)
 REFUSED = 33.0  # an action a core refuses with a UserError (bad input, as LIBERO's NaN check)
 FAIL = 44.0  # an action on which a core raises (a solver that diverged)
+LINGER = 22.0  # ... and leaves a thread running that keeps its process from ending
+PIPE = 11.0  # an action on which a core raises BrokenPipeError (a renderer's socket, say)
 HANG_SEED = 666  # a reset seed that makes a core's reset never return
 STEP_TIMEOUT_S = 1.5
 CEILING = pytest.mark.timeout(120)  # a timeout of seconds that never fires fails here
@@ -77,6 +80,11 @@ class CountingCore:
             raise UserError(f"Count-v0: action {REFUSED} refused")
         if np.any(actions == FAIL):
             raise ValueError("solver diverged")
+        if np.any(actions == LINGER):
+            threading.Thread(target=_forever).start()  # (not a daemon: the exit waits for it)
+            raise ValueError("solver diverged")
+        if np.any(actions == PIPE):
+            raise BrokenPipeError("the renderer's socket closed")
         self.count[ids] += 1
         return self._pack(ids), np.zeros((len(ids), 4), np.float32), None
 
@@ -271,6 +279,7 @@ def test_a_step_timeout_of_weeks_still_polls_and_ids_out_of_order_are_refused():
             ValueError, match=r"env_ids: must be ascending and distinct, got \[3, 0\]"
         ):
             env.step_async(torch.zeros(2, 1), torch.tensor([3, 0]))
+        assert env.render(torch.tensor([3, 0])).shape == (2, 4, 4, 3)  # (placed by position)
 
 
 class NeverStarts(CountingCore):
@@ -291,3 +300,28 @@ def test_a_worker_that_does_not_start_is_a_timeout_naming_it(monkeypatch):
     assert str(raised.value) == (
         "Counter Count-v0 worker 0 (environments 0-1) did not start within 1 s; it was killed"
     )
+
+
+@CEILING
+def test_a_core_that_raises_and_lingers_is_killed_and_one_in_process_raises_its_own_error(
+    monkeypatch,
+):
+    """A worker whose core raised but whose process does not end (a thread of its own left
+    running) was left alive, its handle dropped; a core in this process raising BrokenPipeError
+    came back as an IndexError (taken for a dead worker's pipe)."""
+    import embodied.simulators.workers as workers
+
+    monkeypatch.setattr(workers, "STOP_TIMEOUT_S", 1.0)
+    env = _counter_env()
+    procs = list(env._procs)
+    try:
+        env.reset(seed=0)
+        with pytest.raises(RuntimeError, match="worker 1 .* failed in a step"):
+            env.step(torch.tensor([[0.0], [0.0], [LINGER], [0.0]]))
+    finally:
+        env.close()
+    assert all(_gone(p.pid) for p in procs)
+    with WorkerVecEnv(CountingCore, 2, 0) as env:
+        env.reset(seed=0)
+        with pytest.raises(BrokenPipeError, match="the renderer's socket closed"):
+            env.step(torch.tensor([[PIPE], [0.0]]))
