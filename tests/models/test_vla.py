@@ -313,7 +313,7 @@ def test_a_run_started_from_a_checkpoint_takes_its_configs_flow_noise(tmp_path):
     sft = VLA(SPEC, tiny("flow", flow_noise_std=0.1))
     meta = {"config": {}, "spec": SPEC.to_dict(), "sft": {}}  # (what embodied sft writes)
     save_checkpoint(tmp_path / "sft", 1, model=sft, optimizer=None, counters={}, meta=meta)
-    runner = SimpleNamespace(init_from=str(tmp_path / "sft" / "last"))
+    runner = SimpleNamespace(init_from=str(tmp_path / "sft" / "last"), resume=None)
     cfg = SimpleNamespace(policy=tiny("flow", flow_noise_std=0.3), runner=runner)
     policy = init_policy(cfg, SPEC, "cpu")
     torch.testing.assert_close(policy.head.log_sigma.exp(), torch.full((4,), 0.3))
