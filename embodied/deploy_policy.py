@@ -205,9 +205,8 @@ class RobotInfer:
         if not self.measured:
             return planned
         present = self.env.to_policy(self.env.present)
-        return accumulate(present, np.asarray(planned, np.float64)[None], self.spec, self.env.spec)[
-            0
-        ]
+        delta = np.asarray(planned, np.float64)[None]  # f64 [1, 6]
+        return accumulate(present, delta, self.spec, self.env.spec)[0]
 
 
 def accumulate(base: np.ndarray, deltas: np.ndarray, spec: EnvSpec, arm: EnvSpec) -> np.ndarray:

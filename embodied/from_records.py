@@ -170,8 +170,7 @@ def _updates(cfg, learner: Learner, recorded: Path, iterations: list[int], run_d
                     events.add("stop", state.iteration, state.env_steps, done)
                     report_at_end(run_dir, cfg.runner.report)
                     raise Stopped(stop.signum, f"{done}; checkpoint: {run_dir / 'last'}")
-        # (the weights after each update are compared only by the next one's start: the last's
-        # here)
+        # (each update's weights are compared at the next one's start: the last one's here)
         last_equal = weights_digest(learner.engine.torch_policy) == record.meta["digest_after"]
         print(_closing_line(iterations, off_policy, last_equal))
         _save(cfg, learner, state, run_dir, spec)  # (a failing one is the run's failure event)

@@ -329,7 +329,9 @@ class WorkerVecEnv:
         self.step_async(actions, self._everyone)
         return self.step_wait(self._everyone)
 
-    def _split(self, env_ids: torch.Tensor, ordered=True) -> list[tuple[int, list[int], list[int]]]:
+    def _split(
+        self, env_ids: torch.Tensor, ordered: bool = True
+    ) -> list[tuple[int, list[int], list[int]]]:
         """(worker, local ids, positions in env_ids) per worker holding some of env_ids; cached
         per id set (a rollout steps the same sets every step). ``ordered``: the ids must be
         ascending (a render places each frame by its position: any order)."""
