@@ -17,10 +17,11 @@ parallelism, but no round trip between processes either, which on a machine with
 costs more than parallel workers win back (docs/benchmarks.md, environment throughput).
 
 Timeouts: a worker that does not answer a step within ``step_timeout_s`` (a reset or a render within
-``RESET_TIMEOUT_FACTOR`` times that; a step's own resets of ended episodes count as the step's) is
-killed, the others are stopped, the env is closed and ``WorkerTimeout`` says which worker, which
-environments and the seeds they were last reset with. A hung simulator would otherwise hang the
-whole run. A core in this process (``num_workers=0``) cannot time out: nothing could interrupt it.
+``RESET_TIMEOUT_FACTOR`` times that, and so a step that reaches an environment's time limit, which
+its worker resets within the step) is killed, the others are stopped, the env is closed and
+``WorkerTimeout`` says which worker, which environments and the seeds they were last reset with.
+A hung simulator would otherwise hang the whole run. A core in this process (``num_workers=0``)
+cannot time out: nothing could interrupt it.
 A worker that dies (a crash, an out-of-memory kill, in a call or between calls) or whose core
 raises is named the same way, with its exit code or signal, or the core's error.
 """
@@ -159,6 +160,7 @@ class WorkerVecEnv:
         self._splits = {}
         # the seed of each one's last reset (AUTO_RESET: the worker's own, from its own seed)
         self._seeds: list[int | str | None] = [None] * num_envs
+        self._elapsed = np.zeros(num_envs, np.int64)  # steps since each one's reset
         self._closed = False
         if num_workers == 0:
             self._starts = np.array([0, num_envs])  # int [2]: one worker holds them all
@@ -217,7 +219,8 @@ class WorkerVecEnv:
 
     # --- timeouts -------------------------------------------------------------------------
     def _timeout(self, what: str) -> float:
-        """Seconds a worker has to answer a ``what`` ("step", "reset", "render")."""
+        """Seconds a worker has to answer a ``what`` ("step"; "reset", "render" and "step that
+        resets" have ``RESET_TIMEOUT_FACTOR`` times that)."""
         return self.step_timeout_s * (1 if what == "step" else RESET_TIMEOUT_FACTOR)
 
     def _deadline(self, what: str) -> float | None:
@@ -316,6 +319,7 @@ class WorkerVecEnv:
         seeds = reset_seeds(seed, ids)
         for i, s in zip(ids, seeds):
             self._seeds[i] = s
+        self._elapsed[ids] = 0
         for w in range(len(self._conns)):
             lo, hi = self._starts[w], self._starts[w + 1]
             mine = [(i - lo, s) for i, s in zip(ids, seeds) if lo <= i < hi]
@@ -362,8 +366,9 @@ class WorkerVecEnv:
         """Finish the ``step_async`` of ``env_ids``; every tensor has N = len(env_ids) rows. A
         worker that has not answered within ``step_timeout_s`` raises WorkerTimeout."""
         self._check_open()
-        deadline = self._deadline("step")
-        results = [self._recv(w, "step", deadline) for w, _, _ in self._split(env_ids)]
+        what = self._step_kind(env_ids) if self._procs else "step"
+        deadline = self._deadline(what)
+        results = [self._recv(w, what, deadline) for w, _, _ in self._split(env_ids)]
         scalars = torch.from_numpy(np.concatenate([r[1] for r in results]))  # f32 [N, 4]
         obs = to_observation(_cat([r[0] for r in results]))
         final = None
@@ -373,6 +378,7 @@ class WorkerVecEnv:
         truncated = scalars[:, 2] > 0
         for i in env_ids[terminated | truncated].tolist():  # (a hang's seed is not the round's)
             self._seeds[i] = AUTO_RESET
+            self._elapsed[i] = 0
         return StepOutput(
             obs=obs,
             reward=scalars[:, 0].contiguous(),
@@ -382,6 +388,15 @@ class WorkerVecEnv:
             final_obs=final,
             ended=ended_rows(terminated | truncated),
         )
+
+    def _step_kind(self, env_ids: torch.Tensor) -> str:
+        """What a step of ``env_ids`` is, for its deadline: "step that resets" where it reaches
+        an environment's time limit (its worker resets it within the step: a reset's time, as
+        every round's last step on ManiSkill and LIBERO), else "step"."""
+        ids = env_ids.numpy()
+        self._elapsed[ids] += 1
+        limit = self.spec.max_episode_steps
+        return "step that resets" if (self._elapsed[ids] >= limit).any() else "step"
 
     def render(self, env_ids: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 [B, H, W, 3], or [N, H, W, 3] for ``env_ids``: only their workers render."""

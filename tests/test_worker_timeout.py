@@ -11,6 +11,7 @@ never fires instead of letting it hang. The seconds the error names are the dead
 is due within a short timeout: the hung worker is worker 0, read first, and the calls before
 the hang run with a timeout they cannot reach."""
 
+import dataclasses
 import os
 import signal
 import threading
@@ -325,3 +326,34 @@ def test_a_core_that_raises_and_lingers_is_killed_and_one_in_process_raises_its_
         env.reset(seed=0)
         with pytest.raises(BrokenPipeError, match="the renderer's socket closed"):
             env.step(torch.tensor([[PIPE], [0.0]]))
+
+
+class TimeLimitCore(CountingCore):
+    """Episodes of 2 steps; a reset takes 0.4 s an environment, the worker's own in a step too."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.spec = dataclasses.replace(self.spec, max_episode_steps=2)
+
+    def reset(self, ids: list[int], seeds: list) -> dict:
+        time.sleep(0.4 * len(ids))
+        return super().reset(ids, seeds)
+
+    def step(self, ids: list[int], actions: np.ndarray):
+        obs, scalars, _ = super().step(ids, actions)
+        scalars[:, 2] = self.count[ids, 0] >= 2  # truncated
+        ended = [i for i, done in zip(ids, scalars[:, 2]) if done]
+        time.sleep(0.4 * len(ended))
+        self.count[ended] = 0
+        return self._pack(ids), scalars, obs if ended else None
+
+
+@CEILING
+def test_a_step_that_reaches_the_time_limit_has_a_resets_time():
+    """Every round's last step resets its environments in their workers (ManiSkill, LIBERO):
+    it was judged by the step timeout, and a lowered one killed healthy workers there."""
+    with WorkerVecEnv(TimeLimitCore, 4, 2, name="Counter", step_timeout_s=0.5) as env:
+        env.reset(seed=0)  # (0.8 s a worker: within a reset's 5 s)
+        env.step(torch.zeros(4, 1))
+        assert env.step(torch.zeros(4, 1)).truncated.tolist() == [True] * 4  # (0.8 s: resets)
+        assert env.step(torch.zeros(4, 1)).obs.state[:, 0].tolist() == [1.0] * 4
