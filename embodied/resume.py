@@ -244,19 +244,16 @@ def unsaved_evaluation(counters: dict) -> dict | None:
     return None if at["iteration"] in recorded else at
 
 
-def skipped_as_last(run, counters: dict, clock) -> dict | None:
-    """The counters an evaluation is recorded at (``EVALUATED_AT``) of a resumed checkpoint's
-    iteration whose due evaluation was skipped as the run's last (the final one followed),
-    where the run now goes on past it (``run``: the runner config, its ``total_env_steps`` or
-    the ``clock``'s ``max_minutes`` raised): it is evaluated first, as a run given that budget
-    from its start evaluated it. None otherwise."""
+def skipped_as_last(run, counters: dict, clock) -> bool:
+    """Whether a resumed checkpoint's iteration (``counters``) was due an evaluation skipped as
+    the run's last (the final one followed) and the run now goes on past it (``run``: the
+    runner config, its ``total_env_steps`` or the ``clock``'s ``max_minutes`` raised): it is
+    evaluated first, as a run given that budget from its start evaluated it."""
     iteration = counters["iteration"]
     due = iteration > 0 and run.eval_every and iteration % run.eval_every == 0
     evaluated = any(e["iteration"] == iteration for e in counters.get("evals", []))
     goes_on = counters["env_steps"] < run.total_env_steps and not clock.out_of_time
-    if not due or evaluated or not goes_on:
-        return None
-    return {key: counters[key] for key in ("iteration", "env_steps", "train_seconds")}
+    return bool(due) and goes_on and not evaluated
 
 
 def evaluation_again(cfg, evaluates_beside: bool, run_dir: Path, counters: dict) -> dict | None:

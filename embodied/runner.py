@@ -256,8 +256,8 @@ class Runner:
         self.points.clock = self.clock
         # a resumed checkpoint's evaluation: one it left unfinished, or one it skipped as last
         unfinished = unsaved_evaluation(counters := self.state.counters())
-        if unfinished is None and (skipped := skipped_as_last(run, counters, self.clock)):
-            unfinished = self.evaluations.mark_in_flight(skipped)  # (a stop keeps it owed)
+        if unfinished is None and skipped_as_last(run, counters, self.clock):
+            unfinished = self.evaluations.mark_in_flight(self.state.at())  # (a stop: still owed)
         if unfinished is not None:
             self.evaluations.again(unfinished)
         self.first_iteration = self.state.iteration + 1
